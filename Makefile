@@ -1,0 +1,31 @@
+# Two commands do all the set-up on a fresh machine: `make serve` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: install test test-slow serve bench clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-slow: install
+	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+serve: install
+	$(VENV)/bin/moa-serve generate --chat --prompt "Write a haiku about speculative decoding." --drafter ngram --max-new-tokens 64
+
+bench: install
+	$(VENV)/bin/moa-serve bench
+
+clean:
+	rm -rf $(VENV) results

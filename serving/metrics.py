@@ -1,0 +1,44 @@
+"""Prometheus metrics. Names are `moa_*` (no colons: promtool rejects them); labels drafter/backend.
+
+Acceptance rate   = rate(moa_accepted_tokens_total) / rate(moa_draft_tokens_total)
+Acceptance length = (rate(moa_accepted_tokens_total) + rate(moa_verify_steps_total)) / rate(moa_verify_steps_total)
+                    (also moa_accept_length histogram: accepted + 1 per verify step)
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+_LAT = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_LABELS = ("drafter", "backend")
+
+
+def batch_bucket(bs: int) -> str:
+    """Smallest bucket >= bs (as a label value)."""
+    for b in BATCH_BUCKETS:
+        if bs <= b:
+            return str(b)
+    return str(BATCH_BUCKETS[-1])
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None):
+        r = self.registry = registry or CollectorRegistry()
+        self.requests = Counter("moa_requests", "Finished requests by status (ok, error, aborted, rejected)", (*_LABELS, "status"), registry=r)
+        self.prompt_tokens = Counter("moa_prompt_tokens", "Prompt tokens processed", _LABELS, registry=r)
+        self.generated_tokens = Counter("moa_generated_tokens", "Tokens generated", _LABELS, registry=r)
+        self.draft_tokens = Counter("moa_draft_tokens", "Draft tokens proposed for verification (tree nodes without the root)", _LABELS, registry=r)
+        self.accepted_tokens = Counter("moa_accepted_tokens", "Draft tokens accepted by verification (bonus tokens excluded)", _LABELS, registry=r)
+        self.verify_steps = Counter("moa_verify_steps", "Verify steps (one per request per decode step)", _LABELS, registry=r)
+        self.drafter_fallbacks = Counter("moa_drafter_fallbacks", "Requests that fell back to vanilla decoding", (*_LABELS, "reason"), registry=r)
+        self.accept_length = Histogram("moa_accept_length", "Accepted draft tokens + 1 per verify step", _LABELS, buckets=tuple(range(1, 17)), registry=r)
+        self.draft_tokens_per_step = Histogram("moa_draft_tokens_per_step", "Draft tokens per verify step", _LABELS, buckets=(0, 1, 2, 4, 8, 16, 32, 48, 64), registry=r)
+        self.batch_size = Histogram("moa_batch_size", "Running requests per engine step", _LABELS, buckets=BATCH_BUCKETS, registry=r)
+        self.ttft = Histogram("moa_time_to_first_token_seconds", "Time to first token", _LABELS, buckets=_LAT, registry=r)
+        self.itl = Histogram("moa_inter_token_latency_seconds", "Time between streamed tokens", _LABELS, buckets=_ITL, registry=r)
+        self.e2e = Histogram("moa_request_latency_seconds", "End-to-end request latency", _LABELS, buckets=_LAT, registry=r)
+        self.running = Gauge("moa_running_requests", "Requests being decoded", _LABELS, registry=r)
+        self.queued = Gauge("moa_queued_requests", "Requests waiting for admission", _LABELS, registry=r)
+        self.tokens_per_s = Gauge("moa_throughput_tokens_per_second", "Recent generated tokens/s by batch-size bucket", (*_LABELS, "batch_bucket"), registry=r)

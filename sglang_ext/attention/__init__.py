@@ -1,0 +1,42 @@
+"""Tree-attention backends behind one signature: fn(q, k_pool, v_pool, plan, scale) -> out.
+
+- torch: SDPA over gathered slots with an explicit mask (reference; fastest on CPU).
+- triton: a tree-masked attention kernel reading the pool through kv_indices (GPU; checked on CPU
+  against torch under TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .plan import AttentionPlan, causal_mask, plan_attention, prefix_and_tree_mask
+from .torch_ref import tree_attention_torch
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionPlan, float], torch.Tensor]
+
+
+def select_backend(device: torch.device | str, name: str = "auto") -> AttentionFn:
+    """The fastest correct backend for the device ('auto'), or the named one."""
+    device = torch.device(device)
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return tree_attention_torch
+    if name == "triton":
+        from .triton_tree import tree_attention_triton
+
+        return tree_attention_triton
+    raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or triton")
+
+
+__all__ = [
+    "AttentionFn",
+    "AttentionPlan",
+    "causal_mask",
+    "plan_attention",
+    "prefix_and_tree_mask",
+    "select_backend",
+    "tree_attention_torch",
+]

@@ -1,0 +1,35 @@
+"""Drafters behind one interface (base.Drafter), built by name from one registry."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from .base import DraftInput, Drafter, DrafterError, TargetCapture
+from .draft_model import DraftModelDrafter
+from .ngram import NgramDrafter
+
+# name -> factory(target_model) ; EAGLE-3 and MoA register here too
+_REGISTRY: dict[str, Callable[..., Drafter]] = {
+    "ngram": lambda target: NgramDrafter(),
+    "draft-model": lambda target: DraftModelDrafter.self_draft(target.model),
+}
+
+
+def register_drafter(name: str, factory: Callable[..., Drafter]) -> None:
+    _REGISTRY[name] = factory
+
+
+def available_drafters() -> list[str]:
+    return ["none", *sorted(_REGISTRY)]
+
+
+def make_drafter(name: str | None, target) -> Drafter | None:
+    """A drafter for `target` by registry name; 'none' (or None) means vanilla decoding."""
+    if name in (None, "none", "vanilla"):
+        return None
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown drafter {name!r}; available: {', '.join(available_drafters())}")
+    return _REGISTRY[name](target)
+
+
+__all__ = ["DraftInput", "Drafter", "DrafterError", "DraftModelDrafter", "NgramDrafter", "TargetCapture", "available_drafters", "make_drafter", "register_drafter"]

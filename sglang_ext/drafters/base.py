@@ -1,0 +1,65 @@
+"""The one drafter interface every drafter implements (n-gram, draft model, EAGLE-3, MoA).
+
+Lifecycle of a request, as the engine drives it:
+
+    add_request(rid, TargetCapture of the prompt)      after the target's prefill
+    loop:
+        propose([DraftInput ...], shape, ...)  -> one TokenTree per request (root = last token)
+        commit(rid, TargetCapture of root + accepted nodes)   after verification
+    remove_request(rid)
+
+A drafter owns only its own state (e.g. its KV cache); the engine owns requests and the target
+KV pool. Trees may differ in size across requests (a drafter with nothing to say returns a
+root-only tree, which the engine verifies as a plain decode step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ..sampling import SamplingParams
+from ..tree import TokenTree, TreeShape
+
+
+class DrafterError(RuntimeError):
+    """A drafter failed (exception or non-finite output); the engine falls back to vanilla decoding."""
+
+
+@dataclass
+class TargetCapture:
+    """What the target computed for tokens it just verified (prefill: the prompt; verify: root + accepted)."""
+
+    token_ids: list[int]
+    positions: torch.Tensor  # [a] int64
+    slots: torch.Tensor  # [a] int64, the tokens' slots in the target KV pool
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [a, H] output of that target layer
+
+
+@dataclass
+class DraftInput:
+    rid: int
+    token_ids: list[int]  # prompt + generated; the last one is the root (no target K/V yet)
+    params: SamplingParams
+    generator: torch.Generator | None
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens whose K/V the target holds (all but the root)."""
+        return len(self.token_ids) - 1
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    name: str
+    capture_layers: tuple[int, ...]  # target layers whose outputs the drafter needs in TargetCapture
+
+    def add_request(self, rid: int, capture: TargetCapture) -> None: ...
+
+    def propose(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree]: ...
+
+    def commit(self, rid: int, capture: TargetCapture) -> None: ...
+
+    def remove_request(self, rid: int) -> None: ...

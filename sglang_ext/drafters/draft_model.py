@@ -1,0 +1,93 @@
+"""Draft-model drafter: a smaller model sharing the target's tokenizer, no training needed.
+
+By default a LayerSkip-style self-draft: the target's first layers plus its last layers (the
+middle is skipped), with the target's own embedding, final norm and lm_head; weights are shared
+with the target, not copied. The drafter keeps its own KV cache; tokens are added to it lazily
+(at the next propose) once verified, so rejected drafts never enter it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention import causal_mask, plan_attention
+from ..models.llama import LlamaModel
+from ..tree import TokenTree, TreeShape
+from .base import DraftInput, TargetCapture
+from .search import search_tree
+
+
+def default_self_draft_layers(num_layers: int) -> list[int]:
+    first = max(1, num_layers // 4)
+    return list(range(first)) + list(range(num_layers - 2, num_layers))
+
+
+class DraftModelDrafter:
+    name = "draft-model"
+    capture_layers: tuple[int, ...] = ()
+
+    def __init__(self, model: LlamaModel, num_slots: int = 16384):
+        self.model = model
+        self.kv = model.new_kv_pool(num_slots)
+        self.slots: dict[int, torch.Tensor] = {}  # draft-KV slots of the tokens already processed
+
+    @classmethod
+    def self_draft(cls, target: LlamaModel, layers: list[int] | None = None, num_slots: int = 16384) -> "DraftModelDrafter":
+        return cls(target.subset(layers or default_self_draft_layers(len(target.layers))), num_slots)
+
+    def add_request(self, rid: int, capture: TargetCapture) -> None:
+        self.slots[rid] = torch.empty(0, dtype=torch.long)
+
+    def commit(self, rid: int, capture: TargetCapture) -> None:
+        pass
+
+    def remove_request(self, rid: int) -> None:
+        self.kv.free(self.slots.pop(rid, torch.empty(0, dtype=torch.long)))
+
+    def _extend(self, batch: list[DraftInput]) -> torch.Tensor:
+        """Run the drafter over each request's not-yet-processed tokens; return logits after each root [b, V]."""
+        ids, pos, new_slots, kv_lists, masks, last_rows = [], [], [], [], [], []
+        row = 0
+        for d in batch:
+            done = self.slots[d.rid]
+            pending = d.token_ids[done.numel() :]
+            s = self.kv.alloc(len(pending))
+            self.slots[d.rid] = torch.cat([done, s])
+            ids += pending
+            pos.append(torch.arange(done.numel(), len(d.token_ids)))
+            new_slots.append(s)
+            kv_lists.append(self.slots[d.rid])
+            masks.append(causal_mask(len(pending), done.numel()))
+            row += len(pending)
+            last_rows.append(row - 1)
+        out = self.model.forward(torch.tensor(ids), torch.cat(pos), torch.cat(new_slots), plan_attention(kv_lists, masks), self.kv)
+        return self.model.logits(out.hidden[last_rows])
+
+    def propose(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree]:
+        root_logits = self._extend(batch)
+        b, k = len(batch), shape.topk
+        chains: list[list[list[int]]] = [[[] for _ in range(k)] for _ in range(b)]
+        temp: list[torch.Tensor] = []
+
+        def step_fn(tokens: torch.Tensor, parent_beam: torch.Tensor | None) -> torch.Tensor:
+            nonlocal chains
+            kk = tokens.shape[1]
+            if parent_beam is not None:
+                chains = [[list(chains[i][int(p)]) for p in parent_beam[i]] for i in range(b)]
+            new = self.kv.alloc(b * kk)
+            temp.append(new)
+            pos, kv_lists = [], []
+            for i, d in enumerate(batch):
+                for j in range(kk):
+                    chains[i][j].append(int(new[i * kk + j]))
+                    pos.append(d.seq_len + len(chains[i][j]))
+                    kv_lists.append(torch.cat([self.slots[d.rid], torch.tensor(chains[i][j])]))
+            plan = plan_attention(kv_lists, [torch.ones(1, s.numel(), dtype=torch.bool) for s in kv_lists])
+            out = self.model.forward(tokens.reshape(-1), torch.tensor(pos), new, plan, self.kv)
+            return self.model.logits(out.hidden).view(b, kk, -1)
+
+        try:
+            return search_tree(root_logits, step_fn, shape, batch)
+        finally:
+            for t in temp:  # speculative draft K/V is never kept
+                self.kv.free(t)

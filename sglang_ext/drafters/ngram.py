@@ -1,0 +1,90 @@
+"""Prompt-lookup / n-gram drafter: no model, no training.
+
+The longest suffix of the sequence (max_ngram down to min_ngram tokens) is looked up in the
+earlier context; the tokens that followed each match (most recent first) become candidate
+continuations. Candidates are merged into a trie and the most frequently proposed nodes form the
+tree (topk = 1: the best chain). Proposals are deterministic (point masses), so verification
+stays lossless under sampling.
+"""
+
+from __future__ import annotations
+
+from ..tree import TokenTree, TreeShape, tree_from_parents
+from .base import DraftInput, TargetCapture
+
+import torch
+
+
+class NgramDrafter:
+    name = "ngram"
+    capture_layers: tuple[int, ...] = ()
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1, max_matches: int = 8):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("ngram sizes must satisfy 1 <= min_ngram <= max_ngram")
+        self.max_ngram, self.min_ngram, self.max_matches = max_ngram, min_ngram, max_matches
+
+    def add_request(self, rid: int, capture: TargetCapture) -> None:
+        pass
+
+    def commit(self, rid: int, capture: TargetCapture) -> None:
+        pass
+
+    def remove_request(self, rid: int) -> None:
+        pass
+
+    def continuations(self, tokens: list[int], length: int) -> list[list[int]]:
+        """Continuations of the longest matching suffix, most recent match first."""
+        n_tok = len(tokens)
+        for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
+            suffix = tokens[n_tok - n :]
+            found = []
+            first = suffix[0]
+            for i in range(n_tok - n - 1, -1, -1):
+                if tokens[i] == first and tokens[i : i + n] == suffix:
+                    found.append(tokens[i + n : i + n + length])
+                    if len(found) >= self.max_matches:
+                        break
+            if found:
+                return found
+        return []
+
+    def propose(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree]:
+        return [self._tree(d, shape) for d in batch]
+
+    def _tree(self, d: DraftInput, shape: TreeShape) -> TokenTree:
+        conts = self.continuations(d.token_ids, shape.depth)
+        # trie: node key = (parent node, token); weight = how many continuations pass through it
+        children: dict[tuple[int, int], int] = {}
+        weight: list[float] = [0.0]
+        parent: list[int] = [-1]
+        token: list[int] = [d.token_ids[-1]]
+        for rank, cont in enumerate(conts):
+            node = 0
+            for tok in cont:
+                key = (node, tok)
+                if key not in children:
+                    children[key] = len(token)
+                    token.append(tok)
+                    parent.append(node)
+                    weight.append(0.0)
+                node = children[key]
+                weight[node] += 1.0 + 1e-3 / (rank + 1)  # ties broken by recency
+        # keep the heaviest nodes (a node's weight never exceeds its parent's, so ancestors come along),
+        # at most topk children per node, then renumber parents-first
+        order = sorted(range(1, len(token)), key=lambda i: (-weight[i], i))
+        kept, n_children = [0], {}
+        keep_set = {0}
+        for i in order:
+            if len(kept) >= shape.num_draft_tokens:
+                break
+            p = parent[i]
+            if p in keep_set and n_children.get(p, 0) < shape.topk:
+                kept.append(i)
+                keep_set.add(i)
+                n_children[p] = n_children.get(p, 0) + 1
+        kept.sort()  # trie ids were assigned parents-first
+        new_id = {old: new for new, old in enumerate(kept)}
+        tokens = torch.tensor([token[i] for i in kept])
+        parents = torch.tensor([-1] + [new_id[parent[i]] for i in kept[1:]])
+        return tree_from_parents(tokens, parents, d.seq_len)

@@ -1,0 +1,75 @@
+"""Tree search shared by all neural drafters (draft model, EAGLE-3, MoA).
+
+A drafter supplies the root logits and a step function; this module turns them into TokenTrees:
+- EAGLE-2 dynamic tree (top-k per frontier node, global rerank) — deterministic proposals, which
+  the verifier treats as point masses, so it is lossless under sampling too;
+- chains (topk = 1): argmax for greedy requests; for sampling requests each token is drawn from
+  the drafter's processed distribution q and q is recorded (Leviathan-style verification).
+
+step_fn(tokens [b, k], parent_beam [b, k] | None) -> logits [b, k, V]
+    tokens are the current frontier; parent_beam[i, j] is the index (in the previous frontier) of the
+    parent of frontier node j, or None on the first call (the frontier are the root's children).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..sampling import logits_to_probs
+from ..tree import TokenTree, TreeSearch, TreeShape, build_trees, chain_tree
+from .base import DraftInput, DrafterError
+
+StepFn = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def _check_finite(logits: torch.Tensor, where: str) -> None:
+    if not torch.isfinite(logits).all():
+        raise DrafterError(f"drafter produced non-finite logits ({where})")
+
+
+def search_tree(root_logits: torch.Tensor, step_fn: StepFn, shape: TreeShape, batch: list[DraftInput]) -> list[TokenTree]:
+    """root_logits [b, V]: the drafter's prediction after each request's root token."""
+    _check_finite(root_logits, "root")
+    if shape.topk == 1 and any(not d.params.greedy for d in batch):
+        return _sample_chains(root_logits, step_fn, shape, batch)
+    k = shape.topk
+    roots = torch.tensor([d.token_ids[-1] for d in batch])
+    probs = torch.softmax(root_logits.float(), dim=-1)
+    topk_p, topk_index = probs.topk(k, dim=-1)
+    search = TreeSearch.start(k)
+    tokens, scores = search.first(topk_p, topk_index)
+    parent_beam = None
+    for step in range(1, shape.depth):
+        logits = step_fn(tokens, parent_beam)  # [b, k, V]
+        _check_finite(logits, f"step {step}")
+        child_p, child_index = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        tokens, scores, parent_beam = search.expand(step, scores, child_p.flatten(0, 1), child_index.flatten(0, 1))
+    return build_trees(roots, search, [d.seq_len for d in batch], shape.num_draft_tokens)
+
+
+def _sample_chains(root_logits: torch.Tensor, step_fn: StepFn, shape: TreeShape, batch: list[DraftInput]) -> list[TokenTree]:
+    b = len(batch)
+    drafts: list[list[int]] = [[] for _ in range(b)]
+    qs: list[list[torch.Tensor]] = [[] for _ in range(b)]
+    logits = root_logits
+    for step in range(shape.depth):
+        if step > 0:
+            logits = step_fn(tokens, None if step == 1 else torch.zeros(b, 1, dtype=torch.long))[:, 0]
+            _check_finite(logits, f"step {step}")
+        nxt = []
+        for i, d in enumerate(batch):
+            q = logits_to_probs(logits[i], d.params)
+            x = int(logits[i].argmax()) if d.params.greedy else int(torch.multinomial(q, 1, generator=d.generator))
+            drafts[i].append(x)
+            qs[i].append(q)
+            nxt.append(x)
+        tokens = torch.tensor(nxt)[:, None]
+    trees = []
+    for i, d in enumerate(batch):
+        q = None
+        if not d.params.greedy:
+            q = torch.stack([torch.zeros_like(qs[i][0])] + qs[i])  # row 0 (root) unused
+        trees.append(chain_tree(d.token_ids[-1], drafts[i], d.seq_len, draft_probs=q))
+    return trees

@@ -1,0 +1,162 @@
+"""Llama-family forward (Llama 2/3, SmolLM2, Qwen2, Mistral) over a slot-based KV pool.
+
+Plain tensors, no framework: weights are fused once (qkv, gate_up) at load. One forward serves
+prefill, decode and tree verification; they differ only in the attention plan and positions.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import AttentionFn, AttentionPlan, tree_attention_torch
+from .kv_pool import KVPool
+from .loader import LlamaConfig
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [H]
+    qkv: torch.Tensor  # [(Hq+2Hkv)*D, H]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [H, Hq*D]
+    post_norm: torch.Tensor  # [H]
+    gate_up: torch.Tensor  # [2I, H]
+    down: torch.Tensor  # [H, I]
+
+
+@dataclass
+class ForwardOutput:
+    hidden: torch.Tensor  # [T, H] after the final norm
+    captured: dict[int, torch.Tensor] = field(default_factory=dict)  # layer index -> [T, H] output of that layer
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    sc = cfg.rope_scaling or {}
+    if sc.get("rope_type", sc.get("type")) == "llama3":
+        # Llama-3.1 frequency-dependent scaling
+        factor, lo, hi = sc["factor"], sc.get("low_freq_factor", 1.0), sc.get("high_freq_factor", 4.0)
+        old = sc.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv
+        smooth = ((old / wavelen) - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif sc.get("rope_type", sc.get("type")) == "linear":
+        inv = inv / sc["factor"]
+    return inv.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; cos/sin [T, 1, D] (halves duplicated, HF rotate_half convention)."""
+    half = x.shape[-1] // 2
+    rot = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rot * sin
+
+
+class LlamaModel:
+    """The target (or a layer subset of it, for self-drafting)."""
+
+    def __init__(self, cfg: LlamaConfig, state: dict[str, torch.Tensor], dtype=torch.float32, device="cpu", attention: AttentionFn = tree_attention_torch):
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.attention = attention
+
+        def w(name: str) -> torch.Tensor:
+            if name not in state:
+                raise KeyError(f"missing weight {name}")
+            return state[name].to(device=device, dtype=dtype).contiguous()
+
+        self.embed = w("model.embed_tokens.weight")
+        self.norm = w("model.norm.weight")
+        self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in state else w("lm_head.weight")
+        self.layers: list[LayerWeights] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            qkv = torch.cat([w(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            bias = torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if cfg.attention_bias else None
+            self.layers.append(
+                LayerWeights(
+                    input_norm=w(p + "input_layernorm.weight"),
+                    qkv=qkv,
+                    qkv_bias=bias,
+                    o=w(p + "self_attn.o_proj.weight"),
+                    post_norm=w(p + "post_attention_layernorm.weight"),
+                    gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+                    down=w(p + "mlp.down_proj.weight"),
+                )
+            )
+        self.inv_freq = rope_inv_freq(cfg).to(device)
+        self.scale = cfg.head_dim**-0.5
+
+    def subset(self, layer_ids: list[int]) -> "LlamaModel":
+        """A model made of some of this model's layers (weights shared, not copied), same embed/norm/head."""
+        sub = copy.copy(self)
+        sub.layers = [self.layers[i] for i in layer_ids]
+        return sub
+
+    # --- pieces -------------------------------------------------------------------------------
+    def new_kv_pool(self, num_slots: int, num_layers: int | None = None) -> KVPool:
+        c = self.cfg
+        return KVPool(num_layers or len(self.layers), num_slots, c.num_kv_heads, c.head_dim, self.dtype, self.device)
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+    def layer_forward(self, i: int, x: torch.Tensor, rope, slots: torch.Tensor, plan: AttentionPlan, kv: KVPool, kv_layer: int | None = None) -> torch.Tensor:
+        c, lw = self.cfg, self.layers[i]
+        t = x.shape[0]
+        h = rms_norm(x, lw.input_norm, c.rms_norm_eps)
+        qkv = F.linear(h, lw.qkv, lw.qkv_bias)
+        nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q = qkv[:, :nq].view(t, c.num_heads, c.head_dim)
+        k = qkv[:, nq : nq + nk].view(t, c.num_kv_heads, c.head_dim)
+        v = qkv[:, nq + nk :].view(t, c.num_kv_heads, c.head_dim)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        li = i if kv_layer is None else kv_layer
+        kv.write(li, slots, k, v)
+        a = self.attention(q, kv.k[li], kv.v[li], plan, self.scale)
+        x = x + F.linear(a.reshape(t, nq), lw.o)
+        h = rms_norm(x, lw.post_norm, c.rms_norm_eps)
+        gu = F.linear(h, lw.gate_up)
+        inter = gu.shape[-1] // 2
+        return x + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], lw.down)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        out_slots: torch.Tensor,  # [T] where each token's K/V is written
+        plan: AttentionPlan,
+        kv: KVPool,
+        capture_layers: tuple[int, ...] = (),
+    ) -> ForwardOutput:
+        x = self.embed[input_ids]
+        return self.forward_embeds(x, positions, out_slots, plan, kv, capture_layers)
+
+    @torch.inference_mode()
+    def forward_embeds(self, x, positions, out_slots, plan, kv, capture_layers=(), layers: range | None = None, kv_layer_offset: int = 0) -> ForwardOutput:
+        rope = self.rope(positions)
+        captured = {}
+        for i in layers if layers is not None else range(len(self.layers)):
+            x = self.layer_forward(i, x, rope, out_slots, plan, kv, kv_layer=i - kv_layer_offset)
+            if i in capture_layers:
+                captured[i] = x
+        return ForwardOutput(rms_norm(x, self.norm, self.cfg.rms_norm_eps), captured)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,73 @@
+"""Sampling parameters and the logits -> probabilities transform shared by draft and target.
+
+The same transform (temperature, then top-k, then top-p) is applied to the target's logits and to
+the drafter's logits, so verification compares like with like.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+class InvalidRequest(ValueError):
+    """A request parameter is out of range; the message names the parameter."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default=())
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise InvalidRequest(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}", "max_tokens")
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequest(f"temperature must be a finite number >= 0, got {self.temperature!r}", "temperature")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequest(f"top_k must be an integer >= 0, got {self.top_k!r}", "top_k")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self) -> torch.Generator:
+        g = torch.Generator()
+        g.manual_seed(self.seed if self.seed is not None else torch.seed())
+        return g
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[..., V] logits -> [..., V] float32 probabilities under temperature/top-k/top-p."""
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    x = logits.float() / params.temperature
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))

@@ -1,0 +1,216 @@
+"""Token trees: EAGLE-2 dynamic tree search and SGLang 0.5.23's tree layout.
+
+Terminology. A request's tree has N = num_draft_tokens nodes. Node 0 (the root) is the last
+verified token (whose K/V the target has not computed yet); nodes 1..N-1 are draft tokens,
+parents before children. Depth of the root is 0; a node's position is seq_len + depth.
+
+Search (mirrors SGLang's select_top_k_tokens / organize_draft_results so layouts match):
+
+    step 0: frontier = top-k of the root distribution;          scores (b, 1, k)
+    step i: each of the k frontier nodes expands its top-k;      scores (b, k, k) = parent * child prob
+            the global top-k of those k*k becomes the frontier
+    finally: the (N-1) best scores over all steps are kept, sorted by flat index
+             (which orders parents before children).
+
+    flat score index s:   [ step0: 0..k-1 | step1: k..k+k^2-1 | step2: ... ]
+    parent of s:          parent_list[s // k]  (-1 for step-0 nodes = the root)
+
+Layout (per request, what SGLang's build_tree_kernel_efficient produces, QLEN_ONLY mask):
+
+    draft_tokens          [N]     node tokens, root first
+    positions             [N]     seq_len + depth
+    tree_mask             [N, N]  bool, row i = ancestors of i and i itself
+    retrieve_index        [N]     b*N + i (flat node id in the batch)
+    retrieve_next_token   [N]     first child (lowest index), -1 if leaf
+    retrieve_next_sibling [N]     next sibling (next higher index), -1 if last
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    depth: int  # draft steps (SGLang speculative_num_steps)
+    topk: int  # children per expanded node (1 = chain)
+    num_draft_tokens: int  # nodes verified per request, root included
+
+    def __post_init__(self):
+        if self.depth < 1 or self.topk < 1:
+            raise ValueError(f"tree depth and topk must be >= 1, got depth={self.depth} topk={self.topk}")
+        most = self.depth + 1 if self.topk == 1 else 1 + self.topk + (self.depth - 1) * self.topk**2
+        if not 2 <= self.num_draft_tokens <= most:
+            raise ValueError(
+                f"num_draft_tokens must be in [2, {most}] for depth={self.depth} topk={self.topk}, got {self.num_draft_tokens}"
+            )
+
+    @classmethod
+    def chain(cls, depth: int) -> "TreeShape":
+        return cls(depth, 1, depth + 1)
+
+    @classmethod
+    def parse(cls, text: str) -> "TreeShape":
+        """'depth,topk,num_draft_tokens' (e.g. '6,8,48'), or 'depth' for a chain."""
+        try:
+            parts = [int(p) for p in text.split(",")]
+        except ValueError as e:
+            raise ValueError(f"tree must be 'depth,topk,num_draft_tokens' or 'depth', got {text!r}") from e
+        if len(parts) == 1:
+            return cls.chain(parts[0])
+        if len(parts) != 3:
+            raise ValueError(f"tree must be 'depth,topk,num_draft_tokens' or 'depth', got {text!r}")
+        return cls(*parts)
+
+
+@dataclass
+class TokenTree:
+    """One request's tree in SGLang's layout (see module docstring), plus our parents array."""
+
+    draft_tokens: torch.Tensor  # [N] int64
+    parents: torch.Tensor  # [N] int64, -1 for the root
+    positions: torch.Tensor  # [N] int64
+    tree_mask: torch.Tensor  # [N, N] bool
+    retrieve_index: torch.Tensor  # [N] int64
+    retrieve_next_token: torch.Tensor  # [N] int64
+    retrieve_next_sibling: torch.Tensor  # [N] int64
+    # Proposal distribution each node's token was drawn from (chain sampling); None = deterministic
+    # proposals (top-k), which verification treats as point masses.
+    draft_probs: torch.Tensor | None = None  # [N, V] float, row 0 unused
+
+    @property
+    def num_nodes(self) -> int:
+        return self.draft_tokens.numel()
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root to `node` inclusive."""
+        path = []
+        while node != -1:
+            path.append(node)
+            node = int(self.parents[node])
+        return path[::-1]
+
+
+def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, seq_len: int, batch_index: int = 0, draft_probs=None) -> TokenTree:
+    """Build the layout from node tokens and parent indices (parents[i] < i, parents[0] == -1)."""
+    n = tokens.numel()
+    par = parents.tolist()
+    if par[0] != -1 or any(not 0 <= p < i for i, p in enumerate(par[1:], 1)):
+        raise ValueError("tree parents must precede children and node 0 must be the root")
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    depth = [0] * n
+    next_token = [-1] * n
+    next_sibling = [-1] * n
+    last_child = [-1] * n
+    mask[0, 0] = True
+    for i in range(1, n):
+        p = par[i]
+        mask[i] = mask[p]
+        mask[i, i] = True
+        depth[i] = depth[p] + 1
+        if next_token[p] == -1:
+            next_token[p] = i
+        else:
+            next_sibling[last_child[p]] = i
+        last_child[p] = i
+    return TokenTree(
+        draft_tokens=tokens.long(),
+        parents=parents.long(),
+        positions=torch.tensor(depth, dtype=torch.long) + seq_len,
+        tree_mask=mask,
+        retrieve_index=torch.arange(n, dtype=torch.long) + batch_index * n,
+        retrieve_next_token=torch.tensor(next_token, dtype=torch.long),
+        retrieve_next_sibling=torch.tensor(next_sibling, dtype=torch.long),
+        draft_probs=draft_probs,
+    )
+
+
+def chain_tree(root_token: int, draft: list[int], seq_len: int, draft_probs=None) -> TokenTree:
+    tokens = torch.tensor([root_token] + list(draft), dtype=torch.long)
+    return tree_from_parents(tokens, torch.arange(-1, len(draft), dtype=torch.long), seq_len, draft_probs=draft_probs)
+
+
+# --- EAGLE-2 dynamic tree search (SGLang semantics) ------------------------------------------
+
+
+@dataclass
+class TreeSearch:
+    """Accumulates the per-step scores/tokens/parents of a dynamic tree search for a batch."""
+
+    topk: int
+    score_list: list[torch.Tensor]  # per step: (b, 1, k) then (b, k, k)
+    token_list: list[torch.Tensor]  # per step: (b, k) then (b, k*k)
+    parents_list: list[torch.Tensor]  # per step: (b, k+1) then (b, k)
+
+    @classmethod
+    def start(cls, topk: int) -> "TreeSearch":
+        return cls(topk, [], [], [])
+
+    def first(self, topk_p: torch.Tensor, topk_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 0 from the root's top-k (b, k). Returns (frontier tokens (b,k), frontier scores (b,k))."""
+        b, k = topk_p.shape
+        self.score_list.append(topk_p.unsqueeze(1))
+        self.token_list.append(topk_index)
+        self.parents_list.append(torch.arange(-1, k, dtype=torch.long).expand(b, -1))
+        return topk_index, topk_p
+
+    def expand(self, step: int, scores: torch.Tensor, topk_p: torch.Tensor, topk_index: torch.Tensor):
+        """Step >= 1. scores (b,k) of the frontier; topk_p/topk_index (b*k, k) of each frontier node's children.
+
+        Returns (new frontier tokens (b,k), new frontier scores (b,k), parent beam of each new frontier node (b,k)).
+        """
+        k = self.topk
+        expand_scores = scores.unsqueeze(2) * topk_p.view(-1, k, k)  # (b, k, k)
+        cs_p, cs_index = torch.topk(expand_scores.flatten(1), k, dim=-1)  # (b, k)
+        flat_tokens = topk_index.view(-1, k * k)
+        self.score_list.append(expand_scores)
+        self.token_list.append(flat_tokens)
+        self.parents_list.append(cs_index + (k * k * (step - 1) + k))
+        return torch.gather(flat_tokens, 1, cs_index), cs_p, cs_index // k
+
+    def organize(self, num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(parent_list (b, P), top_scores_index (b, N-1) sorted, draft_tokens (b, N-1))."""
+        scores = torch.cat(self.score_list, dim=1).flatten(1)
+        tokens = torch.cat(self.token_list, dim=1)
+        top = torch.topk(scores, num_draft_tokens - 1, dim=-1).indices.sort(dim=-1).values
+        draft_tokens = torch.gather(tokens, 1, top)
+        if len(self.parents_list) > 1:
+            parent_list = torch.cat(self.parents_list[:-1], dim=1)
+        else:
+            parent_list = torch.empty(scores.shape[0], 0, dtype=torch.long)
+        return parent_list, top, draft_tokens
+
+
+def node_parents(parent_list: torch.Tensor, top_scores_index: torch.Tensor, topk: int) -> torch.Tensor:
+    """Parent node index (in 0..N-1, root = 0) of each selected node, for one request.
+
+    parent_list [P], top_scores_index [N-1] sorted. Returns [N] with -1 for the root.
+    A node whose parent was not selected (only possible with exact score ties) hangs off the root,
+    as SGLang's kernel does for retrieval.
+    """
+    pt = top_scores_index // topk
+    # parent_list[0] is -1 (the root), so step-0 nodes (pt == 0) map to the root directly
+    parent_flat = parent_list[pt] if parent_list.numel() else torch.full_like(pt, -1)
+    pos = torch.searchsorted(top_scores_index, parent_flat)
+    found = (parent_flat >= 0) & (pos < top_scores_index.numel())
+    found &= top_scores_index[pos.clamp(max=top_scores_index.numel() - 1)] == parent_flat
+    parents = torch.where(found, pos + 1, 0)
+    return torch.cat([torch.tensor([-1]), parents])
+
+
+def build_trees(root_tokens: torch.Tensor, search: TreeSearch, seq_lens: list[int], num_draft_tokens: int) -> list[TokenTree]:
+    """Turn a finished search into one TokenTree per request (batch_index used for retrieve_index)."""
+    parent_list, top, draft = search.organize(num_draft_tokens)
+    trees = []
+    for b in range(root_tokens.numel()):
+        parents = node_parents(parent_list[b], top[b], search.topk)
+        tokens = torch.cat([root_tokens[b : b + 1].long(), draft[b]])
+        trees.append(tree_from_parents(tokens, parents, seq_lens[b], batch_index=b))
+    return trees
+
+
+def full_mask(trees: list[TokenTree], seq_lens: list[int]) -> torch.Tensor:
+    """SGLang's FULL_MASK: flat bool, per request N rows x (seq_len + N) columns, prefix all True."""
+    return torch.cat([torch.cat([torch.ones(t.num_nodes, s, dtype=torch.bool), t.tree_mask], 1).flatten() for t, s in zip(trees, seq_lens)])
