@@ -15,7 +15,7 @@ $(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
-test: install
+test: install deploy-tools
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-slow: install
@@ -29,3 +29,5 @@ bench: install
 
 clean:
 	rm -rf $(VENV) results
+
+include deploy/check.mk

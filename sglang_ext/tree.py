@@ -93,8 +93,12 @@ class TokenTree:
         return path[::-1]
 
 
-def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, seq_len: int, batch_index: int = 0, draft_probs=None) -> TokenTree:
-    """Build the layout from node tokens and parent indices (parents[i] < i, parents[0] == -1)."""
+def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, seq_len: int, batch_index: int = 0, draft_probs=None, unlinked=()) -> TokenTree:
+    """Build the layout from node tokens and parent indices (parents[i] < i, parents[0] == -1).
+
+    Nodes in `unlinked` keep their mask row and position but are left out of the retrieve lists,
+    so verification never reaches them (SGLang's treatment of a node whose parent was not kept).
+    """
     n = tokens.numel()
     par = parents.tolist()
     if par[0] != -1 or any(not 0 <= p < i for i, p in enumerate(par[1:], 1)):
@@ -110,6 +114,8 @@ def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, seq_len: int,
         mask[i] = mask[p]
         mask[i, i] = True
         depth[i] = depth[p] + 1
+        if i in unlinked:
+            continue
         if next_token[p] == -1:
             next_token[p] = i
         else:
@@ -197,7 +203,8 @@ def node_parents(parent_list: torch.Tensor, top_scores_index: torch.Tensor, topk
     found = (parent_flat >= 0) & (pos < top_scores_index.numel())
     found &= top_scores_index[pos.clamp(max=top_scores_index.numel() - 1)] == parent_flat
     parents = torch.where(found, pos + 1, 0)
-    return torch.cat([torch.tensor([-1]), parents])
+    orphans = ((~found) & (parent_flat >= 0)).nonzero().flatten() + 1
+    return torch.cat([torch.tensor([-1]), parents]), set(orphans.tolist())
 
 
 def build_trees(root_tokens: torch.Tensor, search: TreeSearch, seq_lens: list[int], num_draft_tokens: int) -> list[TokenTree]:
@@ -205,9 +212,9 @@ def build_trees(root_tokens: torch.Tensor, search: TreeSearch, seq_lens: list[in
     parent_list, top, draft = search.organize(num_draft_tokens)
     trees = []
     for b in range(root_tokens.numel()):
-        parents = node_parents(parent_list[b], top[b], search.topk)
+        parents, orphans = node_parents(parent_list[b], top[b], search.topk)
         tokens = torch.cat([root_tokens[b : b + 1].long(), draft[b]])
-        trees.append(tree_from_parents(tokens, parents, seq_lens[b], batch_index=b))
+        trees.append(tree_from_parents(tokens, parents, seq_lens[b], batch_index=b, unlinked=orphans))
     return trees
 
 

@@ -12,6 +12,7 @@ from .ngram import NgramDrafter
 _REGISTRY: dict[str, Callable[..., Drafter]] = {
     "ngram": lambda target: NgramDrafter(),
     "draft-model": lambda target: DraftModelDrafter.self_draft(target.model),
+    "eagle3": lambda target, path=None: __import__(f"{__name__}.eagle3", fromlist=["Eagle3Drafter"]).Eagle3Drafter.from_target(target, path),
 }
 
 

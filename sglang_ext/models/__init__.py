@@ -22,6 +22,20 @@ class Target:
     def cfg(self) -> LlamaConfig:
         return self.model.cfg
 
+    def chat_prompt(self, messages: list[dict]) -> str:
+        """The chat template applied to messages, ending with the assistant turn header."""
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def encode(self, text: str) -> list[int]:
+        # special tokens are spelled out by the chat template itself
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        return self.encode(self.chat_prompt(messages))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 

@@ -1,0 +1,171 @@
+"""Streaming chat load test for any OpenAI-compatible endpoint (the moa-serve gateway, SGLang, ...).
+
+    locust -f loadtest/chat.py --host http://127.0.0.1:8000 \
+        --headless -u 8 -r 4 -t 20s --csv results/loadtest/chat --only-summary
+
+With stream=True locust's own response time is only the time to the response headers, so each request
+also reports, as request_type "METRIC" rows (response_time column = the value):
+  ttft_ms         time to the first content token
+  itl_ms          each gap between consecutive content chunks
+  e2e_ms          request start to the end of the stream ([DONE])
+  output_tokens   completion tokens (usage.completion_tokens when the server sends it, else content chunks)
+
+Environment:
+  MOA_LOADTEST_HOST         base URL when --host is not given (default http://127.0.0.1:8000)
+  MOA_LOADTEST_MODEL        model name (default: the first id from GET /v1/models)
+  MOA_LOADTEST_API_KEY      sent as "Authorization: Bearer ..." when set
+  MOA_LOADTEST_MAX_TOKENS   default 128
+  MOA_LOADTEST_TEMPERATURE  default 0.0
+  MOA_LOADTEST_PROMPTS      a .jsonl file ("turns"[0] or "prompt" of each line), a directory of them, or a
+                            text file with one prompt per line. Default: ../shared/data/eval/*.jsonl when
+                            that directory exists, else a small built-in list.
+  MOA_LOADTEST_THINK_TIME   max seconds a user waits between requests (uniform, default 0: closed loop)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from locust import HttpUser, between, events, task
+
+BUILTIN_PROMPTS = [
+    "Write a haiku about speculative decoding.",
+    "Explain the difference between a process and a thread in three sentences.",
+    "What is 17 * 23? Show your work.",
+    "Summarize the plot of Romeo and Juliet in one paragraph.",
+    "Write a Python function that returns the n-th Fibonacci number iteratively.",
+    "Give three tips for writing clear technical documentation.",
+    "Translate 'The weather is nice today' into French, German and Spanish.",
+    "Why is the sky blue? Answer for a ten-year-old.",
+]
+SHARED_EVAL = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "eval"
+
+
+def _prompts_from_jsonl(path: Path) -> list[str]:
+    out = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            row = json.loads(line)
+            out.append(row["turns"][0] if "turns" in row else row["prompt"])
+    return out
+
+
+def load_prompts(source: str | None) -> list[str]:
+    path = Path(source) if source else (SHARED_EVAL if any(SHARED_EVAL.glob("*.jsonl")) else None)
+    if path is None:
+        return BUILTIN_PROMPTS
+    if path.is_dir():
+        prompts = [p for f in sorted(path.glob("*.jsonl")) for p in _prompts_from_jsonl(f)]
+    elif path.suffix == ".jsonl":
+        prompts = _prompts_from_jsonl(path)
+    else:
+        prompts = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError(f"no prompts in {path}")
+    return prompts
+
+
+PROMPTS = load_prompts(os.environ.get("MOA_LOADTEST_PROMPTS"))
+MAX_TOKENS = int(os.environ.get("MOA_LOADTEST_MAX_TOKENS", "128"))
+TEMPERATURE = float(os.environ.get("MOA_LOADTEST_TEMPERATURE", "0.0"))
+API_KEY = os.environ.get("MOA_LOADTEST_API_KEY", "")
+THINK_TIME = float(os.environ.get("MOA_LOADTEST_THINK_TIME", "0"))
+
+
+def sse_lines(raw) -> Iterator[bytes]:
+    """Lines of a streamed body as they arrive.
+
+    NOTE: not requests' iter_lines(): on a close-delimited (not chunked) stream its fixed-size reads wait
+    for the whole body, so every token "arrives" at the end. read1() returns what one receive brings,
+    for chunked and close-delimited bodies alike (urllib3 decodes the chunk framing).
+    """
+    buf = b""
+    while chunk := raw.read1(65536):
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        yield from lines
+    if buf:
+        yield buf
+
+
+def fire_metric(name: str, value: float) -> None:
+    events.request.fire(request_type="METRIC", name=name, response_time=value,
+                        response_length=0, exception=None, context={})
+
+
+class ChatUser(HttpUser):
+    host = os.environ.get("MOA_LOADTEST_HOST", "http://127.0.0.1:8000")
+    wait_time = between(0, THINK_TIME)
+
+    def on_start(self) -> None:
+        self.headers = {"Authorization": f"Bearer {API_KEY}"} if API_KEY else {}
+        self.model = os.environ.get("MOA_LOADTEST_MODEL") or self._first_model()
+
+    def _first_model(self) -> str:
+        with self.client.get("/v1/models", headers=self.headers, catch_response=True) as resp:
+            if resp.status_code == 200 and resp.json().get("data"):
+                return resp.json()["data"][0]["id"]
+            resp.failure(f"GET /v1/models: HTTP {resp.status_code}; set MOA_LOADTEST_MODEL")
+            return "default"
+
+    @task
+    def chat(self) -> None:
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": random.choice(PROMPTS)}],
+            "max_tokens": MAX_TOKENS,
+            "temperature": TEMPERATURE,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        start = time.perf_counter()
+        with self.client.post("/v1/chat/completions", json=body, headers=self.headers, stream=True,
+                              catch_response=True, name="/v1/chat/completions (stream)") as resp:
+            if resp.status_code != 200:
+                resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
+                return
+            try:
+                token_times, usage_tokens = self._read_stream(resp)
+            except (ValueError, KeyError) as exc:  # malformed SSE / JSON or an error event
+                resp.failure(str(exc))
+                return
+            if not token_times:
+                resp.failure("stream ended without content")
+                return
+            self._report(start, token_times, usage_tokens)
+
+    @staticmethod
+    def _read_stream(resp) -> tuple[list[float], int | None]:
+        """Arrival time of each content chunk, and usage.completion_tokens if the server sent it."""
+        token_times: list[float] = []
+        usage_tokens = None
+        for raw in sse_lines(resp.raw):
+            line = raw.decode("utf-8").rstrip("\r")
+            if not line.startswith("data:"):
+                continue  # blank separators, SSE comments
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                return token_times, usage_tokens
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise ValueError(f"error event: {chunk['error'].get('message', chunk['error'])}")
+            if chunk.get("usage"):
+                usage_tokens = chunk["usage"].get("completion_tokens")
+            for choice in chunk.get("choices", []):
+                if choice.get("delta", {}).get("content"):
+                    token_times.append(time.perf_counter())
+        raise ValueError("stream closed before data: [DONE]")
+
+    @staticmethod
+    def _report(start: float, token_times: list[float], usage_tokens: int | None) -> None:
+        end = time.perf_counter()
+        fire_metric("ttft_ms", (token_times[0] - start) * 1000)
+        for prev, cur in zip(token_times, token_times[1:]):
+            fire_metric("itl_ms", (cur - prev) * 1000)
+        fire_metric("e2e_ms", (end - start) * 1000)
+        fire_metric("output_tokens", usage_tokens if usage_tokens is not None else len(token_times))

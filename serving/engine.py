@@ -1,0 +1,294 @@
+"""The embedded speculative engine: request -> prefill -> (draft -> tree -> verify -> accept)* -> done.
+
+One step() advances every running request by one draft/verify cycle in a single batched target
+forward; new requests are prefilled (batched) at the start of the step. The vanilla path is the
+same loop with root-only trees (one token per step), so speed ratios compare like with like.
+
+Ownership: the engine owns requests and the target KV pool; a drafter owns its own state.
+
+Per request, the target KV holds every token except the last one (the root of the next tree):
+
+    tokens:  p0 p1 p2 p3 | g0 g1 g2       (prompt | generated)
+    slots:   s  s  s  s  | s  s  -        g2 is the root: the next verify forward computes its K/V
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang_ext.attention import causal_mask, plan_attention, prefix_and_tree_mask
+from sglang_ext.drafters import DraftInput, Drafter, TargetCapture
+from sglang_ext.models import Target
+from sglang_ext.sampling import InvalidRequest, SamplingParams, logits_to_probs, sample
+from sglang_ext.tree import TokenTree, TreeShape, chain_tree
+from sglang_ext.verify import VerifyResult, greedy_verify, sampling_verify
+
+
+@dataclass
+class RequestStats:
+    verify_steps: int = 0
+    draft_tokens: int = 0  # tree nodes proposed (root excluded)
+    accepted_tokens: int = 0  # draft tokens accepted (bonus excluded)
+    accepted_by_depth: list[int] = field(default_factory=list)  # accepts at draft position i
+
+    @property
+    def accept_length(self) -> float:
+        """tau: mean (accepted + 1) per verify step."""
+        return (self.accepted_tokens + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    output_ids: list[int] = field(default_factory=list)
+    slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    drafting: bool = True  # False after a drafter failure: vanilla decoding from then on
+    stats: RequestStats = field(default_factory=RequestStats)
+    t_arrival: float = field(default_factory=time.perf_counter)
+    t_first_token: float | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StepEvent:
+    """What one step did for one request: the tokens it appended (already truncated at stop/length)."""
+
+    request: Request
+    new_tokens: list[int]
+    accepted: int  # draft tokens accepted in this step (0 for prefill or vanilla)
+    drafted: int  # draft tokens proposed in this step
+
+
+class Engine:
+    def __init__(
+        self,
+        target: Target,
+        drafter: Drafter | None = None,
+        tree: TreeShape | None = None,
+        kv_slots: int = 16384,
+        max_context: int | None = None,
+        on_fallback=None,
+    ):
+        self.target, self.model = target, target.model
+        self.drafter = drafter
+        self.tree = tree or TreeShape(6, 8, 48)
+        self.kv = self.model.new_kv_pool(kv_slots)
+        self.max_context = min(max_context or self.model.cfg.max_position, self.model.cfg.max_position)
+        self.eos_ids = set(self.model.cfg.eos_token_ids)
+        eos = getattr(target.tokenizer, "eos_token_id", None)
+        if eos is not None:
+            self.eos_ids.add(eos)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._ids = itertools.count()
+        self.on_fallback = on_fallback  # callback(request, reason) for metrics
+        self.capture_layers = tuple(drafter.capture_layers) if drafter else ()
+
+    # --- admission ----------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+        if not prompt_ids:
+            raise InvalidRequest("prompt is empty", "messages")
+        vocab = self.model.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise InvalidRequest(f"prompt has token ids outside the vocabulary [0, {vocab})", "prompt")
+        if len(prompt_ids) + 1 > self.max_context:
+            raise InvalidRequest(f"prompt has {len(prompt_ids)} tokens; the context limit is {self.max_context}", "messages")
+        gen = None if params.greedy else params.generator()
+        req = Request(next(self._ids), list(prompt_ids), params, gen)
+        self.waiting.append(req)
+        return req
+
+    def abort(self, req: Request) -> None:
+        """Stop a request now and free its KV (e.g. the client went away)."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if not req.finished:
+            req.finish_reason = "abort"
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+            if self.drafter is not None and req.drafting:
+                self.drafter.remove_request(req.rid)
+        self.kv.free(req.slots)
+        req.slots = torch.empty(0, dtype=torch.long)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- one step -----------------------------------------------------------------------------
+    def step(self) -> list[StepEvent]:
+        events = []
+        if self.waiting:
+            batch, self.waiting = self.waiting, []
+            events += self._prefill(batch)
+        decoding = [r for r in self.running if not any(e.request is r for e in events)]
+        if decoding:
+            events += self._decode(decoding)
+        for e in events:
+            if e.request.finished:
+                self._release(e.request)
+        return events
+
+    def _prefill(self, batch: list[Request]) -> list[StepEvent]:
+        ids, pos, slots, kv_lists, masks, last = [], [], [], [], [], []
+        for r in batch:
+            s = self.kv.alloc(len(r.prompt_ids))
+            r.slots = s
+            ids += r.prompt_ids
+            pos.append(torch.arange(len(r.prompt_ids)))
+            slots.append(s)
+            kv_lists.append(s)
+            masks.append(causal_mask(len(r.prompt_ids), 0))
+            last.append(len(ids) - 1)
+        out = self.model.forward(torch.tensor(ids), torch.cat(pos), torch.cat(slots), plan_attention(kv_lists, masks), self.kv, self.capture_layers)
+        logits = self.model.logits(out.hidden[last])
+        events, start = [], 0
+        for i, r in enumerate(batch):
+            n = len(r.prompt_ids)
+            tok = self._sample(logits[i], r)
+            self.running.append(r)
+            if self.drafter is not None:
+                cap = TargetCapture(r.prompt_ids, pos[i], r.slots, {l: h[start : start + n] for l, h in out.captured.items()})
+                self._drafter_call(lambda: self.drafter.add_request(r.rid, cap), [r])
+            start += n
+            r.t_first_token = time.perf_counter()
+            events.append(StepEvent(r, self._append(r, [tok]), 0, 0))
+        return events
+
+    def _sample(self, logits: torch.Tensor, r: Request) -> int:
+        if r.params.greedy:
+            return int(logits.argmax())
+        return sample(logits_to_probs(logits, r.params), r.generator)
+
+    def _drafter_call(self, fn, reqs: list[Request]):
+        """Run a drafter call; on failure, the affected requests fall back to vanilla decoding."""
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - any drafter fault must not break the request
+            self._fallback(reqs, type(e).__name__)
+            return None
+
+    def _fallback(self, reqs: list[Request], reason: str) -> None:
+        for r in reqs:
+            if not r.drafting:
+                continue
+            r.drafting = False
+            try:
+                self.drafter.remove_request(r.rid)
+            except Exception:  # noqa: BLE001 - the drafter is already broken for this request
+                pass
+            if self.on_fallback:
+                self.on_fallback(r, reason)
+
+    def _propose(self, reqs: list[Request], shape: TreeShape) -> list[TokenTree]:
+        trees: dict[int, TokenTree] = {}
+        drafting = [r for r in reqs if r.drafting and self.drafter is not None]
+        if drafting:
+            inputs = [DraftInput(r.rid, r.token_ids, r.params, r.generator) for r in drafting]
+            proposed = self._drafter_call(lambda: self.drafter.propose(inputs, shape), drafting)
+            if proposed is not None:
+                vocab = self.model.cfg.vocab_size
+                for r, t in zip(drafting, proposed):
+                    if ((t.draft_tokens < 0) | (t.draft_tokens >= vocab)).any():
+                        self._fallback([r], "invalid_draft")
+                    else:
+                        trees[r.rid] = t
+        return [trees.get(r.rid) or chain_tree(r.output_ids[-1], [], len(r.slots)) for r in reqs]
+
+    def _decode(self, reqs: list[Request]) -> list[StepEvent]:
+        trees = self._propose(reqs, self.tree)
+        new_slots = [self.kv.alloc(t.num_nodes) for t in trees]
+        plan = plan_attention(
+            [torch.cat([r.slots, s]) for r, s in zip(reqs, new_slots)],
+            [prefix_and_tree_mask(t.tree_mask, len(r.slots)) for r, t in zip(reqs, trees)],
+        )
+        out = self.model.forward(
+            torch.cat([t.draft_tokens for t in trees]),
+            torch.cat([t.positions for t in trees]),
+            torch.cat(new_slots),
+            plan,
+            self.kv,
+            self.capture_layers,
+        )
+        events, start = [], 0
+        for r, t, s in zip(reqs, trees, new_slots):
+            n = t.num_nodes
+            res = self._verify(r, t, self.model.logits(out.hidden[start : start + n]))
+            keep = s[res.accepted_nodes]
+            rejected = torch.ones(n, dtype=torch.bool)
+            rejected[res.accepted_nodes] = False
+            self.kv.free(s[rejected])
+            r.slots = torch.cat([r.slots, keep])
+            self._record(r, res, n - 1)
+            if self.drafter is not None and r.drafting:
+                rows = torch.tensor(res.accepted_nodes) + start
+                cap = TargetCapture(t.draft_tokens[res.accepted_nodes].tolist(), t.positions[res.accepted_nodes], keep, {l: h[rows] for l, h in out.captured.items()})
+                self._drafter_call(lambda: self.drafter.commit(r.rid, cap), [r])
+            events.append(StepEvent(r, self._append(r, res.tokens), res.num_accepted, n - 1))
+            start += n
+        return events
+
+    def _verify(self, r: Request, tree: TokenTree, logits: torch.Tensor) -> VerifyResult:
+        if r.params.greedy:
+            return greedy_verify(tree, logits.argmax(-1))
+        return sampling_verify(tree, logits_to_probs(logits, r.params), r.generator)
+
+    def _record(self, r: Request, res: VerifyResult, drafted: int) -> None:
+        st = r.stats
+        st.verify_steps += 1
+        st.draft_tokens += drafted
+        st.accepted_tokens += res.num_accepted
+        while len(st.accepted_by_depth) < res.num_accepted:
+            st.accepted_by_depth.append(0)
+        for i in range(res.num_accepted):
+            st.accepted_by_depth[i] += 1
+
+    def _append(self, r: Request, tokens: list[int]) -> list[int]:
+        """Append tokens, stopping at EOS/stop ids or max_new_tokens; return what was appended."""
+        p = r.params
+        out = []
+        for tok in tokens:
+            out.append(tok)
+            if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+                r.finish_reason = "stop"
+                break
+            if len(r.output_ids) + len(out) >= p.max_new_tokens:
+                r.finish_reason = "length"
+                break
+        r.output_ids += out
+        if not r.finished and len(r.token_ids) + self.tree.depth + 1 >= self.max_context:
+            r.finish_reason = "length"
+        return out
+
+    # --- convenience --------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: list[SamplingParams] | SamplingParams) -> list[Request]:
+        """Run a static batch to completion."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        reqs = [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        try:
+            while any(not r.finished for r in reqs):
+                self.step()
+        finally:
+            for r in reqs:
+                if not r.finished:
+                    self.abort(r)
+        return reqs

@@ -1,0 +1,155 @@
+"""Tree attention as a Triton kernel over the plan's ragged (FlashInfer-style) view.
+
+Same signature and result as `tree_attention_torch`; reads K/V straight from the pool through
+`plan.kv_indices`, so nothing is gathered or padded.
+
+    grid = (request b, q head h, block of BLOCK_M queries of b)
+
+    q rows of b:    qo_indptr[b] .. qo_indptr[b+1]          (Q_b rows)
+    kv slots of b:  kv_indices[kv_indptr[b] .. kv_indptr[b+1]]   (K_b slots)
+    mask of b:      custom_mask[mask_start_b + i*K_b + j]   (row-major Q_b x K_b, mask_start = cumsum Q*K)
+
+Each program streams the request's kv in BLOCK_N chunks with an online softmax (FlashAttention-2):
+running row max m, running denominator l, unnormalised accumulator acc, all fp32.
+
+NOTE: a query row whose mask is all False gets zeros (FlashInfer's convention); the SDPA reference
+would give NaN there. Tree masks always let a node see itself, so real plans never hit this.
+
+On CPU this only runs under TRITON_INTERPRET=1, which must be set before `triton` is imported.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .plan import AttentionPlan
+
+BLOCK_M = 16  # queries per program (tl.dot needs >= 16)
+BLOCK_N = 32  # kv positions per inner step
+
+
+@triton.jit
+def _tree_attention_kernel(
+    Q, K, V, O,  # q/o [T, Hq, D]; k/v pools [S, Hkv, D]
+    qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    scale,
+    GROUP: tl.constexpr,  # q heads per kv head
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,  # compute in fp32 (the interpreter cannot do bf16 arithmetic)
+    IEEE_DOT: tl.constexpr,  # fp32 operands: exact dots instead of tf32
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    m_block = tl.program_id(2)
+    q_start = tl.load(qo_indptr + b)
+    q_len = tl.load(qo_indptr + b + 1) - q_start
+    kv_start = tl.load(kv_indptr + b)
+    kv_len = tl.load(kv_indptr + b + 1) - kv_start
+    mask_start = tl.load(mask_indptr + b)
+    kv_head = h // GROUP
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < q_len
+    d_ok = offs_d < HEAD_DIM
+    q_ptrs = Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    # programs past the request's last query block skip the kv loop entirely
+    kv_hi = tl.where(m_block * BLOCK_M < q_len, kv_len, 0)
+    for n_start in range(0, kv_hi, BLOCK_N):
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < kv_len
+        slots = tl.load(kv_indices + kv_start + offs_n, mask=n_ok, other=0)
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(V + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        if IEEE_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        allowed = tl.load(
+            custom_mask + mask_start + offs_m[:, None] * kv_len + offs_n[None, :],
+            mask=m_ok[:, None] & n_ok[None, :],
+            other=0,
+        )
+        s = tl.where(allowed != 0, s * scale, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE_DOT:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o_ptrs = O + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def tree_attention_triton(
+    q: torch.Tensor,  # [T, Hq, D] flat queries
+    k_pool: torch.Tensor,  # [S, Hkv, D]
+    v_pool: torch.Tensor,  # [S, Hkv, D]
+    plan: AttentionPlan,
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_pool.shape[1]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"q heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads})")
+    q, k_pool, v_pool = (_last_dim_contiguous(x) for x in (q, k_pool, v_pool))
+    out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+
+    # host-side sizes (the plan is built on the host; one tiny sync at most otherwise)
+    q_lens = plan.qo_indptr.diff().cpu()
+    k_lens = plan.kv_indptr.diff().cpu()
+    mask_indptr = torch.cat([torch.zeros(1, dtype=torch.long), (q_lens * k_lens).cumsum(0)])
+    device = q.device
+    qo_indptr, kv_indptr, kv_indices = (t.to(device) for t in (plan.qo_indptr, plan.kv_indptr, plan.kv_indices))
+    custom_mask, mask_indptr = plan.custom_mask.to(device), mask_indptr.to(device)
+
+    # NOTE: CPU tensors only run under TRITON_INTERPRET=1, whose tl.dot multiplies bf16 bit patterns
+    # (numpy has no bf16; triton-lang/triton#11584), so there the kernel computes in fp32.
+    upcast = device.type == "cpu" and q.dtype == torch.bfloat16
+    grid = (plan.batch_size, num_q_heads, triton.cdiv(int(q_lens.max()), BLOCK_M))
+    _tree_attention_kernel[grid](
+        q, k_pool, v_pool, out,
+        qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        out.stride(0), out.stride(1),
+        scale,
+        GROUP=num_q_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=BLOCK_N,
+        UPCAST=upcast,
+        IEEE_DOT=upcast or q.dtype == torch.float32,
+    )
+    return out

@@ -1,0 +1,155 @@
+"""EAGLE-3 drafter: one draft layer over fused target features, with its own KV cache.
+
+Pairs. The draft processes pair s = (token s+1, feature of token s) at RoPE position s; the
+feature is fc(target layers' outputs) for verified tokens, or for tree nodes the draft's own
+pre-norm output of the parent node (as EAGLE-3 does at inference and in training-time test):
+
+    verified:   tokens  x0  x1  x2  x3 | root r          features f0 f1 f2 f3 (from the target)
+    pairs:      (x1,f0) (x2,f1) (x3,f2) (r,f3)  -> draft KV slots, kept
+    tree:       depth-1 nodes (d, out(r,f3)) at position 4, depth-2 at 5, ...  -> temporary slots
+
+Cache. Verified pairs are processed lazily at the next propose (the root token is known only
+then), so the draft KV only ever holds verified pairs; the tree's speculative K/V is freed after
+every propose, i.e. the cache is rolled back to the accepted path by construction.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from ..attention import causal_mask, plan_attention, tree_attention_torch
+from ..models.eagle3 import DraftCheckpointError, Eagle3Draft, load_eagle3
+from ..models.kv_pool import KVPool
+from ..models.llama import LlamaModel
+from ..tree import TokenTree, TreeShape
+from .base import DraftInput, TargetCapture
+from .search import search_tree
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = {"SmolLM2-135M-Instruct": REPO_ROOT / "drafters" / "smollm2-eagle3"}
+_NEG = -1e9  # logit of target ids outside the draft vocab (finite: the search checks finiteness)
+
+
+def default_checkpoint(target) -> Path:
+    """$MOA_SERVE_EAGLE3 if set, else the drafter shipped in drafters/ for this target."""
+    env = os.environ.get("MOA_SERVE_EAGLE3")
+    if env:
+        return Path(env)
+    ckpt = SHIPPED.get(Path(target.path).name)
+    if ckpt is None or not (ckpt / "config.json").is_file():
+        raise DraftCheckpointError(f"no shipped EAGLE-3 drafter for target {target.path}; train one (moa-serve train eagle3) and pass its path")
+    return ckpt
+
+
+class _RequestState:
+    def __init__(self):
+        self.slots = torch.empty(0, dtype=torch.long)  # draft KV of processed pairs
+        self.pending: list[torch.Tensor] = []  # [m, n_aux*H] target features of unprocessed pairs
+
+
+class Eagle3Drafter:
+    name = "eagle3"
+
+    def __init__(self, target: LlamaModel, draft: Eagle3Draft, num_slots: int = 32768):
+        c = draft.cfg
+        if c.vocab_size != target.cfg.vocab_size:
+            raise DraftCheckpointError(f"draft vocab {c.vocab_size} != target vocab {target.cfg.vocab_size}")
+        self.target = target
+        self.draft = draft.to(target.dtype).eval()
+        self.capture_layers = tuple(c.aux_layers)
+        self.kv = KVPool(1, num_slots, c.num_kv_heads, c.head_dim, target.dtype, target.device)
+        self.hot_ids = self.draft.hot_ids
+        self.scale = c.head_dim**-0.5
+        self.reqs: dict[int, _RequestState] = {}
+
+    @classmethod
+    def from_target(cls, target, path: str | os.PathLike | None = None) -> "Eagle3Drafter":
+        ckpt = Path(path) if path else default_checkpoint(target)
+        return cls(target.model, load_eagle3(ckpt, target.cfg, dtype=target.model.dtype))
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    def add_request(self, rid: int, capture: TargetCapture) -> None:
+        self.reqs[rid] = _RequestState()
+        self.commit(rid, capture)
+
+    def commit(self, rid: int, capture: TargetCapture) -> None:
+        missing = [l for l in self.capture_layers if l not in capture.hidden]
+        if missing:
+            raise DraftCheckpointError(f"target capture lacks layers {missing}")
+        self.reqs[rid].pending.append(torch.cat([capture.hidden[l] for l in self.capture_layers], dim=-1))
+
+    def remove_request(self, rid: int) -> None:
+        st = self.reqs.pop(rid, None)
+        if st is not None:
+            self.kv.free(st.slots)
+
+    # --- drafting -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree]:
+        root_out = self._extend(batch)  # [b, H]
+        b, k = len(batch), shape.topk
+        state = {"out": root_out[:, None], "chains": [[[] for _ in range(k)] for _ in range(b)]}
+        temp: list[torch.Tensor] = []
+
+        def step_fn(tokens: torch.Tensor, parent_beam: torch.Tensor | None) -> torch.Tensor:
+            kk = tokens.shape[1]
+            parent = torch.zeros(b, kk, dtype=torch.long) if parent_beam is None else parent_beam
+            feat = torch.stack([state["out"][i, parent[i]] for i in range(b)])  # [b, kk, H]
+            chains = [[list(state["chains"][i][int(p)]) for p in parent[i]] for i in range(b)]
+            new = self.kv.alloc(b * kk)
+            temp.append(new)
+            pos, kv_lists = [], []
+            for i, d in enumerate(batch):
+                for j in range(kk):
+                    chains[i][j].append(int(new[i * kk + j]))
+                    pos.append(d.seq_len - 1 + len(chains[i][j]))
+                    kv_lists.append(torch.cat([self.reqs[d.rid].slots, torch.tensor(chains[i][j])]))
+            plan = plan_attention(kv_lists, [torch.ones(1, s.numel(), dtype=torch.bool) for s in kv_lists])
+            out = self._layer(tokens.reshape(-1), feat.reshape(b * kk, -1), torch.tensor(pos), new, plan)
+            state["out"], state["chains"] = out.view(b, kk, -1), chains
+            return self._full_logits(out).view(b, kk, -1)
+
+        try:
+            return search_tree(self._full_logits(root_out), step_fn, shape, batch)
+        finally:
+            for t in temp:  # speculative draft K/V is never kept
+                self.kv.free(t)
+
+    def _extend(self, batch: list[DraftInput]) -> torch.Tensor:
+        """Process every request's pending verified pairs; return the root pair's output [b, H]."""
+        ids, feats, pos, new_slots, kv_lists, masks, last = [], [], [], [], [], [], []
+        for d in batch:
+            st = self.reqs[d.rid]
+            done = st.slots.numel()
+            aux = torch.cat(st.pending) if st.pending else None
+            if aux is None or done + aux.shape[0] != d.seq_len:
+                raise DraftCheckpointError(f"request {d.rid}: draft state out of sync ({done} pairs + pending vs {d.seq_len} verified tokens)")
+            m = aux.shape[0]
+            s = self.kv.alloc(m)
+            st.slots, st.pending = torch.cat([st.slots, s]), []
+            ids += d.token_ids[done + 1 : done + 1 + m]
+            feats.append(aux)
+            pos.append(torch.arange(done, done + m))
+            new_slots.append(s)
+            kv_lists.append(st.slots)
+            masks.append(causal_mask(m, done))
+            last.append(sum(x.numel() for x in new_slots) - 1)
+        fused = self.draft.fuse(torch.cat(feats).to(self.target.dtype))
+        out = self._layer(torch.tensor(ids), fused, torch.cat(pos), torch.cat(new_slots), plan_attention(kv_lists, masks))
+        return out[last]
+
+    def _layer(self, ids: torch.Tensor, feat: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, plan) -> torch.Tensor:
+        """Draft layer over flat rows; writes their K/V to `slots`; returns pre-norm outputs [n, H]."""
+        q, k, v = self.draft.qkv(self.target.embed[ids], feat, positions)
+        self.kv.write(0, slots, k, v)
+        return self.draft.finish(tree_attention_torch(q, self.kv.k[0], self.kv.v[0], plan, self.scale), feat)
+
+    def _full_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits scattered into the target vocab [n, V] (other ids get a very low logit)."""
+        lg = self.draft.logits(out).float()
+        full = lg.new_full((lg.shape[0], self.draft.cfg.vocab_size), _NEG)
+        full[:, self.hot_ids] = lg
+        return full

@@ -1,0 +1,31 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+# MOA_TEST_THREADS=1 while a background job (e.g. training) holds a core: oversubscribed OpenMP is ~20x slower
+torch.set_num_threads(int(os.environ.get("MOA_TEST_THREADS", min(2, os.cpu_count() or 1))))
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32():
+    from sglang_ext.models import load_target
+
+    return load_target("smollm2", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def eval_prompts(smollm2_fp32):
+    """>= 20 chat prompts drawn from several eval categories (built-in set when ../shared is absent)."""
+    from serving.evalsets import EVAL_SETS, eval_dir, load_eval_set
+
+    texts = []
+    if eval_dir() is not None:
+        for name in EVAL_SETS:
+            texts += load_eval_set(name, 4)[1]
+    else:
+        texts = load_eval_set("builtin")[1] * 3
+    return [smollm2_fp32.encode_chat([{"role": "user", "content": t[:600]}]) for t in texts[:24]]

@@ -1,0 +1,296 @@
+"""The Helm chart, checked with the real helm binary and kubernetes-validate (no cluster needed)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import yaml
+from deploytools import CHART, DASHBOARD, RULES, VALUES_FILES, find_tool
+
+H100 = "NVIDIA-H100-80GB-HBM3"
+# API groups whose schemas ship with kubernetes-validate; CRDs (monitoring.coreos.com, keda.sh) are checked below.
+CORE_GROUPS = {"v1", "apps", "policy", "autoscaling", "networking.k8s.io", "rbac.authorization.k8s.io"}
+EXPECTED_GPUS = {"default": 1, "h100-production": 4, "multi-replica-autoscale-monitoring": 1}
+ALL_VALUES = pytest.mark.parametrize("values", list(VALUES_FILES))
+
+
+def by_kind(objs, kind: str) -> list[dict]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def one(objs, kind: str, suffix: str = "") -> dict:
+    found = [o for o in by_kind(objs, kind) if o["metadata"]["name"].endswith(suffix)]
+    assert len(found) == 1, f"want one {kind} *{suffix}, got {[o['metadata']['name'] for o in found]}"
+    return found[0]
+
+
+def sglang(objs) -> dict:
+    (workload,) = [o for o in objs if o["kind"] in ("Deployment", "StatefulSet") and o["metadata"]["name"].endswith("-sglang")]
+    return workload
+
+
+def container(workload: dict, name: str) -> dict:
+    (c,) = [c for c in workload["spec"]["template"]["spec"]["containers"] if c["name"] == name]
+    return c
+
+
+def env_of(c: dict) -> dict:
+    return {e["name"]: e for e in c.get("env", [])}
+
+
+def pod_specs(objs):
+    for o in objs:
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            yield o["metadata"]["name"], o["spec"]["template"]["spec"]
+
+
+# --- lint, render, schema validation -------------------------------------------------------------------
+
+@ALL_VALUES
+def test_helm_lint_strict(helm, values):
+    path = VALUES_FILES[values]
+    proc = helm.run("lint", "--strict", str(CHART), *(("-f", str(path)) if path else ()))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "1 chart(s) linted, 0 chart(s) failed" in proc.stdout
+
+
+@ALL_VALUES
+@pytest.mark.parametrize("k8s", ["1.27.0", "1.30.0", "1.37.0"])  # Chart.yaml's kubeVersion floor .. newest bundled
+def test_kubernetes_validate_strict_on_core_objects(helm, values, k8s, tmp_path):
+    objs = helm.render_values(values)
+    core = [o for o in objs if o["apiVersion"].split("/")[0] in CORE_GROUPS]
+    assert len(core) == len([o for o in objs if "coreos" not in o["apiVersion"] and "keda" not in o["apiVersion"]])
+    manifest = tmp_path / f"{values}.yaml"
+    manifest.write_text(yaml.safe_dump_all(core))
+    proc = subprocess.run([find_tool("kubernetes-validate"), "--strict", "-k", k8s, "--quiet", str(manifest)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_schema_rejects_bad_values(helm):
+    for args, message in [
+        (("--set", "drafter.algorithm=MEDUSA"), "drafter.algorithm"),
+        (("--set", "sglang.gpus=0"), "sglang.gpus"),
+        (("--set", "gateway.replicas=3"), "Additional property replicas"),
+        (("--set", "autoscaling.mode=vpa"), "autoscaling.mode"),
+    ]:
+        proc = helm.template(*args)
+        assert proc.returncode != 0 and message in proc.stderr, (args, proc.stderr)
+
+
+# --- SGLang server pods ----------------------------------------------------------------------------------
+
+@ALL_VALUES
+def test_sglang_gpus_and_h100_scheduling(helm, values):
+    pod = sglang(helm.render_values(values))["spec"]["template"]["spec"]
+    res = container({"spec": {"template": {"spec": pod}}}, "sglang")["resources"]
+    gpus = EXPECTED_GPUS[values]
+    assert res["requests"]["nvidia.com/gpu"] == gpus and res["limits"]["nvidia.com/gpu"] == gpus
+    assert pod["nodeSelector"]["nvidia.com/gpu.product"] == H100
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    (shm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+    assert shm["emptyDir"]["medium"] == "Memory" and shm["emptyDir"]["sizeLimit"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container({"spec": {"template": {"spec": pod}}}, "sglang")["volumeMounts"]
+    assert pod.get("runtimeClassName") == (None if values == "default" else "nvidia")
+
+
+def test_production_affinity_and_tensor_parallel(helm):
+    workload = sglang(helm.render_values("h100-production"))
+    assert workload["kind"] == "StatefulSet" and workload["spec"]["replicas"] == 2
+    pod = workload["spec"]["template"]["spec"]
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    assert terms[0]["matchExpressions"][0]["key"] == "nvidia.com/gpu.count"
+    assert "podAntiAffinity" in pod["affinity"]
+    args = container(workload, "sglang")["args"]
+    assert "--tp-size=4" in args and "--speculative-algorithm=EAGLE3" in args
+    assert not any(a.startswith("--moa-tli") for a in args)
+
+
+@ALL_VALUES
+def test_sglang_probes_on_health(helm, values):
+    c = container(sglang(helm.render_values(values)), "sglang")
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"] == {"path": "/health", "port": "http"}, probe
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 20 * 60, "weights + CUDA graphs need minutes"
+    assert {"name": "http", "containerPort": 30000, "protocol": "TCP"} in c["ports"]
+
+
+def test_sglang_speculative_args(helm):
+    args = container(sglang(helm.render_values("default")), "sglang")["args"]
+    for want in ("--speculative-algorithm=MOA", "--moa-tli=1", "--speculative-num-steps=5",
+                 "--speculative-eagle-topk=4", "--speculative-num-draft-tokens=8", "--enable-metrics", "--port=30000",
+                 "--speculative-draft-model-path=/models/drafters/moa-llama-3.1-8b-instruct-tli1"):
+        assert want in args, want
+    vanilla = container(sglang(helm.render_values("default", "--set", "drafter.algorithm=NONE")), "sglang")["args"]
+    assert not any(a.startswith("--speculative") or a.startswith("--moa") for a in vanilla)
+
+
+def test_model_cache_variants(helm):
+    # default: a Deployment with one chart-made PVC
+    objs = helm.render_values("default")
+    pvc = one(objs, "PersistentVolumeClaim", "-model-cache")
+    (vol,) = [v for v in sglang(objs)["spec"]["template"]["spec"]["volumes"] if v["name"] == "model-cache"]
+    assert vol["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+    # production: a StatefulSet with a claim per replica and the init step filling it
+    prod = sglang(helm.render_values("h100-production"))
+    assert not by_kind(helm.render_values("h100-production"), "PersistentVolumeClaim")
+    assert prod["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "400Gi"
+    (init,) = prod["spec"]["template"]["spec"]["initContainers"]
+    assert env_of(init)["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+    args = container(prod, "sglang")["args"]
+    assert "--model-path=/models/meta-llama/Llama-3.3-70B-Instruct" in args
+    assert env_of(container(prod, "sglang"))["HF_HUB_OFFLINE"]["value"] == "1"
+    # hostPath
+    host = sglang(helm.render_values("default", "--set", "modelCache.type=hostPath"))
+    (vol,) = [v for v in host["spec"]["template"]["spec"]["volumes"] if v["name"] == "model-cache"]
+    assert vol["hostPath"] == {"path": "/mnt/models", "type": "DirectoryOrCreate"}
+
+
+def test_replicas_cannot_share_a_readwriteonce_cache(helm):
+    proc = helm.template("--set", "sglang.replicaCount=2")
+    assert proc.returncode != 0 and "ReadWriteOnce" in proc.stderr
+    assert helm.template("--set", "sglang.replicaCount=2", "--set", "sglang.kind=StatefulSet").returncode == 0
+
+
+# --- gateway ---------------------------------------------------------------------------------------------
+
+@ALL_VALUES
+def test_no_secret_is_ever_rendered(helm, values):
+    assert not by_kind(helm.render_values(values), "Secret")
+
+
+def test_api_keys_come_from_the_existing_secret(helm):
+    gw = one(helm.render_values("h100-production"), "Deployment", "-gateway")
+    c = container(gw, "gateway")
+    keys_file = env_of(c)["MOA_SERVE_API_KEYS_FILE"]["value"]
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "api-keys"]
+    assert mount["readOnly"] is True and keys_file == f"{mount['mountPath']}/api-keys"
+    (vol,) = [v for v in gw["spec"]["template"]["spec"]["volumes"] if v["name"] == "api-keys"]
+    assert vol["secret"]["secretName"] == "moa-serve-api-keys"
+    assert vol["secret"]["items"] == [{"key": "api-keys", "path": "api-keys"}]
+
+    default = container(one(helm.render_values("default"), "Deployment", "-gateway"), "gateway")
+    assert "MOA_SERVE_API_KEYS_FILE" not in env_of(default)
+
+
+def test_ingress_requires_api_keys(helm):
+    proc = helm.template("--set", "gateway.ingress.enabled=true")
+    assert proc.returncode != 0 and "gateway.apiKeys.existingSecret" in proc.stderr
+    objs = helm.render("--set", "gateway.ingress.enabled=true", "--set", "gateway.apiKeys.allowUnauthenticated=true")
+    assert one(objs, "Ingress")["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["port"] == {"name": "http"}
+
+
+@ALL_VALUES
+def test_gateway_service_and_upstream(helm, values):
+    objs = helm.render_values(values)
+    svc = one(objs, "Service", "-gateway")
+    assert svc["spec"]["type"] == "ClusterIP" and svc["spec"]["ports"][0]["port"] == 8000
+    c = container(one(objs, "Deployment", "-gateway"), "gateway")
+    upstream = "http://moa-moa-serve-router:30000" if values.startswith("multi") else "http://moa-moa-serve-sglang:30000"
+    assert f"--upstream={upstream}" in c["args"] and "--backend=sglang" in c["args"]
+    assert env_of(c)["MOA_SERVE_UPSTREAM"]["value"] == upstream
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health" and c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    one(objs, "Service", "-sglang")  # the upstream Service exists
+
+
+@ALL_VALUES
+def test_pods_run_as_non_root(helm, values):
+    for name, pod in pod_specs(helm.render_values(values)):
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
+        assert pod["securityContext"]["runAsUser"] != 0, name
+        for c in pod["containers"] + pod.get("initContainers", []):
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"]["drop"] == ["ALL"], (name, c["name"])
+            assert not sc.get("privileged"), (name, c["name"])
+        if not name.endswith("-router"):  # only the router talks to the API server
+            assert pod["automountServiceAccountToken"] is False, name
+
+
+@ALL_VALUES
+def test_pod_disruption_budgets_select_their_pods(helm, values):
+    objs = helm.render_values(values)
+    pdbs = by_kind(objs, "PodDisruptionBudget")
+    assert {p["metadata"]["name"].rsplit("-", 1)[1] for p in pdbs} == {"sglang", "gateway"}
+    workloads = {o["metadata"]["name"]: o for o in objs if o["kind"] in ("Deployment", "StatefulSet")}
+    for pdb in pdbs:
+        assert pdb["spec"]["selector"] == workloads[pdb["metadata"]["name"]]["spec"]["selector"]
+
+
+# --- optional parts: off by default, on in the multi-replica file -----------------------------------------
+
+OPTIONAL_KINDS = ("Ingress", "HorizontalPodAutoscaler", "ScaledObject", "ServiceMonitor", "PrometheusRule", "ConfigMap", "Role")
+
+
+def test_optional_parts_off_by_default(helm):
+    objs = helm.render_values("default")
+    for kind in OPTIONAL_KINDS:
+        assert not by_kind(objs, kind), kind
+    assert not [o for o in objs if o["metadata"]["name"].endswith("-router")]
+    assert sglang(objs)["spec"]["replicas"] == 1
+
+
+def test_router_autoscaling_and_monitoring_on(helm):
+    objs = helm.render_values("multi-replica-autoscale-monitoring")
+    workload = sglang(objs)
+    assert "replicas" not in workload["spec"], "the autoscaler owns the replica count"
+
+    scaled = one(objs, "ScaledObject")
+    assert scaled["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": workload["metadata"]["name"]}
+    assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]) == (2, 8)
+    trigger = scaled["spec"]["triggers"][0]
+    assert trigger["type"] == "prometheus" and trigger["metadata"]["threshold"] == "4"
+    assert trigger["metadata"]["query"] == 'sum(moa_queued_requests{namespace="llm", job="moa-moa-serve-gateway"})'
+
+    router = container(one(objs, "Deployment", "-router"), "router")
+    assert "--service-discovery" in router["args"] and "--service-discovery-namespace=llm" in router["args"]
+    assert "app.kubernetes.io/component=sglang" in router["args"]
+    assert one(objs, "Role")["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+
+    monitors = {m["metadata"]["name"].rsplit("-", 1)[1]: m for m in by_kind(objs, "ServiceMonitor")}
+    assert set(monitors) == {"gateway", "sglang", "router"}
+    for m in monitors.values():
+        assert m["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+        assert m["spec"]["endpoints"][0]["path"] == "/metrics"
+    assert monitors["router"]["spec"]["endpoints"][0]["port"] == "metrics"
+
+
+def test_hpa_mode(helm):
+    objs = helm.render_values("default", "--set", "autoscaling.enabled=true", "--set", "autoscaling.mode=hpa",
+                              "--set", "sglang.kind=StatefulSet")
+    assert not by_kind(objs, "ScaledObject")
+    hpa = one(objs, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"]["kind"] == "StatefulSet"
+    (metric,) = hpa["spec"]["metrics"]
+    assert metric["type"] == "External" and metric["external"]["metric"]["name"] == "moa_queued_requests"
+    assert metric["external"]["target"] == {"type": "AverageValue", "averageValue": "4"}
+    assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 900
+
+
+def test_headless_service_is_not_scraped_twice(helm):
+    objs = helm.render_values("h100-production")
+    headless = one(objs, "Service", "-sglang-headless")
+    monitor = one(objs, "ServiceMonitor", "-sglang")
+    assert headless["metadata"]["labels"]["moa-serve/headless"] == "true"
+    assert {"key": "moa-serve/headless", "operator": "DoesNotExist"} in monitor["spec"]["selector"]["matchExpressions"]
+
+
+# --- the chart ships deploy/'s dashboard and rules, unchanged ----------------------------------------------
+
+def test_chart_files_are_the_deploy_files():
+    for chart_file, source in [(CHART / "files" / "moa-serve-dashboard.json", DASHBOARD),
+                               (CHART / "files" / "prometheus-rules.yaml", RULES)]:
+        assert chart_file.read_bytes() == source.read_bytes(), f"{chart_file} drifted from {source}"
+
+
+def test_rendered_rules_and_dashboard_match_sources(helm):
+    objs = helm.render_values("multi-replica-autoscale-monitoring")
+    rule = one(objs, "PrometheusRule")
+    assert rule["spec"]["groups"] == yaml.safe_load(RULES.read_text())["groups"]
+    cm = one(objs, "ConfigMap", "-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    (data,) = cm["data"].values()
+    assert json.loads(data) == json.loads(DASHBOARD.read_text())
+    assert data == DASHBOARD.read_text().rstrip("\n")

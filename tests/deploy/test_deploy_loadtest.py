@@ -1,0 +1,121 @@
+"""loadtest/chat.py under a real headless locust run, against a small OpenAI-shaped streaming server on
+127.0.0.1 (a stand-in until the live-gateway test exists; see deploy/README.md)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from deploytools import ROOT, find_tool
+
+MODEL, API_KEY, MAX_TOKENS = "stub-model", "sk-test", 5
+PROMPT = "only prompt"
+
+
+class OpenAIStreamHandler(BaseHTTPRequestHandler):
+    """GET /v1/models and streaming POST /v1/chat/completions (SSE, usage chunk, [DONE]), the body either
+    chunked (as uvicorn sends it) or close-delimited. Anything a correct client would not send (wrong key,
+    model, prompt, max_tokens) gets a 400/401."""
+
+    protocol_version = "HTTP/1.1"
+    chunked = True
+
+    def log_message(self, *args):
+        pass
+
+    def _json(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _authorized(self) -> bool:
+        if self.headers.get("authorization") == f"Bearer {API_KEY}":
+            return True
+        self._json(401, {"error": {"message": "bad key", "type": "auth", "param": None, "code": None}})
+        return False
+
+    def do_GET(self):
+        if self._authorized():
+            self._json(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        if not self._authorized():
+            return
+        want = (MODEL, [{"role": "user", "content": PROMPT}], MAX_TOKENS, True)
+        if (req["model"], req["messages"], req["max_tokens"], req["stream"]) != want:
+            return self._json(400, {"error": {"message": f"unexpected request {req}", "type": "invalid_request_error"}})
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        if self.chunked:
+            self.send_header("transfer-encoding", "chunked")
+        else:
+            self.send_header("connection", "close")
+            self.close_connection = True
+        self.end_headers()
+        try:
+            for i in range(MAX_TOKENS):
+                time.sleep(0.01)
+                self._event({"object": "chat.completion.chunk", "model": MODEL,
+                             "choices": [{"index": 0, "delta": {"content": f"w{i} "}, "finish_reason": None}]})
+            self._event({"object": "chat.completion.chunk", "model": MODEL, "choices": [],
+                         "usage": {"prompt_tokens": 2, "completion_tokens": MAX_TOKENS, "total_tokens": MAX_TOKENS + 2}})
+            self._chunk(b"data: [DONE]\n\n")
+            if self.chunked:
+                self.wfile.write(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):  # locust stops users mid-stream at the end of the run
+            pass
+
+    def _event(self, obj: dict) -> None:
+        self._chunk(f"data: {json.dumps(obj)}\n\n".encode())
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data) if self.chunked else data)
+        self.wfile.flush()
+
+
+@pytest.fixture(params=["chunked", "close-delimited"])
+def stream_server(request):
+    handler = type("Handler", (OpenAIStreamHandler,), {"chunked": request.param == "chunked"})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_headless_locust_records_stream_metrics(stream_server, tmp_path):
+    locust = find_tool("locust")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "turns": [PROMPT, "second turn"]}) + "\n")
+    env = {**os.environ, "MOA_LOADTEST_HOST": stream_server, "MOA_LOADTEST_API_KEY": API_KEY,
+           "MOA_LOADTEST_MAX_TOKENS": str(MAX_TOKENS), "MOA_LOADTEST_PROMPTS": str(prompts)}
+    env.pop("MOA_LOADTEST_MODEL", None)  # discovered through GET /v1/models
+    proc = subprocess.run(
+        [locust, "-f", str(ROOT / "loadtest" / "chat.py"), "--headless", "-u", "2", "-r", "2", "-t", "3s",
+         "--csv", str(tmp_path / "run"), "--only-summary", "--exit-code-on-error", "1"],
+        capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(open(tmp_path / "run_stats.csv"))}
+    assert int(rows[("", "Aggregated")]["Failure Count"]) == 0
+    requests = int(rows[("POST", "/v1/chat/completions (stream)")]["Request Count"])
+    assert requests > 0
+    metric = {name: rows[("METRIC", name)] for name in ("ttft_ms", "itl_ms", "e2e_ms", "output_tokens")}
+    assert int(metric["ttft_ms"]["Request Count"]) == int(metric["e2e_ms"]["Request Count"]) >= requests - 2
+    assert int(metric["itl_ms"]["Request Count"]) >= (MAX_TOKENS - 1) * int(metric["ttft_ms"]["Request Count"])
+    assert float(metric["output_tokens"]["Average Response Time"]) == MAX_TOKENS
+    # The server spaces tokens 10 ms apart: the client must see those gaps, not 0 (tokens merged by buffering).
+    assert float(metric["itl_ms"]["Median Response Time"]) >= 8
+    assert float(metric["e2e_ms"]["Average Response Time"]) >= MAX_TOKENS * 10

@@ -1,0 +1,67 @@
+"""Shared test helpers: a tiny random Llama (seconds, no files) and the numerical-tie rule."""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_ext.models import LlamaConfig, LlamaModel, Target
+
+
+def tiny_config(vocab=8, hidden=32, layers=3, heads=4, kv_heads=2, bias=False) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_layers=layers, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=hidden // heads, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
+        max_position=512, tie_word_embeddings=False, attention_bias=bias, eos_token_ids=(),
+    )
+
+
+def tiny_state(cfg: LlamaConfig, seed=0, std=0.5) -> dict[str, torch.Tensor]:
+    """Random weights in HF naming; std large enough that next-token distributions are peaked."""
+    g = torch.Generator().manual_seed(seed)
+    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+
+    def r(*shape, s=std):
+        return torch.randn(*shape, generator=g) * s
+
+    st = {"model.embed_tokens.weight": r(cfg.vocab_size, h, s=1.0), "model.norm.weight": torch.ones(h), "lm_head.weight": r(cfg.vocab_size, h, s=1.0)}
+    for l in range(cfg.num_layers):
+        p = f"model.layers.{l}."
+        st[p + "self_attn.q_proj.weight"] = r(cfg.num_heads * d, h, s=std / h**0.5 * 4)
+        st[p + "self_attn.k_proj.weight"] = r(cfg.num_kv_heads * d, h, s=std / h**0.5 * 4)
+        st[p + "self_attn.v_proj.weight"] = r(cfg.num_kv_heads * d, h, s=std / h**0.5 * 4)
+        st[p + "self_attn.o_proj.weight"] = r(h, cfg.num_heads * d, s=std / h**0.5 * 4)
+        st[p + "mlp.gate_proj.weight"] = r(i, h, s=std / h**0.5 * 4)
+        st[p + "mlp.up_proj.weight"] = r(i, h, s=std / h**0.5 * 4)
+        st[p + "mlp.down_proj.weight"] = r(h, i, s=std / i**0.5 * 4)
+        st[p + "input_layernorm.weight"] = torch.ones(h)
+        st[p + "post_attention_layernorm.weight"] = torch.ones(h)
+        if cfg.attention_bias:
+            for n, w in (("q", cfg.num_heads), ("k", cfg.num_kv_heads), ("v", cfg.num_kv_heads)):
+                st[p + f"self_attn.{n}_proj.bias"] = r(w * d, s=0.1)
+    return st
+
+
+def tiny_target(seed=0, **kw) -> Target:
+    cfg = tiny_config(**kw)
+    return Target(model=LlamaModel(cfg, tiny_state(cfg, seed)), tokenizer=None, path=None)
+
+
+def top2_gap(model: LlamaModel, token_ids: list[int]) -> float:
+    """Gap between the target's two largest logits after token_ids (full fp32 prefill)."""
+    from sglang_ext.attention import causal_mask, plan_attention
+
+    kv = model.new_kv_pool(len(token_ids) + 2)
+    s = kv.alloc(len(token_ids))
+    out = model.forward(torch.tensor(token_ids), torch.arange(len(token_ids)), s, plan_attention([s], [causal_mask(len(token_ids), 0)]), kv)
+    top = model.logits(out.hidden[-1:])[0].topk(2).values
+    return float(top[0] - top[1])
+
+
+def compare_to_reference(model: LlamaModel, prompt: list[int], ref: list[int], got: list[int], tol: float = 1e-3) -> str:
+    """'same' | 'tie' (first divergence at a numerical tie of the target) | 'bug'."""
+    if ref == got:
+        return "same"
+    n = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+    if n >= min(len(ref), len(got)):
+        return "bug"  # one is a prefix of the other: different lengths without a token divergence
+    return "tie" if top2_gap(model, prompt + ref[:n]) < tol else "bug"

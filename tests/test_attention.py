@@ -1,0 +1,218 @@
+"""Tree attention: the Triton kernel against the torch reference, and metamorphic tests of the reference.
+
+The Triton checks run in subprocesses: on CPU the kernel only runs under TRITON_INTERPRET=1, which must
+be set before `triton` is imported, and setting it here would change every later triton import in this
+pytest process. `python tests/test_attention.py triton-parity` runs the parity cases by hand.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sglang_ext.attention import causal_mask, plan_attention, prefix_and_tree_mask, tree_attention_torch
+from sglang_ext.tree import TokenTree, tree_from_parents
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# --- helpers ------------------------------------------------------------------------------------
+
+
+def random_tree(n: int, prefix_len: int, gen: torch.Generator) -> TokenTree:
+    """A tree of n nodes with uniformly random parents (parents[i] < i)."""
+    parents = [-1] + [int(torch.randint(0, i, (), generator=gen)) for i in range(1, n)]
+    return tree_from_parents(torch.zeros(n, dtype=torch.long), torch.tensor(parents), prefix_len)
+
+
+def random_pools(num_slots: int, num_kv_heads: int, head_dim: int, gen: torch.Generator, dtype=torch.float32):
+    k = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(num_slots, num_kv_heads, head_dim, generator=gen).to(dtype)
+    return k, v
+
+
+def random_tree_batch(prefix_lens: list[int], tree_sizes: list[int], num_slots: int, gen: torch.Generator):
+    """Per request: (kv slots = prefix then tree nodes, [N, prefix+N] mask, tree); slots are disjoint and shuffled."""
+    perm = torch.randperm(num_slots, generator=gen)
+    requests, used = [], 0
+    for prefix, n in zip(prefix_lens, tree_sizes):
+        tree = random_tree(n, prefix, gen)
+        slots = perm[used : used + prefix + n]
+        used += prefix + n
+        requests.append((slots, prefix_and_tree_mask(tree.tree_mask, prefix), tree))
+    return requests
+
+
+# --- Triton kernel == torch reference (subprocess, TRITON_INTERPRET=1) -------------------------------
+
+# (name, dtype, head_dim, prefix lengths, tree sizes, tolerance)
+PARITY_CASES = [
+    ("fp32-gqa-seed0", "float32", 64, [0, 5, 37, 70], [1, 7, 16, 33], 1e-5),
+    ("fp32-gqa-seed1", "float32", 64, [12, 3, 50], [24, 2, 17], 1e-5),
+    ("fp32-single-request", "float32", 64, [45], [40], 1e-5),
+    ("fp32-head-dim-80", "float32", 80, [9, 31], [11, 5], 1e-5),
+    ("bf16-gqa", "bfloat16", 64, [20, 0, 33], [8, 19, 4], 2e-2),
+]
+
+
+def _run_parity_cases() -> list[dict]:
+    """Runs in the TRITON_INTERPRET=1 subprocess: max |triton - torch| per case."""
+    from sglang_ext.attention.triton_tree import tree_attention_triton
+
+    results = []
+    for seed, (name, dtype_name, head_dim, prefixes, sizes, tol) in enumerate(PARITY_CASES):
+        gen = torch.Generator().manual_seed(seed)
+        dtype = getattr(torch, dtype_name)
+        requests = random_tree_batch(prefixes, sizes, num_slots=sum(prefixes) + sum(sizes) + 23, gen=gen)
+        plan = plan_attention([r[0] for r in requests], [r[1] for r in requests])
+        k_pool, v_pool = random_pools(sum(prefixes) + sum(sizes) + 23, 3, head_dim, gen, dtype)
+        q = torch.randn(plan.num_queries, 9, head_dim, generator=gen).to(dtype)
+        scale = head_dim**-0.5
+        out = tree_attention_triton(q, k_pool, v_pool, plan, scale)
+        ref = tree_attention_torch(q, k_pool, v_pool, plan, scale)
+        diff = (out.float() - ref.float()).abs().max().item()
+        results.append({"name": name, "max_diff": diff, "tol": tol, "dtype": str(out.dtype), "shape": list(out.shape)})
+    return results
+
+
+def _subprocess(args: list[str], env_extra: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(env_extra)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), *args],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def triton_parity() -> dict[str, dict]:
+    if importlib.util.find_spec("triton") is None:  # find_spec of a top-level name does not import it
+        pytest.skip("triton not installed")
+    proc = _subprocess(["triton-parity"], {"TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {r["name"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
+@pytest.mark.parametrize("case", [c[0] for c in PARITY_CASES])
+def test_triton_matches_torch_reference(triton_parity, case):
+    r = triton_parity[case]
+    assert r["max_diff"] <= r["tol"], r
+
+
+def test_triton_kernel_compiles_for_gpu():
+    """The interpreter is lenient about types; also compile the kernel for sm_80 (no GPU needed)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton not installed")
+    proc = _subprocess(["triton-compile"], {})
+    if proc.returncode == 3:
+        pytest.skip(proc.stdout.strip())
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def _compile_for_sm80() -> int:
+    """Exit code 0 = compiled, 3 = no CUDA toolchain here (skip)."""
+    import triton
+
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        print("triton has no nvidia backend")
+        return 3
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from sglang_ext.attention.triton_tree import BLOCK_M, BLOCK_N
+    from sglang_ext.attention.triton_tree import _tree_attention_kernel as kernel
+
+    ptrs = {name: "*bf16" for name in ("Q", "K", "V", "O")}
+    ptrs |= {name: "*i64" for name in ("qo_indptr", "kv_indptr", "kv_indices", "mask_indptr")}
+    ptrs["custom_mask"] = "*i1"
+    consts = {"GROUP": 3, "HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "UPCAST": False, "IEEE_DOT": False}
+    signature = {}
+    for name in kernel.arg_names:
+        signature[name] = ptrs.get(name) or ("constexpr" if name in consts else "fp32" if name == "scale" else "i32")
+    src = ASTSource(kernel, signature, {(kernel.arg_names.index(n),): v for n, v in consts.items()})
+    try:
+        triton.compile(src, target=GPUTarget("cuda", 80, 32))
+    except (FileNotFoundError, RuntimeError) as e:
+        if "ptxas" in str(e):  # toolchain missing here: nothing to say about the kernel
+            print(f"ptxas unavailable: {e}")
+            return 3
+        raise
+    return 0
+
+
+# --- metamorphic tests of the torch reference ------------------------------------------------------
+
+HQ, HKV, D = 9, 3, 64
+SCALE = D**-0.5
+
+
+def test_chain_tree_equals_causal_attention():
+    gen = torch.Generator().manual_seed(10)
+    prefix, n = 13, 6
+    chain = tree_from_parents(torch.zeros(n, dtype=torch.long), torch.arange(-1, n - 1), prefix)
+    mask = prefix_and_tree_mask(chain.tree_mask, prefix)
+    assert torch.equal(mask, causal_mask(n, prefix))
+
+    k_pool, v_pool = random_pools(prefix + n, HKV, D, gen)
+    q_all = torch.randn(prefix + n, HQ, D, generator=gen)  # queries of the whole sequence
+    out = tree_attention_torch(q_all[prefix:], k_pool, v_pool, plan_attention([torch.arange(prefix + n)], [mask]), SCALE)
+
+    def heads_first(x):  # [T, H, D] -> [H, T, D] with kv heads repeated for GQA
+        return x.repeat_interleave(HQ // x.shape[1], dim=1).transpose(0, 1)
+
+    causal = F.scaled_dot_product_attention(heads_first(q_all), heads_first(k_pool), heads_first(v_pool), is_causal=True, scale=SCALE)
+    torch.testing.assert_close(out, causal.transpose(0, 1)[prefix:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tree_attention_equals_decoding_each_branch_alone(seed):
+    gen = torch.Generator().manual_seed(seed)
+    prefix, n = 11, 15
+    (slots, mask, tree), = random_tree_batch([prefix], [n], num_slots=prefix + n + 5, gen=gen)
+    k_pool, v_pool = random_pools(prefix + n + 5, HKV, D, gen)
+    q = torch.randn(n, HQ, D, generator=gen)
+    out = tree_attention_torch(q, k_pool, v_pool, plan_attention([slots], [mask]), SCALE)
+
+    leaves = [i for i in range(n) if int(tree.retrieve_next_token[i]) == -1]
+    for leaf in leaves:
+        path = torch.tensor(tree.path_to(leaf))  # root .. leaf: one branch, decoded as a plain sequence
+        branch_slots = torch.cat([slots[:prefix], slots[prefix + path]])
+        branch_plan = plan_attention([branch_slots], [causal_mask(len(path), prefix)])
+        branch_out = tree_attention_torch(q[path], k_pool, v_pool, branch_plan, SCALE)
+        torch.testing.assert_close(out[path], branch_out, atol=1e-5, rtol=1e-5)
+
+
+def test_padded_batch_equals_each_request_alone():
+    gen = torch.Generator().manual_seed(7)
+    prefixes, sizes = [0, 21, 4, 9], [5, 1, 12, 7]
+    requests = random_tree_batch(prefixes, sizes, num_slots=80, gen=gen)
+    # one request with a plain causal mask, so the batch mixes trees and sequences
+    requests[3] = (requests[3][0], causal_mask(sizes[3], prefixes[3]), None)
+    k_pool, v_pool = random_pools(80, HKV, D, gen)
+    plan = plan_attention([r[0] for r in requests], [r[1] for r in requests])
+    q = torch.randn(plan.num_queries, HQ, D, generator=gen)
+    out = tree_attention_torch(q, k_pool, v_pool, plan, SCALE)
+    assert out.shape == q.shape and torch.isfinite(out).all()
+
+    for b, (slots, mask, _) in enumerate(requests):
+        rows = slice(int(plan.qo_indptr[b]), int(plan.qo_indptr[b + 1]))
+        alone = tree_attention_torch(q[rows], k_pool, v_pool, plan_attention([slots], [mask]), SCALE)
+        torch.testing.assert_close(out[rows], alone, atol=1e-5, rtol=1e-5)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["triton-parity"]:
+        print(json.dumps(_run_parity_cases()))
+    elif sys.argv[1:] == ["triton-compile"]:
+        sys.exit(_compile_for_sm80())
+    else:
+        sys.exit(f"usage: {sys.argv[0]} triton-parity | triton-compile")

@@ -1,0 +1,108 @@
+"""Speculative sampling preserves the target distribution (chain and tree), on a tiny random Llama.
+
+The exact joint law of the 2nd and 3rd generated tokens (the first ones produced by a verify step)
+is computed by enumeration from the target; samples from the speculative engine (fixed seeds) must
+pass a chi-square goodness-of-fit test, and a deliberately broken verifier (accept every draft
+along the first-child path) must fail the same test.
+"""
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from helpers import tiny_target
+from serving.engine import Engine
+from sglang_ext.attention import causal_mask, plan_attention
+from sglang_ext.drafters import DraftModelDrafter
+from sglang_ext.sampling import SamplingParams, logits_to_probs
+from sglang_ext.tree import TreeShape
+from sglang_ext.verify import VerifyResult
+
+PROMPT = [1, 5, 2, 7]
+SAMPLES = 2000
+
+
+def next_probs(model, seqs, params):
+    """Processed target distribution after each sequence (all of equal length)."""
+    kv = model.new_kv_pool(len(seqs) * len(seqs[0]) + 1)
+    slots = [kv.alloc(len(s)) for s in seqs]
+    plan = plan_attention(slots, [causal_mask(len(s), 0) for s in seqs])
+    out = model.forward(torch.tensor(sum(seqs, [])), torch.cat([torch.arange(len(s)) for s in seqs]), torch.cat(slots), plan, kv)
+    last = torch.tensor([len(seqs[0]) * (i + 1) - 1 for i in range(len(seqs))])
+    return logits_to_probs(model.logits(out.hidden[last]), params)
+
+
+def exact_joint_t2_t3(model, params):
+    v = model.cfg.vocab_size
+    p1 = next_probs(model, [PROMPT], params)[0]
+    p2 = next_probs(model, [PROMPT + [a] for a in range(v)], params)  # [v, v]
+    p3 = next_probs(model, [PROMPT + [a, b] for a, b in itertools.product(range(v), range(v))], params).view(v, v, v)
+    return torch.einsum("a,ab,abc->bc", p1.double(), p2.double(), p3.double())
+
+
+class AcceptEverything(Engine):
+    """Broken on purpose: accepts the first-child path without looking at the target."""
+
+    def _verify(self, r, tree, logits):
+        nodes = [0]
+        while int(tree.retrieve_next_token[nodes[-1]]) != -1:
+            nodes.append(int(tree.retrieve_next_token[nodes[-1]]))
+        probs = logits_to_probs(logits[nodes[-1]], r.params)
+        bonus = int(torch.multinomial(probs, 1, generator=r.generator))
+        return VerifyResult(nodes, [int(tree.draft_tokens[i]) for i in nodes[1:]] + [bonus])
+
+
+def sample_t2_t3(engine_cls, target, shape, params):
+    drafter = DraftModelDrafter.self_draft(target.model, layers=[0], num_slots=SAMPLES * 16)
+    fallbacks = []
+    eng = engine_cls(target, drafter, shape, kv_slots=SAMPLES * 16, on_fallback=lambda r, why: fallbacks.append(why))
+    reqs = eng.generate([PROMPT] * SAMPLES, [SamplingParams(max_new_tokens=3, temperature=params.temperature, top_p=params.top_p, seed=i) for i in range(SAMPLES)])
+    v = target.cfg.vocab_size
+    counts = torch.zeros(v, v, dtype=torch.float64)
+    for r in reqs:
+        counts[r.output_ids[1], r.output_ids[2]] += 1
+    accepted = sum(r.stats.accepted_tokens for r in reqs)
+    assert not fallbacks, f"drafter failed: {set(fallbacks)}"
+    return counts, accepted
+
+
+def chi2_pvalue(counts, expected_probs):
+    exp = (expected_probs * counts.sum()).flatten()
+    obs = counts.flatten()
+    if obs[exp == 0].sum() > 0:
+        return 0.0  # a token sequence the target cannot produce
+    big = exp >= 5
+    o, e = obs[big], exp[big]
+    if exp[~big].sum() > 0:  # pool the rare cells into one
+        o = torch.cat([o, obs[~big].sum(0, keepdim=True)])
+        e = torch.cat([e, exp[~big].sum(0, keepdim=True)])
+    return chisquare(o.numpy(), e.numpy() * o.sum().item() / e.sum().item()).pvalue
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(seed=3)
+
+
+SHAPES = {"chain": TreeShape.chain(3), "tree": TreeShape(2, 2, 5)}
+PARAMS = {"T0.7": SamplingParams(temperature=0.7), "T1.0-top_p0.9": SamplingParams(temperature=1.0, top_p=0.9)}
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+@pytest.mark.parametrize("pname", PARAMS, ids=list(PARAMS))
+def test_speculative_sampling_matches_target(target, shape, pname):
+    params = PARAMS[pname]
+    expected = exact_joint_t2_t3(target.model, params)
+    counts, accepted = sample_t2_t3(Engine, target, SHAPES[shape], params)
+    assert accepted > SAMPLES * 0.3, "the drafter must get drafts accepted or the test proves nothing"
+    assert chi2_pvalue(counts, expected) > 1e-3
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+def test_broken_verifier_fails_the_same_test(target, shape):
+    params = PARAMS["T0.7"]
+    expected = exact_joint_t2_t3(target.model, params)
+    counts, _ = sample_t2_t3(AcceptEverything, target, SHAPES[shape], params)
+    assert chi2_pvalue(counts, expected) < 1e-6

@@ -1,0 +1,104 @@
+"""Token-tree layout and verification on hand-built examples."""
+
+import pytest
+import torch
+
+from sglang_ext.sampling import InvalidRequest, SamplingParams, logits_to_probs
+from sglang_ext.tree import TreeSearch, TreeShape, build_trees, chain_tree, tree_from_parents
+from sglang_ext.verify import greedy_verify, sampling_verify
+
+#        0 (root, token 10)
+#       / \
+#      1   2          tokens 11, 12
+#     / \    \
+#    3   4    5       tokens 13, 14, 15
+PARENTS = torch.tensor([-1, 0, 0, 1, 1, 2])
+TOKENS = torch.tensor([10, 11, 12, 13, 14, 15])
+
+
+def test_layout_hand_checked():
+    t = tree_from_parents(TOKENS, PARENTS, seq_len=7)
+    assert t.positions.tolist() == [7, 8, 8, 9, 9, 9]
+    assert t.retrieve_next_token.tolist() == [1, 3, 5, -1, -1, -1]
+    assert t.retrieve_next_sibling.tolist() == [-1, 2, -1, 4, -1, -1]
+    assert t.tree_mask[4].tolist() == [True, True, False, False, True, False]
+    assert t.tree_mask[5].tolist() == [True, False, True, False, False, True]
+    assert t.path_to(4) == [0, 1, 4]
+
+
+def test_parents_must_precede_children():
+    with pytest.raises(ValueError):
+        tree_from_parents(TOKENS, torch.tensor([-1, 0, 3, 1, 1, 2]), 0)
+
+
+def test_tree_shape_validation_and_parse():
+    assert TreeShape.parse("5") == TreeShape(5, 1, 6)
+    assert TreeShape.parse("6,4,16") == TreeShape(6, 4, 16)
+    for bad in ("0", "3,2", "a,b,c", "2,2,100", "2,1,5"):
+        with pytest.raises(ValueError):
+            TreeShape.parse(bad)
+
+
+def _onehot_argmax(nodes_to_token):
+    return torch.tensor(nodes_to_token)
+
+
+@pytest.mark.parametrize(
+    "target_argmax,nodes,tokens",
+    [
+        ([11, 14, 99, 99, 7, 99], [0, 1, 4], [11, 14, 7]),  # accept 1 then 4, bonus = argmax at 4
+        ([12, 99, 15, 99, 99, 3], [0, 2, 5], [12, 15, 3]),  # second sibling
+        ([42, 99, 99, 99, 99, 99], [0], [42]),  # nothing accepted: bonus only
+        ([11, 13, 99, 5, 99, 99], [0, 1, 3], [11, 13, 5]),
+    ],
+)
+def test_greedy_verify_table(target_argmax, nodes, tokens):
+    t = tree_from_parents(TOKENS, PARENTS, 7)
+    r = greedy_verify(t, torch.tensor(target_argmax))
+    assert r.accepted_nodes == nodes and r.tokens == tokens and r.num_accepted == len(tokens) - 1
+
+
+def test_search_orders_parents_first_and_keeps_best():
+    torch.manual_seed(0)
+    k, depth, n = 3, 4, 12
+    s = TreeSearch.start(k)
+    tokens, scores = s.first(*torch.softmax(torch.randn(2, 50), -1).topk(k))
+    for step in range(1, depth):
+        p, i = torch.softmax(torch.randn(2 * k, 50), -1).topk(k)
+        tokens, scores, _ = s.expand(step, scores, p, i)
+    trees = build_trees(torch.tensor([1, 2]), s, [5, 9], n)
+    for t in trees:
+        assert t.num_nodes == n and (t.parents[1:] < torch.arange(1, n)).all()
+        assert t.positions.min() >= 5
+
+
+def test_sampling_verify_point_mass_certain_accept():
+    # target puts all mass on the drafted tokens: always accepted, whatever the coins say
+    t = chain_tree(1, [2, 3], 0)
+    probs = torch.zeros(3, 5)
+    probs[0, 2] = probs[1, 3] = probs[2, 4] = 1.0
+    r = sampling_verify(t, probs, torch.Generator().manual_seed(0))
+    assert r.tokens == [2, 3, 4]
+
+
+def test_sampling_verify_zero_prob_draft_rejected():
+    t = chain_tree(1, [2], 0)
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5], [0.25] * 4])
+    for seed in range(20):
+        r = sampling_verify(t, probs, torch.Generator().manual_seed(seed))
+        assert r.tokens[0] in (1, 3) and r.num_accepted == 0
+
+
+def test_logits_to_probs_top_p_top_k():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    p = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))
+    assert p[0, 2:].sum() == 0 and abs(float(p.sum()) - 1) < 1e-6
+    p = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=1))
+    assert p[0].tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert logits_to_probs(logits, SamplingParams()).argmax() == 0
+
+
+@pytest.mark.parametrize("kw", [dict(max_new_tokens=0), dict(max_new_tokens=-3), dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1)])
+def test_bad_sampling_params(kw):
+    with pytest.raises(InvalidRequest):
+        SamplingParams(**kw)
