@@ -50,53 +50,64 @@ def tau_from_accepts(accepts: list[int]) -> float:
     return sum(a + 1 for a in accepts) / len(accepts) if accepts else float("nan")
 
 
-def run_engine_method(target, method: str, tree, prompts: list[list[int]], max_new_tokens: int, eval_set: str, warmup: int = 1) -> MethodResult:
+def engine_runner(target, method: str, tree, max_new_tokens: int):
+    """A function prompt -> (output ids, stats) running our engine with one drafter (or none)."""
     from sglang_ext.drafters import make_drafter
     from sglang_ext.sampling import SamplingParams
 
     from .engine import Engine
 
-    res = MethodResult(method, eval_set, "-" if method == "vanilla" else f"{tree.depth},{tree.topk},{tree.num_draft_tokens}")
-    try:
-        engine = Engine(target, make_drafter("none" if method == "vanilla" else method, target), tree)
-        sp = SamplingParams(max_new_tokens=max_new_tokens)
-        for p in prompts[:warmup]:
-            engine.generate([p], SamplingParams(max_new_tokens=8))
-        for p in prompts:
-            t0 = time.perf_counter()
-            r = engine.generate([p], sp)[0]
-            res.seconds += time.perf_counter() - t0
-            res.tokens += len(r.output_ids)
-            res.verify_steps += r.stats.verify_steps
-            res.accepted += r.stats.accepted_tokens
-            res.drafted += r.stats.draft_tokens
-            res.outputs.append(r.output_ids)
-            res.prompts += 1
-    except Exception as e:  # noqa: BLE001 - a failing method is reported, not dropped
-        res.error = f"{type(e).__name__}: {e}"
-    return res
+    engine = Engine(target, make_drafter("none" if method == "vanilla" else method, target), tree)
+    sp = SamplingParams(max_new_tokens=max_new_tokens)
+
+    def run(prompt):
+        r = engine.generate([prompt], sp)[0]
+        return r.output_ids, r.stats
+
+    return run
 
 
-def run_hf_generate(target, prompts: list[list[int]], max_new_tokens: int, eval_set: str, dtype: torch.dtype) -> MethodResult:
-    res = MethodResult("hf-generate", eval_set, "-")
-    try:
-        from transformers import AutoModelForCausalLM
+def hf_generate_runner(target, max_new_tokens: int, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(target.path, dtype=dtype).eval()
-        eos = list(target.cfg.eos_token_ids)
+    model = AutoModelForCausalLM.from_pretrained(target.path, dtype=dtype).eval()
+    eos = list(target.cfg.eos_token_ids)
+
+    def run(prompt):
         with torch.inference_mode():
-            model.generate(torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False)
-            for p in prompts:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
+        return out[0, len(prompt) :].tolist(), None
+
+    return run
+
+
+def run_interleaved(runners: dict[str, tuple[MethodResult, object]], prompts: list[list[int]], warmup: int = 1) -> None:
+    """Every prompt runs through every method before the next prompt, so load changes on a noisy
+    machine hit all methods alike. A method that raises is marked failed and skipped from then on."""
+    for res, run in runners.values():
+        try:
+            for p in prompts[:warmup]:
+                run(p[: min(len(p), 64)])
+        except Exception as e:  # noqa: BLE001 - a failing method is reported, not dropped
+            res.error = f"{type(e).__name__}: {e}"
+    for p in prompts:
+        for res, run in runners.values():
+            if res.error:
+                continue
+            try:
                 t0 = time.perf_counter()
-                out = model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
+                out, st = run(p)
                 res.seconds += time.perf_counter() - t0
-                gen = out[0, len(p) :].tolist()
-                res.tokens += len(gen)
-                res.outputs.append(gen)
-                res.prompts += 1
-    except Exception as e:  # noqa: BLE001
-        res.error = f"{type(e).__name__}: {e}"
-    return res
+            except Exception as e:  # noqa: BLE001
+                res.error = f"{type(e).__name__}: {e}"
+                continue
+            res.tokens += len(out)
+            res.outputs.append(out)
+            res.prompts += 1
+            if st is not None:
+                res.verify_steps += st.verify_steps
+                res.accepted += st.accepted_tokens
+                res.drafted += st.draft_tokens
 
 
 def markdown_table(results: list[MethodResult]) -> str:
@@ -137,7 +148,7 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--model", default="smollm2")
     b.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     b.add_argument("--eval-sets", default="mt_bench", help="comma list of mt_bench,humaneval,gsm8k,alpaca,sum,qa, builtin, or .jsonl paths")
-    b.add_argument("--methods", default="vanilla,ngram,draft-model", help="comma list; vanilla is always run first")
+    b.add_argument("--methods", default="vanilla,ngram,draft-model", help="semicolon list of drafters, each optionally with a tree (ngram:4,2,8); vanilla is always run first")
     b.add_argument("--peers", default="hf-generate", help="comma list of peers (hf-generate) or 'none'")
     b.add_argument("--num-prompts", type=int, default=10)
     b.add_argument("--max-new-tokens", type=int, default=128)
@@ -156,28 +167,39 @@ def cmd_bench(args) -> int:
 
     if args.quick:
         args.num_prompts, args.max_new_tokens = 2, 16
-    methods = [m for m in args.methods.split(",") if m and m != "vanilla"]
+    methods = [m for m in args.methods.replace(",", ";").split(";") if m and m != "vanilla"] if ":" not in args.methods else [m for m in args.methods.split(";") if m and m != "vanilla"]
     peers = [p for p in args.peers.split(",") if p and p != "none"]
     target = load_target(args.model, dtype=args.dtype)
     results: list[MethodResult] = []
     for set_name in args.eval_sets.split(","):
         name, texts = load_eval_set(set_name, args.num_prompts)
         prompts = [target.encode_chat([{"role": "user", "content": t}]) for t in texts]
-        vanilla = run_engine_method(target, "vanilla", TreeShape.chain(1), prompts, args.max_new_tokens, name)
-        results.append(vanilla)
-        for m in methods:
-            tree = TreeShape.parse(args.tree) if args.tree else default_tree(m)
-            r = run_engine_method(target, m, tree, prompts, args.max_new_tokens, name)
-            r.identical = sum(a == b for a, b in zip(r.outputs, vanilla.outputs))
-            results.append(r)
-            print(f"{name} {m}: tau {r.tau:.2f} {r.tokens_per_s:.1f} tok/s (vanilla {vanilla.tokens_per_s:.1f}) {r.error or ''}", file=sys.stderr)
+        runners: dict[str, tuple[MethodResult, object]] = {}
+
+        def add(label, tree_text, make):
+            res = MethodResult(label, name, tree_text)
+            try:
+                runners[f"{label} {tree_text}"] = (res, make())
+            except Exception as e:  # noqa: BLE001 - e.g. an unknown drafter: reported in the table
+                res.error = f"{type(e).__name__}: {e}"
+                runners[f"{label} {tree_text}"] = (res, None)
+
+        add("vanilla", "-", lambda: engine_runner(target, "vanilla", TreeShape.chain(1), args.max_new_tokens))
+        for spec in methods:
+            m, _, tree_text = spec.partition(":")  # "ngram:4,2,8" = drafter with an explicit tree
+            tree = TreeShape.parse(tree_text or args.tree) if (tree_text or args.tree) else default_tree(m)
+            add(m, f"{tree.depth},{tree.topk},{tree.num_draft_tokens}", lambda m=m, tree=tree: engine_runner(target, m, tree, args.max_new_tokens))
         for p in peers:
-            if p != "hf-generate":
-                results.append(MethodResult(p, name, "-", error="unknown peer"))
-                continue
-            r = run_hf_generate(target, prompts, args.max_new_tokens, name, parse_dtype(args.dtype))
-            r.identical = sum(a == b for a, b in zip(r.outputs, vanilla.outputs))
-            results.append(r)
+            if p == "hf-generate":
+                add(p, "-", lambda: hf_generate_runner(target, args.max_new_tokens, parse_dtype(args.dtype)))
+            else:
+                add(p, "-", lambda p=p: (_ for _ in ()).throw(ValueError(f"unknown peer {p!r}")))
+        run_interleaved({k: v for k, v in runners.items() if v[1] is not None}, prompts)
+        vanilla = runners["vanilla -"][0]
+        for res, _ in runners.values():
+            res.identical = sum(a == b for a, b in zip(res.outputs, vanilla.outputs))
+            results.append(res)
+            print(f"{name} {res.method} {res.tree}: tau {res.tau:.2f} {res.tokens_per_s:.1f} tok/s {res.error or ''}", file=sys.stderr)
     command = "moa-serve " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[0].endswith("moa-serve") else "moa-serve bench ..."
     table = markdown_table(results)
     out = Path(args.out)

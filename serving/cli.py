@@ -44,7 +44,7 @@ def default_tree(drafter: str | None):
     """Tree shape tuned per drafter (see docs/BENCHMARKS.md for the sweep)."""
     from sglang_ext.tree import TreeShape
 
-    return {"ngram": TreeShape(4, 2, 8), "draft-model": TreeShape(4, 2, 8)}.get(drafter or "none", TreeShape(6, 4, 24))
+    return {"ngram": TreeShape(6, 2, 12), "draft-model": TreeShape(3, 1, 4)}.get(drafter or "none", TreeShape(6, 4, 24))
 
 
 def cmd_generate(args) -> int:

@@ -27,6 +27,8 @@ from sglang_ext.sampling import InvalidRequest, SamplingParams, logits_to_probs,
 from sglang_ext.tree import TokenTree, TreeShape, chain_tree
 from sglang_ext.verify import VerifyResult, greedy_verify, sampling_verify
 
+from .adaptive import AdaptiveSpeculation
+
 
 @dataclass
 class RequestStats:
@@ -83,6 +85,7 @@ class Engine:
         kv_slots: int = 16384,
         max_context: int | None = None,
         on_fallback=None,
+        adaptive: bool = False,
     ):
         self.target, self.model = target, target.model
         self.drafter = drafter
@@ -97,6 +100,9 @@ class Engine:
         self.running: list[Request] = []
         self._ids = itertools.count()
         self.on_fallback = on_fallback  # callback(request, reason) for metrics
+        # per-step choice of tree shape / no speculation from measured throughput (serving default)
+        self.policy = AdaptiveSpeculation(self.tree) if adaptive and drafter is not None else None
+        self.last_shape: TreeShape | None = self.tree if drafter is not None else None
         self.capture_layers = tuple(drafter.capture_layers) if drafter else ()
 
     # --- admission ----------------------------------------------------------------------------
@@ -198,9 +204,10 @@ class Engine:
             if self.on_fallback:
                 self.on_fallback(r, reason)
 
-    def _propose(self, reqs: list[Request], shape: TreeShape) -> list[TokenTree]:
+    def _propose(self, reqs: list[Request], shape: TreeShape | None) -> list[TokenTree]:
+        """One tree per request; root-only (a plain decode step) when not drafting."""
         trees: dict[int, TokenTree] = {}
-        drafting = [r for r in reqs if r.drafting and self.drafter is not None]
+        drafting = [r for r in reqs if r.drafting and self.drafter is not None and shape is not None]
         if drafting:
             inputs = [DraftInput(r.rid, r.token_ids, r.params, r.generator) for r in drafting]
             proposed = self._drafter_call(lambda: self.drafter.propose(inputs, shape), drafting)
@@ -214,7 +221,11 @@ class Engine:
         return [trees.get(r.rid) or chain_tree(r.output_ids[-1], [], len(r.slots)) for r in reqs]
 
     def _decode(self, reqs: list[Request]) -> list[StepEvent]:
-        trees = self._propose(reqs, self.tree)
+        t0 = time.perf_counter()
+        option = self.policy.choose(len(reqs)) if self.policy else None
+        shape = self.policy.options[option] if self.policy else self.tree
+        self.last_shape = shape if self.drafter is not None else None
+        trees = self._propose(reqs, shape)
         new_slots = [self.kv.alloc(t.num_nodes) for t in trees]
         plan = plan_attention(
             [torch.cat([r.slots, s]) for r, s in zip(reqs, new_slots)],
@@ -244,6 +255,8 @@ class Engine:
                 self._drafter_call(lambda: self.drafter.commit(r.rid, cap), [r])
             events.append(StepEvent(r, self._append(r, res.tokens), res.num_accepted, n - 1))
             start += n
+        if self.policy:
+            self.policy.observe(option, len(reqs), time.perf_counter() - t0, sum(len(e.new_tokens) for e in events))
         return events
 
     def _verify(self, r: Request, tree: TokenTree, logits: torch.Tensor) -> VerifyResult:

@@ -1,0 +1,70 @@
+"""Adaptive speculation: per step, pick the tree shape (or no speculation) with the best measured
+throughput for the current batch-size bucket.
+
+Throughput of an option = tokens emitted per second of (draft + verify) time, an exponential moving
+average per (option, batch bucket). Speculation off is always an option, so at any batch size the
+engine converges to at least vanilla speed. Untried options are tried a few times; the losers are
+re-tried now and then because acceptance drifts with the content.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sglang_ext.tree import TreeShape
+
+from .metrics import batch_bucket
+
+
+@dataclass
+class _Stat:
+    seconds: float = 0.0  # EMA of step seconds
+    tokens: float = 0.0  # EMA of tokens emitted per step
+    n: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def shape_menu(shape: TreeShape) -> list[TreeShape | None]:
+    """Off, the configured shape, and a smaller one (cheaper verify at large batch sizes)."""
+    small_k = max(1, shape.topk // 2)
+    small_d = max(1, shape.depth // 2)
+    most = small_d + 1 if small_k == 1 else 1 + small_k + (small_d - 1) * small_k**2
+    small = TreeShape(small_d, small_k, max(2, min(most, shape.num_draft_tokens // 2)))
+    menu: list[TreeShape | None] = [None, shape]
+    if small != shape:
+        menu.append(small)
+    return menu
+
+
+class AdaptiveSpeculation:
+    def __init__(self, shape: TreeShape, warmup: int = 3, retry_every: int = 64, alpha: float = 0.2):
+        self.options = shape_menu(shape)
+        self.warmup, self.retry_every, self.alpha = warmup, retry_every, alpha
+        self.stats: dict[tuple[int, str], _Stat] = {}
+        self.steps: dict[str, int] = {}
+
+    def _stat(self, i: int, bucket: str) -> _Stat:
+        return self.stats.setdefault((i, bucket), _Stat())
+
+    def choose(self, batch_size: int) -> int:
+        """Index into self.options for this step."""
+        bucket = batch_bucket(batch_size)
+        step = self.steps[bucket] = self.steps.get(bucket, 0) + 1
+        for i in range(len(self.options)):
+            if self._stat(i, bucket).n < self.warmup:
+                return i
+        best = max(range(len(self.options)), key=lambda i: self._stat(i, bucket).rate)
+        if step % self.retry_every == 0:  # re-measure the runner-up now and then
+            others = [i for i in range(len(self.options)) if i != best]
+            return others[(step // self.retry_every) % len(others)]
+        return best
+
+    def observe(self, option: int, batch_size: int, seconds: float, tokens: int) -> None:
+        s = self._stat(option, batch_bucket(batch_size))
+        a = self.alpha if s.n else 1.0
+        s.seconds += a * (seconds - s.seconds)
+        s.tokens += a * (tokens - s.tokens)
+        s.n += 1

@@ -1,0 +1,36 @@
+"""Adaptive speculation picks the measured-fastest option per batch bucket, and never loses output."""
+
+from helpers import tiny_target
+from serving.adaptive import AdaptiveSpeculation, shape_menu
+from serving.engine import Engine
+from sglang_ext.drafters import NgramDrafter
+from sglang_ext.sampling import SamplingParams
+from sglang_ext.tree import TreeShape
+
+
+def test_menu_has_off_configured_and_smaller():
+    menu = shape_menu(TreeShape(6, 4, 24))
+    assert menu[0] is None and menu[1] == TreeShape(6, 4, 24) and menu[2].num_draft_tokens < 24
+
+
+def test_policy_prefers_faster_option_per_bucket():
+    p = AdaptiveSpeculation(TreeShape(4, 2, 8), warmup=2, retry_every=1000)
+    # bs=1: speculation (option 1) emits 3 tokens in 30 ms, off emits 1 in 20 ms
+    # bs=64: speculation emits 64*1.2 tokens in 400 ms, off emits 64 in 250 ms
+    cost = {("1", 0): (0.020, 1), ("1", 1): (0.030, 3), ("1", 2): (0.025, 2), ("64", 0): (0.25, 64), ("64", 1): (0.4, 77), ("64", 2): (0.3, 70)}
+    for bs, bucket in ((1, "1"), (64, "64")):
+        for _ in range(20):
+            o = p.choose(bs)
+            p.observe(o, bs, *cost[(bucket, o)])
+    assert p.choose(1) == 1
+    assert p.choose(64) == 0
+
+
+def test_adaptive_engine_output_equals_vanilla():
+    t = tiny_target(seed=2, vocab=16)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5, 6, 4]]
+    ref = [r.output_ids for r in Engine(t, None).generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))]
+    eng = Engine(t, NgramDrafter(), TreeShape(4, 2, 8), adaptive=True)
+    out = [r.output_ids for r in eng.generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))]
+    assert out == ref
+    assert eng.policy.stats, "the policy observed steps"
