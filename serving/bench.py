@@ -45,11 +45,6 @@ class MethodResult:
         return self.drafted / self.verify_steps if self.verify_steps else float("nan")
 
 
-def tau_from_accepts(accepts: list[int]) -> float:
-    """tau from per-step accepted draft counts."""
-    return sum(a + 1 for a in accepts) / len(accepts) if accepts else float("nan")
-
-
 def engine_runner(target, method: str, tree, max_new_tokens: int):
     """A function prompt -> (output ids, stats) running our engine with one drafter (or none)."""
     from sglang_ext.drafters import make_drafter

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..attention import AttentionFn, AttentionPlan, tree_attention_torch
+from ..attention import AttentionFn, AttentionPlan, select_backend
 from .kv_pool import KVPool
 from .loader import LlamaConfig
 
@@ -68,9 +68,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class LlamaModel:
     """The target (or a layer subset of it, for self-drafting)."""
 
-    def __init__(self, cfg: LlamaConfig, state: dict[str, torch.Tensor], dtype=torch.float32, device="cpu", attention: AttentionFn = tree_attention_torch):
+    def __init__(self, cfg: LlamaConfig, state: dict[str, torch.Tensor], dtype=torch.float32, device="cpu", attention: AttentionFn | None = None):
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
-        self.attention = attention
+        # the fastest correct backend for the device unless one is given (torch SDPA on CPU, Triton on CUDA)
+        self.attention = attention or select_backend(device)
 
         def w(name: str) -> torch.Tensor:
             if name not in state:
