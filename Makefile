@@ -3,6 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+SERVE_DRAFTER ?= ngram
 
 .PHONY: install test test-slow serve bench clean
 
@@ -21,8 +22,11 @@ test: install deploy-tools
 test-slow: install
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
+# The main job: the OpenAI-compatible gateway on 127.0.0.1:8000, embedded CPU engine, SmolLM2,
+# the best shipped drafter, adaptive speculation. SERVE_ARGS adds flags (e.g. --threads 1).
+SERVE_ARGS ?=
 serve: install
-	$(VENV)/bin/moa-serve generate --chat --prompt "Write a haiku about speculative decoding." --drafter ngram --max-new-tokens 64
+	$(VENV)/bin/moa-serve serve --host 127.0.0.1 --port 8000 --model smollm2 --drafter $(SERVE_DRAFTER) $(SERVE_ARGS)
 
 bench: install
 	$(VENV)/bin/moa-serve bench

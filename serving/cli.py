@@ -35,8 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and speculative stats")
 
     from .bench import add_bench_parser
+    from .gateway.server import add_serve_parser
 
     add_bench_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 
@@ -93,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     from .bench import cmd_bench
 
     handlers["bench"] = cmd_bench
+    from .gateway.server import cmd_serve
+
+    handlers["serve"] = cmd_serve
     try:
         return handlers[args.command](args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

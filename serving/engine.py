@@ -227,18 +227,23 @@ class Engine:
         self.last_shape = shape if self.drafter is not None else None
         trees = self._propose(reqs, shape)
         new_slots = [self.kv.alloc(t.num_nodes) for t in trees]
-        plan = plan_attention(
-            [torch.cat([r.slots, s]) for r, s in zip(reqs, new_slots)],
-            [prefix_and_tree_mask(t.tree_mask, len(r.slots)) for r, t in zip(reqs, trees)],
-        )
-        out = self.model.forward(
-            torch.cat([t.draft_tokens for t in trees]),
-            torch.cat([t.positions for t in trees]),
-            torch.cat(new_slots),
-            plan,
-            self.kv,
-            self.capture_layers,
-        )
+        try:
+            plan = plan_attention(
+                [torch.cat([r.slots, s]) for r, s in zip(reqs, new_slots)],
+                [prefix_and_tree_mask(t.tree_mask, len(r.slots)) for r, t in zip(reqs, trees)],
+            )
+            out = self.model.forward(
+                torch.cat([t.draft_tokens for t in trees]),
+                torch.cat([t.positions for t in trees]),
+                torch.cat(new_slots),
+                plan,
+                self.kv,
+                self.capture_layers,
+            )
+        except BaseException:
+            for s in new_slots:  # a failed verify forward must not leak the tree's slots
+                self.kv.free(s)
+            raise
         events, start = [], 0
         for r, t, s in zip(reqs, trees, new_slots):
             n = t.num_nodes

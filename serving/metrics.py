@@ -26,7 +26,7 @@ def batch_bucket(bs: int) -> str:
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         r = self.registry = registry or CollectorRegistry()
-        self.requests = Counter("moa_requests", "Finished requests by status (ok, error, aborted, rejected)", (*_LABELS, "status"), registry=r)
+        self.requests = Counter("moa_requests", "Finished requests by status (ok, error, aborted, rejected, invalid)", (*_LABELS, "status"), registry=r)
         self.prompt_tokens = Counter("moa_prompt_tokens", "Prompt tokens processed", _LABELS, registry=r)
         self.generated_tokens = Counter("moa_generated_tokens", "Tokens generated", _LABELS, registry=r)
         self.draft_tokens = Counter("moa_draft_tokens", "Draft tokens proposed for verification (tree nodes without the root)", _LABELS, registry=r)

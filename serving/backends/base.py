@@ -1,0 +1,110 @@
+"""The one interface every serving backend implements (embedded engine, upstream SGLang).
+
+The gateway turns an OpenAI request into one `Job` per choice (n choices x prompts) and runs each
+through `Backend.generate`, an async iterator of `Chunk`s:
+
+    job ──► backend.generate(job) ──► Chunk(text="Hel", tokens=1) ... Chunk(text="lo", tokens=2, finish_reason="stop")
+
+Errors raised before the first chunk become the HTTP status of the response (the gateway peeks the
+first chunk of every choice before it sends headers); later errors end a stream with an error event.
+Closing the iterator (client gone, sibling choice failed) aborts the generation and frees its KV.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ..gateway.errors import APIError
+
+
+@dataclass(frozen=True)
+class GenParams:
+    """Sampling and stopping for one choice (already validated by the gateway schemas)."""
+
+    max_tokens: int | None = None  # None: as many as the context allows (capped by the server limit)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off (extension, as in SGLang/vLLM)
+    seed: int | None = None
+    stop: tuple[str, ...] = ()  # text-level stop strings, excluded from the output
+    stop_token_ids: tuple[int, ...] = ()  # extension
+    ignore_eos: bool = False  # extension
+
+
+@dataclass(frozen=True)
+class Job:
+    """One choice to generate: a chat (messages) or a completion (text or token ids) prompt."""
+
+    index: int  # choice index in the response
+    messages: tuple[dict, ...] | None = None  # chat: [{"role", "content": str}]
+    prompt: str | tuple[int, ...] | None = None  # completion: text or token ids
+    params: GenParams = field(default_factory=GenParams)
+    prompt_group: int = 0  # completions with a list of prompts: which prompt (usage counts each once)
+
+
+@dataclass
+class SpecStats:
+    """Speculative-decoding totals for a request (SGLang meta_info naming in `as_meta_info`)."""
+
+    verify_steps: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+    @property
+    def accept_length(self) -> float:
+        """tau: mean tokens committed per verify step (accepted + 1 bonus)."""
+        return (self.accepted_tokens + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+
+    def __add__(self, other: SpecStats) -> SpecStats:
+        return SpecStats(self.verify_steps + other.verify_steps, self.draft_tokens + other.draft_tokens, self.accepted_tokens + other.accepted_tokens)
+
+    def as_meta_info(self) -> dict:
+        return {
+            "spec_accept_length": round(self.accept_length, 4),
+            "spec_accept_rate": round(self.accepted_tokens / self.draft_tokens, 4) if self.draft_tokens else 0.0,
+            "spec_verify_ct": self.verify_steps,
+            "spec_draft_tokens": self.draft_tokens,
+            "spec_accepted_tokens": self.accepted_tokens,
+        }
+
+
+@dataclass
+class Chunk:
+    """A piece of one choice's output. The last chunk has finish_reason, usage and spec stats."""
+
+    text: str = ""
+    tokens: int = 0  # completion tokens produced since the previous chunk (timing metrics)
+    finish_reason: str | None = None  # "stop" | "length" on the last chunk
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    spec: SpecStats | None = None
+    token_ids: list[int] | None = None  # all completion token ids, on the last chunk (embedded backend)
+
+
+class Backend(Protocol):
+    kind: str  # metric label `backend`: "embedded" | "sglang"
+    drafter: str  # metric label `drafter`
+    model_ids: list[str]  # names accepted in the `model` field; the first is the default
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def not_ready_reason(self) -> str | None:
+        """None when requests can be served now, else why not (GET /ready)."""
+        ...
+
+    def generate(self, job: Job) -> AsyncGenerator[Chunk, None]: ...
+
+    def load(self) -> tuple[int, int]:
+        """(running, queued) generations, for metrics and Retry-After."""
+        ...
+
+    def abort_all(self) -> None:
+        """Abort every generation now (drain deadline passed)."""
+        ...
+
+
+__all__ = ["APIError", "Backend", "Chunk", "GenParams", "Job", "SpecStats"]

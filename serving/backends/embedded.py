@@ -1,0 +1,128 @@
+"""The embedded backend: our speculative Engine in this process, driven by the Scheduler's thread."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+from sglang_ext.sampling import InvalidRequest, SamplingParams
+
+from ..engine import Engine
+from ..gateway.errors import APIError, invalid
+from ..scheduler import QueueFull, Scheduler, SchedulerClosed
+from .base import Chunk, Job, SpecStats
+from .detok import IncrementalText
+from .telemetry import Telemetry
+
+
+@dataclass(frozen=True)
+class EmbeddedLimits:
+    max_running: int = 64
+    max_queue: int = 256
+    max_tokens: int = 2048  # largest max_tokens a request may ask for
+    default_max_tokens: int = 512  # when a request gives none (KV is reserved for the worst case)
+    max_prompt_tokens: int | None = None  # None: the model's context
+
+
+class EmbeddedBackend:
+    kind = "embedded"
+
+    def __init__(self, engine: Engine, model_ids: list[str], drafter: str, telemetry: Telemetry, limits: EmbeddedLimits = EmbeddedLimits()):
+        self.engine, self.target, self.model_ids, self.drafter = engine, engine.target, model_ids, drafter
+        self.limits, self.telemetry = limits, telemetry
+        engine.on_fallback = lambda req, reason: telemetry.fallback(reason)
+        self.scheduler = Scheduler(engine, max_running=limits.max_running, max_queue=limits.max_queue, telemetry=telemetry)
+        # tokens (prompt + output) one request may hold: the model's context, or less if the KV pool is smaller
+        self.max_context = min(engine.max_context - 1, self.scheduler.capacity())
+        self.max_prompt_tokens = min(limits.max_prompt_tokens or self.max_context - 1, self.max_context - 1)
+
+    async def start(self) -> None:
+        self.scheduler.start()
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.scheduler.stop)
+
+    async def not_ready_reason(self) -> str | None:
+        return None if self.scheduler.alive else "the engine thread is not running"
+
+    def load(self) -> tuple[int, int]:
+        return self.scheduler.load()
+
+    def abort_all(self) -> None:
+        self.scheduler.abort_all()
+
+    # --- one choice ---------------------------------------------------------------------------
+    def prompt_ids(self, job: Job) -> list[int]:
+        if job.messages is not None:
+            try:
+                ids = self.target.encode_chat(list(job.messages))
+            except Exception as e:  # noqa: BLE001 - a template error is the request's fault (e.g. roles out of order)
+                raise invalid(f"messages could not be formatted with the model's chat template: {e}", "messages") from e
+        elif isinstance(job.prompt, str):
+            ids = self.target.encode(job.prompt)
+        else:
+            ids = list(job.prompt or ())
+            vocab = self.target.cfg.vocab_size
+            if any(not 0 <= t < vocab for t in ids):
+                raise invalid(f"prompt token ids must be in [0, {vocab})", "prompt")
+        if not ids:
+            raise invalid("the prompt is empty", "messages" if job.messages is not None else "prompt")
+        if len(ids) > self.max_prompt_tokens:
+            raise APIError(400, f"the prompt has {len(ids)} tokens; this server accepts at most {self.max_prompt_tokens}", param="messages" if job.messages is not None else "prompt", code="context_length_exceeded")
+        return ids
+
+    def sampling_params(self, job: Job, prompt_len: int) -> SamplingParams:
+        p = job.params
+        room = self.max_context - prompt_len
+        if p.max_tokens is None:
+            max_new = min(self.limits.default_max_tokens, room)
+        elif p.max_tokens > room:
+            raise APIError(
+                400,
+                f"this server's context is {self.max_context} tokens; the prompt has {prompt_len} and max_tokens asks for {p.max_tokens}. Lower max_tokens or shorten the prompt.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        else:
+            max_new = p.max_tokens
+        try:
+            return SamplingParams(max_new, p.temperature, p.top_p, p.top_k, p.seed, tuple(p.stop_token_ids), p.ignore_eos)
+        except InvalidRequest as e:
+            raise invalid(str(e), e.param) from e
+
+    async def generate(self, job: Job) -> AsyncGenerator[Chunk, None]:
+        ids = self.prompt_ids(job)
+        params = self.sampling_params(job, len(ids))
+        try:
+            handle = self.scheduler.submit(ids, params)
+        except QueueFull as e:
+            raise APIError(429, f"the server is busy ({self.limits.max_queue} requests queued); retry after {e.retry_after} s", code="rate_limit_exceeded", headers={"Retry-After": str(e.retry_after)}) from e
+        except SchedulerClosed as e:
+            raise APIError(503, str(e), code="service_unavailable", headers={"Retry-After": "5"}) from e
+        except InvalidRequest as e:
+            raise invalid(str(e), e.param) from e
+        text = IncrementalText(self.target.decode, job.params.stop)
+        produced = 0
+        try:
+            while True:
+                d = await handle.next()
+                if d.error:
+                    raise invalid(d.error, None) if d.invalid else APIError(500, d.error, code="internal_error")
+                if d.finish_reason == "abort":
+                    raise APIError(503, "the request was aborted: the server is shutting down", code="service_unavailable")
+                produced += len(d.tokens)
+                delta, stopped = text.push(d.tokens, final=d.finish_reason is not None)
+                finish = "stop" if stopped else d.finish_reason
+                if stopped:
+                    handle.cancel()  # frees the KV now; the tokens after the stop string are dropped
+                chunk = Chunk(delta, len(d.tokens), finish)
+                if finish:
+                    chunk.prompt_tokens, chunk.completion_tokens = len(ids), produced
+                    chunk.spec = SpecStats(d.verify_steps, d.draft_tokens, d.accepted_tokens)
+                    chunk.token_ids = list(text.ids)
+                yield chunk
+                if finish:
+                    return
+        finally:
+            handle.cancel()  # client gone / sibling failed / generator closed early: no-op once finished

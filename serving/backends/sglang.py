@@ -1,0 +1,227 @@
+"""The upstream backend: an SGLang server (running our plugin on GPU nodes) behind its OpenAI API.
+
+Every choice is one streamed upstream request (n=1, `stream_options.include_usage`), so the gateway
+measures TTFT/ITL itself and a client disconnect closes the upstream connection (SGLang then aborts
+the request). Speculative stats come from SGLang's `sglext.spec_tokens_details` (requested with
+`return_spec_tokens_details`, SGLang >= 0.5) or a `meta_info` object (older servers, other gateways).
+Stop strings, tokenization and prompt limits are the upstream's job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+
+import httpx
+
+from ..gateway.errors import APIError
+from .base import Chunk, Job, SpecStats
+from .telemetry import Telemetry
+
+_FINISH = {"stop": "stop", "length": "length", "eos": "stop"}
+
+
+@dataclass(frozen=True)
+class UpstreamConfig:
+    url: str
+    model: str | None = None  # name sent upstream; default: the first id of the upstream's /v1/models
+    max_running: int = 64  # concurrent upstream requests (HTTP connections)
+    max_queue: int = 256  # requests waiting for a connection before 429
+    timeout_s: float = 600.0  # read timeout between upstream bytes
+    api_key: str | None = None  # sent upstream as Bearer (SGLang --api-key)
+
+
+def spec_from_payload(obj: dict) -> SpecStats | None:
+    """Spec stats from an upstream response object (SGLang sglext, legacy meta_info, or our own meta_info)."""
+    found = []
+    details = (obj.get("sglext") or {}).get("spec_tokens_details")
+    found += details if isinstance(details, list) else [details] if details else []
+    for holder in [obj, *(obj.get("choices") or [])]:
+        if isinstance(holder.get("meta_info"), dict):
+            found.append(holder["meta_info"])
+    for d in found:
+        verify = int(d.get("spec_verify_ct") or 0)
+        if verify:
+            drafted = d.get("spec_num_proposed_drafts", d.get("spec_draft_tokens", 0)) or 0
+            accepted = d.get("spec_num_correct_drafts", d.get("spec_accepted_tokens", 0)) or 0
+            return SpecStats(verify, int(drafted), int(accepted))
+    return None
+
+
+def _histogram(obj: dict) -> list[int] | None:
+    details = (obj.get("sglext") or {}).get("spec_tokens_details")
+    return details.get("spec_correct_drafts_histogram") if isinstance(details, dict) else None
+
+
+class SGLangBackend:
+    kind = "sglang"
+
+    def __init__(self, config: UpstreamConfig, model_ids: list[str], drafter: str, telemetry: Telemetry):
+        self.config, self.model_ids, self.drafter, self.telemetry = config, model_ids, drafter, telemetry
+        self._http: httpx.AsyncClient | None = None
+        self._in_flight = 0
+        self._tokens = 0  # streamed chunks since the last throughput tick
+        self._ready_cache: tuple[float, str | None] = (0.0, "not checked yet")
+        self._upstream_model = config.model
+        self._ticker: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+        self._http = httpx.AsyncClient(
+            base_url=self.config.url.rstrip("/"),
+            headers=headers,
+            timeout=httpx.Timeout(connect=5.0, read=self.config.timeout_s, write=30.0, pool=None),
+            limits=httpx.Limits(max_connections=self.config.max_running, max_keepalive_connections=self.config.max_running),
+            trust_env=False,  # in-cluster traffic must not go through an HTTP(S)_PROXY from the environment
+        )
+        self._ticker = asyncio.create_task(self._tick())
+
+    async def close(self) -> None:
+        if self._ticker:
+            self._ticker.cancel()
+        if self._http:
+            await self._http.aclose()
+
+    @property
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            raise RuntimeError("the backend is not started")
+        return self._http
+
+    def load(self) -> tuple[int, int]:
+        running = min(self._in_flight, self.config.max_running)
+        return running, self._in_flight - running
+
+    def abort_all(self) -> None:
+        pass  # closing the gateway's connections (server shutdown) aborts the upstream requests
+
+    async def not_ready_reason(self) -> str | None:
+        t, reason = self._ready_cache
+        if time.monotonic() - t < 1.0:
+            return reason
+        try:
+            r = await self._client.get("/health", timeout=3.0)
+            if r.status_code == 404:  # not SGLang: any OpenAI server lists its models
+                r = await self._client.get("/v1/models", timeout=3.0)
+            reason = None if r.status_code == 200 else f"upstream {self.config.url} answered {r.status_code}"
+        except httpx.HTTPError as e:
+            reason = f"upstream {self.config.url} unreachable: {type(e).__name__}"
+        self._ready_cache = (time.monotonic(), reason)
+        return reason
+
+    async def _model(self) -> str:
+        if self._upstream_model is None:
+            try:
+                r = await self._client.get("/v1/models", timeout=5.0)
+                self._upstream_model = r.json()["data"][0]["id"]
+            except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+                return self.model_ids[0]
+        return self._upstream_model
+
+    async def _tick(self) -> None:
+        """Once a second: recent tokens/s by concurrency bucket (upstream batches are not visible here)."""
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            if self._in_flight:
+                self.telemetry.batch_size.observe(self._in_flight)
+                self.telemetry.throughput(self._in_flight, self._tokens, now - last)
+            self._tokens, last = 0, now
+            self.telemetry.occupancy(*self.load())
+
+    async def _payload(self, job: Job) -> tuple[str, dict]:
+        p = job.params
+        body: dict = {"model": await self._model(), "stream": True, "stream_options": {"include_usage": True}, "return_spec_tokens_details": True}
+        body.update(temperature=p.temperature, top_p=p.top_p)
+        for key, value in (("max_tokens", p.max_tokens), ("seed", p.seed)):
+            if value is not None:
+                body[key] = value
+        if p.stop:
+            body["stop"] = list(p.stop)
+        if p.top_k:
+            body["top_k"] = p.top_k
+        if p.stop_token_ids:
+            body["stop_token_ids"] = list(p.stop_token_ids)
+        if p.ignore_eos:
+            body["ignore_eos"] = True
+        if job.messages is not None:
+            return "/v1/chat/completions", {**body, "messages": list(job.messages)}
+        return "/v1/completions", {**body, "prompt": job.prompt if isinstance(job.prompt, str) else list(job.prompt or ())}
+
+    async def generate(self, job: Job) -> AsyncGenerator[Chunk, None]:
+        if self._in_flight >= self.config.max_running + self.config.max_queue:
+            raise APIError(429, "the server is busy; retry later", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+        path, body = await self._payload(job)
+        self._in_flight += 1
+        try:
+            async with self._client.stream("POST", path, json=body) as r:
+                if r.status_code != 200:
+                    raise await _upstream_error(r)
+                async for chunk in self._chunks(r, job.messages is not None):
+                    yield chunk
+        except httpx.TimeoutException as e:
+            raise APIError(504, f"upstream timed out: {type(e).__name__}", code="upstream_timeout") from e
+        except httpx.HTTPError as e:
+            raise APIError(502, f"upstream request failed: {type(e).__name__}: {e}", code="upstream_error") from e
+        finally:
+            self._in_flight -= 1
+
+    async def _chunks(self, r: httpx.Response, chat: bool) -> AsyncGenerator[Chunk, None]:
+        finish, spec, hist = None, None, None
+        usage: dict = {}
+        async for line in r.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            obj = json.loads(data)
+            if "error" in obj:
+                err = obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj["error"])}
+                raise APIError(502, f"upstream error: {err.get('message')}", code="upstream_error")
+            spec = spec_from_payload(obj) or spec
+            hist = _histogram(obj) or hist
+            usage = obj.get("usage") or usage
+            for c in obj.get("choices") or []:
+                text = (c.get("delta") or {}).get("content") if chat else c.get("text")
+                if c.get("finish_reason"):
+                    if c["finish_reason"] not in _FINISH:
+                        raise APIError(502, f"upstream finished the request with {c['finish_reason']!r}", code="upstream_error")
+                    finish = _FINISH[c["finish_reason"]]
+                if text:
+                    self._tokens += 1
+                    yield Chunk(text, 1)
+        if finish is None:
+            raise APIError(502, "upstream stream ended without a finish_reason", code="upstream_error")
+        final = Chunk("", 0, finish, usage.get("prompt_tokens"), usage.get("completion_tokens"), spec)
+        self._account(final, hist)
+        yield final
+
+    def _account(self, final: Chunk, hist: list[int] | None) -> None:
+        t = self.telemetry
+        t.prompt_tokens.inc(final.prompt_tokens or 0)
+        t.generated_tokens.inc(final.completion_tokens or 0)
+        if final.spec:
+            t.spec_totals(final.spec.verify_steps, final.spec.draft_tokens, final.spec.accepted_tokens, hist)
+
+
+async def _upstream_error(r: httpx.Response) -> APIError:
+    """An upstream error response -> the same error for our client (5xx become 502)."""
+    raw = await r.aread()
+    try:
+        err = json.loads(raw)
+        err = err.get("error", err) if isinstance(err, dict) else {"message": str(err)}
+        if isinstance(err, str):
+            err = {"message": err}
+    except ValueError:
+        err = {"message": raw.decode(errors="replace")[:500]}
+    message = str(err.get("message") or err.get("detail") or f"upstream answered {r.status_code}")
+    if 400 <= r.status_code < 500:
+        headers = {"Retry-After": r.headers["retry-after"]} if "retry-after" in r.headers else None
+        code, param = err.get("code"), err.get("param")
+        return APIError(r.status_code, message, param=param if isinstance(param, str) else None, code=code if isinstance(code, str) else None, headers=headers)
+    return APIError(502, f"upstream error {r.status_code}: {message}", code="upstream_error")

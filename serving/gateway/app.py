@@ -1,0 +1,278 @@
+"""The OpenAI-compatible FastAPI app: /v1/chat/completions, /v1/completions, /v1/models, /health, /ready, /metrics.
+
+Every error is OpenAI-shaped, FastAPI's own 404/405/422 and unexpected 500s included. Each
+completion request is counted once in moa_requests_total by how it ended: ok, invalid (4xx from
+validation), rejected (429 queue full, 503 draining), aborted (client went away), error (5xx).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ..backends.base import Backend
+from ..backends.telemetry import Telemetry
+from .auth import APIKeys
+from .errors import APIError, from_validation_errors
+from .generation import ChatFormat, CompletionFormat, Generation
+from .schemas import ChatCompletionRequest, CompletionRequest, Limits, chat_jobs, completion_jobs, parse
+
+log = logging.getLogger("moa_serve.gateway")
+
+DEFAULT_AUTH_EXEMPT = ("/health", "/ready", "/metrics")
+
+
+@dataclass
+class GatewayConfig:
+    limits: Limits = field(default_factory=Limits)
+    api_keys: APIKeys | None = None
+    auth_exempt: tuple[str, ...] = DEFAULT_AUTH_EXEMPT
+
+
+@dataclass
+class GatewayState:
+    draining: bool = False
+    in_flight: int = 0  # completion requests not yet finished (responses still streaming included)
+
+    def enter(self) -> None:
+        self.in_flight += 1
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response started."""
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that always runs `on_close` (client gone, finished, or failed)."""
+
+    def __init__(self, content, on_close):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
+def create_app(backend: Backend, telemetry: Telemetry, config: GatewayConfig | None = None) -> FastAPI:
+    config = config or GatewayConfig()
+    state = GatewayState()
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await backend.start()
+        try:
+            yield
+        finally:
+            await backend.close()
+
+    app = FastAPI(title="moa-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gateway = state
+    app.state.backend = backend
+    _install_error_handlers(app)
+    if config.api_keys is not None and config.api_keys.enabled:
+        app.add_middleware(_AuthMiddleware, keys=config.api_keys, exempt=config.auth_exempt)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        reason = "the server is shutting down" if state.draining else await backend.not_ready_reason()
+        if reason:
+            raise APIError(503, reason, code="not_ready")
+        return {"status": "ready", "backend": backend.kind, "model": backend.model_ids[0], "drafter": backend.drafter}
+
+    @app.get("/metrics")
+    async def metrics():
+        telemetry.occupancy(*backend.load())
+        return Response(generate_latest(telemetry.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [_model_card(m) for m in backend.model_ids]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id not in backend.model_ids:
+            raise _model_not_found(model_id)
+        return _model_card(model_id)
+
+    async def completion(request: Request, schema, make_jobs, fmt):
+        if state.draining:
+            telemetry.request("rejected")
+            raise APIError(503, "the server is shutting down; retry on another replica", code="service_unavailable", headers={"Retry-After": "5"})
+        state.enter()
+        handed_off = False
+        try:
+            body = await _read_body(request, config.limits.max_body_bytes)
+            req = parse(schema, body)
+            model_id = req.model or backend.model_ids[0]
+            if model_id not in backend.model_ids:
+                raise _model_not_found(model_id)
+            jobs = make_jobs(req, config.limits)
+            include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+            gen = Generation(backend, telemetry, jobs, model_id, fmt, include_usage, bool(req.return_token_ids))
+            if not req.stream:
+                try:
+                    result = await _race_disconnect(request, gen.collect())
+                finally:
+                    await gen.close()
+                _finished(telemetry, gen)
+                return JSONResponse(result)
+            try:
+                await _race_disconnect(request, gen.open())
+            except BaseException:
+                await gen.close()
+                raise
+            handed_off = True
+            return SSEResponse(gen.stream(), on_close=lambda: _close_stream(gen, telemetry, state))
+        except APIError as e:
+            telemetry.request(_status_of(e))
+            if e.status >= 500:
+                log.warning("request failed: %s %s", e.status, e.message)
+            raise
+        except ClientGone:
+            telemetry.request("aborted")
+            return Response(status_code=499)
+        except Exception as e:
+            telemetry.request("error")
+            log.exception("unexpected error in %s", request.url.path)
+            raise APIError(500, "internal server error", code="internal_error") from e
+        finally:
+            if not handed_off:
+                state.leave()
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await completion(request, ChatCompletionRequest, chat_jobs, ChatFormat)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await completion(request, CompletionRequest, completion_jobs, CompletionFormat)
+
+    return app
+
+
+def _finished(telemetry: Telemetry, gen: Generation) -> None:
+    telemetry.e2e.observe(time.monotonic() - gen.t0)
+    telemetry.request("ok")
+
+
+async def _close_stream(gen: Generation, telemetry: Telemetry, state: GatewayState) -> None:
+    try:
+        await gen.close()
+    finally:
+        state.leave()
+    if gen.completed:
+        _finished(telemetry, gen)
+    elif gen.failed is not None:
+        telemetry.request(_status_of(gen.failed))
+    else:
+        telemetry.request("aborted")
+
+
+def _status_of(e: APIError) -> str:
+    if e.status in (429, 503):
+        return "rejected"
+    return "error" if e.status >= 500 else "invalid"
+
+
+def _model_card(model_id: str) -> dict:
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "moa-serve"}
+
+
+def _model_not_found(model_id: str) -> APIError:
+    return APIError(404, f"The model `{model_id}` does not exist on this server", param="model", code="model_not_found")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    too_big = APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > limit:
+        raise too_big
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise too_big
+    return bytes(body)
+
+
+async def _race_disconnect(request: Request, coro):
+    """Run `coro` unless the client disconnects first (then cancel it and raise ClientGone)."""
+    work = asyncio.ensure_future(coro)
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+    if work.cancelled():
+        raise ClientGone()
+    return work.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _AuthMiddleware:
+    """Bearer API keys for every path except the exempt ones (pure ASGI: streaming is untouched)."""
+
+    def __init__(self, app, keys: APIKeys, exempt: tuple[str, ...]):
+        self.app, self.keys, self.exempt = app, keys, set(exempt)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.exempt:
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        auth = headers.get(b"authorization", b"").decode("latin-1")
+        if not self.keys.check(auth):
+            err = APIError(401, "Invalid or missing API key. Send 'Authorization: Bearer <key>'.", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            return await err.response()(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e: StarletteHTTPException):
+        if e.status_code == 404:
+            err = APIError(404, f"Not found: {request.method} {request.url.path}", code="not_found")
+        elif e.status_code == 405:
+            err = APIError(405, f"Method {request.method} is not allowed for {request.url.path}", code="method_not_allowed")
+        else:
+            err = APIError(e.status_code, str(e.detail), code=None)
+        err.headers.update(getattr(e, "headers", None) or {})
+        return err.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, e: RequestValidationError):
+        return from_validation_errors(list(e.errors())).response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, e: Exception):
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return APIError(500, "internal server error", code="internal_error").response()

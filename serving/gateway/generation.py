@@ -1,0 +1,206 @@
+"""One OpenAI completion request in flight: its choices, their backend streams, and the response shapes.
+
+    jobs (n choices x prompts) ──► backend.generate(job) per choice
+    open():    peek the first chunk of every choice (errors here become the HTTP status)
+    stream():  SSE: role chunks, content deltas (choices interleaved as they arrive), finish chunks,
+               the usage chunk (stream_options.include_usage), `data: [DONE]`
+    collect(): one JSON body
+    close():   always; stops the pumps and closes every backend stream (aborting unfinished choices)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+
+from ..backends.base import Backend, Chunk, Job, SpecStats
+from ..backends.telemetry import Telemetry
+from .errors import APIError
+
+
+class ChatFormat:
+    object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
+
+    @staticmethod
+    def choice(index: int, text: str, finish: str | None) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": None}
+
+    @staticmethod
+    def delta(index: int, text: str | None = None, finish: str | None = None, role: bool = False) -> dict:
+        d: dict = {"role": "assistant", "content": ""} if role else {}
+        if text:
+            d["content"] = text
+        return {"index": index, "delta": d, "finish_reason": finish, "logprobs": None}
+
+
+class CompletionFormat:
+    object, chunk_object, id_prefix = "text_completion", "text_completion", "cmpl-"
+
+    @staticmethod
+    def choice(index: int, text: str, finish: str | None) -> dict:
+        return {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+
+    @staticmethod
+    def delta(index: int, text: str | None = None, finish: str | None = None, role: bool = False) -> dict:
+        return {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
+
+
+@dataclass
+class _Choice:
+    job: Job
+    stream: AsyncGenerator[Chunk, None]
+    parts: list[str] = field(default_factory=list)
+    final: Chunk | None = None
+    seen_token: bool = False
+    t_last: float = 0.0
+
+
+class Generation:
+    def __init__(self, backend: Backend, telemetry: Telemetry, jobs: list[Job], model: str, fmt, include_usage: bool = False, return_token_ids: bool = False):
+        self.telemetry, self.model, self.fmt, self.include_usage = telemetry, model, fmt, include_usage
+        self.return_token_ids = return_token_ids
+        self.id = fmt.id_prefix + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.t0 = time.monotonic()
+        self.choices = [_Choice(j, backend.generate(j), t_last=self.t0) for j in jobs]
+        self._firsts: list[Chunk] = []
+        self._pumps: list[asyncio.Task] = []
+        self.completed = False
+        self.failed: APIError | None = None  # a stream that ended with an in-stream error event
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    async def open(self) -> None:
+        """Wait for every choice's first chunk; the first error (by choice) is raised as is."""
+        tasks = [asyncio.ensure_future(self._next(c)) for c in self.choices]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        errors: list[BaseException] = [e for t in tasks if not t.cancelled() and (e := t.exception()) is not None]
+        if errors:
+            raise next((e for e in errors if isinstance(e, APIError)), errors[0])
+        self._firsts = [t.result() for t in tasks]
+
+    async def close(self) -> None:
+        for t in self._pumps:
+            t.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+        for c in self.choices:
+            try:
+                await c.stream.aclose()
+            except Exception:  # noqa: BLE001 - closing must not fail the response; the stream already ended
+                pass
+
+    async def _next(self, c: _Choice) -> Chunk:
+        try:
+            chunk = await anext(c.stream)
+        except StopAsyncIteration:
+            raise APIError(500, "the backend ended a generation without output", code="internal_error") from None
+        self._observe(c, chunk)
+        return chunk
+
+    def _observe(self, c: _Choice, chunk: Chunk) -> None:
+        now = time.monotonic()
+        if chunk.tokens:
+            self.telemetry.tokens_out(not c.seen_token, now - c.t_last, chunk.tokens)
+            c.seen_token, c.t_last = True, now
+        c.parts.append(chunk.text)
+        if chunk.finish_reason:
+            c.final = chunk
+
+    # --- non-streaming ------------------------------------------------------------------------
+    async def collect(self) -> dict:
+        await self.open()
+        await asyncio.gather(*(self._drain(c) for c, first in zip(self.choices, self._firsts) if not first.finish_reason))
+        self.completed = True
+        return self._body(self.fmt.object, [self._final_choice(c) for c in self.choices], usage=self._usage(), meta_info=self._meta())
+
+    async def _drain(self, c: _Choice) -> None:
+        while c.final is None:
+            await self._next(c)
+
+    def _final_choice(self, c: _Choice) -> dict:
+        assert c.final is not None
+        return self._extras(self.fmt.choice(c.job.index, "".join(c.parts), c.final.finish_reason), c.final)
+
+    def _extras(self, choice: dict, final: Chunk) -> dict:
+        """Our per-choice extension fields: spec stats (meta_info) and, on request, token ids."""
+        if final.spec is not None:
+            choice["meta_info"] = final.spec.as_meta_info()
+        if self.return_token_ids and final.token_ids is not None:
+            choice["token_ids"] = final.token_ids
+        return choice
+
+    # --- streaming ----------------------------------------------------------------------------
+    async def stream(self) -> AsyncIterator[str]:
+        """SSE events after open(). Choices are pumped concurrently into one queue."""
+        queue: asyncio.Queue = asyncio.Queue()
+        for c, first in zip(self.choices, self._firsts):
+            if not first.finish_reason:
+                self._pumps.append(asyncio.create_task(self._pump(c, queue)))
+        if self.fmt is ChatFormat:
+            yield self._sse([self.fmt.delta(c.job.index, role=True) for c in self.choices])
+        for c, first in zip(self.choices, self._firsts):
+            for event in self._chunk_events(c, first):
+                yield event
+        pending = len(self._pumps)
+        while pending:
+            c, item = await queue.get()
+            if isinstance(item, Exception):
+                err = item if isinstance(item, APIError) else APIError(500, f"internal error: {type(item).__name__}", code="internal_error")
+                self.failed = err
+                yield err.sse()
+                yield "data: [DONE]\n\n"
+                return
+            for event in self._chunk_events(c, item):
+                yield event
+            pending -= item.finish_reason is not None
+        if self.include_usage:
+            yield self._sse([], usage=self._usage(), meta_info=self._meta())
+        self.completed = True
+        yield "data: [DONE]\n\n"
+
+    async def _pump(self, c: _Choice, queue: asyncio.Queue) -> None:
+        try:
+            while c.final is None:
+                chunk = await self._next(c)
+                queue.put_nowait((c, chunk))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - handed to the response, which reports it in-stream
+            queue.put_nowait((c, e))
+
+    def _chunk_events(self, c: _Choice, chunk: Chunk):
+        if chunk.text:
+            yield self._sse([self.fmt.delta(c.job.index, chunk.text)])
+        if chunk.finish_reason:
+            yield self._sse([self._extras(self.fmt.delta(c.job.index, finish=chunk.finish_reason), chunk)])
+
+    def _sse(self, choices: list[dict], **extra) -> str:
+        body = self._body(self.fmt.chunk_object, choices, **extra)
+        if self.include_usage and "usage" not in body:
+            body["usage"] = None
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    # --- shared -------------------------------------------------------------------------------
+    def _body(self, obj: str, choices: list[dict], **extra) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices, **extra}
+
+    def _usage(self) -> dict:
+        prompt = {c.job.prompt_group: c.final.prompt_tokens or 0 for c in self.choices if c.final}
+        completion = sum(c.final.completion_tokens or 0 for c in self.choices if c.final)
+        p = sum(prompt.values())
+        return {"prompt_tokens": p, "completion_tokens": completion, "total_tokens": p + completion}
+
+    def _meta(self) -> dict:
+        total = SpecStats()
+        for c in self.choices:
+            if c.final and c.final.spec:
+                total = total + c.final.spec
+        return total.as_meta_info()

@@ -1,0 +1,208 @@
+"""OpenAI request schemas (strict JSON types) and their translation into per-choice Jobs.
+
+Unknown fields are ignored (SDKs send newer ones); known fields we cannot honour (tools, logprobs,
+penalties, logit_bias, non-text content, ...) are rejected with a 400 naming the parameter, so a
+client never silently gets something other than what it asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..backends.base import GenParams, Job
+from .errors import APIError, from_validation_errors, invalid
+
+MAX_SEED = 2**63 - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Server-side request limits (CLI flags)."""
+
+    max_n: int = 16  # choices per request (n x prompts)
+    max_tokens: int = 2048
+    max_body_bytes: int = 1 << 20
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class ContentPart(_Strict):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Common(_Strict):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(None, ge=1)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, Any] | None = None
+    user: str | None = None
+    # extensions (SGLang / vLLM names)
+    top_k: int | None = Field(None, ge=-1)
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    return_token_ids: bool | None = None  # completion token ids in the last chunk of each choice
+
+
+class ChatCompletionRequest(_Common):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    suffix: str | None = None
+    echo: bool | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+
+
+def parse(model: type[_Common], body: bytes) -> _Common:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise from_validation_errors(e.errors(include_url=False)) from None
+
+
+def _unsupported(param: str, what: str) -> APIError:
+    return APIError(400, f"{param}: {what} is not supported by this server", param=param, code="unsupported_parameter")
+
+
+def _check_common(r: _Common) -> None:
+    if r.presence_penalty:
+        raise _unsupported("presence_penalty", "a non-zero presence_penalty")
+    if r.frequency_penalty:
+        raise _unsupported("frequency_penalty", "a non-zero frequency_penalty")
+    if r.logit_bias:
+        raise _unsupported("logit_bias", "logit_bias")
+    if r.stream_options is not None and not r.stream:
+        raise invalid("stream_options is only allowed when stream is true", "stream_options")
+
+
+def _stop(r: _Common) -> tuple[str, ...]:
+    stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
+    if len(stop) > MAX_STOP_STRINGS:
+        raise invalid(f"stop: at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stop)}", "stop")
+    for s in stop:
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise invalid(f"stop: every stop string must have 1 to {MAX_STOP_CHARS} characters", "stop")
+    return tuple(dict.fromkeys(stop))
+
+
+def _params(r: _Common, max_tokens: int | None, max_tokens_param: str, limits: Limits) -> GenParams:
+    if max_tokens is not None and max_tokens > limits.max_tokens:
+        raise invalid(f"{max_tokens_param}: at most {limits.max_tokens} tokens per request, got {max_tokens}", max_tokens_param)
+    n = r.n or 1
+    if r.seed is not None and r.seed + n - 1 > MAX_SEED:
+        raise invalid(f"seed: seed + n - 1 must be <= {MAX_SEED}", "seed")
+    return GenParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if r.temperature is None else float(r.temperature),
+        top_p=1.0 if r.top_p is None else float(r.top_p),
+        top_k=max(r.top_k or 0, 0),
+        seed=r.seed,
+        stop=_stop(r),
+        stop_token_ids=tuple(r.stop_token_ids or ()),
+        ignore_eos=bool(r.ignore_eos),
+    )
+
+
+def _fan_out(r: _Common, params: GenParams, prompts: list[dict], limits: Limits) -> list[Job]:
+    """n choices per prompt; with a seed, choice i gets seed + i (independent but reproducible)."""
+    n = r.n or 1
+    if n * len(prompts) > limits.max_n:
+        param = "n" if len(prompts) == 1 else "prompt"
+        raise invalid(f"{param}: at most {limits.max_n} choices per request (n x prompts), got {n * len(prompts)}", param)
+    jobs = []
+    for g, prompt in enumerate(prompts):
+        for i in range(n):
+            index = g * n + i
+            seeded = params if params.seed is None else replace(params, seed=params.seed + i)
+            jobs.append(Job(index=index, params=seeded, prompt_group=g, **prompt))
+    return jobs
+
+
+def _message_text(m: ChatMessage, i: int) -> str:
+    if isinstance(m.content, str):
+        return m.content
+    if m.content is None:
+        raise invalid(f"messages[{i}].content is required", f"messages[{i}].content")
+    parts = []
+    for j, p in enumerate(m.content):
+        if p.type != "text" or p.text is None:
+            raise _unsupported(f"messages[{i}].content[{j}]", f"content of type {p.type!r} (only text)")
+        parts.append(p.text)
+    return "".join(parts)
+
+
+def chat_jobs(r: ChatCompletionRequest, limits: Limits) -> list[Job]:
+    _check_common(r)
+    if r.logprobs or r.top_logprobs:
+        raise _unsupported("logprobs", "logprobs")
+    if r.tools or r.functions or r.tool_choice not in (None, "none") or r.function_call not in (None, "none"):
+        raise _unsupported("tools", "tool calling")
+    if r.response_format and r.response_format.get("type") != "text":
+        raise _unsupported("response_format", f"response_format {r.response_format.get('type')!r}")
+    if not r.messages:
+        raise invalid("messages must contain at least one message", "messages")
+    messages = []
+    for i, m in enumerate(r.messages):
+        if m.role in ("tool", "function"):
+            raise _unsupported(f"messages[{i}].role", f"role {m.role!r}")
+        messages.append({"role": "system" if m.role == "developer" else m.role, "content": _message_text(m, i)})
+    max_tokens: int | None
+    if r.max_completion_tokens is not None:
+        max_tokens, param = r.max_completion_tokens, "max_completion_tokens"
+    else:
+        max_tokens, param = r.max_tokens, "max_tokens"
+    return _fan_out(r, _params(r, max_tokens, param, limits), [{"messages": tuple(messages)}], limits)
+
+
+def completion_jobs(r: CompletionRequest, limits: Limits) -> list[Job]:
+    _check_common(r)
+    for param, value, default in (("suffix", r.suffix, None), ("echo", r.echo, False), ("logprobs", r.logprobs, None), ("best_of", r.best_of, 1)):
+        if value not in (None, default) and not (param == "suffix" and value == ""):
+            raise _unsupported(param, param)
+    p = r.prompt
+    prompts: list[str | tuple[int, ...]]
+    if isinstance(p, str):
+        prompts = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        prompts = [tuple(x for x in p if isinstance(x, int))]
+    else:
+        prompts = [x if isinstance(x, str) else tuple(x) for x in p if not isinstance(x, int)]
+    if not prompts or any(len(x) == 0 for x in prompts):
+        raise invalid("prompt must not be empty", "prompt")
+    return _fan_out(r, _params(r, r.max_tokens, "max_tokens", limits), [{"prompt": x} for x in prompts], limits)

@@ -1,0 +1,188 @@
+"""`moa-serve serve`: build a backend, wrap it in the gateway app, run uvicorn with a graceful drain.
+
+SIGTERM (or the first Ctrl-C): /ready turns 503 and new completion requests get 503 + Retry-After
+while in-flight ones finish; the process exits as soon as none is left, or at the drain deadline
+(then the rest are aborted). A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+
+from ..metrics import Metrics
+from .app import DEFAULT_AUTH_EXEMPT, GatewayConfig, GatewayState, create_app
+from .auth import APIKeys
+from .schemas import Limits
+
+log = logging.getLogger("moa_serve.gateway")
+
+
+def add_serve_parser(sub) -> None:
+    from ..cli import _add_model_args, _add_spec_args
+
+    s = sub.add_parser("serve", help="run the OpenAI-compatible gateway (embedded engine or upstream SGLang)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    _add_model_args(s)
+    _add_spec_args(s)
+    s.add_argument("--served-model-name", default=None, help="the `model` name clients use (default: --model, or the directory name for a path)")
+    s.add_argument("--backend", choices=["embedded", "sglang"], default=None, help="embedded engine (default) or an upstream SGLang server [env MOA_SERVE_BACKEND]")
+    s.add_argument("--upstream", default=None, help="upstream base URL for --backend sglang, e.g. http://sglang:30000 [env MOA_SERVE_UPSTREAM]")
+    s.add_argument("--upstream-model", default=None, help="model name sent upstream (default: the first id of the upstream's /v1/models)")
+    s.add_argument("--upstream-timeout", type=float, default=600.0, help="seconds without upstream bytes before 504")
+    s.add_argument("--no-adaptive", action="store_true", help="embedded: always speculate with --tree (default: per step, the measured-fastest of off / --tree / a smaller tree)")
+    s.add_argument("--max-running", type=int, default=64, help="requests decoded together (continuous batching)")
+    s.add_argument("--max-queue", type=int, default=256, help="requests waiting for admission before 429")
+    s.add_argument("--kv-slots", type=int, default=16384, help="embedded: target KV pool size in tokens")
+    s.add_argument("--max-context", type=int, default=None, help="embedded: context limit (default: the model's)")
+    s.add_argument("--max-tokens-limit", type=int, default=2048, help="largest max_tokens a request may ask for")
+    s.add_argument("--default-max-tokens", type=int, default=512, help="embedded: max_tokens when a request sets none (KV is reserved for prompt + max_tokens)")
+    s.add_argument("--max-prompt-tokens", type=int, default=None, help="embedded: longest prompt accepted (default: the context)")
+    s.add_argument("--max-n", type=int, default=16, help="most choices per request (n x prompts)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 above)")
+    s.add_argument("--api-keys-file", default=None, help="file with one API key per line [env MOA_SERVE_API_KEYS_FILE; keys also from env MOA_SERVE_API_KEYS, comma list]")
+    s.add_argument("--auth-exempt", default=",".join(DEFAULT_AUTH_EXEMPT), help="comma list of paths served without an API key ('' = none)")
+    s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish after SIGTERM")
+    s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: OMP_NUM_THREADS or torch's default)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--no-access-log", action="store_true")
+
+
+def _served_name(args) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    return Path(args.model).name if os.sep in args.model else args.model
+
+
+def build_embedded(args, metrics: Metrics):
+    """The embedded engine backend from CLI args (loads the model)."""
+    from sglang_ext.drafters import make_drafter
+    from sglang_ext.models import load_target
+    from sglang_ext.tree import TreeShape
+
+    from ..cli import default_tree
+    from ..engine import Engine
+
+    tree = TreeShape.parse(args.tree) if args.tree else default_tree(args.drafter)
+    target = load_target(args.model, dtype=args.dtype)
+    engine = Engine(target, make_drafter(args.drafter, target), tree, kv_slots=args.kv_slots, max_context=args.max_context, adaptive=not args.no_adaptive)
+    limits = dict(max_running=args.max_running, max_queue=args.max_queue, max_tokens=args.max_tokens_limit, default_max_tokens=args.default_max_tokens, max_prompt_tokens=args.max_prompt_tokens)
+    return embedded_backend(engine, _served_name(args), args.drafter or "none", metrics, **limits)
+
+
+def embedded_backend(engine, model_id: str, drafter: str, metrics: Metrics | None = None, **limits):
+    """(EmbeddedBackend, Telemetry) around an existing Engine (also for tests and benchmarks); limits: EmbeddedLimits fields."""
+    from ..backends.embedded import EmbeddedBackend, EmbeddedLimits
+    from ..backends.telemetry import Telemetry
+
+    telemetry = Telemetry(metrics or Metrics(), drafter, "embedded")
+    return EmbeddedBackend(engine, [model_id], drafter, telemetry, EmbeddedLimits(**limits)), telemetry
+
+
+def build_sglang(args, metrics: Metrics, upstream: str):
+    from ..backends.sglang import SGLangBackend, UpstreamConfig
+    from ..backends.telemetry import Telemetry
+
+    if not upstream.startswith(("http://", "https://")):
+        raise ValueError(f"--upstream must be an http(s) URL, got {upstream!r}")
+    telemetry = Telemetry(metrics, args.drafter or "none", "sglang")
+    cfg = UpstreamConfig(upstream, args.upstream_model, args.max_running, args.max_queue, args.upstream_timeout, os.environ.get("MOA_SERVE_UPSTREAM_API_KEY") or None)
+    return SGLangBackend(cfg, [_served_name(args)], args.drafter or "none", telemetry), telemetry
+
+
+def cmd_serve(args) -> int:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    kind = args.backend or os.environ.get("MOA_SERVE_BACKEND") or "embedded"
+    if kind not in ("embedded", "sglang"):
+        raise ValueError(f"backend must be 'embedded' or 'sglang', got {kind!r}")
+    upstream = args.upstream or os.environ.get("MOA_SERVE_UPSTREAM")
+    if kind == "sglang" and not upstream:
+        raise ValueError("--backend sglang needs --upstream URL (or MOA_SERVE_UPSTREAM)")
+    keys = APIKeys.from_env(args.api_keys_file)
+    metrics = Metrics()
+    backend, telemetry = build_sglang(args, metrics, upstream) if upstream and kind == "sglang" else build_embedded(args, metrics)
+    config = GatewayConfig(
+        limits=Limits(max_n=args.max_n, max_tokens=args.max_tokens_limit, max_body_bytes=args.max_body_bytes),
+        api_keys=keys if keys.enabled else None,
+        auth_exempt=tuple(p for p in args.auth_exempt.split(",") if p),
+    )
+    app = create_app(backend, telemetry, config)
+    print(f"moa-serve: {kind} backend, model {backend.model_ids[0]!r}, drafter {backend.drafter!r}, "
+          f"API keys {'on' if keys.enabled else 'off'}, http://{args.host}:{args.port}", file=sys.stderr, flush=True)
+    cfg = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=not args.no_access_log, timeout_graceful_shutdown=5)
+    DrainingServer(cfg, app.state.gateway, backend, args.drain_timeout).run()
+    return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn.Server whose first SIGTERM/SIGINT drains in-flight requests before shutting down."""
+
+    def __init__(self, config: uvicorn.Config, state: GatewayState, backend, drain_timeout: float):
+        super().__init__(config)
+        self.state, self.backend, self.drain_timeout = state, backend, drain_timeout
+        self._drain_started: float | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._drain_started is None and sig in (signal.SIGTERM, signal.SIGINT):
+            self.begin_drain()
+            return
+        super().handle_exit(sig, frame)  # second signal: shut down now
+
+    def begin_drain(self) -> None:
+        self._drain_started = time.monotonic()
+        self.state.draining = True
+        log.info("draining: %d request(s) in flight, deadline %.0f s", self.state.in_flight, self.drain_timeout)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain_started is not None and not self.should_exit:
+            if self.state.in_flight <= 0:
+                log.info("drained; shutting down")
+                self.should_exit = True
+            elif time.monotonic() - self._drain_started > self.drain_timeout:
+                log.warning("drain deadline passed; aborting %d request(s)", self.state.in_flight)
+                self.backend.abort_all()
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+
+class ServerThread:
+    """Run an app with uvicorn in a background thread on 127.0.0.1 (tests, benchmarks).
+
+        with ServerThread(app) as srv:
+            httpx.get(srv.url + "/health")
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5))
+        self._thread = threading.Thread(target=self.server.run, name="moa-uvicorn", daemon=True)
+        self.host = host
+
+    def __enter__(self) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self._thread.join(30)

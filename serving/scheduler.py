@@ -1,0 +1,312 @@
+"""The engine thread: continuous batching behind a bounded admission queue, tokens delivered to asyncio.
+
+    event loop (gateway)                 engine thread (owns Engine; nothing else touches it)
+    ────────────────────                 ───────────────────────────────────────────────────
+    submit(ids, params) ──► pending ──►  admit while running < max_running and KV fits
+          │   (full: QueueFull → 429)    engine.step()  (prefill joins + one draft/verify for all)
+          │                              per request: Delivery(tokens, finish, stats)
+    handle.next() ◄── call_soon_threadsafe ◄──┘  (one callback per step per event loop)
+    handle.cancel() ──► aborts ──────►  engine.abort(req): KV freed before the next step
+
+A request is admitted only when its worst-case KV need (prompt + max_new_tokens + one tree) fits
+next to the worst-case needs of the requests already running, so a step never runs out of slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sglang_ext.sampling import InvalidRequest, SamplingParams
+
+from .engine import Engine, Request, StepEvent
+
+log = logging.getLogger("moa_serve.scheduler")
+
+
+class QueueFull(Exception):
+    """The admission queue is full; retry after `retry_after` seconds."""
+
+    def __init__(self, retry_after: int):
+        super().__init__(f"the server is at capacity; retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
+class SchedulerClosed(Exception):
+    """The scheduler stopped (shutdown) and takes no new requests."""
+
+
+@dataclass
+class Delivery:
+    """What one engine step did for one request, as seen by the event loop."""
+
+    tokens: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    verify_steps: int = 0  # totals so far
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    error: str | None = None  # the request failed: internal error, or `invalid` input the engine refused
+    invalid: bool = False
+
+
+class Handle:
+    """One request's asyncio side. Created by `Scheduler.submit`, read with `await next()`."""
+
+    def __init__(self, scheduler: Scheduler, prompt_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop):
+        self.scheduler, self.prompt_ids, self.params, self.loop = scheduler, prompt_ids, params, loop
+        self.reservation = len(prompt_ids) + params.max_new_tokens  # KV slots, one tree excluded
+        self.req: Request | None = None  # engine thread only
+        self.done = False  # a final delivery was queued (set on the engine thread)
+        self.cancelled = False
+        self._last_verify = 0  # engine thread only
+        self._queue: asyncio.Queue[Delivery] = asyncio.Queue()
+
+    async def next(self) -> Delivery:
+        return await self._queue.get()
+
+    def cancel(self) -> None:
+        """Abort (idempotent; a no-op once finished). Safe from any thread."""
+        self.scheduler.abort(self)
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, *, max_running: int = 64, max_queue: int = 256, telemetry=None):
+        if max_running < 1 or max_queue < 0:
+            raise ValueError("max_running must be >= 1 and max_queue >= 0")
+        self.engine, self.max_running, self.max_queue, self.telemetry = engine, max_running, max_queue, telemetry
+        self._cond = threading.Condition()  # guards everything below except _by_rid
+        self._pending: deque[Handle] = deque()
+        self._aborts: list[Handle] = []
+        self._active: set[Handle] = set()  # admitted (taken from pending), not finished
+        self._finished_at: deque[float] = deque(maxlen=256)  # completion times, for Retry-After
+        self._closing = False
+        self._by_rid: dict[int, Handle] = {}  # engine thread only
+        self._thread: threading.Thread | None = None
+        self.last_error: str | None = None
+
+    # --- any thread -------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="moa-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort what is left and join the engine thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._closing
+
+    def load(self) -> tuple[int, int]:
+        """(running, queued)."""
+        with self._cond:
+            return len(self._active), len(self._pending)
+
+    def capacity(self) -> int:
+        """The most tokens (prompt + max_new_tokens) one request may reserve in the KV pool."""
+        return self.engine.kv.num_slots - 1 - self._tree_nodes()
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop | None = None) -> Handle:
+        """Queue a request (thread-safe). Raises QueueFull, SchedulerClosed, InvalidRequest (too big for the KV pool)."""
+        h = Handle(self, list(prompt_ids), params, loop or asyncio.get_running_loop())
+        if h.reservation > self.capacity():
+            raise InvalidRequest(f"prompt + max_tokens = {h.reservation} tokens exceeds this server's KV capacity of {self.capacity()} tokens", "max_tokens")
+        with self._cond:
+            if self._closing or self._thread is None or not self._thread.is_alive():
+                raise SchedulerClosed("the engine is not running")
+            # pending may hold max_queue requests beyond the free running slots
+            if len(self._pending) >= self.max_queue + max(0, self.max_running - len(self._active)):
+                raise QueueFull(self._retry_after())
+            self._pending.append(h)
+            self._cond.notify()
+        return h
+
+    def abort(self, h: Handle) -> None:
+        """Abort one request (idempotent; a no-op once finished). Thread-safe."""
+        with self._cond:
+            if h.done or h.cancelled:
+                return
+            h.cancelled = True
+            if h in self._pending:  # never reached the engine
+                self._pending.remove(h)
+                self._post([self._finish(h, Delivery([], "abort"))])
+                return
+            self._aborts.append(h)
+            self._cond.notify()
+
+    def abort_all(self) -> None:
+        with self._cond:
+            handles = list(self._pending) + list(self._active)
+        for h in handles:
+            self.abort(h)
+
+    def _retry_after(self) -> int:
+        """Seconds until a queue slot is likely free: queue length / recent completion rate."""
+        now = time.monotonic()
+        recent = [t for t in self._finished_at if t > now - 60]
+        if len(recent) < 2:
+            return 1
+        rate = len(recent) / max(now - recent[0], 1e-3)
+        return max(1, min(60, math.ceil(len(self._pending) / rate)))
+
+    # --- engine thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._pending or self._aborts or self._active or self._closing):
+                    self._cond.wait()
+                if self._closing:
+                    break
+                aborts, self._aborts = self._aborts, []
+                admit = self._take_admissible()
+            try:
+                self._iterate(aborts, admit)
+            except Exception:  # noqa: BLE001 - the engine thread must survive anything
+                self.last_error = traceback.format_exc()
+                log.error("engine thread error; failing %d requests:\n%s", len(self._by_rid), self.last_error)
+                self._fail_all("internal error in the engine thread", admit)
+            if self.telemetry:
+                self.telemetry.occupancy(*self.load())
+        self._shutdown()
+
+    def _iterate(self, aborts: list[Handle], admit: list[Handle]) -> None:
+        self._apply_aborts(aborts)
+        self._admit(admit)
+        if self.engine.has_work:
+            self._step()
+        elif not (admit or aborts):
+            time.sleep(0.005)  # pending requests wait for KV reservations to free: do not spin
+
+    def _tree_nodes(self) -> int:
+        return self.engine.tree.num_draft_tokens + 1
+
+    def _take_admissible(self) -> list[Handle]:
+        """Pop pending requests (FIFO) while the running limit and the KV reservations allow (lock held).
+
+        A request's worst case is reservation + one tree: at its last verify it holds prompt + outputs
+        and the slots of the tree being verified.
+        """
+        nodes = self._tree_nodes()
+        free = self.engine.kv.num_slots - 1 - sum(h.reservation + nodes for h in self._active)
+        out = []
+        while self._pending and len(self._active) < self.max_running and self._pending[0].reservation + nodes <= free:
+            h = self._pending.popleft()
+            free -= h.reservation + nodes
+            self._active.add(h)
+            out.append(h)
+        return out
+
+    def _admit(self, handles: list[Handle]) -> None:
+        posts = []
+        for h in handles:
+            try:
+                h.req = self.engine.add_request(h.prompt_ids, h.params)
+            except InvalidRequest as e:
+                posts.append(self._finish(h, Delivery([], error=str(e), invalid=True)))
+                continue
+            self._by_rid[h.req.rid] = h
+            if self.telemetry:
+                self.telemetry.prompt_tokens.inc(len(h.prompt_ids))
+        self._post(posts)
+
+    def _apply_aborts(self, handles: list[Handle]) -> None:
+        posts = []
+        for h in handles:
+            if h.done:
+                continue
+            if h.req is not None:
+                self.engine.abort(h.req)
+                self._by_rid.pop(h.req.rid, None)
+            posts.append(self._finish(h, Delivery([], "abort")))
+        self._post(posts)
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        events = self.engine.step()  # an exception fails every request (_run), the thread keeps serving
+        dt = time.perf_counter() - t0
+        posts, tokens = [], 0
+        for e in events:
+            h = self._by_rid.get(e.request.rid)
+            tokens += len(e.new_tokens)
+            self._record(h, e)
+            if h is None or h.done:
+                continue
+            st = e.request.stats
+            d = Delivery(list(e.new_tokens), e.request.finish_reason, st.verify_steps, st.draft_tokens, st.accepted_tokens)
+            if e.request.finished:
+                del self._by_rid[e.request.rid]
+                posts.append(self._finish(h, d))
+            else:
+                posts.append((h, d))
+        if self.telemetry:
+            self.telemetry.batch_size.observe(len(events))
+            self.telemetry.throughput(len(events), tokens, dt)
+        self._post(posts)
+
+    def _record(self, h: Handle | None, e: StepEvent) -> None:
+        if not self.telemetry:
+            return
+        self.telemetry.generated_tokens.inc(len(e.new_tokens))
+        if h is not None and e.request.stats.verify_steps > h._last_verify:
+            h._last_verify = e.request.stats.verify_steps
+            self.telemetry.verify_step(e.drafted, e.accepted)
+
+    def _finish(self, h: Handle, d: Delivery) -> tuple[Handle, Delivery]:
+        with self._cond:
+            h.done = True
+            self._active.discard(h)
+            self._finished_at.append(time.monotonic())
+        return h, d
+
+    def _fail_all(self, message: str, admitting: Sequence[Handle] = ()) -> None:
+        """Fail every request the engine holds (and those being admitted); free their KV."""
+        posts = []
+        for h in {*self._by_rid.values(), *admitting}:
+            if h.done:
+                continue
+            try:
+                if h.req is not None:
+                    self.engine.abort(h.req)
+            except Exception:  # noqa: BLE001 - the engine is already in trouble; free what we can
+                log.exception("abort after an engine error")
+            posts.append(self._finish(h, Delivery([], error=message)))
+        self._by_rid.clear()
+        self._post(posts)
+
+    def _shutdown(self) -> None:
+        with self._cond:
+            left = list(self._pending) + list(self._active)
+            self._pending.clear()
+        for h in left:
+            if h.req is not None:
+                self.engine.abort(h.req)
+        self._by_rid.clear()
+        self._post([self._finish(h, Delivery([], "abort")) for h in left if not h.done])
+
+    @staticmethod
+    def _post(posts: list[tuple[Handle, Delivery]]) -> None:
+        """Hand deliveries to their event loops: one thread-safe callback per loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for h, d in posts:
+            by_loop.setdefault(h.loop, []).append((h, d))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_dispatch, items)
+            except RuntimeError:  # the loop is closed (server exiting): nobody is listening
+                pass
+
+
+def _dispatch(items: list[tuple[Handle, Delivery]]) -> None:
+    for h, d in items:
+        h._queue.put_nowait(d)

@@ -1,0 +1,251 @@
+"""The gateway on a real uvicorn server (127.0.0.1) with the real SmolLM2 (fp32) + n-gram drafter, via the real openai client.
+
+Covers: response shapes (ChatCompletion / ChatCompletionChunk / Completion), include_usage, n, stop
+strings, seeds, API == `moa-serve generate`, 32 concurrent streams == each alone, 50 dropped
+streams free their KV, and /metrics (promtool + counters moving).
+"""
+
+import asyncio
+import concurrent.futures as cf
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+from prometheus_client.parser import text_string_to_metric_families
+
+from helpers import compare_to_reference
+from serving.cli import default_tree
+from serving.engine import Engine
+from serving.gateway.app import create_app
+from serving.gateway.server import ServerThread, embedded_backend
+from sglang_ext.drafters import make_drafter
+
+MODEL = "smollm2"
+DRAFTER = "ngram"
+CHAT = "/v1/chat/completions"
+SPEC_KEYS = {"spec_accept_length", "spec_verify_ct", "spec_draft_tokens", "spec_accepted_tokens"}
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_fp32):
+    engine = Engine(smollm2_fp32, make_drafter(DRAFTER, smollm2_fp32), default_tree(DRAFTER), kv_slots=8192)
+    backend, telemetry = embedded_backend(engine, MODEL, DRAFTER)
+    with ServerThread(create_app(backend, telemetry)) as srv:
+        srv.engine, srv.telemetry, srv.backend = engine, telemetry, backend
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def user(text, system="Be brief."):
+    return [{"role": "system", "content": system}, {"role": "user", "content": text}]
+
+
+def sse_objects(resp: httpx.Response) -> list:
+    """The JSON objects of an SSE response, checking it ends with [DONE]."""
+    lines = [ln[len("data: ") :] for ln in resp.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def test_chat_shapes_usage_and_spec_stats(server, client):
+    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=user("Name three colors."), max_tokens=12, temperature=0)
+    body = raw.http_response.json()
+    full = ChatCompletion.model_validate(body)
+    assert full.choices[0].finish_reason in ("stop", "length") and full.choices[0].message.role == "assistant"
+    assert full.usage.completion_tokens <= 12 and full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    assert SPEC_KEYS <= set(body["meta_info"]) and SPEC_KEYS <= set(body["choices"][0]["meta_info"])
+    assert body["meta_info"]["spec_verify_ct"] >= 1
+
+    with httpx.Client(base_url=server.url, timeout=300) as c:
+        req = {"model": MODEL, "messages": user("Name three colors."), "max_tokens": 12, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        with c.stream("POST", CHAT, json=req) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            objs = sse_objects(r)
+    chunks = [ChatCompletionChunk.model_validate(o) for o in objs]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert len({ch.id for ch in chunks}) == 1
+    *content, usage = chunks
+    assert usage.choices == [] and usage.usage.model_dump() == full.usage.model_dump()
+    assert SPEC_KEYS <= set(objs[-1]["meta_info"])
+    assert "".join(ch.choices[0].delta.content or "" for ch in content) == full.choices[0].message.content
+    assert [ch.choices[0].finish_reason for ch in content if ch.choices[0].finish_reason] == [full.choices[0].finish_reason]
+
+    # the openai client's own streaming path; without include_usage there is no usage chunk
+    stream = client.chat.completions.create(model=MODEL, messages=user("Name three colors."), max_tokens=12, temperature=0, stream=True)
+    parts = list(stream)
+    assert all(p.usage is None for p in parts) and all(p.choices for p in parts)
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == full.choices[0].message.content
+
+
+def test_completions_endpoint_shapes(server, client):
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    full = Completion.model_validate(raw.http_response.json())
+    assert full.object == "text_completion" and full.choices[0].text
+    with httpx.Client(base_url=server.url, timeout=300) as c:
+        req = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        with c.stream("POST", "/v1/completions", json=req) as r:
+            objs = sse_objects(r)
+    # openai's Completion types finish_reason as non-null, so mid-stream chunks (finish_reason: null, as
+    # OpenAI sends them) validate once it is filled in; the finish and usage chunks validate as they are
+    chunks = [Completion.model_validate(o if not o["choices"] or o["choices"][0]["finish_reason"] else {**o, "choices": [{**o["choices"][0], "finish_reason": "length"}]}) for o in objs]
+    assert all(set(o["choices"][0]) >= {"index", "text", "finish_reason", "logprobs"} for o in objs if o["choices"])
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == full.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert client.models.list().data[0].id == MODEL
+
+
+def test_n_and_seeds(server, client):
+    kw = dict(model=MODEL, messages=user("Write a short sentence about the sea."), max_tokens=10, temperature=1.0, top_p=0.95)
+    both = client.chat.completions.create(n=2, seed=11, **kw)
+    assert sorted(c.index for c in both.choices) == [0, 1]
+    alone = [client.chat.completions.create(seed=11 + i, **kw).choices[0].message.content for i in range(2)]
+    again = client.chat.completions.create(seed=11, **kw).choices[0].message.content
+    assert again == alone[0], "same seed must give the same text"
+    assert [c.message.content for c in sorted(both.choices, key=lambda c: c.index)] == alone, "choice i of n uses seed + i"
+    assert 2 <= both.usage.completion_tokens <= 20
+
+    stream = client.chat.completions.create(n=2, seed=11, stream=True, stream_options={"include_usage": True}, **kw)
+    texts, finishes = {0: "", 1: ""}, {}
+    for ch in stream:
+        ChatCompletionChunk.model_validate(ch.model_dump())
+        for c in ch.choices:
+            texts[c.index] += c.delta.content or ""
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert [texts[0], texts[1]] == alone and set(finishes) == {0, 1}
+    assert ch.usage.completion_tokens == both.usage.completion_tokens
+
+
+def test_stop_strings(server, client):
+    kw = dict(model=MODEL, messages=user("Explain what a tree is in two sentences.", system="You are a teacher."), max_tokens=24, temperature=0)
+    ref = client.chat.completions.create(**kw).choices[0].message.content
+    k = len(ref) // 2
+    stop = ref[k : k + 3]
+    expected = ref[: ref.index(stop)]
+    out = client.chat.completions.create(stop=[stop, "never-appears-xyz"], **kw).choices[0]
+    assert (out.message.content, out.finish_reason) == (expected, "stop")
+    assert client.chat.completions.create(stop=stop, **kw).choices[0].message.content == expected
+
+    pieces, finish = [], None
+    for ch in client.chat.completions.create(stop=stop, stream=True, **kw):
+        for c in ch.choices:
+            pieces.append(c.delta.content or "")
+            finish = c.finish_reason or finish
+    assert "".join(pieces) == expected and finish == "stop"
+    assert not any(stop in p for p in pieces)
+
+
+def test_greedy_text_equals_cli_generate(server, client):
+    prompt = "Give two tips for sleeping well."
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    script = Path(sys.executable).parent / "moa-serve"
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "serving.cli"]
+    cli = subprocess.run(
+        [*cmd, "generate", "--chat", "--prompt", prompt, "--dtype", "float32", "--drafter", DRAFTER, "--max-new-tokens", "24", "--json"],
+        capture_output=True, text=True, env=env, timeout=300, cwd=Path(__file__).parent.parent,
+    )
+    assert cli.returncode == 0, cli.stderr
+    ref = json.loads(cli.stdout.strip().splitlines()[-1])
+    api = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0, extra_body={"return_token_ids": True})
+    assert api.choices[0].message.content == ref["text"]
+    assert api.choices[0].token_ids == ref["token_ids"]
+
+
+TOPICS = ["cats", "rain", "the moon", "bread", "music", "rivers", "chess", "winter", "bees", "glass", "trains", "salt", "clouds", "paper", "islands", "owls",
+          "copper", "tea", "deserts", "maps", "violins", "snow", "bridges", "apples", "stars", "wool", "volcanoes", "clocks", "rice", "whales", "kites", "ink"]
+
+
+def test_32_concurrent_streams_equal_each_alone(server, client, smollm2_fp32):
+    """Batching does not change greedy outputs (fp32; a divergence is allowed only at a numerical tie)."""
+    msgs = [user(f"One fact about {t}.") for t in TOPICS]
+    kw = dict(model=MODEL, max_tokens=10, temperature=0, extra_body={"return_token_ids": True})
+    alone = [client.chat.completions.create(messages=m, **kw).choices[0] for m in msgs]
+    hist = server.telemetry.batch_size
+    big_before = hist._sum.get()
+
+    def stream(m):
+        text, ids = "", None
+        for ch in client.chat.completions.create(messages=m, stream=True, **kw):
+            for c in ch.choices:
+                text += c.delta.content or ""
+                ids = getattr(c, "token_ids", None) or ids
+        return text, ids
+
+    with cf.ThreadPoolExecutor(32) as pool:
+        together = list(pool.map(stream, msgs))
+    verdicts = []
+    for m, a, (text, ids) in zip(msgs, alone, together):
+        v = compare_to_reference(smollm2_fp32.model, smollm2_fp32.encode_chat(m), a.token_ids, ids)
+        verdicts.append(v)
+        if v == "same":
+            assert text == a.message.content
+    print(f"32 streams: {verdicts.count('same')} same, {verdicts.count('tie')} numerical ties")
+    assert "bug" not in verdicts, verdicts
+    assert hist._sum.get() - big_before > 10 * 16, "the 32 streams were not batched together"
+
+
+def test_50_dropped_streams_free_their_kv(server):
+    engine, sched = server.engine, server.backend.scheduler
+    start = engine.kv.num_free
+    assert start == engine.kv.num_slots - 1 and sched.load() == (0, 0)
+    aborted0 = server.telemetry._requests["aborted"]._value.get()
+
+    async def open_and_drop(c, i):
+        req = {"model": MODEL, "messages": user(f"Tell a long story about {TOPICS[i % 32]}."), "max_tokens": 64, "temperature": 0, "stream": True}
+        async with c.stream("POST", CHAT, json=req) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if '"content"' in line and '"role"' not in line:
+                    return  # one content delta, then hang up mid-stream
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=300, limits=httpx.Limits(max_connections=64)) as c:
+            await asyncio.gather(*(open_and_drop(c, i) for i in range(50)))
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 60
+    while (engine.kv.num_free != start or sched.load() != (0, 0)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert engine.kv.num_free == start and sched.load() == (0, 0) and not engine.has_work
+    assert server.telemetry._requests["aborted"]._value.get() - aborted0 == 50
+
+
+def _scrape(url: str) -> tuple[str, dict]:
+    text = httpx.get(url + "/metrics").text
+    values = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("drafter", "backend")) + "}" if len(s.labels) > 2 else "")
+            values[key] = values.get(key, 0) + s.value
+    return text, values
+
+
+def test_metrics_promtool_and_counters_move(server, client, tmp_path):
+    _, before = _scrape(server.url)
+    client.chat.completions.create(model=MODEL, messages=user("Repeat: one two three one two three one two three"), max_tokens=16, temperature=0)
+    text, after = _scrape(server.url)
+    for name in ("moa_verify_steps_total", "moa_draft_tokens_total", "moa_generated_tokens_total", "moa_prompt_tokens_total", "moa_requests_total{status=ok}",
+                 "moa_time_to_first_token_seconds_count", "moa_inter_token_latency_seconds_count", "moa_request_latency_seconds_count",
+                 "moa_batch_size_count", "moa_accept_length_count", "moa_draft_tokens_per_step_count"):
+        assert after[name] > before.get(name, 0), name
+    assert after["moa_accepted_tokens_total"] >= before["moa_accepted_tokens_total"]
+    assert any(v > 0 for k, v in after.items() if k.startswith("moa_throughput_tokens_per_second"))
+    assert 'backend="embedded"' in text and f'drafter="{DRAFTER}"' in text
+    promtool = shutil.which("promtool") or str(Path(__file__).parent.parent / ".tools/bin/promtool")
+    if not Path(promtool).exists():
+        pytest.skip("promtool not installed (scripts/install-deploy-tools.sh)")
+    check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr

@@ -1,0 +1,234 @@
+"""The upstream (SGLang) backend against a small OpenAI-API server on 127.0.0.1 started by the test.
+
+Real SGLang cannot run on this CPU-only machine, so the upstream here is a FastAPI app that speaks the
+OpenAI streaming API the way SGLang 0.5.23 does when asked for `return_spec_tokens_details`: content
+chunks, a finish chunk, a `choices: []` chunk carrying `sglext.spec_tokens_details`, the usage chunk,
+`data: [DONE]`; errors as SGLang's flat `{"object": "error", "message", "type", "param", "code": 400}`.
+"""
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
+from serving.backends.sglang import SGLangBackend, UpstreamConfig
+from serving.backends.telemetry import Telemetry
+from serving.gateway.app import create_app
+from serving.gateway.server import ServerThread
+from serving.metrics import Metrics
+
+ROOT = Path(__file__).parent.parent
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+SPEC = {"spec_accept_rate": 0.5, "spec_accept_length": 2.5, "spec_num_correct_drafts": 6, "spec_num_proposed_drafts": 12, "spec_verify_ct": 4,
+        "spec_correct_drafts_histogram": [1, 1, 1, 1]}
+
+
+class FakeSGLang:
+    """Records requests; streams `max_tokens` words (seed picks the first word)."""
+
+    def __init__(self):
+        self.requests: list[dict] = []
+        self.disconnects = 0
+        self.healthy = True
+        app = self.app = FastAPI()
+
+        @app.get("/health")
+        async def health():
+            return JSONResponse({}, status_code=200 if self.healthy else 503)
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": "upstream-model", "object": "model"}]}
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            return await self.generate(await request.json(), chat=True)
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await self.generate(await request.json(), chat=False)
+
+    async def generate(self, body: dict, chat: bool):
+        self.requests.append(body)
+        prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+        if prompt == "fail400":
+            return JSONResponse({"object": "error", "message": "bad thing upstream", "type": "BadRequestError", "param": None, "code": 400}, status_code=400)
+        if prompt == "fail500":
+            return JSONResponse({"object": "error", "message": "upstream exploded", "type": "InternalServerError", "param": None, "code": 500}, status_code=500)
+        assert body["stream"] is True and body["stream_options"] == {"include_usage": True} and body["return_spec_tokens_details"] is True
+        n_tok = body.get("max_tokens", 4)
+        first = (body.get("seed") or 0) % len(WORDS)
+        words = [WORDS[(first + i) % len(WORDS)] for i in range(n_tok)]
+        slow = prompt == "slow"
+
+        def chunk(**kw):
+            return "data: " + json.dumps({"id": "x", "object": "chat.completion.chunk" if chat else "text_completion", "created": 1, "model": body["model"], **kw}) + "\n\n"
+
+        def choice(text=None, finish=None):
+            if chat:
+                return {"index": 0, "delta": {"content": text} if text is not None else {}, "finish_reason": finish}
+            return {"index": 0, "text": text or "", "finish_reason": finish}
+
+        async def events():
+            try:
+                if chat:
+                    yield chunk(choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+                for i, w in enumerate(words):
+                    if slow:
+                        await asyncio.sleep(0.05)
+                    yield chunk(choices=[choice(w if i == 0 else " " + w)])
+                yield chunk(choices=[choice(finish="length")])
+                yield chunk(choices=[], sglext={"spec_tokens_details": SPEC})
+                yield chunk(choices=[], usage={"prompt_tokens": 7, "completion_tokens": n_tok, "total_tokens": 7 + n_tok})
+                yield "data: [DONE]\n\n"
+            except asyncio.CancelledError:
+                self.disconnects += 1
+                raise
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+@pytest.fixture(scope="module")
+def upstream():
+    fake = FakeSGLang()
+    with ServerThread(fake.app) as srv:
+        fake.url = srv.url
+        yield fake
+
+
+def gateway(url: str, **cfg):
+    metrics = Metrics()
+    telemetry = Telemetry(metrics, "moa", "sglang")
+    backend = SGLangBackend(UpstreamConfig(url, **cfg), ["llama-8b"], "moa", telemetry)
+    return ServerThread(create_app(backend, telemetry)), telemetry
+
+
+@pytest.fixture(scope="module")
+def gw(upstream):
+    srv, telemetry = gateway(upstream.url)
+    with srv:
+        srv.telemetry = telemetry
+        yield srv
+
+
+def expected(n: int, seed: int = 0) -> str:
+    return " ".join(WORDS[(seed + i) % len(WORDS)] for i in range(n))
+
+
+def test_chat_through_upstream(gw, upstream):
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0.5, top_p=0.9, seed=3, stop=["zzz"])
+    body = raw.http_response.json()
+    out = ChatCompletion.model_validate(body)
+    assert out.choices[0].message.content == expected(5, 3) and out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens == 7 and out.usage.completion_tokens == 5
+    assert body["meta_info"]["spec_verify_ct"] == 4 and body["meta_info"]["spec_draft_tokens"] == 12 and body["meta_info"]["spec_accepted_tokens"] == 6
+    sent = upstream.requests[-1]
+    assert sent["model"] == "upstream-model" and sent["temperature"] == 0.5 and sent["top_p"] == 0.9 and sent["stop"] == ["zzz"] and "n" not in sent
+
+    chunks = list(client.chat.completions.create(model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True, stream_options={"include_usage": True}, n=2, seed=1))
+    for ch in chunks:
+        ChatCompletionChunk.model_validate(ch.model_dump())
+    texts = {0: "", 1: ""}
+    for ch in chunks:
+        for c in ch.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == {0: expected(4, 1), 1: expected(4, 2)}  # n=2 -> two upstream requests with seed, seed + 1
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8 and chunks[-1].usage.prompt_tokens == 7
+    assert [r.get("seed") for r in upstream.requests[-2:]] in ([1, 2], [2, 1])
+
+    comp = client.completions.create(model="llama-8b", prompt="once", max_tokens=3)
+    assert comp.choices[0].text == expected(3) and upstream.requests[-1]["prompt"] == "once"
+
+
+def test_upstream_errors_and_readiness(gw, upstream):
+    with httpx.Client(base_url=gw.url, timeout=30) as c:
+        r = c.post("/v1/chat/completions", json={"model": "llama-8b", "messages": [{"role": "user", "content": "fail400"}]})
+        assert r.status_code == 400 and r.json()["error"] == {"message": "bad thing upstream", "type": "invalid_request_error", "param": None, "code": None}
+        r = c.post("/v1/chat/completions", json={"model": "llama-8b", "messages": [{"role": "user", "content": "fail500"}]})
+        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error" and "upstream exploded" in r.json()["error"]["message"]
+        assert c.get("/ready").status_code == 200
+        upstream.healthy = False
+        time.sleep(1.1)  # readiness is cached for 1 s
+        try:
+            assert c.get("/ready").status_code == 503
+        finally:
+            upstream.healthy = True
+            time.sleep(1.1)
+        assert c.get("/ready").status_code == 200
+
+
+def test_unreachable_upstream(tmp_path):
+    srv, _ = gateway("http://127.0.0.1:9", model="m")  # port 9 (discard): nothing listens
+    with srv, httpx.Client(base_url=srv.url, timeout=30) as c:
+        r = c.post("/v1/chat/completions", json={"model": "llama-8b", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 502 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+        ready = c.get("/ready")
+        assert ready.status_code == 503 and "unreachable" in ready.json()["error"]["message"]
+        assert c.get("/health").status_code == 200
+
+
+def test_client_disconnect_closes_the_upstream_request(gw, upstream):
+    before = upstream.disconnects
+    with httpx.Client(base_url=gw.url, timeout=30) as c:
+        body = {"model": "llama-8b", "messages": [{"role": "user", "content": "slow"}], "max_tokens": 200, "stream": True}
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            for line in r.iter_lines():
+                if '"content": "alpha"' in line:
+                    break
+    deadline = time.monotonic() + 10
+    while upstream.disconnects == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert upstream.disconnects == before + 1
+
+
+def test_sglang_metrics(gw, upstream):
+    t = gw.telemetry
+    v0, d0, a0, n0 = (x._value.get() for x in (t.verify_steps, t.draft_tokens, t.accepted_tokens, t.generated_tokens))
+    openai.OpenAI(base_url=gw.url + "/v1", api_key="unused").chat.completions.create(model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=6)
+    assert t.verify_steps._value.get() - v0 == 4 and t.draft_tokens._value.get() - d0 == 12 and t.accepted_tokens._value.get() - a0 == 6
+    assert t.generated_tokens._value.get() - n0 == 6
+    text = httpx.get(gw.url + "/metrics").text
+    assert 'moa_verify_steps_total{backend="sglang",drafter="moa"}' in text
+    promtool = shutil.which("promtool") or str(ROOT / ".tools/bin/promtool")
+    if Path(promtool).exists():
+        check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
+        assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_cli_env_selects_the_sglang_backend(upstream, tmp_path):
+    """MOA_SERVE_BACKEND / MOA_SERVE_UPSTREAM configure `moa-serve serve` (no model is loaded)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MOA_SERVE_BACKEND": "sglang", "MOA_SERVE_UPSTREAM": upstream.url}
+    proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "serve", "--port", str(port), "--model", "llama-8b", "--drafter", "moa", "--no-access-log"],
+                            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "log", "w"))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "llama-8b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == expected(2)
+        assert httpx.get(url + "/ready").json()["backend"] == "sglang"
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0

@@ -1,0 +1,189 @@
+"""Gateway pieces without a server: incremental detokenization + stop strings, request -> jobs, API keys, error params."""
+
+import time
+
+import pytest
+
+from serving.backends.detok import IncrementalText
+from serving.gateway.auth import APIKeys
+from serving.gateway.errors import APIError, _param
+from serving.gateway.schemas import ChatCompletionRequest, CompletionRequest, Limits, chat_jobs, completion_jobs, parse
+
+
+def chars(ids):
+    return "".join(chr(i) for i in ids)
+
+
+def feed(text: IncrementalText, s: str, step: int = 1):
+    """Push the characters of s `step` at a time; return the emitted pieces and whether a stop was hit."""
+    pieces = []
+    for i in range(0, len(s), step):
+        out, stopped = text.push([ord(c) for c in s[i : i + step]])
+        pieces.append(out)
+        if stopped:
+            return pieces, True
+    pieces.append(text.push([], final=True)[0])
+    return pieces, False
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 5])
+def test_stop_string_is_excluded_and_never_partially_emitted(step):
+    pieces, stopped = feed(IncrementalText(chars, ["###", "STOP"]), "ab #c ## d ###tail", step)
+    assert stopped and "".join(pieces) == "ab #c ## d "
+    # emitted text is never taken back, so an exact total proves no part of the final "###" went out
+
+
+def test_held_back_prefix_is_released_when_it_cannot_be_a_stop():
+    t = IncrementalText(chars, ["STOP"])
+    assert t.push([ord(c) for c in "go ST"]) == ("go ", False)
+    assert t.push([ord("A")]) == ("STA", False)  # "STA" is no prefix of "STOP": released
+    assert t.push([ord("S"), ord("T"), ord("O")]) == ("", False)
+    assert t.push([ord("P"), ord("x")]) == ("", True)
+    assert t.push([], final=True)[0] == ""
+
+
+def test_earliest_of_several_stop_strings_wins():
+    t = IncrementalText(chars, ["world", "lo w"])
+    out, stopped = t.push([ord(c) for c in "hello world"])
+    assert stopped and out == "hel"
+
+
+def test_multibyte_tokens_never_emit_replacement_chars(smollm2_fp32):
+    tok = smollm2_fp32
+    s = "Snowman ☃, rocket 🚀, 中文字符 and naïve café — done."
+    ids = tok.encode(s)
+    assert any("\ufffd" in tok.decode([i]) for i in ids), "test needs a character split over several tokens"
+    t = IncrementalText(tok.decode)
+    pieces = [t.push([i])[0] for i in ids] + [t.push([], final=True)[0]]
+    assert "".join(pieces) == tok.decode(ids) == s
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_stop_string_inside_multibyte_run(smollm2_fp32):
+    tok = smollm2_fp32
+    s = "abc 🚀🚀 def"
+    t = IncrementalText(tok.decode, ["🚀"])
+    pieces = []
+    for i in tok.encode(s):
+        out, stopped = t.push([i])
+        pieces.append(out)
+        if stopped:
+            break
+    assert stopped and "".join(pieces) == "abc "
+
+
+def _chat(**kw):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}
+    import json
+
+    return parse(ChatCompletionRequest, json.dumps(body).encode())
+
+
+def test_chat_jobs_n_seed_and_params():
+    jobs = chat_jobs(_chat(n=3, seed=5, temperature=0.7, stop="x", max_tokens=9, max_completion_tokens=7), Limits())
+    assert [j.index for j in jobs] == [0, 1, 2]
+    assert [j.params.seed for j in jobs] == [5, 6, 7]
+    assert all(j.params.max_tokens == 7 and j.params.stop == ("x",) and j.params.temperature == 0.7 for j in jobs)
+    assert jobs[0].messages == ({"role": "user", "content": "hi"},)
+    # developer -> system, text parts joined
+    j = chat_jobs(_chat(messages=[{"role": "developer", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]), Limits())[0]
+    assert j.messages == ({"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"})
+    assert j.params.temperature == 1.0 and j.params.seed is None  # OpenAI defaults
+
+
+def test_completion_jobs_prompt_lists():
+    import json
+
+    r = parse(CompletionRequest, json.dumps({"prompt": ["a", "b"], "n": 2}).encode())
+    jobs = completion_jobs(r, Limits())
+    assert [(j.index, j.prompt_group, j.prompt) for j in jobs] == [(0, 0, "a"), (1, 0, "a"), (2, 1, "b"), (3, 1, "b")]
+    r = parse(CompletionRequest, json.dumps({"prompt": [1, 2, 3]}).encode())
+    assert completion_jobs(r, Limits())[0].prompt == (1, 2, 3)
+    with pytest.raises(APIError) as e:
+        completion_jobs(parse(CompletionRequest, json.dumps({"prompt": ["a"] * 5, "n": 4}).encode()), Limits(max_n=16))
+    assert e.value.status == 400 and e.value.param == "prompt"
+
+
+def test_validation_error_param_names():
+    assert _param(("messages", 0, "content", "str")) == "messages[0].content"
+    assert _param(("stop", "list[str]", 2)) == "stop[2]"
+    with pytest.raises(APIError) as e:
+        _chat(messages=[{"role": "user", "content": 5}])
+    assert e.value.param == "messages[0].content" and e.value.status == 400
+    with pytest.raises(APIError) as e:
+        parse(ChatCompletionRequest, b'{"model": "m"}')
+    assert e.value.param == "messages" and e.value.code == "missing_required_parameter"
+
+
+def test_api_keys_env_file_and_reload(tmp_path, monkeypatch):
+    f = tmp_path / "keys"
+    f.write_text("# comment\nfile-key-1\n\n  file-key-2  \n")
+    monkeypatch.setenv("MOA_SERVE_API_KEYS", "env-a, env-b")
+    keys = APIKeys.from_env(str(f))
+    assert keys.enabled
+    for k in ("env-a", "env-b", "file-key-1", "file-key-2"):
+        assert keys.check(f"Bearer {k}")
+    for bad in (None, "", "Bearer", "Bearer nope", "Basic file-key-1", "file-key-1", "Bearer file-key-1x"):
+        assert not keys.check(bad)
+    f.write_text("rotated\n")
+    import os
+
+    os.utime(f, (time.time() + 5, time.time() + 5))
+    monkeypatch.setattr("serving.gateway.auth.RELOAD_CHECK_S", 0.0)
+    assert keys.check("Bearer rotated") and not keys.check("Bearer file-key-1")
+    monkeypatch.delenv("MOA_SERVE_API_KEYS")
+    monkeypatch.delenv("MOA_SERVE_API_KEYS_FILE", raising=False)
+    assert not APIKeys.from_env().enabled
+    with pytest.raises(FileNotFoundError):
+        APIKeys(file=tmp_path / "missing")
+
+
+def test_scheduler_admits_by_kv_reservation_and_delivers_everything():
+    """Only as many requests run as their worst-case KV fits; the rest wait; all finish; no slot leaks."""
+    import asyncio
+
+    from helpers import tiny_target
+    from serving.engine import Engine
+    from serving.scheduler import QueueFull, Scheduler
+    from sglang_ext.drafters import NgramDrafter
+    from sglang_ext.sampling import SamplingParams
+    from sglang_ext.tree import TreeShape
+
+    tree = TreeShape(3, 2, 6)
+    per_request = 10 + 20 + tree.num_draft_tokens + 1  # prompt + max_new + one tree
+    engine = Engine(tiny_target(), NgramDrafter(), tree, kv_slots=1 + 2 * per_request + 5)
+    real_step, peak = engine.step, []
+
+    def step():
+        peak.append(len(engine.running) + len(engine.waiting))
+        return real_step()
+
+    engine.step = step
+    sched = Scheduler(engine, max_running=8, max_queue=0)
+    sched.start()
+
+    async def run():
+        params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+        handles = [sched.submit([i % 8] * 10, params) for i in range(4)]
+        with pytest.raises(QueueFull):  # max_queue=0: only free running slots (8) may be pending or active
+            for _ in range(5):
+                sched.submit([1] * 10, params)
+        outs = []
+        for h in handles:
+            toks = []
+            while True:
+                d = await h.next()
+                toks += d.tokens
+                if d.finish_reason or d.error:
+                    outs.append((len(toks), d.finish_reason))
+                    break
+        return outs
+
+    try:
+        outs = asyncio.run(run())
+    finally:
+        sched.abort_all()
+        sched.stop()
+    assert outs[:4] == [(20, "length")] * 4
+    assert max(peak) == 2
+    assert engine.kv.num_free == engine.kv.num_slots - 1
