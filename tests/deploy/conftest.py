@@ -1,4 +1,4 @@
-"""Fixtures for the offline deploy checks: the real helm / promtool / kubernetes-validate binaries.
+"""Fixtures for the deploy checks: the real helm / promtool / kubernetes-validate binaries, and a live gateway.
 
 Each fixture skips (with the reason) when its tool is missing; `scripts/install-deploy-tools.sh`
 installs all of them (`make check-deploy` runs it first).
@@ -56,3 +56,28 @@ def selector_names(promql):
         return found
 
     return names
+
+
+@pytest.fixture(scope="session")
+def prometheus_binary() -> str:
+    return find_tool("prometheus")
+
+
+@pytest.fixture(scope="session")
+def locust() -> str:
+    return find_tool("locust")
+
+
+@pytest.fixture(scope="session")
+def live_gateway(tmp_path_factory):
+    """A real `moa-serve serve` (SmolLM2 bf16, ngram drafter, 1 thread) on 127.0.0.1, with an API key.
+
+    Shared by tests/deploy/test_live_*.py so the model loads once; stopped by its pid at the end of the
+    session, also when a test failed."""
+    from liveprocs import Gateway
+
+    gateway = Gateway(tmp_path_factory.mktemp("gateway"))
+    try:
+        yield gateway
+    finally:
+        gateway.stop()
