@@ -6,6 +6,7 @@ tau = mean (accepted + 1) per verify step, pooled over all verify steps of a met
 
 from __future__ import annotations
 
+import itertools
 import json
 import platform
 import shlex
@@ -146,11 +147,19 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--methods", default="vanilla,ngram,draft-model", help="semicolon list of drafters, each optionally with a tree (ngram:4,2,8); vanilla is always run first")
     b.add_argument("--peers", default="hf-generate", help="comma list of peers (hf-generate) or 'none'")
     b.add_argument("--num-prompts", type=int, default=10)
-    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--max-new-tokens", type=int, default=None, help="default 128 (16 with --quick)")
     b.add_argument("--tree", default=None, help="depth,topk,num_draft_tokens for every drafter (default: per-drafter)")
     b.add_argument("--out", default="results/bench", help="directory for results.json and table.md")
     b.add_argument("--report", default=None, help="also write a markdown report here (e.g. docs/BENCHMARKS.md)")
-    b.add_argument("--quick", action="store_true", help="smoke mode: 2 prompts, 16 tokens")
+    b.add_argument("--quick", action="store_true", help="smoke mode: 2 prompts, 16 tokens (sweep: 1 repeat; gateway overhead: 3 requests)")
+    b.add_argument("--batch-sizes", default=None, help="batch sweep, e.g. 1,2,4,8,16,32,64: per batch size, each method runs that many prompts as one continuous batch (default: no sweep; the per-prompt table above is batch size 1)")
+    b.add_argument("--adaptive", action="store_true", help="sweep and gateway overhead: drafter rows use Engine(adaptive=True) (per-step tree / off from measured throughput, the serving default)")
+    b.add_argument("--repeats", type=int, default=1, help="sweep: measured runs per (batch size, method), method order rotated each repeat")
+    b.add_argument("--sweep-only", action="store_true", help="skip the per-prompt (bs=1, peers) table; run only --batch-sizes / --gateway-overhead")
+    b.add_argument("--gateway-overhead", action="store_true", help="p50 latency of one short greedy request: Engine directly vs the real gateway over HTTP on 127.0.0.1")
+    b.add_argument("--overhead-requests", type=int, default=20, help="gateway overhead: measured requests per path")
+    b.add_argument("--overhead-tokens", type=int, default=32, help="gateway overhead: new tokens per request (ignore_eos, so every request has this length)")
+    b.add_argument("--overhead-method", default=None, help="gateway overhead: the drafter (default: the first of --methods; 'vanilla' for none)")
 
 
 def cmd_bench(args) -> int:
@@ -161,14 +170,20 @@ def cmd_bench(args) -> int:
     from .evalsets import load_eval_set
 
     if args.quick:
-        args.num_prompts, args.max_new_tokens = 2, 16
+        args.num_prompts, args.max_new_tokens = 2, args.max_new_tokens or 16
+        args.repeats, args.overhead_requests, args.overhead_tokens = 1, 3, 4
+    args.max_new_tokens = args.max_new_tokens or 128
     methods = [m for m in args.methods.replace(",", ";").split(";") if m and m != "vanilla"] if ":" not in args.methods else [m for m in args.methods.split(";") if m and m != "vanilla"]
     peers = [p for p in args.peers.split(",") if p and p != "none"]
     target = load_target(args.model, dtype=args.dtype)
     results: list[MethodResult] = []
+    sweep_prompts: list[list[list[int]]] = []  # per eval set, for the batch sweep
     for set_name in args.eval_sets.split(","):
         name, texts = load_eval_set(set_name, args.num_prompts)
         prompts = [target.encode_chat([{"role": "user", "content": t}]) for t in texts]
+        sweep_prompts.append(prompts)
+        if args.sweep_only:
+            continue
         runners: dict[str, tuple[MethodResult, object]] = {}
 
         def add(label, tree_text, make):
@@ -195,8 +210,35 @@ def cmd_bench(args) -> int:
             res.identical = sum(a == b for a, b in zip(res.outputs, vanilla.outputs))
             results.append(res)
             print(f"{name} {res.method} {res.tree}: tau {res.tau:.2f} {res.tokens_per_s:.1f} tok/s {res.error or ''}", file=sys.stderr)
+
+    def tree_for(m):
+        return TreeShape.parse(args.tree) if args.tree else default_tree(m)
+
+    sweep, overhead = [], []
+    if args.batch_sizes:
+        from .bench_batch import engine_batch_runner, run_batch_sweep
+
+        sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+        if not sizes or min(sizes) < 1:
+            raise ValueError(f"--batch-sizes must be positive integers, got {args.batch_sizes!r}")
+        mixed = [p for group in itertools.zip_longest(*sweep_prompts) for p in group if p is not None]  # round-robin over eval sets
+        cache: dict = {}
+        entries = [("vanilla", "-", False, lambda: engine_batch_runner(target, "vanilla", TreeShape.chain(1), args.max_new_tokens, False, cache))]
+        for spec in methods:
+            m, _, tree_text = spec.partition(":")
+            tree = TreeShape.parse(tree_text) if tree_text else tree_for(m)
+            entries.append((m, f"{tree.depth},{tree.topk},{tree.num_draft_tokens}", args.adaptive, lambda m=m, tree=tree: engine_batch_runner(target, m, tree, args.max_new_tokens, args.adaptive, cache)))
+        sweep = run_batch_sweep(entries, mixed, sizes, repeats=args.repeats, warmup_tokens=4 if args.quick else 16, log=lambda s: print(s, file=sys.stderr))
+    if args.gateway_overhead:
+        from .bench_batch import measure_gateway_overhead
+
+        om = args.overhead_method or (methods[0].partition(":")[0] if methods else "vanilla")
+        ospec = next((s for s in methods if s.partition(":")[0] == om), om)
+        otree = TreeShape.parse(ospec.partition(":")[2]) if ospec.partition(":")[2] else (tree_for(om) if om != "vanilla" else TreeShape.chain(1))
+        msgs = [{"role": "user", "content": "Explain in two sentences what a hash table is."}]
+        overhead = [measure_gateway_overhead(target, om, otree, args.adaptive, msgs, args.overhead_tokens, args.overhead_requests, warmup=1 if args.quick else 5)]
     command = "moa-serve " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[0].endswith("moa-serve") else "moa-serve bench ..."
-    table = markdown_table(results)
+    table = markdown_table(results) if results else ""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     payload = {
@@ -206,9 +248,31 @@ def cmd_bench(args) -> int:
         "max_new_tokens": args.max_new_tokens,
         "results": [{**{k: v for k, v in asdict(r).items() if k != "outputs"}, "tau": r.tau, "tokens_per_s": r.tokens_per_s, "draft_per_step": r.draft_per_step} for r in results],
     }
+    sections = [table] if table else []
+    if sweep:
+        from .bench_batch import batch_grid_table, batch_json, batch_rows_table, plot_throughput
+
+        payload["batch_sweep"] = {"batch_sizes": sizes, "adaptive": args.adaptive, "repeats": args.repeats, "eval_sets": args.eval_sets.split(","), "distinct_prompts": len(mixed),
+                                  "memory": "peak process RSS (psutil, sampled every 5 ms) during the row's measured run(s) (all engines alive at that batch size included), and its rise over the RSS when the run started",
+                                  "rows": batch_json(sweep)}
+        sections.append(f"## Throughput vs batch size ({args.max_new_tokens} new tokens, greedy, {args.repeats} repeat(s))\n\n{batch_rows_table(sweep)}\n\n"
+                        f"### tok/s (× vanilla at the same batch size)\n\n{batch_grid_table(sweep)}\n\n![throughput vs batch size](throughput_vs_batch.png)")
+        try:
+            plot_throughput(sweep, out / "throughput_vs_batch.png")
+        except Exception as e:  # noqa: BLE001 - the numbers are still written
+            print(f"plot failed: {type(e).__name__}: {e}", file=sys.stderr)
+    if overhead:
+        from .bench_batch import overhead_json, overhead_table
+
+        payload["gateway_overhead"] = overhead_json(overhead)
+        sections.append(f"## Gateway overhead (one greedy chat request at a time, 127.0.0.1)\n\n{overhead_table(overhead)}")
+    table = "\n\n".join(sections)
     (out / "results.json").write_text(json.dumps(payload, indent=2))
     (out / "table.md").write_text(table + "\n")
     print(table)
     if args.report:
-        Path(args.report).write_text(f"# Benchmarks\n\nCommand: `{command}`\n\nMachine: {payload['machine']}; dtype {args.dtype}; greedy; batch size 1; {args.max_new_tokens} new tokens.\n\n{table}\n")
+        import os
+
+        table = table.replace("](throughput_vs_batch.png)", f"]({os.path.relpath(out / 'throughput_vs_batch.png', Path(args.report).resolve().parent)})")
+        Path(args.report).write_text(f"# Benchmarks\n\nCommand: `{command}`\n\nMachine: {payload['machine']}; dtype {args.dtype}; greedy; {args.max_new_tokens} new tokens; per-prompt table at batch size 1{'; batch sweep ' + args.batch_sizes if sweep else ''}.\n\n{table}\n")
     return 0

@@ -34,3 +34,70 @@ def test_bench_quick_end_to_end(tmp_path):
     assert by["vanilla"]["tokens"] > 0 and by["ngram"]["verify_steps"] > 0 and by["ngram"]["identical"] == 2
     assert "unknown drafter" in by["nope"]["error"]
     assert "| builtin | ngram |" in (out / "table.md").read_text()
+
+
+# --- batch sweep and gateway overhead -------------------------------------------------------------
+
+from serving.bench_batch import BatchResult, BatchRun, batch_grid_table, batch_rows_table, run_batch_sweep, speedup  # noqa: E402
+
+
+def test_batch_speedup_is_against_same_batch_size_vanilla():
+    rows = [
+        BatchResult("vanilla", "-", 1, tokens=10, seconds=1.0, runs=1),
+        BatchResult("ngram", "6,2,12", 1, True, tokens=20, seconds=1.0, runs=1, verify_steps=10, accepted=10),
+        BatchResult("vanilla", "-", 2, tokens=40, seconds=1.0, runs=1),
+        BatchResult("ngram", "6,2,12", 2, True, tokens=40, seconds=2.0, runs=1, verify_steps=10, accepted=10),
+    ]
+    assert speedup(rows[1], rows) == 2.0 and speedup(rows[3], rows) == 0.5  # not 4.0 from bs=1's vanilla
+    grid = batch_grid_table(rows)
+    assert "| ngram 6,2,12 adaptive | 20.0 (2.00×) | 20.0 (0.50×) |" in grid
+    assert "| 2 | ngram | 6,2,12 | yes | 2.00 |" in batch_rows_table(rows)
+
+
+def test_batch_sweep_failure_at_one_batch_size_is_a_row():
+    calls = []
+
+    def make_ok(rate):
+        def run(prompts, max_new=4):
+            calls.append(len(prompts))
+            return BatchRun(tokens=len(prompts) * max_new, verify_steps=len(prompts), accepted=len(prompts), drafted=2 * len(prompts))
+        return lambda: run
+
+    def flaky(prompts, max_new=4):
+        if len(prompts) == 2 and max_new != 1:  # fails at bs=2 only (after its warm-up)
+            raise RuntimeError("out of KV slots")
+        return BatchRun(tokens=len(prompts) * max_new, verify_steps=len(prompts))
+
+    methods = [("vanilla", "-", False, make_ok(1)), ("flaky", "1,1,1", False, lambda: flaky), ("broken", "1,1,1", False, lambda: (_ for _ in ()).throw(ValueError("no checkpoint")))]
+    res = run_batch_sweep(methods, [[1, 2, 3]], [1, 2, 4], warmup_tokens=1, measure_memory=False)
+    by = {(r.method, r.batch_size): r for r in res}
+    assert len(res) == 9  # every method has a row at every batch size
+    assert by[("flaky", 1)].error is None and by[("flaky", 4)].error is None and by[("flaky", 1)].tokens == 4
+    assert "out of KV slots" in by[("flaky", 2)].error
+    assert all("no checkpoint" in by[("broken", b)].error for b in (1, 2, 4))
+    assert by[("vanilla", 4)].tau == 2.0 and by[("vanilla", 4)].draft_per_step == 2.0
+    assert "| 2 | flaky | 1,1,1 | no | failed: RuntimeError: out of KV slots |" in batch_rows_table(res)
+    assert "| flaky 1,1,1 | " in batch_grid_table(res) and "| failed |" in batch_grid_table(res)
+
+
+def test_bench_batch_sweep_and_gateway_overhead_quick(tmp_path):
+    out = tmp_path / "sweep"
+    rc = main(["bench", "--quick", "--sweep-only", "--eval-sets", "builtin", "--methods", "ngram;nope", "--dtype", "float32",
+               "--batch-sizes", "1,2", "--max-new-tokens", "6", "--adaptive", "--gateway-overhead", "--out", str(out)])
+    assert rc == 0
+    data = json.loads((out / "results.json").read_text())
+    rows = data["batch_sweep"]["rows"]
+    by = {(r["method"], r["batch_size"]): r for r in rows}
+    assert set(by) == {(m, b) for m in ("vanilla", "ngram", "nope") for b in (1, 2)}
+    for b in (1, 2):
+        v, n = by[("vanilla", b)], by[("ngram", b)]
+        assert v["tokens"] > 0 and n["verify_steps"] > 0 and n["adaptive"] and not v["adaptive"]
+        assert abs(n["speedup_vs_vanilla"] - n["tokens_per_s"] / v["tokens_per_s"]) < 1e-9  # same-bs vanilla
+        assert n["decode_tokens_per_s"] > 0 and n["decode_tokens"] == n["tokens"] - b
+        assert n["peak_rss_mb"] > 0 and "unknown drafter" in by[("nope", b)]["error"]
+    assert by[("vanilla", 2)]["mean_batch"] > 1
+    (oh,) = data["gateway_overhead"]
+    assert oh["error"] is None and oh["engine_p50_ms"] > 0 and oh["http_p50_ms"] > 0 and oh["same_tokens"] is True
+    table = (out / "table.md").read_text()
+    assert "## Throughput vs batch size" in table and "| method | bs=1 | bs=2 |" in table and "## Gateway overhead" in table
+    assert (out / "throughput_vs_batch.png").stat().st_size > 1000

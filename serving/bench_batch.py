@@ -1,0 +1,420 @@
+"""`moa-serve bench --batch-sizes ...` and `--gateway-overhead`: throughput vs batch size, and the
+cost of the HTTP gateway over calling the engine directly.
+
+Batch sweep: for each batch size B, every method (vanilla, then each drafter) runs B prompts as one
+continuous batch through the Engine (all admitted at once, stepped until every request finishes;
+requests leave the batch as they stop). Methods are interleaved per batch size (and their order
+rotated per repeat), so load drift on a noisy machine hits all alike, and every speedup is against
+the vanilla row of the SAME batch size in the SAME run.
+
+Peak memory: the process's resident set size (psutil RSS), sampled every 5 ms by a thread while the
+row's measured runs. We report the peak and its rise over the RSS at the start of the measured run. The
+model weights are in every row's peak; the engine's KV pool is allocated at the warm-up (zeroed pages
+count once touched); memory the allocator keeps after an earlier, bigger row is not counted again as a rise.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass
+class BatchResult:
+    method: str
+    tree: str
+    batch_size: int
+    adaptive: bool = False
+    tokens: int = 0
+    seconds: float = 0.0
+    verify_steps: int = 0  # summed over requests (each request's verify steps)
+    accepted: int = 0
+    drafted: int = 0
+    decode_steps: int = 0  # engine steps that decoded (one batched verify forward each)
+    batch_sum: int = 0  # requests decoded, summed over those steps (mean running batch = batch_sum / decode_steps)
+    fallbacks: int = 0  # requests that fell back to vanilla (drafter fault)
+    decode_seconds: float = 0.0  # time in steps that decoded (the prefill-only first step excluded)
+    decode_tokens: int = 0  # tokens those steps emitted (the first token per request comes from prefill)
+    runs: int = 0
+    peak_rss_mb: float | None = None
+    rss_rise_mb: float | None = None
+    error: str | None = None
+
+    @property
+    def tau(self) -> float:
+        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else float("nan")
+
+    @property
+    def draft_per_step(self) -> float:
+        return self.drafted / self.verify_steps if self.verify_steps else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else float("nan")
+
+    @property
+    def mean_batch(self) -> float:
+        return self.batch_sum / self.decode_steps if self.decode_steps else float("nan")
+
+    @property
+    def key(self) -> str:
+        return self.method + (f" {self.tree}" if self.tree != "-" else "") + (" adaptive" if self.adaptive else "")
+
+
+@dataclass
+class BatchRun:
+    """What one batch run returned (a runner's result)."""
+
+    tokens: int
+    verify_steps: int = 0
+    accepted: int = 0
+    drafted: int = 0
+    decode_steps: int = 0
+    batch_sum: int = 0
+    fallbacks: int = 0
+    decode_seconds: float = 0.0
+    decode_tokens: int = 0
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
+
+
+class RSSSampler:
+    """Peak process RSS while the `with` block runs (a thread polls psutil every `interval` s)."""
+
+    def __init__(self, interval: float = 0.005):
+        import psutil
+
+        self.proc, self.interval = psutil.Process(), interval
+        self.start = self.peak = 0
+        self._stop = threading.Event()
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+
+    def __enter__(self) -> RSSSampler:
+        self.start = self.peak = self.proc.memory_info().rss
+        self._thread = threading.Thread(target=self._poll, name="rss-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+
+
+def batch_prompts(prompts: list[list[int]], b: int) -> list[list[int]]:
+    """B prompts: the eval prompts in order, cycled when there are fewer than B."""
+    return [prompts[i % len(prompts)] for i in range(b)]
+
+
+def engine_batch_runner(target, method: str, tree, max_new_tokens: int, adaptive: bool, drafter_cache: dict) -> Callable:
+    """A function (prompts, max_new_tokens) -> BatchRun running them as one batch through an Engine.
+
+    The engine (and its KV pool, sized for the batch at the full max_new_tokens) is kept while the
+    batch size stays the same, so the warm-up and the measured runs of a row share it (and, with
+    adaptive speculation, the policy's measurements); a new batch size builds a new one. The drafter
+    is built once per method and reused."""
+    from sglang_ext.drafters import make_drafter
+    from sglang_ext.sampling import SamplingParams
+
+    from .engine import Engine
+
+    if method != "vanilla" and method not in drafter_cache:
+        drafter_cache[method] = make_drafter(method, target)  # raises for an unknown drafter: reported
+    drafter = drafter_cache.get(method) if method != "vanilla" else None
+    fallbacks: list[str] = []
+    state: dict = {"engine": None, "b": None}
+
+    def engine_for(prompts: list[list[int]]) -> Engine:
+        need = sum(len(p) + max_new_tokens + tree.num_draft_tokens + 2 for p in prompts) + 64
+        e = state["engine"]
+        if e is None or state["b"] != len(prompts) or e.kv.num_slots < need:
+            state["engine"] = None  # free the old pool first
+            e = Engine(target, drafter, tree, kv_slots=need, adaptive=adaptive and drafter is not None, on_fallback=lambda r, why: fallbacks.append(why))
+            state["engine"], state["b"] = e, len(prompts)
+        return e
+
+    def run(prompts: list[list[int]], max_new: int = max_new_tokens) -> BatchRun:
+        engine = engine_for(prompts)
+        fallbacks.clear()
+        sp = SamplingParams(max_new_tokens=max_new)
+        reqs = [engine.add_request(p, sp) for p in prompts]
+        res = BatchRun(0)
+        try:
+            while any(not r.finished for r in reqs):
+                decoding = len(engine.running)  # requests this step decodes (new ones only prefill)
+                t0 = time.perf_counter()
+                events = engine.step()
+                if decoding:
+                    res.decode_seconds += time.perf_counter() - t0
+                    res.decode_tokens += sum(len(e.new_tokens) for e in events)  # all admitted at once: no prefill after step 1
+                    res.decode_steps += 1
+                    res.batch_sum += decoding
+        finally:
+            for r in reqs:
+                if not r.finished:
+                    engine.abort(r)
+        for r in reqs:
+            res.tokens += len(r.output_ids)
+            res.verify_steps += r.stats.verify_steps
+            res.accepted += r.stats.accepted_tokens
+            res.drafted += r.stats.draft_tokens
+            res.outputs.append(r.output_ids)
+        res.fallbacks = len(fallbacks)
+        return res
+
+    run.release = lambda: state.update(engine=None, b=None)  # type: ignore[attr-defined]  # after the last run at a batch size
+    return run
+
+
+def run_batch_sweep(
+    methods: list[tuple[str, str, bool, Callable[[], Callable]]],
+    prompts: list[list[int]],
+    batch_sizes: list[int],
+    repeats: int = 1,
+    warmup: bool = True,
+    warmup_tokens: int = 16,
+    measure_memory: bool = True,
+    log=None,
+) -> list[BatchResult]:
+    """methods: (label, tree text, adaptive, make_runner); a runner is (prompts, [max_new]) -> BatchRun.
+
+    Per batch size, every method runs (warm-up once, then `repeats` measured runs, method order
+    rotated each repeat). A method that fails to build, or fails at some batch size, gets a row with
+    the error at that batch size (it is still tried at the others)."""
+    runners: dict[int, Callable | None] = {}
+    build_errors: dict[int, str] = {}
+    for i, (_, _, _, make) in enumerate(methods):
+        try:
+            runners[i] = make()
+        except Exception as e:  # noqa: BLE001 - e.g. an unknown drafter: reported in every row
+            runners[i], build_errors[i] = None, f"{type(e).__name__}: {e}"
+    results: list[BatchResult] = []
+    for b in batch_sizes:
+        batch = batch_prompts(prompts, b)
+        rows = {i: BatchResult(label, tree, b, adaptive, error=build_errors.get(i)) for i, (label, tree, adaptive, _) in enumerate(methods)}
+        if warmup:  # the same batch, few new tokens (warms the engine and the adaptive policy)
+            for i, row in rows.items():
+                if row.error:
+                    continue
+                try:
+                    runners[i](batch, warmup_tokens)
+                except Exception as e:  # noqa: BLE001 - a failing method is reported, not dropped
+                    row.error = f"{type(e).__name__}: {e}"
+        order = list(rows)
+        for rep in range(repeats):
+            rot = order[rep % len(order) :] + order[: rep % len(order)] if order else []
+            for i in rot:
+                row = rows[i]
+                if row.error:
+                    continue
+                sampler = RSSSampler() if measure_memory else None
+                try:
+                    if sampler:
+                        sampler.__enter__()
+                    t0 = time.perf_counter()
+                    out = runners[i](batch)
+                    dt = time.perf_counter() - t0
+                except Exception as e:  # noqa: BLE001
+                    row.error = f"{type(e).__name__}: {e}"
+                    continue
+                finally:
+                    if sampler:
+                        sampler.__exit__(None, None, None)
+                row.seconds += dt
+                row.runs += 1
+                for f in ("tokens", "verify_steps", "accepted", "drafted", "decode_steps", "batch_sum", "fallbacks", "decode_seconds", "decode_tokens"):
+                    setattr(row, f, getattr(row, f) + getattr(out, f))
+                if sampler:
+                    mb = 1 << 20
+                    row.peak_rss_mb = max(row.peak_rss_mb or 0.0, sampler.peak / mb)
+                    row.rss_rise_mb = max(row.rss_rise_mb or 0.0, (sampler.peak - sampler.start) / mb)
+        for r in runners.values():
+            if r is not None and hasattr(r, "release"):
+                r.release()
+        for row in rows.values():
+            results.append(row)
+            if log:
+                log(f"bs={b} {row.key}: {row.tokens_per_s:.1f} tok/s tau {row.tau:.2f} {row.error or ''}")
+    return results
+
+
+def speedup(row: BatchResult, results: list[BatchResult]) -> float | None:
+    """tokens/s of `row` over the vanilla row of the same batch size (None if that failed or is absent)."""
+    v = next((r for r in results if r.method == "vanilla" and r.batch_size == row.batch_size and not r.error and r.runs), None)
+    if v is None or row.error or not row.runs:
+        return None
+    return row.tokens_per_s / v.tokens_per_s
+
+
+def _fmt(x: float | None, spec: str = ".2f") -> str:
+    return "-" if x is None or x != x else format(x, spec)
+
+
+def batch_rows_table(results: list[BatchResult]) -> str:
+    lines = [
+        "| batch size | method | tree (d,k,n) | adaptive | τ | draft tok/step | tok/s (whole batch) | speedup vs vanilla (same bs) | decode-only tok/s | mean running batch | fallbacks | peak RSS (MB, process) | RSS rise in row (MB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        ad = "yes" if r.adaptive else "no"
+        if r.error:
+            lines.append(f"| {r.batch_size} | {r.method} | {r.tree} | {ad} | failed: {r.error} | | | | | | | | |")
+            continue
+        s = speedup(r, results)
+        spec = r.method != "vanilla"
+        lines.append(
+            f"| {r.batch_size} | {r.method} | {r.tree} | {ad} | {_fmt(r.tau) if spec else '-'} | {_fmt(r.draft_per_step, '.1f') if spec else '-'} "
+            f"| {_fmt(r.tokens_per_s, '.1f')} | {_fmt(s) + '×' if s is not None else 'n/a'} | {_fmt(r.decode_tokens_per_s, '.1f')} | {_fmt(r.mean_batch, '.1f')} | {r.fallbacks} "
+            f"| {_fmt(r.peak_rss_mb, '.0f')} | {_fmt(r.rss_rise_mb, '.0f')} |"
+        )
+    return "\n".join(lines)
+
+
+def batch_grid_table(results: list[BatchResult]) -> str:
+    """Rows = method, columns = batch sizes, cells = tok/s (×vanilla at that batch size)."""
+    sizes = sorted({r.batch_size for r in results})
+    keys = list(dict.fromkeys(r.key for r in results))
+    lines = ["| method | " + " | ".join(f"bs={b}" for b in sizes) + " |", "|---|" + "---|" * len(sizes)]
+    for k in keys:
+        cells = []
+        for b in sizes:
+            r = next((x for x in results if x.key == k and x.batch_size == b), None)
+            if r is None:
+                cells.append("")
+            elif r.error:
+                cells.append("failed")
+            else:
+                s = speedup(r, results)
+                cells.append(f"{r.tokens_per_s:.1f} ({_fmt(s)}×)" if s is not None else f"{r.tokens_per_s:.1f}")
+        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def batch_json(results: list[BatchResult]) -> list[dict]:
+    from dataclasses import asdict
+
+    return [{**asdict(r), "tau": r.tau, "tokens_per_s": r.tokens_per_s, "draft_per_step": r.draft_per_step, "decode_tokens_per_s": r.decode_tokens_per_s, "mean_batch": r.mean_batch, "speedup_vs_vanilla": speedup(r, results)} for r in results]
+
+
+def plot_throughput(results: list[BatchResult], path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for k in dict.fromkeys(r.key for r in results):
+        pts = sorted((r.batch_size, r.tokens_per_s) for r in results if r.key == k and not r.error and r.runs)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle="--" if k.startswith("vanilla") else "-", label=k)
+    ax.set_xscale("log", base=2)
+    sizes = sorted({r.batch_size for r in results})
+    ax.set_xticks(sizes, [str(b) for b in sizes])
+    ax.set_xlabel("batch size (requests admitted together)")
+    ax.set_ylabel("generated tokens/s (whole batch)")
+    ax.set_title("Throughput vs batch size, with and without speculation")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# --- gateway overhead ---------------------------------------------------------------------------
+
+
+@dataclass
+class OverheadResult:
+    method: str
+    tree: str
+    adaptive: bool
+    requests: int = 0
+    max_tokens: int = 0
+    engine_ms: list[float] = field(default_factory=list, repr=False)
+    http_ms: list[float] = field(default_factory=list, repr=False)
+    same_tokens: bool | None = None  # the HTTP completion's token ids equal the direct engine's
+    error: str | None = None
+
+    @property
+    def engine_p50(self) -> float | None:
+        return statistics.median(self.engine_ms) if self.engine_ms else None
+
+    @property
+    def http_p50(self) -> float | None:
+        return statistics.median(self.http_ms) if self.http_ms else None
+
+    @property
+    def overhead_p50(self) -> float | None:
+        return None if self.engine_p50 is None or self.http_p50 is None else self.http_p50 - self.engine_p50
+
+
+def measure_gateway_overhead(target, method: str, tree, adaptive: bool, messages: list[dict], max_tokens: int, requests: int, warmup: int = 2) -> OverheadResult:
+    """p50 latency of one short greedy chat request (fixed length: ignore_eos) (a) through Engine.generate
+    and (b) through the real gateway over HTTP on 127.0.0.1 (uvicorn in a thread of this process, an
+    Engine with the same drafter/tree/adaptive). Calls alternate a, b, a, b ... so drift hits both."""
+    import httpx
+
+    from sglang_ext.drafters import make_drafter
+    from sglang_ext.sampling import SamplingParams
+
+    from .engine import Engine
+    from .gateway.app import create_app
+    from .gateway.server import ServerThread, embedded_backend
+
+    res = OverheadResult(method, f"{tree.depth},{tree.topk},{tree.num_draft_tokens}" if method != "vanilla" else "-", adaptive and method != "vanilla", requests, max_tokens)
+    try:
+        name = "none" if method == "vanilla" else method
+        direct = Engine(target, make_drafter(name, target), tree, adaptive=res.adaptive)
+        served = Engine(target, make_drafter(name, target), tree, adaptive=res.adaptive)
+        prompt = target.encode_chat(messages)
+        sp = SamplingParams(max_new_tokens=max_tokens, ignore_eos=True)
+        body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        backend, telemetry = embedded_backend(served, "bench", name)
+        with ServerThread(create_app(backend, telemetry)) as srv, httpx.Client(base_url=srv.url, timeout=600) as client:
+            http_ids = None
+            for i in range(warmup + requests):
+                t0 = time.perf_counter()
+                out = direct.generate([prompt], sp)[0].output_ids
+                t1 = time.perf_counter()
+                r = client.post("/v1/chat/completions", json=body)
+                t2 = time.perf_counter()
+                r.raise_for_status()
+                http_ids = r.json()["choices"][0].get("token_ids", http_ids)
+                if i >= warmup:
+                    res.engine_ms.append((t1 - t0) * 1e3)
+                    res.http_ms.append((t2 - t1) * 1e3)
+            res.same_tokens = None if http_ids is None else http_ids == out
+    except Exception as e:  # noqa: BLE001 - reported in the table
+        res.error = f"{type(e).__name__}: {e}"
+    return res
+
+
+def overhead_table(rows: list[OverheadResult]) -> str:
+    lines = [
+        "| method | tree (d,k,n) | adaptive | requests | new tokens | engine direct p50 (ms) | gateway HTTP p50 (ms) | overhead p50 (ms) | same tokens |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ad = "yes" if r.adaptive else "no"
+        if r.error:
+            lines.append(f"| {r.method} | {r.tree} | {ad} | failed: {r.error} | | | | | |")
+            continue
+        same = "-" if r.same_tokens is None else ("yes" if r.same_tokens else "no")
+        lines.append(f"| {r.method} | {r.tree} | {ad} | {r.requests} | {r.max_tokens} | {_fmt(r.engine_p50, '.1f')} | {_fmt(r.http_p50, '.1f')} | {_fmt(r.overhead_p50, '.1f')} | {same} |")
+    return "\n".join(lines)
+
+
+def overhead_json(rows: list[OverheadResult]) -> list[dict]:
+    return [
+        {"method": r.method, "tree": r.tree, "adaptive": r.adaptive, "requests": r.requests, "max_tokens": r.max_tokens, "engine_p50_ms": r.engine_p50, "http_p50_ms": r.http_p50, "overhead_p50_ms": r.overhead_p50, "engine_ms": r.engine_ms, "http_ms": r.http_ms, "same_tokens": r.same_tokens, "error": r.error}
+        for r in rows
+    ]
