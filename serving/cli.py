@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub)
     add_serve_parser(sub)
+    from sglang_ext.training.cli import add_train_parser
+
+    add_train_parser(sub)
     return parser
 
 
@@ -46,7 +49,7 @@ def default_tree(drafter: str | None):
     """Tree shape tuned per drafter (see docs/BENCHMARKS.md for the sweep)."""
     from sglang_ext.tree import TreeShape
 
-    return {"ngram": TreeShape(6, 2, 12), "draft-model": TreeShape(3, 1, 4)}.get(drafter or "none", TreeShape(6, 4, 24))
+    return {"ngram": TreeShape(6, 2, 12), "draft-model": TreeShape(3, 1, 4), "eagle3": TreeShape(5, 4, 16)}.get(drafter or "none", TreeShape(6, 4, 24))
 
 
 def cmd_generate(args) -> int:
@@ -98,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     from .gateway.server import cmd_serve
 
     handlers["serve"] = cmd_serve
+    from sglang_ext.training.cli import cmd_train
+
+    handlers["train"] = cmd_train
     try:
         return handlers[args.command](args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

@@ -20,6 +20,17 @@ def register_drafter(name: str, factory: Callable[..., Drafter]) -> None:
     _REGISTRY[name] = factory
 
 
+def _is_eagle3_checkpoint(path: str) -> bool:
+    import json
+    from pathlib import Path
+
+    cfg = Path(path) / "config.json"
+    try:
+        return any("Eagle3" in a for a in json.loads(cfg.read_text()).get("architectures", []))
+    except (OSError, ValueError):
+        return False
+
+
 def available_drafters() -> list[str]:
     return ["none", *sorted(_REGISTRY)]
 
@@ -28,6 +39,8 @@ def make_drafter(name: str | None, target) -> Drafter | None:
     """A drafter for `target` by registry name; 'none' (or None) means vanilla decoding."""
     if name in (None, "none", "vanilla"):
         return None
+    if name not in _REGISTRY and _is_eagle3_checkpoint(name):
+        return _REGISTRY["eagle3"](target, name)  # --drafter PATH to an EAGLE-3 checkpoint directory
     if name not in _REGISTRY:
         raise ValueError(f"unknown drafter {name!r}; available: {', '.join(available_drafters())}")
     return _REGISTRY[name](target)

@@ -91,6 +91,11 @@ class Eagle3Drafter:
     def propose(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree]:
         root_out = self._extend(batch)  # [b, H]
         b, k = len(batch), shape.topk
+        # NOTE: deterministic (top-k) search runs over the draft vocab and maps ids back at the end;
+        # sampled chains need q over the target vocab for verification, so they get full-vocab logits.
+        full = shape.topk == 1 and any(not d.params.greedy for d in batch)
+        to_logits = self._full_logits if full else (lambda out: self.draft.logits(out).float())
+        to_target = (lambda ids: ids) if full else (lambda ids: self.hot_ids[ids])
         state = {"out": root_out[:, None], "chains": [[[] for _ in range(k)] for _ in range(b)]}
         temp: list[torch.Tensor] = []
 
@@ -108,15 +113,19 @@ class Eagle3Drafter:
                     pos.append(d.seq_len - 1 + len(chains[i][j]))
                     kv_lists.append(torch.cat([self.reqs[d.rid].slots, torch.tensor(chains[i][j])]))
             plan = plan_attention(kv_lists, [torch.ones(1, s.numel(), dtype=torch.bool) for s in kv_lists])
-            out = self._layer(tokens.reshape(-1), feat.reshape(b * kk, -1), torch.tensor(pos), new, plan)
+            out = self._layer(to_target(tokens.reshape(-1)), feat.reshape(b * kk, -1), torch.tensor(pos), new, plan)
             state["out"], state["chains"] = out.view(b, kk, -1), chains
-            return self._full_logits(out).view(b, kk, -1)
+            return to_logits(out).view(b, kk, -1)
 
         try:
-            return search_tree(self._full_logits(root_out), step_fn, shape, batch)
+            trees = search_tree(to_logits(root_out), step_fn, shape, batch)
         finally:
             for t in temp:  # speculative draft K/V is never kept
                 self.kv.free(t)
+        if not full:
+            for t in trees:
+                t.draft_tokens = torch.cat([t.draft_tokens[:1], self.hot_ids[t.draft_tokens[1:]]])
+        return trees
 
     def _extend(self, batch: list[DraftInput]) -> torch.Tensor:
         """Process every request's pending verified pairs; return the root pair's output [b, H]."""

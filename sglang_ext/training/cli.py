@@ -1,0 +1,154 @@
+"""`moa-serve train <type>`: shared argument set and the EAGLE-3 entry point.
+
+    moa-serve train eagle3 --target smollm2 --data sharegpt --out runs/eagle3 [--resume]
+
+Wiring (serving/cli.py): `add_train_parser(sub)` in build_parser and `handlers["train"] = cmd_train`.
+Also runnable as `python -m sglang_ext.training.cli train eagle3 ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="smollm2", help="'smollm2' or a local HF Llama/Qwen directory")
+    p.add_argument("--target-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="dtype of the (frozen) target run")
+    p.add_argument("--data", action="append", required=True, help="'sharegpt' or a .json/.jsonl file (repeatable)")
+    p.add_argument("--out", required=True, help="output directory (checkpoints, logs, TensorBoard)")
+    p.add_argument("--num-examples", type=int, default=2000, help="conversations to train on (seeded sample)")
+    p.add_argument("--max-len", type=int, default=1024, help="tokens per conversation (longer ones are truncated)")
+    p.add_argument("--tokens-per-batch", type=int, default=4096, help="padded tokens per optimizer step")
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (overrides --epochs)")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--warmup-ratio", type=float, default=0.015)
+    p.add_argument("--grad-clip", type=float, default=0.5)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--time-budget-min", type=float, default=None, help="stop after this much training time; the LR schedule follows time (for shared machines)")
+    p.add_argument("--save-every-min", type=float, default=5.0)
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from <out>/latest")
+    p.add_argument("--no-progress", action="store_true", help="no tqdm bar (metrics still go to metrics.jsonl/TensorBoard)")
+
+
+def add_train_parser(subparsers) -> argparse.ArgumentParser:
+    t = subparsers.add_parser("train", help="train a drafter (eagle3) on conversations with the target run online")
+    kinds = t.add_subparsers(dest="draft_type", required=True)
+    e = kinds.add_parser("eagle3", help="EAGLE-3 draft head (SpecForge/SGLang checkpoint format)")
+    _add_common(e)
+    e.add_argument("--draft-vocab-size", type=int, default=16384)
+    e.add_argument("--vocab-examples", type=int, default=0, help="conversations whose assistant tokens pick the draft vocab (default: the training set)")
+    e.add_argument("--aux-layers", default=None, help="comma-separated target layers whose outputs are fused (default 1,L/2-1,L-4)")
+    e.add_argument("--ttt-length", type=int, default=7)
+    e.add_argument("--ttt-decay", type=float, default=0.8)
+    e.add_argument("--init-head-from-target", action=argparse.BooleanOptionalAction, default=True, help="start lm_head/norm from the target's rows")
+    e.set_defaults(train_fn=train_eagle3)
+    return t
+
+
+def cmd_train(args) -> int:
+    return args.train_fn(args)
+
+
+# --- shared preparation -----------------------------------------------------------------------
+def prepare_examples(args, tokenizer):
+    """Tokenised examples, cached in <out>/examples.pt so a resumed run sees the same data."""
+    from .data import Example, build_examples, eval_prompts, open_conversations
+
+    cache = Path(args.out) / "examples.pt"
+    if args.resume and cache.is_file():
+        raw = torch.load(cache, weights_only=True)
+        return [Example(i, m) for i, m in zip(raw["input_ids"], raw["loss_mask"])]
+    exclude = eval_prompts()
+    convs = (c for src in args.data for c in open_conversations(src, exclude))
+    exs = build_examples(tokenizer, convs, args.num_examples, args.max_len, seed=args.seed)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"input_ids": [e.input_ids for e in exs], "loss_mask": [e.loss_mask for e in exs]}, cache)
+    return exs
+
+
+def vocab_counts(args, tokenizer, exs, vocab_size: int) -> torch.Tensor:
+    """Assistant-token frequencies over the training examples, or over a larger seeded sample
+    (--vocab-examples) so the draft vocab generalises beyond the conversations trained on."""
+    from .data import build_examples, eval_prompts, open_conversations, token_counts
+
+    if args.vocab_examples <= len(exs):
+        return token_counts(exs, vocab_size)
+    cache = Path(args.out) / "vocab_counts.pt"
+    if cache.is_file():
+        return torch.load(cache, weights_only=True)
+    convs = (c for src in args.data for c in open_conversations(src, eval_prompts()))
+    counts = token_counts(build_examples(tokenizer, convs, args.vocab_examples, args.max_len, seed=args.seed), vocab_size)
+    torch.save(counts, cache)
+    return counts
+
+
+def _log(msg: str) -> None:
+    print(f"[train {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def train_eagle3(args) -> int:
+    from ..models import load_target
+    from ..models.eagle3 import Eagle3Config, Eagle3Draft, vocab_from_counts
+    from .data import make_batches, token_counts
+    from .eagle3 import Eagle3Task
+    from .target import TargetRunner
+    from .trainer import OptimConfig, RunConfig, Trainer
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    t0 = time.time()
+    target = load_target(args.target, dtype=args.target_dtype)
+    exs = prepare_examples(args, target.tokenizer)
+    counts = vocab_counts(args, target.tokenizer, exs, target.cfg.vocab_size)
+    aux = tuple(int(x) for x in args.aux_layers.split(",")) if args.aux_layers else None
+    cfg = Eagle3Config.for_target(target.cfg, args.draft_vocab_size, aux)
+    draft = Eagle3Draft(cfg)
+    hot = vocab_from_counts(counts, cfg.draft_vocab_size)
+    draft.set_vocab(hot)
+    coverage = float(counts[hot].sum()) / max(1, int(counts.sum()))
+    if args.init_head_from_target:
+        with torch.no_grad():
+            draft.lm_head.weight.copy_(target.model.lm_head[hot].float())
+            draft.norm.weight.copy_(target.model.norm.float())
+    batches = make_batches(exs, args.tokens_per_batch, args.seed)
+    steps = args.max_steps or max(1, int(args.epochs * len(batches)))
+    n_tok = sum(b.num_tokens for b in batches)
+    _log(f"{len(exs)} conversations, {n_tok} tokens ({int(counts.sum())} assistant) in {len(batches)} batches; "
+         f"{steps} steps; draft vocab {cfg.draft_vocab_size} covers {coverage:.4f} of assistant tokens; prep {time.time() - t0:.0f}s")
+    meta = {
+        "type": "eagle3", "target": str(target.path), "data": args.data, "num_examples": len(exs), "max_len": args.max_len,
+        "tokens_per_batch": args.tokens_per_batch, "total_steps": steps, "time_budget_min": args.time_budget_min, "lr": args.lr, "ttt_length": args.ttt_length,
+        "ttt_decay": args.ttt_decay, "draft_vocab_coverage": round(coverage, 5), "seed": args.seed,
+    }
+    task = Eagle3Task(target.model, draft, args.ttt_length, args.ttt_decay)
+    runner = TargetRunner(target.model, max(args.tokens_per_batch, max(len(e.input_ids) for e in exs)))
+    optim = OptimConfig(lr=args.lr, warmup_ratio=args.warmup_ratio, grad_clip=args.grad_clip, weight_decay=args.weight_decay)
+    run = RunConfig(args.out, steps, save_every_s=args.save_every_min * 60, time_budget_s=args.time_budget_min * 60 if args.time_budget_min else None, seed=args.seed, progress_bar=not args.no_progress)
+    trainer = Trainer(task, runner, batches, optim, run, meta)
+    if args.resume and trainer.resume():
+        _log(f"resumed at step {trainer.step}")
+    (Path(args.out) / "train_args.json").write_text(json.dumps(vars(args) | {"train_fn": None}, indent=2, default=str))
+    final = trainer.fit()
+    task.save(Path(args.out) / "final", extra_config={"training": {**meta, "step": trainer.step, "tokens_seen": trainer.tokens_seen, "train_seconds": round(trainer.elapsed_s)}})
+    _log(f"done: step {trainer.step}, loss {final.get('loss', float('nan')):.4f}, acc_0 {final.get('acc_0', float('nan')):.4f}; exported {Path(args.out) / 'final'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="moa-serve")
+    add_train_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return cmd_train(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
