@@ -18,20 +18,8 @@ from pathlib import Path
 import torch
 
 
-@dataclass
-class MethodResult:
-    method: str
-    eval_set: str
-    tree: str
-    tokens: int = 0
-    seconds: float = 0.0
-    verify_steps: int = 0
-    accepted: int = 0
-    drafted: int = 0
-    identical: int = 0  # prompts whose output equals vanilla's
-    prompts: int = 0
-    error: str | None = None
-    outputs: list[list[int]] = field(default_factory=list, repr=False)
+class SpecRates:
+    """Rates every benchmark row derives from its counters (tokens, seconds, verify_steps, accepted, drafted)."""
 
     @property
     def tau(self) -> float:
@@ -44,6 +32,22 @@ class MethodResult:
     @property
     def draft_per_step(self) -> float:
         return self.drafted / self.verify_steps if self.verify_steps else float("nan")
+
+
+@dataclass
+class MethodResult(SpecRates):
+    method: str
+    eval_set: str
+    tree: str
+    tokens: int = 0
+    seconds: float = 0.0
+    verify_steps: int = 0
+    accepted: int = 0
+    drafted: int = 0
+    identical: int = 0  # prompts whose output equals vanilla's
+    prompts: int = 0
+    error: str | None = None
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
 
 
 def engine_runner(target, method: str, tree, max_new_tokens: int):

@@ -21,9 +21,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from .bench import SpecRates
+
 
 @dataclass
-class BatchResult:
+class BatchResult(SpecRates):
     method: str
     tree: str
     batch_size: int
@@ -42,18 +44,6 @@ class BatchResult:
     peak_rss_mb: float | None = None
     rss_rise_mb: float | None = None
     error: str | None = None
-
-    @property
-    def tau(self) -> float:
-        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else float("nan")
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else float("nan")
-
-    @property
-    def draft_per_step(self) -> float:
-        return self.drafted / self.verify_steps if self.verify_steps else float("nan")
 
     @property
     def decode_tokens_per_s(self) -> float:
