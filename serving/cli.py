@@ -49,7 +49,8 @@ def default_tree(drafter: str | None):
     """Tree shape tuned per drafter (see docs/BENCHMARKS.md for the sweep)."""
     from sglang_ext.tree import TreeShape
 
-    return {"ngram": TreeShape(6, 2, 12), "draft-model": TreeShape(3, 1, 4), "eagle3": TreeShape(5, 4, 16)}.get(drafter or "none", TreeShape(6, 4, 24))
+    eagle_like = TreeShape(5, 4, 16)  # EAGLE-3 and MoA share one tree budget, so their numbers compare
+    return {"ngram": TreeShape(6, 2, 12), "draft-model": TreeShape(3, 1, 4), "eagle3": eagle_like, "moa": eagle_like, "moa-tli0": eagle_like, "moa-tli1": eagle_like}.get(drafter or "none", TreeShape(6, 4, 24))
 
 
 def cmd_generate(args) -> int:

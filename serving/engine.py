@@ -172,7 +172,7 @@ class Engine:
             tok = self._sample(logits[i], r)
             self.running.append(r)
             if self.drafter is not None:
-                cap = TargetCapture(r.prompt_ids, pos[i], r.slots, {l: h[start : start + n] for l, h in out.captured.items()})
+                cap = TargetCapture(r.prompt_ids, pos[i], r.slots, {l: h[start : start + n] for l, h in out.captured.items()}, self.kv)
                 self._drafter_call(lambda: self.drafter.add_request(r.rid, cap), [r])
             start += n
             r.t_first_token = time.perf_counter()
@@ -256,7 +256,7 @@ class Engine:
             self._record(r, res, n - 1)
             if self.drafter is not None and r.drafting:
                 rows = torch.tensor(res.accepted_nodes) + start
-                cap = TargetCapture(t.draft_tokens[res.accepted_nodes].tolist(), t.positions[res.accepted_nodes], keep, {l: h[rows] for l, h in out.captured.items()})
+                cap = TargetCapture(t.draft_tokens[res.accepted_nodes].tolist(), t.positions[res.accepted_nodes], keep, {l: h[rows] for l, h in out.captured.items()}, self.kv)
                 self._drafter_call(lambda: self.drafter.commit(r.rid, cap), [r])
             events.append(StepEvent(r, self._append(r, res.tokens), res.num_accepted, n - 1))
             start += n

@@ -12,8 +12,23 @@ from .ngram import NgramDrafter
 _REGISTRY: dict[str, Callable[..., Drafter]] = {
     "ngram": lambda target: NgramDrafter(),
     "draft-model": lambda target: DraftModelDrafter.self_draft(target.model),
-    "eagle3": lambda target, path=None: __import__(f"{__name__}.eagle3", fromlist=["Eagle3Drafter"]).Eagle3Drafter.from_target(target, path),
+    "eagle3": lambda target, path=None: _eagle3().Eagle3Drafter.from_target(target, path),
+    "moa": lambda target, path=None: _moa().MoADrafter.from_target(target, path, name="moa"),
+    "moa-tli0": lambda target: _moa().MoADrafter.from_target(target, name="moa-tli0"),
+    "moa-tli1": lambda target: _moa().MoADrafter.from_target(target, name="moa-tli1"),
 }
+
+
+def _eagle3():
+    from . import eagle3
+
+    return eagle3
+
+
+def _moa():
+    from . import moa
+
+    return moa
 
 
 def register_drafter(name: str, factory: Callable[..., Drafter]) -> None:
@@ -41,6 +56,11 @@ def make_drafter(name: str | None, target) -> Drafter | None:
         return None
     if name not in _REGISTRY and _is_eagle3_checkpoint(name):
         return _REGISTRY["eagle3"](target, name)  # --drafter PATH to an EAGLE-3 checkpoint directory
+    if name not in _REGISTRY:
+        from ..models.moa import is_moa_checkpoint
+
+        if is_moa_checkpoint(name):
+            return _REGISTRY["moa"](target, name)  # --drafter PATH to a MoA checkpoint directory
     if name not in _REGISTRY:
         raise ValueError(f"unknown drafter {name!r}; available: {', '.join(available_drafters())}")
     return _REGISTRY[name](target)

@@ -20,6 +20,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from ..models.kv_pool import KVPool
 from ..sampling import SamplingParams
 from ..tree import TokenTree, TreeShape
 
@@ -36,6 +37,7 @@ class TargetCapture:
     positions: torch.Tensor  # [a] int64
     slots: torch.Tensor  # [a] int64, the tokens' slots in the target KV pool
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [a, H] output of that target layer
+    kv: "KVPool | None" = None  # the target's KV pool (read-only for drafters; MoA reads every layer's K/V at `slots`)
 
 
 @dataclass

@@ -1,6 +1,7 @@
-"""`moa-serve train <type>`: shared argument set and the EAGLE-3 entry point.
+"""`moa-serve train <type>`: shared argument set and the EAGLE-3 / MoA entry points.
 
     moa-serve train eagle3 --target smollm2 --data sharegpt --out runs/eagle3 [--resume]
+    moa-serve train moa --tli 1 --target smollm2 --data sharegpt --out runs/moa-tli1 [--resume]
 
 Wiring (serving/cli.py): `add_train_parser(sub)` in build_parser and `handlers["train"] = cmd_train`.
 Also runnable as `python -m sglang_ext.training.cli train eagle3 ...`.
@@ -51,6 +52,21 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--ttt-decay", type=float, default=0.8)
     e.add_argument("--init-head-from-target", action=argparse.BooleanOptionalAction, default=True, help="start lm_head/norm from the target's rows")
     e.set_defaults(train_fn=train_eagle3)
+    m = kinds.add_parser("moa", help="Mixture-of-Attentions drafter (LSA + SA + CA, optional target-layer inference)")
+    _add_common(m)
+    m.add_argument("--tli", type=int, default=0, help="target layers run on the draft feature (0, 1, 3, ...)")
+    m.add_argument("--draft-vocab-size", type=int, default=16384, help="rows of the target lm_head the drafter scores (0: full vocab)")
+    m.add_argument("--vocab-examples", type=int, default=0, help="conversations whose assistant tokens pick the draft vocab (default: the training set)")
+    # NOTE: HEBO uses 0.1 / 1.0 for Llama-3-8B; SmolLM2's residual stream is large enough that its
+    # SmoothL1 term (~17 at init vs KL ~15) would swamp the KL, so our defaults weight the KL.
+    m.add_argument("--lambda-kl", type=float, default=1.0, help="weight of KL(target || draft) (HEBO: 0.1)")
+    m.add_argument("--lambda-feat", type=float, default=0.1, help="weight of the SmoothL1 feature term (HEBO: 1.0)")
+    m.add_argument("--min-gap", type=int, default=6, help="verification points every K in [min-gap, max-gap] tokens")
+    m.add_argument("--max-gap", type=int, default=14)
+    m.add_argument("--staircase-ramp", type=float, default=0.5, help="fraction of training over which the SA staircase probability ramps up")
+    m.add_argument("--staircase-max", type=float, default=1.0, help="final SA staircase probability (1: the drafter's SA sees only the verified prefix + itself)")
+    m.add_argument("--no-lsa", action="store_true", help="ablation: CA reads the target's last-layer output instead of LSA over all layers' K/V")
+    m.set_defaults(train_fn=train_moa)
     return t
 
 
@@ -98,10 +114,7 @@ def _log(msg: str) -> None:
 def train_eagle3(args) -> int:
     from ..models import load_target
     from ..models.eagle3 import Eagle3Config, Eagle3Draft, vocab_from_counts
-    from .data import make_batches, token_counts
     from .eagle3 import Eagle3Task
-    from .target import TargetRunner
-    from .trainer import OptimConfig, RunConfig, Trainer
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -119,17 +132,24 @@ def train_eagle3(args) -> int:
         with torch.no_grad():
             draft.lm_head.weight.copy_(target.model.lm_head[hot].float())
             draft.norm.weight.copy_(target.model.norm.float())
+    meta = {"type": "eagle3", "ttt_length": args.ttt_length, "ttt_decay": args.ttt_decay, "draft_vocab_coverage": round(coverage, 5)}
+    return _fit(args, target, exs, Eagle3Task(target.model, draft, args.ttt_length, args.ttt_decay), meta, f"draft vocab {cfg.draft_vocab_size} covers {coverage:.4f} of assistant tokens", t0)
+
+
+def _fit(args, target, exs, task, meta_extra: dict, note: str, t0: float) -> int:
+    """Batches, Trainer, resume, fit, final export: the same for every draft type."""
+    from .data import make_batches
+    from .target import TargetRunner
+    from .trainer import OptimConfig, RunConfig, Trainer
+
     batches = make_batches(exs, args.tokens_per_batch, args.seed)
     steps = args.max_steps or max(1, int(args.epochs * len(batches)))
     n_tok = sum(b.num_tokens for b in batches)
-    _log(f"{len(exs)} conversations, {n_tok} tokens ({int(counts.sum())} assistant) in {len(batches)} batches; "
-         f"{steps} steps; draft vocab {cfg.draft_vocab_size} covers {coverage:.4f} of assistant tokens; prep {time.time() - t0:.0f}s")
+    _log(f"{len(exs)} conversations, {n_tok} tokens in {len(batches)} batches; {steps} steps; {note}; prep {time.time() - t0:.0f}s")
     meta = {
-        "type": "eagle3", "target": str(target.path), "data": args.data, "num_examples": len(exs), "max_len": args.max_len,
-        "tokens_per_batch": args.tokens_per_batch, "total_steps": steps, "time_budget_min": args.time_budget_min, "lr": args.lr, "ttt_length": args.ttt_length,
-        "ttt_decay": args.ttt_decay, "draft_vocab_coverage": round(coverage, 5), "seed": args.seed,
+        **meta_extra, "target": str(target.path), "data": args.data, "num_examples": len(exs), "max_len": args.max_len,
+        "tokens_per_batch": args.tokens_per_batch, "total_steps": steps, "time_budget_min": args.time_budget_min, "lr": args.lr, "seed": args.seed,
     }
-    task = Eagle3Task(target.model, draft, args.ttt_length, args.ttt_decay)
     runner = TargetRunner(target.model, max(args.tokens_per_batch, max(len(e.input_ids) for e in exs)))
     optim = OptimConfig(lr=args.lr, warmup_ratio=args.warmup_ratio, grad_clip=args.grad_clip, weight_decay=args.weight_decay)
     run = RunConfig(args.out, steps, save_every_s=args.save_every_min * 60, time_budget_s=args.time_budget_min * 60 if args.time_budget_min else None, seed=args.seed, progress_bar=not args.no_progress)
@@ -141,6 +161,37 @@ def train_eagle3(args) -> int:
     task.save(Path(args.out) / "final", extra_config={"training": {**meta, "step": trainer.step, "tokens_seen": trainer.tokens_seen, "train_seconds": round(trainer.elapsed_s)}})
     _log(f"done: step {trainer.step}, loss {final.get('loss', float('nan')):.4f}, acc_0 {final.get('acc_0', float('nan')):.4f}; exported {Path(args.out) / 'final'}")
     return 0
+
+
+def train_moa(args) -> int:
+    from ..models import load_target
+    from ..models.eagle3 import vocab_from_counts
+    from ..models.moa import MoAConfig, MoADraft
+    from .moa import MoATask
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    t0 = time.time()
+    target = load_target(args.target, dtype=args.target_dtype)
+    if not 0 <= args.tli < target.cfg.num_layers:
+        raise SystemExit(f"--tli must be in [0, {target.cfg.num_layers - 1}]")
+    exs = prepare_examples(args, target.tokenizer)
+    # the SA mask the drafter runs at inference is the one training ends with
+    sa_mode = "self" if args.staircase_max >= 1.0 else "ancestors"
+    cfg = MoAConfig.for_target(target.cfg, tli=args.tli, draft_vocab_size=args.draft_vocab_size, sa_tree_attention=sa_mode,
+                                memory_source="last_hidden" if args.no_lsa else "lsa")
+    draft = MoADraft(cfg)
+    coverage = 1.0
+    if cfg.draft_vocab_size:
+        counts = vocab_counts(args, target.tokenizer, exs, target.cfg.vocab_size)
+        hot = vocab_from_counts(counts, cfg.draft_vocab_size)
+        draft.set_vocab(hot)
+        coverage = float(counts[hot].sum()) / max(1, int(counts.sum()))
+    task = MoATask(target.model, draft, args.lambda_kl, args.lambda_feat, args.min_gap, args.max_gap, args.staircase_ramp, args.staircase_max, seed=args.seed)
+    meta = {"type": "moa", "tli": args.tli, "memory_source": cfg.memory_source, "lambda_kl": args.lambda_kl, "lambda_feat": args.lambda_feat, "gaps": [args.min_gap, args.max_gap],
+            "staircase_ramp": args.staircase_ramp, "staircase_max": args.staircase_max, "draft_vocab_coverage": round(coverage, 5)}
+    n_params = sum(p.numel() for p in draft.parameters())
+    return _fit(args, target, exs, task, meta, f"MoA TLI={args.tli}, {n_params / 1e6:.1f}M trainable params, draft vocab covers {coverage:.4f}", t0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,206 @@
+"""MoA drafter: LSA memory of verified tokens, SA + CA over it, then the target's last N layers.
+
+Per request the drafter keeps three caches, all for verified tokens only:
+
+    memory  CA keys/values of each verified token's LSA output   (drafter pool, computed at commit)
+    sa      SA keys/values of each verified token's embedding    (drafter pool, computed at commit)
+    target  the request's slots in the target KV pool            (read by the TLI layers, never written)
+
+commit() runs LSA once for the tokens the target just verified (root + accepted nodes), so LSA is
+never recomputed for the prefix. propose() runs the tree: every node (root included) is a query
+at its position; its SA sees the verified prefix plus itself (or its ancestors, per checkpoint),
+its CA sees all verified memory, and the TLI layers see the target's real KV for verified
+positions plus the node's ancestors' speculative KV, written to temporary target-pool slots that
+are freed before propose returns (the target's own cache is never written).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..attention import plan_attention, tree_attention_torch
+from ..models.eagle3 import DraftCheckpointError
+from ..models.kv_pool import KVPool
+from ..models.llama import LlamaModel, rms_norm
+from ..models.moa import MoADraft, load_moa, stack_pool_kv
+from ..tree import TokenTree, TreeShape
+from .base import DraftInput, TargetCapture
+from .search import search_tree
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = {"SmolLM2-135M-Instruct": {"moa-tli0": "smollm2-moa-tli0", "moa-tli1": "smollm2-moa-tli1"}}
+BEST = {"SmolLM2-135M-Instruct": "moa-tli1"}  # `--drafter moa`: the better shipped TLI (see docs/BENCHMARKS.md)
+_NEG = -1e9
+
+
+def shipped_checkpoint(target, name: str) -> Path:
+    """Checkpoint dir of a shipped MoA drafter ('moa', 'moa-tli0', 'moa-tli1'); $MOA_SERVE_MOA overrides 'moa'."""
+    env = os.environ.get("MOA_SERVE_MOA")
+    if name == "moa" and env:
+        return Path(env)
+    tname = Path(target.path).name
+    if name == "moa":
+        name = BEST.get(tname, "")
+    sub = SHIPPED.get(tname, {}).get(name)
+    ckpt = REPO_ROOT / "drafters" / sub if sub else None
+    if ckpt is None or not (ckpt / "config.json").is_file():
+        raise DraftCheckpointError(f"no shipped MoA drafter {name!r} for target {target.path}; train one (moa-serve train moa) and pass its path")
+    return ckpt
+
+
+class _RequestState:
+    def __init__(self):
+        self.mem_slots = torch.empty(0, dtype=torch.long)  # CA K/V of verified tokens
+        self.sa_slots = torch.empty(0, dtype=torch.long)  # SA K/V of verified tokens
+        self.target_slots = torch.empty(0, dtype=torch.long)  # the target's slots of verified tokens
+
+
+class MoADrafter:
+
+    def __init__(self, target: LlamaModel, draft: MoADraft, num_slots: int = 32768, name: str = "moa"):
+        c = draft.cfg
+        if c.vocab_size != target.cfg.vocab_size or c.num_target_layers != len(target.layers):
+            raise DraftCheckpointError("MoA draft does not fit the target (vocab or layer count)")
+        self.name = name
+        self.target = target
+        self.draft = draft.to(target.dtype).eval()
+        self.cfg = c
+        self.mem = KVPool(1, num_slots, c.num_kv_heads, c.head_dim, target.dtype, target.device)
+        self.sa = KVPool(1, num_slots, c.num_kv_heads, c.head_dim, target.dtype, target.device)
+        self.hot_ids = self.draft.hot_ids
+        self.head = target.lm_head[self.hot_ids].contiguous()  # draft-vocab rows of the target's lm_head
+        self.tli_layers = list(range(len(target.layers) - c.tli, len(target.layers)))
+        # MoA reads the target KV pool, not layer outputs (the no-LSA ablation reads the last layer's output)
+        self.capture_layers: tuple[int, ...] = (len(target.layers) - 1,) if c.memory_source == "last_hidden" else ()
+        self.target_kv: KVPool | None = None
+        self.reqs: dict[int, _RequestState] = {}
+        self.lsa_rows = 0  # tokens LSA has processed (each verified token exactly once)
+
+    @classmethod
+    def from_target(cls, target, path: str | os.PathLike | None = None, name: str = "moa") -> "MoADrafter":
+        ckpt = Path(path) if path else shipped_checkpoint(target, name)
+        return cls(target.model, load_moa(ckpt, target.cfg, dtype=target.model.dtype), name=name)
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    def add_request(self, rid: int, capture: TargetCapture) -> None:
+        self.reqs[rid] = _RequestState()
+        self.commit(rid, capture)
+
+    @torch.inference_mode()
+    def commit(self, rid: int, capture: TargetCapture) -> None:
+        if capture.kv is None:
+            raise DraftCheckpointError("MoA needs the target KV pool in TargetCapture.kv")
+        if self.target_kv is None:
+            self.target_kv = capture.kv
+        elif self.target_kv is not capture.kv:
+            raise DraftCheckpointError("MoA drafter bound to a different target KV pool")
+        st = self.reqs[rid]
+        n = capture.slots.numel()
+        if n == 0:
+            return
+        d, pos = self.draft, capture.positions
+        if self.capture_layers:
+            memory = capture.hidden[self.capture_layers[0]]
+        else:
+            memory = d.lsa(stack_pool_kv(capture.kv, capture.slots))  # [n, H], the new tokens only
+            self.lsa_rows += n
+        k, v = d.ca_kv(memory, pos)
+        mem = self.mem.alloc(n)
+        self.mem.write(0, mem, k, v)
+        _, k, v = d.sa_qkv(self.target.embed[torch.as_tensor(capture.token_ids)], pos)
+        sa = self.sa.alloc(n)
+        self.sa.write(0, sa, k, v)
+        st.mem_slots = torch.cat([st.mem_slots, mem])
+        st.sa_slots = torch.cat([st.sa_slots, sa])
+        st.target_slots = torch.cat([st.target_slots, capture.slots])
+
+    def remove_request(self, rid: int) -> None:
+        st = self.reqs.pop(rid, None)
+        if st is not None:
+            self.mem.free(st.mem_slots)
+            self.sa.free(st.sa_slots)
+
+    # --- drafting -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree]:
+        for d in batch:
+            st = self.reqs[d.rid]
+            if st.target_slots.numel() != d.seq_len:
+                raise DraftCheckpointError(f"request {d.rid}: draft state out of sync ({st.target_slots.numel()} verified vs {d.seq_len})")
+        b, k = len(batch), shape.topk
+        full = shape.topk == 1 and any(not d.params.greedy for d in batch)
+        to_target = (lambda ids: ids) if full else (lambda ids: self.hot_ids[ids])
+        temps: list[tuple[KVPool, torch.Tensor]] = []
+        # per frontier node: its path's temporary (sa slot, target slot) pairs, root first
+        paths: list[list[list[tuple[int, int]]]] = [[[]] for _ in range(b)]
+
+        def run(tokens: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
+            """tokens [b, kk] target ids of the frontier; parent [b, kk] index into the previous paths."""
+            kk = tokens.shape[1]
+            sa_new = self.sa.alloc(b * kk)
+            temps.append((self.sa, sa_new))
+            tgt_new = self.target_kv.alloc(b * kk) if self.tli_layers else torch.zeros(b * kk, dtype=torch.long)
+            if self.tli_layers:
+                temps.append((self.target_kv, tgt_new))
+            new_paths, pos, sa_lists, mem_lists, tgt_lists = [], [], [], [], []
+            for i, d in enumerate(batch):
+                st = self.reqs[d.rid]
+                rows = []
+                for j in range(kk):
+                    path = paths[i][int(parent[i, j])] + [(int(sa_new[i * kk + j]), int(tgt_new[i * kk + j]))]
+                    rows.append(path)
+                    pos.append(d.seq_len + len(path) - 1)
+                    own = path if self.cfg.sa_tree_attention == "ancestors" else path[-1:]
+                    sa_lists.append(torch.cat([st.sa_slots, torch.tensor([s for s, _ in own], dtype=torch.long)]))
+                    mem_lists.append(st.mem_slots)
+                    tgt_lists.append(torch.cat([st.target_slots, torch.tensor([t for _, t in path], dtype=torch.long)]))
+                new_paths.append(rows)
+            paths[:] = new_paths
+            logits = self._forward(tokens.reshape(-1), torch.tensor(pos), sa_new, tgt_new, sa_lists, mem_lists, tgt_lists)
+            return self._to_logits(logits, full).view(b, kk, -1)
+
+        def step_fn(tokens: torch.Tensor, parent_beam: torch.Tensor | None) -> torch.Tensor:
+            parent = torch.zeros(b, tokens.shape[1], dtype=torch.long) if parent_beam is None else parent_beam
+            return run(to_target(tokens), parent)
+
+        try:
+            roots = torch.tensor([d.token_ids[-1] for d in batch])[:, None]
+            # the root is a node too: its own query, SA and TLI entries at position seq_len
+            root_logits = run(roots, torch.zeros(b, 1, dtype=torch.long))[:, 0]
+            trees = search_tree(root_logits, step_fn, shape, batch)
+        finally:
+            for pool, s in temps:  # speculative K/V is never kept
+                pool.free(s)
+        if not full:
+            for t in trees:
+                t.draft_tokens = torch.cat([t.draft_tokens[:1], self.hot_ids[t.draft_tokens[1:]]])
+        return trees
+
+    def _forward(self, ids, positions, sa_new, tgt_new, sa_lists, mem_lists, tgt_lists) -> torch.Tensor:
+        """One draft pass over n nodes -> final hidden [n, H] (after the target's norm)."""
+        d, tgt = self.draft, self.target
+        x = tgt.embed[ids]
+        q, k, v = d.sa_qkv(x, positions)
+        self.sa.write(0, sa_new, k, v)
+        allq = lambda lists: [torch.ones(1, s.numel(), dtype=torch.bool) for s in lists]  # noqa: E731 - one query row per node
+        x = d.sa_finish(tree_attention_torch(q, self.sa.k[0], self.sa.v[0], plan_attention(sa_lists, allq(sa_lists)), d.scale), x)
+        q = d.ca_q(x, positions)
+        x = d.ca_finish(tree_attention_torch(q, self.mem.k[0], self.mem.v[0], plan_attention(mem_lists, allq(mem_lists)), d.scale), x)
+        if self.tli_layers:
+            plan = plan_attention(tgt_lists, allq(tgt_lists))
+            rope = tgt.rope(positions)
+            for li in self.tli_layers:
+                x = tgt.layer_forward(li, x, rope, tgt_new, plan, self.target_kv)
+        return rms_norm(x, tgt.norm, tgt.cfg.rms_norm_eps)
+
+    def _to_logits(self, hidden: torch.Tensor, full: bool) -> torch.Tensor:
+        lg = F.linear(hidden, self.head).float()
+        if not full:
+            return lg
+        out = lg.new_full((lg.shape[0], self.cfg.vocab_size), _NEG)
+        out[:, self.hot_ids] = lg
+        return out

@@ -1,0 +1,196 @@
+"""MoA training: one teacher-forced pass with masks that simulate partially accepted drafts.
+
+Verification points (per sequence): p_0 = 0, p_{k+1} = p_k + K with K ~ U[min_gap, max_gap]. For
+a row i >= 1 let v(i) = the last point strictly before i: the target has verified tokens 0..v(i)
+and rows v(i)+1..i play the root and the draft nodes of one draft-verify cycle
+(row v+1 = root, row v+1+d = depth-d node on the ground-truth path). Hence, for query row i:
+
+    CA   sees memory (LSA of target K/V) of rows j <= v(i)
+    SA   causal (j <= i); "staircase" (applied to a sequence with probability ramping 0 -> 1 over
+         the first half of training): j <= v(i) or j == i, as the drafter runs it at inference
+    TLI  the target's last N layers see the target's real K/V for j <= v(i) and the draft's own
+         K/V for v(i) < j <= i
+
+    e.g. points {0, 4}:   i:   1 2 3 4 5 6
+                          v:   0 0 0 0 4 4
+
+Loss (HEBO): lambda_kl * KL(p_target || q_draft) over the draft vocab + lambda_feat * SmoothL1
+between the CA output and the target's hidden state entering layer L-N (for TLI > 0 averaged with
+SmoothL1 between the final draft hidden state and the target's last-layer output). Rows count
+where the next token is an assistant token and the target's argmax is in the draft vocab.
+Row accuracy is reported per gap i - v(i) = 1.. (acc_0 = root rows, acc_1 = depth-1 rows, ...).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..models.llama import LlamaModel, apply_rope, rms_norm
+from ..models.moa import MoADraft, stack_layer_kv
+from .data import Batch
+from .eagle3 import shift
+from .target import TargetOutputs
+
+
+def last_points(lengths: torch.Tensor, t: int, min_gap: int, max_gap: int, gen: torch.Generator) -> torch.Tensor:
+    """[B, T] v(i): the last verification point strictly before row i (0 for i = 0)."""
+    b = lengths.numel()
+    v = torch.zeros(b, t, dtype=torch.long)
+    for s in range(b):
+        point, nxt = 0, 0
+        for i in range(1, t):
+            if i > nxt:  # i - 1 == nxt is a point
+                point = nxt
+                nxt = point + int(torch.randint(min_gap, max_gap + 1, (1,), generator=gen))
+            v[s, i] = point
+    return v
+
+
+def ca_mask(v: torch.Tensor) -> torch.Tensor:
+    """[B, T, T]: row i sees memory rows j <= v(i)."""
+    t = v.shape[1]
+    return torch.arange(t)[None, None, :] <= v[:, :, None]
+
+
+def sa_mask(v: torch.Tensor, staircase: torch.Tensor) -> torch.Tensor:
+    """[B, T, T]: causal, or (per sequence, staircase[b]) j <= v(i) or j == i."""
+    t = v.shape[1]
+    j = torch.arange(t)
+    causal = j[None, :] <= j[:, None]
+    stair = (j[None, None, :] <= v[:, :, None]) | torch.eye(t, dtype=torch.bool)[None]
+    return torch.where(staircase[:, None, None], stair, causal[None])
+
+
+def tli_masks(v: torch.Tensor) -> torch.Tensor:
+    """[B, T, 2T]: [real K/V rows j <= v(i) | draft K/V rows v(i) < j <= i]."""
+    t = v.shape[1]
+    j = torch.arange(t)[None, None, :]
+    real = j <= v[:, :, None]
+    draft = (j > v[:, :, None]) & (j <= torch.arange(t)[None, :, None])
+    return torch.cat([real, draft], dim=-1)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, T, Hq, D]; k/v [B, S, Hkv, D]; mask [B, T, S] -> [B, T, Hq, D]."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+def tli_layer(model: LlamaModel, li: int, x: torch.Tensor, positions: torch.Tensor, real_k: torch.Tensor, real_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Target layer li on draft hidden states x [B, T, H] (differentiable; target weights frozen),
+    attending to [real K/V | x's own K/V] under mask [B, T, 2T]. Same math as LlamaModel.layer_forward."""
+    c, lw = model.cfg, model.layers[li]
+    dt = x.dtype
+    h = rms_norm(x, lw.input_norm.to(dt), c.rms_norm_eps)
+    qkv = F.linear(h, lw.qkv.to(dt), None if lw.qkv_bias is None else lw.qkv_bias.to(dt))
+    nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    q = qkv[..., :nq].unflatten(-1, (c.num_heads, c.head_dim))
+    k = qkv[..., nq : nq + nk].unflatten(-1, (c.num_kv_heads, c.head_dim))
+    v = qkv[..., nq + nk :].unflatten(-1, (c.num_kv_heads, c.head_dim))
+    freqs = positions.float()[..., None] * model.inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)[..., None, :]
+    cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    keys = torch.cat([real_k.to(k.dtype), k], dim=1)
+    values = torch.cat([real_v.to(v.dtype), v], dim=1)
+    a = _attend(q, keys, values, mask, model.scale)
+    x = x + F.linear(a.flatten(-2), lw.o.to(dt))
+    h = rms_norm(x, lw.post_norm.to(dt), c.rms_norm_eps)
+    gu = F.linear(h, lw.gate_up.to(dt))
+    inter = gu.shape[-1] // 2
+    return x + F.linear(F.silu(gu[..., :inter]) * gu[..., inter:], lw.down.to(dt))
+
+
+class MoATask:
+    name = "moa"
+
+    def __init__(self, target: LlamaModel, draft: MoADraft, lambda_kl: float = 0.1, lambda_feat: float = 1.0, min_gap: int = 6, max_gap: int = 14,
+                 staircase_ramp: float = 0.5, staircase_max: float = 1.0, seed: int = 0, autocast: bool = True):
+        if not 1 <= min_gap <= max_gap:
+            raise ValueError(f"need 1 <= min_gap <= max_gap, got {min_gap}, {max_gap}")
+        self.target, self.draft = target, draft
+        self.lambda_kl, self.lambda_feat = lambda_kl, lambda_feat
+        self.min_gap, self.max_gap = min_gap, max_gap
+        self.staircase_ramp, self.staircase_max = staircase_ramp, staircase_max
+        self.autocast = autocast
+        self.gen = torch.Generator().manual_seed(seed)
+        n, tli = len(target.layers), draft.cfg.tli
+        self.feature_layer = n - 1 - tli  # its output enters layer L-N: what the CA output imitates
+        self.capture_layers = tuple(sorted({self.feature_layer, n - 1}))  # n - 1 also feeds the no-LSA ablation
+        self.tli_layers = list(range(n - tli, n))
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.draft
+
+    def staircase_prob(self, progress: float) -> float:
+        return self.staircase_max * min(1.0, progress / self.staircase_ramp) if self.staircase_ramp > 0 else self.staircase_max
+
+    def loss(self, batch: Batch, tout: TargetOutputs, progress: float) -> tuple[torch.Tensor, dict[str, float]]:
+        b, t = batch.input_ids.shape
+        v = last_points(batch.lengths, t, self.min_gap, self.max_gap, self.gen)
+        stair = torch.rand(b, generator=self.gen) < self.staircase_prob(progress)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            hidden, feat = self.forward(batch, tout, v, stair)
+            return self._loss(batch, tout, v, hidden, feat)
+
+    def forward(self, batch: Batch, tout: TargetOutputs, v: torch.Tensor, stair: torch.Tensor):
+        """-> final draft hidden [B, T, H] (before the target norm), CA output [B, T, H]."""
+        d, ids = self.draft, batch.input_ids
+        b, t = ids.shape
+        pos = torch.arange(t).expand(b, t)
+        valid = torch.arange(t)[None, :] < batch.lengths[:, None]
+        if d.cfg.memory_source == "last_hidden":
+            memory = tout.captured[len(self.target.layers) - 1]
+        else:
+            mem_valid = d.lsa(stack_layer_kv(tout.kv.k, tout.kv.v, tout.slots[valid]))
+            memory = mem_valid.new_zeros(b, t, d.cfg.hidden_size).index_put((valid,), mem_valid)
+        embeds = self.target.embed[ids]
+        q, k, vv = d.sa_qkv(embeds, pos)
+        x = d.sa_finish(_attend(q, k, vv, sa_mask(v, stair), d.scale), embeds)
+        ck, cv = d.ca_kv(memory, pos)
+        feat = d.ca_finish(_attend(d.ca_q(x, pos), ck, cv, ca_mask(v), d.scale), x)
+        x = feat
+        if self.tli_layers:
+            m = tli_masks(v)
+            for li in self.tli_layers:
+                x = tli_layer(self.target, li, x, pos, tout.kv.k[li][tout.slots], tout.kv.v[li][tout.slots], m)
+        return x, feat
+
+    def _loss(self, batch, tout, v, hidden, feat):
+        d = self.draft
+        b, t = batch.input_ids.shape
+        in_range = torch.arange(t)[None, :] + 1 < batch.lengths[:, None]
+        counts = in_range & shift(batch.loss_mask, 1)
+        head = self.target.lm_head[d.hot_ids]
+        with torch.no_grad():
+            tl = F.linear(tout.hidden[counts], self.target.lm_head).float()
+            top = tl.argmax(-1)
+            inv = torch.full((d.cfg.vocab_size,), -1, dtype=torch.long)
+            inv[d.hot_ids] = torch.arange(d.hot_ids.numel())
+            ok = inv[top] >= 0
+            p = torch.softmax(tl[ok][:, d.hot_ids], dim=-1)
+        rows = counts.nonzero(as_tuple=True)
+        rows = (rows[0][ok], rows[1][ok])
+        z = F.linear(rms_norm(hidden[rows], self.target.norm.to(hidden.dtype), self.target.cfg.rms_norm_eps), head.to(hidden.dtype)).float()
+        logq = torch.log_softmax(z, dim=-1)
+        kl = (p * (torch.log(p.clamp_min(1e-20)) - logq)).sum(-1).mean() if z.shape[0] else z.sum()
+        feat_loss = F.smooth_l1_loss(feat[rows].float(), tout.captured[self.feature_layer][rows].float())
+        if self.tli_layers:
+            feat_loss = 0.5 * (feat_loss + F.smooth_l1_loss(hidden[rows].float(), tout.captured[len(self.target.layers) - 1][rows].float()))
+        loss = self.lambda_kl * kl + self.lambda_feat * feat_loss
+        metrics = {"loss": float(loss.detach()), "kl": float(kl.detach()), "feat": float(feat_loss.detach())}
+        with torch.no_grad():
+            hit = d.hot_ids[z.argmax(-1)] == top[ok]
+            gap = rows[1] - v[rows]
+            metrics["acc"] = float(hit.float().mean()) if hit.numel() else 0.0
+            for g in range(1, 8):
+                sel = gap == g
+                metrics[f"acc_{g - 1}"] = float(hit[sel].float().mean()) if sel.any() else 0.0
+        return loss, metrics
+
+    def save(self, out_dir: str | Path, extra_config: dict | None = None) -> None:
+        self.draft.save(out_dir, extra_config=extra_config)

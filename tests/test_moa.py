@@ -1,0 +1,303 @@
+"""MoA: training masks, LSA once per verified token, TLI reads (never writes) the target cache,
+checkpoint round trip, train == inference, greedy identity through the engine, training lowers loss."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers import compare_to_reference, tiny_config, tiny_state
+from serving.engine import Engine
+from sglang_ext.drafters import make_drafter
+from sglang_ext.drafters.base import DraftInput
+from sglang_ext.drafters.moa import MoADrafter
+from sglang_ext.models import LlamaModel, Target
+from sglang_ext.models.eagle3 import DraftCheckpointError
+from sglang_ext.models.moa import MoAConfig, MoADraft, load_moa
+from sglang_ext.sampling import SamplingParams
+from sglang_ext.training.data import Batch, Example, make_batches
+from sglang_ext.training.moa import MoATask, ca_mask, last_points, sa_mask, tli_masks
+from sglang_ext.training.target import TargetRunner
+from sglang_ext.training.trainer import OptimConfig, RunConfig, Trainer
+from sglang_ext.tree import TreeShape
+
+VOCAB, DRAFT_VOCAB, LAYERS = 64, 48, 6
+
+
+def tiny_pair(tli=0, seed=0, draft_vocab=DRAFT_VOCAB, sa="self", memory="lsa") -> tuple[Target, MoADraft]:
+    cfg = tiny_config(vocab=VOCAB, layers=LAYERS)
+    target = Target(model=LlamaModel(cfg, tiny_state(cfg, seed)), tokenizer=None, path=None)
+    torch.manual_seed(seed)
+    draft = MoADraft(MoAConfig.for_target(cfg, tli=tli, draft_vocab_size=draft_vocab, sa_tree_attention=sa, memory_source=memory))
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # norms away from 1, so the tests see every weight
+    if draft_vocab:
+        draft.set_vocab(torch.arange(draft_vocab))
+    return target, draft
+
+
+# --- masks, hand-checked ----------------------------------------------------------------------
+def test_masks_match_the_definition_on_a_small_example():
+    v = torch.tensor([[0, 0, 0, 0, 0, 4, 4]])  # points {0, 4}: rows 1-4 after point 0, rows 5-6 after point 4
+    T, F = True, False
+    assert ca_mask(v)[0].tolist() == [
+        [T, F, F, F, F, F, F],  # row 0: dummy (never a query at inference)
+        [T, F, F, F, F, F, F],
+        [T, F, F, F, F, F, F],
+        [T, F, F, F, F, F, F],
+        [T, F, F, F, F, F, F],
+        [T, T, T, T, T, F, F],
+        [T, T, T, T, T, F, F],
+    ]
+    causal = torch.ones(7, 7, dtype=torch.bool).tril()
+    assert torch.equal(sa_mask(v, torch.tensor([False]))[0], causal)
+    assert sa_mask(v, torch.tensor([True]))[0].tolist() == [
+        [T, F, F, F, F, F, F],
+        [T, T, F, F, F, F, F],
+        [T, F, T, F, F, F, F],
+        [T, F, F, T, F, F, F],
+        [T, F, F, F, T, F, F],
+        [T, T, T, T, T, T, F],
+        [T, T, T, T, T, F, T],
+    ]
+    m = tli_masks(v)[0]
+    real, draft = m[:, :7], m[:, 7:]
+    assert torch.equal(real, ca_mask(v)[0])
+    assert draft[3].tolist() == [F, T, T, T, F, F, F] and draft[6].tolist() == [F, F, F, F, F, T, T]
+    assert not draft[0].any()  # row 0 sees the real key 0 only
+
+
+def test_verification_points_gaps_are_in_range():
+    v = last_points(torch.tensor([200, 120]), 200, 6, 14, torch.Generator().manual_seed(0))
+    assert (v[:, 1:] < torch.arange(1, 200)).all()
+    for row in v:
+        points = sorted(set(row.tolist()))
+        assert points[0] == 0
+        gaps = [b - a for a, b in zip(points, points[1:])]
+        assert gaps and all(6 <= g <= 14 for g in gaps), gaps
+
+
+# --- inference ----------------------------------------------------------------------------------
+def _prompts(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (int(k),), generator=g).tolist() for k in torch.randint(3, 20, (n,), generator=g)]
+
+
+def test_lsa_runs_once_per_verified_token():
+    target, draft = tiny_pair(tli=1)
+    drafter = MoADrafter(target.model, draft)
+    shapes = []
+    lsa = drafter.draft.lsa
+    drafter.draft.lsa = lambda x: shapes.append(tuple(x.shape)) or lsa(x)
+    eng = Engine(target, drafter, TreeShape(4, 3, 10))
+    prompt = _prompts(1, 0)[0]
+    req = eng.add_request(prompt, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    verified = []
+    while not req.finished:
+        eng.step()
+        verified.append(len(req.slots))
+    # prefill: the prompt; each verify step: only root + accepted nodes, never the prefix again
+    assert shapes[0] == (len(prompt), LAYERS, draft.cfg.lsa_hidden)
+    assert all(s[1:] == (LAYERS, draft.cfg.lsa_hidden) for s in shapes)
+    added = [b - a for a, b in zip(verified, verified[1:]) if b > a]
+    assert [s[0] for s in shapes[1 : 1 + len(added)]] == added
+    assert drafter.lsa_rows == sum(s[0] for s in shapes)
+
+
+def _one_propose(drafter, eng, prompt, shape):
+    req = eng.add_request(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    eng.step()  # prefill: drafter.add_request, first token = root
+    inp = DraftInput(req.rid, req.token_ids, req.params, None)
+    return req, drafter.propose([inp], shape)[0]
+
+
+def test_tli_reads_the_target_cache_and_never_writes_it():
+    target, draft = tiny_pair(tli=1, seed=3)
+    drafter = MoADrafter(target.model, draft)
+    eng = Engine(target, drafter, TreeShape(3, 2, 6))
+    req, tree = _one_propose(drafter, eng, _prompts(1, 5)[0], TreeShape(3, 2, 6))
+    kv = eng.kv
+    free = kv.num_free
+    snapshot = [(k.clone(), v.clone()) for k, v in zip(kv.k, kv.v)]
+    logits = []
+    head = drafter._to_logits
+    drafter._to_logits = lambda h, full: logits.append(head(h, full)) or logits[-1]
+    inp = DraftInput(req.rid, req.token_ids, req.params, None)
+    drafter.propose([inp], TreeShape(3, 2, 6))
+    # speculative K/V went to temporary slots that are free again; verified K/V untouched
+    assert kv.num_free == free
+    for (k0, v0), k1, v1 in zip(snapshot, kv.k, kv.v):
+        assert torch.equal(k0[req.slots], k1[req.slots]) and torch.equal(v0[req.slots], v1[req.slots])
+    base = logits[0].clone()
+    # the last target layer's cached K of a verified position feeds the draft: change it, the draft changes
+    last = len(target.model.layers) - 1
+    kv.k[last][req.slots[-2]] += 3.0
+    logits.clear()
+    drafter.propose([inp], TreeShape(3, 2, 6))
+    assert not torch.allclose(logits[0], base)
+    # an earlier layer only matters through LSA, which was computed at commit: no change now
+    kv.k[last][req.slots[-2]] -= 3.0
+    kv.k[0][req.slots[-2]] += 3.0
+    logits.clear()
+    drafter.propose([inp], TreeShape(3, 2, 6))
+    assert torch.allclose(logits[0], base)
+
+
+def test_save_load_round_trip_is_exact(tmp_path):
+    target, draft = tiny_pair(tli=1, seed=1)
+    draft.save(tmp_path / "ck", dtype=torch.float32, extra_config={"training": {"step": 3}})
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
+    assert cfg["architectures"] == ["MoADraftModel"] and cfg["tli"] == 1 and cfg["training"]["step"] == 3
+    loaded = load_moa(tmp_path / "ck", target.cfg)
+    for (k, a), (k2, b) in zip(draft.state_dict().items(), loaded.state_dict().items()):
+        assert k == k2 and torch.equal(a, b), k
+    from safetensors.torch import load_file
+
+    names = set(load_file(str(tmp_path / "ck" / "model.safetensors")))
+    groups = {n.split(".")[0] for n in names}
+    assert groups == {"layer_self_attention", "Ekv2E", "self_attention", "cross_attention", "hot_ids"}
+    # same draft logits through the drafter
+    prompt = _prompts(1, 2)[0]
+    outs = []
+    for d in (draft, loaded):
+        dr = MoADrafter(target.model, d)
+        eng = Engine(target, dr, TreeShape(3, 2, 6))
+        outs.append(_one_propose(dr, eng, prompt, TreeShape(3, 2, 6))[1].draft_tokens)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_bad_checkpoints_give_clear_errors(tmp_path):
+    target, draft = tiny_pair()
+    with pytest.raises(DraftCheckpointError, match="no config.json"):
+        load_moa(tmp_path, target.cfg)
+    draft.save(tmp_path / "ck")
+    other = tiny_config(vocab=VOCAB, layers=LAYERS + 1)
+    with pytest.raises(DraftCheckpointError, match="LSA expects"):
+        load_moa(tmp_path / "ck", other)
+    cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg | {"architectures": ["LlamaForCausalLMEagle3"]}))
+    with pytest.raises(DraftCheckpointError, match="not a MoA checkpoint"):
+        load_moa(tmp_path / "ck")
+    (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg | {"tli": 99}))
+    with pytest.raises(DraftCheckpointError, match="tli=99"):
+        load_moa(tmp_path / "ck")
+
+
+def test_hebo_style_prefixed_names_load(tmp_path):
+    """A checkpoint whose weights carry a wrapper prefix (model./draft_model.) maps onto ours."""
+    from safetensors.torch import load_file, save_file
+
+    target, draft = tiny_pair(tli=0, seed=6)
+    draft.save(tmp_path / "ck", dtype=torch.float32)
+    st = load_file(str(tmp_path / "ck" / "model.safetensors"))
+    save_file({("model." + k): v for k, v in st.items()} | {"model.embed_tokens.weight": torch.zeros(VOCAB, 32)}, str(tmp_path / "ck" / "model.safetensors"))
+    loaded = load_moa(tmp_path / "ck", target.cfg)
+    assert all(torch.equal(a, b) for a, b in zip(draft.state_dict().values(), loaded.state_dict().values()))
+
+
+# --- training == inference ---------------------------------------------------------------------
+@pytest.mark.parametrize("tli,memory", [(0, "lsa"), (1, "lsa"), (0, "last_hidden")])
+def test_training_forward_matches_the_drafter_chain(tli, memory):
+    """With one verification point at the last prompt token, training rows v+1, v+2, .. equal the
+    drafter's root and chain nodes (SA staircase == 'self', CA up to v, TLI real/draft K/V)."""
+    target, draft = tiny_pair(tli=tli, seed=7, draft_vocab=0, memory=memory)
+    drafter = MoADrafter(target.model, draft)
+    eng = Engine(target, drafter, TreeShape.chain(4))
+    prompt = _prompts(1, 9)[0]
+    recorded = []
+    head = drafter._to_logits
+    drafter._to_logits = lambda h, full: recorded.append(head(h, full)) or recorded[-1]
+    req, tree = _one_propose(drafter, eng, prompt, TreeShape.chain(4))
+    seq = torch.tensor(req.token_ids + tree.draft_tokens[1:].tolist())
+    v_pt = len(prompt) - 1
+    batch = Batch(seq[None], torch.ones(1, len(seq), dtype=torch.bool), torch.tensor([len(seq)]))
+    task = MoATask(target.model, draft, autocast=False)
+    tout = TargetRunner(target.model, 64).run(batch, task.capture_layers)
+    v = torch.where(torch.arange(len(seq)) > v_pt, v_pt, 0)[None]
+    with torch.no_grad():
+        hidden, _ = task.forward(batch, tout, v, torch.tensor([True]))
+        from sglang_ext.models.llama import rms_norm
+
+        z = rms_norm(hidden[0], target.model.norm, target.cfg.rms_norm_eps) @ target.model.lm_head.T
+    for d in range(4):
+        assert torch.allclose(z[v_pt + 1 + d], recorded[d].reshape(-1, VOCAB)[0], atol=1e-4), f"depth {d}"
+
+
+# --- greedy identity ---------------------------------------------------------------------------
+@pytest.mark.parametrize("tli", [0, 1])
+@pytest.mark.parametrize("shape", [TreeShape.chain(4), TreeShape(4, 3, 10)], ids=["chain4", "tree4x3x10"])
+@pytest.mark.parametrize("bs", [1, 4])
+def test_greedy_identity_tiny(tli, shape, bs):
+    target, draft = tiny_pair(tli=tli, seed=2)
+    prompts = _prompts(4, bs)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    ref = [r.output_ids for r in Engine(target, None).generate(prompts, params)]
+    drafter = MoADrafter(target.model, draft)
+    eng = Engine(target, drafter, shape)
+    free = (drafter.mem.num_free, drafter.sa.num_free, eng.kv.num_free)
+    outs = []
+    for i in range(0, len(prompts), bs):
+        outs += [r.output_ids for r in eng.generate(prompts[i : i + bs], params)]
+    verdicts = [compare_to_reference(target.model, p, r, o) for p, r, o in zip(prompts, ref, outs)]
+    assert "bug" not in verdicts, verdicts
+    assert (drafter.mem.num_free, drafter.sa.num_free, eng.kv.num_free) == free and not drafter.reqs
+
+
+@pytest.mark.parametrize("shape", [TreeShape.chain(3), TreeShape(3, 2, 6)], ids=["sampled-chain", "tree"])
+def test_sampling_runs_and_drafts_stay_in_vocab(shape):
+    target, draft = tiny_pair(tli=1, seed=4)
+    eng = Engine(target, MoADrafter(target.model, draft), shape)
+    falls = []
+    eng.on_fallback = lambda r, reason: falls.append(reason)
+    reqs = eng.generate([[1, 2, 3, 4], [5, 6, 7]], SamplingParams(max_new_tokens=16, temperature=1.0, seed=0, ignore_eos=True))
+    assert not falls and all(len(r.output_ids) == 16 for r in reqs)
+    assert all(r.stats.draft_tokens > 0 for r in reqs)
+
+
+@pytest.mark.parametrize("memory", ["lsa", "last_hidden"])
+def test_drafter_by_path_and_ancestors_mode(tmp_path, memory):
+    target, draft = tiny_pair(tli=1, seed=5, sa="ancestors", memory=memory)
+    draft.save(tmp_path / "ck", dtype=torch.float32)
+    drafter = make_drafter(str(tmp_path / "ck"), target)
+    assert isinstance(drafter, MoADrafter) and drafter.cfg.sa_tree_attention == "ancestors"
+    prompts = _prompts(2, 11)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    ref = [r.output_ids for r in Engine(target, None).generate(prompts, params)]
+    outs = [r.output_ids for r in Engine(target, drafter, TreeShape(3, 2, 6)).generate(prompts, params)]
+    assert "bug" not in [compare_to_reference(target.model, p, r, o) for p, r, o in zip(prompts, ref, outs)]
+
+
+# --- a short training run ----------------------------------------------------------------------
+@pytest.mark.parametrize("tli", [0, 1])
+def test_short_training_run_lowers_loss(tmp_path, tli):
+    cfg = tiny_config(vocab=VOCAB, layers=LAYERS)
+    target = LlamaModel(cfg, tiny_state(cfg, 0))
+    torch.manual_seed(0)
+    draft = MoADraft(MoAConfig.for_target(cfg, tli=tli))
+    g = torch.Generator().manual_seed(0)
+    exs = []
+    for _ in range(8):  # repetitive sequences: learnable in a few steps
+        ids = torch.randint(0, VOCAB, (6,), generator=g).repeat(5)
+        exs.append(Example(ids, torch.arange(ids.numel()) >= 4))
+    task = MoATask(target, draft, min_gap=2, max_gap=4, seed=0)
+    batches = make_batches(exs, 64, seed=0)
+    trainer = Trainer(task, TargetRunner(target, 64), batches, OptimConfig(lr=1e-2, warmup_ratio=0.1),
+                      RunConfig(str(tmp_path), 40, save_every_s=1e9, progress_bar=False))
+
+    def evaluate():
+        with torch.no_grad():
+            ms = [task.loss(b, trainer.runner.run(b, task.capture_layers), 1.0)[1] for b in batches]
+        return {k: sum(m[k] for m in ms) / len(ms) for k in ("loss", "kl", "feat", "acc")}
+
+    before = evaluate()
+    final = trainer.fit()
+    after = evaluate()
+    # the tiny target's hidden states are large, so the feature term moves slowly; the KL must fall a lot
+    assert after["loss"] < before["loss"] and after["feat"] < before["feat"], (before, after)
+    assert after["kl"] < 0.6 * before["kl"] and after["acc"] > before["acc"] + 0.1, (before, after)
+    assert {"kl", "feat", "acc", "acc_0", "grad_norm"} <= set(final)
+    ckpt = tmp_path / "checkpoints" / (tmp_path / "latest").read_text().strip()
+    assert load_moa(ckpt, cfg).cfg.tli == tli
