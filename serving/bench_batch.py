@@ -18,10 +18,10 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from .bench import SpecRates
+from .bench import SpecRates, add_counts
 
 
 @dataclass
@@ -44,6 +44,7 @@ class BatchResult(SpecRates):
     peak_rss_mb: float | None = None
     rss_rise_mb: float | None = None
     error: str | None = None
+    accepted_by_depth: list[int] = field(default_factory=list)  # verify steps that accepted draft position i+1
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -71,6 +72,7 @@ class BatchRun:
     fallbacks: int = 0
     decode_seconds: float = 0.0
     decode_tokens: int = 0
+    accepted_by_depth: list[int] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list, repr=False)
 
 
@@ -105,8 +107,10 @@ def batch_prompts(prompts: list[list[int]], b: int) -> list[list[int]]:
     return [prompts[i % len(prompts)] for i in range(b)]
 
 
-def engine_batch_runner(target, method: str, tree, max_new_tokens: int, adaptive: bool, drafter_cache: dict) -> Callable:
+def engine_batch_runner(target, method: str, tree, max_new_tokens: int, adaptive: bool, drafter_cache: dict, sampling=None) -> Callable:
     """A function (prompts, max_new_tokens) -> BatchRun running them as one batch through an Engine.
+
+    sampling: a SamplingParams whose temperature / top-p / seed every request uses (default greedy).
 
     The engine (and its KV pool, sized for the batch at the full max_new_tokens) is kept while the
     batch size stays the same, so the warm-up and the measured runs of a row share it (and, with
@@ -135,7 +139,7 @@ def engine_batch_runner(target, method: str, tree, max_new_tokens: int, adaptive
     def run(prompts: list[list[int]], max_new: int = max_new_tokens) -> BatchRun:
         engine = engine_for(prompts)
         fallbacks.clear()
-        sp = SamplingParams(max_new_tokens=max_new)
+        sp = SamplingParams(max_new_tokens=max_new) if sampling is None else replace(sampling, max_new_tokens=max_new)
         reqs = [engine.add_request(p, sp) for p in prompts]
         res = BatchRun(0)
         try:
@@ -157,6 +161,7 @@ def engine_batch_runner(target, method: str, tree, max_new_tokens: int, adaptive
             res.verify_steps += r.stats.verify_steps
             res.accepted += r.stats.accepted_tokens
             res.drafted += r.stats.draft_tokens
+            add_counts(res.accepted_by_depth, getattr(r.stats, "accepted_by_depth", []))
             res.outputs.append(r.output_ids)
         res.fallbacks = len(fallbacks)
         return res
@@ -223,6 +228,7 @@ def run_batch_sweep(
                 row.runs += 1
                 for f in ("tokens", "verify_steps", "accepted", "drafted", "decode_steps", "batch_sum", "fallbacks", "decode_seconds", "decode_tokens"):
                     setattr(row, f, getattr(row, f) + getattr(out, f))
+                add_counts(row.accepted_by_depth, out.accepted_by_depth)
                 if sampler:
                     mb = 1 << 20
                     row.peak_rss_mb = max(row.peak_rss_mb or 0.0, sampler.peak / mb)
@@ -292,7 +298,8 @@ def batch_grid_table(results: list[BatchResult]) -> str:
 def batch_json(results: list[BatchResult]) -> list[dict]:
     from dataclasses import asdict
 
-    return [{**asdict(r), "tau": r.tau, "tokens_per_s": r.tokens_per_s, "draft_per_step": r.draft_per_step, "decode_tokens_per_s": r.decode_tokens_per_s, "mean_batch": r.mean_batch, "speedup_vs_vanilla": speedup(r, results)} for r in results]
+    return [{**asdict(r), "tau": r.tau, "tokens_per_s": r.tokens_per_s, "draft_per_step": r.draft_per_step, "decode_tokens_per_s": r.decode_tokens_per_s, "mean_batch": r.mean_batch, "speedup_vs_vanilla": speedup(r, results),
+             "acceptance_by_position": r.acceptance_by_position} for r in results]
 
 
 def plot_throughput(results: list[BatchResult], path) -> None:
