@@ -68,7 +68,8 @@ class SSEResponse(StreamingResponse):
             await self._on_close()
 
 
-def create_app(backend: Backend, telemetry: Telemetry, config: GatewayConfig | None = None) -> FastAPI:
+def create_app(backend: Backend, telemetry: Telemetry, config: GatewayConfig | None = None, edge=None, edge_tokenizer=None) -> FastAPI:
+    """edge: an optional serving.edge.EdgeService to expose the client–server session API."""
     config = config or GatewayConfig()
     state = GatewayState()
 
@@ -166,6 +167,10 @@ def create_app(backend: Backend, telemetry: Telemetry, config: GatewayConfig | N
     async def completions(request: Request):
         return await completion(request, CompletionRequest, completion_jobs, CompletionFormat)
 
+    if edge is not None:
+        from ..edge.routes import install_edge_routes
+
+        install_edge_routes(app, edge, config.limits.max_body_bytes, edge_tokenizer)
     return app
 
 

@@ -52,6 +52,8 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--auth-exempt", default=",".join(DEFAULT_AUTH_EXEMPT), help="comma list of paths served without an API key ('' = none)")
     s.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish after SIGTERM")
     s.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: OMP_NUM_THREADS or torch's default)")
+    s.add_argument("--edge-drafters", default=None, help="embedded: comma list of drafters (e.g. moa-tli1,moa-tli0,eagle3) whose clients may use the edge session API /v1/edge/sessions")
+    s.add_argument("--edge-ttl", type=float, default=120.0, help="seconds an idle edge session keeps its KV")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--no-access-log", action="store_true")
 
@@ -87,6 +89,17 @@ def embedded_backend(engine, model_id: str, drafter: str, metrics: Metrics | Non
     return EmbeddedBackend(engine, [model_id], drafter, telemetry, EmbeddedLimits(**limits)), telemetry
 
 
+def build_edge(target, names: str, ttl_s: float):
+    """EdgeService for the comma list of drafter names, and a messages -> token ids function."""
+    from sglang_ext.drafters import make_drafter
+
+    from ..edge.service import EdgeLimits, EdgeService
+
+    drafters = {n: make_drafter(n, target) for n in names.split(",") if n}
+    tok = (lambda msgs: target.encode_chat(msgs)) if target.tokenizer is not None else None
+    return EdgeService(target, drafters, EdgeLimits(ttl_s=ttl_s)), tok
+
+
 def build_sglang(args, metrics: Metrics, upstream: str):
     from ..backends.sglang import SGLangBackend, UpstreamConfig
     from ..backends.telemetry import Telemetry
@@ -118,7 +131,12 @@ def cmd_serve(args) -> int:
         api_keys=keys if keys.enabled else None,
         auth_exempt=tuple(p for p in args.auth_exempt.split(",") if p),
     )
-    app = create_app(backend, telemetry, config)
+    edge, edge_tok = None, None
+    if args.edge_drafters:
+        if kind != "embedded":
+            raise ValueError("--edge-drafters needs the embedded backend (the edge API runs the target in this process)")
+        edge, edge_tok = build_edge(backend.engine.target, args.edge_drafters, args.edge_ttl)
+    app = create_app(backend, telemetry, config, edge=edge, edge_tokenizer=edge_tok)
     print(f"moa-serve: {kind} backend, model {backend.model_ids[0]!r}, drafter {backend.drafter!r}, "
           f"API keys {'on' if keys.enabled else 'off'}, http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     cfg = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=not args.no_access_log, timeout_graceful_shutdown=5)

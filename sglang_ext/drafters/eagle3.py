@@ -47,7 +47,7 @@ def default_checkpoint(target) -> Path:
 class _RequestState:
     def __init__(self):
         self.slots = torch.empty(0, dtype=torch.long)  # draft KV of processed pairs
-        self.pending: list[torch.Tensor] = []  # [m, n_aux*H] target features of unprocessed pairs
+        self.pending: list[torch.Tensor] = []  # [m, H] fused target features of unprocessed pairs
 
 
 class Eagle3Drafter:
@@ -75,11 +75,20 @@ class Eagle3Drafter:
         self.reqs[rid] = _RequestState()
         self.commit(rid, capture)
 
+    @torch.inference_mode()
     def commit(self, rid: int, capture: TargetCapture) -> None:
-        missing = [l for l in self.capture_layers if l not in capture.hidden]
+        self.reqs[rid].pending.append(self.context(capture.hidden))
+
+    def context(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Fused features [n, H] of newly verified tokens (also what an edge server sends a client)."""
+        missing = [l for l in self.capture_layers if l not in hidden]
         if missing:
             raise DraftCheckpointError(f"target capture lacks layers {missing}")
-        self.reqs[rid].pending.append(torch.cat([capture.hidden[l] for l in self.capture_layers], dim=-1))
+        return self.draft.fuse(torch.cat([hidden[l] for l in self.capture_layers], dim=-1).to(self.target.dtype))
+
+    def ingest_remote(self, rid: int, fused: torch.Tensor) -> None:
+        """Edge client: fused features of verified tokens, computed by the server."""
+        self.reqs.setdefault(rid, _RequestState()).pending.append(fused.to(self.target.dtype))
 
     def remove_request(self, rid: int) -> None:
         st = self.reqs.pop(rid, None)
@@ -146,7 +155,7 @@ class Eagle3Drafter:
             kv_lists.append(st.slots)
             masks.append(causal_mask(m, done))
             last.append(sum(x.numel() for x in new_slots) - 1)
-        fused = self.draft.fuse(torch.cat(feats).to(self.target.dtype))
+        fused = torch.cat(feats)
         out = self._layer(torch.tensor(ids), fused, torch.cat(pos), torch.cat(new_slots), plan_attention(kv_lists, masks))
         return out[last]
 

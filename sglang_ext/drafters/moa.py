@@ -56,12 +56,15 @@ class _RequestState:
     def __init__(self):
         self.mem_slots = torch.empty(0, dtype=torch.long)  # CA K/V of verified tokens
         self.sa_slots = torch.empty(0, dtype=torch.long)  # SA K/V of verified tokens
-        self.target_slots = torch.empty(0, dtype=torch.long)  # the target's slots of verified tokens
+        self.target_slots = torch.empty(0, dtype=torch.long)  # the target's slots of verified tokens (TLI reads them)
+        self.offline: list[tuple[int, int]] = []  # (sa slot, tli slot) of root + tokens drafted while disconnected
 
 
 class MoADrafter:
 
-    def __init__(self, target: LlamaModel, draft: MoADraft, num_slots: int = 32768, name: str = "moa"):
+    def __init__(self, target: LlamaModel, draft: MoADraft, num_slots: int = 32768, name: str = "moa", remote: bool = False):
+        """remote=True: the target runs elsewhere (edge client); verified context arrives through
+        ingest_remote() and the TLI layers keep their own copy of the last N layers' K/V."""
         c = draft.cfg
         if c.vocab_size != target.cfg.vocab_size or c.num_target_layers != len(target.layers):
             raise DraftCheckpointError("MoA draft does not fit the target (vocab or layer count)")
@@ -76,7 +79,10 @@ class MoADrafter:
         self.tli_layers = list(range(len(target.layers) - c.tli, len(target.layers)))
         # MoA reads the target KV pool, not layer outputs (the no-LSA ablation reads the last layer's output)
         self.capture_layers: tuple[int, ...] = (len(target.layers) - 1,) if c.memory_source == "last_hidden" else ()
-        self.target_kv: KVPool | None = None
+        self.remote = remote
+        # the K/V the TLI layers read: the engine's target pool (bound at the first commit), or our own
+        self.tli_kv: KVPool | None = target.new_kv_pool(num_slots, num_layers=max(1, c.tli)) if remote else None
+        self.tli_offset = len(target.layers) - c.tli if remote else 0  # pool layer = target layer - offset
         self.reqs: dict[int, _RequestState] = {}
         self.lsa_rows = 0  # tokens LSA has processed (each verified token exactly once)
 
@@ -94,35 +100,88 @@ class MoADrafter:
     def commit(self, rid: int, capture: TargetCapture) -> None:
         if capture.kv is None:
             raise DraftCheckpointError("MoA needs the target KV pool in TargetCapture.kv")
-        if self.target_kv is None:
-            self.target_kv = capture.kv
-        elif self.target_kv is not capture.kv:
+        if self.tli_kv is None:
+            self.tli_kv = capture.kv
+        elif self.tli_kv is not capture.kv:
             raise DraftCheckpointError("MoA drafter bound to a different target KV pool")
-        st = self.reqs[rid]
-        n = capture.slots.numel()
-        if n == 0:
-            return
-        d, pos = self.draft, capture.positions
+        if capture.slots.numel():
+            k, v = self.context(capture.kv, capture.slots, capture.positions, capture.hidden)
+            self._ingest(self.reqs[rid], capture.token_ids, capture.positions, k, v, capture.slots)
+
+    def context(self, kv: KVPool, slots: torch.Tensor, positions: torch.Tensor, hidden: dict | None = None):
+        """CA keys/values of newly verified tokens: LSA over their K/V at every target layer (or,
+        for the no-LSA ablation, their last-layer output). Also what an edge server sends a client."""
         if self.capture_layers:
-            memory = capture.hidden[self.capture_layers[0]]
+            memory = (hidden or {})[self.capture_layers[0]]
         else:
-            memory = d.lsa(stack_pool_kv(capture.kv, capture.slots))  # [n, H], the new tokens only
-            self.lsa_rows += n
-        k, v = d.ca_kv(memory, pos)
+            memory = self.draft.lsa(stack_pool_kv(kv, slots))  # [n, H], the new tokens only
+            self.lsa_rows += slots.numel()
+        return self.draft.ca_kv(memory, positions)
+
+    def _ingest(self, st: _RequestState, token_ids: list[int], positions: torch.Tensor, ca_k, ca_v, target_slots: torch.Tensor) -> None:
+        n = len(token_ids)
         mem = self.mem.alloc(n)
-        self.mem.write(0, mem, k, v)
-        _, k, v = d.sa_qkv(self.target.embed[torch.as_tensor(capture.token_ids)], pos)
+        self.mem.write(0, mem, ca_k, ca_v)
+        _, k, v = self.draft.sa_qkv(self.target.embed[torch.as_tensor(token_ids)], positions)
         sa = self.sa.alloc(n)
         self.sa.write(0, sa, k, v)
         st.mem_slots = torch.cat([st.mem_slots, mem])
         st.sa_slots = torch.cat([st.sa_slots, sa])
-        st.target_slots = torch.cat([st.target_slots, capture.slots])
+        st.target_slots = torch.cat([st.target_slots, target_slots])
+
+    @torch.inference_mode()
+    def ingest_remote(self, rid: int, token_ids: list[int], positions: torch.Tensor, ca_k, ca_v, tli_k=None, tli_v=None) -> None:
+        """Edge client: verified tokens' CA K/V (and, for TLI > 0, the target's last-N-layer K/V
+        [N, n, kv, D]) as computed by the server."""
+        if not self.remote:
+            raise RuntimeError("ingest_remote needs a drafter built with remote=True")
+        st = self.reqs.setdefault(rid, _RequestState())
+        self.drop_offline(rid)
+        n = len(token_ids)
+        if self.tli_layers:
+            slots = self.tli_kv.alloc(n)
+            for j in range(len(self.tli_layers)):
+                self.tli_kv.write(j, slots, tli_k[j], tli_v[j])
+        else:
+            slots = torch.zeros(n, dtype=torch.long)  # TLI=0 reads no target K/V
+        dt = self.target.dtype
+        self._ingest(st, token_ids, positions, ca_k.to(dt), ca_v.to(dt), slots)
+
+    @torch.inference_mode()
+    def offline_next(self, rid: int, token_ids: list[int]) -> int:
+        """Disconnected: greedy next token after token_ids (verified + root + tokens drafted offline),
+        continuing the offline chain whose speculative K/V is kept until drop_offline()."""
+        st = self.reqs[rid]
+        seq_len = st.target_slots.numel()
+        depth = len(token_ids) - 1 - seq_len  # 0 = the root
+        if depth != len(st.offline):
+            raise DraftCheckpointError(f"request {rid}: offline chain out of sync ({len(st.offline)} vs {depth})")
+        sa_new = self.sa.alloc(1)
+        tgt_new = self.tli_kv.alloc(1) if self.tli_layers else torch.zeros(1, dtype=torch.long)
+        st.offline.append((int(sa_new), int(tgt_new)))
+        own = st.offline if self.cfg.sa_tree_attention == "ancestors" else st.offline[-1:]
+        sa_list = torch.cat([st.sa_slots, torch.tensor([s for s, _ in own])])
+        tgt_list = torch.cat([st.target_slots, torch.tensor([t for _, t in st.offline])])
+        h = self._forward(torch.tensor(token_ids[-1:]), torch.tensor([seq_len + depth]), sa_new, tgt_new, [sa_list], [st.mem_slots], [tgt_list])
+        return int(self.hot_ids[self._to_logits(h, False).argmax(-1)[0]])
+
+    def drop_offline(self, rid: int) -> None:
+        st = self.reqs.get(rid)
+        if st is None or not st.offline:
+            return
+        self.sa.free(torch.tensor([s for s, _ in st.offline]))
+        if self.tli_layers:
+            self.tli_kv.free(torch.tensor([t for _, t in st.offline]))
+        st.offline = []
 
     def remove_request(self, rid: int) -> None:
+        self.drop_offline(rid)
         st = self.reqs.pop(rid, None)
         if st is not None:
             self.mem.free(st.mem_slots)
             self.sa.free(st.sa_slots)
+            if self.remote and self.tli_layers:
+                self.tli_kv.free(st.target_slots)
 
     # --- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -143,9 +202,9 @@ class MoADrafter:
             kk = tokens.shape[1]
             sa_new = self.sa.alloc(b * kk)
             temps.append((self.sa, sa_new))
-            tgt_new = self.target_kv.alloc(b * kk) if self.tli_layers else torch.zeros(b * kk, dtype=torch.long)
+            tgt_new = self.tli_kv.alloc(b * kk) if self.tli_layers else torch.zeros(b * kk, dtype=torch.long)
             if self.tli_layers:
-                temps.append((self.target_kv, tgt_new))
+                temps.append((self.tli_kv, tgt_new))
             new_paths, pos, sa_lists, mem_lists, tgt_lists = [], [], [], [], []
             for i, d in enumerate(batch):
                 st = self.reqs[d.rid]
@@ -194,7 +253,7 @@ class MoADrafter:
             plan = plan_attention(tgt_lists, allq(tgt_lists))
             rope = tgt.rope(positions)
             for li in self.tli_layers:
-                x = tgt.layer_forward(li, x, rope, tgt_new, plan, self.target_kv)
+                x = tgt.layer_forward(li, x, rope, tgt_new, plan, self.tli_kv, kv_layer=li - self.tli_offset)
         return rms_norm(x, tgt.norm, tgt.cfg.rms_norm_eps)
 
     def _to_logits(self, hidden: torch.Tensor, full: bool) -> torch.Tensor:

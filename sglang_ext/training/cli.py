@@ -28,6 +28,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens-per-batch", type=int, default=4096, help="padded tokens per optimizer step")
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (overrides --epochs)")
+    p.add_argument("--stop-at-step", type=int, default=None, help="end at this step while keeping the LR schedule of the full run (matched ablations)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--warmup-ratio", type=float, default=0.015)
     p.add_argument("--grad-clip", type=float, default=0.5)
@@ -152,7 +153,7 @@ def _fit(args, target, exs, task, meta_extra: dict, note: str, t0: float) -> int
     }
     runner = TargetRunner(target.model, max(args.tokens_per_batch, max(len(e.input_ids) for e in exs)))
     optim = OptimConfig(lr=args.lr, warmup_ratio=args.warmup_ratio, grad_clip=args.grad_clip, weight_decay=args.weight_decay)
-    run = RunConfig(args.out, steps, save_every_s=args.save_every_min * 60, time_budget_s=args.time_budget_min * 60 if args.time_budget_min else None, seed=args.seed, progress_bar=not args.no_progress)
+    run = RunConfig(args.out, steps, save_every_s=args.save_every_min * 60, time_budget_s=args.time_budget_min * 60 if args.time_budget_min else None, seed=args.seed, progress_bar=not args.no_progress, stop_step=args.stop_at_step)
     trainer = Trainer(task, runner, batches, optim, run, meta)
     if args.resume and trainer.resume():
         _log(f"resumed at step {trainer.step}")

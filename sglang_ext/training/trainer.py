@@ -61,6 +61,7 @@ class RunConfig:
     time_budget_s: float | None = None  # stop when training time reaches this; the LR schedule follows time too
     seed: int = 0
     progress_bar: bool = True
+    stop_step: int | None = None  # end here without changing the schedule (ablations matched to another run's step)
 
 
 def lr_factor(progress: float, warmup: float, min_ratio: float) -> float:
@@ -159,7 +160,8 @@ class Trainer:
 
     @property
     def done(self) -> bool:
-        return self.step >= self.run_cfg.total_steps or self.progress >= 1.0
+        rc = self.run_cfg
+        return self.step >= rc.total_steps or self.progress >= 1.0 or (rc.stop_step is not None and self.step >= rc.stop_step)
 
     def fit(self) -> dict[str, float]:
         from torch.utils.tensorboard import SummaryWriter
