@@ -1,0 +1,1 @@
+"""Model classes SGLang's ModelRegistry imports from this package (each module exports EntryClass)."""
