@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     from sglang_ext.training.cli import add_train_parser
 
     add_train_parser(sub)
+    from .edge.bench import add_edge_parsers
+
+    add_edge_parsers(sub)
     return parser
 
 
@@ -106,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
 
     handlers["train"] = cmd_train
     try:
+        if getattr(args, "handler", None):
+            return args.handler(args)
         return handlers[args.command](args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         # every library error is a clear message, not a traceback

@@ -208,3 +208,39 @@ def test_frames_round_trip_and_int8_error_is_small():
         err = ((t["x"] - x).abs() / x.abs().amax(-1, keepdim=True)).max()
         assert err <= tol, (dtype, err)
     assert len(pack({}, {"x": x}, "int8")) < len(pack({}, {"x": x}, "fp16")) < len(pack({}, {"x": x}, "fp32"))
+
+
+def test_namespace_host_link_cut_and_restore():
+    """Two hosts on one machine: a server inside a network namespace, reached over the veth pair
+    through the 4G-profile relay; link down -> requests fail; link up -> they work again."""
+    import subprocess
+    import sys
+
+    from serving.edge.netem import NamespaceHost, namespaces_available
+
+    reason = namespaces_available()
+    if reason:
+        pytest.skip(reason)
+    with NamespaceHost(7, rate_mbit=20) as host:
+        srv = host.popen([sys.executable, "-m", "http.server", "8000", "--bind", host.ns_ip], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            with LinkProxy(host.ns_ip, 8000, PROFILES["4g"]) as link:
+                deadline = time.monotonic() + 20
+                while True:
+                    try:
+                        t0 = time.monotonic()
+                        assert httpx.get(link.url + "/", timeout=2).status_code == 200
+                        rtt = time.monotonic() - t0
+                        break
+                    except httpx.TransportError:
+                        assert time.monotonic() < deadline, "server in the namespace never answered"
+                        time.sleep(0.2)
+                assert rtt >= 0.004  # two one-way delays of 2..40 ms each
+                host.cut()
+                with pytest.raises(httpx.TransportError):
+                    httpx.get(link.url + "/", timeout=1)
+                host.restore()
+                assert httpx.get(link.url + "/", timeout=5).status_code == 200
+        finally:
+            srv.terminate()
+            srv.wait(10)

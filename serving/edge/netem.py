@@ -155,6 +155,7 @@ class NamespaceHost:
         self.host_if, self.ns_if = f"moae{index}a", f"moae{index}b"
         self.host_ip, self.ns_ip = f"10.{200 + index % 50}.0.1", f"10.{200 + index % 50}.0.2"
         self.rate_mbit = rate_mbit
+        self.subnet = f"10.{200 + index % 50}.0.0/24"
 
     def __enter__(self) -> "NamespaceHost":
         self._cleanup()
@@ -164,6 +165,9 @@ class NamespaceHost:
         _sh("ip", "addr", "add", f"{self.host_ip}/24", "dev", self.host_if)
         _sh("ip", "netns", "exec", self.ns, "ip", "addr", "add", f"{self.ns_ip}/24", "dev", self.ns_if)
         _sh("ip", "link", "set", self.host_if, "up")
+        # NOTE: with the link down its connected route goes away and packets would follow the default
+        # route off the machine; this blackhole (lower priority) drops them silently, like a dead radio link
+        _sh("ip", "route", "add", "blackhole", self.subnet, "metric", "4000")
         _sh("ip", "netns", "exec", self.ns, "ip", "link", "set", self.ns_if, "up")
         _sh("ip", "netns", "exec", self.ns, "ip", "link", "set", "lo", "up")
         if self.rate_mbit:
@@ -176,6 +180,7 @@ class NamespaceHost:
         self._cleanup()
 
     def _cleanup(self) -> None:
+        _sh("ip", "route", "del", "blackhole", self.subnet, check=False)
         _sh("ip", "link", "del", self.host_if, check=False)
         _sh("ip", "netns", "del", self.ns, check=False)
 
