@@ -301,3 +301,26 @@ def test_short_training_run_lowers_loss(tmp_path, tli):
     assert {"kl", "feat", "acc", "acc_0", "grad_norm"} <= set(final)
     ckpt = tmp_path / "checkpoints" / (tmp_path / "latest").read_text().strip()
     assert load_moa(ckpt, cfg).cfg.tli == tli
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["moa-tli0", "moa-tli1"])
+@pytest.mark.parametrize("bs", [1, 4])
+def test_greedy_identity_smollm2(smollm2_fp32, eval_prompts, name, bs):
+    """SmolLM2 fp32 with the shipped MoA drafter (a random one with the same TLI if none is shipped)."""
+    from sglang_ext.drafters.moa import shipped_checkpoint
+
+    try:
+        draft = load_moa(shipped_checkpoint(smollm2_fp32, name), smollm2_fp32.cfg)
+    except DraftCheckpointError:
+        draft = MoADraft(MoAConfig.for_target(smollm2_fp32.cfg, tli=int(name[-1])))
+    prompts = eval_prompts[:8]
+    params = SamplingParams(max_new_tokens=32)
+    ref = [r.output_ids for r in Engine(smollm2_fp32, None).generate(prompts, params)]
+    eng = Engine(smollm2_fp32, MoADrafter(smollm2_fp32.model, draft), TreeShape(5, 4, 16))
+    reqs = []
+    for i in range(0, len(prompts), bs):
+        reqs += eng.generate(prompts[i : i + bs], params)
+    verdicts = [compare_to_reference(smollm2_fp32.model, p, r, q.output_ids) for p, r, q in zip(prompts, ref, reqs)]
+    print(f"{name} bs{bs}: {verdicts.count('same')} same, {verdicts.count('tie')} ties; tau {sum(q.stats.accept_length for q in reqs) / len(reqs):.2f}")
+    assert "bug" not in verdicts, verdicts

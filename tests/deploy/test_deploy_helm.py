@@ -105,7 +105,8 @@ def test_production_affinity_and_tensor_parallel(helm):
     assert "podAntiAffinity" in pod["affinity"]
     args = container(workload, "sglang")["args"]
     assert "--tp-size=4" in args and "--speculative-algorithm=EAGLE3" in args
-    assert not any(a.startswith("--moa-tli") for a in args)
+    assert not any(a.startswith("--moa") for a in args)
+    assert "MOA_SGLANG_TLI" not in {e["name"] for e in container(workload, "sglang")["env"]}
 
 
 @ALL_VALUES
@@ -120,7 +121,9 @@ def test_sglang_probes_on_health(helm, values):
 
 def test_sglang_speculative_args(helm):
     args = container(sglang(helm.render_values("default")), "sglang")["args"]
-    for want in ("--speculative-algorithm=MOA", "--moa-tli=1", "--speculative-num-steps=5",
+    c = container(sglang(helm.render_values("default")), "sglang")
+    assert {"name": "MOA_SGLANG_TLI", "value": "1"} in c["env"]  # the plugin's TLI setting
+    for want in ("--speculative-algorithm=MOA", "--speculative-num-steps=5",
                  "--speculative-eagle-topk=4", "--speculative-num-draft-tokens=8", "--enable-metrics", "--port=30000",
                  "--speculative-draft-model-path=/models/drafters/moa-llama-3.1-8b-instruct-tli1"):
         assert want in args, want
