@@ -86,6 +86,7 @@ class Engine:
         max_context: int | None = None,
         on_fallback=None,
         adaptive: bool = False,
+        prefill_tokens: int = 2048,
     ):
         self.target, self.model = target, target.model
         self.drafter = drafter
@@ -104,6 +105,7 @@ class Engine:
         self.policy = AdaptiveSpeculation(self.tree) if adaptive and drafter is not None else None
         self.last_shape: TreeShape | None = self.tree if drafter is not None else None
         self.capture_layers = tuple(drafter.capture_layers) if drafter else ()
+        self.prefill_tokens = prefill_tokens
 
     # --- admission ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
@@ -143,7 +145,14 @@ class Engine:
     def step(self) -> list[StepEvent]:
         events = []
         if self.waiting:
-            batch, self.waiting = self.waiting, []
+            # NOTE: prompts are prefilled in groups of at most prefill_tokens (padded SDPA view: the
+            # cost grows with batch x longest prompt), so 64 arrivals don't become one huge forward
+            n, budget = 0, 0
+            for r in self.waiting:
+                if n and budget + len(r.prompt_ids) > self.prefill_tokens:
+                    break
+                n, budget = n + 1, budget + len(r.prompt_ids)
+            batch, self.waiting = self.waiting[:n], self.waiting[n:]
             events += self._prefill(batch)
         decoding = [r for r in self.running if not any(e.request is r for e in events)]
         if decoding:
