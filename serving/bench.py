@@ -222,6 +222,34 @@ def plot_acceptance(results: list[MethodResult], path) -> bool:
     return True
 
 
+def plot_tau_by_set(results: list[MethodResult], path) -> bool:
+    """PNG: τ per eval set, one bar group per set, one bar per speculative method; False if none."""
+    rows = [r for r in results if not r.error and r.verify_steps and r.method != "vanilla"]
+    if not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sets = list(dict.fromkeys(r.eval_set for r in rows))
+    methods = list(dict.fromkeys(r.method for r in rows))
+    width = 0.8 / len(methods)
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(sets)), 4.5))
+    for j, m in enumerate(methods):
+        tau = {r.eval_set: r.tau for r in rows if r.method == m}
+        ax.bar([i + j * width for i in range(len(sets))], [tau.get(s, 0) for s in sets], width, label=m)
+    ax.set_xticks([i + width * (len(methods) - 1) / 2 for i in range(len(sets))], sets)
+    ax.set_ylabel("τ (accepted + 1 per verify step)")
+    ax.set_title("Acceptance length per eval set")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def machine_description() -> str:
     import os
 
@@ -383,6 +411,7 @@ def cmd_bench(args) -> int:
         payload["acceptance_by_position"] = pooled_acceptance(results)
         plot = ""
         try:
+            plot_tau_by_set(results, out / "tau_by_eval_set.png")
             if plot_acceptance(results, out / "acceptance_by_position.png"):
                 plot = "\n\n![acceptance by draft position](acceptance_by_position.png)"
         except Exception as e:  # noqa: BLE001 - the numbers are still written

@@ -101,3 +101,15 @@ def test_bench_batch_sweep_and_gateway_overhead_quick(tmp_path):
     table = (out / "table.md").read_text()
     assert "## Throughput vs batch size" in table and "| method | bs=1 | bs=2 |" in table and "## Gateway overhead" in table
     assert (out / "throughput_vs_batch.png").stat().st_size > 1000
+
+
+def test_tau_per_eval_set_plot(tmp_path):
+    from serving.bench import MethodResult, plot_tau_by_set
+
+    rows = [MethodResult("vanilla", "mt_bench", "-", tokens=10, seconds=1.0),
+            MethodResult("moa", "mt_bench", "5,4,16", tokens=10, seconds=1.0, verify_steps=4, accepted=4),
+            MethodResult("moa", "gsm8k", "5,4,16", tokens=10, seconds=1.0, verify_steps=5, accepted=10),
+            MethodResult("eagle3", "gsm8k", "5,4,16", error="boom")]
+    assert rows[1].tau == 2.0 and rows[2].tau == 3.0
+    assert plot_tau_by_set(rows, tmp_path / "tau.png") and (tmp_path / "tau.png").stat().st_size > 1000
+    assert not plot_tau_by_set(rows[:1], tmp_path / "none.png")
