@@ -136,9 +136,11 @@ def _api_run(url: str, prompt: str, max_tokens: int) -> dict:
 def _edge_run(client, ids: list[int], max_tokens: int, cut_after: int | None = None, link=None, cut_seconds: float = 3.0) -> dict:
     from .client import EdgeStats
 
+    import threading
+
     client.stats = EdgeStats()
     t0 = time.perf_counter()
-    verified, pending, produced, cut_at = [], [], 0, None
+    verified, pending, produced, timer = [], [], 0, None
     for ev in client.generate(ids, max_tokens):
         produced += len(ev.tokens)
         if ev.kind == "token":
@@ -150,11 +152,13 @@ def _edge_run(client, ids: list[int], max_tokens: int, cut_after: int | None = N
             pending = pending[ev.count :]
         elif ev.kind == "retract":
             pending = []
-        if cut_after is not None and cut_at is None and produced >= cut_after:
-            cut_at = time.monotonic()
+        if cut_after is not None and timer is None and produced >= cut_after:
             link.cut()
-        if cut_at is not None and link.is_cut and time.monotonic() - cut_at > cut_seconds:
-            link.restore()
+            timer = threading.Timer(cut_seconds, link.restore)  # the link comes back on its own clock
+            timer.start()
+    if timer is not None:
+        timer.cancel()
+        link.restore()
     dt = time.perf_counter() - t0
     st = client.stats
     return {"tokens": len(verified), "seconds": dt, "tokens_per_s": len(verified) / dt, "tau": st.accept_length, "calls": st.calls,
@@ -201,8 +205,13 @@ def cmd_edge_bench(args) -> int:
                         for d in drafters:
                             for w in wire:
                                 c = EdgeClient(link.url, local[d], d, default_tree(d), w, timeout_s=2.0, eos_ids=tuple(target.cfg.eos_token_ids))
-                                r = _edge_run(c, ids, args.max_new_tokens)
-                                c.close()
+                                try:
+                                    r = _edge_run(c, ids, args.max_new_tokens)
+                                except Exception as e:  # noqa: BLE001 - reported, the run goes on
+                                    rows.append({"profile": prof.name, "set": set_name, "method": f"edge:{d}", "error": f"{type(e).__name__}: {e}"})
+                                    continue
+                                finally:
+                                    c.close()
                                 rows.append({"profile": prof.name, "set": set_name, "method": f"edge:{d}" + ("" if w == args.wire_dtype else f":{w}"), **r})
                                 print(f"[edge-bench] {prof.name} {set_name} {rows[-1]['method']}: {r['tokens_per_s']:.1f} tok/s τ {r['tau']:.2f}", file=sys.stderr, flush=True)
                     if args.cut:
@@ -210,9 +219,14 @@ def cmd_edge_bench(args) -> int:
                             _, text = prompts[0]
                             ids = target.encode_chat([{"role": "user", "content": text}])
                             c = EdgeClient(link.url, local[d], d, default_tree(d), args.wire_dtype, timeout_s=1.0, eos_ids=())
-                            ref = _edge_run(c, ids, 120)
-                            r = _edge_run(c, ids, 120, cut_after=50, link=link)
-                            c.close()
+                            try:
+                                ref = _edge_run(c, ids, 120)
+                                r = _edge_run(c, ids, 120, cut_after=50, link=link)
+                            except Exception as e:  # noqa: BLE001
+                                rows.append({"profile": prof.name, "set": "cut", "method": f"edge:{d}", "error": f"{type(e).__name__}: {e}"})
+                                continue
+                            finally:
+                                c.close()
                             agree = sum(a == b for a, b in zip(ref["output"], r["output"])) / max(1, len(ref["output"]))
                             rows.append({"profile": prof.name, "set": "cut", "method": f"edge:{d}", **r, "agreement_with_connected": agree,
                                          "same_as_connected": r["output"] == ref["output"]})
@@ -230,6 +244,8 @@ def _table(rows: list[dict]) -> str:
     from collections import defaultdict
 
     groups = defaultdict(list)
+    errors = [r for r in rows if "error" in r]
+    rows = [r for r in rows if "error" not in r]
     for r in rows:
         if r["set"] != "cut":
             groups[(r["profile"], r["method"])].append(r)
@@ -245,4 +261,5 @@ def _table(rows: list[dict]) -> str:
         if r["set"] == "cut":
             lines.append(f"\ncut ({r['profile']}, {r['method']}): {r['offline_tokens']} offline tokens, {r['offline_kept']} kept after verify-resync; "
                          f"{r['tokens']} verified tokens, same as connected: {r['same_as_connected']} (agreement {r['agreement_with_connected']:.2f})")
+    lines += [f"\nfailed: {r['profile']} {r['set']} {r['method']}: {r['error']}" for r in errors]
     return "\n".join(lines)

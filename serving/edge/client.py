@@ -57,7 +57,8 @@ class EdgeStats:
     offline_tokens: int = 0  # tokens drafted while disconnected
     offline_kept: int = 0  # of those, kept after resync
     disconnects: int = 0
-    cycle_bytes: list[int] = field(default_factory=list)
+    cycle_bytes: list[int] = field(default_factory=list)  # request + response bytes of each verify call
+    setup_bytes: int = 0  # session creation (the prompt's context)
 
     @property
     def accept_length(self) -> float:
@@ -112,7 +113,16 @@ class EdgeClient:
         the offline tokens verified before returning them unverified."""
         self._rid += 1
         rid = self._rid
-        head, ctx = self._post("/v1/edge/sessions", {"prompt_token_ids": prompt_ids, "drafter": self.drafter_name, "dtype": self.dtype})
+        body = {"prompt_token_ids": prompt_ids, "drafter": self.drafter_name, "dtype": self.dtype}
+        for attempt in range(3):  # nothing to draft from before the prefill: a few quick retries, then give up
+            try:
+                head, ctx = self._post("/v1/edge/sessions", body)
+                self.stats.setup_bytes += self.stats.cycle_bytes.pop()  # the prompt's context: not a cycle
+                break
+            except httpx.TransportError:
+                if attempt == 2:
+                    raise
+                time.sleep(self.backoff_s[0] * 2**attempt)
         sid = head["session_id"]
         self._ingest(rid, prompt_ids, 0, ctx)
         verified, root = list(prompt_ids), head["root"]

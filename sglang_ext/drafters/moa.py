@@ -33,7 +33,7 @@ from .search import search_tree
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = {"SmolLM2-135M-Instruct": {"moa-tli0": "smollm2-moa-tli0", "moa-tli1": "smollm2-moa-tli1"}}
-BEST = {"SmolLM2-135M-Instruct": "moa-tli1"}  # `--drafter moa`: the better shipped TLI (see docs/BENCHMARKS.md)
+BEST = {"SmolLM2-135M-Instruct": "moa-tli0"}  # `--drafter moa`: the better shipped TLI (see docs/BENCHMARKS.md)
 _NEG = -1e9
 
 
@@ -138,13 +138,13 @@ class MoADrafter:
         st = self.reqs.setdefault(rid, _RequestState())
         self.drop_offline(rid)
         n = len(token_ids)
+        dt = self.target.dtype
         if self.tli_layers:
             slots = self.tli_kv.alloc(n)
             for j in range(len(self.tli_layers)):
-                self.tli_kv.write(j, slots, tli_k[j], tli_v[j])
+                self.tli_kv.write(j, slots, tli_k[j].to(dt), tli_v[j].to(dt))
         else:
             slots = torch.zeros(n, dtype=torch.long)  # TLI=0 reads no target K/V
-        dt = self.target.dtype
         self._ingest(st, token_ids, positions, ca_k.to(dt), ca_v.to(dt), slots)
 
     @torch.inference_mode()
