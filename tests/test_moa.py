@@ -134,13 +134,15 @@ def test_tli_reads_the_target_cache_and_never_writes_it():
     base = logits[0].clone()
     # the last target layer's cached K of a verified position feeds the draft: change it, the draft changes
     last = len(target.model.layers) - 1
-    kv.k[last][req.slots[-2]] += 3.0
+    slot = req.slots[-2]
+    orig = kv.k[last][slot].clone()
+    kv.k[last][slot] += 3.0
     logits.clear()
     drafter.propose([inp], TreeShape(3, 2, 6))
     assert not torch.allclose(logits[0], base)
     # an earlier layer only matters through LSA, which was computed at commit: no change now
-    kv.k[last][req.slots[-2]] -= 3.0
-    kv.k[0][req.slots[-2]] += 3.0
+    kv.k[last][slot] = orig  # restored exactly (+= 3 then -= 3 would round)
+    kv.k[0][slot] += 3.0
     logits.clear()
     drafter.propose([inp], TreeShape(3, 2, 6))
     assert torch.allclose(logits[0], base)
