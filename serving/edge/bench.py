@@ -134,28 +134,27 @@ def _api_run(url: str, prompt: str, max_tokens: int) -> dict:
 
 
 def _edge_run(client, ids: list[int], max_tokens: int, cut_after: int | None = None, link=None, cut_seconds: float = 3.0) -> dict:
-    from .client import EdgeStats
-
     import threading
+
+    from .client import EdgeStats, collect
+
+    timer = None
+
+    def cut_once_after(events):
+        """Pass events through; after cut_after tokens, take the link down for cut_seconds."""
+        nonlocal timer
+        produced = 0
+        for ev in events:
+            produced += len(ev.tokens)
+            if cut_after is not None and timer is None and produced >= cut_after:
+                link.cut()
+                timer = threading.Timer(cut_seconds, link.restore)  # the link comes back on its own clock
+                timer.start()
+            yield ev
 
     client.stats = EdgeStats()
     t0 = time.perf_counter()
-    verified, pending, produced, timer = [], [], 0, None
-    for ev in client.generate(ids, max_tokens):
-        produced += len(ev.tokens)
-        if ev.kind == "token":
-            verified += ev.tokens
-        elif ev.kind == "draft":
-            pending += ev.tokens
-        elif ev.kind == "confirm":
-            verified += pending[: ev.count]
-            pending = pending[ev.count :]
-        elif ev.kind == "retract":
-            pending = []
-        if cut_after is not None and timer is None and produced >= cut_after:
-            link.cut()
-            timer = threading.Timer(cut_seconds, link.restore)  # the link comes back on its own clock
-            timer.start()
+    verified, _ = collect(cut_once_after(client.generate(ids, max_tokens)))
     if timer is not None:
         timer.cancel()
         link.restore()
