@@ -209,6 +209,56 @@ def test_padded_batch_equals_each_request_alone():
         torch.testing.assert_close(out[rows], alone, atol=1e-5, rtol=1e-5)
 
 
+def test_length_buckets_bound_padding():
+    from sglang_ext.attention.plan import length_buckets
+
+    assert length_buckets([10, 14, 12]) == [[0, 1, 2]]  # all within 1.5x: one group, batch order
+    assert length_buckets([300, 10, 14, 1200, 16, 400]) == [[1, 2], [4], [0, 5], [3]]
+    groups = length_buckets([1 + (i * 37) % 500 for i in range(64)])
+    assert sorted(i for g in groups for i in g) == list(range(64))
+
+
+@pytest.mark.parametrize("small_q", [0, 64])  # 0: every group through SDPA; 64: matmul path for trees
+def test_bucketed_batch_equals_one_padded_group(small_q, monkeypatch):
+    """Requests of very different lengths (prefill-sized and decode-sized queries) give the same
+    output whether bucketed by length or padded as one group, through either attention path."""
+    from sglang_ext.attention import torch_ref
+
+    monkeypatch.setattr(torch_ref, "SMALL_Q", small_q)
+    gen = torch.Generator().manual_seed(3)
+    prefixes, sizes = [300, 0, 7, 90, 2, 40], [1, 80, 16, 1, 9, 70]
+    requests = random_tree_batch(prefixes, sizes, num_slots=700, gen=gen)
+    k_pool, v_pool = random_pools(700, HKV, D, gen)
+    slots, masks = [r[0] for r in requests], [r[1] for r in requests]
+    bucketed = plan_attention(slots, masks)
+    one = plan_attention(slots, masks, waste=float("inf"))
+    assert len(bucketed.groups) > 1 and len(one.groups) == 1
+    q = torch.randn(bucketed.num_queries, HQ, D, generator=gen)
+    torch.testing.assert_close(tree_attention_torch(q, k_pool, v_pool, bucketed, SCALE), tree_attention_torch(q, k_pool, v_pool, one, SCALE), atol=1e-5, rtol=1e-5)
+
+
+def test_frontier_plan_equals_one_plan_per_node():
+    """A drafter step planned per request (prefix gathered once, each node masked to its own path)
+    gives every node the same attention as planning that node alone over prefix + path."""
+    from sglang_ext.attention import plan_frontier
+
+    gen = torch.Generator().manual_seed(5)
+    k_pool, v_pool = random_pools(200, HKV, D, gen)
+    prefixes = [torch.arange(1, 40), torch.arange(60, 65)]
+    seen = [[[100], [100, 101], [102]], [[150, 151], [152]]]  # node paths into temporary slots
+    plan = plan_frontier(prefixes, seen)
+    assert plan.batch_size == 2 and plan.num_queries == 5
+    q = torch.randn(5, HQ, D, generator=gen)
+    out = tree_attention_torch(q, k_pool, v_pool, plan, SCALE)
+    row = 0
+    for prefix, nodes in zip(prefixes, seen):
+        for node in nodes:
+            slots = torch.cat([prefix, torch.tensor(node)])
+            alone = tree_attention_torch(q[row : row + 1], k_pool, v_pool, plan_attention([slots], [torch.ones(1, slots.numel(), dtype=torch.bool)]), SCALE)
+            torch.testing.assert_close(out[row : row + 1], alone, atol=1e-5, rtol=1e-5)
+            row += 1
+
+
 if __name__ == "__main__":
     if sys.argv[1:] == ["triton-parity"]:
         print(json.dumps(_run_parity_cases()))

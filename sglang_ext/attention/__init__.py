@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from .plan import AttentionPlan, causal_mask, plan_attention, prefix_and_tree_mask
+from .plan import AttentionPlan, causal_mask, plan_attention, plan_frontier, prefix_and_tree_mask
 from .torch_ref import tree_attention_torch
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionPlan, float], torch.Tensor]
@@ -36,6 +36,7 @@ __all__ = [
     "AttentionPlan",
     "causal_mask",
     "plan_attention",
+    "plan_frontier",
     "prefix_and_tree_mask",
     "select_backend",
     "tree_attention_torch",

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .plan import AttentionPlan
+from .plan import AttentionPlan, PaddedGroup
 
 _BIT = torch.arange(8, dtype=torch.uint8)
 
@@ -131,7 +131,7 @@ def plan_from_ragged(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indice
         mask_out = None
     else:
         mask_out = mask[:, None]
-    return AttentionPlan(qo_indptr.cpu(), kv_indptr.cpu(), kv_indices.long(), custom_mask.bool(), q_index, q_valid, kv_slots, mask_out)
+    return AttentionPlan(qo_indptr.cpu(), kv_indptr.cpu(), kv_indices.long(), custom_mask.bool(), [PaddedGroup(q_index, q_valid, kv_slots, mask_out)])
 
 
 # --- reference consumer of the FlashInfer arguments ------------------------------------------------

@@ -20,17 +20,16 @@ from pathlib import Path
 
 import torch
 
-from ..attention import causal_mask, plan_attention, tree_attention_torch
+from ..attention import causal_mask, plan_attention, plan_frontier, tree_attention_torch
 from ..models.eagle3 import DraftCheckpointError, Eagle3Draft, load_eagle3
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel
 from ..tree import TokenTree, TreeShape
 from .base import DraftInput, TargetCapture
-from .search import search_tree
+from .search import scatter_to_vocab, search_tree
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = {"SmolLM2-135M-Instruct": REPO_ROOT / "drafters" / "smollm2-eagle3"}
-_NEG = -1e9  # logit of target ids outside the draft vocab (finite: the search checks finiteness)
 
 
 def default_checkpoint(target) -> Path:
@@ -115,13 +114,12 @@ class Eagle3Drafter:
             chains = [[list(state["chains"][i][int(p)]) for p in parent[i]] for i in range(b)]
             new = self.kv.alloc(b * kk)
             temp.append(new)
-            pos, kv_lists = [], []
+            pos = []
             for i, d in enumerate(batch):
                 for j in range(kk):
                     chains[i][j].append(int(new[i * kk + j]))
                     pos.append(d.seq_len - 1 + len(chains[i][j]))
-                    kv_lists.append(torch.cat([self.reqs[d.rid].slots, torch.tensor(chains[i][j])]))
-            plan = plan_attention(kv_lists, [torch.ones(1, s.numel(), dtype=torch.bool) for s in kv_lists])
+            plan = plan_frontier([self.reqs[d.rid].slots for d in batch], chains)  # each node: prefix + its own chain
             out = self._layer(to_target(tokens.reshape(-1)), feat.reshape(b * kk, -1), torch.tensor(pos), new, plan)
             state["out"], state["chains"] = out.view(b, kk, -1), chains
             return to_logits(out).view(b, kk, -1)
@@ -166,8 +164,4 @@ class Eagle3Drafter:
         return self.draft.finish(tree_attention_torch(q, self.kv.k[0], self.kv.v[0], plan, self.scale), feat)
 
     def _full_logits(self, out: torch.Tensor) -> torch.Tensor:
-        """Draft-vocab logits scattered into the target vocab [n, V] (other ids get a very low logit)."""
-        lg = self.draft.logits(out).float()
-        full = lg.new_full((lg.shape[0], self.draft.cfg.vocab_size), _NEG)
-        full[:, self.hot_ids] = lg
-        return full
+        return scatter_to_vocab(self.draft.logits(out).float(), self.hot_ids, self.draft.cfg.vocab_size)

@@ -22,19 +22,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..attention import plan_attention, tree_attention_torch
+from ..attention import plan_frontier, tree_attention_torch
 from ..models.eagle3 import DraftCheckpointError
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel, rms_norm
 from ..models.moa import MoADraft, load_moa, stack_pool_kv
 from ..tree import TokenTree, TreeShape
 from .base import DraftInput, TargetCapture
-from .search import search_tree
+from .search import scatter_to_vocab, search_tree
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = {"SmolLM2-135M-Instruct": {"moa-tli0": "smollm2-moa-tli0", "moa-tli1": "smollm2-moa-tli1"}}
 BEST = {"SmolLM2-135M-Instruct": "moa-tli0"}  # `--drafter moa`: the better shipped TLI (see docs/BENCHMARKS.md)
-_NEG = -1e9
 
 
 def shipped_checkpoint(target, name: str) -> Path:
@@ -160,9 +159,10 @@ class MoADrafter:
         tgt_new = self.tli_kv.alloc(1) if self.tli_layers else torch.zeros(1, dtype=torch.long)
         st.offline.append((int(sa_new), int(tgt_new)))
         own = st.offline if self.cfg.sa_tree_attention == "ancestors" else st.offline[-1:]
-        sa_list = torch.cat([st.sa_slots, torch.tensor([s for s, _ in own])])
-        tgt_list = torch.cat([st.target_slots, torch.tensor([t for _, t in st.offline])])
-        h = self._forward(torch.tensor(token_ids[-1:]), torch.tensor([seq_len + depth]), sa_new, tgt_new, [sa_list], [st.mem_slots], [tgt_list])
+        sa_plan = plan_frontier([st.sa_slots], [[[s for s, _ in own]]])
+        ca_plan = plan_frontier([st.mem_slots], [[[]]])
+        tli_plan = plan_frontier([st.target_slots], [[[t for _, t in st.offline]]]) if self.tli_layers else None
+        h = self._forward(torch.tensor(token_ids[-1:]), torch.tensor([seq_len + depth]), sa_new, tgt_new, sa_plan, ca_plan, tli_plan)
         return int(self.hot_ids[self._to_logits(h, False).argmax(-1)[0]])
 
     def drop_offline(self, rid: int) -> None:
@@ -205,21 +205,24 @@ class MoADrafter:
             tgt_new = self.tli_kv.alloc(b * kk) if self.tli_layers else torch.zeros(b * kk, dtype=torch.long)
             if self.tli_layers:
                 temps.append((self.tli_kv, tgt_new))
-            new_paths, pos, sa_lists, mem_lists, tgt_lists = [], [], [], [], []
+            new_paths, pos, sa_seen, tgt_seen = [], [], [], []
             for i, d in enumerate(batch):
-                st = self.reqs[d.rid]
                 rows = []
                 for j in range(kk):
                     path = paths[i][int(parent[i, j])] + [(int(sa_new[i * kk + j]), int(tgt_new[i * kk + j]))]
                     rows.append(path)
                     pos.append(d.seq_len + len(path) - 1)
-                    own = path if self.cfg.sa_tree_attention == "ancestors" else path[-1:]
-                    sa_lists.append(torch.cat([st.sa_slots, torch.tensor([s for s, _ in own], dtype=torch.long)]))
-                    mem_lists.append(st.mem_slots)
-                    tgt_lists.append(torch.cat([st.target_slots, torch.tensor([t for _, t in path], dtype=torch.long)]))
                 new_paths.append(rows)
+                own = (lambda p: p) if self.cfg.sa_tree_attention == "ancestors" else (lambda p: p[-1:])
+                sa_seen.append([[s for s, _ in own(p)] for p in rows])
+                tgt_seen.append([[t for _, t in p] for p in rows])
             paths[:] = new_paths
-            logits = self._forward(tokens.reshape(-1), torch.tensor(pos), sa_new, tgt_new, sa_lists, mem_lists, tgt_lists)
+            sts = [self.reqs[d.rid] for d in batch]
+            # per request: its verified prefix gathered once for all its frontier nodes
+            sa_plan = plan_frontier([st.sa_slots for st in sts], sa_seen)
+            ca_plan = plan_frontier([st.mem_slots for st in sts], [[[]] * kk for _ in sts])
+            tli_plan = plan_frontier([st.target_slots for st in sts], tgt_seen) if self.tli_layers else None
+            logits = self._forward(tokens.reshape(-1), torch.tensor(pos), sa_new, tgt_new, sa_plan, ca_plan, tli_plan)
             return self._to_logits(logits, full).view(b, kk, -1)
 
         def step_fn(tokens: torch.Tensor, parent_beam: torch.Tensor | None) -> torch.Tensor:
@@ -239,27 +242,21 @@ class MoADrafter:
                 t.draft_tokens = torch.cat([t.draft_tokens[:1], self.hot_ids[t.draft_tokens[1:]]])
         return trees
 
-    def _forward(self, ids, positions, sa_new, tgt_new, sa_lists, mem_lists, tgt_lists) -> torch.Tensor:
+    def _forward(self, ids, positions, sa_new, tgt_new, sa_plan, ca_plan, tli_plan) -> torch.Tensor:
         """One draft pass over n nodes -> final hidden [n, H] (after the target's norm)."""
         d, tgt = self.draft, self.target
         x = tgt.embed[ids]
         q, k, v = d.sa_qkv(x, positions)
         self.sa.write(0, sa_new, k, v)
-        allq = lambda lists: [torch.ones(1, s.numel(), dtype=torch.bool) for s in lists]  # noqa: E731 - one query row per node
-        x = d.sa_finish(tree_attention_torch(q, self.sa.k[0], self.sa.v[0], plan_attention(sa_lists, allq(sa_lists)), d.scale), x)
+        x = d.sa_finish(tree_attention_torch(q, self.sa.k[0], self.sa.v[0], sa_plan, d.scale), x)
         q = d.ca_q(x, positions)
-        x = d.ca_finish(tree_attention_torch(q, self.mem.k[0], self.mem.v[0], plan_attention(mem_lists, allq(mem_lists)), d.scale), x)
+        x = d.ca_finish(tree_attention_torch(q, self.mem.k[0], self.mem.v[0], ca_plan, d.scale), x)
         if self.tli_layers:
-            plan = plan_attention(tgt_lists, allq(tgt_lists))
             rope = tgt.rope(positions)
             for li in self.tli_layers:
-                x = tgt.layer_forward(li, x, rope, tgt_new, plan, self.tli_kv, kv_layer=li - self.tli_offset)
+                x = tgt.layer_forward(li, x, rope, tgt_new, tli_plan, self.tli_kv, kv_layer=li - self.tli_offset)
         return rms_norm(x, tgt.norm, tgt.cfg.rms_norm_eps)
 
     def _to_logits(self, hidden: torch.Tensor, full: bool) -> torch.Tensor:
         lg = F.linear(hidden, self.head).float()
-        if not full:
-            return lg
-        out = lg.new_full((lg.shape[0], self.cfg.vocab_size), _NEG)
-        out[:, self.hot_ids] = lg
-        return out
+        return scatter_to_vocab(lg, self.hot_ids, self.cfg.vocab_size) if full else lg

@@ -24,6 +24,18 @@ from .base import DraftInput, DrafterError
 StepFn = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
+# logit of target ids outside a drafter's reduced vocab: never drawn (exp underflows to 0)
+_NEG = -1e9  # finite: the search checks that logits are finite
+
+
+def scatter_to_vocab(draft_logits: torch.Tensor, hot_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Draft-vocab logits [n, v] -> target-vocab logits [n, V]; ids outside the draft vocab get _NEG.
+    Sampled chains need q over the target vocab for verification."""
+    full = draft_logits.new_full((draft_logits.shape[0], vocab_size), _NEG)
+    full[:, hot_ids] = draft_logits
+    return full
+
+
 def _check_finite(logits: torch.Tensor, where: str) -> None:
     if not torch.isfinite(logits).all():
         raise DrafterError(f"drafter produced non-finite logits ({where})")
