@@ -1,15 +1,20 @@
 """Adaptive speculation: per step, pick the tree shape (or no speculation) with the best measured
 throughput for the current batch-size bucket.
 
-Throughput of an option = tokens emitted per second of (draft + verify) time, an exponential moving
-average per (option, batch bucket). Speculation off is always an option, so at any batch size the
-engine converges to at least vanilla speed. Untried options are tried a few times; the losers are
-re-tried now and then because acceptance drifts with the content.
+Throughput of an option = tokens emitted per step / seconds per (draft + verify) step, per
+(option, batch bucket). Step time is the median of the last few steps (one step slowed by a noisy
+neighbour must not make an option look slow for good: the losers are only re-measured now and
+then); tokens per step is the mean over a longer window (acceptance is noisy step to step).
+Speculation off is always an option, so at any batch size the engine converges to at least vanilla
+speed. Untried options are tried a few times; the losers are re-tried now and then because
+acceptance drifts with the content.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
 
 from sglang_ext.tree import TreeShape
 
@@ -18,13 +23,16 @@ from .metrics import batch_bucket
 
 @dataclass
 class _Stat:
-    seconds: float = 0.0  # EMA of step seconds
-    tokens: float = 0.0  # EMA of tokens emitted per step
+    seconds: deque = field(default_factory=lambda: deque(maxlen=9))  # recent step times
+    tokens: deque = field(default_factory=lambda: deque(maxlen=32))  # recent tokens per step
     n: int = 0
 
     @property
     def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+        if not self.seconds:
+            return 0.0
+        sec = statistics.median(self.seconds)
+        return statistics.fmean(self.tokens) / sec if sec > 0 else 0.0
 
 
 def shape_menu(shape: TreeShape) -> list[TreeShape | None]:
@@ -40,9 +48,9 @@ def shape_menu(shape: TreeShape) -> list[TreeShape | None]:
 
 
 class AdaptiveSpeculation:
-    def __init__(self, shape: TreeShape, warmup: int = 3, retry_every: int = 64, alpha: float = 0.2):
+    def __init__(self, shape: TreeShape, warmup: int = 3, retry_every: int = 32):
         self.options = shape_menu(shape)
-        self.warmup, self.retry_every, self.alpha = warmup, retry_every, alpha
+        self.warmup, self.retry_every = warmup, retry_every
         self.stats: dict[tuple[int, str], _Stat] = {}
         self.steps: dict[str, int] = {}
 
@@ -64,7 +72,6 @@ class AdaptiveSpeculation:
 
     def observe(self, option: int, batch_size: int, seconds: float, tokens: int) -> None:
         s = self._stat(option, batch_bucket(batch_size))
-        a = self.alpha if s.n else 1.0
-        s.seconds += a * (seconds - s.seconds)
-        s.tokens += a * (tokens - s.tokens)
+        s.seconds.append(seconds)
+        s.tokens.append(tokens)
         s.n += 1

@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     from sglang_ext.training.cli import add_train_parser
 
     add_train_parser(sub)
+    from sglang_ext.training.distill import add_distill_parser
+
+    add_distill_parser(sub)
     from .edge.bench import add_edge_parsers
 
     add_edge_parsers(sub)

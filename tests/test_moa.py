@@ -99,7 +99,7 @@ def test_lsa_runs_once_per_verified_token():
     while not req.finished:
         eng.step()
         verified.append(len(req.slots))
-    # prefill: the prompt; each verify step: only root + accepted nodes, never the prefix again
+    # prefill: the prompt; each verify step: only root + accepted nodes (LSA'd at the next propose), never the prefix again
     assert shapes[0] == (len(prompt), LAYERS, draft.cfg.lsa_hidden)
     assert all(s[1:] == (LAYERS, draft.cfg.lsa_hidden) for s in shapes)
     added = [b - a for a, b in zip(verified, verified[1:]) if b > a]
@@ -140,7 +140,7 @@ def test_tli_reads_the_target_cache_and_never_writes_it():
     logits.clear()
     drafter.propose([inp], TreeShape(3, 2, 6))
     assert not torch.allclose(logits[0], base)
-    # an earlier layer only matters through LSA, which was computed at commit: no change now
+    # an earlier layer only matters through LSA, which already ran for these tokens: no change now
     kv.k[last][slot] = orig  # restored exactly (+= 3 then -= 3 would round)
     kv.k[0][slot] += 3.0
     logits.clear()

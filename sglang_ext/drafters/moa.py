@@ -2,12 +2,13 @@
 
 Per request the drafter keeps three caches, all for verified tokens only:
 
-    memory  CA keys/values of each verified token's LSA output   (drafter pool, computed at commit)
-    sa      SA keys/values of each verified token's embedding    (drafter pool, computed at commit)
+    memory  CA keys/values of each verified token's LSA output   (drafter pool, ingested once)
+    sa      SA keys/values of each verified token's embedding    (drafter pool, ingested once)
     target  the request's slots in the target KV pool            (read by the TLI layers, never written)
 
-commit() runs LSA once for the tokens the target just verified (root + accepted nodes), so LSA is
-never recomputed for the prefix. propose() runs the tree: every node (root included) is a query
+commit() queues the tokens the target just verified (root + accepted nodes); the next propose()
+runs LSA once over all queued tokens of its batch, so LSA is never recomputed for the prefix and
+costs nothing while adaptive speculation is off. propose() runs the tree: every node (root included) is a query
 at its position; its SA sees the verified prefix plus itself (or its ancestors, per checkpoint),
 its CA sees all verified memory, and the TLI layers see the target's real KV for verified
 positions plus the node's ancestors' speculative KV, written to temporary target-pool slots that
@@ -56,6 +57,7 @@ class _RequestState:
         self.mem_slots = torch.empty(0, dtype=torch.long)  # CA K/V of verified tokens
         self.sa_slots = torch.empty(0, dtype=torch.long)  # SA K/V of verified tokens
         self.target_slots = torch.empty(0, dtype=torch.long)  # the target's slots of verified tokens (TLI reads them)
+        self.pending: list[TargetCapture] = []  # verified but not yet ingested (LSA runs at the next propose)
         self.offline: list[tuple[int, int]] = []  # (sa slot, tli slot) of root + tokens drafted while disconnected
 
 
@@ -104,8 +106,27 @@ class MoADrafter:
         elif self.tli_kv is not capture.kv:
             raise DraftCheckpointError("MoA drafter bound to a different target KV pool")
         if capture.slots.numel():
-            k, v = self.context(capture.kv, capture.slots, capture.positions, capture.hidden)
-            self._ingest(self.reqs[rid], capture.token_ids, capture.positions, k, v, capture.slots)
+            # NOTE: deferred to the next propose, where all pending tokens of the batch go through
+            # LSA in one call: when adaptive speculation is off for many steps, commits cost nothing
+            # and each verified token is still processed exactly once.
+            self.reqs[rid].pending.append(capture)
+
+    def _flush(self, batch: list[DraftInput]) -> None:
+        """Ingest every pending verified token of these requests (one LSA call for the batch)."""
+        todo = [(self.reqs[d.rid], c) for d in batch for c in self.reqs[d.rid].pending]
+        if not todo:
+            return
+        caps = [c for _, c in todo]
+        hidden = {l: torch.cat([c.hidden[l] for c in caps]) for l in self.capture_layers}
+        positions = torch.cat([c.positions for c in caps])
+        k, v = self.context(caps[0].kv, torch.cat([c.slots for c in caps]), positions, hidden)
+        start = 0
+        for st, c in todo:
+            n = c.slots.numel()
+            self._ingest(st, c.token_ids, c.positions, k[start : start + n], v[start : start + n], c.slots)
+            start += n
+        for d in batch:
+            self.reqs[d.rid].pending = []
 
     def context(self, kv: KVPool, slots: torch.Tensor, positions: torch.Tensor, hidden: dict | None = None):
         """CA keys/values of newly verified tokens: LSA over their K/V at every target layer (or,
@@ -186,6 +207,7 @@ class MoADrafter:
     # --- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree]:
+        self._flush(batch)
         for d in batch:
             st = self.reqs[d.rid]
             if st.target_slots.numel() != d.seq_len:

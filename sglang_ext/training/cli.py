@@ -38,6 +38,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from <out>/latest")
+    p.add_argument("--init-from", default=None, help="start from this checkpoint's weights and draft vocab (fine-tuning, e.g. on `moa-serve distill` data); a fresh optimizer and LR schedule")
     p.add_argument("--no-progress", action="store_true", help="no tqdm bar (metrics still go to metrics.jsonl/TensorBoard)")
 
 
@@ -114,7 +115,7 @@ def _log(msg: str) -> None:
 
 def train_eagle3(args) -> int:
     from ..models import load_target
-    from ..models.eagle3 import Eagle3Config, Eagle3Draft, vocab_from_counts
+    from ..models.eagle3 import Eagle3Config, Eagle3Draft, load_eagle3, vocab_from_counts
     from .eagle3 import Eagle3Task
 
     torch.set_num_threads(args.threads)
@@ -124,16 +125,20 @@ def train_eagle3(args) -> int:
     exs = prepare_examples(args, target.tokenizer)
     counts = vocab_counts(args, target.tokenizer, exs, target.cfg.vocab_size)
     aux = tuple(int(x) for x in args.aux_layers.split(",")) if args.aux_layers else None
-    cfg = Eagle3Config.for_target(target.cfg, args.draft_vocab_size, aux)
-    draft = Eagle3Draft(cfg)
-    hot = vocab_from_counts(counts, cfg.draft_vocab_size)
-    draft.set_vocab(hot)
+    if args.init_from:
+        draft = load_eagle3(args.init_from, target.cfg)
+        cfg, hot = draft.cfg, draft.hot_ids
+    else:
+        cfg = Eagle3Config.for_target(target.cfg, args.draft_vocab_size, aux)
+        draft = Eagle3Draft(cfg)
+        hot = vocab_from_counts(counts, cfg.draft_vocab_size)
+        draft.set_vocab(hot)
     coverage = float(counts[hot].sum()) / max(1, int(counts.sum()))
-    if args.init_head_from_target:
+    if args.init_head_from_target and not args.init_from:
         with torch.no_grad():
             draft.lm_head.weight.copy_(target.model.lm_head[hot].float())
             draft.norm.weight.copy_(target.model.norm.float())
-    meta = {"type": "eagle3", "ttt_length": args.ttt_length, "ttt_decay": args.ttt_decay, "draft_vocab_coverage": round(coverage, 5)}
+    meta = {"type": "eagle3", "init_from": args.init_from, "ttt_length": args.ttt_length, "ttt_decay": args.ttt_decay, "draft_vocab_coverage": round(coverage, 5)}
     return _fit(args, target, exs, Eagle3Task(target.model, draft, args.ttt_length, args.ttt_decay), meta, f"draft vocab {cfg.draft_vocab_size} covers {coverage:.4f} of assistant tokens", t0)
 
 
@@ -167,7 +172,7 @@ def _fit(args, target, exs, task, meta_extra: dict, note: str, t0: float) -> int
 def train_moa(args) -> int:
     from ..models import load_target
     from ..models.eagle3 import vocab_from_counts
-    from ..models.moa import MoAConfig, MoADraft
+    from ..models.moa import MoAConfig, MoADraft, load_moa
     from .moa import MoATask
 
     torch.set_num_threads(args.threads)
@@ -181,15 +186,24 @@ def train_moa(args) -> int:
     sa_mode = "self" if args.staircase_max >= 1.0 else "ancestors"
     cfg = MoAConfig.for_target(target.cfg, tli=args.tli, draft_vocab_size=args.draft_vocab_size, sa_tree_attention=sa_mode,
                                 memory_source="last_hidden" if args.no_lsa else "lsa")
-    draft = MoADraft(cfg)
+    if args.init_from:
+        draft = load_moa(args.init_from, target.cfg)
+        if (draft.cfg.tli, draft.cfg.memory_source) != (cfg.tli, cfg.memory_source):
+            raise SystemExit(f"--init-from {args.init_from} has TLI={draft.cfg.tli}, memory {draft.cfg.memory_source}; this run asks for TLI={cfg.tli}, {cfg.memory_source}")
+        cfg = draft.cfg
+    else:
+        draft = MoADraft(cfg)
     coverage = 1.0
-    if cfg.draft_vocab_size:
+    if cfg.draft_vocab_size and args.init_from:
+        counts = vocab_counts(args, target.tokenizer, exs, target.cfg.vocab_size)
+        coverage = float(counts[draft.hot_ids].sum()) / max(1, int(counts.sum()))
+    elif cfg.draft_vocab_size:
         counts = vocab_counts(args, target.tokenizer, exs, target.cfg.vocab_size)
         hot = vocab_from_counts(counts, cfg.draft_vocab_size)
         draft.set_vocab(hot)
         coverage = float(counts[hot].sum()) / max(1, int(counts.sum()))
     task = MoATask(target.model, draft, args.lambda_kl, args.lambda_feat, args.min_gap, args.max_gap, args.staircase_ramp, args.staircase_max, seed=args.seed)
-    meta = {"type": "moa", "tli": args.tli, "memory_source": cfg.memory_source, "lambda_kl": args.lambda_kl, "lambda_feat": args.lambda_feat, "gaps": [args.min_gap, args.max_gap],
+    meta = {"type": "moa", "init_from": args.init_from, "tli": args.tli, "memory_source": cfg.memory_source, "lambda_kl": args.lambda_kl, "lambda_feat": args.lambda_feat, "gaps": [args.min_gap, args.max_gap],
             "staircase_ramp": args.staircase_ramp, "staircase_max": args.staircase_max, "draft_vocab_coverage": round(coverage, 5)}
     n_params = sum(p.numel() for p in draft.parameters())
     return _fit(args, target, exs, task, meta, f"MoA TLI={args.tli}, {n_params / 1e6:.1f}M trainable params, draft vocab covers {coverage:.4f}", t0)

@@ -1,0 +1,78 @@
+"""Self-distillation data (`moa-serve distill`) and fine-tuning a shipped drafter on it (`--init-from`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from serving.cli import main as cli_main
+from serving.engine import Engine
+from sglang_ext.sampling import SamplingParams
+from sglang_ext.training.data import encode_conversation, open_conversations
+from sglang_ext.training.distill import distill, prompts_from
+
+QUESTIONS = ["Name three primary colors.", "What is 7 times 8?", "Write a haiku about rain.", "Define entropy in one sentence."]
+
+
+def _conversations(path, n=len(QUESTIONS)):
+    with open(path, "w") as f:
+        for i, q in enumerate(QUESTIONS[:n]):
+            f.write(json.dumps({"id": f"q{i}", "conversations": [{"role": "user", "content": q}, {"role": "assistant", "content": "an answer not written by the target"}]}) + "\n")
+    return path
+
+
+def test_distilled_answers_are_the_targets_own_greedy_answers(tmp_path, smollm2_fp32):
+    target = smollm2_fp32
+    src = _conversations(tmp_path / "convs.jsonl")
+    records = []
+    engine = Engine(target, None, kv_slots=4096)
+    n = distill(engine, lambda ids: target.tokenizer.decode(ids, skip_special_tokens=True).strip(),
+                prompts_from(str(src), target.encode_chat, 512, set()), SamplingParams(max_new_tokens=12), limit=3, batch_size=2, write=records.append)
+    assert n == 3 and [r["id"] for r in sorted(records, key=lambda r: r["id"])] == ["q0", "q1", "q2"]
+    assert engine.running == [] and engine.waiting == []  # nothing left in flight
+    for rec in records:
+        user = rec["conversations"][0]
+        alone = Engine(target, None, kv_slots=1024).generate([target.encode_chat([user])], SamplingParams(max_new_tokens=12))[0]
+        assert rec["conversations"][1] == {"role": "assistant", "content": target.tokenizer.decode(alone.output_ids, skip_special_tokens=True).strip()}
+        assert rec["finish_reason"] == alone.finish_reason
+    # the output is training data as is: our loader reads it and masks the new answers
+    out = tmp_path / "distilled.jsonl"
+    out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    convs = list(open_conversations(str(out)))
+    ex = encode_conversation(target.tokenizer, convs[0].messages, 256)
+    assert ex is not None and ex.loss_mask.any() and not ex.loss_mask.all()
+
+
+def test_distill_cli_resumes_and_refuses_to_overwrite(tmp_path):
+    src = _conversations(tmp_path / "convs.jsonl")
+    out = tmp_path / "d.jsonl"
+    base = ["distill", "--data", str(src), "--out", str(out), "--max-new-tokens", "4", "--batch-size", "2", "--threads", "1", "--no-progress"]
+    assert cli_main(base + ["--num-conversations", "2"]) == 0
+    assert len(out.read_text().splitlines()) == 2
+    with pytest.raises(SystemExit, match="--resume"):
+        cli_main(base + ["--num-conversations", "3"])
+    assert cli_main(base + ["--num-conversations", "3", "--resume"]) == 0
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert len(ids) == 3 and len(set(ids)) == 3
+
+
+def test_fine_tune_a_shipped_drafter_with_init_from(tmp_path, smollm2_fp32):
+    """--init-from keeps the checkpoint's draft vocab and starts from its weights (one step moves them a little)."""
+    from sglang_ext.drafters.eagle3 import default_checkpoint
+    from sglang_ext.models.eagle3 import load_eagle3
+
+    src = _conversations(tmp_path / "convs.jsonl")
+    ship = default_checkpoint(smollm2_fp32)
+    out = tmp_path / "ft"
+    args = ["train", "eagle3", "--data", str(src), "--out", str(out), "--init-from", str(ship), "--max-steps", "1", "--num-examples", "4",
+            "--max-len", "64", "--tokens-per-batch", "256", "--threads", "1", "--no-progress", "--lr", "1e-5"]
+    assert cli_main(args) == 0
+    before, after = load_eagle3(ship), load_eagle3(out / "final")
+    assert torch.equal(before.d2t, after.d2t)
+    delta = max(float((a - b).abs().max()) for a, b in zip(after.state_dict().values(), before.state_dict().values()) if a.is_floating_point())
+    assert 0 < delta < 0.05
+    # a MoA checkpoint can't seed a run of another TLI
+    with pytest.raises(SystemExit, match="TLI"):
+        cli_main(["train", "moa", "--tli", "1", "--data", str(src), "--out", str(tmp_path / "m"), "--init-from", "drafters/smollm2-moa-tli0", "--max-steps", "1", "--threads", "1"])
