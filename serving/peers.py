@@ -193,7 +193,10 @@ def llama_cpp_runner(gguf_path, sp, eos_ids: list[int], n_ctx: int, threads: int
     except ImportError as e:
         raise PeerUnavailable(f"llama_cpp not importable ({e}); `make bench-peers` builds llama-cpp-python") from e
     draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens) if lookup_tokens else None
-    llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, draft_model=draft, verbose=False)
+    # NOTE: llama-cpp-python 0.3.36 keeps logits for every token when a draft model is set, but sizes
+    # its score buffer from the logits_all *argument* (n_batch rows unless it is True), so any prompt
+    # longer than n_batch (512) fails ("could not broadcast ... into shape (0,)"): pass it explicitly.
+    llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, draft_model=draft, logits_all=draft is not None, verbose=False)
     evals: list[tuple[int, int]] = []  # (tokens already in the KV cache, tokens in this eval)
     evaluate = llm.eval
 
