@@ -102,9 +102,17 @@ class RSSSampler:
         self.peak = max(self.peak, self.proc.memory_info().rss)
 
 
-def batch_prompts(prompts: list[list[int]], b: int) -> list[list[int]]:
-    """B prompts: the eval prompts in order, cycled when there are fewer than B."""
-    return [prompts[i % len(prompts)] for i in range(b)]
+def batch_prompts(prompts: list[list[int]], b: int, start: int = 0) -> list[list[int]]:
+    """B prompts: the eval prompts in order from `start`, cycled when there are fewer than B."""
+    return [prompts[(start + i) % len(prompts)] for i in range(b)]
+
+
+def sweep_batches(prompts: list[list[int]], b: int, min_prompts: int) -> list[list[list[int]]]:
+    """The batches a batch size's measured run goes through: one batch of b prompts, or for small b
+    several consecutive batches (different prompts) so that at least min_prompts are measured;
+    one 128-token generation alone is a few seconds, too short to rank methods on a noisy machine."""
+    rounds = max(1, -(-min_prompts // b))
+    return [batch_prompts(prompts, b, r * b) for r in range(rounds)]
 
 
 def engine_batch_runner(target, method: str, tree, max_new_tokens: int, adaptive: bool, drafter_cache: dict, sampling=None) -> Callable:
@@ -131,8 +139,11 @@ def engine_batch_runner(target, method: str, tree, max_new_tokens: int, adaptive
         need = sum(len(p) + max_new_tokens + tree.num_draft_tokens + 2 for p in prompts) + 64
         e = state["engine"]
         if e is None or state["b"] != len(prompts) or e.kv.num_slots < need:
+            policy = e.policy if e is not None and state["b"] == len(prompts) else None  # same batch size: keep what adaptive learned
             state["engine"] = None  # free the old pool first
-            e = Engine(target, drafter, tree, kv_slots=need, adaptive=adaptive and drafter is not None, on_fallback=lambda r, why: fallbacks.append(why))
+            e = Engine(target, drafter, tree, kv_slots=2 * need, adaptive=adaptive and drafter is not None, on_fallback=lambda r, why: fallbacks.append(why))
+            if policy is not None:
+                e.policy = policy
             state["engine"], state["b"] = e, len(prompts)
         return e
 
@@ -179,11 +190,13 @@ def run_batch_sweep(
     warmup_tokens: int = 16,
     measure_memory: bool = True,
     log=None,
+    min_prompts: int = 1,
 ) -> list[BatchResult]:
     """methods: (label, tree text, adaptive, make_runner); a runner is (prompts, [max_new]) -> BatchRun.
 
     Per batch size, every method runs (warm-up once, then `repeats` measured runs, method order
-    rotated each repeat). A method that fails to build, or fails at some batch size, gets a row with
+    rotated each repeat); a measured run is one batch, or several in a row for batch sizes below
+    min_prompts (see sweep_batches). A method that fails to build, or fails at some batch size, gets a row with
     the error at that batch size (it is still tried at the others)."""
     runners: dict[int, Callable | None] = {}
     build_errors: dict[int, str] = {}
@@ -194,7 +207,8 @@ def run_batch_sweep(
             runners[i], build_errors[i] = None, f"{type(e).__name__}: {e}"
     results: list[BatchResult] = []
     for b in batch_sizes:
-        batch = batch_prompts(prompts, b)
+        batches = sweep_batches(prompts, b, min_prompts)
+        batch = batches[0]
         rows = {i: BatchResult(label, tree, b, adaptive, error=build_errors.get(i)) for i, (label, tree, adaptive, _) in enumerate(methods)}
         if warmup:  # the same batch, few new tokens (warms the engine and the adaptive policy)
             for i, row in rows.items():
@@ -216,7 +230,7 @@ def run_batch_sweep(
                     if sampler:
                         sampler.__enter__()
                     t0 = time.perf_counter()
-                    out = runners[i](batch)
+                    outs = [runners[i](bt) for bt in batches]
                     dt = time.perf_counter() - t0
                 except Exception as e:  # noqa: BLE001
                     row.error = f"{type(e).__name__}: {e}"
@@ -226,9 +240,10 @@ def run_batch_sweep(
                         sampler.__exit__(None, None, None)
                 row.seconds += dt
                 row.runs += 1
-                for f in ("tokens", "verify_steps", "accepted", "drafted", "decode_steps", "batch_sum", "fallbacks", "decode_seconds", "decode_tokens"):
-                    setattr(row, f, getattr(row, f) + getattr(out, f))
-                add_counts(row.accepted_by_depth, out.accepted_by_depth)
+                for out in outs:
+                    for f in ("tokens", "verify_steps", "accepted", "drafted", "decode_steps", "batch_sum", "fallbacks", "decode_seconds", "decode_tokens"):
+                        setattr(row, f, getattr(row, f) + getattr(out, f))
+                    add_counts(row.accepted_by_depth, out.accepted_by_depth)
                 if sampler:
                     mb = 1 << 20
                     row.peak_rss_mb = max(row.peak_rss_mb or 0.0, sampler.peak / mb)

@@ -80,6 +80,23 @@ def test_batch_sweep_failure_at_one_batch_size_is_a_row():
     assert "| flaky 1,1,1 | " in batch_grid_table(res) and "| failed |" in batch_grid_table(res)
 
 
+def test_small_batch_sizes_measure_several_consecutive_batches():
+    from serving.bench_batch import sweep_batches
+
+    prompts = [[i] for i in range(5)]
+    assert sweep_batches(prompts, 1, 3) == [[[0]], [[1]], [[2]]]
+    assert sweep_batches(prompts, 2, 3) == [[[0], [1]], [[2], [3]]]  # ceil(3/2) batches, different prompts
+    assert sweep_batches(prompts, 4, 3) == [[[0], [1], [2], [3]]]
+    calls = []
+
+    def run(batch, max_new=4):
+        calls.append(len(batch))
+        return BatchRun(tokens=len(batch) * max_new, verify_steps=len(batch))
+
+    (row,) = run_batch_sweep([("vanilla", "-", False, lambda: run)], prompts, [1], warmup=False, measure_memory=False, min_prompts=3)
+    assert calls == [1, 1, 1] and row.tokens == 12 and row.runs == 1
+
+
 def test_bench_batch_sweep_and_gateway_overhead_quick(tmp_path):
     out = tmp_path / "sweep"
     rc = main(["bench", "--quick", "--sweep-only", "--eval-sets", "builtin", "--methods", "ngram;nope", "--dtype", "float32",
