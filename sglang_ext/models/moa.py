@@ -183,30 +183,14 @@ def _rope(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-class MoADraft(nn.Module):
-    """Weights + the per-token pieces around attention (attention itself is supplied by the caller)."""
+class MoAPieces:
+    """The per-token pieces around attention, shared by MoADraft (plain torch layers) and the SGLang
+    plugin's model (SGLang's fused layers). A host supplies blocks `layer_self_attention`,
+    `self_attention`, `cross_attention` with q(x) / qkv(x) / kv(normed) / finish(attn, residual)
+    (+ kv_layernorm on the cross block), `Ekv2E`, `inv_freq` and `lsa_inv_freq`."""
 
-    def __init__(self, cfg: MoAConfig):
-        super().__init__()
-        self.cfg = cfg
-        w, h = cfg.lsa_hidden, cfg.hidden_size
-        if cfg.memory_source == "lsa":
-            self.layer_self_attention = _Layer(w, cfg.lsa_intermediate_size, cfg.lsa_num_heads, cfg.lsa_num_kv_heads, w // cfg.lsa_num_heads, cfg.rms_norm_eps)
-            self.Ekv2E = nn.Linear(w, h, bias=True)
-        self.self_attention = _Layer(h, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
-        self.cross_attention = _Layer(h, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cross=True)
-        vd = cfg.draft_vocab_size or cfg.vocab_size
-        self.register_buffer("hot_ids", torch.arange(vd, dtype=torch.long))
-        # NOTE: plain attributes, not buffers, so module.to(bfloat16) keeps RoPE frequencies in fp32
-        self.inv_freq = rope_inv_freq(cfg)  # type: ignore[arg-type]  (token positions, the target's RoPE)
-        self.lsa_inv_freq = 1.0 / (cfg.lsa_rope_theta ** (torch.arange(0, w // cfg.lsa_num_heads, 2, dtype=torch.float32) / (w // cfg.lsa_num_heads)))
-        self.scale = cfg.head_dim**-0.5
-
-    def set_vocab(self, hot_ids: torch.Tensor) -> None:
-        hot_ids = hot_ids.to(torch.long).sort().values
-        if hot_ids.numel() != self.hot_ids.numel():
-            raise ValueError(f"expected {self.hot_ids.numel()} draft ids, got {hot_ids.numel()}")
-        self.hot_ids.copy_(hot_ids)
+    def _ekv2e(self, x: torch.Tensor) -> torch.Tensor:
+        return self.Ekv2E(x)
 
     # --- LSA: once per verified token -----------------------------------------------------------
     def lsa(self, layer_kv: torch.Tensor) -> torch.Tensor:
@@ -215,11 +199,11 @@ class MoADraft(nn.Module):
         x = layer_kv.to(self.Ekv2E.weight.dtype)
         L = x.shape[-2]
         q, k, v = lay.qkv(x)
-        cos, sin = _rope(self.lsa_inv_freq, torch.arange(L), q.dtype)
+        cos, sin = _rope(self.lsa_inv_freq, torch.arange(L, device=x.device), q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=lay.heads != lay.kv_heads)
         x = lay.finish(a.transpose(1, 2), x)
-        return self.Ekv2E(x.mean(dim=1))
+        return self._ekv2e(x.mean(dim=1))
 
     # --- SA -------------------------------------------------------------------------------------
     def sa_qkv(self, embeds: torch.Tensor, positions: torch.Tensor):
@@ -245,6 +229,32 @@ class MoADraft(nn.Module):
 
     def ca_finish(self, attn_out: torch.Tensor, x1: torch.Tensor) -> torch.Tensor:
         return self.cross_attention.finish(attn_out, x1)
+
+
+class MoADraft(MoAPieces, nn.Module):
+    """Weights + the per-token pieces around attention (attention itself is supplied by the caller)."""
+
+    def __init__(self, cfg: MoAConfig):
+        super().__init__()
+        self.cfg = cfg
+        w, h = cfg.lsa_hidden, cfg.hidden_size
+        if cfg.memory_source == "lsa":
+            self.layer_self_attention = _Layer(w, cfg.lsa_intermediate_size, cfg.lsa_num_heads, cfg.lsa_num_kv_heads, w // cfg.lsa_num_heads, cfg.rms_norm_eps)
+            self.Ekv2E = nn.Linear(w, h, bias=True)
+        self.self_attention = _Layer(h, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+        self.cross_attention = _Layer(h, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cross=True)
+        vd = cfg.draft_vocab_size or cfg.vocab_size
+        self.register_buffer("hot_ids", torch.arange(vd, dtype=torch.long))
+        # NOTE: plain attributes, not buffers, so module.to(bfloat16) keeps RoPE frequencies in fp32
+        self.inv_freq = rope_inv_freq(cfg)  # type: ignore[arg-type]  (token positions, the target's RoPE)
+        self.lsa_inv_freq = 1.0 / (cfg.lsa_rope_theta ** (torch.arange(0, w // cfg.lsa_num_heads, 2, dtype=torch.float32) / (w // cfg.lsa_num_heads)))
+        self.scale = cfg.head_dim**-0.5
+
+    def set_vocab(self, hot_ids: torch.Tensor) -> None:
+        hot_ids = hot_ids.to(torch.long).sort().values
+        if hot_ids.numel() != self.hot_ids.numel():
+            raise ValueError(f"expected {self.hot_ids.numel()} draft ids, got {hot_ids.numel()}")
+        self.hot_ids.copy_(hot_ids)
 
     # --- checkpoint -----------------------------------------------------------------------------
     def save(self, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16, extra_config: dict | None = None) -> None:

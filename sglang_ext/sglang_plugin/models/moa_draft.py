@@ -15,7 +15,8 @@ the final norm and lm_head are the target's and are never part of this module.
 
 Attention itself is not here: the MoA worker (sglang_plugin/worker.py) calls `lsa`, `sa_qkv`,
 `sa_finish`, `ca_kv`, `ca_q`, `ca_finish` around its tree-attention backend, exactly as the
-embedded drafter does. `forward` therefore refuses to run: the model is never driven by
+embedded drafter does; those come from `MoAPieces`, the embedded model's own code, over blocks that
+expose the same q / qkv / kv / finish methods. `forward` therefore refuses to run: the model is never driven by
 ModelRunner.forward.
 
 RoPE uses the embedded model's functions (plain torch; RoPE has no weights). Tensor parallelism:
@@ -42,8 +43,8 @@ from sglang.srt.layers.linear import (
 )
 from sglang.srt.model_loader.weight_utils import default_weight_loader
 
-from ...models.llama import apply_rope, rope_inv_freq
-from ...models.moa import ARCH, GROUPS, MoAConfig, _rope
+from ...models.llama import rope_inv_freq
+from ...models.moa import ARCH, GROUPS, MoAConfig, MoAPieces
 from ..hf_config import MoADraftHFConfig
 
 # (parameter fragment, checkpoint fragment, shard id)
@@ -116,12 +117,20 @@ class _Block(nn.Module):
         q, k, v = qkv.split([nq, nk, nk], dim=-1)
         return q.unflatten(-1, (self.heads, self.head_dim)), k.unflatten(-1, (self.kv_heads, self.head_dim)), v.unflatten(-1, (self.kv_heads, self.head_dim))
 
+    def q(self, x: torch.Tensor) -> torch.Tensor:
+        return self.cross_attn.q_proj(self.input_layernorm(x))[0].unflatten(-1, (self.heads, self.head_dim))
+
+    def kv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h already normed -> k, v [.., kv_heads, head_dim] (cross block)."""
+        k, v = self.cross_attn.kv_proj(h)[0].chunk(2, dim=-1)
+        return k.unflatten(-1, (self.kv_heads, self.head_dim)), v.unflatten(-1, (self.kv_heads, self.head_dim))
+
     def finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         h = residual + self.proj.o_proj(attn_out.flatten(-2))[0]
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class MoADraftModel(nn.Module):
+class MoADraftModel(MoAPieces, nn.Module):
     # One TP group, token rows as given (what EAGLE-3's draft declares too).
     draft_parallel_spec = DraftParallelSpec(tp_execution=DraftTPExecution.SINGLE_GROUP)
 
@@ -146,43 +155,9 @@ class MoADraftModel(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.loaded_weight_names: set[str] = set()  # checkpoint names consumed by load_weights
 
-    # --- per-token pieces (same contract as MoADraft) ---------------------------------------------
-    def lsa(self, layer_kv: torch.Tensor) -> torch.Tensor:
-        """[N, L, W] stacked target K|V -> memory [N, H]."""
-        lay = self.layer_self_attention
-        x = layer_kv.to(self.Ekv2E.weight.dtype)
-        L = x.shape[-2]
-        q, k, v = lay.qkv(x)
-        cos, sin = _rope(self.lsa_inv_freq, torch.arange(L, device=x.device), q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=lay.heads != lay.kv_heads)
-        x = lay.finish(a.transpose(1, 2), x)
-        return self.Ekv2E(x.mean(dim=1))[0]
-
-    def sa_qkv(self, embeds: torch.Tensor, positions: torch.Tensor):
-        q, k, v = self.self_attention.qkv(embeds)
-        cos, sin = _rope(self.inv_freq, positions, q.dtype)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def sa_finish(self, attn_out: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
-        return self.self_attention.finish(attn_out, embeds)
-
-    def ca_kv(self, memory: torch.Tensor, positions: torch.Tensor):
-        lay = self.cross_attention
-        kv = lay.cross_attn.kv_proj(lay.kv_layernorm(memory))[0]
-        k, v = kv.chunk(2, dim=-1)
-        k, v = k.unflatten(-1, (lay.kv_heads, lay.head_dim)), v.unflatten(-1, (lay.kv_heads, lay.head_dim))
-        cos, sin = _rope(self.inv_freq, positions, k.dtype)
-        return apply_rope(k, cos, sin), v
-
-    def ca_q(self, x1: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        lay = self.cross_attention
-        q = lay.cross_attn.q_proj(lay.input_layernorm(x1))[0].unflatten(-1, (lay.heads, lay.head_dim))
-        cos, sin = _rope(self.inv_freq, positions, q.dtype)
-        return apply_rope(q, cos, sin)
-
-    def ca_finish(self, attn_out: torch.Tensor, x1: torch.Tensor) -> torch.Tensor:
-        return self.cross_attention.finish(attn_out, x1)
+    # --- per-token pieces: MoAPieces (the embedded model's code) over these blocks -----------------
+    def _ekv2e(self, x: torch.Tensor) -> torch.Tensor:
+        return self.Ekv2E(x)[0]  # SGLang linears return (output, bias)
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("MoADraftModel is driven by the MoA worker (sglang_ext.sglang_plugin.worker), not by ModelRunner.forward")
