@@ -48,11 +48,14 @@ def shape_menu(shape: TreeShape) -> list[TreeShape | None]:
 
 
 class AdaptiveSpeculation:
-    def __init__(self, shape: TreeShape, warmup: int = 3, retry_every: int = 32):
+    def __init__(self, shape: TreeShape, warmup: int = 3, retry_every: int = 32, max_retry_every: int = 512, far_behind: float = 0.8):
         self.options = shape_menu(shape)
-        self.warmup, self.retry_every = warmup, retry_every
+        self.warmup, self.retry_every, self.max_retry_every, self.far_behind = warmup, retry_every, max_retry_every, far_behind
         self.stats: dict[tuple[int, str], _Stat] = {}
         self.steps: dict[str, int] = {}
+        self.next_retry: dict[str, int] = {}
+        self.retry_gap: dict[str, int] = {}
+        self.retries = 0  # steps spent re-measuring a losing option
 
     def _stat(self, i: int, bucket: str) -> _Stat:
         return self.stats.setdefault((i, bucket), _Stat())
@@ -64,11 +67,19 @@ class AdaptiveSpeculation:
         for i in range(len(self.options)):
             if self._stat(i, bucket).n < self.warmup:
                 return i
-        best = max(range(len(self.options)), key=lambda i: self._stat(i, bucket).rate)
-        if step % self.retry_every == 0:  # re-measure the runner-up now and then
-            others = [i for i in range(len(self.options)) if i != best]
-            return others[(step // self.retry_every) % len(others)]
-        return best
+        rates = [self._stat(i, bucket).rate for i in range(len(self.options))]
+        best = max(range(len(self.options)), key=rates.__getitem__)
+        if step < self.next_retry.setdefault(bucket, step + self.retry_every):
+            return best
+        # re-measure a loser now and then (acceptance drifts with the content); one far behind
+        # the best is re-measured ever less often (each retry costs a slow step)
+        others = [i for i in range(len(self.options)) if i != best]
+        pick = others[(step // self.retry_every) % len(others)]
+        gap = self.retry_gap.get(bucket, self.retry_every)
+        gap = min(2 * gap, self.max_retry_every) if rates[pick] < self.far_behind * rates[best] else self.retry_every
+        self.retry_gap[bucket], self.next_retry[bucket] = gap, step + gap
+        self.retries += 1
+        return pick
 
     def observe(self, option: int, batch_size: int, seconds: float, tokens: int) -> None:
         s = self._stat(option, batch_bucket(batch_size))

@@ -38,6 +38,22 @@ def test_one_slow_step_does_not_flip_the_choice():
     assert p.choose(1) == 0
 
 
+def test_far_behind_options_are_retried_ever_less_often():
+    """Retries of an option far behind the best back off (each costs a slow step); an option close
+    to the best keeps being re-measured at the base interval."""
+    def retries(cost, steps=2000):
+        p = AdaptiveSpeculation(TreeShape(4, 2, 8), warmup=3, retry_every=32)
+        for _ in range(steps):
+            o = p.choose(1)
+            p.observe(o, 1, *cost[o])
+        return p.retries, p.choose(1)
+
+    far, best_far = retries({0: (0.030, 1), 1: (0.070, 1.5), 2: (0.060, 1.3)})  # spec at 0.64x / 0.65x of off
+    close, best_close = retries({0: (0.030, 1), 1: (0.046, 1.5), 2: (0.040, 1.3)})  # 0.98x / 0.98x
+    assert best_far == 0 and best_close == 0
+    assert far <= 10 and close >= 2000 // 32 - 2
+
+
 def test_adaptive_engine_output_equals_vanilla():
     t = tiny_target(seed=2, vocab=16)
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5, 6, 4]]
