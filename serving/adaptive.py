@@ -12,6 +12,7 @@ acceptance drifts with the content.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -64,10 +65,15 @@ class AdaptiveSpeculation:
         """Index into self.options for this step."""
         bucket = batch_bucket(batch_size)
         step = self.steps[bucket] = self.steps.get(bucket, 0) + 1
-        for i in range(len(self.options)):
-            if self._stat(i, bucket).n < self.warmup:
-                return i
-        rates = [self._stat(i, bucket).rate for i in range(len(self.options))]
+        known = self._nearest_measured(bucket)
+        if known is None:  # nothing measured anywhere yet: try every option a few times
+            for i in range(len(self.options)):
+                if self._stat(i, bucket).n < self.warmup:
+                    return i
+            known = bucket
+        # a bucket the batch has just entered (requests finishing) starts from the nearest measured
+        # one instead of exploring again: at a large batch an exploratory step is very slow
+        rates = [self._rate(i, bucket, known) for i in range(len(self.options))]
         best = max(range(len(self.options)), key=rates.__getitem__)
         if step < self.next_retry.setdefault(bucket, step + self.retry_every):
             return best
@@ -80,6 +86,23 @@ class AdaptiveSpeculation:
         self.retry_gap[bucket], self.next_retry[bucket] = gap, step + gap
         self.retries += 1
         return pick
+
+    def _measured(self, bucket: str) -> bool:
+        return all(self._stat(i, bucket).n >= self.warmup for i in range(len(self.options)))
+
+    def _nearest_measured(self, bucket: str) -> str | None:
+        if self._measured(bucket):
+            return bucket
+        done = [b for b in {b for _, b in self.stats} if self._measured(b)]
+        return min(done, key=lambda b: abs(math.log2(int(b)) - math.log2(int(bucket))), default=None)
+
+    def _rate(self, i: int, bucket: str, known: str) -> float:
+        """This bucket's measured rate of option i once it has a few steps, else the known bucket's
+        rate scaled by their batch sizes (rates are tokens/s of the whole batch)."""
+        own = self._stat(i, bucket)
+        if own.n >= self.warmup or known == bucket:
+            return own.rate
+        return self._stat(i, known).rate * int(bucket) / int(known)
 
     def observe(self, option: int, batch_size: int, seconds: float, tokens: int) -> None:
         s = self._stat(option, batch_bucket(batch_size))

@@ -54,6 +54,22 @@ def test_far_behind_options_are_retried_ever_less_often():
     assert far <= 10 and close >= 2000 // 32 - 2
 
 
+def test_a_new_bucket_starts_from_the_nearest_measured_one():
+    """Requests finishing move the batch into smaller buckets; those start from what was measured
+    at the nearest bucket instead of exploring every option again (slow steps at large batches)."""
+    p = AdaptiveSpeculation(TreeShape(4, 2, 8), warmup=3, retry_every=1000)
+    cost = {0: (0.25, 64), 1: (0.6, 70), 2: (0.4, 66)}  # bs 64: off is best
+    for _ in range(12):
+        o = p.choose(64)
+        p.observe(o, 64, *cost[o])
+    chosen = []
+    for _ in range(10):  # the batch shrinks to 33..64 -> 17..32 -> ...: bucket 32
+        o = p.choose(30)
+        chosen.append(o)
+        p.observe(o, 30, 0.15, 30)
+    assert chosen == [0] * 10  # no exploratory speculation steps
+
+
 def test_adaptive_engine_output_equals_vanilla():
     t = tiny_target(seed=2, vocab=16)
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5, 6, 4]]
