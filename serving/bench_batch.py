@@ -372,7 +372,10 @@ class OverheadResult:
 def measure_gateway_overhead(target, method: str, tree, adaptive: bool, messages: list[dict], max_tokens: int, requests: int, warmup: int = 2) -> OverheadResult:
     """p50 latency of one short greedy chat request (fixed length: ignore_eos) (a) through Engine.generate
     and (b) through the real gateway over HTTP on 127.0.0.1 (uvicorn in a thread of this process, an
-    Engine with the same drafter/tree/adaptive). Calls alternate a, b, a, b ... so drift hits both."""
+    Engine with the same drafter and tree). Calls alternate a, b, a, b ... so drift hits both.
+
+    Adaptive speculation is off for both engines whatever `adaptive` says: two policies can settle on
+    different trees from timing noise, and then the two paths no longer do the same work."""
     import httpx
 
     from sglang_ext.drafters import make_drafter
@@ -382,11 +385,11 @@ def measure_gateway_overhead(target, method: str, tree, adaptive: bool, messages
     from .gateway.app import create_app
     from .gateway.server import ServerThread, embedded_backend
 
-    res = OverheadResult(method, f"{tree.depth},{tree.topk},{tree.num_draft_tokens}" if method != "vanilla" else "-", adaptive and method != "vanilla", requests, max_tokens)
+    res = OverheadResult(method, f"{tree.depth},{tree.topk},{tree.num_draft_tokens}" if method != "vanilla" else "-", False, requests, max_tokens)
     try:
         name = "none" if method == "vanilla" else method
-        direct = Engine(target, make_drafter(name, target), tree, adaptive=res.adaptive)
-        served = Engine(target, make_drafter(name, target), tree, adaptive=res.adaptive)
+        direct = Engine(target, make_drafter(name, target), tree)
+        served = Engine(target, make_drafter(name, target), tree)
         prompt = target.encode_chat(messages)
         sp = SamplingParams(max_new_tokens=max_tokens, ignore_eos=True)
         body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
