@@ -54,8 +54,8 @@ class AdaptiveSpeculation:
         self.warmup, self.retry_every, self.max_retry_every, self.far_behind = warmup, retry_every, max_retry_every, far_behind
         self.stats: dict[tuple[int, str], _Stat] = {}
         self.steps: dict[str, int] = {}
-        self.next_retry: dict[str, int] = {}
-        self.retry_gap: dict[str, int] = {}
+        self.next_retry: dict[tuple[str, int], int] = {}  # (bucket, option) -> step of its next re-measurement
+        self.retry_gap: dict[tuple[str, int], int] = {}
         self.retries = 0  # steps spent re-measuring a losing option
 
     def _stat(self, i: int, bucket: str) -> _Stat:
@@ -75,15 +75,16 @@ class AdaptiveSpeculation:
         # one instead of exploring again: at a large batch an exploratory step is very slow
         rates = [self._rate(i, bucket, known) for i in range(len(self.options))]
         best = max(range(len(self.options)), key=rates.__getitem__)
-        if step < self.next_retry.setdefault(bucket, step + self.retry_every):
+        # re-measure each losing option now and then (acceptance drifts with the content, and its
+        # first measurements may have been unlucky); one far behind the best ever less often (each
+        # re-measurement costs a slow step), one close to it at the base interval
+        due = [i for i in range(len(self.options)) if i != best and step >= self.next_retry.setdefault((bucket, i), step + self.retry_every)]
+        if not due:
             return best
-        # re-measure a loser now and then (acceptance drifts with the content); one far behind
-        # the best is re-measured ever less often (each retry costs a slow step)
-        others = [i for i in range(len(self.options)) if i != best]
-        pick = others[(step // self.retry_every) % len(others)]
-        gap = self.retry_gap.get(bucket, self.retry_every)
+        pick = min(due, key=lambda i: self.next_retry[(bucket, i)])
+        gap = self.retry_gap.get((bucket, pick), self.retry_every)
         gap = min(2 * gap, self.max_retry_every) if rates[pick] < self.far_behind * rates[best] else self.retry_every
-        self.retry_gap[bucket], self.next_retry[bucket] = gap, step + gap
+        self.retry_gap[(bucket, pick)], self.next_retry[(bucket, pick)] = gap, step + gap
         self.retries += 1
         return pick
 
