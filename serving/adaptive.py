@@ -49,9 +49,10 @@ def shape_menu(shape: TreeShape) -> list[TreeShape | None]:
 
 
 class AdaptiveSpeculation:
-    def __init__(self, shape: TreeShape, warmup: int = 3, retry_every: int = 32, max_retry_every: int = 512, far_behind: float = 0.8):
+    def __init__(self, shape: TreeShape, warmup: int = 3, retry_every: int = 32, max_retry_every: int = 512, far_behind: float = 0.8, explore_budget: float = 0.02):
         self.options = shape_menu(shape)
         self.warmup, self.retry_every, self.max_retry_every, self.far_behind = warmup, retry_every, max_retry_every, far_behind
+        self.explore_budget = explore_budget  # share of step time re-measuring one losing option may cost
         self.stats: dict[tuple[int, str], _Stat] = {}
         self.steps: dict[str, int] = {}
         self.next_retry: dict[tuple[str, int], int] = {}  # (bucket, option) -> step of its next re-measurement
@@ -84,7 +85,11 @@ class AdaptiveSpeculation:
         pick = min(due, key=lambda i: self.next_retry[(bucket, i)])
         gap = self.retry_gap.get((bucket, pick), self.retry_every)
         gap = min(2 * gap, self.max_retry_every) if rates[pick] < self.far_behind * rates[best] else self.retry_every
-        self.retry_gap[(bucket, pick)], self.next_retry[(bucket, pick)] = gap, step + gap
+        self.retry_gap[(bucket, pick)] = gap
+        # and never so often that re-measuring costs more than explore_budget of the time: at a large
+        # batch one tree step (draft catch-up + a big verify) can cost several plain steps
+        extra = self._seconds(pick, bucket, known) / max(self._seconds(best, bucket, known), 1e-9) - 1.0
+        self.next_retry[(bucket, pick)] = step + max(gap, math.ceil(extra / self.explore_budget))
         self.retries += 1
         return pick
 
@@ -96,6 +101,10 @@ class AdaptiveSpeculation:
             return bucket
         done = [b for b in {b for _, b in self.stats} if self._measured(b)]
         return min(done, key=lambda b: abs(math.log2(int(b)) - math.log2(int(bucket))), default=None)
+
+    def _seconds(self, i: int, bucket: str, known: str) -> float:
+        st = self._stat(i, bucket if self._stat(i, bucket).n >= self.warmup or known == bucket else known)
+        return statistics.median(st.seconds) if st.seconds else 0.0
 
     def _rate(self, i: int, bucket: str, known: str) -> float:
         """This bucket's measured rate of option i once it has a few steps, else the known bucket's

@@ -86,6 +86,21 @@ def test_an_unlucky_first_measurement_is_corrected():
     assert p.choose(1) == 0
 
 
+def test_re_measurement_costs_stay_within_the_budget():
+    """At a large batch a tree step can cost 8 plain steps: re-measuring it must not eat more than
+    the exploration budget (2 % per option) of the time, whatever the back-off schedule says."""
+    p = AdaptiveSpeculation(TreeShape(4, 2, 8), warmup=3, retry_every=32, far_behind=0.0)  # no back-off
+    cost = {0: (0.5, 32), 1: (4.0, 40), 2: (2.0, 36)}
+    spent = {0: 0.0, 1: 0.0, 2: 0.0}
+    for step in range(3000):
+        o = p.choose(32)
+        p.observe(o, 32, *cost[o])
+        if step >= 9:  # after the first tries
+            spent[o] += cost[o][0]
+    extra = spent[1] + spent[2] - (cost[0][0] / cost[1][0]) * spent[1] - (cost[0][0] / cost[2][0]) * spent[2]
+    assert p.choose(32) == 0 and extra / sum(spent.values()) < 2 * 0.02 + 0.005  # two options re-measured
+
+
 def test_adaptive_engine_output_equals_vanilla():
     t = tiny_target(seed=2, vocab=16)
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5, 6, 4]]
