@@ -29,10 +29,12 @@ class _Stat:
     n: int = 0
 
     @property
+    def median_seconds(self) -> float:
+        return statistics.median(self.seconds) if self.seconds else 0.0
+
+    @property
     def rate(self) -> float:
-        if not self.seconds:
-            return 0.0
-        sec = statistics.median(self.seconds)
+        sec = self.median_seconds
         return statistics.fmean(self.tokens) / sec if sec > 0 else 0.0
 
 
@@ -102,17 +104,20 @@ class AdaptiveSpeculation:
         done = [b for b in {b for _, b in self.stats} if self._measured(b)]
         return min(done, key=lambda b: abs(math.log2(int(b)) - math.log2(int(bucket))), default=None)
 
-    def _seconds(self, i: int, bucket: str, known: str) -> float:
-        st = self._stat(i, bucket if self._stat(i, bucket).n >= self.warmup or known == bucket else known)
-        return statistics.median(st.seconds) if st.seconds else 0.0
-
-    def _rate(self, i: int, bucket: str, known: str) -> float:
-        """This bucket's measured rate of option i once it has a few steps, else the known bucket's
-        rate scaled by their batch sizes (rates are tokens/s of the whole batch)."""
+    def _source(self, i: int, bucket: str, known: str) -> tuple[_Stat, float]:
+        """Where option i's numbers come from: this bucket once it has a few steps of i, else the
+        known bucket, whose rate is scaled by their batch sizes (rates are tokens/s of the batch)."""
         own = self._stat(i, bucket)
         if own.n >= self.warmup or known == bucket:
-            return own.rate
-        return self._stat(i, known).rate * int(bucket) / int(known)
+            return own, 1.0
+        return self._stat(i, known), int(bucket) / int(known)
+
+    def _seconds(self, i: int, bucket: str, known: str) -> float:
+        return self._source(i, bucket, known)[0].median_seconds
+
+    def _rate(self, i: int, bucket: str, known: str) -> float:
+        st, scale = self._source(i, bucket, known)
+        return st.rate * scale
 
     def observe(self, option: int, batch_size: int, seconds: float, tokens: int) -> None:
         s = self._stat(option, batch_bucket(batch_size))

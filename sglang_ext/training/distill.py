@@ -94,6 +94,7 @@ def distill(engine, decode, prompts: Iterator[tuple[str, list[dict], list[int]]]
 
 
 def cmd_distill(args) -> int:
+    from serving.cli import default_tree
     from serving.engine import Engine
     from sglang_ext.drafters import make_drafter
     from sglang_ext.models import load_target
@@ -110,8 +111,6 @@ def cmd_distill(args) -> int:
         done = {json.loads(line)["id"] for line in out.read_text().splitlines() if line.strip()}
     target = load_target(args.model, dtype=args.dtype)
     drafter = None if args.drafter == "none" else make_drafter(args.drafter, target)
-    from serving.cli import default_tree
-
     engine = Engine(target, drafter, default_tree(args.drafter) if drafter else None,
                     kv_slots=args.batch_size * (args.max_prompt_tokens + args.max_new_tokens + 64) + 1024, adaptive=drafter is not None)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
