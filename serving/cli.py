@@ -14,7 +14,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", default="ngram", help="none | ngram | draft-model | ... (see --help-drafters)")
+    p.add_argument("--drafter", default="ngram", help="none | ngram | suffix | draft-model | eagle3 | moa | moa-tli0 | moa-tli1 | PATH (an EAGLE-3/MoA checkpoint or a suffix corpus directory)")
     p.add_argument("--tree", default=None, help="depth,topk,num_draft_tokens (e.g. 6,4,16) or depth for a chain")
 
 
@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     from sglang_ext.training.distill import add_distill_parser
 
     add_distill_parser(sub)
+    from sglang_ext.training.corpus import add_corpus_parser
+
+    add_corpus_parser(sub)
     from .edge.bench import add_edge_parsers
 
     add_edge_parsers(sub)
@@ -58,7 +61,12 @@ def default_tree(drafter: str | None):
     # EAGLE-3 and MoA share one tree budget, so their numbers compare. Depth 3: the shipped heads
     # never get positions 4-5 accepted, and the two extra draft steps cost 12-23 % (BENCHMARKS.md)
     eagle_like = TreeShape(3, 4, 16)
-    return {"ngram": TreeShape(6, 2, 12), "draft-model": TreeShape(3, 1, 4), "eagle3": eagle_like, "moa": eagle_like, "moa-tli0": eagle_like, "moa-tli1": eagle_like}.get(drafter or "none", TreeShape(6, 4, 24))
+    from sglang_ext.drafters import _config
+
+    if drafter and _config(drafter).get("kind") == "suffix-corpus":
+        drafter = "suffix"  # --drafter PATH to a corpus
+    # suffix: deep and wide, but nodes with < 30 % of the evidence are dropped (min_share 0.3), so ~7 are verified
+    return {"ngram": TreeShape(6, 2, 12), "suffix": TreeShape(8, 3, 24), "draft-model": TreeShape(3, 1, 4), "eagle3": eagle_like, "moa": eagle_like, "moa-tli0": eagle_like, "moa-tli1": eagle_like}.get(drafter or "none", TreeShape(6, 4, 24))
 
 
 def cmd_generate(args) -> int:

@@ -174,7 +174,7 @@ class Engine:
             masks.append(causal_mask(len(r.prompt_ids), 0))
             last.append(len(ids) - 1)
         out = self.model.forward(torch.tensor(ids), torch.cat(pos), torch.cat(slots), plan_attention(kv_lists, masks), self.kv, self.capture_layers)
-        logits = self.model.logits(out.hidden[last])
+        logits = self.model.logits(out.hidden[last], fp32=False)
         events, start = [], 0
         for i, r in enumerate(batch):
             n = len(r.prompt_ids)
@@ -254,9 +254,10 @@ class Engine:
                 self.kv.free(s)
             raise
         events, start = [], 0
+        logits = self.model.logits(out.hidden, fp32=False)  # one lm_head matmul for the whole batch
         for r, t, s in zip(reqs, trees, new_slots):
             n = t.num_nodes
-            res = self._verify(r, t, self.model.logits(out.hidden[start : start + n]))
+            res = self._verify(r, t, logits[start : start + n])
             keep = s[res.accepted_nodes]
             rejected = torch.ones(n, dtype=torch.bool)
             rejected[res.accepted_nodes] = False
@@ -276,7 +277,7 @@ class Engine:
     def _verify(self, r: Request, tree: TokenTree, logits: torch.Tensor) -> VerifyResult:
         if r.params.greedy:
             return greedy_verify(tree, logits.argmax(-1))
-        return sampling_verify(tree, logits_to_probs(logits, r.params), r.generator)
+        return sampling_verify(tree, lambda node: logits_to_probs(logits[node], r.params), r.generator)
 
     def _record(self, r: Request, res: VerifyResult, drafted: int) -> None:
         st = r.stats

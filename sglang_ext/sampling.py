@@ -60,13 +60,27 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if params.top_p < 1.0:
-        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        sorted_p, idx = _top_mass(probs, params.top_p)
         # keep the smallest prefix whose mass reaches top_p (the first token always stays)
         drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def _top_mass(probs: torch.Tensor, mass: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The largest probabilities, descending, with their ids: enough of them to reach `mass` in every
+    row. A partial top-k first (a full sort of a 49k vocab costs ~5 ms per row on one CPU core,
+    top-256 0.1 ms); the full sort only when the nucleus is wider than that."""
+    v = probs.shape[-1]
+    for k in (256, 4096):
+        if k >= v:
+            break
+        vals, idx = probs.topk(k, dim=-1)
+        if bool((vals.sum(-1) >= mass).all()):
+            return vals, idx
+    return probs.sort(dim=-1, descending=True)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:

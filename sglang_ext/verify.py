@@ -96,13 +96,17 @@ def greedy_verify(tree: TokenTree, target_argmax: torch.Tensor) -> VerifyResult:
     return VerifyResult(nodes, tokens)
 
 
-def sampling_verify(tree: TokenTree, target_probs: torch.Tensor, generator: torch.Generator | None) -> VerifyResult:
-    """One request. target_probs [N, V]: the target's processed distribution at each node."""
+def sampling_verify(tree: TokenTree, target_probs, generator: torch.Generator | None) -> VerifyResult:
+    """One request. target_probs: [N, V] tensor of the target's processed distribution at each node,
+    or a function node -> [V] (the walk visits only the accepted path and one more node, so the
+    engine computes probabilities for those alone: top-p over a 49k vocab is not free on CPU)."""
+    probs_at = target_probs if callable(target_probs) else target_probs.__getitem__
     nodes = [0]
     tokens: list[int] = []
     node = 0
     while True:
-        p = target_probs[node].double().clone()
+        base = probs_at(node)
+        p = base.double().clone()
         child = int(tree.retrieve_next_token[node])
         accepted = -1
         while child != -1:
@@ -119,7 +123,7 @@ def sampling_verify(tree: TokenTree, target_probs: torch.Tensor, generator: torc
                 p = (p - q).clamp_(min=0.0)
             total = p.sum()
             if total <= 0:  # p was covered by q exactly: the residual is undefined, fall back to p
-                p = target_probs[node].double().clone()
+                p = base.double().clone()
             else:
                 p /= total
             child = int(tree.retrieve_next_sibling[child])

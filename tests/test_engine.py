@@ -61,7 +61,7 @@ def _check_identity(target, prompts, ref, outs, label):
     return ties
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "draft-model"])
+@pytest.mark.parametrize("drafter", ["ngram", "suffix", "draft-model"])
 @pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
 @pytest.mark.parametrize("bs", [1, 4])
 def test_greedy_identity(smollm2_fp32, eval_prompts, vanilla_outputs, drafter, shape, bs):

@@ -102,3 +102,30 @@ def test_logits_to_probs_top_p_top_k():
 def test_bad_sampling_params(kw):
     with pytest.raises(InvalidRequest):
         SamplingParams(**kw)
+
+
+def _nucleus_by_full_sort(logits, temperature, top_p):
+    probs = torch.softmax(logits.float() / temperature, -1)
+    sp, idx = probs.sort(-1, descending=True)
+    sp = sp.masked_fill((sp.cumsum(-1) - sp) >= top_p, 0.0)
+    out = torch.zeros_like(probs).scatter_(-1, idx, sp)
+    return out / out.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("scale", [8.0, 1.0, 0.05], ids=["peaky", "medium", "flat"])  # flat: nucleus wider than 4096 ids
+def test_top_p_partial_topk_equals_full_sort(scale):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 49152, generator=g) * scale
+    for temperature, top_p in [(0.7, 0.95), (1.0, 0.5), (1.3, 0.99)]:
+        got = logits_to_probs(logits, SamplingParams(temperature=temperature, top_p=top_p))
+        assert torch.allclose(got, _nucleus_by_full_sort(logits, temperature, top_p), atol=1e-7)
+
+
+def test_sampling_verify_lazy_probabilities_same_result_fewer_rows():
+    t = chain_tree(1, [2, 3, 1], 0)
+    probs = torch.softmax(torch.randn(4, 6, generator=torch.Generator().manual_seed(1)), -1)
+    for seed in range(30):
+        seen = []
+        lazy = sampling_verify(t, lambda i: seen.append(i) or probs[i], torch.Generator().manual_seed(seed))
+        eager = sampling_verify(t, probs, torch.Generator().manual_seed(seed))
+        assert lazy == eager and seen == lazy.accepted_nodes  # only the accepted path and its last node

@@ -11,6 +11,7 @@ from .ngram import NgramDrafter
 # name -> factory(target_model) ; EAGLE-3 and MoA register here too
 _REGISTRY: dict[str, Callable[..., Drafter]] = {
     "ngram": lambda target: NgramDrafter(),
+    "suffix": lambda target, path=None: _suffix().SuffixDrafter.from_target(target, path),
     "draft-model": lambda target: DraftModelDrafter.self_draft(target.model),
     "eagle3": lambda target, path=None: _eagle3().Eagle3Drafter.from_target(target, path),
     "moa": lambda target, path=None: _moa().MoADrafter.from_target(target, path, name="moa"),
@@ -25,6 +26,12 @@ def _eagle3():
     return eagle3
 
 
+def _suffix():
+    from . import suffix
+
+    return suffix
+
+
 def _moa():
     from . import moa
 
@@ -35,15 +42,19 @@ def register_drafter(name: str, factory: Callable[..., Drafter]) -> None:
     _REGISTRY[name] = factory
 
 
-def _is_eagle3_checkpoint(path: str) -> bool:
+def _config(path: str) -> dict:
     import json
     from pathlib import Path
 
-    cfg = Path(path) / "config.json"
     try:
-        return any("Eagle3" in a for a in json.loads(cfg.read_text()).get("architectures", []))
+        cfg = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError):
-        return False
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _is_eagle3_checkpoint(path: str) -> bool:
+    return any("Eagle3" in a for a in _config(path).get("architectures", []))
 
 
 def available_drafters() -> list[str]:
@@ -54,6 +65,8 @@ def make_drafter(name: str | None, target) -> Drafter | None:
     """A drafter for `target` by registry name; 'none' (or None) means vanilla decoding."""
     if name in (None, "none", "vanilla"):
         return None
+    if name not in _REGISTRY and _config(name).get("kind") == "suffix-corpus":
+        return _REGISTRY["suffix"](target, name)  # --drafter PATH to a corpus from `moa-serve build-corpus`
     if name not in _REGISTRY and _is_eagle3_checkpoint(name):
         return _REGISTRY["eagle3"](target, name)  # --drafter PATH to an EAGLE-3 checkpoint directory
     if name not in _REGISTRY:

@@ -35,6 +35,10 @@ class NgramDrafter:
 
     def continuations(self, tokens: list[int], length: int) -> list[list[int]]:
         """Continuations of the longest matching suffix, most recent match first."""
+        return self.longest_match(tokens, length)[1]
+
+    def longest_match(self, tokens: list[int], length: int) -> tuple[int, list[list[int]]]:
+        """(n, continuations): the longest n-gram tail of `tokens` found earlier in them, and what followed it."""
         n_tok = len(tokens)
         for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
             suffix = tokens[n_tok - n :]
@@ -46,45 +50,53 @@ class NgramDrafter:
                     if len(found) >= self.max_matches:
                         break
             if found:
-                return found
-        return []
+                return n, found
+        return 0, []
 
     def propose(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree]:
         return [self._tree(d, shape) for d in batch]
 
     def _tree(self, d: DraftInput, shape: TreeShape) -> TokenTree:
         conts = self.continuations(d.token_ids, shape.depth)
-        # trie: node key = (parent node, token); weight = how many continuations pass through it
-        children: dict[tuple[int, int], int] = {}
-        weight: list[float] = [0.0]
-        parent: list[int] = [-1]
-        token: list[int] = [d.token_ids[-1]]
-        for rank, cont in enumerate(conts):
-            node = 0
-            for tok in cont:
-                key = (node, tok)
-                if key not in children:
-                    children[key] = len(token)
-                    token.append(tok)
-                    parent.append(node)
-                    weight.append(0.0)
-                node = children[key]
-                weight[node] += 1.0 + 1e-3 / (rank + 1)  # ties broken by recency
-        # keep the heaviest nodes (a node's weight never exceeds its parent's, so ancestors come along),
-        # at most topk children per node, then renumber parents-first
-        order = sorted(range(1, len(token)), key=lambda i: (-weight[i], i))
-        kept, n_children = [0], {}
-        keep_set = {0}
-        for i in order:
-            if len(kept) >= shape.num_draft_tokens:
-                break
-            p = parent[i]
-            if p in keep_set and n_children.get(p, 0) < shape.topk:
-                kept.append(i)
-                keep_set.add(i)
-                n_children[p] = n_children.get(p, 0) + 1
-        kept.sort()  # trie ids were assigned parents-first
-        new_id = {old: new for new, old in enumerate(kept)}
-        tokens = torch.tensor([token[i] for i in kept])
-        parents = torch.tensor([-1] + [new_id[parent[i]] for i in kept[1:]])
-        return tree_from_parents(tokens, parents, d.seq_len)
+        weighted = [(c, 1.0 + 1e-3 / (rank + 1)) for rank, c in enumerate(conts)]  # ties broken by recency
+        return trie_tree(d.token_ids[-1], d.seq_len, weighted, shape)
+
+
+def trie_tree(root: int, seq_len: int, weighted: list[tuple[list[int], float]], shape: TreeShape, min_share: float = 0.0) -> TokenTree:
+    """The TokenTree of the heaviest nodes of a trie of weighted continuations (at most topk children
+    each); nodes carrying less than `min_share` of the total weight are left out (not worth a verify slot)."""
+    # trie: node key = (parent node, token); weight = sum of the weights of continuations through it
+    children: dict[tuple[int, int], int] = {}
+    weight: list[float] = [0.0]
+    parent: list[int] = [-1]
+    token: list[int] = [root]
+    for cont, w in weighted:
+        node = 0
+        for tok in cont:
+            key = (node, tok)
+            if key not in children:
+                children[key] = len(token)
+                token.append(tok)
+                parent.append(node)
+                weight.append(0.0)
+            node = children[key]
+            weight[node] += w
+    # keep the heaviest nodes (a node's weight never exceeds its parent's, so ancestors come along),
+    # at most topk children per node, then renumber parents-first
+    order = sorted(range(1, len(token)), key=lambda i: (-weight[i], i))
+    kept, n_children = [0], {}
+    keep_set = {0}
+    floor = min_share * sum(w for _, w in weighted)
+    for i in order:
+        if len(kept) >= shape.num_draft_tokens or weight[i] < floor:
+            break
+        p = parent[i]
+        if p in keep_set and n_children.get(p, 0) < shape.topk:
+            kept.append(i)
+            keep_set.add(i)
+            n_children[p] = n_children.get(p, 0) + 1
+    kept.sort()  # trie ids were assigned parents-first
+    new_id = {old: new for new, old in enumerate(kept)}
+    tokens = torch.tensor([token[i] for i in kept])
+    parents = torch.tensor([-1] + [new_id[parent[i]] for i in kept[1:]])
+    return tree_from_parents(tokens, parents, seq_len)

@@ -159,5 +159,8 @@ class LlamaModel:
                 captured[i] = x
         return ForwardOutput(rms_norm(x, self.norm, self.cfg.rms_norm_eps), captured)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+    def logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """fp32=False keeps the model dtype: argmax needs no upcast (exact), and the upcast of
+        [nodes, vocab] logits is a visible share of a CPU verify step; samplers upcast themselves."""
+        out = F.linear(hidden, self.lm_head)
+        return out.float() if fp32 else out

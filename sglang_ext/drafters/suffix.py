@@ -1,0 +1,141 @@
+"""Suffix drafter: n-gram lookup in the request itself plus a corpus of the target's past outputs.
+
+The idea of SuffixDecoding (Oliaro et al., 2024): a model's answers repeat phrases across
+requests ("Here is a Python function that", "Let's break it down step by step"), so the
+continuations of the context's tail in a corpus of the *target's own* earlier outputs are good
+drafts, at the cost of a few binary searches. Candidates come from three places and are merged
+into one trie weighted by their empirical probability:
+
+- the request's own prompt and output (the plain n-gram drafter's lookup),
+- a seed corpus shipped with the drafter (target answers from `moa-serve distill`),
+- an online corpus of outputs this process generated (finished requests; bounded, oldest dropped).
+
+A corpus match no longer than the request's own match counts half: the request is the better
+evidence. Proposals are deterministic, so verification stays lossless under sampling. The online
+corpus makes one request's outputs shape another's *drafts* (never its output, but its speed: a
+timing channel between tenants); turn it off with `online=False` / MOA_SERVE_SUFFIX_ONLINE=0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..tree import TokenTree, TreeShape
+from .base import DraftInput, TargetCapture
+from .ngram import NgramDrafter, trie_tree
+from .suffix_index import SuffixIndex
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = {"SmolLM2-135M-Instruct": "smollm2-suffix"}
+CORPUS_FILE, CONFIG_FILE = "corpus.npz", "config.json"
+
+
+class CorpusError(ValueError):
+    """A suffix corpus is missing, malformed, or made for another tokenizer."""
+
+
+def save_corpus(out: str | Path, docs: list[list[int]], meta: dict) -> Path:
+    """Write docs (token id lists) as one flat uint32 array + offsets, with a config.json of `meta`."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    docs = [d for d in docs if len(d)]
+    flat = np.fromiter((t for d in docs for t in d), dtype=np.int64)
+    if flat.size and (flat.min() < 0 or flat.max() >= meta.get("vocab_size", 2**31)):
+        raise CorpusError("token ids outside the vocabulary")
+    offsets = np.cumsum([0] + [len(d) for d in docs]).astype(np.int64)
+    dtype = np.uint16 if meta.get("vocab_size", 2**31) <= 2**16 else np.uint32
+    np.savez_compressed(out / CORPUS_FILE, tokens=flat.astype(dtype), offsets=offsets)
+    meta = {"kind": "suffix-corpus", **meta, "num_docs": len(docs), "num_tokens": int(flat.size)}
+    (out / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    return out
+
+
+def load_corpus(path: str | Path, vocab_size: int | None = None) -> tuple[list[np.ndarray], dict]:
+    path = Path(path)
+    try:
+        meta = json.loads((path / CONFIG_FILE).read_text())
+        with np.load(path / CORPUS_FILE) as z:
+            tokens, offsets = z["tokens"].astype(np.int64), z["offsets"]
+    except (OSError, ValueError, KeyError) as e:
+        raise CorpusError(f"{path}: not a suffix corpus ({CONFIG_FILE} + {CORPUS_FILE}): {e}") from None
+    if offsets.ndim != 1 or offsets.size < 1 or offsets[0] != 0 or offsets[-1] != tokens.size or (np.diff(offsets) < 0).any():
+        raise CorpusError(f"{path}: offsets do not partition the tokens")
+    if vocab_size is not None:
+        if meta.get("vocab_size") != vocab_size:
+            raise CorpusError(f"{path}: corpus made for a vocabulary of {meta.get('vocab_size')} ids, the target has {vocab_size}")
+        if tokens.size and tokens.max() >= vocab_size:
+            raise CorpusError(f"{path}: token ids outside the target's vocabulary")
+    return [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])], meta
+
+
+def shipped_corpus(target) -> Path:
+    sub = SHIPPED.get(Path(target.path).name)
+    path = REPO_ROOT / "drafters" / sub if sub else None
+    if path is None or not (path / CONFIG_FILE).is_file():
+        raise CorpusError(f"no shipped suffix corpus for target {target.path}; build one (moa-serve build-corpus) and pass --drafter suffix:PATH")
+    return path
+
+
+class SuffixDrafter(NgramDrafter):
+    name = "suffix"
+
+    def __init__(self, seed_docs: list | None = None, max_match: int = 8, min_corpus_match: int = 1,
+                 max_samples: int = 64, online: bool = True, max_online_tokens: int = 1_000_000, min_share: float = 0.3, **ngram_kw):
+        super().__init__(**ngram_kw)
+        self.min_share = min_share  # leave out nodes with less than this share of the evidence
+        self.max_match, self.min_corpus_match, self.max_samples = max_match, min_corpus_match, max_samples
+        self.seed = SuffixIndex(seed_docs or [], key_len=max_match)
+        self.online, self.max_online_tokens = online, max_online_tokens
+        self.online_docs: list[list[int]] = []
+        self.online_index: SuffixIndex | None = None
+        self._indexed_tokens = 0  # online tokens in online_index
+        self._prompt_len: dict[int, int] = {}
+        self._last_seq: dict[int, list[int]] = {}
+
+    @classmethod
+    def from_target(cls, target, path: str | Path | None = None, **kw) -> "SuffixDrafter":
+        """The shipped corpus for `target` (or the one at `path`); MOA_SERVE_SUFFIX_ONLINE=0 turns off online learning."""
+        docs, _ = load_corpus(path or shipped_corpus(target), target.cfg.vocab_size)
+        kw.setdefault("online", os.environ.get("MOA_SERVE_SUFFIX_ONLINE", "1") != "0")
+        return cls(docs, **kw)
+
+    # -- request lifecycle: remember each request's sequence so its output can join the online corpus
+    def add_request(self, rid: int, capture: TargetCapture) -> None:
+        self._prompt_len[rid] = len(capture.token_ids)
+
+    def remove_request(self, rid: int) -> None:
+        seq, n_prompt = self._last_seq.pop(rid, None), self._prompt_len.pop(rid, None)
+        if self.online and seq is not None and n_prompt is not None and len(seq) > n_prompt:
+            self.add_output(seq[n_prompt:])
+
+    def add_output(self, tokens: list[int]) -> None:
+        """Add a generated output to the online corpus (re-indexed after ~25 % growth, oldest dropped past the cap)."""
+        self.online_docs.append(list(tokens))
+        total = sum(map(len, self.online_docs))
+        while total > self.max_online_tokens and len(self.online_docs) > 1:
+            total -= len(self.online_docs.pop(0))
+        if total > 1.25 * self._indexed_tokens:  # amortised: each rebuild follows >= 25 % growth
+            self.online_index = SuffixIndex(self.online_docs, key_len=self.max_match)
+            self._indexed_tokens = total
+
+    def propose(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree]:
+        for d in batch:
+            self._last_seq[d.rid] = d.token_ids
+        return [self._tree(d, shape) for d in batch]
+
+    def _tree(self, d: DraftInput, shape: TreeShape) -> TokenTree:
+        ctx = d.token_ids
+        own_len, own = self.longest_match(ctx, shape.depth)
+        weighted = [(c, 1.0 / len(own) + 1e-3 / (rank + 1)) for rank, c in enumerate(own)]  # ties: most recent
+        for index in (self.seed, self.online_index):
+            if index is None or not len(index):
+                continue
+            m = index.lookup(ctx, shape.depth, self.max_match, self.min_corpus_match, self.max_samples)
+            if m.continuations:
+                scale = 1.0 if m.length > own_len else 0.5
+                weighted += [(c, scale / len(m.continuations)) for c in m.continuations]
+        return trie_tree(ctx[-1], d.seq_len, weighted, shape, self.min_share)

@@ -1,0 +1,175 @@
+"""Suffix drafter: the index against brute force, corpus files, online learning, build-corpus CLI.
+
+Greedy identity with the real SmolLM2 runs in test_engine.py (parametrized over drafters)."""
+
+import json
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from sglang_ext.drafters import make_drafter
+from sglang_ext.drafters.base import DraftInput, TargetCapture
+from sglang_ext.drafters.suffix import CorpusError, SuffixDrafter, load_corpus, save_corpus
+from sglang_ext.drafters.suffix_index import SuffixIndex
+from sglang_ext.sampling import SamplingParams
+from sglang_ext.tree import TreeShape
+
+
+def _brute(docs, ctx, length, max_len):
+    for n in range(min(max_len, len(ctx)), 0, -1):
+        pat = ctx[-n:]
+        conts = [d[i + n : i + n + length] for d in docs for i in range(len(d) - n + 1) if d[i : i + n] == pat]
+        if conts:
+            return n, len(conts), sorted(c for c in conts if c)
+    return 0, 0, []
+
+
+def test_index_matches_brute_force():
+    rng = random.Random(1)
+    docs = [[rng.randrange(5) for _ in range(rng.randrange(0, 40))] for _ in range(30)]
+    idx = SuffixIndex(docs, key_len=6)
+    assert len(idx) == sum(map(len, docs))
+    for _ in range(1500):
+        ctx = [rng.randrange(6) for _ in range(rng.randrange(1, 10))]  # token 5 never occurs in the docs
+        m = idx.lookup(ctx, 4, max_samples=10**9)
+        assert (m.length, m.count, sorted(m.continuations)) == _brute(docs, ctx, 4, 6), ctx
+
+
+def test_index_never_crosses_documents_and_respects_min_len():
+    idx = SuffixIndex([[1, 2, 3], [4, 5, 6]], key_len=4)
+    m = idx.lookup([9, 2, 3], 5)
+    assert (m.length, m.continuations) == (2, [])  # doc 0 ends after 3: no continuation into doc 1
+    assert idx.lookup([9, 3], 5, min_len=2).length == 0
+    assert idx.lookup([1], 5).continuations == [[2, 3]]
+    assert idx.lookup([7], 5).length == 0 and SuffixIndex([]).lookup([1], 3).length == 0
+    with pytest.raises(ValueError):
+        SuffixIndex([[1, -2]])
+
+
+def test_index_samples_evenly_when_a_match_is_frequent():
+    docs = [[7, 8 + i] for i in range(1000)]
+    m = SuffixIndex(docs).lookup([7], 1, max_samples=10)
+    assert m.count == 1000 and len(m.continuations) == 10 and len({c[0] for c in m.continuations}) == 10
+
+
+def _input(rid, tokens):
+    return DraftInput(rid, list(tokens), SamplingParams(), None)
+
+
+def _capture(tokens):
+    n = len(tokens)
+    return TargetCapture(list(tokens), torch.arange(n), torch.arange(n))
+
+
+def _paths(tree):
+    """Every root-to-node token path of a tree (root excluded)."""
+    toks = tree.draft_tokens.tolist()
+    return {tuple(toks[i] for i in tree.path_to(n)[1:]) for n in range(1, tree.num_nodes)}
+
+
+def test_drafts_from_the_seed_corpus_when_the_request_has_no_match():
+    d = SuffixDrafter([[50, 51, 52, 53, 54], [60, 61, 62]])
+    tree = d.propose([_input(0, [1, 2, 50, 51])], TreeShape(4, 2, 6))[0]
+    assert (52, 53, 54) in _paths(tree)
+    # the plain n-gram drafter has nothing to say here
+    assert make_drafter("ngram", None).propose([_input(0, [1, 2, 50, 51])], TreeShape(4, 2, 6))[0].num_nodes == 1
+
+
+def test_own_context_outweighs_a_corpus_match_of_the_same_length():
+    d = SuffixDrafter([[5, 6, 90, 91]] * 3)
+    tree = d.propose([_input(0, [5, 6, 40, 41, 8, 5, 6])], TreeShape(2, 1, 3))[0]  # chain: one winner
+    assert _paths(tree) == {(40,), (40, 41)}
+    # a corpus match longer than the own one counts in full: both make the tree
+    tree = d.propose([_input(0, [6, 40, 41, 8, 5, 6])], TreeShape(2, 2, 5))[0]
+    assert _paths(tree) == {(40,), (40, 41), (90,), (90, 91)}
+
+
+def test_finished_outputs_join_the_online_corpus():
+    d = SuffixDrafter([])
+    d.add_request(0, _capture([1, 2, 3]))
+    d.propose([_input(0, [1, 2, 3, 70, 71, 72, 73, 74])], TreeShape(3, 1, 4))
+    d.remove_request(0)
+    assert d.online_docs == [[70, 71, 72, 73, 74]]
+    tree = d.propose([_input(1, [9, 9, 71])], TreeShape(3, 1, 4))[0]
+    assert _paths(tree) == {(72,), (72, 73), (72, 73, 74)}
+    off = SuffixDrafter([], online=False)
+    off.add_request(0, _capture([1, 2, 3]))
+    off.propose([_input(0, [1, 2, 3, 70, 71])], TreeShape(3, 1, 4))
+    off.remove_request(0)
+    assert off.online_docs == [] and off.propose([_input(1, [9, 70])], TreeShape(3, 1, 4))[0].num_nodes == 1
+
+
+def test_online_corpus_is_bounded_oldest_dropped():
+    d = SuffixDrafter([], max_online_tokens=10)
+    for i in range(5):
+        d.add_output([100 + i] * 4)
+    assert sum(map(len, d.online_docs)) <= 10 and d.online_docs[-1] == [104] * 4
+
+
+def test_tree_respects_the_shape():
+    rng = random.Random(0)
+    d = SuffixDrafter([[rng.randrange(20) for _ in range(200)] for _ in range(20)])
+    for shape in [TreeShape(6, 2, 12), TreeShape(8, 3, 24), TreeShape.chain(4)]:
+        for _ in range(20):
+            ctx = [rng.randrange(20) for _ in range(30)]
+            tree = d.propose([_input(0, ctx)], shape)[0]
+            assert 1 <= tree.num_nodes <= shape.num_draft_tokens
+            assert max(len(p) for p in _paths(tree) | {()}) <= shape.depth
+            kids = torch.bincount(tree.parents[1:], minlength=tree.num_nodes)
+            assert int(kids.max()) <= shape.topk
+            assert tree.positions.tolist() == [len(ctx) - 1 + len(tree.path_to(i)) - 1 for i in range(tree.num_nodes)]
+
+
+def test_corpus_round_trip_and_errors(tmp_path):
+    docs = [[1, 2, 3], [], [40000, 5]]
+    save_corpus(tmp_path / "c", docs, {"vocab_size": 49152, "target": "x"})
+    back, meta = load_corpus(tmp_path / "c", 49152)
+    assert [d.tolist() for d in back] == [[1, 2, 3], [40000, 5]]
+    assert meta["kind"] == "suffix-corpus" and meta["num_docs"] == 2 and meta["num_tokens"] == 5
+    with pytest.raises(CorpusError, match="vocabulary of 49152"):
+        load_corpus(tmp_path / "c", 32000)
+    with pytest.raises(CorpusError, match="not a suffix corpus"):
+        load_corpus(tmp_path / "missing")
+    with pytest.raises(CorpusError, match="outside"):
+        save_corpus(tmp_path / "d", [[1, 70000]], {"vocab_size": 49152})
+    (tmp_path / "c" / "corpus.npz").write_bytes(b"garbage")
+    with pytest.raises(CorpusError, match="not a suffix corpus"):
+        load_corpus(tmp_path / "c")
+
+
+def test_shipped_corpus_loads_for_smollm2(smollm2_fp32, monkeypatch):
+    d = make_drafter("suffix", smollm2_fp32)
+    assert isinstance(d, SuffixDrafter) and len(d.seed) > 100_000 and d.online
+    monkeypatch.setenv("MOA_SERVE_SUFFIX_ONLINE", "0")
+    assert not make_drafter("suffix", smollm2_fp32).online
+    # the target's own phrasing is in there: an answer opener drafts its usual continuation
+    ids = smollm2_fp32.tokenizer.encode("Here is a", add_special_tokens=False)
+    assert d.propose([_input(0, ids)], TreeShape(4, 2, 8))[0].num_nodes > 1
+
+
+def test_build_corpus_cli(tmp_path, smollm2_fp32):
+    from sglang_ext.training.data import eval_prompts
+
+    evp = sorted(eval_prompts())
+    data = tmp_path / "answers.jsonl"
+    recs = [
+        {"id": "a", "conversations": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi there!"}], "finish_reason": "stop"},
+        {"id": "b", "conversations": [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "One two three"}], "finish_reason": "length"},
+    ] + ([{"id": "e", "conversations": [{"role": "user", "content": evp[0]}, {"role": "assistant", "content": "leak"}]}] if evp else [])
+    data.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    out = tmp_path / "corpus"
+    res = subprocess.run([sys.executable, "-m", "serving.cli", "build-corpus", "--data", str(data), "--out", str(out)], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    docs, meta = load_corpus(out, smollm2_fp32.cfg.vocab_size)
+    tok = smollm2_fp32.tokenizer
+    eot = tok.eos_token_id
+    assert [d.tolist() for d in docs] == [tok.encode("Hi there!", add_special_tokens=False) + [eot], tok.encode("One two three", add_special_tokens=False)]
+    assert make_drafter(str(out), smollm2_fp32).seed.num_docs == 2  # --drafter PATH
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    res = subprocess.run([sys.executable, "-m", "serving.cli", "build-corpus", "--data", str(empty), "--out", str(tmp_path / "x")], capture_output=True, text=True)
+    assert res.returncode != 0 and "empty" in res.stderr
