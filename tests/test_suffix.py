@@ -146,9 +146,12 @@ def test_shipped_corpus_loads_for_smollm2(smollm2_fp32, monkeypatch):
     assert isinstance(d, SuffixDrafter) and len(d.seed) > 100_000 and d.online
     monkeypatch.setenv("MOA_SERVE_SUFFIX_ONLINE", "0")
     assert not make_drafter("suffix", smollm2_fp32).online
-    # the target's own phrasing is in there: an answer opener drafts its usual continuation
+    # the target's own phrasing is in there: an answer opener is found, and (no pruning) drafts a continuation
     ids = smollm2_fp32.tokenizer.encode("Here is a", add_special_tokens=False)
-    assert d.propose([_input(0, ids)], TreeShape(4, 2, 8))[0].num_nodes > 1
+    m = d.seed.lookup(ids, 4)
+    assert m.length == len(ids) and m.count >= 10
+    unpruned = SuffixDrafter.from_target(smollm2_fp32, min_share=0.0)
+    assert unpruned.propose([_input(0, ids)], TreeShape(4, 2, 8))[0].num_nodes > 1
 
 
 def test_build_corpus_cli(tmp_path, smollm2_fp32):
