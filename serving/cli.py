@@ -61,9 +61,9 @@ def default_tree(drafter: str | None):
     # EAGLE-3 and MoA share one tree budget, so their numbers compare. Depth 3: the shipped heads
     # never get positions 4-5 accepted, and the two extra draft steps cost 12-23 % (BENCHMARKS.md)
     eagle_like = TreeShape(3, 4, 16)
-    from sglang_ext.drafters import _config
+    from sglang_ext.drafters import is_suffix_corpus
 
-    if drafter and _config(drafter).get("kind") == "suffix-corpus":
+    if drafter and is_suffix_corpus(drafter):
         drafter = "suffix"  # --drafter PATH to a corpus
     # suffix: deep and wide, but nodes with < 30 % of the evidence are dropped (min_share 0.3), so ~7 are verified
     return {"ngram": TreeShape(6, 2, 12), "suffix": TreeShape(8, 3, 24), "draft-model": TreeShape(3, 1, 4), "eagle3": eagle_like, "moa": eagle_like, "moa-tli0": eagle_like, "moa-tli1": eagle_like}.get(drafter or "none", TreeShape(6, 4, 24))

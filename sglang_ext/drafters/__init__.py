@@ -53,6 +53,11 @@ def _config(path: str) -> dict:
     return cfg if isinstance(cfg, dict) else {}
 
 
+def is_suffix_corpus(path: str) -> bool:
+    """A directory written by `moa-serve build-corpus`."""
+    return _config(path).get("kind") == "suffix-corpus"
+
+
 def _is_eagle3_checkpoint(path: str) -> bool:
     return any("Eagle3" in a for a in _config(path).get("architectures", []))
 
@@ -65,7 +70,7 @@ def make_drafter(name: str | None, target) -> Drafter | None:
     """A drafter for `target` by registry name; 'none' (or None) means vanilla decoding."""
     if name in (None, "none", "vanilla"):
         return None
-    if name not in _REGISTRY and _config(name).get("kind") == "suffix-corpus":
+    if name not in _REGISTRY and is_suffix_corpus(name):
         return _REGISTRY["suffix"](target, name)  # --drafter PATH to a corpus from `moa-serve build-corpus`
     if name not in _REGISTRY and _is_eagle3_checkpoint(name):
         return _REGISTRY["eagle3"](target, name)  # --drafter PATH to an EAGLE-3 checkpoint directory
@@ -79,4 +84,4 @@ def make_drafter(name: str | None, target) -> Drafter | None:
     return _REGISTRY[name](target)
 
 
-__all__ = ["DraftInput", "Drafter", "DrafterError", "DraftModelDrafter", "NgramDrafter", "TargetCapture", "available_drafters", "make_drafter", "register_drafter"]
+__all__ = ["DraftInput", "Drafter", "DrafterError", "DraftModelDrafter", "NgramDrafter", "TargetCapture", "available_drafters", "is_suffix_corpus", "make_drafter", "register_drafter"]

@@ -16,6 +16,7 @@ root-only tree, which the engine verifies as a plain decode step).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -23,6 +24,9 @@ import torch
 from ..models.kv_pool import KVPool
 from ..sampling import SamplingParams
 from ..tree import TokenTree, TreeShape
+
+
+SHIPPED_DIR = Path(__file__).resolve().parents[2] / "drafters"  # the repo's shipped drafters (model cards inside)
 
 
 class DrafterError(RuntimeError):

@@ -25,11 +25,10 @@ from ..models.eagle3 import DraftCheckpointError, Eagle3Draft, load_eagle3
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel
 from ..tree import TokenTree, TreeShape
-from .base import DraftInput, TargetCapture
+from .base import SHIPPED_DIR, DraftInput, TargetCapture
 from .search import scatter_to_vocab, search_tree
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-SHIPPED = {"SmolLM2-135M-Instruct": REPO_ROOT / "drafters" / "smollm2-eagle3"}
+SHIPPED = {"SmolLM2-135M-Instruct": SHIPPED_DIR / "smollm2-eagle3"}
 
 
 def default_checkpoint(target) -> Path:

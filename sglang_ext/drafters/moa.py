@@ -29,10 +29,9 @@ from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel, rms_norm
 from ..models.moa import MoADraft, load_moa, stack_pool_kv
 from ..tree import TokenTree, TreeShape
-from .base import DraftInput, TargetCapture
+from .base import SHIPPED_DIR, DraftInput, TargetCapture
 from .search import scatter_to_vocab, search_tree
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = {"SmolLM2-135M-Instruct": {"moa-tli0": "smollm2-moa-tli0", "moa-tli1": "smollm2-moa-tli1"}}
 BEST = {"SmolLM2-135M-Instruct": "moa-tli0"}  # `--drafter moa`: the better shipped TLI (see docs/BENCHMARKS.md)
 
@@ -46,7 +45,7 @@ def shipped_checkpoint(target, name: str) -> Path:
     if name == "moa":
         name = BEST.get(tname, "")
     sub = SHIPPED.get(tname, {}).get(name)
-    ckpt = REPO_ROOT / "drafters" / sub if sub else None
+    ckpt = SHIPPED_DIR / sub if sub else None
     if ckpt is None or not (ckpt / "config.json").is_file():
         raise DraftCheckpointError(f"no shipped MoA drafter {name!r} for target {target.path}; train one (moa-serve train moa) and pass its path")
     return ckpt

@@ -33,12 +33,9 @@ class NgramDrafter:
     def remove_request(self, rid: int) -> None:
         pass
 
-    def continuations(self, tokens: list[int], length: int) -> list[list[int]]:
-        """Continuations of the longest matching suffix, most recent match first."""
-        return self.longest_match(tokens, length)[1]
-
     def longest_match(self, tokens: list[int], length: int) -> tuple[int, list[list[int]]]:
-        """(n, continuations): the longest n-gram tail of `tokens` found earlier in them, and what followed it."""
+        """(n, continuations): the longest n-gram tail of `tokens` found earlier in them, and what
+        followed it, most recent match first."""
         n_tok = len(tokens)
         for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
             suffix = tokens[n_tok - n :]
@@ -57,7 +54,7 @@ class NgramDrafter:
         return [self._tree(d, shape) for d in batch]
 
     def _tree(self, d: DraftInput, shape: TreeShape) -> TokenTree:
-        conts = self.continuations(d.token_ids, shape.depth)
+        _, conts = self.longest_match(d.token_ids, shape.depth)
         weighted = [(c, 1.0 + 1e-3 / (rank + 1)) for rank, c in enumerate(conts)]  # ties broken by recency
         return trie_tree(d.token_ids[-1], d.seq_len, weighted, shape)
 

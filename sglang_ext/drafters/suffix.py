@@ -25,11 +25,10 @@ from pathlib import Path
 import numpy as np
 
 from ..tree import TokenTree, TreeShape
-from .base import DraftInput, TargetCapture
+from .base import SHIPPED_DIR, DraftInput, TargetCapture
 from .ngram import NgramDrafter, trie_tree
 from .suffix_index import SuffixIndex
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = {"SmolLM2-135M-Instruct": "smollm2-suffix"}
 CORPUS_FILE, CONFIG_FILE = "corpus.npz", "config.json"
 
@@ -39,7 +38,7 @@ class CorpusError(ValueError):
 
 
 def save_corpus(out: str | Path, docs: list[list[int]], meta: dict) -> Path:
-    """Write docs (token id lists) as one flat uint32 array + offsets, with a config.json of `meta`."""
+    """Write docs (token id lists) as one flat array (uint16 when the vocab fits) + offsets, with a config.json of `meta`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     docs = [d for d in docs if len(d)]
@@ -74,7 +73,7 @@ def load_corpus(path: str | Path, vocab_size: int | None = None) -> tuple[list[n
 
 def shipped_corpus(target) -> Path:
     sub = SHIPPED.get(Path(target.path).name)
-    path = REPO_ROOT / "drafters" / sub if sub else None
+    path = SHIPPED_DIR / sub if sub else None
     if path is None or not (path / CONFIG_FILE).is_file():
         raise CorpusError(f"no shipped suffix corpus for target {target.path}; build one (moa-serve build-corpus) and pass --drafter suffix:PATH")
     return path
@@ -91,6 +90,7 @@ class SuffixDrafter(NgramDrafter):
         self.seed = SuffixIndex(seed_docs or [], key_len=max_match)
         self.online, self.max_online_tokens = online, max_online_tokens
         self.online_docs: list[list[int]] = []
+        self._online_tokens = 0  # tokens in online_docs
         self.online_index: SuffixIndex | None = None
         self._indexed_tokens = 0  # online tokens in online_index
         self._prompt_len: dict[int, int] = {}
@@ -115,12 +115,12 @@ class SuffixDrafter(NgramDrafter):
     def add_output(self, tokens: list[int]) -> None:
         """Add a generated output to the online corpus (re-indexed after ~25 % growth, oldest dropped past the cap)."""
         self.online_docs.append(list(tokens))
-        total = sum(map(len, self.online_docs))
-        while total > self.max_online_tokens and len(self.online_docs) > 1:
-            total -= len(self.online_docs.pop(0))
-        if total > 1.25 * self._indexed_tokens:  # amortised: each rebuild follows >= 25 % growth
+        self._online_tokens += len(tokens)
+        while self._online_tokens > self.max_online_tokens and len(self.online_docs) > 1:
+            self._online_tokens -= len(self.online_docs.pop(0))
+        if self._online_tokens > 1.25 * self._indexed_tokens:  # amortised: each rebuild follows >= 25 % growth
             self.online_index = SuffixIndex(self.online_docs, key_len=self.max_match)
-            self._indexed_tokens = total
+            self._indexed_tokens = self._online_tokens
 
     def propose(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree]:
         for d in batch:

@@ -25,36 +25,25 @@ def add_corpus_parser(sub) -> argparse.ArgumentParser:
 
 
 def corpus_docs(sources: list[str], encode, end_id: int | None, max_docs: int | None = None) -> tuple[list[list[int]], int]:
-    """(token docs, records read): assistant turns of each record, end-of-turn appended when the answer stopped."""
-    from .data import DataError, _records, _refuse_eval, eval_prompts, to_conversation
+    """(token docs, conversations read): assistant turns of each conversation (eval prompts excluded,
+    as in training), end-of-turn appended unless the answer was cut off."""
+    from .data import eval_prompts, open_conversations
 
     excluded = eval_prompts()
     docs: list[list[int]] = []
-    n_rec = 0
+    n_conv = 0
     for source in sources:
-        path = Path(source).expanduser()
-        _refuse_eval(path)
-        if not path.is_file() or path.stat().st_size == 0:
-            raise DataError(f"{path}: no such file, or empty")
-        for i, rec in enumerate(_records(path)):
-            conv = to_conversation(rec, i)
-            n_rec += 1
-            if conv is None:
-                continue
-            if next(m["content"] for m in conv.messages if m["role"] == "user").strip() in excluded:
-                continue
-            stopped = rec.get("finish_reason", "stop") == "stop"
+        for conv in open_conversations(source, excluded):
+            n_conv += 1
             answers = [m["content"] for m in conv.messages if m["role"] == "assistant"]
             for j, text in enumerate(answers):
                 ids = list(encode(text))
-                if end_id is not None and (stopped or j < len(answers) - 1):
+                if end_id is not None and (conv.finish_reason in (None, "stop") or j < len(answers) - 1):
                     ids.append(end_id)
                 docs.append(ids)
                 if max_docs is not None and len(docs) >= max_docs:
-                    return docs, n_rec
-    if not docs:
-        raise DataError(f"{', '.join(sources)}: no assistant turns")
-    return docs, n_rec
+                    return docs, n_conv
+    return docs, n_conv
 
 
 def cmd_build_corpus(args) -> int:
@@ -67,11 +56,11 @@ def cmd_build_corpus(args) -> int:
     cfg, tok = load_config(path), load_tokenizer(path)
     end_id = tok.eos_token_id
     try:
-        docs, n_rec = corpus_docs(args.data, lambda t: tok.encode(t, add_special_tokens=False), end_id, args.max_docs)
+        docs, n_conv = corpus_docs(args.data, lambda t: tok.encode(t, add_special_tokens=False), end_id, args.max_docs)
     except DataError as e:
         raise SystemExit(str(e)) from None
     meta = {"target": path.name, "vocab_size": cfg.vocab_size, "sources": [Path(d).name for d in args.data],
             "end_of_turn_id": end_id, "built_with": "moa-serve build-corpus " + " ".join(sys.argv[2:])}
     out = save_corpus(args.out, docs, meta)
-    print(f"build-corpus: {len(docs)} answers, {sum(map(len, docs))} tokens from {n_rec} records -> {out}", file=sys.stderr)
+    print(f"build-corpus: {len(docs)} answers, {sum(map(len, docs))} tokens from {n_conv} conversations -> {out}", file=sys.stderr)
     return 0

@@ -36,6 +36,7 @@ class DataError(ValueError):
 class Conversation:
     id: str
     messages: list[dict]  # [{"role": "system"|"user"|"assistant", "content": str}]
+    finish_reason: str | None = None  # `moa-serve distill` records it: "length" = the last answer was cut off
 
 
 @dataclass
@@ -121,7 +122,7 @@ def to_conversation(rec: object, index: int) -> Conversation | None:
         rest.pop(0)
     if not any(m["role"] == "assistant" for m in rest):
         return None
-    return Conversation(str(rec.get("id", index)), system + rest)
+    return Conversation(str(rec.get("id", index)), system + rest, rec.get("finish_reason"))
 
 
 def open_conversations(source: str, exclude_prompts: set[str] | None = None) -> Iterator[Conversation]:
