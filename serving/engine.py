@@ -23,7 +23,7 @@ import torch
 from sglang_ext.attention import causal_mask, plan_attention, prefix_and_tree_mask
 from sglang_ext.drafters import DraftInput, Drafter, TargetCapture
 from sglang_ext.models import Target
-from sglang_ext.sampling import InvalidRequest, SamplingParams, logits_to_probs, sample
+from sglang_ext.sampling import InvalidRequest, SamplingParams, greedy_tokens, logits_to_probs, sample
 from sglang_ext.tree import TokenTree, TreeShape, chain_tree
 from sglang_ext.verify import VerifyResult, greedy_verify, sampling_verify
 
@@ -190,7 +190,7 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, r: Request) -> int:
         if r.params.greedy:
-            return int(logits.argmax())
+            return int(greedy_tokens(logits))
         return sample(logits_to_probs(logits, r.params), r.generator)
 
     def _drafter_call(self, fn, reqs: list[Request]):
@@ -276,7 +276,7 @@ class Engine:
 
     def _verify(self, r: Request, tree: TokenTree, logits: torch.Tensor) -> VerifyResult:
         if r.params.greedy:
-            return greedy_verify(tree, logits.argmax(-1))
+            return greedy_verify(tree, greedy_tokens(logits))
         return sampling_verify(tree, lambda node: logits_to_probs(logits[node], r.params), r.generator)
 
     def _record(self, r: Request, res: VerifyResult, drafted: int) -> None:

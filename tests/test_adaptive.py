@@ -70,6 +70,25 @@ def test_a_new_bucket_starts_from_the_nearest_measured_one():
     assert chosen == [0] * 10  # no exploratory speculation steps
 
 
+def test_a_distant_bucket_measures_for_itself_cheapest_first():
+    """A jump from bs 16 (where the big tree wins) to bs 64 (where it is slow) must not carry bs 16's
+    choice over: bs 64 is more than a factor 2 away, so it warms up its own options, 'off' first."""
+    p = AdaptiveSpeculation(TreeShape(4, 2, 8), warmup=3, retry_every=1000)
+    at16 = {0: (0.10, 16), 1: (0.12, 32), 2: (0.11, 24)}  # the configured tree is best
+    at64 = {0: (0.25, 64), 1: (0.60, 80), 2: (0.40, 72)}  # off is best
+    for _ in range(20):
+        o = p.choose(16)
+        p.observe(o, 16, *at16[o])
+    assert p.choose(16) == 1
+    chosen = []
+    for _ in range(40):
+        o = p.choose(64)
+        chosen.append(o)
+        p.observe(o, 64, *at64[o])
+    assert chosen[:3] == [0, 0, 0]  # cheapest first
+    assert chosen.count(1) == 3 and chosen[9:] == [0] * 31  # the big tree only for its warm-up
+
+
 def test_an_unlucky_first_measurement_is_corrected():
     """'off' measured slow in its first steps (a noisy start) loses to a tree at first, but it keeps
     being re-measured and wins back, even while a third, far-behind option backs off."""

@@ -28,6 +28,7 @@ from ..models.eagle3 import DraftCheckpointError
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel, rms_norm
 from ..models.moa import MoADraft, load_moa, stack_pool_kv
+from ..sampling import greedy_tokens
 from ..tree import TokenTree, TreeShape
 from .base import SHIPPED_DIR, DraftInput, TargetCapture
 from .search import scatter_to_vocab, search_tree
@@ -183,7 +184,7 @@ class MoADrafter:
         ca_plan = plan_frontier([st.mem_slots], [[[]]])
         tli_plan = plan_frontier([st.target_slots], [[[t for _, t in st.offline]]]) if self.tli_layers else None
         h = self._forward(torch.tensor(token_ids[-1:]), torch.tensor([seq_len + depth]), sa_new, tgt_new, sa_plan, ca_plan, tli_plan)
-        return int(self.hot_ids[self._to_logits(h, False).argmax(-1)[0]])
+        return int(self.hot_ids[greedy_tokens(self._to_logits(h, False))[0]])
 
     def drop_offline(self, rid: int) -> None:
         st = self.reqs.get(rid)

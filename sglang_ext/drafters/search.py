@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from ..sampling import logits_to_probs
+from ..sampling import greedy_tokens, logits_to_probs
 from ..tree import TokenTree, TreeSearch, TreeShape, build_trees, chain_tree
 from .base import DraftInput, DrafterError
 
@@ -73,7 +73,7 @@ def _sample_chains(root_logits: torch.Tensor, step_fn: StepFn, shape: TreeShape,
         nxt = []
         for i, d in enumerate(batch):
             q = logits_to_probs(logits[i], d.params)
-            x = int(logits[i].argmax()) if d.params.greedy else int(torch.multinomial(q, 1, generator=d.generator))
+            x = int(greedy_tokens(logits[i])) if d.params.greedy else int(torch.multinomial(q, 1, generator=d.generator))
             drafts[i].append(x)
             qs[i].append(q)
             nxt.append(x)
