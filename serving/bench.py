@@ -81,13 +81,23 @@ class MethodResult(SpecRates):
     outputs: list[list[int]] = field(default_factory=list, repr=False)
 
 
+def bench_drafter(method: str, target):
+    """make_drafter, with online learning off: a benchmark repeats its prompts (warm-up, repeats),
+    so a drafter that learns from served outputs would be scored on answers it has already seen."""
+    from sglang_ext.drafters import make_drafter
+    from sglang_ext.drafters.suffix import SuffixDrafter
+
+    drafter = make_drafter("none" if method == "vanilla" else method, target)
+    if isinstance(drafter, SuffixDrafter):
+        drafter.online = False
+    return drafter
+
+
 def engine_runner(target, method: str, tree, sp):
     """A function prompt -> (output ids, stats) running our engine with one drafter (or none); sp: SamplingParams."""
-    from sglang_ext.drafters import make_drafter
-
     from .engine import Engine
 
-    engine = Engine(target, make_drafter("none" if method == "vanilla" else method, target), tree)
+    engine = Engine(target, bench_drafter(method, target), tree)
 
     def run(prompt):
         r = engine.generate([prompt], sp)[0]

@@ -124,13 +124,13 @@ def engine_batch_runner(target, method: str, tree, max_new_tokens: int, adaptive
     batch size stays the same, so the warm-up and the measured runs of a row share it (and, with
     adaptive speculation, the policy's measurements); a new batch size builds a new one. The drafter
     is built once per method and reused."""
-    from sglang_ext.drafters import make_drafter
     from sglang_ext.sampling import SamplingParams
 
+    from .bench import bench_drafter
     from .engine import Engine
 
     if method != "vanilla" and method not in drafter_cache:
-        drafter_cache[method] = make_drafter(method, target)  # raises for an unknown drafter: reported
+        drafter_cache[method] = bench_drafter(method, target)  # raises for an unknown drafter: reported
     drafter = drafter_cache.get(method) if method != "vanilla" else None
     fallbacks: list[str] = []
     state: dict = {"engine": None, "b": None}
@@ -378,9 +378,9 @@ def measure_gateway_overhead(target, method: str, tree, adaptive: bool, messages
     different trees from timing noise, and then the two paths no longer do the same work."""
     import httpx
 
-    from sglang_ext.drafters import make_drafter
     from sglang_ext.sampling import SamplingParams
 
+    from .bench import bench_drafter
     from .engine import Engine
     from .gateway.app import create_app
     from .gateway.server import ServerThread, embedded_backend
@@ -388,8 +388,8 @@ def measure_gateway_overhead(target, method: str, tree, adaptive: bool, messages
     res = OverheadResult(method, f"{tree.depth},{tree.topk},{tree.num_draft_tokens}" if method != "vanilla" else "-", False, requests, max_tokens)
     try:
         name = "none" if method == "vanilla" else method
-        direct = Engine(target, make_drafter(name, target), tree)
-        served = Engine(target, make_drafter(name, target), tree)
+        direct = Engine(target, bench_drafter(method, target), tree)
+        served = Engine(target, bench_drafter(method, target), tree)
         prompt = target.encode_chat(messages)
         sp = SamplingParams(max_new_tokens=max_tokens, ignore_eos=True)
         body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True}

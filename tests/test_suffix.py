@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from serving.bench import bench_drafter
 from sglang_ext.drafters import make_drafter
 from sglang_ext.drafters.base import DraftInput, TargetCapture
 from sglang_ext.drafters.suffix import CorpusError, SuffixDrafter, load_corpus, save_corpus
@@ -144,6 +145,7 @@ def test_corpus_round_trip_and_errors(tmp_path):
 def test_shipped_corpus_loads_for_smollm2(smollm2_fp32, monkeypatch):
     d = make_drafter("suffix", smollm2_fp32)
     assert isinstance(d, SuffixDrafter) and len(d.seed) > 100_000 and d.online
+    assert not bench_drafter("suffix", smollm2_fp32).online  # benchmarks repeat prompts: no learning the answers
     monkeypatch.setenv("MOA_SERVE_SUFFIX_ONLINE", "0")
     assert not make_drafter("suffix", smollm2_fp32).online
     # the target's own phrasing is in there: an answer opener is found, and (no pruning) drafts a continuation

@@ -23,8 +23,9 @@ def _attend_small_q(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     hkv = k_pool.shape[1]
     rep = hq // hkv
     qb = q[g.q_index].view(b, qm, hkv, rep, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, rep * qm, d)
-    kb = k_pool[g.kv_slots].transpose(1, 2)  # [G, Hkv, K, D]
-    vb = v_pool[g.kv_slots].transpose(1, 2)
+    # contiguous: a batched matmul over the strided view is ~3x slower than the copy + matmul
+    kb = k_pool[g.kv_slots].transpose(1, 2).contiguous()  # [G, Hkv, K, D]
+    vb = v_pool[g.kv_slots].transpose(1, 2).contiguous()
     s = torch.matmul(qb, kb.transpose(-1, -2)).float().mul_(scale)  # [G, Hkv, rep*Q, K]
     if g.mask is not None:
         s = s.view(b, hkv, rep, qm, -1).masked_fill_(~g.mask[:, :, None], float("-inf")).view(b, hkv, rep * qm, -1)
