@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
-SERVE_DRAFTER ?= ngram
+SERVE_DRAFTER ?= auto
 
 .PHONY: install test test-slow serve bench bench-peers clean
 

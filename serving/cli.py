@@ -14,7 +14,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", default="ngram", help="none | ngram | suffix | draft-model | eagle3 | moa | moa-tli0 | moa-tli1 | PATH (an EAGLE-3/MoA checkpoint or a suffix corpus directory)")
+    p.add_argument("--drafter", default="auto", help="auto (suffix when a corpus is shipped for the target, else ngram) | none | ngram | suffix | draft-model | eagle3 | moa | moa-tli0 | moa-tli1 | PATH (an EAGLE-3/MoA checkpoint or a suffix corpus directory)")
     p.add_argument("--tree", default=None, help="depth,topk,num_draft_tokens (e.g. 6,4,16) or depth for a chain")
 
 
@@ -70,7 +70,7 @@ def default_tree(drafter: str | None):
 
 
 def cmd_generate(args) -> int:
-    from sglang_ext.drafters import make_drafter
+    from sglang_ext.drafters import make_drafter, resolve_drafter
     from sglang_ext.models import load_target
     from sglang_ext.sampling import SamplingParams
     from sglang_ext.tree import TreeShape
@@ -78,10 +78,13 @@ def cmd_generate(args) -> int:
     from .engine import Engine
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    tree = TreeShape.parse(args.tree) if args.tree else default_tree(args.drafter)
     if not args.prompt.strip():
         raise ValueError("prompt is empty")
+    if args.tree:
+        TreeShape.parse(args.tree)  # a bad --tree fails before the model loads
     target = load_target(args.model, dtype=args.dtype)
+    args.drafter = resolve_drafter(args.drafter, target)
+    tree = TreeShape.parse(args.tree) if args.tree else default_tree(args.drafter)
     drafter = make_drafter(args.drafter, target)
     engine = Engine(target, drafter, tree)
     ids = target.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else target.encode(args.prompt)

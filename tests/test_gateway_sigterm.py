@@ -55,7 +55,7 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MOA_SERVE_API_KEYS_FILE": str(keys), "MOA_SERVE_BACKEND": "embedded"}
     env.pop("MOA_SERVE_API_KEYS", None)
     log = open(tmp_path / "server.log", "w")
-    cmd = [sys.executable, "-m", "serving.cli", "serve", "--port", str(port), "--dtype", "float32", "--drafter", "ngram",
+    cmd = [sys.executable, "-m", "serving.cli", "serve", "--port", str(port), "--dtype", "float32",  # default drafter: auto
            "--kv-slots", "2048", "--threads", "1", "--drain-timeout", "120", "--no-access-log"]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -100,3 +100,4 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
         log.close()
     text = (tmp_path / "server.log").read_text()
     assert "drained; shutting down" in text, text[-2000:]
+    assert "drafter 'suffix'" in text  # --drafter auto: SmolLM2 has a shipped suffix corpus

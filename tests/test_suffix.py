@@ -178,3 +178,14 @@ def test_build_corpus_cli(tmp_path, smollm2_fp32):
     empty.write_text("")
     res = subprocess.run([sys.executable, "-m", "serving.cli", "build-corpus", "--data", str(empty), "--out", str(tmp_path / "x")], capture_output=True, text=True)
     assert res.returncode != 0 and "empty" in res.stderr
+
+
+def test_auto_drafter_is_suffix_only_with_a_shipped_corpus(smollm2_fp32, tmp_path):
+    from types import SimpleNamespace
+
+    from sglang_ext.drafters import resolve_drafter
+
+    assert resolve_drafter("auto", smollm2_fp32) == "suffix"
+    assert isinstance(make_drafter("auto", smollm2_fp32), SuffixDrafter)
+    other = SimpleNamespace(path=str(tmp_path / "SomeOtherModel"))  # no corpus shipped for it
+    assert resolve_drafter("auto", other) == "ngram" and resolve_drafter("eagle3", other) == "eagle3"

@@ -66,15 +66,18 @@ def _served_name(args) -> str:
 
 def build_embedded(args, metrics: Metrics):
     """The embedded engine backend from CLI args (loads the model)."""
-    from sglang_ext.drafters import make_drafter
+    from sglang_ext.drafters import make_drafter, resolve_drafter
     from sglang_ext.models import load_target
     from sglang_ext.tree import TreeShape
 
     from ..cli import default_tree
     from ..engine import Engine
 
-    tree = TreeShape.parse(args.tree) if args.tree else default_tree(args.drafter)
+    if args.tree:
+        TreeShape.parse(args.tree)  # a bad --tree fails before the model loads
     target = load_target(args.model, dtype=args.dtype)
+    args.drafter = resolve_drafter(args.drafter, target)
+    tree = TreeShape.parse(args.tree) if args.tree else default_tree(args.drafter)
     engine = Engine(target, make_drafter(args.drafter, target), tree, kv_slots=args.kv_slots, max_context=args.max_context, adaptive=not args.no_adaptive)
     limits = dict(max_running=args.max_running, max_queue=args.max_queue, max_tokens=args.max_tokens_limit, default_max_tokens=args.default_max_tokens, max_prompt_tokens=args.max_prompt_tokens)
     return embedded_backend(engine, _served_name(args), args.drafter or "none", metrics, **limits)
@@ -106,6 +109,8 @@ def build_sglang(args, metrics: Metrics, upstream: str):
 
     if not upstream.startswith(("http://", "https://")):
         raise ValueError(f"--upstream must be an http(s) URL, got {upstream!r}")
+    if args.drafter == "auto":  # the upstream drafts; the label says so unless --drafter names it
+        args.drafter = "upstream"
     telemetry = Telemetry(metrics, args.drafter or "none", "sglang")
     cfg = UpstreamConfig(upstream, args.upstream_model, args.max_running, args.max_queue, args.upstream_timeout, os.environ.get("MOA_SERVE_UPSTREAM_API_KEY") or None)
     return SGLangBackend(cfg, [_served_name(args)], args.drafter or "none", telemetry), telemetry

@@ -63,11 +63,24 @@ def _is_eagle3_checkpoint(path: str) -> bool:
 
 
 def available_drafters() -> list[str]:
-    return ["none", *sorted(_REGISTRY)]
+    return ["none", "auto", *sorted(_REGISTRY)]
+
+
+def resolve_drafter(name: str | None, target) -> str | None:
+    """'auto' -> the best training-free drafter for `target`: the suffix drafter when a corpus of
+    the target's answers is shipped for it (drafters/, SmolLM2), else n-gram. Other names unchanged."""
+    if name != "auto":
+        return name
+    try:
+        _suffix().shipped_corpus(target)
+    except _suffix().CorpusError:
+        return "ngram"
+    return "suffix"
 
 
 def make_drafter(name: str | None, target) -> Drafter | None:
-    """A drafter for `target` by registry name; 'none' (or None) means vanilla decoding."""
+    """A drafter for `target` by registry name ('auto': see resolve_drafter); 'none' (or None) means vanilla decoding."""
+    name = resolve_drafter(name, target)
     if name in (None, "none", "vanilla"):
         return None
     if name not in _REGISTRY and is_suffix_corpus(name):
@@ -84,4 +97,4 @@ def make_drafter(name: str | None, target) -> Drafter | None:
     return _REGISTRY[name](target)
 
 
-__all__ = ["DraftInput", "Drafter", "DrafterError", "DraftModelDrafter", "NgramDrafter", "TargetCapture", "available_drafters", "is_suffix_corpus", "make_drafter", "register_drafter"]
+__all__ = ["DraftInput", "Drafter", "DrafterError", "DraftModelDrafter", "NgramDrafter", "TargetCapture", "available_drafters", "is_suffix_corpus", "make_drafter", "register_drafter", "resolve_drafter"]
