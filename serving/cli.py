@@ -80,11 +80,10 @@ def cmd_generate(args) -> int:
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     if not args.prompt.strip():
         raise ValueError("prompt is empty")
-    if args.tree:
-        TreeShape.parse(args.tree)  # a bad --tree fails before the model loads
+    tree = TreeShape.parse(args.tree) if args.tree else None  # a bad --tree fails before the model loads
     target = load_target(args.model, dtype=args.dtype)
     args.drafter = resolve_drafter(args.drafter, target)
-    tree = TreeShape.parse(args.tree) if args.tree else default_tree(args.drafter)
+    tree = tree or default_tree(args.drafter)
     drafter = make_drafter(args.drafter, target)
     engine = Engine(target, drafter, tree)
     ids = target.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else target.encode(args.prompt)

@@ -73,11 +73,10 @@ def build_embedded(args, metrics: Metrics):
     from ..cli import default_tree
     from ..engine import Engine
 
-    if args.tree:
-        TreeShape.parse(args.tree)  # a bad --tree fails before the model loads
+    tree = TreeShape.parse(args.tree) if args.tree else None  # a bad --tree fails before the model loads
     target = load_target(args.model, dtype=args.dtype)
     args.drafter = resolve_drafter(args.drafter, target)
-    tree = TreeShape.parse(args.tree) if args.tree else default_tree(args.drafter)
+    tree = tree or default_tree(args.drafter)
     engine = Engine(target, make_drafter(args.drafter, target), tree, kv_slots=args.kv_slots, max_context=args.max_context, adaptive=not args.no_adaptive)
     limits = dict(max_running=args.max_running, max_queue=args.max_queue, max_tokens=args.max_tokens_limit, default_max_tokens=args.default_max_tokens, max_prompt_tokens=args.max_prompt_tokens)
     return embedded_backend(engine, _served_name(args), args.drafter or "none", metrics, **limits)

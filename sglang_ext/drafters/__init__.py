@@ -71,9 +71,10 @@ def resolve_drafter(name: str | None, target) -> str | None:
     the target's answers is shipped for it (drafters/, SmolLM2), else n-gram. Other names unchanged."""
     if name != "auto":
         return name
+    suffix = _suffix()
     try:
-        _suffix().shipped_corpus(target)
-    except _suffix().CorpusError:
+        suffix.shipped_corpus(target)
+    except suffix.CorpusError:
         return "ngram"
     return "suffix"
 
