@@ -277,7 +277,7 @@ def machine_description() -> str:
 def add_bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="benchmark vanilla vs drafters (and peers) in one run")
     b.add_argument("--model", default="smollm2")
-    b.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    b.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     b.add_argument("--eval-sets", default="mt_bench", help="comma list of mt_bench,humaneval,gsm8k,alpaca,sum,qa, builtin, or .jsonl paths")
     b.add_argument("--methods", default="vanilla,ngram,draft-model", help="semicolon list of drafters, each optionally with a tree (ngram:4,2,8); vanilla is always run first")
     b.add_argument("--peers", default=None, help="comma list of peers (hf-generate,hf-assisted,hf-prompt-lookup,llama.cpp,llama.cpp-prompt-lookup), 'all' or 'none' (default: all; hf-generate with --quick); a peer that cannot run here is reported as skipped")
@@ -412,7 +412,7 @@ def cmd_bench(args) -> int:
     payload = {
         "command": command,
         "machine": machine_description(),
-        "dtype": args.dtype,
+        "dtype": str(target.model.dtype).removeprefix("torch."),
         "max_new_tokens": args.max_new_tokens,
         "sampling": {"temperature": sp.temperature, "top_p": sp.top_p, "seed": sp.seed, "label": sampling},
         "results": [{**{k: v for k, v in asdict(r).items() if k != "outputs"}, "tau": r.tau, "tokens_per_s": r.tokens_per_s, "draft_per_step": r.draft_per_step,
@@ -455,5 +455,5 @@ def cmd_bench(args) -> int:
 
         for png in ("throughput_vs_batch.png", "acceptance_by_position.png"):
             table = table.replace(f"]({png})", f"]({os.path.relpath(out / png, Path(args.report).resolve().parent)})")
-        Path(args.report).write_text(f"# Benchmarks\n\nCommand: `{command}`\n\nMachine: {payload['machine']}; dtype {args.dtype}; {sampling}; {args.max_new_tokens} new tokens; per-prompt table at batch size 1{'; batch sweep ' + args.batch_sizes if sweep else ''}.\n\n{table}\n")
+        Path(args.report).write_text(f"# Benchmarks\n\nCommand: `{command}`\n\nMachine: {payload['machine']}; dtype {payload['dtype']}; {sampling}; {args.max_new_tokens} new tokens; per-prompt table at batch size 1{'; batch sweep ' + args.batch_sizes if sweep else ''}.\n\n{table}\n")
     return 0

@@ -30,7 +30,7 @@ def add_edge_parsers(sub) -> None:
     e.add_argument("--prompt", required=True)
     e.add_argument("--drafter", default="moa-tli1", help="a drafter the server offers: moa-tli0 | moa-tli1 | moa | eagle3 | PATH")
     e.add_argument("--model", default="smollm2", help="the local copy of the target (its embeddings, norm, head and last TLI layers are used)")
-    e.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    e.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     e.add_argument("--wire-dtype", default="fp16", choices=["fp32", "bf16", "fp16", "int8"], help="dtype of the context the server sends")
     e.add_argument("--tree", default=None)
     e.add_argument("--max-new-tokens", type=int, default=128)
@@ -181,7 +181,7 @@ def cmd_edge_bench(args) -> int:
     torch.set_num_threads(args.threads)
     profiles = [PROFILES[p] for p in args.profiles.split(",")]
     drafters = [d for d in args.drafters.split(",") if d]
-    target = load_target("smollm2", dtype="bfloat16")
+    target = load_target("smollm2", dtype="auto")
     local = {d: _local_drafter(target, d) for d in drafters}
     prompts = []
     for s in args.sets.split(","):

@@ -21,9 +21,9 @@ import os
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..attention import plan_frontier, tree_attention_torch
+from ..kernels import linear
 from ..models.eagle3 import DraftCheckpointError
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel, rms_norm
@@ -280,5 +280,5 @@ class MoADrafter:
         return rms_norm(x, tgt.norm, tgt.cfg.rms_norm_eps)
 
     def _to_logits(self, hidden: torch.Tensor, full: bool) -> torch.Tensor:
-        lg = F.linear(hidden, self.head).float()
+        lg = linear(hidden, self.head).float()
         return scatter_to_vocab(lg, self.hot_ids, self.cfg.vocab_size) if full else lg

@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from ..kernels import Linear
 from .llama import apply_rope, rope_inv_freq
 from .loader import LlamaConfig
 
@@ -160,18 +161,18 @@ class _Attn(nn.Module):
     def __init__(self, c: Eagle3Config):
         super().__init__()
         d_in = 2 * c.hidden_size
-        self.q_proj = nn.Linear(d_in, c.num_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(d_in, c.num_kv_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(d_in, c.num_kv_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_proj = Linear(d_in, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = Linear(d_in, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = Linear(d_in, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
 
 
 class _MLP(nn.Module):
     def __init__(self, c: Eagle3Config):
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -193,10 +194,10 @@ class Eagle3Draft(nn.Module):
     def __init__(self, cfg: Eagle3Config):
         super().__init__()
         self.cfg = cfg
-        self.fc = nn.Linear(len(cfg.aux_layers) * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.fc = Linear(len(cfg.aux_layers) * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = _MidLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
         self.t2d[: cfg.draft_vocab_size] = True

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import AttentionFn, AttentionPlan, select_backend
+from ..kernels import linear
 from .kv_pool import KVPool
 from .loader import LlamaConfig
 
@@ -120,7 +121,7 @@ class LlamaModel:
         c, lw = self.cfg, self.layers[i]
         t = x.shape[0]
         h = rms_norm(x, lw.input_norm, c.rms_norm_eps)
-        qkv = F.linear(h, lw.qkv, lw.qkv_bias)
+        qkv = linear(h, lw.qkv, lw.qkv_bias)
         nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         q = qkv[:, :nq].view(t, c.num_heads, c.head_dim)
         k = qkv[:, nq : nq + nk].view(t, c.num_kv_heads, c.head_dim)
@@ -130,11 +131,11 @@ class LlamaModel:
         li = i if kv_layer is None else kv_layer
         kv.write(li, slots, k, v)
         a = self.attention(q, kv.k[li], kv.v[li], plan, self.scale)
-        x = x + F.linear(a.reshape(t, nq), lw.o)
+        x = x + linear(a.reshape(t, nq), lw.o)
         h = rms_norm(x, lw.post_norm, c.rms_norm_eps)
-        gu = F.linear(h, lw.gate_up)
+        gu = linear(h, lw.gate_up)
         inter = gu.shape[-1] // 2
-        return x + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], lw.down)
+        return x + linear(F.silu(gu[:, :inter]) * gu[:, inter:], lw.down)
 
     @torch.inference_mode()
     def forward(
@@ -162,5 +163,5 @@ class LlamaModel:
     def logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """fp32=False keeps the model dtype: argmax needs no upcast (exact), and the upcast of
         [nodes, vocab] logits is a visible share of a CPU verify step; samplers upcast themselves."""
-        out = F.linear(hidden, self.lm_head)
+        out = linear(hidden, self.lm_head)
         return out.float() if fp32 else out

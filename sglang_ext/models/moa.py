@@ -38,6 +38,7 @@ from safetensors.torch import load_file, save_file
 
 from .eagle3 import DraftCheckpointError, RMSNorm
 from .kv_pool import KVPool
+from ..kernels import Linear
 from .llama import apply_rope, rope_inv_freq
 from .loader import LlamaConfig
 
@@ -122,18 +123,18 @@ class MoAConfig:
 class _Attention(nn.Module):
     def __init__(self, q_in: int, kv_in: int, out: int, heads: int, kv_heads: int, head_dim: int):
         super().__init__()
-        self.q_proj = nn.Linear(q_in, heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(kv_in, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(kv_in, kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * head_dim, out, bias=False)
+        self.q_proj = Linear(q_in, heads * head_dim, bias=False)
+        self.k_proj = Linear(kv_in, kv_heads * head_dim, bias=False)
+        self.v_proj = Linear(kv_in, kv_heads * head_dim, bias=False)
+        self.o_proj = Linear(heads * head_dim, out, bias=False)
 
 
 class _MLP(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -240,7 +241,7 @@ class MoADraft(MoAPieces, nn.Module):
         w, h = cfg.lsa_hidden, cfg.hidden_size
         if cfg.memory_source == "lsa":
             self.layer_self_attention = _Layer(w, cfg.lsa_intermediate_size, cfg.lsa_num_heads, cfg.lsa_num_kv_heads, w // cfg.lsa_num_heads, cfg.rms_norm_eps)
-            self.Ekv2E = nn.Linear(w, h, bias=True)
+            self.Ekv2E = Linear(w, h, bias=True)
         self.self_attention = _Layer(h, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
         self.cross_attention = _Layer(h, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cross=True)
         vd = cfg.draft_vocab_size or cfg.vocab_size

@@ -31,7 +31,7 @@ import torch
 def add_distill_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("distill", help="regenerate conversation answers with the target (self-distilled drafter training data)")
     p.add_argument("--model", default="smollm2", help="the target: 'smollm2' or a local HF Llama/Qwen directory")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--data", default="sharegpt", help="'sharegpt' or a .json/.jsonl conversation file (prompts are taken from it)")
     p.add_argument("--out", required=True, help="output .jsonl (appended to with --resume)")
     p.add_argument("--num-conversations", type=int, default=1000)

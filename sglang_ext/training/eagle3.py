@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.eagle3 import Eagle3Draft
+from ..models import cpu_has_fast_bf16
 from ..models.llama import LlamaModel
 from .data import Batch
 from .target import TargetOutputs
@@ -74,9 +75,11 @@ class Eagle3Task:
 
     name = "eagle3"
 
-    def __init__(self, target: LlamaModel, draft: Eagle3Draft, ttt_length: int = 7, decay: float = 0.8, autocast: bool = True):
+    def __init__(self, target: LlamaModel, draft: Eagle3Draft, ttt_length: int = 7, decay: float = 0.8, autocast: bool | None = None):
         self.target, self.draft = target, draft
-        self.ttt_length, self.decay, self.autocast = ttt_length, decay, autocast
+        self.ttt_length, self.decay = ttt_length, decay
+        # bf16 autocast only where the CPU has bf16 hardware (emulated bf16 is ~8x slower than fp32)
+        self.autocast = cpu_has_fast_bf16() if autocast is None else autocast
         self.capture_layers = tuple(draft.cfg.aux_layers)
         self.scale = draft.cfg.head_dim**-0.5
 

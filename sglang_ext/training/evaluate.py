@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m sglang_ext.training.evaluate")
     ap.add_argument("--target", default="smollm2")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--drafter", default="eagle3")
     ap.add_argument("--ckpt", default=None, help="checkpoint directory (default: the shipped one)")
     ap.add_argument("--trees", nargs="+", default=["6,4,24"])

@@ -1,5 +1,5 @@
 """Issue 7, live: a bounded headless locust run of loadtest/chat.py (8 users, 20 s) against a live
-`moa-serve serve` (the session's gateway: SmolLM2 bf16 + ngram on 1 CPU thread, --max-running 4, API key)."""
+`moa-serve serve` (the session's gateway: SmolLM2 (auto dtype) + ngram on 1 CPU thread, --max-running 4, API key)."""
 
 from __future__ import annotations
 

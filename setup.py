@@ -1,0 +1,39 @@
+"""Builds the optional CPU kernel (sglang_ext/kernels/cpu_linear.cpp) next to the Python sources.
+
+Everything else is declared in pyproject.toml. The kernel needs x86-64 (AVX2 + FMA) and torch's
+headers at build time (`pip install --no-build-isolation -e .` after torch); where either is
+missing the package installs without it and the model falls back to torch's matmul.
+"""
+
+import platform
+import sys
+
+from setuptools import Extension, setup
+
+
+def cpu_kernel_extensions() -> list[Extension]:
+    if platform.machine() not in ("x86_64", "AMD64") or sys.platform != "linux":
+        return []
+    try:
+        from torch.utils.cpp_extension import include_paths, library_paths
+    except ImportError:
+        print("setup.py: torch not importable at build time; building without the CPU kernel", file=sys.stderr)
+        return []
+    libs = library_paths()
+    return [
+        Extension(
+            "sglang_ext.kernels._cpu_linear",
+            ["sglang_ext/kernels/cpu_linear.cpp"],
+            include_dirs=include_paths(),
+            library_dirs=libs,
+            runtime_library_dirs=libs,
+            libraries=["c10", "torch_cpu"],
+            language="c++",
+            # NOTE: -fopenmp makes at::parallel_for use torch's OpenMP pool (without it the loop runs on one thread)
+            extra_compile_args=["-O3", "-std=c++20", "-mavx2", "-mfma", "-fopenmp", "-D_GLIBCXX_USE_CXX11_ABI=1"],
+            extra_link_args=["-fopenmp"],
+        )
+    ]
+
+
+setup(ext_modules=cpu_kernel_extensions())
