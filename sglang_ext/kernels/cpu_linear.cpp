@@ -10,8 +10,8 @@
 // compositions (a decode row equals the same row inside a verify block).
 //
 //   rows of w:  [n .. n+3]   (one block; blocks are split across torch's intra-op threads)
-//   rows of x:  pairs (m, m+1), then a single last row when M is odd
-//   registers:  4 weight vectors x 2 input rows = 8 accumulators
+//   rows of x:  threes, then twos, then one (M = 4: 2+2, 5: 3+2, 7: 3+2+2)
+//   registers:  4 weight rows x up to 3 input rows = up to 12 accumulators (M = 1: 8 x 1)
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -34,65 +34,51 @@ inline float dot(const float* a, const float* b, int64_t K) {
   return hsum(acc);
 }
 
+// R input rows x 4 weight rows: 4R accumulators (R <= 3 keeps them, 4 weights and 1 input in
+// the 16 ymm registers). `next` (the next block's first row, or null) is prefetched while the
+// block computes.
+template <int R, int J = 4>
+inline void tile(const float* x, const float* w, float* y, int64_t N, int64_t K, const float* next) {
+  __m256 acc[R][J];
+#pragma GCC unroll 3
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < J; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    if (next && (k & 15) == 0) {
+#pragma GCC unroll 8
+      for (int j = 0; j < J; ++j) _mm_prefetch(reinterpret_cast<const char*>(next + j * K + k), _MM_HINT_T0);
+    }
+    __m256 xv[R];
+#pragma GCC unroll 3
+    for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x + r * K + k);
+#pragma GCC unroll 8
+    for (int j = 0; j < J; ++j) {
+      const __m256 wv = _mm256_loadu_ps(w + j * K + k);
+#pragma GCC unroll 3
+      for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(xv[r], wv, acc[r][j]);
+    }
+  }
+#pragma GCC unroll 3
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < J; ++j) y[r * N + j] = hsum(acc[r][j]);
+}
+
 void rows(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
   int64_t n = n0;
+  if (M == 1)  // one input row: 8 weight rows per block keep 8 FMA chains in flight
+    for (; n + 8 <= n1; n += 8) tile<1, 8>(x, w + n * K, y + n, N, K, (n + 16 <= n1) ? w + (n + 8) * K : nullptr);
   for (; n + 4 <= n1; n += 4) {
-    const float* w0 = w + n * K;
-    const float* w1 = w0 + K;
-    const float* w2 = w1 + K;
-    const float* w3 = w2 + K;
+    const float* wb = w + n * K;
     // the next block's rows stream in from memory while this block computes from L1
-    const float* next = (n + 8 <= n1) ? w3 + K : nullptr;
+    const float* next = (n + 8 <= n1) ? wb + 4 * K : nullptr;
     int64_t m = 0;
-    for (; m + 2 <= M; m += 2) {
-      const float* xa = x + m * K;
-      const float* xb = xa + K;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-      for (int64_t k = 0; k < K; k += 8) {
-        if (m == 0 && next && (k & 15) == 0) {
-          _mm_prefetch(reinterpret_cast<const char*>(next + k), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(next + K + k), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(next + 2 * K + k), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(next + 3 * K + k), _MM_HINT_T0);
-        }
-        const __m256 va = _mm256_loadu_ps(xa + k), vb = _mm256_loadu_ps(xb + k);
-        __m256 v = _mm256_loadu_ps(w0 + k);
-        a0 = _mm256_fmadd_ps(va, v, a0);
-        b0 = _mm256_fmadd_ps(vb, v, b0);
-        v = _mm256_loadu_ps(w1 + k);
-        a1 = _mm256_fmadd_ps(va, v, a1);
-        b1 = _mm256_fmadd_ps(vb, v, b1);
-        v = _mm256_loadu_ps(w2 + k);
-        a2 = _mm256_fmadd_ps(va, v, a2);
-        b2 = _mm256_fmadd_ps(vb, v, b2);
-        v = _mm256_loadu_ps(w3 + k);
-        a3 = _mm256_fmadd_ps(va, v, a3);
-        b3 = _mm256_fmadd_ps(vb, v, b3);
-      }
-      float* ya = y + m * N + n;
-      float* yb = ya + N;
-      ya[0] = hsum(a0); ya[1] = hsum(a1); ya[2] = hsum(a2); ya[3] = hsum(a3);
-      yb[0] = hsum(b0); yb[1] = hsum(b1); yb[2] = hsum(b2); yb[3] = hsum(b3);
-    }
-    if (m < M) {  // odd M: the same per-element FMA sequence, one input row
-      const float* xa = x + m * K;
-      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t k = 0; k < K; k += 8) {
-        if (M == 1 && next && (k & 15) == 0) {
-          _mm_prefetch(reinterpret_cast<const char*>(next + k), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(next + K + k), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(next + 2 * K + k), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(next + 3 * K + k), _MM_HINT_T0);
-        }
-        const __m256 va = _mm256_loadu_ps(xa + k);
-        a0 = _mm256_fmadd_ps(va, _mm256_loadu_ps(w0 + k), a0);
-        a1 = _mm256_fmadd_ps(va, _mm256_loadu_ps(w1 + k), a1);
-        a2 = _mm256_fmadd_ps(va, _mm256_loadu_ps(w2 + k), a2);
-        a3 = _mm256_fmadd_ps(va, _mm256_loadu_ps(w3 + k), a3);
-      }
-      float* ya = y + m * N + n;
-      ya[0] = hsum(a0); ya[1] = hsum(a1); ya[2] = hsum(a2); ya[3] = hsum(a3);
-    }
+    // input rows in threes; a remainder of one after a three becomes two twos
+    const int64_t triples = (M % 3 == 1 && M >= 4) ? M / 3 - 1 : M / 3;
+    for (int64_t t = 0; t < triples; ++t, m += 3) tile<3>(x + m * K, wb, y + m * N + n, N, K, m == 0 ? next : nullptr);
+    for (; m + 2 <= M; m += 2) tile<2>(x + m * K, wb, y + m * N + n, N, K, m == 0 ? next : nullptr);
+    if (m < M) tile<1>(x + m * K, wb, y + m * N + n, N, K, m == 0 ? next : nullptr);
   }
   for (; n < n1; ++n)
     for (int64_t m = 0; m < M; ++m) y[m * N + n] = dot(x + m * K, w + n * K, K);
