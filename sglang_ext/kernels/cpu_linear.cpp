@@ -1,6 +1,6 @@
 // Small-batch fp32 linear for x86-64 CPUs with AVX2 + FMA: y[m, n] = sum_k x[m, k] * w[n, k].
 //
-// Why: decode and tree-verify forwards multiply 1-64 rows by every weight matrix. MKL's sgemm
+// Why: decode and tree-verify forwards multiply 1-128 rows by every weight matrix. MKL's sgemm
 // reaches 5-10 GB/s of weight traffic at those shapes on an AVX2 machine (memory allows ~20),
 // and an 8-row verify costs 2x a 1-row decode. Here each weight row is read from memory once and
 // reused from L1 for every input row.
