@@ -23,7 +23,7 @@ from sglang_ext.training.data import (
 )
 from sglang_ext.training.eagle3 import Eagle3Task
 from sglang_ext.training.target import TargetRunner
-from sglang_ext.training.trainer import OptimConfig, RunConfig, Trainer, lr_factor
+from sglang_ext.training.trainer import OptimConfig, RunConfig, Trainer, counted_seconds, lr_factor
 
 
 def _sharegpt(i, turns=(("human", "hi"), ("gpt", "hello there"))):
@@ -158,6 +158,15 @@ def _tiny_setup(tmp_path, steps, seed=0):
     trainer = Trainer(task, TargetRunner(target, 64), batches, OptimConfig(lr=3e-3, warmup_ratio=0.1),
                       RunConfig(str(tmp_path), steps, save_every_s=1e9, progress_bar=False))
     return task, trainer, batches
+
+
+def test_suspended_step_counts_at_the_recent_rate():
+    recent: list[tuple[float, int]] = []
+    for _ in range(5):
+        assert counted_seconds(2.0, recent, 1000) == 2.0  # 2 ms per token
+    assert counted_seconds(3.0, recent, 1000) == 3.0  # a slow step still counts as it took
+    assert counted_seconds(900.0, recent, 500) == pytest.approx(1.0)  # SIGSTOPped for 15 min: 500 tokens at 2 ms
+    assert len(recent) == 7
 
 
 def test_short_ttt_run_lowers_loss(tmp_path):

@@ -72,6 +72,22 @@ def lr_factor(progress: float, warmup: float, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac)))
 
 
+def counted_seconds(dt: float, recent: list[tuple[float, int]], tokens: int, window: int = 50) -> float:
+    """The training time a step counts for the time budget and the LR schedule.
+
+    NOTE: a step that took over 10x the recent median seconds-per-token was suspended (SIGSTOP while
+    a benchmark had the machine) or starved; it counts at the median rate, so a pause does not eat
+    the budget or jump the schedule. `recent` holds the last `window` (seconds, tokens) pairs."""
+    if len(recent) >= 5:
+        rates = sorted(s / max(1, n) for s, n in recent)
+        typical = rates[len(rates) // 2] * max(1, tokens)
+        if dt > 10 * typical:
+            dt = typical
+    recent.append((dt, tokens))
+    del recent[:-window]
+    return dt
+
+
 class Trainer:
     def __init__(self, task: Task, target_runner: TargetRunner, batches: list[Batch], optim: OptimConfig, run: RunConfig, meta: dict | None = None):
         if not batches:
@@ -172,13 +188,13 @@ class Trainer:
         tb = SummaryWriter(str(self.out / "tb"))
         log = open(self.out / "metrics.jsonl", "a")
         bar = tqdm(total=rc.total_steps, initial=self.step, disable=not rc.progress_bar, dynamic_ncols=True, mininterval=5)
-        last_save, metrics = time.monotonic(), {}
+        last_save, metrics, recent = time.monotonic(), {}, []
         try:
             while not self.done:
                 batch = self.batch_at(self.step)
                 t0 = time.perf_counter()
                 metrics = self.train_step(batch)
-                dt = time.perf_counter() - t0
+                dt = counted_seconds(time.perf_counter() - t0, recent, batch.num_tokens)
                 self.step += 1
                 self.tokens_seen += batch.num_tokens
                 self.elapsed_s += dt
