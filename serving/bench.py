@@ -294,7 +294,7 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--batch-sizes", default=None, help="batch sweep, e.g. 1,2,4,8,16,32,64: per batch size, each method runs that many prompts as one continuous batch (default: no sweep; the per-prompt table above is batch size 1)")
     b.add_argument("--adaptive", action="store_true", help="sweep and gateway overhead: drafter rows use Engine(adaptive=True) (per-step tree / off from measured throughput, the serving default)")
     b.add_argument("--repeats", type=int, default=1, help="sweep: measured runs per (batch size, method), method order rotated each repeat")
-    b.add_argument("--sweep-min-prompts", type=int, default=8, help="sweep: batch sizes below this run several consecutive batches per measured run, so at least this many prompts are measured")
+    b.add_argument("--sweep-min-prompts", type=int, default=8, help="sweep: a measured run at batch size b serves max(this, 2b) prompts, b at a time (continuous batching)")
     b.add_argument("--sweep-only", action="store_true", help="skip the per-prompt (bs=1, peers) table; run only --batch-sizes / --gateway-overhead")
     b.add_argument("--gateway-overhead", action="store_true", help="p50 latency of one short greedy request: Engine directly vs the real gateway over HTTP on 127.0.0.1")
     b.add_argument("--overhead-requests", type=int, default=20, help="gateway overhead: measured requests per path")
@@ -435,7 +435,7 @@ def cmd_bench(args) -> int:
         payload["batch_sweep"] = {"batch_sizes": sizes, "adaptive": args.adaptive, "repeats": args.repeats, "min_prompts": args.sweep_min_prompts, "eval_sets": args.eval_sets.split(","), "distinct_prompts": len(mixed),
                                   "memory": "peak process RSS (psutil, sampled every 5 ms) during the row's measured run(s) (all engines alive at that batch size included), and its rise over the RSS when the run started",
                                   "rows": batch_json(sweep)}
-        sections.append(f"## Throughput vs batch size ({args.max_new_tokens} new tokens, {sampling}, {args.repeats} repeat(s); batch sizes below {args.sweep_min_prompts} run consecutive batches so each row measures at least {args.sweep_min_prompts} prompts)\n\n{batch_rows_table(sweep)}\n\n"
+        sections.append(f"## Throughput vs batch size ({args.max_new_tokens} new tokens, {sampling}, {args.repeats} repeat(s); at batch size b, max({args.sweep_min_prompts}, 2b) prompts served b at a time with continuous batching)\n\n{batch_rows_table(sweep)}\n\n"
                         f"### tok/s (× vanilla at the same batch size)\n\n{batch_grid_table(sweep)}\n\n![throughput vs batch size](throughput_vs_batch.png)")
         try:
             plot_throughput(sweep, out / "throughput_vs_batch.png")

@@ -107,21 +107,22 @@ def batch_prompts(prompts: list[list[int]], b: int, start: int = 0) -> list[list
     return [prompts[(start + i) % len(prompts)] for i in range(b)]
 
 
-def sweep_batches(prompts: list[list[int]], b: int, min_prompts: int) -> list[list[list[int]]]:
-    """The batches a batch size's measured run goes through: one batch of b prompts, or for small b
-    several consecutive batches (different prompts) so that at least min_prompts are measured;
-    one 128-token generation alone is a few seconds, too short to rank methods on a noisy machine."""
-    rounds = max(1, -(-min_prompts // b))
-    return [batch_prompts(prompts, b, r * b) for r in range(rounds)]
+def sweep_prompts(prompts: list[list[int]], b: int, min_prompts: int, rounds: int = 2) -> list[list[int]]:
+    """The prompts one measured run at batch size b pushes through the engine, b at a time
+    (continuous batching: a finished request's place goes to the next prompt): at least
+    min_prompts, and `rounds` x b so the run is mostly at full batch rather than in the tail where
+    the batch drains. Eval prompts in order, cycled when there are fewer."""
+    return batch_prompts(prompts, max(min_prompts, rounds * b, b))
 
 
 def engine_batch_runner(target, method: str, tree, max_new_tokens: int, adaptive: bool, drafter_cache: dict, sampling=None) -> Callable:
-    """A function (prompts, max_new_tokens) -> BatchRun running them as one batch through an Engine.
+    """A function (prompts, max_new_tokens, concurrency) -> BatchRun running the prompts through an
+    Engine with at most `concurrency` requests running (default: all at once), refilled as they finish.
 
     sampling: a SamplingParams whose temperature / top-p / seed every request uses (default greedy).
 
-    The engine (and its KV pool, sized for the batch at the full max_new_tokens) is kept while the
-    batch size stays the same, so the warm-up and the measured runs of a row share it (and, with
+    The engine (and its KV pool, sized for `concurrency` of the longest prompts at the full
+    max_new_tokens) is kept while the batch size stays the same, so the warm-up and the measured runs of a row share it (and, with
     adaptive speculation, the policy's measurements); a new batch size builds a new one. The drafter
     is built once per method and reused."""
     from sglang_ext.sampling import SamplingParams
@@ -135,34 +136,38 @@ def engine_batch_runner(target, method: str, tree, max_new_tokens: int, adaptive
     fallbacks: list[str] = []
     state: dict = {"engine": None, "b": None}
 
-    def engine_for(prompts: list[list[int]]) -> Engine:
-        need = sum(len(p) + max_new_tokens + tree.num_draft_tokens + 2 for p in prompts) + 64
+    def engine_for(prompts: list[list[int]], b: int) -> Engine:
+        longest = sorted((len(p) for p in prompts), reverse=True)[:b]
+        need = sum(n + max_new_tokens + tree.num_draft_tokens + 2 for n in longest) + 64
         e = state["engine"]
-        if e is None or state["b"] != len(prompts) or e.kv.num_slots < need:
-            policy = e.policy if e is not None and state["b"] == len(prompts) else None  # same batch size: keep what adaptive learned
+        if e is None or state["b"] != b or e.kv.num_slots < need:
+            policy = e.policy if e is not None and state["b"] == b else None  # same batch size: keep what adaptive learned
             state["engine"] = None  # free the old pool first
             e = Engine(target, drafter, tree, kv_slots=2 * need, adaptive=adaptive and drafter is not None, on_fallback=lambda r, why: fallbacks.append(why))
             if policy is not None:
                 e.policy = policy
-            state["engine"], state["b"] = e, len(prompts)
+            state["engine"], state["b"] = e, b
         return e
 
-    def run(prompts: list[list[int]], max_new: int = max_new_tokens) -> BatchRun:
-        engine = engine_for(prompts)
+    def run(prompts: list[list[int]], max_new: int = max_new_tokens, concurrency: int | None = None) -> BatchRun:
+        b = concurrency or len(prompts)
+        engine = engine_for(prompts, b)
         fallbacks.clear()
         sp = SamplingParams(max_new_tokens=max_new) if sampling is None else replace(sampling, max_new_tokens=max_new)
-        reqs = [engine.add_request(p, sp) for p in prompts]
+        todo, reqs = list(prompts), []
         res = BatchRun(0)
         try:
-            while any(not r.finished for r in reqs):
-                decoding = len(engine.running)  # requests this step decodes (new ones only prefill)
+            while todo or any(not r.finished for r in reqs):
+                while todo and sum(not r.finished for r in reqs) < b:
+                    reqs.append(engine.add_request(todo.pop(0), sp))
+                decoding = {r.rid for r in engine.running}  # requests this step decodes (arrivals only prefill)
                 t0 = time.perf_counter()
                 events = engine.step()
                 if decoding:
-                    res.decode_seconds += time.perf_counter() - t0
-                    res.decode_tokens += sum(len(e.new_tokens) for e in events)  # all admitted at once: no prefill after step 1
+                    res.decode_seconds += time.perf_counter() - t0  # NOTE: includes any arrival's prefill in the step
+                    res.decode_tokens += sum(len(e.new_tokens) for e in events if e.request.rid in decoding)
                     res.decode_steps += 1
-                    res.batch_sum += decoding
+                    res.batch_sum += len(decoding)
         finally:
             for r in reqs:
                 if not r.finished:
@@ -192,13 +197,14 @@ def run_batch_sweep(
     log=None,
     min_prompts: int = 1,
 ) -> list[BatchResult]:
-    """methods: (label, tree text, adaptive, make_runner); a runner is (prompts, [max_new]) -> BatchRun.
+    """methods: (label, tree text, adaptive, make_runner); a runner is (prompts, max_new, concurrency) -> BatchRun.
 
-    Per batch size, every method runs (warm-up once, then `repeats` measured runs, method order
-    rotated each repeat); a measured run is one batch, or several in a row for batch sizes below
-    min_prompts (see sweep_batches). A method that fails to build, or fails at some batch size, gets a row with
-    the error at that batch size (it is still tried at the others)."""
-    runners: dict[int, Callable | None] = {}
+    Per batch size b, every method runs (warm-up once on b prompts, then `repeats` measured runs,
+    method order rotated each repeat); a measured run serves the same prompt list (sweep_prompts:
+    at least min_prompts and 2b) with b requests running at a time, as the server does. A method
+    that fails to build, or fails at some batch size, gets a row with the error at that batch size
+    (it is still tried at the others)."""
+    runners: dict[int, Callable | None] = {}  # (prompts, max_new, concurrency) -> BatchRun
     build_errors: dict[int, str] = {}
     for i, (_, _, _, make) in enumerate(methods):
         try:
@@ -207,8 +213,8 @@ def run_batch_sweep(
             runners[i], build_errors[i] = None, f"{type(e).__name__}: {e}"
     results: list[BatchResult] = []
     for b in batch_sizes:
-        batches = sweep_batches(prompts, b, min_prompts)
-        batch = batches[0]
+        queue = sweep_prompts(prompts, b, min_prompts)
+        batch = queue[:b]
         rows = {i: BatchResult(label, tree, b, adaptive, error=build_errors.get(i)) for i, (label, tree, adaptive, _) in enumerate(methods)}
         if warmup:  # the same batch, few new tokens (warms the engine and the adaptive policy)
             for i, row in rows.items():
@@ -230,7 +236,7 @@ def run_batch_sweep(
                     if sampler:
                         sampler.__enter__()
                     t0 = time.perf_counter()
-                    outs = [runners[i](bt) for bt in batches]
+                    outs = [runners[i](queue, concurrency=b)]
                     dt = time.perf_counter() - t0
                 except Exception as e:  # noqa: BLE001
                     row.error = f"{type(e).__name__}: {e}"

@@ -4,6 +4,7 @@ import json
 
 from serving.bench import MethodResult, markdown_table
 from serving.cli import main
+from sglang_ext.tree import TreeShape
 
 
 def test_tau_from_known_accepts():
@@ -58,13 +59,13 @@ def test_batch_sweep_failure_at_one_batch_size_is_a_row():
     calls = []
 
     def make_ok(rate):
-        def run(prompts, max_new=4):
+        def run(prompts, max_new=4, concurrency=None):
             calls.append(len(prompts))
             return BatchRun(tokens=len(prompts) * max_new, verify_steps=len(prompts), accepted=len(prompts), drafted=2 * len(prompts))
         return lambda: run
 
-    def flaky(prompts, max_new=4):
-        if len(prompts) == 2 and max_new != 1:  # fails at bs=2 only (after its warm-up)
+    def flaky(prompts, max_new=4, concurrency=None):
+        if concurrency == 2 and max_new != 1:  # fails at bs=2 only (after its warm-up)
             raise RuntimeError("out of KV slots")
         return BatchRun(tokens=len(prompts) * max_new, verify_steps=len(prompts))
 
@@ -72,7 +73,7 @@ def test_batch_sweep_failure_at_one_batch_size_is_a_row():
     res = run_batch_sweep(methods, [[1, 2, 3]], [1, 2, 4], warmup_tokens=1, measure_memory=False)
     by = {(r.method, r.batch_size): r for r in res}
     assert len(res) == 9  # every method has a row at every batch size
-    assert by[("flaky", 1)].error is None and by[("flaky", 4)].error is None and by[("flaky", 1)].tokens == 4
+    assert by[("flaky", 1)].error is None and by[("flaky", 4)].error is None and by[("flaky", 1)].tokens == 2 * 4  # 2 prompts at bs 1
     assert "out of KV slots" in by[("flaky", 2)].error
     assert all("no checkpoint" in by[("broken", b)].error for b in (1, 2, 4))
     assert by[("vanilla", 4)].tau == 2.0 and by[("vanilla", 4)].draft_per_step == 2.0
@@ -80,21 +81,34 @@ def test_batch_sweep_failure_at_one_batch_size_is_a_row():
     assert "| flaky 1,1,1 | " in batch_grid_table(res) and "| failed |" in batch_grid_table(res)
 
 
-def test_small_batch_sizes_measure_several_consecutive_batches():
-    from serving.bench_batch import sweep_batches
+def test_sweep_serves_a_prompt_queue_b_at_a_time():
+    from serving.bench_batch import sweep_prompts
 
     prompts = [[i] for i in range(5)]
-    assert sweep_batches(prompts, 1, 3) == [[[0]], [[1]], [[2]]]
-    assert sweep_batches(prompts, 2, 3) == [[[0], [1]], [[2], [3]]]  # ceil(3/2) batches, different prompts
-    assert sweep_batches(prompts, 4, 3) == [[[0], [1], [2], [3]]]
+    assert sweep_prompts(prompts, 1, 3) == [[0], [1], [2]]
+    assert sweep_prompts(prompts, 2, 3) == [[0], [1], [2], [3]]  # 2 rounds of the batch size
+    assert sweep_prompts(prompts, 4, 3) == [[0], [1], [2], [3], [4], [0], [1], [2]]  # cycled
     calls = []
 
-    def run(batch, max_new=4):
-        calls.append(len(batch))
-        return BatchRun(tokens=len(batch) * max_new, verify_steps=len(batch))
+    def run(queue, max_new=4, concurrency=None):
+        calls.append((len(queue), concurrency))
+        return BatchRun(tokens=len(queue) * max_new, verify_steps=len(queue))
 
     (row,) = run_batch_sweep([("vanilla", "-", False, lambda: run)], prompts, [1], warmup=False, measure_memory=False, min_prompts=3)
-    assert calls == [1, 1, 1] and row.tokens == 12 and row.runs == 1
+    assert calls == [(3, 1)] and row.tokens == 12 and row.runs == 1
+
+
+def test_engine_runner_keeps_b_requests_running(smollm2_fp32):
+    """Continuous batching in the sweep: never more than b running, refilled until the queue is served."""
+    from serving.bench_batch import engine_batch_runner
+
+    prompts = [smollm2_fp32.encode_chat([{"role": "user", "content": f"Count to {n}."}]) for n in range(5)]
+    run = engine_batch_runner(smollm2_fp32, "vanilla", TreeShape.chain(1), 6, False, {})
+    res = run(prompts, 6, concurrency=2)
+    assert len(res.outputs) == 5 and all(len(o) <= 6 for o in res.outputs)
+    assert 1.0 <= res.batch_sum / res.decode_steps <= 2.0  # mean running batch never above b
+    alone = run(prompts[:1], 6)
+    assert alone.outputs[0] == res.outputs[0]  # batching does not change outputs (greedy, fp32)
 
 
 def test_bench_batch_sweep_and_gateway_overhead_quick(tmp_path):
@@ -110,7 +124,7 @@ def test_bench_batch_sweep_and_gateway_overhead_quick(tmp_path):
         v, n = by[("vanilla", b)], by[("ngram", b)]
         assert v["tokens"] > 0 and n["verify_steps"] > 0 and n["adaptive"] and not v["adaptive"]
         assert abs(n["speedup_vs_vanilla"] - n["tokens_per_s"] / v["tokens_per_s"]) < 1e-9  # same-bs vanilla
-        assert n["decode_tokens_per_s"] > 0 and n["decode_tokens"] == n["tokens"] - b
+        assert n["decode_tokens_per_s"] > 0 and n["decode_tokens"] == n["tokens"] - 2 * b  # 2b prompts served; first tokens come from prefill
         assert n["peak_rss_mb"] > 0 and "unknown drafter" in by[("nope", b)]["error"]
     assert by[("vanilla", 2)]["mean_batch"] > 1
     (oh,) = data["gateway_overhead"]
