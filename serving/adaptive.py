@@ -1,10 +1,12 @@
 """Adaptive speculation: per step, pick the tree shape (or no speculation) with the best measured
 throughput for the current batch-size bucket.
 
-Throughput of an option = tokens emitted per step / seconds per (draft + verify) step, per
-(option, batch bucket). Step time is the median of the last few steps (one step slowed by a noisy
-neighbour must not make an option look slow for good: the losers are only re-measured now and
-then); tokens per step is the mean over a longer window (acceptance is noisy step to step).
+Throughput of an option = the mean over its recent steps of each step's own tokens / seconds, per
+(option, batch bucket). Each step's tokens and seconds belong together: a bucket spans batch sizes
+(17-32 is one), and a window of step times from bs 32 against tokens from bs 20 would mis-rate an
+option. A step slower than twice the recent median counts as twice the median (one step slowed by a
+noisy neighbour must not make an option look slow for good: the losers are only re-measured now
+and then); the mean over a window evens out acceptance, which is noisy step to step.
 Speculation off is always an option, so at any batch size the engine converges to at least vanilla
 speed. Untried options are tried a few times; the losers are re-tried now and then because
 acceptance drifts with the content.
@@ -24,18 +26,19 @@ from .metrics import batch_bucket
 
 @dataclass
 class _Stat:
-    seconds: deque = field(default_factory=lambda: deque(maxlen=9))  # recent step times
-    tokens: deque = field(default_factory=lambda: deque(maxlen=32))  # recent tokens per step
+    steps: deque = field(default_factory=lambda: deque(maxlen=32))  # recent (seconds, tokens) of one step each
     n: int = 0
 
     @property
     def median_seconds(self) -> float:
-        return statistics.median(self.seconds) if self.seconds else 0.0
+        return statistics.median(s for s, _ in self.steps) if self.steps else 0.0
 
     @property
     def rate(self) -> float:
-        sec = self.median_seconds
-        return statistics.fmean(self.tokens) / sec if sec > 0 else 0.0
+        if not self.steps:
+            return 0.0
+        cap = 2 * statistics.median(s for s, _ in list(self.steps)[-9:])
+        return statistics.fmean(t / max(min(s, cap), 1e-9) for s, t in self.steps)
 
 
 def shape_menu(shape: TreeShape) -> list[TreeShape | None]:
@@ -51,11 +54,15 @@ def shape_menu(shape: TreeShape) -> list[TreeShape | None]:
 
 
 class AdaptiveSpeculation:
-    def __init__(self, shape: TreeShape, warmup: int = 3, retry_every: int = 32, max_retry_every: int = 512, far_behind: float = 0.8, explore_budget: float = 0.02):
+    def __init__(self, shape: TreeShape, warmup: int = 3, retry_every: int = 32, max_retry_every: int = 512, far_behind: float = 0.8, explore_budget: float = 0.02, trust_after: int = 8, tree_margin: float = 0.03):
         self.options = shape_menu(shape)
         self._cheapest_first = sorted(range(len(self.options)), key=lambda i: 0 if self.options[i] is None else self.options[i].num_draft_tokens)
         self.warmup, self.retry_every, self.max_retry_every, self.far_behind = warmup, retry_every, max_retry_every, far_behind
         self.explore_budget = explore_budget  # share of step time re-measuring one losing option may cost
+        self.trust_after = trust_after  # steps of an option before 'far behind' may back off its re-measurement
+        # a tree must beat 'off' by this fraction to be chosen: where they are within noise (large
+        # batches), speculating risks a loss for no gain
+        self.tree_margin = tree_margin
         self.stats: dict[tuple[int, str], _Stat] = {}
         self.steps: dict[str, int] = {}
         self.next_retry: dict[tuple[str, int], int] = {}  # (bucket, option) -> step of its next re-measurement
@@ -78,7 +85,7 @@ class AdaptiveSpeculation:
         # a bucket the batch has just entered (requests finishing) starts from the nearest measured
         # one instead of exploring again: at a large batch an exploratory step is very slow
         rates = [self._rate(i, bucket, known) for i in range(len(self.options))]
-        best = max(range(len(self.options)), key=rates.__getitem__)
+        best = max(range(len(self.options)), key=lambda i: rates[i] / (1.0 if self.options[i] is None else 1.0 + self.tree_margin))
         # re-measure each losing option now and then (acceptance drifts with the content, and its
         # first measurements may have been unlucky); one far behind the best ever less often (each
         # re-measurement costs a slow step), one close to it at the base interval
@@ -87,7 +94,10 @@ class AdaptiveSpeculation:
             return best
         pick = min(due, key=lambda i: self.next_retry[(bucket, i)])
         gap = self.retry_gap.get((bucket, pick), self.retry_every)
-        gap = min(2 * gap, self.max_retry_every) if rates[pick] < self.far_behind * rates[best] else self.retry_every
+        # NOTE: only once the option has a few steps: acceptance swings step to step, and a tree first
+        # tried where the drafter had nothing to offer (the start of an answer) looked far behind
+        far = rates[pick] < self.far_behind * rates[best] and self._stat(pick, bucket).n >= self.trust_after
+        gap = min(2 * gap, self.max_retry_every) if far else self.retry_every
         self.retry_gap[(bucket, pick)] = gap
         # and never so often that re-measuring costs more than explore_budget of the time: at a large
         # batch one tree step (draft catch-up + a big verify) can cost several plain steps
@@ -129,6 +139,5 @@ class AdaptiveSpeculation:
 
     def observe(self, option: int, batch_size: int, seconds: float, tokens: int) -> None:
         s = self._stat(option, batch_bucket(batch_size))
-        s.seconds.append(seconds)
-        s.tokens.append(tokens)
+        s.steps.append((seconds, tokens))
         s.n += 1
