@@ -1,11 +1,13 @@
 """`moa-serve bench --batch-sizes ...` and `--gateway-overhead`: throughput vs batch size, and the
 cost of the HTTP gateway over calling the engine directly.
 
-Batch sweep: for each batch size B, every method (vanilla, then each drafter) runs B prompts as one
-continuous batch through the Engine (all admitted at once, stepped until every request finishes;
-requests leave the batch as they stop). Methods are interleaved per batch size (and their order
-rotated per repeat), so load drift on a noisy machine hits all alike, and every speedup is against
-the vanilla row of the SAME batch size in the SAME run.
+Batch sweep: for each batch size B, every method (vanilla, then each drafter) serves the same queue
+of prompts (sweep_prompts: at least 2B) through the Engine with B requests running at a time, a
+finished request's place going to the next prompt (continuous batching, as the server does). Methods
+are interleaved per batch size (and their order rotated per repeat), so load drift on a noisy machine
+hits all alike, and every speedup is against the vanilla row of the SAME batch size in the SAME run.
+Two rates per row: the whole run (the tail where the last requests drain included) and the rate at
+full batch (steps with B requests in the engine: a server under a steady load of B clients).
 
 Peak memory: the process's resident set size (psutil RSS), sampled every 5 ms by a thread while the
 row's measured runs. We report the peak and its rise over the RSS at the start of the measured run. The
@@ -40,6 +42,8 @@ class BatchResult(SpecRates):
     fallbacks: int = 0  # requests that fell back to vanilla (drafter fault)
     decode_seconds: float = 0.0  # time in steps that decoded (the prefill-only first step excluded)
     decode_tokens: int = 0  # tokens those steps emitted (the first token per request comes from prefill)
+    full_seconds: float = 0.0  # time in steps that had b requests in the engine (steady state, no drain tail)
+    full_tokens: int = 0  # tokens those steps emitted (arrivals' first tokens included)
     runs: int = 0
     peak_rss_mb: float | None = None
     rss_rise_mb: float | None = None
@@ -49,6 +53,13 @@ class BatchResult(SpecRates):
     @property
     def decode_tokens_per_s(self) -> float:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else float("nan")
+
+    @property
+    def full_tokens_per_s(self) -> float:
+        """Throughput while b requests are in the engine: a server under a steady load of b clients.
+        The whole-run rate also counts the tail where the last requests drain (the batch shrinks),
+        which depends on how many prompts the benchmark pushes, not on the engine."""
+        return self.full_tokens / self.full_seconds if self.full_seconds else float("nan")
 
     @property
     def mean_batch(self) -> float:
@@ -72,6 +83,9 @@ class BatchRun:
     fallbacks: int = 0
     decode_seconds: float = 0.0
     decode_tokens: int = 0
+    full_seconds: float = 0.0
+    full_tokens: int = 0
+    seconds: float | None = None  # the run's own time when interleaved with others (None: wall time counts)
     accepted_by_depth: list[int] = field(default_factory=list)
     outputs: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -100,6 +114,34 @@ class RSSSampler:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, self.proc.memory_info().rss)
+
+
+def drive(gen) -> BatchRun:
+    """Run a step generator to the end; its return value."""
+    try:
+        while True:
+            next(gen)
+    except StopIteration as stop:
+        return stop.value
+
+
+def interleave(gens: list) -> list:
+    """Step several runs round-robin (one engine step each in turn) until all finish: drift on a
+    noisy machine then hits every method alike at step granularity, not row by row. Each entry of
+    the result is the run's BatchRun, or the exception that ended it (the others go on)."""
+    out: list = [None] * len(gens)
+    live = list(range(len(gens)))
+    while live:
+        for i in list(live):
+            try:
+                next(gens[i])
+            except StopIteration as stop:
+                out[i] = stop.value
+                live.remove(i)
+            except Exception as e:  # noqa: BLE001 - reported in that method's row
+                out[i] = e
+                live.remove(i)
+    return out
 
 
 def batch_prompts(prompts: list[list[int]], b: int, start: int = 0) -> list[list[int]]:
@@ -149,25 +191,36 @@ def engine_batch_runner(target, method: str, tree, max_new_tokens: int, adaptive
             state["engine"], state["b"] = e, b
         return e
 
-    def run(prompts: list[list[int]], max_new: int = max_new_tokens, concurrency: int | None = None) -> BatchRun:
+    def steps(prompts: list[list[int]], max_new: int = max_new_tokens, concurrency: int | None = None):
+        """A generator: one engine step per next(); returns the BatchRun (StopIteration.value).
+        res.seconds counts only the time between resumptions, so a sweep can interleave methods
+        step by step and each still gets its own time."""
         b = concurrency or len(prompts)
         engine = engine_for(prompts, b)
         fallbacks.clear()
         sp = SamplingParams(max_new_tokens=max_new) if sampling is None else replace(sampling, max_new_tokens=max_new)
         todo, reqs = list(prompts), []
-        res = BatchRun(0)
+        res = BatchRun(0, seconds=0.0)
         try:
             while todo or any(not r.finished for r in reqs):
+                t_in = time.perf_counter()
                 while todo and sum(not r.finished for r in reqs) < b:
                     reqs.append(engine.add_request(todo.pop(0), sp))
                 decoding = {r.rid for r in engine.running}  # requests this step decodes (arrivals only prefill)
+                full = sum(not r.finished for r in reqs) == b
                 t0 = time.perf_counter()
                 events = engine.step()
+                dt = time.perf_counter() - t0
+                if full:
+                    res.full_seconds += dt
+                    res.full_tokens += sum(len(e.new_tokens) for e in events)
                 if decoding:
-                    res.decode_seconds += time.perf_counter() - t0  # NOTE: includes any arrival's prefill in the step
+                    res.decode_seconds += dt  # NOTE: includes any arrival's prefill in the step
                     res.decode_tokens += sum(len(e.new_tokens) for e in events if e.request.rid in decoding)
                     res.decode_steps += 1
                     res.batch_sum += len(decoding)
+                res.seconds += time.perf_counter() - t_in
+                yield
         finally:
             for r in reqs:
                 if not r.finished:
@@ -182,6 +235,10 @@ def engine_batch_runner(target, method: str, tree, max_new_tokens: int, adaptive
         res.fallbacks = len(fallbacks)
         return res
 
+    def run(prompts: list[list[int]], max_new: int = max_new_tokens, concurrency: int | None = None) -> BatchRun:
+        return drive(steps(prompts, max_new, concurrency))
+
+    run.steps = steps  # type: ignore[attr-defined]  # for interleaved sweeps
     run.release = lambda: state.update(engine=None, b=None)  # type: ignore[attr-defined]  # after the last run at a batch size
     return run
 
@@ -196,12 +253,15 @@ def run_batch_sweep(
     measure_memory: bool = True,
     log=None,
     min_prompts: int = 1,
+    interleaved: bool = True,
 ) -> list[BatchResult]:
     """methods: (label, tree text, adaptive, make_runner); a runner is (prompts, max_new, concurrency) -> BatchRun.
 
     Per batch size b, every method runs (warm-up once on b prompts, then `repeats` measured runs,
     method order rotated each repeat); a measured run serves the same prompt list (sweep_prompts:
-    at least min_prompts and 2b) with b requests running at a time, as the server does. A method
+    at least min_prompts and 2b) with b requests running at a time, as the server does. Runners
+    with a `steps` generator run interleaved, one engine step each in turn (each timed on its own
+    steps; the RSS peak then covers all of them); others run one after another. A method
     that fails to build, or fails at some batch size, gets a row with the error at that batch size
     (it is still tried at the others)."""
     runners: dict[int, Callable | None] = {}  # (prompts, max_new, concurrency) -> BatchRun
@@ -227,48 +287,61 @@ def run_batch_sweep(
         order = list(rows)
         for rep in range(repeats):
             rot = order[rep % len(order) :] + order[: rep % len(order)] if order else []
-            for i in rot:
-                row = rows[i]
-                if row.error:
-                    continue
+            live = [i for i in rot if not rows[i].error]
+            stepped = [i for i in live if interleaved and hasattr(runners[i], "steps")]
+            groups = ([stepped] if stepped else []) + [[i] for i in live if i not in stepped]
+            for group in groups:
                 sampler = RSSSampler() if measure_memory else None
+                outs: dict[int, BatchRun | Exception] = {}
                 try:
                     if sampler:
                         sampler.__enter__()
-                    t0 = time.perf_counter()
-                    outs = [runners[i](queue, concurrency=b)]
-                    dt = time.perf_counter() - t0
-                except Exception as e:  # noqa: BLE001
-                    row.error = f"{type(e).__name__}: {e}"
-                    continue
+                    if group is stepped:
+                        outs = dict(zip(group, interleave([runners[i].steps(queue, concurrency=b) for i in group])))
+                    else:
+                        t0 = time.perf_counter()
+                        try:
+                            out = runners[group[0]](queue, concurrency=b)
+                            out.seconds = time.perf_counter() - t0 if out.seconds is None else out.seconds
+                            outs[group[0]] = out
+                        except Exception as e:  # noqa: BLE001
+                            outs[group[0]] = e
                 finally:
                     if sampler:
                         sampler.__exit__(None, None, None)
-                row.seconds += dt
-                row.runs += 1
-                for out in outs:
-                    for f in ("tokens", "verify_steps", "accepted", "drafted", "decode_steps", "batch_sum", "fallbacks", "decode_seconds", "decode_tokens"):
+                for i, out in outs.items():
+                    row = rows[i]
+                    if isinstance(out, Exception):
+                        row.error = f"{type(out).__name__}: {out}"
+                        continue
+                    row.seconds += out.seconds
+                    row.runs += 1
+                    for f in ("tokens", "verify_steps", "accepted", "drafted", "decode_steps", "batch_sum", "fallbacks", "decode_seconds", "decode_tokens", "full_seconds", "full_tokens"):
                         setattr(row, f, getattr(row, f) + getattr(out, f))
                     add_counts(row.accepted_by_depth, out.accepted_by_depth)
-                if sampler:
-                    mb = 1 << 20
-                    row.peak_rss_mb = max(row.peak_rss_mb or 0.0, sampler.peak / mb)
-                    row.rss_rise_mb = max(row.rss_rise_mb or 0.0, (sampler.peak - sampler.start) / mb)
+                    if sampler:
+                        mb = 1 << 20
+                        row.peak_rss_mb = max(row.peak_rss_mb or 0.0, sampler.peak / mb)
+                        row.rss_rise_mb = max(row.rss_rise_mb or 0.0, (sampler.peak - sampler.start) / mb)
         for r in runners.values():
             if r is not None and hasattr(r, "release"):
                 r.release()
         for row in rows.values():
             results.append(row)
             if log:
-                log(f"bs={b} {row.key}: {row.tokens_per_s:.1f} tok/s tau {row.tau:.2f} {row.error or ''}")
+                log(f"bs={b} {row.key}: {row.tokens_per_s:.1f} tok/s ({row.full_tokens_per_s:.1f} at full batch) tau {row.tau:.2f} {row.error or ''}")
     return results
 
 
-def speedup(row: BatchResult, results: list[BatchResult]) -> float | None:
-    """tokens/s of `row` over the vanilla row of the same batch size (None if that failed or is absent)."""
+def speedup(row: BatchResult, results: list[BatchResult], steady: bool = False) -> float | None:
+    """tokens/s of `row` over the vanilla row of the same batch size (None if that failed or is absent);
+    steady: the rates at full batch (BatchResult.full_tokens_per_s) instead of the whole run's."""
     v = next((r for r in results if r.method == "vanilla" and r.batch_size == row.batch_size and not r.error and r.runs), None)
     if v is None or row.error or not row.runs:
         return None
+    if steady:
+        x = row.full_tokens_per_s / v.full_tokens_per_s
+        return None if x != x else x
     return row.tokens_per_s / v.tokens_per_s
 
 
@@ -278,26 +351,27 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
 
 def batch_rows_table(results: list[BatchResult]) -> str:
     lines = [
-        "| batch size | method | tree (d,k,n) | adaptive | τ | draft tok/step | tok/s (whole batch) | speedup vs vanilla (same bs) | decode-only tok/s | mean running batch | fallbacks | peak RSS (MB, process) | RSS rise in row (MB) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| batch size | method | tree (d,k,n) | adaptive | τ | draft tok/step | tok/s (whole run) | speedup vs vanilla (same bs) | tok/s at full batch | speedup at full batch | decode-only tok/s | mean running batch | fallbacks | peak RSS (MB, process) | RSS rise in row (MB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         ad = "yes" if r.adaptive else "no"
         if r.error:
-            lines.append(f"| {r.batch_size} | {r.method} | {r.tree} | {ad} | failed: {r.error} | | | | | | | | |")
+            lines.append(f"| {r.batch_size} | {r.method} | {r.tree} | {ad} | failed: {r.error} | | | | | | | | | | |")
             continue
-        s = speedup(r, results)
+        s, sf = speedup(r, results), speedup(r, results, steady=True)
         spec = r.method != "vanilla"
         lines.append(
             f"| {r.batch_size} | {r.method} | {r.tree} | {ad} | {_fmt(r.tau) if spec else '-'} | {_fmt(r.draft_per_step, '.1f') if spec else '-'} "
-            f"| {_fmt(r.tokens_per_s, '.1f')} | {_fmt(s) + '×' if s is not None else 'n/a'} | {_fmt(r.decode_tokens_per_s, '.1f')} | {_fmt(r.mean_batch, '.1f')} | {r.fallbacks} "
+            f"| {_fmt(r.tokens_per_s, '.1f')} | {_fmt(s) + '×' if s is not None else 'n/a'} | {_fmt(r.full_tokens_per_s, '.1f')} | {_fmt(sf) + '×' if sf is not None else 'n/a'} | {_fmt(r.decode_tokens_per_s, '.1f')} | {_fmt(r.mean_batch, '.1f')} | {r.fallbacks} "
             f"| {_fmt(r.peak_rss_mb, '.0f')} | {_fmt(r.rss_rise_mb, '.0f')} |"
         )
     return "\n".join(lines)
 
 
-def batch_grid_table(results: list[BatchResult]) -> str:
-    """Rows = method, columns = batch sizes, cells = tok/s (×vanilla at that batch size)."""
+def batch_grid_table(results: list[BatchResult], steady: bool = False) -> str:
+    """Rows = method, columns = batch sizes, cells = tok/s (×vanilla at that batch size); steady: the
+    rates at full batch."""
     sizes = sorted({r.batch_size for r in results})
     keys = list(dict.fromkeys(r.key for r in results))
     lines = ["| method | " + " | ".join(f"bs={b}" for b in sizes) + " |", "|---|" + "---|" * len(sizes)]
@@ -310,8 +384,8 @@ def batch_grid_table(results: list[BatchResult]) -> str:
             elif r.error:
                 cells.append("failed")
             else:
-                s = speedup(r, results)
-                cells.append(f"{r.tokens_per_s:.1f} ({_fmt(s)}×)" if s is not None else f"{r.tokens_per_s:.1f}")
+                s, rate = speedup(r, results, steady), r.full_tokens_per_s if steady else r.tokens_per_s
+                cells.append(f"{rate:.1f} ({_fmt(s)}×)" if s is not None else f"{rate:.1f}")
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -320,6 +394,7 @@ def batch_json(results: list[BatchResult]) -> list[dict]:
     from dataclasses import asdict
 
     return [{**asdict(r), "tau": r.tau, "tokens_per_s": r.tokens_per_s, "draft_per_step": r.draft_per_step, "decode_tokens_per_s": r.decode_tokens_per_s, "mean_batch": r.mean_batch, "speedup_vs_vanilla": speedup(r, results),
+             "full_tokens_per_s": r.full_tokens_per_s, "speedup_at_full_batch": speedup(r, results, steady=True),
              "acceptance_by_position": r.acceptance_by_position} for r in results]
 
 

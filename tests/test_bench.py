@@ -55,6 +55,19 @@ def test_batch_speedup_is_against_same_batch_size_vanilla():
     assert "| 2 | ngram | 6,2,12 | yes | 2.00 |" in batch_rows_table(rows)
 
 
+def test_speedup_at_full_batch_uses_the_steady_state_rates():
+    rows = [
+        BatchResult("vanilla", "-", 4, tokens=100, seconds=10.0, runs=1, full_tokens=90, full_seconds=9.0),
+        BatchResult("suffix", "5,1,6", 4, True, tokens=100, seconds=12.5, runs=1, full_tokens=90, full_seconds=6.0),
+    ]
+    assert speedup(rows[1], rows) == 0.8  # the whole run, drain tail included
+    assert speedup(rows[1], rows, steady=True) == 1.5  # while 4 requests are in the engine
+    assert "| suffix 5,1,6 adaptive | 15.0 (1.50×) |" in batch_grid_table(rows, steady=True)
+    assert "| 8.0 | 0.80× | 15.0 | 1.50× |" in batch_rows_table(rows)
+    rows[0].full_seconds = 0.0  # no steady-state steps (e.g. a single prompt): n/a, not a crash
+    assert speedup(rows[1], rows, steady=True) is None
+
+
 def test_batch_sweep_failure_at_one_batch_size_is_a_row():
     calls = []
 
@@ -98,6 +111,39 @@ def test_sweep_serves_a_prompt_queue_b_at_a_time():
     assert calls == [(3, 1)] and row.tokens == 12 and row.runs == 1
 
 
+def test_sweep_interleaves_stepped_runners_step_by_step():
+    """Runners with a step generator take turns one step at a time (machine drift hits all alike);
+    each row still gets its own time, and one failing mid-run does not stop the others."""
+    order = []
+
+    def stepped(name, n, fail_at=None):
+        def steps(queue, max_new=4, concurrency=None):
+            res = BatchRun(0, seconds=0.0)
+            for k in range(n):
+                if k == fail_at:
+                    raise RuntimeError("drafter exploded")
+                order.append(name)
+                res.seconds += 0.5
+                res.tokens += 1
+                yield
+            return res
+
+        def run(queue, max_new=4, concurrency=None):
+            from serving.bench_batch import drive
+
+            return drive(steps(queue, max_new, concurrency))
+
+        run.steps = steps
+        return lambda: run
+
+    methods = [("vanilla", "-", False, stepped("v", 3)), ("fast", "1,1,1", False, stepped("f", 2)), ("bad", "1,1,1", False, stepped("x", 3, fail_at=1))]
+    res = run_batch_sweep(methods, [[1]], [1], warmup=False, measure_memory=False)
+    assert order == ["v", "f", "x", "v", "f", "v"]
+    by = {r.method: r for r in res}
+    assert by["vanilla"].seconds == 1.5 and by["fast"].seconds == 1.0  # own steps only, not the others'
+    assert by["fast"].tokens == 2 and "drafter exploded" in by["bad"].error
+
+
 def test_engine_runner_keeps_b_requests_running(smollm2_fp32):
     """Continuous batching in the sweep: never more than b running, refilled until the queue is served."""
     from serving.bench_batch import engine_batch_runner
@@ -107,8 +153,16 @@ def test_engine_runner_keeps_b_requests_running(smollm2_fp32):
     res = run(prompts, 6, concurrency=2)
     assert len(res.outputs) == 5 and all(len(o) <= 6 for o in res.outputs)
     assert 1.0 <= res.batch_sum / res.decode_steps <= 2.0  # mean running batch never above b
+    # steady state = steps with 2 requests in the engine: the 5th prompt's steps alone are the tail
+    assert 0 < res.full_tokens < res.tokens and 0 < res.full_seconds
     alone = run(prompts[:1], 6)
     assert alone.outputs[0] == res.outputs[0]  # batching does not change outputs (greedy, fp32)
+    # stepped (as an interleaved sweep runs it): the same outputs, its own time counted
+    from serving.bench_batch import interleave
+
+    spec = engine_batch_runner(smollm2_fp32, "ngram", TreeShape(3, 1, 4), 6, True, {})
+    a, b = interleave([run.steps(prompts, 6, 2), spec.steps(prompts, 6, 2)])
+    assert a.outputs == res.outputs == b.outputs and 0 < a.seconds and 0 < b.seconds
 
 
 def test_bench_batch_sweep_and_gateway_overhead_quick(tmp_path):
