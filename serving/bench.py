@@ -291,7 +291,7 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--out", default="results/bench", help="directory for results.json and table.md")
     b.add_argument("--report", default=None, help="also write a markdown report here (e.g. docs/BENCHMARKS.md)")
     b.add_argument("--quick", action="store_true", help="smoke mode: 2 prompts, 16 tokens (sweep: 1 repeat; gateway overhead: 3 requests)")
-    b.add_argument("--batch-sizes", default=None, help="batch sweep, e.g. 1,2,4,8,16,32,64: per batch size, each method runs that many prompts as one continuous batch (default: no sweep; the per-prompt table above is batch size 1)")
+    b.add_argument("--batch-sizes", default=None, help="batch sweep, e.g. 1,2,4,8,16,32,64: per batch size b, each method serves a queue of max(--sweep-min-prompts, 2b) prompts with b running at a time (continuous batching), methods interleaved step by step (default: no sweep; the per-prompt table above is batch size 1)")
     b.add_argument("--adaptive", action="store_true", help="sweep and gateway overhead: drafter rows use Engine(adaptive=True) (per-step tree / off from measured throughput, the serving default)")
     b.add_argument("--repeats", type=int, default=1, help="sweep: measured runs per (batch size, method), method order rotated each repeat")
     b.add_argument("--sweep-min-prompts", type=int, default=8, help="sweep: a measured run at batch size b serves max(this, 2b) prompts, b at a time (continuous batching)")
