@@ -4,8 +4,9 @@ cost of the HTTP gateway over calling the engine directly.
 Batch sweep: for each batch size B, every method (vanilla, then each drafter) serves the same queue
 of prompts (sweep_prompts: at least 2B) through the Engine with B requests running at a time, a
 finished request's place going to the next prompt (continuous batching, as the server does). Methods
-are interleaved per batch size (and their order rotated per repeat), so load drift on a noisy machine
-hits all alike, and every speedup is against the vanilla row of the SAME batch size in the SAME run.
+run interleaved engine step by engine step (each timed on its own steps), so load drift on a noisy
+machine hits all alike, and every speedup is against the vanilla row of the SAME batch size in the
+SAME run.
 Two rates per row: the whole run (the tail where the last requests drain included) and the rate at
 full batch (steps with B requests in the engine: a server under a steady load of B clients).
 
@@ -144,6 +145,22 @@ def interleave(gens: list) -> list:
     return out
 
 
+def _step_generator(runner, queue: list[list[int]], b: int):
+    """The runner's step generator; a runner without one runs whole as a single step (wall time)."""
+    if hasattr(runner, "steps"):
+        return runner.steps(queue, concurrency=b)
+
+    def whole():
+        t0 = time.perf_counter()
+        out = runner(queue, concurrency=b)
+        if out.seconds is None:
+            out.seconds = time.perf_counter() - t0
+        return out
+        yield  # never reached: makes this a generator
+
+    return whole()
+
+
 def batch_prompts(prompts: list[list[int]], b: int, start: int = 0) -> list[list[int]]:
     """B prompts: the eval prompts in order from `start`, cycled when there are fewer than B."""
     return [prompts[(start + i) % len(prompts)] for i in range(b)]
@@ -202,16 +219,19 @@ def engine_batch_runner(target, method: str, tree, max_new_tokens: int, adaptive
         todo, reqs = list(prompts), []
         res = BatchRun(0, seconds=0.0)
         try:
-            while todo or any(not r.finished for r in reqs):
+            while True:
                 t_in = time.perf_counter()
-                while todo and sum(not r.finished for r in reqs) < b:
+                live = sum(not r.finished for r in reqs)  # requests in the engine
+                while todo and live < b:
                     reqs.append(engine.add_request(todo.pop(0), sp))
+                    live += 1
+                if not live:
+                    break
                 decoding = {r.rid for r in engine.running}  # requests this step decodes (arrivals only prefill)
-                full = sum(not r.finished for r in reqs) == b
                 t0 = time.perf_counter()
                 events = engine.step()
                 dt = time.perf_counter() - t0
-                if full:
+                if live == b:
                     res.full_seconds += dt
                     res.full_tokens += sum(len(e.new_tokens) for e in events)
                 if decoding:
@@ -292,20 +312,10 @@ def run_batch_sweep(
             groups = ([stepped] if stepped else []) + [[i] for i in live if i not in stepped]
             for group in groups:
                 sampler = RSSSampler() if measure_memory else None
-                outs: dict[int, BatchRun | Exception] = {}
                 try:
                     if sampler:
                         sampler.__enter__()
-                    if group is stepped:
-                        outs = dict(zip(group, interleave([runners[i].steps(queue, concurrency=b) for i in group])))
-                    else:
-                        t0 = time.perf_counter()
-                        try:
-                            out = runners[group[0]](queue, concurrency=b)
-                            out.seconds = time.perf_counter() - t0 if out.seconds is None else out.seconds
-                            outs[group[0]] = out
-                        except Exception as e:  # noqa: BLE001
-                            outs[group[0]] = e
+                    outs = dict(zip(group, interleave([_step_generator(runners[i], queue, b) for i in group])))
                 finally:
                     if sampler:
                         sampler.__exit__(None, None, None)
