@@ -2,13 +2,20 @@
 with the kernel and with torch's F.linear, interleaved so machine drift hits both alike.
 
     .venv/bin/python scripts/kernel-ab.py [--threads 2] [--prefix 400] [--repeats 20]
+    .venv/bin/python scripts/kernel-ab.py --baseline fd4c241   # against the kernel of another commit
+
+With --baseline REV the B side is the kernel source at git revision REV (compiled here under another
+op namespace) instead of F.linear.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -17,22 +24,47 @@ from sglang_ext.attention import causal_mask, plan_attention, prefix_and_tree_ma
 from sglang_ext.models import load_target
 
 
+SOURCE = "sglang_ext/kernels/cpu_linear.cpp"
+
+
+def build_baseline(rev: str):
+    """The kernel op as of git revision `rev`, compiled into its own namespace (moa_baseline)."""
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    root = Path(__file__).resolve().parent.parent
+    src = subprocess.run(["git", "show", f"{rev}:{SOURCE}"], cwd=root, capture_output=True, text=True, check=True).stdout
+    build = Path(tempfile.mkdtemp(prefix="kernel-ab-"))
+    (build / "baseline.cpp").write_text(src.replace("moa_cpu", "moa_baseline"))
+    libs = library_paths()
+    # the flags setup.py uses for the real build
+    cmd = ["g++", "-O3", "-std=c++20", "-mavx2", "-mfma", "-fopenmp", "-D_GLIBCXX_USE_CXX11_ABI=1", "-shared", "-fPIC",
+           *(f"-I{p}" for p in include_paths()), *(f"-L{p}" for p in libs), *(f"-Wl,-rpath,{p}" for p in libs),
+           str(build / "baseline.cpp"), "-o", str(build / "baseline.so"), "-lc10", "-ltorch_cpu"]
+    subprocess.run(cmd, check=True)
+    torch.ops.load_library(str(build / "baseline.so"))
+    return torch.ops.moa_baseline.linear_small
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prefix", type=int, default=400, help="tokens already in the KV cache")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--rows", default="1,2,4,6,8,16,32,64")
+    ap.add_argument("--baseline", metavar="REV", help="compare with the kernel at this git revision instead of F.linear")
     args = ap.parse_args()
     if not kernels.AVAILABLE:
         raise SystemExit(f"kernel unavailable: {kernels.UNAVAILABLE}")
+    current = kernels.linear_small
+    baseline = build_baseline(args.baseline) if args.baseline else None
+    b_name = f"kernel@{args.baseline}" if baseline else "torch"
     torch.set_num_threads(args.threads)
     model = load_target("smollm2", dtype="float32").model
     p = args.prefix
     kv = model.new_kv_pool(p + 256)
     prefix = torch.arange(1, p + 1)
     model.forward(torch.randint(0, model.cfg.vocab_size, (p,)), torch.arange(p), prefix, plan_attention([prefix], [causal_mask(p, 0)]), kv)
-    print(f"| rows | kernel ms | torch ms | kernel speedup |\n|---|---|---|---|")
+    print(f"| rows | kernel ms | {b_name} ms | kernel speedup |\n|---|---|---|---|")
     for n in (int(x) for x in args.rows.split(",")):
         new = torch.arange(p + 1, p + 1 + n)
         plan = plan_attention([torch.cat([prefix, new])], [prefix_and_tree_mask(torch.tril(torch.ones(n, n, dtype=torch.bool)), p)])
@@ -40,13 +72,16 @@ def main() -> None:
         times = {True: [], False: []}
         for i in range(args.repeats + 2):
             for on in (True, False):
-                kernels.AVAILABLE = on
+                if baseline is None:
+                    kernels.AVAILABLE = on  # off: F.linear
+                else:
+                    kernels.linear_small = current if on else baseline
                 t0 = time.perf_counter()
                 out = model.forward(ids, pos, new, plan, kv)
                 model.logits(out.hidden, fp32=False)
                 if i >= 2:  # warm-up
                     times[on].append(time.perf_counter() - t0)
-        kernels.AVAILABLE = True
+        kernels.AVAILABLE, kernels.linear_small = True, current
         on, off = statistics.median(times[True]) * 1e3, statistics.median(times[False]) * 1e3
         print(f"| {n} | {on:.1f} | {off:.1f} | {off / on:.2f}x |", flush=True)
 

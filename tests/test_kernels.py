@@ -19,7 +19,7 @@ def test_kernel_is_built_and_used_on_avx2_machines():
 
 
 @pytest.mark.skipif(not kernels.AVAILABLE, reason=f"kernel unavailable: {kernels.UNAVAILABLE}")
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 17, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 17, 64])
 @pytest.mark.parametrize("n,k", [(4, 8), (7, 24), (960, 576), (1539, 1536)])
 def test_linear_small_matches_fp64_reference(m, n, k):
     g = torch.Generator().manual_seed(m * 1000 + n)
@@ -39,7 +39,9 @@ def test_rows_are_bit_identical_whatever_the_batch():
     full = torch.ops.moa_cpu.linear_small(x, w)
     for i in range(13):
         assert torch.equal(torch.ops.moa_cpu.linear_small(x[i : i + 1], w)[0], full[i])
-    assert torch.equal(torch.ops.moa_cpu.linear_small(x[3:9], w), full[3:9])
+    # every blocking: one pass (<= 8 rows), groups of <= 6 (9-12 rows), groups of <= 3 (> 12 rows)
+    for a, b in [(3, 9), (0, 7), (5, 13), (1, 11), (0, 12)]:
+        assert torch.equal(torch.ops.moa_cpu.linear_small(x[a:b], w), full[a:b]), (a, b)
 
 
 def test_linear_falls_back_to_torch_outside_the_kernel_shapes():

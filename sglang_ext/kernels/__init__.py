@@ -6,8 +6,9 @@ training, bf16, autograd, non-x86 machines) to F.linear. MOA_SERVE_CPU_KERNELS=0
 off (same results up to fp32 rounding; used to measure what it buys).
 
 Measured on the 2-core AMD EPYC (AVX2) CI machine, 2 threads, the linear layers of one SmolLM2
-forward (30 layers + lm_head): 1 / 3 / 5 / 16 rows take 22 / 22 / 29 / 54 ms (MKL: 49 / 80 / 90 /
-84 ms for 1 / 2 / 4 / 16 rows of 150 1536x576 matrices); 32-96 rows 1.2-1.6x faster than MKL.
+forward (30 layers + lm_head), same run: 1 / 4 / 6 / 16 rows take 26 / 25 / 28 / 56 ms (the
+session-6 blocking in groups of 3 rows: 26 / 31 / 34 / 56 ms); MKL 1.45-2.2x slower for 1-64 rows
+(scripts/kernel-ab.py; `--baseline REV` compares with the kernel of another commit).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def _load() -> str | None:
 
 UNAVAILABLE: str | None = _load()  # None when the kernel is in use
 AVAILABLE = UNAVAILABLE is None
+# the op `linear` calls (a module global, so scripts/kernel-ab.py can swap in another build of it)
+linear_small = torch.ops.moa_cpu.linear_small if AVAILABLE else None
 
 
 def uses_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -65,7 +68,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     """F.linear(x, w, bias): x [.., K], w [N, K] -> [.., N]."""
     if not uses_kernel(x, w):
         return F.linear(x, w, bias)
-    y = torch.ops.moa_cpu.linear_small(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
+    y = linear_small(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
     return y if bias is None else y + bias
 
 
