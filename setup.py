@@ -37,4 +37,5 @@ def cpu_kernel_extensions() -> list[Extension]:
     ]
 
 
-setup(ext_modules=cpu_kernel_extensions())
+if __name__ == "__main__":  # setuptools runs this file as __main__; scripts/kernel-ab.py imports the extension
+    setup(ext_modules=cpu_kernel_extensions())

@@ -11,6 +11,7 @@ op namespace) instead of F.linear.
 from __future__ import annotations
 
 import argparse
+import runpy
 import statistics
 import subprocess
 import tempfile
@@ -24,22 +25,20 @@ from sglang_ext.attention import causal_mask, plan_attention, prefix_and_tree_ma
 from sglang_ext.models import load_target
 
 
-SOURCE = "sglang_ext/kernels/cpu_linear.cpp"
-
-
 def build_baseline(rev: str):
-    """The kernel op as of git revision `rev`, compiled into its own namespace (moa_baseline)."""
-    from torch.utils.cpp_extension import include_paths, library_paths
-
+    """The kernel op as of git revision `rev`, compiled into its own namespace (moa_baseline) with
+    setup.py's extension settings."""
     root = Path(__file__).resolve().parent.parent
-    src = subprocess.run(["git", "show", f"{rev}:{SOURCE}"], cwd=root, capture_output=True, text=True, check=True).stdout
+    ext = runpy.run_path(str(root / "setup.py"), run_name="kernel_ab")["cpu_kernel_extensions"]()
+    if not ext:
+        raise SystemExit("setup.py builds no CPU kernel on this machine")
+    ext = ext[0]
+    src = subprocess.run(["git", "show", f"{rev}:{ext.sources[0]}"], cwd=root, capture_output=True, text=True, check=True).stdout
     build = Path(tempfile.mkdtemp(prefix="kernel-ab-"))
     (build / "baseline.cpp").write_text(src.replace("moa_cpu", "moa_baseline"))
-    libs = library_paths()
-    # the flags setup.py uses for the real build
-    cmd = ["g++", "-O3", "-std=c++20", "-mavx2", "-mfma", "-fopenmp", "-D_GLIBCXX_USE_CXX11_ABI=1", "-shared", "-fPIC",
-           *(f"-I{p}" for p in include_paths()), *(f"-L{p}" for p in libs), *(f"-Wl,-rpath,{p}" for p in libs),
-           str(build / "baseline.cpp"), "-o", str(build / "baseline.so"), "-lc10", "-ltorch_cpu"]
+    cmd = ["g++", "-shared", "-fPIC", *ext.extra_compile_args, *(f"-I{p}" for p in ext.include_dirs),
+           *(f"-L{p}" for p in ext.library_dirs), *(f"-Wl,-rpath,{p}" for p in ext.runtime_library_dirs),
+           str(build / "baseline.cpp"), "-o", str(build / "baseline.so"), *ext.extra_link_args, *(f"-l{l}" for l in ext.libraries)]
     subprocess.run(cmd, check=True)
     torch.ops.load_library(str(build / "baseline.so"))
     return torch.ops.moa_baseline.linear_small

@@ -87,7 +87,7 @@ template <int R>
 void group(bool wide, const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t n, int64_t rows, const float* next) {
   constexpr int J = R == 1 ? 8 : R == 2 ? 6 : R == 3 ? 4 : R == 4 ? 3 : R <= 6 ? 2 : 1;
   int64_t j = 0;
-  if (wide || R == 1)
+  if (wide)
     for (; j + J <= rows; j += J) tile<R, J>(x, w + (n + j) * K, y + n + j, N, K, next ? next + j * K : nullptr);
   if constexpr (R <= 3)
     for (; j + 4 <= rows; j += 4) tile<R, 4>(x, w + (n + j) * K, y + n + j, N, K, next ? next + j * K : nullptr);
