@@ -17,6 +17,7 @@ one long one (measured on SmolLM2 at bs 64: 15x slower decode attention).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -57,6 +58,11 @@ class AttentionPlan:
     @property
     def num_queries(self) -> int:
         return int(self.qo_indptr[-1])
+
+    @cached_property
+    def max_q_len(self) -> int:
+        """The most queries any request has (once per plan, not once per layer)."""
+        return int((self.qo_indptr[1:] - self.qo_indptr[:-1]).max())
 
 
 def causal_mask(q_len: int, prefix_len: int) -> torch.Tensor:

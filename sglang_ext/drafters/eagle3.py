@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..attention import causal_mask, plan_attention, plan_frontier, tree_attention_torch
+from ..attention import causal_mask, plan_attention, plan_frontier, tree_attention_cpu
 from ..models.eagle3 import DraftCheckpointError, Eagle3Draft, load_eagle3
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel
@@ -160,7 +160,7 @@ class Eagle3Drafter:
         """Draft layer over flat rows; writes their K/V to `slots`; returns pre-norm outputs [n, H]."""
         q, k, v = self.draft.qkv(self.target.embed[ids], feat, positions)
         self.kv.write(0, slots, k, v)
-        return self.draft.finish(tree_attention_torch(q, self.kv.k[0], self.kv.v[0], plan, self.scale), feat)
+        return self.draft.finish(tree_attention_cpu(q, self.kv.k[0], self.kv.v[0], plan, self.scale), feat)
 
     def _full_logits(self, out: torch.Tensor) -> torch.Tensor:
         return scatter_to_vocab(self.draft.logits(out).float(), self.hot_ids, self.draft.cfg.vocab_size)

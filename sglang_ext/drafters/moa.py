@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..attention import plan_frontier, tree_attention_torch
+from ..attention import plan_frontier, tree_attention_cpu
 from ..kernels import linear
 from ..models.eagle3 import DraftCheckpointError
 from ..models.kv_pool import KVPool
@@ -270,9 +270,9 @@ class MoADrafter:
         x = tgt.embed[ids]
         q, k, v = d.sa_qkv(x, positions)
         self.sa.write(0, sa_new, k, v)
-        x = d.sa_finish(tree_attention_torch(q, self.sa.k[0], self.sa.v[0], sa_plan, d.scale), x)
+        x = d.sa_finish(tree_attention_cpu(q, self.sa.k[0], self.sa.v[0], sa_plan, d.scale), x)
         q = d.ca_q(x, positions)
-        x = d.ca_finish(tree_attention_torch(q, self.mem.k[0], self.mem.v[0], ca_plan, d.scale), x)
+        x = d.ca_finish(tree_attention_cpu(q, self.mem.k[0], self.mem.v[0], ca_plan, d.scale), x)
         if self.tli_layers:
             rope = tgt.rope(positions)
             for li in self.tli_layers:

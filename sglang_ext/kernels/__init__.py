@@ -1,4 +1,5 @@
-"""CPU kernels, each with a torch fallback: `linear` is F.linear for every shape, faster for few rows.
+"""CPU kernels, each with a torch fallback: `linear` is F.linear for every shape, faster for few rows;
+the `tree_attention` op (cpu_attention.cpp) backs the "cpu" attention backend (sglang_ext/attention/cpu.py).
 
 `linear(x, w)` sends fp32 inputs with at most SMALL_ROWS rows (decode, tree verify, draft steps) to
 our AVX2 kernel (cpu_linear.cpp, built by setup.py at install) and everything else (prefill,
@@ -49,6 +50,7 @@ UNAVAILABLE: str | None = _load()  # None when the kernel is in use
 AVAILABLE = UNAVAILABLE is None
 # the op `linear` calls (a module global, so scripts/kernel-ab.py can swap in another build of it)
 linear_small = torch.ops.moa_cpu.linear_small if AVAILABLE else None
+tree_attention = torch.ops.moa_cpu.tree_attention if AVAILABLE else None
 
 
 def uses_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:

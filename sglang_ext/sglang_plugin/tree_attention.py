@@ -1,12 +1,13 @@
-"""One interface, three tree-attention backends for the MoA draft passes:
+"""One interface, four tree-attention backends for the MoA draft passes:
 fn(q [T, Hq, D], k_pool [S, Hkv, D], v_pool, plan: AttentionPlan, scale) -> [T, Hq, D].
 
     flashinfer  BatchPrefillWithPagedKVCacheWrapper, page_size 1, custom mask (attention/flashinfer_plan.py)
     triton      our tree kernel over the plan's ragged view (attention/triton_tree.py)
+    cpu         our AVX2 kernel for few queries per request, else torch (attention/cpu.py)
     torch       SDPA over the plan's padded view (attention/torch_ref.py), the reference
 
-Choice: $MOA_SGLANG_DRAFT_ATTENTION (auto | flashinfer | triton | torch); auto = flashinfer when
-importable on CUDA, else triton on CUDA, else torch. The target's verify pass is SGLang's own
+Choice: $MOA_SGLANG_DRAFT_ATTENTION (auto | flashinfer | triton | cpu | torch); auto = flashinfer
+when importable on CUDA, else triton on CUDA, else cpu. The target's verify pass is SGLang's own
 backend (--attention-backend); only the draft passes use these.
 """
 
@@ -17,10 +18,10 @@ import os
 
 import torch
 
-from ..attention import AttentionFn, tree_attention_torch
+from ..attention import AttentionFn, tree_attention_cpu, tree_attention_torch
 from .algorithm import DRAFT_ATTENTION_ENV
 
-BACKENDS = ("flashinfer", "triton", "torch")
+BACKENDS = ("flashinfer", "triton", "cpu", "torch")
 
 
 def resolve_backend_name(device: torch.device | str, name: str | None = None) -> str:
@@ -28,7 +29,7 @@ def resolve_backend_name(device: torch.device | str, name: str | None = None) ->
     device = torch.device(device)
     if name == "auto":
         if device.type != "cuda":
-            return "torch"
+            return "cpu"  # our AVX2 kernel where it applies, else the torch reference
         return "flashinfer" if importlib.util.find_spec("flashinfer") is not None else "triton"
     if name not in BACKENDS:
         raise ValueError(f"{DRAFT_ATTENTION_ENV}={name!r}: choose auto, {', '.join(BACKENDS)}")
@@ -39,6 +40,8 @@ def select_tree_attention(device: torch.device | str, name: str | None = None) -
     name = resolve_backend_name(device, name)
     if name == "torch":
         return tree_attention_torch
+    if name == "cpu":
+        return tree_attention_cpu
     if name == "triton":
         from ..attention.triton_tree import tree_attention_triton
 
