@@ -1,11 +1,13 @@
-"""Same-run A/B of the CPU linear kernel: SmolLM2 forwards of 1-64 rows (decode and verify sizes)
-with the kernel and with torch's F.linear, interleaved so machine drift hits both alike.
+"""Same-run A/B of the CPU kernels: SmolLM2 forwards of 1-64 rows (decode and verify sizes)
+with our kernel and without, interleaved so machine drift hits both alike.
 
     .venv/bin/python scripts/kernel-ab.py [--threads 2] [--prefix 400] [--repeats 20]
-    .venv/bin/python scripts/kernel-ab.py --baseline fd4c241   # against the kernel of another commit
+    .venv/bin/python scripts/kernel-ab.py --baseline fd4c241   # against the linear kernel of another commit
+    .venv/bin/python scripts/kernel-ab.py --attention          # the attention kernel against torch's
 
-With --baseline REV the B side is the kernel source at git revision REV (compiled here under another
-op namespace) instead of F.linear.
+By default the B side is torch's F.linear for the linear layers; with --baseline REV it is the linear
+kernel source at git revision REV (compiled here under another op namespace); with --attention it
+is the torch attention backend (linear kernel on both sides). The other kernel is the same on both sides.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from sglang_ext import kernels
-from sglang_ext.attention import causal_mask, plan_attention, prefix_and_tree_mask
+from sglang_ext.attention import causal_mask, plan_attention, prefix_and_tree_mask, tree_attention_cpu, tree_attention_torch
 from sglang_ext.models import load_target
 
 
@@ -50,13 +53,14 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=400, help="tokens already in the KV cache")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--rows", default="1,2,4,6,8,16,32,64")
-    ap.add_argument("--baseline", metavar="REV", help="compare with the kernel at this git revision instead of F.linear")
+    ap.add_argument("--baseline", metavar="REV", help="compare with the linear kernel at this git revision instead of F.linear")
+    ap.add_argument("--attention", action="store_true", help="compare the attention kernel with torch's attention instead")
     args = ap.parse_args()
     if not kernels.AVAILABLE:
         raise SystemExit(f"kernel unavailable: {kernels.UNAVAILABLE}")
     current = kernels.linear_small
     baseline = build_baseline(args.baseline) if args.baseline else None
-    b_name = f"kernel@{args.baseline}" if baseline else "torch"
+    b_name = "torch attention" if args.attention else f"kernel@{args.baseline}" if baseline else "torch"
     torch.set_num_threads(args.threads)
     model = load_target("smollm2", dtype="float32").model
     p = args.prefix
@@ -71,16 +75,16 @@ def main() -> None:
         times = {True: [], False: []}
         for i in range(args.repeats + 2):
             for on in (True, False):
-                if baseline is None:
-                    kernels.AVAILABLE = on  # off: F.linear
+                if args.attention:
+                    model.attention = tree_attention_cpu if on else tree_attention_torch
                 else:
-                    kernels.linear_small = current if on else baseline
+                    kernels.linear_small = current if on else baseline or (lambda x, w: F.linear(x, w))
                 t0 = time.perf_counter()
                 out = model.forward(ids, pos, new, plan, kv)
                 model.logits(out.hidden, fp32=False)
                 if i >= 2:  # warm-up
                     times[on].append(time.perf_counter() - t0)
-        kernels.AVAILABLE, kernels.linear_small = True, current
+        kernels.linear_small, model.attention = current, tree_attention_cpu
         on, off = statistics.median(times[True]) * 1e3, statistics.median(times[False]) * 1e3
         print(f"| {n} | {on:.1f} | {off:.1f} | {off / on:.2f}x |", flush=True)
 

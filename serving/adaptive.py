@@ -54,11 +54,11 @@ def shape_menu(shape: TreeShape) -> list[TreeShape | None]:
 
 
 class AdaptiveSpeculation:
-    def __init__(self, shape: TreeShape, warmup: int = 3, retry_every: int = 32, max_retry_every: int = 512, far_behind: float = 0.8, explore_budget: float = 0.02, trust_after: int = 8, tree_margin: float = 0.03):
+    def __init__(self, shape: TreeShape, warmup: int = 3, retry_every: int = 32, max_retry_every: int = 512, far_behind: float = 0.8, explore_budget: float = 0.01, trust_after: int = 8, tree_margin: float = 0.03):
         self.options = shape_menu(shape)
         self._cheapest_first = sorted(range(len(self.options)), key=lambda i: 0 if self.options[i] is None else self.options[i].num_draft_tokens)
         self.warmup, self.retry_every, self.max_retry_every, self.far_behind = warmup, retry_every, max_retry_every, far_behind
-        self.explore_budget = explore_budget  # share of step time re-measuring one losing option may cost
+        self.explore_budget = explore_budget  # share of step time re-measuring the losing options may cost, all together
         self.trust_after = trust_after  # steps of an option before 'far behind' may back off its re-measurement
         # a tree must beat 'off' by this fraction to be chosen: where they are within noise (large
         # batches), speculating risks a loss for no gain
@@ -99,10 +99,12 @@ class AdaptiveSpeculation:
         far = rates[pick] < self.far_behind * rates[best] and self._stat(pick, bucket).n >= self.trust_after
         gap = min(2 * gap, self.max_retry_every) if far else self.retry_every
         self.retry_gap[(bucket, pick)] = gap
-        # and never so often that re-measuring costs more than explore_budget of the time: at a large
-        # batch one tree step (draft catch-up + a big verify) can cost several plain steps
+        # and never so often that re-measuring costs more than explore_budget of the time (shared by
+        # the losing options): at a large batch one tree step (draft catch-up + a big verify) can cost
+        # several plain steps, and a budget per option let two trees cost 4 % at bs 32-64 (session 8)
         extra = self._seconds(pick, bucket, known) / max(self._seconds(best, bucket, known), 1e-9) - 1.0
-        self.next_retry[(bucket, pick)] = step + max(gap, math.ceil(extra / self.explore_budget))
+        losers = len(self.options) - 1
+        self.next_retry[(bucket, pick)] = step + max(gap, math.ceil(extra * losers / self.explore_budget))
         self.retries += 1
         return pick
 
