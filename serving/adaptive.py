@@ -101,7 +101,7 @@ class AdaptiveSpeculation:
         self.retry_gap[(bucket, pick)] = gap
         # and never so often that re-measuring costs more than explore_budget of the time (shared by
         # the losing options): at a large batch one tree step (draft catch-up + a big verify) can cost
-        # several plain steps, and a budget per option let two trees cost 4 % at bs 32-64 (session 8)
+        # several plain steps (a budget per option let two losing trees cost twice the budget)
         extra = self._seconds(pick, bucket, known) / max(self._seconds(best, bucket, known), 1e-9) - 1.0
         losers = len(self.options) - 1
         self.next_retry[(bucket, pick)] = step + max(gap, math.ceil(extra * losers / self.explore_budget))

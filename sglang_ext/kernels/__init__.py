@@ -3,7 +3,7 @@ the `tree_attention` op (cpu_attention.cpp) backs the "cpu" attention backend (s
 
 `linear(x, w)` sends fp32 inputs with at most SMALL_ROWS rows (decode, tree verify, draft steps) to
 our AVX2 kernel (cpu_linear.cpp, built by setup.py at install) and everything else (prefill,
-training, bf16, autograd, non-x86 machines) to F.linear. MOA_SERVE_CPU_KERNELS=0 turns the kernel
+training, bf16, autograd, non-x86 machines) to F.linear. MOA_SERVE_CPU_KERNELS=0 turns both kernels
 off (same results up to fp32 rounding; used to measure what it buys).
 
 Measured on the 2-core AMD EPYC (AVX2) CI machine, 2 threads, the linear layers of one SmolLM2
