@@ -24,6 +24,7 @@ def cpu_kernel_extensions() -> list[Extension]:
         Extension(
             "sglang_ext.kernels._cpu_linear",
             ["sglang_ext/kernels/cpu_linear.cpp", "sglang_ext/kernels/cpu_attention.cpp"],
+            depends=["sglang_ext/kernels/avx2_sum.h"],
             include_dirs=include_paths(),
             library_dirs=libs,
             runtime_library_dirs=libs,

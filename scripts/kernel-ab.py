@@ -36,10 +36,11 @@ def build_baseline(rev: str):
     if not ext:
         raise SystemExit("setup.py builds no CPU kernel on this machine")
     ext = ext[0]
-    src = subprocess.run(["git", "show", f"{rev}:{ext.sources[0]}"], cwd=root, capture_output=True, text=True, check=True).stdout
+    linear_src = next(f for f in ext.sources if f.endswith("cpu_linear.cpp"))
+    src = subprocess.run(["git", "show", f"{rev}:{linear_src}"], cwd=root, capture_output=True, text=True, check=True).stdout
     build = Path(tempfile.mkdtemp(prefix="kernel-ab-"))
     (build / "baseline.cpp").write_text(src.replace("moa_cpu", "moa_baseline"))
-    cmd = ["g++", "-shared", "-fPIC", *ext.extra_compile_args, *(f"-I{p}" for p in ext.include_dirs),
+    cmd = ["g++", "-shared", "-fPIC", *ext.extra_compile_args, *(f"-I{p}" for p in ext.include_dirs), f"-I{root / Path(linear_src).parent}",
            *(f"-L{p}" for p in ext.library_dirs), *(f"-Wl,-rpath,{p}" for p in ext.runtime_library_dirs),
            str(build / "baseline.cpp"), "-o", str(build / "baseline.so"), *ext.extra_link_args, *(f"-l{l}" for l in ext.libraries)]
     subprocess.run(cmd, check=True)

@@ -19,18 +19,13 @@
 
 #include <immintrin.h>
 
+#include "avx2_sum.h"
+
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
 namespace {
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 inline float hmax(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -137,29 +132,32 @@ void value_block(const float* p, const float* v_base, int64_t v_stride, const in
 // whichever other rows or requests share the task or the batch.
 template <int D>
 void attend_task(const float* q, int64_t q_row_stride, const float* k_base, const float* v_base, int64_t ks, int64_t vs,
-                 const std::vector<std::vector<int64_t>>& keys, int64_t rep, float scale, float* out, int64_t out_row_stride) {
+                 const int64_t* row_ptr, const int64_t* row_keys, int64_t R, int64_t rep, float scale, float* out, int64_t out_row_stride) {
+  // row r sees row_keys[row_ptr[r] : row_ptr[r + 1]]
   constexpr int DC = D / 8;
-  const int64_t R = static_cast<int64_t>(keys.size());
   int64_t nmax = 0;
-  for (const auto& k : keys) nmax = std::max<int64_t>(nmax, k.size());
+  for (int64_t r = 0; r < R; ++r) nmax = std::max(nmax, row_ptr[r + 1] - row_ptr[r]);
   const int64_t width = nmax + 8;
   std::vector<float> scores(R * rep * width), acc(R * rep * D, 0.0f), inv(R * rep);
   for (int64_t j0 = 0; j0 < nmax; j0 += BLOCK)
     for (int64_t r = 0; r < R; ++r) {
-      const int64_t n = keys[r].size();
+      const int64_t n = row_ptr[r + 1] - row_ptr[r];
       if (j0 >= n) continue;
       for (int64_t h = 0; h < rep; ++h)
-        score_block<DC>(q + r * q_row_stride + h * D, k_base, ks, keys[r].data(), n, j0, std::min(j0 + BLOCK, n), scale,
+        score_block<DC>(q + r * q_row_stride + h * D, k_base, ks, row_keys + row_ptr[r], n, j0, std::min(j0 + BLOCK, n), scale,
                         scores.data() + (r * rep + h) * width);
     }
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t h = 0; h < rep; ++h) inv[r * rep + h] = keys[r].empty() ? 0.0f : exp_scores(scores.data() + (r * rep + h) * width, keys[r].size());
+    for (int64_t h = 0; h < rep; ++h) {
+      const int64_t n = row_ptr[r + 1] - row_ptr[r];
+      inv[r * rep + h] = n == 0 ? 0.0f : exp_scores(scores.data() + (r * rep + h) * width, n);
+    }
   for (int64_t j0 = 0; j0 < nmax; j0 += BLOCK)
     for (int64_t r = 0; r < R; ++r) {
-      const int64_t n = keys[r].size();
+      const int64_t n = row_ptr[r + 1] - row_ptr[r];
       if (j0 >= n) continue;
       for (int64_t h = 0; h < rep; ++h)
-        value_block<DC>(scores.data() + (r * rep + h) * width, v_base, vs, keys[r].data(), j0, std::min(j0 + BLOCK, n),
+        value_block<DC>(scores.data() + (r * rep + h) * width, v_base, vs, row_keys + row_ptr[r], j0, std::min(j0 + BLOCK, n),
                         acc.data() + (r * rep + h) * D);
     }
   // a row that sees nothing gets zeros (torch would give NaN)
@@ -194,26 +192,44 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_pool, const a
   const int64_t* idx_p = idx.data_ptr<int64_t>();
   for (int64_t j = 0; j < idx.numel(); ++j) TORCH_CHECK(idx_p[j] >= 0 && idx_p[j] < S, "tree_attention: kv index out of the pool");
   const bool* mp = mask.data_ptr<bool>();
-  // tasks: (request, kv head, block of rows); rows are split only to give every thread work
-  // (results do not depend on the split)
   int64_t off = 0;
-  std::vector<int64_t> mask_start(B);
+  std::vector<int64_t> row_req(T), mask_row(T);  // per query row: its request, where its mask row starts
   for (int64_t b = 0; b < B; ++b) {
     const int64_t nq = qo_p[b + 1] - qo_p[b], nk = kv_p[b + 1] - kv_p[b];
     TORCH_CHECK(nq >= 0 && nk >= 0, "tree_attention: indptr must be non-decreasing");
-    mask_start[b] = off;
+    for (int64_t i = 0; i < nq; ++i) row_req[qo_p[b] + i] = b, mask_row[qo_p[b] + i] = off + i * nk;
     off += nq * nk;
   }
   TORCH_CHECK(mask.numel() == off, "tree_attention: custom_mask must hold sum(q_len * kv_len) entries");
+  // the slots each row may see, in kv order (row CSR), built once and shared by the row's kv heads
+  std::vector<int64_t> row_ptr(T + 1, 0);
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t nk = kv_p[row_req[t] + 1] - kv_p[row_req[t]];
+      row_ptr[t + 1] = std::count(mp + mask_row[t], mp + mask_row[t] + nk, true);
+    }
+  });
+  for (int64_t t = 0; t < T; ++t) row_ptr[t + 1] += row_ptr[t];
+  std::vector<int64_t> row_keys(row_ptr[T]);
+  at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = row_req[t], nk = kv_p[b + 1] - kv_p[b];
+      int64_t* k = row_keys.data() + row_ptr[t];
+      for (int64_t j = 0; j < nk; ++j)
+        if (mp[mask_row[t] + j]) *k++ = idx_p[kv_p[b] + j];
+    }
+  });
+  // tasks: (request, kv head, block of rows); rows are split only to give every thread work
+  // (results do not depend on the split)
   const int64_t want = 2 * at::get_num_threads();
   const int64_t splits = std::max<int64_t>(1, (want + B * Hkv - 1) / (B * Hkv));
-  struct Task { int64_t b, g, r0, r1; };
+  struct Task { int64_t g, row0, rows; };
   std::vector<Task> tasks;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t nq = qo_p[b + 1] - qo_p[b];
     const int64_t per = std::max<int64_t>(1, std::min<int64_t>(8, (nq + splits - 1) / splits));
     for (int64_t r0 = 0; r0 < nq; r0 += per)
-      for (int64_t g = 0; g < Hkv; ++g) tasks.push_back({b, g, r0, std::min(nq, r0 + per)});
+      for (int64_t g = 0; g < Hkv; ++g) tasks.push_back({g, qo_p[b] + r0, std::min(per, nq - r0)});
   }
   auto out = at::empty({T, Hq, Dv}, q.options());
   const float* qp = qc.data_ptr<float>();
@@ -222,25 +238,12 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k_pool, const a
   float* op = out.data_ptr<float>();
   const int64_t rep = Hq / Hkv, ks = k_pool.stride(0), vs = v_pool.stride(0), kh = k_pool.stride(1), vh = v_pool.stride(1);
   const float sc = static_cast<float>(scale);
+  auto attend = D == 64 ? attend_task<64> : attend_task<128>;
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t t0, int64_t t1) {
-    std::vector<std::vector<int64_t>> keys;
     for (int64_t ti = t0; ti < t1; ++ti) {
       const Task& t = tasks[ti];
-      const int64_t nk = kv_p[t.b + 1] - kv_p[t.b];
-      keys.assign(t.r1 - t.r0, {});
-      for (int64_t r = t.r0; r < t.r1; ++r) {  // the slots row r may see, in kv order
-        const bool* m = mp + mask_start[t.b] + r * nk;
-        auto& k = keys[r - t.r0];
-        for (int64_t j = 0; j < nk; ++j)
-          if (m[j]) k.push_back(idx_p[kv_p[t.b] + j]);
-      }
-      const int64_t row = qo_p[t.b] + t.r0;
-      const float* qt = qp + (row * Hq + t.g * rep) * D;
-      float* ot = op + (row * Hq + t.g * rep) * Dv;
-      if (D == 64)
-        attend_task<64>(qt, Hq * D, kp + t.g * kh, vp + t.g * vh, ks, vs, keys, rep, sc, ot, Hq * Dv);
-      else
-        attend_task<128>(qt, Hq * D, kp + t.g * kh, vp + t.g * vh, ks, vs, keys, rep, sc, ot, Hq * Dv);
+      attend(qp + (t.row0 * Hq + t.g * rep) * D, Hq * D, kp + t.g * kh, vp + t.g * vh, ks, vs, row_ptr.data() + t.row0, row_keys.data(),
+             t.rows, rep, sc, op + (t.row0 * Hq + t.g * rep) * Dv, Hq * Dv);
     }
   });
   return out;

@@ -26,16 +26,11 @@
 
 #include <immintrin.h>
 
+#include "avx2_sum.h"
+
 namespace {
 
 constexpr int64_t WIDE_M = 12;  // up to this many input rows: super-blocks of 24, groups of <= 6
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // R input rows x J weight rows: R*J accumulators. Registers: with R <= J the R input vectors stay
 // in registers and weights are loaded one at a time (R + 1 + RJ <= 16); otherwise the J weight

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from ..attention import AttentionFn, tree_attention_cpu, tree_attention_torch
+from ..attention import AttentionFn, select_backend
 from .algorithm import DRAFT_ATTENTION_ENV
 
 BACKENDS = ("flashinfer", "triton", "cpu", "torch")
@@ -38,14 +38,8 @@ def resolve_backend_name(device: torch.device | str, name: str | None = None) ->
 
 def select_tree_attention(device: torch.device | str, name: str | None = None) -> AttentionFn:
     name = resolve_backend_name(device, name)
-    if name == "torch":
-        return tree_attention_torch
-    if name == "cpu":
-        return tree_attention_cpu
-    if name == "triton":
-        from ..attention.triton_tree import tree_attention_triton
+    if name == "flashinfer":
+        from ..attention.flashinfer_plan import tree_attention_flashinfer
 
-        return tree_attention_triton
-    from ..attention.flashinfer_plan import tree_attention_flashinfer
-
-    return tree_attention_flashinfer
+        return tree_attention_flashinfer
+    return select_backend(device, name)  # cpu, torch, triton
