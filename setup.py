@@ -32,7 +32,7 @@ def cpu_kernel_extensions() -> list[Extension]:
             language="c++",
             optional=True,  # a failed compile leaves the torch fallback, never a failed install
             # NOTE: -fopenmp makes at::parallel_for use torch's OpenMP pool (without it the loop runs on one thread)
-            extra_compile_args=["-O3", "-std=c++20", "-mavx2", "-mfma", "-fopenmp", "-D_GLIBCXX_USE_CXX11_ABI=1"],
+            extra_compile_args=["-O3", "-std=c++20", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-D_GLIBCXX_USE_CXX11_ABI=1"],
             extra_link_args=["-fopenmp"],
         )
     ]

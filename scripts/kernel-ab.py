@@ -4,10 +4,13 @@ with our kernel and without, interleaved so machine drift hits both alike.
     .venv/bin/python scripts/kernel-ab.py [--threads 2] [--prefix 400] [--repeats 20]
     .venv/bin/python scripts/kernel-ab.py --baseline fd4c241   # against the linear kernel of another commit
     .venv/bin/python scripts/kernel-ab.py --attention          # the attention kernel against torch's
+    .venv/bin/python scripts/kernel-ab.py --packed             # GGUF block weights against their fp32 copy
 
 By default the B side is torch's F.linear for the linear layers; with --baseline REV it is the linear
 kernel source at git revision REV (compiled here under another op namespace); with --attention it
 is the torch attention backend (linear kernel on both sides). The other kernel is the same on both sides.
+Except with --packed (A: the kernel reading the GGUF blocks; B: the kernel reading the fp32 weights),
+both sides read the fp32 weights.
 """
 
 from __future__ import annotations
@@ -56,13 +59,17 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,6,8,16,32,64")
     ap.add_argument("--baseline", metavar="REV", help="compare with the linear kernel at this git revision instead of F.linear")
     ap.add_argument("--attention", action="store_true", help="compare the attention kernel with torch's attention instead")
+    ap.add_argument("--packed", action="store_true", help="compare the kernel reading GGUF blocks with the one reading fp32 weights")
     args = ap.parse_args()
     if not kernels.AVAILABLE:
         raise SystemExit(f"kernel unavailable: {kernels.UNAVAILABLE}")
     current = kernels.linear_small
     baseline = build_baseline(args.baseline) if args.baseline else None
-    b_name = "torch attention" if args.attention else f"kernel@{args.baseline}" if baseline else "torch"
+    b_name = "torch attention" if args.attention else "fp32 weights" if args.packed else f"kernel@{args.baseline}" if baseline else "torch"
     torch.set_num_threads(args.threads)
+    packed_default, kernels.PACKED = kernels.PACKED, False  # fp32 weights on both sides unless --packed
+    if args.packed and not packed_default:
+        raise SystemExit("packed weights unavailable (MOA_SERVE_PACKED_WEIGHTS=0?)")
     model = load_target("smollm2", dtype="float32").model
     p = args.prefix
     kv = model.new_kv_pool(p + 256)
@@ -78,6 +85,8 @@ def main() -> None:
             for on in (True, False):
                 if args.attention:
                     model.attention = tree_attention_cpu if on else tree_attention_torch
+                elif args.packed:
+                    kernels.PACKED = on
                 else:
                     kernels.linear_small = current if on else baseline or (lambda x, w: F.linear(x, w))
                 t0 = time.perf_counter()
@@ -85,7 +94,7 @@ def main() -> None:
                 model.logits(out.hidden, fp32=False)
                 if i >= 2:  # warm-up
                     times[on].append(time.perf_counter() - t0)
-        kernels.linear_small, model.attention = current, tree_attention_cpu
+        kernels.linear_small, model.attention, kernels.PACKED = current, tree_attention_cpu, False
         on, off = statistics.median(times[True]) * 1e3, statistics.median(times[False]) * 1e3
         print(f"| {n} | {on:.1f} | {off:.1f} | {off / on:.2f}x |", flush=True)
 

@@ -10,6 +10,12 @@ and then); the mean over a window evens out acceptance, which is noisy step to s
 Speculation off is always an option, so at any batch size the engine converges to at least vanilla
 speed. Untried options are tried a few times; the losers are re-tried now and then because
 acceptance drifts with the content.
+
+Trying a tree is not free: at bs 64 on a CPU a 6-node tree step costs ~4 plain steps. So before paying
+for a trial, a prior predicts the option's rate from what was measured elsewhere: its acceptance and
+tree size (tokens and rows per request, from any batch size) and a step-cost model (seconds as a
+function of verify rows, from every step). An option the prior puts far behind 'off' is not tried;
+it is re-measured only rarely, within the exploration budget.
 """
 
 from __future__ import annotations
@@ -28,17 +34,92 @@ from .metrics import batch_bucket
 class _Stat:
     steps: deque = field(default_factory=lambda: deque(maxlen=32))  # recent (seconds, tokens) of one step each
     n: int = 0
+    _cache: tuple | None = None  # (median seconds, rate) until the next step
+
+    def add(self, seconds: float, tokens: float) -> None:
+        self.steps.append((seconds, tokens))
+        self.n += 1
+        self._cache = None
+
+    def _stats(self) -> tuple[float, float]:
+        if self._cache is None:
+            if not self.steps:
+                return 0.0, 0.0
+            cap = 2 * statistics.median(s for s, _ in list(self.steps)[-9:])
+            self._cache = (statistics.median(s for s, _ in self.steps), statistics.fmean(t / max(min(s, cap), 1e-9) for s, t in self.steps))
+        return self._cache
 
     @property
     def median_seconds(self) -> float:
-        return statistics.median(s for s, _ in self.steps) if self.steps else 0.0
+        return self._stats()[0]
 
     @property
     def rate(self) -> float:
-        if not self.steps:
-            return 0.0
-        cap = 2 * statistics.median(s for s, _ in list(self.steps)[-9:])
-        return statistics.fmean(t / max(min(s, cap), 1e-9) for s, t in self.steps)
+        return self._stats()[1]
+
+
+class _PerRequest:
+    """Running sums over an option's recent steps (any batch size): rows and tokens per request."""
+
+    def __init__(self, window: int = 64):
+        self.steps: deque = deque(maxlen=window)  # (batch, rows, tokens)
+        self._sums = [0.0, 0.0, 0.0]
+
+    def add(self, batch: int, rows: int, tokens: float) -> None:
+        if len(self.steps) == self.steps.maxlen:
+            for j, v in enumerate(self.steps[0]):
+                self._sums[j] -= v
+        self.steps.append((batch, rows, tokens))
+        for j, v in enumerate((batch, rows, tokens)):
+            self._sums[j] += v
+
+    @property
+    def rows(self) -> float:
+        return self._sums[1] / self._sums[0]
+
+    @property
+    def tokens(self) -> float:
+        return self._sums[2] / self._sums[0]
+
+
+class StepCostModel:
+    """Seconds of one engine step as a function of its verify rows (requests + draft nodes), from the
+    measured steps of every option and batch size. A step costs about the same while reading the
+    weights dominates (few rows) and grows with the rows once compute does, so the cost is interpolated
+    between measured row counts and extended past the largest along the last measured slope."""
+
+    def __init__(self, bin_ratio: float = 1.25, window: int = 16, min_samples: int = 3):
+        self.log_ratio, self.window, self.min_samples = math.log(bin_ratio), window, min_samples
+        self.bins: dict[int, deque] = {}
+        self._points: list[tuple[float, float]] | None = None
+
+    def add(self, rows: int, seconds: float) -> None:
+        b = round(math.log(max(rows, 1)) / self.log_ratio)
+        self.bins.setdefault(b, deque(maxlen=self.window)).append((rows, seconds))
+        self._points = None
+
+    def points(self) -> list[tuple[float, float]]:
+        """(rows, seconds) medians of the bins with enough steps, by rows (cached until the next step)."""
+        if self._points is None:
+            pts = [(statistics.median(r for r, _ in d), statistics.median(s for _, s in d)) for d in self.bins.values() if len(d) >= self.min_samples]
+            self._points = sorted(pts)
+        return self._points
+
+    def predict(self, rows: float) -> float | None:
+        """Predicted seconds of a step with this many rows; None when nothing measured brackets it
+        (past the largest measured row count with fewer than two points: no slope to follow)."""
+        pts = self.points()
+        if not pts:
+            return None
+        if rows <= pts[0][0]:
+            return pts[0][1]  # fewer rows never cost more (a flat floor, not an extrapolated dip)
+        for (r0, s0), (r1, s1) in zip(pts, pts[1:]):
+            if rows <= r1:
+                return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
+        if len(pts) < 2:
+            return None
+        (r0, s0), (r1, s1) = pts[-2], pts[-1]
+        return s1 + max(s1 - s0, 0.0) / (r1 - r0) * (rows - r1)
 
 
 def shape_menu(shape: TreeShape) -> list[TreeShape | None]:
@@ -68,6 +149,10 @@ class AdaptiveSpeculation:
         self.next_retry: dict[tuple[str, int], int] = {}  # (bucket, option) -> step of its next re-measurement
         self.retry_gap: dict[tuple[str, int], int] = {}
         self.retries = 0  # steps spent re-measuring a losing option
+        self.cost = StepCostModel()
+        # per option, its recent steps at any batch size -> acceptance and tree size per request
+        self.history = [_PerRequest() for _ in self.options]
+        self.postponed = 0  # re-measurements skipped because the prior put the option far behind
 
     def _stat(self, i: int, bucket: str) -> _Stat:
         return self.stats.setdefault((i, bucket), _Stat())
@@ -76,52 +161,83 @@ class AdaptiveSpeculation:
         """Index into self.options for this step."""
         bucket = batch_bucket(batch_size)
         step = self.steps[bucket] = self.steps.get(bucket, 0) + 1
-        known = self._nearest_measured(bucket)
+        known = self._nearest_measured(bucket, batch_size)
         if known is None:  # nothing measured nearby: try every option a few times, cheapest first
             for i in self._cheapest_first:
-                if self._stat(i, bucket).n < self.warmup:
+                if self._stat(i, bucket).n < self.warmup and not self._ruled_out(i, bucket, batch_size):
                     return i
             known = bucket
         # a bucket the batch has just entered (requests finishing) starts from the nearest measured
         # one instead of exploring again: at a large batch an exploratory step is very slow
-        rates = [self._rate(i, bucket, known) for i in range(len(self.options))]
+        rates = [self._rate(i, bucket, known, batch_size) for i in range(len(self.options))]
         best = max(range(len(self.options)), key=lambda i: rates[i] / (1.0 if self.options[i] is None else 1.0 + self.tree_margin))
         # re-measure each losing option now and then (acceptance drifts with the content, and its
         # first measurements may have been unlucky); one far behind the best ever less often (each
         # re-measurement costs a slow step), one close to it at the base interval
-        due = [i for i in range(len(self.options)) if i != best and step >= self.next_retry.setdefault((bucket, i), step + self.retry_every)]
+        for i in range(len(self.options)):
+            if i != best and (bucket, i) not in self.next_retry:  # the first re-measurement is budgeted too
+                self.next_retry[(bucket, i)] = step + max(self.retry_every, self._budget_gap(i, best, bucket, known, batch_size))
+        due = [i for i in range(len(self.options)) if i != best and step >= self.next_retry[(bucket, i)]]
         if not due:
             return best
         pick = min(due, key=lambda i: self.next_retry[(bucket, i)])
         gap = self.retry_gap.get((bucket, pick), self.retry_every)
         # NOTE: only once the option has a few steps: acceptance swings step to step, and a tree first
         # tried where the drafter had nothing to offer (the start of an answer) looked far behind
-        far = rates[pick] < self.far_behind * rates[best] and self._stat(pick, bucket).n >= self.trust_after
+        # (an option with no steps here is rated by the prior, which rests on many steps elsewhere)
+        n = self._stat(pick, bucket).n
+        from_prior = not self._source(pick, bucket, known)[0].steps
+        far = rates[pick] < self.far_behind * rates[best] and (n >= self.trust_after or from_prior)
         gap = min(2 * gap, self.max_retry_every) if far else self.retry_every
         self.retry_gap[(bucket, pick)] = gap
         # and never so often that re-measuring costs more than explore_budget of the time (shared by
         # the losing options): at a large batch one tree step (draft catch-up + a big verify) can cost
         # several plain steps (a budget per option let two losing trees cost twice the budget)
-        extra = self._seconds(pick, bucket, known) / max(self._seconds(best, bucket, known), 1e-9) - 1.0
-        losers = len(self.options) - 1
-        self.next_retry[(bucket, pick)] = step + max(gap, math.ceil(extra * losers / self.explore_budget))
+        self.next_retry[(bucket, pick)] = step + max(gap, self._budget_gap(pick, best, bucket, known, batch_size))
+        if far and from_prior and gap < self.max_retry_every:
+            # ruled out by the prior and never measured here: postpone rather than pay a slow step
+            # (still measured for real once the back-off reaches its ceiling: the prior can be wrong)
+            self.postponed += 1
+            return best
         self.retries += 1
         return pick
 
-    def _measured(self, bucket: str) -> bool:
-        return all(self._stat(i, bucket).n >= self.warmup for i in range(len(self.options)))
+    def _budget_gap(self, i: int, best: int, bucket: str, known: str, batch_size: int) -> int:
+        """Steps between re-measurements of option i so that they cost at most its share of explore_budget."""
+        extra = self._seconds(i, bucket, known, batch_size) / max(self._seconds(best, bucket, known, batch_size), 1e-9) - 1.0
+        return math.ceil(extra * (len(self.options) - 1) / self.explore_budget)
 
-    def _nearest_measured(self, bucket: str) -> str | None:
+    def _measured(self, bucket: str, batch_size: int) -> bool:
+        return all(self._stat(i, bucket).n >= self.warmup or self._ruled_out(i, bucket, batch_size) for i in range(len(self.options)))
+
+    def _prior(self, i: int, batch_size: int) -> float | None:
+        """Option i's predicted tokens/s at this batch size: its tokens and rows per request, measured at
+        any batch size (acceptance does not depend on the batch), over the step time the cost model
+        predicts for that many rows. None without the measurements to say."""
+        h = self.history[i]
+        seconds = self.cost.predict(batch_size * h.rows) if h.steps else None
+        return None if seconds is None else batch_size * h.tokens / seconds
+
+    def _ruled_out(self, i: int, bucket: str, batch_size: int) -> bool:
+        """A tree whose prior is far behind 'off' here (off as measured in this bucket, else its prior)."""
+        if self.options[i] is None or self._stat(i, bucket).n >= self.warmup:
+            return False
+        off = self.options.index(None)
+        mine = self._prior(i, batch_size)
+        base = self._stat(off, bucket).rate if self._stat(off, bucket).n >= self.warmup else self._prior(off, batch_size)
+        return mine is not None and bool(base) and mine < self.far_behind * base
+
+    def _nearest_measured(self, bucket: str, batch_size: int) -> str | None:
         """This bucket, else a measured neighbour (half or double the batch), else None.
         NOTE: only a neighbour: from bs 16 to bs 64 the best tree changes (a verify step's cost grows
         with the batch), and a sweep that jumped 16 -> 64 paid for bs 16's big tree until bs 64's own
         measurements took over (0.89x vanilla in a 120-step run)."""
-        if self._measured(bucket):
+        if self._measured(bucket, batch_size):
             return bucket
         def distance(b: str) -> float:
             return abs(math.log2(int(b)) - math.log2(int(bucket)))
 
-        near = [b for b in {b for _, b in self.stats} if self._measured(b) and distance(b) <= 1]
+        near = [b for b in {b for _, b in self.stats} if distance(b) <= 1 and self._measured(b, int(b))]
         return min(near, key=distance, default=None)
 
     def _source(self, i: int, bucket: str, known: str) -> tuple[_Stat, float]:
@@ -132,14 +248,22 @@ class AdaptiveSpeculation:
             return own, 1.0
         return self._stat(i, known), int(bucket) / int(known)
 
-    def _seconds(self, i: int, bucket: str, known: str) -> float:
-        return self._source(i, bucket, known)[0].median_seconds
+    def _seconds(self, i: int, bucket: str, known: str, batch_size: int) -> float:
+        st = self._source(i, bucket, known)[0]
+        if st.steps:
+            return st.median_seconds
+        h = self.history[i]  # never run near here: the seconds the cost model predicts for its rows
+        return (self.cost.predict(batch_size * h.rows) if h.steps else None) or 0.0
 
-    def _rate(self, i: int, bucket: str, known: str) -> float:
+    def _rate(self, i: int, bucket: str, known: str, batch_size: int) -> float:
         st, scale = self._source(i, bucket, known)
+        if not st.steps:
+            return self._prior(i, batch_size) or 0.0
         return st.rate * scale
 
-    def observe(self, option: int, batch_size: int, seconds: float, tokens: int) -> None:
-        s = self._stat(option, batch_bucket(batch_size))
-        s.steps.append((seconds, tokens))
-        s.n += 1
+    def observe(self, option: int, batch_size: int, seconds: float, tokens: int, rows: int | None = None) -> None:
+        """One step's outcome; `rows` = verify rows (requests + draft nodes) feeds the step-cost model."""
+        self._stat(option, batch_bucket(batch_size)).add(seconds, tokens)
+        if rows is not None:
+            self.cost.add(rows, seconds)
+            self.history[option].add(batch_size, rows, tokens)

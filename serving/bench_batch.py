@@ -181,9 +181,9 @@ def engine_batch_runner(target, method: str, tree, max_new_tokens: int, adaptive
     sampling: a SamplingParams whose temperature / top-p / seed every request uses (default greedy).
 
     The engine (and its KV pool, sized for `concurrency` of the longest prompts at the full
-    max_new_tokens) is kept while the batch size stays the same, so the warm-up and the measured runs of a row share it (and, with
-    adaptive speculation, the policy's measurements); a new batch size builds a new one. The drafter
-    is built once per method and reused."""
+    max_new_tokens) is kept while the batch size stays the same, so the warm-up and the measured runs of a row share it; a new
+    batch size builds a new one. The adaptive policy carries over across batch sizes (one server
+    process, one policy). The drafter is built once per method and reused."""
     from sglang_ext.sampling import SamplingParams
 
     from .bench import bench_drafter
@@ -200,7 +200,9 @@ def engine_batch_runner(target, method: str, tree, max_new_tokens: int, adaptive
         need = sum(n + max_new_tokens + tree.num_draft_tokens + 2 for n in longest) + 64
         e = state["engine"]
         if e is None or state["b"] != b or e.kv.num_slots < need:
-            policy = e.policy if e is not None and state["b"] == b else None  # same batch size: keep what adaptive learned
+            # adaptive speculation keeps what it learned, as in a server whose load changes: its
+            # measurements per batch bucket, and the acceptance and step costs behind its prior
+            policy = e.policy if e is not None else None
             state["engine"] = None  # free the old pool first
             e = Engine(target, drafter, tree, kv_slots=2 * need, adaptive=adaptive and drafter is not None, on_fallback=lambda r, why: fallbacks.append(why))
             if policy is not None:

@@ -105,6 +105,7 @@ class Engine:
         self.policy = AdaptiveSpeculation(self.tree) if adaptive and drafter is not None else None
         self.last_shape: TreeShape | None = self.tree if drafter is not None else None
         self.capture_layers = tuple(drafter.capture_layers) if drafter else ()
+        self._drafter_commits = getattr(drafter, "needs_commit", True)
         self.prefill_tokens = prefill_tokens
 
     # --- admission ----------------------------------------------------------------------------
@@ -264,14 +265,15 @@ class Engine:
             self.kv.free(s[rejected])
             r.slots = torch.cat([r.slots, keep])
             self._record(r, res, n - 1)
-            if self.drafter is not None and r.drafting:
+            if self.drafter is not None and r.drafting and self._drafter_commits:
                 rows = torch.tensor(res.accepted_nodes) + start
                 cap = TargetCapture(t.draft_tokens[res.accepted_nodes].tolist(), t.positions[res.accepted_nodes], keep, {l: h[rows] for l, h in out.captured.items()}, self.kv)
                 self._drafter_call(lambda: self.drafter.commit(r.rid, cap), [r])
             events.append(StepEvent(r, self._append(r, res.tokens), res.num_accepted, n - 1))
             start += n
         if self.policy:
-            self.policy.observe(option, len(reqs), time.perf_counter() - t0, sum(len(e.new_tokens) for e in events))
+            rows = sum(t.num_nodes for t in trees)
+            self.policy.observe(option, len(reqs), time.perf_counter() - t0, sum(len(e.new_tokens) for e in events), rows)
         return events
 
     def _verify(self, r: Request, tree: TokenTree, logits: torch.Tensor) -> VerifyResult:

@@ -1,7 +1,7 @@
 """Adaptive speculation picks the measured-fastest option per batch bucket, and never loses output."""
 
 from helpers import tiny_target
-from serving.adaptive import AdaptiveSpeculation, shape_menu
+from serving.adaptive import AdaptiveSpeculation, StepCostModel, shape_menu
 from serving.engine import Engine
 from sglang_ext.drafters import NgramDrafter
 from sglang_ext.sampling import SamplingParams
@@ -161,6 +161,65 @@ def test_re_measurement_costs_stay_within_the_budget():
     extra = spent[1] + spent[2] - (cost[0][0] / cost[1][0]) * spent[1] - (cost[0][0] / cost[2][0]) * spent[2]
     assert p.choose(32) == 0 and extra / sum(spent.values()) < p.explore_budget + 0.003
     assert spent[1] > 0 and spent[2] > 0  # both still re-measured
+
+
+def test_step_cost_model_interpolates_and_extends_along_the_last_slope():
+    m = StepCostModel(min_samples=2)
+    assert m.predict(10) is None  # nothing measured
+    for rows, sec in ((1, 0.030), (8, 0.032), (32, 0.080), (32, 0.080), (1, 0.030), (8, 0.032)):
+        m.add(rows, sec)
+    assert m.predict(1) == 0.030 and m.predict(0.5) == 0.030  # flat below the smallest
+    assert abs(m.predict(20) - 0.056) < 1e-9  # between 8 and 32 rows
+    assert abs(m.predict(64) - 0.144) < 1e-9  # past 32 rows: along the 8 -> 32 slope (2 ms/row)
+    one = StepCostModel(min_samples=1)
+    one.add(4, 0.03)
+    assert one.predict(2) == 0.03 and one.predict(8) is None  # no slope to follow
+
+
+def _sweep(p, cost, batch_sizes, steps):
+    """Run the policy through batch sizes; cost(option, bs) -> (seconds, tokens, rows). Returns options chosen per bs."""
+    chosen = {}
+    for bs in batch_sizes:
+        chosen[bs] = []
+        for _ in range(steps):
+            o = p.choose(bs)
+            chosen[bs].append(o)
+            p.observe(o, bs, *cost(o, bs))
+    return chosen
+
+
+# a CPU-like step: a memory-bound floor plus compute per verify row; the configured tree verifies 4
+# rows per request and emits 1.6 tokens, the small one 2.5 rows and 1.3 tokens
+_ROWS, _TOKENS = {0: 1.0, 1: 4.0, 2: 2.5}, {0: 1.0, 1: 1.6, 2: 1.3}
+
+
+def _cpu_cost(o, bs):
+    rows = bs * _ROWS[o]
+    return 0.03 + 0.004 * rows, bs * _TOKENS[o], round(rows)
+
+
+def test_prior_keeps_trees_off_where_the_cost_model_rules_them_out():
+    """Acceptance and tree size measured at small batches plus the step-cost model predict that a tree
+    step at bs 8-64 loses to 'off' by far: no trial tree steps there (each would cost several plain
+    steps), while at bs 1 the tree is still tried and chosen."""
+    p = AdaptiveSpeculation(TreeShape(5, 1, 6), warmup=3, retry_every=32)
+    chosen = _sweep(p, _cpu_cost, (1, 2, 4, 8, 16, 32, 64), 100)
+    assert chosen[1].count(1) > 50
+    for bs in (8, 16, 32, 64):
+        assert chosen[bs] == [0] * 100, (bs, chosen[bs])
+
+
+def test_ruled_out_trees_are_still_measured_for_real_now_and_then():
+    """The prior can be wrong (acceptance drifts, content changes): once its back-off reaches the ceiling
+    a ruled-out tree runs for real, and if it now wins, it is chosen."""
+    p = AdaptiveSpeculation(TreeShape(5, 1, 6), warmup=3, retry_every=32, max_retry_every=128)
+    _sweep(p, _cpu_cost, (1, 2, 4, 8), 60)
+    # the content turns very repetitive at bs 8: the tree now emits 5 tokens per request per step
+    better = lambda o, bs: (0.03 + 0.004 * bs * _ROWS[o], bs * {0: 1.0, 1: 5.0, 2: 2.9}[o], round(bs * _ROWS[o]))
+    chosen = _sweep(p, better, (8,), 2000)[8]
+    assert chosen[:30] == [0] * 30  # still ruled out by the old acceptance at first
+    assert p.postponed > 0  # re-measurements skipped while the back-off was below its ceiling
+    assert chosen[-100:].count(0) < 10  # measured for real, then chosen
 
 
 def test_adaptive_engine_output_equals_vanilla():

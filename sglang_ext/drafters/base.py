@@ -9,7 +9,8 @@ Lifecycle of a request, as the engine drives it:
     remove_request(rid)
 
 A drafter owns only its own state (e.g. its KV cache); the engine owns requests and the target
-KV pool. Trees may differ in size across requests (a drafter with nothing to say returns a
+KV pool. A drafter whose commit() does nothing (it reads token ids only: n-gram, suffix) may say so
+with `needs_commit = False`, and the engine skips building the TargetCapture of every verify step. Trees may differ in size across requests (a drafter with nothing to say returns a
 root-only tree, which the engine verifies as a plain decode step).
 """
 

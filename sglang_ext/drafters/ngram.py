@@ -18,6 +18,7 @@ import torch
 class NgramDrafter:
     name = "ngram"
     capture_layers: tuple[int, ...] = ()
+    needs_commit = False  # reads token ids only (DraftInput); commit() is a no-op
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, max_matches: int = 8):
         if not 1 <= min_ngram <= max_ngram:

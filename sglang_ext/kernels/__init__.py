@@ -1,4 +1,5 @@
-"""CPU kernels, each with a torch fallback: `linear` is F.linear for every shape, faster for few rows;
+"""CPU kernels, each with a torch fallback: `linear` is F.linear for every shape, faster for few rows
+(and reading a weight's GGUF blocks instead of its fp32 copy when they are attached: attach_packed);
 the `tree_attention` op (cpu_attention.cpp) backs the "cpu" attention backend (sglang_ext/attention/cpu.py).
 
 `linear(x, w)` sends fp32 inputs with at most SMALL_ROWS rows (decode, tree verify, draft steps) to
@@ -9,7 +10,9 @@ off (same results up to fp32 rounding; used to measure what it buys).
 Measured on the 2-core AMD EPYC (AVX2) CI machine, 2 threads, the linear layers of one SmolLM2
 forward (30 layers + lm_head), same run: 1 / 4 / 6 / 16 rows take 26 / 25 / 28 / 56 ms (the
 session-6 blocking in groups of 3 rows: 26 / 31 / 34 / 56 ms); MKL 1.45-2.2x slower for 1-64 rows
-(scripts/kernel-ab.py; `--baseline REV` compares with the kernel of another commit).
+(scripts/kernel-ab.py; `--baseline REV` compares with the kernel of another commit). Reading the
+GGUF blocks instead (`linear_packed`, `--packed`): a whole forward + lm_head 1.51x faster for 1 row,
+1.07-1.41x for 2-64 (docs/BENCHMARKS.md, session 9).
 """
 
 from __future__ import annotations
@@ -34,8 +37,8 @@ def _load() -> str | None:
     """Loads the kernel library; returns why not, or None when loaded."""
     if os.environ.get("MOA_SERVE_CPU_KERNELS", "1") == "0":
         return "disabled by MOA_SERVE_CPU_KERNELS=0"
-    if not {"avx2", "fma"} <= _cpu_flags():
-        return "this CPU lacks AVX2/FMA"
+    if not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        return "this CPU lacks AVX2/FMA/F16C"
     libs = sorted(Path(__file__).parent.glob("_cpu_linear*.so"))
     if not libs:
         return "not built (setup.py builds it at `pip install -e .` on x86-64 Linux)"
@@ -51,6 +54,20 @@ AVAILABLE = UNAVAILABLE is None
 # the op `linear` calls (a module global, so scripts/kernel-ab.py can swap in another build of it)
 linear_small = torch.ops.moa_cpu.linear_small if AVAILABLE else None
 tree_attention = torch.ops.moa_cpu.tree_attention if AVAILABLE else None
+# GGUF block weights (Q4_1 / Q8_0, see cpu_linear.cpp); MOA_SERVE_PACKED_WEIGHTS=0 uses the fp32 copy
+linear_packed = getattr(torch.ops.moa_cpu, "linear_packed", None) if AVAILABLE else None  # None: a build older than the op
+PACKED = linear_packed is not None and os.environ.get("MOA_SERVE_PACKED_WEIGHTS", "1") != "0"
+PACKED_KIND_IDS = {"Q4_1": 0, "Q8_0": 1}
+
+
+def attach_packed(w: torch.Tensor, kind: str, blocks: torch.Tensor) -> None:
+    """Let `linear` read w's GGUF blocks (uint8 [N, K / 32 * block bytes]) instead of w itself. The
+    caller guarantees they dequantize to exactly w (loader.write_packed_weights checks it)."""
+    if kind not in PACKED_KIND_IDS:
+        raise ValueError(f"unsupported packed kind {kind!r}; supported: {sorted(PACKED_KIND_IDS)}")
+    if w.dim() != 2 or w.shape[1] % 32 or blocks.dtype != torch.uint8 or blocks.shape != (w.shape[0], w.shape[1] // 32 * (20 if kind == "Q4_1" else 34)):
+        raise ValueError(f"packed blocks {tuple(blocks.shape)} {blocks.dtype} do not fit a {kind} weight {tuple(w.shape)}")
+    w.moa_packed = (PACKED_KIND_IDS[kind], blocks.contiguous())
 
 
 def uses_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -70,7 +87,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     """F.linear(x, w, bias): x [.., K], w [N, K] -> [.., N]."""
     if not uses_kernel(x, w):
         return F.linear(x, w, bias)
-    y = linear_small(x.reshape(-1, x.shape[-1]), w).view(*x.shape[:-1], w.shape[0])
+    packed = getattr(w, "moa_packed", None) if PACKED else None
+    x2 = x.reshape(-1, x.shape[-1])
+    y = (linear_small(x2, w) if packed is None else linear_packed(x2, packed[1], packed[0])).view(*x.shape[:-1], w.shape[0])
     return y if bias is None else y + bias
 
 

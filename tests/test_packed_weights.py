@@ -1,0 +1,122 @@
+"""GGUF block weights (Q4_1 / Q8_0) read by the CPU kernel: the same numbers as the fp32 weights, bit for bit."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+from safetensors.torch import save_file
+
+from sglang_ext import kernels
+from sglang_ext.attention import causal_mask, plan_attention
+from sglang_ext.models.loader import PACKED_FILE, load_packed_weights, load_state_dict, resolve_target, smollm2_gguf_path, write_packed_weights
+
+pytestmark = pytest.mark.skipif(not kernels.AVAILABLE, reason=f"kernel unavailable: {kernels.UNAVAILABLE}")
+
+BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
+GGML = {"Q4_1": GGMLQuantizationType.Q4_1, "Q8_0": GGMLQuantizationType.Q8_0}
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int) -> torch.Tensor:
+    """Valid random blocks: finite fp16 scale (and min), random quants."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n, k // 32, BLOCK_BYTES[kind]), dtype=np.uint8)
+    blocks[:, :, 0:2] = rng.uniform(0.001, 0.05, size=(n, k // 32)).astype(np.float16)[..., None].view(np.uint8)
+    if kind == "Q4_1":
+        blocks[:, :, 2:4] = rng.uniform(-0.4, 0.0, size=(n, k // 32)).astype(np.float16)[..., None].view(np.uint8)
+    return torch.from_numpy(blocks.reshape(n, -1))
+
+
+def gguf_dequant(kind: str, blocks: torch.Tensor) -> torch.Tensor:
+    """gguf's own numpy dequantizer: what the converter wrote as the fp32 weights."""
+    return torch.from_numpy(dequantize(blocks.numpy(), GGML[kind]).reshape(blocks.shape[0], -1).astype(np.float32))
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_dequantize_matches_gguf_exactly(kind):
+    blocks = random_blocks(kind, 37, 96, seed=1)
+    got = torch.ops.moa_cpu.dequantize_packed(blocks, kernels.PACKED_KIND_IDS[kind], 96)
+    assert torch.equal(got, gguf_dequant(kind, blocks))
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 8, 9, 12, 13, 16, 33, 64, 128])
+def test_linear_packed_equals_linear_small_on_the_dequantized_weights(kind, m):
+    """Bit for bit, whatever the rows: the packed path changes the bytes read, not the sums."""
+    n, k = 50, 576  # n not a multiple of the 24 / 4 row blocks
+    blocks = random_blocks(kind, n, k, seed=m)
+    w = gguf_dequant(kind, blocks)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    got = torch.ops.moa_cpu.linear_packed(x, blocks, kernels.PACKED_KIND_IDS[kind])
+    assert torch.equal(got, torch.ops.moa_cpu.linear_small(x, w))
+    assert torch.equal(got[m // 2], torch.ops.moa_cpu.linear_packed(x[m // 2 : m // 2 + 1], blocks, kernels.PACKED_KIND_IDS[kind])[0])
+
+
+def test_linear_dispatches_to_attached_blocks_and_checks_them():
+    blocks = random_blocks("Q4_1", 24, 64, seed=3)
+    w = gguf_dequant("Q4_1", blocks)
+    w_packed = w.clone()
+    kernels.attach_packed(w_packed, "Q4_1", blocks)
+    x = torch.randn(4, 64)
+    assert torch.equal(kernels.linear(x, w_packed), kernels.linear(x, w))
+    # the blocks really are what is read: attach other blocks and the result changes
+    other = w.clone()
+    kernels.attach_packed(other, "Q4_1", random_blocks("Q4_1", 24, 64, seed=4))
+    assert not torch.equal(kernels.linear(x, other), kernels.linear(x, w))
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.attach_packed(w.clone(), "Q8_0", blocks)
+    with pytest.raises(ValueError, match="unsupported packed kind"):
+        kernels.attach_packed(w.clone(), "Q5_K", blocks)
+
+
+def test_kernel_rejects_bad_inputs_clearly():
+    blocks = random_blocks("Q4_1", 8, 64, seed=5)
+    with pytest.raises(RuntimeError, match="blocks must be uint8"):
+        torch.ops.moa_cpu.linear_packed(torch.randn(2, 96), blocks, 0)  # K of x does not fit the blocks
+    with pytest.raises(RuntimeError, match="kind must be"):
+        torch.ops.moa_cpu.linear_packed(torch.randn(2, 64), blocks, 7)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.moa_cpu.linear_packed(torch.randn(2, 40), blocks, 0)
+
+
+def test_shipped_target_blocks_are_its_fp32_weights(smollm2_fp32):
+    """Every linear weight and the (tied) embedding of the default target carry their GGUF blocks, which
+    dequantize to exactly the fp32 weights the model holds (rows in the same order: q/k are permuted)."""
+    model = smollm2_fp32.model
+    layer = model.layers[0]
+    for w in (layer.qkv, layer.o, layer.gate_up, layer.down, model.lm_head):
+        kind, blocks = w.moa_packed
+        assert torch.equal(torch.ops.moa_cpu.dequantize_packed(blocks, kind, w.shape[1]), w)
+    assert all(hasattr(lw.qkv, "moa_packed") and hasattr(lw.down, "moa_packed") for lw in model.layers)
+
+
+def test_packed_and_fp32_decode_give_identical_logits(smollm2_fp32, monkeypatch):
+    model = smollm2_fp32.model
+    ids = smollm2_fp32.encode_chat([{"role": "user", "content": "Name three primes."}])
+
+    def step_logits():
+        kv = model.new_kv_pool(len(ids) + 8)
+        slots = torch.arange(len(ids))
+        model.forward(torch.tensor(ids[:-1]), torch.arange(len(ids) - 1), slots[:-1], plan_attention([slots[:-1]], [causal_mask(len(ids) - 1, 0)]), kv)
+        # the last token as a decode step (1 row: the kernel path) over the cached prompt
+        out = model.forward(torch.tensor(ids[-1:]), torch.tensor([len(ids) - 1]), slots[-1:], plan_attention([slots], [causal_mask(1, len(ids) - 1)]), kv)
+        return model.logits(out.hidden, fp32=False)
+
+    packed = step_logits()
+    monkeypatch.setattr(kernels, "PACKED", False)
+    assert torch.equal(packed, step_logits())
+
+
+def test_writer_keeps_only_tensors_whose_blocks_match_exactly(tmp_path):
+    """A weight that is not exactly its GGUF blocks' dequantization (here: one element nudged by an
+    ulp) keeps its fp32 copy only; the others are packed with rows in the fp32 order."""
+    state = load_state_dict(resolve_target("smollm2"))
+    q, k = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"
+    nudged = state[k].clone()
+    nudged[3, 5] = torch.nextafter(nudged[3, 5], torch.tensor(1.0))
+    save_file({q: state[q], k: nudged}, tmp_path / "model.safetensors")
+    write_packed_weights(smollm2_gguf_path(), tmp_path)
+    packed = load_packed_weights(tmp_path)
+    assert set(packed) == {q} and (tmp_path / PACKED_FILE).is_file()
+    kind, blocks = packed[q]
+    assert kind == "Q4_1" and torch.equal(torch.ops.moa_cpu.dequantize_packed(blocks, 0, q_cols := state[q].shape[1]), state[q]) and q_cols == 576
