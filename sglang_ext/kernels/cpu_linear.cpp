@@ -79,45 +79,51 @@ inline void tile(const float* x, const float* w, float* y, int64_t N, int64_t K,
     for (int j = 0; j < J; ++j) y[r * N + j] = hsum(acc[r][j]);
 }
 
-// One group of R input rows against weight rows [n, n + rows): tiles of J weight rows (`wide`: the
-// J(R) above, else 4), then single rows. `next`: the same rows of the next block, to prefetch.
+// One group of R input rows against a block of `rows` weight rows (w, stride K; outputs y[r * N + j]):
+// tiles of J weight rows (`wide`: the J(R) above, else 4), then single rows. `next`: the same rows
+// of the next block, to prefetch.
 template <int R>
-void group(bool wide, const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t n, int64_t rows, const float* next) {
+void group(bool wide, const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t rows, const float* next) {
   constexpr int J = R == 1 ? 8 : R == 2 ? 6 : R == 3 ? 4 : R == 4 ? 3 : R <= 6 ? 2 : 1;
   int64_t j = 0;
   if (wide)
-    for (; j + J <= rows; j += J) tile<R, J>(x, w + (n + j) * K, y + n + j, N, K, next ? next + j * K : nullptr);
+    for (; j + J <= rows; j += J) tile<R, J>(x, w + j * K, y + j, N, K, next ? next + j * K : nullptr);
   if constexpr (R <= 3)
-    for (; j + 4 <= rows; j += 4) tile<R, 4>(x, w + (n + j) * K, y + n + j, N, K, next ? next + j * K : nullptr);
-  for (; j < rows; ++j) tile<R, 1>(x, w + (n + j) * K, y + n + j, N, K, nullptr);
+    for (; j + 4 <= rows; j += 4) tile<R, 4>(x, w + j * K, y + j, N, K, next ? next + j * K : nullptr);
+  for (; j < rows; ++j) tile<R, 1>(x, w + j * K, y + j, N, K, nullptr);
 }
 
-void group_any(int64_t R, bool wide, const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t n, int64_t rows, const float* next) {
+void group_any(int64_t R, bool wide, const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t rows, const float* next) {
   switch (R) {
-    case 1: return group<1>(wide, x, w, y, N, K, n, rows, next);
-    case 2: return group<2>(wide, x, w, y, N, K, n, rows, next);
-    case 3: return group<3>(wide, x, w, y, N, K, n, rows, next);
-    case 4: return group<4>(wide, x, w, y, N, K, n, rows, next);
-    case 5: return group<5>(wide, x, w, y, N, K, n, rows, next);
-    case 6: return group<6>(wide, x, w, y, N, K, n, rows, next);
-    case 7: return group<7>(wide, x, w, y, N, K, n, rows, next);
-    default: return group<8>(wide, x, w, y, N, K, n, rows, next);
+    case 1: return group<1>(wide, x, w, y, N, K, rows, next);
+    case 2: return group<2>(wide, x, w, y, N, K, rows, next);
+    case 3: return group<3>(wide, x, w, y, N, K, rows, next);
+    case 4: return group<4>(wide, x, w, y, N, K, rows, next);
+    case 5: return group<5>(wide, x, w, y, N, K, rows, next);
+    case 6: return group<6>(wide, x, w, y, N, K, rows, next);
+    case 7: return group<7>(wide, x, w, y, N, K, rows, next);
+    default: return group<8>(wide, x, w, y, N, K, rows, next);
   }
 }
 
 inline int64_t block_rows(int64_t M) { return M <= WIDE_M ? 24 : 4; }
 
-void rows(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+// Output columns [n0, n1), one block of weight rows at a time. `weights(n, size)` gives rows
+// [n, n + size) as fp32 (the weights themselves, or a buffer it dequantized them into);
+// `prefetch(n)` the rows to prefetch for the next block (or nullptr).
+template <class Weights, class Prefetch>
+void rows(const float* x, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1, Weights weights, Prefetch prefetch) {
   const bool wide = M <= WIDE_M;
   const int64_t block = block_rows(M), max_group = wide ? (M <= 8 ? 8 : 6) : 3;
   const int64_t groups = (M + max_group - 1) / max_group;  // as even as possible: 10 = 5+5, 16 = 3+3+3+3+2+2
   for (int64_t n = n0; n < n1; n += block) {
     const int64_t size = std::min(block, n1 - n);
+    const float* w = weights(n, size);
     // the next block streams in from memory while the first group computes on this one
-    const float* next = (size == block && n + 2 * block <= n1) ? w + (n + block) * K : nullptr;
+    const float* next = (size == block && n + 2 * block <= n1) ? prefetch(n + block) : nullptr;
     for (int64_t g = 0, m = 0; g < groups; ++g) {
       const int64_t r = (M - m) / (groups - g);
-      group_any(r, wide, x + m * K, w, y + m * N, N, K, n, size, g == 0 ? next : nullptr);
+      group_any(r, wide, x + m * K, w, y + m * N + n, N, K, size, g == 0 ? next : nullptr);
       m += r;
     }
   }
@@ -137,7 +143,8 @@ at::Tensor linear_small(const at::Tensor& x, const at::Tensor& w) {
   float* yp = y.data_ptr<float>();
   const int64_t block = block_rows(M), blocks = (N + block - 1) / block;
   at::parallel_for(0, blocks, 64 / block, [&](int64_t b0, int64_t b1) {
-    rows(xp, wp, yp, M, N, K, b0 * block, std::min(N, b1 * block));
+    const auto in_place = [&](int64_t n, int64_t = 0) { return wp + n * K; };
+    rows(xp, yp, M, N, K, b0 * block, std::min(N, b1 * block), in_place, in_place);
   });
   return y;
 }
@@ -213,20 +220,14 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& blocks, int64_t 
   const float* xp = xc.data_ptr<float>();
   const uint8_t* bp = bc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const bool wide = M <= WIDE_M;
-  const int64_t block = block_rows(M), blocks_n = (N + block - 1) / block, max_group = wide ? (M <= 8 ? 8 : 6) : 3;
-  const int64_t groups = (M + max_group - 1) / max_group;
-  at::parallel_for(0, blocks_n, 64 / block, [&](int64_t b0, int64_t b1) {
+  const int64_t block = block_rows(M), n_blocks = (N + block - 1) / block;
+  at::parallel_for(0, n_blocks, 64 / block, [&](int64_t b0, int64_t b1) {
     std::vector<float> buf(block * K);  // one block of dequantized weight rows, hot in L1/L2
-    for (int64_t n = b0 * block; n < std::min(N, b1 * block); n += block) {
-      const int64_t size = std::min(block, N - n);
+    const auto dequant = [&](int64_t n, int64_t size) {
       for (int64_t j = 0; j < size; ++j) dequant_row(kind, bp + (n + j) * row_bytes, buf.data() + j * K, K);
-      for (int64_t g = 0, m = 0; g < groups; ++g) {  // the same groups and tiles as rows(): same sums
-        const int64_t r = (M - m) / (groups - g);
-        group_any(r, wide, xp + m * K, buf.data(), yp + m * N + n, N, K, 0, size, nullptr);
-        m += r;
-      }
-    }
+      return static_cast<const float*>(buf.data());
+    };
+    rows(xp, yp, M, N, K, b0 * block, std::min(N, b1 * block), dequant, [](int64_t) { return static_cast<const float*>(nullptr); });
   });
   return y;
 }
