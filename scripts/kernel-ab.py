@@ -5,12 +5,13 @@ with our kernel and without, interleaved so machine drift hits both alike.
     .venv/bin/python scripts/kernel-ab.py --baseline fd4c241   # against the linear kernel of another commit
     .venv/bin/python scripts/kernel-ab.py --attention          # the attention kernel against torch's
     .venv/bin/python scripts/kernel-ab.py --packed             # GGUF block weights against their fp32 copy
+    .venv/bin/python scripts/kernel-ab.py --packed --baseline a3d6397   # the packed kernel against another commit's
 
 By default the B side is torch's F.linear for the linear layers; with --baseline REV it is the linear
 kernel source at git revision REV (compiled here under another op namespace); with --attention it
 is the torch attention backend (linear kernel on both sides). The other kernel is the same on both sides.
-Except with --packed (A: the kernel reading the GGUF blocks; B: the kernel reading the fp32 weights),
-both sides read the fp32 weights.
+Except with --packed (A: the kernel reading the GGUF blocks; B: the kernel reading the fp32 weights,
+or with --baseline REV the GGUF-block kernel at REV), both sides read the fp32 weights.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from sglang_ext.models import load_target
 
 
 def build_baseline(rev: str):
-    """The kernel op as of git revision `rev`, compiled into its own namespace (moa_baseline) with
+    """The linear kernel ops as of git revision `rev`, compiled into its own namespace (moa_baseline) with
     setup.py's extension settings."""
     root = Path(__file__).resolve().parent.parent
     ext = runpy.run_path(str(root / "setup.py"), run_name="kernel_ab")["cpu_kernel_extensions"]()
@@ -48,7 +49,7 @@ def build_baseline(rev: str):
            str(build / "baseline.cpp"), "-o", str(build / "baseline.so"), *ext.extra_link_args, *(f"-l{l}" for l in ext.libraries)]
     subprocess.run(cmd, check=True)
     torch.ops.load_library(str(build / "baseline.so"))
-    return torch.ops.moa_baseline.linear_small
+    return torch.ops.moa_baseline
 
 
 def main() -> None:
@@ -63,9 +64,9 @@ def main() -> None:
     args = ap.parse_args()
     if not kernels.AVAILABLE:
         raise SystemExit(f"kernel unavailable: {kernels.UNAVAILABLE}")
-    current = kernels.linear_small
+    current, current_packed = kernels.linear_small, kernels.linear_packed
     baseline = build_baseline(args.baseline) if args.baseline else None
-    b_name = "torch attention" if args.attention else "fp32 weights" if args.packed else f"kernel@{args.baseline}" if baseline else "torch"
+    b_name = "torch attention" if args.attention else f"kernel@{args.baseline}" if baseline else "fp32 weights" if args.packed else "torch"
     torch.set_num_threads(args.threads)
     packed_default, kernels.PACKED = kernels.PACKED, False  # fp32 weights on both sides unless --packed
     if args.packed and not packed_default:
@@ -85,16 +86,18 @@ def main() -> None:
             for on in (True, False):
                 if args.attention:
                     model.attention = tree_attention_cpu if on else tree_attention_torch
+                elif args.packed and baseline:
+                    kernels.PACKED, kernels.linear_packed = True, current_packed if on else baseline.linear_packed
                 elif args.packed:
                     kernels.PACKED = on
                 else:
-                    kernels.linear_small = current if on else baseline or (lambda x, w: F.linear(x, w))
+                    kernels.linear_small = current if on else baseline.linear_small if baseline else (lambda x, w: F.linear(x, w))
                 t0 = time.perf_counter()
                 out = model.forward(ids, pos, new, plan, kv)
                 model.logits(out.hidden, fp32=False)
                 if i >= 2:  # warm-up
                     times[on].append(time.perf_counter() - t0)
-        kernels.linear_small, model.attention, kernels.PACKED = current, tree_attention_cpu, False
+        kernels.linear_small, kernels.linear_packed, model.attention, kernels.PACKED = current, current_packed, tree_attention_cpu, False
         on, off = statistics.median(times[True]) * 1e3, statistics.median(times[False]) * 1e3
         print(f"| {n} | {on:.1f} | {off:.1f} | {off / on:.2f}x |", flush=True)
 

@@ -139,7 +139,7 @@ class AdaptiveSpeculation:
         self.options = shape_menu(shape)
         self._cheapest_first = sorted(range(len(self.options)), key=lambda i: 0 if self.options[i] is None else self.options[i].num_draft_tokens)
         self.warmup, self.retry_every, self.max_retry_every, self.far_behind = warmup, retry_every, max_retry_every, far_behind
-        self.explore_budget = explore_budget  # share of step time re-measuring the losing options may cost, all together
+        self.explore_budget = explore_budget  # share of throughput re-measuring the losing options may cost, all together
         self.trust_after = trust_after  # steps of an option before 'far behind' may back off its re-measurement
         # a tree must beat 'off' by this fraction to be chosen: where they are within noise (large
         # batches), speculating risks a loss for no gain
@@ -203,9 +203,14 @@ class AdaptiveSpeculation:
         return pick
 
     def _budget_gap(self, i: int, best: int, bucket: str, known: str, batch_size: int) -> int:
-        """Steps between re-measurements of option i so that they cost at most its share of explore_budget."""
-        extra = self._seconds(i, bucket, known, batch_size) / max(self._seconds(best, bucket, known, batch_size), 1e-9) - 1.0
-        return math.ceil(extra * (len(self.options) - 1) / self.explore_budget)
+        """Steps between re-measurements of option i so that the throughput they lose stays within its
+        share of explore_budget. A step of i instead of one of best loses (1 - rate_i / rate_best) of
+        its own duration: a tree whose step is slower but emits more tokens (bs 1) costs little to
+        re-measure, one that is slow and emits no more (bs 64) costs nearly its whole step."""
+        ratio = self._seconds(i, bucket, known, batch_size) / max(self._seconds(best, bucket, known, batch_size), 1e-9)
+        rate_best = self._rate(best, bucket, known, batch_size)
+        lost = ratio * max(0.0, 1.0 - self._rate(i, bucket, known, batch_size) / rate_best) if rate_best > 0 else ratio
+        return math.ceil(lost * (len(self.options) - 1) / self.explore_budget)
 
     def _measured(self, bucket: str, batch_size: int) -> bool:
         return all(self._stat(i, bucket).n >= self.warmup or self._ruled_out(i, bucket, batch_size) for i in range(len(self.options)))

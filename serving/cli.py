@@ -67,7 +67,8 @@ def default_tree(drafter: str | None):
         drafter = "suffix"  # --drafter PATH to a corpus
     # suffix: a 3-token chain. A chain beat 8,3,24 (session 6); since the matmuls read the GGUF blocks
     # (session 9) a decode no longer waits on memory, each verify row costs ~1/4 of a decode, and the
-    # 3-chain beat the 5-chain (1.37x vs 1.30x over six sets, docs/BENCHMARKS.md session 9)
+    # 3-chain won over six sets: 1.37x vs 1.30x for the 5-chain in one run, 1.40x vs 1.37x / 1.27x
+    # for the 2- / 4-chains in another (docs/BENCHMARKS.md session 9)
     return {"ngram": TreeShape(6, 2, 12), "suffix": TreeShape(3, 1, 4), "draft-model": TreeShape(3, 1, 4), "eagle3": eagle_like, "moa": eagle_like, "moa-tli0": eagle_like, "moa-tli1": eagle_like}.get(drafter or "none", TreeShape(6, 4, 24))
 
 
