@@ -35,6 +35,24 @@ namespace {
 
 constexpr int64_t WIDE_M = 12;  // up to this many input rows: super-blocks of 24, groups of <= 6
 
+// The accumulators of an R x J tile start at zero and end as one fixed horizontal sum each
+// (shared by tile and packed_tile: the same sums in both).
+template <int R, int J>
+inline void zero_acc(__m256 (&acc)[R][J]) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < J; ++j) acc[r][j] = _mm256_setzero_ps();
+}
+
+template <int R, int J>
+inline void store_acc(const __m256 (&acc)[R][J], float* y, int64_t N) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < J; ++j) y[r * N + j] = hsum(acc[r][j]);
+}
+
 // R input rows x J weight rows: R*J accumulators. Registers: with R <= J the R input vectors stay
 // in registers and weights are loaded one at a time (R + 1 + RJ <= 16); otherwise the J weight
 // vectors stay and inputs are loaded one at a time (J + 1 + RJ <= 16). `next` (the same tile of
@@ -42,10 +60,7 @@ constexpr int64_t WIDE_M = 12;  // up to this many input rows: super-blocks of 2
 template <int R, int J>
 inline void tile(const float* x, const float* w, float* y, int64_t N, int64_t K, const float* next) {
   __m256 acc[R][J];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int j = 0; j < J; ++j) acc[r][j] = _mm256_setzero_ps();
+  zero_acc<R, J>(acc);
   for (int64_t k = 0; k < K; k += 8) {
     if (next && (k & 15) == 0) {
 #pragma GCC unroll 8
@@ -73,10 +88,7 @@ inline void tile(const float* x, const float* w, float* y, int64_t N, int64_t K,
       }
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int j = 0; j < J; ++j) y[r * N + j] = hsum(acc[r][j]);
+  store_acc<R, J>(acc, y, N);
 }
 
 // One group of R input rows against a block of `rows` weight rows (w, stride K; outputs y[r * N + j]):
@@ -214,10 +226,7 @@ constexpr int64_t FUSED_M = 4;
 template <int KIND, int R, int J>
 inline void packed_tile(const float* x, const uint8_t* b, int64_t row_bytes, float* y, int64_t N, int64_t K) {
   __m256 acc[R][J];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int j = 0; j < J; ++j) acc[r][j] = _mm256_setzero_ps();
+  zero_acc<R, J>(acc);
   for (int64_t k = 0; k < K; k += 32) {
     const uint8_t* src = b + k / 32 * packed_block_bytes(KIND);
 #pragma GCC unroll 8
@@ -230,10 +239,7 @@ inline void packed_tile(const float* x, const uint8_t* b, int64_t row_bytes, flo
         for (int r = 0; r < R; ++r) acc[r][j] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k + 8 * i), w[i], acc[r][j]);
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r)
-#pragma GCC unroll 8
-    for (int j = 0; j < J; ++j) y[r * N + j] = hsum(acc[r][j]);
+  store_acc<R, J>(acc, y, N);
 }
 
 // Output columns [n0, n1) for R input rows: tiles of J weight rows, then single rows.
