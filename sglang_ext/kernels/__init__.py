@@ -11,8 +11,8 @@ Measured on the 2-core AMD EPYC (AVX2) CI machine, 2 threads, the linear layers 
 forward (30 layers + lm_head), same run: 1 / 4 / 6 / 16 rows take 26 / 25 / 28 / 56 ms (the
 session-6 blocking in groups of 3 rows: 26 / 31 / 34 / 56 ms); MKL 1.45-2.2x slower for 1-64 rows
 (scripts/kernel-ab.py; `--baseline REV` compares with the kernel of another commit). Reading the
-GGUF blocks instead (`linear_packed`, `--packed`): a whole forward + lm_head 1.51x faster for 1 row,
-1.07-1.41x for 2-64 (docs/BENCHMARKS.md, session 9).
+GGUF blocks instead (`linear_packed`, `--packed`): a whole forward + lm_head 1.39-1.51x faster for
+1-4 rows, 1.06-1.24x for 6-64 (two runs, docs/BENCHMARKS.md, session 9).
 """
 
 from __future__ import annotations
