@@ -1,4 +1,4 @@
-"""Builds the optional CPU kernels (sglang_ext/kernels/cpu_linear.cpp, cpu_attention.cpp) next to the Python sources.
+"""Builds the optional CPU kernels (sglang_ext/kernels/cpu_linear.cpp, cpu_attention.cpp, cpu_layer_ops.cpp) next to the Python sources.
 
 Everything else is declared in pyproject.toml. The kernel needs x86-64 (AVX2 + FMA) and torch's
 headers at build time (`pip install --no-build-isolation -e .` after torch); where either is
@@ -23,8 +23,8 @@ def cpu_kernel_extensions() -> list[Extension]:
     return [
         Extension(
             "sglang_ext.kernels._cpu_linear",
-            ["sglang_ext/kernels/cpu_linear.cpp", "sglang_ext/kernels/cpu_attention.cpp"],
-            depends=["sglang_ext/kernels/avx2_sum.h"],
+            ["sglang_ext/kernels/cpu_linear.cpp", "sglang_ext/kernels/cpu_attention.cpp", "sglang_ext/kernels/cpu_layer_ops.cpp"],
+            depends=["sglang_ext/kernels/avx2_math.h"],
             include_dirs=include_paths(),
             library_dirs=libs,
             runtime_library_dirs=libs,

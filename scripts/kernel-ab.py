@@ -6,12 +6,15 @@ with our kernel and without, interleaved so machine drift hits both alike.
     .venv/bin/python scripts/kernel-ab.py --attention          # the attention kernel against torch's
     .venv/bin/python scripts/kernel-ab.py --packed             # GGUF block weights against their fp32 copy
     .venv/bin/python scripts/kernel-ab.py --packed --baseline a3d6397   # the packed kernel against another commit's
+    .venv/bin/python scripts/kernel-ab.py --layer-ops          # the layer glue ops against the torch ops (GGUF blocks on both sides)
 
 By default the B side is torch's F.linear for the linear layers; with --baseline REV it is the linear
 kernel source at git revision REV (compiled here under another op namespace); with --attention it
 is the torch attention backend (linear kernel on both sides). The other kernel is the same on both sides.
 Except with --packed (A: the kernel reading the GGUF blocks; B: the kernel reading the fp32 weights,
-or with --baseline REV the GGUF-block kernel at REV), both sides read the fp32 weights.
+or with --baseline REV the GGUF-block kernel at REV) and --layer-ops (both sides read the GGUF blocks,
+the serving default; A runs a layer's norms, RoPE and SiLU on cpu_layer_ops.cpp, B on torch ops),
+both sides read the fp32 weights.
 """
 
 from __future__ import annotations
@@ -61,14 +64,19 @@ def main() -> None:
     ap.add_argument("--baseline", metavar="REV", help="compare with the linear kernel at this git revision instead of F.linear")
     ap.add_argument("--attention", action="store_true", help="compare the attention kernel with torch's attention instead")
     ap.add_argument("--packed", action="store_true", help="compare the kernel reading GGUF blocks with the one reading fp32 weights")
+    ap.add_argument("--layer-ops", action="store_true", help="compare the layer glue ops (norms, RoPE + K/V store, SiLU) with torch's ops")
     args = ap.parse_args()
     if not kernels.AVAILABLE:
         raise SystemExit(f"kernel unavailable: {kernels.UNAVAILABLE}")
     current, current_packed = kernels.linear_small, kernels.linear_packed
     baseline = build_baseline(args.baseline) if args.baseline else None
-    b_name = "torch attention" if args.attention else f"kernel@{args.baseline}" if baseline else "fp32 weights" if args.packed else "torch"
+    current_rope = kernels.rope_store
+    if args.layer_ops and current_rope is None:
+        raise SystemExit("layer ops unavailable (MOA_SERVE_LAYER_OPS=0 or an old build)")
+    b_name = "torch layer ops" if args.layer_ops else "torch attention" if args.attention else f"kernel@{args.baseline}" if baseline else "fp32 weights" if args.packed else "torch"
     torch.set_num_threads(args.threads)
-    packed_default, kernels.PACKED = kernels.PACKED, False  # fp32 weights on both sides unless --packed
+    packed_default, kernels.PACKED = kernels.PACKED, False  # fp32 weights on both sides unless --packed / --layer-ops
+    kernels.PACKED = packed_default and args.layer_ops
     if args.packed and not packed_default:
         raise SystemExit("packed weights unavailable (MOA_SERVE_PACKED_WEIGHTS=0?)")
     model = load_target("smollm2", dtype="float32").model
@@ -84,7 +92,9 @@ def main() -> None:
         times = {True: [], False: []}
         for i in range(args.repeats + 2):
             for on in (True, False):
-                if args.attention:
+                if args.layer_ops:
+                    kernels.rope_store = current_rope if on else None
+                elif args.attention:
                     model.attention = tree_attention_cpu if on else tree_attention_torch
                 elif args.packed and baseline:
                     kernels.PACKED, kernels.linear_packed = True, current_packed if on else baseline.linear_packed
@@ -97,7 +107,7 @@ def main() -> None:
                 model.logits(out.hidden, fp32=False)
                 if i >= 2:  # warm-up
                     times[on].append(time.perf_counter() - t0)
-        kernels.linear_small, kernels.linear_packed, model.attention, kernels.PACKED = current, current_packed, tree_attention_cpu, False
+        kernels.linear_small, kernels.linear_packed, model.attention, kernels.rope_store = current, current_packed, tree_attention_cpu, current_rope
         on, off = statistics.median(times[True]) * 1e3, statistics.median(times[False]) * 1e3
         print(f"| {n} | {on:.1f} | {off:.1f} | {off / on:.2f}x |", flush=True)
 

@@ -1,6 +1,8 @@
 """CPU kernels, each with a torch fallback: `linear` is F.linear for every shape, faster for few rows
 (and reading a weight's GGUF blocks instead of its fp32 copy when they are attached: attach_packed);
-the `tree_attention` op (cpu_attention.cpp) backs the "cpu" attention backend (sglang_ext/attention/cpu.py).
+the `tree_attention` op (cpu_attention.cpp) backs the "cpu" attention backend (sglang_ext/attention/cpu.py);
+the layer glue ops (cpu_layer_ops.cpp) do a decoder layer's norms, RoPE + K/V store and SiLU in one
+call each (models/llama.py, when uses_layer_ops).
 
 `linear(x, w)` sends fp32 inputs with at most SMALL_ROWS rows (decode, tree verify, draft steps) to
 our AVX2 kernel (cpu_linear.cpp, built by setup.py at install) and everything else (prefill,
@@ -57,6 +59,13 @@ tree_attention = torch.ops.moa_cpu.tree_attention if AVAILABLE else None
 # GGUF block weights (Q4_1 / Q8_0, see cpu_linear.cpp); MOA_SERVE_PACKED_WEIGHTS=0 uses the fp32 copy
 linear_packed = getattr(torch.ops.moa_cpu, "linear_packed", None) if AVAILABLE else None  # None: a build older than the op
 PACKED = linear_packed is not None and os.environ.get("MOA_SERVE_PACKED_WEIGHTS", "1") != "0"
+# the layer glue ops (cpu_layer_ops.cpp: RMSNorm, add + RMSNorm, RoPE + K/V store, SiLU * up);
+# MOA_SERVE_LAYER_OPS=0 runs the torch ops instead (to measure what they buy)
+_layer_ops = AVAILABLE and hasattr(torch.ops.moa_cpu, "rope_store") and os.environ.get("MOA_SERVE_LAYER_OPS", "1") != "0"
+rms_norm = torch.ops.moa_cpu.rms_norm if _layer_ops else None
+add_rms_norm = torch.ops.moa_cpu.add_rms_norm if _layer_ops else None
+rope_store = torch.ops.moa_cpu.rope_store if _layer_ops else None
+silu_mul = torch.ops.moa_cpu.silu_mul if _layer_ops else None
 PACKED_KIND_IDS = {"Q4_1": 0, "Q8_0": 1}  # GGUF block type -> the op's `kind`
 PACKED_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # per 32 weights
 
@@ -81,6 +90,18 @@ def uses_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
         and x.device.type == "cpu"
         and w.shape[1] % 8 == 0
         and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+    )
+
+
+def uses_layer_ops(x: torch.Tensor) -> bool:
+    """Whether a decoder layer over hidden states x [T, H] can run on the layer glue ops."""
+    return (
+        rope_store is not None
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.dim() == 2
+        and x.shape[-1] % 8 == 0
+        and not (torch.is_grad_enabled() and x.requires_grad)
     )
 
 

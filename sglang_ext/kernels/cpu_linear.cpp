@@ -29,7 +29,7 @@
 #include <cstring>
 #include <vector>
 
-#include "avx2_sum.h"
+#include "avx2_math.h"
 
 namespace {
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import AttentionFn, AttentionPlan, select_backend
+from .. import kernels
 from ..kernels import attach_packed, linear
 from .kv_pool import KVPool
 from .loader import LlamaConfig
@@ -132,6 +133,9 @@ class LlamaModel:
     def layer_forward(self, i: int, x: torch.Tensor, rope, slots: torch.Tensor, plan: AttentionPlan, kv: KVPool, kv_layer: int | None = None) -> torch.Tensor:
         c, lw = self.cfg, self.layers[i]
         t = x.shape[0]
+        li = i if kv_layer is None else kv_layer
+        if kernels.uses_layer_ops(x) and kv.k[li].dtype == torch.float32 and c.head_dim % 16 == 0:
+            return self._layer_forward_ops(lw, x, rope, slots, plan, kv.k[li], kv.v[li])
         h = rms_norm(x, lw.input_norm, c.rms_norm_eps)
         qkv = linear(h, lw.qkv, lw.qkv_bias)
         nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -140,7 +144,6 @@ class LlamaModel:
         v = qkv[:, nq + nk :].view(t, c.num_kv_heads, c.head_dim)
         cos, sin = rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        li = i if kv_layer is None else kv_layer
         kv.write(li, slots, k, v)
         a = self.attention(q, kv.k[li], kv.v[li], plan, self.scale)
         x = x + linear(a.reshape(t, nq), lw.o)
@@ -148,6 +151,18 @@ class LlamaModel:
         gu = linear(h, lw.gate_up)
         inter = gu.shape[-1] // 2
         return x + linear(F.silu(gu[:, :inter]) * gu[:, inter:], lw.down)
+
+    def _layer_forward_ops(self, lw: LayerWeights, x, rope, slots, plan, k_pool, v_pool) -> torch.Tensor:
+        """layer_forward on the layer glue ops (kernels/cpu_layer_ops.cpp): the same computation,
+        5 calls around the 4 matmuls and the attention instead of ~30 torch ops."""
+        c = self.cfg
+        cos, sin = rope
+        h = kernels.rms_norm(x, lw.input_norm, c.rms_norm_eps)
+        qkv = linear(h, lw.qkv, lw.qkv_bias)
+        q = kernels.rope_store(qkv, cos[:, 0], sin[:, 0], k_pool, v_pool, slots.contiguous(), c.num_heads, c.num_kv_heads)
+        a = self.attention(q, k_pool, v_pool, plan, self.scale)
+        x, h = kernels.add_rms_norm(x, linear(a.reshape(x.shape[0], -1), lw.o), lw.post_norm, c.rms_norm_eps)
+        return x + linear(kernels.silu_mul(linear(h, lw.gate_up)), lw.down)
 
     @torch.inference_mode()
     def forward(
@@ -170,7 +185,8 @@ class LlamaModel:
             x = self.layer_forward(i, x, rope, out_slots, plan, kv, kv_layer=i - kv_layer_offset)
             if i in capture_layers:
                 captured[i] = x
-        return ForwardOutput(rms_norm(x, self.norm, self.cfg.rms_norm_eps), captured)
+        norm = kernels.rms_norm if kernels.uses_layer_ops(x) else rms_norm
+        return ForwardOutput(norm(x, self.norm, self.cfg.rms_norm_eps), captured)
 
     def logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """fp32=False keeps the model dtype: argmax needs no upcast (exact), and the upcast of
