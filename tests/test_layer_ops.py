@@ -123,3 +123,23 @@ def test_target_forward_with_and_without_the_ops(smollm2_fp32):
     (a1, a2), (b1, b2) = results
     assert torch.allclose(a1, b1, rtol=1e-4, atol=1e-4) and torch.allclose(a2, b2, rtol=1e-4, atol=1e-4)
     assert torch.equal(a1.argmax(-1), b1.argmax(-1)) and torch.equal(a2.argmax(-1), b2.argmax(-1))
+
+
+def test_unchecked_rows_kernel_is_the_same_computation(smollm2_fp32):
+    """_layer_forward_ops calls the small-rows kernel without linear()'s per-call checks: same bits."""
+    from sglang_ext.attention import causal_mask, plan_attention
+
+    model = smollm2_fp32.model
+    assert model._rows_kernel
+    ids = torch.tensor(smollm2_fp32.encode_chat([{"role": "user", "content": "Hello"}]))
+    outs = []
+    for unchecked in (True, False):
+        model._rows_kernel = unchecked
+        try:
+            kv = model.new_kv_pool(len(ids) + 1)
+            slots = torch.arange(1, len(ids) + 1)
+            # a short prompt is a few-row forward: the path a decode or verify step takes
+            outs.append(model.forward(ids, torch.arange(len(ids)), slots, plan_attention([slots], [causal_mask(len(ids), 0)]), kv).hidden)
+        finally:
+            model._rows_kernel = True
+    assert torch.equal(*outs)

@@ -115,6 +115,14 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     return y if bias is None else y + bias
 
 
+def linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """linear(x, w) without the checks, for callers that made them once per layer: x 2-D fp32 on the
+    CPU with at most SMALL_ROWS rows, no autograd, w fp32 with K % 8 == 0 (the decoder layer on the
+    layer ops; ~8 us of checks and reshapes per matmul, ~1 ms of a bs-1 step)."""
+    packed = getattr(w, "moa_packed", None) if PACKED else None
+    return linear_small(x, w) if packed is None else linear_packed(x, packed[1], packed[0])
+
+
 class Linear(torch.nn.Linear):
     """nn.Linear (same parameters and state-dict names) whose few-row inference calls use the kernel."""
 

@@ -112,6 +112,9 @@ class LlamaModel:
                 )
             )
         self.inv_freq = rope_inv_freq(cfg).to(device)
+        # every layer matmul fits the small-rows kernel (fp32, K % 8 == 0): _layer_forward_ops may skip linear()'s checks
+        self._rows_kernel = kernels.AVAILABLE and self.device.type == "cpu" and dtype == torch.float32 and all(
+            n % 8 == 0 for n in (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size))
         self.scale = cfg.head_dim**-0.5
 
     def subset(self, layer_ids: list[int]) -> "LlamaModel":
@@ -157,12 +160,16 @@ class LlamaModel:
         5 calls around the 4 matmuls and the attention instead of ~30 torch ops."""
         c = self.cfg
         cos, sin = rope
+        # few rows (decode, verify, draft): the kernel without linear()'s per-call checks, made here once
+        lin = kernels.linear_rows if self._rows_kernel and x.shape[0] <= kernels.SMALL_ROWS else linear
         h = kernels.rms_norm(x, lw.input_norm, c.rms_norm_eps)
-        qkv = linear(h, lw.qkv, lw.qkv_bias)
+        qkv = lin(h, lw.qkv)
+        if lw.qkv_bias is not None:
+            qkv = qkv + lw.qkv_bias
         q = kernels.rope_store(qkv, cos[:, 0], sin[:, 0], k_pool, v_pool, slots.contiguous(), c.num_heads, c.num_kv_heads)
         a = self.attention(q, k_pool, v_pool, plan, self.scale)
-        x, h = kernels.add_rms_norm(x, linear(a.reshape(x.shape[0], -1), lw.o), lw.post_norm, c.rms_norm_eps)
-        return x + linear(kernels.silu_mul(linear(h, lw.gate_up)), lw.down)
+        x, h = kernels.add_rms_norm(x, lin(a.reshape(x.shape[0], -1), lw.o), lw.post_norm, c.rms_norm_eps)
+        return x + lin(kernels.silu_mul(lin(h, lw.gate_up)), lw.down)
 
     @torch.inference_mode()
     def forward(
