@@ -101,6 +101,7 @@ def uses_layer_ops(x: torch.Tensor) -> bool:
         and x.device.type == "cpu"
         and x.dim() == 2
         and x.shape[-1] % 8 == 0
+        and x.stride(-1) == 1
         and not (torch.is_grad_enabled() and x.requires_grad)
     )
 
