@@ -6,7 +6,9 @@ Throughput of an option = the mean over its recent steps of each step's own toke
 (17-32 is one), and a window of step times from bs 32 against tokens from bs 20 would mis-rate an
 option. A step slower than twice the recent median counts as twice the median (one step slowed by a
 noisy neighbour must not make an option look slow for good: the losers are only re-measured now
-and then); the mean over a window evens out acceptance, which is noisy step to step.
+and then); the mean over a window evens out acceptance, which is noisy step to step. An option that
+is not the current best is rated by the ratios of its steps to the best's rate at the time (its own
+window spans a long stretch over which the machine and the batch drift; the best's is recent).
 Speculation off is always an option, so at any batch size the engine converges to at least vanilla
 speed. Untried options are tried a few times; the losers are re-tried now and then because
 acceptance drifts with the content.
@@ -153,6 +155,10 @@ class AdaptiveSpeculation:
         # per option, its recent steps at any batch size -> acceptance and tree size per request
         self.history = [_PerRequest() for _ in self.options]
         self.postponed = 0  # re-measurements skipped because the prior put the option far behind
+        # per bucket, the option chosen as best at the last step: the other options are rated against
+        # its rate at the time they ran (rel), not by their own windows, which span long stretches
+        self.best: dict[str, int] = {}
+        self.rel: dict[tuple[int, str], deque] = {}  # (option, bucket) -> step rate / best's rate then
 
     def _stat(self, i: int, bucket: str) -> _Stat:
         return self.stats.setdefault((i, bucket), _Stat())
@@ -169,14 +175,16 @@ class AdaptiveSpeculation:
             known = bucket
         # a bucket the batch has just entered (requests finishing) starts from the nearest measured
         # one instead of exploring again: at a large batch an exploratory step is very slow
-        rates = [self._rate(i, bucket, known, batch_size) for i in range(len(self.options))]
+        rates = self._rates(bucket, known, batch_size)
         best = max(range(len(self.options)), key=lambda i: rates[i] / (1.0 if self.options[i] is None else 1.0 + self.tree_margin))
+        if self.best.get(bucket) != best:
+            self._new_reference(bucket, best, rates)
         # re-measure each losing option now and then (acceptance drifts with the content, and its
         # first measurements may have been unlucky); one far behind the best ever less often (each
         # re-measurement costs a slow step), one close to it at the base interval
         for i in range(len(self.options)):
             if i != best and (bucket, i) not in self.next_retry:  # the first re-measurement is budgeted too
-                self.next_retry[(bucket, i)] = step + max(self.retry_every, self._budget_gap(i, best, bucket, known, batch_size))
+                self.next_retry[(bucket, i)] = step + max(self.retry_every, self._budget_gap(i, best, bucket, known, batch_size, rates))
         due = [i for i in range(len(self.options)) if i != best and step >= self.next_retry[(bucket, i)]]
         if not due:
             return best
@@ -193,7 +201,7 @@ class AdaptiveSpeculation:
         # and never so often that re-measuring costs more than explore_budget of the time (shared by
         # the losing options): at a large batch one tree step (draft catch-up + a big verify) can cost
         # several plain steps (a budget per option let two losing trees cost twice the budget)
-        self.next_retry[(bucket, pick)] = step + max(gap, self._budget_gap(pick, best, bucket, known, batch_size))
+        self.next_retry[(bucket, pick)] = step + max(gap, self._budget_gap(pick, best, bucket, known, batch_size, rates))
         if far and from_prior and gap < self.max_retry_every:
             # ruled out by the prior and never measured here: postpone rather than pay a slow step
             # (still measured for real once the back-off reaches its ceiling: the prior can be wrong)
@@ -202,14 +210,45 @@ class AdaptiveSpeculation:
         self.retries += 1
         return pick
 
-    def _budget_gap(self, i: int, best: int, bucket: str, known: str, batch_size: int) -> int:
+    def _rates(self, bucket: str, known: str, batch_size: int) -> list[float]:
+        """Each option's rate for this step's choice. The best option's own recent window is the
+        reference; an option with a few ratios against it (measured next to its steps) is rated by them.
+        NOTE: why ratios: the rate of an option re-measured every 32-512 steps comes from a window
+        spanning thousands of steps, while the best's spans the last 32; the requests in the batch,
+        their context lengths and the neighbours' load all drift in between (+-10-20 % at bs 4 here),
+        which flipped the choice towards trees that were 0.8x of off in fixed-tree runs."""
+        rates = [self._rate(i, bucket, known, batch_size) for i in range(len(self.options))]
+        ref = self.best.get(bucket)
+        if ref is not None and self._stat(ref, bucket).n >= self.warmup:
+            for i in range(len(self.options)):
+                r = self.rel.get((i, bucket))
+                if i != ref and r is not None and len(r) >= self.warmup:
+                    rates[i] = statistics.fmean(r) * rates[ref]
+        return rates
+
+    def _new_reference(self, bucket: str, best: int, rates: list[float]) -> None:
+        """`best` takes over as this bucket's reference: the others' ratios were against the previous
+        one, so they are rescaled by previous / best (their rates stay what they were), and the
+        previous best starts with that ratio (its window was fresh: it ran until now)."""
+        prev = self.best.get(bucket)
+        self.best[bucket] = best
+        self.rel.pop((best, bucket), None)
+        if prev is None or rates[prev] <= 0 or rates[best] <= 0:
+            return
+        k = rates[prev] / rates[best]
+        for (j, b), d in list(self.rel.items()):
+            if b == bucket:
+                self.rel[(j, b)] = deque((x * k for x in d), maxlen=d.maxlen)
+        self.rel[(prev, bucket)] = deque([k] * self.warmup, maxlen=16)
+
+    def _budget_gap(self, i: int, best: int, bucket: str, known: str, batch_size: int, rates: list[float]) -> int:
         """Steps between re-measurements of option i so that the throughput they lose stays within its
         share of explore_budget. A step of i instead of one of best loses (1 - rate_i / rate_best) of
         its own duration: a tree whose step is slower but emits more tokens (bs 1) costs little to
         re-measure, one that is slow and emits no more (bs 64) costs nearly its whole step."""
         ratio = self._seconds(i, bucket, known, batch_size) / max(self._seconds(best, bucket, known, batch_size), 1e-9)
-        rate_best = self._rate(best, bucket, known, batch_size)
-        lost = ratio * max(0.0, 1.0 - self._rate(i, bucket, known, batch_size) / rate_best) if rate_best > 0 else ratio
+        rate_best = rates[best]
+        lost = ratio * max(0.0, 1.0 - rates[i] / rate_best) if rate_best > 0 else ratio
         return math.ceil(lost * (len(self.options) - 1) / self.explore_budget)
 
     def _measured(self, bucket: str, batch_size: int) -> bool:
@@ -268,7 +307,15 @@ class AdaptiveSpeculation:
 
     def observe(self, option: int, batch_size: int, seconds: float, tokens: int, rows: int | None = None) -> None:
         """One step's outcome; `rows` = verify rows (requests + draft nodes) feeds the step-cost model."""
-        self._stat(option, batch_bucket(batch_size)).add(seconds, tokens)
+        bucket = batch_bucket(batch_size)
+        ref = self.best.get(bucket)
+        if ref is not None and option != ref and self._stat(ref, bucket).n >= self.warmup:
+            st = self._stat(option, bucket)
+            cap = 2 * st.median_seconds if st.steps else seconds  # as in _Stat: one slowed step counts at most 2x
+            level = self._stat(ref, bucket).rate
+            if level > 0:
+                self.rel.setdefault((option, bucket), deque(maxlen=16)).append(tokens / max(min(seconds, cap), 1e-9) / level)
+        self._stat(option, bucket).add(seconds, tokens)
         if rows is not None:
             self.cost.add(rows, seconds)
             self.history[option].add(batch_size, rows, tokens)
