@@ -137,7 +137,7 @@ class LlamaModel:
         c, lw = self.cfg, self.layers[i]
         t = x.shape[0]
         li = i if kv_layer is None else kv_layer
-        if kernels.uses_layer_ops(x) and kv.k[li].dtype == torch.float32 and c.head_dim % 16 == 0:
+        if kernels.uses_layer_ops(x) and kv.k[li].dtype == lw.qkv.dtype == torch.float32 and c.head_dim % 16 == 0:
             return self._layer_forward_ops(lw, x, rope, slots, plan, kv.k[li], kv.v[li])
         h = rms_norm(x, lw.input_norm, c.rms_norm_eps)
         qkv = linear(h, lw.qkv, lw.qkv_bias)
