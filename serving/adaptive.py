@@ -43,11 +43,19 @@ class _Stat:
         self.n += 1
         self._cache = None
 
+    def _cap(self) -> float:
+        """The most seconds one step counts for: twice the recent median."""
+        return 2 * statistics.median(s for s, _ in list(self.steps)[-9:])
+
+    def step_rate(self, seconds: float, tokens: float) -> float:
+        """One step's tokens/s, its time capped as this option's steps are (the cap of an empty window is none)."""
+        return tokens / max(min(seconds, self._cap()) if self.steps else seconds, 1e-9)
+
     def _stats(self) -> tuple[float, float]:
         if self._cache is None:
             if not self.steps:
                 return 0.0, 0.0
-            cap = 2 * statistics.median(s for s, _ in list(self.steps)[-9:])
+            cap = self._cap()
             self._cache = (statistics.median(s for s, _ in self.steps), statistics.fmean(t / max(min(s, cap), 1e-9) for s, t in self.steps))
         return self._cache
 
@@ -137,6 +145,8 @@ def shape_menu(shape: TreeShape) -> list[TreeShape | None]:
 
 
 class AdaptiveSpeculation:
+    REL_WINDOW = 16  # ratios kept per losing option (and bucket)
+
     def __init__(self, shape: TreeShape, warmup: int = 3, retry_every: int = 32, max_retry_every: int = 512, far_behind: float = 0.8, explore_budget: float = 0.01, trust_after: int = 8, tree_margin: float = 0.03):
         self.options = shape_menu(shape)
         self._cheapest_first = sorted(range(len(self.options)), key=lambda i: 0 if self.options[i] is None else self.options[i].num_draft_tokens)
@@ -158,7 +168,7 @@ class AdaptiveSpeculation:
         # per bucket, the option chosen as best at the last step: the other options are rated against
         # its rate at the time they ran (rel), not by their own windows, which span long stretches
         self.best: dict[str, int] = {}
-        self.rel: dict[tuple[int, str], deque] = {}  # (option, bucket) -> step rate / best's rate then
+        self.rel: dict[tuple[int, str], deque] = {}  # (option, bucket) -> its last steps' rate / best's rate then
 
     def _stat(self, i: int, bucket: str) -> _Stat:
         return self.stats.setdefault((i, bucket), _Stat())
@@ -239,7 +249,7 @@ class AdaptiveSpeculation:
         for (j, b), d in list(self.rel.items()):
             if b == bucket:
                 self.rel[(j, b)] = deque((x * k for x in d), maxlen=d.maxlen)
-        self.rel[(prev, bucket)] = deque([k] * self.warmup, maxlen=16)
+        self.rel[(prev, bucket)] = deque([k] * self.warmup, maxlen=self.REL_WINDOW)
 
     def _budget_gap(self, i: int, best: int, bucket: str, known: str, batch_size: int, rates: list[float]) -> int:
         """Steps between re-measurements of option i so that the throughput they lose stays within its
@@ -310,11 +320,10 @@ class AdaptiveSpeculation:
         bucket = batch_bucket(batch_size)
         ref = self.best.get(bucket)
         if ref is not None and option != ref and self._stat(ref, bucket).n >= self.warmup:
-            st = self._stat(option, bucket)
-            cap = 2 * st.median_seconds if st.steps else seconds  # as in _Stat: one slowed step counts at most 2x
             level = self._stat(ref, bucket).rate
             if level > 0:
-                self.rel.setdefault((option, bucket), deque(maxlen=16)).append(tokens / max(min(seconds, cap), 1e-9) / level)
+                rate = self._stat(option, bucket).step_rate(seconds, tokens)
+                self.rel.setdefault((option, bucket), deque(maxlen=self.REL_WINDOW)).append(rate / level)
         self._stat(option, bucket).add(seconds, tokens)
         if rows is not None:
             self.cost.add(rows, seconds)

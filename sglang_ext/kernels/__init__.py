@@ -60,7 +60,8 @@ tree_attention = torch.ops.moa_cpu.tree_attention if AVAILABLE else None
 linear_packed = getattr(torch.ops.moa_cpu, "linear_packed", None) if AVAILABLE else None  # None: a build older than the op
 PACKED = linear_packed is not None and os.environ.get("MOA_SERVE_PACKED_WEIGHTS", "1") != "0"
 # the layer glue ops (cpu_layer_ops.cpp: RMSNorm, add + RMSNorm, RoPE + K/V store, SiLU * up);
-# MOA_SERVE_LAYER_OPS=0 runs the torch ops instead (to measure what they buy)
+# MOA_SERVE_LAYER_OPS=0 runs the torch ops instead (to measure what they buy); uses_layer_ops reads
+# rope_store, so setting it to None turns all four off (tests and scripts/kernel-ab.py do)
 _layer_ops = AVAILABLE and hasattr(torch.ops.moa_cpu, "rope_store") and os.environ.get("MOA_SERVE_LAYER_OPS", "1") != "0"
 rms_norm = torch.ops.moa_cpu.rms_norm if _layer_ops else None
 add_rms_norm = torch.ops.moa_cpu.add_rms_norm if _layer_ops else None
