@@ -85,7 +85,7 @@ def test_shipped_target_blocks_are_its_fp32_weights(smollm2_fp32):
     model = smollm2_fp32.model
     layer = model.layers[0]
     for w in (layer.qkv, layer.o, layer.gate_up, layer.down, model.lm_head):
-        kind, blocks = w.moa_packed
+        kind, blocks, _ = w.moa_packed
         assert torch.equal(torch.ops.moa_cpu.dequantize_packed(blocks, kind, w.shape[1]), w)
     assert all(hasattr(lw.qkv, "moa_packed") and hasattr(lw.down, "moa_packed") for lw in model.layers)
 
@@ -120,3 +120,42 @@ def test_writer_keeps_only_tensors_whose_blocks_match_exactly(tmp_path):
     assert set(packed) == {q} and (tmp_path / PACKED_FILE).is_file()
     kind, blocks = packed[q]
     assert kind == "Q4_1" and torch.equal(torch.ops.moa_cpu.dequantize_packed(blocks, 0, q_cols := state[q].shape[1]), state[q]) and q_cols == 576
+
+
+# --- bf16 halves: a drafter checkpoint saved in bf16 and run in fp32 -------------------------------
+@pytest.mark.parametrize("m", [1, 3, 5, 12, 13, 64])
+def test_bf16_halves_give_the_fp32_sums(m):
+    """A weight whose values are bf16 values: reading its bf16 halves gives linear_small's sums, bit for bit."""
+    g = torch.Generator().manual_seed(m)
+    w = torch.randn(50, 576, generator=g).bfloat16().float()
+    x = torch.randn(m, 576, generator=g)
+    halves = w.bfloat16().view(torch.uint8).reshape(50, -1)
+    got = torch.ops.moa_cpu.linear_packed(x, halves, kernels.PACKED_KIND_IDS["BF16"])
+    assert torch.equal(got, torch.ops.moa_cpu.linear_small(x, w))
+    assert torch.equal(torch.ops.moa_cpu.dequantize_packed(halves, kernels.PACKED_KIND_IDS["BF16"], 576), w)
+
+
+def test_bf16_halves_attach_only_to_exact_weights_and_go_stale_on_update():
+    exact, inexact = torch.nn.Linear(64, 24, bias=False), torch.nn.Linear(64, 24, bias=False)
+    with torch.no_grad():
+        exact.weight.copy_(exact.weight.bfloat16().float())
+        inexact.weight.copy_(exact.weight + 1e-4)  # not representable in bf16
+    assert kernels.attach_bf16_halves(torch.nn.Sequential(exact, inexact)) == 1
+    assert hasattr(exact.weight, "moa_packed") and not hasattr(inexact.weight, "moa_packed")
+    x = torch.randn(2, 64)
+    with torch.no_grad():  # (with autograd on, linear is F.linear)
+        assert kernels._packed(exact.weight) is not None
+        assert torch.equal(kernels.linear(x, exact.weight), torch.ops.moa_cpu.linear_small(x, exact.weight))
+        # an in-place update (an optimizer step) makes the halves stale: linear reads the fp32 weight again
+        exact.weight.mul_(1.5)
+        assert kernels._packed(exact.weight) is None
+        assert torch.equal(kernels.linear(x, exact.weight), torch.ops.moa_cpu.linear_small(x, exact.weight))
+
+
+def test_shipped_drafters_read_bf16_halves(smollm2_fp32):
+    """The shipped EAGLE-3 head is a bf16 checkpoint: every matmul weight of the drafter carries its halves."""
+    from sglang_ext.drafters import make_drafter
+
+    d = make_drafter("eagle3", smollm2_fp32)
+    linears = [m for m in d.draft.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(kernels._packed(m.weight) is not None and m.weight.moa_packed[0] == kernels.PACKED_KIND_IDS["BF16"] for m in linears)

@@ -22,6 +22,7 @@ import torch
 
 from ..attention import causal_mask, plan_attention, plan_frontier, tree_attention_cpu
 from ..models.eagle3 import DraftCheckpointError, Eagle3Draft, load_eagle3
+from ..kernels import attach_bf16_halves
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel
 from ..tree import TokenTree, TreeShape
@@ -57,6 +58,7 @@ class Eagle3Drafter:
             raise DraftCheckpointError(f"draft vocab {c.vocab_size} != target vocab {target.cfg.vocab_size}")
         self.target = target
         self.draft = draft.to(target.dtype).eval()
+        attach_bf16_halves(self.draft)  # a bf16 checkpoint: its matmuls read half the bytes, same sums
         self.capture_layers = tuple(c.aux_layers)
         self.kv = KVPool(1, num_slots, c.num_kv_heads, c.head_dim, target.dtype, target.device)
         self.hot_ids = self.draft.hot_ids

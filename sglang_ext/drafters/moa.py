@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..attention import plan_frontier, tree_attention_cpu
-from ..kernels import linear
+from ..kernels import attach_bf16_halves, linear
 from ..models.eagle3 import DraftCheckpointError
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel, rms_norm
@@ -72,6 +72,7 @@ class MoADrafter:
         self.name = name
         self.target = target
         self.draft = draft.to(target.dtype).eval()
+        attach_bf16_halves(self.draft)  # a bf16 checkpoint: its matmuls read half the bytes, same sums
         self.cfg = c
         self.mem = KVPool(1, num_slots, c.num_kv_heads, c.head_dim, target.dtype, target.device)
         self.sa = KVPool(1, num_slots, c.num_kv_heads, c.head_dim, target.dtype, target.device)

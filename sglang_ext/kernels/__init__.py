@@ -1,5 +1,6 @@
 """CPU kernels, each with a torch fallback: `linear` is F.linear for every shape, faster for few rows
-(and reading a weight's GGUF blocks instead of its fp32 copy when they are attached: attach_packed);
+(and reading a weight's GGUF blocks instead of its fp32 copy when they are attached: attach_packed, or
+the bf16 halves of a bf16 drafter checkpoint run in fp32: attach_bf16_halves);
 the `tree_attention` op (cpu_attention.cpp) backs the "cpu" attention backend (sglang_ext/attention/cpu.py);
 the layer glue ops (cpu_layer_ops.cpp) do a decoder layer's norms, RoPE + K/V store and SiLU in one
 call each (models/llama.py, when uses_layer_ops).
@@ -67,18 +68,41 @@ rms_norm = torch.ops.moa_cpu.rms_norm if _layer_ops else None
 add_rms_norm = torch.ops.moa_cpu.add_rms_norm if _layer_ops else None
 rope_store = torch.ops.moa_cpu.rope_store if _layer_ops else None
 silu_mul = torch.ops.moa_cpu.silu_mul if _layer_ops else None
-PACKED_KIND_IDS = {"Q4_1": 0, "Q8_0": 1}  # GGUF block type -> the op's `kind`
-PACKED_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # per 32 weights
+PACKED_KIND_IDS = {"Q4_1": 0, "Q8_0": 1, "BF16": 2}  # GGUF block type (or bf16 halves) -> the op's `kind`
+PACKED_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34, "BF16": 64}  # per 32 weights
 
 
 def attach_packed(w: torch.Tensor, kind: str, blocks: torch.Tensor) -> None:
     """Let `linear` read w's GGUF blocks (uint8 [N, K / 32 * block bytes]) instead of w itself. The
-    caller guarantees they dequantize to exactly w (loader.write_packed_weights checks it)."""
+    caller guarantees they dequantize to exactly w (loader.write_packed_weights checks it). The blocks
+    are a snapshot: once w changes in place (an optimizer step), `linear` reads w again."""
     if kind not in PACKED_KIND_IDS:
         raise ValueError(f"unsupported packed kind {kind!r}; supported: {sorted(PACKED_KIND_IDS)}")
     if w.dim() != 2 or w.shape[1] % 32 or blocks.dtype != torch.uint8 or blocks.shape != (w.shape[0], w.shape[1] // 32 * PACKED_BLOCK_BYTES[kind]):
         raise ValueError(f"packed blocks {tuple(blocks.shape)} {blocks.dtype} do not fit a {kind} weight {tuple(w.shape)}")
-    w.moa_packed = (PACKED_KIND_IDS[kind], blocks.contiguous())
+    w.moa_packed = (PACKED_KIND_IDS[kind], blocks.contiguous(), w._version)
+
+
+def attach_bf16_halves(module: torch.nn.Module) -> int:
+    """For each fp32 Linear weight of `module` whose values are all bf16 values (a checkpoint saved in
+    bf16, run in fp32), let `linear` read the bf16 halves: the same sums from half the bytes (a 1-row
+    draft step streams its weights from memory). Returns how many weights were attached."""
+    n = 0
+    for m in module.modules():
+        w = getattr(m, "weight", None)
+        if not isinstance(m, torch.nn.Linear) or w is None or w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] % 32:
+            continue
+        with torch.no_grad():
+            half = w.detach().to(torch.bfloat16)
+            if torch.equal(half.float(), w):
+                attach_packed(w, "BF16", half.view(torch.uint8).reshape(w.shape[0], -1))
+                n += 1
+    return n
+
+
+def _packed(w: torch.Tensor):
+    p = getattr(w, "moa_packed", None) if PACKED else None
+    return p if p is not None and p[2] == w._version else None
 
 
 def uses_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -111,7 +135,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
     """F.linear(x, w, bias): x [.., K], w [N, K] -> [.., N]."""
     if not uses_kernel(x, w):
         return F.linear(x, w, bias)
-    packed = getattr(w, "moa_packed", None) if PACKED else None
+    packed = _packed(w)
     x2 = x.reshape(-1, x.shape[-1])
     y = (linear_small(x2, w) if packed is None else linear_packed(x2, packed[1], packed[0])).view(*x.shape[:-1], w.shape[0])
     return y if bias is None else y + bias
@@ -121,7 +145,7 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """linear(x, w) without the checks, for callers that made them once per layer: x 2-D fp32 on the
     CPU with at most SMALL_ROWS rows, no autograd, w fp32 with K % 8 == 0 (the decoder layer on the
     layer ops; ~8 us of checks and reshapes per matmul, ~1 ms of a bs-1 step)."""
-    packed = getattr(w, "moa_packed", None) if PACKED else None
+    packed = _packed(w)
     return linear_small(x, w) if packed is None else linear_packed(x, packed[1], packed[0])
 
 

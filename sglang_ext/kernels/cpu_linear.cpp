@@ -171,9 +171,13 @@ at::Tensor linear_small(const at::Tensor& x, const at::Tensor& w) {
 //   Q8_0 (34 bytes per 32 weights): fp16 d, 32 int8;       weight i = d * q[i]
 // d * q is exact in fp32 (an 11-bit mantissa times a <= 8-bit integer), so one FMA rounds exactly
 // like gguf's numpy dequantizer (d * q, then + m).
-enum PackedKind : int64_t { Q4_1 = 0, Q8_0 = 1 };
+//   BF16 (64 bytes per 32 weights): the upper halves of fp32 values; weight = bits << 16, exact. A
+//   drafter checkpoint saved in bf16 runs on fp32 copies of those values: reading the bf16 halves
+//   gives the same sums from half the bytes.
+enum PackedKind : int64_t { Q4_1 = 0, Q8_0 = 1, BF16 = 2 };
 
-inline int64_t packed_block_bytes(int64_t kind) { return kind == Q4_1 ? 20 : 34; }
+inline int64_t packed_block_bytes(int64_t kind) { return kind == Q4_1 ? 20 : kind == Q8_0 ? 34 : 64; }
+inline bool valid_kind(int64_t kind) { return kind == Q4_1 || kind == Q8_0 || kind == BF16; }
 
 inline float fp16_at(const uint8_t* p) {
   uint16_t h;
@@ -212,11 +216,20 @@ void dequant_row_as(const uint8_t* src, float* dst, int64_t K) {
   }
 }
 
+void bf16_row(const uint8_t* src, float* dst, int64_t K) {
+  for (int64_t k = 0; k < K; k += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * k));
+    _mm256_storeu_ps(dst + k, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+  }
+}
+
 void dequant_row(int64_t kind, const uint8_t* src, float* dst, int64_t K) {
   if (kind == Q4_1)
     dequant_row_as<Q4_1>(src, dst, K);
-  else
+  else if (kind == Q8_0)
     dequant_row_as<Q8_0>(src, dst, K);
+  else
+    bf16_row(src, dst, K);
 }
 
 // R <= FUSED_M input rows (decode, small verifies) x J packed weight rows, dequantized in registers
@@ -262,7 +275,7 @@ void packed_rows_any(int64_t R, const float* x, const uint8_t* b, int64_t row_by
 }
 
 at::Tensor dequantize_packed(const at::Tensor& blocks, int64_t kind, int64_t K) {
-  TORCH_CHECK(kind == Q4_1 || kind == Q8_0, "dequantize_packed: kind must be 0 (Q4_1) or 1 (Q8_0)");
+  TORCH_CHECK(valid_kind(kind), "dequantize_packed: kind must be 0 (Q4_1), 1 (Q8_0) or 2 (BF16)");
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && K % 32 == 0 && blocks.size(1) == K / 32 * packed_block_bytes(kind),
               "dequantize_packed: blocks must be uint8 [N, K / 32 * block bytes]");
   const at::Tensor bc = blocks.contiguous();
@@ -278,7 +291,7 @@ at::Tensor dequantize_packed(const at::Tensor& blocks, int64_t kind, int64_t K) 
 
 at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& blocks, int64_t kind) {
   TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "linear_packed: CPU tensors only");
-  TORCH_CHECK(kind == Q4_1 || kind == Q8_0, "linear_packed: kind must be 0 (Q4_1) or 1 (Q8_0)");
+  TORCH_CHECK(valid_kind(kind), "linear_packed: kind must be 0 (Q4_1), 1 (Q8_0) or 2 (BF16)");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) % 32 == 0, "linear_packed: x must be fp32 [M, K], K a multiple of 32");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.size(1) == K / 32 * packed_block_bytes(kind),
