@@ -159,3 +159,26 @@ def test_shipped_drafters_read_bf16_halves(smollm2_fp32):
     d = make_drafter("eagle3", smollm2_fp32)
     linears = [m for m in d.draft.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(kernels._packed(m.weight) is not None and m.weight.moa_packed[0] == kernels.PACKED_KIND_IDS["BF16"] for m in linears)
+
+
+def test_packed_rows_of_a_weight_give_its_rows_sums():
+    blocks = random_blocks("Q8_0", 40, 64, seed=6)
+    w = gguf_dequant("Q8_0", blocks)
+    kernels.attach_packed(w, "Q8_0", blocks)
+    rows = torch.tensor([3, 17, 0, 39, 8])
+    sub = w[rows].contiguous()
+    kernels.attach_packed_rows(sub, w, rows)
+    assert kernels._packed(sub) is not None
+    x = torch.randn(3, 64)
+    assert torch.equal(kernels.linear(x, sub), torch.ops.moa_cpu.linear_small(x, w[rows].contiguous()))
+    with pytest.raises(ValueError, match="is not 5 rows"):
+        kernels.attach_packed_rows(torch.zeros(4, 64), w, rows)
+
+
+def test_moa_draft_head_reads_the_targets_blocks(smollm2_fp32):
+    """The MoA drafter's draft-vocab slice of the target's lm_head reads the matching Q8_0 rows."""
+    from sglang_ext.drafters import make_drafter
+
+    d = make_drafter("moa-tli1", smollm2_fp32)
+    kind, blocks, _ = kernels._packed(d.head)
+    assert kind == kernels.PACKED_KIND_IDS["Q8_0"] and torch.equal(torch.ops.moa_cpu.dequantize_packed(blocks, kind, d.head.shape[1]), d.head)

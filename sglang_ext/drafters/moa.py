@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ..attention import plan_frontier, tree_attention_cpu
-from ..kernels import attach_bf16_halves, linear
+from ..kernels import attach_bf16_halves, attach_packed_rows, linear
 from ..models.eagle3 import DraftCheckpointError
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel, rms_norm
@@ -78,6 +78,7 @@ class MoADrafter:
         self.sa = KVPool(1, num_slots, c.num_kv_heads, c.head_dim, target.dtype, target.device)
         self.hot_ids = self.draft.hot_ids
         self.head = target.lm_head[self.hot_ids].contiguous()  # draft-vocab rows of the target's lm_head
+        attach_packed_rows(self.head, target.lm_head, self.hot_ids)  # and of its GGUF blocks: the same sums, ~1/4 the bytes
         self.tli_layers = list(range(len(target.layers) - c.tli, len(target.layers)))
         # MoA reads the target KV pool, not layer outputs (the no-LSA ablation reads the last layer's output)
         self.capture_layers: tuple[int, ...] = (len(target.layers) - 1,) if c.memory_source == "last_hidden" else ()

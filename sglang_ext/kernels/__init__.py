@@ -83,6 +83,16 @@ def attach_packed(w: torch.Tensor, kind: str, blocks: torch.Tensor) -> None:
     w.moa_packed = (PACKED_KIND_IDS[kind], blocks.contiguous(), w._version)
 
 
+def attach_packed_rows(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> None:
+    """dst holds src[rows] (e.g. the draft-vocab rows of the target's lm_head): let `linear` read
+    the same rows of src's attached blocks, if it has any."""
+    p = _packed(src)
+    if p is not None:
+        if dst.shape != (rows.numel(), src.shape[1]):
+            raise ValueError(f"dst {tuple(dst.shape)} is not {rows.numel()} rows of src {tuple(src.shape)}")
+        dst.moa_packed = (p[0], p[1][rows].contiguous(), dst._version)
+
+
 def attach_bf16_halves(module: torch.nn.Module) -> int:
     """For each fp32 Linear weight of `module` whose values are all bf16 values (a checkpoint saved in
     bf16, run in fp32), let `linear` read the bf16 halves: the same sums from half the bytes (a 1-row
