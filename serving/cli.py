@@ -54,13 +54,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def default_tree(drafter: str | None):
-    """Tree shape tuned per drafter (see docs/BENCHMARKS.md for the sweep)."""
+def default_tree(drafter: str | None, edge: bool = False):
+    """Tree shape tuned per drafter (see docs/BENCHMARKS.md for the sweep). `edge`: for a client that
+    pays a network round trip per draft-verify cycle (moa-serve edge)."""
     from sglang_ext.tree import TreeShape
 
-    # EAGLE-3 and MoA share one tree budget, so their numbers compare. Depth 3: the shipped heads
-    # never get positions 4-5 accepted, and the two extra draft steps cost 12-23 % (BENCHMARKS.md)
-    eagle_like = TreeShape(3, 4, 16)
+    # EAGLE-3 and MoA share one tree budget, so their numbers compare. On this CPU each verify row
+    # costs ~1/8 of a decode and each draft step a head forward, so with the shipped heads (tau ~1.6
+    # at 16 nodes) one draft step with two candidates is fastest: 0.91x vanilla against 0.78x for
+    # 2,1,3 and 0.40x for 3,4,16 (session 11 sweep, docs/BENCHMARKS.md). Over a network a cycle costs
+    # a round trip, so the edge client keeps the larger 3,4,16.
+    eagle_like = TreeShape(3, 4, 16) if edge else TreeShape(1, 2, 3)
     from sglang_ext.drafters import is_suffix_corpus
 
     if drafter and is_suffix_corpus(drafter):

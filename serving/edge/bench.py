@@ -72,7 +72,7 @@ def cmd_edge(args) -> int:
     from .client import EdgeClient
 
     target = load_target(args.model, dtype=args.dtype)
-    tree = TreeShape.parse(args.tree) if args.tree else default_tree(args.drafter)
+    tree = TreeShape.parse(args.tree) if args.tree else default_tree(args.drafter, edge=True)
     client = EdgeClient(args.server, _local_drafter(target, args.drafter), args.drafter, tree, args.wire_dtype, args.api_key, args.timeout, args.resync,
                         eos_ids=tuple(target.cfg.eos_token_ids))
     ids = target.encode_chat([{"role": "user", "content": args.prompt}])
@@ -203,7 +203,7 @@ def cmd_edge_bench(args) -> int:
                         rows.append({"profile": prof.name, "set": set_name, "method": "api", **_api_run(link.url, text, args.max_new_tokens)})
                         for d in drafters:
                             for w in wire:
-                                c = EdgeClient(link.url, local[d], d, default_tree(d), w, timeout_s=2.0, eos_ids=tuple(target.cfg.eos_token_ids))
+                                c = EdgeClient(link.url, local[d], d, default_tree(d, edge=True), w, timeout_s=2.0, eos_ids=tuple(target.cfg.eos_token_ids))
                                 try:
                                     r = _edge_run(c, ids, args.max_new_tokens)
                                 except Exception as e:  # noqa: BLE001 - reported, the run goes on
@@ -217,7 +217,7 @@ def cmd_edge_bench(args) -> int:
                         for d in [x for x in drafters if x.startswith("moa")]:
                             _, text = prompts[0]
                             ids = target.encode_chat([{"role": "user", "content": text}])
-                            c = EdgeClient(link.url, local[d], d, default_tree(d), args.wire_dtype, timeout_s=1.0, eos_ids=())
+                            c = EdgeClient(link.url, local[d], d, default_tree(d, edge=True), args.wire_dtype, timeout_s=1.0, eos_ids=())
                             try:
                                 ref = _edge_run(c, ids, 120)
                                 r = _edge_run(c, ids, 120, cut_after=50, link=link)
