@@ -182,3 +182,13 @@ def test_moa_draft_head_reads_the_targets_blocks(smollm2_fp32):
     d = make_drafter("moa-tli1", smollm2_fp32)
     kind, blocks, _ = kernels._packed(d.head)
     assert kind == kernels.PACKED_KIND_IDS["Q8_0"] and torch.equal(torch.ops.moa_cpu.dequantize_packed(blocks, kind, d.head.shape[1]), d.head)
+
+
+def test_blocks_attach_to_inference_tensors_too():
+    """A weight made under inference_mode keeps no version counter: its blocks are used as attached."""
+    with torch.inference_mode():
+        w = torch.randn(24, 64).bfloat16().float()
+        kernels.attach_packed(w, "BF16", w.bfloat16().view(torch.uint8).reshape(24, -1))
+        x = torch.randn(2, 64)
+        assert kernels._packed(w) is not None
+        assert torch.equal(kernels.linear(x, w), torch.ops.moa_cpu.linear_small(x, w))

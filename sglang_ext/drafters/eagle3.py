@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from ..attention import causal_mask, plan_attention, plan_frontier, tree_attention_cpu
-from ..models.eagle3 import DraftCheckpointError, Eagle3Draft, load_eagle3
 from ..kernels import attach_bf16_halves
+from ..models.eagle3 import DraftCheckpointError, Eagle3Draft, load_eagle3
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel
 from ..tree import TokenTree, TreeShape

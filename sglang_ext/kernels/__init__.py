@@ -80,7 +80,7 @@ def attach_packed(w: torch.Tensor, kind: str, blocks: torch.Tensor) -> None:
         raise ValueError(f"unsupported packed kind {kind!r}; supported: {sorted(PACKED_KIND_IDS)}")
     if w.dim() != 2 or w.shape[1] % 32 or blocks.dtype != torch.uint8 or blocks.shape != (w.shape[0], w.shape[1] // 32 * PACKED_BLOCK_BYTES[kind]):
         raise ValueError(f"packed blocks {tuple(blocks.shape)} {blocks.dtype} do not fit a {kind} weight {tuple(w.shape)}")
-    w.moa_packed = (PACKED_KIND_IDS[kind], blocks.contiguous(), w._version)
+    w.moa_packed = (PACKED_KIND_IDS[kind], blocks.contiguous(), _version(w))
 
 
 def attach_packed_rows(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> None:
@@ -90,7 +90,7 @@ def attach_packed_rows(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor)
     if p is not None:
         if dst.shape != (rows.numel(), src.shape[1]):
             raise ValueError(f"dst {tuple(dst.shape)} is not {rows.numel()} rows of src {tuple(src.shape)}")
-        dst.moa_packed = (p[0], p[1][rows].contiguous(), dst._version)
+        dst.moa_packed = (p[0], p[1][rows].contiguous(), _version(dst))
 
 
 def attach_bf16_halves(module: torch.nn.Module) -> int:
@@ -110,9 +110,15 @@ def attach_bf16_halves(module: torch.nn.Module) -> int:
     return n
 
 
+def _version(w: torch.Tensor) -> int | None:
+    """w's in-place update counter (inference tensors keep none)."""
+    return None if w.is_inference() else w._version
+
+
 def _packed(w: torch.Tensor):
+    """w's attached blocks, unless w changed in place since they were attached."""
     p = getattr(w, "moa_packed", None) if PACKED else None
-    return p if p is not None and p[2] == w._version else None
+    return p if p is not None and p[2] == _version(w) else None
 
 
 def uses_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
