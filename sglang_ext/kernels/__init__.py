@@ -99,9 +99,9 @@ def attach_bf16_halves(module: torch.nn.Module) -> int:
     draft step streams its weights from memory). Returns how many weights were attached."""
     n = 0
     for m in module.modules():
-        w = getattr(m, "weight", None)
-        if not isinstance(m, torch.nn.Linear) or w is None or w.dtype != torch.float32 or w.dim() != 2 or w.shape[1] % 32:
+        if not isinstance(m, torch.nn.Linear) or m.weight.dtype != torch.float32 or m.in_features % 32:
             continue
+        w = m.weight
         with torch.no_grad():
             half = w.detach().to(torch.bfloat16)
             if torch.equal(half.float(), w):
@@ -160,8 +160,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
 def linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """linear(x, w) without the checks, for callers that made them once per layer: x 2-D fp32 on the
     CPU with at most SMALL_ROWS rows, no autograd, w fp32 with K % 8 == 0 (the decoder layer on the
-    layer ops; ~8 us of checks and reshapes per matmul, ~1 ms of a bs-1 step)."""
-    packed = _packed(w)
+    layer ops; ~8 us of checks and reshapes per matmul, ~1 ms of a bs-1 step). The target's weights
+    are frozen, so the attached blocks are read without _packed's staleness check."""
+    packed = getattr(w, "moa_packed", None) if PACKED else None
     return linear_small(x, w) if packed is None else linear_packed(x, packed[1], packed[0])
 
 
