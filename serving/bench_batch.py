@@ -193,7 +193,7 @@ def engine_batch_runner(target, method: str, tree, max_new_tokens: int, adaptive
         drafter_cache[method] = bench_drafter(method, target)  # raises for an unknown drafter: reported
     drafter = drafter_cache.get(method) if method != "vanilla" else None
     fallbacks: list[str] = []
-    state: dict = {"engine": None, "b": None}
+    state: dict = {"engine": None, "b": None, "policy": None}
 
     def engine_for(prompts: list[list[int]], b: int) -> Engine:
         longest = sorted((len(p) for p in prompts), reverse=True)[:b]
@@ -202,12 +202,12 @@ def engine_batch_runner(target, method: str, tree, max_new_tokens: int, adaptive
         if e is None or state["b"] != b or e.kv.num_slots < need:
             # adaptive speculation keeps what it learned, as in a server whose load changes: its
             # measurements per batch bucket, and the acceptance and step costs behind its prior
-            policy = e.policy if e is not None else None
+            # (kept in `state`, not only in the engine: the engine is released after each batch size)
             state["engine"] = None  # free the old pool first
             e = Engine(target, drafter, tree, kv_slots=2 * need, adaptive=adaptive and drafter is not None, on_fallback=lambda r, why: fallbacks.append(why))
-            if policy is not None:
-                e.policy = policy
-            state["engine"], state["b"] = e, b
+            if state.get("policy") is not None:
+                e.policy = state["policy"]
+            state["engine"], state["b"], state["policy"] = e, b, e.policy
         return e
 
     def steps(prompts: list[list[int]], max_new: int = max_new_tokens, concurrency: int | None = None):
@@ -262,6 +262,7 @@ def engine_batch_runner(target, method: str, tree, max_new_tokens: int, adaptive
 
     run.steps = steps  # type: ignore[attr-defined]  # for interleaved sweeps
     run.release = lambda: state.update(engine=None, b=None)  # type: ignore[attr-defined]  # after the last run at a batch size
+    run.policy = lambda: state["policy"]  # type: ignore[attr-defined]  # the adaptive policy (None when not adaptive)
     return run
 
 

@@ -163,6 +163,12 @@ def test_engine_runner_keeps_b_requests_running(smollm2_fp32):
     spec = engine_batch_runner(smollm2_fp32, "ngram", TreeShape(3, 1, 4), 6, True, {})
     a, b = interleave([run.steps(prompts, 6, 2), spec.steps(prompts, 6, 2)])
     assert a.outputs == res.outputs == b.outputs and 0 < a.seconds and 0 < b.seconds
+    # the sweep releases the engine after each batch size; the adaptive policy must outlive it (a new
+    # batch size starts from what was measured at its neighbour instead of exploring from scratch)
+    policy = spec.policy()
+    spec.release()
+    spec(prompts[:4], 6, concurrency=4)
+    assert spec.policy() is policy and {"2", "4"} <= {b for _, b in policy.stats}
 
 
 def test_bench_batch_sweep_and_gateway_overhead_quick(tmp_path):
