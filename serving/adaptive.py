@@ -14,10 +14,16 @@ speed. Untried options are tried a few times; the losers are re-tried now and th
 acceptance drifts with the content.
 
 Trying a tree is not free: at bs 64 on a CPU a 6-node tree step costs ~4 plain steps. So before paying
-for a trial, a prior predicts the option's rate from what was measured elsewhere: its acceptance and
-tree size (tokens and rows per request, from any batch size) and a step-cost model (seconds as a
-function of verify rows, from every step). An option the prior puts far behind 'off' is not tried;
-it is re-measured only rarely, within the exploration budget.
+for a trial, a prior predicts the option's rate from what was measured elsewhere: its acceptance,
+tree size and drafting seconds (per request, from any batch size) and a verify-cost model (seconds
+of the verify forward as a function of its rows, from every step). 'Off' needs no acceptance: one
+row and one token per request. Once every option has such a prior at this batch size, the choice is
+made by the priors alone (session 12): they rest on many steps of every batch size, where a bucket's
+own windows rest on single re-measurement steps whose acceptance swings with the content (at bs 4-64
+those single steps flipped the choice to a slower tree: 0.90-0.97x vanilla in real sweeps). A chain
+that runs also rates the shorter chains nested in it (their drafts are its first nodes), so their
+acceptance stays current without running them. An option the prior puts far behind is re-measured
+only rarely, within the exploration budget.
 """
 
 from __future__ import annotations
@@ -69,18 +75,18 @@ class _Stat:
 
 
 class _PerRequest:
-    """Running sums over an option's recent steps (any batch size): rows and tokens per request."""
+    """Running sums over an option's recent steps (any batch size): rows, tokens and drafting seconds per request."""
 
     def __init__(self, window: int = 64):
-        self.steps: deque = deque(maxlen=window)  # (batch, rows, tokens)
-        self._sums = [0.0, 0.0, 0.0]
+        self.steps: deque = deque(maxlen=window)  # (batch, rows, tokens, draft seconds)
+        self._sums = [0.0, 0.0, 0.0, 0.0]
 
-    def add(self, batch: int, rows: int, tokens: float) -> None:
+    def add(self, batch: int, rows: float, tokens: float, draft_seconds: float = 0.0) -> None:
         if len(self.steps) == self.steps.maxlen:
             for j, v in enumerate(self.steps[0]):
                 self._sums[j] -= v
-        self.steps.append((batch, rows, tokens))
-        for j, v in enumerate((batch, rows, tokens)):
+        self.steps.append((batch, rows, tokens, draft_seconds))
+        for j, v in enumerate((batch, rows, tokens, draft_seconds)):
             self._sums[j] += v
 
     @property
@@ -91,12 +97,19 @@ class _PerRequest:
     def tokens(self) -> float:
         return self._sums[2] / self._sums[0]
 
+    @property
+    def draft_seconds(self) -> float:
+        return self._sums[3] / self._sums[0]
+
 
 class StepCostModel:
-    """Seconds of one engine step as a function of its verify rows (requests + draft nodes), from the
+    """Seconds of one engine step's verify as a function of its rows (requests + draft nodes), from the
     measured steps of every option and batch size. A step costs about the same while reading the
     weights dominates (few rows) and grows with the rows once compute does, so the cost is interpolated
-    between measured row counts and extended past the largest along the last measured slope."""
+    between measured row counts and extended past the largest along the slope from the point at half
+    its rows (or fewer): a long baseline. NOTE: the slope between the last two bins (25 % apart, each
+    a median of noisy steps) could be near flat and made trees look cheap at untried batch sizes,
+    paying for a slow trial step (at bs 64 several plain steps) each time."""
 
     def __init__(self, bin_ratio: float = 1.25, window: int = 16, min_samples: int = 3):
         self.log_ratio, self.window, self.min_samples = math.log(bin_ratio), window, min_samples
@@ -127,8 +140,9 @@ class StepCostModel:
             if rows <= r1:
                 return s0 + (s1 - s0) * (rows - r0) / (r1 - r0)
         if len(pts) < 2:
-            return None
-        (r0, s0), (r1, s1) = pts[-2], pts[-1]
+            return None  # no slope to follow
+        r1, s1 = pts[-1]
+        r0, s0 = max((p for p in pts[:-1] if p[0] <= r1 / 2), default=pts[0])
         return s1 + max(s1 - s0, 0.0) / (r1 - r0) * (rows - r1)
 
 
@@ -178,6 +192,8 @@ class AdaptiveSpeculation:
         bucket = batch_bucket(batch_size)
         step = self.steps[bucket] = self.steps.get(bucket, 0) + 1
         known = self._nearest_measured(bucket, batch_size)
+        if known is None and self._predictable(batch_size):
+            known = bucket  # every option's rate follows from the model: no trial steps needed here
         if known is None:  # nothing measured nearby: try every option a few times, cheapest first
             for i in self._cheapest_first:
                 if self._stat(i, bucket).n < self.warmup and not self._ruled_out(i, bucket, batch_size):
@@ -227,6 +243,8 @@ class AdaptiveSpeculation:
         spanning thousands of steps, while the best's spans the last 32; the requests in the batch,
         their context lengths and the neighbours' load all drift in between (+-10-20 % at bs 4 here),
         which flipped the choice towards trees that were 0.8x of off in fixed-tree runs."""
+        if self._predictable(batch_size):
+            return [self._prior(i, batch_size) for i in range(len(self.options))]
         rates = [self._rate(i, bucket, known, batch_size) for i in range(len(self.options))]
         ref = self.best.get(bucket)
         if ref is not None and self._stat(ref, bucket).n >= self.warmup:
@@ -235,6 +253,13 @@ class AdaptiveSpeculation:
                 if i != ref and r is not None and len(r) >= self.warmup:
                     rates[i] = statistics.fmean(r) * rates[ref]
         return rates
+
+    def _predictable(self, batch_size: int) -> bool:
+        """Every option's rate at this batch size follows from the model (acceptance, tree size and
+        drafting seconds per request, from at least `warmup` steps of each tree, and the verify cost
+        of that many rows)."""
+        return all((o is None or len(self.history[i].steps) >= self.warmup) and self._prior(i, batch_size) is not None
+                   for i, o in enumerate(self.options))
 
     def _new_reference(self, bucket: str, best: int, rates: list[float]) -> None:
         """`best` takes over as this bucket's reference: the others' ratios were against the previous
@@ -268,9 +293,12 @@ class AdaptiveSpeculation:
         """Option i's predicted tokens/s at this batch size: its tokens and rows per request, measured at
         any batch size (acceptance does not depend on the batch), over the step time the cost model
         predicts for that many rows. None without the measurements to say."""
+        if self.options[i] is None:  # off: one row and one token per request, no drafting
+            seconds = self.cost.predict(batch_size)
+            return None if seconds is None else batch_size / seconds
         h = self.history[i]
         seconds = self.cost.predict(batch_size * h.rows) if h.steps else None
-        return None if seconds is None else batch_size * h.tokens / seconds
+        return None if seconds is None else batch_size * h.tokens / (seconds + batch_size * h.draft_seconds)
 
     def _ruled_out(self, i: int, bucket: str, batch_size: int) -> bool:
         """A tree whose prior is far behind 'off' here (off as measured in this bucket, else its prior)."""
@@ -315,8 +343,12 @@ class AdaptiveSpeculation:
             return self._prior(i, batch_size) or 0.0
         return st.rate * scale
 
-    def observe(self, option: int, batch_size: int, seconds: float, tokens: int, rows: int | None = None) -> None:
-        """One step's outcome; `rows` = verify rows (requests + draft nodes) feeds the step-cost model."""
+    def observe(self, option: int, batch_size: int, seconds: float, tokens: int, rows: int | None = None,
+                draft_seconds: float = 0.0, accepted: list[int] | None = None, drafted: list[int] | None = None) -> None:
+        """One step's outcome. `rows` = verify rows (requests + draft nodes) feeds the step-cost model
+        (with the step's seconds minus `draft_seconds`, the proposal's share); `accepted` / `drafted`
+        (per request: accepted draft tokens, draft nodes) also rate the shorter chains nested in a chain
+        that ran, without running them."""
         bucket = batch_bucket(batch_size)
         ref = self.best.get(bucket)
         if ref is not None and option != ref and self._stat(ref, bucket).n >= self.warmup:
@@ -326,5 +358,23 @@ class AdaptiveSpeculation:
                 self.rel.setdefault((option, bucket), deque(maxlen=self.REL_WINDOW)).append(rate / level)
         self._stat(option, bucket).add(seconds, tokens)
         if rows is not None:
-            self.cost.add(rows, seconds)
-            self.history[option].add(batch_size, rows, tokens)
+            self.cost.add(rows, max(seconds - draft_seconds, 1e-9))
+            self.history[option].add(batch_size, rows, tokens, draft_seconds)
+            if accepted is not None and drafted is not None:
+                self._counterfactual(option, accepted, drafted)
+
+    def _counterfactual(self, option: int, accepted: list[int], drafted: list[int]) -> None:
+        """A chain of depth d nested in the chain that ran (same drafter, greedy per step: its drafts are
+        the first d of the longer chain's) would have emitted min(accepted, d) + 1 tokens per request
+        from 1 + min(drafted, d) rows. NOTE: an estimate for rating only; drafting seconds are left to
+        its own steps (a shorter chain drafts less: what it last measured, else nothing)."""
+        ran = self.options[option]
+        if ran is None or ran.topk != 1:
+            return
+        for j, shape in enumerate(self.options):
+            if j == option or shape is None or shape.topk != 1 or shape.depth > ran.depth:
+                continue
+            d = shape.depth
+            h = self.history[j]
+            per_draft = h.draft_seconds if h.steps else 0.0
+            h.add(len(accepted), sum(1 + min(n, d) for n in drafted), sum(min(a, d) + 1 for a in accepted), per_draft * len(accepted))

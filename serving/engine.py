@@ -236,6 +236,7 @@ class Engine:
         shape = self.policy.options[option] if self.policy else self.tree
         self.last_shape = shape if self.drafter is not None else None
         trees = self._propose(reqs, shape)
+        t_drafted = time.perf_counter()
         new_slots = [self.kv.alloc(t.num_nodes) for t in trees]
         try:
             plan = plan_attention(
@@ -273,7 +274,8 @@ class Engine:
             start += n
         if self.policy:
             rows = sum(t.num_nodes for t in trees)
-            self.policy.observe(option, len(reqs), time.perf_counter() - t0, sum(len(e.new_tokens) for e in events), rows)
+            self.policy.observe(option, len(reqs), time.perf_counter() - t0, sum(len(e.new_tokens) for e in events), rows,
+                                draft_seconds=t_drafted - t0, accepted=[e.accepted for e in events], drafted=[e.drafted for e in events])
         return events
 
     def _verify(self, r: Request, tree: TokenTree, logits: torch.Tensor) -> VerifyResult:

@@ -244,6 +244,16 @@ def test_adaptive_engine_output_equals_vanilla():
     out = [r.output_ids for r in eng.generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))]
     assert out == ref
     assert eng.policy.stats, "the policy observed steps"
+    # a chain: its steps also rate the nested shorter chain; drafting time is recorded apart
+    chain = Engine(t, NgramDrafter(), TreeShape(4, 1, 5), adaptive=True)
+    out = [r.output_ids for r in chain.generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))]
+    assert out == ref
+    pol = chain.policy
+    big, small = 1, 2
+    ran_big = sum(st.n for (i, _), st in pol.stats.items() if i == big)
+    ran_small = sum(st.n for (i, _), st in pol.stats.items() if i == small)
+    assert ran_big > 0 and pol.history[big].draft_seconds > 0
+    assert len(pol.history[small].steps) == min(ran_small + ran_big, pol.history[small].steps.maxlen)
 
 
 def test_a_machine_that_drifts_does_not_flip_the_choice_to_a_slower_tree():
@@ -266,3 +276,60 @@ def test_a_machine_that_drifts_does_not_flip_the_choice_to_a_slower_tree():
     assert as_best <= 5, as_best
     assert tokens / seconds >= 0.985 * (4 * 3000 / vanilla_seconds)  # re-measurements within the 1 % budget (+ trials)
     assert p.choose(4) == 0
+
+
+def test_shorter_nested_chains_are_rated_from_the_chain_that_ran():
+    """A chain of depth 1 is the first node of the depth-3 chain (same drafter, greedy per step): each
+    step of the long chain says what the short one would have emitted, without running it."""
+    p = AdaptiveSpeculation(TreeShape(3, 1, 4), warmup=3)
+    big, small = 1, 2
+    assert p.options[small] == TreeShape(1, 1, 2)
+    # two requests: one accepted 3 of 3 drafts, one accepted 0 of 2
+    p.observe(big, 2, 0.03, 3 + 1 + 0 + 1, rows=(1 + 3) + (1 + 2), draft_seconds=0.004, accepted=[3, 0], drafted=[3, 2])
+    h = p.history[small]
+    assert len(h.steps) == 1
+    assert h.tokens == ((1 + 1) + (0 + 1)) / 2 and h.rows == ((1 + 1) + (1 + 1)) / 2
+    assert p.history[big].draft_seconds == 0.002  # per request
+    p.observe(small, 2, 0.02, 3, rows=4, accepted=[1, 0], drafted=[1, 1])  # a short chain says nothing of the long one
+    assert len(p.history[big].steps) == 1
+
+
+def test_a_tree_with_other_branches_is_not_a_nested_chain():
+    p = AdaptiveSpeculation(TreeShape(2, 2, 4), warmup=3)
+    p.observe(1, 1, 0.03, 2, rows=4, accepted=[1], drafted=[3])  # the accepted node may be a second child
+    assert not p.history[2].steps
+
+
+def test_drafting_seconds_are_kept_out_of_the_verify_cost():
+    """The cost model holds the verify forward's seconds as a function of rows; a tree's drafting is
+    its own cost per request. (A head's proposal at 3 rows must not make a plain 3-row step look slow.)"""
+    p = AdaptiveSpeculation(TreeShape(2, 1, 3), warmup=1)
+    for _ in range(3):
+        p.observe(1, 1, 0.030, 2, rows=3, draft_seconds=0.010)
+        p.observe(0, 3, 0.020, 3, rows=3)
+        p.observe(0, 1, 0.015, 1, rows=1)
+    assert abs(p.cost.predict(3) - 0.020) < 1e-12
+    assert abs(p._prior(1, 1) - 2 / (0.020 + 0.010)) < 1e-9 and abs(p._prior(0, 3) - 3 / 0.020) < 1e-9
+
+
+def test_step_cost_model_extends_along_a_long_baseline():
+    """Two close bins that happen to be near flat (noise) must not make many more rows look cheap."""
+    m = StepCostModel(min_samples=1)
+    for rows, sec in ((4, 0.020), (16, 0.050), (20, 0.051)):
+        m.add(rows, sec)
+    # slope from 4 rows (the largest at <= 20 / 2), 1.94 ms per row, not 0.25 from 16 -> 20
+    assert abs(m.predict(40) - (0.051 + (0.051 - 0.020) / 16 * 20)) < 1e-9
+
+
+def test_a_new_batch_size_is_decided_by_the_model_without_trial_steps():
+    """Once acceptance, tree size and the verify cost of enough rows are known, a batch size never run
+    before starts on the option the model rates best: no exploratory tree steps where 'off' wins, and
+    the tree straight away where it wins."""
+    cheap_rows = lambda o, bs: (0.030 + 0.0002 * bs * _ROWS[o], bs * _TOKENS[o], round(bs * _ROWS[o]))
+    p = AdaptiveSpeculation(TreeShape(5, 1, 6), warmup=3, retry_every=32)
+    _sweep(p, _cpu_cost, (1, 2, 4, 8), 60)  # rows up to 32 measured; bs 24's bucket (17-32) and its neighbours never run
+    assert _sweep(p, _cpu_cost, (24,), 20)[24] == [0] * 20
+    q = AdaptiveSpeculation(TreeShape(5, 1, 6), warmup=3, retry_every=32)
+    _sweep(q, cheap_rows, (1, 2, 4, 8), 60)  # a machine where rows are nearly free: the tree wins everywhere
+    chosen = _sweep(q, cheap_rows, (24,), 20)[24]
+    assert chosen[0] == 1 and chosen.count(1) >= 15  # (off is still re-measured now and then)
