@@ -161,7 +161,7 @@ def shape_menu(shape: TreeShape) -> list[TreeShape | None]:
 class AdaptiveSpeculation:
     REL_WINDOW = 16  # ratios kept per losing option (and bucket)
 
-    def __init__(self, shape: TreeShape, warmup: int = 3, retry_every: int = 32, max_retry_every: int = 512, far_behind: float = 0.8, explore_budget: float = 0.01, trust_after: int = 8, tree_margin: float = 0.03, shadow_budget: float = 0.01):
+    def __init__(self, shape: TreeShape, warmup: int = 3, retry_every: int = 32, max_retry_every: int = 512, far_behind: float = 0.8, explore_budget: float = 0.01, trust_after: int = 8, tree_margin: float = 0.03):
         self.options = shape_menu(shape)
         self._cheapest_first = sorted(range(len(self.options)), key=lambda i: 0 if self.options[i] is None else self.options[i].num_draft_tokens)
         self.warmup, self.retry_every, self.max_retry_every, self.far_behind = warmup, retry_every, max_retry_every, far_behind
@@ -183,10 +183,6 @@ class AdaptiveSpeculation:
         # its rate at the time they ran (rel), not by their own windows, which span long stretches
         self.best: dict[str, int] = {}
         self.rel: dict[tuple[int, str], deque] = {}  # (option, bucket) -> its last steps' rate / best's rate then
-        self.shadow_budget = shadow_budget  # share of step time shadow proposals may take
-        self.step_seconds = 0.0  # all observed steps
-        self.shadow_seconds = 0.0  # shadow proposals (part of step_seconds)
-        self.shadows = 0
 
     def _stat(self, i: int, bucket: str) -> _Stat:
         return self.stats.setdefault((i, bucket), _Stat())
@@ -354,7 +350,6 @@ class AdaptiveSpeculation:
         (per request: accepted draft tokens, draft nodes) also rate the shorter chains nested in a chain
         that ran, without running them."""
         bucket = batch_bucket(batch_size)
-        self.step_seconds += seconds
         ref = self.best.get(bucket)
         if ref is not None and option != ref and self._stat(ref, bucket).n >= self.warmup:
             level = self._stat(ref, bucket).rate
@@ -367,22 +362,6 @@ class AdaptiveSpeculation:
             self.history[option].add(batch_size, rows, tokens, draft_seconds)
             if accepted is not None and drafted is not None:
                 self._counterfactual(option, accepted, drafted)
-
-    def shadow_due(self) -> bool:
-        """May the engine propose a tree it will not verify (while off), within the shadow budget?"""
-        return self.shadow_seconds <= self.shadow_budget * self.step_seconds
-
-    def observe_shadow(self, shape: TreeShape, accepted: int, drafted: int, seconds: float) -> None:
-        """A shadow proposal of `shape` (proposed while off, never verified): `accepted` of its `drafted`
-        nodes matched what the target then produced. Counts as one request's step of that option (and
-        of the shorter chains nested in it) for the acceptance estimates."""
-        self.shadow_seconds += seconds
-        self.shadows += 1
-        if shape not in self.options:
-            return
-        i = self.options.index(shape)
-        self.history[i].add(1, 1 + drafted, accepted + 1, seconds)
-        self._counterfactual(i, [accepted], [drafted])
 
     def _counterfactual(self, option: int, accepted: list[int], drafted: list[int]) -> None:
         """A chain of depth d nested in the chain that ran (same drafter, greedy per step: its drafts are

@@ -24,7 +24,7 @@ from sglang_ext.attention import causal_mask, plan_attention, prefix_and_tree_ma
 from sglang_ext.drafters import DraftInput, Drafter, TargetCapture
 from sglang_ext.models import Target
 from sglang_ext.sampling import InvalidRequest, SamplingParams, greedy_tokens, logits_to_probs, sample
-from sglang_ext.tree import TokenTree, TreeShape, accepted_along, chain_tree
+from sglang_ext.tree import TokenTree, TreeShape, chain_tree
 from sglang_ext.verify import VerifyResult, greedy_verify, sampling_verify
 
 from .adaptive import AdaptiveSpeculation
@@ -107,13 +107,6 @@ class Engine:
         self.capture_layers = tuple(drafter.capture_layers) if drafter else ()
         self._drafter_commits = getattr(drafter, "needs_commit", True)
         self.prefill_tokens = prefill_tokens
-        # shadow drafts: while speculation is off, now and then one request's tree is proposed but not
-        # verified; the tokens the target then produces say how much of it would have been accepted,
-        # so the policy's acceptance estimates stay current without paying for tree steps. Only for
-        # drafters that read token ids alone (a proposal leaves no state behind).
-        self._shadows = self.policy is not None and not self._drafter_commits
-        self._shadow: dict[int, tuple[TokenTree, int, float]] = {}  # rid -> (tree, len(output_ids) then, seconds)
-        self._shadow_turn = 0
 
     # --- admission ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
@@ -138,7 +131,6 @@ class Engine:
         self._release(req)
 
     def _release(self, req: Request) -> None:
-        self._shadow.pop(req.rid, None)
         if req in self.running:
             self.running.remove(req)
             if self.drafter is not None and req.drafting:
@@ -244,8 +236,6 @@ class Engine:
         shape = self.policy.options[option] if self.policy else self.tree
         self.last_shape = shape if self.drafter is not None else None
         trees = self._propose(reqs, shape)
-        if shape is None and self._shadows and self.policy.shadow_due():
-            self._shadow_draft(reqs)
         t_drafted = time.perf_counter()
         new_slots = [self.kv.alloc(t.num_nodes) for t in trees]
         try:
@@ -282,41 +272,11 @@ class Engine:
                 self._drafter_call(lambda: self.drafter.commit(r.rid, cap), [r])
             events.append(StepEvent(r, self._append(r, res.tokens), res.num_accepted, n - 1))
             start += n
-        if self._shadow:
-            self._resolve_shadows(reqs)
         if self.policy:
             rows = sum(t.num_nodes for t in trees)
             self.policy.observe(option, len(reqs), time.perf_counter() - t0, sum(len(e.new_tokens) for e in events), rows,
                                 draft_seconds=t_drafted - t0, accepted=[e.accepted for e in events], drafted=[e.drafted for e in events])
         return events
-
-    def _shadow_draft(self, reqs: list[Request]) -> None:
-        """Propose the configured tree for one request (round robin) without verifying it."""
-        todo = [r for r in reqs if r.drafting and r.rid not in self._shadow]
-        if not todo:
-            return
-        r = todo[self._shadow_turn % len(todo)]
-        self._shadow_turn += 1
-        t0 = time.perf_counter()
-        try:
-            tree = self.drafter.propose([DraftInput(r.rid, r.token_ids, r.params, r.generator)], self.tree)[0]
-        except Exception:  # noqa: BLE001 - a failing shadow proposal only costs the estimate
-            return
-        self._shadow[r.rid] = (tree, len(r.output_ids), time.perf_counter() - t0)
-
-    def _resolve_shadows(self, reqs: list[Request]) -> None:
-        """Shadow trees whose requests have produced as many tokens as the tree is deep (or finished)."""
-        for r in reqs:
-            pending = self._shadow.get(r.rid)
-            if pending is None:
-                continue
-            tree, start, seconds = pending
-            depth = int(tree.positions.max() - tree.positions[0]) if tree.num_nodes > 1 else 0
-            produced = r.output_ids[start:]
-            if len(produced) < depth and not r.finished:
-                continue
-            del self._shadow[r.rid]
-            self.policy.observe_shadow(self.tree, accepted_along(tree, produced), tree.num_nodes - 1, seconds)
 
     def _verify(self, r: Request, tree: TokenTree, logits: torch.Tensor) -> VerifyResult:
         if r.params.greedy:

@@ -93,21 +93,6 @@ class TokenTree:
         return path[::-1]
 
 
-def accepted_along(tree: TokenTree, continuation: list[int]) -> int:
-    """Draft nodes a greedy verify of `tree` would accept if the target goes on with `continuation`
-    (the tokens it produced after the root): the longest root path whose tokens match it. Exact for
-    greedy decoding; under sampling, for deterministic drafts, its expectation is the acceptance."""
-    node, accepted = 0, 0
-    parents = tree.parents.tolist()
-    tokens = tree.draft_tokens.tolist()
-    for tok in continuation:
-        node = next((c for c in range(node + 1, len(tokens)) if parents[c] == node and tokens[c] == tok), None)
-        if node is None:
-            break
-        accepted += 1
-    return accepted
-
-
 def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, seq_len: int, batch_index: int = 0, draft_probs=None, unlinked=()) -> TokenTree:
     """Build the layout from node tokens and parent indices (parents[i] < i, parents[0] == -1).
 
