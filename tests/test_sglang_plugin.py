@@ -668,7 +668,7 @@ def test_shipped_eagle3_head_loads_into_sglang_eagle3(sglang_results):
     v = ok(sglang_results, "eagle3_model")
     assert v["unset"] == ["model.embed_tokens.weight"]
     assert v["hot_ok"] and v["qkv_ok"]
-    assert v["draft_vocab"] == 16384 and v["aux"] == [1, 14, 26] and v["fc_in"] == 3 * 576
+    assert v["draft_vocab"] == 8192 and v["aux"] == [1, 14, 26] and v["fc_in"] == 3 * 576
 
 
 def test_sglang_eagle3_server_args_accept_shipped_head(sglang_results):
