@@ -1,7 +1,8 @@
-"""Adaptive speculation: per step, pick the tree shape (or no speculation) with the best measured
-throughput for the current batch-size bucket.
+"""Adaptive speculation: per step, pick the tree shape (or no speculation) with the best throughput
+at the current batch size: predicted by a model once every option has one (second paragraph), measured
+per batch-size bucket before that (this paragraph).
 
-Throughput of an option = the mean over its recent steps of each step's own tokens / seconds, per
+Measured throughput of an option = the mean over its recent steps of each step's own tokens / seconds, per
 (option, batch bucket). Each step's tokens and seconds belong together: a bucket spans batch sizes
 (17-32 is one), and a window of step times from bs 32 against tokens from bs 20 would mis-rate an
 option. A step slower than twice the recent median counts as twice the median (one step slowed by a
