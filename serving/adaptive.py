@@ -193,7 +193,8 @@ class AdaptiveSpeculation:
         bucket = batch_bucket(batch_size)
         step = self.steps[bucket] = self.steps.get(bucket, 0) + 1
         known = self._nearest_measured(bucket, batch_size)
-        if known is None and self._predictable(batch_size):
+        model = self._model_rates(batch_size)
+        if known is None and model is not None:
             known = bucket  # every option's rate follows from the model: no trial steps needed here
         if known is None:  # nothing measured nearby: try every option a few times, cheapest first
             for i in self._cheapest_first:
@@ -202,7 +203,7 @@ class AdaptiveSpeculation:
             known = bucket
         # a bucket the batch has just entered (requests finishing) starts from the nearest measured
         # one instead of exploring again: at a large batch an exploratory step is very slow
-        rates = self._rates(bucket, known, batch_size)
+        rates = model if model is not None else self._rates(bucket, known, batch_size)
         best = max(range(len(self.options)), key=lambda i: rates[i] / (1.0 if self.options[i] is None else 1.0 + self.tree_margin))
         if self.best.get(bucket) != best:
             self._new_reference(bucket, best, rates)
@@ -244,8 +245,6 @@ class AdaptiveSpeculation:
         spanning thousands of steps, while the best's spans the last 32; the requests in the batch,
         their context lengths and the neighbours' load all drift in between (+-10-20 % at bs 4 here),
         which flipped the choice towards trees that were 0.8x of off in fixed-tree runs."""
-        if self._predictable(batch_size):
-            return [self._prior(i, batch_size) for i in range(len(self.options))]
         rates = [self._rate(i, bucket, known, batch_size) for i in range(len(self.options))]
         ref = self.best.get(bucket)
         if ref is not None and self._stat(ref, bucket).n >= self.warmup:
@@ -255,12 +254,14 @@ class AdaptiveSpeculation:
                     rates[i] = statistics.fmean(r) * rates[ref]
         return rates
 
-    def _predictable(self, batch_size: int) -> bool:
-        """Every option's rate at this batch size follows from the model (acceptance, tree size and
-        drafting seconds per request, from at least `warmup` steps of each tree, and the verify cost
-        of that many rows)."""
-        return all((o is None or len(self.history[i].steps) >= self.warmup) and self._prior(i, batch_size) is not None
-                   for i, o in enumerate(self.options))
+    def _model_rates(self, batch_size: int) -> list[float] | None:
+        """Every option's predicted rate at this batch size, or None until the model covers them all
+        (acceptance, tree size and drafting seconds per request from at least `warmup` steps of each
+        tree, and the verify cost of that many rows)."""
+        if any(o is not None and len(self.history[i].steps) < self.warmup for i, o in enumerate(self.options)):
+            return None
+        rates = [self._prior(i, batch_size) for i in range(len(self.options))]
+        return None if None in rates else rates
 
     def _new_reference(self, bucket: str, best: int, rates: list[float]) -> None:
         """`best` takes over as this bucket's reference: the others' ratios were against the previous

@@ -205,7 +205,7 @@ def engine_batch_runner(target, method: str, tree, max_new_tokens: int, adaptive
             # (kept in `state`, not only in the engine: the engine is released after each batch size)
             state["engine"] = None  # free the old pool first
             e = Engine(target, drafter, tree, kv_slots=2 * need, adaptive=adaptive and drafter is not None, on_fallback=lambda r, why: fallbacks.append(why))
-            if state.get("policy") is not None:
+            if state["policy"] is not None:
                 e.policy = state["policy"]
             state["engine"], state["b"], state["policy"] = e, b, e.policy
         return e

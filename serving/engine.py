@@ -235,6 +235,7 @@ class Engine:
         option = self.policy.choose(len(reqs)) if self.policy else None
         shape = self.policy.options[option] if self.policy else self.tree
         self.last_shape = shape if self.drafter is not None else None
+        t_propose = time.perf_counter()
         trees = self._propose(reqs, shape)
         t_drafted = time.perf_counter()
         new_slots = [self.kv.alloc(t.num_nodes) for t in trees]
@@ -275,7 +276,7 @@ class Engine:
         if self.policy:
             rows = sum(t.num_nodes for t in trees)
             self.policy.observe(option, len(reqs), time.perf_counter() - t0, sum(len(e.new_tokens) for e in events), rows,
-                                draft_seconds=t_drafted - t0, accepted=[e.accepted for e in events], drafted=[e.drafted for e in events])
+                                draft_seconds=t_drafted - t_propose, accepted=[e.accepted for e in events], drafted=[e.drafted for e in events])
         return events
 
     def _verify(self, r: Request, tree: TokenTree, logits: torch.Tensor) -> VerifyResult:
