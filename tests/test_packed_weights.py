@@ -192,3 +192,19 @@ def test_blocks_attach_to_inference_tensors_too():
         x = torch.randn(2, 64)
         assert kernels._packed(w) is not None
         assert torch.equal(kernels.linear(x, w), torch.ops.moa_cpu.linear_small(x, w))
+
+
+def test_a_second_converter_keeps_the_finished_cache_and_leaves_no_temp_files(tmp_path):
+    """Two processes converting the default target at once (a server and a trainer on a fresh
+    machine): each writes its own temp dir, the later one finds the cache complete and steps aside."""
+    from sglang_ext.models.loader import _convert_gguf
+
+    out = tmp_path / "SmolLM2-135M-Instruct"
+    _convert_gguf(smollm2_gguf_path(), out)
+    first = (out / "model.safetensors").stat().st_mtime_ns
+    _convert_gguf(smollm2_gguf_path(), out)  # the loser of the race
+    assert (out / "model.safetensors").stat().st_mtime_ns == first and (out / "config.json").is_file()
+    write_packed_weights(smollm2_gguf_path(), out)
+    write_packed_weights(smollm2_gguf_path(), out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [out.name]
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")] and (out / PACKED_FILE).is_file()

@@ -48,6 +48,7 @@ def add_edge_parsers(sub) -> None:
     b.add_argument("--max-new-tokens", type=int, default=96)
     b.add_argument("--wire-dtype", default="fp16", choices=["fp32", "bf16", "fp16", "int8"])
     b.add_argument("--also-int8", action="store_true", help="add rows with int8 context to measure its effect on τ")
+    b.add_argument("--trees", default="", help="';'-separated tree shapes to compare per drafter (e.g. '3,4,16;1,2,3'); default: the edge default")
     b.add_argument("--cut", action="store_true", help="add the disconnect run (link cut after 50 tokens)")
     b.add_argument("--threads", type=int, default=1, help="torch threads for the client and for the server")
     b.add_argument("--out", default="results/edge")
@@ -169,6 +170,7 @@ def cmd_edge_bench(args) -> int:
     import torch
 
     from sglang_ext.models import load_target
+    from sglang_ext.tree import TreeShape
 
     from ..cli import default_tree
     from ..evalsets import load_eval_set
@@ -190,6 +192,9 @@ def cmd_edge_bench(args) -> int:
     rows, out = [], Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     wire = [args.wire_dtype] + (["int8"] if args.also_int8 and args.wire_dtype != "int8" else [])
+    trees = [t.strip() for t in args.trees.split(";") if t.strip()]
+    for t in trees:
+        TreeShape.parse(t)  # bad input fails before the namespaces are set up
     for prof in profiles:
         with NamespaceHost(1, prof.rate_mbit) as host:
             cmd = [sys.executable, "-m", "serving.cli", "serve", "--host", host.ns_ip, "--port", "8000", "--drafter", args.server_drafter,
@@ -201,18 +206,19 @@ def cmd_edge_bench(args) -> int:
                     for set_name, text in prompts:
                         ids = target.encode_chat([{"role": "user", "content": text}])
                         rows.append({"profile": prof.name, "set": set_name, "method": "api", **_api_run(link.url, text, args.max_new_tokens)})
-                        for d in drafters:
-                            for w in wire:
-                                c = EdgeClient(link.url, local[d], d, default_tree(d, edge=True), w, timeout_s=2.0, eos_ids=tuple(target.cfg.eos_token_ids))
-                                try:
-                                    r = _edge_run(c, ids, args.max_new_tokens)
-                                except Exception as e:  # noqa: BLE001 - reported, the run goes on
-                                    rows.append({"profile": prof.name, "set": set_name, "method": f"edge:{d}", "error": f"{type(e).__name__}: {e}"})
-                                    continue
-                                finally:
-                                    c.close()
-                                rows.append({"profile": prof.name, "set": set_name, "method": f"edge:{d}" + ("" if w == args.wire_dtype else f":{w}"), **r})
-                                print(f"[edge-bench] {prof.name} {set_name} {rows[-1]['method']}: {r['tokens_per_s']:.1f} tok/s τ {r['tau']:.2f}", file=sys.stderr, flush=True)
+                        for d, w, tree in [(d, w, t) for d in drafters for w in wire for t in (trees or [None])]:
+                            method = f"edge:{d}" + ("" if w == args.wire_dtype else f":{w}") + (f"@{tree}" if tree else "")
+                            shape = TreeShape.parse(tree) if tree else default_tree(d, edge=True)
+                            c = EdgeClient(link.url, local[d], d, shape, w, timeout_s=2.0, eos_ids=tuple(target.cfg.eos_token_ids))
+                            try:
+                                r = _edge_run(c, ids, args.max_new_tokens)
+                            except Exception as e:  # noqa: BLE001 - reported, the run goes on
+                                rows.append({"profile": prof.name, "set": set_name, "method": method, "error": f"{type(e).__name__}: {e}"})
+                                continue
+                            finally:
+                                c.close()
+                            rows.append({"profile": prof.name, "set": set_name, "method": method, **r})
+                            print(f"[edge-bench] {prof.name} {set_name} {rows[-1]['method']}: {r['tokens_per_s']:.1f} tok/s τ {r['tau']:.2f}", file=sys.stderr, flush=True)
                     if args.cut:
                         for d in [x for x in drafters if x.startswith("moa")]:
                             _, text = prompts[0]

@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,12 +113,18 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     cfg.pop("quantization_config", None)
     # NOTE: GGUF-loaded models refuse save_pretrained; write the plain parts ourselves.
     state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight" or not cfg.get("tie_word_embeddings")}
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
+    # NOTE: a private temp dir per process: two processes converting at once (a server and a
+    # trainer on a fresh machine) must not write into the same files; the first rename wins.
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent))
     save_file(state, tmp / "model.safetensors")
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     tok.save_pretrained(tmp)
-    tmp.rename(out)  # atomic: a half-written cache never looks complete
+    try:
+        tmp.rename(out)  # atomic: a half-written cache never looks complete
+    except OSError:
+        if not (out / "config.json").exists():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # another process finished first
 
 
 def _hf_weight_name(gguf_name: str) -> str | None:
@@ -157,9 +165,11 @@ def write_packed_weights(gguf: Path, model_dir: Path) -> None:
             continue
         blocks[name] = torch.from_numpy(np.ascontiguousarray(np.asarray(t.data).reshape(fp32.shape[0], -1)[order]))
         kinds[name] = t.tensor_type.name
-    tmp = model_dir / (PACKED_FILE + ".tmp")
+    fd, name = tempfile.mkstemp(prefix=PACKED_FILE + ".", suffix=".tmp", dir=model_dir)
+    os.close(fd)
+    tmp = Path(name)  # per process, as in _convert_gguf
     save_file(blocks, tmp, metadata=kinds)
-    tmp.rename(model_dir / PACKED_FILE)  # atomic: a half-written file never looks complete
+    tmp.replace(model_dir / PACKED_FILE)  # atomic: a half-written file never looks complete
 
 
 def load_packed_weights(model_dir: Path) -> dict[str, tuple[str, torch.Tensor]]:

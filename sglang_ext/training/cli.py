@@ -20,7 +20,7 @@ import torch
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="smollm2", help="'smollm2' or a local HF Llama/Qwen directory")
-    p.add_argument("--target-dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="dtype of the (frozen) target run (auto: bf16 where the CPU has bf16 hardware, else fp32)")
+    p.add_argument("--target-dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="dtype of the (frozen) target run (auto: as for serving: fp32 on CPUs with our kernels)")
     p.add_argument("--data", action="append", required=True, help="'sharegpt' or a .json/.jsonl file (repeatable)")
     p.add_argument("--out", required=True, help="output directory (checkpoints, logs, TensorBoard)")
     p.add_argument("--num-examples", type=int, default=2000, help="conversations to train on (seeded sample)")
