@@ -40,7 +40,7 @@ def test_dequantize_matches_gguf_exactly(kind):
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 6, 8, 9, 12, 13, 16, 33, 64, 128])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 33, 64, 128])
 def test_linear_packed_equals_linear_small_on_the_dequantized_weights(kind, m):
     """Bit for bit, whatever the rows: the packed path changes the bytes read, not the sums."""
     n, k = 50, 576  # n not a multiple of the 24 / 4 row blocks

@@ -187,7 +187,7 @@ inline float fp16_at(const uint8_t* p) {
 
 // One block of 32 weights as four vectors: w[i] = weights 8i .. 8i + 7.
 template <int KIND>
-inline void dequant_block(const uint8_t* src, __m256 w[4]) {
+__attribute__((always_inline)) inline void dequant_block(const uint8_t* src, __m256 w[4]) {
   const __m256 d = _mm256_set1_ps(fp16_at(src));
   if constexpr (KIND == Q4_1) {
     // bytes 0-7 hold weights 0-7 (low nibbles) and 16-23 (high), bytes 8-15 weights 8-15 and 24-31;
@@ -232,12 +232,15 @@ void dequant_row(int64_t kind, const uint8_t* src, float* dst, int64_t K) {
     bf16_row(src, dst, K);
 }
 
-// R <= FUSED_M input rows (decode, small verifies) x J packed weight rows, dequantized in registers
-// (no buffer): each output is the same sequence of FMAs over k as in tile(), so the same sums.
-constexpr int64_t FUSED_M = 4;
+// R <= FUSED_M input rows (decode, verifies of up to 8 rows) x J packed weight rows, dequantized in
+// registers (no buffer): each output is the same sequence of FMAs over k as in tile(), so the same
+// sums. R*J accumulators + 4 weight vectors fit the 16 registers up to R = 6 with J = 2.
+// NOTE: always_inline: with the R = 5..8 instances GCC stopped inlining these into the 1-row path
+// (its unit growth limit) and a decode step got 20 % slower.
+constexpr int64_t FUSED_M = 8;
 
 template <int KIND, int R, int J>
-inline void packed_tile(const float* x, const uint8_t* b, int64_t row_bytes, float* y, int64_t N, int64_t K) {
+__attribute__((always_inline)) inline void packed_tile(const float* x, const uint8_t* b, int64_t row_bytes, float* y, int64_t N, int64_t K) {
   __m256 acc[R][J];
   zero_acc<R, J>(acc);
   for (int64_t k = 0; k < K; k += 32) {
@@ -258,7 +261,7 @@ inline void packed_tile(const float* x, const uint8_t* b, int64_t row_bytes, flo
 // Output columns [n0, n1) for R input rows: tiles of J weight rows, then single rows.
 template <int KIND, int R>
 void packed_rows(const float* x, const uint8_t* b, int64_t row_bytes, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  constexpr int J = R <= 2 ? 4 : 2;
+  constexpr int J = R <= 2 ? 4 : R <= 6 ? 2 : 1;
   int64_t n = n0;
   for (; n + J <= n1; n += J) packed_tile<KIND, R, J>(x, b + n * row_bytes, row_bytes, y + n, N, K);
   for (; n < n1; ++n) packed_tile<KIND, R, 1>(x, b + n * row_bytes, row_bytes, y + n, N, K);
@@ -270,7 +273,11 @@ void packed_rows_any(int64_t R, const float* x, const uint8_t* b, int64_t row_by
     case 1: return packed_rows<KIND, 1>(x, b, row_bytes, y, N, K, n0, n1);
     case 2: return packed_rows<KIND, 2>(x, b, row_bytes, y, N, K, n0, n1);
     case 3: return packed_rows<KIND, 3>(x, b, row_bytes, y, N, K, n0, n1);
-    default: return packed_rows<KIND, 4>(x, b, row_bytes, y, N, K, n0, n1);
+    case 4: return packed_rows<KIND, 4>(x, b, row_bytes, y, N, K, n0, n1);
+    case 5: return packed_rows<KIND, 5>(x, b, row_bytes, y, N, K, n0, n1);
+    case 6: return packed_rows<KIND, 6>(x, b, row_bytes, y, N, K, n0, n1);
+    case 7: return packed_rows<KIND, 7>(x, b, row_bytes, y, N, K, n0, n1);
+    default: return packed_rows<KIND, 8>(x, b, row_bytes, y, N, K, n0, n1);
   }
 }
 
@@ -304,7 +311,7 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& blocks, int64_t 
   const uint8_t* bp = bc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   // dequantizing in registers beats the buffer while the FMAs are few (Q4_1: 1.3-1.4x for 1-2 rows,
-  // 1.05-1.2x for 4); not for Q8_0, whose 34-byte blocks stream better one row at a time (0.7x)
+  // 1.05-1.2x for 4, 1.2x for 5-8: session 13, scripts/kernel-ab.py --packed); not for Q8_0, whose 34-byte blocks stream better one row at a time (0.7x)
   if (M <= FUSED_M && kind == Q4_1) {
     at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) { packed_rows_any<Q4_1>(M, xp, bp, row_bytes, yp, N, K, n0, n1); });
     return y;
