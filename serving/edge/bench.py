@@ -48,7 +48,7 @@ def add_edge_parsers(sub) -> None:
     b.add_argument("--max-new-tokens", type=int, default=96)
     b.add_argument("--wire-dtype", default="fp16", choices=["fp32", "bf16", "fp16", "int8"])
     b.add_argument("--also-int8", action="store_true", help="add rows with int8 context to measure its effect on τ")
-    b.add_argument("--trees", default="", help="';'-separated tree shapes to compare per drafter (e.g. '3,4,16;1,2,3'); default: the edge default")
+    b.add_argument("--trees", default="", help="';'-separated tree shapes to compare per drafter (e.g. '3,4,16;1,2,3'); default: the drafter's default tree")
     b.add_argument("--cut", action="store_true", help="add the disconnect run (link cut after 50 tokens)")
     b.add_argument("--threads", type=int, default=1, help="torch threads for the client and for the server")
     b.add_argument("--out", default="results/edge")
@@ -73,7 +73,7 @@ def cmd_edge(args) -> int:
     from .client import EdgeClient
 
     target = load_target(args.model, dtype=args.dtype)
-    tree = TreeShape.parse(args.tree) if args.tree else default_tree(args.drafter, edge=True)
+    tree = TreeShape.parse(args.tree) if args.tree else default_tree(args.drafter)
     client = EdgeClient(args.server, _local_drafter(target, args.drafter), args.drafter, tree, args.wire_dtype, args.api_key, args.timeout, args.resync,
                         eos_ids=tuple(target.cfg.eos_token_ids))
     ids = target.encode_chat([{"role": "user", "content": args.prompt}])
@@ -208,7 +208,7 @@ def cmd_edge_bench(args) -> int:
                         rows.append({"profile": prof.name, "set": set_name, "method": "api", **_api_run(link.url, text, args.max_new_tokens)})
                         for d, w, tree in [(d, w, t) for d in drafters for w in wire for t in (trees or [None])]:
                             method = f"edge:{d}" + ("" if w == args.wire_dtype else f":{w}") + (f"@{tree}" if tree else "")
-                            shape = TreeShape.parse(tree) if tree else default_tree(d, edge=True)
+                            shape = TreeShape.parse(tree) if tree else default_tree(d)
                             c = EdgeClient(link.url, local[d], d, shape, w, timeout_s=2.0, eos_ids=tuple(target.cfg.eos_token_ids))
                             try:
                                 r = _edge_run(c, ids, args.max_new_tokens)
@@ -223,7 +223,7 @@ def cmd_edge_bench(args) -> int:
                         for d in [x for x in drafters if x.startswith("moa")]:
                             _, text = prompts[0]
                             ids = target.encode_chat([{"role": "user", "content": text}])
-                            c = EdgeClient(link.url, local[d], d, default_tree(d, edge=True), args.wire_dtype, timeout_s=1.0, eos_ids=())
+                            c = EdgeClient(link.url, local[d], d, default_tree(d), args.wire_dtype, timeout_s=1.0, eos_ids=())
                             try:
                                 ref = _edge_run(c, ids, 120)
                                 r = _edge_run(c, ids, 120, cut_after=50, link=link)

@@ -66,7 +66,7 @@ class EdgeStats:
 
 
 class EdgeClient:
-    def __init__(self, server: str, drafter, drafter_name: str, shape: TreeShape = TreeShape(5, 4, 16), dtype: str = "fp16",
+    def __init__(self, server: str, drafter, drafter_name: str, shape: TreeShape = TreeShape(1, 2, 3), dtype: str = "fp16",
                  api_key: str | None = None, timeout_s: float = 2.0, resync: str = "verify", backoff_s: tuple[float, float] = (0.25, 4.0),
                  eos_ids: tuple[int, ...] = ()):
         if not isinstance(drafter, (MoADrafter, Eagle3Drafter)):
