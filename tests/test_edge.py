@@ -244,3 +244,38 @@ def test_namespace_host_link_cut_and_restore():
         finally:
             srv.terminate()
             srv.wait(10)
+
+
+def test_link_delay_runs_from_each_chunks_arrival():
+    """A message written in two parts (HTTP headers, then body) arrives one delay after it was sent,
+    as over a real link, not after a delay per part (the relay once waited out a chunk's delay before
+    reading the next, so a request/response cycle could pay two round trips). Echo over a 200 ms
+    one-way link: two writes 20 ms apart come back ~420 ms after the first, not ~620 ms."""
+    import socket
+    import threading
+
+    from serving.edge.netem import Profile
+
+    echo = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        conn, _ = echo.accept()
+        with conn:
+            while data := conn.recv(4096):
+                conn.sendall(data)
+
+    threading.Thread(target=serve, daemon=True).start()
+    with LinkProxy("127.0.0.1", echo.getsockname()[1], Profile("fixed", 200.0, 0.0, 0.0, None)) as link:
+        with socket.create_connection(("127.0.0.1", link.port)) as c:
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            t0 = time.monotonic()
+            c.sendall(b"head")
+            time.sleep(0.02)
+            c.sendall(b"body")
+            got = b""
+            while len(got) < 8:
+                got += c.recv(8)
+            elapsed = time.monotonic() - t0
+    echo.close()
+    assert got == b"headbody"
+    assert 0.4 <= elapsed < 0.55, elapsed

@@ -104,19 +104,36 @@ class LinkProxy:
         asyncio.set_event_loop(self.loop)
 
         async def pipe(reader, writer):
+            # NOTE: each chunk's delay runs from its arrival, and a sender task releases the chunks in
+            # order: a link pipelines. Sleeping before reading the next chunk (session 12's relay)
+            # added the delays of a message's chunks up (HTTP headers, then body: twice the one-way
+            # delay), which made every edge cycle pay up to two round trips.
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def send():
+                try:
+                    while (item := await queue.get()) is not None:
+                        wait = item[0] - time.monotonic()
+                        if wait > 0:
+                            await asyncio.sleep(wait)
+                        writer.write(item[1])
+                        await writer.drain()
+                except (ConnectionError, asyncio.CancelledError):
+                    pass
+                finally:
+                    writer.transport.abort()
+
+            sender = asyncio.create_task(send())
             release = 0.0
             try:
                 while data := await reader.read(65536):
                     release = max(release, time.monotonic() + self._delay(len(data)))  # keeps byte order
-                    wait = release - time.monotonic()
-                    if wait > 0:
-                        await asyncio.sleep(wait)
-                    writer.write(data)
-                    await writer.drain()
+                    queue.put_nowait((release, data))
             except (ConnectionError, asyncio.CancelledError):
                 pass
             finally:
-                writer.transport.abort()
+                queue.put_nowait(None)  # what was read still arrives, then the far side closes
+            await sender
 
         async def handle(creader, cwriter):
             if self.is_cut:
