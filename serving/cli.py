@@ -62,8 +62,8 @@ def default_tree(drafter: str | None):
     # costs ~1/8 of a decode and each draft step a head forward, so with the shipped heads (tau ~1.6
     # at 16 nodes) one draft step with two candidates is fastest: 0.91x vanilla against 0.81x for
     # 2,2,4, 0.70x for 3,2,6 and 0.44x for 3,4,16 (session 13, results/s13-trees). Over a network
-    # too, although each cycle also pays a round trip: under emulated 4G 1,2,3 gave 0.32x the API
-    # baseline against 0.24x for 3,4,16 (session 13, results/s13-edge).
+    # too, although each cycle also pays a round trip: under emulated 4G 1,2,3 gave 0.33x the API
+    # baseline against 0.23x for 3,4,16 (session 13, results/s13-edge2).
     eagle_like = TreeShape(1, 2, 3)
     from sglang_ext.drafters import is_suffix_corpus
 

@@ -311,7 +311,8 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& blocks, int64_t 
   const uint8_t* bp = bc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   // dequantizing in registers beats the buffer while the FMAs are few (Q4_1: 1.3-1.4x for 1-2 rows,
-  // 1.05-1.2x for 4, 1.2x for 5-8: session 13, scripts/kernel-ab.py --packed); not for Q8_0, whose 34-byte blocks stream better one row at a time (0.7x)
+  // 1.05-1.2x for 4, 1.2x for 5-8: session 13, scripts/kernel-ab.py --packed); not for Q8_0, whose
+  // 34-byte blocks stream better one row at a time (0.7x)
   if (M <= FUSED_M && kind == Q4_1) {
     at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) { packed_rows_any<Q4_1>(M, xp, bp, row_bytes, yp, N, K, n0, n1); });
     return y;
