@@ -10,12 +10,13 @@ our AVX2 kernel (cpu_linear.cpp, built by setup.py at install) and everything el
 training, bf16, autograd, non-x86 machines) to F.linear. MOA_SERVE_CPU_KERNELS=0 turns both kernels
 off (same results up to fp32 rounding; used to measure what it buys).
 
-Measured on the 2-core AMD EPYC (AVX2) CI machine, 2 threads, the linear layers of one SmolLM2
+Measured on the 2-core AMD EPYC (AVX2) CI machine of sessions 6-12, 2 threads, the linear layers of one SmolLM2
 forward (30 layers + lm_head), same run: 1 / 4 / 6 / 16 rows take 26 / 25 / 28 / 56 ms (the
 session-6 blocking in groups of 3 rows: 26 / 31 / 34 / 56 ms); MKL 1.45-2.2x slower for 1-64 rows
 (scripts/kernel-ab.py; `--baseline REV` compares with the kernel of another commit). Reading the
 GGUF blocks instead (`linear_packed`, `--packed`): a whole forward + lm_head 1.39-1.51x faster for
-1-4 rows, 1.06-1.24x for 6-64 (two runs, docs/BENCHMARKS.md, session 9).
+1-4 rows, 1.06-1.24x for 6-64 (two runs, docs/BENCHMARKS.md, session 9); with the in-register
+dequantization extended to 8 rows, 5-8 rows another 1.2x (a 2-core Xeon, session 13).
 """
 
 from __future__ import annotations
