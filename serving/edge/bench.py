@@ -192,9 +192,8 @@ def cmd_edge_bench(args) -> int:
     rows, out = [], Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     wire = [args.wire_dtype] + (["int8"] if args.also_int8 and args.wire_dtype != "int8" else [])
-    trees = [t.strip() for t in args.trees.split(";") if t.strip()]
-    for t in trees:
-        TreeShape.parse(t)  # bad input fails before the namespaces are set up
+    # parsed here: bad input fails before the namespaces are set up
+    trees = {t.strip(): TreeShape.parse(t) for t in args.trees.split(";") if t.strip()}
     for prof in profiles:
         with NamespaceHost(1, prof.rate_mbit) as host:
             cmd = [sys.executable, "-m", "serving.cli", "serve", "--host", host.ns_ip, "--port", "8000", "--drafter", args.server_drafter,
@@ -208,7 +207,7 @@ def cmd_edge_bench(args) -> int:
                         rows.append({"profile": prof.name, "set": set_name, "method": "api", **_api_run(link.url, text, args.max_new_tokens)})
                         for d, w, tree in [(d, w, t) for d in drafters for w in wire for t in (trees or [None])]:
                             method = f"edge:{d}" + ("" if w == args.wire_dtype else f":{w}") + (f"@{tree}" if tree else "")
-                            shape = TreeShape.parse(tree) if tree else default_tree(d)
+                            shape = trees[tree] if tree else default_tree(d)
                             c = EdgeClient(link.url, local[d], d, shape, w, timeout_s=2.0, eos_ids=tuple(target.cfg.eos_token_ids))
                             try:
                                 r = _edge_run(c, ids, args.max_new_tokens)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from .. import kernels
 from .kv_pool import KVPool, OutOfSlots
 from .llama import ForwardOutput, LlamaModel
 from .loader import DEFAULT_TARGET, LlamaConfig, ModelLoadError, load_config, load_packed_weights, load_state_dict, load_tokenizer, resolve_target
@@ -63,8 +64,6 @@ def auto_dtype(device: str = "cpu") -> torch.dtype:
     AMX bf16 they were never measured; fewer bytes per weight (Q4_1: 0.6 vs 2) should still win."""
     if device != "cpu":
         return torch.bfloat16
-    from .. import kernels
-
     if kernels.AVAILABLE:
         return torch.float32
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
