@@ -118,9 +118,9 @@ class LinkProxy:
                             await asyncio.sleep(wait)
                         writer.write(item[1])
                         await writer.drain()
+                    if writer.can_write_eof():
+                        writer.write_eof()  # after every byte read (drain() returns before the buffer is empty)
                 except (ConnectionError, asyncio.CancelledError):
-                    pass
-                finally:
                     writer.transport.abort()
 
             sender = asyncio.create_task(send())
@@ -132,7 +132,7 @@ class LinkProxy:
             except (ConnectionError, asyncio.CancelledError):
                 pass
             finally:
-                queue.put_nowait(None)  # what was read still arrives, then the far side closes
+                queue.put_nowait(None)  # what was read still arrives, then the far side sees EOF
             await sender
 
         async def handle(creader, cwriter):
@@ -149,6 +149,8 @@ class LinkProxy:
                 await asyncio.gather(pipe(creader, uwriter), pipe(ureader, cwriter))
             finally:
                 self._conns.difference_update((cwriter, uwriter))
+                for w in (cwriter, uwriter):
+                    w.close()  # both directions ended: flush what is buffered, then close
 
         async def start():
             server = await asyncio.start_server(handle, "127.0.0.1", 0)
