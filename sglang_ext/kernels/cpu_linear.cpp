@@ -165,7 +165,7 @@ at::Tensor linear_small(const at::Tensor& x, const at::Tensor& w) {
 // The default target ships as GGUF with Q4_1 linear weights and a Q8_0 embedding / lm_head. Read as
 // fp32, a decode step streams 540 MB of weights; the blocks are 96 MB. linear_packed keeps the blocks
 // and dequantizes each block of weight rows into a small buffer just before the tiles above consume
-// it (for <= 8 input rows of Q4_1: in registers, packed_tile), so every output is the same sequence of
+// it (for <= 8 input rows: in registers, packed_tile), so every output is the same sequence of
 // FMAs as in linear_small on the dequantized fp32 weights, hence bit-identical to it:
 //   Q4_1 (20 bytes per 32 weights): fp16 d, fp16 m, 16 bytes; weight i = d * (byte[i % 16] >> 4*(i >= 16) & 15) + m
 //   Q8_0 (34 bytes per 32 weights): fp16 d, 32 int8;       weight i = d * q[i]
@@ -188,8 +188,8 @@ inline float fp16_at(const uint8_t* p) {
 // One block of 32 weights as four vectors: w[i] = weights 8i .. 8i + 7.
 template <int KIND>
 __attribute__((always_inline)) inline void dequant_block(const uint8_t* src, __m256 w[4]) {
-  const __m256 d = _mm256_set1_ps(fp16_at(src));
   if constexpr (KIND == Q4_1) {
+    const __m256 d = _mm256_set1_ps(fp16_at(src));
     // bytes 0-7 hold weights 0-7 (low nibbles) and 16-23 (high), bytes 8-15 weights 8-15 and 24-31;
     // widened to 32 bits first, a nibble is one AND or one shift away
     const __m256 m = _mm256_set1_ps(fp16_at(src + 2));
@@ -199,7 +199,13 @@ __attribute__((always_inline)) inline void dequant_block(const uint8_t* src, __m
       w[half] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(q, low)), m);
       w[2 + half] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), m);
     }
+  } else if constexpr (KIND == BF16) {
+    for (int i = 0; i < 4; ++i) {
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * i));
+      w[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
   } else {
+    const __m256 d = _mm256_set1_ps(fp16_at(src));
     for (int i = 0; i < 4; ++i) {
       const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 2 + 8 * i));
       w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
@@ -216,20 +222,13 @@ void dequant_row_as(const uint8_t* src, float* dst, int64_t K) {
   }
 }
 
-void bf16_row(const uint8_t* src, float* dst, int64_t K) {
-  for (int64_t k = 0; k < K; k += 8) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 2 * k));
-    _mm256_storeu_ps(dst + k, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-  }
-}
-
 void dequant_row(int64_t kind, const uint8_t* src, float* dst, int64_t K) {
   if (kind == Q4_1)
     dequant_row_as<Q4_1>(src, dst, K);
   else if (kind == Q8_0)
     dequant_row_as<Q8_0>(src, dst, K);
   else
-    bf16_row(src, dst, K);
+    dequant_row_as<BF16>(src, dst, K);
 }
 
 // R <= FUSED_M input rows (decode, verifies of up to 8 rows) x J packed weight rows, dequantized in
@@ -310,11 +309,18 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& blocks, int64_t 
   const float* xp = xc.data_ptr<float>();
   const uint8_t* bp = bc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  // dequantizing in registers beats the buffer while the FMAs are few (Q4_1: 1.3-1.4x for 1-2 rows,
-  // 1.05-1.2x for 4, 1.2x for 5-8: session 13, scripts/kernel-ab.py --packed); not for Q8_0, whose
-  // 34-byte blocks stream better one row at a time (0.7x)
-  if (M <= FUSED_M && kind == Q4_1) {
-    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) { packed_rows_any<Q4_1>(M, xp, bp, row_bytes, yp, N, K, n0, n1); });
+  // dequantizing in registers beats the buffer while the FMAs are few: Q4_1 1.3-1.4x for 1-2 rows,
+  // 1.05-1.2x for 4, 1.2x for 5-8 (session 13); Q8_0 (the lm_head) 1.23-1.65x and bf16 halves (a
+  // drafter) 1.4-3x for 1-8 rows (session 15, same-run A/B, same outputs)
+  if (M <= FUSED_M) {
+    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+      if (kind == Q4_1)
+        packed_rows_any<Q4_1>(M, xp, bp, row_bytes, yp, N, K, n0, n1);
+      else if (kind == Q8_0)
+        packed_rows_any<Q8_0>(M, xp, bp, row_bytes, yp, N, K, n0, n1);
+      else
+        packed_rows_any<BF16>(M, xp, bp, row_bytes, yp, N, K, n0, n1);
+    });
     return y;
   }
   const int64_t block = block_rows(M), n_blocks = (N + block - 1) / block;
