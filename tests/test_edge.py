@@ -279,3 +279,39 @@ def test_link_delay_runs_from_each_chunks_arrival():
     echo.close()
     assert got == b"headbody"
     assert 0.4 <= elapsed < 0.55, elapsed
+
+
+def test_link_delivers_every_byte_and_shuts_down_quietly(caplog):
+    """What the far side wrote before closing all arrives (the relay half-closes after the last byte,
+    it does not abort with bytes still buffered), and closing the link with a connection still open
+    logs no error (a cancelled relay task used to surface as 'Exception in callback')."""
+    import logging
+    import socket
+    import threading
+
+    payload = bytes(range(256)) * 8192  # 2 MiB
+    upstream = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        for i in range(2):
+            conn, _ = upstream.accept()
+            if i == 0:
+                with conn:
+                    conn.sendall(payload)
+            else:
+                threading.Event().wait(5)  # keeps the second connection open
+                conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    caplog.set_level(logging.ERROR, logger="asyncio")
+    with LinkProxy("127.0.0.1", upstream.getsockname()[1], PROFILES["lan"]) as link:
+        with socket.create_connection(("127.0.0.1", link.port)) as c:
+            got = bytearray()
+            while chunk := c.recv(1 << 16):
+                got += chunk
+        idle = socket.create_connection(("127.0.0.1", link.port))
+        time.sleep(0.2)  # the relay is connected upstream and waiting
+    idle.close()
+    upstream.close()
+    assert bytes(got) == payload
+    assert not [r for r in caplog.records if r.name == "asyncio"], [r.getMessage() for r in caplog.records]

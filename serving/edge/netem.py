@@ -147,6 +147,8 @@ class LinkProxy:
             self._conns.update((cwriter, uwriter))
             try:
                 await asyncio.gather(pipe(creader, uwriter), pipe(ureader, cwriter))
+            except asyncio.CancelledError:
+                pass  # shutdown: ending quietly (re-raised, asyncio's server callback logs it as an error)
             finally:
                 self._conns.difference_update((cwriter, uwriter))
                 for w in (cwriter, uwriter):
