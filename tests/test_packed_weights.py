@@ -39,11 +39,15 @@ def test_dequantize_matches_gguf_exactly(kind):
     assert torch.equal(got, gguf_dequant(kind, blocks))
 
 
+@pytest.mark.parametrize("simd", ["best", "avx2"])
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 33, 64, 128])
-def test_linear_packed_equals_linear_small_on_the_dequantized_weights(kind, m):
-    """Bit for bit, whatever the rows: the packed path changes the bytes read, not the sums."""
-    n, k = 50, 576  # n not a multiple of the 24 / 4 row blocks
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 15, 16, 17, 33, 64, 128])
+def test_linear_packed_equals_linear_small_on_the_dequantized_weights(kind, m, simd, monkeypatch):
+    """Bit for bit, whatever the rows: the packed path changes the bytes read, not the sums. "best"
+    runs the AVX-512 tiles where the CPU has them (3-16 rows), "avx2" the AVX2 ones everywhere."""
+    if simd == "avx2":
+        monkeypatch.setenv("MOA_SERVE_AVX512", "0")
+    n, k = 51, 576  # n odd (a last single row), not a multiple of the 24 / 4 row blocks
     blocks = random_blocks(kind, n, k, seed=m)
     w = gguf_dequant(kind, blocks)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
@@ -123,13 +127,13 @@ def test_writer_keeps_only_tensors_whose_blocks_match_exactly(tmp_path):
 
 
 # --- bf16 halves: a drafter checkpoint saved in bf16 and run in fp32 -------------------------------
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 16, 17, 64])
 def test_bf16_halves_give_the_fp32_sums(m):
     """A weight whose values are bf16 values: reading its bf16 halves gives linear_small's sums, bit for bit."""
     g = torch.Generator().manual_seed(m)
-    w = torch.randn(50, 576, generator=g).bfloat16().float()
+    w = torch.randn(51, 576, generator=g).bfloat16().float()  # an odd row count: pairs of rows, then one
     x = torch.randn(m, 576, generator=g)
-    halves = w.bfloat16().view(torch.uint8).reshape(50, -1)
+    halves = w.bfloat16().view(torch.uint8).reshape(51, -1)
     got = torch.ops.moa_cpu.linear_packed(x, halves, kernels.PACKED_KIND_IDS["BF16"])
     assert torch.equal(got, torch.ops.moa_cpu.linear_small(x, w))
     assert torch.equal(torch.ops.moa_cpu.dequantize_packed(halves, kernels.PACKED_KIND_IDS["BF16"], 576), w)

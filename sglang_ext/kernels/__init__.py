@@ -17,7 +17,9 @@ session-6 blocking in groups of 3 rows: 26 / 31 / 34 / 56 ms); MKL 1.45-2.2x slo
 GGUF blocks instead (`linear_packed`, `--packed`): a whole forward + lm_head 1.39-1.51x faster for
 1-4 rows, 1.06-1.24x for 6-64 (two runs, docs/BENCHMARKS.md, session 9); with the in-register
 dequantization extended to 8 rows, 5-8 rows another 1.2x (a 2-core Xeon, session 13); with the Q8_0
-lm_head and bf16 drafter weights in registers too, a forward + lm_head 1.03-1.14x for 1-16 rows (session 15).
+lm_head and bf16 drafter weights in registers too, a forward + lm_head 1.03-1.14x for 1-16 rows (session 15);
+on CPUs with AVX-512, 3-16 rows run the same tiles two weight rows per register (same sums, half the
+FMAs): 6-16 rows another 1.12-1.21x (session 15; MOA_SERVE_AVX512=0 keeps the AVX2 tiles).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@
 
 #include <immintrin.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -231,12 +232,13 @@ void dequant_row(int64_t kind, const uint8_t* src, float* dst, int64_t K) {
     dequant_row_as<BF16>(src, dst, K);
 }
 
-// R <= FUSED_M input rows (decode, verifies of up to 8 rows) x J packed weight rows, dequantized in
+// R <= FUSED_GROUP input rows (decode, verifies, a pass of a larger one) x J packed weight rows, dequantized in
 // registers (no buffer): each output is the same sequence of FMAs over k as in tile(), so the same
 // sums. R*J accumulators + 4 weight vectors fit the 16 registers up to R = 6 with J = 2.
 // NOTE: always_inline: with the R = 5..8 instances GCC stopped inlining these into the 1-row path
 // (its unit growth limit) and a decode step got 20 % slower.
-constexpr int64_t FUSED_M = 8;
+constexpr int64_t FUSED_GROUP = 8;  // input rows per pass
+constexpr int64_t FUSED_M = 16;     // in registers up to this many input rows, in passes of <= FUSED_GROUP
 
 template <int KIND, int R, int J>
 __attribute__((always_inline)) inline void packed_tile(const float* x, const uint8_t* b, int64_t row_bytes, float* y, int64_t N, int64_t K) {
@@ -267,7 +269,118 @@ void packed_rows(const float* x, const uint8_t* b, int64_t row_bytes, float* y, 
 }
 
 template <int KIND>
-void packed_rows_any(int64_t R, const float* x, const uint8_t* b, int64_t row_bytes, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+void packed_rows_any(int64_t R, const float* x, const uint8_t* b, int64_t row_bytes, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1, bool wide);
+
+// --- the same tiles on AVX-512, two weight rows per register ------------------------------------
+// A 16-lane register holds the 8-lane accumulators of two weight rows side by side (lanes 0-7 row a,
+// 8-15 row b), and the input vector is the same 8 floats in both halves. Every lane sees exactly the
+// FMAs it sees in packed_tile, in the same order, and each half is reduced by the same hsum: the
+// results are bit-identical to the AVX2 tiles, with half the FMA and dequantization instructions
+// (a verify row costs what its FMAs cost). Used when the CPU has AVX-512 F/DQ/BW/VL.
+#define MOA_AVX512 __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl")))
+
+MOA_AVX512 inline __m512 pair_of(float a, float b) { return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1); }
+
+// One block of 32 weights of rows a and b as four 16-lane vectors: w[i] = weights 8i .. 8i + 7 of a | of b.
+template <int KIND>
+MOA_AVX512 __attribute__((always_inline)) inline void dequant_block_pair(const uint8_t* a, const uint8_t* b, __m512 w[4]) {
+  if constexpr (KIND == Q4_1) {
+    const __m512 d = pair_of(fp16_at(a), fp16_at(b)), m = pair_of(fp16_at(a + 2), fp16_at(b + 2));
+    const __m512i low = _mm512_set1_epi32(0x0F);
+    for (int half = 0; half < 2; ++half) {
+      const __m128i qa = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a + 4 + 8 * half));
+      const __m128i qb = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 4 + 8 * half));
+      const __m512i q = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(qa, qb));
+      w[half] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(q, low)), m);
+      w[2 + half] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), m);
+    }
+  } else if constexpr (KIND == BF16) {
+    for (int i = 0; i < 4; ++i) {
+      const __m128i ha = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 16 * i));
+      const __m128i hb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 16 * i));
+      const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(ha), hb, 1);
+      w[i] = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+  } else {
+    const __m512 d = pair_of(fp16_at(a), fp16_at(b));
+    for (int i = 0; i < 4; ++i) {
+      const __m128i qa = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(a + 2 + 8 * i));
+      const __m128i qb = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i));
+      w[i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi64(qa, qb))));
+    }
+  }
+}
+
+// R input rows x 2*JP weight rows (JP pairs): outputs y[r * N + 2 * jp] (low half) and + 1 (high half).
+template <int KIND, int R, int JP>
+MOA_AVX512 __attribute__((always_inline)) inline void packed_tile_pairs(const float* x, const uint8_t* b, int64_t row_bytes, float* y, int64_t N, int64_t K) {
+  __m512 acc[R][JP];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < JP; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 32) {
+    const uint8_t* src = b + k / 32 * packed_block_bytes(KIND);
+#pragma GCC unroll 8
+    for (int j = 0; j < JP; ++j) {
+      __m512 w[4];
+      dequant_block_pair<KIND>(src + 2 * j * row_bytes, src + (2 * j + 1) * row_bytes, w);
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i)
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r)
+          acc[r][j] = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(x + r * K + k + 8 * i)), w[i], acc[r][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int j = 0; j < JP; ++j) {
+      y[r * N + 2 * j] = hsum(_mm512_castps512_ps256(acc[r][j]));
+      y[r * N + 2 * j + 1] = hsum(_mm512_extractf32x8_ps(acc[r][j], 1));
+    }
+}
+
+template <int KIND, int R>
+MOA_AVX512 void packed_rows_pairs(const float* x, const uint8_t* b, int64_t row_bytes, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  constexpr int JP = R <= 2 ? 4 : 2;
+  int64_t n = n0;
+  for (; n + 2 * JP <= n1; n += 2 * JP) packed_tile_pairs<KIND, R, JP>(x, b + n * row_bytes, row_bytes, y + n, N, K);
+  for (; n + 2 <= n1; n += 2) packed_tile_pairs<KIND, R, 1>(x, b + n * row_bytes, row_bytes, y + n, N, K);
+  if (n < n1) packed_rows_any<KIND>(R, x, b, row_bytes, y, N, K, n, n1, false);  // an odd last row: the AVX2 tile, the same sums
+}
+
+// For 1-2 rows the dequantization dominates, and on 16 lanes it only shares two ports (Intel runs
+// 512-bit ops on ports 0 and 5, 256-bit ones on 0, 1 and 5): 0.87-0.95x for 1 row, ~1.0x for 2;
+// from 3 rows the halved FMAs win (1.1-1.3x for 3-8 rows; session 15, scripts/kernel-ab.py).
+constexpr int64_t WIDE_FROM_ROWS = 3;
+
+inline bool has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl");
+  return yes;
+}
+
+// MOA_SERVE_AVX512=0 keeps the AVX2 tiles (same results; to measure what AVX-512 buys, and to test them)
+inline bool use_avx512() {
+  const char* env = std::getenv("MOA_SERVE_AVX512");
+  return has_avx512() && !(env && env[0] == '0');
+}
+
+template <int KIND>
+void packed_rows_any(int64_t R, const float* x, const uint8_t* b, int64_t row_bytes, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1, bool wide) {
+  if (wide) {
+    switch (R) {
+      case 1: return packed_rows_pairs<KIND, 1>(x, b, row_bytes, y, N, K, n0, n1);
+      case 2: return packed_rows_pairs<KIND, 2>(x, b, row_bytes, y, N, K, n0, n1);
+      case 3: return packed_rows_pairs<KIND, 3>(x, b, row_bytes, y, N, K, n0, n1);
+      case 4: return packed_rows_pairs<KIND, 4>(x, b, row_bytes, y, N, K, n0, n1);
+      case 5: return packed_rows_pairs<KIND, 5>(x, b, row_bytes, y, N, K, n0, n1);
+      case 6: return packed_rows_pairs<KIND, 6>(x, b, row_bytes, y, N, K, n0, n1);
+      case 7: return packed_rows_pairs<KIND, 7>(x, b, row_bytes, y, N, K, n0, n1);
+      default: return packed_rows_pairs<KIND, 8>(x, b, row_bytes, y, N, K, n0, n1);
+    }
+  }
   switch (R) {
     case 1: return packed_rows<KIND, 1>(x, b, row_bytes, y, N, K, n0, n1);
     case 2: return packed_rows<KIND, 2>(x, b, row_bytes, y, N, K, n0, n1);
@@ -311,15 +424,27 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& blocks, int64_t 
   float* yp = y.data_ptr<float>();
   // dequantizing in registers beats the buffer while the FMAs are few: Q4_1 1.3-1.4x for 1-2 rows,
   // 1.05-1.2x for 4, 1.2x for 5-8 (session 13); Q8_0 (the lm_head) 1.23-1.65x and bf16 halves (a
-  // drafter) 1.4-3x for 1-8 rows (session 15, same-run A/B, same outputs)
+  // drafter) 1.4-3x for 1-8 rows; 9-16 rows in two passes 1.0-1.1x on AVX2, 1.15-1.2x on AVX-512
+  // (session 15, same-run A/B, same outputs)
   if (M <= FUSED_M) {
+    // groups of at most 8 input rows (12 = 6 + 6), each a pass over the same weight rows: their x
+    // stays in L1, the weight rows in L2
+    const bool avx512 = use_avx512();
+    const int64_t groups = (M + FUSED_GROUP - 1) / FUSED_GROUP;
     at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-      if (kind == Q4_1)
-        packed_rows_any<Q4_1>(M, xp, bp, row_bytes, yp, N, K, n0, n1);
-      else if (kind == Q8_0)
-        packed_rows_any<Q8_0>(M, xp, bp, row_bytes, yp, N, K, n0, n1);
-      else
-        packed_rows_any<BF16>(M, xp, bp, row_bytes, yp, N, K, n0, n1);
+      for (int64_t g = 0, m = 0; g < groups; ++g) {
+        const int64_t r = (M - m) / (groups - g);
+        const bool wide = avx512 && r >= WIDE_FROM_ROWS;
+        const float* xg = xp + m * K;
+        float* yg = yp + m * N;
+        if (kind == Q4_1)
+          packed_rows_any<Q4_1>(r, xg, bp, row_bytes, yg, N, K, n0, n1, wide);
+        else if (kind == Q8_0)
+          packed_rows_any<Q8_0>(r, xg, bp, row_bytes, yg, N, K, n0, n1, wide);
+        else
+          packed_rows_any<BF16>(r, xg, bp, row_bytes, yg, N, K, n0, n1, wide);
+        m += r;
+      }
     });
     return y;
   }
