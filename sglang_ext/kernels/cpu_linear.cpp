@@ -106,17 +106,23 @@ void group(bool wide, const float* x, const float* w, float* y, int64_t N, int64
   for (; j < rows; ++j) tile<R, 1>(x, w + j * K, y + j, N, K, nullptr);
 }
 
-void group_any(int64_t R, bool wide, const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t rows, const float* next) {
+// The tiles are compiled per input-row count: calls f.template operator()<R>() for R = 1..8.
+template <class F>
+void with_rows(int64_t R, F&& f) {
   switch (R) {
-    case 1: return group<1>(wide, x, w, y, N, K, rows, next);
-    case 2: return group<2>(wide, x, w, y, N, K, rows, next);
-    case 3: return group<3>(wide, x, w, y, N, K, rows, next);
-    case 4: return group<4>(wide, x, w, y, N, K, rows, next);
-    case 5: return group<5>(wide, x, w, y, N, K, rows, next);
-    case 6: return group<6>(wide, x, w, y, N, K, rows, next);
-    case 7: return group<7>(wide, x, w, y, N, K, rows, next);
-    default: return group<8>(wide, x, w, y, N, K, rows, next);
+    case 1: return f.template operator()<1>();
+    case 2: return f.template operator()<2>();
+    case 3: return f.template operator()<3>();
+    case 4: return f.template operator()<4>();
+    case 5: return f.template operator()<5>();
+    case 6: return f.template operator()<6>();
+    case 7: return f.template operator()<7>();
+    default: return f.template operator()<8>();
   }
+}
+
+void group_any(int64_t R, bool wide, const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t rows, const float* next) {
+  with_rows(R, [&]<int RR>() { group<RR>(wide, x, w, y, N, K, rows, next); });
 }
 
 inline int64_t block_rows(int64_t M) { return M <= WIDE_M ? 24 : 4; }
@@ -268,9 +274,6 @@ void packed_rows(const float* x, const uint8_t* b, int64_t row_bytes, float* y, 
   for (; n < n1; ++n) packed_tile<KIND, R, 1>(x, b + n * row_bytes, row_bytes, y + n, N, K);
 }
 
-template <int KIND>
-void packed_rows_any(int64_t R, const float* x, const uint8_t* b, int64_t row_bytes, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1, bool wide);
-
 // --- the same tiles on AVX-512, two weight rows per register ------------------------------------
 // A 16-lane register holds the 8-lane accumulators of two weight rows side by side (lanes 0-7 row a,
 // 8-15 row b), and the input vector is the same 8 floats in both halves. Every lane sees exactly the
@@ -347,7 +350,7 @@ MOA_AVX512 void packed_rows_pairs(const float* x, const uint8_t* b, int64_t row_
   int64_t n = n0;
   for (; n + 2 * JP <= n1; n += 2 * JP) packed_tile_pairs<KIND, R, JP>(x, b + n * row_bytes, row_bytes, y + n, N, K);
   for (; n + 2 <= n1; n += 2) packed_tile_pairs<KIND, R, 1>(x, b + n * row_bytes, row_bytes, y + n, N, K);
-  if (n < n1) packed_rows_any<KIND>(R, x, b, row_bytes, y, N, K, n, n1, false);  // an odd last row: the AVX2 tile, the same sums
+  if (n < n1) packed_rows<KIND, R>(x, b, row_bytes, y, N, K, n, n1);  // an odd last row: the AVX2 tile, the same sums
 }
 
 // For 1-2 rows the dequantization dominates, and on 16 lanes it only shares two ports (Intel runs
@@ -369,28 +372,12 @@ inline bool use_avx512() {
 
 template <int KIND>
 void packed_rows_any(int64_t R, const float* x, const uint8_t* b, int64_t row_bytes, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1, bool wide) {
-  if (wide) {
-    switch (R) {
-      case 1: return packed_rows_pairs<KIND, 1>(x, b, row_bytes, y, N, K, n0, n1);
-      case 2: return packed_rows_pairs<KIND, 2>(x, b, row_bytes, y, N, K, n0, n1);
-      case 3: return packed_rows_pairs<KIND, 3>(x, b, row_bytes, y, N, K, n0, n1);
-      case 4: return packed_rows_pairs<KIND, 4>(x, b, row_bytes, y, N, K, n0, n1);
-      case 5: return packed_rows_pairs<KIND, 5>(x, b, row_bytes, y, N, K, n0, n1);
-      case 6: return packed_rows_pairs<KIND, 6>(x, b, row_bytes, y, N, K, n0, n1);
-      case 7: return packed_rows_pairs<KIND, 7>(x, b, row_bytes, y, N, K, n0, n1);
-      default: return packed_rows_pairs<KIND, 8>(x, b, row_bytes, y, N, K, n0, n1);
-    }
-  }
-  switch (R) {
-    case 1: return packed_rows<KIND, 1>(x, b, row_bytes, y, N, K, n0, n1);
-    case 2: return packed_rows<KIND, 2>(x, b, row_bytes, y, N, K, n0, n1);
-    case 3: return packed_rows<KIND, 3>(x, b, row_bytes, y, N, K, n0, n1);
-    case 4: return packed_rows<KIND, 4>(x, b, row_bytes, y, N, K, n0, n1);
-    case 5: return packed_rows<KIND, 5>(x, b, row_bytes, y, N, K, n0, n1);
-    case 6: return packed_rows<KIND, 6>(x, b, row_bytes, y, N, K, n0, n1);
-    case 7: return packed_rows<KIND, 7>(x, b, row_bytes, y, N, K, n0, n1);
-    default: return packed_rows<KIND, 8>(x, b, row_bytes, y, N, K, n0, n1);
-  }
+  with_rows(R, [&]<int RR>() {
+    if (wide)
+      packed_rows_pairs<KIND, RR>(x, b, row_bytes, y, N, K, n0, n1);
+    else
+      packed_rows<KIND, RR>(x, b, row_bytes, y, N, K, n0, n1);
+  });
 }
 
 at::Tensor dequantize_packed(const at::Tensor& blocks, int64_t kind, int64_t K) {
