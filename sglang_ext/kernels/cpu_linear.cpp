@@ -172,7 +172,7 @@ at::Tensor linear_small(const at::Tensor& x, const at::Tensor& w) {
 // The default target ships as GGUF with Q4_1 linear weights and a Q8_0 embedding / lm_head. Read as
 // fp32, a decode step streams 540 MB of weights; the blocks are 96 MB. linear_packed keeps the blocks
 // and dequantizes each block of weight rows into a small buffer just before the tiles above consume
-// it (for <= 8 input rows: in registers, packed_tile), so every output is the same sequence of
+// it (for <= 16 input rows: in registers, packed_tile or, on AVX-512, packed_tile_pairs), so every output is the same sequence of
 // FMAs as in linear_small on the dequantized fp32 weights, hence bit-identical to it:
 //   Q4_1 (20 bytes per 32 weights): fp16 d, fp16 m, 16 bytes; weight i = d * (byte[i % 16] >> 4*(i >= 16) & 15) + m
 //   Q8_0 (34 bytes per 32 weights): fp16 d, 32 int8;       weight i = d * q[i]
