@@ -64,6 +64,10 @@ tree_attention = torch.ops.moa_cpu.tree_attention if AVAILABLE else None
 # GGUF block weights (Q4_1 / Q8_0, see cpu_linear.cpp); MOA_SERVE_PACKED_WEIGHTS=0 uses the fp32 copy
 linear_packed = getattr(torch.ops.moa_cpu, "linear_packed", None) if AVAILABLE else None  # None: a build older than the op
 PACKED = linear_packed is not None and os.environ.get("MOA_SERVE_PACKED_WEIGHTS", "1") != "0"
+# AVX-512 tiles for 3-16-row packed matmuls where the CPU has them (same sums as the AVX2 tiles);
+# MOA_SERVE_AVX512=0 keeps the AVX2 tiles. True when in use.
+_set_avx512 = getattr(torch.ops.moa_cpu, "set_avx512", None) if AVAILABLE else None
+AVX512 = bool(_set_avx512(os.environ.get("MOA_SERVE_AVX512", "1") != "0")) if _set_avx512 is not None else False
 # the layer glue ops (cpu_layer_ops.cpp: RMSNorm, add + RMSNorm, RoPE + K/V store, SiLU * up);
 # MOA_SERVE_LAYER_OPS=0 runs the torch ops instead (to measure what they buy); uses_layer_ops reads
 # rope_store, so setting it to None turns all four off (tests and scripts/kernel-ab.py do)

@@ -26,7 +26,7 @@
 
 #include <immintrin.h>
 
-#include <cstdlib>
+#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -229,13 +229,19 @@ void dequant_row_as(const uint8_t* src, float* dst, int64_t K) {
   }
 }
 
-void dequant_row(int64_t kind, const uint8_t* src, float* dst, int64_t K) {
+// Calls f.template operator()<KIND>() for a runtime kind (checked by valid_kind).
+template <class F>
+void with_kind(int64_t kind, F&& f) {
   if (kind == Q4_1)
-    dequant_row_as<Q4_1>(src, dst, K);
+    f.template operator()<Q4_1>();
   else if (kind == Q8_0)
-    dequant_row_as<Q8_0>(src, dst, K);
+    f.template operator()<Q8_0>();
   else
-    dequant_row_as<BF16>(src, dst, K);
+    f.template operator()<BF16>();
+}
+
+void dequant_row(int64_t kind, const uint8_t* src, float* dst, int64_t K) {
+  with_kind(kind, [&]<int KIND>() { dequant_row_as<KIND>(src, dst, K); });
 }
 
 // R <= FUSED_GROUP input rows (decode, verifies, a pass of a larger one) x J packed weight rows, dequantized in
@@ -364,11 +370,16 @@ inline bool has_avx512() {
   return yes;
 }
 
-// MOA_SERVE_AVX512=0 keeps the AVX2 tiles (same results; to measure what AVX-512 buys, and to test them)
-inline bool use_avx512() {
-  const char* env = std::getenv("MOA_SERVE_AVX512");
-  return has_avx512() && !(env && env[0] == '0');
+// Whether 3-16-row matmuls may use the AVX-512 tiles; set once at import (MOA_SERVE_AVX512=0 keeps the
+// AVX2 tiles: the same results, to measure what AVX-512 buys and to test both). Returns whether they are used.
+std::atomic<bool> avx512_allowed{true};
+
+bool set_avx512(bool on) {
+  avx512_allowed.store(on, std::memory_order_relaxed);
+  return on && has_avx512();
 }
+
+inline bool use_avx512() { return avx512_allowed.load(std::memory_order_relaxed) && has_avx512(); }
 
 template <int KIND>
 void packed_rows_any(int64_t R, const float* x, const uint8_t* b, int64_t row_bytes, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1, bool wide) {
@@ -424,12 +435,7 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& blocks, int64_t 
         const bool wide = avx512 && r >= WIDE_FROM_ROWS;
         const float* xg = xp + m * K;
         float* yg = yp + m * N;
-        if (kind == Q4_1)
-          packed_rows_any<Q4_1>(r, xg, bp, row_bytes, yg, N, K, n0, n1, wide);
-        else if (kind == Q8_0)
-          packed_rows_any<Q8_0>(r, xg, bp, row_bytes, yg, N, K, n0, n1, wide);
-        else
-          packed_rows_any<BF16>(r, xg, bp, row_bytes, yg, N, K, n0, n1, wide);
+        with_kind(kind, [&]<int KIND>() { packed_rows_any<KIND>(r, xg, bp, row_bytes, yg, N, K, n0, n1, wide); });
         m += r;
       }
     });
@@ -453,6 +459,7 @@ TORCH_LIBRARY(moa_cpu, m) {
   m.def("linear_small(Tensor x, Tensor w) -> Tensor");
   m.def("linear_packed(Tensor x, Tensor blocks, int kind) -> Tensor");
   m.def("dequantize_packed(Tensor blocks, int kind, int K) -> Tensor");
+  m.def("set_avx512(bool on) -> bool", &set_avx512);  // no tensor arguments: a catch-all kernel
 }
 TORCH_LIBRARY_IMPL(moa_cpu, CPU, m) {
   m.impl("linear_small", &linear_small);
