@@ -288,3 +288,28 @@ def test_sampling_runs_and_drafts_stay_in_vocab(shape):
     reqs = eng.generate([[1, 2, 3, 4], [5, 6, 7]], SamplingParams(max_new_tokens=16, temperature=1.0, seed=0, ignore_eos=True))
     assert not falls and all(len(r.output_ids) == 16 for r in reqs)
     assert all(r.stats.draft_tokens > 0 for r in reqs)
+
+
+def test_draft_norm_uses_the_kernel_when_drafting_and_torch_when_training():
+    """Drafting (fp32, no autograd) runs the draft layers' RMSNorm as one kernel call: the same
+    formula as the torch ops (only the mean's summation order differs); training keeps the torch
+    ops, which autograd needs."""
+    from sglang_ext import kernels
+    from sglang_ext.models.eagle3 import RMSNorm, _uses_norm_kernel
+
+    torch.manual_seed(0)
+    norm = RMSNorm(64, 1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 3, 64)
+    ref = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)) * norm.weight.detach()
+    with torch.inference_mode():
+        assert _uses_norm_kernel(x, norm.weight) == (kernels.rms_norm is not None)
+        fast = norm(x)
+    assert fast.shape == x.shape
+    torch.testing.assert_close(fast, ref, rtol=1e-6, atol=1e-6)
+    xg = x.clone().requires_grad_()
+    assert not _uses_norm_kernel(xg, norm.weight)
+    y = norm(xg)
+    y.sum().backward()
+    assert torch.equal(y.detach(), ref) and xg.grad is not None and norm.weight.grad is not None

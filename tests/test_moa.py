@@ -326,3 +326,15 @@ def test_greedy_identity_smollm2(smollm2_fp32, eval_prompts, name, bs):
     verdicts = [compare_to_reference(smollm2_fp32.model, p, r, q.output_ids) for p, r, q in zip(prompts, ref, reqs)]
     print(f"{name} bs{bs}: {verdicts.count('same')} same, {verdicts.count('tie')} ties; tau {sum(q.stats.accept_length for q in reqs) / len(reqs):.2f}")
     assert "bug" not in verdicts, verdicts
+
+
+def test_lsa_layer_rope_is_made_once_and_matches_a_fresh_one():
+    from sglang_ext.models.moa import _rope
+
+    _, d = tiny_pair()
+    a = d._lsa_rope(5, torch.float32, torch.device("cpu"))
+    assert d._lsa_rope(5, torch.float32, torch.device("cpu")) is a  # cached, not recomputed per token
+    fresh = _rope(d.lsa_inv_freq, torch.arange(5), torch.float32)
+    assert torch.equal(a[0], fresh[0]) and torch.equal(a[1], fresh[1])
+    b = d._lsa_rope(7, torch.float32, torch.device("cpu"))
+    assert b[0].shape[0] == 7  # another layer count: its own entry

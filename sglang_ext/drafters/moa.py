@@ -270,10 +270,11 @@ class MoADrafter:
         """One draft pass over n nodes -> final hidden [n, H] (after the target's norm)."""
         d, tgt = self.draft, self.target
         x = tgt.embed[ids]
-        q, k, v = d.sa_qkv(x, positions)
+        rope = d.rope(positions, x.dtype)
+        q, k, v = d.sa_qkv(x, positions, rope)
         self.sa.write(0, sa_new, k, v)
         x = d.sa_finish(tree_attention_cpu(q, self.sa.k[0], self.sa.v[0], sa_plan, d.scale), x)
-        q = d.ca_q(x, positions)
+        q = d.ca_q(x, positions, rope)
         x = d.ca_finish(tree_attention_cpu(q, self.mem.k[0], self.mem.v[0], ca_plan, d.scale), x)
         if self.tli_layers:
             rope = tgt.rope(positions)

@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from .. import kernels
 from ..kernels import Linear
 from .llama import apply_rope, rope_inv_freq
 from .loader import LlamaConfig
@@ -153,8 +154,25 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _uses_norm_kernel(x, self.weight):
+            # NOTE: drafting (fp32, no autograd): one call instead of six torch ops; a draft step of
+            # a few rows is mostly per-op overhead (the same formula; the mean's sum order differs)
+            return kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight.to(x.dtype)
+
+
+def _uses_norm_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return (
+        kernels.rms_norm is not None
+        and x.dtype == w.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.numel() > 0
+        and x.shape[-1] % 8 == 0
+        and x.is_contiguous()
+        and w.is_contiguous()
+        and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+    )
 
 
 class _Attn(nn.Module):

@@ -198,18 +198,29 @@ class MoAPieces:
         """[N, L, W] stacked target K|V -> memory [N, H]."""
         lay = self.layer_self_attention
         x = layer_kv.to(self.Ekv2E.weight.dtype)
-        L = x.shape[-2]
         q, k, v = lay.qkv(x)
-        cos, sin = _rope(self.lsa_inv_freq, torch.arange(L, device=x.device), q.dtype)
+        cos, sin = self._lsa_rope(x.shape[-2], q.dtype, x.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=lay.heads != lay.kv_heads)
         x = lay.finish(a.transpose(1, 2), x)
         return self._ekv2e(x.mean(dim=1))
 
+    def _lsa_rope(self, num_layers: int, dtype: torch.dtype, device: torch.device):
+        """cos/sin of the layer positions 0..L-1: the same for every token, so made once."""
+        key = (num_layers, dtype, device)
+        cache = self.__dict__.setdefault("_lsa_rope_cache", {})
+        if key not in cache:
+            cache[key] = _rope(self.lsa_inv_freq, torch.arange(num_layers, device=device), dtype)
+        return cache[key]
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos/sin of token positions, for sa_qkv / ca_q (a draft pass makes them once for both)."""
+        return _rope(self.inv_freq, positions, dtype)
+
     # --- SA -------------------------------------------------------------------------------------
-    def sa_qkv(self, embeds: torch.Tensor, positions: torch.Tensor):
+    def sa_qkv(self, embeds: torch.Tensor, positions: torch.Tensor, rope=None):
         q, k, v = self.self_attention.qkv(embeds)
-        cos, sin = _rope(self.inv_freq, positions, q.dtype)
+        cos, sin = rope or _rope(self.inv_freq, positions, q.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def sa_finish(self, attn_out: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
@@ -223,9 +234,9 @@ class MoAPieces:
         cos, sin = _rope(self.inv_freq, positions, k.dtype)
         return apply_rope(k, cos, sin), v
 
-    def ca_q(self, x1: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def ca_q(self, x1: torch.Tensor, positions: torch.Tensor, rope=None) -> torch.Tensor:
         q = self.cross_attention.q(x1)
-        cos, sin = _rope(self.inv_freq, positions, q.dtype)
+        cos, sin = rope or _rope(self.inv_freq, positions, q.dtype)
         return apply_rope(q, cos, sin)
 
     def ca_finish(self, attn_out: torch.Tensor, x1: torch.Tensor) -> torch.Tensor:
