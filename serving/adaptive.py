@@ -152,7 +152,7 @@ def shape_menu(shape: TreeShape) -> list[TreeShape | None]:
     small_k = max(1, shape.topk // 2)
     small_d = max(1, shape.depth // 2)
     most = small_d + 1 if small_k == 1 else 1 + small_k + (small_d - 1) * small_k**2
-    small = TreeShape(small_d, small_k, max(2, min(most, shape.num_draft_tokens // 2)))
+    small = TreeShape(small_d, small_k, max(2, min(most, shape.num_draft_tokens // 2)), shape.min_prob)
     menu: list[TreeShape | None] = [None, shape]
     if small != shape:
         menu.append(small)

@@ -344,7 +344,7 @@ def cmd_bench(args) -> int:
         for spec in methods:
             m, _, tree_text = spec.partition(":")  # "ngram:4,2,8" = drafter with an explicit tree
             tree = TreeShape.parse(tree_text or args.tree) if (tree_text or args.tree) else default_tree(m)
-            add(m, f"{tree.depth},{tree.topk},{tree.num_draft_tokens}", lambda m=m, tree=tree: engine_runner(target, m, tree, sp))
+            add(m, tree.label, lambda m=m, tree=tree: engine_runner(target, m, tree, sp))
 
         def hf():
             return peer_lib.load_hf_model(target, parse_dtype(args.dtype), hf_cache)
@@ -394,7 +394,7 @@ def cmd_bench(args) -> int:
         for spec in methods:
             m, _, tree_text = spec.partition(":")
             tree = TreeShape.parse(tree_text) if tree_text else tree_for(m)
-            entries.append((m, f"{tree.depth},{tree.topk},{tree.num_draft_tokens}", args.adaptive, lambda m=m, tree=tree: engine_batch_runner(target, m, tree, args.max_new_tokens, args.adaptive, cache, sp)))
+            entries.append((m, tree.label, args.adaptive, lambda m=m, tree=tree: engine_batch_runner(target, m, tree, args.max_new_tokens, args.adaptive, cache, sp)))
         sweep = run_batch_sweep(entries, mixed, sizes, repeats=args.repeats, warmup_tokens=4 if args.quick else 16, log=lambda s: print(s, file=sys.stderr),
                                 min_prompts=1 if args.quick else args.sweep_min_prompts)
     if args.gateway_overhead:

@@ -479,7 +479,7 @@ def measure_gateway_overhead(target, method: str, tree, adaptive: bool, messages
     from .gateway.app import create_app
     from .gateway.server import ServerThread, embedded_backend
 
-    res = OverheadResult(method, f"{tree.depth},{tree.topk},{tree.num_draft_tokens}" if method != "vanilla" else "-", False, requests, max_tokens)
+    res = OverheadResult(method, tree.label if method != "vanilla" else "-", False, requests, max_tokens)
     try:
         name = "none" if method == "vanilla" else method
         direct = Engine(target, bench_drafter(method, target), tree)

@@ -64,7 +64,9 @@ def default_tree(drafter: str | None):
     # 2,2,4, 0.70x for 3,2,6 and 0.44x for 3,4,16 (session 13, results/s13-trees). Over a network
     # too, although each cycle also pays a round trip: under emulated 4G 1,2,3 gave 0.33x the API
     # baseline against 0.23x for 3,4,16 (session 13, results/s13-edge2).
-    eagle_like = TreeShape(1, 2, 3)
+    # min_prob 0.1 (session 16): nodes of draft probability < 0.1 were accepted ~6 % of the time, not
+    # worth a verify row here: EAGLE-3 0.93-0.94x vanilla against 0.89x without (results/s16-minprob*).
+    eagle_like = TreeShape(1, 2, 3, min_prob=0.1)
     from sglang_ext.drafters import is_suffix_corpus
 
     if drafter and is_suffix_corpus(drafter):

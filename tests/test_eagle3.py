@@ -233,7 +233,7 @@ def _unroll_logits(task: Eagle3Task, batch: Batch, feats: torch.Tensor) -> list[
 
 
 # --- greedy identity through the engine --------------------------------------------------------
-@pytest.mark.parametrize("shape", [TreeShape.chain(4), TreeShape(4, 3, 10)], ids=["chain4", "tree4x3x10"])
+@pytest.mark.parametrize("shape", [TreeShape.chain(4), TreeShape(4, 3, 10), TreeShape(4, 3, 10, min_prob=0.02)], ids=["chain4", "tree4x3x10", "tree4x3x10-min-prob"])
 @pytest.mark.parametrize("bs", [1, 4])
 def test_greedy_identity_tiny(shape, bs):
     target, draft = tiny_pair(seed=2)

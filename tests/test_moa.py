@@ -230,7 +230,7 @@ def test_training_forward_matches_the_drafter_chain(tli, memory):
 
 # --- greedy identity ---------------------------------------------------------------------------
 @pytest.mark.parametrize("tli", [0, 1])
-@pytest.mark.parametrize("shape", [TreeShape.chain(4), TreeShape(4, 3, 10)], ids=["chain4", "tree4x3x10"])
+@pytest.mark.parametrize("shape", [TreeShape.chain(4), TreeShape(4, 3, 10), TreeShape(4, 3, 10, min_prob=0.02)], ids=["chain4", "tree4x3x10", "tree4x3x10-min-prob"])
 @pytest.mark.parametrize("bs", [1, 4])
 def test_greedy_identity_tiny(tli, shape, bs):
     target, draft = tiny_pair(tli=tli, seed=2)

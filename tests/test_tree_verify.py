@@ -129,3 +129,70 @@ def test_sampling_verify_lazy_probabilities_same_result_fewer_rows():
         lazy = sampling_verify(t, lambda i: seen.append(i) or probs[i], torch.Generator().manual_seed(seed))
         eager = sampling_verify(t, probs, torch.Generator().manual_seed(seed))
         assert lazy == eager and seen == lazy.accepted_nodes  # only the accepted path and its last node
+
+
+# --- min_prob: nodes of low path probability are not verified --------------------------------
+def _paths(tree) -> dict[tuple[int, ...], int]:
+    """Token path (root excluded) -> node index, for every node but the root."""
+    return {tuple(int(tree.draft_tokens[i]) for i in tree.path_to(n)[1:]): n for n in range(1, tree.num_nodes)}
+
+
+def _hand_search() -> TreeSearch:
+    """k = 2, three steps; path scores (products of the draft probabilities):
+    step 0: a=10 0.6, b=11 0.3
+    step 1: a->20 0.30, a->21 0.12, b->22 0.27, b->23 0.015   frontier: 20 (0.30), 22 (0.27)
+    step 2: 20->30 0.15, 20->31 0.03, 22->32 0.108, 22->33 0.081"""
+    s = TreeSearch.start(2)
+    _, scores = s.first(torch.tensor([[0.6, 0.3]]), torch.tensor([[10, 11]]))
+    _, scores, _ = s.expand(1, scores, torch.tensor([[0.5, 0.2], [0.9, 0.05]]), torch.tensor([[20, 21], [22, 23]]))
+    s.expand(2, scores, torch.tensor([[0.5, 0.1], [0.4, 0.3]]), torch.tensor([[30, 31], [32, 33]]))
+    return s
+
+
+def test_min_prob_keeps_exactly_the_nodes_at_or_above_it():
+    full = build_trees(torch.tensor([1]), _hand_search(), [5], 8)[0]
+    assert set(_paths(full)) == {(10,), (11,), (10, 20), (11, 22), (10, 21), (10, 20, 30), (11, 22, 32)}  # the 7 best
+    pruned = build_trees(torch.tensor([1]), _hand_search(), [5], 8, min_prob=0.12)[0]
+    # 0.6, 0.3, 0.30, 0.27, 0.15, 0.12 reach 0.12; 0.108 (11, 22, 32) does not
+    assert set(_paths(pruned)) == {(10,), (11,), (10, 20), (11, 22), (10, 21), (10, 20, 30)}
+    assert pruned.num_nodes == 7 and (pruned.parents[1:] < torch.arange(1, 7)).all()
+    assert sorted(pruned.positions.tolist()) == [5, 6, 6, 7, 7, 7, 8]  # seq_len + depth
+    # every kept node hangs off its real parent (no orphan re-attached to the root)
+    for path, n in _paths(pruned).items():
+        assert _paths(pruned).get(path[:-1], 0) == int(pruned.parents[n])
+    only_root = build_trees(torch.tensor([1]), _hand_search(), [5], 8, min_prob=0.7)[0]
+    assert only_root.num_nodes == 1 and only_root.draft_tokens.tolist() == [1]
+
+
+def test_search_stops_drafting_once_every_frontier_node_is_below_min_prob():
+    from sglang_ext.drafters.base import DraftInput
+    from sglang_ext.drafters.search import search_tree
+
+    vocab = 8
+    root = torch.log(torch.tensor([[0.4, 0.3, 0.1, 0.1, 0.05, 0.05, 0.0, 0.0]]) + 1e-12)
+    calls = []
+
+    def step_fn(tokens, parent_beam):
+        calls.append(tokens.shape)
+        flat = torch.full((vocab,), 1.0 / vocab)  # children of probability 1/8: path scores <= 0.05
+        return torch.log(flat).expand(tokens.shape[0], tokens.shape[1], vocab)
+
+    batch = [DraftInput(0, [1, 2, 3], SamplingParams(), None)]
+    tree = search_tree(root, step_fn, TreeShape(4, 2, 10, min_prob=0.06), batch)[0]
+    assert len(calls) == 1  # step 1 ran (0.4, 0.3 >= 0.06); its children (<= 0.05) ended the search
+    assert set(_paths(tree)) == {(0,), (1,)}
+    calls.clear()
+    tree = search_tree(root, step_fn, TreeShape(4, 2, 10, min_prob=0.5), batch)[0]
+    assert not calls and tree.num_nodes == 1  # nothing worth drafting: the root alone (a plain decode)
+    calls.clear()
+    tree = search_tree(root, step_fn, TreeShape(4, 2, 10), batch)[0]
+    assert len(calls) == 3 and tree.num_nodes == 10  # without min_prob: every step, N nodes
+
+
+def test_tree_shape_min_prob_parses_labels_and_validates():
+    s = TreeShape.parse("1,2,3,0.1")
+    assert (s.depth, s.topk, s.num_draft_tokens, s.min_prob) == (1, 2, 3, 0.1) and s.label == "1,2,3,0.1"
+    assert TreeShape.parse(s.label) == s and TreeShape.parse("3,1,4").label == "3,1,4"
+    for bad in ("1,2,3,1.5", "1,2,3,-0.1", "1,2,3,x", "1,2,3,0.1,4"):
+        with pytest.raises(ValueError):
+            TreeShape.parse(bad)

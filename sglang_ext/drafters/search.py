@@ -2,7 +2,8 @@
 
 A drafter supplies the root logits and a step function; this module turns them into TokenTrees:
 - EAGLE-2 dynamic tree (top-k per frontier node, global rerank) — deterministic proposals, which
-  the verifier treats as point masses, so it is lossless under sampling too;
+  the verifier treats as point masses, so it is lossless under sampling too; with shape.min_prob,
+  nodes of lower path probability are left out and the search stops once the whole frontier is below;
 - chains (topk = 1): argmax for greedy requests; for sampling requests each token is drawn from
   the drafter's processed distribution q and q is recorded (Leviathan-style verification).
 
@@ -54,11 +55,13 @@ def search_tree(root_logits: torch.Tensor, step_fn: StepFn, shape: TreeShape, ba
     tokens, scores = search.first(topk_p, topk_index)
     parent_beam = None
     for step in range(1, shape.depth):
+        if shape.min_prob and bool((scores < shape.min_prob).all()):
+            break  # no frontier node of any request would be verified: its children even less (scores only fall)
         logits = step_fn(tokens, parent_beam)  # [b, k, V]
         _check_finite(logits, f"step {step}")
         child_p, child_index = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
         tokens, scores, parent_beam = search.expand(step, scores, child_p.flatten(0, 1), child_index.flatten(0, 1))
-    return build_trees(roots, search, [d.seq_len for d in batch], shape.num_draft_tokens)
+    return build_trees(roots, search, [d.seq_len for d in batch], shape.num_draft_tokens, shape.min_prob)
 
 
 def _sample_chains(root_logits: torch.Tensor, step_fn: StepFn, shape: TreeShape, batch: list[DraftInput]) -> list[TokenTree]:
