@@ -37,10 +37,11 @@ class TreeShape:
     depth: int  # draft steps (SGLang speculative_num_steps)
     topk: int  # children per expanded node (1 = chain)
     num_draft_tokens: int  # nodes verified per request, root included (at most)
-    # neural drafters' trees: a node whose path probability under the drafter (the product of its
-    # path's draft probabilities, the search's score) is below this is not verified, and no step
-    # is drafted once every frontier node is below it. A verify row costs ~10 % of a decode on a
-    # CPU and a node of draft probability < 0.2 was accepted ~6-11 % of the time (session 16). 0 = keep all.
+    # neural drafters' searched trees (top-k trees, greedy chains; not sampled chains): a node whose
+    # path probability under the drafter (the product of its path's draft probabilities, the search's
+    # score) is below this is not verified, and no step is drafted once every frontier node is below
+    # it. A verify row costs ~10-20 % of a decode on a CPU and a node of draft probability < 0.2 was
+    # accepted 6-11 % of the time (session 16). 0 = keep all.
     min_prob: float = 0.0
 
     def __post_init__(self):
