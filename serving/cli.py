@@ -113,6 +113,7 @@ def cmd_generate(args) -> int:
             "tokens_per_s": round(len(req.output_ids) / dt, 3),
             "drafter": args.drafter,
             "tree": [tree.depth, tree.topk, tree.num_draft_tokens],
+            "tree_min_prob": tree.min_prob,
         }))
     else:
         print(text)
