@@ -193,10 +193,14 @@ class TreeSearch:
         self.parents_list.append(cs_index + (k * k * (step - 1) + k))
         return torch.gather(flat_tokens, 1, cs_index), cs_p, cs_index // k
 
+    def flat_scores(self) -> torch.Tensor:
+        """(b, S) every candidate's score (path probability), by flat score index."""
+        return torch.cat(self.score_list, dim=1).flatten(1)
+
     def organize(self, num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(parent_list (b, P), top_scores_index (b, N-1) sorted, draft_tokens (b, N-1)); fewer than
         N-1 when the search stopped early (fewer candidates than that)."""
-        scores = torch.cat(self.score_list, dim=1).flatten(1)
+        scores = self.flat_scores()
         tokens = torch.cat(self.token_list, dim=1)
         top = torch.topk(scores, min(num_draft_tokens - 1, scores.shape[1]), dim=-1).indices.sort(dim=-1).values
         draft_tokens = torch.gather(tokens, 1, top)
@@ -232,7 +236,7 @@ def build_trees(root_tokens: torch.Tensor, search: TreeSearch, seq_lens: list[in
     parent_list, top, draft = search.organize(num_draft_tokens)
     keep = None
     if min_prob > 0:
-        keep = torch.gather(torch.cat(search.score_list, dim=1).flatten(1), 1, top) >= min_prob
+        keep = torch.gather(search.flat_scores(), 1, top) >= min_prob
     trees = []
     for b in range(root_tokens.numel()):
         top_b, draft_b = (top[b], draft[b]) if keep is None else (top[b][keep[b]], draft[b][keep[b]])

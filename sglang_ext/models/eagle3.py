@@ -154,24 +154,23 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _uses_norm_kernel(x, self.weight):
+        rows = x.reshape(-1, x.shape[-1])
+        if _uses_norm_kernel(rows, self.weight):
             # NOTE: drafting (fp32, no autograd): one call instead of six torch ops; a draft step of
             # a few rows is mostly per-op overhead (the same formula; the mean's sum order differs)
-            return kernels.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+            return kernels.rms_norm(rows, self.weight, self.eps).view(x.shape)
         xf = x.float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight.to(x.dtype)
 
 
 def _uses_norm_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """The layer-ops check for x (any leading dims, as rows) plus the norm's weight: fp32, and no
+    autograd through it either."""
     return (
-        kernels.rms_norm is not None
-        and x.dtype == w.dtype == torch.float32
-        and x.device.type == "cpu"
-        and x.numel() > 0
-        and x.shape[-1] % 8 == 0
-        and x.is_contiguous()
+        kernels.uses_layer_ops(x.reshape(-1, x.shape[-1]))
+        and w.dtype == torch.float32
         and w.is_contiguous()
-        and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+        and not (torch.is_grad_enabled() and w.requires_grad)
     )
 
 
