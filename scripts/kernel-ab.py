@@ -7,6 +7,7 @@ with our kernel and without, interleaved so machine drift hits both alike.
     .venv/bin/python scripts/kernel-ab.py --packed             # GGUF block weights against their fp32 copy
     .venv/bin/python scripts/kernel-ab.py --packed --baseline a3d6397   # the packed kernel against another commit's
     .venv/bin/python scripts/kernel-ab.py --layer-ops          # the layer glue ops against the torch ops (GGUF blocks on both sides)
+    .venv/bin/python scripts/kernel-ab.py --mkl                # the serving default against MKL for every row count
     .venv/bin/python scripts/kernel-ab.py --unchecked-rows     # the layer's matmuls without linear()'s per-call checks, against linear()
 
 By default the B side is torch's F.linear for the linear layers; with --baseline REV it is the linear
@@ -15,7 +16,8 @@ is the torch attention backend (linear kernel on both sides). The other kernel i
 Except with --packed (A: the kernel reading the GGUF blocks; B: the kernel reading the fp32 weights,
 or with --baseline REV the GGUF-block kernel at REV), --layer-ops (both sides read the GGUF blocks,
 the serving default; A runs a layer's norms, RoPE and SiLU on cpu_layer_ops.cpp, B on torch ops) and
---unchecked-rows (GGUF blocks and layer ops on both sides; A calls the kernel directly, B via linear()),
+--unchecked-rows (GGUF blocks and layer ops on both sides; A calls the kernel directly, B via linear()) and
+--mkl (A: the serving default, the kernel on the GGUF blocks up to SMALL_ROWS rows; B: F.linear on the fp32 weights),
 both sides read the fp32 weights.
 """
 
@@ -67,6 +69,7 @@ def main() -> None:
     ap.add_argument("--attention", action="store_true", help="compare the attention kernel with torch's attention instead")
     ap.add_argument("--packed", action="store_true", help="compare the kernel reading GGUF blocks with the one reading fp32 weights")
     ap.add_argument("--layer-ops", action="store_true", help="compare the layer glue ops (norms, RoPE + K/V store, SiLU) with torch's ops")
+    ap.add_argument("--mkl", action="store_true", help="the serving default (kernel on GGUF blocks up to SMALL_ROWS rows) against MKL (F.linear on the fp32 weights) for every row count")
     ap.add_argument("--unchecked-rows", action="store_true", help="on the layer ops, compare the layer matmuls without linear()'s per-call checks with linear()")
     args = ap.parse_args()
     if not kernels.AVAILABLE:
@@ -74,12 +77,13 @@ def main() -> None:
     current, current_packed = kernels.linear_small, kernels.linear_packed
     baseline = build_baseline(args.baseline) if args.baseline else None
     current_rope = kernels.rope_store
+    small_rows = kernels.SMALL_ROWS
     if args.layer_ops and current_rope is None:
         raise SystemExit("layer ops unavailable (MOA_SERVE_LAYER_OPS=0 or an old build)")
-    b_name = "linear() with checks" if args.unchecked_rows else "torch layer ops" if args.layer_ops else "torch attention" if args.attention else f"kernel@{args.baseline}" if baseline else "fp32 weights" if args.packed else "torch"
+    b_name = "MKL" if args.mkl else "linear() with checks" if args.unchecked_rows else "torch layer ops" if args.layer_ops else "torch attention" if args.attention else f"kernel@{args.baseline}" if baseline else "fp32 weights" if args.packed else "torch"
     torch.set_num_threads(args.threads)
     packed_default = kernels.PACKED
-    kernels.PACKED = packed_default and (args.layer_ops or args.unchecked_rows)  # else fp32 weights on both sides unless --packed
+    kernels.PACKED = packed_default and (args.layer_ops or args.unchecked_rows or args.mkl)  # else fp32 weights on both sides unless --packed
     if args.packed and not packed_default:
         raise SystemExit("packed weights unavailable (MOA_SERVE_PACKED_WEIGHTS=0?)")
     model = load_target("smollm2", dtype="float32").model
@@ -98,7 +102,9 @@ def main() -> None:
         times = {True: [], False: []}
         for i in range(args.repeats + 2):
             for on in (True, False):
-                if args.unchecked_rows:
+                if args.mkl:
+                    kernels.SMALL_ROWS = small_rows if on else 0
+                elif args.unchecked_rows:
                     model._rows_kernel = on
                 elif args.layer_ops:
                     kernels.rope_store = current_rope if on else None
@@ -116,6 +122,7 @@ def main() -> None:
                 if i >= 2:  # warm-up
                     times[on].append(time.perf_counter() - t0)
         kernels.linear_small, kernels.linear_packed, model.attention, kernels.rope_store, model._rows_kernel = current, current_packed, tree_attention_cpu, current_rope, rows_default
+        kernels.SMALL_ROWS = small_rows
         on, off = statistics.median(times[True]) * 1e3, statistics.median(times[False]) * 1e3
         print(f"| {n} | {on:.1f} | {off:.1f} | {off / on:.2f}x |", flush=True)
 
