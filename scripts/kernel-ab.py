@@ -15,8 +15,8 @@ kernel source at git revision REV (compiled here under another op namespace); wi
 is the torch attention backend (linear kernel on both sides). The other kernel is the same on both sides.
 Except with --packed (A: the kernel reading the GGUF blocks; B: the kernel reading the fp32 weights,
 or with --baseline REV the GGUF-block kernel at REV), --layer-ops (both sides read the GGUF blocks,
-the serving default; A runs a layer's norms, RoPE and SiLU on cpu_layer_ops.cpp, B on torch ops) and
---unchecked-rows (GGUF blocks and layer ops on both sides; A calls the kernel directly, B via linear()) and
+the serving default; A runs a layer's norms, RoPE and SiLU on cpu_layer_ops.cpp, B on torch ops),
+--unchecked-rows (GGUF blocks and layer ops on both sides; A calls the kernel directly, B via linear()),
 --mkl (A: the serving default, the kernel on the GGUF blocks up to SMALL_ROWS rows; B: F.linear on the fp32 weights),
 both sides read the fp32 weights.
 """
