@@ -85,3 +85,16 @@ def test_auto_dtype_is_fp32_where_the_kernels_run(monkeypatch):
     monkeypatch.setattr(models, "cpu_has_fast_bf16", lambda: False)
     assert models.parse_dtype("auto") == torch.float32
     assert models.parse_dtype("auto", device="cuda") == torch.bfloat16
+
+
+def test_kernel_row_limit_follows_the_cpu_and_the_environment(monkeypatch):
+    """MKL takes forwards of more rows than SMALL_ROWS: 24 where the AVX-512 tiles run, else 128;
+    MOA_SERVE_KERNEL_ROWS overrides it, and a bad value is a clear error, not a silent default."""
+    monkeypatch.delenv("MOA_SERVE_KERNEL_ROWS", raising=False)
+    assert kernels._kernel_rows() == (24 if kernels.AVX512 else 128)
+    monkeypatch.setenv("MOA_SERVE_KERNEL_ROWS", "128")
+    assert kernels._kernel_rows() == 128
+    for bad in ("abc", "0", "-3", "2.5"):
+        monkeypatch.setenv("MOA_SERVE_KERNEL_ROWS", bad)
+        with pytest.raises(ValueError, match="MOA_SERVE_KERNEL_ROWS"):
+            kernels._kernel_rows()

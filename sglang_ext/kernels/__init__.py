@@ -5,7 +5,8 @@ the `tree_attention` op (cpu_attention.cpp) backs the "cpu" attention backend (s
 the layer glue ops (cpu_layer_ops.cpp) do a decoder layer's norms, RoPE + K/V store and SiLU in one
 call each (models/llama.py, when uses_layer_ops).
 
-`linear(x, w)` sends fp32 inputs with at most SMALL_ROWS rows (decode, tree verify, draft steps) to
+`linear(x, w)` sends fp32 inputs with at most SMALL_ROWS rows (decode, tree verify, draft steps; 128, or
+24 on AVX-512 CPUs, see _kernel_rows) to
 our AVX2 kernel (cpu_linear.cpp, built by setup.py at install) and everything else (prefill,
 training, bf16, autograd, non-x86 machines) to F.linear. MOA_SERVE_CPU_KERNELS=0 turns both kernels
 off (same results up to fp32 rounding; used to measure what it buys).
@@ -30,7 +31,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SMALL_ROWS = 128  # from here MKL's blocked sgemm is as fast (measured: equal at 128-256 rows) and the kernel is not used
 
 
 def _cpu_flags() -> set[str]:
@@ -68,6 +68,23 @@ PACKED = linear_packed is not None and os.environ.get("MOA_SERVE_PACKED_WEIGHTS"
 # MOA_SERVE_AVX512=0 keeps the AVX2 tiles. True when in use.
 _set_avx512 = getattr(torch.ops.moa_cpu, "set_avx512", None) if AVAILABLE else None
 AVX512 = bool(_set_avx512(os.environ.get("MOA_SERVE_AVX512", "1") != "0")) if _set_avx512 is not None else False
+
+
+def _kernel_rows() -> int:
+    """Forwards of more rows than this go to F.linear (MKL). Up to it, the kernel computes every output
+    as one fixed FMA chain, so decode and verify rows are bit-identical. Where the AVX-512 tiles run
+    (<= 16 rows) MKL's AVX-512 sgemm is faster from ~24 rows (a whole forward 0.91x at 32 rows, 0.67x at
+    128, session 17); on AVX2-only CPUs the kernel led up to 128 (sessions 6-12).
+    MOA_SERVE_KERNEL_ROWS overrides (128: batch-invariant up to 128 rows)."""
+    text = os.environ.get("MOA_SERVE_KERNEL_ROWS", "")
+    if not text:
+        return 24 if AVX512 else 128
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"MOA_SERVE_KERNEL_ROWS must be a positive integer, got {text!r}")
+    return int(text)
+
+
+SMALL_ROWS = _kernel_rows()
 # the layer glue ops (cpu_layer_ops.cpp: RMSNorm, add + RMSNorm, RoPE + K/V store, SiLU * up);
 # MOA_SERVE_LAYER_OPS=0 runs the torch ops instead (to measure what they buy); uses_layer_ops reads
 # rope_store, so setting it to None turns all four off (tests and scripts/kernel-ab.py do)
