@@ -32,7 +32,6 @@ import torch
 import torch.nn.functional as F
 
 
-
 def _cpu_flags() -> set[str]:
     try:
         return set(next((l for l in open("/proc/cpuinfo") if l.startswith("flags")), "").split())
@@ -85,6 +84,7 @@ def _kernel_rows() -> int:
 
 
 SMALL_ROWS = _kernel_rows()
+
 # the layer glue ops (cpu_layer_ops.cpp: RMSNorm, add + RMSNorm, RoPE + K/V store, SiLU * up);
 # MOA_SERVE_LAYER_OPS=0 runs the torch ops instead (to measure what they buy); uses_layer_ops reads
 # rope_store, so setting it to None turns all four off (tests and scripts/kernel-ab.py do)
