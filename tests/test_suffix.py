@@ -14,6 +14,7 @@ import torch
 from serving.bench import bench_drafter
 from sglang_ext.drafters import make_drafter
 from sglang_ext.drafters.base import DraftInput, TargetCapture
+from sglang_ext.drafters.ngram import FULL_CONFIDENCE_MATCH, match_confidence, trie_tree
 from sglang_ext.drafters.suffix import CorpusError, SuffixDrafter, load_corpus, save_corpus
 from sglang_ext.drafters.suffix_index import SuffixIndex
 from sglang_ext.sampling import SamplingParams
@@ -123,6 +124,47 @@ def test_tree_respects_the_shape():
             kids = torch.bincount(tree.parents[1:], minlength=tree.num_nodes)
             assert int(kids.max()) <= shape.topk
             assert tree.positions.tolist() == [len(ctx) - 1 + len(tree.path_to(i)) - 1 for i in range(tree.num_nodes)]
+
+
+def test_min_prob_cuts_lookup_nodes_by_share_times_match_confidence():
+    """A lookup node's estimated probability is its share of the candidates times the confidence of
+    the match behind them (0 for no match, 1 from FULL_CONFIDENCE_MATCH tokens); min_prob cuts below it."""
+    assert [match_confidence(n) for n in range(5)] == [0.0, 1 / 3, 2 / 3, 1.0, 1.0] and FULL_CONFIDENCE_MATCH == 3
+    weighted = [([5, 6, 7], 0.6), ([5, 8], 0.4)]  # node 5: share 1.0, 6 and 7: 0.6, 8: 0.4
+    def paths(shape, confidence):
+        return _paths(trie_tree(1, 10, weighted, shape, confidence=confidence))
+    assert paths(TreeShape(3, 2, 5), 0.0) == {(5,), (5, 6), (5, 6, 7), (5, 8)}  # no min_prob: no cut
+    cut = TreeShape(3, 2, 5, min_prob=0.3)
+    assert paths(cut, 1.0) == {(5,), (5, 6), (5, 6, 7), (5, 8)}  # 0.4 >= 0.3
+    assert paths(cut, 0.5) == {(5,), (5, 6), (5, 6, 7)}  # 0.4 x 0.5 < 0.3 <= 0.6 x 0.5
+    assert paths(cut, 0.4) == {(5,)}  # 0.6 x 0.4 < 0.3
+    assert paths(cut, 0.0) == set()  # no match: nothing is likely
+    # the n-gram drafter: a 1-token match (confidence 1/3) drafts only at min_prob <= 1/3
+    ctx = [3, 4, 9, 7, 9]  # tail 9 matched once, followed by 7
+    ngram = make_drafter("ngram", None)
+    assert ngram.propose([_input(0, ctx)], TreeShape(2, 1, 3, min_prob=0.3))[0].num_nodes == 3
+    assert ngram.propose([_input(0, ctx)], TreeShape(2, 1, 3, min_prob=0.4))[0].num_nodes == 1
+    # the suffix drafter: the request's own match sets the confidence, a corpus match alone gives none
+    d = SuffixDrafter([[50, 51, 52, 53]])
+    assert d.propose([_input(0, [1, 2, 50, 51])], TreeShape(2, 1, 3))[0].num_nodes == 3
+    assert d.propose([_input(0, [1, 2, 50, 51])], TreeShape(2, 1, 3, min_prob=0.3))[0].num_nodes == 1
+    own = [20, 21, 22, 23, 24, 9, 20, 21, 22]  # own match of 3 tokens: full confidence
+    assert _paths(d.propose([_input(0, own)], TreeShape(2, 1, 3, min_prob=0.3))[0]) == {(23,), (23, 24)}
+
+
+def test_lookup_drafters_with_min_prob_keep_greedy_output():
+    from helpers import tiny_target
+    from serving.engine import Engine
+
+    t = tiny_target(seed=2, vocab=16)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5, 6, 4]]
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    ref = [r.output_ids for r in Engine(t, None).generate(prompts, sp)]
+    for drafter in (make_drafter("ngram", None), SuffixDrafter([[1, 2, 3, 4, 5, 6]])):
+        eng = Engine(t, drafter, TreeShape(4, 2, 8, min_prob=0.3))
+        reqs = eng.generate(prompts, sp)
+        assert [r.output_ids for r in reqs] == ref
+        assert sum(r.stats.draft_tokens for r in reqs) > 0  # the cut left some nodes to verify
 
 
 def test_corpus_round_trip_and_errors(tmp_path):

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..tree import TokenTree, TreeShape
 from .base import SHIPPED_DIR, DraftInput, TargetCapture
-from .ngram import NgramDrafter, trie_tree
+from .ngram import NgramDrafter, match_confidence, trie_tree
 from .suffix_index import SuffixIndex
 
 SHIPPED = {"SmolLM2-135M-Instruct": "smollm2-suffix"}
@@ -138,4 +138,6 @@ class SuffixDrafter(NgramDrafter):
             if m.continuations:
                 scale = 1.0 if m.length > own_len else 0.5
                 weighted += [(c, scale / len(m.continuations)) for c in m.continuations]
-        return trie_tree(ctx[-1], d.seq_len, weighted, shape, self.min_share)
+        # the request's own match sets the confidence: a long corpus match alone predicted acceptance
+        # no better than a short one (session 18, teacher-forced on greedy outputs)
+        return trie_tree(ctx[-1], d.seq_len, weighted, shape, self.min_share, match_confidence(own_len))
