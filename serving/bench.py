@@ -294,7 +294,7 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--batch-sizes", default=None, help="batch sweep, e.g. 1,2,4,8,16,32,64: per batch size b, each method serves a queue of max(--sweep-min-prompts, 2b) prompts with b running at a time (continuous batching), methods interleaved step by step (default: no sweep; the per-prompt table above is batch size 1)")
     b.add_argument("--adaptive", action="store_true", help="sweep and gateway overhead: drafter rows use Engine(adaptive=True) (per-step tree / off from measured throughput, the serving default)")
     b.add_argument("--repeats", type=int, default=1, help="sweep: measured runs per (batch size, method), method order rotated each repeat")
-    b.add_argument("--sweep-min-prompts", type=int, default=8, help="sweep: a measured run at batch size b serves max(this, 2b) prompts, b at a time (continuous batching)")
+    b.add_argument("--sweep-min-prompts", type=int, default=24, help="sweep: a measured run at batch size b serves max(this, 2b) prompts, b at a time (continuous batching); at small b more than 2b, so the start and the drain tail are a small part of the run")
     b.add_argument("--sweep-only", action="store_true", help="skip the per-prompt (bs=1, peers) table; run only --batch-sizes / --gateway-overhead")
     b.add_argument("--gateway-overhead", action="store_true", help="p50 latency of one short greedy request: Engine directly vs the real gateway over HTTP on 127.0.0.1")
     b.add_argument("--overhead-requests", type=int, default=20, help="gateway overhead: measured requests per path")
