@@ -20,7 +20,8 @@ GGUF blocks instead (`linear_packed`, `--packed`): a whole forward + lm_head 1.3
 dequantization extended to 8 rows, 5-8 rows another 1.2x (a 2-core Xeon, session 13); with the Q8_0
 lm_head and bf16 drafter weights in registers too, a forward + lm_head 1.03-1.14x for 1-16 rows (session 15);
 on CPUs with AVX-512, 3-16 rows run the same tiles two weight rows per register (same sums, half the
-FMAs): 6-16 rows another 1.12-1.21x (session 15; MOA_SERVE_AVX512=0 keeps the AVX2 tiles).
+FMAs): 6-16 rows another 1.12-1.21x (session 15; MOA_SERVE_AVX512=0 keeps the AVX2 tiles), and
+9-16 rows in one pass instead of two (the weights dequantized once): 1.17-1.30x for 9-16 rows (session 18).
 """
 
 from __future__ import annotations
