@@ -21,7 +21,8 @@ dequantization extended to 8 rows, 5-8 rows another 1.2x (a 2-core Xeon, session
 lm_head and bf16 drafter weights in registers too, a forward + lm_head 1.03-1.14x for 1-16 rows (session 15);
 on CPUs with AVX-512, 3-16 rows run the same tiles two weight rows per register (same sums, half the
 FMAs): 6-16 rows another 1.12-1.21x (session 15; MOA_SERVE_AVX512=0 keeps the AVX2 tiles), and
-9-16 rows in one pass instead of two (the weights dequantized once): 1.17-1.30x for 9-16 rows (session 18).
+9-24 rows in one pass (the weights dequantized once, not once per pass of <= 8 rows or through a buffer):
+1.17-1.30x for 9-24 rows (session 18).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ tree_attention = torch.ops.moa_cpu.tree_attention if AVAILABLE else None
 # GGUF block weights (Q4_1 / Q8_0, see cpu_linear.cpp); MOA_SERVE_PACKED_WEIGHTS=0 uses the fp32 copy
 linear_packed = getattr(torch.ops.moa_cpu, "linear_packed", None) if AVAILABLE else None  # None: a build older than the op
 PACKED = linear_packed is not None and os.environ.get("MOA_SERVE_PACKED_WEIGHTS", "1") != "0"
-# AVX-512 tiles for 3-16-row packed matmuls where the CPU has them (same sums as the AVX2 tiles);
+# AVX-512 tiles for 3-24-row packed matmuls where the CPU has them (same sums as the AVX2 tiles);
 # MOA_SERVE_AVX512=0 keeps the AVX2 tiles. True when in use.
 _set_avx512 = getattr(torch.ops.moa_cpu, "set_avx512", None) if AVAILABLE else None
 AVX512 = bool(_set_avx512(os.environ.get("MOA_SERVE_AVX512", "1") != "0")) if _set_avx512 is not None else False
@@ -73,8 +74,9 @@ AVX512 = bool(_set_avx512(os.environ.get("MOA_SERVE_AVX512", "1") != "0")) if _s
 def _kernel_rows() -> int:
     """Forwards of more rows than this go to F.linear (MKL). Up to it, the kernel computes every output
     as one fixed FMA chain, so decode and verify rows are bit-identical. Where the AVX-512 tiles run
-    (<= 16 rows) MKL's AVX-512 sgemm is faster from ~24 rows (a whole forward 0.91x at 32 rows, 0.67x at
-    128, session 17); on AVX2-only CPUs the kernel led up to 128 (sessions 6-12).
+    (one pass up to 24 rows) MKL's AVX-512 sgemm is as fast from 25-32 rows (a whole forward 1.21x
+    faster on the kernel at 24 rows, 1.00x at 32, 0.67x at 128; sessions 17-18); on AVX2-only CPUs the
+    kernel led up to 128 (sessions 6-12).
     MOA_SERVE_KERNEL_ROWS overrides (128: batch-invariant up to 128 rows)."""
     text = os.environ.get("MOA_SERVE_KERNEL_ROWS", "")
     if not text:

@@ -26,6 +26,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <vector>
@@ -172,7 +173,7 @@ at::Tensor linear_small(const at::Tensor& x, const at::Tensor& w) {
 // The default target ships as GGUF with Q4_1 linear weights and a Q8_0 embedding / lm_head. Read as
 // fp32, a decode step streams 540 MB of weights; the blocks are 96 MB. linear_packed keeps the blocks
 // and dequantizes each block of weight rows into a small buffer just before the tiles above consume
-// it (for <= 16 input rows: in registers, packed_tile or, on AVX-512, packed_tile_pairs), so every output is the same sequence of
+// it (for <= 16 input rows, 24 on AVX-512: in registers, packed_tile or, on AVX-512, packed_tile_pairs), so every output is the same sequence of
 // FMAs as in linear_small on the dequantized fp32 weights, hence bit-identical to it:
 //   Q4_1 (20 bytes per 32 weights): fp16 d, fp16 m, 16 bytes; weight i = d * (byte[i % 16] >> 4*(i >= 16) & 15) + m
 //   Q8_0 (34 bytes per 32 weights): fp16 d, 32 int8;       weight i = d * q[i]
@@ -250,7 +251,7 @@ void dequant_row(int64_t kind, const uint8_t* src, float* dst, int64_t K) {
 // NOTE: always_inline: with the R = 5..8 instances GCC stopped inlining these into the 1-row path
 // (its unit growth limit) and a decode step got 20 % slower.
 constexpr int64_t FUSED_GROUP = 8;  // input rows per pass
-constexpr int64_t FUSED_M = 16;     // in registers up to this many input rows, in passes of <= FUSED_GROUP (AVX-512: one pass)
+constexpr int64_t FUSED_M = 16;     // in registers up to this many input rows, in passes of <= FUSED_GROUP (AVX-512: WIDE_GROUP, one pass)
 
 template <int KIND, int R, int J>
 __attribute__((always_inline)) inline void packed_tile(const float* x, const uint8_t* b, int64_t row_bytes, float* y, int64_t N, int64_t K) {
@@ -324,7 +325,7 @@ MOA_AVX512 __attribute__((always_inline)) inline void dequant_block_pair(const u
 template <int KIND, int R, int JP>
 MOA_AVX512 __attribute__((always_inline)) inline void packed_tile_pairs(const float* x, const uint8_t* b, int64_t row_bytes, float* y, int64_t N, int64_t K) {
   __m512 acc[R][JP];
-#pragma GCC unroll 16
+#pragma GCC unroll 24
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int j = 0; j < JP; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -336,12 +337,12 @@ MOA_AVX512 __attribute__((always_inline)) inline void packed_tile_pairs(const fl
       dequant_block_pair<KIND>(src + 2 * j * row_bytes, src + (2 * j + 1) * row_bytes, w);
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i)
-#pragma GCC unroll 16  // R up to 16: fully unrolled, or the accumulators go to memory
+#pragma GCC unroll 24  // R up to WIDE_GROUP: fully unrolled, or the accumulators go to memory
         for (int r = 0; r < R; ++r)
           acc[r][j] = _mm512_fmadd_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(x + r * K + k + 8 * i)), w[i], acc[r][j]);
     }
   }
-#pragma GCC unroll 16
+#pragma GCC unroll 24
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
     for (int j = 0; j < JP; ++j) {
@@ -350,10 +351,10 @@ MOA_AVX512 __attribute__((always_inline)) inline void packed_tile_pairs(const fl
     }
 }
 
-// R = 9-16 (WIDE_GROUP): one pair of weight rows per tile, R accumulators + 4 weight vectors in the 32
-// registers, so the weights are dequantized once for all R rows (two passes of <= 8 rows did it twice:
+// R = 9-24 (WIDE_GROUP): one pair of weight rows per tile, R accumulators + 4 weight vectors in the 32
+// registers, so the weights are dequantized once for all R rows (passes of <= 8 rows did it per pass:
 // a 13-row verify cost ~1.7x an 8-row one, session 18)
-constexpr int64_t WIDE_GROUP = 16;
+constexpr int64_t WIDE_GROUP = 24;
 
 template <int KIND, int R>
 MOA_AVX512 void packed_rows_pairs(const float* x, const uint8_t* b, int64_t row_bytes, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
@@ -361,14 +362,9 @@ MOA_AVX512 void packed_rows_pairs(const float* x, const uint8_t* b, int64_t row_
   int64_t n = n0;
   for (; n + 2 * JP <= n1; n += 2 * JP) packed_tile_pairs<KIND, R, JP>(x, b + n * row_bytes, row_bytes, y + n, N, K);
   for (; n + 2 <= n1; n += 2) packed_tile_pairs<KIND, R, 1>(x, b + n * row_bytes, row_bytes, y + n, N, K);
-  if (n < n1) {  // an odd last row: the AVX2 tile (16 registers: at most 8 rows at a time), the same sums
-    if constexpr (R <= 8) {
-      packed_rows<KIND, R>(x, b, row_bytes, y, N, K, n, n1);
-    } else {
-      packed_rows<KIND, R / 2>(x, b, row_bytes, y, N, K, n, n1);
-      packed_rows<KIND, R - R / 2>(x + R / 2 * K, b, row_bytes, y + R / 2 * N, N, K, n, n1);
-    }
-  }
+  // an odd last row: the AVX2 tile (16 registers: at most 8 input rows at a time), the same sums
+  for (int64_t m = 0; n < n1 && m < R; m += FUSED_GROUP)
+    with_rows(std::min<int64_t>(FUSED_GROUP, R - m), [&]<int RR>() { packed_rows<KIND, RR>(x + m * K, b, row_bytes, y + m * N, N, K, n, n1); });
 }
 
 // For 1-2 rows the dequantization dominates, and on 16 lanes it only shares two ports (Intel runs
@@ -393,9 +389,9 @@ bool set_avx512(bool on) {
 
 inline bool use_avx512() { return avx512_allowed.load(std::memory_order_relaxed) && has_avx512(); }
 
-// Calls f.template operator()<R>() for R = 9..16 (the wide tiles' one-pass groups).
+// Calls f.template operator()<R>() for R = 9..24 (the wide tiles' one-pass groups).
 template <class F>
-void with_rows_9_to_16(int64_t R, F&& f) {
+void with_rows_9_to_24(int64_t R, F&& f) {
   switch (R) {
     case 9: return f.template operator()<9>();
     case 10: return f.template operator()<10>();
@@ -404,7 +400,15 @@ void with_rows_9_to_16(int64_t R, F&& f) {
     case 13: return f.template operator()<13>();
     case 14: return f.template operator()<14>();
     case 15: return f.template operator()<15>();
-    default: return f.template operator()<16>();
+    case 16: return f.template operator()<16>();
+    case 17: return f.template operator()<17>();
+    case 18: return f.template operator()<18>();
+    case 19: return f.template operator()<19>();
+    case 20: return f.template operator()<20>();
+    case 21: return f.template operator()<21>();
+    case 22: return f.template operator()<22>();
+    case 23: return f.template operator()<23>();
+    default: return f.template operator()<24>();
   }
 }
 
@@ -412,7 +416,7 @@ template <int KIND>
 void packed_rows_any(int64_t R, const float* x, const uint8_t* b, int64_t row_bytes, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1, bool wide) {
   TORCH_CHECK(R <= (wide ? WIDE_GROUP : FUSED_GROUP), "packed_rows_any: too many rows for one pass");
   if (wide && R > FUSED_GROUP) {
-    with_rows_9_to_16(R, [&]<int RR>() { packed_rows_pairs<KIND, RR>(x, b, row_bytes, y, N, K, n0, n1); });
+    with_rows_9_to_24(R, [&]<int RR>() { packed_rows_pairs<KIND, RR>(x, b, row_bytes, y, N, K, n0, n1); });
     return;
   }
   with_rows(R, [&]<int RR>() {
@@ -456,10 +460,10 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& blocks, int64_t 
   // 1.05-1.2x for 4, 1.2x for 5-8 (session 13); Q8_0 (the lm_head) 1.23-1.65x and bf16 halves (a
   // drafter) 1.4-3x for 1-8 rows; 9-16 rows in two passes 1.0-1.1x on AVX2, 1.15-1.2x on AVX-512
   // (session 15, same-run A/B, same outputs); on AVX-512 one pass since session 18
-  if (M <= FUSED_M) {
-    // groups of at most 8 input rows (12 = 6 + 6; AVX-512: one group of up to 16), each a pass over
+  const bool avx512 = use_avx512();
+  if (M <= (avx512 ? WIDE_GROUP : FUSED_M)) {
+    // groups of at most 8 input rows (12 = 6 + 6; AVX-512: one group of up to 24), each a pass over
     // the same weight rows: their x stays in L1, the weight rows in L2
-    const bool avx512 = use_avx512();
     const int64_t per_pass = avx512 && M >= WIDE_FROM_ROWS ? WIDE_GROUP : FUSED_GROUP;
     const int64_t groups = (M + per_pass - 1) / per_pass;
     at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
