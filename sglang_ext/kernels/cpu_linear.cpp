@@ -107,19 +107,21 @@ void group(bool wide, const float* x, const float* w, float* y, int64_t N, int64
   for (; j < rows; ++j) tile<R, 1>(x, w + j * K, y + j, N, K, nullptr);
 }
 
-// The tiles are compiled per input-row count: calls f.template operator()<R>() for R = 1..8.
+// The tiles are compiled per input-row count: with_rows_in<LO, HI> calls f.template operator()<R>()
+// for the runtime R in [LO, HI] (HI for anything above); with_rows covers R = 1..8.
+template <int LO, int HI, class F>
+void with_rows_in(int64_t R, F&& f) {
+  if constexpr (LO == HI) {
+    f.template operator()<HI>();
+  } else {
+    if (R <= LO) return f.template operator()<LO>();
+    with_rows_in<LO + 1, HI>(R, f);
+  }
+}
+
 template <class F>
 void with_rows(int64_t R, F&& f) {
-  switch (R) {
-    case 1: return f.template operator()<1>();
-    case 2: return f.template operator()<2>();
-    case 3: return f.template operator()<3>();
-    case 4: return f.template operator()<4>();
-    case 5: return f.template operator()<5>();
-    case 6: return f.template operator()<6>();
-    case 7: return f.template operator()<7>();
-    default: return f.template operator()<8>();
-  }
+  with_rows_in<1, 8>(R, f);
 }
 
 void group_any(int64_t R, bool wide, const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t rows, const float* next) {
@@ -389,34 +391,11 @@ bool set_avx512(bool on) {
 
 inline bool use_avx512() { return avx512_allowed.load(std::memory_order_relaxed) && has_avx512(); }
 
-// Calls f.template operator()<R>() for R = 9..24 (the wide tiles' one-pass groups).
-template <class F>
-void with_rows_9_to_24(int64_t R, F&& f) {
-  switch (R) {
-    case 9: return f.template operator()<9>();
-    case 10: return f.template operator()<10>();
-    case 11: return f.template operator()<11>();
-    case 12: return f.template operator()<12>();
-    case 13: return f.template operator()<13>();
-    case 14: return f.template operator()<14>();
-    case 15: return f.template operator()<15>();
-    case 16: return f.template operator()<16>();
-    case 17: return f.template operator()<17>();
-    case 18: return f.template operator()<18>();
-    case 19: return f.template operator()<19>();
-    case 20: return f.template operator()<20>();
-    case 21: return f.template operator()<21>();
-    case 22: return f.template operator()<22>();
-    case 23: return f.template operator()<23>();
-    default: return f.template operator()<24>();
-  }
-}
-
 template <int KIND>
 void packed_rows_any(int64_t R, const float* x, const uint8_t* b, int64_t row_bytes, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1, bool wide) {
   TORCH_CHECK(R <= (wide ? WIDE_GROUP : FUSED_GROUP), "packed_rows_any: too many rows for one pass");
   if (wide && R > FUSED_GROUP) {
-    with_rows_9_to_24(R, [&]<int RR>() { packed_rows_pairs<KIND, RR>(x, b, row_bytes, y, N, K, n0, n1); });
+    with_rows_in<FUSED_GROUP + 1, WIDE_GROUP>(R, [&]<int RR>() { packed_rows_pairs<KIND, RR>(x, b, row_bytes, y, N, K, n0, n1); });
     return;
   }
   with_rows(R, [&]<int RR>() {
