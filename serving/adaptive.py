@@ -147,8 +147,14 @@ class StepCostModel:
         return s1 + max(s1 - s0, 0.0) / (r1 - r0) * (rows - r1)
 
 
-def shape_menu(shape: TreeShape) -> list[TreeShape | None]:
-    """Off, the configured shape, and a smaller one (cheaper verify at large batch sizes)."""
+CONFIDENT_MIN_PROB = 0.3  # the confident option's cut: a lookup node needs a 1-token own match and all the evidence
+CONFIDENT_FROM_BATCH = 4  # the engine offers the confident option from this many requests on
+
+
+def shape_menu(shape: TreeShape, confident: bool = False) -> list[TreeShape | None]:
+    """Off, the configured shape, and a smaller one (cheaper verify at large batch sizes); with
+    `confident`, also the smaller one cut at CONFIDENT_MIN_PROB (fewer rows, each likelier accepted:
+    where a verify row costs nearly what a token is worth)."""
     small_k = max(1, shape.topk // 2)
     small_d = max(1, shape.depth // 2)
     most = small_d + 1 if small_k == 1 else 1 + small_k + (small_d - 1) * small_k**2
@@ -156,15 +162,23 @@ def shape_menu(shape: TreeShape) -> list[TreeShape | None]:
     menu: list[TreeShape | None] = [None, shape]
     if small != shape:
         menu.append(small)
+    if confident and small.min_prob < CONFIDENT_MIN_PROB:
+        menu.append(TreeShape(small.depth, small.topk, small.num_draft_tokens, CONFIDENT_MIN_PROB))
     return menu
 
 
 class AdaptiveSpeculation:
     REL_WINDOW = 16  # ratios kept per losing option (and bucket)
 
-    def __init__(self, shape: TreeShape, warmup: int = 3, retry_every: int = 32, max_retry_every: int = 512, far_behind: float = 0.8, explore_budget: float = 0.01, trust_after: int = 8, tree_margin: float = 0.03):
-        self.options = shape_menu(shape)
-        self._cheapest_first = sorted(range(len(self.options)), key=lambda i: 0 if self.options[i] is None else self.options[i].num_draft_tokens)
+    def __init__(self, shape: TreeShape, warmup: int = 3, retry_every: int = 32, max_retry_every: int = 512, far_behind: float = 0.8, explore_budget: float = 0.01, trust_after: int = 8, tree_margin: float = 0.03,
+                 confident_from: int | None = None):
+        self.options = shape_menu(shape, confident=confident_from is not None)
+        # the confident (cut) option only from `confident_from` requests: at bs 1 a verify row costs a
+        # tenth of a step and the cut's lost tokens cost more than its saved rows (1.18-1.22x vs 1.26x)
+        self.min_batch = [1] * len(self.options)
+        if len(self.options) > len(shape_menu(shape)):
+            self.min_batch[-1] = confident_from
+        self._cheapest_first = sorted(range(len(self.options)), key=lambda i: (0, 0) if self.options[i] is None else (self.options[i].num_draft_tokens, -self.options[i].min_prob))
         self.warmup, self.retry_every, self.max_retry_every, self.far_behind = warmup, retry_every, max_retry_every, far_behind
         self.explore_budget = explore_budget  # share of throughput re-measuring the losing options may cost, all together
         self.trust_after = trust_after  # steps of an option before 'far behind' may back off its re-measurement
@@ -192,28 +206,29 @@ class AdaptiveSpeculation:
         """Index into self.options for this step."""
         bucket = batch_bucket(batch_size)
         step = self.steps[bucket] = self.steps.get(bucket, 0) + 1
+        ok = self._eligible(batch_size)
         known = self._nearest_measured(bucket, batch_size)
         model = self._model_rates(batch_size)
         if known is None and model is not None:
             known = bucket  # every option's rate follows from the model: no trial steps needed here
         if known is None:  # nothing measured nearby: try every option a few times, cheapest first
             for i in self._cheapest_first:
-                if self._stat(i, bucket).n < self.warmup and not self._ruled_out(i, bucket, batch_size):
+                if i in ok and self._stat(i, bucket).n < self.warmup and not self._ruled_out(i, bucket, batch_size):
                     return i
             known = bucket
         # a bucket the batch has just entered (requests finishing) starts from the nearest measured
         # one instead of exploring again: at a large batch an exploratory step is very slow
         rates = model if model is not None else self._rates(bucket, known, batch_size)
-        best = max(range(len(self.options)), key=lambda i: rates[i] / (1.0 if self.options[i] is None else 1.0 + self.tree_margin))
+        best = max(ok, key=lambda i: rates[i] / (1.0 if self.options[i] is None else 1.0 + self.tree_margin))
         if self.best.get(bucket) != best:
             self._new_reference(bucket, best, rates)
         # re-measure each losing option now and then (acceptance drifts with the content, and its
         # first measurements may have been unlucky); one far behind the best ever less often (each
         # re-measurement costs a slow step), one close to it at the base interval
-        for i in range(len(self.options)):
+        for i in ok:
             if i != best and (bucket, i) not in self.next_retry:  # the first re-measurement is budgeted too
                 self.next_retry[(bucket, i)] = step + max(self.retry_every, self._budget_gap(i, best, bucket, known, batch_size, rates))
-        due = [i for i in range(len(self.options)) if i != best and step >= self.next_retry[(bucket, i)]]
+        due = [i for i in ok if i != best and step >= self.next_retry[(bucket, i)]]
         if not due:
             return best
         pick = min(due, key=lambda i: self.next_retry[(bucket, i)])
@@ -258,10 +273,15 @@ class AdaptiveSpeculation:
         """Every option's predicted rate at this batch size, or None until the model covers them all
         (acceptance, tree size and drafting seconds per request from at least `warmup` steps of each
         tree, and the verify cost of that many rows)."""
-        if any(o is not None and len(self.history[i].steps) < self.warmup for i, o in enumerate(self.options)):
+        ok = self._eligible(batch_size)
+        if any(self.options[i] is not None and len(self.history[i].steps) < self.warmup for i in ok):
             return None
-        rates = [self._prior(i, batch_size) for i in range(len(self.options))]
+        rates = [self._prior(i, batch_size) if i in ok else 0.0 for i in range(len(self.options))]
         return None if None in rates else rates
+
+    def _eligible(self, batch_size: int) -> list[int]:
+        """The options this batch size may use (the confident cut only from its batch size on)."""
+        return [i for i, m in enumerate(self.min_batch) if batch_size >= m]
 
     def _new_reference(self, bucket: str, best: int, rates: list[float]) -> None:
         """`best` takes over as this bucket's reference: the others' ratios were against the previous
@@ -286,10 +306,10 @@ class AdaptiveSpeculation:
         ratio = self._seconds(i, bucket, known, batch_size) / max(self._seconds(best, bucket, known, batch_size), 1e-9)
         rate_best = rates[best]
         lost = ratio * max(0.0, 1.0 - rates[i] / rate_best) if rate_best > 0 else ratio
-        return math.ceil(lost * (len(self.options) - 1) / self.explore_budget)
+        return math.ceil(lost * (len(self._eligible(batch_size)) - 1) / self.explore_budget)
 
     def _measured(self, bucket: str, batch_size: int) -> bool:
-        return all(self._stat(i, bucket).n >= self.warmup or self._ruled_out(i, bucket, batch_size) for i in range(len(self.options)))
+        return all(self._stat(i, bucket).n >= self.warmup or self._ruled_out(i, bucket, batch_size) for i in self._eligible(batch_size))
 
     def _prior(self, i: int, batch_size: int) -> float | None:
         """Option i's predicted tokens/s at this batch size: its tokens and rows per request, measured at
@@ -374,8 +394,8 @@ class AdaptiveSpeculation:
         if ran is None or ran.topk != 1:
             return
         for j, shape in enumerate(self.options):
-            if j == option or shape is None or shape.topk != 1 or shape.depth > ran.depth:
-                continue
+            if j == option or shape is None or shape.topk != 1 or shape.depth > ran.depth or shape.min_prob != ran.min_prob:
+                continue  # (a chain cut at another min_prob is not the longer chain's first nodes)
             d = shape.depth
             h = self.history[j]
             per_draft = h.draft_seconds if h.steps else 0.0

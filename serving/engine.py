@@ -1,7 +1,7 @@
 """The embedded speculative engine: request -> prefill -> (draft -> tree -> verify -> accept)* -> done.
 
 One step() advances every running request by one draft/verify cycle in a single batched target
-forward; new requests are prefilled (batched) at the start of the step. The vanilla path is the
+forward; new requests are prefilled in that same forward. The vanilla path is the
 same loop with root-only trees (one token per step), so speed ratios compare like with like.
 
 Ownership: the engine owns requests and the target KV pool; a drafter owns its own state.
@@ -27,7 +27,7 @@ from sglang_ext.sampling import InvalidRequest, SamplingParams, greedy_tokens, l
 from sglang_ext.tree import TokenTree, TreeShape, chain_tree
 from sglang_ext.verify import VerifyResult, greedy_verify, sampling_verify
 
-from .adaptive import AdaptiveSpeculation
+from .adaptive import CONFIDENT_FROM_BATCH, AdaptiveSpeculation
 
 
 @dataclass
@@ -87,6 +87,7 @@ class Engine:
         on_fallback=None,
         adaptive: bool = False,
         prefill_tokens: int = 2048,
+        mixed_prefill: bool = True,
     ):
         self.target, self.model = target, target.model
         self.drafter = drafter
@@ -102,11 +103,12 @@ class Engine:
         self._ids = itertools.count()
         self.on_fallback = on_fallback  # callback(request, reason) for metrics
         # per-step choice of tree shape / no speculation from measured throughput (serving default)
-        self.policy = AdaptiveSpeculation(self.tree) if adaptive and drafter is not None else None
+        self.policy = AdaptiveSpeculation(self.tree, confident_from=CONFIDENT_FROM_BATCH) if adaptive and drafter is not None else None
         self.last_shape: TreeShape | None = self.tree if drafter is not None else None
         self.capture_layers = tuple(drafter.capture_layers) if drafter else ()
         self._drafter_commits = getattr(drafter, "needs_commit", True)
         self.prefill_tokens = prefill_tokens
+        self.mixed_prefill = mixed_prefill  # False: arrivals get a forward of their own before the decode forward
 
     # --- admission ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
@@ -144,49 +146,88 @@ class Engine:
 
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
-        events = []
-        if self.waiting:
-            # NOTE: prompts are prefilled in groups of at most prefill_tokens (padded SDPA view: the
-            # cost grows with batch x longest prompt), so 64 arrivals don't become one huge forward
-            n, budget = 0, 0
-            for r in self.waiting:
-                if n and budget + len(r.prompt_ids) > self.prefill_tokens:
-                    break
-                n, budget = n + 1, budget + len(r.prompt_ids)
-            batch, self.waiting = self.waiting[:n], self.waiting[n:]
-            events += self._prefill(batch)
-        decoding = [r for r in self.running if not any(e.request is r for e in events)]
-        if decoding:
-            events += self._decode(decoding)
+        arrivals = self._admit()
+        decoding = list(self.running)
+        if self.mixed_prefill:
+            events = self._forward_step(decoding, arrivals) if decoding or arrivals else []
+        else:
+            events = (self._forward_step([], arrivals) if arrivals else []) + (self._forward_step(decoding, []) if decoding else [])
         for e in events:
             if e.request.finished:
                 self._release(e.request)
         return events
 
-    def _prefill(self, batch: list[Request]) -> list[StepEvent]:
-        ids, pos, slots, kv_lists, masks, last = [], [], [], [], [], []
-        for r in batch:
-            s = self.kv.alloc(len(r.prompt_ids))
-            r.slots = s
-            ids += r.prompt_ids
-            pos.append(torch.arange(len(r.prompt_ids)))
+    def _admit(self) -> list[Request]:
+        """The waiting requests this step prefills.
+        NOTE: at most prefill_tokens prompt tokens (padded SDPA view: the cost grows with batch x
+        longest prompt), so 64 arrivals don't become one huge forward."""
+        n, budget = 0, 0
+        for r in self.waiting:
+            if n and budget + len(r.prompt_ids) > self.prefill_tokens:
+                break
+            n, budget = n + 1, budget + len(r.prompt_ids)
+        batch, self.waiting = self.waiting[:n], self.waiting[n:]
+        return batch
+
+    def _forward_step(self, reqs: list[Request], arrivals: list[Request]) -> list[StepEvent]:
+        """One target forward for the whole step: the running requests' trees (draft -> tree ->
+        verify -> accept) and the arrivals' prompts (prefill -> first token) side by side.
+        NOTE: one forward, not a prefill forward and a decode forward: the prompt rows share the pass
+        over the weights with the decode rows (a step's fixed cost), and arrivals one or two at a time
+        (what speculation's uneven finishing gives) cost no more than arrivals in a group."""
+        t0 = time.perf_counter()
+        option = self.policy.choose(len(reqs)) if self.policy and reqs else None
+        shape = self.policy.options[option] if option is not None else self.tree
+        if reqs:
+            self.last_shape = shape if self.drafter is not None else None
+        t_propose = time.perf_counter()
+        trees = self._propose(reqs, shape) if reqs else []
+        t_drafted = time.perf_counter()
+        new_slots = [self.kv.alloc(t.num_nodes) for t in trees]
+        ids, pos, slots, kv_lists, masks = [], [], [], [], []
+        for r, t, s in zip(reqs, trees, new_slots):
+            ids.append(t.draft_tokens)
+            pos.append(t.positions)
             slots.append(s)
-            kv_lists.append(s)
-            masks.append(causal_mask(len(r.prompt_ids), 0))
-            last.append(len(ids) - 1)
-        out = self.model.forward(torch.tensor(ids), torch.cat(pos), torch.cat(slots), plan_attention(kv_lists, masks), self.kv, self.capture_layers)
-        logits = self.model.logits(out.hidden[last], fp32=False)
-        events, start = [], 0
-        for i, r in enumerate(batch):
+            kv_lists.append(torch.cat([r.slots, s]))
+            masks.append(prefix_and_tree_mask(t.tree_mask, len(r.slots)))
+        tree_rows = sum(t.num_nodes for t in trees)
+        try:
+            for r in arrivals:
+                r.slots = self.kv.alloc(len(r.prompt_ids))
+                ids.append(torch.tensor(r.prompt_ids))
+                pos.append(torch.arange(len(r.prompt_ids)))
+                slots.append(r.slots)
+                kv_lists.append(r.slots)
+                masks.append(causal_mask(len(r.prompt_ids), 0))
+            out = self.model.forward(torch.cat(ids), torch.cat(pos), torch.cat(slots), plan_attention(kv_lists, masks), self.kv, self.capture_layers)
+        except BaseException:
+            for s in new_slots:  # a failed forward must not leak the tree's slots or the prompts'
+                self.kv.free(s)
+            for r in arrivals:
+                self.kv.free(r.slots)
+                r.slots = torch.empty(0, dtype=torch.long)
+            raise
+        # one lm_head matmul for the step: every tree row, and each prompt's last row
+        prompt_ends = torch.tensor([len(r.prompt_ids) for r in arrivals], dtype=torch.long).cumsum(0) - 1 + tree_rows
+        hidden = out.hidden if not arrivals else out.hidden[torch.cat([torch.arange(tree_rows), prompt_ends])]
+        logits = self.model.logits(hidden, fp32=False)
+        events = self._accept(reqs, trees, new_slots, out.captured, logits)
+        start = tree_rows
+        for i, r in enumerate(arrivals):
             n = len(r.prompt_ids)
-            tok = self._sample(logits[i], r)
+            tok = self._sample(logits[tree_rows + i], r)
             self.running.append(r)
             if self.drafter is not None:
-                cap = TargetCapture(r.prompt_ids, pos[i], r.slots, {l: h[start : start + n] for l, h in out.captured.items()}, self.kv)
+                cap = TargetCapture(r.prompt_ids, pos[len(reqs) + i], r.slots, {l: h[start : start + n] for l, h in out.captured.items()}, self.kv)
                 self._drafter_call(lambda: self.drafter.add_request(r.rid, cap), [r])
             start += n
             r.t_first_token = time.perf_counter()
             events.append(StepEvent(r, self._append(r, [tok]), 0, 0))
+        if option is not None and not arrivals:
+            # NOTE: steps with a prompt in the forward are not measured: their seconds are not the trees'
+            self.policy.observe(option, len(reqs), time.perf_counter() - t0, sum(len(e.new_tokens) for e in events), tree_rows,
+                                draft_seconds=t_drafted - t_propose, accepted=[e.accepted for e in events], drafted=[e.drafted for e in events])
         return events
 
     def _sample(self, logits: torch.Tensor, r: Request) -> int:
@@ -230,34 +271,9 @@ class Engine:
                         trees[r.rid] = t
         return [trees.get(r.rid) or chain_tree(r.output_ids[-1], [], len(r.slots)) for r in reqs]
 
-    def _decode(self, reqs: list[Request]) -> list[StepEvent]:
-        t0 = time.perf_counter()
-        option = self.policy.choose(len(reqs)) if self.policy else None
-        shape = self.policy.options[option] if self.policy else self.tree
-        self.last_shape = shape if self.drafter is not None else None
-        t_propose = time.perf_counter()
-        trees = self._propose(reqs, shape)
-        t_drafted = time.perf_counter()
-        new_slots = [self.kv.alloc(t.num_nodes) for t in trees]
-        try:
-            plan = plan_attention(
-                [torch.cat([r.slots, s]) for r, s in zip(reqs, new_slots)],
-                [prefix_and_tree_mask(t.tree_mask, len(r.slots)) for r, t in zip(reqs, trees)],
-            )
-            out = self.model.forward(
-                torch.cat([t.draft_tokens for t in trees]),
-                torch.cat([t.positions for t in trees]),
-                torch.cat(new_slots),
-                plan,
-                self.kv,
-                self.capture_layers,
-            )
-        except BaseException:
-            for s in new_slots:  # a failed verify forward must not leak the tree's slots
-                self.kv.free(s)
-            raise
+    def _accept(self, reqs: list[Request], trees: list[TokenTree], new_slots: list[torch.Tensor], captured: dict, logits: torch.Tensor) -> list[StepEvent]:
+        """Verify each request's tree on its rows of the logits; keep the accepted nodes' KV, free the rest."""
         events, start = [], 0
-        logits = self.model.logits(out.hidden, fp32=False)  # one lm_head matmul for the whole batch
         for r, t, s in zip(reqs, trees, new_slots):
             n = t.num_nodes
             res = self._verify(r, t, logits[start : start + n])
@@ -269,14 +285,10 @@ class Engine:
             self._record(r, res, n - 1)
             if self.drafter is not None and r.drafting and self._drafter_commits:
                 rows = torch.tensor(res.accepted_nodes) + start
-                cap = TargetCapture(t.draft_tokens[res.accepted_nodes].tolist(), t.positions[res.accepted_nodes], keep, {l: h[rows] for l, h in out.captured.items()}, self.kv)
+                cap = TargetCapture(t.draft_tokens[res.accepted_nodes].tolist(), t.positions[res.accepted_nodes], keep, {l: h[rows] for l, h in captured.items()}, self.kv)
                 self._drafter_call(lambda: self.drafter.commit(r.rid, cap), [r])
             events.append(StepEvent(r, self._append(r, res.tokens), res.num_accepted, n - 1))
             start += n
-        if self.policy:
-            rows = sum(t.num_nodes for t in trees)
-            self.policy.observe(option, len(reqs), time.perf_counter() - t0, sum(len(e.new_tokens) for e in events), rows,
-                                draft_seconds=t_drafted - t_propose, accepted=[e.accepted for e in events], drafted=[e.drafted for e in events])
         return events
 
     def _verify(self, r: Request, tree: TokenTree, logits: torch.Tensor) -> VerifyResult:

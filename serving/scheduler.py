@@ -3,7 +3,7 @@
     event loop (gateway)                 engine thread (owns Engine; nothing else touches it)
     ────────────────────                 ───────────────────────────────────────────────────
     submit(ids, params) ──► pending ──►  admit while running < max_running and KV fits
-          │   (full: QueueFull → 429)    engine.step()  (prefill joins + one draft/verify for all)
+          │   (full: QueueFull → 429)    engine.step()  (one forward: arrivals prefill, the rest draft/verify)
           │                              per request: Delivery(tokens, finish, stats)
     handle.next() ◄── call_soon_threadsafe ◄──┘  (one callback per step per event loop)
     handle.cancel() ──► aborts ──────►  engine.abort(req): KV freed before the next step

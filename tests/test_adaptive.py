@@ -13,6 +13,29 @@ def test_menu_has_off_configured_and_smaller():
     assert menu[0] is None and menu[1] == TreeShape(6, 4, 24) and menu[2].num_draft_tokens < 24
 
 
+def test_confident_cut_is_offered_only_from_its_batch_size():
+    """The small shape cut at CONFIDENT_MIN_PROB is a fourth option, never used below confident_from
+    requests even when it is the fastest there (at bs 1 rows are cheap and the cut loses tokens)."""
+    from serving.adaptive import CONFIDENT_MIN_PROB
+
+    assert shape_menu(TreeShape(3, 1, 4), confident=True)[3] == TreeShape(1, 1, 2, CONFIDENT_MIN_PROB)
+    assert len(shape_menu(TreeShape(3, 1, 4, 0.5), confident=True)) == 3  # already cut harder: nothing to add
+    p = AdaptiveSpeculation(TreeShape(3, 1, 4), warmup=2, retry_every=1000, confident_from=4)
+    cut = 3
+    # (seconds, tokens) of a step: at bs 1 the cut is the fastest (119 tok/s, the chain
+    # 115); at bs 4 the cut (214) beats off (200), the chain (150) and the small chain (160)
+    cost = {1: {0: (0.010, 1.0), 1: (0.013, 1.5), 2: (0.011, 1.2), cut: (0.008, 0.95)},
+            4: {0: (0.020, 4.0), 1: (0.040, 6.0), 2: (0.030, 4.8), cut: (0.022, 4.7)}}
+    picks = {1: [], 4: []}
+    for bs in (1, 4):
+        for _ in range(60):
+            o = p.choose(bs)
+            picks[bs].append(o)
+            p.observe(o, bs, *cost[bs][o])
+    assert cut not in picks[1] and picks[1][-1] == 1
+    assert picks[4][-1] == cut
+
+
 def test_policy_prefers_faster_option_per_bucket():
     p = AdaptiveSpeculation(TreeShape(4, 2, 8), warmup=2, retry_every=1000)
     # bs=1: speculation (option 1) emits 3 tokens in 30 ms, off emits 1 in 20 ms

@@ -233,6 +233,8 @@ def test_bucketed_batch_equals_one_padded_group(small_q, monkeypatch):
     bucketed = plan_attention(slots, masks)
     one = plan_attention(slots, masks, waste=float("inf"))
     assert len(bucketed.groups) > 1 and len(one.groups) == 1
+    # the prompt-sized blocks (80, 70 queries) are never padded together with the decode-sized ones
+    assert all(len({bool(q > 64) for q in g.q_valid.sum(1).tolist()}) == 1 for g in bucketed.groups)
     q = torch.randn(bucketed.num_queries, HQ, D, generator=gen)
     torch.testing.assert_close(tree_attention_torch(q, k_pool, v_pool, bucketed, SCALE), tree_attention_torch(q, k_pool, v_pool, one, SCALE), atol=1e-5, rtol=1e-5)
 

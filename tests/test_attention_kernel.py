@@ -65,6 +65,24 @@ def test_a_tree_row_is_bit_identical_to_the_same_row_decoded_alone():
 
 
 @needs_kernel
+def test_a_prompt_block_next_to_trees_is_split_between_kernel_and_torch():
+    """A prompt prefilled in the same forward as other requests' trees: the trees' rows go through
+    the kernel exactly as without the prompt (bit-identical), the prompt's through torch."""
+    requests, plan, q, k_pool, v_pool = _batch([37, 0, 120, 0], [9, MAX_Q + 30, 4, MAX_Q + 1], 64, seed=11)
+    split = plan.split_by_queries(MAX_Q)
+    assert split is not None and split.long_rows.numel() == 2 * MAX_Q + 31
+    assert plan.split_by_queries(MAX_Q) is split  # planned once per forward, not once per layer
+    out = tree_attention_cpu(q, k_pool, v_pool, plan, 0.125)
+    ref = tree_attention_torch(q.double(), k_pool.double(), v_pool.double(), plan, 0.125)
+    assert (out.double() - ref).abs().max() < 2e-6
+    trees = [requests[0], requests[2]]
+    rows = torch.cat([torch.arange(int(plan.qo_indptr[b]), int(plan.qo_indptr[b + 1])) for b in (0, 2)])
+    without_prompt = plan_attention([r[0] for r in trees], [r[1] for r in trees])
+    assert torch.equal(out[rows], tree_attention_cpu(q[rows], k_pool, v_pool, without_prompt, 0.125))
+    assert plan_attention([r[0] for r in trees], [r[1] for r in trees]).split_by_queries(MAX_Q) is None  # nothing to split
+
+
+@needs_kernel
 def test_a_row_that_sees_nothing_gives_zeros_not_nan():
     gen = torch.Generator().manual_seed(0)
     k_pool, v_pool = random_pools(20, HKV, 64, gen)

@@ -11,7 +11,9 @@ Batch layout (flat, like SGLang): the queries of all requests are concatenated.
 The padded view is what the torch backend consumes: requests are bucketed by kv length (sorted,
 a new bucket when a request's kv is more than `PAD_WASTE` x the bucket's shortest), and each bucket
 is padded to its own longest request. One padded batch for all would make 63 short requests pay for
-one long one (measured on SmolLM2 at bs 64: 15x slower decode attention).
+one long one (measured on SmolLM2 at bs 64: 15x slower decode attention). Requests with more than
+`LONG_Q` queries (a prefill riding along with decode steps) are bucketed apart from the rest, or
+every decode request of their bucket would be padded to the prompt's length.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 
 PAD_WASTE = 1.5
+LONG_Q = 64  # more queries than this: a prompt block, not a decode / verify / draft step
 
 
 @dataclass
@@ -63,6 +66,46 @@ class AttentionPlan:
     def max_q_len(self) -> int:
         """The most queries any request has (once per plan, not once per layer)."""
         return int((self.qo_indptr[1:] - self.qo_indptr[:-1]).max())
+
+    def split_by_queries(self, max_q: int) -> PlanSplit | None:
+        """The requests with at most max_q queries and the others as two plans, with the flat query rows
+        each covers; None unless the batch has both kinds. Cached per max_q (built once per forward,
+        used by every layer)."""
+        cache = self.__dict__.setdefault("_splits", {})
+        if max_q not in cache:
+            cache[max_q] = _split(self, max_q)
+        return cache[max_q]
+
+
+@dataclass
+class PlanSplit:
+    """A mixed batch (decode rows next to a prompt block) as two plans, so each part gets the
+    attention path suited to it."""
+
+    short_rows: torch.Tensor  # [T_short] flat query rows of the requests with few queries
+    short: AttentionPlan
+    long_rows: torch.Tensor
+    long: AttentionPlan
+
+
+def _split(plan: AttentionPlan, max_q: int) -> PlanSplit | None:
+    q_lens = (plan.qo_indptr[1:] - plan.qo_indptr[:-1]).tolist()
+    k_lens = (plan.kv_indptr[1:] - plan.kv_indptr[:-1]).tolist()
+    is_short = [q <= max_q for q in q_lens]
+    if all(is_short) or not any(is_short):
+        return None
+    q0, k0 = plan.qo_indptr.tolist(), plan.kv_indptr.tolist()
+    m0 = [0]
+    for q, k in zip(q_lens, k_lens):
+        m0.append(m0[-1] + q * k)
+    parts = []
+    for want in (True, False):
+        idx = [b for b, s in enumerate(is_short) if s == want]
+        rows = torch.cat([torch.arange(q0[b], q0[b + 1]) for b in idx])
+        slots = [plan.kv_indices[k0[b] : k0[b + 1]] for b in idx]
+        masks = [plan.custom_mask[m0[b] : m0[b + 1]].view(q_lens[b], k_lens[b]) for b in idx]
+        parts += [rows, plan_attention(slots, masks)]
+    return PlanSplit(*parts)
 
 
 def causal_mask(q_len: int, prefix_len: int) -> torch.Tensor:
@@ -124,7 +167,15 @@ def plan_attention(kv_slots: list[torch.Tensor], masks: list[torch.Tensor], wast
     kv_indices = torch.cat(kv_slots).long()
     custom_mask = torch.cat([m.reshape(-1) for m in masks])
     starts = qo_indptr[:-1].tolist()
-    groups = [_padded([starts[i] for i in g], [kv_slots[i] for i in g], [masks[i] for i in g]) for g in length_buckets(k_lens, waste)]
+    long = [q > LONG_Q for q in q_lens]
+    if any(long) and not all(long) and waste != float("inf"):  # bucket prompt blocks and few-query requests apart
+        buckets = []
+        for kind in (False, True):
+            idx = [b for b in range(len(q_lens)) if long[b] == kind]
+            buckets += [[idx[j] for j in g] for g in length_buckets([k_lens[b] for b in idx], waste)]
+    else:
+        buckets = length_buckets(k_lens, waste)
+    groups = [_padded([starts[i] for i in g], [kv_slots[i] for i in g], [masks[i] for i in g]) for g in buckets]
     return AttentionPlan(qo_indptr, kv_indptr, kv_indices, custom_mask, groups)
 
 

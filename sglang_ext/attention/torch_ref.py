@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .plan import AttentionPlan, PaddedGroup
+from .plan import LONG_Q, AttentionPlan, PaddedGroup
 
-SMALL_Q = 64
+SMALL_Q = LONG_Q  # the plan buckets requests with more queries apart, so a group is all small or all long
 
 
 def _attend_small_q(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, g: PaddedGroup, scale: float) -> torch.Tensor:
