@@ -213,17 +213,7 @@ class Engine:
         hidden = out.hidden if not arrivals else out.hidden[torch.cat([torch.arange(tree_rows), prompt_ends])]
         logits = self.model.logits(hidden, fp32=False)
         events = self._accept(reqs, trees, new_slots, out.captured, logits)
-        start = tree_rows
-        for i, r in enumerate(arrivals):
-            n = len(r.prompt_ids)
-            tok = self._sample(logits[tree_rows + i], r)
-            self.running.append(r)
-            if self.drafter is not None:
-                cap = TargetCapture(r.prompt_ids, pos[len(reqs) + i], r.slots, {l: h[start : start + n] for l, h in out.captured.items()}, self.kv)
-                self._drafter_call(lambda: self.drafter.add_request(r.rid, cap), [r])
-            start += n
-            r.t_first_token = time.perf_counter()
-            events.append(StepEvent(r, self._append(r, [tok]), 0, 0))
+        events += self._first_tokens(arrivals, logits[tree_rows:], out.captured, tree_rows)
         if option is not None and not arrivals:
             # NOTE: steps with a prompt in the forward are not measured: their seconds are not the trees'
             self.policy.observe(option, len(reqs), time.perf_counter() - t0, sum(len(e.new_tokens) for e in events), tree_rows,
@@ -270,6 +260,22 @@ class Engine:
                     else:
                         trees[r.rid] = t
         return [trees.get(r.rid) or chain_tree(r.output_ids[-1], [], len(r.slots)) for r in reqs]
+
+    def _first_tokens(self, arrivals: list[Request], logits: torch.Tensor, captured: dict, start: int) -> list[StepEvent]:
+        """Each arrival's first token from its prompt's last row (logits[i]); the drafter gets the
+        target's view of the prompt (its rows of the forward from `start` on, arrival after arrival)."""
+        events = []
+        for r, row in zip(arrivals, logits):
+            n = len(r.prompt_ids)
+            tok = self._sample(row, r)
+            self.running.append(r)
+            if self.drafter is not None:
+                cap = TargetCapture(r.prompt_ids, torch.arange(n), r.slots, {l: h[start : start + n] for l, h in captured.items()}, self.kv)
+                self._drafter_call(lambda: self.drafter.add_request(r.rid, cap), [r])
+            start += n
+            r.t_first_token = time.perf_counter()
+            events.append(StepEvent(r, self._append(r, [tok]), 0, 0))
+        return events
 
     def _accept(self, reqs: list[Request], trees: list[TokenTree], new_slots: list[torch.Tensor], captured: dict, logits: torch.Tensor) -> list[StepEvent]:
         """Verify each request's tree on its rows of the logits; keep the accepted nodes' KV, free the rest."""
