@@ -51,6 +51,8 @@ class Request:
     generator: torch.Generator | None
     output_ids: list[int] = field(default_factory=list)
     slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    prefilled: int = 0  # prompt tokens whose K/V the target holds (a long prompt is prefilled over several steps)
+    prompt_captured: list = field(default_factory=list)  # the target's captured layers for the chunks so far
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     drafting: bool = True  # False after a drafter failure: vanilla decoding from then on
     stats: RequestStats = field(default_factory=RequestStats)
@@ -86,7 +88,7 @@ class Engine:
         max_context: int | None = None,
         on_fallback=None,
         adaptive: bool = False,
-        prefill_tokens: int = 2048,
+        prefill_tokens: int = 512,
         mixed_prefill: bool = True,
     ):
         self.target, self.model = target, target.model
@@ -107,7 +109,9 @@ class Engine:
         self.last_shape: TreeShape | None = self.tree if drafter is not None else None
         self.capture_layers = tuple(drafter.capture_layers) if drafter else ()
         self._drafter_commits = getattr(drafter, "needs_commit", True)
-        self.prefill_tokens = prefill_tokens
+        if prefill_tokens < 1:
+            raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
+        self.prefill_tokens = prefill_tokens  # prompt tokens prefilled per step at most (longer prompts in chunks)
         self.mixed_prefill = mixed_prefill  # False: arrivals get a forward of their own before the decode forward
 
     # --- admission ----------------------------------------------------------------------------
@@ -146,32 +150,38 @@ class Engine:
 
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
-        arrivals = self._admit()
+        chunks = self._admit()
         decoding = list(self.running)
         if self.mixed_prefill:
-            events = self._forward_step(decoding, arrivals) if decoding or arrivals else []
+            events = self._forward_step(decoding, chunks) if decoding or chunks else []
         else:
-            events = (self._forward_step([], arrivals) if arrivals else []) + (self._forward_step(decoding, []) if decoding else [])
+            events = (self._forward_step([], chunks) if chunks else []) + (self._forward_step(decoding, []) if decoding else [])
         for e in events:
             if e.request.finished:
                 self._release(e.request)
         return events
 
-    def _admit(self) -> list[Request]:
-        """The waiting requests this step prefills.
-        NOTE: at most prefill_tokens prompt tokens (padded SDPA view: the cost grows with batch x
-        longest prompt), so 64 arrivals don't become one huge forward."""
-        n, budget = 0, 0
+    def _admit(self) -> list[tuple[Request, int]]:
+        """The prompt chunks this step prefills: (request, end) for prompt tokens [r.prefilled, end).
+        NOTE: at most prefill_tokens prompt tokens per step; a prompt that does not fit is split
+        (chunked prefill), so one long prompt holds the running requests' next tokens up for one
+        chunk's time, not its whole prefill. A request whose prompt is done leaves the queue; the one
+        split stays at its head."""
+        chunks, budget = [], self.prefill_tokens
         for r in self.waiting:
-            if n and budget + len(r.prompt_ids) > self.prefill_tokens:
+            if budget <= 0:
                 break
-            n, budget = n + 1, budget + len(r.prompt_ids)
-        batch, self.waiting = self.waiting[:n], self.waiting[n:]
-        return batch
+            end = min(len(r.prompt_ids), r.prefilled + budget)
+            chunks.append((r, end))
+            budget -= end - r.prefilled
+        whole = sum(end == len(r.prompt_ids) for r, end in chunks)
+        self.waiting = self.waiting[whole:]
+        return chunks
 
-    def _forward_step(self, reqs: list[Request], arrivals: list[Request]) -> list[StepEvent]:
+    def _forward_step(self, reqs: list[Request], chunks: list[tuple[Request, int]]) -> list[StepEvent]:
         """One target forward for the whole step: the running requests' trees (draft -> tree ->
-        verify -> accept) and the arrivals' prompts (prefill -> first token) side by side.
+        verify -> accept) and the arrivals' prompt chunks (prefill -> first token once a prompt is
+        done) side by side.
         NOTE: one forward, not a prefill forward and a decode forward: the prompt rows share the pass
         over the weights with the decode rows (a step's fixed cost), and arrivals one or two at a time
         (what speculation's uneven finishing gives) cost no more than arrivals in a group."""
@@ -192,32 +202,57 @@ class Engine:
             kv_lists.append(torch.cat([r.slots, s]))
             masks.append(prefix_and_tree_mask(t.tree_mask, len(r.slots)))
         tree_rows = sum(t.num_nodes for t in trees)
+        chunk_slots = []
         try:
-            for r in arrivals:
-                r.slots = self.kv.alloc(len(r.prompt_ids))
-                ids.append(torch.tensor(r.prompt_ids))
-                pos.append(torch.arange(len(r.prompt_ids)))
-                slots.append(r.slots)
-                kv_lists.append(r.slots)
-                masks.append(causal_mask(len(r.prompt_ids), 0))
+            for r, end in chunks:
+                s = self.kv.alloc(end - r.prefilled)
+                chunk_slots.append(s)
+                ids.append(torch.tensor(r.prompt_ids[r.prefilled : end]))
+                pos.append(torch.arange(r.prefilled, end))
+                slots.append(s)
+                kv_lists.append(torch.cat([r.slots, s]))
+                masks.append(causal_mask(end - r.prefilled, r.prefilled))
             out = self.model.forward(torch.cat(ids), torch.cat(pos), torch.cat(slots), plan_attention(kv_lists, masks), self.kv, self.capture_layers)
         except BaseException:
-            for s in new_slots:  # a failed forward must not leak the tree's slots or the prompts'
+            for s in new_slots + chunk_slots:  # a failed forward must not leak the tree's slots or the chunks'
                 self.kv.free(s)
-            for r in arrivals:
-                self.kv.free(r.slots)
-                r.slots = torch.empty(0, dtype=torch.long)
             raise
-        # one lm_head matmul for the step: every tree row, and each prompt's last row
-        prompt_ends = torch.tensor([len(r.prompt_ids) for r in arrivals], dtype=torch.long).cumsum(0) - 1 + tree_rows
-        hidden = out.hidden if not arrivals else out.hidden[torch.cat([torch.arange(tree_rows), prompt_ends])]
-        logits = self.model.logits(hidden, fp32=False)
+        # one lm_head matmul for the step: every tree row, and the last row of each prompt done now
+        ends = torch.tensor([end - r.prefilled for r, end in chunks], dtype=torch.long).cumsum(0) - 1 + tree_rows
+        done = [i for i, (r, end) in enumerate(chunks) if end == len(r.prompt_ids)]
+        hidden = out.hidden if not chunks else out.hidden[torch.cat([torch.arange(tree_rows), ends[done]])]
+        logits = self.model.logits(hidden, fp32=False) if hidden.shape[0] else hidden.new_empty(0, 0)  # (only chunks of unfinished prompts)
         events = self._accept(reqs, trees, new_slots, out.captured, logits)
-        events += self._first_tokens(arrivals, logits[tree_rows:], out.captured, tree_rows)
-        if option is not None and not arrivals:
+        events += self._prefilled(chunks, chunk_slots, logits[tree_rows:], out.captured, tree_rows)
+        if option is not None and not chunks:
             # NOTE: steps with a prompt in the forward are not measured: their seconds are not the trees'
             self.policy.observe(option, len(reqs), time.perf_counter() - t0, sum(len(e.new_tokens) for e in events), tree_rows,
                                 draft_seconds=t_drafted - t_propose, accepted=[e.accepted for e in events], drafted=[e.drafted for e in events])
+        return events
+
+    def _prefilled(self, chunks: list[tuple[Request, int]], chunk_slots: list[torch.Tensor], logits: torch.Tensor, captured: dict, start: int) -> list[StepEvent]:
+        """Commit each prompt chunk (its rows of the forward from `start` on, chunk after chunk); a
+        request whose prompt is now done samples its first token (logits: one row per such request,
+        in order) and starts drafting with the target's view of the whole prompt."""
+        events, done = [], iter(logits)
+        for (r, end), s in zip(chunks, chunk_slots):
+            n = end - r.prefilled
+            r.slots = torch.cat([r.slots, s])
+            r.prefilled = end
+            if self.drafter is not None and captured:
+                r.prompt_captured.append({l: h[start : start + n] for l, h in captured.items()})
+            start += n
+            if end < len(r.prompt_ids):
+                continue
+            tok = self._sample(next(done), r)
+            self.running.append(r)
+            if self.drafter is not None:
+                parts, r.prompt_captured = r.prompt_captured, []
+                hidden = {l: torch.cat([p[l] for p in parts]) for l in captured} if parts else {}
+                cap = TargetCapture(r.prompt_ids, torch.arange(end), r.slots, hidden, self.kv)
+                self._drafter_call(lambda: self.drafter.add_request(r.rid, cap), [r])
+            r.t_first_token = time.perf_counter()
+            events.append(StepEvent(r, self._append(r, [tok]), 0, 0))
         return events
 
     def _sample(self, logits: torch.Tensor, r: Request) -> int:
@@ -260,22 +295,6 @@ class Engine:
                     else:
                         trees[r.rid] = t
         return [trees.get(r.rid) or chain_tree(r.output_ids[-1], [], len(r.slots)) for r in reqs]
-
-    def _first_tokens(self, arrivals: list[Request], logits: torch.Tensor, captured: dict, start: int) -> list[StepEvent]:
-        """Each arrival's first token from its prompt's last row (logits[i]); the drafter gets the
-        target's view of the prompt (its rows of the forward from `start` on, arrival after arrival)."""
-        events = []
-        for r, row in zip(arrivals, logits):
-            n = len(r.prompt_ids)
-            tok = self._sample(row, r)
-            self.running.append(r)
-            if self.drafter is not None:
-                cap = TargetCapture(r.prompt_ids, torch.arange(n), r.slots, {l: h[start : start + n] for l, h in captured.items()}, self.kv)
-                self._drafter_call(lambda: self.drafter.add_request(r.rid, cap), [r])
-            start += n
-            r.t_first_token = time.perf_counter()
-            events.append(StepEvent(r, self._append(r, [tok]), 0, 0))
-        return events
 
     def _accept(self, reqs: list[Request], trees: list[TokenTree], new_slots: list[torch.Tensor], captured: dict, logits: torch.Tensor) -> list[StepEvent]:
         """Verify each request's tree on its rows of the logits; keep the accepted nodes' KV, free the rest."""

@@ -42,6 +42,7 @@ def add_serve_parser(sub) -> None:
     s.add_argument("--max-running", type=int, default=64, help="requests decoded together (continuous batching)")
     s.add_argument("--max-queue", type=int, default=256, help="requests waiting for admission before 429")
     s.add_argument("--kv-slots", type=int, default=16384, help="embedded: target KV pool size in tokens")
+    s.add_argument("--prefill-tokens", type=int, default=512, help="embedded: prompt tokens prefilled per step at most; longer prompts are prefilled in chunks over several steps, next to the running requests' decode steps")
     s.add_argument("--max-context", type=int, default=None, help="embedded: context limit (default: the model's)")
     s.add_argument("--max-tokens-limit", type=int, default=2048, help="largest max_tokens a request may ask for")
     s.add_argument("--default-max-tokens", type=int, default=512, help="embedded: max_tokens when a request sets none (KV is reserved for prompt + max_tokens)")
@@ -77,7 +78,7 @@ def build_embedded(args, metrics: Metrics):
     target = load_target(args.model, dtype=args.dtype)
     args.drafter = resolve_drafter(args.drafter, target)
     tree = tree or default_tree(args.drafter)
-    engine = Engine(target, make_drafter(args.drafter, target), tree, kv_slots=args.kv_slots, max_context=args.max_context, adaptive=not args.no_adaptive)
+    engine = Engine(target, make_drafter(args.drafter, target), tree, kv_slots=args.kv_slots, max_context=args.max_context, adaptive=not args.no_adaptive, prefill_tokens=args.prefill_tokens)
     limits = dict(max_running=args.max_running, max_queue=args.max_queue, max_tokens=args.max_tokens_limit, default_max_tokens=args.default_max_tokens, max_prompt_tokens=args.max_prompt_tokens)
     return embedded_backend(engine, _served_name(args), args.drafter or "none", metrics, **limits)
 
