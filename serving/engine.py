@@ -218,9 +218,11 @@ class Engine:
                 self.kv.free(s)
             raise
         # one lm_head matmul for the step: every tree row, and the last row of each prompt done now
-        ends = torch.tensor([end - r.prefilled for r, end in chunks], dtype=torch.long).cumsum(0) - 1 + tree_rows
-        done = [i for i, (r, end) in enumerate(chunks) if end == len(r.prompt_ids)]
-        hidden = out.hidden if not chunks else out.hidden[torch.cat([torch.arange(tree_rows), ends[done]])]
+        hidden = out.hidden
+        if chunks:  # (not on plain decode steps)
+            ends = torch.tensor([end - r.prefilled for r, end in chunks], dtype=torch.long).cumsum(0) - 1 + tree_rows
+            done = [i for i, (r, end) in enumerate(chunks) if end == len(r.prompt_ids)]
+            hidden = hidden[torch.cat([torch.arange(tree_rows), ends[done]])]
         logits = self.model.logits(hidden, fp32=False) if hidden.shape[0] else hidden.new_empty(0, 0)  # (only chunks of unfinished prompts)
         events = self._accept(reqs, trees, new_slots, out.captured, logits)
         events += self._prefilled(chunks, chunk_slots, logits[tree_rows:], out.captured, tree_rows)

@@ -18,7 +18,7 @@ every decode request of their bucket would be padded to the prompt's length.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
@@ -53,6 +53,7 @@ class AttentionPlan:
     # padded (torch) view: requests bucketed by kv length; one group covering the batch in order
     # means the output needs no scatter
     groups: list[PaddedGroup]
+    _splits: dict = field(default_factory=dict, repr=False, compare=False)  # split_by_queries, per max_q
 
     @property
     def batch_size(self) -> int:
@@ -71,10 +72,9 @@ class AttentionPlan:
         """The requests with at most max_q queries and the others as two plans, with the flat query rows
         each covers; None unless the batch has both kinds. Cached per max_q (built once per forward,
         used by every layer)."""
-        cache = self.__dict__.setdefault("_splits", {})
-        if max_q not in cache:
-            cache[max_q] = _split(self, max_q)
-        return cache[max_q]
+        if max_q not in self._splits:
+            self._splits[max_q] = _split(self, max_q)
+        return self._splits[max_q]
 
 
 @dataclass
