@@ -39,7 +39,7 @@ def eval_dir() -> Path | None:
 def read_prompts(path: Path) -> list[str]:
     """First user turn of each record in an EAGLE-format jsonl file."""
     prompts = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):  # not splitlines(): U+2028 may sit in a string
         if not line.strip():
             continue
         try:

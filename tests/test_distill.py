@@ -58,6 +58,20 @@ def test_distill_cli_resumes_and_refuses_to_overwrite(tmp_path):
     assert len(ids) == 3 and len(set(ids)) == 3
 
 
+def test_distill_resumes_after_an_answer_holding_a_unicode_line_separator(tmp_path):
+    """json.dumps(ensure_ascii=False) leaves U+2028/U+0085 raw; resuming must still read one record per line."""
+    src = _conversations(tmp_path / "convs.jsonl")
+    out = tmp_path / "d.jsonl"
+    rec = {"id": "q0", "conversations": [{"role": "user", "content": QUESTIONS[0]}, {"role": "assistant", "content": "red\u2028blue\x85green"}],
+           "finish_reason": "stop"}
+    out.write_text(json.dumps(rec, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert cli_main(["distill", "--data", str(src), "--out", str(out), "--max-new-tokens", "4", "--batch-size", "2", "--threads", "1",
+                     "--no-progress", "--num-conversations", "2", "--resume"]) == 0
+    with open(out, encoding="utf-8") as f:
+        ids = [json.loads(line)["id"] for line in f]
+    assert ids == ["q0", "q1"]
+
+
 def test_fine_tune_a_shipped_drafter_with_init_from(tmp_path, smollm2_fp32):
     """--init-from keeps the checkpoint's draft vocab and starts from its weights (one step moves them a little)."""
     from sglang_ext.drafters.eagle3 import default_checkpoint

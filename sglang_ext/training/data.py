@@ -163,7 +163,7 @@ def eval_prompts() -> set[str]:
     ev = eval_dir()
     out: set[str] = set()
     for f in sorted(ev.glob("*.jsonl")) if ev else ():
-        for line in f.read_text().splitlines():
+        for line in f.read_text(encoding="utf-8").split("\n"):  # not splitlines(): U+2028 may sit inside a string
             if line.strip():
                 turns = json.loads(line).get("turns") or []
                 out.update(t.strip() for t in turns)

@@ -108,7 +108,9 @@ def cmd_distill(args) -> int:
         raise SystemExit(f"{out} exists: pass --resume to continue it, or choose another --out")
     done: set[str] = set()
     if args.resume and out.is_file():
-        done = {json.loads(line)["id"] for line in out.read_text().splitlines() if line.strip()}
+        # iterate lines, not str.splitlines(): answers may hold U+2028 etc., which json.dumps leaves raw
+        with open(out, encoding="utf-8") as f:
+            done = {json.loads(line)["id"] for line in f if line.strip()}
     target = load_target(args.model, dtype=args.dtype)
     drafter = None if args.drafter == "none" else make_drafter(args.drafter, target)
     engine = Engine(target, drafter, default_tree(args.drafter) if drafter else None,
