@@ -23,7 +23,7 @@ import torch
 from sglang_ext.attention import causal_mask, plan_attention, prefix_and_tree_mask
 from sglang_ext.drafters import DraftInput, Drafter, TargetCapture
 from sglang_ext.models import Target
-from sglang_ext.sampling import InvalidRequest, SamplingParams, greedy_tokens, logits_to_probs, sample
+from sglang_ext.sampling import InvalidRequest, SamplingParams, TokenLogprob, greedy_tokens, logits_to_probs, sample, token_logprobs
 from sglang_ext.tree import TokenTree, TreeShape, chain_tree
 from sglang_ext.verify import VerifyResult, greedy_verify, sampling_verify
 
@@ -50,6 +50,7 @@ class Request:
     params: SamplingParams
     generator: torch.Generator | None
     output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token when params.logprobs is set
     slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     prefilled: int = 0  # prompt tokens whose K/V the target holds (a long prompt is prefilled over several steps)
     prompt_captured: list = field(default_factory=list)  # the target's captured layers for the chunks so far
@@ -76,6 +77,7 @@ class StepEvent:
     new_tokens: list[int]
     accepted: int  # draft tokens accepted in this step (0 for prefill or vanilla)
     drafted: int  # draft tokens proposed in this step
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
 
 
 class Engine:
@@ -236,7 +238,7 @@ class Engine:
         """Commit each prompt chunk (its rows of the forward from `start` on, chunk after chunk); a
         request whose prompt is now done samples its first token (logits: one row per such request,
         in order) and starts drafting with the target's view of the whole prompt."""
-        events, done = [], iter(logits)
+        events, done = [], iter(range(logits.shape[0]))
         for (r, end), s in zip(chunks, chunk_slots):
             n = end - r.prefilled
             r.slots = torch.cat([r.slots, s])
@@ -246,7 +248,8 @@ class Engine:
             start += n
             if end < len(r.prompt_ids):
                 continue
-            tok = self._sample(next(done), r)
+            i = next(done)
+            tok = self._sample(logits[i], r)
             self.running.append(r)
             if self.drafter is not None:
                 parts, r.prompt_captured = r.prompt_captured, []
@@ -254,7 +257,8 @@ class Engine:
                 cap = TargetCapture(r.prompt_ids, torch.arange(end), r.slots, hidden, self.kv)
                 self._drafter_call(lambda: self.drafter.add_request(r.rid, cap), [r])
             r.t_first_token = time.perf_counter()
-            events.append(StepEvent(r, self._append(r, [tok]), 0, 0))
+            new = self._append(r, [tok])
+            events.append(StepEvent(r, new, 0, 0, self._logprobs(r, logits, [i], new)))
         return events
 
     def _sample(self, logits: torch.Tensor, r: Request) -> int:
@@ -314,9 +318,19 @@ class Engine:
                 rows = torch.tensor(res.accepted_nodes) + start
                 cap = TargetCapture(t.draft_tokens[res.accepted_nodes].tolist(), t.positions[res.accepted_nodes], keep, {l: h[rows] for l, h in captured.items()}, self.kv)
                 self._drafter_call(lambda: self.drafter.commit(r.rid, cap), [r])
-            events.append(StepEvent(r, self._append(r, res.tokens), res.num_accepted, n - 1))
+            new = self._append(r, res.tokens)
+            # token i of the accepted path came from the target's logits at accepted node i
+            events.append(StepEvent(r, new, res.num_accepted, n - 1, self._logprobs(r, logits[start : start + n], res.accepted_nodes, new)))
             start += n
         return events
+
+    def _logprobs(self, r: Request, logits: torch.Tensor, rows: list[int], new: list[int]) -> list[TokenLogprob] | None:
+        """The new tokens' logprobs (rows: the logits row of each, in order), when the request asked."""
+        if r.params.logprobs is None:
+            return None
+        lps = token_logprobs(logits[rows[: len(new)]], new, r.params.logprobs)
+        r.output_logprobs += lps
+        return lps
 
     def _verify(self, r: Request, tree: TokenTree, logits: torch.Tensor) -> VerifyResult:
         if r.params.greedy:

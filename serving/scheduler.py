@@ -54,6 +54,7 @@ class Delivery:
     accepted_tokens: int = 0
     error: str | None = None  # the request failed: internal error, or `invalid` input the engine refused
     invalid: bool = False
+    logprobs: list | None = None  # TokenLogprobs of `tokens`, when the request asked for them
 
 
 class Handle:
@@ -243,7 +244,7 @@ class Scheduler:
             if h is None or h.done:
                 continue
             st = e.request.stats
-            d = Delivery(list(e.new_tokens), e.request.finish_reason, st.verify_steps, st.draft_tokens, st.accepted_tokens)
+            d = Delivery(list(e.new_tokens), e.request.finish_reason, st.verify_steps, st.draft_tokens, st.accepted_tokens, logprobs=e.logprobs)
             if e.request.finished:
                 del self._by_rid[e.request.rid]
                 posts.append(self._finish(h, d))

@@ -20,6 +20,9 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 128
@@ -29,6 +32,8 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k >= 0: each output token's log-probability and its k likeliest alternatives
+
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -39,6 +44,8 @@ class SamplingParams:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequest(f"top_k must be an integer >= 0, got {self.top_k!r}", "top_k")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidRequest(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}", "top_logprobs")
 
     @property
     def greedy(self) -> bool:
@@ -87,6 +94,31 @@ def _top_mass(probs: torch.Tensor, mass: float) -> tuple[torch.Tensor, torch.Ten
         if bool((vals.sum(-1) >= mass).all()):
             return vals, idx
     return probs.sort(dim=-1, descending=True)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An output token's log-probability under the target, and the `k` likeliest tokens at its position."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), likeliest first
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
+    """[n, V] logits at the positions that produced `tokens` (n of them) -> their logprobs.
+
+    The target's raw distribution (log-softmax of its logits, before temperature/top-k/top-p), as
+    vLLM and SGLang report by default: the same numbers whether a token came from a draft, a bonus
+    or a plain decode step, since a logits row does not depend on the rest of the batch."""
+    if not tokens:
+        return []
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
+    if not k:
+        return [TokenLogprob(t, c) for t, c in zip(tokens, chosen)]
+    vals, ids = lp.topk(k, dim=-1)
+    return [TokenLogprob(t, c, tuple(zip(i, v))) for t, c, i, v in zip(tokens, chosen, ids.tolist(), vals.tolist())]
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:

@@ -57,6 +57,18 @@ def top2_gap(model: LlamaModel, token_ids: list[int]) -> float:
     return float(top[0] - top[1])
 
 
+def reference_logprobs(model: LlamaModel, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """[len(output), V] log-softmax of one plain causal fp32 forward over prompt + output: row i is
+    the distribution output[i] was chosen from."""
+    from sglang_ext.attention import causal_mask, plan_attention
+
+    ids = prompt + output[:-1]
+    kv = model.new_kv_pool(len(ids) + 1)
+    s = kv.alloc(len(ids))
+    out = model.forward(torch.tensor(ids), torch.arange(len(ids)), s, plan_attention([s], [causal_mask(len(ids), 0)]), kv)
+    return torch.log_softmax(model.logits(out.hidden)[len(prompt) - 1 :].float(), -1)
+
+
 def compare_to_reference(model: LlamaModel, prompt: list[int], ref: list[int], got: list[int], tol: float = 1e-3) -> str:
     """'same' | 'tie' (first divergence at a numerical tie of the target) | 'bug'."""
     if ref == got:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from helpers import compare_to_reference, tiny_target
+from helpers import compare_to_reference, reference_logprobs, tiny_target
 from serving.engine import Engine
 from sglang_ext.attention import causal_mask, plan_attention
 from sglang_ext.drafters import make_drafter
@@ -237,3 +237,32 @@ def test_same_seed_same_text(smollm2_fp32, eval_prompts):
     a = eng.generate([eval_prompts[2]], sp)[0].output_ids
     b = eng.generate([eval_prompts[2]], sp)[0].output_ids
     assert a == b
+
+
+
+@pytest.mark.parametrize("drafter,temperature", [(None, 0.0), ("suffix", 0.0), ("ngram", 0.8)], ids=["vanilla", "suffix-greedy", "ngram-sampled"])
+def test_logprobs_are_the_targets_whatever_the_draft(smollm2_fp32, eval_prompts, drafter, temperature):
+    """Each output token's logprob (and top alternatives) is the target's raw log-softmax at the row
+    that produced it: drafted-and-accepted, bonus and first tokens alike (batch of 3, mixed lengths)."""
+    eng = Engine(smollm2_fp32, make_drafter(drafter, smollm2_fp32) if drafter else None, TreeShape.chain(4) if drafter else None)
+    prompts = eval_prompts[3:6]
+    sp = [SamplingParams(max_new_tokens=n, temperature=temperature, seed=7, logprobs=k) for n, k in ((16, 3), (9, 0), (16, None))]
+    reqs = eng.generate(prompts, sp)
+    assert reqs[2].output_logprobs == []  # not asked for: none kept
+    if drafter == "suffix":
+        assert sum(r.stats.accepted_tokens for r in reqs) > 0  # some tokens did come from drafts
+    for r, k in zip(reqs[:2], (3, 0)):
+        lps = r.output_logprobs
+        assert [x.token for x in lps] == r.output_ids
+        ref = reference_logprobs(smollm2_fp32.model, r.prompt_ids, r.output_ids)
+        for i, x in enumerate(lps):
+            assert abs(x.logprob - float(ref[i, x.token])) < 1e-4
+            assert len(x.top) == k
+            if k:
+                vals, ids = ref[i].topk(k)
+                assert [v for _, v in x.top] == pytest.approx(vals.tolist(), abs=1e-4)
+                assert x.top[0][0] == ids[0] or abs(x.top[0][1] - x.top[1][1]) < 1e-4  # same argmax, up to a tie
+                if temperature == 0:
+                    assert x.logprob == pytest.approx(x.top[0][1], abs=1e-4)  # greedy: the chosen token is the likeliest
+    with pytest.raises(InvalidRequest, match="top_logprobs"):
+        SamplingParams(logprobs=21)

@@ -22,7 +22,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import compare_to_reference
+from helpers import compare_to_reference, reference_logprobs
 from serving.cli import default_tree
 from serving.engine import Engine
 from serving.gateway.app import create_app
@@ -162,6 +162,47 @@ def test_greedy_text_equals_cli_generate(server, client):
     api = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0, extra_body={"return_token_ids": True})
     assert api.choices[0].message.content == ref["text"]
     assert api.choices[0].token_ids == ref["token_ids"]
+
+
+def test_logprobs_chat_stream_completions_and_stop(server, client, smollm2_fp32):
+    """logprobs / top_logprobs are the target's (a plain forward over the output agrees), the same
+    streamed and not, in the legacy completions shape too, and cut with the text at a stop string."""
+    kw = dict(model=MODEL, messages=user("List three fruits."), max_tokens=14, temperature=0, logprobs=True, top_logprobs=2)
+    full = client.chat.completions.create(extra_body={"return_token_ids": True}, **kw)
+    ChatCompletion.model_validate(full.model_dump())
+    choice = full.choices[0]
+    entries = choice.logprobs.content
+    ids = choice.token_ids
+    assert len(entries) == len(ids) == full.usage.completion_tokens
+    prompt = smollm2_fp32.encode_chat(user("List three fruits."))
+    ref = reference_logprobs(smollm2_fp32.model, prompt, ids)
+    for i, (e, t) in enumerate(zip(entries, ids)):
+        assert abs(e.logprob - float(ref[i, t])) < 1e-4
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+        assert e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-4)  # greedy: the likeliest token
+    text = b"".join(bytes(e.bytes) for e in entries).decode()
+    assert text.startswith(choice.message.content) and text[len(choice.message.content):] in ("", "<|im_end|>")
+
+    streamed = []
+    for ch in client.chat.completions.create(stream=True, **kw):
+        ChatCompletionChunk.model_validate(ch.model_dump())
+        for c in ch.choices:
+            streamed += c.logprobs.content if c.logprobs and c.logprobs.content else []
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
+    plain = client.chat.completions.create(model=MODEL, messages=user("List three fruits."), max_tokens=14, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == choice.message.content
+
+    comp = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=3)
+    lp = comp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == comp.usage.completion_tokens
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert all(len(t) == 3 and max(t.values()) == pytest.approx(v, abs=1e-4) for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+
+    stop = choice.message.content[6:9]
+    cut = client.chat.completions.create(stop=stop, **kw).choices[0]
+    assert cut.finish_reason == "stop" and cut.message.content == choice.message.content[: choice.message.content.index(stop)]
+    kept = "".join(e.token for e in cut.logprobs.content)
+    assert stop in kept and stop not in kept[: -len(cut.logprobs.content[-1].token)]  # through the token that completed the stop string
 
 
 TOPICS = ["cats", "rain", "the moon", "bread", "music", "rivers", "chess", "winter", "bees", "glass", "trains", "salt", "clouds", "paper", "islands", "owls",

@@ -75,10 +75,18 @@ class FakeSGLang:
         def chunk(**kw):
             return "data: " + json.dumps({"id": "x", "object": "chat.completion.chunk" if chat else "text_completion", "created": 1, "model": body["model"], **kw}) + "\n\n"
 
-        def choice(text=None, finish=None):
+        def choice(text=None, finish=None, i=0):
+            lp = None
+            if text is not None and body.get("logprobs") is not None:  # word i has logprob -(i + 1) / 10, as its only alternative
+                v = -(i + 1) / 10
+                if chat:
+                    top = [{"token": text, "logprob": v, "bytes": list(text.encode())}][: body.get("top_logprobs") or 0]
+                    lp = {"content": [{"token": text, "logprob": v, "bytes": list(text.encode()), "top_logprobs": top}]}
+                else:
+                    lp = {"tokens": [text], "token_logprobs": [v], "top_logprobs": [{text: v}], "text_offset": [0]}
             if chat:
-                return {"index": 0, "delta": {"content": text} if text is not None else {}, "finish_reason": finish}
-            return {"index": 0, "text": text or "", "finish_reason": finish}
+                return {"index": 0, "delta": {"content": text} if text is not None else {}, "finish_reason": finish, "logprobs": lp}
+            return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lp}
 
         async def events():
             try:
@@ -87,7 +95,7 @@ class FakeSGLang:
                 for i, w in enumerate(words):
                     if slow:
                         await asyncio.sleep(0.05)
-                    yield chunk(choices=[choice(w if i == 0 else " " + w)])
+                    yield chunk(choices=[choice(w if i == 0 else " " + w, i=i)])
                 yield chunk(choices=[choice(finish="length")])
                 yield chunk(choices=[], sglext={"spec_tokens_details": SPEC})
                 yield chunk(choices=[], usage={"prompt_tokens": 7, "completion_tokens": n_tok, "total_tokens": 7 + n_tok})
@@ -150,6 +158,24 @@ def test_chat_through_upstream(gw, upstream):
 
     comp = client.completions.create(model="llama-8b", prompt="once", max_tokens=3)
     assert comp.choices[0].text == expected(3) and upstream.requests[-1]["prompt"] == "once"
+
+
+def test_logprobs_pass_through_from_upstream(gw, upstream):
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+    out = client.chat.completions.create(model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=3, logprobs=True, top_logprobs=1)
+    assert upstream.requests[-1]["logprobs"] is True and upstream.requests[-1]["top_logprobs"] == 1
+    content = out.choices[0].logprobs.content
+    assert [(e.token, e.logprob) for e in content] == [("alpha", -0.1), (" beta", -0.2), (" gamma", -0.3)]
+    assert [[t.token for t in e.top_logprobs] for e in content] == [["alpha"], [" beta"], [" gamma"]]
+    streamed = [e.token for ch in client.chat.completions.create(model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=3, logprobs=True, stream=True)
+                for c in ch.choices if c.logprobs for e in c.logprobs.content or ()]
+    assert streamed == ["alpha", " beta", " gamma"]
+    comp = client.completions.create(model="llama-8b", prompt="hi", max_tokens=2, logprobs=1)
+    assert upstream.requests[-1]["logprobs"] == 1
+    lp = comp.choices[0].logprobs
+    assert lp.tokens == ["alpha", " beta"] and lp.token_logprobs == [-0.1, -0.2] and lp.top_logprobs == [{"alpha": -0.1}, {" beta": -0.2}] and lp.text_offset == [0, 5]
+    assert client.chat.completions.create(model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=2).choices[0].logprobs is None
+    assert "logprobs" not in upstream.requests[-1]
 
 
 def test_upstream_errors_and_readiness(gw, upstream):

@@ -31,6 +31,7 @@ class GenParams:
     stop: tuple[str, ...] = ()  # text-level stop strings, excluded from the output
     stop_token_ids: tuple[int, ...] = ()  # extension
     ignore_eos: bool = False  # extension
+    logprobs: int | None = None  # None: off; k: each token's logprob and its k likeliest alternatives
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class Chunk:
     completion_tokens: int | None = None
     spec: SpecStats | None = None
     token_ids: list[int] | None = None  # all completion token ids, on the last chunk (embedded backend)
+    logprobs: list[dict] | None = None  # when asked: one OpenAI chat `logprobs.content` entry per token of this chunk
 
 
 class Backend(Protocol):

@@ -14,6 +14,7 @@ a few thousand tokens this costs far less than one target forward.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import cache
 
 
 class IncrementalText:
@@ -42,6 +43,16 @@ class IncrementalText:
             end -= self._stop_prefix_len(text, end)
         return self._emit(text, end), False
 
+    def tokens_through_stop(self, new: int) -> int:
+        """After a push of `new` ids that hit a stop string: how many of them it took to complete it
+        (the earlier ids held no stop string, or an earlier push would have stopped)."""
+        base = len(self.ids) - new
+        for m in range(1, new + 1):
+            text = self.decode(self.ids[: base + m])
+            if any(s in text for s in self.stop):
+                return m
+        return new
+
     def _emit(self, text: str, end: int) -> str:
         if end <= self.sent:
             return ""
@@ -62,3 +73,54 @@ class IncrementalText:
             if any(s.startswith(tail) for s in self.stop):
                 return k
         return 0
+
+
+@cache
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet (bytes_to_unicode), inverted: token character -> byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+class TokenStrings:
+    """Token id -> (text, UTF-8 bytes) for logprobs entries. The text is the token decoded alone
+    (special tokens included); the bytes are the token's own bytes, so a character split across
+    tokens can be rebuilt from them (its text alone is U+FFFD), as in OpenAI's `bytes` field."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self.byte_level = type(decoder).__name__ == "ByteLevel"
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token)
+        if hit is None:
+            text = self.tokenizer.decode([token], skip_special_tokens=False)
+            raw = text.encode("utf-8")
+            if self.byte_level:
+                chars = _byte_level_chars()
+                piece = self.tokenizer.convert_ids_to_tokens(token)
+                if piece and all(c in chars for c in piece):
+                    raw = bytes(chars[c] for c in piece)
+            hit = self._cache[token] = (text, list(raw))
+        return hit
+
+    def entries(self, logprobs) -> list[dict]:
+        """TokenLogprobs -> OpenAI chat `logprobs.content` entries."""
+        out = []
+        for x in logprobs:
+            text, raw = self(x.token)
+            top = []
+            for t, lp in x.top:
+                tt, tb = self(t)
+                top.append({"token": tt, "logprob": lp, "bytes": tb})
+            out.append({"token": text, "logprob": x.logprob, "bytes": raw, "top_logprobs": top})
+        return out

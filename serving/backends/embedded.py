@@ -12,7 +12,7 @@ from ..engine import Engine
 from ..gateway.errors import APIError, invalid
 from ..scheduler import QueueFull, Scheduler, SchedulerClosed
 from .base import Chunk, Job, SpecStats
-from .detok import IncrementalText
+from .detok import IncrementalText, TokenStrings
 from .telemetry import Telemetry
 
 
@@ -36,6 +36,7 @@ class EmbeddedBackend:
         # tokens (prompt + output) one request may hold: the model's context, or less if the KV pool is smaller
         self.max_context = min(engine.max_context - 1, self.scheduler.capacity())
         self.max_prompt_tokens = min(limits.max_prompt_tokens or self.max_context - 1, self.max_context - 1)
+        self.token_strings = TokenStrings(self.target.tokenizer)
 
     async def start(self) -> None:
         self.scheduler.start()
@@ -87,7 +88,7 @@ class EmbeddedBackend:
         else:
             max_new = p.max_tokens
         try:
-            return SamplingParams(max_new, p.temperature, p.top_p, p.top_k, p.seed, tuple(p.stop_token_ids), p.ignore_eos)
+            return SamplingParams(max_new, p.temperature, p.top_p, p.top_k, p.seed, tuple(p.stop_token_ids), p.ignore_eos, p.logprobs)
         except InvalidRequest as e:
             raise invalid(str(e), e.param) from e
 
@@ -117,6 +118,10 @@ class EmbeddedBackend:
                 if stopped:
                     handle.cancel()  # frees the KV now; the tokens after the stop string are dropped
                 chunk = Chunk(delta, len(d.tokens), finish)
+                if d.logprobs is not None:
+                    # tokens past the one that completed a stop string are dropped, with their logprobs
+                    keep = text.tokens_through_stop(len(d.tokens)) if stopped else len(d.tokens)
+                    chunk.logprobs = self.token_strings.entries(d.logprobs[:keep])
                 if finish:
                     chunk.prompt_tokens, chunk.completion_tokens = len(ids), produced
                     chunk.spec = SpecStats(d.verify_steps, d.draft_tokens, d.accepted_tokens)

@@ -149,7 +149,11 @@ class SGLangBackend:
         if p.ignore_eos:
             body["ignore_eos"] = True
         if job.messages is not None:
+            if p.logprobs is not None:
+                body.update(logprobs=True, top_logprobs=p.logprobs)
             return "/v1/chat/completions", {**body, "messages": list(job.messages)}
+        if p.logprobs is not None:
+            body["logprobs"] = p.logprobs
         return "/v1/completions", {**body, "prompt": job.prompt if isinstance(job.prompt, str) else list(job.prompt or ())}
 
     async def generate(self, job: Job) -> AsyncGenerator[Chunk, None]:
@@ -192,9 +196,10 @@ class SGLangBackend:
                     if c["finish_reason"] not in _FINISH:
                         raise APIError(502, f"upstream finished the request with {c['finish_reason']!r}", code="upstream_error")
                     finish = _FINISH[c["finish_reason"]]
-                if text:
+                logprobs = _logprob_entries(c.get("logprobs"), chat)
+                if text or logprobs:
                     self._tokens += 1
-                    yield Chunk(text, 1)
+                    yield Chunk(text or "", 1, logprobs=logprobs)
         if finish is None:
             raise APIError(502, "upstream stream ended without a finish_reason", code="upstream_error")
         final = Chunk("", 0, finish, usage.get("prompt_tokens"), usage.get("completion_tokens"), spec)
@@ -207,6 +212,24 @@ class SGLangBackend:
         t.generated_tokens.inc(final.completion_tokens or 0)
         if final.spec:
             t.spec_totals(final.spec.verify_steps, final.spec.draft_tokens, final.spec.accepted_tokens, hist)
+
+
+def _logprob_entries(obj: dict | None, chat: bool) -> list[dict] | None:
+    """An upstream chunk's logprobs as chat `logprobs.content` entries (the chat shape passes through;
+    the legacy completions shape is converted, bytes from the token text)."""
+    if not obj:
+        return None
+    if chat:
+        return [
+            {"token": e["token"], "logprob": e["logprob"], "bytes": e.get("bytes") or list(e["token"].encode()),
+             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": t.get("bytes") or list(t["token"].encode())} for t in e.get("top_logprobs") or ()]}
+            for e in obj.get("content") or ()
+        ] or None
+    tops = obj.get("top_logprobs") or [None] * len(obj.get("tokens") or ())
+    return [
+        {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": [{"token": k, "logprob": v, "bytes": list(k.encode())} for k, v in (top or {}).items()]}
+        for t, lp, top in zip(obj.get("tokens") or (), obj.get("token_logprobs") or (), tops)
+    ] or None
 
 
 async def _upstream_error(r: httpx.Response) -> APIError:

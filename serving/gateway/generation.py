@@ -23,30 +23,53 @@ from .errors import APIError
 
 
 class ChatFormat:
+    """`logprobs` arguments: a list of chat `logprobs.content` entries (Chunk.logprobs), or None."""
+
     object, chunk_object, id_prefix = "chat.completion", "chat.completion.chunk", "chatcmpl-"
 
     @staticmethod
-    def choice(index: int, text: str, finish: str | None) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": None}
+    def choice(index: int, text: str, finish: str | None, logprobs: list[dict] | None = None, offset: int = 0) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": ChatFormat.logprobs(logprobs)}
 
     @staticmethod
-    def delta(index: int, text: str | None = None, finish: str | None = None, role: bool = False) -> dict:
+    def delta(index: int, text: str | None = None, finish: str | None = None, role: bool = False, logprobs: list[dict] | None = None, offset: int = 0) -> dict:
         d: dict = {"role": "assistant", "content": ""} if role else {}
         if text:
             d["content"] = text
-        return {"index": index, "delta": d, "finish_reason": finish, "logprobs": None}
+        return {"index": index, "delta": d, "finish_reason": finish, "logprobs": ChatFormat.logprobs(logprobs)}
+
+    @staticmethod
+    def logprobs(entries: list[dict] | None) -> dict | None:
+        return None if entries is None else {"content": entries, "refusal": None}
 
 
 class CompletionFormat:
     object, chunk_object, id_prefix = "text_completion", "text_completion", "cmpl-"
 
     @staticmethod
-    def choice(index: int, text: str, finish: str | None) -> dict:
-        return {"index": index, "text": text, "finish_reason": finish, "logprobs": None}
+    def choice(index: int, text: str, finish: str | None, logprobs: list[dict] | None = None, offset: int = 0) -> dict:
+        return {"index": index, "text": text, "finish_reason": finish, "logprobs": CompletionFormat.logprobs(logprobs, offset)}
 
     @staticmethod
-    def delta(index: int, text: str | None = None, finish: str | None = None, role: bool = False) -> dict:
-        return {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
+    def delta(index: int, text: str | None = None, finish: str | None = None, role: bool = False, logprobs: list[dict] | None = None, offset: int = 0) -> dict:
+        return {"index": index, "text": text or "", "finish_reason": finish, "logprobs": CompletionFormat.logprobs(logprobs, offset)}
+
+    @staticmethod
+    def logprobs(entries: list[dict] | None, offset: int) -> dict | None:
+        """The legacy completions shape; text_offset counts the tokens' own texts from `offset` (the
+        characters of the choice's earlier tokens)."""
+        if entries is None:
+            return None
+        offsets = []
+        for e in entries:
+            offsets.append(offset)
+            offset += len(e["token"])
+        return {
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": offsets,
+        }
 
 
 @dataclass
@@ -54,6 +77,8 @@ class _Choice:
     job: Job
     stream: AsyncGenerator[Chunk, None]
     parts: list[str] = field(default_factory=list)
+    logprobs: list[dict] | None = None  # every entry so far, when the choice asked for logprobs
+    offset: int = 0  # characters of the tokens already reported in logprobs (completions' text_offset)
     final: Chunk | None = None
     seen_token: bool = False
     t_last: float = 0.0
@@ -66,7 +91,7 @@ class Generation:
         self.id = fmt.id_prefix + uuid.uuid4().hex
         self.created = int(time.time())
         self.t0 = time.monotonic()
-        self.choices = [_Choice(j, backend.generate(j), t_last=self.t0) for j in jobs]
+        self.choices = [_Choice(j, backend.generate(j), t_last=self.t0, logprobs=None if j.params.logprobs is None else []) for j in jobs]
         self._firsts: list[Chunk] = []
         self._pumps: list[asyncio.Task] = []
         self.completed = False
@@ -111,6 +136,8 @@ class Generation:
             self.telemetry.tokens_out(not c.seen_token, now - c.t_last, chunk.tokens)
             c.seen_token, c.t_last = True, now
         c.parts.append(chunk.text)
+        if c.logprobs is not None and chunk.logprobs:
+            c.logprobs += chunk.logprobs
         if chunk.finish_reason:
             c.final = chunk
 
@@ -127,7 +154,7 @@ class Generation:
 
     def _final_choice(self, c: _Choice) -> dict:
         assert c.final is not None
-        return self._extras(self.fmt.choice(c.job.index, "".join(c.parts), c.final.finish_reason), c.final)
+        return self._extras(self.fmt.choice(c.job.index, "".join(c.parts), c.final.finish_reason, c.logprobs), c.final)
 
     def _extras(self, choice: dict, final: Chunk) -> dict:
         """Our per-choice extension fields: spec stats (meta_info) and, on request, token ids."""
@@ -177,8 +204,12 @@ class Generation:
             queue.put_nowait((c, e))
 
     def _chunk_events(self, c: _Choice, chunk: Chunk):
-        if chunk.text:
-            yield self._sse([self.fmt.delta(c.job.index, chunk.text)])
+        # a chunk's logprobs are its tokens'; its text may lag them (held back: a split character, a
+        # possible stop string), so an event may carry logprobs without text
+        logprobs = chunk.logprobs if c.logprobs is not None and chunk.logprobs else None
+        if chunk.text or logprobs:
+            yield self._sse([self.fmt.delta(c.job.index, chunk.text, logprobs=logprobs, offset=c.offset)])
+            c.offset += sum(len(e["token"]) for e in logprobs or ())
         if chunk.finish_reason:
             yield self._sse([self._extras(self.fmt.delta(c.job.index, finish=chunk.finish_reason), chunk)])
 

@@ -1,6 +1,6 @@
 """OpenAI request schemas (strict JSON types) and their translation into per-choice Jobs.
 
-Unknown fields are ignored (SDKs send newer ones); known fields we cannot honour (tools, logprobs,
+Unknown fields are ignored (SDKs send newer ones); known fields we cannot honour (tools,
 penalties, logit_bias, non-text content, ...) are rejected with a 400 naming the parameter, so a
 client never silently gets something other than what it asked for.
 """
@@ -11,6 +11,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from sglang_ext.sampling import MAX_TOP_LOGPROBS
 
 from ..backends.base import GenParams, Job
 from .errors import APIError, from_validation_errors, invalid
@@ -121,7 +123,13 @@ def _stop(r: _Common) -> tuple[str, ...]:
     return tuple(dict.fromkeys(stop))
 
 
-def _params(r: _Common, max_tokens: int | None, max_tokens_param: str, limits: Limits) -> GenParams:
+def _logprobs(k: int | None, param: str) -> int | None:
+    if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise invalid(f"{param} must be between 0 and {MAX_TOP_LOGPROBS}, got {k}", param)
+    return k
+
+
+def _params(r: _Common, max_tokens: int | None, max_tokens_param: str, limits: Limits, logprobs: int | None = None) -> GenParams:
     if max_tokens is not None and max_tokens > limits.max_tokens:
         raise invalid(f"{max_tokens_param}: at most {limits.max_tokens} tokens per request, got {max_tokens}", max_tokens_param)
     n = r.n or 1
@@ -136,6 +144,7 @@ def _params(r: _Common, max_tokens: int | None, max_tokens_param: str, limits: L
         stop=_stop(r),
         stop_token_ids=tuple(r.stop_token_ids or ()),
         ignore_eos=bool(r.ignore_eos),
+        logprobs=logprobs,
     )
 
 
@@ -169,8 +178,9 @@ def _message_text(m: ChatMessage, i: int) -> str:
 
 def chat_jobs(r: ChatCompletionRequest, limits: Limits) -> list[Job]:
     _check_common(r)
-    if r.logprobs or r.top_logprobs:
-        raise _unsupported("logprobs", "logprobs")
+    if r.top_logprobs is not None and not r.logprobs:
+        raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
+    logprobs = _logprobs(r.top_logprobs or 0, "top_logprobs") if r.logprobs else None
     if r.tools or r.functions or r.tool_choice not in (None, "none") or r.function_call not in (None, "none"):
         raise _unsupported("tools", "tool calling")
     if r.response_format and r.response_format.get("type") != "text":
@@ -187,12 +197,12 @@ def chat_jobs(r: ChatCompletionRequest, limits: Limits) -> list[Job]:
         max_tokens, param = r.max_completion_tokens, "max_completion_tokens"
     else:
         max_tokens, param = r.max_tokens, "max_tokens"
-    return _fan_out(r, _params(r, max_tokens, param, limits), [{"messages": tuple(messages)}], limits)
+    return _fan_out(r, _params(r, max_tokens, param, limits, logprobs), [{"messages": tuple(messages)}], limits)
 
 
 def completion_jobs(r: CompletionRequest, limits: Limits) -> list[Job]:
     _check_common(r)
-    for param, value, default in (("suffix", r.suffix, None), ("echo", r.echo, False), ("logprobs", r.logprobs, None), ("best_of", r.best_of, 1)):
+    for param, value, default in (("suffix", r.suffix, None), ("echo", r.echo, False), ("best_of", r.best_of, 1)):
         if value not in (None, default) and not (param == "suffix" and value == ""):
             raise _unsupported(param, param)
     p = r.prompt
@@ -205,4 +215,4 @@ def completion_jobs(r: CompletionRequest, limits: Limits) -> list[Job]:
         prompts = [x if isinstance(x, str) else tuple(x) for x in p if not isinstance(x, int)]
     if not prompts or any(len(x) == 0 for x in prompts):
         raise invalid("prompt must not be empty", "prompt")
-    return _fan_out(r, _params(r, r.max_tokens, "max_tokens", limits), [{"prompt": x} for x in prompts], limits)
+    return _fan_out(r, _params(r, r.max_tokens, "max_tokens", limits, _logprobs(r.logprobs, "logprobs")), [{"prompt": x} for x in prompts], limits)
