@@ -51,6 +51,7 @@ class Request:
     generator: torch.Generator | None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token when params.logprobs is set
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. when params.prompt_logprobs is set
     slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     prefilled: int = 0  # prompt tokens whose K/V the target holds (a long prompt is prefilled over several steps)
     prompt_captured: list = field(default_factory=list)  # the target's captured layers for the chunks so far
@@ -78,6 +79,7 @@ class StepEvent:
     accepted: int  # draft tokens accepted in this step (0 for prefill or vanilla)
     drafted: int  # draft tokens proposed in this step
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # with the first token, when the request asked for them
 
 
 class Engine:
@@ -227,20 +229,25 @@ class Engine:
             hidden = hidden[torch.cat([torch.arange(tree_rows), ends[done]])]
         logits = self.model.logits(hidden, fp32=False) if hidden.shape[0] else hidden.new_empty(0, 0)  # (only chunks of unfinished prompts)
         events = self._accept(reqs, trees, new_slots, out.captured, logits)
-        events += self._prefilled(chunks, chunk_slots, logits[tree_rows:], out.captured, tree_rows)
+        events += self._prefilled(chunks, chunk_slots, logits[tree_rows:], out, tree_rows)
         if option is not None and not chunks:
             # NOTE: steps with a prompt in the forward are not measured: their seconds are not the trees'
             self.policy.observe(option, len(reqs), time.perf_counter() - t0, sum(len(e.new_tokens) for e in events), tree_rows,
                                 draft_seconds=t_drafted - t_propose, accepted=[e.accepted for e in events], drafted=[e.drafted for e in events])
         return events
 
-    def _prefilled(self, chunks: list[tuple[Request, int]], chunk_slots: list[torch.Tensor], logits: torch.Tensor, captured: dict, start: int) -> list[StepEvent]:
-        """Commit each prompt chunk (its rows of the forward from `start` on, chunk after chunk); a
+    def _prefilled(self, chunks: list[tuple[Request, int]], chunk_slots: list[torch.Tensor], logits: torch.Tensor, out, start: int) -> list[StepEvent]:
+        """Commit each prompt chunk (its rows of the forward `out` from `start` on, chunk after chunk); a
         request whose prompt is now done samples its first token (logits: one row per such request,
         in order) and starts drafting with the target's view of the whole prompt."""
-        events, done = [], iter(range(logits.shape[0]))
+        events, done, captured = [], iter(range(logits.shape[0])), out.captured
         for (r, end), s in zip(chunks, chunk_slots):
             n = end - r.prefilled
+            if r.params.prompt_logprobs is not None and (m := min(end, len(r.prompt_ids) - 1) - r.prefilled) > 0:
+                # chunk row j (position prefilled + j) predicts prompt token prefilled + j + 1; the last
+                # prompt row predicts the first output token (sampled below), not a prompt token
+                rows = self.model.logits(out.hidden[start : start + m], fp32=False)
+                r.prompt_logprobs += token_logprobs(rows, r.prompt_ids[r.prefilled + 1 : r.prefilled + 1 + m], r.params.prompt_logprobs)
             r.slots = torch.cat([r.slots, s])
             r.prefilled = end
             if self.drafter is not None and captured:
@@ -258,7 +265,7 @@ class Engine:
                 self._drafter_call(lambda: self.drafter.add_request(r.rid, cap), [r])
             r.t_first_token = time.perf_counter()
             new = self._append(r, [tok])
-            events.append(StepEvent(r, new, 0, 0, self._logprobs(r, logits, [i], new)))
+            events.append(StepEvent(r, new, 0, 0, self._logprobs(r, logits, [i], new), r.prompt_logprobs if r.params.prompt_logprobs is not None else None))
         return events
 
     def _sample(self, logits: torch.Tensor, r: Request) -> int:

@@ -55,6 +55,7 @@ class Delivery:
     error: str | None = None  # the request failed: internal error, or `invalid` input the engine refused
     invalid: bool = False
     logprobs: list | None = None  # TokenLogprobs of `tokens`, when the request asked for them
+    prompt_logprobs: list | None = None  # TokenLogprobs of prompt tokens 1.., with the first token, when asked
 
 
 class Handle:
@@ -244,7 +245,7 @@ class Scheduler:
             if h is None or h.done:
                 continue
             st = e.request.stats
-            d = Delivery(list(e.new_tokens), e.request.finish_reason, st.verify_steps, st.draft_tokens, st.accepted_tokens, logprobs=e.logprobs)
+            d = Delivery(list(e.new_tokens), e.request.finish_reason, st.verify_steps, st.draft_tokens, st.accepted_tokens, logprobs=e.logprobs, prompt_logprobs=e.prompt_logprobs)
             if e.request.finished:
                 del self._by_rid[e.request.rid]
                 posts.append(self._finish(h, d))

@@ -33,6 +33,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: each output token's log-probability and its k likeliest alternatives
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (from the second on: the first has no context)
 
 
     def __post_init__(self):
@@ -44,8 +45,9 @@ class SamplingParams:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
         if not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidRequest(f"top_k must be an integer >= 0, got {self.top_k!r}", "top_k")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
-            raise InvalidRequest(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs!r}", "top_logprobs")
+        for name, k in (("top_logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
+            if k is not None and (not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS):
+                raise InvalidRequest(f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {k!r}", name)
 
     @property
     def greedy(self) -> bool:

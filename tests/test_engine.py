@@ -266,3 +266,25 @@ def test_logprobs_are_the_targets_whatever_the_draft(smollm2_fp32, eval_prompts,
                     assert x.logprob == pytest.approx(x.top[0][1], abs=1e-4)  # greedy: the chosen token is the likeliest
     with pytest.raises(InvalidRequest, match="top_logprobs"):
         SamplingParams(logprobs=21)
+
+
+@pytest.mark.parametrize("prefill_tokens", [2048, 16], ids=["whole", "chunked"])
+def test_prompt_logprobs_across_prefill_chunks(smollm2_fp32, eval_prompts, prefill_tokens):
+    """Prompt tokens 1.. get the target's logprobs of each given its prefix, whether the prompt is
+    prefilled at once or in 16-token chunks next to a decoding request."""
+    eng = Engine(smollm2_fp32, make_drafter("suffix", smollm2_fp32), TreeShape.chain(3), prefill_tokens=prefill_tokens)
+    busy = eng.add_request(eval_prompts[0], SamplingParams(max_new_tokens=30))
+    eng.step()
+    r = eng.add_request(eval_prompts[7], SamplingParams(max_new_tokens=3, prompt_logprobs=2, logprobs=0))
+    first = []
+    while not r.finished:
+        first += [e.prompt_logprobs for e in eng.step() if e.request is r and e.prompt_logprobs is not None]
+    assert len(first) == 1 and first[0] is r.prompt_logprobs  # delivered once, with the first token
+    p = r.prompt_ids
+    assert [x.token for x in r.prompt_logprobs] == p[1:]
+    ref = reference_logprobs(smollm2_fp32.model, p[:1], p[1:])  # row i: prompt token i + 1 given tokens 0..i
+    for i, x in enumerate(r.prompt_logprobs):
+        assert abs(x.logprob - float(ref[i, x.token])) < 1e-4 and len(x.top) == 2
+        assert [v for _, v in x.top] == pytest.approx(ref[i].topk(2).values.tolist(), abs=1e-4)
+    assert len(r.output_logprobs) == len(r.output_ids) and busy.prompt_logprobs == []
+    eng.abort(busy)

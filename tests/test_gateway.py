@@ -205,6 +205,33 @@ def test_logprobs_chat_stream_completions_and_stop(server, client, smollm2_fp32)
     assert stop in kept and stop not in kept[: -len(cut.logprobs.content[-1].token)]  # through the token that completed the stop string
 
 
+def test_completions_echo_with_prompt_logprobs(server, client, smollm2_fp32):
+    """echo + logprobs (what lm-eval-harness's loglikelihood requests send): the prompt comes back
+    first, its tokens scored by the target given their prefix (the first one: null), then the output."""
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    ids = smollm2_fp32.encode(prompt)
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, logprobs=1, echo=True, extra_body={"return_token_ids": True})
+    c = out.choices[0]
+    lp = c.logprobs
+    assert c.text.startswith(prompt) and c.text[len(prompt):] == client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0).choices[0].text
+    assert len(lp.tokens) == len(ids) + 2 and out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 2
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and "".join(lp.tokens[: len(ids)]) == prompt
+    ref = reference_logprobs(smollm2_fp32.model, ids[:1], ids[1:] + c.token_ids)
+    for i, (tok_id, got) in enumerate(zip(ids[1:] + c.token_ids, lp.token_logprobs[1:])):
+        assert abs(got - float(ref[i, tok_id])) < 1e-4
+    assert lp.text_offset[len(ids)] == len(prompt)
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0, echo=True, stream=True) if ch.choices)
+    assert streamed == smollm2_fp32.tokenizer.decode(ids) + c.text[len(prompt):]
+    # max_tokens 0: the prompt scored, nothing generated
+    only = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, logprobs=0, echo=True)
+    assert only.choices[0].text == prompt and only.usage.completion_tokens == 0 and only.choices[0].finish_reason == "length"
+    assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[: len(ids)] and only.choices[0].logprobs.tokens == lp.tokens[: len(ids)]
+    deadline = time.monotonic() + 10
+    while server.engine.kv.num_free != server.engine.kv.num_slots - 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.engine.kv.num_free == server.engine.kv.num_slots - 1  # the dropped token's request freed its KV
+
+
 TOPICS = ["cats", "rain", "the moon", "bread", "music", "rivers", "chess", "winter", "bees", "glass", "trains", "salt", "clouds", "paper", "islands", "owls",
           "copper", "tea", "deserts", "maps", "violins", "snow", "bridges", "apples", "stars", "wool", "volcanoes", "clocks", "rice", "whales", "kites", "ink"]
 

@@ -175,7 +175,9 @@ def test_logprobs_pass_through_from_upstream(gw, upstream):
     lp = comp.choices[0].logprobs
     assert lp.tokens == ["alpha", " beta"] and lp.token_logprobs == [-0.1, -0.2] and lp.top_logprobs == [{"alpha": -0.1}, {" beta": -0.2}] and lp.text_offset == [0, 5]
     assert client.chat.completions.create(model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=2).choices[0].logprobs is None
-    assert "logprobs" not in upstream.requests[-1]
+    assert "logprobs" not in upstream.requests[-1] and "echo" not in upstream.requests[-1]
+    client.completions.create(model="llama-8b", prompt="hi", max_tokens=2, echo=True)
+    assert upstream.requests[-1]["echo"] is True
 
 
 def test_upstream_errors_and_readiness(gw, upstream):

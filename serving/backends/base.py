@@ -32,6 +32,7 @@ class GenParams:
     stop_token_ids: tuple[int, ...] = ()  # extension
     ignore_eos: bool = False  # extension
     logprobs: int | None = None  # None: off; k: each token's logprob and its k likeliest alternatives
+    echo: bool = False  # completions: the output starts with the prompt (and its logprobs, when asked)
 
 
 @dataclass(frozen=True)

@@ -86,11 +86,19 @@ class EmbeddedBackend:
                 code="context_length_exceeded",
             )
         else:
-            max_new = p.max_tokens
+            max_new = max(p.max_tokens, 1)  # 0 (echo: score the prompt only): one token is generated and dropped
         try:
-            return SamplingParams(max_new, p.temperature, p.top_p, p.top_k, p.seed, tuple(p.stop_token_ids), p.ignore_eos, p.logprobs)
+            return SamplingParams(max_new, p.temperature, p.top_p, p.top_k, p.seed, tuple(p.stop_token_ids), p.ignore_eos, p.logprobs,
+                                  prompt_logprobs=p.logprobs if p.echo else None)
         except InvalidRequest as e:
             raise invalid(str(e), e.param) from e
+
+    def _echo_logprobs(self, ids: list[int], prompt_logprobs: list | None) -> list[dict] | None:
+        """An echoed prompt's logprobs entries: the first token has none (no context), as in OpenAI's API."""
+        if prompt_logprobs is None:
+            return None
+        text, raw = self.token_strings(ids[0])
+        return [{"token": text, "logprob": None, "bytes": raw, "top_logprobs": None}, *self.token_strings.entries(prompt_logprobs)]
 
     async def generate(self, job: Job) -> AsyncGenerator[Chunk, None]:
         ids = self.prompt_ids(job)
@@ -105,6 +113,8 @@ class EmbeddedBackend:
             raise invalid(str(e), e.param) from e
         text = IncrementalText(self.target.decode, job.params.stop)
         produced = 0
+        # echo: the prompt as given (token ids decoded), then the completion; stop strings apply to the completion
+        echo = (job.prompt if isinstance(job.prompt, str) else self.target.tokenizer.decode(ids, skip_special_tokens=False)) if job.params.echo else ""
         try:
             while True:
                 d = await handle.next()
@@ -117,11 +127,19 @@ class EmbeddedBackend:
                 finish = "stop" if stopped else d.finish_reason
                 if stopped:
                     handle.cancel()  # frees the KV now; the tokens after the stop string are dropped
-                chunk = Chunk(delta, len(d.tokens), finish)
+                if job.params.max_tokens == 0:  # echo only: the prompt (and its logprobs); the sampled token is dropped
+                    handle.cancel()
+                    lps = self._echo_logprobs(ids, d.prompt_logprobs)
+                    yield Chunk(echo, 0, "length", prompt_tokens=len(ids), completion_tokens=0, spec=SpecStats(), token_ids=[], logprobs=lps)
+                    return
+                chunk = Chunk(echo + delta, len(d.tokens), finish)
                 if d.logprobs is not None:
                     # tokens past the one that completed a stop string are dropped, with their logprobs
                     keep = text.tokens_through_stop(len(d.tokens)) if stopped else len(d.tokens)
                     chunk.logprobs = self.token_strings.entries(d.logprobs[:keep])
+                    if d.prompt_logprobs is not None:  # echo
+                        chunk.logprobs = self._echo_logprobs(ids, d.prompt_logprobs) + chunk.logprobs
+                echo = ""
                 if finish:
                     chunk.prompt_tokens, chunk.completion_tokens = len(ids), produced
                     chunk.spec = SpecStats(d.verify_steps, d.draft_tokens, d.accepted_tokens)

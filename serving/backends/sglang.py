@@ -154,6 +154,8 @@ class SGLangBackend:
             return "/v1/chat/completions", {**body, "messages": list(job.messages)}
         if p.logprobs is not None:
             body["logprobs"] = p.logprobs
+        if p.echo:
+            body["echo"] = True
         return "/v1/completions", {**body, "prompt": job.prompt if isinstance(job.prompt, str) else list(job.prompt or ())}
 
     async def generate(self, job: Job) -> AsyncGenerator[Chunk, None]:

@@ -66,8 +66,8 @@ class CompletionFormat:
             offset += len(e["token"])
         return {
             "tokens": [e["token"] for e in entries],
-            "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],  # None for an echoed prompt's first token
+            "top_logprobs": [None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
             "text_offset": offsets,
         }
 

@@ -52,7 +52,7 @@ class StreamOptions(_Strict):
 
 class _Common(_Strict):
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)  # 0 only for completions with echo (score the prompt)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     n: int | None = Field(None, ge=1)
@@ -192,6 +192,8 @@ def chat_jobs(r: ChatCompletionRequest, limits: Limits) -> list[Job]:
         if m.role in ("tool", "function"):
             raise _unsupported(f"messages[{i}].role", f"role {m.role!r}")
         messages.append({"role": "system" if m.role == "developer" else m.role, "content": _message_text(m, i)})
+    if r.max_tokens == 0:
+        raise invalid("max_tokens must be at least 1", "max_tokens")
     max_tokens: int | None
     if r.max_completion_tokens is not None:
         max_tokens, param = r.max_completion_tokens, "max_completion_tokens"
@@ -202,7 +204,7 @@ def chat_jobs(r: ChatCompletionRequest, limits: Limits) -> list[Job]:
 
 def completion_jobs(r: CompletionRequest, limits: Limits) -> list[Job]:
     _check_common(r)
-    for param, value, default in (("suffix", r.suffix, None), ("echo", r.echo, False), ("best_of", r.best_of, 1)):
+    for param, value, default in (("suffix", r.suffix, None), ("best_of", r.best_of, 1)):
         if value not in (None, default) and not (param == "suffix" and value == ""):
             raise _unsupported(param, param)
     p = r.prompt
@@ -215,4 +217,7 @@ def completion_jobs(r: CompletionRequest, limits: Limits) -> list[Job]:
         prompts = [x if isinstance(x, str) else tuple(x) for x in p if not isinstance(x, int)]
     if not prompts or any(len(x) == 0 for x in prompts):
         raise invalid("prompt must not be empty", "prompt")
-    return _fan_out(r, _params(r, r.max_tokens, "max_tokens", limits, _logprobs(r.logprobs, "logprobs")), [{"prompt": x} for x in prompts], limits)
+    if r.max_tokens == 0 and not r.echo:
+        raise invalid("max_tokens 0 is only allowed with echo (to score the prompt)", "max_tokens")
+    params = replace(_params(r, r.max_tokens, "max_tokens", limits, _logprobs(r.logprobs, "logprobs")), echo=bool(r.echo))
+    return _fan_out(r, params, [{"prompt": x} for x in prompts], limits)
