@@ -77,16 +77,16 @@ class IncrementalText:
 
 @cache
 def _byte_level_chars() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet (bytes_to_unicode), inverted: token character -> byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
+    """GPT-2's byte-level BPE alphabet, inverted: token character -> byte."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {c: b for b, c in bytes_to_unicode().items()}
+
+
+def logprob_entry(token: str, logprob: float | None, raw: list[int] | None = None) -> dict:
+    """A token's part of an OpenAI chat `logprobs.content` entry (bytes from its text unless given);
+    an entry adds `top_logprobs`, a list of these."""
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode()) if raw is None else raw}
 
 
 class TokenStrings:
@@ -115,12 +115,8 @@ class TokenStrings:
 
     def entries(self, logprobs) -> list[dict]:
         """TokenLogprobs -> OpenAI chat `logprobs.content` entries."""
-        out = []
-        for x in logprobs:
-            text, raw = self(x.token)
-            top = []
-            for t, lp in x.top:
-                tt, tb = self(t)
-                top.append({"token": tt, "logprob": lp, "bytes": tb})
-            out.append({"token": text, "logprob": x.logprob, "bytes": raw, "top_logprobs": top})
-        return out
+        return [{**self.entry(x.token, x.logprob), "top_logprobs": [self.entry(t, lp) for t, lp in x.top]} for x in logprobs]
+
+    def entry(self, token: int, logprob: float | None) -> dict:
+        text, raw = self(token)
+        return logprob_entry(text, logprob, raw)

@@ -97,8 +97,7 @@ class EmbeddedBackend:
         """An echoed prompt's logprobs entries: the first token has none (no context), as in OpenAI's API."""
         if prompt_logprobs is None:
             return None
-        text, raw = self.token_strings(ids[0])
-        return [{"token": text, "logprob": None, "bytes": raw, "top_logprobs": None}, *self.token_strings.entries(prompt_logprobs)]
+        return [{**self.token_strings.entry(ids[0], None), "top_logprobs": None}, *self.token_strings.entries(prompt_logprobs)]
 
     async def generate(self, job: Job) -> AsyncGenerator[Chunk, None]:
         ids = self.prompt_ids(job)

@@ -19,6 +19,7 @@ import httpx
 
 from ..gateway.errors import APIError
 from .base import Chunk, Job, SpecStats
+from .detok import logprob_entry
 from .telemetry import Telemetry
 
 _FINISH = {"stop": "stop", "length": "length", "eos": "stop"}
@@ -221,15 +222,14 @@ def _logprob_entries(obj: dict | None, chat: bool) -> list[dict] | None:
     the legacy completions shape is converted, bytes from the token text)."""
     if not obj:
         return None
+    def entry(e: dict) -> dict:
+        return logprob_entry(e["token"], e["logprob"], e.get("bytes") or None)
+
     if chat:
-        return [
-            {"token": e["token"], "logprob": e["logprob"], "bytes": e.get("bytes") or list(e["token"].encode()),
-             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"], "bytes": t.get("bytes") or list(t["token"].encode())} for t in e.get("top_logprobs") or ()]}
-            for e in obj.get("content") or ()
-        ] or None
+        return [{**entry(e), "top_logprobs": [entry(t) for t in e.get("top_logprobs") or ()]} for e in obj.get("content") or ()] or None
     tops = obj.get("top_logprobs") or [None] * len(obj.get("tokens") or ())
     return [
-        {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": [{"token": k, "logprob": v, "bytes": list(k.encode())} for k, v in (top or {}).items()]}
+        {**logprob_entry(t, lp), "top_logprobs": [logprob_entry(k, v) for k, v in (top or {}).items()]}
         for t, lp, top in zip(obj.get("tokens") or (), obj.get("token_logprobs") or (), tops)
     ] or None
 
