@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and speculative stats")
 
     from .bench import add_bench_parser
@@ -87,7 +90,8 @@ def cmd_generate(args) -> int:
 
     from .engine import Engine
 
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
     if not args.prompt.strip():
         raise ValueError("prompt is empty")
     tree = TreeShape.parse(args.tree) if args.tree else None  # a bad --tree fails before the model loads

@@ -23,6 +23,7 @@ import torch
 from sglang_ext.attention import causal_mask, plan_attention, prefix_and_tree_mask
 from sglang_ext.drafters import DraftInput, Drafter, TargetCapture
 from sglang_ext.models import Target
+from sglang_ext.penalties import output_counts, penalize, penalize_tree
 from sglang_ext.sampling import InvalidRequest, SamplingParams, TokenLogprob, greedy_tokens, logits_to_probs, sample, token_logprobs
 from sglang_ext.tree import TokenTree, TreeShape, chain_tree
 from sglang_ext.verify import VerifyResult, greedy_verify, sampling_verify
@@ -125,6 +126,8 @@ class Engine:
         vocab = self.model.cfg.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise InvalidRequest(f"prompt has token ids outside the vocabulary [0, {vocab})", "prompt")
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise InvalidRequest(f"logit_bias has token ids outside the vocabulary [0, {vocab})", "logit_bias")
         if len(prompt_ids) + 1 > self.max_context:
             raise InvalidRequest(f"prompt has {len(prompt_ids)} tokens; the context limit is {self.max_context}", "messages")
         gen = None if params.greedy else params.generator()
@@ -269,6 +272,8 @@ class Engine:
         return events
 
     def _sample(self, logits: torch.Tensor, r: Request) -> int:
+        if r.params.penalized:
+            logits = penalize(logits[None], r.params, output_counts(r.output_ids, logits.shape[-1]), r.prompt_ids)[0]
         if r.params.greedy:
             return int(greedy_tokens(logits))
         return sample(logits_to_probs(logits, r.params), r.generator)
@@ -340,6 +345,8 @@ class Engine:
         return lps
 
     def _verify(self, r: Request, tree: TokenTree, logits: torch.Tensor) -> VerifyResult:
+        if r.params.penalized:  # (the step's logprobs stay the raw ones: the caller keeps its rows)
+            logits = penalize_tree(logits, r.params, r.prompt_ids, r.output_ids, tree)
         if r.params.greedy:
             return greedy_verify(tree, greedy_tokens(logits))
         return sampling_verify(tree, lambda node: logits_to_probs(logits[node], r.params), r.generator)

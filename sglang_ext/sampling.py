@@ -1,7 +1,8 @@
 """Sampling parameters and the logits -> probabilities transform shared by draft and target.
 
 The same transform (temperature, then top-k, then top-p) is applied to the target's logits and to
-the drafter's logits, so verification compares like with like.
+the drafter's logits, so verification compares like with like. Penalties and logit bias depend on
+each row's context and apply to the target's logits only, before it (penalties.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ class InvalidRequest(ValueError):
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
+MAX_LOGIT_BIAS = 300  # tokens in one request's logit_bias (OpenAI's limit)
+MAX_REPETITION_PENALTY = 2.0  # SGLang's range is [0, 2]; 0 itself would divide by zero
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass(frozen=True)
@@ -34,7 +41,11 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: each output token's log-probability and its k likeliest alternatives
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (from the second on: the first has no context)
-
+    # applied to the target's logits before the transform below (sglang_ext/penalties.py)
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token the output already holds
+    frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
+    repetition_penalty: float = 1.0  # a token in the prompt or output: logit / this if positive, * this if not
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -48,6 +59,26 @@ class SamplingParams:
         for name, k in (("top_logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)):
             if k is not None and (not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS):
                 raise InvalidRequest(f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}], got {k!r}", name)
+        for name in ("presence_penalty", "frequency_penalty"):
+            x = getattr(self, name)
+            if not _is_number(x) or not -2 <= x <= 2:
+                raise InvalidRequest(f"{name} must be a number in [-2, 2], got {x!r}", name)
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidRequest(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty!r}", "repetition_penalty")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}", "logit_bias")
+        if len({tok for tok, _ in self.logit_bias}) < len(self.logit_bias):
+            raise InvalidRequest("logit_bias names a token more than once", "logit_bias")
+        for tok, bias in self.logit_bias:
+            if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
+                raise InvalidRequest(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}", "logit_bias")
+            if not _is_number(bias) or not -100 <= bias <= 100:
+                raise InvalidRequest(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {tok}", "logit_bias")
+
+    @property
+    def penalized(self) -> bool:
+        """True when the target's logits need the per-context step of sglang_ext/penalties.py."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias)
 
     @property
     def greedy(self) -> bool:

@@ -77,3 +77,23 @@ def compare_to_reference(model: LlamaModel, prompt: list[int], ref: list[int], g
     if n >= min(len(ref), len(got)):
         return "bug"  # one is a prefix of the other: different lengths without a token divergence
     return "tie" if top2_gap(model, prompt + ref[:n]) < tol else "bug"
+
+
+def reference_penalized_greedy(model: LlamaModel, prompt: list[int], params, n: int) -> tuple[list[int], list[float]]:
+    """n greedy tokens under params' penalties, each from one plain causal fp32 forward over the whole
+    sequence so far; with the gap between the two largest penalised logits at each step (ties)."""
+    from sglang_ext.attention import causal_mask, plan_attention
+    from sglang_ext.penalties import output_counts, penalize
+
+    out: list[int] = []
+    gaps: list[float] = []
+    for _ in range(n):
+        ids = prompt + out
+        kv = model.new_kv_pool(len(ids) + 1)
+        s = kv.alloc(len(ids))
+        h = model.forward(torch.tensor(ids), torch.arange(len(ids)), s, plan_attention([s], [causal_mask(len(ids), 0)]), kv).hidden
+        row = penalize(model.logits(h[-1:]), params, output_counts(out, model.cfg.vocab_size), prompt)[0]
+        top = row.topk(2)
+        out.append(int(top.indices[0]))
+        gaps.append(float(top.values[0] - top.values[1]))
+    return out, gaps

@@ -3,10 +3,13 @@
 The exact joint law of the 2nd and 3rd generated tokens (the first ones produced by a verify step)
 is computed by enumeration from the target; samples from the speculative engine (fixed seeds) must
 pass a chi-square goodness-of-fit test, and a deliberately broken verifier (accept every draft
-along the first-child path) must fail the same test.
+along the first-child path) must fail the same test. With penalties, the law is enumerated with each
+sequence's own output counts, and penalising every tree node with the committed output only (what
+SGLang's EAGLE verify does) must fail.
 """
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,9 +19,10 @@ from helpers import tiny_target
 from serving.engine import Engine
 from sglang_ext.attention import causal_mask, plan_attention
 from sglang_ext.drafters import DraftModelDrafter
+from sglang_ext.penalties import output_counts, penalize
 from sglang_ext.sampling import SamplingParams, logits_to_probs
 from sglang_ext.tree import TreeShape
-from sglang_ext.verify import VerifyResult
+from sglang_ext.verify import VerifyResult, sampling_verify
 
 PROMPT = [1, 5, 2, 7]
 SAMPLES = 2000
@@ -31,7 +35,12 @@ def next_probs(model, seqs, params):
     plan = plan_attention(slots, [causal_mask(len(s), 0) for s in seqs])
     out = model.forward(torch.tensor(sum(seqs, [])), torch.cat([torch.arange(len(s)) for s in seqs]), torch.cat(slots), plan, kv)
     last = torch.tensor([len(seqs[0]) * (i + 1) - 1 for i in range(len(seqs))])
-    return logits_to_probs(model.logits(out.hidden[last]), params)
+    logits = model.logits(out.hidden[last])
+    if params.penalized:
+        v = logits.shape[-1]
+        counts = torch.stack([output_counts(s[len(PROMPT) :], v) for s in seqs])
+        logits = penalize(logits, params, counts, PROMPT)
+    return logits_to_probs(logits, params)
 
 
 def exact_joint_t2_t3(model, params):
@@ -54,11 +63,19 @@ class AcceptEverything(Engine):
         return VerifyResult(nodes, [int(tree.draft_tokens[i]) for i in nodes[1:]] + [bonus])
 
 
+class CommittedOutputPenalties(Engine):
+    """Broken on purpose: every tree node is penalised with the committed output only."""
+
+    def _verify(self, r, tree, logits):
+        logits = penalize(logits, r.params, output_counts(r.output_ids, logits.shape[-1]), r.prompt_ids)
+        return sampling_verify(tree, lambda node: logits_to_probs(logits[node], r.params), r.generator)
+
+
 def sample_t2_t3(engine_cls, target, shape, params):
     drafter = DraftModelDrafter.self_draft(target.model, layers=[0], num_slots=SAMPLES * 16)
     fallbacks = []
     eng = engine_cls(target, drafter, shape, kv_slots=SAMPLES * 16, on_fallback=lambda r, why: fallbacks.append(why))
-    reqs = eng.generate([PROMPT] * SAMPLES, [SamplingParams(max_new_tokens=3, temperature=params.temperature, top_p=params.top_p, seed=i) for i in range(SAMPLES)])
+    reqs = eng.generate([PROMPT] * SAMPLES, [replace(params, max_new_tokens=3, seed=i) for i in range(SAMPLES)])
     v = target.cfg.vocab_size
     counts = torch.zeros(v, v, dtype=torch.float64)
     for r in reqs:
@@ -87,7 +104,12 @@ def target():
 
 
 SHAPES = {"chain": TreeShape.chain(3), "tree": TreeShape(2, 2, 5)}
-PARAMS = {"T0.7": SamplingParams(temperature=0.7), "T1.0-top_p0.9": SamplingParams(temperature=1.0, top_p=0.9)}
+PARAMS = {
+    "T0.7": SamplingParams(temperature=0.7),
+    "T1.0-top_p0.9": SamplingParams(temperature=1.0, top_p=0.9),
+    # strong enough that a repeat within a drafted path changes the law visibly
+    "T1.0-penalties": SamplingParams(temperature=1.0, presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.5, logit_bias=((2, 1.0),)),
+}
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
@@ -105,4 +127,12 @@ def test_broken_verifier_fails_the_same_test(target, shape):
     params = PARAMS["T0.7"]
     expected = exact_joint_t2_t3(target.model, params)
     counts, _ = sample_t2_t3(AcceptEverything, target, SHAPES[shape], params)
+    assert chi2_pvalue(counts, expected) < 1e-6
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+def test_committed_output_penalties_fail_the_same_test(target, shape):
+    params = PARAMS["T1.0-penalties"]
+    expected = exact_joint_t2_t3(target.model, params)
+    counts, _ = sample_t2_t3(CommittedOutputPenalties, target, SHAPES[shape], params)
     assert chi2_pvalue(counts, expected) < 1e-6

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from helpers import compare_to_reference, reference_logprobs, tiny_target
+from helpers import compare_to_reference, reference_logprobs, reference_penalized_greedy, tiny_target
 from serving.engine import Engine
 from sglang_ext.attention import causal_mask, plan_attention
 from sglang_ext.drafters import make_drafter
@@ -288,3 +288,49 @@ def test_prompt_logprobs_across_prefill_chunks(smollm2_fp32, eval_prompts, prefi
         assert [v for _, v in x.top] == pytest.approx(ref[i].topk(2).values.tolist(), abs=1e-4)
     assert len(r.output_logprobs) == len(r.output_ids) and busy.prompt_logprobs == []
     eng.abort(busy)
+
+
+PENALTY_TOKENS = 24
+PENALTIES = [  # per request in one batch: penalised and not side by side
+    SamplingParams(max_new_tokens=PENALTY_TOKENS, ignore_eos=True, frequency_penalty=1.0, presence_penalty=0.5),
+    SamplingParams(max_new_tokens=PENALTY_TOKENS, ignore_eos=True),
+    SamplingParams(max_new_tokens=PENALTY_TOKENS, ignore_eos=True, repetition_penalty=1.3, logit_bias=((28, -100.0), (30, 3.0))),
+    SamplingParams(max_new_tokens=PENALTY_TOKENS, ignore_eos=True, presence_penalty=-0.5, frequency_penalty=2.0, repetition_penalty=1.5),
+]
+
+
+@pytest.fixture(scope="module")
+def penalized_reference(smollm2_fp32, eval_prompts):
+    return [reference_penalized_greedy(smollm2_fp32.model, p, sp, PENALTY_TOKENS) for p, sp in zip(eval_prompts[8:12], PENALTIES)]
+
+
+@pytest.mark.parametrize("drafter,shape", [(None, None), ("suffix", "chain"), ("suffix", "tree"), ("ngram", "tree")])
+@pytest.mark.parametrize("bs", [1, 4])
+def test_greedy_penalties_equal_plain_decoding(smollm2_fp32, eval_prompts, penalized_reference, drafter, shape, bs):
+    """Penalties and logit bias under speculation give what a plain decode loop gives with them: each
+    tree node is penalised with its own path (sglang_ext/penalties.py)."""
+    eng = Engine(smollm2_fp32, make_drafter(drafter, smollm2_fp32) if drafter else None, SHAPES[shape] if shape else None)
+    prompts = eval_prompts[8:12]
+    reqs = []
+    for i in range(0, len(prompts), bs):
+        reqs += eng.generate(prompts[i : i + bs], PENALTIES[i : i + bs])
+    for r, (ref, gaps) in zip(reqs, penalized_reference):
+        n = next((i for i, (a, b) in enumerate(zip(ref, r.output_ids)) if a != b), None)
+        assert n is None or gaps[n] < 1e-3, f"request {r.rid}: differs from plain decoding at token {n} (gap {gaps[n]:.4f})"
+        assert len(r.output_ids) == PENALTY_TOKENS
+    assert 28 not in reqs[2].output_ids  # a -100 bias keeps a token out
+    if drafter:
+        assert sum(r.stats.accepted_tokens for r in reqs) > 0
+    assert eng.kv.num_free == eng.kv.num_slots - 1
+
+
+def test_penalties_change_the_output(smollm2_fp32, eval_prompts, penalized_reference):
+    """(So the test above can fail:) the penalised requests' plain outputs differ from unpenalised ones."""
+    eng = Engine(smollm2_fp32, None)
+    plain = eng.generate(eval_prompts[8:12], SamplingParams(max_new_tokens=PENALTY_TOKENS, ignore_eos=True))
+    for i in (0, 2, 3):
+        assert plain[i].output_ids != penalized_reference[i][0]
+    assert plain[1].output_ids == penalized_reference[1][0]
+    with pytest.raises(InvalidRequest, match="logit_bias") as e:
+        eng.add_request(eval_prompts[0], SamplingParams(logit_bias=((smollm2_fp32.cfg.vocab_size, 1.0),)))
+    assert e.value.param == "logit_bias"

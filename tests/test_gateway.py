@@ -22,11 +22,12 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import compare_to_reference, reference_logprobs
+from helpers import compare_to_reference, reference_logprobs, reference_penalized_greedy
 from serving.cli import default_tree
 from serving.engine import Engine
 from serving.gateway.app import create_app
 from serving.gateway.server import ServerThread, embedded_backend
+from sglang_ext.sampling import SamplingParams
 from sglang_ext.drafters import make_drafter
 
 MODEL = "smollm2"
@@ -230,6 +231,30 @@ def test_completions_echo_with_prompt_logprobs(server, client, smollm2_fp32):
     while server.engine.kv.num_free != server.engine.kv.num_slots - 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.engine.kv.num_free == server.engine.kv.num_slots - 1  # the dropped token's request freed its KV
+
+
+def test_penalties_and_logit_bias(server, client, smollm2_fp32):
+    """presence / frequency / repetition penalties through the API give plain penalised greedy
+    decoding's tokens (the drafter's accepted tokens included), streamed and not; a -100 bias bans a
+    token, +100 forces one."""
+    messages = user("Write a short poem about the sea and the sky.")
+    kw = dict(model=MODEL, messages=messages, max_tokens=24, temperature=0, presence_penalty=0.8, frequency_penalty=0.6)
+    api = client.chat.completions.create(**kw, extra_body={"repetition_penalty": 1.2, "return_token_ids": True})
+    got = api.choices[0].token_ids
+    sp = SamplingParams(presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.2)
+    ref, gaps = reference_penalized_greedy(smollm2_fp32.model, smollm2_fp32.encode_chat(messages), sp, len(got))
+    n = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
+    assert n is None or gaps[n] < 1e-3, f"differs from plain penalised decoding at token {n}"
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0, extra_body={"return_token_ids": True})
+    assert plain.choices[0].token_ids != got  # the penalties did something
+    stream = client.chat.completions.create(**kw, stream=True, extra_body={"repetition_penalty": 1.2})
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == api.choices[0].message.content
+    first = plain.choices[0].token_ids[0]
+    banned = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0, logit_bias={str(first): -100}, extra_body={"return_token_ids": True})
+    assert first not in banned.choices[0].token_ids
+    (sea,) = smollm2_fp32.encode(" sea")
+    forced = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=3, temperature=0, logit_bias={str(sea): 100})
+    assert forced.choices[0].text == " sea" * 3
 
 
 TOPICS = ["cats", "rain", "the moon", "bread", "music", "rivers", "chess", "winter", "bees", "glass", "trains", "salt", "clouds", "paper", "islands", "owls",

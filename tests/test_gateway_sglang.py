@@ -180,6 +180,18 @@ def test_logprobs_pass_through_from_upstream(gw, upstream):
     assert upstream.requests[-1]["echo"] is True
 
 
+def test_penalties_and_logit_bias_forwarded(gw, upstream):
+    """Upstream SGLang applies them itself: they go through as given, and are left out when off."""
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+    client.chat.completions.create(model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=2, presence_penalty=0.5,
+                                   frequency_penalty=-0.25, logit_bias={"7": -100, "9": 2.5}, extra_body={"repetition_penalty": 1.1})
+    sent = upstream.requests[-1]
+    assert (sent["presence_penalty"], sent["frequency_penalty"], sent["repetition_penalty"]) == (0.5, -0.25, 1.1)
+    assert sent["logit_bias"] == {"7": -100.0, "9": 2.5}
+    client.completions.create(model="llama-8b", prompt="hi", max_tokens=2)
+    assert not {"presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"} & set(upstream.requests[-1])
+
+
 def test_upstream_errors_and_readiness(gw, upstream):
     with httpx.Client(base_url=gw.url, timeout=30) as c:
         r = c.post("/v1/chat/completions", json={"model": "llama-8b", "messages": [{"role": "user", "content": "fail400"}]})

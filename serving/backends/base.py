@@ -33,6 +33,10 @@ class GenParams:
     ignore_eos: bool = False  # extension
     logprobs: int | None = None  # None: off; k: each token's logprob and its k likeliest alternatives
     echo: bool = False  # completions: the output starts with the prompt (and its logprobs, when asked)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # extension (SGLang/vLLM)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
 
 
 @dataclass(frozen=True)

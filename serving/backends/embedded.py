@@ -88,8 +88,12 @@ class EmbeddedBackend:
         else:
             max_new = max(p.max_tokens, 1)  # 0 (echo: score the prompt only): one token is generated and dropped
         try:
+            vocab = self.target.cfg.vocab_size
+            if any(t >= vocab for t, _ in p.logit_bias):
+                raise InvalidRequest(f"logit_bias: token ids must be below the vocabulary size {vocab}", "logit_bias")
             return SamplingParams(max_new, p.temperature, p.top_p, p.top_k, p.seed, tuple(p.stop_token_ids), p.ignore_eos, p.logprobs,
-                                  prompt_logprobs=p.logprobs if p.echo else None)
+                                  prompt_logprobs=p.logprobs if p.echo else None, presence_penalty=p.presence_penalty,
+                                  frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias)
         except InvalidRequest as e:
             raise invalid(str(e), e.param) from e
 

@@ -149,6 +149,11 @@ class SGLangBackend:
             body["stop_token_ids"] = list(p.stop_token_ids)
         if p.ignore_eos:
             body["ignore_eos"] = True
+        for key, value, off in (("presence_penalty", p.presence_penalty, 0.0), ("frequency_penalty", p.frequency_penalty, 0.0), ("repetition_penalty", p.repetition_penalty, 1.0)):
+            if value != off:
+                body[key] = value
+        if p.logit_bias:
+            body["logit_bias"] = {str(t): b for t, b in p.logit_bias}
         if job.messages is not None:
             if p.logprobs is not None:
                 body.update(logprobs=True, top_logprobs=p.logprobs)

@@ -1,7 +1,7 @@
 """OpenAI request schemas (strict JSON types) and their translation into per-choice Jobs.
 
 Unknown fields are ignored (SDKs send newer ones); known fields we cannot honour (tools,
-penalties, logit_bias, non-text content, ...) are rejected with a 400 naming the parameter, so a
+response formats other than text, non-text content, ...) are rejected with a 400 naming the parameter, so a
 client never silently gets something other than what it asked for.
 """
 
@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from sglang_ext.sampling import MAX_TOP_LOGPROBS
+from sglang_ext.sampling import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS
 
 from ..backends.base import GenParams, Job
 from .errors import APIError, from_validation_errors, invalid
@@ -65,6 +65,7 @@ class _Common(_Strict):
     logit_bias: dict[str, Any] | None = None
     user: str | None = None
     # extensions (SGLang / vLLM names)
+    repetition_penalty: float | None = Field(None, gt=0, le=MAX_REPETITION_PENALTY)
     top_k: int | None = Field(None, ge=-1)
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
@@ -103,12 +104,6 @@ def _unsupported(param: str, what: str) -> APIError:
 
 
 def _check_common(r: _Common) -> None:
-    if r.presence_penalty:
-        raise _unsupported("presence_penalty", "a non-zero presence_penalty")
-    if r.frequency_penalty:
-        raise _unsupported("frequency_penalty", "a non-zero frequency_penalty")
-    if r.logit_bias:
-        raise _unsupported("logit_bias", "logit_bias")
     if r.stream_options is not None and not r.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
 
@@ -121,6 +116,25 @@ def _stop(r: _Common) -> tuple[str, ...]:
         if not s or len(s) > MAX_STOP_CHARS:
             raise invalid(f"stop: every stop string must have 1 to {MAX_STOP_CHARS} characters", "stop")
     return tuple(dict.fromkeys(stop))
+
+
+def _logit_bias(bias: dict[str, Any] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias in [-100, 100]} -> ((id, bias), ...); ids beyond the vocabulary are
+    the backend's to reject (it knows the vocabulary)."""
+    if not bias:
+        return ()
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise invalid(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}", "logit_bias")
+    out = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise invalid(f"logit_bias: keys must be token ids (non-negative integers), got {key!r}", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise invalid(f"logit_bias: values must be numbers from -100 to 100, got {value!r} for token {key}", "logit_bias")
+        out.append((int(key), float(value)))
+    if len({t for t, _ in out}) < len(out):
+        raise invalid("logit_bias names a token more than once", "logit_bias")
+    return tuple(out)
 
 
 def _logprobs(k: int | None, param: str) -> int | None:
@@ -145,6 +159,10 @@ def _params(r: _Common, max_tokens: int | None, max_tokens_param: str, limits: L
         stop_token_ids=tuple(r.stop_token_ids or ()),
         ignore_eos=bool(r.ignore_eos),
         logprobs=logprobs,
+        presence_penalty=float(r.presence_penalty or 0.0),
+        frequency_penalty=float(r.frequency_penalty or 0.0),
+        repetition_penalty=1.0 if r.repetition_penalty is None else float(r.repetition_penalty),
+        logit_bias=_logit_bias(r.logit_bias),
     )
 
 
