@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -35,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--frequency-penalty", type=float, default=0.0)
     g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--regex", default=None, help="structured output: the output matches this regex")
+    g.add_argument("--json-schema", default=None, metavar="SCHEMA", help="structured output: a JSON schema (JSON text, or a file holding it); '{}' for any JSON")
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and speculative stats")
 
     from .bench import add_bench_parser
@@ -90,8 +93,9 @@ def cmd_generate(args) -> int:
 
     from .engine import Engine
 
+    grammar = _grammar_arg(args)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty)
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty, grammar=grammar)
     if not args.prompt.strip():
         raise ValueError("prompt is empty")
     tree = TreeShape.parse(args.tree) if args.tree else None  # a bad --tree fails before the model loads
@@ -150,3 +154,18 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _grammar_arg(args):
+    from sglang_ext.grammar import GrammarSpec
+
+    if args.regex is not None and args.json_schema is not None:
+        raise ValueError("give --regex or --json-schema, not both")
+    if args.regex is not None:
+        return GrammarSpec("regex", args.regex)
+    if args.json_schema is None:
+        return None
+    text = args.json_schema
+    if not text.lstrip().startswith(("{", "[")) and Path(text).is_file():
+        text = Path(text).read_text()
+    return GrammarSpec("json_schema", text)

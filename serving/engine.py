@@ -22,6 +22,7 @@ import torch
 
 from sglang_ext.attention import causal_mask, plan_attention, prefix_and_tree_mask
 from sglang_ext.drafters import DraftInput, Drafter, TargetCapture
+from sglang_ext.grammar import Grammars, apply_bitmask, tree_bitmask
 from sglang_ext.models import Target
 from sglang_ext.penalties import output_counts, penalize, penalize_tree
 from sglang_ext.sampling import InvalidRequest, SamplingParams, TokenLogprob, greedy_tokens, logits_to_probs, sample, token_logprobs
@@ -58,6 +59,7 @@ class Request:
     prompt_captured: list = field(default_factory=list)  # the target's captured layers for the chunks so far
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     drafting: bool = True  # False after a drafter failure: vanilla decoding from then on
+    matcher: object | None = None  # the grammar's state after the output so far (structured output)
     stats: RequestStats = field(default_factory=RequestStats)
     t_arrival: float = field(default_factory=time.perf_counter)
     t_first_token: float | None = None
@@ -105,6 +107,7 @@ class Engine:
         eos = getattr(target.tokenizer, "eos_token_id", None)
         if eos is not None:
             self.eos_ids.add(eos)
+        self.grammars = Grammars(target.tokenizer, self.model.cfg.vocab_size, sorted(self.eos_ids))
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self._ids = itertools.count()
@@ -132,6 +135,8 @@ class Engine:
             raise InvalidRequest(f"prompt has {len(prompt_ids)} tokens; the context limit is {self.max_context}", "messages")
         gen = None if params.greedy else params.generator()
         req = Request(next(self._ids), list(prompt_ids), params, gen)
+        if params.grammar is not None:
+            req.matcher = self.grammars.matcher(params.grammar)
         self.waiting.append(req)
         return req
 
@@ -274,6 +279,9 @@ class Engine:
     def _sample(self, logits: torch.Tensor, r: Request) -> int:
         if r.params.penalized:
             logits = penalize(logits[None], r.params, output_counts(r.output_ids, logits.shape[-1]), r.prompt_ids)[0]
+        if r.matcher is not None:
+            # a root-only tree: the mask after the output so far
+            logits = apply_bitmask(logits[None], tree_bitmask(r.matcher, chain_tree(0, [], 0), logits.shape[-1]))[0]
         if r.params.greedy:
             return int(greedy_tokens(logits))
         return sample(logits_to_probs(logits, r.params), r.generator)
@@ -347,6 +355,8 @@ class Engine:
     def _verify(self, r: Request, tree: TokenTree, logits: torch.Tensor) -> VerifyResult:
         if r.params.penalized:  # (the step's logprobs stay the raw ones: the caller keeps its rows)
             logits = penalize_tree(logits, r.params, r.prompt_ids, r.output_ids, tree)
+        if r.matcher is not None:  # after the penalties: a masked token stays impossible
+            logits = apply_bitmask(logits, tree_bitmask(r.matcher, tree, logits.shape[-1]))
         if r.params.greedy:
             return greedy_verify(tree, greedy_tokens(logits))
         return sampling_verify(tree, lambda node: logits_to_probs(logits[node], r.params), r.generator)
@@ -374,6 +384,8 @@ class Engine:
                 r.finish_reason = "length"
                 break
         r.output_ids += out
+        if r.matcher is not None and not all(r.matcher.accept_token(tok) for tok in out):
+            r.finish_reason = "error"  # cannot happen (the mask allowed only matching tokens): end this request alone
         if not r.finished and len(r.token_ids) + self.tree.depth + 1 >= self.max_context:
             r.finish_reason = "length"
         return out

@@ -246,6 +246,8 @@ class Scheduler:
                 continue
             st = e.request.stats
             d = Delivery(list(e.new_tokens), e.request.finish_reason, st.verify_steps, st.draft_tokens, st.accepted_tokens, logprobs=e.logprobs, prompt_logprobs=e.prompt_logprobs)
+            if d.finish_reason == "error":
+                d.error = "internal error: the engine ended this request (its output left its grammar)"
             if e.request.finished:
                 del self._by_rid[e.request.rid]
                 posts.append(self._finish(h, d))

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .grammar import GrammarSpec
 
 
 class InvalidRequest(ValueError):
@@ -46,6 +50,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
     repetition_penalty: float = 1.0  # a token in the prompt or output: logit / this if positive, * this if not
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    grammar: GrammarSpec | None = None  # structured output: tokens outside the grammar are masked (grammar.py)
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -67,6 +72,8 @@ class SamplingParams:
             raise InvalidRequest(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty!r}", "repetition_penalty")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise InvalidRequest(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}", "logit_bias")
+        if self.grammar is not None and self.ignore_eos:
+            raise InvalidRequest("ignore_eos cannot be combined with a grammar (the output ends where the grammar does)", "ignore_eos")
         if len({tok for tok, _ in self.logit_bias}) < len(self.logit_bias):
             raise InvalidRequest("logit_bias names a token more than once", "logit_bias")
         for tok, bias in self.logit_bias:

@@ -79,12 +79,16 @@ def compare_to_reference(model: LlamaModel, prompt: list[int], ref: list[int], g
     return "tie" if top2_gap(model, prompt + ref[:n]) < tol else "bug"
 
 
-def reference_penalized_greedy(model: LlamaModel, prompt: list[int], params, n: int) -> tuple[list[int], list[float]]:
-    """n greedy tokens under params' penalties, each from one plain causal fp32 forward over the whole
-    sequence so far; with the gap between the two largest penalised logits at each step (ties)."""
+def reference_greedy(model: LlamaModel, prompt: list[int], params, n: int, grammars=None, stop_ids=()) -> tuple[list[int], list[float]]:
+    """Up to n greedy tokens under params' penalties and grammar (compiled by `grammars`), each from one
+    plain causal fp32 forward over the whole sequence so far, ending at a stop id; with the gap between
+    the two largest allowed logits at each step (ties)."""
     from sglang_ext.attention import causal_mask, plan_attention
+    from sglang_ext.grammar import apply_bitmask, tree_bitmask
     from sglang_ext.penalties import output_counts, penalize
+    from sglang_ext.tree import chain_tree
 
+    matcher = grammars.matcher(params.grammar) if params.grammar is not None else None
     out: list[int] = []
     gaps: list[float] = []
     for _ in range(n):
@@ -92,8 +96,14 @@ def reference_penalized_greedy(model: LlamaModel, prompt: list[int], params, n: 
         kv = model.new_kv_pool(len(ids) + 1)
         s = kv.alloc(len(ids))
         h = model.forward(torch.tensor(ids), torch.arange(len(ids)), s, plan_attention([s], [causal_mask(len(ids), 0)]), kv).hidden
-        row = penalize(model.logits(h[-1:]), params, output_counts(out, model.cfg.vocab_size), prompt)[0]
-        top = row.topk(2)
+        row = penalize(model.logits(h[-1:]), params, output_counts(out, model.cfg.vocab_size), prompt)
+        if matcher is not None:
+            row = apply_bitmask(row, tree_bitmask(matcher, chain_tree(0, [], 0), row.shape[-1]))
+        top = row[0].topk(2)
         out.append(int(top.indices[0]))
         gaps.append(float(top.values[0] - top.values[1]))
+        if matcher is not None:
+            assert matcher.accept_token(out[-1])
+        if out[-1] in stop_ids:
+            break
     return out, gaps

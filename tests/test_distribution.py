@@ -5,7 +5,8 @@ is computed by enumeration from the target; samples from the speculative engine 
 pass a chi-square goodness-of-fit test, and a deliberately broken verifier (accept every draft
 along the first-child path) must fail the same test. With penalties, the law is enumerated with each
 sequence's own output counts, and penalising every tree node with the committed output only (what
-SGLang's EAGLE verify does) must fail.
+SGLang's EAGLE verify does) must fail. With a grammar, the law is enumerated with each sequence's own
+mask, and masking every node with the committed output's must fail.
 """
 
 import itertools
@@ -19,13 +20,15 @@ from helpers import tiny_target
 from serving.engine import Engine
 from sglang_ext.attention import causal_mask, plan_attention
 from sglang_ext.drafters import DraftModelDrafter
+from sglang_ext.grammar import GrammarSpec, Grammars, apply_bitmask, tree_bitmask
 from sglang_ext.penalties import output_counts, penalize
 from sglang_ext.sampling import SamplingParams, logits_to_probs
-from sglang_ext.tree import TreeShape
+from sglang_ext.tree import TreeShape, chain_tree
 from sglang_ext.verify import VerifyResult, sampling_verify
 
 PROMPT = [1, 5, 2, 7]
 SAMPLES = 2000
+GRAMMARS = Grammars.for_vocab([str(i) for i in range(8)], [])  # the tiny model's token i is the text "i"
 
 
 def next_probs(model, seqs, params):
@@ -40,7 +43,17 @@ def next_probs(model, seqs, params):
         v = logits.shape[-1]
         counts = torch.stack([output_counts(s[len(PROMPT) :], v) for s in seqs])
         logits = penalize(logits, params, counts, PROMPT)
+    if params.grammar is not None:
+        logits = torch.cat([_masked(row[None], s[len(PROMPT) :], params.grammar) for row, s in zip(logits, seqs)])
     return logits_to_probs(logits, params)
+
+
+def _masked(row, output, spec):
+    """The row masked after `output`, or as is when `output` leaves the grammar (its probability is 0)."""
+    m = GRAMMARS.matcher(spec)
+    if not all(m.accept_token(t) for t in output):
+        return row
+    return apply_bitmask(row, tree_bitmask(m, chain_tree(0, [], 0), row.shape[-1]))
 
 
 def exact_joint_t2_t3(model, params):
@@ -71,10 +84,27 @@ class CommittedOutputPenalties(Engine):
         return sampling_verify(tree, lambda node: logits_to_probs(logits[node], r.params), r.generator)
 
 
+class CommittedOutputGrammar(Engine):
+    """Broken on purpose: every tree node is masked with the committed output's grammar state."""
+
+    def _verify(self, r, tree, logits):
+        logits = apply_bitmask(logits, tree_bitmask(r.matcher, chain_tree(0, [], 0), logits.shape[-1]).expand(tree.num_nodes, -1))
+        return sampling_verify(tree, lambda node: logits_to_probs(logits[node], r.params), r.generator)
+
+    def _append(self, r, tokens):
+        matcher, r.matcher = r.matcher, None  # the wrong mask lets tokens through that the matcher refuses
+        out = super()._append(r, tokens)
+        r.matcher = matcher
+        for t in out:
+            matcher.accept_token(t)
+        return out
+
+
 def sample_t2_t3(engine_cls, target, shape, params):
     drafter = DraftModelDrafter.self_draft(target.model, layers=[0], num_slots=SAMPLES * 16)
     fallbacks = []
     eng = engine_cls(target, drafter, shape, kv_slots=SAMPLES * 16, on_fallback=lambda r, why: fallbacks.append(why))
+    eng.grammars = GRAMMARS
     reqs = eng.generate([PROMPT] * SAMPLES, [replace(params, max_new_tokens=3, seed=i) for i in range(SAMPLES)])
     v = target.cfg.vocab_size
     counts = torch.zeros(v, v, dtype=torch.float64)
@@ -109,6 +139,8 @@ PARAMS = {
     "T1.0-top_p0.9": SamplingParams(temperature=1.0, top_p=0.9),
     # strong enough that a repeat within a drafted path changes the law visibly
     "T1.0-penalties": SamplingParams(temperature=1.0, presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.5, logit_bias=((2, 1.0),)),
+    # tokens alternate between 0-3 and 4-7: a drafted node's mask depends on its depth
+    "T1.0-grammar": SamplingParams(temperature=1.0, grammar=GrammarSpec("regex", "([0-3][4-7])*")),
 }
 
 
@@ -135,4 +167,12 @@ def test_committed_output_penalties_fail_the_same_test(target, shape):
     params = PARAMS["T1.0-penalties"]
     expected = exact_joint_t2_t3(target.model, params)
     counts, _ = sample_t2_t3(CommittedOutputPenalties, target, SHAPES[shape], params)
+    assert chi2_pvalue(counts, expected) < 1e-6
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+def test_committed_output_grammar_fails_the_same_test(target, shape):
+    params = PARAMS["T1.0-grammar"]
+    expected = exact_joint_t2_t3(target.model, params)
+    counts, _ = sample_t2_t3(CommittedOutputGrammar, target, SHAPES[shape], params)
     assert chi2_pvalue(counts, expected) < 1e-6

@@ -3,10 +3,14 @@
 import pytest
 import torch
 
-from helpers import compare_to_reference, reference_logprobs, reference_penalized_greedy, tiny_target
+import json
+import re
+
+from helpers import compare_to_reference, reference_greedy, reference_logprobs, tiny_target
 from serving.engine import Engine
 from sglang_ext.attention import causal_mask, plan_attention
 from sglang_ext.drafters import make_drafter
+from sglang_ext.grammar import GrammarSpec
 from sglang_ext.sampling import InvalidRequest, SamplingParams
 from sglang_ext.tree import TreeShape
 
@@ -301,7 +305,7 @@ PENALTIES = [  # per request in one batch: penalised and not side by side
 
 @pytest.fixture(scope="module")
 def penalized_reference(smollm2_fp32, eval_prompts):
-    return [reference_penalized_greedy(smollm2_fp32.model, p, sp, PENALTY_TOKENS) for p, sp in zip(eval_prompts[8:12], PENALTIES)]
+    return [reference_greedy(smollm2_fp32.model, p, sp, PENALTY_TOKENS) for p, sp in zip(eval_prompts[8:12], PENALTIES)]
 
 
 @pytest.mark.parametrize("drafter,shape", [(None, None), ("suffix", "chain"), ("suffix", "tree"), ("ngram", "tree")])
@@ -334,3 +338,48 @@ def test_penalties_change_the_output(smollm2_fp32, eval_prompts, penalized_refer
     with pytest.raises(InvalidRequest, match="logit_bias") as e:
         eng.add_request(eval_prompts[0], SamplingParams(logit_bias=((smollm2_fp32.cfg.vocab_size, 1.0),)))
     assert e.value.param == "logit_bias"
+
+
+GRAMMAR_TOKENS = 40
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}
+COLORS = r"(red|green|blue)(, (red|green|blue)){2}\."
+STRUCTURED = [  # (user message, grammar): a schema, any JSON, a regex, and a plain request beside them
+    ("Describe a person named Ann in JSON.", GrammarSpec("json_schema", json.dumps(PERSON))),
+    ("Give me a small JSON object about a cat.", GrammarSpec("json")),
+    ("Name three colours.", GrammarSpec("regex", COLORS)),
+    ("Name three colours.", None),
+]
+
+
+@pytest.fixture(scope="module")
+def structured_reference(smollm2_fp32):
+    eng = Engine(smollm2_fp32, None)  # (for its grammar compiler and stop ids)
+    prompts = [smollm2_fp32.encode_chat([{"role": "user", "content": text}]) for text, _ in STRUCTURED]
+    params = [SamplingParams(max_new_tokens=GRAMMAR_TOKENS, grammar=g) for _, g in STRUCTURED]
+    refs = [reference_greedy(smollm2_fp32.model, p, sp, GRAMMAR_TOKENS, eng.grammars, eng.eos_ids) for p, sp in zip(prompts, params)]
+    return prompts, params, refs
+
+
+@pytest.mark.parametrize("drafter,shape", [(None, None), ("suffix", "chain"), ("suffix", "tree"), ("ngram", "tree")])
+@pytest.mark.parametrize("bs", [1, 4])
+def test_greedy_structured_output_equals_plain_decoding(smollm2_fp32, structured_reference, drafter, shape, bs):
+    """A grammar under speculation gives plain constrained decoding's tokens: each tree node is masked
+    after its own path (sglang_ext/grammar.py); finished outputs match their grammar."""
+    prompts, params, refs = structured_reference
+    eng = Engine(smollm2_fp32, make_drafter(drafter, smollm2_fp32) if drafter else None, SHAPES[shape] if shape else None)
+    reqs = []
+    for i in range(0, len(prompts), bs):
+        reqs += eng.generate(prompts[i : i + bs], params[i : i + bs])
+    for r, (ref, gaps) in zip(reqs, refs):
+        n = next((i for i, (a, b) in enumerate(zip(ref, r.output_ids)) if a != b), None)
+        assert n is None or gaps[n] < 1e-3, f"request {r.rid}: differs from plain constrained decoding at token {n}"
+        assert n is not None or len(ref) == len(r.output_ids)
+    person, cat, colors, plain = (smollm2_fp32.decode(r.output_ids) for r in reqs)
+    assert reqs[0].finish_reason == "stop" and set(json.loads(person)) >= {"name", "age"} and isinstance(json.loads(person)["age"], int)
+    assert reqs[2].finish_reason == "stop" and re.fullmatch(COLORS, colors)
+    assert not re.fullmatch(COLORS, plain)  # unconstrained, the model answers otherwise
+    if reqs[1].finish_reason == "stop":
+        json.loads(cat)
+    if drafter:
+        assert sum(r.stats.accepted_tokens for r in reqs) > 0
+    assert eng.kv.num_free == eng.kv.num_slots - 1

@@ -9,6 +9,7 @@ import asyncio
 import concurrent.futures as cf
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -22,11 +23,12 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import compare_to_reference, reference_logprobs, reference_penalized_greedy
+from helpers import compare_to_reference, reference_greedy, reference_logprobs
 from serving.cli import default_tree
 from serving.engine import Engine
 from serving.gateway.app import create_app
 from serving.gateway.server import ServerThread, embedded_backend
+from sglang_ext.grammar import GrammarSpec
 from sglang_ext.sampling import SamplingParams
 from sglang_ext.drafters import make_drafter
 
@@ -242,7 +244,7 @@ def test_penalties_and_logit_bias(server, client, smollm2_fp32):
     api = client.chat.completions.create(**kw, extra_body={"repetition_penalty": 1.2, "return_token_ids": True})
     got = api.choices[0].token_ids
     sp = SamplingParams(presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.2)
-    ref, gaps = reference_penalized_greedy(smollm2_fp32.model, smollm2_fp32.encode_chat(messages), sp, len(got))
+    ref, gaps = reference_greedy(smollm2_fp32.model, smollm2_fp32.encode_chat(messages), sp, len(got))
     n = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
     assert n is None or gaps[n] < 1e-3, f"differs from plain penalised decoding at token {n}"
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0, extra_body={"return_token_ids": True})
@@ -255,6 +257,34 @@ def test_penalties_and_logit_bias(server, client, smollm2_fp32):
     (sea,) = smollm2_fp32.encode(" sea")
     forced = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=3, temperature=0, logit_bias={str(sea): 100})
     assert forced.choices[0].text == " sea" * 3
+
+
+def test_structured_output(server, client, smollm2_fp32):
+    """response_format json_schema / json_object and the regex extension: the output matches, and is
+    plain constrained greedy decoding's (the drafter's accepted tokens included), streamed and not."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}}, "required": ["city", "population"]}
+    messages = user("Tell me about Paris as JSON.")
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0, response_format=fmt, extra_body={"return_token_ids": True})
+    c = out.choices[0]
+    data = json.loads(c.message.content)
+    assert c.finish_reason == "stop" and set(data) == {"city", "population"} and isinstance(data["population"], int)
+    sp = SamplingParams(grammar=GrammarSpec("json_schema", json.dumps(schema)))
+    ref, gaps = reference_greedy(smollm2_fp32.model, smollm2_fp32.encode_chat(messages), sp, 60, server.engine.grammars, server.engine.eos_ids)
+    n = next((i for i, (a, b) in enumerate(zip(ref, c.token_ids)) if a != b), None)
+    assert n is None or gaps[n] < 1e-3, f"differs from plain constrained decoding at token {n}"
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0, response_format=fmt, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == c.message.content
+    obj = client.chat.completions.create(model=MODEL, messages=user("Describe a dog."), max_tokens=80, temperature=0, response_format={"type": "json_object"})
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)  # an object, as in OpenAI's JSON mode
+    else:
+        assert obj.choices[0].message.content.lstrip().startswith("{")
+    date = client.completions.create(model=MODEL, prompt="The date today is", max_tokens=20, temperature=0, extra_body={"regex": r" [0-9]{4}-[0-9]{2}-[0-9]{2}"})
+    assert re.fullmatch(r" [0-9]{4}-[0-9]{2}-[0-9]{2}", date.choices[0].text) and date.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}})
+    assert e.value.body["param"] == "response_format" and "nope" in e.value.body["message"]
 
 
 TOPICS = ["cats", "rain", "the moon", "bread", "music", "rivers", "chess", "winter", "bees", "glass", "trains", "salt", "clouds", "paper", "islands", "owls",

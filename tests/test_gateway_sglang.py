@@ -189,7 +189,21 @@ def test_penalties_and_logit_bias_forwarded(gw, upstream):
     assert (sent["presence_penalty"], sent["frequency_penalty"], sent["repetition_penalty"]) == (0.5, -0.25, 1.1)
     assert sent["logit_bias"] == {"7": -100.0, "9": 2.5}
     client.completions.create(model="llama-8b", prompt="hi", max_tokens=2)
-    assert not {"presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"} & set(upstream.requests[-1])
+    assert not {"presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "response_format", "regex", "ebnf"} & set(upstream.requests[-1])
+
+
+def test_structured_output_forwarded(gw, upstream):
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    chat = dict(model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    client.chat.completions.create(**chat, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
+    assert upstream.requests[-1]["response_format"] == {"type": "json_schema", "json_schema": {"name": "response", "schema": schema}}
+    client.chat.completions.create(**chat, response_format={"type": "json_object"})
+    assert upstream.requests[-1]["response_format"] == {"type": "json_object"}
+    client.completions.create(model="llama-8b", prompt="hi", max_tokens=2, extra_body={"regex": "[0-9]+"})
+    assert upstream.requests[-1]["regex"] == "[0-9]+" and "response_format" not in upstream.requests[-1]
+    client.chat.completions.create(**chat, extra_body={"ebnf": 'root ::= "a"'})
+    assert upstream.requests[-1]["ebnf"] == 'root ::= "a"'
 
 
 def test_upstream_errors_and_readiness(gw, upstream):

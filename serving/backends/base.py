@@ -16,6 +16,8 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from sglang_ext.grammar import GrammarSpec
+
 from ..gateway.errors import APIError
 
 
@@ -37,6 +39,7 @@ class GenParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # extension (SGLang/vLLM)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    grammar: GrammarSpec | None = None  # structured output (response_format, regex, ebnf)
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,8 @@ class EmbeddedBackend:
                 raise InvalidRequest(f"logit_bias: token ids must be below the vocabulary size {vocab}", "logit_bias")
             return SamplingParams(max_new, p.temperature, p.top_p, p.top_k, p.seed, tuple(p.stop_token_ids), p.ignore_eos, p.logprobs,
                                   prompt_logprobs=p.logprobs if p.echo else None, presence_penalty=p.presence_penalty,
-                                  frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias)
+                                  frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias,
+                                  grammar=p.grammar)
         except InvalidRequest as e:
             raise invalid(str(e), e.param) from e
 
@@ -106,6 +107,11 @@ class EmbeddedBackend:
     async def generate(self, job: Job) -> AsyncGenerator[Chunk, None]:
         ids = self.prompt_ids(job)
         params = self.sampling_params(job, len(ids))
+        if params.grammar is not None:  # a bad grammar is a 400 now; compiling (cached) off the event loop
+            try:
+                await asyncio.to_thread(self.engine.grammars.compile, params.grammar)
+            except InvalidRequest as e:
+                raise invalid(str(e), e.param) from e
         try:
             handle = self.scheduler.submit(ids, params)
         except QueueFull as e:

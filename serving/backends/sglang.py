@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from sglang_ext.grammar import JSON_OBJECT, GrammarSpec
+
 from ..gateway.errors import APIError
 from .base import Chunk, Job, SpecStats
 from .detok import logprob_entry
@@ -154,6 +156,8 @@ class SGLangBackend:
                 body[key] = value
         if p.logit_bias:
             body["logit_bias"] = {str(t): b for t, b in p.logit_bias}
+        if p.grammar is not None:
+            body.update(_grammar_fields(p.grammar))
         if job.messages is not None:
             if p.logprobs is not None:
                 body.update(logprobs=True, top_logprobs=p.logprobs)
@@ -255,3 +259,14 @@ async def _upstream_error(r: httpx.Response) -> APIError:
         code, param = err.get("code"), err.get("param")
         return APIError(r.status_code, message, param=param if isinstance(param, str) else None, code=code if isinstance(code, str) else None, headers=headers)
     return APIError(502, f"upstream error {r.status_code}: {message}", code="upstream_error")
+
+
+def _grammar_fields(g: GrammarSpec) -> dict:
+    """A grammar as SGLang's OpenAI API takes it (response_format, or its regex / ebnf extensions)."""
+    if g == JSON_OBJECT:
+        return {"response_format": {"type": "json_object"}}
+    if g.kind == "json":  # any JSON value: SGLang's json_schema accepts the empty schema
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "response", "schema": {}}}}
+    if g.kind == "json_schema":
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": "response", "schema": json.loads(g.source)}}}
+    return {g.kind: g.source}

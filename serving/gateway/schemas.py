@@ -7,11 +7,13 @@ client never silently gets something other than what it asked for.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from sglang_ext.grammar import JSON_OBJECT, GrammarSpec
 from sglang_ext.sampling import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS
 
 from ..backends.base import GenParams, Job
@@ -66,6 +68,8 @@ class _Common(_Strict):
     user: str | None = None
     # extensions (SGLang / vLLM names)
     repetition_penalty: float | None = Field(None, gt=0, le=MAX_REPETITION_PENALTY)
+    regex: str | None = None  # structured output: the output matches this regex
+    ebnf: str | None = None  # ... or this grammar (xgrammar's EBNF)
     top_k: int | None = Field(None, ge=-1)
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
@@ -137,6 +141,30 @@ def _logit_bias(bias: dict[str, Any] | None) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
+def _grammar(r: _Common) -> GrammarSpec | None:
+    """response_format (json_object, json_schema; chat) or the SGLang extensions regex / ebnf: at most one."""
+    fmt = getattr(r, "response_format", None) or {"type": "text"}
+    kind = fmt.get("type")
+    asked = [name for name, on in (("response_format", kind != "text"), ("regex", r.regex is not None), ("ebnf", r.ebnf is not None)) if on]
+    if len(asked) > 1:
+        raise invalid(f"{' and '.join(asked)} cannot be combined: give one output constraint", asked[1])
+    for param, source in (("regex", r.regex), ("ebnf", r.ebnf)):
+        if source is not None:
+            if not source:
+                raise invalid(f"{param} must not be empty", param)
+            return GrammarSpec(param, source)
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JSON_OBJECT
+    if kind != "json_schema":
+        raise _unsupported("response_format", f"response_format {kind!r}")
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+        raise invalid("response_format: json_schema.schema must be a JSON schema object", "response_format")
+    return GrammarSpec("json_schema", json.dumps(spec["schema"]))
+
+
 def _logprobs(k: int | None, param: str) -> int | None:
     if k is not None and not 0 <= k <= MAX_TOP_LOGPROBS:
         raise invalid(f"{param} must be between 0 and {MAX_TOP_LOGPROBS}, got {k}", param)
@@ -163,6 +191,7 @@ def _params(r: _Common, max_tokens: int | None, max_tokens_param: str, limits: L
         frequency_penalty=float(r.frequency_penalty or 0.0),
         repetition_penalty=1.0 if r.repetition_penalty is None else float(r.repetition_penalty),
         logit_bias=_logit_bias(r.logit_bias),
+        grammar=_grammar(r),
     )
 
 
@@ -201,8 +230,6 @@ def chat_jobs(r: ChatCompletionRequest, limits: Limits) -> list[Job]:
     logprobs = _logprobs(r.top_logprobs or 0, "top_logprobs") if r.logprobs else None
     if r.tools or r.functions or r.tool_choice not in (None, "none") or r.function_call not in (None, "none"):
         raise _unsupported("tools", "tool calling")
-    if r.response_format and r.response_format.get("type") != "text":
-        raise _unsupported("response_format", f"response_format {r.response_format.get('type')!r}")
     if not r.messages:
         raise invalid("messages must contain at least one message", "messages")
     messages = []

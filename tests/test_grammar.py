@@ -1,0 +1,83 @@
+"""Structured output masks: per-path rows in a tree (hand-built on the SmolLM2 tokenizer), bad grammars."""
+
+import json
+
+import pytest
+import torch
+
+from sglang_ext.grammar import GrammarSpec, Grammars, apply_bitmask, tree_bitmask
+from sglang_ext.models.loader import load_tokenizer, resolve_target
+from sglang_ext.sampling import InvalidRequest, SamplingParams
+from sglang_ext.tree import chain_tree, tree_from_parents
+
+VOCAB, EOS = 49152, 2
+SPACE, ONE, X, CLOSE, COMMA, TWO = 216, 33, 1792, 109, 28, 34  # ' ', '1', ' x', '}', ',', '2'
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    return Grammars(load_tokenizer(resolve_target("smollm2")), VOCAB, [EOS])
+
+
+def _fresh_row(grammars, spec, tokens):
+    m = grammars.matcher(spec)
+    assert all(m.accept_token(t) for t in tokens)
+    return tree_bitmask(m, chain_tree(0, [], 0), VOCAB)[0]
+
+
+def test_tree_rows_follow_their_own_path(grammars):
+    spec = GrammarSpec("json")
+    committed = [39428, 81, 1799]  # {"a":
+    m = grammars.matcher(spec)
+    assert all(m.accept_token(t) for t in committed)
+    #  root(':') ─┬─ 1 ' ' ── 3 '1' ─┬─ 4 '}' ── 6 EOS ── 7 ','   (nothing follows a stop token)
+    #             │                  └─ 5 '2'
+    #             └─ 2 ' x'                                       (not JSON: its branch ends)
+    #                └─ 8 '1'
+    tokens = torch.tensor([1799, SPACE, X, ONE, CLOSE, TWO, EOS, COMMA, ONE])
+    parents = torch.tensor([-1, 0, 0, 1, 3, 3, 4, 6, 2])
+    tree = tree_from_parents(tokens, parents, seq_len=10)
+    root_before = _fresh_row(grammars, spec, committed)
+    rows = tree_bitmask(m, tree, VOCAB)
+    for node in (0, 1, 3, 4, 5):
+        path = [int(tokens[j]) for j in tree.path_to(node)[1:]]
+        assert torch.equal(rows[node], _fresh_row(grammars, spec, committed + path)), node
+    for node in (2, 6, 7, 8):  # unreachable: left open
+        assert bool((rows[node] == -1).all()), node
+    assert torch.equal(tree_bitmask(m, chain_tree(0, [], 0), VOCAB)[0], root_before)  # the matcher is back where it was
+    # what the rows allow: after {"a": the root row refuses ' x'; after {"a": 1} only the stop token
+    logits = apply_bitmask(torch.zeros(tree.num_nodes, VOCAB), rows)
+    assert logits[0, X] == float("-inf") and logits[0, SPACE] == 0 and logits[0, ONE] == 0
+    assert logits[4].isfinite().nonzero().flatten().tolist() == [EOS]
+    assert logits[3, CLOSE] == 0 and logits[3, TWO] == 0 and logits[3, EOS] == float("-inf")
+
+
+def test_json_schema_rows(grammars):
+    spec = GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}))
+    row = apply_bitmask(torch.zeros(1, VOCAB), tree_bitmask(grammars.matcher(spec), chain_tree(0, [], 0), VOCAB))[0]
+    allowed = row.isfinite().nonzero().flatten().tolist()
+    assert 0 < len(allowed) < 100 and all(t != EOS for t in allowed)  # an object must start; it cannot end yet
+
+
+@pytest.mark.parametrize(
+    "spec,words",
+    [
+        (GrammarSpec("json_schema", "{not json"), "invalid json schema"),
+        (GrammarSpec("regex", "([a"), "invalid regex"),
+        (GrammarSpec("ebnf", "root ::= "), "invalid ebnf"),
+    ],
+)
+def test_bad_grammars_name_response_format(grammars, spec, words):
+    with pytest.raises(InvalidRequest, match=words) as e:
+        grammars.compile(spec)
+    assert e.value.param == "response_format" and "/project/" not in str(e.value)
+
+
+def test_bad_grammar_specs():
+    with pytest.raises(InvalidRequest, match="kind"):
+        GrammarSpec("xml", "<a/>")
+    with pytest.raises(InvalidRequest, match="source"):
+        GrammarSpec("regex", "")
+    with pytest.raises(InvalidRequest, match="ignore_eos") as e:
+        SamplingParams(grammar=GrammarSpec("json"), ignore_eos=True)
+    assert e.value.param == "ignore_eos"
