@@ -36,11 +36,16 @@ class GrammarSpec:
     kind: str
     source: str = ""
 
+    @property
+    def param(self) -> str:
+        """The API parameter that carries it (named in errors)."""
+        return self.kind if self.kind in ("regex", "ebnf") else "response_format"
+
     def __post_init__(self):
         if self.kind not in KINDS:
             raise InvalidRequest(f"grammar kind must be one of {', '.join(KINDS)}, got {self.kind!r}", "response_format")
         if self.kind != "json" and not self.source:
-            raise InvalidRequest(f"a {self.kind} grammar needs its source", "response_format")
+            raise InvalidRequest(f"a {self.kind} grammar needs its source", self.param)
 
 
 JSON_OBJECT = GrammarSpec("json_schema", '{"type": "object"}')  # OpenAI's response_format json_object
@@ -88,7 +93,7 @@ class Grammars:
                     return c.compile_regex(spec.source)
                 return c.compile_grammar(spec.source)
             except (RuntimeError, ValueError, json.JSONDecodeError) as e:
-                raise InvalidRequest(f"invalid {spec.kind.replace('_', ' ')}: {_reason(e)}", "response_format") from None
+                raise InvalidRequest(f"invalid {spec.kind.replace('_', ' ')}: {_reason(e)}", spec.param) from None
 
     def matcher(self, spec: GrammarSpec):
         import xgrammar as xgr

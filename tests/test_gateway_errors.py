@@ -116,7 +116,7 @@ BAD_REQUESTS = [
     ("response_format xml", "POST", CHAT, msg(response_format={"type": "xml"}), 400, "response_format", "unsupported_parameter"),
     ("json_schema without a schema", "POST", CHAT, msg(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400, "response_format", None),
     ("json_schema invalid", "POST", CHAT, msg(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}), 400, "response_format", None),
-    ("regex invalid", "POST", "/v1/completions", {"model": MODEL, "prompt": "a", "regex": "([a"}, 400, "response_format", None),
+    ("regex invalid", "POST", "/v1/completions", {"model": MODEL, "prompt": "a", "regex": "([a"}, 400, "regex", None),
     ("regex with response_format", "POST", CHAT, msg(regex="a+", response_format={"type": "json_object"}), 400, "regex", None),
     ("ignore_eos with a grammar", "POST", CHAT, msg(ignore_eos=True, response_format={"type": "json_object"}), 400, "ignore_eos", None),
     ("unknown model", "POST", CHAT, {**msg(), "model": "gpt-9"}, 404, "model", "model_not_found"),

@@ -60,17 +60,17 @@ def test_json_schema_rows(grammars):
 
 
 @pytest.mark.parametrize(
-    "spec,words",
+    "spec,words,param",
     [
-        (GrammarSpec("json_schema", "{not json"), "invalid json schema"),
-        (GrammarSpec("regex", "([a"), "invalid regex"),
-        (GrammarSpec("ebnf", "root ::= "), "invalid ebnf"),
+        (GrammarSpec("json_schema", "{not json"), "invalid json schema", "response_format"),
+        (GrammarSpec("regex", "([a"), "invalid regex", "regex"),
+        (GrammarSpec("ebnf", "root ::= "), "invalid ebnf", "ebnf"),
     ],
 )
-def test_bad_grammars_name_response_format(grammars, spec, words):
+def test_bad_grammars_name_their_parameter(grammars, spec, words, param):
     with pytest.raises(InvalidRequest, match=words) as e:
         grammars.compile(spec)
-    assert e.value.param == "response_format" and "/project/" not in str(e.value)
+    assert e.value.param == param and "/project/" not in str(e.value)
 
 
 def test_bad_grammar_specs():
