@@ -294,6 +294,22 @@ def test_prompt_logprobs_across_prefill_chunks(smollm2_fp32, eval_prompts, prefi
     eng.abort(busy)
 
 
+def _generate_in_batches(target, drafter, shape, prompts, params, bs):
+    eng = Engine(target, make_drafter(drafter, target) if drafter else None, SHAPES[shape] if shape else None)
+    reqs = []
+    for i in range(0, len(prompts), bs):
+        reqs += eng.generate(prompts[i : i + bs], params[i : i + bs])
+    return eng, reqs
+
+
+def _assert_plain_decoding(reqs, refs):
+    """Each request's tokens are its plain-decoding reference's, up to a divergence at a numerical tie."""
+    for r, (ref, gaps) in zip(reqs, refs):
+        n = next((i for i, (a, b) in enumerate(zip(ref, r.output_ids)) if a != b), None)
+        assert n is None or gaps[n] < 1e-3, f"request {r.rid}: differs from plain decoding at token {n} (gap {gaps[n]:.4f})"
+        assert n is not None or len(ref) == len(r.output_ids)
+
+
 PENALTY_TOKENS = 24
 PENALTIES = [  # per request in one batch: penalised and not side by side
     SamplingParams(max_new_tokens=PENALTY_TOKENS, ignore_eos=True, frequency_penalty=1.0, presence_penalty=0.5),
@@ -313,15 +329,9 @@ def penalized_reference(smollm2_fp32, eval_prompts):
 def test_greedy_penalties_equal_plain_decoding(smollm2_fp32, eval_prompts, penalized_reference, drafter, shape, bs):
     """Penalties and logit bias under speculation give what a plain decode loop gives with them: each
     tree node is penalised with its own path (sglang_ext/penalties.py)."""
-    eng = Engine(smollm2_fp32, make_drafter(drafter, smollm2_fp32) if drafter else None, SHAPES[shape] if shape else None)
-    prompts = eval_prompts[8:12]
-    reqs = []
-    for i in range(0, len(prompts), bs):
-        reqs += eng.generate(prompts[i : i + bs], PENALTIES[i : i + bs])
-    for r, (ref, gaps) in zip(reqs, penalized_reference):
-        n = next((i for i, (a, b) in enumerate(zip(ref, r.output_ids)) if a != b), None)
-        assert n is None or gaps[n] < 1e-3, f"request {r.rid}: differs from plain decoding at token {n} (gap {gaps[n]:.4f})"
-        assert len(r.output_ids) == PENALTY_TOKENS
+    eng, reqs = _generate_in_batches(smollm2_fp32, drafter, shape, eval_prompts[8:12], PENALTIES, bs)
+    _assert_plain_decoding(reqs, penalized_reference)
+    assert all(len(r.output_ids) == PENALTY_TOKENS for r in reqs)
     assert 28 not in reqs[2].output_ids  # a -100 bias keeps a token out
     if drafter:
         assert sum(r.stats.accepted_tokens for r in reqs) > 0
@@ -366,14 +376,8 @@ def test_greedy_structured_output_equals_plain_decoding(smollm2_fp32, structured
     """A grammar under speculation gives plain constrained decoding's tokens: each tree node is masked
     after its own path (sglang_ext/grammar.py); finished outputs match their grammar."""
     prompts, params, refs = structured_reference
-    eng = Engine(smollm2_fp32, make_drafter(drafter, smollm2_fp32) if drafter else None, SHAPES[shape] if shape else None)
-    reqs = []
-    for i in range(0, len(prompts), bs):
-        reqs += eng.generate(prompts[i : i + bs], params[i : i + bs])
-    for r, (ref, gaps) in zip(reqs, refs):
-        n = next((i for i, (a, b) in enumerate(zip(ref, r.output_ids)) if a != b), None)
-        assert n is None or gaps[n] < 1e-3, f"request {r.rid}: differs from plain constrained decoding at token {n}"
-        assert n is not None or len(ref) == len(r.output_ids)
+    eng, reqs = _generate_in_batches(smollm2_fp32, drafter, shape, prompts, params, bs)
+    _assert_plain_decoding(reqs, refs)
     person, cat, colors, plain = (smollm2_fp32.decode(r.output_ids) for r in reqs)
     assert reqs[0].finish_reason == "stop" and set(json.loads(person)) >= {"name", "age"} and isinstance(json.loads(person)["age"], int)
     assert reqs[2].finish_reason == "stop" and re.fullmatch(COLORS, colors)
