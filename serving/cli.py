@@ -85,6 +85,21 @@ def default_tree(drafter: str | None):
     return {"ngram": TreeShape(6, 2, 12), "suffix": TreeShape(3, 1, 4), "draft-model": TreeShape(3, 1, 4), "eagle3": eagle_like, "moa": eagle_like, "moa-tli0": eagle_like, "moa-tli1": eagle_like}.get(drafter or "none", TreeShape(6, 4, 24))
 
 
+def _grammar_arg(args):
+    from sglang_ext.grammar import GrammarSpec
+
+    if args.regex is not None and args.json_schema is not None:
+        raise ValueError("give --regex or --json-schema, not both")
+    if args.regex is not None:
+        return GrammarSpec("regex", args.regex)
+    if args.json_schema is None:
+        return None
+    text = args.json_schema
+    if not text.lstrip().startswith(("{", "[")) and Path(text).is_file():
+        text = Path(text).read_text()
+    return GrammarSpec("json_schema", text)
+
+
 def cmd_generate(args) -> int:
     from sglang_ext.drafters import make_drafter, resolve_drafter
     from sglang_ext.models import load_target
@@ -155,17 +170,3 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-
-def _grammar_arg(args):
-    from sglang_ext.grammar import GrammarSpec
-
-    if args.regex is not None and args.json_schema is not None:
-        raise ValueError("give --regex or --json-schema, not both")
-    if args.regex is not None:
-        return GrammarSpec("regex", args.regex)
-    if args.json_schema is None:
-        return None
-    text = args.json_schema
-    if not text.lstrip().startswith(("{", "[")) and Path(text).is_file():
-        text = Path(text).read_text()
-    return GrammarSpec("json_schema", text)

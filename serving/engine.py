@@ -24,7 +24,7 @@ from sglang_ext.attention import causal_mask, plan_attention, prefix_and_tree_ma
 from sglang_ext.drafters import DraftInput, Drafter, TargetCapture
 from sglang_ext.grammar import Grammars, apply_bitmask, tree_bitmask
 from sglang_ext.models import Target
-from sglang_ext.penalties import output_counts, penalize, penalize_tree
+from sglang_ext.penalties import penalize_tree
 from sglang_ext.sampling import InvalidRequest, SamplingParams, TokenLogprob, greedy_tokens, logits_to_probs, sample, token_logprobs
 from sglang_ext.tree import TokenTree, TreeShape, chain_tree
 from sglang_ext.verify import VerifyResult, greedy_verify, sampling_verify
@@ -277,11 +277,8 @@ class Engine:
         return events
 
     def _sample(self, logits: torch.Tensor, r: Request) -> int:
-        if r.params.penalized:
-            logits = penalize(logits[None], r.params, output_counts(r.output_ids, logits.shape[-1]), r.prompt_ids)[0]
-        if r.matcher is not None:
-            # a root-only tree: the mask after the output so far
-            logits = apply_bitmask(logits[None], tree_bitmask(r.matcher, chain_tree(0, [], 0), logits.shape[-1]))[0]
+        if r.params.penalized or r.matcher is not None:  # the first token: a root-only tree, no path
+            logits = self._constrained(r, logits[None], chain_tree(0, [], 0))[0]
         if r.params.greedy:
             return int(greedy_tokens(logits))
         return sample(logits_to_probs(logits, r.params), r.generator)
@@ -352,11 +349,18 @@ class Engine:
         r.output_logprobs += lps
         return lps
 
-    def _verify(self, r: Request, tree: TokenTree, logits: torch.Tensor) -> VerifyResult:
-        if r.params.penalized:  # (the step's logprobs stay the raw ones: the caller keeps its rows)
+    def _constrained(self, r: Request, logits: torch.Tensor, tree: TokenTree) -> torch.Tensor:
+        """The tree's rows under the request's penalties, then its grammar, each node after its own
+        path. (Logprobs stay the raw ones: callers keep their rows.)"""
+        if r.params.penalized:
             logits = penalize_tree(logits, r.params, r.prompt_ids, r.output_ids, tree)
         if r.matcher is not None:  # after the penalties: a masked token stays impossible
             logits = apply_bitmask(logits, tree_bitmask(r.matcher, tree, logits.shape[-1]))
+        return logits
+
+    def _verify(self, r: Request, tree: TokenTree, logits: torch.Tensor) -> VerifyResult:
+        if r.params.penalized or r.matcher is not None:
+            logits = self._constrained(r, logits, tree)
         if r.params.greedy:
             return greedy_verify(tree, greedy_tokens(logits))
         return sampling_verify(tree, lambda node: logits_to_probs(logits[node], r.params), r.generator)

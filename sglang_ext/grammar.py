@@ -1,4 +1,4 @@
-"""Structured output: a grammar (JSON, a JSON schema, a regex, EBNF) as a token mask on the target's
+"""Structured output: a grammar (a JSON schema, a regex, EBNF) as a token mask on the target's
 logits, with xgrammar (what SGLang uses) matching tokens against it.
 
 Like the penalties, the mask depends on each row's context. A depth-first walk of the tree advances
@@ -25,16 +25,16 @@ import torch
 from .sampling import InvalidRequest
 from .tree import TokenTree
 
-KINDS = ("json", "json_schema", "regex", "ebnf")
+KINDS = ("json_schema", "regex", "ebnf")
 
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    """What the output must match. kind: json (any JSON value), json_schema (source: the schema as
-    JSON text), regex, or ebnf (xgrammar's EBNF, as SGLang takes it)."""
+    """What the output must match. kind: json_schema (source: the schema as JSON text; "{}" for any
+    JSON value), regex, or ebnf (xgrammar's EBNF, as SGLang takes it)."""
 
     kind: str
-    source: str = ""
+    source: str
 
     @property
     def param(self) -> str:
@@ -44,7 +44,7 @@ class GrammarSpec:
     def __post_init__(self):
         if self.kind not in KINDS:
             raise InvalidRequest(f"grammar kind must be one of {', '.join(KINDS)}, got {self.kind!r}", "response_format")
-        if self.kind != "json" and not self.source:
+        if not self.source:
             raise InvalidRequest(f"a {self.kind} grammar needs its source", self.param)
 
 
@@ -85,8 +85,6 @@ class Grammars:
         with self._lock:
             c = self._get_compiler()
             try:
-                if spec.kind == "json":
-                    return c.compile_builtin_json_grammar()
                 if spec.kind == "json_schema":
                     return c.compile_json_schema(spec.source)
                 if spec.kind == "regex":

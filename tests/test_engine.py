@@ -10,7 +10,7 @@ from helpers import compare_to_reference, reference_greedy, reference_logprobs, 
 from serving.engine import Engine
 from sglang_ext.attention import causal_mask, plan_attention
 from sglang_ext.drafters import make_drafter
-from sglang_ext.grammar import GrammarSpec
+from sglang_ext.grammar import JSON_OBJECT, GrammarSpec
 from sglang_ext.sampling import InvalidRequest, SamplingParams
 from sglang_ext.tree import TreeShape
 
@@ -353,9 +353,9 @@ def test_penalties_change_the_output(smollm2_fp32, eval_prompts, penalized_refer
 GRAMMAR_TOKENS = 40
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}
 COLORS = r"(red|green|blue)(, (red|green|blue)){2}\."
-STRUCTURED = [  # (user message, grammar): a schema, any JSON, a regex, and a plain request beside them
+STRUCTURED = [  # (user message, grammar): a schema, a JSON object, a regex, and a plain request beside them
     ("Describe a person named Ann in JSON.", GrammarSpec("json_schema", json.dumps(PERSON))),
-    ("Give me a small JSON object about a cat.", GrammarSpec("json")),
+    ("Give me a small JSON object about a cat.", JSON_OBJECT),
     ("Name three colours.", GrammarSpec("regex", COLORS)),
     ("Name three colours.", None),
 ]

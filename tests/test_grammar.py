@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from sglang_ext.grammar import GrammarSpec, Grammars, apply_bitmask, tree_bitmask
+from sglang_ext.grammar import JSON_OBJECT, GrammarSpec, Grammars, apply_bitmask, tree_bitmask
 from sglang_ext.models.loader import load_tokenizer, resolve_target
 from sglang_ext.sampling import InvalidRequest, SamplingParams
 from sglang_ext.tree import chain_tree, tree_from_parents
@@ -26,7 +26,7 @@ def _fresh_row(grammars, spec, tokens):
 
 
 def test_tree_rows_follow_their_own_path(grammars):
-    spec = GrammarSpec("json")
+    spec = JSON_OBJECT
     committed = [39428, 81, 1799]  # {"a":
     m = grammars.matcher(spec)
     assert all(m.accept_token(t) for t in committed)
@@ -79,5 +79,5 @@ def test_bad_grammar_specs():
     with pytest.raises(InvalidRequest, match="source"):
         GrammarSpec("regex", "")
     with pytest.raises(InvalidRequest, match="ignore_eos") as e:
-        SamplingParams(grammar=GrammarSpec("json"), ignore_eos=True)
+        SamplingParams(grammar=JSON_OBJECT, ignore_eos=True)
     assert e.value.param == "ignore_eos"

@@ -265,8 +265,6 @@ def _grammar_fields(g: GrammarSpec) -> dict:
     """A grammar as SGLang's OpenAI API takes it (response_format, or its regex / ebnf extensions)."""
     if g == JSON_OBJECT:
         return {"response_format": {"type": "json_object"}}
-    if g.kind == "json":  # any JSON value: SGLang's json_schema accepts the empty schema
-        return {"response_format": {"type": "json_schema", "json_schema": {"name": "response", "schema": {}}}}
     if g.kind == "json_schema":
         return {"response_format": {"type": "json_schema", "json_schema": {"name": "response", "schema": json.loads(g.source)}}}
     return {g.kind: g.source}
