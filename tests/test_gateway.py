@@ -287,6 +287,77 @@ def test_structured_output(server, client, smollm2_fp32):
     assert e.value.body["param"] == "response_format" and "nope" in e.value.body["message"]
 
 
+WEATHER_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "description": "Local time in a city", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+]
+
+
+def streamed_reply(stream) -> tuple[str, list, str]:
+    """(content, [(name, arguments)], finish_reason) joined from a chat stream."""
+    content, calls, finish = "", [], None
+    for ch in stream:
+        for c in ch.choices:
+            content += c.delta.content or ""
+            calls += [(t.function.name, t.function.arguments) for t in c.delta.tool_calls or ()]
+            finish = c.finish_reason or finish
+    return content, calls, finish
+
+
+def test_tool_calls(server, client, smollm2_fp32):
+    """tools / tool_choice: a required or named call is schema-valid and is plain constrained greedy
+    decoding of the rendered prompt (drafts included); streamed == not; calls the model writes itself
+    (here forced by a regex under "auto") are parsed; a conversation with tool results is served."""
+    from serving.gateway.tools import call_grammar, parse_tools, render_messages
+
+    messages = user("What is the weather in Paris?")
+    kw = dict(model=MODEL, messages=messages, tools=WEATHER_TOOLS, max_tokens=60, temperature=0)
+    for choice, allowed, parallel in (("required", {"get_weather", "get_time"}, False), ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}, True)):
+        out = client.chat.completions.create(tool_choice=choice, parallel_tool_calls=parallel, extra_body={"return_token_ids": True}, **kw)
+        c = out.choices[0]
+        assert parallel or c.finish_reason == "tool_calls"  # one call, then the grammar ends the reply
+        if c.finish_reason == "length":  # calls until cut off: nothing lost, the text comes back as content
+            assert c.message.content.startswith("<tool_call>\n") and c.message.tool_calls is None
+        else:
+            assert (c.finish_reason, c.message.content) == ("tool_calls", None) and len(c.message.tool_calls) >= 1
+            assert parallel or len(c.message.tool_calls) == 1
+        for call in c.message.tool_calls or ():
+            args = json.loads(call.function.arguments)
+            assert call.type == "function" and call.function.name in allowed and isinstance(args["city"], str)
+            assert set(args) <= {"city", "unit"} and args.get("unit", "celsius") in ("celsius", "fahrenheit")
+        tools = parse_tools(WEATHER_TOOLS, choice, None)
+        chosen = [f for f in tools.functions if f.name in allowed]
+        sp = SamplingParams(grammar=GrammarSpec("ebnf", call_grammar(chosen, parallel)))
+        ref, gaps = reference_greedy(smollm2_fp32.model, smollm2_fp32.encode_chat(render_messages(messages, tools)), sp, 60, server.engine.grammars, server.engine.eos_ids)
+        n = next((i for i, (a, b) in enumerate(zip(ref, c.token_ids)) if a != b), None)
+        assert n is None or gaps[n] < 1e-3, f"differs from plain constrained decoding at token {n}"
+        if c.finish_reason == "tool_calls":
+            assert len(c.token_ids) == len(ref)
+        content, calls, finish = streamed_reply(client.chat.completions.create(tool_choice=choice, parallel_tool_calls=parallel, stream=True, **kw))
+        assert (content or None, calls, finish) == (c.message.content, [(t.function.name, t.function.arguments) for t in c.message.tool_calls or ()], c.finish_reason)
+    # "auto": calls the model writes are parsed, with the content before them
+    forced = 'Checking\\.\n<tool_call>\n\\{"name": "get_time", "arguments": \\{"city": "Oslo"\\}\\}\n</tool_call>'
+    out = client.chat.completions.create(extra_body={"regex": forced}, **kw).choices[0]
+    assert (out.message.content, out.finish_reason) == ("Checking.\n", "tool_calls")
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in out.message.tool_calls] == [("get_time", {"city": "Oslo"})]
+    assert streamed_reply(client.chat.completions.create(extra_body={"regex": forced}, stream=True, **kw))[0::2] == ("Checking.\n", "tool_calls")
+    # a conversation with a call and its result: the model sees the rendered history
+    history = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 18, "sky": "cloudy"}'},
+    ]
+    answer = client.chat.completions.create(model=MODEL, messages=history, tools=WEATHER_TOOLS, max_tokens=30, temperature=0)
+    rendered = render_messages([messages[0], messages[1], {"role": "assistant", "content": "", "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]},
+                                {"role": "tool", "content": history[-1]["content"]}], parse_tools(WEATHER_TOOLS, None, None))
+    assert answer.usage.prompt_tokens == len(smollm2_fp32.encode_chat(rendered))
+    assert isinstance(answer.choices[0].message.content, str) or answer.choices[0].message.tool_calls
+    # tool_choice "none": plain text, the same as without tools
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    none = client.chat.completions.create(tool_choice="none", **{**kw, "max_tokens": 20})
+    assert none.choices[0].message.content == plain.choices[0].message.content and none.choices[0].message.tool_calls is None
+
+
 TOPICS = ["cats", "rain", "the moon", "bread", "music", "rivers", "chess", "winter", "bees", "glass", "trains", "salt", "clouds", "paper", "islands", "owls",
           "copper", "tea", "deserts", "maps", "violins", "snow", "bridges", "apples", "stars", "wool", "volcanoes", "clocks", "rice", "whales", "kites", "ink"]
 

@@ -34,6 +34,9 @@ SPEC = {"spec_accept_rate": 0.5, "spec_accept_length": 2.5, "spec_num_correct_dr
         "spec_correct_drafts_histogram": [1, 1, 1, 1]}
 
 
+PING_CALL = 'On it. <tool|_call>\n{"name": "pi|ng", "arguments": {}}|\n</tool_call|>'
+
+
 class FakeSGLang:
     """Records requests; streams `max_tokens` words (seed picks the first word)."""
 
@@ -70,6 +73,9 @@ class FakeSGLang:
         n_tok = body.get("max_tokens", 4)
         first = (body.get("seed") or 0) % len(WORDS)
         words = [WORDS[(first + i) % len(WORDS)] for i in range(n_tok)]
+        finish = "length"
+        if prompt == "call ping":  # a model that calls a tool, in pieces that split the tags
+            words, finish = [p.strip(" ") for p in PING_CALL.split("|")], "stop"
         slow = prompt == "slow"
 
         def chunk(**kw):
@@ -95,8 +101,8 @@ class FakeSGLang:
                 for i, w in enumerate(words):
                     if slow:
                         await asyncio.sleep(0.05)
-                    yield chunk(choices=[choice(w if i == 0 else " " + w, i=i)])
-                yield chunk(choices=[choice(finish="length")])
+                    yield chunk(choices=[choice(w if i == 0 or finish == "stop" else " " + w, i=i)])
+                yield chunk(choices=[choice(finish=finish)])
                 yield chunk(choices=[], sglext={"spec_tokens_details": SPEC})
                 yield chunk(choices=[], usage={"prompt_tokens": 7, "completion_tokens": n_tok, "total_tokens": 7 + n_tok})
                 yield "data: [DONE]\n\n"
@@ -204,6 +210,31 @@ def test_structured_output_forwarded(gw, upstream):
     assert upstream.requests[-1]["regex"] == "[0-9]+" and "response_format" not in upstream.requests[-1]
     client.chat.completions.create(**chat, extra_body={"ebnf": 'root ::= "a"'})
     assert upstream.requests[-1]["ebnf"] == 'root ::= "a"'
+
+
+def test_tool_calls_through_upstream(gw, upstream):
+    """The gateway renders tools into plain messages (and a grammar when a call is required) for any
+    upstream model, and reads the calls out of the upstream's text."""
+    from serving.gateway.tools import parse_tools, render_messages
+
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+    tools = [{"type": "function", "function": {"name": "ping", "description": "Check the link"}}]
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "ping", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "pong"}, {"role": "user", "content": "call ping"}]
+    out = client.chat.completions.create(model="llama-8b", messages=history, tools=tools, max_tokens=20)
+    sent = upstream.requests[-1]
+    expected_messages = render_messages([history[0], {"role": "assistant", "content": "", "tool_calls": [{"name": "ping", "arguments": {}}]}, {"role": "tool", "content": "pong"}, history[-1]],
+                                        parse_tools(tools, None, None))
+    assert sent["messages"] == expected_messages and "tools" not in sent and "ebnf" not in sent
+    c = out.choices[0]
+    assert (c.message.content, c.finish_reason) == ("On it. ", "tool_calls")
+    assert [(t.function.name, t.function.arguments) for t in c.message.tool_calls] == [("ping", "{}")]
+    stream = client.chat.completions.create(model="llama-8b", messages=history, tools=tools, max_tokens=20, stream=True)
+    chunks = [ch.choices[0] for ch in stream if ch.choices]
+    assert "".join(ch.delta.content or "" for ch in chunks) == "On it. " and chunks[-1].finish_reason == "tool_calls"
+    assert [t.function.name for ch in chunks for t in ch.delta.tool_calls or ()] == ["ping"]
+    client.chat.completions.create(model="llama-8b", messages=history[:1], tools=tools, tool_choice="required", max_tokens=2)
+    assert "call_json" in upstream.requests[-1]["ebnf"] and upstream.requests[-1]["messages"][0]["role"] == "system"
 
 
 def test_upstream_errors_and_readiness(gw, upstream):

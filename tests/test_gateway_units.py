@@ -91,6 +91,22 @@ def test_chat_jobs_n_seed_and_params():
     assert j.params.temperature == 1.0 and j.params.seed is None  # OpenAI defaults
 
 
+def test_chat_jobs_with_tools():
+    """Tools reach the job as its reader's set-up; a required call becomes the job's grammar; the
+    messages are rendered (tool results as user turns)."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}]
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+               {"role": "tool", "tool_call_id": "1", "content": "2"}]
+    auto = chat_jobs(_chat(messages=history, tools=tools, n=2), Limits())
+    assert [j.tools.choice for j in auto] == ["auto", "auto"] and auto[0].params.grammar is None
+    assert [m["role"] for m in auto[0].messages] == ["system", "user", "assistant", "user"]
+    assert auto[0].messages[2]["content"] == '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    required = chat_jobs(_chat(tools=tools, tool_choice="required"), Limits())[0]
+    assert required.params.grammar.kind == "ebnf" and "call_json" in required.params.grammar.source
+    none = chat_jobs(_chat(messages=history, tools=tools, tool_choice="none"), Limits())[0]
+    assert none.tools is None and none.messages[0]["role"] == "user"  # no tools block; the history still rendered
+
+
 def test_completion_jobs_prompt_lists():
     import json
 

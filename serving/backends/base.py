@@ -19,6 +19,7 @@ from typing import Protocol
 from sglang_ext.grammar import GrammarSpec
 
 from ..gateway.errors import APIError
+from ..gateway.tools import ToolCalling
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class Job:
     prompt: str | tuple[int, ...] | None = None  # completion: text or token ids
     params: GenParams = field(default_factory=GenParams)
     prompt_group: int = 0  # completions with a list of prompts: which prompt (usage counts each once)
+    tools: ToolCalling | None = None  # chat tool calling: the gateway reads calls out of the text (backends ignore it)
 
 
 @dataclass

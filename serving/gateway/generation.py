@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from ..backends.base import Backend, Chunk, Job, SpecStats
 from ..backends.telemetry import Telemetry
 from .errors import APIError
+from .tools import ToolCallReader, split_output
 
 
 class ChatFormat:
@@ -41,6 +42,11 @@ class ChatFormat:
     @staticmethod
     def logprobs(entries: list[dict] | None) -> dict | None:
         return None if entries is None else {"content": entries, "refusal": None}
+
+    @staticmethod
+    def tool_calls_delta(index: int, calls: list[dict]) -> dict:
+        # NOTE: each call whole in one delta (OpenAI streams arguments in pieces; clients join them either way)
+        return {"index": index, "delta": {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}, "finish_reason": None, "logprobs": None}
 
 
 class CompletionFormat:
@@ -82,6 +88,7 @@ class _Choice:
     final: Chunk | None = None
     seen_token: bool = False
     t_last: float = 0.0
+    tool_reader: ToolCallReader | None = None  # chat with tools: splits the streamed text into content and calls
 
 
 class Generation:
@@ -91,7 +98,10 @@ class Generation:
         self.id = fmt.id_prefix + uuid.uuid4().hex
         self.created = int(time.time())
         self.t0 = time.monotonic()
-        self.choices = [_Choice(j, backend.generate(j), t_last=self.t0, logprobs=None if j.params.logprobs is None else []) for j in jobs]
+        self.choices = [
+            _Choice(j, backend.generate(j), t_last=self.t0, logprobs=None if j.params.logprobs is None else [], tool_reader=j.tools.reader() if j.tools else None)
+            for j in jobs
+        ]
         self._firsts: list[Chunk] = []
         self._pumps: list[asyncio.Task] = []
         self.completed = False
@@ -154,7 +164,14 @@ class Generation:
 
     def _final_choice(self, c: _Choice) -> dict:
         assert c.final is not None
-        return self._extras(self.fmt.choice(c.job.index, "".join(c.parts), c.final.finish_reason, c.logprobs), c.final)
+        text = "".join(c.parts)
+        if c.job.tools is None:
+            return self._extras(self.fmt.choice(c.job.index, text, c.final.finish_reason, c.logprobs), c.final)
+        content, calls = split_output(text, c.job.tools)
+        choice = self.fmt.choice(c.job.index, content, _finish_reason(c.final, calls), c.logprobs)
+        if calls:
+            choice["message"]["tool_calls"] = calls
+        return self._extras(choice, c.final)
 
     def _extras(self, choice: dict, final: Chunk) -> dict:
         """Our per-choice extension fields: spec stats (meta_info) and, on request, token ids."""
@@ -207,11 +224,20 @@ class Generation:
         # a chunk's logprobs are its tokens'; its text may lag them (held back: a split character, a
         # possible stop string), so an event may carry logprobs without text
         logprobs = chunk.logprobs if c.logprobs is not None and chunk.logprobs else None
-        if chunk.text or logprobs:
-            yield self._sse([self.fmt.delta(c.job.index, chunk.text, logprobs=logprobs, offset=c.offset)])
+        text = chunk.text if c.tool_reader is None else c.tool_reader.feed(chunk.text)
+        if text or logprobs:
+            yield self._sse([self.fmt.delta(c.job.index, text, logprobs=logprobs, offset=c.offset)])
             c.offset += sum(len(e["token"]) for e in logprobs or ())
-        if chunk.finish_reason:
-            yield self._sse([self._extras(self.fmt.delta(c.job.index, finish=chunk.finish_reason), chunk)])
+        if not chunk.finish_reason:
+            return
+        calls: list[dict] = []
+        if c.tool_reader is not None:
+            rest, calls = c.tool_reader.finish()
+            if rest:
+                yield self._sse([self.fmt.delta(c.job.index, rest)])
+            if calls:
+                yield self._sse([ChatFormat.tool_calls_delta(c.job.index, calls)])
+        yield self._sse([self._extras(self.fmt.delta(c.job.index, finish=_finish_reason(chunk, calls)), chunk)])
 
     def _sse(self, choices: list[dict], **extra) -> str:
         body = self._body(self.fmt.chunk_object, choices, **extra)
@@ -235,3 +261,8 @@ class Generation:
             if c.final and c.final.spec:
                 total = total + c.final.spec
         return total.as_meta_info()
+
+
+def _finish_reason(final: Chunk, calls: list[dict]) -> str | None:
+    """ "tool_calls" when a reply that ended by itself made calls (a cut-off one stays "length")."""
+    return "tool_calls" if calls and final.finish_reason == "stop" else final.finish_reason

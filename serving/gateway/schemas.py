@@ -1,7 +1,7 @@
 """OpenAI request schemas (strict JSON types) and their translation into per-choice Jobs.
 
-Unknown fields are ignored (SDKs send newer ones); known fields we cannot honour (tools,
-response formats other than text, non-text content, ...) are rejected with a 400 naming the parameter, so a
+Unknown fields are ignored (SDKs send newer ones); known fields we cannot honour (non-function
+tools, the deprecated functions API, non-text content, ...) are rejected with a 400 naming the parameter, so a
 client never silently gets something other than what it asked for.
 """
 
@@ -18,6 +18,7 @@ from sglang_ext.sampling import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_
 
 from ..backends.base import GenParams, Job
 from .errors import APIError, from_validation_errors, invalid
+from .tools import assistant_calls, parse_tools, render_messages
 
 MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS = 16
@@ -46,6 +47,8 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[Any] | None = None  # assistant: the calls it made
+    tool_call_id: str | None = None  # tool: which call this answers (not shown to the model)
 
 
 class StreamOptions(_Strict):
@@ -83,6 +86,7 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
@@ -223,20 +227,28 @@ def _message_text(m: ChatMessage, i: int) -> str:
     return "".join(parts)
 
 
+def _message(m: ChatMessage, i: int) -> dict:
+    if m.role == "function":
+        raise _unsupported(f"messages[{i}].role", "role 'function' (the deprecated functions API; use tools)")
+    if m.tool_calls is not None and m.role != "assistant":
+        raise invalid(f"messages[{i}].tool_calls: only assistant messages carry tool calls", f"messages[{i}].tool_calls")
+    if m.role == "assistant" and m.tool_calls:
+        content = "" if m.content is None else _message_text(m, i)
+        return {"role": "assistant", "content": content, "tool_calls": assistant_calls(m.tool_calls, i)}
+    return {"role": "system" if m.role == "developer" else m.role, "content": _message_text(m, i)}
+
+
 def chat_jobs(r: ChatCompletionRequest, limits: Limits) -> list[Job]:
     _check_common(r)
     if r.top_logprobs is not None and not r.logprobs:
         raise invalid("top_logprobs requires logprobs to be true", "top_logprobs")
     logprobs = _logprobs(r.top_logprobs or 0, "top_logprobs") if r.logprobs else None
-    if r.tools or r.functions or r.tool_choice not in (None, "none") or r.function_call not in (None, "none"):
-        raise _unsupported("tools", "tool calling")
+    if r.functions or r.function_call not in (None, "none"):
+        raise _unsupported("functions", "the deprecated functions API (use tools)")
+    tools = parse_tools(r.tools, r.tool_choice, r.parallel_tool_calls)
     if not r.messages:
         raise invalid("messages must contain at least one message", "messages")
-    messages = []
-    for i, m in enumerate(r.messages):
-        if m.role in ("tool", "function"):
-            raise _unsupported(f"messages[{i}].role", f"role {m.role!r}")
-        messages.append({"role": "system" if m.role == "developer" else m.role, "content": _message_text(m, i)})
+    messages = render_messages([_message(m, i) for i, m in enumerate(r.messages)], tools)
     if r.max_tokens == 0:
         raise invalid("max_tokens must be at least 1", "max_tokens")
     max_tokens: int | None
@@ -244,7 +256,12 @@ def chat_jobs(r: ChatCompletionRequest, limits: Limits) -> list[Job]:
         max_tokens, param = r.max_completion_tokens, "max_completion_tokens"
     else:
         max_tokens, param = r.max_tokens, "max_tokens"
-    return _fan_out(r, _params(r, max_tokens, param, limits, logprobs), [{"messages": tuple(messages)}], limits)
+    params = _params(r, max_tokens, param, limits, logprobs)
+    if tools is not None and (call_grammar := tools.grammar()) is not None:
+        if params.grammar is not None:
+            raise invalid(f"a required tool call constrains the output already: tool_choice cannot be combined with {params.grammar.param}", "tool_choice")
+        params = replace(params, grammar=call_grammar)
+    return _fan_out(r, params, [{"messages": tuple(messages), "tools": tools}], limits)
 
 
 def completion_jobs(r: CompletionRequest, limits: Limits) -> list[Job]:
