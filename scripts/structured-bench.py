@@ -6,9 +6,14 @@ schema; methods run interleaved prompt by prompt (so the machine's drift hits th
   suffix+schema      the shipped suffix drafter (tree 3,1,4) with the mask walked along each tree path
   suffix             the suffix drafter without a grammar
 
+With `--workload tools` each prompt asks a question two functions could answer, the functions written
+into the prompt by the gateway's tool rendering, and "schema" is a required call (the gateway's EBNF
+for tool_choice "required", one call); without it the model answers as under tool_choice "auto".
+
 Prints tokens/s per method, its ratio to vanilla, and tau; writes results/<out>/results.json.
 
     .venv/bin/python scripts/structured-bench.py --out results/s21-structured
+    .venv/bin/python scripts/structured-bench.py --workload tools --out results/s22-tools
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import time
 from pathlib import Path
 
 from serving.engine import Engine
+from serving.gateway.tools import call_grammar, parse_tools, render_messages, split_output
 from sglang_ext.drafters import make_drafter
 from sglang_ext.grammar import GrammarSpec
 from sglang_ext.models import load_target
@@ -30,6 +36,12 @@ SCHEMA = {
     "properties": {"name": {"type": "string"}, "summary": {"type": "string"}, "facts": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
     "required": ["name", "summary", "facts"],
 }
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "search_web", "description": "Search the web",
+                                      "parameters": {"type": "object", "properties": {"query": {"type": "string"}, "max_results": {"type": "integer"}}, "required": ["query"]}}},
+]
 TOPICS = ["Paris", "the Moon", "honey bees", "the Nile", "chess", "volcanoes", "Mozart", "the Internet", "penguins", "coffee", "the Roman Empire", "glass"]
 
 
@@ -37,10 +49,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-prompts", type=int, default=12)
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--workload", choices=("json", "tools"), default="json")
     ap.add_argument("--out", default="results/structured")
     args = ap.parse_args()
     target = load_target("smollm2", dtype="float32")
-    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    tools = parse_tools(TOOLS, "required", False)
+    if args.workload == "json":
+        spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+        prompts = [[{"role": "user", "content": f"Describe {t} as JSON with a name, a summary and a list of facts."}] for t in TOPICS]
+    else:
+        spec = GrammarSpec("ebnf", call_grammar(list(tools.functions), parallel=False))
+        prompts = [render_messages([{"role": "user", "content": f"What is the weather like where {t} is, and what is new about {t}?"}], tools) for t in TOPICS]
     suffix = make_drafter("suffix", target)
     methods = {
         "vanilla": (Engine(target, None), None),
@@ -49,8 +68,8 @@ def main() -> None:
         "suffix": (Engine(target, make_drafter("suffix", target), TreeShape(3, 1, 4)), None),
     }
     totals = {m: {"tokens": 0, "seconds": 0.0, "steps": 0, "accepted": 0, "valid_json": 0, "finished": 0} for m in methods}
-    for topic in TOPICS[: args.num_prompts]:
-        ids = target.encode_chat([{"role": "user", "content": f"Describe {topic} as JSON with a name, a summary and a list of facts."}])
+    for messages in prompts[: args.num_prompts]:
+        ids = target.encode_chat(messages)
         for name, (eng, grammar) in methods.items():
             t0 = time.perf_counter()
             r = eng.generate([ids], SamplingParams(max_new_tokens=args.max_new_tokens, grammar=grammar))[0]
@@ -61,13 +80,9 @@ def main() -> None:
             t["accepted"] += r.stats.accepted_tokens
             if r.finish_reason == "stop":
                 t["finished"] += 1
-                try:
-                    json.loads(target.decode(r.output_ids))
-                    t["valid_json"] += 1
-                except ValueError:
-                    pass
+                t["valid_json"] += _valid(target.decode(r.output_ids), args.workload, tools)
     base = totals["vanilla"]["tokens"] / totals["vanilla"]["seconds"]
-    print(f"{'method':16} {'tok/s':>7} {'ratio':>6} {'tau':>5} {'finished':>8} {'valid JSON':>10}")
+    print(f"{'method':16} {'tok/s':>7} {'ratio':>6} {'tau':>5} {'finished':>8} {'valid':>10}")
     for name, t in totals.items():
         tps = t["tokens"] / t["seconds"]
         tau = (t["accepted"] + t["steps"]) / t["steps"] if t["steps"] else 0.0
@@ -76,6 +91,17 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"args": vars(args), "methods": totals}, indent=1))
+
+
+def _valid(text: str, workload: str, tools) -> bool:
+    """JSON: the text parses; tools: it holds at least one well-formed call."""
+    if workload == "tools":
+        return bool(split_output(text, tools)[1])
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--frequency-penalty", type=float, default=0.0)
     g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--min-tokens", type=int, default=0, help="no end of text before this many tokens")
     g.add_argument("--regex", default=None, help="structured output: the output matches this regex")
     g.add_argument("--json-schema", default=None, metavar="SCHEMA", help="structured output: a JSON schema (JSON text, or a file holding it); '{}' for any JSON")
     g.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and speculative stats")
@@ -110,7 +111,8 @@ def cmd_generate(args) -> int:
 
     grammar = _grammar_arg(args)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty, grammar=grammar)
+                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty, grammar=grammar,
+                            min_tokens=args.min_tokens)
     if not args.prompt.strip():
         raise ValueError("prompt is empty")
     tree = TreeShape.parse(args.tree) if args.tree else None  # a bad --tree fails before the model loads

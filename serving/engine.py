@@ -24,7 +24,7 @@ from sglang_ext.attention import causal_mask, plan_attention, prefix_and_tree_ma
 from sglang_ext.drafters import DraftInput, Drafter, TargetCapture
 from sglang_ext.grammar import Grammars, apply_bitmask, tree_bitmask
 from sglang_ext.models import Target
-from sglang_ext.penalties import penalize_tree
+from sglang_ext.penalties import ban_early_stops, penalize_tree
 from sglang_ext.sampling import InvalidRequest, SamplingParams, TokenLogprob, greedy_tokens, logits_to_probs, sample, token_logprobs
 from sglang_ext.tree import TokenTree, TreeShape, chain_tree
 from sglang_ext.verify import VerifyResult, greedy_verify, sampling_verify
@@ -277,7 +277,7 @@ class Engine:
         return events
 
     def _sample(self, logits: torch.Tensor, r: Request) -> int:
-        if r.params.penalized or r.matcher is not None:  # the first token: a root-only tree, no path
+        if self._context_dependent(r):  # the first token: a root-only tree, no path
             logits = self._constrained(r, logits[None], chain_tree(0, [], 0))[0]
         if r.params.greedy:
             return int(greedy_tokens(logits))
@@ -349,17 +349,24 @@ class Engine:
         r.output_logprobs += lps
         return lps
 
+    def _context_dependent(self, r: Request) -> bool:
+        """Whether the request's logits depend on each row's path (penalties, grammar, min_tokens)."""
+        return r.params.penalized or r.matcher is not None or len(r.output_ids) < r.params.min_tokens
+
     def _constrained(self, r: Request, logits: torch.Tensor, tree: TokenTree) -> torch.Tensor:
-        """The tree's rows under the request's penalties, then its grammar, each node after its own
-        path. (Logprobs stay the raw ones: callers keep their rows.)"""
+        """The tree's rows under the request's penalties, min_tokens, then its grammar, each node after
+        its own path. (Logprobs stay the raw ones: callers keep their rows.)"""
         if r.params.penalized:
             logits = penalize_tree(logits, r.params, r.prompt_ids, r.output_ids, tree)
+        if len(r.output_ids) < r.params.min_tokens:
+            stops = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else self.eos_ids)
+            logits = ban_early_stops(logits, tree, len(r.output_ids), r.params.min_tokens, stops)
         if r.matcher is not None:  # after the penalties: a masked token stays impossible
             logits = apply_bitmask(logits, tree_bitmask(r.matcher, tree, logits.shape[-1]))
         return logits
 
     def _verify(self, r: Request, tree: TokenTree, logits: torch.Tensor) -> VerifyResult:
-        if r.params.penalized or r.matcher is not None:
+        if self._context_dependent(r):
             logits = self._constrained(r, logits, tree)
         if r.params.greedy:
             return greedy_verify(tree, greedy_tokens(logits))

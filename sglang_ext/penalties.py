@@ -14,7 +14,9 @@ committed output's penalties to every node alike, which is right at depth 1 only
 
 Semantics (vLLM's and SGLang's): presence and frequency count the output's tokens only; the
 repetition penalty applies to tokens of the prompt or the output; order: logit bias, repetition,
-frequency and presence. Drafters draft without penalties: losslessness holds for any draft, and a
+frequency and presence. `min_tokens` bans the stop tokens from the rows that would choose one of the
+output's first min_tokens tokens: row i chooses output token number len(output) + depth(i).
+Drafters draft without penalties: losslessness holds for any draft, and a
 penalty only changes which drafts are accepted.
 """
 
@@ -62,3 +64,15 @@ def penalize_tree(logits: torch.Tensor, params: SamplingParams, prompt_ids: list
     """[N, V] logits of a request's tree rows -> the same rows under its penalties, each with its path."""
     counts = output_counts(output_ids, logits.shape[-1])
     return penalize(logits, params, tree_output_counts(counts, tree), prompt_ids)
+
+
+def ban_early_stops(logits: torch.Tensor, tree: TokenTree, output_len: int, min_tokens: int, stop_ids: set[int]) -> torch.Tensor:
+    """[N, V] tree rows -> the same with `stop_ids` at -inf in rows that choose an output token
+    before number `min_tokens` (0-based: output_len + the node's depth)."""
+    depth = tree.positions - tree.positions[0]
+    early = ((output_len + depth) < min_tokens).nonzero()[:, 0]
+    if not len(early) or not stop_ids:
+        return logits
+    out = logits.clone()
+    out[early[:, None], torch.tensor(sorted(stop_ids))[None, :]] = float("-inf")
+    return out

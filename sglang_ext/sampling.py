@@ -51,6 +51,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # a token in the prompt or output: logit / this if positive, * this if not
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     grammar: GrammarSpec | None = None  # structured output: tokens outside the grammar are masked (grammar.py)
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until the output holds this many tokens
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -72,6 +73,10 @@ class SamplingParams:
             raise InvalidRequest(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty!r}", "repetition_penalty")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise InvalidRequest(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}", "logit_bias")
+        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise InvalidRequest(f"min_tokens must be an integer from 0 to max_tokens ({self.max_new_tokens}), got {self.min_tokens!r}", "min_tokens")
+        if self.grammar is not None and self.min_tokens:
+            raise InvalidRequest("min_tokens cannot be combined with a grammar (the grammar decides where the output ends)", "min_tokens")
         if self.grammar is not None and self.ignore_eos:
             raise InvalidRequest("ignore_eos cannot be combined with a grammar (the output ends where the grammar does)", "ignore_eos")
         if len({tok for tok, _ in self.logit_bias}) < len(self.logit_bias):

@@ -80,7 +80,7 @@ def compare_to_reference(model: LlamaModel, prompt: list[int], ref: list[int], g
 
 
 def reference_greedy(model: LlamaModel, prompt: list[int], params, n: int, grammars=None, stop_ids=()) -> tuple[list[int], list[float]]:
-    """Up to n greedy tokens under params' penalties and grammar (compiled by `grammars`), each from one
+    """Up to n greedy tokens under params' penalties, min_tokens and grammar (compiled by `grammars`), each from one
     plain causal fp32 forward over the whole sequence so far, ending at a stop id; with the gap between
     the two largest allowed logits at each step (ties)."""
     from sglang_ext.attention import causal_mask, plan_attention
@@ -97,6 +97,8 @@ def reference_greedy(model: LlamaModel, prompt: list[int], params, n: int, gramm
         s = kv.alloc(len(ids))
         h = model.forward(torch.tensor(ids), torch.arange(len(ids)), s, plan_attention([s], [causal_mask(len(ids), 0)]), kv).hidden
         row = penalize(model.logits(h[-1:]), params, output_counts(out, model.cfg.vocab_size), prompt)
+        if len(out) < params.min_tokens:  # no stop before min_tokens
+            row[:, sorted(set(stop_ids) | set(params.stop_token_ids))] = float("-inf")
         if matcher is not None:
             row = apply_bitmask(row, tree_bitmask(matcher, chain_tree(0, [], 0), row.shape[-1]))
         top = row[0].topk(2)
@@ -104,6 +106,6 @@ def reference_greedy(model: LlamaModel, prompt: list[int], params, n: int, gramm
         gaps.append(float(top.values[0] - top.values[1]))
         if matcher is not None:
             assert matcher.accept_token(out[-1])
-        if out[-1] in stop_ids:
+        if out[-1] in stop_ids or out[-1] in params.stop_token_ids:
             break
     return out, gaps

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import json
+from dataclasses import replace
 import re
 
 from helpers import compare_to_reference, reference_greedy, reference_logprobs, tiny_target
@@ -348,6 +349,44 @@ def test_penalties_change_the_output(smollm2_fp32, eval_prompts, penalized_refer
     with pytest.raises(InvalidRequest, match="logit_bias") as e:
         eng.add_request(eval_prompts[0], SamplingParams(logit_bias=((smollm2_fp32.cfg.vocab_size, 1.0),)))
     assert e.value.param == "logit_bias"
+
+
+MIN_TOKENS = [  # (user message, params): short answers made longer, beside a request without min_tokens
+    ("Capital of France?", SamplingParams(max_new_tokens=24, min_tokens=16)),
+    ("Name one colour.", SamplingParams(max_new_tokens=24, min_tokens=14, stop_token_ids=(30,))),  # 30 = "."
+    ("What is 2+2?", SamplingParams(max_new_tokens=24)),
+    ("What is 2+2?", SamplingParams(max_new_tokens=24, min_tokens=20)),
+]
+
+
+@pytest.fixture(scope="module")
+def min_tokens_reference(smollm2_fp32):
+    eng = Engine(smollm2_fp32, None)
+    prompts = [smollm2_fp32.encode_chat([{"role": "system", "content": "Answer with one word."}, {"role": "user", "content": text}]) for text, _ in MIN_TOKENS]
+    params = [sp for _, sp in MIN_TOKENS]
+    return prompts, params, [reference_greedy(smollm2_fp32.model, p, sp, 24, stop_ids=eng.eos_ids) for p, sp in zip(prompts, params)]
+
+
+@pytest.mark.parametrize("drafter,shape", [(None, None), ("suffix", "chain"), ("suffix", "tree"), ("ngram", "tree")])
+@pytest.mark.parametrize("bs", [1, 4])
+def test_greedy_min_tokens_equal_plain_decoding(smollm2_fp32, min_tokens_reference, drafter, shape, bs):
+    """min_tokens under speculation: each tree row that would choose one of the first min_tokens
+    output tokens cannot stop (a drafted end of text is rejected), as in plain decoding."""
+    prompts, params, refs = min_tokens_reference
+    eng, reqs = _generate_in_batches(smollm2_fp32, drafter, shape, prompts, params, bs)
+    _assert_plain_decoding(reqs, refs)
+    for r, sp in zip(reqs, params):
+        assert len(r.output_ids) >= sp.min_tokens
+    assert eng.kv.num_free == eng.kv.num_slots - 1
+
+
+def test_min_tokens_change_the_output(smollm2_fp32, min_tokens_reference):
+    """(So the test above can fail:) without min_tokens these answers end sooner."""
+    prompts, params, refs = min_tokens_reference
+    plain = Engine(smollm2_fp32, None).generate(prompts, [replace(sp, min_tokens=0) for sp in params])
+    for i in (0, 1, 3):
+        assert len(plain[i].output_ids) < params[i].min_tokens, smollm2_fp32.decode(plain[i].output_ids)
+    assert plain[2].output_ids == refs[2][0]
 
 
 GRAMMAR_TOKENS = 40

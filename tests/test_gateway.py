@@ -287,6 +287,21 @@ def test_structured_output(server, client, smollm2_fp32):
     assert e.value.body["param"] == "response_format" and "nope" in e.value.body["message"]
 
 
+def test_min_tokens(client, server, smollm2_fp32):
+    """The min_tokens extension: no end of text before that many tokens (the short answer goes on), as in
+    plain decoding with EOS banned that long; streamed the same."""
+    messages = user("Name one colour.", system="Answer with one word.")
+    short = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    assert short.usage.completion_tokens < 14 and short.choices[0].finish_reason == "stop"
+    kw = dict(model=MODEL, messages=messages, max_tokens=24, temperature=0, extra_body={"min_tokens": 14, "return_token_ids": True})
+    long = client.chat.completions.create(**kw)
+    assert long.usage.completion_tokens >= 14
+    ref, gaps = reference_greedy(smollm2_fp32.model, smollm2_fp32.encode_chat(messages), SamplingParams(max_new_tokens=24, min_tokens=14), 24, stop_ids=server.engine.eos_ids)
+    n = next((i for i, (a, b) in enumerate(zip(ref, long.choices[0].token_ids)) if a != b), None)
+    assert n is None or gaps[n] < 1e-3, f"differs from plain decoding at token {n}"
+    assert "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(stream=True, **kw) if ch.choices) == long.choices[0].message.content
+
+
 WEATHER_TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
                                       "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}},

@@ -190,12 +190,13 @@ def test_penalties_and_logit_bias_forwarded(gw, upstream):
     """Upstream SGLang applies them itself: they go through as given, and are left out when off."""
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
     client.chat.completions.create(model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=2, presence_penalty=0.5,
-                                   frequency_penalty=-0.25, logit_bias={"7": -100, "9": 2.5}, extra_body={"repetition_penalty": 1.1})
+                                   frequency_penalty=-0.25, logit_bias={"7": -100, "9": 2.5}, extra_body={"repetition_penalty": 1.1, "min_tokens": 2})
     sent = upstream.requests[-1]
+    assert sent["min_tokens"] == 2
     assert (sent["presence_penalty"], sent["frequency_penalty"], sent["repetition_penalty"]) == (0.5, -0.25, 1.1)
     assert sent["logit_bias"] == {"7": -100.0, "9": 2.5}
     client.completions.create(model="llama-8b", prompt="hi", max_tokens=2)
-    assert not {"presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "response_format", "regex", "ebnf"} & set(upstream.requests[-1])
+    assert not {"presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "response_format", "regex", "ebnf", "min_tokens"} & set(upstream.requests[-1])
 
 
 def test_structured_output_forwarded(gw, upstream):

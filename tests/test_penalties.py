@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from sglang_ext.penalties import output_counts, penalize, penalize_tree, tree_output_counts
+from sglang_ext.penalties import ban_early_stops, output_counts, penalize, penalize_tree, tree_output_counts
+from sglang_ext.grammar import JSON_OBJECT
 from sglang_ext.sampling import InvalidRequest, SamplingParams
 from sglang_ext.tree import chain_tree, tree_from_parents
 
@@ -49,6 +50,20 @@ def test_penalized_tree_rows_equal_penalized_paths():
     assert torch.equal(penalize_tree(logits[:1], p, prompt, output, chain), penalize(logits[:1], p, output_counts(output, vocab), prompt))
 
 
+def test_min_tokens_bans_stops_by_depth():
+    #  depth:   0       1        2       3
+    #          root ─┬─ 1 ──── 3 ───── 4
+    #                └─ 2
+    tree = tree_from_parents(torch.tensor([9, 1, 3, 3, 1]), torch.tensor([-1, 0, 0, 1, 3]), seq_len=6)
+    logits = torch.zeros(5, 8)
+    got = ban_early_stops(logits, tree, output_len=3, min_tokens=5, stop_ids={0, 7})
+    # row i chooses output token 3 + depth(i): tokens 3 and 4 may not stop -> the rows at depth 0 and 1
+    banned = [bool(torch.isinf(got[i, [0, 7]]).all()) for i in range(5)]
+    assert banned == [True, True, True, False, False]
+    assert torch.isfinite(got[:, 1:7]).all() and torch.equal(logits, torch.zeros(5, 8))
+    assert ban_early_stops(logits, tree, output_len=5, min_tokens=5, stop_ids={0}) is logits  # nothing to ban
+
+
 def test_unpenalized_params_are_not_penalized():
     assert not SamplingParams().penalized
     assert not SamplingParams(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0).penalized
@@ -67,6 +82,10 @@ def test_unpenalized_params_are_not_penalized():
         ({"logit_bias": ((1, 101.0),)}, "logit_bias"),
         ({"logit_bias": ((1, 1.0), (1, 2.0))}, "logit_bias"),
         ({"logit_bias": tuple((i, 1.0) for i in range(301))}, "logit_bias"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 200, "max_new_tokens": 100}, "min_tokens"),
+        ({"min_tokens": True}, "min_tokens"),
+        ({"min_tokens": 3, "grammar": JSON_OBJECT}, "min_tokens"),
     ],
 )
 def test_bad_penalties_name_their_parameter(kw, param):

@@ -34,6 +34,7 @@ class GenParams:
     stop: tuple[str, ...] = ()  # text-level stop strings, excluded from the output
     stop_token_ids: tuple[int, ...] = ()  # extension
     ignore_eos: bool = False  # extension
+    min_tokens: int = 0  # extension: no EOS / stop_token_ids before this many tokens
     logprobs: int | None = None  # None: off; k: each token's logprob and its k likeliest alternatives
     echo: bool = False  # completions: the output starts with the prompt (and its logprobs, when asked)
     presence_penalty: float = 0.0

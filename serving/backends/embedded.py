@@ -94,7 +94,7 @@ class EmbeddedBackend:
             return SamplingParams(max_new, p.temperature, p.top_p, p.top_k, p.seed, tuple(p.stop_token_ids), p.ignore_eos, p.logprobs,
                                   prompt_logprobs=p.logprobs if p.echo else None, presence_penalty=p.presence_penalty,
                                   frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias,
-                                  grammar=p.grammar)
+                                  grammar=p.grammar, min_tokens=p.min_tokens)
         except InvalidRequest as e:
             raise invalid(str(e), e.param) from e
 

@@ -151,6 +151,8 @@ class SGLangBackend:
             body["stop_token_ids"] = list(p.stop_token_ids)
         if p.ignore_eos:
             body["ignore_eos"] = True
+        if p.min_tokens:
+            body["min_tokens"] = p.min_tokens
         for key, value, off in (("presence_penalty", p.presence_penalty, 0.0), ("frequency_penalty", p.frequency_penalty, 0.0), ("repetition_penalty", p.repetition_penalty, 1.0)):
             if value != off:
                 body[key] = value

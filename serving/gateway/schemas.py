@@ -75,6 +75,7 @@ class _Common(_Strict):
     ebnf: str | None = None  # ... or this grammar (xgrammar's EBNF)
     top_k: int | None = Field(None, ge=-1)
     ignore_eos: bool | None = None
+    min_tokens: int | None = Field(None, ge=0)  # EOS and stop_token_ids are banned until the output holds this many tokens
     stop_token_ids: list[int] | None = None
     return_token_ids: bool | None = None  # completion token ids in the last chunk of each choice
 
@@ -178,6 +179,8 @@ def _logprobs(k: int | None, param: str) -> int | None:
 def _params(r: _Common, max_tokens: int | None, max_tokens_param: str, limits: Limits, logprobs: int | None = None) -> GenParams:
     if max_tokens is not None and max_tokens > limits.max_tokens:
         raise invalid(f"{max_tokens_param}: at most {limits.max_tokens} tokens per request, got {max_tokens}", max_tokens_param)
+    if r.min_tokens and max_tokens is not None and r.min_tokens > max_tokens:
+        raise invalid(f"min_tokens ({r.min_tokens}) must not exceed {max_tokens_param} ({max_tokens})", "min_tokens")
     n = r.n or 1
     if r.seed is not None and r.seed + n - 1 > MAX_SEED:
         raise invalid(f"seed: seed + n - 1 must be <= {MAX_SEED}", "seed")
@@ -190,6 +193,7 @@ def _params(r: _Common, max_tokens: int | None, max_tokens_param: str, limits: L
         stop=_stop(r),
         stop_token_ids=tuple(r.stop_token_ids or ()),
         ignore_eos=bool(r.ignore_eos),
+        min_tokens=r.min_tokens or 0,
         logprobs=logprobs,
         presence_penalty=float(r.presence_penalty or 0.0),
         frequency_penalty=float(r.frequency_penalty or 0.0),
