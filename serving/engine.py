@@ -31,6 +31,8 @@ from sglang_ext.verify import VerifyResult, greedy_verify, sampling_verify
 
 from .adaptive import CONFIDENT_FROM_BATCH, AdaptiveSpeculation
 
+PREDICTION_HEAD = 4  # prompt tokens before a predicted output in the drafter's reference (the assistant turn header)
+
 
 @dataclass
 class RequestStats:
@@ -60,6 +62,7 @@ class Request:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     drafting: bool = True  # False after a drafter failure: vanilla decoding from then on
     matcher: object | None = None  # the grammar's state after the output so far (structured output)
+    reference: list[int] = field(default_factory=list)  # the prompt's last tokens + its predicted output, for the drafter
     stats: RequestStats = field(default_factory=RequestStats)
     t_arrival: float = field(default_factory=time.perf_counter)
     t_first_token: float | None = None
@@ -131,12 +134,16 @@ class Engine:
             raise InvalidRequest(f"prompt has token ids outside the vocabulary [0, {vocab})", "prompt")
         if any(t >= vocab for t, _ in params.logit_bias):
             raise InvalidRequest(f"logit_bias has token ids outside the vocabulary [0, {vocab})", "logit_bias")
+        if any(not 0 <= t < vocab for t in params.prediction):
+            raise InvalidRequest(f"prediction has token ids outside the vocabulary [0, {vocab})", "prediction")
         if len(prompt_ids) + 1 > self.max_context:
             raise InvalidRequest(f"prompt has {len(prompt_ids)} tokens; the context limit is {self.max_context}", "messages")
         gen = None if params.greedy else params.generator()
         req = Request(next(self._ids), list(prompt_ids), params, gen)
         if params.grammar is not None:
             req.matcher = self.grammars.matcher(params.grammar)
+        if params.prediction:  # NOTE: behind the prompt's tail, so the prediction's first tokens can be drafted
+            req.reference = req.prompt_ids[-PREDICTION_HEAD:] + list(params.prediction)
         self.waiting.append(req)
         return req
 
@@ -308,7 +315,7 @@ class Engine:
         trees: dict[int, TokenTree] = {}
         drafting = [r for r in reqs if r.drafting and self.drafter is not None and shape is not None]
         if drafting:
-            inputs = [DraftInput(r.rid, r.token_ids, r.params, r.generator) for r in drafting]
+            inputs = [DraftInput(r.rid, r.token_ids, r.params, r.generator, r.reference) for r in drafting]
             proposed = self._drafter_call(lambda: self.drafter.propose(inputs, shape), drafting)
             if proposed is not None:
                 vocab = self.model.cfg.vocab_size

@@ -27,6 +27,7 @@ class InvalidRequest(ValueError):
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 MAX_LOGIT_BIAS = 300  # tokens in one request's logit_bias (OpenAI's limit)
+MAX_PREDICTION_TOKENS = 16384  # a predicted output's length (it is searched by lookup drafters every step)
 MAX_REPETITION_PENALTY = 2.0  # SGLang's range is [0, 2]; 0 itself would divide by zero
 
 
@@ -52,6 +53,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     grammar: GrammarSpec | None = None  # structured output: tokens outside the grammar are masked (grammar.py)
     min_tokens: int = 0  # EOS and stop_token_ids are masked until the output holds this many tokens
+    prediction: tuple[int, ...] = ()  # predicted output (OpenAI's Predicted Outputs): drafts only, never the output
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
@@ -75,6 +77,8 @@ class SamplingParams:
             raise InvalidRequest(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}", "logit_bias")
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or not 0 <= self.min_tokens <= self.max_new_tokens:
             raise InvalidRequest(f"min_tokens must be an integer from 0 to max_tokens ({self.max_new_tokens}), got {self.min_tokens!r}", "min_tokens")
+        if len(self.prediction) > MAX_PREDICTION_TOKENS:
+            raise InvalidRequest(f"prediction may hold at most {MAX_PREDICTION_TOKENS} tokens, got {len(self.prediction)}", "prediction")
         if self.grammar is not None and self.min_tokens:
             raise InvalidRequest("min_tokens cannot be combined with a grammar (the grammar decides where the output ends)", "min_tokens")
         if self.grammar is not None and self.ignore_eos:

@@ -389,6 +389,28 @@ def test_min_tokens_change_the_output(smollm2_fp32, min_tokens_reference):
     assert plain[2].output_ids == refs[2][0]
 
 
+PRIME = "Write a Python function that checks whether a number is prime, with a docstring"
+
+
+@pytest.mark.parametrize("drafter,shape", [("suffix", "chain"), ("suffix", "tree"), ("ngram", "tree")])
+def test_predicted_outputs_are_drafted_and_lossless(smollm2_fp32, drafter, shape):
+    """A predicted output (here: the answer to a close variant of the prompt, not in the prompt) is
+    drafted from, which raises tau, and never changes the output, right or wrong (bs 4: one request
+    with a wrong prediction, one without)."""
+    first = Engine(smollm2_fp32, None).generate([smollm2_fp32.encode_chat([{"role": "user", "content": PRIME + "."}])], SamplingParams(max_new_tokens=96))[0].output_ids
+    prompt = smollm2_fp32.encode_chat([{"role": "user", "content": PRIME + " and type hints."}])
+    other = smollm2_fp32.encode("The quick brown fox jumps over the lazy dog. " * 4)
+    params = [SamplingParams(max_new_tokens=96, prediction=tuple(first)), SamplingParams(max_new_tokens=96), SamplingParams(max_new_tokens=96, prediction=tuple(other))]
+    vanilla = Engine(smollm2_fp32, None).generate([prompt] * 3, params)
+    eng, reqs = _generate_in_batches(smollm2_fp32, drafter, shape, [prompt] * 3, params, 4)
+    for r, v in zip(reqs, vanilla):
+        assert compare_to_reference(smollm2_fp32.model, prompt, v.output_ids, r.output_ids) != "bug"
+    assert reqs[0].stats.accept_length > reqs[1].stats.accept_length + 0.2, [r.stats.accept_length for r in reqs]
+    with pytest.raises(InvalidRequest) as e:
+        eng.add_request(prompt, SamplingParams(prediction=(smollm2_fp32.cfg.vocab_size,)))
+    assert e.value.param == "prediction"
+
+
 GRAMMAR_TOKENS = 40
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}
 COLORS = r"(red|green|blue)(, (red|green|blue)){2}\."

@@ -302,6 +302,25 @@ def test_min_tokens(client, server, smollm2_fp32):
     assert "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(stream=True, **kw) if ch.choices) == long.choices[0].message.content
 
 
+def test_predicted_outputs(client):
+    """OpenAI's `prediction`: drafts come from it (tau rises), the text does not change, and usage
+    reports accepted / rejected prediction tokens."""
+    ask = "Write a Python function that checks whether a number is prime, with a docstring"
+    first = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ask + "."}], max_tokens=80, temperature=0).choices[0].message.content
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": ask + " and type hints."}], max_tokens=80, temperature=0)
+    plain = client.chat.completions.with_raw_response.create(**kw).http_response.json()
+    predicted = client.chat.completions.with_raw_response.create(prediction={"type": "content", "content": first}, **kw).http_response.json()
+    assert predicted["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+    assert predicted["meta_info"]["spec_accept_length"] > plain["meta_info"]["spec_accept_length"] + 0.2
+    details = ChatCompletion.model_validate(predicted).usage.completion_tokens_details
+    assert details.accepted_prediction_tokens > 10 and details.rejected_prediction_tokens >= 0
+    assert "completion_tokens_details" not in plain["usage"]
+    parts = [{"type": "text", "text": first[:20]}, {"type": "text", "text": first[20:]}]
+    chunks = list(client.chat.completions.create(prediction={"type": "content", "content": parts}, stream=True, stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain["choices"][0]["message"]["content"]
+    assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens == details.accepted_prediction_tokens
+
+
 WEATHER_TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
                                       "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}},

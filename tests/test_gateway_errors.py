@@ -132,6 +132,8 @@ BAD_REQUESTS = [
     ("min_tokens over max_tokens", "POST", CHAT, msg(min_tokens=5, max_tokens=4), 400, "min_tokens", None),
     ("min_tokens negative", "POST", CHAT, msg(min_tokens=-1), 400, "min_tokens", None),
     ("min_tokens with a grammar", "POST", CHAT, msg(min_tokens=2, response_format={"type": "json_object"}), 400, "min_tokens", None),
+    ("prediction of an unknown type", "POST", CHAT, msg(prediction={"type": "diff", "content": "x"}), 400, "prediction", None),
+    ("prediction content not text", "POST", CHAT, msg(prediction={"type": "content", "content": [{"type": "image_url"}]}), 400, "prediction", None),
     ("ignore_eos with a grammar", "POST", CHAT, msg(ignore_eos=True, response_format={"type": "json_object"}), 400, "ignore_eos", None),
     ("unknown model", "POST", CHAT, {**msg(), "model": "gpt-9"}, 404, "model", "model_not_found"),
     ("prompt too long", "POST", CHAT, msg(LONG[:20000]), 400, "messages", "context_length_exceeded"),

@@ -107,6 +107,18 @@ def test_chat_jobs_with_tools():
     assert none.tools is None and none.messages[0]["role"] == "user"  # no tools block; the history still rendered
 
 
+def test_prediction_text_and_usage():
+    from serving.backends.embedded import prediction_usage
+
+    assert chat_jobs(_chat(prediction={"type": "content", "content": "ab"}), Limits())[0].params.prediction == "ab"
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert chat_jobs(_chat(prediction={"type": "content", "content": parts}), Limits())[0].params.prediction == "ab"
+    assert chat_jobs(_chat(), Limits())[0].params.prediction == ""
+    # prediction 1 2 3 4 5 against output 1 2 9 4 5 6: 1 2 and 4 5 appear in order -> 4 accepted, 1 rejected
+    assert prediction_usage((1, 2, 3, 4, 5), [1, 2, 9, 4, 5, 6]) == (4, 1)
+    assert prediction_usage((7, 8), [1, 2]) == (0, 2)
+
+
 def test_completion_jobs_prompt_lists():
     import json
 

@@ -81,6 +81,20 @@ def test_drafts_from_the_seed_corpus_when_the_request_has_no_match():
     assert make_drafter("ngram", None).propose([_input(0, [1, 2, 50, 51])], TreeShape(4, 2, 6))[0].num_nodes == 1
 
 
+@pytest.mark.parametrize("name", ["ngram", "suffix"])
+def test_lookup_drafters_draft_from_a_predicted_output(name):
+    """A request's prediction (DraftInput.reference) is searched like its own context, first; a match
+    at the reference's very end has no continuation and is skipped."""
+    drafter = make_drafter(name, None) if name == "ngram" else SuffixDrafter([])
+    tokens = [1, 2, 3, 9, 5, 6]
+    plain = DraftInput(0, tokens, SamplingParams(), None)
+    assert drafter.propose([plain], TreeShape(3, 1, 4))[0].num_nodes == 1  # (5, 6) is nowhere earlier
+    predicted = DraftInput(0, tokens, SamplingParams(), None, reference=[8, 5, 6, 70, 71, 72, 73, 5, 6])
+    assert _paths(drafter.propose([predicted], TreeShape(3, 1, 4))[0]) == {(70,), (70, 71), (70, 71, 72)}
+    # the prediction's matches first, then the request's own, most recent first
+    assert drafter.longest_match(tokens + [40, 5, 6], 2, reference=[5, 6, 70, 71]) == (2, [[70, 71], [40, 5]])
+
+
 def test_own_context_outweighs_a_corpus_match_of_the_same_length():
     d = SuffixDrafter([[5, 6, 90, 91]] * 3)
     tree = d.propose([_input(0, [5, 6, 40, 41, 8, 5, 6])], TreeShape(2, 1, 3))[0]  # chain: one winner

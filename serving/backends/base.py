@@ -42,6 +42,7 @@ class GenParams:
     repetition_penalty: float = 1.0  # extension (SGLang/vLLM)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     grammar: GrammarSpec | None = None  # structured output (response_format, regex, ebnf)
+    prediction: str = ""  # predicted output (chat `prediction`): drafts from it, never changes the output
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ class Chunk:
     spec: SpecStats | None = None
     token_ids: list[int] | None = None  # all completion token ids, on the last chunk (embedded backend)
     logprobs: list[dict] | None = None  # when asked: one OpenAI chat `logprobs.content` entry per token of this chunk
+    prediction_tokens: tuple[int, int] | None = None  # with a prediction, on the last chunk: (accepted, rejected) prediction tokens
 
 
 class Backend(Protocol):

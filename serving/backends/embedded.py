@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import difflib
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
@@ -94,7 +95,7 @@ class EmbeddedBackend:
             return SamplingParams(max_new, p.temperature, p.top_p, p.top_k, p.seed, tuple(p.stop_token_ids), p.ignore_eos, p.logprobs,
                                   prompt_logprobs=p.logprobs if p.echo else None, presence_penalty=p.presence_penalty,
                                   frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias,
-                                  grammar=p.grammar, min_tokens=p.min_tokens)
+                                  grammar=p.grammar, min_tokens=p.min_tokens, prediction=tuple(self.target.encode(p.prediction)) if p.prediction else ())
         except InvalidRequest as e:
             raise invalid(str(e), e.param) from e
 
@@ -153,8 +154,18 @@ class EmbeddedBackend:
                     chunk.prompt_tokens, chunk.completion_tokens = len(ids), produced
                     chunk.spec = SpecStats(d.verify_steps, d.draft_tokens, d.accepted_tokens)
                     chunk.token_ids = list(text.ids)
+                    if params.prediction:
+                        chunk.prediction_tokens = await asyncio.to_thread(prediction_usage, params.prediction, chunk.token_ids)
                 yield chunk
                 if finish:
                     return
         finally:
             handle.cancel()  # client gone / sibling failed / generator closed early: no-op once finished
+
+
+def prediction_usage(prediction: tuple[int, ...], output: list[int]) -> tuple[int, int]:
+    """(accepted, rejected): prediction tokens that appear in the output, in order (difflib's matching
+    blocks), and the rest, as OpenAI's usage.completion_tokens_details reports them."""
+    matcher = difflib.SequenceMatcher(None, prediction, output, autojunk=False)
+    accepted = sum(b.size for b in matcher.get_matching_blocks())
+    return accepted, len(prediction) - accepted

@@ -253,7 +253,11 @@ class Generation:
         prompt = {c.job.prompt_group: c.final.prompt_tokens or 0 for c in self.choices if c.final}
         completion = sum(c.final.completion_tokens or 0 for c in self.choices if c.final)
         p = sum(prompt.values())
-        return {"prompt_tokens": p, "completion_tokens": completion, "total_tokens": p + completion}
+        usage: dict = {"prompt_tokens": p, "completion_tokens": completion, "total_tokens": p + completion}
+        predicted = [c.final.prediction_tokens for c in self.choices if c.final and c.final.prediction_tokens]
+        if predicted:
+            usage["completion_tokens_details"] = {"accepted_prediction_tokens": sum(a for a, _ in predicted), "rejected_prediction_tokens": sum(r for _, r in predicted)}
+        return usage
 
     def _meta(self) -> dict:
         total = SpecStats()

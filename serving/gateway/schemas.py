@@ -91,6 +91,7 @@ class ChatCompletionRequest(_Common):
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None  # Predicted Outputs: {"type": "content", "content": text or text parts}
 
 
 class CompletionRequest(_Common):
@@ -231,6 +232,20 @@ def _message_text(m: ChatMessage, i: int) -> str:
     return "".join(parts)
 
 
+def _prediction(prediction: dict[str, Any] | None) -> str:
+    """OpenAI's `prediction` ({"type": "content", "content": str | [{"type": "text", "text"}]}) -> its text."""
+    if prediction is None:
+        return ""
+    if prediction.get("type") != "content":
+        raise invalid('prediction must be {"type": "content", "content": ...}', "prediction")
+    content = prediction.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise invalid("prediction.content must be a string or a list of text parts", "prediction")
+
+
 def _message(m: ChatMessage, i: int) -> dict:
     if m.role == "function":
         raise _unsupported(f"messages[{i}].role", "role 'function' (the deprecated functions API; use tools)")
@@ -260,7 +275,7 @@ def chat_jobs(r: ChatCompletionRequest, limits: Limits) -> list[Job]:
         max_tokens, param = r.max_completion_tokens, "max_completion_tokens"
     else:
         max_tokens, param = r.max_tokens, "max_tokens"
-    params = _params(r, max_tokens, param, limits, logprobs)
+    params = replace(_params(r, max_tokens, param, limits, logprobs), prediction=_prediction(r.prediction))
     if tools is not None and (call_grammar := tools.grammar()) is not None:
         if params.grammar is not None:
             raise invalid(f"a required tool call constrains the output already: tool_choice cannot be combined with {params.grammar.param}", "tool_choice")

@@ -51,6 +51,9 @@ class DraftInput:
     token_ids: list[int]  # prompt + generated; the last one is the root (no target K/V yet)
     params: SamplingParams
     generator: torch.Generator | None
+    # a predicted output (OpenAI's `prediction`), behind the prompt's last tokens so its start can be
+    # matched too; lookup drafters search it, others may ignore it (it never changes the output)
+    reference: list[int] = field(default_factory=list)
 
     @property
     def seq_len(self) -> int:

@@ -48,19 +48,15 @@ class NgramDrafter:
     def remove_request(self, rid: int) -> None:
         pass
 
-    def longest_match(self, tokens: list[int], length: int) -> tuple[int, list[list[int]]]:
-        """(n, continuations): the longest n-gram tail of `tokens` found earlier in them, and what
-        followed it, most recent match first."""
+    def longest_match(self, tokens: list[int], length: int, reference: list[int] = ()) -> tuple[int, list[list[int]]]:
+        """(n, continuations): the longest n-gram tail of `tokens` found earlier in them or in
+        `reference` (a predicted output: its matches come first), and what followed it, most recent
+        match first."""
         n_tok = len(tokens)
         for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
-            suffix = tokens[n_tok - n :]
-            found = []
-            first = suffix[0]
-            for i in range(n_tok - n - 1, -1, -1):
-                if tokens[i] == first and tokens[i : i + n] == suffix:
-                    found.append(tokens[i + n : i + n + length])
-                    if len(found) >= self.max_matches:
-                        break
+            tail = tokens[n_tok - n :]
+            found = _matches(reference, tail, length, len(reference) - n - 1, self.max_matches)
+            found += _matches(tokens, tail, length, n_tok - n - 1, self.max_matches - len(found))
             if found:
                 return n, found
         return 0, []
@@ -69,9 +65,22 @@ class NgramDrafter:
         return [self._tree(d, shape) for d in batch]
 
     def _tree(self, d: DraftInput, shape: TreeShape) -> TokenTree:
-        n, conts = self.longest_match(d.token_ids, shape.depth)
+        n, conts = self.longest_match(d.token_ids, shape.depth, d.reference)
         weighted = [(c, 1.0 + 1e-3 / (rank + 1)) for rank, c in enumerate(conts)]  # ties broken by recency
         return trie_tree(d.token_ids[-1], d.seq_len, weighted, shape, confidence=match_confidence(n))
+
+
+def _matches(seq: list[int], tail: list[int], length: int, last_start: int, limit: int) -> list[list[int]]:
+    """Up to `limit` continuations (<= `length` tokens, non-empty) of `tail` in seq, from start
+    `last_start` down to 0."""
+    found: list[list[int]] = []
+    n, first = len(tail), tail[0]
+    for i in range(last_start, -1, -1):
+        if len(found) >= limit:
+            break
+        if seq[i] == first and seq[i : i + n] == tail:
+            found.append(list(seq[i + n : i + n + length]))
+    return found
 
 
 def trie_tree(root: int, seq_len: int, weighted: list[tuple[list[int], float]], shape: TreeShape, min_share: float = 0.0,

@@ -127,10 +127,10 @@ class SuffixDrafter(NgramDrafter):
             self._last_seq[d.rid] = d.token_ids
         return [self._tree(d, shape) for d in batch]
 
-    def candidates(self, ctx: list[int], depth: int) -> tuple[int, list[tuple[list[int], float]]]:
+    def candidates(self, ctx: list[int], depth: int, reference: list[int] = ()) -> tuple[int, list[tuple[list[int], float]]]:
         """(length of the request's own longest match, weighted continuations of up to `depth` tokens
-        from the request itself and the corpora): what a tree is built from."""
-        own_len, own = self.longest_match(ctx, depth)
+        from the request itself (and its predicted output) and the corpora): what a tree is built from."""
+        own_len, own = self.longest_match(ctx, depth, reference)
         weighted = [(c, 1.0 / len(own) + 1e-3 / (rank + 1)) for rank, c in enumerate(own)]  # ties: most recent
         for index in (self.seed, self.online_index):
             if index is None or not len(index):
@@ -142,7 +142,7 @@ class SuffixDrafter(NgramDrafter):
         return own_len, weighted
 
     def _tree(self, d: DraftInput, shape: TreeShape) -> TokenTree:
-        own_len, weighted = self.candidates(d.token_ids, shape.depth)
+        own_len, weighted = self.candidates(d.token_ids, shape.depth, d.reference)
         # the request's own match sets the confidence: a long corpus match alone predicted acceptance
         # no better than a short one (session 18, scripts/lookup-acceptance.py)
         return trie_tree(d.token_ids[-1], d.seq_len, weighted, shape, self.min_share, match_confidence(own_len))
