@@ -16,10 +16,9 @@ the ratio to vanilla and tau; writes results/<out>/results.json.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
+from bench_table import new_totals, record, report
 from serving.engine import Engine
 from sglang_ext.drafters import make_drafter
 from sglang_ext.models import load_target
@@ -56,7 +55,7 @@ def main() -> None:
         "suffix+prediction": (Engine(target, make_drafter("suffix", target), TreeShape(3, 1, 4)), True),
         "suffix6+prediction": (Engine(target, make_drafter("suffix", target), TreeShape(6, 1, 7)), True),
     }
-    totals = {m: {"tokens": 0, "seconds": 0.0, "steps": 0, "accepted": 0, "same_as_vanilla": 0} for m in methods}
+    totals = new_totals(methods, "same_as_vanilla")
     for earlier, now in TASKS[: args.num_prompts]:
         first = vanilla.generate([target.encode_chat([{"role": "user", "content": earlier}])], SamplingParams(max_new_tokens=args.max_new_tokens))[0].output_ids
         ids = target.encode_chat([{"role": "user", "content": now}])
@@ -65,24 +64,10 @@ def main() -> None:
             params = SamplingParams(max_new_tokens=args.max_new_tokens, prediction=tuple(first) if predicted else ())
             t0 = time.perf_counter()
             r = eng.generate([ids], params)[0]
-            t = totals[name]
-            t["seconds"] += time.perf_counter() - t0
-            t["tokens"] += len(r.output_ids)
-            t["steps"] += r.stats.verify_steps
-            t["accepted"] += r.stats.accepted_tokens
+            record(totals[name], r, time.perf_counter() - t0)
             outputs[name] = r.output_ids
-            t["same_as_vanilla"] += r.output_ids == outputs["vanilla"]
-    base = totals["vanilla"]["tokens"] / totals["vanilla"]["seconds"]
-    print(f"{'method':20} {'tok/s':>7} {'ratio':>6} {'tau':>5} {'same':>5}")
-    for name, t in totals.items():
-        tps = t["tokens"] / t["seconds"]
-        tau = (t["accepted"] + t["steps"]) / t["steps"] if t["steps"] else 0.0
-        t.update(tokens_per_s=tps, ratio=tps / base, tau=tau)
-        print(f"{name:20} {tps:7.1f} {tps / base:6.2f} {tau:5.2f} {t['same_as_vanilla']:5d}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"args": vars(args), "methods": totals}, indent=1))
-
+            totals[name]["same_as_vanilla"] += r.output_ids == outputs["vanilla"]
+    report(totals, ("same_as_vanilla",), args, args.out)
 
 if __name__ == "__main__":
     main()

@@ -21,8 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
+from bench_table import new_totals, record, report
 from serving.engine import Engine
 from serving.gateway.tools import call_grammar, parse_tools, render_messages, split_output
 from sglang_ext.drafters import make_drafter
@@ -67,31 +67,17 @@ def main() -> None:
         "suffix+schema": (Engine(target, suffix, TreeShape(3, 1, 4)), spec),
         "suffix": (Engine(target, make_drafter("suffix", target), TreeShape(3, 1, 4)), None),
     }
-    totals = {m: {"tokens": 0, "seconds": 0.0, "steps": 0, "accepted": 0, "valid_json": 0, "finished": 0} for m in methods}
+    totals = new_totals(methods, "finished", "valid")
     for messages in prompts[: args.num_prompts]:
         ids = target.encode_chat(messages)
         for name, (eng, grammar) in methods.items():
             t0 = time.perf_counter()
             r = eng.generate([ids], SamplingParams(max_new_tokens=args.max_new_tokens, grammar=grammar))[0]
-            t = totals[name]
-            t["seconds"] += time.perf_counter() - t0
-            t["tokens"] += len(r.output_ids)
-            t["steps"] += r.stats.verify_steps
-            t["accepted"] += r.stats.accepted_tokens
+            record(totals[name], r, time.perf_counter() - t0)
             if r.finish_reason == "stop":
-                t["finished"] += 1
-                t["valid_json"] += _valid(target.decode(r.output_ids), args.workload, tools)
-    base = totals["vanilla"]["tokens"] / totals["vanilla"]["seconds"]
-    print(f"{'method':16} {'tok/s':>7} {'ratio':>6} {'tau':>5} {'finished':>8} {'valid':>10}")
-    for name, t in totals.items():
-        tps = t["tokens"] / t["seconds"]
-        tau = (t["accepted"] + t["steps"]) / t["steps"] if t["steps"] else 0.0
-        t.update(tokens_per_s=tps, ratio=tps / base, tau=tau)
-        print(f"{name:16} {tps:7.1f} {tps / base:6.2f} {tau:5.2f} {t['finished']:8d} {t['valid_json']:10d}")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"args": vars(args), "methods": totals}, indent=1))
-
+                totals[name]["finished"] += 1
+                totals[name]["valid"] += _valid(target.decode(r.output_ids), args.workload, tools)
+    report(totals, ("finished", "valid"), args, args.out)
 
 def _valid(text: str, workload: str, tools) -> bool:
     """JSON: the text parses; tools: it holds at least one well-formed call."""
