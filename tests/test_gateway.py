@@ -321,6 +321,24 @@ def test_predicted_outputs(client):
     assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens == details.accepted_prediction_tokens
 
 
+def test_tokenize_and_detokenize(server, client, smollm2_fp32):
+    """/tokenize gives the ids a request runs with (a chat with tools counts as /v1/chat/completions
+    counts it); /detokenize inverts it."""
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        one = c.post("/tokenize", json={"model": MODEL, "prompt": "Hello world"}).json()
+        assert one == {"tokens": smollm2_fp32.encode("Hello world"), "count": len(smollm2_fp32.encode("Hello world")), "max_model_len": server.backend.max_context}
+        many = c.post("/v1/tokenize", json={"prompt": ["a b", "c"]}).json()
+        assert many["tokens"] == [smollm2_fp32.encode("a b"), smollm2_fp32.encode("c")] and many["count"] == [len(x) for x in many["tokens"]]
+        messages = user("What is the weather in Paris?")
+        chat = c.post("/tokenize", json={"messages": messages, "tools": WEATHER_TOOLS}).json()
+        used = client.chat.completions.create(model=MODEL, messages=messages, tools=WEATHER_TOOLS, max_tokens=1, temperature=0).usage.prompt_tokens
+        assert chat["count"] == used and chat["tokens"][0] == smollm2_fp32.encode("<|im_start|>")[0]
+        assert c.post("/detokenize", json={"tokens": one["tokens"]}).json() == {"text": "Hello world"}
+        assert c.post("/v1/detokenize", json={"tokens": many["tokens"]}).json() == {"text": ["a b", "c"]}
+        back = c.post("/detokenize", json={"tokens": chat["tokens"]}).json()["text"]
+        assert back.startswith("<|im_start|>system\n") and "get_weather" in back and back.endswith("<|im_start|>assistant\n")
+
+
 WEATHER_TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
                                       "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}},

@@ -238,6 +238,13 @@ def test_tool_calls_through_upstream(gw, upstream):
     assert "call_json" in upstream.requests[-1]["ebnf"] and upstream.requests[-1]["messages"][0]["role"] == "system"
 
 
+def test_tokenize_is_the_upstreams(gw):
+    with httpx.Client(base_url=gw.url, timeout=30) as c:
+        for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+            r = c.post(path, json=body)
+            assert r.status_code == 400 and "upstream" in r.json()["error"]["message"]
+
+
 def test_upstream_errors_and_readiness(gw, upstream):
     with httpx.Client(base_url=gw.url, timeout=30) as c:
         r = c.post("/v1/chat/completions", json={"model": "llama-8b", "messages": [{"role": "user", "content": "fail400"}]})

@@ -121,5 +121,16 @@ class Backend(Protocol):
         """Abort every generation now (drain deadline passed)."""
         ...
 
+    def tokenize(self, job: Job) -> list[int]:
+        """The prompt token ids `job` would run with (chat template applied); APIError where this
+        backend cannot tell (an upstream tokenizes for itself)."""
+        ...
+
+    def detokenize(self, ids: list[int]) -> str: ...
+
+    def context_length(self) -> int | None:
+        """Tokens (prompt + output) one request may hold, when known."""
+        ...
+
 
 __all__ = ["APIError", "Backend", "Chunk", "GenParams", "Job", "SpecStats"]

@@ -55,7 +55,7 @@ class EmbeddedBackend:
         self.scheduler.abort_all()
 
     # --- one choice ---------------------------------------------------------------------------
-    def prompt_ids(self, job: Job) -> list[int]:
+    def tokenize(self, job: Job) -> list[int]:
         if job.messages is not None:
             try:
                 ids = self.target.encode_chat(list(job.messages))
@@ -68,6 +68,19 @@ class EmbeddedBackend:
             vocab = self.target.cfg.vocab_size
             if any(not 0 <= t < vocab for t in ids):
                 raise invalid(f"prompt token ids must be in [0, {vocab})", "prompt")
+        return ids
+
+    def detokenize(self, ids: list[int]) -> str:
+        vocab = self.target.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise invalid(f"token ids must be in [0, {vocab})", "tokens")
+        return self.target.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def context_length(self) -> int:
+        return self.max_context
+
+    def prompt_ids(self, job: Job) -> list[int]:
+        ids = self.tokenize(job)
         if not ids:
             raise invalid("the prompt is empty", "messages" if job.messages is not None else "prompt")
         if len(ids) > self.max_prompt_tokens:

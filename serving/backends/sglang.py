@@ -71,6 +71,15 @@ class SGLangBackend:
         self._upstream_model = config.model
         self._ticker: asyncio.Task | None = None
 
+    def tokenize(self, job: Job) -> list[int]:
+        raise _no_tokenizer()
+
+    def detokenize(self, ids: list[int]) -> str:
+        raise _no_tokenizer()
+
+    def context_length(self) -> int | None:
+        return None
+
     async def start(self) -> None:
         headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
         self._http = httpx.AsyncClient(
@@ -270,3 +279,7 @@ def _grammar_fields(g: GrammarSpec) -> dict:
     if g.kind == "json_schema":
         return {"response_format": {"type": "json_schema", "json_schema": {"name": "response", "schema": json.loads(g.source)}}}
     return {g.kind: g.source}
+
+
+def _no_tokenizer() -> APIError:
+    return APIError(400, "tokenize / detokenize are not available with the sglang backend (the gateway holds no tokenizer): call the upstream SGLang server's /tokenize and /detokenize", code="unsupported_parameter")

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible FastAPI app: /v1/chat/completions, /v1/completions, /v1/models, /health, /ready, /metrics.
+"""The OpenAI-compatible FastAPI app: /v1/chat/completions, /v1/completions, /v1/models, /health, /ready, /metrics,
+/tokenize and /detokenize (also under /v1).
 
 Every error is OpenAI-shaped, FastAPI's own 404/405/422 and unexpected 500s included. Each
 completion request is counted once in moa_requests_total by how it ended: ok, invalid (4xx from
@@ -24,7 +25,7 @@ from ..backends.telemetry import Telemetry
 from .auth import APIKeys
 from .errors import APIError, from_validation_errors
 from .generation import ChatFormat, CompletionFormat, Generation
-from .schemas import ChatCompletionRequest, CompletionRequest, Limits, chat_jobs, completion_jobs, parse
+from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, Limits, TokenizeRequest, chat_jobs, completion_jobs, parse, tokenize_jobs
 
 log = logging.getLogger("moa_serve.gateway")
 
@@ -167,6 +168,26 @@ def create_app(backend: Backend, telemetry: Telemetry, config: GatewayConfig | N
     async def completions(request: Request):
         return await completion(request, CompletionRequest, completion_jobs, CompletionFormat)
 
+    @app.post("/tokenize")
+    @app.post("/v1/tokenize")
+    async def tokenize(request: Request):
+        """{"tokens", "count", "max_model_len"}: the ids a completion would run with (lists for a list of prompts)."""
+        req = parse(TokenizeRequest, await _read_body(request, config.limits.max_body_bytes))
+        _check_model(req.model, backend)
+        jobs, batched = tokenize_jobs(req)
+        ids = await asyncio.to_thread(lambda: [backend.tokenize(j) for j in jobs])  # a long text takes a while
+        counts = [len(x) for x in ids]
+        return {"tokens": ids if batched else ids[0], "count": counts if batched else counts[0], "max_model_len": backend.context_length()}
+
+    @app.post("/detokenize")
+    @app.post("/v1/detokenize")
+    async def detokenize(request: Request):
+        req = parse(DetokenizeRequest, await _read_body(request, config.limits.max_body_bytes))
+        _check_model(req.model, backend)
+        batched = bool(req.tokens) and isinstance(req.tokens[0], list)
+        texts = await asyncio.to_thread(lambda: [backend.detokenize(list(x)) for x in (req.tokens if batched else [req.tokens])])
+        return {"text": texts if batched else texts[0]}
+
     if edge is not None:
         from ..edge.routes import install_edge_routes
 
@@ -196,6 +217,11 @@ def _status_of(e: APIError) -> str:
     if e.status in (429, 503):
         return "rejected"
     return "error" if e.status >= 500 else "invalid"
+
+
+def _check_model(model_id: str | None, backend: Backend) -> None:
+    if model_id is not None and model_id not in backend.model_ids:
+        raise _model_not_found(model_id)
 
 
 def _model_card(model_id: str) -> dict:

@@ -102,7 +102,26 @@ class CompletionRequest(_Common):
     best_of: int | None = None
 
 
-def parse(model: type[_Common], body: bytes) -> _Common:
+class TokenizeRequest(_Strict):
+    """SGLang's /tokenize (prompt: one text or a list), plus chat messages (and tools) rendered exactly
+    as /v1/chat/completions renders them."""
+
+    model: str | None = None
+    prompt: str | list[str] | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int] | list[list[int]]
+
+
+MAX_TOKENIZE_PROMPTS = 64
+
+
+def parse(model: type[_Strict], body: bytes) -> _Strict:
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
@@ -281,6 +300,21 @@ def chat_jobs(r: ChatCompletionRequest, limits: Limits) -> list[Job]:
             raise invalid(f"a required tool call constrains the output already: tool_choice cannot be combined with {params.grammar.param}", "tool_choice")
         params = replace(params, grammar=call_grammar)
     return _fan_out(r, params, [{"messages": tuple(messages), "tools": tools}], limits)
+
+
+def tokenize_jobs(r: TokenizeRequest) -> tuple[list[Job], bool]:
+    """(one Job per text or the chat, whether the answer is a list)."""
+    if (r.prompt is None) == (r.messages is None):
+        raise invalid("give either prompt or messages", "prompt")
+    if r.messages is not None:
+        if not r.messages:
+            raise invalid("messages must contain at least one message", "messages")
+        tools = parse_tools(r.tools, r.tool_choice, None)
+        return [Job(0, messages=tuple(render_messages([_message(m, i) for i, m in enumerate(r.messages)], tools)))], False
+    texts = [r.prompt] if isinstance(r.prompt, str) else list(r.prompt or ())
+    if not 1 <= len(texts) <= MAX_TOKENIZE_PROMPTS:
+        raise invalid(f"prompt: 1 to {MAX_TOKENIZE_PROMPTS} texts, got {len(texts)}", "prompt")
+    return [Job(i, prompt=t) for i, t in enumerate(texts)], not isinstance(r.prompt, str)
 
 
 def completion_jobs(r: CompletionRequest, limits: Limits) -> list[Job]:
