@@ -339,6 +339,22 @@ def test_tokenize_and_detokenize(server, client, smollm2_fp32):
         assert back.startswith("<|im_start|>system\n") and "get_weather" in back and back.endswith("<|im_start|>assistant\n")
 
 
+def test_continue_final_message(server, client, smollm2_fp32):
+    """continue_final_message: the reply continues the last assistant message (a prefilled answer), i.e.
+    it is the completion of the template rendered up to inside that message."""
+    messages = user("Name three colors.") + [{"role": "assistant", "content": "1. Red\n2."}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0, extra_body={"continue_final_message": True})
+    text = smollm2_fp32.chat_prompt(messages, continue_final=True)
+    assert text.endswith("<|im_start|>assistant\n1. Red\n2.")
+    same = client.completions.create(model=MODEL, prompt=text, max_tokens=12, temperature=0)
+    assert out.choices[0].message.content == same.choices[0].text and out.usage.prompt_tokens == len(smollm2_fp32.encode(text))
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        assert c.post("/tokenize", json={"messages": messages, "continue_final_message": True}).json()["count"] == out.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=2, extra_body={"continue_final_message": True})
+    assert e.value.body["param"] == "messages"
+
+
 WEATHER_TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
                                       "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}},

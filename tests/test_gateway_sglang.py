@@ -234,6 +234,8 @@ def test_tool_calls_through_upstream(gw, upstream):
     chunks = [ch.choices[0] for ch in stream if ch.choices]
     assert "".join(ch.delta.content or "" for ch in chunks) == "On it. " and chunks[-1].finish_reason == "tool_calls"
     assert [t.function.name for ch in chunks for t in ch.delta.tool_calls or ()] == ["ping"]
+    client.chat.completions.create(model="llama-8b", messages=[*history[:1], {"role": "assistant", "content": "Sure"}], max_tokens=2, extra_body={"continue_final_message": True})
+    assert upstream.requests[-1]["continue_final_message"] is True
     client.chat.completions.create(model="llama-8b", messages=history[:1], tools=tools, tool_choice="required", max_tokens=2)
     assert "call_json" in upstream.requests[-1]["ebnf"] and upstream.requests[-1]["messages"][0]["role"] == "system"
 

@@ -51,6 +51,7 @@ class Job:
 
     index: int  # choice index in the response
     messages: tuple[dict, ...] | None = None  # chat: [{"role", "content": str}]
+    continue_final: bool = False  # chat: the reply continues the last (assistant) message (continue_final_message)
     prompt: str | tuple[int, ...] | None = None  # completion: text or token ids
     params: GenParams = field(default_factory=GenParams)
     prompt_group: int = 0  # completions with a list of prompts: which prompt (usage counts each once)

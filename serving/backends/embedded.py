@@ -58,7 +58,7 @@ class EmbeddedBackend:
     def tokenize(self, job: Job) -> list[int]:
         if job.messages is not None:
             try:
-                ids = self.target.encode_chat(list(job.messages))
+                ids = self.target.encode_chat(list(job.messages), job.continue_final)
             except Exception as e:  # noqa: BLE001 - a template error is the request's fault (e.g. roles out of order)
                 raise invalid(f"messages could not be formatted with the model's chat template: {e}", "messages") from e
         elif isinstance(job.prompt, str):

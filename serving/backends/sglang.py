@@ -172,6 +172,8 @@ class SGLangBackend:
         if job.messages is not None:
             if p.logprobs is not None:
                 body.update(logprobs=True, top_logprobs=p.logprobs)
+            if job.continue_final:
+                body["continue_final_message"] = True
             return "/v1/chat/completions", {**body, "messages": list(job.messages)}
         if p.logprobs is not None:
             body["logprobs"] = p.logprobs

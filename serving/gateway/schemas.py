@@ -92,6 +92,7 @@ class ChatCompletionRequest(_Common):
     function_call: Any = None
     response_format: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None  # Predicted Outputs: {"type": "content", "content": text or text parts}
+    continue_final_message: bool | None = None  # extension (SGLang/vLLM): the reply continues the last assistant message
 
 
 class CompletionRequest(_Common):
@@ -111,6 +112,7 @@ class TokenizeRequest(_Strict):
     messages: list[ChatMessage] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    continue_final_message: bool | None = None
 
 
 class DetokenizeRequest(_Strict):
@@ -287,6 +289,8 @@ def chat_jobs(r: ChatCompletionRequest, limits: Limits) -> list[Job]:
     if not r.messages:
         raise invalid("messages must contain at least one message", "messages")
     messages = render_messages([_message(m, i) for i, m in enumerate(r.messages)], tools)
+    if r.continue_final_message and (r.messages[-1].role != "assistant" or r.messages[-1].tool_calls):
+        raise invalid("continue_final_message needs the last message to be an assistant message with text (the start of the reply)", "messages")
     if r.max_tokens == 0:
         raise invalid("max_tokens must be at least 1", "max_tokens")
     max_tokens: int | None
@@ -299,7 +303,7 @@ def chat_jobs(r: ChatCompletionRequest, limits: Limits) -> list[Job]:
         if params.grammar is not None:
             raise invalid(f"a required tool call constrains the output already: tool_choice cannot be combined with {params.grammar.param}", "tool_choice")
         params = replace(params, grammar=call_grammar)
-    return _fan_out(r, params, [{"messages": tuple(messages), "tools": tools}], limits)
+    return _fan_out(r, params, [{"messages": tuple(messages), "tools": tools, "continue_final": bool(r.continue_final_message)}], limits)
 
 
 def tokenize_jobs(r: TokenizeRequest) -> tuple[list[Job], bool]:
@@ -310,7 +314,8 @@ def tokenize_jobs(r: TokenizeRequest) -> tuple[list[Job], bool]:
         if not r.messages:
             raise invalid("messages must contain at least one message", "messages")
         tools = parse_tools(r.tools, r.tool_choice, None)
-        return [Job(0, messages=tuple(render_messages([_message(m, i) for i, m in enumerate(r.messages)], tools)))], False
+        messages = tuple(render_messages([_message(m, i) for i, m in enumerate(r.messages)], tools))
+        return [Job(0, messages=messages, continue_final=bool(r.continue_final_message))], False
     texts = [r.prompt] if isinstance(r.prompt, str) else list(r.prompt or ())
     if not 1 <= len(texts) <= MAX_TOKENIZE_PROMPTS:
         raise invalid(f"prompt: 1 to {MAX_TOKENIZE_PROMPTS} texts, got {len(texts)}", "prompt")

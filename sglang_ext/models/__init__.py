@@ -23,16 +23,17 @@ class Target:
     def cfg(self) -> LlamaConfig:
         return self.model.cfg
 
-    def chat_prompt(self, messages: list[dict]) -> str:
-        """The chat template applied to messages, ending with the assistant turn header."""
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    def chat_prompt(self, messages: list[dict], continue_final: bool = False) -> str:
+        """The chat template applied to messages, ending with the assistant turn header; with
+        continue_final, ending inside the last (assistant) message instead, for the reply to continue it."""
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not continue_final, continue_final_message=continue_final)
 
     def encode(self, text: str) -> list[int]:
         # special tokens are spelled out by the chat template itself
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return self.encode(self.chat_prompt(messages))
+    def encode_chat(self, messages: list[dict], continue_final: bool = False) -> list[int]:
+        return self.encode(self.chat_prompt(messages, continue_final))
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
