@@ -302,7 +302,7 @@ def test_min_tokens(client, server, smollm2_fp32):
     assert "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(stream=True, **kw) if ch.choices) == long.choices[0].message.content
 
 
-def test_predicted_outputs(client):
+def test_predicted_outputs(client, server):
     """OpenAI's `prediction`: drafts come from it (tau rises), the text does not change, and usage
     reports accepted / rejected prediction tokens."""
     ask = "Write a Python function that checks whether a number is prime, with a docstring"
@@ -315,6 +315,8 @@ def test_predicted_outputs(client):
     details = ChatCompletion.model_validate(predicted).usage.completion_tokens_details
     assert details.accepted_prediction_tokens > 10 and details.rejected_prediction_tokens >= 0
     assert "completion_tokens_details" not in plain["usage"]
+    accepted = server.telemetry.metrics.prediction_tokens.labels(**server.telemetry._lab, result="accepted")._value.get()
+    assert accepted >= details.accepted_prediction_tokens  # the counter moved (with this request's at least)
     parts = [{"type": "text", "text": first[:20]}, {"type": "text", "text": first[20:]}]
     chunks = list(client.chat.completions.create(prediction={"type": "content", "content": parts}, stream=True, stream_options={"include_usage": True}, **kw))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain["choices"][0]["message"]["content"]
@@ -379,6 +381,8 @@ def test_tool_calls(server, client, smollm2_fp32):
     (here forced by a regex under "auto") are parsed; a conversation with tool results is served."""
     from serving.gateway.tools import call_grammar, parse_tools, render_messages
 
+    calls_counter = server.telemetry.metrics.tool_calls.labels(**server.telemetry._lab)
+    calls_before = calls_counter._value.get()
     messages = user("What is the weather in Paris?")
     kw = dict(model=MODEL, messages=messages, tools=WEATHER_TOOLS, max_tokens=60, temperature=0)
     for choice, allowed, parallel in (("required", {"get_weather", "get_time"}, False), ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}, True)):
@@ -410,6 +414,7 @@ def test_tool_calls(server, client, smollm2_fp32):
     assert (out.message.content, out.finish_reason) == ("Checking.\n", "tool_calls")
     assert [(t.function.name, json.loads(t.function.arguments)) for t in out.message.tool_calls] == [("get_time", {"city": "Oslo"})]
     assert streamed_reply(client.chat.completions.create(extra_body={"regex": forced}, stream=True, **kw))[0::2] == ("Checking.\n", "tool_calls")
+    assert calls_counter._value.get() - calls_before >= 5  # required (x2: stream and not), named (x2), forced (x2)
     # a conversation with a call and its result: the model sees the rendered history
     history = messages + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},

@@ -34,6 +34,8 @@ class Telemetry:
         self.running = m.running.labels(**lab)
         self.queued = m.queued.labels(**lab)
         self._requests = {s: m.requests.labels(**lab, status=s) for s in REQUEST_STATUSES}
+        self._tool_calls = m.tool_calls.labels(**lab)
+        self._prediction = {r: m.prediction_tokens.labels(**lab, result=r) for r in ("accepted", "rejected")}
         self._tput = {str(b): m.tokens_per_s.labels(**lab, batch_bucket=str(b)) for b in BATCH_BUCKETS}
         self._window: dict[str, deque] = {b: deque() for b in self._tput}  # bucket -> (t_end, tokens, seconds)
         self._lock = threading.Lock()
@@ -43,6 +45,13 @@ class Telemetry:
 
     def fallback(self, reason: str) -> None:
         self.metrics.drafter_fallbacks.labels(**self._lab, reason=reason).inc()
+
+    def tool_calls(self, n: int) -> None:
+        self._tool_calls.inc(n)
+
+    def prediction(self, accepted: int, rejected: int) -> None:
+        self._prediction["accepted"].inc(accepted)
+        self._prediction["rejected"].inc(rejected)
 
     def verify_step(self, drafted: int, accepted: int) -> None:
         """One verify step of one request."""

@@ -150,6 +150,8 @@ class Generation:
             c.logprobs += chunk.logprobs
         if chunk.finish_reason:
             c.final = chunk
+            if chunk.prediction_tokens:
+                self.telemetry.prediction(*chunk.prediction_tokens)
 
     # --- non-streaming ------------------------------------------------------------------------
     async def collect(self) -> dict:
@@ -168,6 +170,7 @@ class Generation:
         if c.job.tools is None:
             return self._extras(self.fmt.choice(c.job.index, text, c.final.finish_reason, c.logprobs), c.final)
         content, calls = split_output(text, c.job.tools)
+        self.telemetry.tool_calls(len(calls))
         choice = self.fmt.choice(c.job.index, content, _finish_reason(c.final, calls), c.logprobs)
         if calls:
             choice["message"]["tool_calls"] = calls
@@ -233,6 +236,7 @@ class Generation:
         calls: list[dict] = []
         if c.tool_reader is not None:
             rest, calls = c.tool_reader.finish()
+            self.telemetry.tool_calls(len(calls))
             if rest:
                 yield self._sse([self.fmt.delta(c.job.index, rest)])
             if calls:
