@@ -6,7 +6,8 @@ pass a chi-square goodness-of-fit test, and a deliberately broken verifier (acce
 along the first-child path) must fail the same test. With penalties, the law is enumerated with each
 sequence's own output counts, and penalising every tree node with the committed output only (what
 SGLang's EAGLE verify does) must fail. With a grammar, the law is enumerated with each sequence's own
-mask, and masking every node with the committed output's must fail.
+mask, and masking every node with the committed output's must fail. With min_tokens, each row bans
+the stop tokens by its own depth, and banning them from the root's row only must fail.
 """
 
 import itertools
@@ -43,6 +44,8 @@ def next_probs(model, seqs, params):
         v = logits.shape[-1]
         counts = torch.stack([output_counts(s[len(PROMPT) :], v) for s in seqs])
         logits = penalize(logits, params, counts, PROMPT)
+    if len(seqs[0]) - len(PROMPT) < params.min_tokens:  # the next token is output token number len(output)
+        logits[:, list(params.stop_token_ids)] = float("-inf")
     if params.grammar is not None:
         logits = torch.cat([_masked(row[None], s[len(PROMPT) :], params.grammar) for row, s in zip(logits, seqs)])
     return logits_to_probs(logits, params)
@@ -100,6 +103,17 @@ class CommittedOutputGrammar(Engine):
         return out
 
 
+class RootOnlyMinTokens(Engine):
+    """Broken on purpose: only the root's row is kept from stopping (by the committed output's length);
+    deeper rows, whose tokens are also among the first min_tokens, are not."""
+
+    def _verify(self, r, tree, logits):
+        if len(r.output_ids) < r.params.min_tokens:
+            logits = logits.clone()
+            logits[0, list(r.params.stop_token_ids)] = float("-inf")
+        return sampling_verify(tree, lambda node: logits_to_probs(logits[node], r.params), r.generator)
+
+
 def sample_t2_t3(engine_cls, target, shape, params):
     drafter = DraftModelDrafter.self_draft(target.model, layers=[0], num_slots=SAMPLES * 16)
     fallbacks = []
@@ -141,6 +155,9 @@ PARAMS = {
     "T1.0-penalties": SamplingParams(temperature=1.0, presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.5, logit_bias=((2, 1.0),)),
     # tokens alternate between 0-3 and 4-7: a drafted node's mask depends on its depth
     "T1.0-grammar": SamplingParams(temperature=1.0, grammar=GrammarSpec("regex", "([0-3][4-7])*")),
+    # token 5 (likely as the 3rd token) stops, but not among the first 3 output tokens: every row that
+    # chooses one of them is masked, the drafted ones too
+    "T1.0-min_tokens": SamplingParams(temperature=1.0, min_tokens=3, stop_token_ids=(5,)),
 }
 
 
@@ -158,6 +175,7 @@ BROKEN = {  # each wrong in its own way; the same test must catch each
     "accept-everything": (AcceptEverything, "T0.7"),
     "committed-output-penalties": (CommittedOutputPenalties, "T1.0-penalties"),
     "committed-output-grammar": (CommittedOutputGrammar, "T1.0-grammar"),
+    "root-only-min-tokens": (RootOnlyMinTokens, "T1.0-min_tokens"),
 }
 
 
