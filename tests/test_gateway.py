@@ -517,3 +517,12 @@ def test_metrics_promtool_and_counters_move(server, client, tmp_path):
         pytest.skip("promtool not installed (scripts/install-deploy-tools.sh)")
     check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_serving_doc_example_runs(server):
+    """docs/SERVING.md's openai-client example runs as written (against this server)."""
+    doc = (Path(__file__).parent.parent / "docs" / "SERVING.md").read_text()
+    code = re.search(r"```python\n(from openai import OpenAI.*?)```", doc, re.S).group(1)
+    ns: dict = {}
+    exec(compile(code.replace("http://127.0.0.1:8000/v1", server.url + "/v1"), "docs/SERVING.md", "exec"), ns)
+    assert ns["r"].choices[0].message.tool_calls[0].function.name == "get_weather"
