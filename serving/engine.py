@@ -366,8 +366,7 @@ class Engine:
         if r.params.penalized:
             logits = penalize_tree(logits, r.params, r.prompt_ids, r.output_ids, tree)
         if len(r.output_ids) < r.params.min_tokens:
-            stops = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else self.eos_ids)
-            logits = ban_early_stops(logits, tree, len(r.output_ids), r.params.min_tokens, stops)
+            logits = ban_early_stops(logits, tree, len(r.output_ids), r.params.min_tokens, self._stop_ids(r))
         if r.matcher is not None:  # after the penalties: a masked token stays impossible
             logits = apply_bitmask(logits, tree_bitmask(r.matcher, tree, logits.shape[-1]))
         return logits
@@ -389,13 +388,18 @@ class Engine:
         for i in range(res.num_accepted):
             st.accepted_by_depth[i] += 1
 
+    def _stop_ids(self, r: Request) -> set[int]:
+        """Tokens that end the request: EOS (unless ignore_eos) and its stop_token_ids."""
+        return set(r.params.stop_token_ids) if r.params.ignore_eos else self.eos_ids | set(r.params.stop_token_ids)
+
     def _append(self, r: Request, tokens: list[int]) -> list[int]:
         """Append tokens, stopping at EOS/stop ids or max_new_tokens; return what was appended."""
         p = r.params
+        stops = self._stop_ids(r)
         out = []
         for tok in tokens:
             out.append(tok)
-            if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            if tok in stops:
                 r.finish_reason = "stop"
                 break
             if len(r.output_ids) + len(out) >= p.max_new_tokens:

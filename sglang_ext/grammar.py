@@ -91,7 +91,7 @@ class Grammars:
                     return c.compile_regex(spec.source)
                 return c.compile_grammar(spec.source)
             except (RuntimeError, ValueError, json.JSONDecodeError) as e:
-                raise InvalidRequest(f"invalid {spec.kind.replace('_', ' ')}: {_reason(e)}", spec.param) from None
+                raise InvalidRequest(f"invalid {spec.kind.replace('_', ' ')}: {error_reason(e)}", spec.param) from None
 
     def matcher(self, spec: GrammarSpec):
         import xgrammar as xgr
@@ -99,7 +99,7 @@ class Grammars:
         return xgr.GrammarMatcher(self.compile(spec))
 
 
-def _reason(e: Exception) -> str:
+def error_reason(e: Exception) -> str:
     """xgrammar's message without its C++ location and assertion prefixes, at most 300 characters."""
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     if text.startswith("[") and ": " in text:

@@ -124,9 +124,8 @@ def create_app(backend: Backend, telemetry: Telemetry, config: GatewayConfig | N
         try:
             body = await _read_body(request, config.limits.max_body_bytes)
             req = parse(schema, body)
+            _check_model(req.model, backend)
             model_id = req.model or backend.model_ids[0]
-            if model_id not in backend.model_ids:
-                raise _model_not_found(model_id)
             jobs = make_jobs(req, config.limits)
             include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
             gen = Generation(backend, telemetry, jobs, model_id, fmt, include_usage, bool(req.return_token_ids))

@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_ext.grammar import GrammarSpec
+from sglang_ext.grammar import GrammarSpec, error_reason
 
 from .errors import APIError, invalid
 
@@ -119,8 +119,7 @@ def _check_schema(schema: dict, param: str) -> None:
     try:
         xgr.Grammar.from_json_schema(json.dumps(schema))
     except (RuntimeError, ValueError, TypeError) as e:
-        reason = str(e).strip().splitlines()[0].split(": ", 1)[-1][:300] if str(e).strip() else type(e).__name__
-        raise invalid(f"{param}: not a usable JSON schema: {reason}", param) from None
+        raise invalid(f"{param}: not a usable JSON schema: {error_reason(e)}", param) from None
 
 
 def _choice(tool_choice: Any, names: set[str]) -> str:
@@ -162,20 +161,18 @@ def render_messages(messages: list[dict], tools: ToolCalling | None) -> list[dic
     """OpenAI chat messages (roles system/user/assistant/tool, assistant tool_calls) -> plain
     {"role", "content"} messages any chat template renders."""
     out: list[dict] = []
-    for m in messages:
-        if m["role"] == "tool":
+    for k, m in enumerate(messages):
+        if m["role"] == "tool":  # consecutive tool results: one user turn
             block = f"<tool_response>\n{m['content']}\n</tool_response>"
-            if out and out[-1].get("tool_responses"):
+            if k and messages[k - 1]["role"] == "tool":
                 out[-1]["content"] += "\n" + block
             else:
-                out.append({"role": "user", "content": block, "tool_responses": True})
+                out.append({"role": "user", "content": block})
         elif m["role"] == "assistant" and m.get("tool_calls"):
             calls = "\n".join(f"{OPEN}\n{json.dumps(c, ensure_ascii=False)}\n{CLOSE}" for c in m["tool_calls"])
             out.append({"role": "assistant", "content": f"{m['content']}\n{calls}" if m.get("content") else calls})
         else:
             out.append({"role": m["role"], "content": m["content"]})
-    for m in out:
-        m.pop("tool_responses", None)
     if tools is not None:
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{tools.system_block()}"}
