@@ -43,4 +43,7 @@ class Metrics:
         self.e2e = Histogram("moa_request_latency_seconds", "End-to-end request latency", _LABELS, buckets=_LAT, registry=r)
         self.running = Gauge("moa_running_requests", "Requests being decoded", _LABELS, registry=r)
         self.queued = Gauge("moa_queued_requests", "Requests waiting for admission", _LABELS, registry=r)
+        self.kv_used = Gauge("moa_kv_cache_used_tokens", "Target KV cache slots holding tokens (embedded engine)", _LABELS, registry=r)
+        self.kv_reserved = Gauge("moa_kv_cache_reserved_tokens", "Target KV cache slots reserved by admitted requests: prompt + max_tokens + one draft tree each (embedded engine)", _LABELS, registry=r)
+        self.kv_capacity = Gauge("moa_kv_cache_capacity_tokens", "Target KV cache slots the engine can hand out (embedded engine)", _LABELS, registry=r)
         self.tokens_per_s = Gauge("moa_throughput_tokens_per_second", "Recent generated tokens/s by batch-size bucket", (*_LABELS, "batch_bucket"), registry=r)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from sglang_ext.sampling import InvalidRequest, SamplingParams
 
+from .backends.base import KVCacheUsage
 from .engine import Engine, Request, StepEvent
 
 log = logging.getLogger("moa_serve.scheduler")
@@ -115,6 +116,12 @@ class Scheduler:
         with self._cond:
             return len(self._active), len(self._pending)
 
+    def kv_cache(self) -> KVCacheUsage:
+        kv = self.engine.kv
+        with self._cond:
+            reserved = self._reserved()
+        return KVCacheUsage(used=kv.num_slots - 1 - kv.num_free, reserved=reserved, capacity=kv.num_slots - 1)
+
     def capacity(self) -> int:
         """The most tokens (prompt + max_new_tokens) one request may reserve in the KV pool."""
         return self.engine.kv.num_slots - 1 - self._tree_nodes()
@@ -180,6 +187,7 @@ class Scheduler:
                 self._fail_all("internal error in the engine thread", admit)
             if self.telemetry:
                 self.telemetry.occupancy(*self.load())
+                self.telemetry.kv_cache(self.kv_cache())
         self._shutdown()
 
     def _iterate(self, aborts: list[Handle], admit: list[Handle]) -> None:
@@ -193,6 +201,11 @@ class Scheduler:
     def _tree_nodes(self) -> int:
         return self.engine.tree.num_draft_tokens + 1
 
+    def _reserved(self) -> int:
+        """KV slots the admitted requests may need at most (lock held)."""
+        nodes = self._tree_nodes()
+        return sum(h.reservation + nodes for h in self._active)
+
     def _take_admissible(self) -> list[Handle]:
         """Pop pending requests (FIFO) while the running limit and the KV reservations allow (lock held).
 
@@ -200,7 +213,7 @@ class Scheduler:
         and the slots of the tree being verified.
         """
         nodes = self._tree_nodes()
-        free = self.engine.kv.num_slots - 1 - sum(h.reservation + nodes for h in self._active)
+        free = self.engine.kv.num_slots - 1 - self._reserved()
         out = []
         while self._pending and len(self._active) < self.max_running and self._pending[0].reservation + nodes <= free:
             h = self._pending.popleft()

@@ -489,6 +489,30 @@ def test_50_dropped_streams_free_their_kv(server):
         time.sleep(0.05)
     assert engine.kv.num_free == start and sched.load() == (0, 0) and not engine.has_work
     assert server.telemetry._requests["aborted"]._value.get() - aborted0 == 50
+    _, values = _scrape(server.url)  # and the KV gauges say so
+    assert (values["moa_kv_cache_used_tokens"], values["moa_kv_cache_reserved_tokens"]) == (0, 0)
+
+
+def test_kv_cache_gauges_follow_a_request(server):
+    engine = server.engine
+    _, idle = _scrape(server.url)
+    assert idle["moa_kv_cache_capacity_tokens"] == engine.kv.num_slots - 1
+    assert (idle["moa_kv_cache_used_tokens"], idle["moa_kv_cache_reserved_tokens"]) == (0, 0)
+    req = {"model": MODEL, "messages": user("Tell a long story about a lighthouse."), "max_tokens": 200, "temperature": 0, "stream": True}
+    prompt = httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": req["messages"]}).json()["count"]
+    with httpx.stream("POST", server.url + CHAT, json=req, timeout=120) as r:
+        for line in r.iter_lines():
+            if '"content"' in line and '"role"' not in line:
+                break  # mid-stream: the request holds its prompt and some output, and reserves its worst case
+        _, busy = _scrape(server.url)
+    tree = engine.tree.num_draft_tokens + 1
+    assert prompt < busy["moa_kv_cache_used_tokens"] < prompt + 200 + tree
+    assert busy["moa_kv_cache_reserved_tokens"] == prompt + 200 + tree
+    deadline = time.monotonic() + 60
+    while _scrape(server.url)[1]["moa_kv_cache_reserved_tokens"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    _, after = _scrape(server.url)
+    assert (after["moa_kv_cache_used_tokens"], after["moa_kv_cache_reserved_tokens"]) == (0, 0)
 
 
 def _scrape(url: str) -> tuple[str, dict]:

@@ -1,5 +1,5 @@
 """Serving backends behind one interface (base.Backend): the embedded engine and an upstream SGLang server."""
 
-from .base import Backend, Chunk, GenParams, Job, SpecStats
+from .base import Backend, Chunk, GenParams, Job, KVCacheUsage, SpecStats
 
-__all__ = ["Backend", "Chunk", "GenParams", "Job", "SpecStats"]
+__all__ = ["Backend", "Chunk", "GenParams", "Job", "KVCacheUsage", "SpecStats"]

@@ -99,6 +99,16 @@ class Chunk:
     prediction_tokens: tuple[int, int] | None = None  # with a prediction, on the last chunk: (accepted, rejected) prediction tokens
 
 
+@dataclass(frozen=True)
+class KVCacheUsage:
+    """Target KV cache slots (one per token): holding tokens now, reserved by admitted requests (each
+    reserves prompt + max_tokens + one draft tree, so admission never runs out mid-request), and the total."""
+
+    used: int
+    reserved: int
+    capacity: int
+
+
 class Backend(Protocol):
     kind: str  # metric label `backend`: "embedded" | "sglang"
     drafter: str  # metric label `drafter`
@@ -133,5 +143,9 @@ class Backend(Protocol):
         """Tokens (prompt + output) one request may hold, when known."""
         ...
 
+    def kv_cache(self) -> KVCacheUsage | None:
+        """The target KV cache's slots, when this process holds it (an upstream reports its own)."""
+        ...
 
-__all__ = ["APIError", "Backend", "Chunk", "GenParams", "Job", "SpecStats"]
+
+__all__ = ["APIError", "Backend", "Chunk", "GenParams", "Job", "KVCacheUsage", "SpecStats"]

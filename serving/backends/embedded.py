@@ -12,7 +12,7 @@ from sglang_ext.sampling import InvalidRequest, SamplingParams
 from ..engine import Engine
 from ..gateway.errors import APIError, invalid
 from ..scheduler import QueueFull, Scheduler, SchedulerClosed
-from .base import Chunk, Job, SpecStats
+from .base import Chunk, Job, KVCacheUsage, SpecStats
 from .detok import IncrementalText, TokenStrings
 from .telemetry import Telemetry
 
@@ -53,6 +53,9 @@ class EmbeddedBackend:
 
     def abort_all(self) -> None:
         self.scheduler.abort_all()
+
+    def kv_cache(self) -> KVCacheUsage:
+        return self.scheduler.kv_cache()
 
     # --- one choice ---------------------------------------------------------------------------
     def tokenize(self, job: Job) -> list[int]:

@@ -80,6 +80,9 @@ class SGLangBackend:
     def context_length(self) -> int | None:
         return None
 
+    def kv_cache(self) -> None:
+        return None  # SGLang exports its own (sglang:token_usage)
+
     async def start(self) -> None:
         headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
         self._http = httpx.AsyncClient(

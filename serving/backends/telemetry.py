@@ -107,3 +107,10 @@ class Telemetry:
     def occupancy(self, running: int, queued: int) -> None:
         self.running.set(running)
         self.queued.set(queued)
+
+    def kv_cache(self, usage) -> None:
+        """usage: a KVCacheUsage, or None (an upstream backend): then no series, rather than a capacity of 0."""
+        if usage is not None:
+            m = self.metrics
+            for gauge, value in ((m.kv_used, usage.used), (m.kv_reserved, usage.reserved), (m.kv_capacity, usage.capacity)):
+                gauge.labels(**self._lab).set(value)

@@ -103,6 +103,7 @@ def create_app(backend: Backend, telemetry: Telemetry, config: GatewayConfig | N
     @app.get("/metrics")
     async def metrics():
         telemetry.occupancy(*backend.load())
+        telemetry.kv_cache(backend.kv_cache())
         return Response(generate_latest(telemetry.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

@@ -25,7 +25,7 @@ def test_promtool_test_rules(promtool):
 
 def test_each_alert_has_a_firing_and_a_quiet_case():
     alerts = {r["alert"] for g in rule_groups() for r in g["rules"] if "alert" in r}
-    assert alerts == {"MoaAcceptanceLengthCollapsed", "MoaQueueGrowing", "MoaHighErrorRate"}
+    assert alerts == {"MoaAcceptanceLengthCollapsed", "MoaQueueGrowing", "MoaHighErrorRate", "MoaKVCacheFull"}
     cases = [c for t in yaml.safe_load(RULES_TEST.read_text())["tests"] for c in t.get("alert_rule_test", [])]
     for alert in alerts:
         expectations = [bool(c["exp_alerts"]) for c in cases if c["alertname"] == alert]
