@@ -20,6 +20,16 @@ Environment:
                             text file with one prompt per line. Default: ../shared/data/eval/*.jsonl when
                             that directory exists, else a small built-in list.
   MOA_LOADTEST_THINK_TIME   max seconds a user waits between requests (uniform, default 0: closed loop)
+  MOA_LOADTEST_MIX          workloads and their weights, e.g. "chat:8,tools:1,prediction:1" (default "chat:1"):
+                              chat        a prompt from MOA_LOADTEST_PROMPTS
+                              tools       a question with a weather and a search function, tool_choice
+                                          "required" (a tool call streamed back; finish_reason tool_calls;
+                                          max_tokens at least TOOL_MAX_TOKENS, room for a whole call; a
+                                          reply cut at max_tokens is the client's limit, not a failure)
+                              prediction  a prompt this user asked before, asked again with its last answer
+                                          as the predicted output (OpenAI `prediction`: "regenerate")
+                            Each is its own request name ("/v1/chat/completions (tools)", ...) with the same
+                            METRIC rows; a tool call's arrival counts as its first token.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from locust import HttpUser, between, events, task
+from locust import HttpUser, between, events
 
 BUILTIN_PROMPTS = [
     "Write a haiku about speculative decoding.",
@@ -75,6 +85,37 @@ MAX_TOKENS = int(os.environ.get("MOA_LOADTEST_MAX_TOKENS", "128"))
 TEMPERATURE = float(os.environ.get("MOA_LOADTEST_TEMPERATURE", "0.0"))
 API_KEY = os.environ.get("MOA_LOADTEST_API_KEY", "")
 THINK_TIME = float(os.environ.get("MOA_LOADTEST_THINK_TIME", "0"))
+WORKLOADS = ("chat", "tools", "prediction")
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
+     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "web_search", "description": "Search the web",
+     "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}},
+]
+TOOL_QUESTIONS = ["What's the weather in Paris?", "Is it raining in Tokyo right now?", "Find the population of Canada.",
+                  "Search for the latest Python release.", "How warm is it in Cairo today?"]
+
+
+def parse_mix(text: str) -> dict[str, int]:
+    """"chat:8,tools:1" -> {"chat": 8, "tools": 1}; a name without a weight weighs 1 (locust's weights are counts)."""
+    mix = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, weight = part.partition(":")
+        if name not in WORKLOADS:
+            raise ValueError(f"MOA_LOADTEST_MIX: unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+        try:
+            mix[name] = int(weight) if weight else 1
+        except ValueError:
+            raise ValueError(f"MOA_LOADTEST_MIX: weight of {name!r} is not a whole number: {weight!r}") from None
+        if mix[name] < 0:
+            raise ValueError(f"MOA_LOADTEST_MIX: weight of {name!r} is negative")
+    if not any(mix.values()):
+        raise ValueError(f"MOA_LOADTEST_MIX: no workload with a positive weight in {text!r}")
+    return mix
+
+
+MIX = parse_mix(os.environ.get("MOA_LOADTEST_MIX", "chat:1"))
+TOOL_MAX_TOKENS = 128  # a call is ~30-60 tokens (one cut short comes back as text)
 
 
 def sse_lines(raw) -> Iterator[bytes]:
@@ -113,52 +154,80 @@ class ChatUser(HttpUser):
             resp.failure(f"GET /v1/models: HTTP {resp.status_code}; set MOA_LOADTEST_MODEL")
             return "default"
 
-    @task
     def chat(self) -> None:
+        self._stream("chat", [{"role": "user", "content": random.choice(PROMPTS)}])
+
+    def tools(self) -> None:
+        self._stream("tools", [{"role": "user", "content": random.choice(TOOL_QUESTIONS)}],
+                     tools=TOOLS, tool_choice="required", max_tokens=max(MAX_TOKENS, TOOL_MAX_TOKENS))
+
+    def prediction(self) -> None:
+        """Ask a prompt again with this user's last answer to it as the prediction (the first time: no prediction)."""
+        prompt = random.choice(PROMPTS[:8])  # a few prompts, so that repeats come soon
+        answers = self.__dict__.setdefault("answers", {})
+        extra = {"prediction": {"type": "content", "content": answers[prompt]}} if prompt in answers else {}
+        text = self._stream("prediction", [{"role": "user", "content": prompt}], **extra)
+        if text:
+            answers[prompt] = text
+
+    def _stream(self, workload: str, messages: list[dict], **extra) -> str | None:
+        """One streamed chat completion; reports its METRIC rows; returns the content (None on failure)."""
         body = {
             "model": self.model,
-            "messages": [{"role": "user", "content": random.choice(PROMPTS)}],
+            "messages": messages,
             "max_tokens": MAX_TOKENS,
             "temperature": TEMPERATURE,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **extra,
         }
+        name = "/v1/chat/completions (stream)" if workload == "chat" else f"/v1/chat/completions ({workload})"
         start = time.perf_counter()
         with self.client.post("/v1/chat/completions", json=body, headers=self.headers, stream=True,
-                              catch_response=True, name="/v1/chat/completions (stream)") as resp:
+                              catch_response=True, name=name) as resp:
             if resp.status_code != 200:
                 resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
-                return
+                return None
             try:
-                token_times, usage_tokens = self._read_stream(resp)
+                token_times, usage_tokens, text, calls, finish = self._read_stream(resp)
             except (ValueError, KeyError) as exc:  # malformed SSE / JSON or an error event
                 resp.failure(str(exc))
-                return
+                return None
+            if workload == "tools" and not calls and finish != "length":
+                resp.failure(f"no tool call in the reply to tool_choice=required (finish_reason {finish})")
+                return None
             if not token_times:
                 resp.failure("stream ended without content")
-                return
+                return None
             self._report(start, token_times, usage_tokens)
+            return text
 
     @staticmethod
-    def _read_stream(resp) -> tuple[list[float], int | None]:
-        """Arrival time of each content chunk, and usage.completion_tokens if the server sent it."""
+    def _read_stream(resp) -> tuple[list[float], int | None, str, int, str | None]:
+        """Arrival time of each chunk with content or tool calls, usage.completion_tokens if the server
+        sent it, the content, the number of tool calls and the finish_reason."""
         token_times: list[float] = []
         usage_tokens = None
+        text, calls, finish = [], 0, None
         for raw in sse_lines(resp.raw):
             line = raw.decode("utf-8").rstrip("\r")
             if not line.startswith("data:"):
                 continue  # blank separators, SSE comments
             data = line[len("data:"):].strip()
             if data == "[DONE]":
-                return token_times, usage_tokens
+                return token_times, usage_tokens, "".join(text), calls, finish
             chunk = json.loads(data)
             if "error" in chunk:
                 raise ValueError(f"error event: {chunk['error'].get('message', chunk['error'])}")
             if chunk.get("usage"):
                 usage_tokens = chunk["usage"].get("completion_tokens")
             for choice in chunk.get("choices", []):
-                if choice.get("delta", {}).get("content"):
+                delta = choice.get("delta", {})
+                if delta.get("content") or delta.get("tool_calls"):
                     token_times.append(time.perf_counter())
+                text.append(delta.get("content") or "")
+                calls += len(delta.get("tool_calls") or [])
+                finish = choice.get("finish_reason") or finish
         raise ValueError("stream closed before data: [DONE]")
 
     @staticmethod
@@ -169,3 +238,7 @@ class ChatUser(HttpUser):
             fire_metric("itl_ms", (cur - prev) * 1000)
         fire_metric("e2e_ms", (end - start) * 1000)
         fire_metric("output_tokens", usage_tokens if usage_tokens is not None else len(token_times))
+
+
+# the mix's workloads as locust tasks with their weights (a workload of weight 0 is left out)
+ChatUser.tasks = {getattr(ChatUser, name): weight for name, weight in MIX.items() if weight > 0}

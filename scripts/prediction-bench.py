@@ -6,11 +6,14 @@ text is not in the prompt). Methods run interleaved request by request:
   suffix               the shipped suffix drafter, tree 3,1,4, no prediction
   suffix+prediction    the same with the prediction
   suffix6+prediction   a deeper chain (6,1,7) with the prediction
+  D, D+prediction      for each model drafter D of --model-drafters (e.g. eagle3,moa): its default tree,
+                       without and with the prediction (drafted from where the output matches it)
 
 All outputs are checked equal to vanilla's (a prediction never changes the output). Prints tokens/s,
 the ratio to vanilla and tau; writes results/<out>/results.json.
 
     .venv/bin/python scripts/prediction-bench.py --out results/s22-prediction
+    .venv/bin/python scripts/prediction-bench.py --model-drafters eagle3,moa --out results/s23-prediction
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import argparse
 import time
 
 from bench_table import new_totals, record, report
+from serving.cli import default_tree
 from serving.engine import Engine
 from sglang_ext.drafters import make_drafter
 from sglang_ext.models import load_target
@@ -45,6 +49,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-prompts", type=int, default=12)
     ap.add_argument("--max-new-tokens", type=int, default=192)
+    ap.add_argument("--model-drafters", default="", help="comma list of model drafters to add (e.g. eagle3,moa)")
     ap.add_argument("--out", default="results/prediction")
     args = ap.parse_args()
     target = load_target("smollm2", dtype="float32")
@@ -55,6 +60,9 @@ def main() -> None:
         "suffix+prediction": (Engine(target, make_drafter("suffix", target), TreeShape(3, 1, 4)), True),
         "suffix6+prediction": (Engine(target, make_drafter("suffix", target), TreeShape(6, 1, 7)), True),
     }
+    for name in filter(None, args.model_drafters.split(",")):
+        methods[name] = (Engine(target, make_drafter(name, target), default_tree(name)), False)
+        methods[name + "+prediction"] = (Engine(target, make_drafter(name, target), default_tree(name)), True)
     totals = new_totals(methods, "same_as_vanilla")
     for earlier, now in TASKS[: args.num_prompts]:
         first = vanilla.generate([target.encode_chat([{"role": "user", "content": earlier}])], SamplingParams(max_new_tokens=args.max_new_tokens))[0].output_ids

@@ -22,6 +22,7 @@ import torch
 
 from sglang_ext.attention import causal_mask, plan_attention, prefix_and_tree_mask
 from sglang_ext.drafters import DraftInput, Drafter, TargetCapture
+from sglang_ext.drafters.prediction import PredictionLookup
 from sglang_ext.grammar import Grammars, apply_bitmask, tree_bitmask
 from sglang_ext.models import Target
 from sglang_ext.penalties import ban_early_stops, penalize_tree
@@ -120,6 +121,8 @@ class Engine:
         self.last_shape: TreeShape | None = self.tree if drafter is not None else None
         self.capture_layers = tuple(drafter.capture_layers) if drafter else ()
         self._drafter_commits = getattr(drafter, "needs_commit", True)
+        # predicted outputs for drafters that do not search them (model drafters)
+        self._prediction = PredictionLookup() if drafter is not None and not getattr(drafter, "reads_reference", False) else None
         if prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
         self.prefill_tokens = prefill_tokens  # prompt tokens prefilled per step at most (longer prompts in chunks)
@@ -314,6 +317,10 @@ class Engine:
         """One tree per request; root-only (a plain decode step) when not drafting."""
         trees: dict[int, TokenTree] = {}
         drafting = [r for r in reqs if r.drafting and self.drafter is not None and shape is not None]
+        if drafting and self._prediction is not None and any(r.reference for r in drafting):
+            found = self._prediction.trees([DraftInput(r.rid, r.token_ids, r.params, None, r.reference) for r in drafting if r.reference], shape)
+            trees.update(found)
+            drafting = [r for r in drafting if r.rid not in found]  # the model drafts the rest (and catches up later)
         if drafting:
             inputs = [DraftInput(r.rid, r.token_ids, r.params, r.generator, r.reference) for r in drafting]
             proposed = self._drafter_call(lambda: self.drafter.propose(inputs, shape), drafting)

@@ -411,6 +411,35 @@ def test_predicted_outputs_are_drafted_and_lossless(smollm2_fp32, drafter, shape
     assert e.value.param == "prediction"
 
 
+@pytest.mark.parametrize("drafter", ["eagle3", "moa-tli1"])
+def test_model_drafters_draft_from_predicted_outputs(smollm2_fp32, drafter):
+    """A model drafter's requests with a prediction draft from it where their tail matches it (a chain
+    of the step's budget), and from the model elsewhere; the model drafter catches up on the tokens it
+    did not draft for (no fallback), and outputs stay those of plain decoding."""
+    first = Engine(smollm2_fp32, None).generate([smollm2_fp32.encode_chat([{"role": "user", "content": PRIME + "."}])], SamplingParams(max_new_tokens=96))[0].output_ids
+    prompt = smollm2_fp32.encode_chat([{"role": "user", "content": PRIME + " and type hints."}])
+    other = smollm2_fp32.encode("The quick brown fox jumps over the lazy dog. " * 4)
+    params = [SamplingParams(max_new_tokens=96, prediction=tuple(first)), SamplingParams(max_new_tokens=96), SamplingParams(max_new_tokens=96, prediction=tuple(other))]
+    vanilla = Engine(smollm2_fp32, None).generate([prompt] * 3, params)
+    eng = Engine(smollm2_fp32, make_drafter(drafter, smollm2_fp32), SHAPES["tree"])
+    fallbacks = []
+    eng.on_fallback = lambda r, reason: fallbacks.append(reason)
+    lookups = []
+    trees = eng._prediction.trees
+    eng._prediction.trees = lambda batch, shape: lookups.append(trees(batch, shape)) or lookups[-1]
+    reqs = eng.generate([prompt] * 3, params)
+    assert not fallbacks
+    for r, v in zip(reqs, vanilla):
+        assert compare_to_reference(smollm2_fp32.model, prompt, v.output_ids, r.output_ids) != "bug"
+    from_prediction = [rid for found in lookups for rid in found]
+    # the right prediction on many steps, not all (the model drafted the others); the wrong one only where
+    # its head (the prompt's last tokens, in front of every prediction) matched, at the start
+    assert reqs[1].rid not in from_prediction and from_prediction.count(reqs[2].rid) <= 2
+    assert 5 < from_prediction.count(reqs[0].rid) < reqs[0].stats.verify_steps
+    assert reqs[0].stats.accept_length > reqs[1].stats.accept_length + 0.3, [r.stats.accept_length for r in reqs]
+    assert make_drafter("suffix", smollm2_fp32).reads_reference and Engine(smollm2_fp32, make_drafter("ngram", smollm2_fp32))._prediction is None
+
+
 GRAMMAR_TOKENS = 40
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}
 COLORS = r"(red|green|blue)(, (red|green|blue)){2}\."

@@ -33,6 +33,7 @@ class NgramDrafter:
     name = "ngram"
     capture_layers: tuple[int, ...] = ()
     needs_commit = False  # reads token ids only (DraftInput); commit() is a no-op
+    reads_reference = True  # searches DraftInput.reference (a predicted output) itself
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, max_matches: int = 8):
         if not 1 <= min_ngram <= max_ngram:
@@ -48,15 +49,16 @@ class NgramDrafter:
     def remove_request(self, rid: int) -> None:
         pass
 
-    def longest_match(self, tokens: list[int], length: int, reference: list[int] = ()) -> tuple[int, list[list[int]]]:
-        """(n, continuations): the longest n-gram tail of `tokens` found earlier in them or in
-        `reference` (a predicted output: its matches come first), and what followed it, most recent
-        match first."""
+    def longest_match(self, tokens: list[int], length: int, reference: list[int] = (), own: bool = True) -> tuple[int, list[list[int]]]:
+        """(n, continuations): the longest n-gram tail of `tokens` found earlier in them (unless
+        own=False) or in `reference` (a predicted output: its matches come first), and what followed
+        it, most recent match first."""
         n_tok = len(tokens)
         for n in range(min(self.max_ngram, n_tok - 1), self.min_ngram - 1, -1):
             tail = tokens[n_tok - n :]
             found = _matches(reference, tail, length, len(reference) - n - 1, self.max_matches)
-            found += _matches(tokens, tail, length, n_tok - n - 1, self.max_matches - len(found))
+            if own:
+                found += _matches(tokens, tail, length, n_tok - n - 1, self.max_matches - len(found))
             if found:
                 return n, found
         return 0, []
@@ -66,8 +68,12 @@ class NgramDrafter:
 
     def _tree(self, d: DraftInput, shape: TreeShape) -> TokenTree:
         n, conts = self.longest_match(d.token_ids, shape.depth, d.reference)
-        weighted = [(c, 1.0 + 1e-3 / (rank + 1)) for rank, c in enumerate(conts)]  # ties broken by recency
-        return trie_tree(d.token_ids[-1], d.seq_len, weighted, shape, confidence=match_confidence(n))
+        return trie_tree(d.token_ids[-1], d.seq_len, by_recency(conts), shape, confidence=match_confidence(n))
+
+
+def by_recency(conts: list[list[int]]) -> list[tuple[list[int], float]]:
+    """Equal weights, ties broken by recency (conts come most recent first)."""
+    return [(c, 1.0 + 1e-3 / (rank + 1)) for rank, c in enumerate(conts)]
 
 
 def _matches(seq: list[int], tail: list[int], length: int, last_start: int, limit: int) -> list[list[int]]:

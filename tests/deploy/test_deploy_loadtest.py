@@ -119,3 +119,16 @@ def test_headless_locust_records_stream_metrics(stream_server, tmp_path):
     # The server spaces tokens 10 ms apart: the client must see those gaps, not 0 (tokens merged by buffering).
     assert float(metric["itl_ms"]["Median Response Time"]) >= 8
     assert float(metric["e2e_ms"]["Average Response Time"]) >= MAX_TOKENS * 10
+
+
+@pytest.mark.parametrize("mix,message", [
+    ("chat:2,nope:1", "unknown workload 'nope'"),
+    ("chat:x", "weight of 'chat' is not a whole number"),
+    ("chat:0", "no workload with a positive weight"),
+    ("tools:-1,chat", "weight of 'tools' is negative"),
+])
+def test_a_bad_workload_mix_is_a_clear_error(mix, message, tmp_path):
+    proc = subprocess.run(
+        [find_tool("locust"), "-f", str(ROOT / "loadtest" / "chat.py"), "--headless", "-u", "1", "-t", "1s", "--only-summary"],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "MOA_LOADTEST_MIX": mix}, cwd=tmp_path)
+    assert proc.returncode != 0 and f"MOA_LOADTEST_MIX: {message}" in proc.stderr, proc.stderr[-2000:]

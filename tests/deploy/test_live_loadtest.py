@@ -1,5 +1,6 @@
-"""Issue 7, live: a bounded headless locust run of loadtest/chat.py (8 users, 20 s) against a live
-`moa-serve serve` (the session's gateway: SmolLM2 (auto dtype) + ngram on 1 CPU thread, --max-running 4, API key)."""
+"""Issue 7, live: a bounded headless locust run of loadtest/chat.py (8 users, 20 s, a mix of chat, tool-call and
+predicted-output streams) against a live `moa-serve serve` (the session's gateway: SmolLM2 (auto dtype) + ngram on
+1 CPU thread, --max-running 4, API key)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,16 @@ from deploytools import ROOT
 from liveprocs import API_KEY
 
 USERS, RUN_TIME, MAX_TOKENS = 8, "20s", 32
+MIX = "chat:2,tools:1,prediction:1"
+NAMES = ("/v1/chat/completions (stream)", "/v1/chat/completions (tools)", "/v1/chat/completions (prediction)")
 MT_BENCH = ROOT.parent / "shared" / "data" / "eval" / "mt_bench.jsonl"
 
 
 def test_locust_against_live_gateway(locust, live_gateway, tmp_path):
     g = live_gateway
     before = {s: g.sample("moa_requests_total", status=s) for s in ("ok", "error", "rejected", "aborted")}
-    env = {**os.environ, "MOA_LOADTEST_API_KEY": API_KEY, "MOA_LOADTEST_MAX_TOKENS": str(MAX_TOKENS)}
+    calls_before = g.sample("moa_tool_calls_total")
+    env = {**os.environ, "MOA_LOADTEST_API_KEY": API_KEY, "MOA_LOADTEST_MAX_TOKENS": str(MAX_TOKENS), "MOA_LOADTEST_MIX": MIX}
     for var in ("MOA_LOADTEST_MODEL", "MOA_LOADTEST_HOST", "MOA_LOADTEST_PROMPTS", "MOA_LOADTEST_THINK_TIME"):
         env.pop(var, None)  # the model comes from GET /v1/models
     if MT_BENCH.is_file():  # chat prompts of moderate length (the whole eval directory has long documents)
@@ -36,14 +40,19 @@ def test_locust_against_live_gateway(locust, live_gateway, tmp_path):
     assert int(rows[("", "Aggregated")]["Failure Count"]) == 0, out
     failures = list(csv.DictReader(open(tmp_path / "run_failures.csv")))
     assert not failures, failures
-    requests = int(rows[("POST", "/v1/chat/completions (stream)")]["Request Count"])
+    by_name = {name: int(rows[("POST", name)]["Request Count"]) if ("POST", name) in rows else 0 for name in NAMES}
+    requests = sum(by_name.values())
     assert requests >= USERS, out  # every user finished at least one stream
+    assert by_name[NAMES[0]] > 0 and by_name[NAMES[1]] > 0, by_name  # P(no tools request) ~ (3/4)^30
+    # a tools reply without a call fails (unless cut at max_tokens: the model can ramble inside a string), and
+    # the gateway counted the calls
+    assert g.sample("moa_tool_calls_total") - calls_before >= by_name[NAMES[1]] / 2
 
     metric = {name: rows[("METRIC", name)] for name in ("ttft_ms", "itl_ms", "e2e_ms", "output_tokens")}
     assert int(metric["ttft_ms"]["Request Count"]) == int(metric["e2e_ms"]["Request Count"]) == requests
     assert int(metric["output_tokens"]["Request Count"]) == requests
     assert int(metric["itl_ms"]["Request Count"]) > 0
-    assert 0 < float(metric["output_tokens"]["Average Response Time"]) <= MAX_TOKENS
+    assert 0 < float(metric["output_tokens"]["Average Response Time"]) <= max(MAX_TOKENS, 128)  # tools: 128 at least
     assert 0 < float(metric["ttft_ms"]["Median Response Time"]) <= float(metric["e2e_ms"]["Median Response Time"])
 
     # The gateway counted the same requests, all ok. Locust writes run_stats.csv before the streams that end
