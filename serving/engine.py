@@ -26,9 +26,9 @@ from sglang_ext.drafters.prediction import PredictionLookup
 from sglang_ext.grammar import Grammars, apply_bitmask, tree_bitmask
 from sglang_ext.models import Target
 from sglang_ext.penalties import ban_early_stops, penalize_tree
-from sglang_ext.sampling import InvalidRequest, SamplingParams, TokenLogprob, greedy_tokens, logits_to_probs, sample, token_logprobs
+from sglang_ext.sampling import InvalidRequest, SamplingParams, TokenLogprob, greedy_tokens, logits_to_probs, sample, seeded_sample, token_logprobs
 from sglang_ext.tree import TokenTree, TreeShape, chain_tree
-from sglang_ext.verify import VerifyResult, greedy_verify, sampling_verify
+from sglang_ext.verify import VerifyResult, coupled_verify, greedy_verify, sampling_verify
 
 from .adaptive import CONFIDENT_FROM_BATCH, AdaptiveSpeculation
 
@@ -291,6 +291,8 @@ class Engine:
             logits = self._constrained(r, logits[None], chain_tree(0, [], 0))[0]
         if r.params.greedy:
             return int(greedy_tokens(logits))
+        if r.params.seed is not None:
+            return seeded_sample(logits_to_probs(logits, r.params), r.params.seed, len(r.prompt_ids))
         return sample(logits_to_probs(logits, r.params), r.generator)
 
     def _drafter_call(self, fn, reqs: list[Request]):
@@ -383,7 +385,10 @@ class Engine:
             logits = self._constrained(r, logits, tree)
         if r.params.greedy:
             return greedy_verify(tree, greedy_tokens(logits))
-        return sampling_verify(tree, lambda node: logits_to_probs(logits[node], r.params), r.generator)
+        probs = lambda node: logits_to_probs(logits[node], r.params)  # noqa: E731
+        if r.params.seed is not None:  # reproducible: plain seeded decoding's tokens, whatever was drafted
+            return coupled_verify(tree, probs, r.params.seed)
+        return sampling_verify(tree, probs, r.generator)
 
     def _record(self, r: Request, res: VerifyResult, drafted: int) -> None:
         st = r.stats

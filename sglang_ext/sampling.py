@@ -172,3 +172,33 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[Toke
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+# --- seeded requests: sampling as a function of (seed, position) -------------------------------------
+# A seeded request samples the token at sequence position t as argmax(log p + G), G Gumbel noise drawn
+# from a generator keyed by (seed, t) alone (Gumbel-max: exactly a sample from p). The token then
+# depends only on the seed, the position and the context: speculation (any drafter, tree, batch or
+# adaptive choice) reproduces plain decoding's output token for token, where rejection sampling would
+# consume random numbers per draft and give another (equally distributed) text.
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_gumbel(seed: int, position: int, vocab: int) -> torch.Tensor:
+    """[vocab] Gumbel(0, 1) noise for the token at `position` of a request seeded with `seed`."""
+    g = torch.Generator()
+    g.manual_seed(_splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 1)  # manual_seed takes < 2**63
+    u = torch.rand(vocab, generator=g).clamp_(min=torch.finfo(torch.float32).tiny)
+    return -torch.log(-torch.log(u))
+
+
+def seeded_sample(probs: torch.Tensor, seed: int, position: int) -> int:
+    """The token at `position` drawn from probs [V] with the (seed, position) noise."""
+    return int((probs.log() + position_gumbel(seed, position, probs.shape[-1])).argmax())

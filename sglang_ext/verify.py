@@ -21,6 +21,13 @@ q_i = onehot(x_i)):
 Each trial is a standard rejection-sampling step whose output law is exactly the current p, so
 the emitted token is distributed as the target's p; by induction over depth, the whole output is.
 For a chain drafted by sampling from q this is Leviathan et al.'s speculative sampling.
+
+Seeded sampling (coupled_verify): when a request has a seed, the target's token at each node is its
+seeded sample (sampling.seeded_sample: Gumbel-max with noise keyed by (seed, position)), and the
+walk accepts the child holding that token, as greedy verification does with the argmax. The output
+is then plain seeded decoding's, token for token, whatever was drafted. For point-mass proposals
+(lookup drafters, top-k trees) the chance that some child is accepted is the same as above (the sum
+of p over the children); for sampled chains it is lower (sum of p*q instead of sum of min(p, q)).
 """
 
 from __future__ import annotations
@@ -94,6 +101,24 @@ def greedy_verify(tree: TokenTree, target_argmax: torch.Tensor) -> VerifyResult:
     nodes = accept_index[0, : int(accept_num[0]) + 1].tolist()
     tokens = [int(tree.draft_tokens[i]) for i in nodes[1:]] + [int(target_argmax[nodes[-1]])]
     return VerifyResult(nodes, tokens)
+
+
+def coupled_verify(tree: TokenTree, target_probs, seed: int) -> VerifyResult:
+    """One seeded request (see the module docstring). target_probs: a function node -> [V] (only
+    the accepted path and one more node are visited)."""
+    from .sampling import seeded_sample
+
+    nodes, tokens, node = [0], [], 0
+    while True:
+        target = seeded_sample(target_probs(node), seed, int(tree.positions[node]) + 1)
+        child = int(tree.retrieve_next_token[node])
+        while child != -1 and int(tree.draft_tokens[child]) != target:
+            child = int(tree.retrieve_next_sibling[child])
+        tokens.append(target)
+        if child == -1:
+            return VerifyResult(nodes, tokens)
+        nodes.append(child)
+        node = child
 
 
 def sampling_verify(tree: TokenTree, target_probs, generator: torch.Generator | None) -> VerifyResult:

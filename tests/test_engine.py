@@ -440,6 +440,22 @@ def test_model_drafters_draft_from_predicted_outputs(smollm2_fp32, drafter):
     assert make_drafter("suffix", smollm2_fp32).reads_reference and Engine(smollm2_fp32, make_drafter("ngram", smollm2_fp32))._prediction is None
 
 
+@pytest.mark.parametrize("drafter,shape", [("suffix", "chain"), ("suffix", "tree"), ("eagle3", "tree"), ("eagle3", "chain"), ("moa-tli1", "tree")])
+def test_seeded_sampling_reproduces_plain_decoding(smollm2_fp32, drafter, shape):
+    """A seeded sampled request's text is plain seeded decoding's, token for token, whatever drafts it
+    (lookup or model, trees or sampled chains) and whoever shares its batch (an unseeded request too)."""
+    prompts = [smollm2_fp32.encode_chat([{"role": "user", "content": q}]) for q in ("Write a haiku about rivers.", "List four fruits.", "Tell me a story.")]
+    params = [SamplingParams(max_new_tokens=40, temperature=0.9, top_p=0.95, seed=11), SamplingParams(max_new_tokens=40, temperature=1.0, top_k=50, seed=12),
+              SamplingParams(max_new_tokens=40, temperature=0.8)]
+    plain = [Engine(smollm2_fp32, None).generate([p], [sp])[0].output_ids for p, sp in zip(prompts[:2], params[:2])]
+    eng = Engine(smollm2_fp32, make_drafter(drafter, smollm2_fp32), SHAPES[shape])
+    together = eng.generate(prompts, params)
+    assert [r.output_ids for r in together[:2]] == plain
+    assert sum(r.stats.accepted_tokens for r in together[:2]) > 0  # drafts were accepted, not just bypassed
+    alone = [eng.generate([p], [sp])[0].output_ids for p, sp in zip(prompts[:2], params[:2])]
+    assert alone == plain
+
+
 GRAMMAR_TOKENS = 40
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}
 COLORS = r"(red|green|blue)(, (red|green|blue)){2}\."

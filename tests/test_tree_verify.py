@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from sglang_ext.sampling import InvalidRequest, SamplingParams, logits_to_probs
+from sglang_ext.sampling import InvalidRequest, SamplingParams, logits_to_probs, position_gumbel, seeded_sample
 from sglang_ext.tree import TreeSearch, TreeShape, build_trees, chain_tree, tree_from_parents
-from sglang_ext.verify import greedy_verify, sampling_verify
+from sglang_ext.verify import coupled_verify, greedy_verify, sampling_verify
 
 #        0 (root, token 10)
 #       / \
@@ -196,3 +196,58 @@ def test_tree_shape_min_prob_parses_labels_and_validates():
     for bad in ("1,2,3,1.5", "1,2,3,-0.1", "1,2,3,x", "1,2,3,0.1,4"):
         with pytest.raises(ValueError):
             TreeShape.parse(bad)
+
+
+def test_seeded_sample_is_a_sample_of_p_and_positions_are_independent():
+    """Over seeds, the seeded token has the law p (within 5 sigma on 6,000 draws), the noise is a pure
+    function of (seed, position), and two positions' draws are independent (agreement ~ sum p^2)."""
+    p = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03, 0.0])
+    draws = torch.tensor([seeded_sample(p, seed, 17) for seed in range(6000)])
+    freq = torch.bincount(draws, minlength=6).double() / 6000
+    sigma = (p.double() * (1 - p.double()) / 6000).sqrt()
+    assert ((freq - p.double()).abs() <= 5 * sigma + 1e-12).all(), freq
+    assert freq[5] == 0  # a token of probability 0 is never drawn
+    assert torch.equal(position_gumbel(3, 5, 100), position_gumbel(3, 5, 100))
+    assert not torch.equal(position_gumbel(3, 5, 100), position_gumbel(3, 6, 100))
+    assert not torch.equal(position_gumbel(3, 5, 100), position_gumbel(4, 5, 100))
+    other = torch.tensor([seeded_sample(p, seed, 18) for seed in range(6000)])
+    agree, expected = (draws == other).double().mean(), float((p.double() ** 2).sum())
+    assert abs(agree - expected) < 5 * (expected * (1 - expected) / 6000) ** 0.5, (agree, expected)
+
+
+def _path_probs(path: list[int], vocab: int = 7) -> torch.Tensor:
+    """A synthetic target: the next-token law is a fixed function of the context."""
+    g = torch.Generator().manual_seed(hash(tuple(path)) & 0xFFFFFFFF)
+    return torch.softmax(torch.randn(vocab, generator=g) * 1.5, -1)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_coupled_verify_reproduces_plain_seeded_decoding(seed):
+    """Whatever the tree (right, wrong or partly right candidates, siblings), the tokens coupled
+    verification emits are exactly those plain seeded decoding emits at the same positions."""
+    rng = torch.Generator().manual_seed(1000 + seed)
+    context, seq_len = [1, 2, 3], 2  # the root (3) sits at position 2
+    plain = []
+    for _ in range(6):
+        plain.append(seeded_sample(_path_probs(context + plain), seed, seq_len + 1 + len(plain)))
+    # a random tree of depth <= 4 whose nodes are the plain tokens with probability 1/2, else random
+    tokens, parents = [3], [-1]
+    for _ in range(int(torch.randint(1, 9, (), generator=rng))):
+        parent = int(torch.randint(0, len(tokens), (), generator=rng))
+        depth = len(_path(parents, parent)) - 1
+        right = plain[depth] if depth < len(plain) else 0
+        tok = right if torch.rand((), generator=rng) < 0.5 else int(torch.randint(0, 7, (), generator=rng))
+        tokens.append(tok)
+        parents.append(parent)
+    tree = tree_from_parents(torch.tensor(tokens), torch.tensor(parents), seq_len)
+    res = coupled_verify(tree, lambda node: _path_probs(context + [tokens[i] for i in _path(parents, node)[1:]]), seed)
+    assert res.tokens == plain[: len(res.tokens)]
+    assert [tokens[i] for i in res.accepted_nodes[1:]] == res.tokens[:-1]
+
+
+def _path(parents: list[int], node: int) -> list[int]:
+    out = []
+    while node != -1:
+        out.append(node)
+        node = parents[node]
+    return out[::-1]

@@ -95,6 +95,7 @@ class Chunk:
     completion_tokens: int | None = None
     spec: SpecStats | None = None
     token_ids: list[int] | None = None  # all completion token ids, on the last chunk (embedded backend)
+    ids: list[int] | None = None  # this chunk's completion token ids, when the backend knows them (embedded)
     logprobs: list[dict] | None = None  # when asked: one OpenAI chat `logprobs.content` entry per token of this chunk
     prediction_tokens: tuple[int, int] | None = None  # with a prediction, on the last chunk: (accepted, rejected) prediction tokens
 

@@ -158,10 +158,10 @@ class EmbeddedBackend:
                     lps = self._echo_logprobs(ids, d.prompt_logprobs)
                     yield Chunk(echo, 0, "length", prompt_tokens=len(ids), completion_tokens=0, spec=SpecStats(), token_ids=[], logprobs=lps)
                     return
-                chunk = Chunk(echo + delta, len(d.tokens), finish)
+                # tokens past the one that completed a stop string are dropped (with their logprobs)
+                keep = text.tokens_through_stop(len(d.tokens)) if stopped else len(d.tokens)
+                chunk = Chunk(echo + delta, len(d.tokens), finish, ids=list(d.tokens[:keep]))
                 if d.logprobs is not None:
-                    # tokens past the one that completed a stop string are dropped, with their logprobs
-                    keep = text.tokens_through_stop(len(d.tokens)) if stopped else len(d.tokens)
                     chunk.logprobs = self.token_strings.entries(d.logprobs[:keep])
                     if d.prompt_logprobs is not None:  # echo
                         chunk.logprobs = self._echo_logprobs(ids, d.prompt_logprobs) + chunk.logprobs

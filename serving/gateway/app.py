@@ -1,5 +1,5 @@
 """The OpenAI-compatible FastAPI app: /v1/chat/completions, /v1/completions, /v1/models, /health, /ready, /metrics,
-/tokenize and /detokenize (also under /v1).
+/tokenize and /detokenize (also under /v1), and SGLang's native /generate.
 
 Every error is OpenAI-shaped, FastAPI's own 404/405/422 and unexpected 500s included. Each
 completion request is counted once in moa_requests_total by how it ended: ok, invalid (4xx from
@@ -25,6 +25,7 @@ from ..backends.telemetry import Telemetry
 from .auth import APIKeys
 from .errors import APIError, from_validation_errors
 from .generation import ChatFormat, CompletionFormat, Generation
+from .native import NativeGeneration, generate_jobs
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, Limits, TokenizeRequest, chat_jobs, completion_jobs, parse, tokenize_jobs
 
 log = logging.getLogger("moa_serve.gateway")
@@ -116,21 +117,16 @@ def create_app(backend: Backend, telemetry: Telemetry, config: GatewayConfig | N
             raise _model_not_found(model_id)
         return _model_card(model_id)
 
-    async def completion(request: Request, schema, make_jobs, fmt):
+    async def completion(request: Request, build):
+        """Run one generation request; build(body) -> (Generation, stream?) parses and validates it."""
         if state.draining:
             telemetry.request("rejected")
             raise APIError(503, "the server is shutting down; retry on another replica", code="service_unavailable", headers={"Retry-After": "5"})
         state.enter()
         handed_off = False
         try:
-            body = await _read_body(request, config.limits.max_body_bytes)
-            req = parse(schema, body)
-            _check_model(req.model, backend)
-            model_id = req.model or backend.model_ids[0]
-            jobs = make_jobs(req, config.limits)
-            include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-            gen = Generation(backend, telemetry, jobs, model_id, fmt, include_usage, bool(req.return_token_ids))
-            if not req.stream:
+            gen, stream = build(await _read_body(request, config.limits.max_body_bytes))
+            if not stream:
                 try:
                     result = await _race_disconnect(request, gen.collect())
                 finally:
@@ -160,13 +156,32 @@ def create_app(backend: Backend, telemetry: Telemetry, config: GatewayConfig | N
             if not handed_off:
                 state.leave()
 
+    def openai(schema, make_jobs, fmt):
+        def build(body: bytes) -> tuple[Generation, bool]:
+            req = parse(schema, body)
+            _check_model(req.model, backend)
+            include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+            gen = Generation(backend, telemetry, make_jobs(req, config.limits), req.model or backend.model_ids[0], fmt, include_usage, bool(req.return_token_ids))
+            return gen, bool(req.stream)
+
+        return build
+
+    def native(body: bytes) -> tuple[Generation, bool]:
+        jobs, batched, stream = generate_jobs(body, config.limits)
+        return NativeGeneration(backend, telemetry, jobs, batched), stream
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await completion(request, ChatCompletionRequest, chat_jobs, ChatFormat)
+        return await completion(request, openai(ChatCompletionRequest, chat_jobs, ChatFormat))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await completion(request, CompletionRequest, completion_jobs, CompletionFormat)
+        return await completion(request, openai(CompletionRequest, completion_jobs, CompletionFormat))
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        """SGLang's native API (gateway/native.py)."""
+        return await completion(request, native)
 
     @app.post("/tokenize")
     @app.post("/v1/tokenize")

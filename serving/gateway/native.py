@@ -1,0 +1,205 @@
+"""SGLang's native `POST /generate` on the gateway, so clients written against an SGLang server (RL rollout
+loops, `sglang.bench_serving --backend sglang`, `requests.post(url + "/generate", ...)`) run unchanged.
+
+    {"text": str | [str], or "input_ids": [int] | [[int]],
+     "sampling_params": {...} | [{...} per prompt], "stream": bool}
+    -> {"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens", ...}}
+       (a list of those for a batch or n > 1; a stream sends the text and ids so far in each event, then
+       `data: [DONE]`, as SGLang 0.5.23 does by default)
+
+The request becomes completion jobs (`schemas.completion_jobs`, raw prompt, no chat template), so limits,
+validation and backends are the OpenAI routes'. Sampling parameters SGLang has and we do not (min_p,
+stop_regex, structural_tag, beam search, ...) are a 400 naming them, not silently ignored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from sglang_ext.grammar import GrammarSpec
+
+from ..backends.base import Chunk, Job
+from .errors import APIError, invalid
+from .generation import CompletionFormat, Generation, _Choice
+from .schemas import CompletionRequest, Limits, completion_jobs, parse
+
+SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default (ours for the OpenAI routes is --default-max-tokens)
+
+# SGLang sampling_params key -> our CompletionRequest field (the same meaning)
+_RENAMED = {
+    "max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed", "stop": "stop", "stop_token_ids": "stop_token_ids",
+    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty", "repetition_penalty": "repetition_penalty", "n": "n", "regex": "regex", "ebnf": "ebnf",
+    "ignore_eos": "ignore_eos", "logit_bias": "logit_bias",
+}
+# keys accepted only at their default (what we always do), and keys without effect here
+_ONLY_DEFAULT = {"min_p": 0.0, "skip_special_tokens": True, "spaces_between_special_tokens": True, "no_stop_trim": False, "stop_regex": None,
+                 "structural_tag": None, "beam_width": None, "custom_params": None, "watermark": None}
+_IGNORED = {"stream_interval"}  # how often SGLang streams; we stream each engine step
+# top-level fields: accepted, or accepted only when off (null / false / empty)
+_TOP_LEVEL = {"text", "input_ids", "sampling_params", "stream", "rid", "model"}
+_TOP_LEVEL_OFF = {"return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "image_data",
+                  "video_data", "audio_data", "input_embeds", "lora_path", "lora_id", "return_hidden_states", "session_params",
+                  "custom_logit_processor", "modalities", "bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank",
+                  "log_metrics", "return_routed_experts", "background", "priority"}
+
+
+def generate_jobs(body: bytes, limits: Limits) -> tuple[list[Job], bool, bool]:
+    """(jobs, whether the answer is a list, stream) of a /generate body."""
+    try:
+        req = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise invalid("the body is not valid JSON", None) from None
+    if not isinstance(req, dict):
+        raise invalid("the body must be a JSON object", None)
+    for key, value in req.items():
+        if key in _TOP_LEVEL or (key in _TOP_LEVEL_OFF and value in (None, False, 0, [], {}, "")):
+            continue
+        what = "is not supported by this server" if key in _TOP_LEVEL_OFF else "is not a /generate field"
+        raise APIError(400, f"{key} {what}", param=key, code="unsupported_parameter")
+    text, ids = req.get("text"), req.get("input_ids")
+    if (text is None) == (ids is None):
+        raise invalid("give either text or input_ids", "text")
+    if text is not None:
+        if isinstance(text, str) or (isinstance(text, list) and text and all(isinstance(t, str) for t in text)):
+            prompts, batched = ([text], False) if isinstance(text, str) else (text, True)
+        else:
+            raise invalid("text must be a string or a non-empty list of strings", "text")
+    elif _ids(ids):
+        prompts, batched = [ids], False
+    elif isinstance(ids, list) and ids and all(_ids(x) for x in ids):
+        prompts, batched = ids, True
+    else:
+        raise invalid("input_ids must be a list of token ids or a non-empty list of such lists", "input_ids")
+    stream = req.get("stream", False)
+    if not isinstance(stream, bool):
+        raise invalid("stream must be true or false", "stream")
+    sp = req.get("sampling_params") or {}
+    per_prompt = sp if isinstance(sp, list) else [sp] * len(prompts)
+    if len(per_prompt) != len(prompts) or not all(isinstance(p, dict) for p in per_prompt):
+        raise invalid(f"sampling_params must be an object, or a list of one object per prompt ({len(prompts)})", "sampling_params")
+    jobs: list[Job] = []
+    for g, (p, params) in enumerate(zip(prompts, per_prompt)):
+        for job in _prompt_jobs(p, params, limits, stream):
+            jobs.append(replace(job, index=len(jobs), prompt_group=g))
+    if len(jobs) > limits.max_n:
+        raise invalid(f"at most {limits.max_n} generations per request (prompts x n), got {len(jobs)}", "sampling_params.n")
+    return jobs, batched or len(jobs) > 1, stream
+
+
+def _ids(x) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _prompt_jobs(prompt, sp: dict[str, Any], limits: Limits, stream: bool) -> list[Job]:
+    fields: dict[str, Any] = {"prompt": prompt, "stream": stream, "max_tokens": SGLANG_DEFAULT_MAX_NEW_TOKENS}
+    for key, value in sp.items():
+        if key in _RENAMED:
+            if value is not None:
+                fields[_RENAMED[key]] = value
+        elif key in _ONLY_DEFAULT:
+            if value is not None and value != _ONLY_DEFAULT[key]:
+                raise APIError(400, f"sampling_params.{key}={value!r} is not supported by this server", param=f"sampling_params.{key}", code="unsupported_parameter")
+        elif key not in _IGNORED and key != "json_schema":
+            raise invalid(f"sampling_params.{key} is not a sampling parameter", f"sampling_params.{key}")
+    try:
+        jobs = completion_jobs(parse(CompletionRequest, json.dumps(fields).encode()), limits)
+    except APIError as e:
+        raise _renamed(e) from None
+    schema = sp.get("json_schema")
+    if schema is not None:
+        if not isinstance(schema, str) or not _is_json(schema):
+            raise invalid("sampling_params.json_schema must be a JSON schema as a string", "sampling_params.json_schema")
+        if jobs[0].params.grammar is not None:
+            raise invalid("json_schema cannot be combined with regex or ebnf: give one output constraint", "sampling_params.json_schema")
+        jobs = [replace(j, params=replace(j.params, grammar=GrammarSpec("json_schema", schema))) for j in jobs]
+    return jobs
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+_BACK = {ours: f"sampling_params.{theirs}" for theirs, ours in _RENAMED.items()} | {"prompt": "text"}
+
+
+def _renamed(e: APIError) -> APIError:
+    """An error about an OpenAI field, named as the /generate field it came from."""
+    ours = next((k for k in _BACK if e.param and (e.param == k or e.param.startswith((k + "[", k + ".")))), None)
+    if ours is None:
+        return e
+    param = _BACK[ours] + e.param[len(ours) :]
+    message = param + e.message[len(e.param) :] if e.message.startswith(e.param) else e.message
+    return APIError(e.status, message, param=param, code=e.code, headers=e.headers)
+
+
+class NativeGeneration(Generation):
+    """One /generate request: Generation's choices and lifecycle, SGLang's response shapes."""
+
+    def __init__(self, backend, telemetry, jobs: list[Job], batched: bool):
+        super().__init__(backend, telemetry, jobs, "", CompletionFormat, return_token_ids=True)
+        self.batched = batched
+        self.ids: dict[int, list[int]] = {c.job.index: [] for c in self.choices}
+
+    def _observe(self, c: _Choice, chunk: Chunk) -> None:
+        super()._observe(c, chunk)
+        self.ids[c.job.index] += chunk.ids or ()
+
+    async def collect(self) -> dict | list:
+        await self.open()
+        await asyncio.gather(*(self._drain(c) for c, first in zip(self.choices, self._firsts) if not first.finish_reason))
+        self.completed = True
+        outs = [self._out(c) for c in self.choices]
+        return outs if self.batched else outs[0]
+
+    async def stream(self) -> AsyncIterator[str]:
+        queue: asyncio.Queue = asyncio.Queue()
+        for c, first in zip(self.choices, self._firsts):
+            if not first.finish_reason:
+                self._pumps.append(asyncio.create_task(self._pump(c, queue)))
+        for c in self.choices:
+            yield self._event(c)
+        pending = len(self._pumps)
+        while pending:
+            c, item = await queue.get()
+            if isinstance(item, Exception):
+                err = item if isinstance(item, APIError) else APIError(500, f"internal error: {type(item).__name__}", code="internal_error")
+                self.failed = err
+                yield err.sse()
+                yield "data: [DONE]\n\n"
+                return
+            yield self._event(c)
+            pending -= item.finish_reason is not None
+        self.completed = True
+        yield "data: [DONE]\n\n"
+
+    def _event(self, c: _Choice) -> str:
+        out = self._out(c)
+        if self.batched:
+            out["index"] = c.job.index
+        return f"data: {json.dumps(out, ensure_ascii=False)}\n\n"
+
+    def _out(self, c: _Choice) -> dict:
+        """The text and ids so far, with SGLang's meta_info (its finish_reason object once finished)."""
+        final = c.final
+        ids = final.token_ids if final is not None and final.token_ids is not None else self.ids[c.job.index]
+        meta: dict[str, Any] = {"id": f"{self.id}-{c.job.index}", "finish_reason": None, "prompt_tokens": None,
+                                "completion_tokens": len(ids), "cached_tokens": 0}
+        if final is not None:
+            meta["finish_reason"] = {"type": final.finish_reason, "length": final.completion_tokens} if final.finish_reason == "length" else {"type": final.finish_reason, "matched": None}
+            meta["prompt_tokens"] = final.prompt_tokens
+            meta["completion_tokens"] = final.completion_tokens if final.completion_tokens is not None else len(ids)
+            meta["e2e_latency"] = round(time.monotonic() - self.t0, 6)
+            if final.spec is not None and final.spec.verify_steps:
+                meta |= final.spec.as_meta_info()
+                meta["spec_num_correct_drafts"], meta["spec_num_proposed_drafts"] = final.spec.accepted_tokens, final.spec.draft_tokens
+        return {"text": "".join(c.parts), "output_ids": list(ids), "meta_info": meta}
