@@ -284,7 +284,7 @@ def add_bench_parser(sub) -> None:
     b.add_argument("--peer-lookup-tokens", type=int, default=10, help="prompt-lookup peers (hf-prompt-lookup, llama.cpp-prompt-lookup): draft tokens per lookup (both libraries' usual 10)")
     b.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0: every method, peer and the batch sweep sample with it (seeded)")
     b.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature > 0")
-    b.add_argument("--seed", type=int, default=0, help="sampling seed, the same for every prompt and method")
+    b.add_argument("--seed", type=int, default=0, help="sampling seed, the same for every prompt and method (seeded requests verify by coupled sampling: the same text for every method; -1: unseeded, SpecInfer rejection sampling)")
     b.add_argument("--num-prompts", type=int, default=10)
     b.add_argument("--max-new-tokens", type=int, default=None, help="default 128 (16 with --quick)")
     b.add_argument("--tree", default=None, help="depth,topk,num_draft_tokens for every drafter (default: per-drafter)")
@@ -320,7 +320,7 @@ def cmd_bench(args) -> int:
     if args.peers is None:
         args.peers = "hf-generate" if args.quick else "all"
     peers = list(dict.fromkeys(q for p in args.peers.split(",") if p and p != "none" for q in (peer_lib.PEERS if p == "all" else [p])))
-    sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    sp = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=None if args.seed < 0 else args.seed)
     sampling = peer_lib.sampling_label(sp)
     target = load_target(args.model, dtype=args.dtype)
     eos_ids = sorted(set(target.cfg.eos_token_ids) | ({target.tokenizer.eos_token_id} if getattr(target.tokenizer, "eos_token_id", None) is not None else set()))

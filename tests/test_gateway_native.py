@@ -125,3 +125,26 @@ def test_generate_bad_requests(http, body, param):
 def test_generate_not_json(http):
     r = http.post("/generate", content=b"{nope", headers={"content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["message"]
+
+
+def test_the_body_sglang_bench_serving_sends(http):
+    """sglang.bench_serving --backend sglang (sglang 0.5.23, benchmark/serving.py
+    async_request_sglang_generate) posts this body and reads the stream this way: cumulative "text",
+    meta_info.completion_tokens as the output length, meta_info.spec_accept_length when present."""
+    payload = {"text": PROMPT, "sampling_params": {"temperature": 0.0, "max_new_tokens": 20, "ignore_eos": True}, "stream": True,
+               "lora_path": None, "return_logprob": False, "return_routed_experts": False, "logprob_start_len": -1}
+    generated, output_len, accept_length, chunks = "", 0, None, 0
+    with http.stream("POST", "/generate", json=payload) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            data = line.strip()
+            if not data:
+                continue
+            data = data[6:] if data.startswith("data: ") else data
+            if data == "[DONE]":
+                continue
+            obj = json.loads(data)
+            accept_length = (obj.get("meta_info") or {}).get("spec_accept_length", accept_length)
+            if obj.get("text"):
+                generated, output_len, chunks = obj["text"], obj["meta_info"]["completion_tokens"], chunks + 1
+    assert output_len == 20 and generated and chunks >= 2 and accept_length is not None and accept_length >= 1

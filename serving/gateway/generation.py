@@ -155,10 +155,13 @@ class Generation:
 
     # --- non-streaming ------------------------------------------------------------------------
     async def collect(self) -> dict:
+        await self._run_to_end()
+        return self._body(self.fmt.object, [self._final_choice(c) for c in self.choices], usage=self._usage(), meta_info=self._meta())
+
+    async def _run_to_end(self) -> None:
         await self.open()
         await asyncio.gather(*(self._drain(c) for c, first in zip(self.choices, self._firsts) if not first.finish_reason))
         self.completed = True
-        return self._body(self.fmt.object, [self._final_choice(c) for c in self.choices], usage=self._usage(), meta_info=self._meta())
 
     async def _drain(self, c: _Choice) -> None:
         while c.final is None:
@@ -191,8 +194,8 @@ class Generation:
         for c, first in zip(self.choices, self._firsts):
             if not first.finish_reason:
                 self._pumps.append(asyncio.create_task(self._pump(c, queue)))
-        if self.fmt is ChatFormat:
-            yield self._sse([self.fmt.delta(c.job.index, role=True) for c in self.choices])
+        for event in self._head():
+            yield event
         for c, first in zip(self.choices, self._firsts):
             for event in self._chunk_events(c, first):
                 yield event
@@ -208,10 +211,20 @@ class Generation:
             for event in self._chunk_events(c, item):
                 yield event
             pending -= item.finish_reason is not None
-        if self.include_usage:
-            yield self._sse([], usage=self._usage(), meta_info=self._meta())
+        for event in self._tail():
+            yield event
         self.completed = True
         yield "data: [DONE]\n\n"
+
+    def _head(self):
+        """Events before the first chunk's: the chat role deltas."""
+        if self.fmt is ChatFormat:
+            yield self._sse([self.fmt.delta(c.job.index, role=True) for c in self.choices])
+
+    def _tail(self):
+        """Events after the last chunk's: the usage chunk, when asked."""
+        if self.include_usage:
+            yield self._sse([], usage=self._usage(), meta_info=self._meta())
 
     async def _pump(self, c: _Choice, queue: asyncio.Queue) -> None:
         try:

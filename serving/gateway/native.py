@@ -14,10 +14,8 @@ stop_regex, structural_tag, beam search, ...) are a 400 naming them, not silentl
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
@@ -58,7 +56,7 @@ def generate_jobs(body: bytes, limits: Limits) -> tuple[list[Job], bool, bool]:
     if not isinstance(req, dict):
         raise invalid("the body must be a JSON object", None)
     for key, value in req.items():
-        if key in _TOP_LEVEL or (key in _TOP_LEVEL_OFF and value in (None, False, 0, [], {}, "")):
+        if key in _TOP_LEVEL or (key in _TOP_LEVEL_OFF and value in (None, False, 0, -1, [], {}, "")):  # -1: logprob_start_len's default
             continue
         what = "is not supported by this server" if key in _TOP_LEVEL_OFF else "is not a /generate field"
         raise APIError(400, f"{key} {what}", param=key, code="unsupported_parameter")
@@ -155,32 +153,19 @@ class NativeGeneration(Generation):
         self.ids[c.job.index] += chunk.ids or ()
 
     async def collect(self) -> dict | list:
-        await self.open()
-        await asyncio.gather(*(self._drain(c) for c, first in zip(self.choices, self._firsts) if not first.finish_reason))
-        self.completed = True
+        await self._run_to_end()
         outs = [self._out(c) for c in self.choices]
         return outs if self.batched else outs[0]
 
-    async def stream(self) -> AsyncIterator[str]:
-        queue: asyncio.Queue = asyncio.Queue()
-        for c, first in zip(self.choices, self._firsts):
-            if not first.finish_reason:
-                self._pumps.append(asyncio.create_task(self._pump(c, queue)))
-        for c in self.choices:
-            yield self._event(c)
-        pending = len(self._pumps)
-        while pending:
-            c, item = await queue.get()
-            if isinstance(item, Exception):
-                err = item if isinstance(item, APIError) else APIError(500, f"internal error: {type(item).__name__}", code="internal_error")
-                self.failed = err
-                yield err.sse()
-                yield "data: [DONE]\n\n"
-                return
-            yield self._event(c)
-            pending -= item.finish_reason is not None
-        self.completed = True
-        yield "data: [DONE]\n\n"
+    # stream(): Generation's, with SGLang's events (each: the choice's text and ids so far)
+    def _head(self):
+        return ()
+
+    def _tail(self):
+        return ()
+
+    def _chunk_events(self, c: _Choice, chunk: Chunk):
+        yield self._event(c)
 
     def _event(self, c: _Choice) -> str:
         out = self._out(c)
