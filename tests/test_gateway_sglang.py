@@ -240,9 +240,9 @@ def test_tool_calls_through_upstream(gw, upstream):
     assert "call_json" in upstream.requests[-1]["ebnf"] and upstream.requests[-1]["messages"][0]["role"] == "system"
 
 
-def test_tokenize_is_the_upstreams(gw):
+def test_tokenize_and_generate_are_the_upstreams(gw):
     with httpx.Client(base_url=gw.url, timeout=30) as c:
-        for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+        for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]}), ("/generate", {"text": "hi"})):
             r = c.post(path, json=body)
             assert r.status_code == 400 and "upstream" in r.json()["error"]["message"]
 
