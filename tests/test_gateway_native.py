@@ -88,6 +88,28 @@ def test_generate_stream_is_cumulative_and_ends_like_the_whole(server, http):
     assert [e["meta_info"]["finish_reason"] is not None for e in batch].count(True) == 2
 
 
+def test_generate_logprobs_sglang_shape(http, smollm2_fp32):
+    """return_logprob: [logprob, id, text or None] per output token (the same numbers as /v1/completions'
+    logprobs), top_logprobs_num alternatives per token, texts with return_text_in_logprobs, and a stream
+    that ends with the same lists."""
+    body = {"text": PROMPT, "sampling_params": greedy(12), "return_logprob": True, "top_logprobs_num": 3}
+    out = http.post("/generate", json=body).json()
+    meta = out["meta_info"]
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"] and meta["input_token_logprobs"] == []
+    assert all(text is None for _, _, text in meta["output_token_logprobs"])
+    assert [len(top) for top in meta["output_top_logprobs"]] == [3] * 12
+    assert all(top[0][0] >= top[1][0] >= top[2][0] for top in meta["output_top_logprobs"])
+    assert all(abs(lp - top[0][0]) < 1e-5 for (lp, _, _), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]))  # greedy: the top one
+    ref = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": 3}).json()
+    assert [round(lp, 4) for lp, _, _ in meta["output_token_logprobs"]] == [round(x, 4) for x in ref["choices"][0]["logprobs"]["token_logprobs"]]
+    texts = http.post("/generate", json={**body, "return_text_in_logprobs": True}).json()["meta_info"]["output_token_logprobs"]
+    assert "".join(t for _, _, t in texts) == out["text"]
+    with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        last = events(r)[-1]
+    assert last["meta_info"]["output_token_logprobs"] == meta["output_token_logprobs"]
+    assert "output_top_logprobs" not in http.post("/generate", json={**body, "top_logprobs_num": 0}).json()["meta_info"]
+
+
 def test_generate_stop_and_json_schema(http):
     out = http.post("/generate", json={"text": "1, 2, 3, 4,", "sampling_params": greedy(32, stop=[" 7"])}).json()
     assert " 7" not in out["text"] and out["meta_info"]["finish_reason"]["type"] == "stop", out
@@ -110,7 +132,9 @@ def test_generate_stop_and_json_schema(http):
     ({"text": "a", "sampling_params": {"json_schema": "{}", "regex": "a+"}}, "sampling_params.json_schema"),
     ({"text": ["a", "b"], "sampling_params": [greedy()]}, "sampling_params"),
     ({"text": "a", "sampling_params": {"n": 100}}, "sampling_params.n"),
-    ({"text": "a", "return_logprob": True}, "return_logprob"),
+    ({"text": "a", "return_logprob": True, "logprob_start_len": 0}, "logprob_start_len"),
+    ({"text": "a", "return_logprob": True, "top_logprobs_num": 50}, "top_logprobs_num"),
+    ({"text": "a", "return_logprob": "yes"}, "return_logprob"),
     ({"text": "a", "image_data": "http://x/y.png"}, "image_data"),
     ({"text": "a", "stream": "yes"}, "stream"),
 ])

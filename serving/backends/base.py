@@ -97,6 +97,7 @@ class Chunk:
     token_ids: list[int] | None = None  # all completion token ids, on the last chunk (embedded backend)
     ids: list[int] | None = None  # this chunk's completion token ids, when the backend knows them (embedded)
     logprobs: list[dict] | None = None  # when asked: one OpenAI chat `logprobs.content` entry per token of this chunk
+    token_logprobs: list | None = None  # the same as sglang_ext.sampling.TokenLogprob (token ids), when asked (embedded)
     prediction_tokens: tuple[int, int] | None = None  # with a prediction, on the last chunk: (accepted, rejected) prediction tokens
 
 

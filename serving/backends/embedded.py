@@ -162,7 +162,8 @@ class EmbeddedBackend:
                 keep = text.tokens_through_stop(len(d.tokens)) if stopped else len(d.tokens)
                 chunk = Chunk(echo + delta, len(d.tokens), finish, ids=list(d.tokens[:keep]))
                 if d.logprobs is not None:
-                    chunk.logprobs = self.token_strings.entries(d.logprobs[:keep])
+                    chunk.token_logprobs = d.logprobs[:keep]
+                    chunk.logprobs = self.token_strings.entries(chunk.token_logprobs)
                     if d.prompt_logprobs is not None:  # echo
                         chunk.logprobs = self._echo_logprobs(ids, d.prompt_logprobs) + chunk.logprobs
                 echo = ""

@@ -5,7 +5,9 @@ loops, `sglang.bench_serving --backend sglang`, `requests.post(url + "/generate"
      "sampling_params": {...} | [{...} per prompt], "stream": bool}
     -> {"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens", "completion_tokens", ...}}
        (a list of those for a batch or n > 1; a stream sends the text and ids so far in each event, then
-       `data: [DONE]`, as SGLang 0.5.23 does by default)
+       `data: [DONE]`, as SGLang 0.5.23 does by default; with "return_logprob": true, meta_info also has
+       "output_token_logprobs" [[logprob, id, text or null], ...] and, with "top_logprobs_num": k,
+       "output_top_logprobs": one list of k such triples per token)
 
 The request becomes completion jobs (`schemas.completion_jobs`, raw prompt, no chat template), so limits,
 validation and backends are the OpenAI routes'. Sampling parameters SGLang has and we do not (min_p,
@@ -20,6 +22,7 @@ from dataclasses import replace
 from typing import Any
 
 from sglang_ext.grammar import GrammarSpec
+from sglang_ext.sampling import MAX_TOP_LOGPROBS
 
 from ..backends.base import Chunk, Job
 from .errors import APIError, invalid
@@ -40,15 +43,15 @@ _ONLY_DEFAULT = {"min_p": 0.0, "skip_special_tokens": True, "spaces_between_spec
                  "structural_tag": None, "beam_width": None, "custom_params": None, "watermark": None}
 _IGNORED = {"stream_interval"}  # how often SGLang streams; we stream each engine step
 # top-level fields: accepted, or accepted only when off (null / false / empty)
-_TOP_LEVEL = {"text", "input_ids", "sampling_params", "stream", "rid", "model"}
-_TOP_LEVEL_OFF = {"return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "image_data",
+_TOP_LEVEL = {"text", "input_ids", "sampling_params", "stream", "rid", "model", "return_logprob", "top_logprobs_num", "return_text_in_logprobs"}
+_TOP_LEVEL_OFF = {"logprob_start_len", "token_ids_logprob", "image_data",
                   "video_data", "audio_data", "input_embeds", "lora_path", "lora_id", "return_hidden_states", "session_params",
                   "custom_logit_processor", "modalities", "bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank",
                   "log_metrics", "return_routed_experts", "background", "priority"}
 
 
-def generate_jobs(body: bytes, limits: Limits) -> tuple[list[Job], bool, bool]:
-    """(jobs, whether the answer is a list, stream) of a /generate body."""
+def generate_jobs(body: bytes, limits: Limits) -> tuple[list[Job], bool, bool, bool]:
+    """(jobs, whether the answer is a list, stream, text in logprobs) of a /generate body."""
     try:
         req = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -56,10 +59,20 @@ def generate_jobs(body: bytes, limits: Limits) -> tuple[list[Job], bool, bool]:
     if not isinstance(req, dict):
         raise invalid("the body must be a JSON object", None)
     for key, value in req.items():
-        if key in _TOP_LEVEL or (key in _TOP_LEVEL_OFF and value in (None, False, 0, -1, [], {}, "")):  # -1: logprob_start_len's default
+        off = (None, -1) if key == "logprob_start_len" else (None, False, 0, [], {}, "")  # -1: output logprobs only
+        if key in _TOP_LEVEL or (key in _TOP_LEVEL_OFF and value in off):
             continue
         what = "is not supported by this server" if key in _TOP_LEVEL_OFF else "is not a /generate field"
+        if key == "logprob_start_len":
+            what = "other than -1 (prompt logprobs) is not supported by this server: use /v1/completions with echo"
         raise APIError(400, f"{key} {what}", param=key, code="unsupported_parameter")
+    for key in ("return_logprob", "return_text_in_logprobs"):
+        if not isinstance(req.get(key, False), bool):
+            raise invalid(f"{key} must be true or false", key)
+    top = req.get("top_logprobs_num") or 0
+    if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise invalid(f"top_logprobs_num must be an integer from 0 to {MAX_TOP_LOGPROBS}", "top_logprobs_num")
+    logprobs = top if req.get("return_logprob") else None
     text, ids = req.get("text"), req.get("input_ids")
     if (text is None) == (ids is None):
         raise invalid("give either text or input_ids", "text")
@@ -83,19 +96,19 @@ def generate_jobs(body: bytes, limits: Limits) -> tuple[list[Job], bool, bool]:
         raise invalid(f"sampling_params must be an object, or a list of one object per prompt ({len(prompts)})", "sampling_params")
     jobs: list[Job] = []
     for g, (p, params) in enumerate(zip(prompts, per_prompt)):
-        for job in _prompt_jobs(p, params, limits, stream):
+        for job in _prompt_jobs(p, params, limits, stream, logprobs):
             jobs.append(replace(job, index=len(jobs), prompt_group=g))
     if len(jobs) > limits.max_n:
         raise invalid(f"at most {limits.max_n} generations per request (prompts x n), got {len(jobs)}", "sampling_params.n")
-    return jobs, batched or len(jobs) > 1, stream
+    return jobs, batched or len(jobs) > 1, stream, bool(req.get("return_text_in_logprobs"))
 
 
 def _ids(x) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
-def _prompt_jobs(prompt, sp: dict[str, Any], limits: Limits, stream: bool) -> list[Job]:
-    fields: dict[str, Any] = {"prompt": prompt, "stream": stream, "max_tokens": SGLANG_DEFAULT_MAX_NEW_TOKENS}
+def _prompt_jobs(prompt, sp: dict[str, Any], limits: Limits, stream: bool, logprobs: int | None) -> list[Job]:
+    fields: dict[str, Any] = {"prompt": prompt, "stream": stream, "max_tokens": SGLANG_DEFAULT_MAX_NEW_TOKENS, "logprobs": logprobs}
     for key, value in sp.items():
         if key in _RENAMED:
             if value is not None:
@@ -143,14 +156,17 @@ def _renamed(e: APIError) -> APIError:
 class NativeGeneration(Generation):
     """One /generate request: Generation's choices and lifecycle, SGLang's response shapes."""
 
-    def __init__(self, backend, telemetry, jobs: list[Job], batched: bool):
+    def __init__(self, backend, telemetry, jobs: list[Job], batched: bool, text_in_logprobs: bool = False):
         super().__init__(backend, telemetry, jobs, "", CompletionFormat, return_token_ids=True)
-        self.batched = batched
+        self.batched, self.text_in_logprobs = batched, text_in_logprobs
+        self.token_text = getattr(backend, "token_strings", None)  # id -> (text, bytes), for return_text_in_logprobs
         self.ids: dict[int, list[int]] = {c.job.index: [] for c in self.choices}
+        self.lps: dict[int, list] = {c.job.index: [] for c in self.choices}  # TokenLogprobs so far
 
     def _observe(self, c: _Choice, chunk: Chunk) -> None:
         super()._observe(c, chunk)
         self.ids[c.job.index] += chunk.ids or ()
+        self.lps[c.job.index] += chunk.token_logprobs or ()
 
     async def collect(self) -> dict | list:
         await self._run_to_end()
@@ -187,4 +203,14 @@ class NativeGeneration(Generation):
             if final.spec is not None and final.spec.verify_steps:
                 meta |= final.spec.as_meta_info()
                 meta["spec_num_correct_drafts"], meta["spec_num_proposed_drafts"] = final.spec.accepted_tokens, final.spec.draft_tokens
+        if c.job.params.logprobs is not None:
+            lps = self.lps[c.job.index]
+            meta["input_token_logprobs"] = []  # logprob_start_len -1: output tokens only
+            meta["output_token_logprobs"] = [self._triple(x.logprob, x.token) for x in lps]
+            if c.job.params.logprobs:
+                meta["output_top_logprobs"] = [[self._triple(lp, t) for t, lp in x.top] for x in lps]
         return {"text": "".join(c.parts), "output_ids": list(ids), "meta_info": meta}
+
+    def _triple(self, logprob: float, token: int) -> list:
+        """SGLang's (logprob, token id, text or None)."""
+        return [logprob, token, self.token_text(token)[0] if self.text_in_logprobs and self.token_text else None]
