@@ -172,3 +172,32 @@ def test_the_body_sglang_bench_serving_sends(http):
             if obj.get("text"):
                 generated, output_len, chunks = obj["text"], obj["meta_info"]["completion_tokens"], chunks + 1
     assert output_len == 20 and generated and chunks >= 2 and accept_length is not None and accept_length >= 1
+
+
+def test_sglang_frontend_language_runs_against_the_gateway(server, http):
+    """SGLang's own client (sglang.lang RuntimeEndpoint: /get_model_info, /generate with its full sampling
+    dict and max_new_tokens 0 prefix caching, streaming) runs a program against the gateway; its greedy
+    answer is /generate's."""
+    import sglang as sgl
+
+    backend = sgl.RuntimeEndpoint(server.url)
+    assert backend.get_model_name() == MODEL
+    backend.cache_prefix(PROMPT)  # max_new_tokens 0
+
+    @sgl.function
+    def colors(s):
+        s += PROMPT + sgl.gen("answer", max_tokens=16, temperature=0)
+
+    state = colors.run(backend=backend)
+    expected = http.post("/generate", json={"text": PROMPT, "sampling_params": greedy(16)}).json()["text"]
+    assert state["answer"] == expected
+    streamed = colors.run(backend=backend, stream=True)
+    assert "".join(streamed.text_iter("answer")) == expected
+    assert backend.get_server_info()["internal_states"][0]["avg_spec_accept_length"] >= 1  # after those requests
+    backend.flush_cache()
+
+
+def test_generate_max_new_tokens_0_is_prefill_only(http, smollm2_fp32):
+    out = http.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 0}}).json()
+    assert out["text"] == "" and out["output_ids"] == [] and out["meta_info"]["prompt_tokens"] == len(smollm2_fp32.encode(PROMPT))
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}

@@ -9,6 +9,7 @@ validation), rejected (429 queue full, 503 draining), aborted (client went away)
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -25,10 +26,15 @@ from ..backends.telemetry import Telemetry
 from .auth import APIKeys
 from .errors import APIError, from_validation_errors
 from .generation import ChatFormat, CompletionFormat, Generation
-from .native import NativeGeneration, generate_jobs
+from .native import NativeGeneration, generate_jobs, model_info, server_info
 from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, Limits, TokenizeRequest, chat_jobs, completion_jobs, parse, tokenize_jobs
 
 log = logging.getLogger("moa_serve.gateway")
+
+try:
+    VERSION = importlib.metadata.version("moa-serve")
+except importlib.metadata.PackageNotFoundError:  # a source tree that was not installed
+    VERSION = "unknown"
 
 DEFAULT_AUTH_EXEMPT = ("/health", "/ready", "/metrics")
 
@@ -184,6 +190,19 @@ def create_app(backend: Backend, telemetry: Telemetry, config: GatewayConfig | N
     async def generate(request: Request):
         """SGLang's native API (gateway/native.py)."""
         return await completion(request, native)
+
+    @app.get("/get_model_info")
+    async def get_model_info():
+        return model_info(backend)
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def get_server_info():
+        return server_info(backend, telemetry, VERSION)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        return {"success": True, "message": "nothing to flush: this server keeps no prefix cache between requests"}
 
     @app.post("/tokenize")
     @app.post("/v1/tokenize")

@@ -114,10 +114,12 @@ def _prompt_jobs(prompt, sp: dict[str, Any], limits: Limits, stream: bool, logpr
             if value is not None:
                 fields[_RENAMED[key]] = value
         elif key in _ONLY_DEFAULT:
-            if value is not None and value != _ONLY_DEFAULT[key]:
+            if value not in (None, [], "") and value != _ONLY_DEFAULT[key]:  # sglang.lang sends stop_regex: []
                 raise APIError(400, f"sampling_params.{key}={value!r} is not supported by this server", param=f"sampling_params.{key}", code="unsupported_parameter")
         elif key not in _IGNORED and key != "json_schema":
             raise invalid(f"sampling_params.{key} is not a sampling parameter", f"sampling_params.{key}")
+    if fields["max_tokens"] == 0:
+        fields["echo"] = True  # prefill only (SGLang clients send it to cache a prefix): completions' echo-only path, the echo dropped in _out
     try:
         jobs = completion_jobs(parse(CompletionRequest, json.dumps(fields).encode()), limits)
     except APIError as e:
@@ -193,10 +195,13 @@ class NativeGeneration(Generation):
         """The text and ids so far, with SGLang's meta_info (its finish_reason object once finished)."""
         final = c.final
         ids = final.token_ids if final is not None and final.token_ids is not None else self.ids[c.job.index]
+        text = "".join(c.parts)
+        if c.job.params.max_tokens == 0:  # prefill only: nothing generated (the echoed prompt is not output)
+            ids, text = [], ""
         meta: dict[str, Any] = {"id": f"{self.id}-{c.job.index}", "finish_reason": None, "prompt_tokens": None,
                                 "completion_tokens": len(ids), "cached_tokens": 0}
         if final is not None:
-            meta["finish_reason"] = {"type": final.finish_reason, "length": final.completion_tokens} if final.finish_reason == "length" else {"type": final.finish_reason, "matched": None}
+            meta["finish_reason"] = {"type": final.finish_reason, "length": final.completion_tokens or 0} if final.finish_reason == "length" else {"type": final.finish_reason, "matched": None}
             meta["prompt_tokens"] = final.prompt_tokens
             meta["completion_tokens"] = final.completion_tokens if final.completion_tokens is not None else len(ids)
             meta["e2e_latency"] = round(time.monotonic() - self.t0, 6)
@@ -209,8 +214,24 @@ class NativeGeneration(Generation):
             meta["output_token_logprobs"] = [self._triple(x.logprob, x.token) for x in lps]
             if c.job.params.logprobs:
                 meta["output_top_logprobs"] = [[self._triple(lp, t) for t, lp in x.top] for x in lps]
-        return {"text": "".join(c.parts), "output_ids": list(ids), "meta_info": meta}
+        return {"text": text, "output_ids": list(ids), "meta_info": meta}
 
     def _triple(self, logprob: float, token: int) -> list:
         """SGLang's (logprob, token id, text or None)."""
         return [logprob, token, self.token_text(token)[0] if self.text_in_logprobs and self.token_text else None]
+
+
+# --- what SGLang clients ask a server about itself (sglang.lang's RuntimeEndpoint calls /get_model_info) ----
+def model_info(backend) -> dict:
+    return {"model_path": backend.model_ids[0], "tokenizer_path": backend.model_ids[0], "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": "default", "has_image_understanding": False,
+            "has_audio_understanding": False}
+
+
+def server_info(backend, telemetry, version: str) -> dict:
+    """A few of SGLang's /server_info fields, from our counters: the mean acceptance length since start."""
+    steps, accepted = telemetry.verify_steps._value.get(), telemetry.accepted_tokens._value.get()
+    kv = backend.kv_cache()
+    return {"version": f"moa-serve {version}", "model_path": backend.model_ids[0], "backend": backend.kind,
+            "speculative_algorithm": backend.drafter, "max_total_num_tokens": kv.capacity if kv else None,
+            "internal_states": [{"avg_spec_accept_length": (accepted + steps) / steps if steps else None}]}
