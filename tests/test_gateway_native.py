@@ -110,6 +110,26 @@ def test_generate_logprobs_sglang_shape(http, smollm2_fp32):
     assert "output_top_logprobs" not in http.post("/generate", json={**body, "top_logprobs_num": 0}).json()["meta_info"]
 
 
+def test_generate_prompt_logprobs_from_logprob_start_len(http, smollm2_fp32):
+    """logprob_start_len i >= 0: the prompt's logprobs from position i (the first token's null), the same
+    numbers as /v1/completions echo; no echoed text; with max_new_tokens 0 (how sgl.select scores)."""
+    ids = smollm2_fp32.encode(PROMPT)
+    ref = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 2}).json()
+    ref_lps = ref["choices"][0]["logprobs"]["token_logprobs"]
+    for start in (0, 2):
+        out = http.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+                                           "return_text_in_logprobs": True, "logprob_start_len": start, "top_logprobs_num": 2}).json()
+        meta = out["meta_info"]
+        assert out["text"] == "" and [t for _, t, _ in meta["input_token_logprobs"]] == ids[start:]
+        assert [None if lp is None else round(lp, 4) for lp, _, _ in meta["input_token_logprobs"]] == [None if x is None else round(x, 4) for x in ref_lps[start:]]
+        assert "".join(t for _, _, t in meta["input_token_logprobs"]) == smollm2_fp32.tokenizer.decode(ids[start:])
+        assert (meta["input_top_logprobs"][0] is None) == (start == 0) and all(len(t) == 2 for t in meta["input_top_logprobs"][1:])
+    out = http.post("/generate", json={"text": PROMPT, "sampling_params": greedy(4), "return_logprob": True, "logprob_start_len": 1}).json()
+    plain = http.post("/generate", json={"text": PROMPT, "sampling_params": greedy(4)}).json()
+    assert out["text"] == plain["text"] and len(out["meta_info"]["input_token_logprobs"]) == len(ids) - 1
+    assert len(out["meta_info"]["output_token_logprobs"]) == 4
+
+
 def test_generate_stop_and_json_schema(http):
     out = http.post("/generate", json={"text": "1, 2, 3, 4,", "sampling_params": greedy(32, stop=[" 7"])}).json()
     assert " 7" not in out["text"] and out["meta_info"]["finish_reason"]["type"] == "stop", out
@@ -132,7 +152,7 @@ def test_generate_stop_and_json_schema(http):
     ({"text": "a", "sampling_params": {"json_schema": "{}", "regex": "a+"}}, "sampling_params.json_schema"),
     ({"text": ["a", "b"], "sampling_params": [greedy()]}, "sampling_params"),
     ({"text": "a", "sampling_params": {"n": 100}}, "sampling_params.n"),
-    ({"text": "a", "return_logprob": True, "logprob_start_len": 0}, "logprob_start_len"),
+    ({"text": "a", "return_logprob": True, "logprob_start_len": -5}, "logprob_start_len"),
     ({"text": "a", "return_logprob": True, "top_logprobs_num": 50}, "top_logprobs_num"),
     ({"text": "a", "return_logprob": "yes"}, "return_logprob"),
     ({"text": "a", "image_data": "http://x/y.png"}, "image_data"),
@@ -176,8 +196,8 @@ def test_the_body_sglang_bench_serving_sends(http):
 
 def test_sglang_frontend_language_runs_against_the_gateway(server, http):
     """SGLang's own client (sglang.lang RuntimeEndpoint: /get_model_info, /generate with its full sampling
-    dict and max_new_tokens 0 prefix caching, streaming) runs a program against the gateway; its greedy
-    answer is /generate's."""
+    dict and max_new_tokens 0 prefix caching, streaming, select by prompt logprobs) runs programs against
+    the gateway; its greedy answer is /generate's."""
     import sglang as sgl
 
     backend = sgl.RuntimeEndpoint(server.url)
@@ -195,6 +215,15 @@ def test_sglang_frontend_language_runs_against_the_gateway(server, http):
     assert "".join(streamed.text_iter("answer")) == expected
     assert backend.get_server_info()["internal_states"][0]["avg_spec_accept_length"] >= 1  # after those requests
     backend.flush_cache()
+
+    @sgl.function
+    def pick(s):  # sgl.select scores each choice by the prompt logprobs of prefix + choice
+        s += "Q: What color is the sky on a clear day?\nA: The sky is" + sgl.select("color", choices=[" blue", " green", " purple"])
+
+    state = pick.run(backend=backend)
+    assert state["color"] in (" blue", " green", " purple")
+    meta = state.get_meta_info("color")
+    assert len(meta["normalized_prompt_logprobs"]) == 3 and state["color"] == [" blue", " green", " purple"][max(range(3), key=meta["normalized_prompt_logprobs"].__getitem__)]
 
 
 def test_generate_max_new_tokens_0_is_prefill_only(http, smollm2_fp32):

@@ -37,6 +37,7 @@ class GenParams:
     min_tokens: int = 0  # extension: no EOS / stop_token_ids before this many tokens
     logprobs: int | None = None  # None: off; k: each token's logprob and its k likeliest alternatives
     echo: bool = False  # completions: the output starts with the prompt (and its logprobs, when asked)
+    prompt_logprobs: bool = False  # the prompt's logprobs (with `logprobs` alternatives) without echoing it (SGLang's /generate)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # extension (SGLang/vLLM)
@@ -98,6 +99,7 @@ class Chunk:
     ids: list[int] | None = None  # this chunk's completion token ids, when the backend knows them (embedded)
     logprobs: list[dict] | None = None  # when asked: one OpenAI chat `logprobs.content` entry per token of this chunk
     token_logprobs: list | None = None  # the same as sglang_ext.sampling.TokenLogprob (token ids), when asked (embedded)
+    prompt_token_logprobs: list | None = None  # TokenLogprob of every prompt token (the first's logprob None), with the first chunk, when asked
     prediction_tokens: tuple[int, int] | None = None  # with a prediction, on the last chunk: (accepted, rejected) prediction tokens
 
 

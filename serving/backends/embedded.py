@@ -7,7 +7,7 @@ import difflib
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from sglang_ext.sampling import InvalidRequest, SamplingParams
+from sglang_ext.sampling import InvalidRequest, SamplingParams, TokenLogprob
 
 from ..engine import Engine
 from ..gateway.errors import APIError, invalid
@@ -109,7 +109,7 @@ class EmbeddedBackend:
             if any(t >= vocab for t, _ in p.logit_bias):
                 raise InvalidRequest(f"logit_bias: token ids must be below the vocabulary size {vocab}", "logit_bias")
             return SamplingParams(max_new, p.temperature, p.top_p, p.top_k, p.seed, tuple(p.stop_token_ids), p.ignore_eos, p.logprobs,
-                                  prompt_logprobs=p.logprobs if p.echo else None, presence_penalty=p.presence_penalty,
+                                  prompt_logprobs=p.logprobs if p.echo or p.prompt_logprobs else None, presence_penalty=p.presence_penalty,
                                   frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias,
                                   grammar=p.grammar, min_tokens=p.min_tokens, prediction=tuple(self.target.encode(p.prediction)) if p.prediction else ())
         except InvalidRequest as e:
@@ -155,8 +155,9 @@ class EmbeddedBackend:
                     handle.cancel()  # frees the KV now; the tokens after the stop string are dropped
                 if job.params.max_tokens == 0:  # echo only: the prompt (and its logprobs); the sampled token is dropped
                     handle.cancel()
-                    lps = self._echo_logprobs(ids, d.prompt_logprobs)
-                    yield Chunk(echo, 0, "length", prompt_tokens=len(ids), completion_tokens=0, spec=SpecStats(), token_ids=[], logprobs=lps)
+                    lps = self._echo_logprobs(ids, d.prompt_logprobs) if job.params.echo else None
+                    yield Chunk(echo, 0, "length", prompt_tokens=len(ids), completion_tokens=0, spec=SpecStats(), token_ids=[], logprobs=lps,
+                                prompt_token_logprobs=_with_first(ids, d.prompt_logprobs))
                     return
                 # tokens past the one that completed a stop string are dropped (with their logprobs)
                 keep = text.tokens_through_stop(len(d.tokens)) if stopped else len(d.tokens)
@@ -164,8 +165,9 @@ class EmbeddedBackend:
                 if d.logprobs is not None:
                     chunk.token_logprobs = d.logprobs[:keep]
                     chunk.logprobs = self.token_strings.entries(chunk.token_logprobs)
-                    if d.prompt_logprobs is not None:  # echo
+                    if d.prompt_logprobs is not None and job.params.echo:
                         chunk.logprobs = self._echo_logprobs(ids, d.prompt_logprobs) + chunk.logprobs
+                chunk.prompt_token_logprobs = _with_first(ids, d.prompt_logprobs)
                 echo = ""
                 if finish:
                     chunk.prompt_tokens, chunk.completion_tokens = len(ids), produced
@@ -178,6 +180,11 @@ class EmbeddedBackend:
                     return
         finally:
             handle.cancel()  # client gone / sibling failed / generator closed early: no-op once finished
+
+
+def _with_first(ids: list[int], prompt_logprobs: list | None) -> list | None:
+    """The prompt's TokenLogprobs from its first token on (which has no context: logprob None)."""
+    return None if prompt_logprobs is None else [TokenLogprob(ids[0], None), *prompt_logprobs]
 
 
 def prediction_usage(prediction: tuple[int, ...], output: list[int]) -> tuple[int, int]:

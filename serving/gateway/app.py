@@ -175,8 +175,8 @@ def create_app(backend: Backend, telemetry: Telemetry, config: GatewayConfig | N
     def native(body: bytes) -> tuple[Generation, bool]:
         if backend.kind != "embedded":  # an upstream SGLang serves /generate itself, with its own output ids
             raise APIError(400, "/generate is served by the upstream SGLang server with --backend sglang: call its /generate", code="unsupported_parameter")
-        jobs, batched, stream, text_in_logprobs = generate_jobs(body, config.limits)
-        return NativeGeneration(backend, telemetry, jobs, batched, text_in_logprobs), stream
+        jobs, batched, stream, logprobs = generate_jobs(body, config.limits)
+        return NativeGeneration(backend, telemetry, jobs, batched, logprobs), stream
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -7,7 +7,9 @@ loops, `sglang.bench_serving --backend sglang`, `requests.post(url + "/generate"
        (a list of those for a batch or n > 1; a stream sends the text and ids so far in each event, then
        `data: [DONE]`, as SGLang 0.5.23 does by default; with "return_logprob": true, meta_info also has
        "output_token_logprobs" [[logprob, id, text or null], ...] and, with "top_logprobs_num": k,
-       "output_top_logprobs": one list of k such triples per token)
+       "output_top_logprobs": one list of k such triples per token; with "logprob_start_len": i >= 0 also the
+       prompt's from position i, "input_token_logprobs" (the first prompt token's logprob null) and
+       "input_top_logprobs")
 
 The request becomes completion jobs (`schemas.completion_jobs`, raw prompt, no chat template), so limits,
 validation and backends are the OpenAI routes'. Sampling parameters SGLang has and we do not (min_p,
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sglang_ext.grammar import GrammarSpec
@@ -43,15 +45,24 @@ _ONLY_DEFAULT = {"min_p": 0.0, "skip_special_tokens": True, "spaces_between_spec
                  "structural_tag": None, "beam_width": None, "custom_params": None, "watermark": None}
 _IGNORED = {"stream_interval"}  # how often SGLang streams; we stream each engine step
 # top-level fields: accepted, or accepted only when off (null / false / empty)
-_TOP_LEVEL = {"text", "input_ids", "sampling_params", "stream", "rid", "model", "return_logprob", "top_logprobs_num", "return_text_in_logprobs"}
-_TOP_LEVEL_OFF = {"logprob_start_len", "token_ids_logprob", "image_data",
+_TOP_LEVEL = {"text", "input_ids", "sampling_params", "stream", "rid", "model", "return_logprob", "top_logprobs_num", "return_text_in_logprobs",
+              "logprob_start_len"}
+_TOP_LEVEL_OFF = {"token_ids_logprob", "image_data",
                   "video_data", "audio_data", "input_embeds", "lora_path", "lora_id", "return_hidden_states", "session_params",
                   "custom_logit_processor", "modalities", "bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank",
                   "log_metrics", "return_routed_experts", "background", "priority"}
 
 
-def generate_jobs(body: bytes, limits: Limits) -> tuple[list[Job], bool, bool, bool]:
-    """(jobs, whether the answer is a list, stream, text in logprobs) of a /generate body."""
+@dataclass(frozen=True)
+class Logprobs:
+    """How a /generate request wants its logprobs reported (which tokens get them: the jobs' params)."""
+
+    with_text: bool = False  # return_text_in_logprobs
+    prompt_from: int | None = None  # logprob_start_len when prompt logprobs are asked
+
+
+def generate_jobs(body: bytes, limits: Limits) -> tuple[list[Job], bool, bool, Logprobs]:
+    """(jobs, whether the answer is a list, stream, how logprobs are reported) of a /generate body."""
     try:
         req = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -59,12 +70,9 @@ def generate_jobs(body: bytes, limits: Limits) -> tuple[list[Job], bool, bool, b
     if not isinstance(req, dict):
         raise invalid("the body must be a JSON object", None)
     for key, value in req.items():
-        off = (None, -1) if key == "logprob_start_len" else (None, False, 0, [], {}, "")  # -1: output logprobs only
-        if key in _TOP_LEVEL or (key in _TOP_LEVEL_OFF and value in off):
+        if key in _TOP_LEVEL or (key in _TOP_LEVEL_OFF and value in (None, False, 0, [], {}, "")):
             continue
         what = "is not supported by this server" if key in _TOP_LEVEL_OFF else "is not a /generate field"
-        if key == "logprob_start_len":
-            what = "other than -1 (prompt logprobs) is not supported by this server: use /v1/completions with echo"
         raise APIError(400, f"{key} {what}", param=key, code="unsupported_parameter")
     for key in ("return_logprob", "return_text_in_logprobs"):
         if not isinstance(req.get(key, False), bool):
@@ -73,6 +81,11 @@ def generate_jobs(body: bytes, limits: Limits) -> tuple[list[Job], bool, bool, b
     if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS:
         raise invalid(f"top_logprobs_num must be an integer from 0 to {MAX_TOP_LOGPROBS}", "top_logprobs_num")
     logprobs = top if req.get("return_logprob") else None
+    start = req.get("logprob_start_len")
+    start = -1 if start is None else start
+    if not isinstance(start, int) or isinstance(start, bool) or start < -1:
+        raise invalid("logprob_start_len must be -1 (output tokens only) or a prompt position >= 0", "logprob_start_len")
+    prompt_from = start if logprobs is not None and start >= 0 else None  # input_token_logprobs from this prompt position
     text, ids = req.get("text"), req.get("input_ids")
     if (text is None) == (ids is None):
         raise invalid("give either text or input_ids", "text")
@@ -97,10 +110,12 @@ def generate_jobs(body: bytes, limits: Limits) -> tuple[list[Job], bool, bool, b
     jobs: list[Job] = []
     for g, (p, params) in enumerate(zip(prompts, per_prompt)):
         for job in _prompt_jobs(p, params, limits, stream, logprobs):
-            jobs.append(replace(job, index=len(jobs), prompt_group=g))
+            # /generate never echoes (max_new_tokens 0 borrows completions' echo-only path to pass validation)
+            params_g = replace(job.params, echo=False, prompt_logprobs=prompt_from is not None)
+            jobs.append(replace(job, index=len(jobs), prompt_group=g, params=params_g))
     if len(jobs) > limits.max_n:
         raise invalid(f"at most {limits.max_n} generations per request (prompts x n), got {len(jobs)}", "sampling_params.n")
-    return jobs, batched or len(jobs) > 1, stream, bool(req.get("return_text_in_logprobs"))
+    return jobs, batched or len(jobs) > 1, stream, Logprobs(bool(req.get("return_text_in_logprobs")), prompt_from)
 
 
 def _ids(x) -> bool:
@@ -158,17 +173,19 @@ def _renamed(e: APIError) -> APIError:
 class NativeGeneration(Generation):
     """One /generate request: Generation's choices and lifecycle, SGLang's response shapes."""
 
-    def __init__(self, backend, telemetry, jobs: list[Job], batched: bool, text_in_logprobs: bool = False):
+    def __init__(self, backend, telemetry, jobs: list[Job], batched: bool, logprobs: Logprobs = Logprobs()):
         super().__init__(backend, telemetry, jobs, "", CompletionFormat, return_token_ids=True)
-        self.batched, self.text_in_logprobs = batched, text_in_logprobs
+        self.batched, self.logprobs = batched, logprobs
         self.token_text = getattr(backend, "token_strings", None)  # id -> (text, bytes), for return_text_in_logprobs
         self.ids: dict[int, list[int]] = {c.job.index: [] for c in self.choices}
         self.lps: dict[int, list] = {c.job.index: [] for c in self.choices}  # TokenLogprobs so far
+        self.prompt_lps: dict[int, list] = {c.job.index: [] for c in self.choices}
 
     def _observe(self, c: _Choice, chunk: Chunk) -> None:
         super()._observe(c, chunk)
         self.ids[c.job.index] += chunk.ids or ()
         self.lps[c.job.index] += chunk.token_logprobs or ()
+        self.prompt_lps[c.job.index] += chunk.prompt_token_logprobs or ()
 
     async def collect(self) -> dict | list:
         await self._run_to_end()
@@ -208,17 +225,19 @@ class NativeGeneration(Generation):
             if final.spec is not None and final.spec.verify_steps:
                 meta |= final.spec.as_meta_info()
                 meta["spec_num_correct_drafts"], meta["spec_num_proposed_drafts"] = final.spec.accepted_tokens, final.spec.draft_tokens
-        if c.job.params.logprobs is not None:
-            lps = self.lps[c.job.index]
-            meta["input_token_logprobs"] = []  # logprob_start_len -1: output tokens only
+        k = c.job.params.logprobs
+        if k is not None:
+            lps, prompt = self.lps[c.job.index], self.prompt_lps[c.job.index][self.logprobs.prompt_from or 0 :]
+            meta["input_token_logprobs"] = [self._triple(x.logprob, x.token) for x in prompt]  # [] for logprob_start_len -1
             meta["output_token_logprobs"] = [self._triple(x.logprob, x.token) for x in lps]
-            if c.job.params.logprobs:
+            if k:
+                meta["input_top_logprobs"] = [None if x.logprob is None else [self._triple(lp, t) for t, lp in x.top] for x in prompt]
                 meta["output_top_logprobs"] = [[self._triple(lp, t) for t, lp in x.top] for x in lps]
         return {"text": text, "output_ids": list(ids), "meta_info": meta}
 
     def _triple(self, logprob: float, token: int) -> list:
         """SGLang's (logprob, token id, text or None)."""
-        return [logprob, token, self.token_text(token)[0] if self.text_in_logprobs and self.token_text else None]
+        return [logprob, token, self.token_text(token)[0] if self.logprobs.with_text and self.token_text else None]
 
 
 # --- what SGLang clients ask a server about itself (sglang.lang's RuntimeEndpoint calls /get_model_info) ----
