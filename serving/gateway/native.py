@@ -74,32 +74,8 @@ def generate_jobs(body: bytes, limits: Limits) -> tuple[list[Job], bool, bool, L
             continue
         what = "is not supported by this server" if key in _TOP_LEVEL_OFF else "is not a /generate field"
         raise APIError(400, f"{key} {what}", param=key, code="unsupported_parameter")
-    for key in ("return_logprob", "return_text_in_logprobs"):
-        if not isinstance(req.get(key, False), bool):
-            raise invalid(f"{key} must be true or false", key)
-    top = req.get("top_logprobs_num") or 0
-    if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise invalid(f"top_logprobs_num must be an integer from 0 to {MAX_TOP_LOGPROBS}", "top_logprobs_num")
-    logprobs = top if req.get("return_logprob") else None
-    start = req.get("logprob_start_len")
-    start = -1 if start is None else start
-    if not isinstance(start, int) or isinstance(start, bool) or start < -1:
-        raise invalid("logprob_start_len must be -1 (output tokens only) or a prompt position >= 0", "logprob_start_len")
-    prompt_from = start if logprobs is not None and start >= 0 else None  # input_token_logprobs from this prompt position
-    text, ids = req.get("text"), req.get("input_ids")
-    if (text is None) == (ids is None):
-        raise invalid("give either text or input_ids", "text")
-    if text is not None:
-        if isinstance(text, str) or (isinstance(text, list) and text and all(isinstance(t, str) for t in text)):
-            prompts, batched = ([text], False) if isinstance(text, str) else (text, True)
-        else:
-            raise invalid("text must be a string or a non-empty list of strings", "text")
-    elif _ids(ids):
-        prompts, batched = [ids], False
-    elif isinstance(ids, list) and ids and all(_ids(x) for x in ids):
-        prompts, batched = ids, True
-    else:
-        raise invalid("input_ids must be a list of token ids or a non-empty list of such lists", "input_ids")
+    logprobs, report = _logprob_options(req)
+    prompts, batched = _prompts(req)
     stream = req.get("stream", False)
     if not isinstance(stream, bool):
         raise invalid("stream must be true or false", "stream")
@@ -111,11 +87,44 @@ def generate_jobs(body: bytes, limits: Limits) -> tuple[list[Job], bool, bool, L
     for g, (p, params) in enumerate(zip(prompts, per_prompt)):
         for job in _prompt_jobs(p, params, limits, stream, logprobs):
             # /generate never echoes (max_new_tokens 0 borrows completions' echo-only path to pass validation)
-            params_g = replace(job.params, echo=False, prompt_logprobs=prompt_from is not None)
+            params_g = replace(job.params, echo=False, prompt_logprobs=report.prompt_from is not None)
             jobs.append(replace(job, index=len(jobs), prompt_group=g, params=params_g))
     if len(jobs) > limits.max_n:
         raise invalid(f"at most {limits.max_n} generations per request (prompts x n), got {len(jobs)}", "sampling_params.n")
-    return jobs, batched or len(jobs) > 1, stream, Logprobs(bool(req.get("return_text_in_logprobs")), prompt_from)
+    return jobs, batched or len(jobs) > 1, stream, report
+
+
+def _logprob_options(req: dict) -> tuple[int | None, Logprobs]:
+    """(the jobs' `logprobs`: None or the alternatives per token, how to report them)."""
+    for key in ("return_logprob", "return_text_in_logprobs"):
+        if not isinstance(req.get(key, False), bool):
+            raise invalid(f"{key} must be true or false", key)
+    top = req.get("top_logprobs_num") or 0
+    if not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise invalid(f"top_logprobs_num must be an integer from 0 to {MAX_TOP_LOGPROBS}", "top_logprobs_num")
+    start = req.get("logprob_start_len")
+    start = -1 if start is None else start
+    if not isinstance(start, int) or isinstance(start, bool) or start < -1:
+        raise invalid("logprob_start_len must be -1 (output tokens only) or a prompt position >= 0", "logprob_start_len")
+    if not req.get("return_logprob"):
+        return None, Logprobs()
+    return top, Logprobs(bool(req.get("return_text_in_logprobs")), start if start >= 0 else None)
+
+
+def _prompts(req: dict) -> tuple[list, bool]:
+    """(prompts: texts or id lists, whether the request is a batch)."""
+    text, ids = req.get("text"), req.get("input_ids")
+    if (text is None) == (ids is None):
+        raise invalid("give either text or input_ids", "text")
+    if text is not None:
+        if isinstance(text, str) or (isinstance(text, list) and text and all(isinstance(t, str) for t in text)):
+            return ([text], False) if isinstance(text, str) else (text, True)
+        raise invalid("text must be a string or a non-empty list of strings", "text")
+    if _ids(ids):
+        return [ids], False
+    if isinstance(ids, list) and ids and all(_ids(x) for x in ids):
+        return ids, True
+    raise invalid("input_ids must be a list of token ids or a non-empty list of such lists", "input_ids")
 
 
 def _ids(x) -> bool:
@@ -134,7 +143,7 @@ def _prompt_jobs(prompt, sp: dict[str, Any], limits: Limits, stream: bool, logpr
         elif key not in _IGNORED and key != "json_schema":
             raise invalid(f"sampling_params.{key} is not a sampling parameter", f"sampling_params.{key}")
     if fields["max_tokens"] == 0:
-        fields["echo"] = True  # prefill only (SGLang clients send it to cache a prefix): completions' echo-only path, the echo dropped in _out
+        fields["echo"] = True  # prefill only (SGLang clients send it to cache a prefix): completions allow 0 with echo (turned off after)
     try:
         jobs = completion_jobs(parse(CompletionRequest, json.dumps(fields).encode()), limits)
     except APIError as e:
@@ -213,8 +222,6 @@ class NativeGeneration(Generation):
         final = c.final
         ids = final.token_ids if final is not None and final.token_ids is not None else self.ids[c.job.index]
         text = "".join(c.parts)
-        if c.job.params.max_tokens == 0:  # prefill only: nothing generated (the echoed prompt is not output)
-            ids, text = [], ""
         meta: dict[str, Any] = {"id": f"{self.id}-{c.job.index}", "finish_reason": None, "prompt_tokens": None,
                                 "completion_tokens": len(ids), "cached_tokens": 0}
         if final is not None:
