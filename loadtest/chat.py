@@ -28,6 +28,8 @@ Environment:
                                           reply cut at max_tokens is the client's limit, not a failure)
                               prediction  a prompt this user asked before, asked again with its last answer
                                           as the predicted output (OpenAI `prediction`: "regenerate")
+                              generate    "Question: <prompt>\nAnswer:" as raw text to SGLang's native POST
+                                          /generate (stream; the text so far in each event; min_new_tokens 4)
                             Each is its own request name ("/v1/chat/completions (tools)", ...) with the same
                             METRIC rows; a tool call's arrival counts as its first token.
 """
@@ -85,7 +87,7 @@ MAX_TOKENS = int(os.environ.get("MOA_LOADTEST_MAX_TOKENS", "128"))
 TEMPERATURE = float(os.environ.get("MOA_LOADTEST_TEMPERATURE", "0.0"))
 API_KEY = os.environ.get("MOA_LOADTEST_API_KEY", "")
 THINK_TIME = float(os.environ.get("MOA_LOADTEST_THINK_TIME", "0"))
-WORKLOADS = ("chat", "tools", "prediction")
+WORKLOADS = ("chat", "tools", "prediction", "generate")
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
      "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
@@ -169,6 +171,38 @@ class ChatUser(HttpUser):
         text = self._stream("prediction", [{"role": "user", "content": prompt}], **extra)
         if text:
             answers[prompt] = text
+
+    def generate(self) -> None:
+        """SGLang's native API (the moa-serve gateway serves it too): cumulative text per event."""
+        # raw text, no chat template: framed as Q/A, and min_new_tokens so an immediate EOS cannot end it empty
+        body = {"text": f"Question: {random.choice(PROMPTS)}\nAnswer:", "stream": True,
+                "sampling_params": {"max_new_tokens": MAX_TOKENS, "min_new_tokens": min(4, MAX_TOKENS), "temperature": TEMPERATURE}}
+        start = time.perf_counter()
+        with self.client.post("/generate", json=body, headers=self.headers, stream=True, catch_response=True,
+                              name="/generate (stream)") as resp:
+            if resp.status_code != 200:
+                resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
+                return
+            token_times, seen, completion = [], 0, None
+            try:
+                for raw in sse_lines(resp.raw):
+                    line = raw.decode("utf-8").rstrip("\r")
+                    if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                        continue
+                    event = json.loads(line[5:])
+                    if "error" in event:
+                        raise ValueError(f"error event: {event['error'].get('message', event['error'])}")
+                    if len(event.get("text") or "") > seen:
+                        token_times.append(time.perf_counter())
+                        seen = len(event["text"])
+                    completion = event["meta_info"]["completion_tokens"]
+            except (ValueError, KeyError) as exc:
+                resp.failure(str(exc))
+                return
+            if not token_times:
+                resp.failure("stream ended without text")
+                return
+            self._report(start, token_times, completion)
 
     def _stream(self, workload: str, messages: list[dict], **extra) -> str | None:
         """One streamed chat completion; reports its METRIC rows; returns the content (None on failure)."""
