@@ -162,7 +162,7 @@ def create_app(backend: Backend, telemetry: Telemetry, config: GatewayConfig | N
             if not handed_off:
                 state.leave()
 
-    def openai(schema, make_jobs, fmt):
+    def openai_request(schema, make_jobs, fmt):
         def build(body: bytes) -> tuple[Generation, bool]:
             req = parse(schema, body)
             _check_model(req.model, backend)
@@ -172,7 +172,7 @@ def create_app(backend: Backend, telemetry: Telemetry, config: GatewayConfig | N
 
         return build
 
-    def native(body: bytes) -> tuple[Generation, bool]:
+    def native_request(body: bytes) -> tuple[Generation, bool]:
         if backend.kind != "embedded":  # an upstream SGLang serves /generate itself, with its own output ids
             raise APIError(400, "/generate is served by the upstream SGLang server with --backend sglang: call its /generate", code="unsupported_parameter")
         jobs, batched, stream, logprobs = generate_jobs(body, config.limits)
@@ -180,16 +180,16 @@ def create_app(backend: Backend, telemetry: Telemetry, config: GatewayConfig | N
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await completion(request, openai(ChatCompletionRequest, chat_jobs, ChatFormat))
+        return await completion(request, openai_request(ChatCompletionRequest, chat_jobs, ChatFormat))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await completion(request, openai(CompletionRequest, completion_jobs, CompletionFormat))
+        return await completion(request, openai_request(CompletionRequest, completion_jobs, CompletionFormat))
 
     @app.post("/generate")
     async def generate(request: Request):
         """SGLang's native API (gateway/native.py)."""
-        return await completion(request, native)
+        return await completion(request, native_request)
 
     @app.get("/get_model_info")
     async def get_model_info():
