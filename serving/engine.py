@@ -319,12 +319,12 @@ class Engine:
         """One tree per request; root-only (a plain decode step) when not drafting."""
         trees: dict[int, TokenTree] = {}
         drafting = [r for r in reqs if r.drafting and self.drafter is not None and shape is not None]
-        if drafting and self._prediction is not None and any(r.reference for r in drafting):
-            found = self._prediction.trees([DraftInput(r.rid, r.token_ids, r.params, None, r.reference) for r in drafting if r.reference], shape)
-            trees.update(found)
-            drafting = [r for r in drafting if r.rid not in found]  # the model drafts the rest (and catches up later)
+        inputs = [DraftInput(r.rid, r.token_ids, r.params, r.generator, r.reference) for r in drafting]
+        if self._prediction is not None and any(r.reference for r in drafting):
+            trees.update(self._prediction.trees(inputs, shape))
+            # the model drafts the rest (and catches up later on the tokens it did not draft)
+            drafting, inputs = [r for r in drafting if r.rid not in trees], [d for d in inputs if d.rid not in trees]
         if drafting:
-            inputs = [DraftInput(r.rid, r.token_ids, r.params, r.generator, r.reference) for r in drafting]
             proposed = self._drafter_call(lambda: self.drafter.propose(inputs, shape), drafting)
             if proposed is not None:
                 vocab = self.model.cfg.vocab_size

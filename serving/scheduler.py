@@ -117,6 +117,7 @@ class Scheduler:
             return len(self._active), len(self._pending)
 
     def kv_cache(self) -> KVCacheUsage:
+        """Read at each /metrics scrape (not per engine step: nothing else reads it)."""
         kv = self.engine.kv
         with self._cond:
             reserved = self._reserved()
@@ -187,7 +188,6 @@ class Scheduler:
                 self._fail_all("internal error in the engine thread", admit)
             if self.telemetry:
                 self.telemetry.occupancy(*self.load())
-                self.telemetry.kv_cache(self.kv_cache())
         self._shutdown()
 
     def _iterate(self, aborts: list[Handle], admit: list[Handle]) -> None:

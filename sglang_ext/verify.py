@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .sampling import seeded_sample
 from .tree import TokenTree
 
 
@@ -106,8 +107,6 @@ def greedy_verify(tree: TokenTree, target_argmax: torch.Tensor) -> VerifyResult:
 def coupled_verify(tree: TokenTree, target_probs, seed: int) -> VerifyResult:
     """One seeded request (see the module docstring). target_probs: a function node -> [V] (only
     the accepted path and one more node are visited)."""
-    from .sampling import seeded_sample
-
     nodes, tokens, node = [0], [], 0
     while True:
         target = seeded_sample(target_probs(node), seed, int(tree.positions[node]) + 1)

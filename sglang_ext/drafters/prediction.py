@@ -20,10 +20,7 @@ MIN_MATCH = FULL_CONFIDENCE_MATCH
 
 class PredictionLookup:
     def __init__(self, min_match: int = MIN_MATCH, max_ngram: int = 4):
-        if not 1 <= min_match <= max_ngram:
-            raise ValueError("prediction lookup needs 1 <= min_match <= max_ngram")
-        self.min_match = min_match
-        self.ngram = NgramDrafter(max_ngram=max_ngram, min_ngram=min_match)
+        self.ngram = NgramDrafter(max_ngram=max_ngram, min_ngram=min_match)  # matches shorter than min_match are not tried
 
     def trees(self, batch: list[DraftInput], shape: TreeShape) -> dict[int, TokenTree]:
         """rid -> a chain from the prediction, for the requests of `batch` whose tail matches theirs."""
@@ -32,7 +29,7 @@ class PredictionLookup:
         for d in batch:
             if not d.reference:
                 continue
-            n, conts = self.ngram.longest_match(d.token_ids, depth, d.reference, own=False)
-            if n >= self.min_match:
+            _, conts = self.ngram.longest_match(d.token_ids, depth, d.reference, own=False)
+            if conts:
                 out[d.rid] = trie_tree(d.token_ids[-1], d.seq_len, by_recency(conts), TreeShape.chain(depth))
         return out
