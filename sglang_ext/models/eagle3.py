@@ -30,10 +30,10 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
 from .. import kernels
 from ..kernels import Linear
+from .checkpoint import read_weights, save_weights, weight_files
 from .llama import apply_rope, rope_inv_freq
 from .loader import LlamaConfig
 
@@ -232,7 +232,7 @@ class Eagle3Draft(nn.Module):
         hot_ids = hot_ids.to(torch.long).sort().values
         if hot_ids.numel() != self.cfg.draft_vocab_size:
             raise ValueError(f"expected {self.cfg.draft_vocab_size} draft ids, got {hot_ids.numel()}")
-        self.d2t.copy_(hot_ids - torch.arange(hot_ids.numel()))
+        self.d2t.copy_(hot_ids - torch.arange(hot_ids.numel(), device=hot_ids.device))
         self.t2d.zero_()
         self.t2d[hot_ids] = True
 
@@ -242,7 +242,7 @@ class Eagle3Draft(nn.Module):
         return self.fc(aux)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[..., None] * self.inv_freq
+        freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)
         emb = torch.cat([freqs, freqs], dim=-1)[..., None, :]  # [.., 1, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
@@ -273,8 +273,7 @@ class Eagle3Draft(nn.Module):
         out.mkdir(parents=True, exist_ok=True)
         state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in self.state_dict().items()}
         cfg = self.cfg.to_hf() | {"torch_dtype": str(dtype).removeprefix("torch.")} | (extra_config or {})
-        save_file(state, str(out / "model.safetensors.tmp"), metadata={"format": "pt"})
-        (out / "model.safetensors.tmp").replace(out / "model.safetensors")
+        save_weights(state, out)
         (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
@@ -295,12 +294,8 @@ def _canonical_name(name: str) -> str | None:
 
 
 def _read_state(ckpt: Path) -> dict[str, torch.Tensor]:
-    files = sorted(ckpt.glob("*.safetensors"))
-    if files:
-        state: dict[str, torch.Tensor] = {}
-        for f in files:
-            state.update(load_file(str(f)))
-        return state
+    if weight_files(ckpt):
+        return read_weights(ckpt)
     bin_file = ckpt / "pytorch_model.bin"
     if bin_file.is_file():
         return torch.load(bin_file, map_location="cpu", weights_only=True)

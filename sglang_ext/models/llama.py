@@ -37,6 +37,14 @@ class ForwardOutput:
     captured: dict[int, torch.Tensor] = field(default_factory=dict)  # layer index -> [T, H] output of that layer
 
 
+@dataclass
+class PaddedOutput:
+    hidden: torch.Tensor  # [B, T, H] after the final norm
+    captured: dict[int, torch.Tensor]  # layer index -> [B, T, H] output of that layer
+    k: list[torch.Tensor]  # per layer [B, T, Hkv, D] keys as cached (after RoPE); empty unless keep_kv
+    v: list[torch.Tensor]  # per layer [B, T, Hkv, D]
+
+
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
@@ -194,6 +202,38 @@ class LlamaModel:
                 captured[i] = x
         norm = kernels.rms_norm if kernels.uses_layer_ops(x) else rms_norm
         return ForwardOutput(norm(x, self.norm, self.cfg.rms_norm_eps), captured)
+
+    @torch.no_grad()  # not inference_mode: the outputs are training targets that autograd saves
+    def forward_padded(self, input_ids: torch.Tensor, capture_layers: tuple[int, ...] = (), keep_kv: bool = False) -> PaddedOutput:
+        """A causal forward over right-padded sequences input_ids [B, T] (positions 0..T-1), no KV pool:
+        the training-time target run on an accelerator (SDPA's fused causal kernels). Padding sits
+        after each sequence's last token, so causal attention never lets a real token see it."""
+        c = self.cfg
+        b, t = input_ids.shape
+        x = self.embed[input_ids]
+        rope = self.rope(torch.arange(t, device=self.device))
+        cos, sin = (r[None] for r in rope)  # [1, T, 1, D]
+        captured, ks, vs = {}, [], []
+        nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        for i, lw in enumerate(self.layers):
+            h = rms_norm(x, lw.input_norm, c.rms_norm_eps)
+            qkv = F.linear(h, lw.qkv, lw.qkv_bias)
+            q = apply_rope(qkv[..., :nq].unflatten(-1, (c.num_heads, c.head_dim)), cos, sin)
+            k = apply_rope(qkv[..., nq : nq + nk].unflatten(-1, (c.num_kv_heads, c.head_dim)), cos, sin)
+            v = qkv[..., nq + nk :].unflatten(-1, (c.num_kv_heads, c.head_dim))
+            a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale,
+                                               enable_gqa=c.num_heads != c.num_kv_heads)
+            x = x + F.linear(a.transpose(1, 2).flatten(-2), lw.o)
+            h = rms_norm(x, lw.post_norm, c.rms_norm_eps)
+            gu = F.linear(h, lw.gate_up)
+            inter = gu.shape[-1] // 2
+            x = x + F.linear(F.silu(gu[..., :inter]) * gu[..., inter:], lw.down)
+            if i in capture_layers:
+                captured[i] = x
+            if keep_kv:
+                ks.append(k)
+                vs.append(v)
+        return PaddedOutput(rms_norm(x, self.norm, c.rms_norm_eps), captured, ks, vs)
 
     def logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """fp32=False keeps the model dtype: argmax needs no upcast (exact), and the upcast of

@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
+from .checkpoint import read_weights, save_weights, weight_files
 from .eagle3 import DraftCheckpointError, RMSNorm
 from .kv_pool import KVPool
 from ..kernels import Linear
@@ -276,8 +276,7 @@ class MoADraft(MoAPieces, nn.Module):
         if not self.cfg.draft_vocab_size:
             state.pop("hot_ids")
         cfg = self.cfg.to_json() | {"torch_dtype": str(dtype).removeprefix("torch.")} | (extra_config or {})
-        save_file(state, str(out / "model.safetensors.tmp"), metadata={"format": "pt"})
-        (out / "model.safetensors.tmp").replace(out / "model.safetensors")
+        save_weights(state, out)
         (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
 
@@ -315,15 +314,13 @@ def load_moa(ckpt_dir: str | Path, target_cfg: LlamaConfig | None = None, dtype:
     cfg = MoAConfig.from_json(json.loads((ckpt / "config.json").read_text()))
     if target_cfg is not None:
         _check_fits(cfg, target_cfg)
-    files = sorted(ckpt.glob("*.safetensors"))
-    if not files:
+    if not weight_files(ckpt):
         raise DraftCheckpointError(f"no .safetensors in {ckpt}")
     state: dict[str, torch.Tensor] = {}
-    for f in files:
-        for k, v in load_file(str(f)).items():
-            name = _canonical_name(k)
-            if name is not None:
-                state[name] = v
+    for k, v in read_weights(ckpt).items():
+        name = _canonical_name(k)
+        if name is not None:
+            state[name] = v
     model = MoADraft(cfg)
     if "hot_ids" not in state:
         state["hot_ids"] = model.hot_ids.clone()

@@ -69,6 +69,13 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--staircase-max", type=float, default=1.0, help="final SA staircase probability (1: the drafter's SA sees only the verified prefix + itself)")
     m.add_argument("--no-lsa", action="store_true", help="ablation: CA reads the target's last-layer output instead of LSA over all layers' K/V")
     m.set_defaults(train_fn=train_moa)
+    k = kinds.add_parser("pack", help="pack conversations and the target's answers into token shards (what a GPU job carries)")
+    k.add_argument("--target", default="smollm2", help="'smollm2' or a local HF Llama/Qwen directory (its tokenizer)")
+    k.add_argument("--data", action="append", required=True,
+                   help="'sharegpt', a .json/.jsonl file, or a directory of the target's answers (../shared/data/distill format); repeatable")
+    k.add_argument("--out", required=True, help="shard directory (manifest.json + shard-*.npz)")
+    k.add_argument("--shard-tokens", type=int, default=4_000_000, help="tokens per shard file")
+    k.set_defaults(train_fn=pack_data)
     return t
 
 
@@ -207,6 +214,39 @@ def train_moa(args) -> int:
             "staircase_ramp": args.staircase_ramp, "staircase_max": args.staircase_max, "draft_vocab_coverage": round(coverage, 5)}
     n_params = sum(p.numel() for p in draft.parameters())
     return _fit(args, target, exs, task, meta, f"MoA TLI={args.tli}, {n_params / 1e6:.1f}M trainable params, draft vocab covers {coverage:.4f}", t0)
+
+
+def pack_data(args) -> int:
+    from ..models.loader import load_tokenizer, resolve_target
+    from .shards import distill_examples, pack, sharegpt_examples
+
+    tok = load_tokenizer(resolve_target(args.target))
+    sources = {}
+    for src in args.data:
+        if src != "sharegpt" and Path(src).is_dir():
+            sources[f"distill:{Path(src).name}"] = distill_examples(src, excluded_distill_prompts(tok, src))
+        else:
+            sources[src if src == "sharegpt" else Path(src).name] = sharegpt_examples(tok, src)
+    manifest = pack(args.out, sources, len(tok), args.shard_tokens, meta={"target": args.target, "data": args.data})
+    _log(f"{manifest['examples']} examples, {manifest['tokens']} tokens ({manifest['assistant_tokens']} assistant) in {len(manifest['shards'])} shards -> {args.out}")
+    return 0
+
+
+def excluded_distill_prompts(tokenizer, directory: str) -> set[int]:
+    """ShareGPT record indices of distill prompts whose user turn is an eval prompt."""
+    import numpy as np
+
+    from .data import eval_prompts
+
+    evals = eval_prompts()
+    z = np.load(Path(directory) / "sharegpt-prompts.npz")
+    out = set()
+    for k in range(len(z["offsets"]) - 1):
+        text = tokenizer.decode(z["ids"][z["offsets"][k] : z["offsets"][k + 1]].tolist())
+        user = text.split("<|im_start|>user\n", 1)[-1].split("<|im_end|>", 1)[0].strip()
+        if user in evals:
+            out.add(int(z["src"][k]))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import numpy as np
 import torch
 
 ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
@@ -186,12 +187,11 @@ def encode_conversation(tokenizer, messages: list[dict], max_len: int) -> Exampl
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, truncation=False)
     ids = enc["input_ids"][:max_len]
     offsets = enc["offset_mapping"][: len(ids)]
-    mask = torch.zeros(len(ids), dtype=torch.bool)
-    char_mask = torch.zeros(len(text) + 1, dtype=torch.bool)
+    char_mask = np.zeros(len(text) + 1, dtype=bool)
     for s, e in spans:
         char_mask[s:e] = True
-    for j, (s, e) in enumerate(offsets):
-        mask[j] = bool(char_mask[s]) if e > s else False
+    off = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    mask = torch.from_numpy(char_mask[off[:, 0]] & (off[:, 1] > off[:, 0]))
     if int(mask.sum()) < 2:
         return None
     return Example(torch.tensor(ids, dtype=torch.long), mask)
@@ -221,10 +221,9 @@ def build_examples(tokenizer, convs: Iterator[Conversation], num: int, max_len: 
 
 def token_counts(examples: list[Example], vocab_size: int) -> torch.Tensor:
     """[V] counts of loss-masked (assistant) tokens."""
-    counts = torch.zeros(vocab_size, dtype=torch.long)
-    for ex in examples:
-        counts += torch.bincount(ex.input_ids[ex.loss_mask], minlength=vocab_size)
-    return counts
+    if not examples:
+        return torch.zeros(vocab_size, dtype=torch.long)
+    return torch.bincount(torch.cat([ex.input_ids[ex.loss_mask] for ex in examples]), minlength=vocab_size)
 
 
 # --- batching ---------------------------------------------------------------------------------
@@ -240,10 +239,20 @@ class Batch:
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     lengths: torch.Tensor
+    num_tokens: int = -1  # sum of lengths, known on the host (filled in when not given)
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.lengths.sum())
+    def __post_init__(self):
+        if self.num_tokens < 0:
+            self.num_tokens = int(self.lengths.sum())
+
+    def to(self, device: torch.device | str) -> "Batch":
+        return Batch(self.input_ids.to(device), self.loss_mask.to(device), self.lengths.to(device), self.num_tokens)
+
+    def counted(self) -> torch.Tensor:
+        """[B, T] bool: positions u whose prediction counts (the token after u exists and is an assistant token)."""
+        t = self.input_ids.shape[1]
+        in_range = torch.arange(t, device=self.lengths.device)[None, :] + 1 < self.lengths[:, None]
+        return in_range & torch.cat([self.loss_mask[:, 1:], self.loss_mask.new_zeros(self.loss_mask.shape[0], 1)], dim=1)
 
 
 def make_batches(examples: list[Example], tokens_per_batch: int, seed: int) -> list[Batch]:

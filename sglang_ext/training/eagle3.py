@@ -38,6 +38,14 @@ def shift(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat([x[:, k:], pad], dim=1)
 
 
+def unshift(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x[:, :-k] left-padded with zeros back to length T: row t moves to row t + k (shift's inverse)."""
+    if k == 0:
+        return x
+    pad = x.new_zeros(x.shape[0], k, *x.shape[2:])
+    return torch.cat([pad, x[:, :-k]], dim=1)
+
+
 def _heads(x: torch.Tensor, rep: int) -> torch.Tensor:
     """[B, T, Hkv, D] -> [B, Hq, T, D] (GQA heads repeated)."""
     return x.repeat_interleave(rep, dim=2).transpose(1, 2)
@@ -71,15 +79,18 @@ def _causal_bias(t: int, device: torch.device) -> torch.Tensor:
 
 
 class Eagle3Task:
-    """One model type for the shared Trainer: holds the draft, computes the TTT loss, saves."""
+    """One model type for the shared Trainer: holds the draft, computes the TTT loss, saves.
+
+    The loss is computed densely over every [B, T] row with masks (no boolean gathers), so a step
+    on an accelerator never waits on the host; metrics stay tensors until the trainer logs them."""
 
     name = "eagle3"
+    needs_kv = False
 
     def __init__(self, target: LlamaModel, draft: Eagle3Draft, ttt_length: int = 7, decay: float = 0.8, autocast: bool | None = None):
         self.target, self.draft = target, draft
         self.ttt_length, self.decay = ttt_length, decay
-        # bf16 autocast only where bf16 beats fp32 on this CPU (AMX: see cpu_has_fast_bf16)
-        self.autocast = cpu_has_fast_bf16() if autocast is None else autocast
+        self.autocast = default_autocast(target.device) if autocast is None else autocast
         self.capture_layers = tuple(draft.cfg.aux_layers)
         self.scale = draft.cfg.head_dim**-0.5
 
@@ -87,55 +98,57 @@ class Eagle3Task:
     def module(self) -> torch.nn.Module:
         return self.draft
 
-    def loss(self, batch: Batch, tout: TargetOutputs, progress: float) -> tuple[torch.Tensor, dict[str, float]]:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+    def loss(self, batch: Batch, tout: TargetOutputs, progress: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        with torch.autocast(self.target.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             return self._loss(batch, tout)
 
     def _targets(self, batch: Batch, tout: TargetOutputs):
-        """Positions u whose prediction counts (the token after u is an assistant token), and for those
-        inside the draft vocab the target's probabilities over it.
+        """For each position u: whether its prediction counts, whether it also has the target's argmax
+        inside the draft vocab (`weight`), the target's argmax and its probabilities over the draft vocab.
 
-        returns counts [B, T] bool, (b, u) indices of in-vocab counted positions, probs [N, Vd], top [B, T]
+        returns counts [B, T] bool, weight [B, T] bool, top [B, T] int64, probs [B, T, Vd] fp32
         """
-        b, t = batch.input_ids.shape
-        in_range = torch.arange(t)[None, :] + 1 < batch.lengths[:, None]
-        counts = in_range & shift(batch.loss_mask, 1)
+        counts = batch.counted()
         with torch.no_grad():
-            logits = tout.hidden[counts] @ self.target.lm_head.T  # [Nc, V]
-            top = torch.zeros(b, t, dtype=torch.long)
-            top[counts] = logits.argmax(-1)
-            ok = self.draft.t2d[top[counts]]
-            probs = torch.softmax(logits[ok][:, self.draft.hot_ids].float(), dim=-1)
-        bi, ui = counts.nonzero(as_tuple=True)
-        return counts, (bi[ok], ui[ok]), probs, top
+            logits = tout.logits(self.target.lm_head)  # [B, T, V]
+            top = logits.argmax(-1)
+            weight = counts & self.draft.t2d[top]
+            probs = torch.softmax(logits[..., self.draft.hot_ids].float(), dim=-1)
+        return counts, weight, top, probs
 
-    def _loss(self, batch: Batch, tout: TargetOutputs) -> tuple[torch.Tensor, dict[str, float]]:
+    def _loss(self, batch: Batch, tout: TargetOutputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         d, ids = self.draft, batch.input_ids
-        counts, (bi, ui), probs, top = self._targets(batch, tout)
+        counts, weight, top, probs = self._targets(batch, tout)
         aux = torch.cat([tout.captured[l] for l in self.capture_layers], dim=-1)
         feat = d.fuse(aux)
         embed = self.target.embed
         b, t = ids.shape
         c = d.cfg
         rep = c.num_heads // c.num_kv_heads
+        rows = torch.arange(t, device=ids.device)
         keys, values, total, metrics = [], [], 0.0, {}
         for j in range(self.ttt_length):
-            q, k, v = d.qkv(embed[shift(ids, 1 + j)], feat, (torch.arange(t) + j).expand(b, t))
+            q, k, v = d.qkv(embed[shift(ids, 1 + j)], feat, (rows + j).expand(b, t))
             keys.append(_heads(k, rep) if j == 0 else k)
             values.append(_heads(v, rep) if j == 0 else v)
             feat = d.finish(ttt_attention(q, keys, values, self.scale), feat)
-            # row t at step j is scored against the target at u = t + 1 + j
-            # NOTE: rows are gathered at clamped indices and weighted, so `probs` is never re-gathered
-            sel = ui >= 1 + j
-            z = d.logits(feat[bi, (ui - 1 - j).clamp(min=0)]).float()  # [N, Vd]
-            denom = counts[:, 1 + j :].sum().clamp(min=1)
-            step_loss = (F.cross_entropy(z, probs, reduction="none") * sel).sum() / denom
+            # row t at step j is scored against the target at u = t + 1 + j: feat moved to row u
+            reach = rows >= 1 + j  # [T] u has a row t >= 0
+            z = d.logits(unshift(feat, 1 + j)).float()  # [B, T, Vd] at u
+            ce = -(probs * torch.log_softmax(z, dim=-1)).sum(-1)  # [B, T]
+            denom = (counts & reach).sum().clamp(min=1)
+            step_loss = torch.where(weight & reach, ce, 0.0).sum() / denom
             total = total + self.decay**j * step_loss
             with torch.no_grad():
-                acc = ((d.hot_ids[z.argmax(-1)] == top[bi, ui]) & sel).sum() / denom
-            metrics[f"loss_{j}"], metrics[f"acc_{j}"] = step_loss.item(), acc.item()
-        metrics["loss"] = float(total.detach())
+                hit = (d.hot_ids[z.argmax(-1)] == top) & weight & reach
+                metrics[f"loss_{j}"], metrics[f"acc_{j}"] = step_loss.detach(), hit.sum() / denom
+        metrics["loss"] = total.detach()
         return total, metrics
 
     def save(self, out_dir: str | Path, extra_config: dict | None = None) -> None:
         self.draft.save(out_dir, extra_config=extra_config)
+
+
+def default_autocast(device: torch.device) -> bool:
+    """bf16 autocast on accelerators; on the CPU only where bf16 beats fp32 (AMX: see cpu_has_fast_bf16)."""
+    return device.type != "cpu" or cpu_has_fast_bf16()

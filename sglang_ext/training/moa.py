@@ -28,49 +28,48 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..models import cpu_has_fast_bf16
 from ..models.llama import LlamaModel, apply_rope, rms_norm
 from ..models.moa import MoADraft, stack_layer_kv
 from .data import Batch
-from .eagle3 import shift
+from .eagle3 import default_autocast
 from .target import TargetOutputs
 
 
 def last_points(lengths: torch.Tensor, t: int, min_gap: int, max_gap: int, gen: torch.Generator) -> torch.Tensor:
-    """[B, T] v(i): the last verification point strictly before row i (0 for i = 0)."""
+    """[B, T] v(i): the last verification point strictly before row i (0 for i = 0), on the host
+    (gen is a CPU generator; one draw per point, sequence by sequence)."""
     b = lengths.numel()
     v = torch.zeros(b, t, dtype=torch.long)
     for s in range(b):
-        point, nxt = 0, 0
-        for i in range(1, t):
-            if i > nxt:  # i - 1 == nxt is a point
-                point = nxt
-                nxt = point + int(torch.randint(min_gap, max_gap + 1, (1,), generator=gen))
-            v[s, i] = point
+        nxt = 0
+        while nxt < t - 1:  # rows point+1 .. nxt see `point` as their last verified token
+            point = nxt
+            nxt = point + int(torch.randint(min_gap, max_gap + 1, (1,), generator=gen))
+            v[s, point + 1 : nxt + 1] = point
     return v
 
 
 def ca_mask(v: torch.Tensor) -> torch.Tensor:
     """[B, T, T]: row i sees memory rows j <= v(i)."""
     t = v.shape[1]
-    return torch.arange(t)[None, None, :] <= v[:, :, None]
+    return torch.arange(t, device=v.device)[None, None, :] <= v[:, :, None]
 
 
 def sa_mask(v: torch.Tensor, staircase: torch.Tensor) -> torch.Tensor:
     """[B, T, T]: causal, or (per sequence, staircase[b]) j <= v(i) or j == i."""
     t = v.shape[1]
-    j = torch.arange(t)
+    j = torch.arange(t, device=v.device)
     causal = j[None, :] <= j[:, None]
-    stair = (j[None, None, :] <= v[:, :, None]) | torch.eye(t, dtype=torch.bool)[None]
+    stair = (j[None, None, :] <= v[:, :, None]) | torch.eye(t, dtype=torch.bool, device=v.device)[None]
     return torch.where(staircase[:, None, None], stair, causal[None])
 
 
 def tli_masks(v: torch.Tensor) -> torch.Tensor:
     """[B, T, 2T]: [real K/V rows j <= v(i) | draft K/V rows v(i) < j <= i]."""
     t = v.shape[1]
-    j = torch.arange(t)[None, None, :]
+    j = torch.arange(t, device=v.device)[None, None, :]
     real = j <= v[:, :, None]
-    draft = (j > v[:, :, None]) & (j <= torch.arange(t)[None, :, None])
+    draft = (j > v[:, :, None]) & (j <= j.transpose(1, 2))
     return torch.cat([real, draft], dim=-1)
 
 
@@ -106,18 +105,21 @@ def tli_layer(model: LlamaModel, li: int, x: torch.Tensor, positions: torch.Tens
 
 
 class MoATask:
-    name = "moa"
+    """MoA for the shared Trainer. Like Eagle3Task, the loss is dense over [B, T] rows with masks
+    (no boolean gathers), so a step on an accelerator never waits on the host."""
+
+    needs_kv = True
 
     def __init__(self, target: LlamaModel, draft: MoADraft, lambda_kl: float = 0.1, lambda_feat: float = 1.0, min_gap: int = 6, max_gap: int = 14,
                  staircase_ramp: float = 0.5, staircase_max: float = 1.0, seed: int = 0, autocast: bool | None = None):
         if not 1 <= min_gap <= max_gap:
             raise ValueError(f"need 1 <= min_gap <= max_gap, got {min_gap}, {max_gap}")
         self.target, self.draft = target, draft
+        self.name = f"moa-tli{draft.cfg.tli}"
         self.lambda_kl, self.lambda_feat = lambda_kl, lambda_feat
         self.min_gap, self.max_gap = min_gap, max_gap
         self.staircase_ramp, self.staircase_max = staircase_ramp, staircase_max
-        # bf16 autocast only where bf16 beats fp32 on this CPU (AMX: see cpu_has_fast_bf16)
-        self.autocast = cpu_has_fast_bf16() if autocast is None else autocast
+        self.autocast = default_autocast(target.device) if autocast is None else autocast
         self.gen = torch.Generator().manual_seed(seed)
         n, tli = len(target.layers), draft.cfg.tli
         self.feature_layer = n - 1 - tli  # its output enters layer L-N: what the CA output imitates
@@ -131,11 +133,12 @@ class MoATask:
     def staircase_prob(self, progress: float) -> float:
         return self.staircase_max * min(1.0, progress / self.staircase_ramp) if self.staircase_ramp > 0 else self.staircase_max
 
-    def loss(self, batch: Batch, tout: TargetOutputs, progress: float) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: Batch, tout: TargetOutputs, progress: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         b, t = batch.input_ids.shape
-        v = last_points(batch.lengths, t, self.min_gap, self.max_gap, self.gen)
-        stair = torch.rand(b, generator=self.gen) < self.staircase_prob(progress)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+        device = batch.input_ids.device
+        v = _to_device(last_points(batch.lengths, t, self.min_gap, self.max_gap, self.gen), device)
+        stair = _to_device(torch.rand(b, generator=self.gen) < self.staircase_prob(progress), device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast):
             hidden, feat = self.forward(batch, tout, v, stair)
             return self._loss(batch, tout, v, hidden, feat)
 
@@ -143,13 +146,12 @@ class MoATask:
         """-> final draft hidden [B, T, H] (before the target norm), CA output [B, T, H]."""
         d, ids = self.draft, batch.input_ids
         b, t = ids.shape
-        pos = torch.arange(t).expand(b, t)
-        valid = torch.arange(t)[None, :] < batch.lengths[:, None]
+        pos = torch.arange(t, device=ids.device).expand(b, t)
         if d.cfg.memory_source == "last_hidden":
             memory = tout.captured[len(self.target.layers) - 1]
         else:
-            mem_valid = d.lsa(stack_layer_kv(tout.kv.k, tout.kv.v, tout.slots[valid]))
-            memory = mem_valid.new_zeros(b, t, d.cfg.hidden_size).index_put((valid,), mem_valid)
+            # every row, padding included: a real row's CA only reads rows j <= v(i) < its length
+            memory = d.lsa(stack_layer_kv(tout.k, tout.v, tout.slots.reshape(-1))).view(b, t, -1)
         embeds = self.target.embed[ids]
         q, k, vv = d.sa_qkv(embeds, pos)
         x = d.sa_finish(_attend(q, k, vv, sa_mask(v, stair), d.scale), embeds)
@@ -159,40 +161,51 @@ class MoATask:
         if self.tli_layers:
             m = tli_masks(v)
             for li in self.tli_layers:
-                x = tli_layer(self.target, li, x, pos, tout.kv.k[li][tout.slots], tout.kv.v[li][tout.slots], m)
+                x = tli_layer(self.target, li, x, pos, *tout.layer_kv(li), m)
         return x, feat
 
     def _loss(self, batch, tout, v, hidden, feat):
         d = self.draft
-        b, t = batch.input_ids.shape
-        in_range = torch.arange(t)[None, :] + 1 < batch.lengths[:, None]
-        counts = in_range & shift(batch.loss_mask, 1)
+        counts = batch.counted()
         head = self.target.lm_head[d.hot_ids]
         with torch.no_grad():
-            tl = F.linear(tout.hidden[counts], self.target.lm_head).float()
+            tl = tout.logits(self.target.lm_head)  # [B, T, V]
             top = tl.argmax(-1)
-            inv = torch.full((d.cfg.vocab_size,), -1, dtype=torch.long)
-            inv[d.hot_ids] = torch.arange(d.hot_ids.numel())
-            ok = inv[top] >= 0
-            p = torch.softmax(tl[ok][:, d.hot_ids], dim=-1)
-        rows = counts.nonzero(as_tuple=True)
-        rows = (rows[0][ok], rows[1][ok])
-        z = F.linear(rms_norm(hidden[rows], self.target.norm.to(hidden.dtype), self.target.cfg.rms_norm_eps), head.to(hidden.dtype)).float()
+            inv = torch.full((d.cfg.vocab_size,), -1, dtype=torch.long, device=top.device)
+            inv[d.hot_ids] = torch.arange(d.hot_ids.numel(), device=top.device)
+            w = counts & (inv[top] >= 0)  # [B, T] rows that count
+            p = torch.softmax(tl[..., d.hot_ids].float(), dim=-1)
+            n = w.sum().clamp(min=1)
+        z = F.linear(rms_norm(hidden, self.target.norm.to(hidden.dtype), self.target.cfg.rms_norm_eps), head.to(hidden.dtype)).float()
         logq = torch.log_softmax(z, dim=-1)
-        kl = (p * (torch.log(p.clamp_min(1e-20)) - logq)).sum(-1).mean() if z.shape[0] else z.sum()
-        feat_loss = F.smooth_l1_loss(feat[rows].float(), tout.captured[self.feature_layer][rows].float())
+        kl = torch.where(w, (p * (torch.log(p.clamp_min(1e-20)) - logq)).sum(-1), 0.0).sum() / n
+        feat_loss = _row_smooth_l1(feat, tout.captured[self.feature_layer], w, n)
         if self.tli_layers:
-            feat_loss = 0.5 * (feat_loss + F.smooth_l1_loss(hidden[rows].float(), tout.captured[len(self.target.layers) - 1][rows].float()))
+            feat_loss = 0.5 * (feat_loss + _row_smooth_l1(hidden, tout.captured[len(self.target.layers) - 1], w, n))
         loss = self.lambda_kl * kl + self.lambda_feat * feat_loss
-        metrics = {"loss": float(loss.detach()), "kl": float(kl.detach()), "feat": float(feat_loss.detach())}
+        metrics = {"loss": loss.detach(), "kl": kl.detach(), "feat": feat_loss.detach()}
         with torch.no_grad():
-            hit = d.hot_ids[z.argmax(-1)] == top[ok]
-            gap = rows[1] - v[rows]
-            metrics["acc"] = float(hit.float().mean()) if hit.numel() else 0.0
+            hit = (d.hot_ids[z.argmax(-1)] == top) & w
+            gap = torch.arange(v.shape[1], device=v.device)[None, :] - v
+            metrics["acc"] = hit.sum() / n
             for g in range(1, 8):
-                sel = gap == g
-                metrics[f"acc_{g - 1}"] = float(hit[sel].float().mean()) if sel.any() else 0.0
+                sel = (gap == g) & w
+                metrics[f"acc_{g - 1}"] = (hit & sel).sum() / sel.sum().clamp(min=1)
         return loss, metrics
 
     def save(self, out_dir: str | Path, extra_config: dict | None = None) -> None:
         self.draft.save(out_dir, extra_config=extra_config)
+
+
+def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device without waiting for it: a copy from pageable memory would first
+    wait for every queued kernel, so it goes through pinned memory."""
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
+
+
+def _row_smooth_l1(x: torch.Tensor, target: torch.Tensor, w: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """SmoothL1 averaged over the elements of the rows where w [B, T] holds (n of them)."""
+    per_row = F.smooth_l1_loss(x.float(), target.float(), reduction="none").mean(-1)
+    return torch.where(w, per_row, 0.0).sum() / n

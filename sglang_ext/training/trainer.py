@@ -1,16 +1,27 @@
-"""The one trainer for every draft type (EAGLE-3 now, MoA next).
+"""The one trainer for every draft type (EAGLE-3, MoA).
 
 A model type is a *task* object:
 
+    task.name                        "eagle3", "moa-tli1", ...
     task.module                      nn.Module with the trainable parameters
     task.capture_layers              target layers whose outputs the task reads
-    task.loss(batch, target_out, progress) -> (loss, metrics)   progress in [0, 1)
-    task.save(dir, extra_config)     writes the servable checkpoint (config.json + model.safetensors)
+    task.needs_kv                    whether it reads the target's K/V (MoA)
+    task.loss(batch, target_out, progress) -> (loss, metrics)   progress in [0, 1); metrics are tensors
+    task.save(dir, extra_config)     writes the servable checkpoint (config.json + weights)
 
 The trainer owns the target run (no grad), AdamW with linear warmup + cosine decay, gradient
-clipping, tqdm/TensorBoard/JSONL logging and checkpoints. A checkpoint directory
-`<out>/checkpoints/step_<n>/` holds the servable export plus `trainer_state.pt` (fp32 weights,
-optimizer, scheduler, step) for exact resumption; `<out>/latest` names the newest one.
+clipping, tqdm/TensorBoard/JSONL logging and checkpoints. Several tasks can train at once on the
+same batches and the same target run (one target forward per step, the same tokens for each: a
+fair comparison at equal training tokens); each has its own optimizer, and with more than one
+task metrics and exports are prefixed / placed by task name.
+
+A checkpoint directory `<out>/checkpoints/step_<n>/` holds the servable export (one task) or one
+export per task (`<n>/<task.name>/`), plus `trainer_state.pt` (fp32 weights, optimizers, step) for
+exact resumption; `<out>/latest` names the newest one.
+
+On an accelerator the step never waits on the host: the batches live on the device, metrics stay
+tensors, and the host reads them (one sync) only every `log_every` steps; time is measured between
+those reads.
 """
 
 from __future__ import annotations
@@ -32,11 +43,12 @@ from .target import TargetOutputs, TargetRunner
 class Task(Protocol):
     name: str
     capture_layers: tuple[int, ...]
+    needs_kv: bool
 
     @property
     def module(self) -> torch.nn.Module: ...
 
-    def loss(self, batch: Batch, tout: TargetOutputs, progress: float) -> tuple[torch.Tensor, dict[str, float]]: ...
+    def loss(self, batch: Batch, tout: TargetOutputs, progress: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
     def save(self, out_dir: str | Path, extra_config: dict | None = None) -> None: ...
 
@@ -89,33 +101,62 @@ def counted_seconds(dt: float, recent: list[tuple[float, int]], tokens: int, win
 
 
 class Trainer:
-    def __init__(self, task: Task, target_runner: TargetRunner, batches: list[Batch], optim: OptimConfig, run: RunConfig, meta: dict | None = None):
+    def __init__(self, task: Task | list[Task], target_runner: TargetRunner, batches: list[Batch], optim: OptimConfig, run: RunConfig, meta: dict | None = None):
         if not batches:
             raise ValueError("no training batches")
-        self.task, self.runner, self.batches = task, target_runner, batches
+        self.tasks = list(task) if isinstance(task, (list, tuple)) else [task]
+        if len({t.name for t in self.tasks}) != len(self.tasks):
+            raise ValueError(f"tasks need distinct names, got {[t.name for t in self.tasks]}")
+        self.runner = target_runner
+        self.batches = [b.to(target_runner.device) for b in batches]
         self.optim_cfg, self.run_cfg, self.meta = optim, run, meta or {}
         self.out = Path(run.out_dir)
-        params = [p for p in task.module.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
+        fused = {"fused": True} if target_runner.device.type == "cuda" else {}
+        self.opts = [
+            torch.optim.AdamW([p for p in t.module.parameters() if p.requires_grad], lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay, **fused)
+            for t in self.tasks
+        ]
+        self.capture_layers = tuple(sorted({l for t in self.tasks for l in t.capture_layers}))
+        self.needs_kv = any(getattr(t, "needs_kv", True) for t in self.tasks)
         self.step = 0
         self.tokens_seen = 0
         self.elapsed_s = 0.0
 
+    @property
+    def task(self) -> Task:
+        return self.tasks[0]
+
+    @property
+    def opt(self) -> torch.optim.Optimizer:
+        return self.opts[0]
+
+    def _export_dir(self, root: Path, task: Task) -> Path:
+        return root if len(self.tasks) == 1 else root / task.name
+
     # --- checkpoints --------------------------------------------------------------------------
+    def training_record(self) -> dict:
+        return {**self.meta, "step": self.step, "tokens_seen": self.tokens_seen, "train_seconds": round(self.elapsed_s)}
+
+    def export(self, root: Path) -> None:
+        """The servable checkpoint of every task under root."""
+        for t in self.tasks:
+            t.save(self._export_dir(root, t), extra_config={"training": self.training_record()})
+
     def save(self) -> Path:
         ckpt = self.out / "checkpoints" / f"step_{self.step}"
         tmp = ckpt.with_name(ckpt.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        extra = {"training": {**self.meta, "step": self.step, "tokens_seen": self.tokens_seen, "train_seconds": round(self.elapsed_s)}}
-        self.task.save(tmp, extra_config=extra)
+        self.export(tmp)
         state = {
-            "module": self.task.module.state_dict(),
-            "optimizer": self.opt.state_dict(),
+            "module": [t.module.state_dict() for t in self.tasks],
+            "optimizer": [o.state_dict() for o in self.opts],
             "step": self.step,
             "tokens_seen": self.tokens_seen,
             "elapsed_s": self.elapsed_s,
             "optim": asdict(self.optim_cfg),
         }
+        if len(self.tasks) == 1:  # the single-task layout
+            state["module"], state["optimizer"] = state["module"][0], state["optimizer"][0]
         torch.save(state, tmp / "trainer_state.pt")
         shutil.rmtree(ckpt, ignore_errors=True)
         tmp.rename(ckpt)
@@ -134,9 +175,14 @@ class Trainer:
         latest = self.out / "latest"
         if not latest.is_file():
             return False
-        state = torch.load(self.out / "checkpoints" / latest.read_text().strip() / "trainer_state.pt", map_location="cpu", weights_only=False)
-        self.task.module.load_state_dict(state["module"])
-        self.opt.load_state_dict(state["optimizer"])
+        path = self.out / "checkpoints" / latest.read_text().strip() / "trainer_state.pt"
+        state = torch.load(path, map_location=self.runner.device, weights_only=False)
+        modules, optims = state["module"], state["optimizer"]
+        if len(self.tasks) == 1:
+            modules, optims = [modules], [optims]
+        for t, o, m, os_ in zip(self.tasks, self.opts, modules, optims):
+            t.module.load_state_dict(m)
+            o.load_state_dict(os_)
         self.step, self.tokens_seen, self.elapsed_s = state["step"], state["tokens_seen"], state["elapsed_s"]
         return True
 
@@ -148,22 +194,24 @@ class Trainer:
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.run_cfg.seed + epoch))
         return self.batches[int(perm[i])]
 
-    def train_step(self, batch: Batch) -> dict[str, float]:
-        module = self.task.module
-        module.train()
-        tout = self.runner.run(batch, self.task.capture_layers)
+    def train_step(self, batch: Batch) -> dict[str, torch.Tensor | float]:
+        """One optimizer step of every task on batch; metrics stay on the device."""
+        tout = self.runner.run(batch, self.capture_layers, keep_kv=self.needs_kv)
         progress = self.progress
         lr = self.optim_cfg.lr * lr_factor(progress, self.optim_cfg.warmup_ratio, self.optim_cfg.min_lr_ratio)
-        for g in self.opt.param_groups:
-            g["lr"] = lr
-        loss, metrics = self.task.loss(batch, tout, progress)
-        self.opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(module.parameters(), self.optim_cfg.grad_clip)
-        self.opt.step()
-        metrics["grad_norm"] = float(gnorm)
-        metrics["lr"] = lr
-        return metrics
+        out: dict[str, torch.Tensor | float] = {"lr": lr}
+        for task, opt in zip(self.tasks, self.opts):
+            task.module.train()
+            for g in opt.param_groups:
+                g["lr"] = lr
+            loss, metrics = task.loss(batch, tout, progress)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(task.module.parameters(), self.optim_cfg.grad_clip).detach()
+            opt.step()
+            prefix = "" if len(self.tasks) == 1 else f"{task.name}/"
+            out.update({prefix + k: v for k, v in metrics.items()})
+        return out
 
     @property
     def progress(self) -> float:
@@ -189,16 +237,24 @@ class Trainer:
         log = open(self.out / "metrics.jsonl", "a")
         bar = tqdm(total=rc.total_steps, initial=self.step, disable=not rc.progress_bar, dynamic_ncols=True, mininterval=5)
         last_save, metrics, recent = time.monotonic(), {}, []
+        mark, mark_tokens, logged = time.perf_counter(), self.tokens_seen, self.elapsed_s
         try:
             while not self.done:
                 batch = self.batch_at(self.step)
-                t0 = time.perf_counter()
-                metrics = self.train_step(batch)
-                dt = counted_seconds(time.perf_counter() - t0, recent, batch.num_tokens)
+                pending = self.train_step(batch)
                 self.step += 1
                 self.tokens_seen += batch.num_tokens
-                self.elapsed_s += dt
-                metrics.update(tokens_per_s=batch.num_tokens / dt, tokens_seen=self.tokens_seen)
+                bar.update(1)
+                # host time since the last read (provisional), so the time budget and the schedule advance
+                self.elapsed_s = logged + time.perf_counter() - mark
+                if self.step % rc.log_every and not self.done:
+                    continue
+                metrics = {k: float(v) for k, v in pending.items()}  # the one host sync of the interval
+                now = time.perf_counter()
+                dt = counted_seconds(now - mark, recent, self.tokens_seen - mark_tokens)
+                metrics.update(tokens_per_s=(self.tokens_seen - mark_tokens) / max(dt, 1e-9), tokens_seen=self.tokens_seen)
+                self.elapsed_s = logged + dt
+                mark, mark_tokens, logged = now, self.tokens_seen, self.elapsed_s
                 self._log(tb, log, bar, metrics)
                 if time.monotonic() - last_save >= rc.save_every_s:
                     self.save()
@@ -211,11 +267,9 @@ class Trainer:
         return metrics
 
     def _log(self, tb, log, bar, m: dict[str, float]) -> None:
-        bar.update(1)
-        if self.step % self.run_cfg.log_every:
-            return
         for k, v in m.items():
             tb.add_scalar(f"train/{k}", v, self.step)
         log.write(json.dumps({"step": self.step, "time": round(self.elapsed_s, 1), **{k: round(v, 5) for k, v in m.items()}}) + "\n")
         log.flush()
-        bar.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m.get('acc_0', 0):.3f}", tok_s=f"{m['tokens_per_s']:.0f}", refresh=False)
+        first = "" if len(self.tasks) == 1 else f"{self.tasks[0].name}/"
+        bar.set_postfix(loss=f"{m[first + 'loss']:.3f}", acc0=f"{m.get(first + 'acc_0', 0):.3f}", tok_s=f"{m['tokens_per_s']:.0f}", refresh=False)

@@ -1,0 +1,314 @@
+"""The drafter training job: EAGLE-3, MoA TLI=0 and MoA TLI=1 trained together on one GPU.
+
+    python -m sglang_ext.training.job --shards data/shards --target smollm2 --out runs/job --time-budget-min 7
+    python -m sglang_ext.training.job --shards data/shards --out runs/smoke --smoke      # CPU, seconds
+
+Every head sees the same batches and the same target run (one target forward per step), so they
+are compared at equal training tokens. Data: token shards (`moa-serve train pack`); the target's own
+answers (sources named `distill:*`) are repeated `--distill-repeat` times per epoch, since what a
+drafter must predict is the target. The draft vocab (shared by the heads) is the most frequent tokens
+of those answers. A few batches are held out and scored at the end.
+
+Writes under --out: `heads/<name>/` (bf16 servable checkpoints, shards <= 15 MiB), `train/` (trainer
+checkpoints, metrics.jsonl, TensorBoard), `curves.json` (per head: step, tokens, loss, acc by draft
+step), `summary.json`. `--pack DIR` also bundles heads + curves + summary into `heads.tar.partNN`
+files of <= 15 MiB (what a GPU machine can send back). `--smoke` swaps the target for a small random
+one of the same family and runs a few steps: the very same code path, for the CPU test suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tarfile
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+HEADS = ("eagle3", "moa-tli0", "moa-tli1")
+PART_BYTES = 15 * 2**20
+EXPORT_RESERVE_S = 45.0
+
+
+def _log(msg: str) -> None:
+    print(f"[job {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here")
+    return torch.device(name)
+
+
+def smoke_target(vocab_size: int, device: torch.device, seed: int = 0):
+    """A small random Llama with the data's vocab: SmolLM2's family at a fraction of its size."""
+    from ..models.llama import LlamaModel
+    from ..models.loader import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+                      rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, max_position=2048, tie_word_embeddings=True,
+                      attention_bias=False, eos_token_ids=(2,))
+    g = torch.Generator().manual_seed(seed)
+    state = {"model.embed_tokens.weight": torch.randn(vocab_size, 64, generator=g), "model.norm.weight": torch.ones(64)}
+    shapes = {"self_attn.q_proj": (64, 64), "self_attn.k_proj": (32, 64), "self_attn.v_proj": (32, 64), "self_attn.o_proj": (64, 64),
+              "mlp.gate_proj": (128, 64), "mlp.up_proj": (128, 64), "mlp.down_proj": (64, 128)}
+    for i in range(cfg.num_layers):
+        for name, shape in shapes.items():
+            state[f"model.layers.{i}.{name}.weight"] = torch.randn(*shape, generator=g) / shape[1] ** 0.5
+        state[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(64)
+        state[f"model.layers.{i}.post_attention_layernorm.weight"] = torch.ones(64)
+    dtype = torch.bfloat16 if device.type != "cpu" else torch.float32
+    return LlamaModel(cfg, state, dtype=dtype, device=device)
+
+
+def load_job_target(args, device: torch.device):
+    """The target model: a GGUF file (converted once into --cache), a name/dir, or the smoke target."""
+    from ..models import load_target
+    from ..models.loader import _convert_gguf
+
+    if args.target_gguf:
+        out = Path(args.cache) / Path(args.target_gguf).stem
+        if not (out / "config.json").is_file():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            _convert_gguf(Path(args.target_gguf), out)
+        return load_target(str(out), dtype="auto", device=str(device)).model
+    return load_target(args.target, dtype="auto", device=str(device)).model
+
+
+def draft_vocab(examples_by_source: dict[str, list], vocab_size: int, size: int) -> torch.Tensor:
+    """The `size` most frequent assistant tokens of the target's own answers (all sources if none)."""
+    from ..models.eagle3 import vocab_from_counts
+    from .data import token_counts
+
+    own = [e for name, exs in examples_by_source.items() if name.startswith("distill") for e in exs]
+    pool = own or [e for exs in examples_by_source.values() for e in exs]
+    return vocab_from_counts(token_counts(pool, vocab_size), min(size, vocab_size))
+
+
+def build_tasks(target, hot_ids: torch.Tensor, heads: tuple[str, ...], moa_loss: dict, seed: int = 0) -> list:
+    """One task per head, all on the target's device, the draft vocab shared."""
+    from ..models.eagle3 import Eagle3Config, Eagle3Draft
+    from ..models.moa import MoAConfig, MoADraft
+    from .eagle3 import Eagle3Task
+    from .moa import MoATask
+
+    tasks = []
+    for head in heads:
+        torch.manual_seed(seed)
+        with torch.device(target.device):  # made where they train: no host copy of every weight
+            if head == "eagle3":
+                draft = Eagle3Draft(Eagle3Config.for_target(target.cfg, hot_ids.numel()))
+            elif head.startswith("moa-tli"):
+                draft = MoADraft(MoAConfig.for_target(target.cfg, tli=int(head.removeprefix("moa-tli")), draft_vocab_size=hot_ids.numel()))
+            else:
+                raise SystemExit(f"unknown head {head!r}; choose from {HEADS}")
+        draft.set_vocab(hot_ids.to(target.device))
+        if head == "eagle3":
+            with torch.no_grad():  # lm_head rows and final norm start from the target's
+                draft.lm_head.weight.copy_(target.lm_head[hot_ids.to(target.device)].float())
+                draft.norm.weight.copy_(target.norm.float())
+            tasks.append(Eagle3Task(target, draft))
+        else:
+            tasks.append(MoATask(target, draft, seed=seed, **moa_loss))
+    return tasks
+
+
+def split_examples(examples_by_source: dict[str, list], distill_repeat: int, holdout: float, seed: int):
+    """-> training examples (the target's answers repeated), held-out examples (a seeded sample of each source)."""
+    rng = random.Random(seed)
+    train, held = [], []
+    for name, exs in examples_by_source.items():
+        exs = list(exs)
+        rng.shuffle(exs)
+        k = max(1, int(len(exs) * holdout)) if len(exs) > 1 else 0
+        held += exs[:k]
+        train += exs[k:] * (distill_repeat if name.startswith("distill") else 1)
+    return train, held
+
+
+def preflight(trainer, batches) -> None:
+    """Each head's loss and backward once on the largest padded batch (no optimizer step): a head
+    that fails is dropped with its traceback, so one broken head cannot cost the others their run."""
+    big = max(batches, key=lambda b: (b.input_ids.numel(), b.input_ids.shape[1])).to(trainer.runner.device)
+    tout = trainer.runner.run(big, trainer.capture_layers, keep_kv=trainer.needs_kv)
+    keep = []
+    for task, opt in zip(trainer.tasks, trainer.opts):
+        try:
+            task.loss(big, tout, 0.0)[0].backward()
+            keep.append((task, opt))
+        except Exception:
+            _log(f"head {task.name} failed its first step and is dropped:\n{traceback.format_exc()}")
+        task.module.zero_grad(set_to_none=True)
+    if not keep:
+        raise RuntimeError("every head failed its first step")
+    trainer.tasks, trainer.opts = [t for t, _ in keep], [o for _, o in keep]
+    del tout
+    if trainer.runner.device.type == "cuda":
+        torch.cuda.synchronize()
+        _log(f"preflight: peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+
+
+def evaluate(trainer, batches) -> dict[str, dict[str, float]]:
+    """Mean metrics of each head over held-out batches (no grad)."""
+    sums: dict[str, dict[str, float]] = {t.name: {} for t in trainer.tasks}
+    with torch.no_grad():
+        for b in batches:
+            b = b.to(trainer.runner.device)
+            tout = trainer.runner.run(b, trainer.capture_layers, keep_kv=trainer.needs_kv)
+            for t in trainer.tasks:
+                t.module.eval()
+                _, m = t.loss(b, tout, 1.0)
+                for k, v in m.items():
+                    sums[t.name][k] = sums[t.name].get(k, 0.0) + float(v) / len(batches)
+    return {n: {k: round(v, 5) for k, v in m.items()} for n, m in sums.items()}
+
+
+def curves(metrics_file: Path, heads: list[str]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {h: [] for h in heads}
+    for line in metrics_file.read_text().splitlines():
+        row = json.loads(line)
+        for h in heads:
+            pre = f"{h}/" if len(heads) > 1 else ""
+            vals = {k.removeprefix(pre): v for k, v in row.items() if k.startswith(pre) and (pre or "/" not in k)}
+            out[h].append({"step": row["step"], "time": row["time"], "tokens_seen": row["tokens_seen"], "tokens_per_s": row["tokens_per_s"], **vals})
+    return out
+
+
+def pack_outputs(out: Path, dest: Path, part_bytes: int = PART_BYTES) -> list[Path]:
+    """heads/, curves.json and summary.json as one tar split into parts of <= part_bytes."""
+    dest.mkdir(parents=True, exist_ok=True)
+    tar_path = dest / "heads.tar"
+    with tarfile.open(tar_path, "w") as tar:
+        for name in ("heads", "curves.json", "summary.json"):
+            if (out / name).exists():
+                tar.add(out / name, arcname=name)
+    data = tar_path.read_bytes()
+    tar_path.unlink()
+    parts = []
+    for i in range(0, len(data), part_bytes):
+        parts.append(dest / f"heads.tar.part{i // part_bytes:02d}")
+        parts[-1].write_bytes(data[i : i + part_bytes])
+    return parts
+
+
+def unpack_outputs(parts_dir: Path, dest: Path) -> None:
+    """The inverse of pack_outputs."""
+    parts = sorted(Path(parts_dir).glob("heads.tar.part*"))
+    if not parts:
+        raise SystemExit(f"no heads.tar.part* in {parts_dir}")
+    tar_path = dest / "heads.tar"
+    dest.mkdir(parents=True, exist_ok=True)
+    tar_path.write_bytes(b"".join(p.read_bytes() for p in parts))
+    with tarfile.open(tar_path) as tar:
+        tar.extractall(dest, filter="data")
+    tar_path.unlink()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m sglang_ext.training.job", description=__doc__.split("\n")[0])
+    p.add_argument("--shards", required=True, help="token shard directory (moa-serve train pack)")
+    p.add_argument("--target", default="smollm2", help="'smollm2' or a local HF directory")
+    p.add_argument("--target-gguf", default=None, help="a GGUF file of the target (converted once into --cache)")
+    p.add_argument("--cache", default="/tmp/moa-serve-job-cache")
+    p.add_argument("--out", required=True)
+    p.add_argument("--pack", default=None, help="also write heads.tar.partNN (<= 15 MiB each) here")
+    p.add_argument("--heads", default=",".join(HEADS))
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--time-budget-min", type=float, default=7.0, help="training time; the LR schedule follows it")
+    p.add_argument("--deadline-min", type=float, default=None,
+                   help="wall time of the whole job: training stops early enough to export and score by then")
+    p.add_argument("--max-steps", type=int, default=1_000_000)
+    p.add_argument("--tokens-per-batch", type=int, default=32768)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--draft-vocab-size", type=int, default=8192)
+    p.add_argument("--distill-repeat", type=int, default=3)
+    p.add_argument("--max-examples", type=int, default=None, help="at most this many examples (windows) per source")
+    p.add_argument("--holdout", type=float, default=0.005, help="fraction of each source held out for the final scores")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--warmup-ratio", type=float, default=0.03)
+    p.add_argument("--log-every", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--smoke", action="store_true", help="small random target, tiny batches, a few steps (CPU test)")
+    return p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> dict:
+    from .data import make_batches
+    from .shards import load_examples_by_source, read_manifest
+    from .target import TargetRunner
+    from .trainer import OptimConfig, RunConfig, Trainer
+
+    t0 = time.time()
+    if args.smoke:
+        args = argparse.Namespace(**{**vars(args), "tokens_per_batch": min(args.tokens_per_batch, 512), "max_len": min(args.max_len, 64),
+                                     "max_steps": min(args.max_steps, 3), "draft_vocab_size": min(args.draft_vocab_size, 256), "log_every": 1,
+                                     "max_examples": min(args.max_examples or 64, 64)})
+    device = resolve_device(args.device)
+    manifest = read_manifest(args.shards)
+    target = smoke_target(manifest["vocab_size"], device, args.seed) if args.smoke else load_job_target(args, device)
+    if target.cfg.vocab_size != manifest["vocab_size"]:
+        raise SystemExit(f"shards were made for a vocab of {manifest['vocab_size']}, the target has {target.cfg.vocab_size}")
+    by_source = {k: v[: args.max_examples] for k, v in load_examples_by_source(args.shards, args.max_len).items()}
+    hot = draft_vocab(by_source, target.cfg.vocab_size, args.draft_vocab_size)
+    train, held = split_examples(by_source, args.distill_repeat, args.holdout, args.seed)
+    batches = make_batches(train, args.tokens_per_batch, args.seed)
+    held_batches = make_batches(held, args.tokens_per_batch, args.seed)[:8]
+    heads = tuple(h for h in args.heads.split(",") if h)
+    tasks = build_tasks(target, hot, heads, {"lambda_kl": 1.0, "lambda_feat": 0.1, "min_gap": 6, "max_gap": 14}, args.seed)
+    out = Path(args.out)
+    meta = {"job": "sglang_ext.training.job", "shards": manifest.get("sources"), "tokens_per_batch": args.tokens_per_batch, "max_len": args.max_len,
+            "lr": args.lr, "distill_repeat": args.distill_repeat, "draft_vocab_size": int(hot.numel()), "device": _device_name(device),
+            "time_budget_min": args.time_budget_min, "smoke": bool(args.smoke)}
+    run_cfg = RunConfig(str(out / "train"), args.max_steps, save_every_s=1e9, keep_checkpoints=1, log_every=args.log_every,
+                        time_budget_s=args.time_budget_min * 60, seed=args.seed, progress_bar=False)
+    runner = TargetRunner(target, args.tokens_per_batch if device.type != "cpu" else max(args.tokens_per_batch, args.max_len))
+    trainer = Trainer(tasks, runner, batches, OptimConfig(lr=args.lr, warmup_ratio=args.warmup_ratio), run_cfg, meta)
+    preflight(trainer, batches)
+    if args.deadline_min:  # what is left of the job's wall time, less a reserve for export and scoring
+        left = args.deadline_min * 60 - (time.time() - t0) - EXPORT_RESERVE_S
+        trainer.run_cfg = replace(run_cfg, time_budget_s=max(1.0, min(run_cfg.time_budget_s, left)))
+    n_tok = sum(b.num_tokens for b in batches)
+    _log(f"{device}: {len(batches)} batches, {n_tok} tokens per epoch, heads {heads}, draft vocab {hot.numel()}, prep {time.time() - t0:.0f}s")
+    t1 = time.time()
+    final = trainer.fit()
+    train_s = time.time() - t1
+    heads = tuple(t.name for t in trainer.tasks)
+    trainer.export(out / "heads" if len(tasks) > 1 else out / "heads" / tasks[0].name)
+    held_scores = evaluate(trainer, held_batches) if held_batches else {}
+    summary = {
+        "device": _device_name(device), "heads": list(heads), "steps": trainer.step, "tokens_seen": trainer.tokens_seen,
+        "train_seconds": round(train_s, 1), "tokens_per_s": round(trainer.tokens_seen / max(train_s, 1e-9)), "epoch_tokens": n_tok,
+        "final_train": {k: round(v, 5) for k, v in final.items()}, "held_out": held_scores, "total_seconds": round(time.time() - t0, 1),
+    }
+    (out / "curves.json").write_text(json.dumps(curves(out / "train" / "metrics.jsonl", list(heads))) + "\n")
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    if args.pack:
+        pack_outputs(out, Path(args.pack))
+    _log(json.dumps(summary))
+    return summary
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def main(argv=None) -> int:
+    try:
+        run(parse_args(argv))
+    except SystemExit:
+        raise
+    except Exception:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
