@@ -255,7 +255,7 @@ def run(args: argparse.Namespace) -> dict:
     target = smoke_target(manifest["vocab_size"], device, args.seed) if args.smoke else load_job_target(args, device)
     if target.cfg.vocab_size != manifest["vocab_size"]:
         raise SystemExit(f"shards were made for a vocab of {manifest['vocab_size']}, the target has {target.cfg.vocab_size}")
-    by_source = {k: v[: args.max_examples] for k, v in load_examples_by_source(args.shards, args.max_len).items()}
+    by_source = load_examples_by_source(args.shards, args.max_len, limit=args.max_examples)
     hot = draft_vocab(by_source, target.cfg.vocab_size, args.draft_vocab_size)
     train, held = split_examples(by_source, args.distill_repeat, args.holdout, args.seed)
     batches = make_batches(train, args.tokens_per_batch, args.seed)

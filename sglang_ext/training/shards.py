@@ -152,8 +152,9 @@ def _windows(ids: np.ndarray, mask: np.ndarray, max_len: int) -> Iterator[Exampl
             yield Example(torch.from_numpy(w_ids.astype(np.int64)), torch.from_numpy(w_mask.copy()))
 
 
-def load_examples_by_source(directory: str | Path, max_len: int, verify: bool = True) -> dict[str, list[Example]]:
-    """Every example of a shard directory by source name, long ones cut into max_len windows (order kept)."""
+def load_examples_by_source(directory: str | Path, max_len: int, verify: bool = True, limit: int | None = None) -> dict[str, list[Example]]:
+    """Every example of a shard directory by source name, long ones cut into max_len windows (order
+    kept); with `limit`, the first `limit` windows of each source."""
     d = Path(directory)
     manifest = read_manifest(d)
     names = manifest["source_names"]
@@ -166,10 +167,12 @@ def load_examples_by_source(directory: str | Path, max_len: int, verify: bool = 
             ids, offsets, source = z["ids"], z["offsets"], z["source"]
             mask = np.unpackbits(z["mask"], count=len(ids)).astype(bool)
         for e in range(len(offsets) - 1):
-            out[names[int(source[e])]].extend(_windows(ids[offsets[e] : offsets[e + 1]], mask[offsets[e] : offsets[e + 1]], max_len))
+            dest = out[names[int(source[e])]]
+            if limit is None or len(dest) < limit:
+                dest.extend(_windows(ids[offsets[e] : offsets[e + 1]], mask[offsets[e] : offsets[e + 1]], max_len))
     if not any(out.values()):
         raise DataError(f"{d}: no example with assistant tokens")
-    return out
+    return out if limit is None else {k: v[:limit] for k, v in out.items()}
 
 
 def load_examples(directory: str | Path, max_len: int, verify: bool = True) -> list[Example]:

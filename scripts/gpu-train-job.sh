@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The drafter training job (sglang_ext/training/job.py) on a lent GPU machine, whose commands carry at
+# most 64 MiB each and which reaches no package index: the target's GGUF (98 MB) travels xz-compressed
+# in two parts over two back-to-back commands, with the token shards and gguf's wheel.
+#
+#   here:      scripts/gpu-train-job.sh prepare           # stage/: target parts, gguf wheel; runs/shards if missing
+#   device 1:  bash scripts/gpu-train-job.sh stage        # carry: stage/part0
+#   device 2:  bash scripts/gpu-train-job.sh run          # carry: stage/part1, stage/wheels, runs/shards
+#   here:      scripts/gpu-train-job.sh unpack FILES_DIR   # the heads, curves and summary into runs/gpu-job
+#
+# `run` first runs the job's --smoke mode on the GPU (seconds), so a device-only error costs seconds, not
+# the run. TIME_BUDGET_MIN / DEADLINE_MIN size the run (defaults fit a 10-minute command).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-python3}
+GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
+PART0_BYTES=62000000
+
+case "${1:-}" in
+prepare)
+  PY=.venv/bin/python
+  mkdir -p stage/part0 stage/part1 stage/wheels
+  grep -qx "/stage/" .git/info/exclude 2>/dev/null || echo "/stage/" >>.git/info/exclude
+  gguf=$($PY -c "from sglang_ext.models.loader import smollm2_gguf_path; print(smollm2_gguf_path())")
+  xz -9e -T2 -c "$gguf" >stage/target.gguf.xz
+  head -c $PART0_BYTES stage/target.gguf.xz >stage/part0/target.gguf.xz.0
+  tail -c +$((PART0_BYTES + 1)) stage/target.gguf.xz >stage/part1/target.gguf.xz.1
+  rm stage/target.gguf.xz
+  $PY -m pip download -q --no-deps -d stage/wheels gguf==0.19.0
+  [ -f runs/shards/manifest.json ] || $PY -m sglang_ext.training.cli train pack --data sharegpt --data ../shared/data/distill --out runs/shards
+  du -sh stage/* runs/shards
+  ;;
+stage)
+  mkdir -p /tmp/moa-stage && cp stage/part0/target.gguf.xz.0 /tmp/moa-stage/
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  ;;
+run)
+  out=${OUT:-runs/gpu-out}
+  mkdir -p "$out" /tmp/moa-target
+  cat /tmp/moa-stage/target.gguf.xz.0 stage/part1/target.gguf.xz.1 |
+    $PY -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), open('/tmp/moa-target/$GGUF_NAME', 'wb'))"
+  $PY -m pip install -q --no-index --no-deps --target /tmp/moa-pylib stage/wheels/gguf-*.whl
+  export PYTHONPATH="$PWD:/tmp/moa-pylib" PYTHONUNBUFFERED=1
+  $PY -m sglang_ext.training.job --shards runs/shards --out /tmp/moa-smoke --smoke --device cuda 2>&1 | tail -3
+  $PY -m sglang_ext.training.job --shards runs/shards --target-gguf /tmp/moa-target/$GGUF_NAME --out /tmp/moa-job --pack "$out" \
+    --device cuda --time-budget-min "${TIME_BUDGET_MIN:-6.5}" --deadline-min "${DEADLINE_MIN:-8.2}" 2>&1 | tee "$out/job.log"
+  cp /tmp/moa-job/summary.json "$out/summary.json"
+  ;;
+unpack)
+  .venv/bin/python -c "import sys; from pathlib import Path; from sglang_ext.training.job import unpack_outputs; unpack_outputs(Path(sys.argv[1]), Path('runs/gpu-job'))" "$2"
+  ls -R runs/gpu-job | head -30
+  ;;
+*)
+  sed -n 2,14p "$0"
+  exit 2
+  ;;
+esac
