@@ -9,12 +9,14 @@
 #   here:      scripts/gpu-train-job.sh unpack FILES_DIR   # the heads, curves and summary into runs/gpu-job
 #
 # `run` first runs the job's --smoke mode on the GPU (seconds), so a device-only error costs seconds, not
-# the run. TIME_BUDGET_MIN / DEADLINE_MIN size the run (defaults fit a 10-minute command).
+# the run (SKIP_SMOKE=1 skips it). TIME_BUDGET_MIN / DEADLINE_MIN size the run (defaults fit a 10-minute command); SHARDS and
+# JOB_ARGS change the data and the job's flags. Fine-tuning: put heads into stage/part0/init/<head>/ or
+# stage/part1/init/<head>/ (whichever has room; PART0_BYTES moves the split) and they start from there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
-PART0_BYTES=62000000
+PART0_BYTES=${PART0_BYTES:-62000000}
 
 case "${1:-}" in
 prepare)
@@ -31,19 +33,24 @@ prepare)
   du -sh stage/* runs/shards
   ;;
 stage)
-  mkdir -p /tmp/moa-stage && cp stage/part0/target.gguf.xz.0 /tmp/moa-stage/
+  mkdir -p /tmp/moa-stage && cp -r stage/part0/. /tmp/moa-stage/
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   ;;
 run)
   out=${OUT:-runs/gpu-out}
   mkdir -p "$out" /tmp/moa-target
-  cat /tmp/moa-stage/target.gguf.xz.0 stage/part1/target.gguf.xz.1 |
+  cp -r stage/part1/. /tmp/moa-stage/
+  cat /tmp/moa-stage/target.gguf.xz.0 /tmp/moa-stage/target.gguf.xz.1 |
     $PY -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), open('/tmp/moa-target/$GGUF_NAME', 'wb'))"
   $PY -m pip install -q --no-index --no-deps --target /tmp/moa-pylib stage/wheels/gguf-*.whl
   export PYTHONPATH="$PWD:/tmp/moa-pylib" PYTHONUNBUFFERED=1
-  $PY -m sglang_ext.training.job --shards runs/shards --out /tmp/moa-smoke --smoke --device cuda 2>&1 | tail -3
-  $PY -m sglang_ext.training.job --shards runs/shards --target-gguf /tmp/moa-target/$GGUF_NAME --out /tmp/moa-job --pack "$out" \
-    --device cuda --time-budget-min "${TIME_BUDGET_MIN:-6.5}" --deadline-min "${DEADLINE_MIN:-8.2}" 2>&1 | tee "$out/job.log"
+  shards=${SHARDS:-runs/shards}
+  init=()
+  [ -d /tmp/moa-stage/init ] && init=(--init-from /tmp/moa-stage/init)
+  [ -n "${SKIP_SMOKE:-}" ] || $PY -m sglang_ext.training.job --shards "$shards" --out /tmp/moa-smoke --smoke --device cuda 2>&1 | tail -3
+  # shellcheck disable=SC2086
+  $PY -m sglang_ext.training.job --shards "$shards" --target-gguf /tmp/moa-target/$GGUF_NAME --out /tmp/moa-job --pack "$out" \
+    --device cuda --time-budget-min "${TIME_BUDGET_MIN:-6.5}" --deadline-min "${DEADLINE_MIN:-8.2}" "${init[@]}" ${JOB_ARGS:-} 2>&1 | tee "$out/job.log"
   cp /tmp/moa-job/summary.json "$out/summary.json"
   ;;
 unpack)

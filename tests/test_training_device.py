@@ -184,3 +184,10 @@ def test_gpu_job_smoke_runs_end_to_end_on_cpu(tmp_path):
     assert e3.cfg.draft_vocab_size == 256 and json.loads((out / "heads" / "eagle3" / "config.json").read_text())["training"]["step"] == 3
     for tli in (0, 1):
         assert load_moa(tmp_path / "back" / "heads" / f"moa-tli{tli}", target.cfg).cfg.tli == tli
+    # fine-tuning: the same job started from those heads keeps their vocab and starts from their weights
+    again = ["--shards", str(tmp_path / "shards"), "--out", str(tmp_path / "ft"), "--smoke", "--device", "cpu", "--heads", "eagle3,moa-tli1",
+             "--init-from", str(tmp_path / "back" / "heads")]
+    assert job_mod.main(again) == 0
+    ft = load_eagle3(tmp_path / "ft" / "heads" / "eagle3", target.cfg)
+    assert torch.equal(ft.d2t, e3.d2t) and not torch.equal(ft.fc.weight, e3.fc.weight)
+    assert json.loads((tmp_path / "ft" / "summary.json").read_text())["heads"] == ["eagle3", "moa-tli1"]

@@ -32,7 +32,7 @@ import torch
 
 HEADS = ("eagle3", "moa-tli0", "moa-tli1")
 PART_BYTES = 15 * 2**20
-EXPORT_RESERVE_S = 45.0
+EXPORT_RESERVE_S = 20.0
 
 
 def _log(msg: str) -> None:
@@ -92,23 +92,30 @@ def draft_vocab(examples_by_source: dict[str, list], vocab_size: int, size: int)
     return vocab_from_counts(token_counts(pool, vocab_size), min(size, vocab_size))
 
 
-def build_tasks(target, hot_ids: torch.Tensor, heads: tuple[str, ...], moa_loss: dict, seed: int = 0) -> list:
-    """One task per head, all on the target's device, the draft vocab shared."""
-    from ..models.eagle3 import Eagle3Config, Eagle3Draft
-    from ..models.moa import MoAConfig, MoADraft
+def build_tasks(target, hot_ids: torch.Tensor, heads: tuple[str, ...], moa_loss: dict, seed: int = 0, init_from: Path | None = None) -> list:
+    """One task per head, all on the target's device, the draft vocab shared; with init_from, heads
+    start from the checkpoints `init_from/<head>` (fine-tuning: their own vocab and weights)."""
+    from ..models.eagle3 import Eagle3Config, Eagle3Draft, load_eagle3
+    from ..models.moa import MoAConfig, MoADraft, load_moa
     from .eagle3 import Eagle3Task
     from .moa import MoATask
 
     tasks = []
     for head in heads:
+        if head not in HEADS:
+            raise SystemExit(f"unknown head {head!r}; choose from {HEADS}")
         torch.manual_seed(seed)
+        if init_from is not None:
+            load = load_eagle3 if head == "eagle3" else load_moa
+            draft = load(init_from / head, target.cfg).to(target.device)
+            task = Eagle3Task(target, draft) if head == "eagle3" else MoATask(target, draft, seed=seed, **moa_loss)
+            tasks.append(task)
+            continue
         with torch.device(target.device):  # made where they train: no host copy of every weight
             if head == "eagle3":
                 draft = Eagle3Draft(Eagle3Config.for_target(target.cfg, hot_ids.numel()))
-            elif head.startswith("moa-tli"):
-                draft = MoADraft(MoAConfig.for_target(target.cfg, tli=int(head.removeprefix("moa-tli")), draft_vocab_size=hot_ids.numel()))
             else:
-                raise SystemExit(f"unknown head {head!r}; choose from {HEADS}")
+                draft = MoADraft(MoAConfig.for_target(target.cfg, tli=int(head.removeprefix("moa-tli")), draft_vocab_size=hot_ids.numel()))
         draft.set_vocab(hot_ids.to(target.device))
         if head == "eagle3":
             with torch.no_grad():  # lm_head rows and final norm start from the target's
@@ -220,6 +227,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--pack", default=None, help="also write heads.tar.partNN (<= 15 MiB each) here")
     p.add_argument("--heads", default=",".join(HEADS))
+    p.add_argument("--init-from", default=None, help="fine-tune: start each head from <dir>/<head> (its weights and draft vocab)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--time-budget-min", type=float, default=7.0, help="training time; the LR schedule follows it")
     p.add_argument("--deadline-min", type=float, default=None,
@@ -261,11 +269,12 @@ def run(args: argparse.Namespace) -> dict:
     batches = make_batches(train, args.tokens_per_batch, args.seed)
     held_batches = make_batches(held, args.tokens_per_batch, args.seed)[:8]
     heads = tuple(h for h in args.heads.split(",") if h)
-    tasks = build_tasks(target, hot, heads, {"lambda_kl": 1.0, "lambda_feat": 0.1, "min_gap": 6, "max_gap": 14}, args.seed)
+    init = Path(args.init_from) if args.init_from else None
+    tasks = build_tasks(target, hot, heads, {"lambda_kl": 1.0, "lambda_feat": 0.1, "min_gap": 6, "max_gap": 14}, args.seed, init)
     out = Path(args.out)
     meta = {"job": "sglang_ext.training.job", "shards": manifest.get("sources"), "tokens_per_batch": args.tokens_per_batch, "max_len": args.max_len,
             "lr": args.lr, "distill_repeat": args.distill_repeat, "draft_vocab_size": int(hot.numel()), "device": _device_name(device),
-            "time_budget_min": args.time_budget_min, "smoke": bool(args.smoke)}
+            "time_budget_min": args.time_budget_min, "smoke": bool(args.smoke), "init_from": args.init_from}
     run_cfg = RunConfig(str(out / "train"), args.max_steps, save_every_s=1e9, keep_checkpoints=1, log_every=args.log_every,
                         time_budget_s=args.time_budget_min * 60, seed=args.seed, progress_bar=False)
     runner = TargetRunner(target, args.tokens_per_batch if device.type != "cpu" else max(args.tokens_per_batch, args.max_len))
