@@ -105,7 +105,7 @@ class LinkProxy:
 
         async def pipe(reader, writer):
             # NOTE: each chunk's delay runs from its arrival, and a sender task releases the chunks in
-            # order: a link pipelines. Sleeping before reading the next chunk (session 12's relay)
+            # order: a link pipelines. Sleeping before reading the next chunk (an earlier relay)
             # added the delays of a message's chunks up (HTTP headers, then body: twice the one-way
             # delay), which made every edge cycle pay up to two round trips.
             queue: asyncio.Queue = asyncio.Queue()
