@@ -141,7 +141,7 @@ class LinkProxy:
                 return
             try:
                 ureader, uwriter = await asyncio.wait_for(asyncio.open_connection(*self.upstream), 5)
-            except (OSError, asyncio.TimeoutError):
+            except (OSError, asyncio.TimeoutError, asyncio.CancelledError):  # cancelled: shutdown while connecting
                 cwriter.transport.abort()
                 return
             self._conns.update((cwriter, uwriter))
