@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 SERVE_DRAFTER ?= auto
 
-.PHONY: install test test-slow serve bench bench-peers clean
+.PHONY: install lint test test-slow serve bench bench-peers clean
 
 install: $(STAMP)
 
@@ -16,7 +16,11 @@ $(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml setup.py sglan
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
-test: install deploy-tools
+# Lint and format check (config: [tool.ruff] in pyproject.toml); `make test` runs it first.
+lint: install
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+test: install lint deploy-tools
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-slow: install

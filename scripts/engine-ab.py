@@ -6,7 +6,7 @@ turn, one engine step each, so the machine's drift hits them alike. Prints each 
 Variants:
   vanilla, suffix           the serving engine (suffix: adaptive speculation, tree 3,1,4)
   vanilla-separate,         arrivals prefilled in a forward of their own before the decode forward
-  suffix-separate           (Engine(mixed_prefill=False)), as before session 19
+  suffix-separate           (Engine(mixed_prefill=False)): the engine before mixed prefill
   suffix-nocut              adaptive speculation without the confident option (three options)
 
     MOA_SERVE_EVAL_DIR=../shared/data/eval .venv/bin/python scripts/engine-ab.py \\

@@ -12,8 +12,8 @@ text is not in the prompt). Methods run interleaved request by request:
 All outputs are checked equal to vanilla's (a prediction never changes the output). Prints tokens/s,
 the ratio to vanilla and tau; writes results/<out>/results.json.
 
-    .venv/bin/python scripts/prediction-bench.py --out results/s22-prediction
-    .venv/bin/python scripts/prediction-bench.py --model-drafters eagle3,moa --out results/s23-prediction
+    .venv/bin/python scripts/prediction-bench.py --out results/prediction
+    .venv/bin/python scripts/prediction-bench.py --model-drafters eagle3,moa --out results/prediction-models
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ from a model of this project's CPU machine, so policies can be compared on the s
     .venv/bin/python scripts/simulate-adaptive.py [--seeds 24] [--steps 300]
     .venv/bin/python scripts/simulate-adaptive.py --baseline 381e9a9   # the policy at another commit
 
-The machine: verify cost per step by rows, measured here in session 12 (forward + lm_head, fp32, 2
+The machine: verify cost per step by rows, measured on a 2-core AMD EPYC (forward + lm_head, fp32, 2
 threads; flat to 4 rows, ~2.3 ms per row past 8); drafting 0.3 ms per request (the suffix drafter).
 The content: each request accepts each draft node with a probability around a level that jumps
 every ~50 steps (0.25-0.7, as text turns formulaic or free), and drafts its full chain 80 % of the
@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from sglang_ext.tree import TreeShape  # noqa: E402
 
-# (rows, ms) of a verify forward on the CPU machine (session 12 cost model points, then linear)
+# (rows, ms) of a verify forward on the CPU machine (the adaptive policy's cost-model points, then linear)
 ROW_MS = [(1, 14.2), (2, 16.3), (3, 18.0), (4, 19.2), (5, 25.0), (6, 32.4), (8, 36.4), (10, 39.9), (13, 46.3), (15.5, 51.9),
           (19, 62.3), (22, 68.7), (28, 81.5), (64, 160), (128, 300), (256, 590)]
 DRAFT_S = 0.0003  # per request

@@ -38,7 +38,8 @@ async def one(kind):
             assert r.choices[0].message.content is not None
         elif kind == "stream":
             s = await cli.chat.completions.create(model="smollm2", messages=m, max_tokens=mt, stream=True, stream_options={"include_usage": True})
-            async for c in s: pass
+            async for _ in s:
+                pass
         elif kind == "n2":
             r = await cli.chat.completions.create(model="smollm2", messages=m, max_tokens=mt, n=2, temperature=0.8)
             assert len(r.choices) == 2
@@ -59,9 +60,10 @@ async def one(kind):
             async with httpx.AsyncClient(timeout=60) as h:
                 async with h.stream("POST", BASE + "/v1/chat/completions", json={"model": "smollm2", "messages": m, "max_tokens": 64, "stream": True}) as resp:
                     n = 0
-                    async for line in resp.aiter_lines():
+                    async for _ in resp.aiter_lines():
                         n += 1
-                        if n > 4: break
+                        if n > 4:
+                            break
         elif kind == "bad":
             body = random.choice([{"model": "smollm2", "messages": []}, {"model": "smollm2", "messages": m, "max_tokens": -1},
                                   {"model": "smollm2", "messages": m, "temperature": "hot"}, {"model": "nope", "messages": m},
@@ -73,9 +75,11 @@ async def one(kind):
         count(kind + ":ok")
     except (BadRequestError, APIStatusError) as e:
         count(kind + f":http{e.status_code}")
-        if e.status_code >= 500: print(kind, e)
+        if e.status_code >= 500:
+            print(kind, e)
     except Exception as e:
-        count(kind + ":EXC"); print(kind, repr(e)[:300])
+        count(kind + ":EXC")
+        print(kind, repr(e)[:300])
 
 async def user(deadline):
     kinds = ["plain", "stream", "n2", "tools", "json", "pred", "logprobs", "minstop", "completion", "drop", "bad"]

@@ -12,8 +12,8 @@ for tool_choice "required", one call); without it the model answers as under too
 
 Prints tokens/s per method, its ratio to vanilla, and tau; writes results/<out>/results.json.
 
-    .venv/bin/python scripts/structured-bench.py --out results/s21-structured
-    .venv/bin/python scripts/structured-bench.py --workload tools --out results/s22-tools
+    .venv/bin/python scripts/structured-bench.py --out results/structured
+    .venv/bin/python scripts/structured-bench.py --workload tools --out results/tools
 """
 
 from __future__ import annotations

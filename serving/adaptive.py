@@ -19,7 +19,7 @@ for a trial, a prior predicts the option's rate from what was measured elsewhere
 tree size and drafting seconds (per request, from any batch size) and a verify-cost model (seconds
 of the verify forward as a function of its rows, from every step). 'Off' needs no acceptance: one
 row and one token per request. Once every option has such a prior at this batch size, the choice is
-made by the priors alone (session 12): they rest on many steps of every batch size, where a bucket's
+made by the priors alone: they rest on many steps of every batch size, where a bucket's
 own windows rest on single re-measurement steps whose acceptance swings with the content (at bs 4-64
 those single steps flipped the choice to a slower tree: 0.90-0.97x vanilla in real sweeps). A chain
 that runs also rates the shorter chains nested in it (their drafts are its first nodes), so their

@@ -337,7 +337,7 @@ def cmd_bench(args) -> int:
             continue
         runners = {}
 
-        def add(label, tree_text, make):
+        def add(label, tree_text, make, runners=runners, name=name):
             add_runner(runners, MethodResult(label, name, tree_text), make)
 
         add("vanilla", "-", lambda: engine_runner(target, "vanilla", TreeShape.chain(1), sp))
@@ -363,10 +363,10 @@ def cmd_bench(args) -> int:
             elif p == "hf-assisted":  # HF's own draft-length schedule (its defaults), our self-draft as the model
                 add(p, f"assistant: layers {layers_text}", lambda: peer_lib.hf_runner(hf(), sp, eos_ids, assistant_model=assistant()))
             elif p == "hf-prompt-lookup":
-                add(p, f"lookup {lookup}", lambda: peer_lib.hf_runner(hf(), sp, eos_ids, prompt_lookup_num_tokens=lookup))
+                add(p, f"lookup {lookup}", lambda lookup=lookup: peer_lib.hf_runner(hf(), sp, eos_ids, prompt_lookup_num_tokens=lookup))
             elif p in ("llama.cpp", "llama.cpp-prompt-lookup"):
                 add(p, f"lookup {lookup}" if p.endswith("lookup") else "-",
-                    lambda p=p: peer_lib.llama_cpp_runner(peer_lib.target_gguf(args.model), sp, eos_ids, n_ctx, torch.get_num_threads(), lookup if p.endswith("lookup") else None))
+                    lambda p=p, n_ctx=n_ctx, lookup=lookup: peer_lib.llama_cpp_runner(peer_lib.target_gguf(args.model), sp, eos_ids, n_ctx, torch.get_num_threads(), lookup if p.endswith("lookup") else None))
             else:
                 add(p, "-", lambda p=p: (_ for _ in ()).throw(ValueError(f"unknown peer {p!r}; choose from {', '.join(peer_lib.PEERS)}")))
         run_interleaved({k: v for k, v in runners.items() if v[1] is not None}, prompts)

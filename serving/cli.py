@@ -68,21 +68,21 @@ def default_tree(drafter: str | None):
     # EAGLE-3 and MoA share one tree budget, so their numbers compare. On this CPU each verify row
     # costs ~1/8 of a decode and each draft step a head forward, so with the shipped heads (tau ~1.6
     # at 16 nodes) one draft step with two candidates is fastest: 0.91x vanilla against 0.81x for
-    # 2,2,4, 0.70x for 3,2,6 and 0.44x for 3,4,16 (session 13, results/s13-trees). Over a network
+    # 2,2,4, 0.70x for 3,2,6 and 0.44x for 3,4,16 (2-core Xeon, six eval sets). Over a network
     # too, although each cycle also pays a round trip: under emulated 4G 1,2,3 gave 0.33x the API
-    # baseline against 0.23x for 3,4,16 (session 13, results/s13-edge2).
-    # min_prob 0.1 (session 16): nodes of draft probability < 0.1 were accepted ~6 % of the time, not
-    # worth a verify row here: EAGLE-3 0.93-0.94x vanilla against 0.89x without (results/s16-minprob*).
+    # baseline against 0.23x for 3,4,16.
+    # min_prob 0.1: nodes of draft probability < 0.1 were accepted ~6 % of the time, not worth a
+    # verify row here: EAGLE-3 0.93-0.94x vanilla against 0.89x without (docs/BENCHMARKS.md, "Tree shapes").
     eagle_like = TreeShape(1, 2, 3, min_prob=0.1)
     from sglang_ext.drafters import is_suffix_corpus
 
     if drafter and is_suffix_corpus(drafter):
         drafter = "suffix"  # --drafter PATH to a corpus
-    # suffix: a 3-token chain. A chain beat 8,3,24 (session 6); since the matmuls read the GGUF blocks
-    # (session 9) a decode no longer waits on memory, each verify row costs ~1/4 of a decode, and the
-    # 3-chain won over six sets: 1.37x vs 1.30x for the 5-chain in one run, 1.40x vs 1.37x / 1.27x
-    # for the 2- / 4-chains in another (docs/BENCHMARKS.md session 9); again on a Xeon once 5-8 row
-    # verifies got cheaper: 1.21x vs 1.18x / 1.15x / 1.05x for the 4- / 5- / 7-chains (session 13)
+    # suffix: a 3-token chain. A chain beat 8,3,24; with the matmuls on the GGUF blocks a decode no
+    # longer waits on memory, each verify row costs ~1/4 of a decode, and the 3-chain won over six
+    # sets on a 2-core AMD EPYC: 1.37x vs 1.30x for the 5-chain in one run, 1.40x vs 1.37x / 1.27x
+    # for the 2- / 4-chains in another; again on a 2-core Xeon once 5-8 row verifies got cheaper:
+    # 1.21x vs 1.18x / 1.15x / 1.05x for the 4- / 5- / 7-chains
     return {"ngram": TreeShape(6, 2, 12), "suffix": TreeShape(3, 1, 4), "draft-model": TreeShape(3, 1, 4), "eagle3": eagle_like, "moa": eagle_like, "moa-tli0": eagle_like, "moa-tli1": eagle_like}.get(drafter or "none", TreeShape(6, 4, 24))
 
 

@@ -265,7 +265,9 @@ def test_link_delay_runs_from_each_chunks_arrival():
                 conn.sendall(data)
 
     threading.Thread(target=serve, daemon=True).start()
-    with LinkProxy("127.0.0.1", echo.getsockname()[1], Profile("fixed", 200.0, 0.0, 0.0, None)) as link:
+    # 500 ms each way: one-way + echo = 1.0 s when each chunk's delay runs from its arrival, 1.5 s when the
+    # body also waits out the head's delay; the bound sits between them, far from scheduling noise
+    with LinkProxy("127.0.0.1", echo.getsockname()[1], Profile("fixed", 500.0, 0.0, 0.0, None)) as link:
         with socket.create_connection(("127.0.0.1", link.port)) as c:
             c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             t0 = time.monotonic()
@@ -278,7 +280,7 @@ def test_link_delay_runs_from_each_chunks_arrival():
             elapsed = time.monotonic() - t0
     echo.close()
     assert got == b"headbody"
-    assert 0.4 <= elapsed < 0.55, elapsed
+    assert 1.0 <= elapsed < 1.35, elapsed
 
 
 def test_link_delivers_every_byte_and_shuts_down_quietly(caplog):
@@ -291,6 +293,7 @@ def test_link_delivers_every_byte_and_shuts_down_quietly(caplog):
 
     payload = bytes(range(256)) * 8192  # 2 MiB
     upstream = socket.create_server(("127.0.0.1", 0))
+    relayed = threading.Event()
 
     def serve():
         for i in range(2):
@@ -299,6 +302,7 @@ def test_link_delivers_every_byte_and_shuts_down_quietly(caplog):
                 with conn:
                     conn.sendall(payload)
             else:
+                relayed.set()
                 threading.Event().wait(5)  # keeps the second connection open
                 conn.close()
 
@@ -310,7 +314,7 @@ def test_link_delivers_every_byte_and_shuts_down_quietly(caplog):
             while chunk := c.recv(1 << 16):
                 got += chunk
         idle = socket.create_connection(("127.0.0.1", link.port))
-        time.sleep(0.2)  # the relay is connected upstream and waiting
+        assert relayed.wait(timeout=30)  # the relay is connected upstream and waiting
     idle.close()
     upstream.close()
     assert bytes(got) == payload

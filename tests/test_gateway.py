@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import sys
 import time
 from pathlib import Path
@@ -229,7 +230,7 @@ def test_completions_echo_with_prompt_logprobs(server, client, smollm2_fp32):
     only = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, logprobs=0, echo=True)
     assert only.choices[0].text == prompt and only.usage.completion_tokens == 0 and only.choices[0].finish_reason == "length"
     assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[: len(ids)] and only.choices[0].logprobs.tokens == lp.tokens[: len(ids)]
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a condition, not a speed: the abort is applied on the engine thread
     while server.engine.kv.num_free != server.engine.kv.num_slots - 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert server.engine.kv.num_free == server.engine.kv.num_slots - 1  # the dropped token's request freed its KV
@@ -493,24 +494,41 @@ def test_50_dropped_streams_free_their_kv(server):
     assert (values["moa_kv_cache_used_tokens"], values["moa_kv_cache_reserved_tokens"]) == (0, 0)
 
 
-def test_kv_cache_gauges_follow_a_request(server):
+def test_kv_cache_gauges_follow_a_request(server, monkeypatch):
     engine = server.engine
     _, idle = _scrape(server.url)
     assert idle["moa_kv_cache_capacity_tokens"] == engine.kv.num_slots - 1
     assert (idle["moa_kv_cache_used_tokens"], idle["moa_kv_cache_reserved_tokens"]) == (0, 0)
     req = {"model": MODEL, "messages": user("Tell a long story about a lighthouse."), "max_tokens": 200, "temperature": 0, "stream": True}
     prompt = httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": req["messages"]}).json()["count"]
-    with httpx.stream("POST", server.url + CHAT, json=req, timeout=120) as r:
-        for line in r.iter_lines():
-            if '"content"' in line and '"role"' not in line:
-                break  # mid-stream: the request holds its prompt and some output, and reserves its worst case
-        _, busy = _scrape(server.url)
+    # NOTE: the engine thread is held after the first step whose KV holds the prompt and some output,
+    # so the scrape sees the request mid-flight however fast the machine is (without the hold a fast
+    # engine finished all 200 tokens before the client's scrape). The timeouts only stop a hang.
+    held, release = threading.Event(), threading.Event()
+    real_step = engine.step
+
+    def step_then_hold():
+        events = real_step()
+        used = engine.kv.num_slots - 1 - engine.kv.num_free
+        if not held.is_set() and engine.running and used > prompt:
+            held.set()
+            release.wait(timeout=300)
+        return events
+
+    monkeypatch.setattr(engine, "step", step_then_hold)
+    try:
+        with httpx.stream("POST", server.url + CHAT, json=req, timeout=300) as r:
+            assert held.wait(timeout=300), "the request ended before its KV held any output"
+            _, busy = _scrape(server.url)
+            release.set()
+            body = "".join(r.iter_lines())
+    finally:
+        release.set()
     tree = engine.tree.num_draft_tokens + 1
     assert prompt < busy["moa_kv_cache_used_tokens"] < prompt + 200 + tree
     assert busy["moa_kv_cache_reserved_tokens"] == prompt + 200 + tree
-    deadline = time.monotonic() + 60
-    while _scrape(server.url)[1]["moa_kv_cache_reserved_tokens"] and time.monotonic() < deadline:
-        time.sleep(0.05)
+    # a finished request's KV is freed and its reservation dropped before its last chunk is sent
+    assert "[DONE]" in body
     _, after = _scrape(server.url)
     assert (after["moa_kv_cache_used_tokens"], after["moa_kv_cache_reserved_tokens"]) == (0, 0)
 

@@ -81,7 +81,9 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
                 time.sleep(0.05)
             assert metric(url, "moa_running_requests") == 3
             proc.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
+            deadline = time.monotonic() + 60  # wait for the drain to start, not for a fixed time
+            while httpx.get(url + "/ready").status_code != 503 and time.monotonic() < deadline:
+                time.sleep(0.05)
             late = httpx.post(url + "/v1/chat/completions", json=body, headers=AUTH, timeout=30)
             assert late.status_code == 503 and late.json()["error"]["code"] == "service_unavailable" and late.headers["retry-after"]
             assert httpx.get(url + "/ready").status_code == 503

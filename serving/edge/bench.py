@@ -77,7 +77,6 @@ def cmd_edge(args) -> int:
     client = EdgeClient(args.server, _local_drafter(target, args.drafter), args.drafter, tree, args.wire_dtype, args.api_key, args.timeout, args.resync,
                         eos_ids=tuple(target.cfg.eos_token_ids))
     ids = target.encode_chat([{"role": "user", "content": args.prompt}])
-    shown: list[int] = []
     pending: list[int] = []
     dim, reset = ("\033[2m", "\033[0m") if sys.stdout.isatty() else ("[", "]")
     for ev in client.generate(ids, args.max_new_tokens):

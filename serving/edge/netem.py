@@ -105,7 +105,7 @@ class LinkProxy:
 
         async def pipe(reader, writer):
             # NOTE: each chunk's delay runs from its arrival, and a sender task releases the chunks in
-            # order: a link pipelines. Sleeping before reading the next chunk (session 12's relay)
+            # order: a link pipelines. Sleeping before reading the next chunk (an earlier relay)
             # added the delays of a message's chunks up (HTTP headers, then body: twice the one-way
             # delay), which made every edge cycle pay up to two round trips.
             queue: asyncio.Queue = asyncio.Queue()
@@ -141,7 +141,7 @@ class LinkProxy:
                 return
             try:
                 ureader, uwriter = await asyncio.wait_for(asyncio.open_connection(*self.upstream), 5)
-            except (OSError, asyncio.TimeoutError):
+            except (OSError, asyncio.TimeoutError, asyncio.CancelledError):  # cancelled: shutdown while connecting
                 cwriter.transport.abort()
                 return
             self._conns.update((cwriter, uwriter))

@@ -19,7 +19,7 @@ from .base import DraftInput, TargetCapture
 
 # NOTE: a lookup's candidates are only as good as the match behind them: teacher-forced on greedy
 # SmolLM2 outputs, suffix-drafter nodes after a 0-1 token match in the request itself were accepted
-# ~20 % of the time, after 2 tokens ~40 %, after 3-4 tokens 50-75 % (session 18)
+# ~20 % of the time, after 2 tokens ~40 %, after 3-4 tokens 50-75 % (scripts/lookup-acceptance.py)
 FULL_CONFIDENCE_MATCH = 3
 
 

@@ -144,5 +144,5 @@ class SuffixDrafter(NgramDrafter):
     def _tree(self, d: DraftInput, shape: TreeShape) -> TokenTree:
         own_len, weighted = self.candidates(d.token_ids, shape.depth, d.reference)
         # the request's own match sets the confidence: a long corpus match alone predicted acceptance
-        # no better than a short one (session 18, scripts/lookup-acceptance.py)
+        # no better than a short one (scripts/lookup-acceptance.py; docs/BENCHMARKS.md, "Tree shapes")
         return trie_tree(d.token_ids[-1], d.seq_len, weighted, shape, self.min_share, match_confidence(own_len))

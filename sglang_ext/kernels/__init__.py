@@ -11,18 +11,18 @@ our AVX2 kernel (cpu_linear.cpp, built by setup.py at install) and everything el
 training, bf16, autograd, non-x86 machines) to F.linear. MOA_SERVE_CPU_KERNELS=0 turns both kernels
 off (same results up to fp32 rounding; used to measure what it buys).
 
-Measured on the 2-core AMD EPYC (AVX2) CI machine of sessions 6-12, 2 threads, the linear layers of one SmolLM2
-forward (30 layers + lm_head), same run: 1 / 4 / 6 / 16 rows take 26 / 25 / 28 / 56 ms (the
-session-6 blocking in groups of 3 rows: 26 / 31 / 34 / 56 ms); MKL 1.45-2.2x slower for 1-64 rows
+Measured on a 2-core AMD EPYC (AVX2), 2 threads, the linear layers of one SmolLM2
+forward (30 layers + lm_head), same run: 1 / 4 / 6 / 16 rows take 26 / 25 / 28 / 56 ms (an earlier
+blocking in groups of 3 rows: 26 / 31 / 34 / 56 ms); MKL 1.45-2.2x slower for 1-64 rows
 (scripts/kernel-ab.py; `--baseline REV` compares with the kernel of another commit). Reading the
 GGUF blocks instead (`linear_packed`, `--packed`): a whole forward + lm_head 1.39-1.51x faster for
-1-4 rows, 1.06-1.24x for 6-64 (two runs, docs/BENCHMARKS.md, session 9); with the in-register
-dequantization extended to 8 rows, 5-8 rows another 1.2x (a 2-core Xeon, session 13); with the Q8_0
-lm_head and bf16 drafter weights in registers too, a forward + lm_head 1.03-1.14x for 1-16 rows (session 15);
+1-4 rows, 1.06-1.24x for 6-64 (two runs). On a 2-core Xeon with AVX-512: with the in-register
+dequantization extended to 8 rows, 5-8 rows another 1.2x; with the Q8_0
+lm_head and bf16 drafter weights in registers too, a forward + lm_head 1.03-1.14x for 1-16 rows;
 on CPUs with AVX-512, 3-16 rows run the same tiles two weight rows per register (same sums, half the
-FMAs): 6-16 rows another 1.12-1.21x (session 15; MOA_SERVE_AVX512=0 keeps the AVX2 tiles), and
+FMAs): 6-16 rows another 1.12-1.21x (MOA_SERVE_AVX512=0 keeps the AVX2 tiles), and
 9-24 rows in one pass (the weights dequantized once, not once per pass of <= 8 rows or through a buffer):
-1.17-1.30x for 9-24 rows (session 18).
+1.17-1.30x for 9-24 rows (docs/BENCHMARKS.md, "CPU kernels").
 """
 
 from __future__ import annotations
@@ -75,8 +75,8 @@ def _kernel_rows() -> int:
     """Forwards of more rows than this go to F.linear (MKL). Up to it, the kernel computes every output
     as one fixed FMA chain, so decode and verify rows are bit-identical. Where the AVX-512 tiles run
     (one pass up to 24 rows) MKL's AVX-512 sgemm is as fast from 25-32 rows (a whole forward 1.21x
-    faster on the kernel at 24 rows, 1.00x at 32, 0.67x at 128; sessions 17-18); on AVX2-only CPUs the
-    kernel led up to 128 (sessions 6-12).
+    faster on the kernel at 24 rows, 1.00x at 32, 0.67x at 128 on a 2-core Xeon); on AVX2-only CPUs
+    (a 2-core AMD EPYC) the kernel led up to 128.
     MOA_SERVE_KERNEL_ROWS overrides (128: batch-invariant up to 128 rows)."""
     text = os.environ.get("MOA_SERVE_KERNEL_ROWS", "")
     if not text:

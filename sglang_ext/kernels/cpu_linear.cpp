@@ -355,7 +355,7 @@ MOA_AVX512 __attribute__((always_inline)) inline void packed_tile_pairs(const fl
 
 // R = 9-24 (WIDE_GROUP): one pair of weight rows per tile, R accumulators + 4 weight vectors in the 32
 // registers, so the weights are dequantized once for all R rows (passes of <= 8 rows did it per pass:
-// a 13-row verify cost ~1.7x an 8-row one, session 18)
+// a 13-row verify cost ~1.7x an 8-row one on a 2-core AVX-512 Xeon)
 constexpr int64_t WIDE_GROUP = 24;
 
 template <int KIND, int R>
@@ -371,7 +371,7 @@ MOA_AVX512 void packed_rows_pairs(const float* x, const uint8_t* b, int64_t row_
 
 // For 1-2 rows the dequantization dominates, and on 16 lanes it only shares two ports (Intel runs
 // 512-bit ops on ports 0 and 5, 256-bit ones on 0, 1 and 5): 0.87-0.95x for 1 row, ~1.0x for 2;
-// from 3 rows the halved FMAs win (1.1-1.3x for 3-8 rows; session 15, scripts/kernel-ab.py).
+// from 3 rows the halved FMAs win (1.1-1.3x for 3-8 rows; scripts/kernel-ab.py on a 2-core Xeon).
 constexpr int64_t WIDE_FROM_ROWS = 3;
 
 inline bool has_avx512() {
@@ -436,9 +436,9 @@ at::Tensor linear_packed(const at::Tensor& x, const at::Tensor& blocks, int64_t 
   const uint8_t* bp = bc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   // dequantizing in registers beats the buffer while the FMAs are few: Q4_1 1.3-1.4x for 1-2 rows,
-  // 1.05-1.2x for 4, 1.2x for 5-8 (session 13); Q8_0 (the lm_head) 1.23-1.65x and bf16 halves (a
+  // 1.05-1.2x for 4, 1.2x for 5-8; Q8_0 (the lm_head) 1.23-1.65x and bf16 halves (a
   // drafter) 1.4-3x for 1-8 rows; 9-16 rows in two passes 1.0-1.1x on AVX2, 1.15-1.2x on AVX-512
-  // (session 15, same-run A/B, same outputs); on AVX-512 one pass since session 18
+  // (same-run A/B, same outputs); on AVX-512 9-24 rows take one pass (WIDE_GROUP)
   const bool avx512 = use_avx512();
   if (M <= (avx512 ? WIDE_GROUP : FUSED_M)) {
     // groups of at most 8 input rows (12 = 6 + 6; AVX-512: one group of up to 24), each a pass over

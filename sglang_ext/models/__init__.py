@@ -48,7 +48,7 @@ def cpu_has_fast_bf16() -> bool:
 
     NOTE: without bf16 hardware oneDNN emulates bf16 matmuls, ~8x slower than fp32 for prefill/verify
     sized blocks (AMD EPYC, AVX2: 16 vs 128 GFLOPS at 256 rows). AVX512-BF16 alone is not enough either
-    (Xeon without AMX, session 13): bf16 decode 29 tok/s against 35.5 for plain torch fp32, and a
+    (a Xeon without AMX): bf16 decode 29 tok/s against 35.5 for plain torch fp32, and a
     drafter training step under bf16 autocast 1.3x slower than in fp32."""
     try:
         flags = next((l for l in open("/proc/cpuinfo") if l.startswith("flags")), "").split()
@@ -61,7 +61,7 @@ def auto_dtype(device: str = "cpu") -> torch.dtype:
     """bf16 on GPUs; on CPUs fp32 where our kernels run, else bf16 only with AMX.
 
     NOTE: the kernels read the GGUF's 4/8-bit blocks: on a Xeon with AVX512-BF16 (no AMX), SmolLM2
-    bs-1 decode ran at 88 tok/s in fp32 on the kernels against 29 tok/s in bf16 (session 13). Against
+    bs-1 decode ran at 88 tok/s in fp32 on the kernels against 29 tok/s in bf16. Against
     AMX bf16 they were never measured; fewer bytes per weight (Q4_1: 0.6 vs 2) should still win."""
     if device != "cpu":
         return torch.bfloat16

@@ -48,7 +48,7 @@ class Helm:
     def template(self, *args: str) -> subprocess.CompletedProcess:
         return self.run("template", "moa", str(CHART), "--namespace", "llm", *args)
 
-    @functools.cache
+    @functools.cache  # noqa: B019 - one Helm per session (a fixture): the cache lives as long as it does
     def render(self, *args: str) -> tuple[dict, ...]:
         """Rendered objects for `helm template` with these extra args (cached: templates are pure)."""
         proc = self.template(*args)

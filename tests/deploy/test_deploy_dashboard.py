@@ -106,7 +106,7 @@ def test_divisions_are_guarded(promql):
     for where, expr in targets():
         divisions = []
         promql.walk(promql.parse(substitute(expr)),
-                    lambda n: divisions.append(n) if isinstance(n, promql.BinaryExpr) and str(n.op) == "/" else None)
+                    lambda n, divisions=divisions: divisions.append(n) if isinstance(n, promql.BinaryExpr) and str(n.op) == "/" else None)
         for div in divisions:
             assert guarded(div.rhs), f"{where}: unguarded division by {div.rhs}"
 

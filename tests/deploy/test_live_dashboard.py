@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 import subprocess
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -85,7 +84,9 @@ def traffic(prometheus, live_gateway):
         return all(prom.scalar(f'sum(moa_requests_total{{job="{prom.JOB}", status="{s}"}})') == n for s, n in counts.items())
 
     prom.wait_until("a scrape after the traffic", scraped, 20)
-    time.sleep(1.5)  # and one more scrape
+    # and one more scrape (rates need two samples after the traffic): wait for a newer scrape timestamp
+    last = prom.scalar(f'timestamp(up{{job="{prom.JOB}"}})')
+    prom.wait_until("one more scrape", lambda: prom.scalar(f'timestamp(up{{job="{prom.JOB}"}})') > last, 20)
     return counts
 
 

@@ -1,0 +1,127 @@
+"""The import graph of the product packages: `sglang_ext` (the speculative core) imports nothing from
+`serving` (built on it), and no two top-level modules of either package import each other in a circle.
+
+Imports are read with ast (nothing is executed), function-local imports included: a lazy import is still
+a dependency. A module's top-level module is its first two dotted parts (`serving.gateway.app` ->
+`serving.gateway`, `sglang_ext.training.distill` -> `sglang_ext.training`; a plain file such as
+`serving/cli.py` is `serving.cli`).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("sglang_ext", "serving")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Dotted names of the project modules a file imports (relative imports resolved)."""
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                prefix = ".".join(base + ([node.module] if node.module else []))
+            else:
+                prefix = node.module or ""
+            out.add(prefix)
+            out.update(f"{prefix}.{a.name}" for a in node.names)  # `from pkg import module`
+    return {m for m in out if m.split(".")[0] in PACKAGES}
+
+
+def _top(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def _graph() -> dict[str, set[str]]:
+    """top-level module -> the top-level modules it imports (itself excluded)."""
+    known = {_top(_module_name(p)) for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in known}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            src = _top(_module_name(path))
+            graph[src].update(t for t in map(_top, _imports(path)) if t in known and t != src)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+def _core_imports_of_serving() -> list[str]:
+    return sorted(
+        {
+            f"{path.relative_to(ROOT)} imports {_top(m)}"
+            for path in (ROOT / "sglang_ext").rglob("*.py")
+            for m in _imports(path)
+            if m.split(".")[0] == "serving"
+        }
+    )
+
+
+def test_graph_helpers_find_a_cycle_and_resolve_relative_imports(tmp_path):
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+    assert "serving.engine" in _imports(ROOT / "serving" / "scheduler.py")  # `from .engine import ...`
+
+
+@pytest.mark.xfail(strict=True, reason="issue 35: sglang_ext/training imports serving (distill, evalsets)")
+def test_core_imports_nothing_from_serving():
+    assert _core_imports_of_serving() == []
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="issue 35: import cycles between top-level modules: {serving.backends, serving.bench, "
+    "serving.bench_batch, serving.cli, serving.edge, serving.gateway, serving.scheduler, sglang_ext.training} "
+    "and {sglang_ext.grammar, sglang_ext.sampling}",
+)
+def test_no_import_cycles_between_top_level_modules():
+    assert _cycles(_graph()) == []
