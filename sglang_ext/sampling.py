@@ -29,6 +29,9 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 MAX_LOGIT_BIAS = 300  # tokens in one request's logit_bias (OpenAI's limit)
 MAX_PREDICTION_TOKENS = 16384  # a predicted output's length (it is searched by lookup drafters every step)
 MAX_REPETITION_PENALTY = 2.0  # SGLang's range is [0, 2]; 0 itself would divide by zero
+# NOTE: a penalty near 0 divides a logit up to inf (NaN probabilities); from 0.01 on, logit / penalty /
+# temperature stays finite in float32 for any temperature that samples (>= GREEDY_TEMPERATURE)
+MIN_REPETITION_PENALTY = 0.01
 GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily
 
 
@@ -80,8 +83,10 @@ class SamplingParams:
             x = getattr(self, name)
             if not _is_number(x) or not -2 <= x <= 2:
                 raise InvalidRequest(f"{name} must be a number in [-2, 2], got {x!r}", name)
-        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise InvalidRequest(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty!r}", "repetition_penalty")
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not MIN_REPETITION_PENALTY <= rp <= MAX_REPETITION_PENALTY:
+            bounds = f"[{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}]"
+            raise InvalidRequest(f"repetition_penalty must be in {bounds}, got {rp!r}", "repetition_penalty")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise InvalidRequest(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}", "logit_bias")
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or not 0 <= self.min_tokens <= self.max_new_tokens:

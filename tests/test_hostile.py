@@ -115,6 +115,7 @@ HOSTILE = [
     ("chat top_logprobs 10**9", "POST", CHAT, chat(logprobs=True, top_logprobs=10**9), 400, "top_logprobs"),
     ("chat presence_penalty 1e308", "POST", CHAT, chat(presence_penalty=1e308), 400, "presence_penalty"),
     ("chat repetition_penalty -1", "POST", CHAT, chat(repetition_penalty=-1), 400, "repetition_penalty"),
+    ("chat repetition_penalty 1e-92 (logits / it overflow)", "POST", CHAT, chat(repetition_penalty=1e-92), 400, "repetition_penalty"),
     # nesting
     ("chat body 100k nested arrays", "POST", CHAT, DEEP, 400, None),
     ("chat content 100k nested arrays", "POST", CHAT, raw(chat(), "messages", f'[{{"role": "user", "content": {DEEP}}}]'), 400, None),
@@ -319,6 +320,9 @@ def test_fuzzed_requests_never_get_a_5xx(server, http, req):
 
 def test_after_fuzzing_no_fault_and_the_server_still_serves(server, http):
     check_clean(server, http)
+    # a temperature whose logits / temperature would overflow decodes greedily
+    tiny_t, greedy = (http.post(CHAT, json=chat(temperature=t, max_tokens=8)) for t in (1e-300, 0))
+    assert tiny_t.status_code == 200 and tiny_t.json()["choices"][0]["message"] == greedy.json()["choices"][0]["message"]
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,

@@ -154,7 +154,7 @@ def create_app(backend: Backend, telemetry: Telemetry, config: GatewayConfig | N
             return SSEResponse(gen.stream(), on_close=lambda: _close_stream(gen, telemetry, state))
         except APIError as e:
             telemetry.request(_status_of(e))
-            if e.status >= 500:
+            if e.status >= 500 and e.code != "service_unavailable":  # (a drain logs its own rejections)
                 log.warning("request failed: %s %s", e.status, e.message)
             raise
         except ClientGone:

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from sglang_ext.grammar import JSON_OBJECT, GrammarSpec
-from sglang_ext.sampling import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS
+from sglang_ext.sampling import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY
 
 from ..backends.base import GenParams, Job
 from .body import parse  # noqa: F401 - the routes and native.py parse bodies through schemas.parse
@@ -76,7 +76,7 @@ class _Common(_Strict):
     logit_bias: dict[str, Any] | None = None
     user: str | None = None
     # extensions (SGLang / vLLM names)
-    repetition_penalty: float | None = Field(None, gt=0, le=MAX_REPETITION_PENALTY)
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     regex: str | None = None  # structured output: the output matches this regex
     ebnf: str | None = None  # ... or this grammar (xgrammar's EBNF)
     top_k: int | None = Field(None, ge=-1)
