@@ -10,12 +10,21 @@ Per request, the target KV holds every token except the last one (the root of th
 
     tokens:  p0 p1 p2 p3 | g0 g1 g2       (prompt | generated)
     slots:   s  s  s  s  | s  s  -        g2 is the root: the next verify forward computes its K/V
+
+Faults: what is computed for one request alone (its penalties, masks, verification, sampling, logprobs,
+grammar state) runs inside a `_stage`; a fault there fails that request alone (finish_reason "error",
+`Request.error` = the stage) and frees its KV, while the step's other requests carry on unchanged. A
+fault outside every stage (the batched forward, the step's bookkeeping) fails the step; the caller
+(the scheduler) then fails every request and calls `reset()`.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +42,27 @@ from sglang_ext.verify import VerifyResult, coupled_verify, greedy_verify, sampl
 from .adaptive import CONFIDENT_FROM_BATCH, AdaptiveSpeculation
 
 PREDICTION_HEAD = 4  # prompt tokens before a predicted output in the drafter's reference (the assistant turn header)
+
+log = logging.getLogger("moa_serve.engine")
+
+
+class RequestFault(Exception):
+    """A fault while computing something for one request alone; `reason` names the stage."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"fault in stage {reason!r}")
+        self.reason = reason
+
+
+@contextmanager
+def _stage(reason: str) -> Iterator[None]:
+    """Any exception inside becomes a RequestFault(reason) (an inner stage's fault keeps its own reason)."""
+    try:
+        yield
+    except RequestFault:
+        raise
+    except Exception as e:
+        raise RequestFault(reason) from e
 
 
 @dataclass
@@ -61,6 +91,7 @@ class Request:
     prefilled: int = 0  # prompt tokens whose K/V the target holds (a long prompt is prefilled over several steps)
     prompt_captured: list = field(default_factory=list)  # the target's captured layers for the chunks so far
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # with finish_reason "error": the stage whose fault ended this request alone
     drafting: bool = True  # False after a drafter failure: vanilla decoding from then on
     matcher: object | None = None  # the grammar's state after the output so far (structured output)
     reference: list[int] = field(default_factory=list)  # the prompt's last tokens + its predicted output, for the drafter
@@ -135,10 +166,7 @@ class Engine:
         vocab = self.model.cfg.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise InvalidRequest(f"prompt has token ids outside the vocabulary [0, {vocab})", "prompt")
-        if any(t >= vocab for t, _ in params.logit_bias):
-            raise InvalidRequest(f"logit_bias has token ids outside the vocabulary [0, {vocab})", "logit_bias")
-        if any(not 0 <= t < vocab for t in params.prediction):
-            raise InvalidRequest(f"prediction has token ids outside the vocabulary [0, {vocab})", "prediction")
+        params.check_vocab(vocab)
         if len(prompt_ids) + 1 > self.max_context:
             raise InvalidRequest(f"prompt has {len(prompt_ids)} tokens; the context limit is {self.max_context}", "messages")
         gen = None if params.greedy else params.generator()
@@ -159,12 +187,27 @@ class Engine:
         self._release(req)
 
     def _release(self, req: Request) -> None:
+        if req in self.waiting:  # (a request that failed part-way through a chunked prefill)
+            self.waiting.remove(req)
         if req in self.running:
             self.running.remove(req)
             if self.drafter is not None and req.drafting:
-                self.drafter.remove_request(req.rid)
+                self._drafter_call(lambda: self.drafter.remove_request(req.rid), [req])
         self.kv.free(req.slots)
         req.slots = torch.empty(0, dtype=torch.long)
+
+    def reset(self) -> None:
+        """Drop every request and leave the KV pool whole: after a fault no single request can be
+        blamed for, the engine starts again from a clean state (the caller fails the requests)."""
+        for r in self.waiting + self.running:
+            if not r.finished:
+                r.finish_reason, r.error = "error", "step"
+            self._release(r)
+        self.waiting, self.running = [], []
+        leaked = self.kv.num_slots - 1 - self.kv.num_free
+        if leaked:  # slots of a request that was in neither list when the step failed, or a bug
+            log.error("%d KV slots still held with no request left; the KV pool is rebuilt", leaked)
+            self.kv = self.model.new_kv_pool(self.kv.num_slots)
 
     @property
     def has_work(self) -> bool:
@@ -258,42 +301,67 @@ class Engine:
         """Commit each prompt chunk (its rows of the forward `out` from `start` on, chunk after chunk); a
         request whose prompt is now done samples its first token (logits: one row per such request,
         in order) and starts drafting with the target's view of the whole prompt."""
-        events, done, captured = [], iter(range(logits.shape[0])), out.captured
+        events, done = [], iter(range(logits.shape[0]))
         for (r, end), s in zip(chunks, chunk_slots):
             n = end - r.prefilled
-            if r.params.prompt_logprobs is not None and (m := min(end, len(r.prompt_ids) - 1) - r.prefilled) > 0:
-                # chunk row j (position prefilled + j) predicts prompt token prefilled + j + 1; the last
-                # prompt row predicts the first output token (sampled below), not a prompt token
-                rows = self.model.logits(out.hidden[start : start + m], fp32=False)
-                r.prompt_logprobs += token_logprobs(rows, r.prompt_ids[r.prefilled + 1 : r.prefilled + 1 + m], r.params.prompt_logprobs)
-            r.slots = torch.cat([r.slots, s])
-            r.prefilled = end
-            if self.drafter is not None and captured:
-                r.prompt_captured.append({l: h[start : start + n] for l, h in captured.items()})
+            row = next(done) if end == len(r.prompt_ids) else None
+            try:
+                event = self._prefill_chunk(r, end, s, out, start, logits, row)
+            except RequestFault as f:
+                event = self._fail(r, f)
+            if event is not None:
+                events.append(event)
             start += n
-            if end < len(r.prompt_ids):
-                continue
-            i = next(done)
-            tok = self._sample(logits[i], r)
-            self.running.append(r)
-            if self.drafter is not None:
-                parts, r.prompt_captured = r.prompt_captured, []
-                hidden = {l: torch.cat([p[l] for p in parts]) for l in captured} if parts else {}
-                cap = TargetCapture(r.prompt_ids, torch.arange(end), r.slots, hidden, self.kv)
-                self._drafter_call(lambda: self.drafter.add_request(r.rid, cap), [r])
-            r.t_first_token = time.perf_counter()
-            new = self._append(r, [tok])
-            events.append(StepEvent(r, new, 0, 0, self._logprobs(r, logits, [i], new), r.prompt_logprobs if r.params.prompt_logprobs is not None else None))
         return events
+
+    def _prefill_chunk(
+        self, r: Request, end: int, s: torch.Tensor, out, start: int, logits: torch.Tensor, row: int | None
+    ) -> StepEvent | None:
+        """One prompt chunk: prompt tokens [r.prefilled, end) on rows `start`.. of `out`, slots `s`;
+        row: the prompt's logits row once the prompt is done (then its first token), else None."""
+        first, n = r.prefilled, end - r.prefilled
+        r.slots = torch.cat([r.slots, s])  # the chunk's slots are the request's from here on (freed with it)
+        r.prefilled = end
+        if r.params.prompt_logprobs is not None and (m := min(end, len(r.prompt_ids) - 1) - first) > 0:
+            # chunk row j (position first + j) predicts prompt token first + j + 1; the last
+            # prompt row predicts the first output token (sampled below), not a prompt token
+            with _stage("logprobs"):
+                rows = self.model.logits(out.hidden[start : start + m], fp32=False)
+                tokens = r.prompt_ids[first + 1 : first + 1 + m]
+                r.prompt_logprobs += token_logprobs(rows, tokens, r.params.prompt_logprobs)
+        captured = out.captured
+        if self.drafter is not None and captured:
+            r.prompt_captured.append({l: h[start : start + n] for l, h in captured.items()})
+        if row is None:
+            return None
+        tok = self._sample(logits[row], r)
+        self.running.append(r)
+        if self.drafter is not None:
+            parts, r.prompt_captured = r.prompt_captured, []
+            hidden = {l: torch.cat([p[l] for p in parts]) for l in captured} if parts else {}
+            cap = TargetCapture(r.prompt_ids, torch.arange(end), r.slots, hidden, self.kv)
+            self._drafter_call(lambda: self.drafter.add_request(r.rid, cap), [r])
+        r.t_first_token = time.perf_counter()
+        new = self._append(r, [tok])
+        prompt_lps = r.prompt_logprobs if r.params.prompt_logprobs is not None else None
+        return StepEvent(r, new, 0, 0, self._logprobs(r, logits, [row], new), prompt_lps)
 
     def _sample(self, logits: torch.Tensor, r: Request) -> int:
         if self._context_dependent(r):  # the first token: a root-only tree, no path
             logits = self._constrained(r, logits[None], chain_tree(0, [], 0))[0]
-        if r.params.greedy:
-            return int(greedy_tokens(logits))
-        if r.params.seed is not None:
-            return seeded_sample(logits_to_probs(logits, r.params), r.params.seed, len(r.prompt_ids))
-        return sample(logits_to_probs(logits, r.params), r.generator)
+        with _stage("sample"):
+            if r.params.greedy:
+                return int(greedy_tokens(logits))
+            if r.params.seed is not None:
+                return seeded_sample(logits_to_probs(logits, r.params), r.params.seed, len(r.prompt_ids))
+            return sample(logits_to_probs(logits, r.params), r.generator)
+
+    def _fail(self, r: Request, fault: RequestFault) -> StepEvent:
+        """End one request after a fault in its own stage; the step's other requests carry on."""
+        cause = fault.__cause__ or fault
+        log.error("request %d failed in stage %r; the other requests carry on", r.rid, fault.reason, exc_info=cause)
+        r.finish_reason, r.error = "error", fault.reason
+        return StepEvent(r, [], 0, 0)
 
     def _drafter_call(self, fn, reqs: list[Request]):
         """Run a drafter call; on failure, the affected requests fall back to vanilla decoding."""
@@ -336,32 +404,54 @@ class Engine:
         return [trees.get(r.rid) or chain_tree(r.output_ids[-1], [], len(r.slots)) for r in reqs]
 
     def _accept(self, reqs: list[Request], trees: list[TokenTree], new_slots: list[torch.Tensor], captured: dict, logits: torch.Tensor) -> list[StepEvent]:
-        """Verify each request's tree on its rows of the logits; keep the accepted nodes' KV, free the rest."""
+        """Verify each request's tree on its rows of the logits; keep the accepted nodes' KV, free the rest.
+        A fault verifying one request fails that request alone (its tree's slots freed with it)."""
         events, start = [], 0
         for r, t, s in zip(reqs, trees, new_slots):
             n = t.num_nodes
-            res = self._verify(r, t, logits[start : start + n])
-            keep = s[res.accepted_nodes]
-            rejected = torch.ones(n, dtype=torch.bool)
-            rejected[res.accepted_nodes] = False
-            self.kv.free(s[rejected])
-            r.slots = torch.cat([r.slots, keep])
-            self._record(r, res, n - 1)
-            if self.drafter is not None and r.drafting and self._drafter_commits:
-                rows = torch.tensor(res.accepted_nodes) + start
-                cap = TargetCapture(t.draft_tokens[res.accepted_nodes].tolist(), t.positions[res.accepted_nodes], keep, {l: h[rows] for l, h in captured.items()}, self.kv)
-                self._drafter_call(lambda: self.drafter.commit(r.rid, cap), [r])
-            new = self._append(r, res.tokens)
-            # token i of the accepted path came from the target's logits at accepted node i
-            events.append(StepEvent(r, new, res.num_accepted, n - 1, self._logprobs(r, logits[start : start + n], res.accepted_nodes, new)))
+            rows = logits[start : start + n]
+            try:
+                res = self._verify(r, t, rows)
+                with _stage("verify"):
+                    rejected = torch.ones(n, dtype=torch.bool)
+                    rejected[res.accepted_nodes] = False
+                    keep = s[res.accepted_nodes]
+            except RequestFault as f:
+                self.kv.free(s)
+                events.append(self._fail(r, f))
+            else:
+                self.kv.free(s[rejected])
+                r.slots = torch.cat([r.slots, keep])
+                tree_captured = {l: h[start : start + n] for l, h in captured.items()}
+                events.append(self._advance(r, t, res, keep, rows, tree_captured))
             start += n
         return events
+
+    def _advance(
+        self, r: Request, t: TokenTree, res: VerifyResult, keep: torch.Tensor, rows: torch.Tensor, captured: dict
+    ) -> StepEvent:
+        """After a verify: stats, the drafter's commit, then the accepted tokens (keep: the accepted
+        nodes' slots; rows, captured: the tree's logits and captured layers)."""
+        n = t.num_nodes
+        self._record(r, res, n - 1)
+        if self.drafter is not None and r.drafting and self._drafter_commits:
+            nodes = torch.tensor(res.accepted_nodes)
+            hidden = {l: h[nodes] for l, h in captured.items()}
+            cap = TargetCapture(t.draft_tokens[nodes].tolist(), t.positions[nodes], keep, hidden, self.kv)
+            self._drafter_call(lambda: self.drafter.commit(r.rid, cap), [r])
+        try:
+            new = self._append(r, res.tokens)
+            # token i of the accepted path came from the target's logits at accepted node i
+            return StepEvent(r, new, res.num_accepted, n - 1, self._logprobs(r, rows, res.accepted_nodes, new))
+        except RequestFault as f:
+            return self._fail(r, f)
 
     def _logprobs(self, r: Request, logits: torch.Tensor, rows: list[int], new: list[int]) -> list[TokenLogprob] | None:
         """The new tokens' logprobs (rows: the logits row of each, in order), when the request asked."""
         if r.params.logprobs is None:
             return None
-        lps = token_logprobs(logits[rows[: len(new)]], new, r.params.logprobs)
+        with _stage("logprobs"):
+            lps = token_logprobs(logits[rows[: len(new)]], new, r.params.logprobs)
         r.output_logprobs += lps
         return lps
 
@@ -373,22 +463,26 @@ class Engine:
         """The tree's rows under the request's penalties, min_tokens, then its grammar, each node after
         its own path. (Logprobs stay the raw ones: callers keep their rows.)"""
         if r.params.penalized:
-            logits = penalize_tree(logits, r.params, r.prompt_ids, r.output_ids, tree)
+            with _stage("penalty"):
+                logits = penalize_tree(logits, r.params, r.prompt_ids, r.output_ids, tree)
         if len(r.output_ids) < r.params.min_tokens:
-            logits = ban_early_stops(logits, tree, len(r.output_ids), r.params.min_tokens, self._stop_ids(r))
+            with _stage("mask"):
+                logits = ban_early_stops(logits, tree, len(r.output_ids), r.params.min_tokens, self._stop_ids(r))
         if r.matcher is not None:  # after the penalties: a masked token stays impossible
-            logits = apply_bitmask(logits, tree_bitmask(r.matcher, tree, logits.shape[-1]))
+            with _stage("mask"):
+                logits = apply_bitmask(logits, tree_bitmask(r.matcher, tree, logits.shape[-1]))
         return logits
 
     def _verify(self, r: Request, tree: TokenTree, logits: torch.Tensor) -> VerifyResult:
         if self._context_dependent(r):
             logits = self._constrained(r, logits, tree)
-        if r.params.greedy:
-            return greedy_verify(tree, greedy_tokens(logits))
-        probs = lambda node: logits_to_probs(logits[node], r.params)  # noqa: E731
-        if r.params.seed is not None:  # reproducible: plain seeded decoding's tokens, whatever was drafted
-            return coupled_verify(tree, probs, r.params.seed)
-        return sampling_verify(tree, probs, r.generator)
+        with _stage("verify"):
+            if r.params.greedy:
+                return greedy_verify(tree, greedy_tokens(logits))
+            probs = lambda node: logits_to_probs(logits[node], r.params)  # noqa: E731
+            if r.params.seed is not None:  # reproducible: plain seeded decoding's tokens, whatever was drafted
+                return coupled_verify(tree, probs, r.params.seed)
+            return sampling_verify(tree, probs, r.generator)
 
     def _record(self, r: Request, res: VerifyResult, drafted: int) -> None:
         st = r.stats
@@ -418,8 +512,11 @@ class Engine:
                 r.finish_reason = "length"
                 break
         r.output_ids += out
-        if r.matcher is not None and not all(r.matcher.accept_token(tok) for tok in out):
-            r.finish_reason = "error"  # cannot happen (the mask allowed only matching tokens): end this request alone
+        if r.matcher is not None:
+            with _stage("grammar"):
+                left = not all(r.matcher.accept_token(tok) for tok in out)
+            if left:  # cannot happen (the mask allowed only matching tokens): end this request alone
+                raise RequestFault("grammar")
         if not r.finished and len(r.token_ids) + self.tree.depth + 1 >= self.max_context:
             r.finish_reason = "length"
         return out

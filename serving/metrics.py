@@ -33,6 +33,11 @@ class Metrics:
         self.accepted_tokens = Counter("moa_accepted_tokens", "Draft tokens accepted by verification (bonus tokens excluded)", _LABELS, registry=r)
         self.verify_steps = Counter("moa_verify_steps", "Verify steps (one per request per decode step)", _LABELS, registry=r)
         self.drafter_fallbacks = Counter("moa_drafter_fallbacks", "Requests that fell back to vanilla decoding", (*_LABELS, "reason"), registry=r)
+        self.request_faults = Counter(
+            "moa_request_faults",
+            "Requests ended by an internal fault, by the stage that failed (reason); the other requests carried on, "
+            "except for reason step: a fault no single request could be blamed for fails that engine step's requests",
+            (*_LABELS, "reason"), registry=r)
         self.tool_calls = Counter("moa_tool_calls", "Tool calls returned to clients (parsed from chat replies)", _LABELS, registry=r)
         self.prediction_tokens = Counter("moa_prediction_tokens", "Predicted-output tokens by whether they appeared in the output (accepted, rejected)", (*_LABELS, "result"), registry=r)
         self.accept_length = Histogram("moa_accept_length", "Accepted draft tokens + 1 per verify step", _LABELS, buckets=tuple(range(1, 17)), registry=r)

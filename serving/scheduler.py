@@ -10,6 +10,11 @@
 
 A request is admitted only when its worst-case KV need (prompt + max_new_tokens + one tree) fits
 next to the worst-case needs of the requests already running, so a step never runs out of slots.
+
+Faults: one request's fault (while admitting it, in one of its engine stages, or delivering its
+tokens) fails that request alone, with an error naming the stage, counted in
+moa_request_faults_total{reason}. A fault no request can be blamed for (the batched forward) fails
+every request the engine holds (reason "step") and the engine restarts clean (`Engine.reset`).
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ class Delivery:
     """What one engine step did for one request, as seen by the event loop."""
 
     tokens: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     verify_steps: int = 0  # totals so far
     draft_tokens: int = 0
     accepted_tokens: int = 0
@@ -184,8 +189,11 @@ class Scheduler:
                 self._iterate(aborts, admit)
             except Exception:  # noqa: BLE001 - the engine thread must survive anything
                 self.last_error = traceback.format_exc()
-                log.error("engine thread error; failing %d requests:\n%s", len(self._by_rid), self.last_error)
+                n = len(self._by_rid)
+                log.error("engine step fault no request can be blamed for; failing %d requests:\n%s",
+                          n, self.last_error)
                 self._fail_all("internal error in the engine thread", admit)
+                self._reset_engine()
             if self.telemetry:
                 self.telemetry.occupancy(*self.load())
         self._shutdown()
@@ -230,6 +238,10 @@ class Scheduler:
             except InvalidRequest as e:
                 posts.append(self._finish(h, Delivery([], error=str(e), invalid=True)))
                 continue
+            except Exception:  # noqa: BLE001 - this request's fault alone
+                log.exception("admitting a request failed; the other requests carry on")
+                posts.append(self._fault(h, "prepare"))
+                continue
             self._by_rid[h.req.rid] = h
             if self.telemetry:
                 self.telemetry.prompt_tokens.inc(len(h.prompt_ids))
@@ -257,19 +269,44 @@ class Scheduler:
             self._record(h, e)
             if h is None or h.done:
                 continue
-            st = e.request.stats
-            d = Delivery(list(e.new_tokens), e.request.finish_reason, st.verify_steps, st.draft_tokens, st.accepted_tokens, logprobs=e.logprobs, prompt_logprobs=e.prompt_logprobs)
-            if d.finish_reason == "error":
-                d.error = "internal error: the engine ended this request (its output left its grammar)"
-            if e.request.finished:
-                del self._by_rid[e.request.rid]
-                posts.append(self._finish(h, d))
-            else:
-                posts.append((h, d))
+            try:
+                posts.append(self._deliver(h, e))
+            except Exception:  # noqa: BLE001 - this request's fault alone: end it, free its KV
+                log.exception("delivering a step's tokens failed; the other requests carry on")
+                self.engine.abort(e.request)
+                self._by_rid.pop(e.request.rid, None)
+                posts.append(self._fault(h, "scheduler"))
         if self.telemetry:
             self.telemetry.batch_size.observe(len(events))
             self.telemetry.throughput(len(events), tokens, dt)
         self._post(posts)
+
+    def _deliver(self, h: Handle, e: StepEvent) -> tuple[Handle, Delivery]:
+        """One request's share of a step, for its event loop (a final one when the request finished)."""
+        r = e.request
+        if r.finish_reason == "error":
+            del self._by_rid[r.rid]
+            return self._fault(h, r.error or "engine")
+        st = r.stats
+        d = Delivery(list(e.new_tokens), r.finish_reason, st.verify_steps, st.draft_tokens, st.accepted_tokens,
+                     logprobs=e.logprobs, prompt_logprobs=e.prompt_logprobs)
+        if not r.finished:
+            return h, d
+        del self._by_rid[r.rid]
+        return self._finish(h, d)
+
+    def _fault(self, h: Handle, reason: str) -> tuple[Handle, Delivery]:
+        """Fail one request after an internal fault in stage `reason` (counted by reason)."""
+        if self.telemetry:
+            self.telemetry.fault(reason)
+        return self._finish(h, Delivery([], "error", error=fault_message(reason)))
+
+    def _reset_engine(self) -> None:
+        """After a step fault: the engine drops what is left and its KV pool is whole again."""
+        try:
+            self.engine.reset()
+        except Exception:  # noqa: BLE001 - the engine thread must survive anything
+            log.exception("resetting the engine after a step fault failed")
 
     def _record(self, h: Handle | None, e: StepEvent) -> None:
         if not self.telemetry:
@@ -297,7 +334,9 @@ class Scheduler:
                     self.engine.abort(h.req)
             except Exception:  # noqa: BLE001 - the engine is already in trouble; free what we can
                 log.exception("abort after an engine error")
-            posts.append(self._finish(h, Delivery([], error=message)))
+            if self.telemetry:
+                self.telemetry.fault("step")
+            posts.append(self._finish(h, Delivery([], "error", error=message)))
         self._by_rid.clear()
         self._post(posts)
 
@@ -322,6 +361,11 @@ class Scheduler:
                 loop.call_soon_threadsafe(_dispatch, items)
             except RuntimeError:  # the loop is closed (server exiting): nobody is listening
                 pass
+
+
+def fault_message(reason: str) -> str:
+    """What a client reads when an internal fault in stage `reason` ended its request (details: the log)."""
+    return f"internal error ({reason}) ended this request; the server's other requests were not affected"
 
 
 def _dispatch(items: list[tuple[Handle, Delivery]]) -> None:

@@ -29,16 +29,28 @@ MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 MAX_LOGIT_BIAS = 300  # tokens in one request's logit_bias (OpenAI's limit)
 MAX_PREDICTION_TOKENS = 16384  # a predicted output's length (it is searched by lookup drafters every step)
 MAX_REPETITION_PENALTY = 2.0  # SGLang's range is [0, 2]; 0 itself would divide by zero
+# NOTE: a penalty near 0 divides a logit up to inf (NaN probabilities); from 0.01 on, logit / penalty /
+# temperature stays finite in float32 for any temperature that samples (>= GREEDY_TEMPERATURE)
+MIN_REPETITION_PENALTY = 0.01
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this decode greedily
 
 
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+def check_token_ids(ids, vocab: int, param: str) -> None:
+    """Every id in [0, vocab): InvalidRequest naming `param` otherwise.
+    NOTE: an id past the vocabulary would index past a logits row, and a negative one wrap around to another token."""
+    bad = next((t for t in ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)), None)
+    if bad is not None:
+        raise InvalidRequest(f"{param}: token ids must be integers in [0, {vocab}), got {str(bad)[:24]}", param)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 128
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (or below GREEDY_TEMPERATURE) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None
@@ -71,8 +83,10 @@ class SamplingParams:
             x = getattr(self, name)
             if not _is_number(x) or not -2 <= x <= 2:
                 raise InvalidRequest(f"{name} must be a number in [-2, 2], got {x!r}", name)
-        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
-            raise InvalidRequest(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty!r}", "repetition_penalty")
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not MIN_REPETITION_PENALTY <= rp <= MAX_REPETITION_PENALTY:
+            bounds = f"[{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}]"
+            raise InvalidRequest(f"repetition_penalty must be in {bounds}, got {rp!r}", "repetition_penalty")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise InvalidRequest(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}", "logit_bias")
         if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or not 0 <= self.min_tokens <= self.max_new_tokens:
@@ -83,6 +97,9 @@ class SamplingParams:
             raise InvalidRequest("min_tokens cannot be combined with a grammar (the grammar decides where the output ends)", "min_tokens")
         if self.grammar is not None and self.ignore_eos:
             raise InvalidRequest("ignore_eos cannot be combined with a grammar (the output ends where the grammar does)", "ignore_eos")
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
+            got = list(self.stop_token_ids)[:8]
+            raise InvalidRequest(f"stop_token_ids must be token ids (integers >= 0), got {got!r}", "stop_token_ids")
         if len({tok for tok, _ in self.logit_bias}) < len(self.logit_bias):
             raise InvalidRequest("logit_bias names a token more than once", "logit_bias")
         for tok, bias in self.logit_bias:
@@ -91,6 +108,15 @@ class SamplingParams:
             if not _is_number(bias) or not -100 <= bias <= 100:
                 raise InvalidRequest(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {tok}", "logit_bias")
 
+    def check_vocab(self, vocab: int) -> None:
+        """The token ids this request carries are in [0, vocab) and top_k is at most vocab (else InvalidRequest)."""
+        check_token_ids(self.stop_token_ids, vocab, "stop_token_ids")
+        check_token_ids([tok for tok, _ in self.logit_bias], vocab, "logit_bias")
+        check_token_ids(self.prediction, vocab, "prediction")
+        if self.top_k > vocab:
+            raise InvalidRequest(f"top_k must be at most the vocabulary size {vocab} (0: off), got {self.top_k}",
+                                 "top_k")
+
     @property
     def penalized(self) -> bool:
         """True when the target's logits need the per-context step of sglang_ext/penalties.py."""
@@ -98,7 +124,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # NOTE: below GREEDY_TEMPERATURE, logits / temperature can overflow to inf (NaN probabilities);
+        # such a temperature means the argmax anyway (vLLM's rule)
+        return self.temperature < GREEDY_TEMPERATURE
 
     def generator(self) -> torch.Generator:
         g = torch.Generator()

@@ -6,6 +6,8 @@ queue overflow, drafter faults, engine failures.
 
 import concurrent.futures as cf
 import json
+import logging
+import socket
 import time
 
 import httpx
@@ -382,3 +384,62 @@ def test_drain_deadline_aborts_what_is_left_and_exits(tiny):
     thread.join(20)
     assert not thread.is_alive() and time.monotonic() - t0 < 10
     assert engine.kv.num_free == engine.kv.num_slots - 1
+
+
+def _partial_upload(port: int, sent: bytes = b'{"model": "tiny", ') -> socket.socket:
+    """A connection that sends a chat request's headers and the start of a 1000-byte body, then stalls."""
+    s = socket.create_connection(("127.0.0.1", port))
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    s.sendall(head + sent)
+    return s
+
+
+def test_disconnect_during_upload_is_an_abort_not_an_error(server, caplog):
+    requests = server.telemetry._requests
+    aborted0, error0 = requests["aborted"]._value.get(), requests["error"]._value.get()
+    with caplog.at_level(logging.INFO):
+        for _ in range(5):
+            _partial_upload(server.port).close()
+        deadline = time.monotonic() + 60
+        while requests["aborted"]._value.get() - aborted0 < 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert requests["aborted"]._value.get() - aborted0 == 5 and requests["error"]._value.get() == error0
+    noisy = [r.getMessage() for r in caplog.records if r.exc_info or r.levelno >= logging.WARNING]
+    assert not noisy, noisy
+    assert httpx.post(server.url + CHAT, json=msg(), timeout=30).status_code == 200
+
+
+def test_a_stalled_upload_does_not_hold_the_drain_and_gets_an_openai_503(tiny):
+    import threading
+
+    import uvicorn
+
+    from serving.gateway.server import DrainingServer
+
+    engine = Engine(tiny, NgramDrafter(), TREE, kv_slots=4096)
+    backend, telemetry = embedded_backend(engine, MODEL, "ngram")
+    app = create_app(backend, telemetry)
+    # NOTE: a drain timeout no test waits for: the server exits before it only if the upload does not count
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=5)
+    server = DrainingServer(config, app.state.gateway, backend, drain_timeout=3600)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    stalled = _partial_upload(server.servers[0].sockets[0].getsockname()[1])
+    while not server.server_state.tasks:  # the request reached the app (which now reads its body)
+        time.sleep(0.02)
+    assert app.state.gateway.in_flight == 0  # an upload is not in flight
+    server.begin_drain()
+    thread.join(120)
+    assert not thread.is_alive(), "the stalled upload held the drain"
+    stalled.settimeout(30)
+    reply = b""
+    while chunk := stalled.recv(65536):
+        reply += chunk
+    stalled.close()
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 503"), reply[:300]
+    err = json.loads(body)["error"]
+    assert err["code"] == "service_unavailable" and err["type"] and err["message"], err
+    assert telemetry._requests["rejected"]._value.get() == 1 and telemetry._requests["error"]._value.get() == 0

@@ -77,6 +77,9 @@ class FakeSGLang:
         if prompt == "call ping":  # a model that calls a tool, in pieces that split the tags
             words, finish = [p.strip(" ") for p in PING_CALL.split("|")], "stop"
         slow = prompt == "slow"
+        if prompt == "garbled":  # an upstream that answers 200 and then a stream nobody can read
+            return StreamingResponse(iter(['data: {"choices": [{"index": 0, "text": "ok", "finish_reason": null}]}\n\n', "data: {not json\n\n"]),
+                                     media_type="text/event-stream")
 
         def chunk(**kw):
             return "data: " + json.dumps({"id": "x", "object": "chat.completion.chunk" if chat else "text_completion", "created": 1, "model": body["model"], **kw}) + "\n\n"
@@ -272,6 +275,18 @@ def test_unreachable_upstream(tmp_path):
         ready = c.get("/ready")
         assert ready.status_code == 503 and "unreachable" in ready.json()["error"]["message"]
         assert c.get("/health").status_code == 200
+
+
+def test_an_unreadable_upstream_reply_fails_that_request_alone(gw, upstream):
+    faults = gw.telemetry.metrics.request_faults.labels(drafter="moa", backend="sglang", reason="upstream_response")
+    before = faults._value.get()
+    with httpx.Client(base_url=gw.url, timeout=30) as c:
+        bad = c.post("/v1/completions", json={"model": "llama-8b", "prompt": "garbled", "max_tokens": 4})
+        assert bad.status_code == 502 and bad.json()["error"]["code"] == "upstream_error"
+        ok = c.post("/v1/completions", json={"model": "llama-8b", "prompt": "hi", "max_tokens": 4})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
+        assert 'moa_request_faults_total{backend="sglang",drafter="moa",reason="upstream_response"}' in c.get("/metrics").text
+    assert faults._value.get() == before + 1
 
 
 def test_client_disconnect_closes_the_upstream_request(gw, upstream):

@@ -38,6 +38,7 @@ class GenParams:
     logprobs: int | None = None  # None: off; k: each token's logprob and its k likeliest alternatives
     echo: bool = False  # completions: the output starts with the prompt (and its logprobs, when asked)
     prompt_logprobs: bool = False  # the prompt's logprobs (with `logprobs` alternatives) without echoing it (SGLang's /generate)
+    logprob_start_len: int | None = None  # /generate: the first prompt position reported (< the prompt's length)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # extension (SGLang/vLLM)

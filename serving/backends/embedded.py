@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import difflib
+import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
@@ -11,10 +12,12 @@ from sglang_ext.sampling import InvalidRequest, SamplingParams, TokenLogprob
 
 from ..engine import Engine
 from ..gateway.errors import APIError, invalid
-from ..scheduler import QueueFull, Scheduler, SchedulerClosed
+from ..scheduler import Delivery, Handle, QueueFull, Scheduler, SchedulerClosed, fault_message
 from .base import Chunk, Job, KVCacheUsage, SpecStats
 from .detok import IncrementalText, TokenStrings
 from .telemetry import Telemetry
+
+log = logging.getLogger("moa_serve.embedded")
 
 
 @dataclass(frozen=True)
@@ -104,16 +107,20 @@ class EmbeddedBackend:
             )
         else:
             max_new = max(p.max_tokens, 1)  # 0 (echo: score the prompt only): one token is generated and dropped
+        if p.logprob_start_len is not None and not 0 <= p.logprob_start_len < prompt_len:
+            raise invalid(f"logprob_start_len must be -1 (output tokens only) or a prompt position from 0 to {prompt_len - 1} "
+                          f"(the prompt has {prompt_len} tokens), got {p.logprob_start_len}", "logprob_start_len")
         try:
-            vocab = self.target.cfg.vocab_size
-            if any(t >= vocab for t, _ in p.logit_bias):
-                raise InvalidRequest(f"logit_bias: token ids must be below the vocabulary size {vocab}", "logit_bias")
-            return SamplingParams(max_new, p.temperature, p.top_p, p.top_k, p.seed, tuple(p.stop_token_ids), p.ignore_eos, p.logprobs,
-                                  prompt_logprobs=p.logprobs if p.echo or p.prompt_logprobs else None, presence_penalty=p.presence_penalty,
-                                  frequency_penalty=p.frequency_penalty, repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias,
-                                  grammar=p.grammar, min_tokens=p.min_tokens, prediction=tuple(self.target.encode(p.prediction)) if p.prediction else ())
+            params = SamplingParams(
+                max_new, p.temperature, p.top_p, p.top_k, p.seed, tuple(p.stop_token_ids), p.ignore_eos, p.logprobs,
+                prompt_logprobs=p.logprobs if p.echo or p.prompt_logprobs else None,
+                presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias, grammar=p.grammar, min_tokens=p.min_tokens,
+                prediction=tuple(self.target.encode(p.prediction)) if p.prediction else ())
+            params.check_vocab(self.target.cfg.vocab_size)
         except InvalidRequest as e:
             raise invalid(str(e), e.param) from e
+        return params
 
     def _echo_logprobs(self, ids: list[int], prompt_logprobs: list | None) -> list[dict] | None:
         """An echoed prompt's logprobs entries: the first token has none (no context), as in OpenAI's API."""
@@ -129,18 +136,8 @@ class EmbeddedBackend:
                 await asyncio.to_thread(self.engine.grammars.compile, params.grammar)
             except InvalidRequest as e:
                 raise invalid(str(e), e.param) from e
-        try:
-            handle = self.scheduler.submit(ids, params)
-        except QueueFull as e:
-            raise APIError(429, f"the server is busy ({self.limits.max_queue} requests queued); retry after {e.retry_after} s", code="rate_limit_exceeded", headers={"Retry-After": str(e.retry_after)}) from e
-        except SchedulerClosed as e:
-            raise APIError(503, str(e), code="service_unavailable", headers={"Retry-After": "5"}) from e
-        except InvalidRequest as e:
-            raise invalid(str(e), e.param) from e
-        text = IncrementalText(self.target.decode, job.params.stop)
-        produced = 0
-        # echo: the prompt as given (token ids decoded), then the completion; stop strings apply to the completion
-        echo = (job.prompt if isinstance(job.prompt, str) else self.target.tokenizer.decode(ids, skip_special_tokens=False)) if job.params.echo else ""
+        handle = self._submit(ids, params)
+        out = _Output(self, job, ids)
         try:
             while True:
                 d = await handle.next()
@@ -148,38 +145,76 @@ class EmbeddedBackend:
                     raise invalid(d.error, None) if d.invalid else APIError(500, d.error, code="internal_error")
                 if d.finish_reason == "abort":
                     raise APIError(503, "the request was aborted: the server is shutting down", code="service_unavailable")
-                produced += len(d.tokens)
-                delta, stopped = text.push(d.tokens, final=d.finish_reason is not None)
-                finish = "stop" if stopped else d.finish_reason
-                if stopped:
-                    handle.cancel()  # frees the KV now; the tokens after the stop string are dropped
-                if job.params.max_tokens == 0:  # echo only: the prompt (and its logprobs); the sampled token is dropped
-                    handle.cancel()
-                    lps = self._echo_logprobs(ids, d.prompt_logprobs) if job.params.echo else None
-                    yield Chunk(echo, 0, "length", prompt_tokens=len(ids), completion_tokens=0, spec=SpecStats(), token_ids=[], logprobs=lps,
-                                prompt_token_logprobs=_with_first(ids, d.prompt_logprobs))
-                    return
-                # tokens past the one that completed a stop string are dropped (with their logprobs)
-                keep = text.tokens_through_stop(len(d.tokens)) if stopped else len(d.tokens)
-                chunk = Chunk(echo + delta, len(d.tokens), finish, ids=list(d.tokens[:keep]))
-                if d.logprobs is not None:
-                    chunk.token_logprobs = d.logprobs[:keep]
-                    chunk.logprobs = self.token_strings.entries(chunk.token_logprobs)
-                    if d.prompt_logprobs is not None and job.params.echo:
-                        chunk.logprobs = self._echo_logprobs(ids, d.prompt_logprobs) + chunk.logprobs
-                chunk.prompt_token_logprobs = _with_first(ids, d.prompt_logprobs)
-                echo = ""
-                if finish:
-                    chunk.prompt_tokens, chunk.completion_tokens = len(ids), produced
-                    chunk.spec = SpecStats(d.verify_steps, d.draft_tokens, d.accepted_tokens)
-                    chunk.token_ids = list(text.ids)
-                    if params.prediction:
+                try:
+                    chunk, stopped = out.chunk(d)
+                    if chunk.finish_reason and params.prediction:
                         chunk.prediction_tokens = await asyncio.to_thread(prediction_usage, params.prediction, chunk.token_ids)
+                except Exception as e:  # noqa: BLE001 - this request's fault alone
+                    raise self._fault("detokenize") from e
+                if stopped or job.params.max_tokens == 0:
+                    handle.cancel()  # frees the KV now (tokens after a stop string, echo's sampled token: dropped)
                 yield chunk
-                if finish:
+                if chunk.finish_reason:
                     return
         finally:
             handle.cancel()  # client gone / sibling failed / generator closed early: no-op once finished
+
+    def _submit(self, ids: list[int], params: SamplingParams) -> Handle:
+        try:
+            return self.scheduler.submit(ids, params)
+        except QueueFull as e:
+            busy = f"the server is busy ({self.limits.max_queue} requests queued); retry after {e.retry_after} s"
+            raise APIError(429, busy, code="rate_limit_exceeded", headers={"Retry-After": str(e.retry_after)}) from e
+        except SchedulerClosed as e:
+            raise APIError(503, str(e), code="service_unavailable", headers={"Retry-After": "5"}) from e
+        except InvalidRequest as e:
+            raise invalid(str(e), e.param) from e
+
+    def _fault(self, reason: str) -> APIError:
+        """A fault turning this request's tokens into its response: it fails alone (logged, counted by reason)."""
+        log.exception("request failed in stage %r; the other requests carry on", reason)
+        self.telemetry.fault(reason)
+        return APIError(500, fault_message(reason), code="internal_error")
+
+
+class _Output:
+    """One choice's deliveries -> Chunks: incremental text with stop strings, echo, logprob entries."""
+
+    def __init__(self, backend: EmbeddedBackend, job: Job, ids: list[int]):
+        self.backend, self.job, self.ids = backend, job, ids
+        self.text = IncrementalText(backend.target.decode, job.params.stop)
+        self.produced = 0
+        # echo: the prompt as given (token ids decoded), then the completion; stop strings apply to the completion
+        self.echo = ""
+        if job.params.echo:
+            decode = backend.target.tokenizer.decode
+            self.echo = job.prompt if isinstance(job.prompt, str) else decode(ids, skip_special_tokens=False)
+
+    def chunk(self, d: Delivery) -> tuple[Chunk, bool]:
+        """The Chunk of one delivery, and whether a stop string ended the text there."""
+        ids, echo = self.ids, self.job.params.echo
+        if self.job.params.max_tokens == 0:  # echo only: the prompt (and its logprobs); the sampled token is dropped
+            lps = self.backend._echo_logprobs(ids, d.prompt_logprobs) if echo else None
+            return Chunk(self.echo, 0, "length", prompt_tokens=len(ids), completion_tokens=0, spec=SpecStats(),
+                         token_ids=[], logprobs=lps, prompt_token_logprobs=_with_first(ids, d.prompt_logprobs)), False
+        self.produced += len(d.tokens)
+        delta, stopped = self.text.push(d.tokens, final=d.finish_reason is not None)
+        finish = "stop" if stopped else d.finish_reason
+        # tokens past the one that completed a stop string are dropped (with their logprobs)
+        keep = self.text.tokens_through_stop(len(d.tokens)) if stopped else len(d.tokens)
+        chunk = Chunk(self.echo + delta, len(d.tokens), finish, ids=list(d.tokens[:keep]))
+        if d.logprobs is not None:
+            chunk.token_logprobs = d.logprobs[:keep]
+            chunk.logprobs = self.backend.token_strings.entries(chunk.token_logprobs)
+            if d.prompt_logprobs is not None and echo:
+                chunk.logprobs = self.backend._echo_logprobs(ids, d.prompt_logprobs) + chunk.logprobs
+        chunk.prompt_token_logprobs = _with_first(ids, d.prompt_logprobs)
+        self.echo = ""
+        if finish:
+            chunk.prompt_tokens, chunk.completion_tokens = len(ids), self.produced
+            chunk.spec = SpecStats(d.verify_steps, d.draft_tokens, d.accepted_tokens)
+            chunk.token_ids = list(self.text.ids)
+        return chunk, stopped
 
 
 def _with_first(ids: list[int], prompt_logprobs: list | None) -> list | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ from .detok import logprob_entry
 from .telemetry import Telemetry
 
 _FINISH = {"stop": "stop", "length": "length", "eos": "stop"}
+
+log = logging.getLogger("moa_serve.sglang")
 
 
 @dataclass(frozen=True)
@@ -195,10 +198,17 @@ class SGLangBackend:
                     raise await _upstream_error(r)
                 async for chunk in self._chunks(r, job.messages is not None):
                     yield chunk
+        except APIError:
+            raise
         except httpx.TimeoutException as e:
             raise APIError(504, f"upstream timed out: {type(e).__name__}", code="upstream_timeout") from e
         except httpx.HTTPError as e:
             raise APIError(502, f"upstream request failed: {type(e).__name__}: {e}", code="upstream_error") from e
+        except Exception as e:  # noqa: BLE001 - an upstream reply this gateway cannot read fails this request alone
+            log.exception("unreadable upstream response; the other requests carry on")
+            self.telemetry.fault("upstream_response")
+            unreadable = f"the upstream sent a response this gateway cannot read ({type(e).__name__})"
+            raise APIError(502, unreadable, code="upstream_error") from e
         finally:
             self._in_flight -= 1
 

@@ -46,6 +46,10 @@ class Telemetry:
     def fallback(self, reason: str) -> None:
         self.metrics.drafter_fallbacks.labels(**self._lab, reason=reason).inc()
 
+    def fault(self, reason: str) -> None:
+        """A request ended by an internal fault in stage `reason` (the others carried on, unless reason is "step")."""
+        self.metrics.request_faults.labels(**self._lab, reason=reason).inc()
+
     def tool_calls(self, n: int) -> None:
         self._tool_calls.inc(n)
 

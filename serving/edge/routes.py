@@ -13,28 +13,25 @@ Auth is the gateway's (Bearer API keys) since these paths are not exempt.
 from __future__ import annotations
 
 import asyncio
-import json
+from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
+from ..gateway.body import load_object
 from ..gateway.errors import APIError, invalid
 from .protocol import MEDIA_TYPE, pack
 from .service import EdgeError, EdgeService
 
 
-def install_edge_routes(app: FastAPI, service: EdgeService, max_body_bytes: int, tokenizer=None) -> None:
-    async def body_of(request: Request) -> dict:
-        from ..gateway.app import _read_body
+BodyReader = Callable[[Request], Awaitable[bytes]]
 
-        raw = await _read_body(request, max_body_bytes)
-        try:
-            body = json.loads(raw)
-        except ValueError as e:
-            raise invalid(f"request body is not valid JSON ({e})", None, "invalid_json") from e
-        if not isinstance(body, dict):
-            raise invalid("request body must be a JSON object", None, "invalid_json")
-        return body
+
+def install_edge_routes(app: FastAPI, service: EdgeService, read_body: BodyReader, tokenizer=None) -> None:
+    """read_body: the gateway's body reader (size limit, client gone, shutdown); JSON goes through its one parser."""
+
+    async def body_of(request: Request) -> dict:
+        return load_object(await read_body(request))
 
     def int_list(body: dict, key: str, required: bool = True) -> list[int]:
         val = body.get(key)
@@ -53,9 +50,12 @@ def install_edge_routes(app: FastAPI, service: EdgeService, max_body_bytes: int,
             if tokenizer is None:
                 raise invalid("this server takes prompt_token_ids only (no tokenizer)", "messages")
             msgs = body["messages"]
-            if not isinstance(msgs, list) or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs):
+            if not isinstance(msgs, list) or not all(_is_message(m) for m in msgs):
                 raise invalid("messages must be a list of {role, content}", "messages")
-            prompt = tokenizer(msgs)
+            try:
+                prompt = await asyncio.to_thread(tokenizer, msgs)
+            except Exception as e:  # noqa: BLE001 - a template error is the request's fault (roles out of order, ...)
+                raise invalid(f"messages could not be formatted with the model's chat template: {e}", "messages") from e
         else:
             prompt = int_list(body, "prompt_token_ids")
         drafter = body.get("drafter") or next(iter(service.drafters))
@@ -76,6 +76,8 @@ def install_edge_routes(app: FastAPI, service: EdgeService, max_body_bytes: int,
         if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 0:
             raise invalid("seq_len must be a non-negative integer", "seq_len")
         tokens, parents = int_list(body, "tokens"), int_list(body, "parents")
+        if any(not -1 <= p < len(parents) for p in parents):
+            raise invalid("parents must be node indices: -1 (the root) or 0 to len(tokens) - 1", "parents")
         mode = body.get("mode", "tree")
         try:
             header, tensors = await asyncio.to_thread(service.verify, sid, seq_len, tokens, parents, mode)
@@ -93,3 +95,7 @@ def install_edge_routes(app: FastAPI, service: EdgeService, max_body_bytes: int,
         while True:  # expired sessions free their KV even if no request arrives
             await asyncio.sleep(min(5.0, service.limits.ttl_s / 2))
             await asyncio.to_thread(service.reap)
+
+
+def _is_message(m) -> bool:
+    return isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)

@@ -19,11 +19,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..backends.base import Backend
 from ..backends.telemetry import Telemetry
 from .auth import APIKeys
+from .body import ClientGone, read_body, shutting_down
 from .errors import APIError, from_validation_errors
 from .generation import ChatFormat, CompletionFormat, Generation
 from .native import NativeGeneration, generate_jobs, model_info, server_info
@@ -48,8 +50,12 @@ class GatewayConfig:
 
 @dataclass
 class GatewayState:
+    """NOTE: a request counts as in flight only once its body is read: an upload that stalls must not
+    hold the SIGTERM drain; when the drain ends, `closed` is set and such uploads get a 503."""
+
     draining: bool = False
     in_flight: int = 0  # completion requests not yet finished (responses still streaming included)
+    closed: asyncio.Event | None = None  # set when the server stops taking requests (made on the event loop)
 
     def enter(self) -> None:
         self.in_flight += 1
@@ -57,9 +63,10 @@ class GatewayState:
     def leave(self) -> None:
         self.in_flight -= 1
 
-
-class ClientGone(Exception):
-    """The client disconnected before the response started."""
+    def close(self) -> None:
+        """The drain is over (event loop thread): requests still uploading their bodies get a 503."""
+        if self.closed is not None:
+            self.closed.set()
 
 
 class SSEResponse(StreamingResponse):
@@ -83,6 +90,7 @@ def create_app(backend: Backend, telemetry: Telemetry, config: GatewayConfig | N
 
     @asynccontextmanager
     async def lifespan(app):
+        state.closed = asyncio.Event()
         await backend.start()
         try:
             yield
@@ -123,32 +131,30 @@ def create_app(backend: Backend, telemetry: Telemetry, config: GatewayConfig | N
             raise _model_not_found(model_id)
         return _model_card(model_id)
 
+    async def body_of(request: Request) -> bytes:
+        return await read_body(request, config.limits.max_body_bytes, state.closed)
+
     async def completion(request: Request, build):
-        """Run one generation request; build(body) -> (Generation, stream?) parses and validates it."""
-        if state.draining:
-            telemetry.request("rejected")
-            raise APIError(503, "the server is shutting down; retry on another replica", code="service_unavailable", headers={"Retry-After": "5"})
-        state.enter()
-        handed_off = False
+        """Run one generation request; build(body) -> (Generation, stream?) parses and validates it.
+        Counted once in moa_requests_total by how it ended, and in flight from its whole body on."""
+        entered = handed_off = False
         try:
-            gen, stream = build(await _read_body(request, config.limits.max_body_bytes))
+            if state.draining:
+                raise shutting_down()
+            body = await body_of(request)
+            if state.draining:  # the drain began during the upload
+                raise shutting_down()
+            state.enter()
+            entered = True
+            gen, stream = build(body)
             if not stream:
-                try:
-                    result = await _race_disconnect(request, gen.collect())
-                finally:
-                    await gen.close()
-                _finished(telemetry, gen)
-                return JSONResponse(result)
-            try:
-                await _race_disconnect(request, gen.open())
-            except BaseException:
-                await gen.close()
-                raise
+                return JSONResponse(await _collect(request, gen, telemetry))
+            await _open(request, gen)
             handed_off = True
             return SSEResponse(gen.stream(), on_close=lambda: _close_stream(gen, telemetry, state))
         except APIError as e:
             telemetry.request(_status_of(e))
-            if e.status >= 500:
+            if e.status >= 500 and e.code != "service_unavailable":  # (a drain logs its own rejections)
                 log.warning("request failed: %s %s", e.status, e.message)
             raise
         except ClientGone:
@@ -159,7 +165,7 @@ def create_app(backend: Backend, telemetry: Telemetry, config: GatewayConfig | N
             log.exception("unexpected error in %s", request.url.path)
             raise APIError(500, "internal server error", code="internal_error") from e
         finally:
-            if not handed_off:
+            if entered and not handed_off:
                 state.leave()
 
     def openai_request(schema, make_jobs, fmt):
@@ -208,7 +214,7 @@ def create_app(backend: Backend, telemetry: Telemetry, config: GatewayConfig | N
     @app.post("/v1/tokenize")
     async def tokenize(request: Request):
         """{"tokens", "count", "max_model_len"}: the ids a completion would run with (lists for a list of prompts)."""
-        req = parse(TokenizeRequest, await _read_body(request, config.limits.max_body_bytes))
+        req = parse(TokenizeRequest, await body_of(request))
         _check_model(req.model, backend)
         jobs, batched = tokenize_jobs(req)
         ids = await asyncio.to_thread(lambda: [backend.tokenize(j) for j in jobs])  # a long text takes a while
@@ -218,7 +224,7 @@ def create_app(backend: Backend, telemetry: Telemetry, config: GatewayConfig | N
     @app.post("/detokenize")
     @app.post("/v1/detokenize")
     async def detokenize(request: Request):
-        req = parse(DetokenizeRequest, await _read_body(request, config.limits.max_body_bytes))
+        req = parse(DetokenizeRequest, await body_of(request))
         _check_model(req.model, backend)
         batched = bool(req.tokens) and isinstance(req.tokens[0], list)
         texts = await asyncio.to_thread(lambda: [backend.detokenize(list(x)) for x in (req.tokens if batched else [req.tokens])])
@@ -227,8 +233,27 @@ def create_app(backend: Backend, telemetry: Telemetry, config: GatewayConfig | N
     if edge is not None:
         from ..edge.routes import install_edge_routes
 
-        install_edge_routes(app, edge, config.limits.max_body_bytes, edge_tokenizer)
+        install_edge_routes(app, edge, body_of, edge_tokenizer)
     return app
+
+
+async def _collect(request: Request, gen: Generation, telemetry: Telemetry) -> dict | list:
+    """A non-streamed response's body (the generation closed whatever happens)."""
+    try:
+        result = await _race_disconnect(request, gen.collect())
+    finally:
+        await gen.close()
+    _finished(telemetry, gen)
+    return result
+
+
+async def _open(request: Request, gen: Generation) -> None:
+    """Every choice's first chunk, so errors before the stream starts become its HTTP status."""
+    try:
+        await _race_disconnect(request, gen.open())
+    except BaseException:
+        await gen.close()
+        raise
 
 
 def _finished(telemetry: Telemetry, gen: Generation) -> None:
@@ -266,19 +291,6 @@ def _model_card(model_id: str) -> dict:
 
 def _model_not_found(model_id: str) -> APIError:
     return APIError(404, f"The model `{model_id}` does not exist on this server", param="model", code="model_not_found")
-
-
-async def _read_body(request: Request, limit: int) -> bytes:
-    too_big = APIError(413, f"request body exceeds {limit} bytes", code="request_too_large")
-    length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > limit:
-        raise too_big
-    body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > limit:
-            raise too_big
-    return bytes(body)
 
 
 async def _race_disconnect(request: Request, coro):
@@ -338,6 +350,13 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, e: RequestValidationError):
         return from_validation_errors(list(e.errors())).response()
+
+    @app.exception_handler(ClientGone)
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request, e: Exception):
+        # nobody reads this response: the client left (mid-upload) before it; not a server error
+        log.debug("client left before the response: %s %s", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def internal_error(request, e: Exception):

@@ -27,6 +27,7 @@ from sglang_ext.grammar import GrammarSpec
 from sglang_ext.sampling import MAX_TOP_LOGPROBS
 
 from ..backends.base import Chunk, Job
+from .body import JSONError, load_json, load_object
 from .errors import APIError, invalid
 from .generation import CompletionFormat, Generation, _Choice
 from .schemas import CompletionRequest, Limits, completion_jobs, parse
@@ -63,12 +64,7 @@ class Logprobs:
 
 def generate_jobs(body: bytes, limits: Limits) -> tuple[list[Job], bool, bool, Logprobs]:
     """(jobs, whether the answer is a list, stream, how logprobs are reported) of a /generate body."""
-    try:
-        req = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise invalid("the body is not valid JSON", None) from None
-    if not isinstance(req, dict):
-        raise invalid("the body must be a JSON object", None)
+    req = load_object(body)
     for key, value in req.items():
         if key in _TOP_LEVEL or (key in _TOP_LEVEL_OFF and value in (None, False, 0, [], {}, "")):
             continue
@@ -87,7 +83,8 @@ def generate_jobs(body: bytes, limits: Limits) -> tuple[list[Job], bool, bool, L
     for g, (p, params) in enumerate(zip(prompts, per_prompt)):
         for job in _prompt_jobs(p, params, limits, stream, logprobs):
             # /generate never echoes (max_new_tokens 0 borrows completions' echo-only path to pass validation)
-            params_g = replace(job.params, echo=False, prompt_logprobs=report.prompt_from is not None)
+            params_g = replace(job.params, echo=False, prompt_logprobs=report.prompt_from is not None,
+                               logprob_start_len=report.prompt_from)
             jobs.append(replace(job, index=len(jobs), prompt_group=g, params=params_g))
     if len(jobs) > limits.max_n:
         raise invalid(f"at most {limits.max_n} generations per request (prompts x n), got {len(jobs)}", "sampling_params.n")
@@ -147,34 +144,36 @@ def _prompt_jobs(prompt, sp: dict[str, Any], limits: Limits, stream: bool, logpr
     try:
         jobs = completion_jobs(parse(CompletionRequest, json.dumps(fields).encode()), limits)
     except APIError as e:
-        raise _renamed(e) from None
+        raise _renamed(e, not isinstance(prompt, str)) from None
     schema = sp.get("json_schema")
     if schema is not None:
-        if not isinstance(schema, str) or not _is_json(schema):
-            raise invalid("sampling_params.json_schema must be a JSON schema as a string", "sampling_params.json_schema")
+        _check_schema(schema)
         if jobs[0].params.grammar is not None:
             raise invalid("json_schema cannot be combined with regex or ebnf: give one output constraint", "sampling_params.json_schema")
         jobs = [replace(j, params=replace(j.params, grammar=GrammarSpec("json_schema", schema))) for j in jobs]
     return jobs
 
 
-def _is_json(text: str) -> bool:
+def _check_schema(schema) -> None:
+    """SGLang's json_schema: a JSON schema as a string (parsed as a body is: depth-limited)."""
+    param = "sampling_params.json_schema"
+    if not isinstance(schema, str):
+        raise invalid(f"{param} must be a JSON schema as a string", param)
     try:
-        json.loads(text)
-    except json.JSONDecodeError:
-        return False
-    return True
+        load_json(schema, param)
+    except JSONError as e:
+        raise invalid(f"{e}: it must be a JSON schema as a string", param) from None
 
 
 _BACK = {ours: f"sampling_params.{theirs}" for theirs, ours in _RENAMED.items()} | {"prompt": "text"}
 
 
-def _renamed(e: APIError) -> APIError:
-    """An error about an OpenAI field, named as the /generate field it came from."""
+def _renamed(e: APIError, by_ids: bool = False) -> APIError:
+    """An error about an OpenAI field, named as the /generate field it came from (by_ids: a prompt of input_ids)."""
     ours = next((k for k in _BACK if e.param and (e.param == k or e.param.startswith((k + "[", k + ".")))), None)
     if ours is None:
         return e
-    param = _BACK[ours] + e.param[len(ours) :]
+    param = ("input_ids" if ours == "prompt" and by_ids else _BACK[ours]) + e.param[len(ours) :]
     message = param + e.message[len(e.param) :] if e.message.startswith(e.param) else e.message
     return APIError(e.status, message, param=param, code=e.code, headers=e.headers)
 
@@ -189,6 +188,12 @@ class NativeGeneration(Generation):
         self.ids: dict[int, list[int]] = {c.job.index: [] for c in self.choices}
         self.lps: dict[int, list] = {c.job.index: [] for c in self.choices}  # TokenLogprobs so far
         self.prompt_lps: dict[int, list] = {c.job.index: [] for c in self.choices}
+
+    async def open(self) -> None:
+        try:
+            await super().open()
+        except APIError as e:  # the backend's checks name OpenAI fields: name the /generate ones
+            raise _renamed(e, isinstance(self.choices[0].job.prompt, tuple)) from None
 
     def _observe(self, c: _Choice, chunk: Chunk) -> None:
         super()._observe(c, chunk)

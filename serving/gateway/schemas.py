@@ -9,20 +9,26 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from sglang_ext.grammar import JSON_OBJECT, GrammarSpec
-from sglang_ext.sampling import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS
+from sglang_ext.sampling import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY
 
 from ..backends.base import GenParams, Job
-from .errors import APIError, from_validation_errors, invalid
+from .body import parse  # noqa: F401 - the routes and native.py parse bodies through schemas.parse
+from .errors import APIError, invalid
 from .tools import assistant_calls, parse_tools, render_messages
 
 MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
+MAX_STOP_TOKEN_IDS = 64
+# NOTE: the schemas bound token ids to what any vocabulary could hold; the backend that knows the
+# vocabulary checks [0, vocab) (an upstream checks its own)
+MAX_TOKEN_ID = 2**31 - 1
+TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
 @dataclass(frozen=True)
@@ -70,13 +76,13 @@ class _Common(_Strict):
     logit_bias: dict[str, Any] | None = None
     user: str | None = None
     # extensions (SGLang / vLLM names)
-    repetition_penalty: float | None = Field(None, gt=0, le=MAX_REPETITION_PENALTY)
+    repetition_penalty: float | None = Field(None, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     regex: str | None = None  # structured output: the output matches this regex
     ebnf: str | None = None  # ... or this grammar (xgrammar's EBNF)
     top_k: int | None = Field(None, ge=-1)
     ignore_eos: bool | None = None
     min_tokens: int | None = Field(None, ge=0)  # EOS and stop_token_ids are banned until the output holds this many tokens
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     return_token_ids: bool | None = None  # completion token ids in the last chunk of each choice
 
 
@@ -123,13 +129,6 @@ class DetokenizeRequest(_Strict):
 MAX_TOKENIZE_PROMPTS = 64
 
 
-def parse(model: type[_Strict], body: bytes) -> _Strict:
-    try:
-        return model.model_validate_json(body)
-    except ValidationError as e:
-        raise from_validation_errors(e.errors(include_url=False)) from None
-
-
 def _unsupported(param: str, what: str) -> APIError:
     return APIError(400, f"{param}: {what} is not supported by this server", param=param, code="unsupported_parameter")
 
@@ -158,8 +157,10 @@ def _logit_bias(bias: dict[str, Any] | None) -> tuple[tuple[int, float], ...]:
         raise invalid(f"logit_bias: at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}", "logit_bias")
     out = []
     for key, value in bias.items():
-        if not (key.isascii() and key.isdigit()):
-            raise invalid(f"logit_bias: keys must be token ids (non-negative integers), got {key!r}", "logit_bias")
+        if not (key.isascii() and key.isdigit()) or len(key) > 10 or int(key) > MAX_TOKEN_ID:
+            got = f"got {key[:24]!r}"
+            raise invalid(f"logit_bias: keys must be token ids (integers from 0 to {MAX_TOKEN_ID}), {got}",
+                          "logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise invalid(f"logit_bias: values must be numbers from -100 to 100, got {value!r} for token {key}", "logit_bias")
         out.append((int(key), float(value)))
@@ -203,6 +204,9 @@ def _params(r: _Common, max_tokens: int | None, max_tokens_param: str, limits: L
         raise invalid(f"{max_tokens_param}: at most {limits.max_tokens} tokens per request, got {max_tokens}", max_tokens_param)
     if r.min_tokens and max_tokens is not None and r.min_tokens > max_tokens:
         raise invalid(f"min_tokens ({r.min_tokens}) must not exceed {max_tokens_param} ({max_tokens})", "min_tokens")
+    if r.min_tokens and r.min_tokens > limits.max_tokens:
+        limit = f"this server's max_tokens limit ({limits.max_tokens})"
+        raise invalid(f"min_tokens ({r.min_tokens}) must not exceed {limit}", "min_tokens")
     n = r.n or 1
     if r.seed is not None and r.seed + n - 1 > MAX_SEED:
         raise invalid(f"seed: seed + n - 1 must be <= {MAX_SEED}", "seed")
@@ -337,6 +341,9 @@ def completion_jobs(r: CompletionRequest, limits: Limits) -> list[Job]:
         prompts = [x if isinstance(x, str) else tuple(x) for x in p if not isinstance(x, int)]
     if not prompts or any(len(x) == 0 for x in prompts):
         raise invalid("prompt must not be empty", "prompt")
+    if any(not 0 <= t <= MAX_TOKEN_ID for x in prompts if not isinstance(x, str) for t in x):
+        raise invalid(f"prompt token ids must be integers from 0 to {MAX_TOKEN_ID} (below the vocabulary size)",
+                      "prompt")
     if r.max_tokens == 0 and not r.echo:
         raise invalid("max_tokens 0 is only allowed with echo (to score the prompt)", "max_tokens")
     params = replace(_params(r, r.max_tokens, "max_tokens", limits, _logprobs(r.logprobs, "logprobs")), echo=bool(r.echo))

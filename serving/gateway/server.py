@@ -177,6 +177,8 @@ class DrainingServer(uvicorn.Server):
                 log.warning("drain deadline passed; aborting %d request(s)", self.state.in_flight)
                 self.backend.abort_all()
                 self.should_exit = True
+            if self.should_exit:
+                self.state.close()  # requests still uploading their bodies get an OpenAI-shaped 503
         return await super().on_tick(counter)
 
 

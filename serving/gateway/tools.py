@@ -25,6 +25,7 @@ from typing import Any
 
 from sglang_ext.grammar import GrammarSpec, error_reason
 
+from .body import JSONError, load_json
 from .errors import APIError, invalid
 
 MAX_TOOLS = 128
@@ -190,9 +191,9 @@ def assistant_calls(calls: list[Any], i: int) -> list[dict]:
         if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(f.get("arguments"), str):
             raise invalid(f"{param} must be {{'id', 'type': 'function', 'function': {{'name': str, 'arguments': str}}}}", param)
         try:
-            arguments = json.loads(f["arguments"])
-        except json.JSONDecodeError:
-            raise invalid(f"{param}.function.arguments must be a JSON object (as text)", f"{param}.function.arguments") from None
+            arguments = load_json(f["arguments"], f"{param}.function.arguments")
+        except JSONError as e:
+            raise invalid(f"{e}: it must be a JSON object (as text)", f"{param}.function.arguments") from None
         out.append({"name": f["name"], "arguments": arguments})
     return out
 
@@ -234,8 +235,8 @@ class ToolCallReader:
         calls = []
         for body in _BLOCK.findall(text):
             try:
-                call = json.loads(body)
-            except json.JSONDecodeError:
+                call = load_json(body, "a tool call")
+            except JSONError:  # (deep nesting included: a model's output is bounded by max_tokens only)
                 return None
             if not isinstance(call, dict) or call.get("name") not in self.names:
                 return None

@@ -1,0 +1,330 @@
+"""Hostile input against a real server (127.0.0.1, SmolLM2 fp32, n-gram drafter, edge API on): every route.
+
+Every request of the table must get a 4xx in the OpenAI error shape (never a 5xx), while streams run
+next to it; those streams must finish with exactly the tokens and finish_reason they produce alone.
+A property-based fuzzer (hypothesis) then sends request bodies drawn from the schemas, with valid and
+hostile values mixed: 2xx or 4xx, never 5xx. /metrics must show no request error and no fault.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from serving.edge.protocol import unpack
+from serving.engine import Engine
+from serving.gateway.app import create_app
+from serving.gateway.server import ServerThread, build_edge, embedded_backend
+from sglang_ext.drafters import make_drafter
+from sglang_ext.tree import TreeShape
+
+MODEL, DRAFTER, EDGE_DRAFTER = "smollm2", "ngram", "moa-tli0"
+CHAT, COMP, GEN = "/v1/chat/completions", "/v1/completions", "/generate"
+VOCAB = 49152
+DEEP = "[" * 100_000 + "]" * 100_000  # 100k nested arrays (200 KB, under the body limit)
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_fp32):
+    # NOTE: a chain of 3 keeps every verify forward small; greedy rows then do not depend on the batch
+    engine = Engine(smollm2_fp32, make_drafter(DRAFTER, smollm2_fp32), TreeShape.chain(3), kv_slots=8192)
+    backend, telemetry = embedded_backend(engine, MODEL, DRAFTER)
+    edge, edge_tok = build_edge(smollm2_fp32, EDGE_DRAFTER, ttl_s=600)
+    with ServerThread(create_app(backend, telemetry, edge=edge, edge_tokenizer=edge_tok)) as srv:
+        srv.engine, srv.telemetry = engine, telemetry
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def session(http):
+    """An edge session: (id, root)."""
+    r = http.post("/v1/edge/sessions", json={"prompt_token_ids": [1, 2, 3], "drafter": EDGE_DRAFTER})
+    assert r.status_code == 200, r.text
+    head, _ = unpack(r.content)
+    return head["session_id"], head["root"]
+
+
+def chat(**kw):
+    return {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, **kw}
+
+
+def comp(**kw):
+    return {"model": MODEL, "prompt": "Hi", "max_tokens": 4, **kw}
+
+
+def gen(sp=None, **kw):
+    return {"text": "Hi", "sampling_params": {"max_new_tokens": 4, **(sp or {})}, **kw}
+
+
+def raw(body: dict, key: str, text: str) -> str:
+    """`body` as JSON text with the value of `key` replaced by raw JSON `text` (NaN, deep nesting, huge numbers)."""
+    return json.dumps({**body, key: "@@"}).replace('"@@"', text)
+
+
+def deep_schema(levels: int) -> dict:
+    s: dict = {"type": "string"}
+    for _ in range(levels):
+        s = {"type": "object", "properties": {"a": s}}
+    return s
+
+
+def tool(parameters) -> list:
+    return [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+
+
+def call_message(arguments: str) -> list:
+    return [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}]}]
+
+
+# (name, method, path, body: dict | str | bytes | None, status, param)
+HOSTILE = [
+    # token ids carried by the OpenAI routes
+    ("chat stop id past the vocab with min_tokens", "POST", CHAT, chat(stop_token_ids=[99999999], min_tokens=1), 400, "stop_token_ids"),
+    ("chat stop id 10**30", "POST", CHAT, chat(stop_token_ids=[10**30]), 400, "stop_token_ids[0]"),
+    ("chat stop id -5", "POST", CHAT, chat(stop_token_ids=[-5]), 400, "stop_token_ids[0]"),
+    ("chat stop id == vocab", "POST", CHAT, chat(stop_token_ids=[VOCAB], min_tokens=2), 400, "stop_token_ids"),
+    ("chat stop id a string", "POST", CHAT, chat(stop_token_ids=["7"]), 400, "stop_token_ids[0]"),
+    ("chat 65 stop ids", "POST", CHAT, chat(stop_token_ids=list(range(65))), 400, "stop_token_ids"),
+    ("chat streamed stop id past the vocab", "POST", CHAT, chat(stop_token_ids=[99999999], min_tokens=1, stream=True), 400, "stop_token_ids"),
+    ("chat logit_bias id past the vocab", "POST", CHAT, chat(logit_bias={"99999999": 5}), 400, "logit_bias"),
+    ("chat logit_bias 5000-digit id", "POST", CHAT, chat(logit_bias={"1" * 5000: 5}), 400, "logit_bias"),
+    ("chat logit_bias 5000-digit id of zeros", "POST", CHAT, chat(logit_bias={"0" * 4999 + "1": 5}), 400, "logit_bias"),
+    ("chat logit_bias negative id", "POST", CHAT, chat(logit_bias={"-5": 5}), 400, "logit_bias"),
+    ("chat logit_bias NaN", "POST", CHAT, raw(chat(), "logit_bias", '{"5": NaN}'), 400, None),
+    ("chat top_k 10**12", "POST", CHAT, chat(top_k=10**12), 400, "top_k"),
+    ("chat top_k vocab + 1", "POST", CHAT, chat(top_k=VOCAB + 1), 400, "top_k"),
+    ("chat temperature Infinity", "POST", CHAT, raw(chat(), "temperature", "Infinity"), 400, None),
+    ("chat max_tokens 5000 digits", "POST", CHAT, raw(chat(), "max_tokens", "9" * 5000), 400, None),
+    ("chat max_tokens 10**30", "POST", CHAT, chat(max_tokens=10**30), 400, "max_tokens"),
+    ("chat n 10**30", "POST", CHAT, chat(n=10**30), 400, "n"),
+    ("chat n 10**30 with a seed", "POST", CHAT, chat(n=10**30, seed=5), 400, "seed"),
+    ("chat seed 2**64", "POST", CHAT, chat(seed=2**64), 400, "seed"),
+    ("chat min_tokens 10**9 without max_tokens", "POST", CHAT, {**chat(min_tokens=10**9), "max_tokens": None}, 400, "min_tokens"),
+    ("chat top_logprobs 10**9", "POST", CHAT, chat(logprobs=True, top_logprobs=10**9), 400, "top_logprobs"),
+    ("chat presence_penalty 1e308", "POST", CHAT, chat(presence_penalty=1e308), 400, "presence_penalty"),
+    ("chat repetition_penalty -1", "POST", CHAT, chat(repetition_penalty=-1), 400, "repetition_penalty"),
+    ("chat repetition_penalty 1e-92 (logits / it overflow)", "POST", CHAT, chat(repetition_penalty=1e-92), 400, "repetition_penalty"),
+    # nesting
+    ("chat body 100k nested arrays", "POST", CHAT, DEEP, 400, None),
+    ("chat content 100k nested arrays", "POST", CHAT, raw(chat(), "messages", f'[{{"role": "user", "content": {DEEP}}}]'), 400, None),
+    ("chat json_schema 100k nested arrays", "POST", CHAT, raw(chat(), "response_format", f'{{"type": "json_schema", "json_schema": {{"name": "x", "schema": {DEEP}}}}}'), 400, None),
+    ("chat json_schema 200 levels", "POST", CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": deep_schema(200)}}), 400, None),
+    ("chat tool parameters 200 levels", "POST", CHAT, chat(tools=tool(deep_schema(200))), 400, None),
+    ("chat tool call arguments 100k nested arrays", "POST", CHAT, chat(messages=call_message(DEEP)), 400, "messages[0].tool_calls[0].function.arguments"),
+    ("chat prediction 100k nested arrays", "POST", CHAT, raw(chat(), "prediction", f'{{"type": "content", "content": {DEEP}}}'), 400, None),
+    ("chat regex nested 100k groups", "POST", CHAT, chat(regex="(" * 100_000 + "a" + ")" * 100_000), 400, "regex"),
+    ("chat ebnf nested 100k groups", "POST", CHAT, chat(ebnf="root ::= " + "(" * 100_000 + '"a"' + ")" * 100_000), 400, "ebnf"),
+    ("chat body invalid UTF-8", "POST", CHAT, b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, None),
+    ("chat body a bare number", "POST", CHAT, "1" * 5000, 400, None),
+    ("chat messages empty", "POST", CHAT, chat(messages=[]), 400, "messages"),
+    ("chat messages not a list", "POST", CHAT, chat(messages={"role": "user"}), 400, "messages"),
+    ("chat continue_final_message without assistant", "POST", CHAT, chat(continue_final_message=True), 400, "messages"),
+    # completions
+    ("completions prompt id 10**30", "POST", COMP, comp(prompt=[1, 2, 10**30]), 400, "prompt"),
+    ("completions prompt id -1", "POST", COMP, comp(prompt=[-1]), 400, "prompt"),
+    ("completions prompt id past the vocab in a batch", "POST", COMP, comp(prompt=[[1, 2], [99999999]]), 400, "prompt"),
+    ("completions stop id past the vocab with min_tokens", "POST", COMP, comp(stop_token_ids=[99999999], min_tokens=1), 400, "stop_token_ids"),
+    ("completions logprobs 10**9", "POST", COMP, comp(logprobs=10**9), 400, "logprobs"),
+    ("completions echo scoring with a bad bias", "POST", COMP, comp(max_tokens=0, echo=True, logit_bias={"99999999": 1}), 400, "logit_bias"),
+    ("completions prompt 100k nested arrays", "POST", COMP, raw(comp(), "prompt", DEEP), 400, None),
+    ("completions top_k vocab + 1", "POST", COMP, comp(top_k=VOCAB + 1), 400, "top_k"),
+    # SGLang's /generate
+    ("generate min_new_tokens + stop id past the vocab", "POST", GEN, gen({"min_new_tokens": 1, "stop_token_ids": [99999999]}), 400, "sampling_params.stop_token_ids"),
+    ("generate stop id 10**30", "POST", GEN, gen({"stop_token_ids": [10**30]}), 400, "sampling_params.stop_token_ids[0]"),
+    ("generate stop id -5", "POST", GEN, gen({"stop_token_ids": [-5]}), 400, "sampling_params.stop_token_ids[0]"),
+    ("generate input id 10**30", "POST", GEN, {"input_ids": [1, 10**30], "sampling_params": {"max_new_tokens": 2}}, 400, "input_ids"),
+    ("generate input id -5", "POST", GEN, {"input_ids": [-5], "sampling_params": {"max_new_tokens": 2}}, 400, "input_ids"),
+    ("generate logprob_start_len 10**9", "POST", GEN, gen(return_logprob=True, logprob_start_len=10**9), 400, "logprob_start_len"),
+    ("generate top_k 10**12", "POST", GEN, gen({"top_k": 10**12}), 400, "sampling_params.top_k"),
+    ("generate logit_bias id past the vocab", "POST", GEN, gen({"logit_bias": {"99999999": 1}}), 400, "sampling_params.logit_bias"),
+    ("generate n 10**30", "POST", GEN, gen({"n": 10**30}), 400, "sampling_params.n"),
+    ("generate max_new_tokens -1", "POST", GEN, gen({"max_new_tokens": -1}), 400, "sampling_params.max_new_tokens"),
+    ("generate top_logprobs_num 10**30", "POST", GEN, gen(return_logprob=True, top_logprobs_num=10**30), 400, "top_logprobs_num"),
+    ("generate body 100k nested arrays", "POST", GEN, DEEP, 400, None),
+    ("generate text 100k nested arrays", "POST", GEN, raw(gen(), "text", DEEP), 400, None),
+    ("generate json_schema 100k nested arrays", "POST", GEN, gen({"json_schema": DEEP}), 400, "sampling_params.json_schema"),
+    ("generate streamed stop id past the vocab", "POST", GEN, gen({"min_new_tokens": 1, "stop_token_ids": [99999999]}, stream=True), 400, "sampling_params.stop_token_ids"),
+    ("generate 100 sampling_params for 1 prompt", "POST", GEN, {"text": "Hi", "sampling_params": [{}] * 100}, 400, "sampling_params"),
+    # tokenize / detokenize
+    ("tokenize prompt 100k nested arrays", "POST", "/tokenize", raw({}, "prompt", DEEP), 400, None),
+    ("tokenize messages 100k nested arrays", "POST", "/tokenize", raw({}, "messages", f'[{{"role": "user", "content": {DEEP}}}]'), 400, None),
+    ("tokenize 1000 prompts", "POST", "/tokenize", {"prompt": ["a"] * 1000}, 400, "prompt"),
+    ("tokenize tool parameters 200 levels", "POST", "/v1/tokenize", {"messages": [{"role": "user", "content": "x"}], "tools": tool(deep_schema(200))}, 400, None),
+    ("tokenize NaN", "POST", "/v1/tokenize", raw({}, "prompt", "NaN"), 400, None),
+    ("detokenize id 10**30", "POST", "/detokenize", {"tokens": [10**30]}, 400, "tokens"),
+    ("detokenize id -5", "POST", "/detokenize", {"tokens": [-5]}, 400, "tokens"),
+    ("detokenize id past the vocab in a batch", "POST", "/detokenize", {"tokens": [[1], [99999999]]}, 400, "tokens"),
+    ("detokenize 100k nested arrays", "POST", "/v1/detokenize", raw({}, "tokens", DEEP), 400, None),
+    # the edge API
+    ("edge prompt id 10**30", "POST", "/v1/edge/sessions", {"prompt_token_ids": [1, 10**30], "drafter": EDGE_DRAFTER}, 400, "prompt_token_ids"),
+    ("edge prompt id -5", "POST", "/v1/edge/sessions", {"prompt_token_ids": [-5], "drafter": EDGE_DRAFTER}, 400, "prompt_token_ids"),
+    ("edge body 100k nested arrays", "POST", "/v1/edge/sessions", DEEP, 400, None),
+    ("edge messages without roles", "POST", "/v1/edge/sessions", {"messages": [{"role": 5, "content": "x"}], "drafter": EDGE_DRAFTER}, 400, "messages"),
+    ("edge drafter a number", "POST", "/v1/edge/sessions", {"prompt_token_ids": [1], "drafter": 5}, 400, "drafter"),
+    ("edge verify parent 10**30", "POST", "/v1/edge/sessions/{sid}/verify", {"seq_len": 3, "tokens": ["{root}", 5], "parents": [-1, 10**30]}, 400, "parents"),
+    ("edge verify token 10**30", "POST", "/v1/edge/sessions/{sid}/verify", {"seq_len": 3, "tokens": ["{root}", 10**30], "parents": [-1, 0]}, 400, "tokens"),
+    ("edge verify token -5", "POST", "/v1/edge/sessions/{sid}/verify", {"seq_len": 3, "tokens": ["{root}", -5], "parents": [-1, 0]}, 400, "tokens"),
+    ("edge verify seq_len 10**30", "POST", "/v1/edge/sessions/{sid}/verify", {"seq_len": 10**30, "tokens": ["{root}"], "parents": [-1]}, 409, "seq_len"),
+    ("edge verify body 100k nested arrays", "POST", "/v1/edge/sessions/{sid}/verify", DEEP, 400, None),
+    ("edge verify unknown session", "POST", "/v1/edge/sessions/nope/verify", {"seq_len": 3, "tokens": [1], "parents": [-1]}, 404, None),
+    ("edge delete unknown session", "DELETE", "/v1/edge/sessions/nope", None, 404, None),
+    # the rest
+    ("unknown model card", "GET", "/v1/models/" + "x" * 5000, None, 404, "model"),
+    ("models with a body", "POST", "/v1/models", DEEP, 405, None),
+]
+
+
+def assert_openai_error(r: httpx.Response, status: int, param) -> None:
+    assert r.status_code == status, (r.status_code, r.text[:300])
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"], body
+    if param is not None:
+        assert body["error"]["param"] == param, body
+
+
+def send(http: httpx.Client, method: str, path: str, body, session) -> httpx.Response:
+    sid, root = session
+    path = path.replace("{sid}", sid)
+    if isinstance(body, dict):
+        body = json.dumps(body).replace('"{root}"', str(root))
+    return http.request(method, path, content=body, headers={"content-type": "application/json"})
+
+
+STREAMS = [  # (path, body): greedy, long enough to run while the table is sent
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "Write a short poem about the sea."}], "max_tokens": 40,
+            "temperature": 0, "stream": True, "return_token_ids": True}),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "List three uses of copper."}], "max_tokens": 40,
+            "temperature": 0, "stream": True, "return_token_ids": True, "presence_penalty": 0.5, "min_tokens": 8}),
+    (COMP, {"model": MODEL, "prompt": "The history of tea begins", "max_tokens": 40, "temperature": 0, "stream": True,
+            "return_token_ids": True}),
+]
+
+
+def run_stream(url: str, path: str, body: dict, started: threading.Event | None = None) -> tuple[list[int], str]:
+    """(token ids, finish_reason) of one streamed request; sets `started` at its first content."""
+    ids, finish = None, None
+    with httpx.stream("POST", url + path, json=body, timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for c in json.loads(line[6:])["choices"]:
+                if started is not None and (c.get("text") or c.get("delta", {}).get("content")):
+                    started.set()
+                ids = c.get("token_ids") or ids
+                finish = c.get("finish_reason") or finish
+    return ids, finish
+
+
+def test_hostile_table_gets_4xx_while_streams_run_unchanged(server, http, session):
+    assert len(HOSTILE) >= 60
+    alone = [run_stream(server.url, path, body) for path, body in STREAMS]
+    results: list = [None] * len(STREAMS)
+    started = [threading.Event() for _ in STREAMS]
+
+    def worker(i: int) -> None:
+        results[i] = run_stream(server.url, *STREAMS[i], started[i])
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(STREAMS))]
+    for t in threads:
+        t.start()
+    for e in started:
+        assert e.wait(300), "a stream did not start"
+    failures = []
+    for name, method, path, body, status, param in HOSTILE:
+        try:
+            assert_openai_error(send(http, method, path, body, session), status, param)
+        except AssertionError as e:
+            failures.append(f"{name}: {e}")
+    for t in threads:
+        t.join(300)
+    assert not failures, "\n".join(failures)
+    assert results == alone, "a stream changed while hostile requests were served"
+    assert all(ids and finish in ("stop", "length") for ids, finish in alone)
+    check_clean(server, http)
+
+
+def check_clean(server, http: httpx.Client) -> None:
+    """No 5xx counted, no fault, the KV pool whole, and the server still answers."""
+    text = http.get("/metrics").text
+    assert 'status="error"} 0.0' in text or 'status="error"' not in text, text
+    assert "moa_request_faults_total{" not in text, [ln for ln in text.splitlines() if "fault" in ln]
+    r = http.post(CHAT, json=chat(temperature=0))
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
+    assert server.engine.kv.num_free == server.engine.kv.num_slots - 1
+
+
+# --- property-based: bodies drawn from the schemas, hostile values mixed with valid ones ----------------
+HUGE = st.sampled_from([-(10**30), -1, 0, 1, VOCAB - 1, VOCAB, 2**31, 2**63, 10**30])
+INTS = st.one_of(st.integers(-3, 8), HUGE)
+HOSTILE_VALUES = st.one_of(INTS, st.floats(allow_nan=False, allow_infinity=False), st.booleans(), st.none(), st.text(max_size=8),
+                           st.lists(INTS, max_size=4), st.dictionaries(st.text(max_size=4), INTS, max_size=2))
+TOKEN_IDS = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4)
+VALID = {  # values the OpenAI routes accept (some combinations still are a 400: min_tokens > max_tokens, ...)
+    "max_tokens": st.integers(1, 3), "temperature": st.floats(0, 2), "top_p": st.floats(0.05, 1), "top_k": st.integers(-1, 50),
+    "n": st.integers(1, 2), "seed": st.integers(0, 2**63 - 2), "stop_token_ids": TOKEN_IDS, "min_tokens": st.integers(0, 3),
+    "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100), max_size=2),
+    "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2), "repetition_penalty": st.floats(0.5, 2),
+    "ignore_eos": st.booleans(), "stream": st.booleans(), "stop": st.lists(st.text(min_size=1, max_size=3), max_size=2),
+}
+NATIVE = {"max_new_tokens": st.integers(0, 3), "min_new_tokens": st.integers(0, 2), "stop_token_ids": TOKEN_IDS, "top_k": st.integers(-1, 50),
+          "temperature": st.floats(0, 2), "n": st.integers(1, 2), "sampling_seed": st.integers(0, 2**32),
+          "json_schema": st.just('{"type": "object"}'), "regex": st.just("[a-z]+")}
+
+
+def mixed(valid: dict):
+    """A dict of valid values for some fields, with at most two fields (named or not) given hostile values."""
+    names = sorted(valid) + ["logprob_start_len", "top_logprobs", "logprobs", "echo", "best_of"]
+    return st.builds(lambda ok, bad: {**ok, **bad}, st.fixed_dictionaries({}, optional=valid),
+                     st.dictionaries(st.sampled_from(names), HOSTILE_VALUES, max_size=2) | st.just({}))
+
+
+@st.composite
+def requests(draw):
+    route = draw(st.sampled_from([CHAT, COMP, GEN, "/tokenize", "/detokenize"]))
+    if route == GEN:
+        prompt = draw(st.one_of(st.just({"text": "Hi"}), st.builds(lambda ids: {"input_ids": ids}, TOKEN_IDS | st.lists(INTS, max_size=3))))
+        extra = draw(st.fixed_dictionaries({}, optional={"return_logprob": st.booleans(), "logprob_start_len": INTS, "top_logprobs_num": INTS}))
+        return route, {**prompt, "sampling_params": {"max_new_tokens": 2, **draw(mixed(NATIVE))}, **extra}
+    if route == "/detokenize":
+        return route, {"tokens": draw(TOKEN_IDS | HOSTILE_VALUES)}
+    if route == "/tokenize":
+        return route, {"prompt": draw(st.text(max_size=20) | HOSTILE_VALUES)}
+    prompt = {"messages": [{"role": "user", "content": "Hi"}]} if route == CHAT else {"prompt": draw(st.just("Hi") | TOKEN_IDS)}
+    return route, {"model": MODEL, **prompt, "max_tokens": 2, **draw(mixed(VALID))}
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@given(req=requests())
+def test_fuzzed_requests_never_get_a_5xx(server, http, req):
+    route, body = req
+    r = http.post(route, json=body)
+    event(f"{route} {r.status_code}")  # (the mix: pytest --hypothesis-show-statistics)
+    assert r.status_code < 500, (route, body, r.status_code, r.text[:300])
+    if r.status_code >= 400:
+        assert_openai_error(r, r.status_code, None)
+
+
+def test_after_fuzzing_no_fault_and_the_server_still_serves(server, http):
+    check_clean(server, http)
+    # a temperature whose logits / temperature would overflow decodes greedily
+    tiny_t, greedy = (http.post(CHAT, json=chat(temperature=t, max_tokens=8)) for t in (1e-300, 0))
+    assert tiny_t.status_code == 200 and tiny_t.json()["choices"][0]["message"] == greedy.json()["choices"][0]["message"]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
+                                       extra_body={"stop_token_ids": [99999999], "min_tokens": 1})
+    assert e.value.body["param"] == "stop_token_ids"
