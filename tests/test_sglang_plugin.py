@@ -479,8 +479,9 @@ def run_sglang_checks(out_path: str) -> None:
     _check(results, "moa_model", moa_model)
 
     def eagle3_model():
-        from safetensors.torch import load_file
         from sglang.srt.layers.rotary_embedding import base as rope_base
+
+        from sglang_ext.models.checkpoint import read_weights
         from sglang.srt.utils.hf_transformers_utils import get_config
 
         # RotaryEmbedding picks a CPU kernel only under SGLANG_USE_CPU_ENGINE, which also needs
@@ -494,7 +495,7 @@ def run_sglang_checks(out_path: str) -> None:
         with torch.no_grad():
             for p in model.parameters():
                 p.fill_(float("nan"))
-        state = load_file(str(eagle3 / "model.safetensors"))
+        state = read_weights(eagle3)  # the shipped head's shards, as SGLang's loader iterates them
         model.load_weights(state.items())
         unset = sorted(n for n, p in model.named_parameters() if torch.isnan(p).any())
         hot = model.hot_token_id

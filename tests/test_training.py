@@ -212,7 +212,7 @@ def test_train_cli_parser_and_errors(tmp_path):
     parser = argparse.ArgumentParser()
     add_train_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["train", "eagle3", "--data", str(tmp_path / "x.jsonl"), "--out", str(tmp_path / "o")])
-    assert args.draft_type == "eagle3" and args.ttt_length == 7 and args.draft_vocab_size == 16384
+    assert args.draft_type == "eagle3" and args.ttt_length == 7 and args.draft_vocab_size == 16384 and args.device == "auto"
     (tmp_path / "x.jsonl").write_text("")
     with pytest.raises(DataError, match="empty"):
         args.train_fn(args)

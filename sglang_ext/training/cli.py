@@ -36,6 +36,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-budget-min", type=float, default=None, help="stop after this much training time; the LR schedule follows time (for shared machines)")
     p.add_argument("--save-every-min", type=float, default=5.0)
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where the target and the draft train (auto: CUDA when present; bf16 target and autocast there)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue from <out>/latest")
     p.add_argument("--init-from", default=None, help="start from this checkpoint's weights and draft vocab (fine-tuning, e.g. on `moa-serve distill` data); a fresh optimizer and LR schedule")
@@ -116,6 +118,12 @@ def vocab_counts(args, tokenizer, exs, vocab_size: int) -> torch.Tensor:
     return counts
 
 
+def _device(args) -> str:
+    from .job import resolve_device
+
+    return str(resolve_device(args.device))
+
+
 def _log(msg: str) -> None:
     print(f"[train {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -128,7 +136,7 @@ def train_eagle3(args) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     t0 = time.time()
-    target = load_target(args.target, dtype=args.target_dtype)
+    target = load_target(args.target, dtype=args.target_dtype, device=_device(args))
     exs = prepare_examples(args, target.tokenizer)
     counts = vocab_counts(args, target.tokenizer, exs, target.cfg.vocab_size)
     aux = tuple(int(x) for x in args.aux_layers.split(",")) if args.aux_layers else None
@@ -145,6 +153,7 @@ def train_eagle3(args) -> int:
         with torch.no_grad():
             draft.lm_head.weight.copy_(target.model.lm_head[hot].float())
             draft.norm.weight.copy_(target.model.norm.float())
+    draft = draft.to(target.model.device)
     meta = {"type": "eagle3", "init_from": args.init_from, "ttt_length": args.ttt_length, "ttt_decay": args.ttt_decay, "draft_vocab_coverage": round(coverage, 5)}
     return _fit(args, target, exs, Eagle3Task(target.model, draft, args.ttt_length, args.ttt_decay), meta, f"draft vocab {cfg.draft_vocab_size} covers {coverage:.4f} of assistant tokens", t0)
 
@@ -185,7 +194,7 @@ def train_moa(args) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     t0 = time.time()
-    target = load_target(args.target, dtype=args.target_dtype)
+    target = load_target(args.target, dtype=args.target_dtype, device=_device(args))
     if not 0 <= args.tli < target.cfg.num_layers:
         raise SystemExit(f"--tli must be in [0, {target.cfg.num_layers - 1}]")
     exs = prepare_examples(args, target.tokenizer)
@@ -209,6 +218,7 @@ def train_moa(args) -> int:
         hot = vocab_from_counts(counts, cfg.draft_vocab_size)
         draft.set_vocab(hot)
         coverage = float(counts[hot].sum()) / max(1, int(counts.sum()))
+    draft = draft.to(target.model.device)
     task = MoATask(target.model, draft, args.lambda_kl, args.lambda_feat, args.min_gap, args.max_gap, args.staircase_ramp, args.staircase_max, seed=args.seed)
     meta = {"type": "moa", "init_from": args.init_from, "tli": args.tli, "memory_source": cfg.memory_source, "lambda_kl": args.lambda_kl, "lambda_feat": args.lambda_feat, "gaps": [args.min_gap, args.max_gap],
             "staircase_ramp": args.staircase_ramp, "staircase_max": args.staircase_max, "draft_vocab_coverage": round(coverage, 5)}

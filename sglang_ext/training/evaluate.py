@@ -54,9 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     target = load_target(args.target, dtype=args.dtype)
-    from sglang_ext.drafters import _REGISTRY
-
-    drafter = _REGISTRY[args.drafter](target, args.ckpt) if args.ckpt else make_drafter(args.drafter, target)
+    drafter = make_drafter(args.ckpt or args.drafter, target)  # a checkpoint path names its own type
     results = []
     for name in args.sets.split(","):
         texts = load_eval_set(name, args.num_prompts)[1]
