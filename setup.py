@@ -23,7 +23,11 @@ def cpu_kernel_extensions() -> list[Extension]:
     return [
         Extension(
             "sglang_ext.kernels._cpu_linear",
-            ["sglang_ext/kernels/cpu_linear.cpp", "sglang_ext/kernels/cpu_attention.cpp", "sglang_ext/kernels/cpu_layer_ops.cpp"],
+            [
+                "sglang_ext/kernels/cpu_linear.cpp",
+                "sglang_ext/kernels/cpu_attention.cpp",
+                "sglang_ext/kernels/cpu_layer_ops.cpp",
+            ],
             depends=["sglang_ext/kernels/avx2_math.h"],
             include_dirs=include_paths(),
             library_dirs=libs,
@@ -32,7 +36,15 @@ def cpu_kernel_extensions() -> list[Extension]:
             language="c++",
             optional=True,  # a failed compile leaves the torch fallback, never a failed install
             # NOTE: -fopenmp makes at::parallel_for use torch's OpenMP pool (without it the loop runs on one thread)
-            extra_compile_args=["-O3", "-std=c++20", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-D_GLIBCXX_USE_CXX11_ABI=1"],
+            extra_compile_args=[
+                "-O3",
+                "-std=c++20",
+                "-mavx2",
+                "-mfma",
+                "-mf16c",
+                "-fopenmp",
+                "-D_GLIBCXX_USE_CXX11_ABI=1",
+            ],
             extra_link_args=["-fopenmp"],
         )
     ]

@@ -89,17 +89,34 @@ API_KEY = os.environ.get("MOA_LOADTEST_API_KEY", "")
 THINK_TIME = float(os.environ.get("MOA_LOADTEST_THINK_TIME", "0"))
 WORKLOADS = ("chat", "tools", "prediction", "generate")
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
-     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
-    {"type": "function", "function": {"name": "web_search", "description": "Search the web",
-     "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "web_search",
+            "description": "Search the web",
+            "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+        },
+    },
 ]
-TOOL_QUESTIONS = ["What's the weather in Paris?", "Is it raining in Tokyo right now?", "Find the population of Canada.",
-                  "Search for the latest Python release.", "How warm is it in Cairo today?"]
+TOOL_QUESTIONS = [
+    "What's the weather in Paris?",
+    "Is it raining in Tokyo right now?",
+    "Find the population of Canada.",
+    "Search for the latest Python release.",
+    "How warm is it in Cairo today?",
+]
 
 
 def parse_mix(text: str) -> dict[str, int]:
-    """"chat:8,tools:1" -> {"chat": 8, "tools": 1}; a name without a weight weighs 1 (locust's weights are counts)."""
+    """ "chat:8,tools:1" -> {"chat": 8, "tools": 1}; a name without a weight weighs 1 (locust's weights are counts)."""
     mix = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, weight = part.partition(":")
@@ -137,8 +154,9 @@ def sse_lines(raw) -> Iterator[bytes]:
 
 
 def fire_metric(name: str, value: float) -> None:
-    events.request.fire(request_type="METRIC", name=name, response_time=value,
-                        response_length=0, exception=None, context={})
+    events.request.fire(
+        request_type="METRIC", name=name, response_time=value, response_length=0, exception=None, context={}
+    )
 
 
 class ChatUser(HttpUser):
@@ -160,8 +178,13 @@ class ChatUser(HttpUser):
         self._stream("chat", [{"role": "user", "content": random.choice(PROMPTS)}])
 
     def tools(self) -> None:
-        self._stream("tools", [{"role": "user", "content": random.choice(TOOL_QUESTIONS)}],
-                     tools=TOOLS, tool_choice="required", max_tokens=max(MAX_TOKENS, TOOL_MAX_TOKENS))
+        self._stream(
+            "tools",
+            [{"role": "user", "content": random.choice(TOOL_QUESTIONS)}],
+            tools=TOOLS,
+            tool_choice="required",
+            max_tokens=max(MAX_TOKENS, TOOL_MAX_TOKENS),
+        )
 
     def prediction(self) -> None:
         """Ask a prompt again with this user's last answer to it as the prediction (the first time: no prediction)."""
@@ -175,11 +198,19 @@ class ChatUser(HttpUser):
     def generate(self) -> None:
         """SGLang's native API (the moa-serve gateway serves it too): cumulative text per event."""
         # raw text, no chat template: framed as Q/A, and min_new_tokens so an immediate EOS cannot end it empty
-        body = {"text": f"Question: {random.choice(PROMPTS)}\nAnswer:", "stream": True,
-                "sampling_params": {"max_new_tokens": MAX_TOKENS, "min_new_tokens": min(4, MAX_TOKENS), "temperature": TEMPERATURE}}
+        body = {
+            "text": f"Question: {random.choice(PROMPTS)}\nAnswer:",
+            "stream": True,
+            "sampling_params": {
+                "max_new_tokens": MAX_TOKENS,
+                "min_new_tokens": min(4, MAX_TOKENS),
+                "temperature": TEMPERATURE,
+            },
+        }
         start = time.perf_counter()
-        with self.client.post("/generate", json=body, headers=self.headers, stream=True, catch_response=True,
-                              name="/generate (stream)") as resp:
+        with self.client.post(
+            "/generate", json=body, headers=self.headers, stream=True, catch_response=True, name="/generate (stream)"
+        ) as resp:
             if resp.status_code != 200:
                 resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
                 return
@@ -217,8 +248,9 @@ class ChatUser(HttpUser):
         }
         name = "/v1/chat/completions (stream)" if workload == "chat" else f"/v1/chat/completions ({workload})"
         start = time.perf_counter()
-        with self.client.post("/v1/chat/completions", json=body, headers=self.headers, stream=True,
-                              catch_response=True, name=name) as resp:
+        with self.client.post(
+            "/v1/chat/completions", json=body, headers=self.headers, stream=True, catch_response=True, name=name
+        ) as resp:
             if resp.status_code != 200:
                 resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
                 return None
@@ -247,7 +279,7 @@ class ChatUser(HttpUser):
             line = raw.decode("utf-8").rstrip("\r")
             if not line.startswith("data:"):
                 continue  # blank separators, SSE comments
-            data = line[len("data:"):].strip()
+            data = line[len("data:") :].strip()
             if data == "[DONE]":
                 return token_times, usage_tokens, "".join(text), calls, finish
             chunk = json.loads(data)

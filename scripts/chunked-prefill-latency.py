@@ -44,8 +44,10 @@ def main() -> None:
                 t0 = time.perf_counter()
                 eng.step()
                 steps.append(time.perf_counter() - t0)
-            print(f"chunk {chunk}: {len(steps)} steps to the long prompt's first token, longest step {max(steps) * 1000:.0f} ms, "
-                  f"its TTFT {(arrival.t_first_token - t_start) * 1000:.0f} ms")
+            print(
+                f"chunk {chunk}: {len(steps)} steps to the long prompt's first token, longest step {max(steps) * 1000:.0f} ms, "
+                f"its TTFT {(arrival.t_first_token - t_start) * 1000:.0f} ms"
+            )
             for r in running + [arrival]:
                 eng.abort(r)
 

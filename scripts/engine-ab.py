@@ -64,7 +64,10 @@ def main() -> None:
     if unknown:
         ap.error(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
     target = load_target("smollm2", dtype="float32")
-    per_set = [[target.encode_chat([{"role": "user", "content": t}]) for t in load_eval_set(s, args.num_prompts)[1]] for s in EVAL_SETS]
+    per_set = [
+        [target.encode_chat([{"role": "user", "content": t}]) for t in load_eval_set(s, args.num_prompts)[1]]
+        for s in EVAL_SETS
+    ]
     prompts = [p for group in itertools.zip_longest(*per_set) for p in group if p is not None]
     drafters: dict = {}
 
@@ -75,16 +78,33 @@ def main() -> None:
             # the runner looks the engine class up when it is built
             engine_module.Engine = cls
             try:
-                return engine_batch_runner(target, method, TreeShape(3, 1, 4), args.max_new_tokens, method != "vanilla", drafters)
+                return engine_batch_runner(
+                    target, method, TreeShape(3, 1, 4), args.max_new_tokens, method != "vanilla", drafters
+                )
             finally:
                 engine_module.Engine = Engine
 
         return build
 
-    methods = [(name, "-" if VARIANTS[name][0] == "vanilla" else "3,1,4", VARIANTS[name][0] != "vanilla", make(name)) for name in names]
+    methods = [
+        (name, "-" if VARIANTS[name][0] == "vanilla" else "3,1,4", VARIANTS[name][0] != "vanilla", make(name))
+        for name in names
+    ]
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    rows = run_batch_sweep(methods, prompts, batch_sizes, repeats=args.repeats, measure_memory=False, log=print, min_prompts=24)
-    out = [dict(variant=r.method, batch_size=r.batch_size, tokens_per_s=r.tokens_per_s, full_tokens_per_s=r.full_tokens_per_s, tau=r.tau, error=r.error) for r in rows]
+    rows = run_batch_sweep(
+        methods, prompts, batch_sizes, repeats=args.repeats, measure_memory=False, log=print, min_prompts=24
+    )
+    out = [
+        dict(
+            variant=r.method,
+            batch_size=r.batch_size,
+            tokens_per_s=r.tokens_per_s,
+            full_tokens_per_s=r.full_tokens_per_s,
+            tau=r.tau,
+            error=r.error,
+        )
+        for r in rows
+    ]
     for b in batch_sizes:
         at = {o["variant"]: o for o in out if o["batch_size"] == b}
         for name in names:
@@ -97,8 +117,10 @@ def main() -> None:
             if "vanilla" in at and VARIANTS[name][0] != "vanilla":
                 v = at["vanilla"]
                 vs_vanilla = f"; x vanilla {o['tokens_per_s'] / v['tokens_per_s']:.3f} (full batch {o['full_tokens_per_s'] / v['full_tokens_per_s']:.3f})"
-            print(f"bs {b} {name}: {o['tokens_per_s']:.1f} tok/s (full batch {o['full_tokens_per_s']:.1f}), tau {o['tau']:.2f}; "
-                  f"x {base} {o['tokens_per_s'] / ref['tokens_per_s']:.3f} (full batch {o['full_tokens_per_s'] / ref['full_tokens_per_s']:.3f}){vs_vanilla}")
+            print(
+                f"bs {b} {name}: {o['tokens_per_s']:.1f} tok/s (full batch {o['full_tokens_per_s']:.1f}), tau {o['tau']:.2f}; "
+                f"x {base} {o['tokens_per_s'] / ref['tokens_per_s']:.3f} (full batch {o['full_tokens_per_s'] / ref['full_tokens_per_s']:.3f}){vs_vanilla}"
+            )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1)

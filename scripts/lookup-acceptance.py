@@ -43,7 +43,11 @@ def proposals(drafter: SuffixDrafter, prompt: list[int], answer: list[int], shap
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", default="20:28", help="slice of each eval set's prompts (default 20:28; the sweeps use the first 11)")
+    ap.add_argument(
+        "--prompts",
+        default="20:28",
+        help="slice of each eval set's prompts (default 20:28; the sweeps use the first 11)",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--tree", default="3,1,4", help="the suffix drafter's serving default chain")
     args = ap.parse_args()
@@ -54,7 +58,9 @@ def main() -> None:
     for name in EVAL_SETS:
         _, texts = load_eval_set(name, b)
         prompts += [target.encode_chat([{"role": "user", "content": t}]) for t in texts[a:b]]
-    answers = [r.output_ids for r in Engine(target, None).generate(prompts, SamplingParams(max_new_tokens=args.max_new_tokens))]
+    answers = [
+        r.output_ids for r in Engine(target, None).generate(prompts, SamplingParams(max_new_tokens=args.max_new_tokens))
+    ]
     shape = TreeShape.parse(args.tree)
     drafter = SuffixDrafter.from_target(target)
     rows = []
@@ -72,7 +78,10 @@ def main() -> None:
         print(f"| {k}{'+' if k == 4 else ''} | {n} | {nodes / n:.2f} | {acc / max(nodes, 1):.2f} |")
     print("\n| nodes kept | verify rows / position | accepted / position | accepted / node |\n|---|---|---|---|")
     rules = {"all": lambda own, k, s: True, "depth <= own match": lambda own, k, s: k < own}
-    rules |= {f"min_prob {p} (share x match confidence)": (lambda own, k, s, p=p: s * match_confidence(own) >= p) for p in (0.2, 0.3, 0.5)}
+    rules |= {
+        f"min_prob {p} (share x match confidence)": (lambda own, k, s, p=p: s * match_confidence(own) >= p)
+        for p in (0.2, 0.3, 0.5)
+    }
     for name, keep in rules.items():
         nodes = acc = 0
         for own_len, shares, accepted in rows:

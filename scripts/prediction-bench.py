@@ -22,6 +22,7 @@ import argparse
 import time
 
 from bench_table import new_totals, record, report
+
 from serving.cli import default_tree
 from serving.engine import Engine
 from sglang_ext.drafters import make_drafter
@@ -30,18 +31,42 @@ from sglang_ext.sampling import SamplingParams
 from sglang_ext.tree import TreeShape
 
 TASKS = [  # (earlier question, the variant asked now)
-    ("Write a Python function that checks whether a number is prime, with a docstring.", "Write a Python function that checks whether a number is prime, with a docstring and type hints."),
-    ("Write a Python function that reverses a string.", "Write a Python function that reverses a string, with comments."),
-    ("Write a Python function that returns the n-th Fibonacci number.", "Write a Python function that returns the n-th Fibonacci number, iteratively."),
-    ("Write a Python class for a bank account with deposit and withdraw methods.", "Write a Python class for a bank account with deposit and withdraw methods and a balance property."),
-    ("Write a JavaScript function that sums an array of numbers.", "Write a JavaScript function that sums an array of numbers, with a JSDoc comment."),
-    ("Write a SQL query that lists the ten most expensive products.", "Write a SQL query that lists the ten most expensive products with their categories."),
+    (
+        "Write a Python function that checks whether a number is prime, with a docstring.",
+        "Write a Python function that checks whether a number is prime, with a docstring and type hints.",
+    ),
+    (
+        "Write a Python function that reverses a string.",
+        "Write a Python function that reverses a string, with comments.",
+    ),
+    (
+        "Write a Python function that returns the n-th Fibonacci number.",
+        "Write a Python function that returns the n-th Fibonacci number, iteratively.",
+    ),
+    (
+        "Write a Python class for a bank account with deposit and withdraw methods.",
+        "Write a Python class for a bank account with deposit and withdraw methods and a balance property.",
+    ),
+    (
+        "Write a JavaScript function that sums an array of numbers.",
+        "Write a JavaScript function that sums an array of numbers, with a JSDoc comment.",
+    ),
+    (
+        "Write a SQL query that lists the ten most expensive products.",
+        "Write a SQL query that lists the ten most expensive products with their categories.",
+    ),
     ("Explain how a rainbow forms.", "Explain how a rainbow forms, briefly."),
     ("Give three tips for better sleep.", "Give three tips for better sleep, as a numbered list."),
-    ("Write a short email asking a colleague for a meeting.", "Write a short, formal email asking a colleague for a meeting."),
+    (
+        "Write a short email asking a colleague for a meeting.",
+        "Write a short, formal email asking a colleague for a meeting.",
+    ),
     ("Summarize the water cycle.", "Summarize the water cycle for a ten-year-old."),
     ("List the planets of the solar system.", "List the planets of the solar system in order from the Sun."),
-    ("Write a Python function that counts the words in a text.", "Write a Python function that counts the words in a text, ignoring case."),
+    (
+        "Write a Python function that counts the words in a text.",
+        "Write a Python function that counts the words in a text, ignoring case.",
+    ),
 ]
 
 
@@ -65,7 +90,10 @@ def main() -> None:
         methods[name + "+prediction"] = (Engine(target, make_drafter(name, target), default_tree(name)), True)
     totals = new_totals(methods, "same_as_vanilla")
     for earlier, now in TASKS[: args.num_prompts]:
-        first = vanilla.generate([target.encode_chat([{"role": "user", "content": earlier}])], SamplingParams(max_new_tokens=args.max_new_tokens))[0].output_ids
+        first = vanilla.generate(
+            [target.encode_chat([{"role": "user", "content": earlier}])],
+            SamplingParams(max_new_tokens=args.max_new_tokens),
+        )[0].output_ids
         ids = target.encode_chat([{"role": "user", "content": now}])
         outputs = {}
         for name, (eng, predicted) in methods.items():
@@ -76,6 +104,7 @@ def main() -> None:
             outputs[name] = r.output_ids
             totals[name]["same_as_vanilla"] += r.output_ids == outputs["vanilla"]
     report(totals, ("same_as_vanilla",), args, args.out)
+
 
 if __name__ == "__main__":
     main()

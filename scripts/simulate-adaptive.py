@@ -33,8 +33,24 @@ sys.path.insert(0, str(ROOT))
 from sglang_ext.tree import TreeShape  # noqa: E402
 
 # (rows, ms) of a verify forward on the CPU machine (the adaptive policy's cost-model points, then linear)
-ROW_MS = [(1, 14.2), (2, 16.3), (3, 18.0), (4, 19.2), (5, 25.0), (6, 32.4), (8, 36.4), (10, 39.9), (13, 46.3), (15.5, 51.9),
-          (19, 62.3), (22, 68.7), (28, 81.5), (64, 160), (128, 300), (256, 590)]
+ROW_MS = [
+    (1, 14.2),
+    (2, 16.3),
+    (3, 18.0),
+    (4, 19.2),
+    (5, 25.0),
+    (6, 32.4),
+    (8, 36.4),
+    (10, 39.9),
+    (13, 46.3),
+    (15.5, 51.9),
+    (19, 62.3),
+    (22, 68.7),
+    (28, 81.5),
+    (64, 160),
+    (128, 300),
+    (256, 590),
+]
 DRAFT_S = 0.0003  # per request
 
 
@@ -50,7 +66,9 @@ def load_policy(baseline: str | None):
         from serving.adaptive import AdaptiveSpeculation
 
         return AdaptiveSpeculation
-    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{baseline}:serving/adaptive.py"], check=True, capture_output=True, text=True).stdout
+    src = subprocess.run(
+        ["git", "-C", str(ROOT), "show", f"{baseline}:serving/adaptive.py"], check=True, capture_output=True, text=True
+    ).stdout
     path = Path(tempfile.mkdtemp()) / "adaptive_baseline.py"
     path.write_text(src.replace("from .metrics import", "from serving.metrics import"))
     spec = importlib.util.spec_from_file_location("adaptive_baseline", path)
@@ -82,14 +100,16 @@ def run(policy_cls, seed: int, batch_sizes, steps: int) -> dict[int, float]:
                     a += 1
                 accepted.append(a)
                 drafted.append(n)
-            speed = (1.0 if (step // 100) % 2 == 0 else 1.3)
+            speed = 1.0 if (step // 100) % 2 == 0 else 1.3
             noise = math.exp(rng.gauss(0, 0.08)) * (3 if rng.random() < 0.01 else 1) * speed
             rows = bs + sum(drafted)
             draft = DRAFT_S * bs * noise if d else 0.0
             seconds = verify_seconds(rows) * noise + draft
             step_tokens = bs + sum(accepted)
             try:
-                policy.observe(o, bs, seconds, step_tokens, rows, draft_seconds=draft, accepted=accepted, drafted=drafted)
+                policy.observe(
+                    o, bs, seconds, step_tokens, rows, draft_seconds=draft, accepted=accepted, drafted=drafted
+                )
             except TypeError:  # an older policy without the proposal's time and per-request counts
                 policy.observe(o, bs, seconds, step_tokens, rows)
             spec_s += seconds

@@ -23,6 +23,7 @@ import json
 import time
 
 from bench_table import new_totals, record, report
+
 from serving.engine import Engine
 from serving.gateway.tools import call_grammar, parse_tools, render_messages, split_output
 from sglang_ext.drafters import make_drafter
@@ -33,16 +34,56 @@ from sglang_ext.tree import TreeShape
 
 SCHEMA = {
     "type": "object",
-    "properties": {"name": {"type": "string"}, "summary": {"type": "string"}, "facts": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+    "properties": {
+        "name": {"type": "string"},
+        "summary": {"type": "string"},
+        "facts": {"type": "array", "items": {"type": "string"}, "maxItems": 3},
+    },
     "required": ["name", "summary", "facts"],
 }
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}},
-    {"type": "function", "function": {"name": "search_web", "description": "Search the web",
-                                      "parameters": {"type": "object", "properties": {"query": {"type": "string"}, "max_results": {"type": "integer"}}, "required": ["query"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search_web",
+            "description": "Search the web",
+            "parameters": {
+                "type": "object",
+                "properties": {"query": {"type": "string"}, "max_results": {"type": "integer"}},
+                "required": ["query"],
+            },
+        },
+    },
 ]
-TOPICS = ["Paris", "the Moon", "honey bees", "the Nile", "chess", "volcanoes", "Mozart", "the Internet", "penguins", "coffee", "the Roman Empire", "glass"]
+TOPICS = [
+    "Paris",
+    "the Moon",
+    "honey bees",
+    "the Nile",
+    "chess",
+    "volcanoes",
+    "Mozart",
+    "the Internet",
+    "penguins",
+    "coffee",
+    "the Roman Empire",
+    "glass",
+]
 
 
 def main() -> None:
@@ -56,10 +97,19 @@ def main() -> None:
     tools = parse_tools(TOOLS, "required", False)
     if args.workload == "json":
         spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
-        prompts = [[{"role": "user", "content": f"Describe {t} as JSON with a name, a summary and a list of facts."}] for t in TOPICS]
+        prompts = [
+            [{"role": "user", "content": f"Describe {t} as JSON with a name, a summary and a list of facts."}]
+            for t in TOPICS
+        ]
     else:
         spec = GrammarSpec("ebnf", call_grammar(list(tools.functions), parallel=False))
-        prompts = [render_messages([{"role": "user", "content": f"What is the weather like where {t} is, and what is new about {t}?"}], tools) for t in TOPICS]
+        prompts = [
+            render_messages(
+                [{"role": "user", "content": f"What is the weather like where {t} is, and what is new about {t}?"}],
+                tools,
+            )
+            for t in TOPICS
+        ]
     suffix = make_drafter("suffix", target)
     methods = {
         "vanilla": (Engine(target, None), None),
@@ -78,6 +128,7 @@ def main() -> None:
                 totals[name]["finished"] += 1
                 totals[name]["valid"] += _valid(target.decode(r.output_ids), args.workload, tools)
     report(totals, ("finished", "valid"), args, args.out)
+
 
 def _valid(text: str, workload: str, tools) -> bool:
     """JSON: the text parses; tools: it holds at least one well-formed call."""

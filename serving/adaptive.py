@@ -63,7 +63,10 @@ class _Stat:
             if not self.steps:
                 return 0.0, 0.0
             cap = self._cap()
-            self._cache = (statistics.median(s for s, _ in self.steps), statistics.fmean(t / max(min(s, cap), 1e-9) for s, t in self.steps))
+            self._cache = (
+                statistics.median(s for s, _ in self.steps),
+                statistics.fmean(t / max(min(s, cap), 1e-9) for s, t in self.steps),
+            )
         return self._cache
 
     @property
@@ -125,7 +128,11 @@ class StepCostModel:
     def points(self) -> list[tuple[float, float]]:
         """(rows, seconds) medians of the bins with enough steps, by rows (cached until the next step)."""
         if self._points is None:
-            pts = [(statistics.median(r for r, _ in d), statistics.median(s for _, s in d)) for d in self.bins.values() if len(d) >= self.min_samples]
+            pts = [
+                (statistics.median(r for r, _ in d), statistics.median(s for _, s in d))
+                for d in self.bins.values()
+                if len(d) >= self.min_samples
+            ]
             self._points = sorted(pts)
         return self._points
 
@@ -170,17 +177,39 @@ def shape_menu(shape: TreeShape, confident: bool = False) -> list[TreeShape | No
 class AdaptiveSpeculation:
     REL_WINDOW = 16  # ratios kept per losing option (and bucket)
 
-    def __init__(self, shape: TreeShape, warmup: int = 3, retry_every: int = 32, max_retry_every: int = 512, far_behind: float = 0.8, explore_budget: float = 0.01, trust_after: int = 8, tree_margin: float = 0.03,
-                 confident_from: int | None = None):
+    def __init__(
+        self,
+        shape: TreeShape,
+        warmup: int = 3,
+        retry_every: int = 32,
+        max_retry_every: int = 512,
+        far_behind: float = 0.8,
+        explore_budget: float = 0.01,
+        trust_after: int = 8,
+        tree_margin: float = 0.03,
+        confident_from: int | None = None,
+    ):
         self.options = shape_menu(shape, confident=confident_from is not None)
         # the confident (cut) option only from `confident_from` requests: at bs 1 a verify row costs a
         # tenth of a step and the cut's lost tokens cost more than its saved rows (1.18-1.22x vs 1.26x)
         self.min_batch = [1] * len(self.options)
         if len(self.options) > len(shape_menu(shape)):
             self.min_batch[-1] = confident_from
-        self._cheapest_first = sorted(range(len(self.options)), key=lambda i: (0, 0) if self.options[i] is None else (self.options[i].num_draft_tokens, -self.options[i].min_prob))
-        self.warmup, self.retry_every, self.max_retry_every, self.far_behind = warmup, retry_every, max_retry_every, far_behind
-        self.explore_budget = explore_budget  # share of throughput re-measuring the losing options may cost, all together
+        self._cheapest_first = sorted(
+            range(len(self.options)),
+            key=lambda i: (
+                (0, 0) if self.options[i] is None else (self.options[i].num_draft_tokens, -self.options[i].min_prob)
+            ),
+        )
+        self.warmup, self.retry_every, self.max_retry_every, self.far_behind = (
+            warmup,
+            retry_every,
+            max_retry_every,
+            far_behind,
+        )
+        self.explore_budget = (
+            explore_budget  # share of throughput re-measuring the losing options may cost, all together
+        )
         self.trust_after = trust_after  # steps of an option before 'far behind' may back off its re-measurement
         # a tree must beat 'off' by this fraction to be chosen: where they are within noise (large
         # batches), speculating risks a loss for no gain
@@ -227,7 +256,9 @@ class AdaptiveSpeculation:
         # re-measurement costs a slow step), one close to it at the base interval
         for i in ok:
             if i != best and (bucket, i) not in self.next_retry:  # the first re-measurement is budgeted too
-                self.next_retry[(bucket, i)] = step + max(self.retry_every, self._budget_gap(i, best, bucket, known, batch_size, rates))
+                self.next_retry[(bucket, i)] = step + max(
+                    self.retry_every, self._budget_gap(i, best, bucket, known, batch_size, rates)
+                )
         due = [i for i in ok if i != best and step >= self.next_retry[(bucket, i)]]
         if not due:
             return best
@@ -244,7 +275,9 @@ class AdaptiveSpeculation:
         # and never so often that re-measuring costs more than explore_budget of the time (shared by
         # the losing options): at a large batch one tree step (draft catch-up + a big verify) can cost
         # several plain steps (a budget per option let two losing trees cost twice the budget)
-        self.next_retry[(bucket, pick)] = step + max(gap, self._budget_gap(pick, best, bucket, known, batch_size, rates))
+        self.next_retry[(bucket, pick)] = step + max(
+            gap, self._budget_gap(pick, best, bucket, known, batch_size, rates)
+        )
         if far and from_prior and gap < self.max_retry_every:
             # ruled out by the prior and never measured here: postpone rather than pay a slow step
             # (still measured for real once the back-off reaches its ceiling: the prior can be wrong)
@@ -309,7 +342,10 @@ class AdaptiveSpeculation:
         return math.ceil(lost * (len(self._eligible(batch_size)) - 1) / self.explore_budget)
 
     def _measured(self, bucket: str, batch_size: int) -> bool:
-        return all(self._stat(i, bucket).n >= self.warmup or self._ruled_out(i, bucket, batch_size) for i in self._eligible(batch_size))
+        return all(
+            self._stat(i, bucket).n >= self.warmup or self._ruled_out(i, bucket, batch_size)
+            for i in self._eligible(batch_size)
+        )
 
     def _prior(self, i: int, batch_size: int) -> float | None:
         """Option i's predicted tokens/s at this batch size: its tokens and rows per request, measured at
@@ -328,7 +364,9 @@ class AdaptiveSpeculation:
             return False
         off = self.options.index(None)
         mine = self._prior(i, batch_size)
-        base = self._stat(off, bucket).rate if self._stat(off, bucket).n >= self.warmup else self._prior(off, batch_size)
+        base = (
+            self._stat(off, bucket).rate if self._stat(off, bucket).n >= self.warmup else self._prior(off, batch_size)
+        )
         return mine is not None and bool(base) and mine < self.far_behind * base
 
     def _nearest_measured(self, bucket: str, batch_size: int) -> str | None:
@@ -338,6 +376,7 @@ class AdaptiveSpeculation:
         measurements took over (0.89x vanilla in a 120-step run)."""
         if self._measured(bucket, batch_size):
             return bucket
+
         def distance(b: str) -> float:
             return abs(math.log2(int(b)) - math.log2(int(bucket)))
 
@@ -365,8 +404,17 @@ class AdaptiveSpeculation:
             return self._prior(i, batch_size) or 0.0
         return st.rate * scale
 
-    def observe(self, option: int, batch_size: int, seconds: float, tokens: int, rows: int | None = None,
-                draft_seconds: float = 0.0, accepted: list[int] | None = None, drafted: list[int] | None = None) -> None:
+    def observe(
+        self,
+        option: int,
+        batch_size: int,
+        seconds: float,
+        tokens: int,
+        rows: int | None = None,
+        draft_seconds: float = 0.0,
+        accepted: list[int] | None = None,
+        drafted: list[int] | None = None,
+    ) -> None:
         """One step's outcome. `rows` = verify rows (requests + draft nodes) feeds the step-cost model
         (with the step's seconds minus `draft_seconds`, the proposal's share); `accepted` / `drafted`
         (per request: accepted draft tokens, draft nodes) also rate the shorter chains nested in a chain
@@ -394,9 +442,20 @@ class AdaptiveSpeculation:
         if ran is None or ran.topk != 1:
             return
         for j, shape in enumerate(self.options):
-            if j == option or shape is None or shape.topk != 1 or shape.depth > ran.depth or shape.min_prob != ran.min_prob:
+            if (
+                j == option
+                or shape is None
+                or shape.topk != 1
+                or shape.depth > ran.depth
+                or shape.min_prob != ran.min_prob
+            ):
                 continue  # (a chain cut at another min_prob is not the longer chain's first nodes)
             d = shape.depth
             h = self.history[j]
             per_draft = h.draft_seconds if h.steps else 0.0
-            h.add(len(accepted), sum(1 + min(n, d) for n in drafted), sum(min(a, d) + 1 for a in accepted), per_draft * len(accepted))
+            h.add(
+                len(accepted),
+                sum(1 + min(n, d) for n in drafted),
+                sum(min(a, d) + 1 for a in accepted),
+                per_draft * len(accepted),
+            )

@@ -174,7 +174,9 @@ def sweep_prompts(prompts: list[list[int]], b: int, min_prompts: int, rounds: in
     return batch_prompts(prompts, max(min_prompts, rounds * b, b))
 
 
-def engine_batch_runner(target, method: str, tree, max_new_tokens: int, adaptive: bool, drafter_cache: dict, sampling=None) -> Callable:
+def engine_batch_runner(
+    target, method: str, tree, max_new_tokens: int, adaptive: bool, drafter_cache: dict, sampling=None
+) -> Callable:
     """A function (prompts, max_new_tokens, concurrency) -> BatchRun running the prompts through an
     Engine with at most `concurrency` requests running (default: all at once), refilled as they finish.
 
@@ -204,7 +206,14 @@ def engine_batch_runner(target, method: str, tree, max_new_tokens: int, adaptive
             # measurements per batch bucket, and the acceptance and step costs behind its prior
             # (kept in `state`, not only in the engine: the engine is released after each batch size)
             state["engine"] = None  # free the old pool first
-            e = Engine(target, drafter, tree, kv_slots=2 * need, adaptive=adaptive and drafter is not None, on_fallback=lambda r, why: fallbacks.append(why))
+            e = Engine(
+                target,
+                drafter,
+                tree,
+                kv_slots=2 * need,
+                adaptive=adaptive and drafter is not None,
+                on_fallback=lambda r, why: fallbacks.append(why),
+            )
             if state["policy"] is not None:
                 e.policy = state["policy"]
             state["engine"], state["b"], state["policy"] = e, b, e.policy
@@ -298,7 +307,10 @@ def run_batch_sweep(
     for b in batch_sizes:
         queue = sweep_prompts(prompts, b, min_prompts)
         batch = queue[:b]
-        rows = {i: BatchResult(label, tree, b, adaptive, error=build_errors.get(i)) for i, (label, tree, adaptive, _) in enumerate(methods)}
+        rows = {
+            i: BatchResult(label, tree, b, adaptive, error=build_errors.get(i))
+            for i, (label, tree, adaptive, _) in enumerate(methods)
+        }
         if warmup:  # the same batch, few new tokens (warms the engine and the adaptive policy)
             for i, row in rows.items():
                 if row.error:
@@ -329,7 +341,19 @@ def run_batch_sweep(
                         continue
                     row.seconds += out.seconds
                     row.runs += 1
-                    for f in ("tokens", "verify_steps", "accepted", "drafted", "decode_steps", "batch_sum", "fallbacks", "decode_seconds", "decode_tokens", "full_seconds", "full_tokens"):
+                    for f in (
+                        "tokens",
+                        "verify_steps",
+                        "accepted",
+                        "drafted",
+                        "decode_steps",
+                        "batch_sum",
+                        "fallbacks",
+                        "decode_seconds",
+                        "decode_tokens",
+                        "full_seconds",
+                        "full_tokens",
+                    ):
                         setattr(row, f, getattr(row, f) + getattr(out, f))
                     add_counts(row.accepted_by_depth, out.accepted_by_depth)
                     if sampler:
@@ -342,14 +366,19 @@ def run_batch_sweep(
         for row in rows.values():
             results.append(row)
             if log:
-                log(f"bs={b} {row.key}: {row.tokens_per_s:.1f} tok/s ({row.full_tokens_per_s:.1f} at full batch) tau {row.tau:.2f} {row.error or ''}")
+                log(
+                    f"bs={b} {row.key}: {row.tokens_per_s:.1f} tok/s ({row.full_tokens_per_s:.1f} at full batch) tau {row.tau:.2f} {row.error or ''}"
+                )
     return results
 
 
 def speedup(row: BatchResult, results: list[BatchResult], steady: bool = False) -> float | None:
     """tokens/s of `row` over the vanilla row of the same batch size (None if that failed or is absent);
     steady: the rates at full batch (BatchResult.full_tokens_per_s) instead of the whole run's."""
-    v = next((r for r in results if r.method == "vanilla" and r.batch_size == row.batch_size and not r.error and r.runs), None)
+    v = next(
+        (r for r in results if r.method == "vanilla" and r.batch_size == row.batch_size and not r.error and r.runs),
+        None,
+    )
     if v is None or row.error or not row.runs:
         return None
     if steady:
@@ -406,9 +435,21 @@ def batch_grid_table(results: list[BatchResult], steady: bool = False) -> str:
 def batch_json(results: list[BatchResult]) -> list[dict]:
     from dataclasses import asdict
 
-    return [{**asdict(r), "tau": r.tau, "tokens_per_s": r.tokens_per_s, "draft_per_step": r.draft_per_step, "decode_tokens_per_s": r.decode_tokens_per_s, "mean_batch": r.mean_batch, "speedup_vs_vanilla": speedup(r, results),
-             "full_tokens_per_s": r.full_tokens_per_s, "speedup_at_full_batch": speedup(r, results, steady=True),
-             "acceptance_by_position": r.acceptance_by_position} for r in results]
+    return [
+        {
+            **asdict(r),
+            "tau": r.tau,
+            "tokens_per_s": r.tokens_per_s,
+            "draft_per_step": r.draft_per_step,
+            "decode_tokens_per_s": r.decode_tokens_per_s,
+            "mean_batch": r.mean_batch,
+            "speedup_vs_vanilla": speedup(r, results),
+            "full_tokens_per_s": r.full_tokens_per_s,
+            "speedup_at_full_batch": speedup(r, results, steady=True),
+            "acceptance_by_position": r.acceptance_by_position,
+        }
+        for r in results
+    ]
 
 
 def plot_throughput(results: list[BatchResult], path) -> None:
@@ -421,7 +462,13 @@ def plot_throughput(results: list[BatchResult], path) -> None:
     for k in dict.fromkeys(r.key for r in results):
         pts = sorted((r.batch_size, r.tokens_per_s) for r in results if r.key == k and not r.error and r.runs)
         if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle="--" if k.startswith("vanilla") else "-", label=k)
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker="o",
+                linestyle="--" if k.startswith("vanilla") else "-",
+                label=k,
+            )
     ax.set_xscale("log", base=2)
     sizes = sorted({r.batch_size for r in results})
     ax.set_xticks(sizes, [str(b) for b in sizes])
@@ -463,7 +510,9 @@ class OverheadResult:
         return None if self.engine_p50 is None or self.http_p50 is None else self.http_p50 - self.engine_p50
 
 
-def measure_gateway_overhead(target, method: str, tree, adaptive: bool, messages: list[dict], max_tokens: int, requests: int, warmup: int = 2) -> OverheadResult:
+def measure_gateway_overhead(
+    target, method: str, tree, adaptive: bool, messages: list[dict], max_tokens: int, requests: int, warmup: int = 2
+) -> OverheadResult:
     """p50 latency of one short greedy chat request (fixed length: ignore_eos) (a) through Engine.generate
     and (b) through the real gateway over HTTP on 127.0.0.1 (uvicorn in a thread of this process, an
     Engine with the same drafter and tree). Calls alternate a, b, a, b ... so drift hits both.
@@ -486,7 +535,14 @@ def measure_gateway_overhead(target, method: str, tree, adaptive: bool, messages
         served = Engine(target, bench_drafter(method, target), tree)
         prompt = target.encode_chat(messages)
         sp = SamplingParams(max_new_tokens=max_tokens, ignore_eos=True)
-        body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        body = {
+            "model": "bench",
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
         backend, telemetry = embedded_backend(served, "bench", name)
         with ServerThread(create_app(backend, telemetry)) as srv, httpx.Client(base_url=srv.url, timeout=600) as client:
             http_ids = None
@@ -518,12 +574,27 @@ def overhead_table(rows: list[OverheadResult]) -> str:
             lines.append(f"| {r.method} | {r.tree} | {ad} | failed: {r.error} | | | | | |")
             continue
         same = "-" if r.same_tokens is None else ("yes" if r.same_tokens else "no")
-        lines.append(f"| {r.method} | {r.tree} | {ad} | {r.requests} | {r.max_tokens} | {_fmt(r.engine_p50, '.1f')} | {_fmt(r.http_p50, '.1f')} | {_fmt(r.overhead_p50, '.1f')} | {same} |")
+        lines.append(
+            f"| {r.method} | {r.tree} | {ad} | {r.requests} | {r.max_tokens} | {_fmt(r.engine_p50, '.1f')} | {_fmt(r.http_p50, '.1f')} | {_fmt(r.overhead_p50, '.1f')} | {same} |"
+        )
     return "\n".join(lines)
 
 
 def overhead_json(rows: list[OverheadResult]) -> list[dict]:
     return [
-        {"method": r.method, "tree": r.tree, "adaptive": r.adaptive, "requests": r.requests, "max_tokens": r.max_tokens, "engine_p50_ms": r.engine_p50, "http_p50_ms": r.http_p50, "overhead_p50_ms": r.overhead_p50, "engine_ms": r.engine_ms, "http_ms": r.http_ms, "same_tokens": r.same_tokens, "error": r.error}
+        {
+            "method": r.method,
+            "tree": r.tree,
+            "adaptive": r.adaptive,
+            "requests": r.requests,
+            "max_tokens": r.max_tokens,
+            "engine_p50_ms": r.engine_p50,
+            "http_p50_ms": r.http_p50,
+            "overhead_p50_ms": r.overhead_p50,
+            "engine_ms": r.engine_ms,
+            "http_ms": r.http_ms,
+            "same_tokens": r.same_tokens,
+            "error": r.error,
+        }
         for r in rows
     ]

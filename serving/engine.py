@@ -30,12 +30,21 @@ from dataclasses import dataclass, field
 import torch
 
 from sglang_ext.attention import causal_mask, plan_attention, prefix_and_tree_mask
-from sglang_ext.drafters import DraftInput, Drafter, TargetCapture
+from sglang_ext.drafters import Drafter, DraftInput, TargetCapture
 from sglang_ext.drafters.prediction import PredictionLookup
 from sglang_ext.grammar import Grammars, apply_bitmask, tree_bitmask
 from sglang_ext.models import Target
 from sglang_ext.penalties import ban_early_stops, penalize_tree
-from sglang_ext.sampling import InvalidRequest, SamplingParams, TokenLogprob, greedy_tokens, logits_to_probs, sample, seeded_sample, token_logprobs
+from sglang_ext.sampling import (
+    InvalidRequest,
+    SamplingParams,
+    TokenLogprob,
+    greedy_tokens,
+    logits_to_probs,
+    sample,
+    seeded_sample,
+    token_logprobs,
+)
 from sglang_ext.tree import TokenTree, TreeShape, chain_tree
 from sglang_ext.verify import VerifyResult, coupled_verify, greedy_verify, sampling_verify
 
@@ -85,8 +94,12 @@ class Request:
     params: SamplingParams
     generator: torch.Generator | None
     output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token when params.logprobs is set
-    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. when params.prompt_logprobs is set
+    output_logprobs: list[TokenLogprob] = field(
+        default_factory=list
+    )  # one per output token when params.logprobs is set
+    prompt_logprobs: list[TokenLogprob] = field(
+        default_factory=list
+    )  # prompt tokens 1.. when params.prompt_logprobs is set
     slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     prefilled: int = 0  # prompt tokens whose K/V the target holds (a long prompt is prefilled over several steps)
     prompt_captured: list = field(default_factory=list)  # the target's captured layers for the chunks so far
@@ -94,7 +107,9 @@ class Request:
     error: str | None = None  # with finish_reason "error": the stage whose fault ended this request alone
     drafting: bool = True  # False after a drafter failure: vanilla decoding from then on
     matcher: object | None = None  # the grammar's state after the output so far (structured output)
-    reference: list[int] = field(default_factory=list)  # the prompt's last tokens + its predicted output, for the drafter
+    reference: list[int] = field(
+        default_factory=list
+    )  # the prompt's last tokens + its predicted output, for the drafter
     stats: RequestStats = field(default_factory=RequestStats)
     t_arrival: float = field(default_factory=time.perf_counter)
     t_first_token: float | None = None
@@ -148,12 +163,18 @@ class Engine:
         self._ids = itertools.count()
         self.on_fallback = on_fallback  # callback(request, reason) for metrics
         # per-step choice of tree shape / no speculation from measured throughput (serving default)
-        self.policy = AdaptiveSpeculation(self.tree, confident_from=CONFIDENT_FROM_BATCH) if adaptive and drafter is not None else None
+        self.policy = (
+            AdaptiveSpeculation(self.tree, confident_from=CONFIDENT_FROM_BATCH)
+            if adaptive and drafter is not None
+            else None
+        )
         self.last_shape: TreeShape | None = self.tree if drafter is not None else None
         self.capture_layers = tuple(drafter.capture_layers) if drafter else ()
         self._drafter_commits = getattr(drafter, "needs_commit", True)
         # predicted outputs for drafters that do not search them (model drafters)
-        self._prediction = PredictionLookup() if drafter is not None and not getattr(drafter, "reads_reference", False) else None
+        self._prediction = (
+            PredictionLookup() if drafter is not None and not getattr(drafter, "reads_reference", False) else None
+        )
         if prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
         self.prefill_tokens = prefill_tokens  # prompt tokens prefilled per step at most (longer prompts in chunks)
@@ -168,7 +189,9 @@ class Engine:
             raise InvalidRequest(f"prompt has token ids outside the vocabulary [0, {vocab})", "prompt")
         params.check_vocab(vocab)
         if len(prompt_ids) + 1 > self.max_context:
-            raise InvalidRequest(f"prompt has {len(prompt_ids)} tokens; the context limit is {self.max_context}", "messages")
+            raise InvalidRequest(
+                f"prompt has {len(prompt_ids)} tokens; the context limit is {self.max_context}", "messages"
+            )
         gen = None if params.greedy else params.generator()
         req = Request(next(self._ids), list(prompt_ids), params, gen)
         if params.grammar is not None:
@@ -220,7 +243,9 @@ class Engine:
         if self.mixed_prefill:
             events = self._forward_step(decoding, chunks) if decoding or chunks else []
         else:
-            events = (self._forward_step([], chunks) if chunks else []) + (self._forward_step(decoding, []) if decoding else [])
+            events = (self._forward_step([], chunks) if chunks else []) + (
+                self._forward_step(decoding, []) if decoding else []
+            )
         for e in events:
             if e.request.finished:
                 self._release(e.request)
@@ -277,7 +302,14 @@ class Engine:
                 slots.append(s)
                 kv_lists.append(torch.cat([r.slots, s]))
                 masks.append(causal_mask(end - r.prefilled, r.prefilled))
-            out = self.model.forward(torch.cat(ids), torch.cat(pos), torch.cat(slots), plan_attention(kv_lists, masks), self.kv, self.capture_layers)
+            out = self.model.forward(
+                torch.cat(ids),
+                torch.cat(pos),
+                torch.cat(slots),
+                plan_attention(kv_lists, masks),
+                self.kv,
+                self.capture_layers,
+            )
         except BaseException:
             for s in new_slots + chunk_slots:  # a failed forward must not leak the tree's slots or the chunks'
                 self.kv.free(s)
@@ -288,16 +320,28 @@ class Engine:
             ends = torch.tensor([end - r.prefilled for r, end in chunks], dtype=torch.long).cumsum(0) - 1 + tree_rows
             done = [i for i, (r, end) in enumerate(chunks) if end == len(r.prompt_ids)]
             hidden = hidden[torch.cat([torch.arange(tree_rows), ends[done]])]
-        logits = self.model.logits(hidden, fp32=False) if hidden.shape[0] else hidden.new_empty(0, 0)  # (only chunks of unfinished prompts)
+        logits = (
+            self.model.logits(hidden, fp32=False) if hidden.shape[0] else hidden.new_empty(0, 0)
+        )  # (only chunks of unfinished prompts)
         events = self._accept(reqs, trees, new_slots, out.captured, logits)
         events += self._prefilled(chunks, chunk_slots, logits[tree_rows:], out, tree_rows)
         if option is not None and not chunks:
             # NOTE: steps with a prompt in the forward are not measured: their seconds are not the trees'
-            self.policy.observe(option, len(reqs), time.perf_counter() - t0, sum(len(e.new_tokens) for e in events), tree_rows,
-                                draft_seconds=t_drafted - t_propose, accepted=[e.accepted for e in events], drafted=[e.drafted for e in events])
+            self.policy.observe(
+                option,
+                len(reqs),
+                time.perf_counter() - t0,
+                sum(len(e.new_tokens) for e in events),
+                tree_rows,
+                draft_seconds=t_drafted - t_propose,
+                accepted=[e.accepted for e in events],
+                drafted=[e.drafted for e in events],
+            )
         return events
 
-    def _prefilled(self, chunks: list[tuple[Request, int]], chunk_slots: list[torch.Tensor], logits: torch.Tensor, out, start: int) -> list[StepEvent]:
+    def _prefilled(
+        self, chunks: list[tuple[Request, int]], chunk_slots: list[torch.Tensor], logits: torch.Tensor, out, start: int
+    ) -> list[StepEvent]:
         """Commit each prompt chunk (its rows of the forward `out` from `start` on, chunk after chunk); a
         request whose prompt is now done samples its first token (logits: one row per such request,
         in order) and starts drafting with the target's view of the whole prompt."""
@@ -403,7 +447,14 @@ class Engine:
                         trees[r.rid] = t
         return [trees.get(r.rid) or chain_tree(r.output_ids[-1], [], len(r.slots)) for r in reqs]
 
-    def _accept(self, reqs: list[Request], trees: list[TokenTree], new_slots: list[torch.Tensor], captured: dict, logits: torch.Tensor) -> list[StepEvent]:
+    def _accept(
+        self,
+        reqs: list[Request],
+        trees: list[TokenTree],
+        new_slots: list[torch.Tensor],
+        captured: dict,
+        logits: torch.Tensor,
+    ) -> list[StepEvent]:
         """Verify each request's tree on its rows of the logits; keep the accepted nodes' KV, free the rest.
         A fault verifying one request fails that request alone (its tree's slots freed with it)."""
         events, start = [], 0

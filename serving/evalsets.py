@@ -39,7 +39,9 @@ def eval_dir() -> Path | None:
 def read_prompts(path: Path) -> list[str]:
     """First user turn of each record in an EAGLE-format jsonl file."""
     prompts = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):  # not splitlines(): U+2028 may sit in a string
+    for n, line in enumerate(
+        path.read_text(encoding="utf-8").split("\n"), 1
+    ):  # not splitlines(): U+2028 may sit in a string
         if not line.strip():
             continue
         try:
@@ -66,7 +68,9 @@ def load_eval_set(name_or_path: str, limit: int | None = None) -> tuple[str, lis
         d = eval_dir()
         if d is None or not (d / f"{name_or_path}.jsonl").exists():
             if name_or_path not in EVAL_SETS:
-                raise ValueError(f"unknown eval set {name_or_path!r}; choose from {', '.join(EVAL_SETS)}, builtin, or a .jsonl path")
+                raise ValueError(
+                    f"unknown eval set {name_or_path!r}; choose from {', '.join(EVAL_SETS)}, builtin, or a .jsonl path"
+                )
             prompts, name = BUILTIN_PROMPTS["builtin"], "builtin"
         else:
             prompts, name = read_prompts(d / f"{name_or_path}.jsonl"), name_or_path

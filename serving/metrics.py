@@ -26,29 +26,91 @@ def batch_bucket(bs: int) -> str:
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         r = self.registry = registry or CollectorRegistry()
-        self.requests = Counter("moa_requests", "Finished requests by status (ok, error, aborted, rejected, invalid)", (*_LABELS, "status"), registry=r)
+        self.requests = Counter(
+            "moa_requests",
+            "Finished requests by status (ok, error, aborted, rejected, invalid)",
+            (*_LABELS, "status"),
+            registry=r,
+        )
         self.prompt_tokens = Counter("moa_prompt_tokens", "Prompt tokens processed", _LABELS, registry=r)
         self.generated_tokens = Counter("moa_generated_tokens", "Tokens generated", _LABELS, registry=r)
-        self.draft_tokens = Counter("moa_draft_tokens", "Draft tokens proposed for verification (tree nodes without the root)", _LABELS, registry=r)
-        self.accepted_tokens = Counter("moa_accepted_tokens", "Draft tokens accepted by verification (bonus tokens excluded)", _LABELS, registry=r)
-        self.verify_steps = Counter("moa_verify_steps", "Verify steps (one per request per decode step)", _LABELS, registry=r)
-        self.drafter_fallbacks = Counter("moa_drafter_fallbacks", "Requests that fell back to vanilla decoding", (*_LABELS, "reason"), registry=r)
+        self.draft_tokens = Counter(
+            "moa_draft_tokens",
+            "Draft tokens proposed for verification (tree nodes without the root)",
+            _LABELS,
+            registry=r,
+        )
+        self.accepted_tokens = Counter(
+            "moa_accepted_tokens", "Draft tokens accepted by verification (bonus tokens excluded)", _LABELS, registry=r
+        )
+        self.verify_steps = Counter(
+            "moa_verify_steps", "Verify steps (one per request per decode step)", _LABELS, registry=r
+        )
+        self.drafter_fallbacks = Counter(
+            "moa_drafter_fallbacks", "Requests that fell back to vanilla decoding", (*_LABELS, "reason"), registry=r
+        )
         self.request_faults = Counter(
             "moa_request_faults",
             "Requests ended by an internal fault, by the stage that failed (reason); the other requests carried on, "
             "except for reason step: a fault no single request could be blamed for fails that engine step's requests",
-            (*_LABELS, "reason"), registry=r)
-        self.tool_calls = Counter("moa_tool_calls", "Tool calls returned to clients (parsed from chat replies)", _LABELS, registry=r)
-        self.prediction_tokens = Counter("moa_prediction_tokens", "Predicted-output tokens by whether they appeared in the output (accepted, rejected)", (*_LABELS, "result"), registry=r)
-        self.accept_length = Histogram("moa_accept_length", "Accepted draft tokens + 1 per verify step", _LABELS, buckets=tuple(range(1, 17)), registry=r)
-        self.draft_tokens_per_step = Histogram("moa_draft_tokens_per_step", "Draft tokens per verify step", _LABELS, buckets=(0, 1, 2, 4, 8, 16, 32, 48, 64), registry=r)
-        self.batch_size = Histogram("moa_batch_size", "Running requests per engine step", _LABELS, buckets=BATCH_BUCKETS, registry=r)
-        self.ttft = Histogram("moa_time_to_first_token_seconds", "Time to first token", _LABELS, buckets=_LAT, registry=r)
-        self.itl = Histogram("moa_inter_token_latency_seconds", "Time between streamed tokens", _LABELS, buckets=_ITL, registry=r)
-        self.e2e = Histogram("moa_request_latency_seconds", "End-to-end request latency", _LABELS, buckets=_LAT, registry=r)
+            (*_LABELS, "reason"),
+            registry=r,
+        )
+        self.tool_calls = Counter(
+            "moa_tool_calls", "Tool calls returned to clients (parsed from chat replies)", _LABELS, registry=r
+        )
+        self.prediction_tokens = Counter(
+            "moa_prediction_tokens",
+            "Predicted-output tokens by whether they appeared in the output (accepted, rejected)",
+            (*_LABELS, "result"),
+            registry=r,
+        )
+        self.accept_length = Histogram(
+            "moa_accept_length",
+            "Accepted draft tokens + 1 per verify step",
+            _LABELS,
+            buckets=tuple(range(1, 17)),
+            registry=r,
+        )
+        self.draft_tokens_per_step = Histogram(
+            "moa_draft_tokens_per_step",
+            "Draft tokens per verify step",
+            _LABELS,
+            buckets=(0, 1, 2, 4, 8, 16, 32, 48, 64),
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "moa_batch_size", "Running requests per engine step", _LABELS, buckets=BATCH_BUCKETS, registry=r
+        )
+        self.ttft = Histogram(
+            "moa_time_to_first_token_seconds", "Time to first token", _LABELS, buckets=_LAT, registry=r
+        )
+        self.itl = Histogram(
+            "moa_inter_token_latency_seconds", "Time between streamed tokens", _LABELS, buckets=_ITL, registry=r
+        )
+        self.e2e = Histogram(
+            "moa_request_latency_seconds", "End-to-end request latency", _LABELS, buckets=_LAT, registry=r
+        )
         self.running = Gauge("moa_running_requests", "Requests being decoded", _LABELS, registry=r)
         self.queued = Gauge("moa_queued_requests", "Requests waiting for admission", _LABELS, registry=r)
-        self.kv_used = Gauge("moa_kv_cache_used_tokens", "Target KV cache slots holding tokens (embedded engine)", _LABELS, registry=r)
-        self.kv_reserved = Gauge("moa_kv_cache_reserved_tokens", "Target KV cache slots reserved by admitted requests: prompt + max_tokens + one draft tree each (embedded engine)", _LABELS, registry=r)
-        self.kv_capacity = Gauge("moa_kv_cache_capacity_tokens", "Target KV cache slots the engine can hand out (embedded engine)", _LABELS, registry=r)
-        self.tokens_per_s = Gauge("moa_throughput_tokens_per_second", "Recent generated tokens/s by batch-size bucket", (*_LABELS, "batch_bucket"), registry=r)
+        self.kv_used = Gauge(
+            "moa_kv_cache_used_tokens", "Target KV cache slots holding tokens (embedded engine)", _LABELS, registry=r
+        )
+        self.kv_reserved = Gauge(
+            "moa_kv_cache_reserved_tokens",
+            "Target KV cache slots reserved by admitted requests: prompt + max_tokens + one draft tree each (embedded engine)",
+            _LABELS,
+            registry=r,
+        )
+        self.kv_capacity = Gauge(
+            "moa_kv_cache_capacity_tokens",
+            "Target KV cache slots the engine can hand out (embedded engine)",
+            _LABELS,
+            registry=r,
+        )
+        self.tokens_per_s = Gauge(
+            "moa_throughput_tokens_per_second",
+            "Recent generated tokens/s by batch-size bucket",
+            (*_LABELS, "batch_bucket"),
+            registry=r,
+        )

@@ -148,7 +148,11 @@ def hf_runner(hf_model, sp, eos_ids: list[int], **mode):
     """transformers `generate` with `mode` (nothing: plain; assistant_model=...; prompt_lookup_num_tokens=...).
 
     Sampling: do_sample with the same temperature / top-p, top-k off, torch seeded per prompt."""
-    sample = {"do_sample": False} if sp.greedy else {"do_sample": True, "temperature": sp.temperature, "top_p": sp.top_p, "top_k": 0}
+    sample = (
+        {"do_sample": False}
+        if sp.greedy
+        else {"do_sample": True, "temperature": sp.temperature, "top_p": sp.top_p, "top_k": 0}
+    )
     steps = _record_forwards(hf_model) if mode and hasattr(hf_model, "_get_candidate_generator") else None
     eos = list(eos_ids) or None
 
@@ -158,8 +162,14 @@ def hf_runner(hf_model, sp, eos_ids: list[int], **mode):
         if sp.seed is not None:
             torch.manual_seed(sp.seed)
         with torch.inference_mode():
-            out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=sp.max_new_tokens, eos_token_id=eos,
-                                    pad_token_id=eos[0] if eos else 0, **sample, **mode)
+            out = hf_model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=sp.max_new_tokens,
+                eos_token_id=eos,
+                pad_token_id=eos[0] if eos else 0,
+                **sample,
+                **mode,
+            )
         ids = out[0, len(prompt) :].tolist()
         return ids, (stats_from_steps(list(steps), len(prompt) + len(ids)) if steps else None)
 
@@ -174,7 +184,9 @@ def target_gguf(model_name: str):
     from sglang_ext.models.loader import DEFAULT_TARGET, ModelLoadError, smollm2_gguf_path
 
     if model_name != DEFAULT_TARGET:
-        raise PeerUnavailable(f"--model {model_name} is a Hugging Face directory; llama.cpp needs the GGUF the target comes from")
+        raise PeerUnavailable(
+            f"--model {model_name} is a Hugging Face directory; llama.cpp needs the GGUF the target comes from"
+        )
     try:
         return smollm2_gguf_path()
     except ModelLoadError as e:
@@ -196,7 +208,15 @@ def llama_cpp_runner(gguf_path, sp, eos_ids: list[int], n_ctx: int, threads: int
     # NOTE: llama-cpp-python 0.3.36 keeps logits for every token when a draft model is set, but sizes
     # its score buffer from the logits_all *argument* (n_batch rows unless it is True), so any prompt
     # longer than n_batch (512) fails ("could not broadcast ... into shape (0,)"): pass it explicitly.
-    llm = Llama(model_path=str(gguf_path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, draft_model=draft, logits_all=draft is not None, verbose=False)
+    llm = Llama(
+        model_path=str(gguf_path),
+        n_ctx=n_ctx,
+        n_threads=threads,
+        n_threads_batch=threads,
+        draft_model=draft,
+        logits_all=draft is not None,
+        verbose=False,
+    )
     evals: list[tuple[int, int]] = []  # (tokens already in the KV cache, tokens in this eval)
     evaluate = llm.eval
 
@@ -212,7 +232,9 @@ def llama_cpp_runner(gguf_path, sp, eos_ids: list[int], n_ctx: int, threads: int
         llm.set_seed(sp.seed if sp.seed is not None else 0)
         evals.clear()
         out: list[int] = []
-        for tok in llm.generate(prompt, temp=sp.temperature, top_p=sp.top_p, top_k=0, min_p=0.0, typical_p=1.0, repeat_penalty=1.0):
+        for tok in llm.generate(
+            prompt, temp=sp.temperature, top_p=sp.top_p, top_k=0, min_p=0.0, typical_p=1.0, repeat_penalty=1.0
+        ):
             out.append(int(tok))
             if tok in eos or len(out) >= sp.max_new_tokens:
                 break

@@ -67,7 +67,9 @@ class Delivery:
 class Handle:
     """One request's asyncio side. Created by `Scheduler.submit`, read with `await next()`."""
 
-    def __init__(self, scheduler: Scheduler, prompt_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self, scheduler: Scheduler, prompt_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop
+    ):
         self.scheduler, self.prompt_ids, self.params, self.loop = scheduler, prompt_ids, params, loop
         self.reservation = len(prompt_ids) + params.max_new_tokens  # KV slots, one tree excluded
         self.req: Request | None = None  # engine thread only
@@ -132,11 +134,16 @@ class Scheduler:
         """The most tokens (prompt + max_new_tokens) one request may reserve in the KV pool."""
         return self.engine.kv.num_slots - 1 - self._tree_nodes()
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop | None = None) -> Handle:
+    def submit(
+        self, prompt_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop | None = None
+    ) -> Handle:
         """Queue a request (thread-safe). Raises QueueFull, SchedulerClosed, InvalidRequest (too big for the KV pool)."""
         h = Handle(self, list(prompt_ids), params, loop or asyncio.get_running_loop())
         if h.reservation > self.capacity():
-            raise InvalidRequest(f"prompt + max_tokens = {h.reservation} tokens exceeds this server's KV capacity of {self.capacity()} tokens", "max_tokens")
+            raise InvalidRequest(
+                f"prompt + max_tokens = {h.reservation} tokens exceeds this server's KV capacity of {self.capacity()} tokens",
+                "max_tokens",
+            )
         with self._cond:
             if self._closing or self._thread is None or not self._thread.is_alive():
                 raise SchedulerClosed("the engine is not running")
@@ -190,8 +197,9 @@ class Scheduler:
             except Exception:  # noqa: BLE001 - the engine thread must survive anything
                 self.last_error = traceback.format_exc()
                 n = len(self._by_rid)
-                log.error("engine step fault no request can be blamed for; failing %d requests:\n%s",
-                          n, self.last_error)
+                log.error(
+                    "engine step fault no request can be blamed for; failing %d requests:\n%s", n, self.last_error
+                )
                 self._fail_all("internal error in the engine thread", admit)
                 self._reset_engine()
             if self.telemetry:
@@ -288,8 +296,15 @@ class Scheduler:
             del self._by_rid[r.rid]
             return self._fault(h, r.error or "engine")
         st = r.stats
-        d = Delivery(list(e.new_tokens), r.finish_reason, st.verify_steps, st.draft_tokens, st.accepted_tokens,
-                     logprobs=e.logprobs, prompt_logprobs=e.prompt_logprobs)
+        d = Delivery(
+            list(e.new_tokens),
+            r.finish_reason,
+            st.verify_steps,
+            st.draft_tokens,
+            st.accepted_tokens,
+            logprobs=e.logprobs,
+            prompt_logprobs=e.prompt_logprobs,
+        )
         if not r.finished:
             return h, d
         del self._by_rid[r.rid]

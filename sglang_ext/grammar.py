@@ -43,7 +43,9 @@ class GrammarSpec:
 
     def __post_init__(self):
         if self.kind not in KINDS:
-            raise InvalidRequest(f"grammar kind must be one of {', '.join(KINDS)}, got {self.kind!r}", "response_format")
+            raise InvalidRequest(
+                f"grammar kind must be one of {', '.join(KINDS)}, got {self.kind!r}", "response_format"
+            )
         if not self.source:
             raise InvalidRequest(f"a {self.kind} grammar needs its source", self.param)
 
@@ -76,7 +78,9 @@ class Grammars:
             elif self._tokenizer is None:
                 raise InvalidRequest("structured output needs the model's tokenizer", "response_format")
             else:
-                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self._tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                )
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return self._compiler
 
@@ -115,7 +119,11 @@ def tree_bitmask(matcher, tree: TokenTree, vocab_size: int) -> torch.Tensor:
     import xgrammar as xgr
 
     bitmask = xgr.allocate_token_bitmask(tree.num_nodes, vocab_size)  # all allowed
-    first, sibling, tokens = tree.retrieve_next_token.tolist(), tree.retrieve_next_sibling.tolist(), tree.draft_tokens.tolist()
+    first, sibling, tokens = (
+        tree.retrieve_next_token.tolist(),
+        tree.retrieve_next_sibling.tolist(),
+        tree.draft_tokens.tolist(),
+    )
 
     def visit(node: int) -> None:
         if matcher.is_terminated():  # a stop token ended the output here: nothing follows

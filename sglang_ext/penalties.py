@@ -60,13 +60,17 @@ def penalize(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor,
     return x
 
 
-def penalize_tree(logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int], tree: TokenTree) -> torch.Tensor:
+def penalize_tree(
+    logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int], tree: TokenTree
+) -> torch.Tensor:
     """[N, V] logits of a request's tree rows -> the same rows under its penalties, each with its path."""
     counts = output_counts(output_ids, logits.shape[-1])
     return penalize(logits, params, tree_output_counts(counts, tree), prompt_ids)
 
 
-def ban_early_stops(logits: torch.Tensor, tree: TokenTree, output_len: int, min_tokens: int, stop_ids: set[int]) -> torch.Tensor:
+def ban_early_stops(
+    logits: torch.Tensor, tree: TokenTree, output_len: int, min_tokens: int, stop_ids: set[int]
+) -> torch.Tensor:
     """[N, V] tree rows -> the same with `stop_ids` at -inf in rows that choose an output token
     before number `min_tokens` (0-based: output_len + the node's depth)."""
     depth = tree.positions - tree.positions[0]

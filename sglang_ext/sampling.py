@@ -56,8 +56,12 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default=())
     ignore_eos: bool = False
-    logprobs: int | None = None  # None: off; k >= 0: each output token's log-probability and its k likeliest alternatives
-    prompt_logprobs: int | None = None  # the same for the prompt's tokens (from the second on: the first has no context)
+    logprobs: int | None = (
+        None  # None: off; k >= 0: each output token's log-probability and its k likeliest alternatives
+    )
+    prompt_logprobs: int | None = (
+        None  # the same for the prompt's tokens (from the second on: the first has no context)
+    )
     # applied to the target's logits before the transform below (sglang_ext/penalties.py)
     presence_penalty: float = 0.0  # subtracted once from the logit of every token the output already holds
     frequency_penalty: float = 0.0  # subtracted once per occurrence in the output
@@ -69,8 +73,14 @@ class SamplingParams:
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
-            raise InvalidRequest(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}", "max_tokens")
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequest(
+                f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}", "max_tokens"
+            )
+        if (
+            not isinstance(self.temperature, (int, float))
+            or not math.isfinite(self.temperature)
+            or self.temperature < 0
+        ):
             raise InvalidRequest(f"temperature must be a finite number >= 0, got {self.temperature!r}", "temperature")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}", "top_p")
@@ -88,15 +98,30 @@ class SamplingParams:
             bounds = f"[{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}]"
             raise InvalidRequest(f"repetition_penalty must be in {bounds}, got {rp!r}", "repetition_penalty")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise InvalidRequest(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}", "logit_bias")
-        if not isinstance(self.min_tokens, int) or isinstance(self.min_tokens, bool) or not 0 <= self.min_tokens <= self.max_new_tokens:
-            raise InvalidRequest(f"min_tokens must be an integer from 0 to max_tokens ({self.max_new_tokens}), got {self.min_tokens!r}", "min_tokens")
+            raise InvalidRequest(
+                f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}", "logit_bias"
+            )
+        if (
+            not isinstance(self.min_tokens, int)
+            or isinstance(self.min_tokens, bool)
+            or not 0 <= self.min_tokens <= self.max_new_tokens
+        ):
+            raise InvalidRequest(
+                f"min_tokens must be an integer from 0 to max_tokens ({self.max_new_tokens}), got {self.min_tokens!r}",
+                "min_tokens",
+            )
         if len(self.prediction) > MAX_PREDICTION_TOKENS:
-            raise InvalidRequest(f"prediction may hold at most {MAX_PREDICTION_TOKENS} tokens, got {len(self.prediction)}", "prediction")
+            raise InvalidRequest(
+                f"prediction may hold at most {MAX_PREDICTION_TOKENS} tokens, got {len(self.prediction)}", "prediction"
+            )
         if self.grammar is not None and self.min_tokens:
-            raise InvalidRequest("min_tokens cannot be combined with a grammar (the grammar decides where the output ends)", "min_tokens")
+            raise InvalidRequest(
+                "min_tokens cannot be combined with a grammar (the grammar decides where the output ends)", "min_tokens"
+            )
         if self.grammar is not None and self.ignore_eos:
-            raise InvalidRequest("ignore_eos cannot be combined with a grammar (the output ends where the grammar does)", "ignore_eos")
+            raise InvalidRequest(
+                "ignore_eos cannot be combined with a grammar (the output ends where the grammar does)", "ignore_eos"
+            )
         if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids):
             got = list(self.stop_token_ids)[:8]
             raise InvalidRequest(f"stop_token_ids must be token ids (integers >= 0), got {got!r}", "stop_token_ids")
@@ -106,7 +131,9 @@ class SamplingParams:
             if not isinstance(tok, int) or isinstance(tok, bool) or tok < 0:
                 raise InvalidRequest(f"logit_bias keys must be token ids (integers >= 0), got {tok!r}", "logit_bias")
             if not _is_number(bias) or not -100 <= bias <= 100:
-                raise InvalidRequest(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {tok}", "logit_bias")
+                raise InvalidRequest(
+                    f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {tok}", "logit_bias"
+                )
 
     def check_vocab(self, vocab: int) -> None:
         """The token ids this request carries are in [0, vocab) and top_k is at most vocab (else InvalidRequest)."""
@@ -114,13 +141,16 @@ class SamplingParams:
         check_token_ids([tok for tok, _ in self.logit_bias], vocab, "logit_bias")
         check_token_ids(self.prediction, vocab, "prediction")
         if self.top_k > vocab:
-            raise InvalidRequest(f"top_k must be at most the vocabulary size {vocab} (0: off), got {self.top_k}",
-                                 "top_k")
+            raise InvalidRequest(
+                f"top_k must be at most the vocabulary size {vocab} (0: off), got {self.top_k}", "top_k"
+            )
 
     @property
     def penalized(self) -> bool:
         """True when the target's logits need the per-context step of sglang_ext/penalties.py."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias)
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0 or self.logit_bias
+        )
 
     @property
     def greedy(self) -> bool:

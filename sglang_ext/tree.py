@@ -112,7 +112,9 @@ class TokenTree:
         return path[::-1]
 
 
-def tree_from_parents(tokens: torch.Tensor, parents: torch.Tensor, seq_len: int, batch_index: int = 0, draft_probs=None, unlinked=()) -> TokenTree:
+def tree_from_parents(
+    tokens: torch.Tensor, parents: torch.Tensor, seq_len: int, batch_index: int = 0, draft_probs=None, unlinked=()
+) -> TokenTree:
     """Build the layout from node tokens and parent indices (parents[i] < i, parents[0] == -1).
 
     Nodes in `unlinked` keep their mask row and position but are left out of the retrieve lists,
@@ -231,7 +233,9 @@ def node_parents(parent_list: torch.Tensor, top_scores_index: torch.Tensor, topk
     return torch.cat([torch.tensor([-1]), parents]), set(orphans.tolist())
 
 
-def build_trees(root_tokens: torch.Tensor, search: TreeSearch, seq_lens: list[int], num_draft_tokens: int, min_prob: float = 0.0) -> list[TokenTree]:
+def build_trees(
+    root_tokens: torch.Tensor, search: TreeSearch, seq_lens: list[int], num_draft_tokens: int, min_prob: float = 0.0
+) -> list[TokenTree]:
     """Turn a finished search into one TokenTree per request (batch_index used for retrieve_index).
     min_prob > 0: each request keeps only its nodes whose score (path probability) reaches it; a
     node's score never exceeds its parent's, so the kept nodes form a tree."""
@@ -250,4 +254,9 @@ def build_trees(root_tokens: torch.Tensor, search: TreeSearch, seq_lens: list[in
 
 def full_mask(trees: list[TokenTree], seq_lens: list[int]) -> torch.Tensor:
     """SGLang's FULL_MASK: flat bool, per request N rows x (seq_len + N) columns, prefix all True."""
-    return torch.cat([torch.cat([torch.ones(t.num_nodes, s, dtype=torch.bool), t.tree_mask], 1).flatten() for t, s in zip(trees, seq_lens)])
+    return torch.cat(
+        [
+            torch.cat([torch.ones(t.num_nodes, s, dtype=torch.bool), t.tree_mask], 1).flatten()
+            for t, s in zip(trees, seq_lens)
+        ]
+    )

@@ -9,9 +9,20 @@ from sglang_ext.models import LlamaConfig, LlamaModel, Target
 
 def tiny_config(vocab=8, hidden=32, layers=3, heads=4, kv_heads=2, bias=False) -> LlamaConfig:
     return LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_layers=layers, num_heads=heads,
-        num_kv_heads=kv_heads, head_dim=hidden // heads, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
-        max_position=512, tie_word_embeddings=False, attention_bias=bias, eos_token_ids=(),
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=hidden // heads,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position=512,
+        tie_word_embeddings=False,
+        attention_bias=bias,
+        eos_token_ids=(),
     )
 
 
@@ -23,7 +34,11 @@ def tiny_state(cfg: LlamaConfig, seed=0, std=0.5) -> dict[str, torch.Tensor]:
     def r(*shape, s=std):
         return torch.randn(*shape, generator=g) * s
 
-    st = {"model.embed_tokens.weight": r(cfg.vocab_size, h, s=1.0), "model.norm.weight": torch.ones(h), "lm_head.weight": r(cfg.vocab_size, h, s=1.0)}
+    st = {
+        "model.embed_tokens.weight": r(cfg.vocab_size, h, s=1.0),
+        "model.norm.weight": torch.ones(h),
+        "lm_head.weight": r(cfg.vocab_size, h, s=1.0),
+    }
     for l in range(cfg.num_layers):
         p = f"model.layers.{l}."
         st[p + "self_attn.q_proj.weight"] = r(cfg.num_heads * d, h, s=std / h**0.5 * 4)
@@ -52,7 +67,13 @@ def top2_gap(model: LlamaModel, token_ids: list[int]) -> float:
 
     kv = model.new_kv_pool(len(token_ids) + 2)
     s = kv.alloc(len(token_ids))
-    out = model.forward(torch.tensor(token_ids), torch.arange(len(token_ids)), s, plan_attention([s], [causal_mask(len(token_ids), 0)]), kv)
+    out = model.forward(
+        torch.tensor(token_ids),
+        torch.arange(len(token_ids)),
+        s,
+        plan_attention([s], [causal_mask(len(token_ids), 0)]),
+        kv,
+    )
     top = model.logits(out.hidden[-1:])[0].topk(2).values
     return float(top[0] - top[1])
 
@@ -65,11 +86,15 @@ def reference_logprobs(model: LlamaModel, prompt: list[int], output: list[int]) 
     ids = prompt + output[:-1]
     kv = model.new_kv_pool(len(ids) + 1)
     s = kv.alloc(len(ids))
-    out = model.forward(torch.tensor(ids), torch.arange(len(ids)), s, plan_attention([s], [causal_mask(len(ids), 0)]), kv)
+    out = model.forward(
+        torch.tensor(ids), torch.arange(len(ids)), s, plan_attention([s], [causal_mask(len(ids), 0)]), kv
+    )
     return torch.log_softmax(model.logits(out.hidden)[len(prompt) - 1 :].float(), -1)
 
 
-def compare_to_reference(model: LlamaModel, prompt: list[int], ref: list[int], got: list[int], tol: float = 1e-3) -> str:
+def compare_to_reference(
+    model: LlamaModel, prompt: list[int], ref: list[int], got: list[int], tol: float = 1e-3
+) -> str:
     """'same' | 'tie' (first divergence at a numerical tie of the target) | 'bug'."""
     if ref == got:
         return "same"
@@ -79,7 +104,9 @@ def compare_to_reference(model: LlamaModel, prompt: list[int], ref: list[int], g
     return "tie" if top2_gap(model, prompt + ref[:n]) < tol else "bug"
 
 
-def reference_greedy(model: LlamaModel, prompt: list[int], params, n: int, grammars=None, stop_ids=()) -> tuple[list[int], list[float]]:
+def reference_greedy(
+    model: LlamaModel, prompt: list[int], params, n: int, grammars=None, stop_ids=()
+) -> tuple[list[int], list[float]]:
     """Up to n greedy tokens under params' penalties, min_tokens and grammar (compiled by `grammars`), each from one
     plain causal fp32 forward over the whole sequence so far, ending at a stop id; with the gap between
     the two largest allowed logits at each step (ties)."""
@@ -95,7 +122,9 @@ def reference_greedy(model: LlamaModel, prompt: list[int], params, n: int, gramm
         ids = prompt + out
         kv = model.new_kv_pool(len(ids) + 1)
         s = kv.alloc(len(ids))
-        h = model.forward(torch.tensor(ids), torch.arange(len(ids)), s, plan_attention([s], [causal_mask(len(ids), 0)]), kv).hidden
+        h = model.forward(
+            torch.tensor(ids), torch.arange(len(ids)), s, plan_attention([s], [causal_mask(len(ids), 0)]), kv
+        ).hidden
         row = penalize(model.logits(h[-1:]), params, output_counts(out, model.cfg.vocab_size), prompt)
         if len(out) < params.min_tokens:  # no stop before min_tokens
             row[:, sorted(set(stop_ids) | set(params.stop_token_ids))] = float("-inf")

@@ -1,6 +1,7 @@
 """Adaptive speculation picks the measured-fastest option per batch bucket, and never loses output."""
 
 from helpers import tiny_target
+
 from serving.adaptive import AdaptiveSpeculation, StepCostModel, shape_menu
 from serving.engine import Engine
 from sglang_ext.drafters import NgramDrafter
@@ -24,8 +25,10 @@ def test_confident_cut_is_offered_only_from_its_batch_size():
     cut = 3
     # (seconds, tokens) of a step: at bs 1 the cut is the fastest (119 tok/s, the chain
     # 115); at bs 4 the cut (214) beats off (200), the chain (150) and the small chain (160)
-    cost = {1: {0: (0.010, 1.0), 1: (0.013, 1.5), 2: (0.011, 1.2), cut: (0.008, 0.95)},
-            4: {0: (0.020, 4.0), 1: (0.040, 6.0), 2: (0.030, 4.8), cut: (0.022, 4.7)}}
+    cost = {
+        1: {0: (0.010, 1.0), 1: (0.013, 1.5), 2: (0.011, 1.2), cut: (0.008, 0.95)},
+        4: {0: (0.020, 4.0), 1: (0.040, 6.0), 2: (0.030, 4.8), cut: (0.022, 4.7)},
+    }
     picks = {1: [], 4: []}
     for bs in (1, 4):
         for _ in range(60):
@@ -40,7 +43,14 @@ def test_policy_prefers_faster_option_per_bucket():
     p = AdaptiveSpeculation(TreeShape(4, 2, 8), warmup=2, retry_every=1000)
     # bs=1: speculation (option 1) emits 3 tokens in 30 ms, off emits 1 in 20 ms
     # bs=64: speculation emits 64*1.2 tokens in 400 ms, off emits 64 in 250 ms
-    cost = {("1", 0): (0.020, 1), ("1", 1): (0.030, 3), ("1", 2): (0.025, 2), ("64", 0): (0.25, 64), ("64", 1): (0.4, 77), ("64", 2): (0.3, 70)}
+    cost = {
+        ("1", 0): (0.020, 1),
+        ("1", 1): (0.030, 3),
+        ("1", 2): (0.025, 2),
+        ("64", 0): (0.25, 64),
+        ("64", 1): (0.4, 77),
+        ("64", 2): (0.3, 70),
+    }
     for bs, bucket in ((1, "1"), (64, "64")):
         for _ in range(20):
             o = p.choose(bs)
@@ -64,6 +74,7 @@ def test_one_slow_step_does_not_flip_the_choice():
 def test_far_behind_options_are_retried_ever_less_often():
     """Retries of an option far behind the best back off (each costs a slow step); an option close
     to the best keeps being re-measured at the base interval."""
+
     def retries(cost, steps=2000):
         p = AdaptiveSpeculation(TreeShape(4, 2, 8), warmup=3, retry_every=32)
         for _ in range(steps):
@@ -350,7 +361,9 @@ def test_a_new_batch_size_is_decided_by_the_model_without_trial_steps():
     the tree straight away where it wins."""
     cheap_rows = lambda o, bs: (0.030 + 0.0002 * bs * _ROWS[o], bs * _TOKENS[o], round(bs * _ROWS[o]))
     p = AdaptiveSpeculation(TreeShape(5, 1, 6), warmup=3, retry_every=32)
-    _sweep(p, _cpu_cost, (1, 2, 4, 8), 60)  # rows up to 32 measured; bs 24's bucket (17-32) and its neighbours never run
+    _sweep(
+        p, _cpu_cost, (1, 2, 4, 8), 60
+    )  # rows up to 32 measured; bs 24's bucket (17-32) and its neighbours never run
     assert _sweep(p, _cpu_cost, (24,), 20)[24] == [0] * 20
     q = AdaptiveSpeculation(TreeShape(5, 1, 6), warmup=3, retry_every=32)
     _sweep(q, cheap_rows, (1, 2, 4, 8), 60)  # a machine where rows are nearly free: the tree wins everywhere

@@ -89,7 +89,12 @@ def _subprocess(args: list[str], env_extra: dict[str, str], timeout: float = 120
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), *args],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout, check=False,
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
 
 
@@ -134,7 +139,15 @@ def _compile_for_sm80() -> int:
     ptrs = {name: "*bf16" for name in ("Q", "K", "V", "O")}
     ptrs |= {name: "*i64" for name in ("qo_indptr", "kv_indptr", "kv_indices", "mask_indptr")}
     ptrs["custom_mask"] = "*i1"
-    consts = {"GROUP": 3, "HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "UPCAST": False, "IEEE_DOT": False}
+    consts = {
+        "GROUP": 3,
+        "HEAD_DIM": 64,
+        "BLOCK_D": 64,
+        "BLOCK_M": BLOCK_M,
+        "BLOCK_N": BLOCK_N,
+        "UPCAST": False,
+        "IEEE_DOT": False,
+    }
     signature = {}
     for name in kernel.arg_names:
         signature[name] = ptrs.get(name) or ("constexpr" if name in consts else "fp32" if name == "scale" else "i32")
@@ -164,12 +177,16 @@ def test_chain_tree_equals_causal_attention():
 
     k_pool, v_pool = random_pools(prefix + n, HKV, D, gen)
     q_all = torch.randn(prefix + n, HQ, D, generator=gen)  # queries of the whole sequence
-    out = tree_attention_torch(q_all[prefix:], k_pool, v_pool, plan_attention([torch.arange(prefix + n)], [mask]), SCALE)
+    out = tree_attention_torch(
+        q_all[prefix:], k_pool, v_pool, plan_attention([torch.arange(prefix + n)], [mask]), SCALE
+    )
 
     def heads_first(x):  # [T, H, D] -> [H, T, D] with kv heads repeated for GQA
         return x.repeat_interleave(HQ // x.shape[1], dim=1).transpose(0, 1)
 
-    causal = F.scaled_dot_product_attention(heads_first(q_all), heads_first(k_pool), heads_first(v_pool), is_causal=True, scale=SCALE)
+    causal = F.scaled_dot_product_attention(
+        heads_first(q_all), heads_first(k_pool), heads_first(v_pool), is_causal=True, scale=SCALE
+    )
     torch.testing.assert_close(out, causal.transpose(0, 1)[prefix:], atol=1e-5, rtol=1e-5)
 
 
@@ -177,7 +194,7 @@ def test_chain_tree_equals_causal_attention():
 def test_tree_attention_equals_decoding_each_branch_alone(seed):
     gen = torch.Generator().manual_seed(seed)
     prefix, n = 11, 15
-    (slots, mask, tree), = random_tree_batch([prefix], [n], num_slots=prefix + n + 5, gen=gen)
+    ((slots, mask, tree),) = random_tree_batch([prefix], [n], num_slots=prefix + n + 5, gen=gen)
     k_pool, v_pool = random_pools(prefix + n + 5, HKV, D, gen)
     q = torch.randn(n, HQ, D, generator=gen)
     out = tree_attention_torch(q, k_pool, v_pool, plan_attention([slots], [mask]), SCALE)
@@ -236,7 +253,12 @@ def test_bucketed_batch_equals_one_padded_group(small_q, monkeypatch):
     # the prompt-sized blocks (80, 70 queries) are never padded together with the decode-sized ones
     assert all(len({bool(q > 64) for q in g.q_valid.sum(1).tolist()}) == 1 for g in bucketed.groups)
     q = torch.randn(bucketed.num_queries, HQ, D, generator=gen)
-    torch.testing.assert_close(tree_attention_torch(q, k_pool, v_pool, bucketed, SCALE), tree_attention_torch(q, k_pool, v_pool, one, SCALE), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        tree_attention_torch(q, k_pool, v_pool, bucketed, SCALE),
+        tree_attention_torch(q, k_pool, v_pool, one, SCALE),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 
 
 def test_frontier_plan_equals_one_plan_per_node():
@@ -256,7 +278,13 @@ def test_frontier_plan_equals_one_plan_per_node():
     for prefix, nodes in zip(prefixes, seen):
         for node in nodes:
             slots = torch.cat([prefix, torch.tensor(node)])
-            alone = tree_attention_torch(q[row : row + 1], k_pool, v_pool, plan_attention([slots], [torch.ones(1, slots.numel(), dtype=torch.bool)]), SCALE)
+            alone = tree_attention_torch(
+                q[row : row + 1],
+                k_pool,
+                v_pool,
+                plan_attention([slots], [torch.ones(1, slots.numel(), dtype=torch.bool)]),
+                SCALE,
+            )
             torch.testing.assert_close(out[row : row + 1], alone, atol=1e-5, rtol=1e-5)
             row += 1
 

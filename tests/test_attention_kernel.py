@@ -5,7 +5,14 @@ import pytest
 import torch
 
 from sglang_ext import kernels
-from sglang_ext.attention import causal_mask, plan_attention, prefix_and_tree_mask, select_backend, tree_attention_cpu, tree_attention_torch
+from sglang_ext.attention import (
+    causal_mask,
+    plan_attention,
+    prefix_and_tree_mask,
+    select_backend,
+    tree_attention_cpu,
+    tree_attention_torch,
+)
 from sglang_ext.attention.cpu import MAX_Q, uses_attention_kernel
 from tests.test_attention import random_pools, random_tree_batch
 
@@ -34,7 +41,14 @@ def test_cpu_is_the_default_backend_on_cpu():
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize(
     "prefixes,sizes",
-    [([0], [1]), ([399], [1]), ([400], [6]), ([5, 37, 70, 0], [7, 16, 1, 33]), ([3, 250], [64, 9]), ([1, 2, 3, 4, 5, 6, 7, 8, 9], [1] * 9)],
+    [
+        ([0], [1]),
+        ([399], [1]),
+        ([400], [6]),
+        ([5, 37, 70, 0], [7, 16, 1, 33]),
+        ([3, 250], [64, 9]),
+        ([1, 2, 3, 4, 5, 6, 7, 8, 9], [1] * 9),
+    ],
 )
 def test_kernel_matches_torch_reference(prefixes, sizes, head_dim):
     _, plan, q, k_pool, v_pool = _batch(prefixes, sizes, head_dim, seed=sum(prefixes) + head_dim)
@@ -56,7 +70,10 @@ def test_a_tree_row_is_bit_identical_to_the_same_row_decoded_alone():
         for j in range(mask.shape[0]):
             seen = slots[mask[j]]  # prefix then the node's ancestors, in kv order
             alone = plan_attention([seen], [torch.ones(1, seen.numel(), dtype=torch.bool)])
-            assert torch.equal(tree_attention_cpu(q[row : row + 1], k_pool, v_pool, alone, 0.125)[0], out[row]), (row, j)
+            assert torch.equal(tree_attention_cpu(q[row : row + 1], k_pool, v_pool, alone, 0.125)[0], out[row]), (
+                row,
+                j,
+            )
             row += 1
     # and the whole request alone equals its rows in the batch
     slots, mask, _ = requests[2]
@@ -79,7 +96,9 @@ def test_a_prompt_block_next_to_trees_is_split_between_kernel_and_torch():
     rows = torch.cat([torch.arange(int(plan.qo_indptr[b]), int(plan.qo_indptr[b + 1])) for b in (0, 2)])
     without_prompt = plan_attention([r[0] for r in trees], [r[1] for r in trees])
     assert torch.equal(out[rows], tree_attention_cpu(q[rows], k_pool, v_pool, without_prompt, 0.125))
-    assert plan_attention([r[0] for r in trees], [r[1] for r in trees]).split_by_queries(MAX_Q) is None  # nothing to split
+    assert (
+        plan_attention([r[0] for r in trees], [r[1] for r in trees]).split_by_queries(MAX_Q) is None
+    )  # nothing to split
 
 
 @needs_kernel
@@ -98,7 +117,10 @@ def test_outside_the_kernel_the_torch_reference_answers():
     long_plan = plan_attention([torch.arange(1, MAX_Q + 11)], [causal_mask(MAX_Q + 10, 0)])  # prefill
     q = torch.randn(MAX_Q + 10, HQ, 64, generator=gen)
     assert not uses_attention_kernel(q, k_pool, v_pool, long_plan)
-    assert torch.equal(tree_attention_cpu(q, k_pool, v_pool, long_plan, 0.125), tree_attention_torch(q, k_pool, v_pool, long_plan, 0.125))
+    assert torch.equal(
+        tree_attention_cpu(q, k_pool, v_pool, long_plan, 0.125),
+        tree_attention_torch(q, k_pool, v_pool, long_plan, 0.125),
+    )
     plan = plan_attention([torch.arange(1, 30)], [prefix_and_tree_mask(torch.ones(1, 1, dtype=torch.bool), 28)])
     q1 = torch.randn(1, HQ, 64, generator=gen)
     assert not uses_attention_kernel(q1.bfloat16(), k_pool.bfloat16(), v_pool.bfloat16(), plan)
@@ -115,7 +137,12 @@ def test_kernel_rejects_bad_input():
     op = torch.ops.moa_cpu.tree_attention
     k_pool, v_pool = torch.randn(10, HKV, 64), torch.randn(10, HKV, 64)
     q = torch.randn(2, HQ, 64)
-    qo, kvp, idx, mask = torch.tensor([0, 2]), torch.tensor([0, 3]), torch.tensor([1, 2, 3]), torch.ones(6, dtype=torch.bool)
+    qo, kvp, idx, mask = (
+        torch.tensor([0, 2]),
+        torch.tensor([0, 3]),
+        torch.tensor([1, 2, 3]),
+        torch.ones(6, dtype=torch.bool),
+    )
     op(q, k_pool, v_pool, qo, kvp, idx, mask, 0.125)
     with pytest.raises(RuntimeError, match="kv index out of the pool"):
         op(q, k_pool, v_pool, qo, kvp, torch.tensor([1, 2, 10]), mask, 0.125)

@@ -28,7 +28,22 @@ def test_speedup_uses_same_run_vanilla_and_failures_are_rows():
 
 def test_bench_quick_end_to_end(tmp_path):
     out = tmp_path / "bench"
-    rc = main(["bench", "--quick", "--eval-sets", "builtin", "--peers", "none", "--methods", "ngram;nope", "--dtype", "float32", "--out", str(out)])
+    rc = main(
+        [
+            "bench",
+            "--quick",
+            "--eval-sets",
+            "builtin",
+            "--peers",
+            "none",
+            "--methods",
+            "ngram;nope",
+            "--dtype",
+            "float32",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     data = json.loads((out / "results.json").read_text())
     by = {r["method"]: r for r in data["results"]}
@@ -74,7 +89,13 @@ def test_batch_sweep_failure_at_one_batch_size_is_a_row():
     def make_ok(rate):
         def run(prompts, max_new=4, concurrency=None):
             calls.append(len(prompts))
-            return BatchRun(tokens=len(prompts) * max_new, verify_steps=len(prompts), accepted=len(prompts), drafted=2 * len(prompts))
+            return BatchRun(
+                tokens=len(prompts) * max_new,
+                verify_steps=len(prompts),
+                accepted=len(prompts),
+                drafted=2 * len(prompts),
+            )
+
         return lambda: run
 
     def flaky(prompts, max_new=4, concurrency=None):
@@ -82,11 +103,17 @@ def test_batch_sweep_failure_at_one_batch_size_is_a_row():
             raise RuntimeError("out of KV slots")
         return BatchRun(tokens=len(prompts) * max_new, verify_steps=len(prompts))
 
-    methods = [("vanilla", "-", False, make_ok(1)), ("flaky", "1,1,1", False, lambda: flaky), ("broken", "1,1,1", False, lambda: (_ for _ in ()).throw(ValueError("no checkpoint")))]
+    methods = [
+        ("vanilla", "-", False, make_ok(1)),
+        ("flaky", "1,1,1", False, lambda: flaky),
+        ("broken", "1,1,1", False, lambda: (_ for _ in ()).throw(ValueError("no checkpoint"))),
+    ]
     res = run_batch_sweep(methods, [[1, 2, 3]], [1, 2, 4], warmup_tokens=1, measure_memory=False)
     by = {(r.method, r.batch_size): r for r in res}
     assert len(res) == 9  # every method has a row at every batch size
-    assert by[("flaky", 1)].error is None and by[("flaky", 4)].error is None and by[("flaky", 1)].tokens == 2 * 4  # 2 prompts at bs 1
+    assert (
+        by[("flaky", 1)].error is None and by[("flaky", 4)].error is None and by[("flaky", 1)].tokens == 2 * 4
+    )  # 2 prompts at bs 1
     assert "out of KV slots" in by[("flaky", 2)].error
     assert all("no checkpoint" in by[("broken", b)].error for b in (1, 2, 4))
     assert by[("vanilla", 4)].tau == 2.0 and by[("vanilla", 4)].draft_per_step == 2.0
@@ -107,7 +134,9 @@ def test_sweep_serves_a_prompt_queue_b_at_a_time():
         calls.append((len(queue), concurrency))
         return BatchRun(tokens=len(queue) * max_new, verify_steps=len(queue))
 
-    (row,) = run_batch_sweep([("vanilla", "-", False, lambda: run)], prompts, [1], warmup=False, measure_memory=False, min_prompts=3)
+    (row,) = run_batch_sweep(
+        [("vanilla", "-", False, lambda: run)], prompts, [1], warmup=False, measure_memory=False, min_prompts=3
+    )
     assert calls == [(3, 1)] and row.tokens == 12 and row.runs == 1
 
 
@@ -136,7 +165,11 @@ def test_sweep_interleaves_stepped_runners_step_by_step():
         run.steps = steps
         return lambda: run
 
-    methods = [("vanilla", "-", False, stepped("v", 3)), ("fast", "1,1,1", False, stepped("f", 2)), ("bad", "1,1,1", False, stepped("x", 3, fail_at=1))]
+    methods = [
+        ("vanilla", "-", False, stepped("v", 3)),
+        ("fast", "1,1,1", False, stepped("f", 2)),
+        ("bad", "1,1,1", False, stepped("x", 3, fail_at=1)),
+    ]
     res = run_batch_sweep(methods, [[1]], [1], warmup=False, measure_memory=False)
     assert order == ["v", "f", "x", "v", "f", "v"]
     by = {r.method: r for r in res}
@@ -173,8 +206,27 @@ def test_engine_runner_keeps_b_requests_running(smollm2_fp32):
 
 def test_bench_batch_sweep_and_gateway_overhead_quick(tmp_path):
     out = tmp_path / "sweep"
-    rc = main(["bench", "--quick", "--sweep-only", "--eval-sets", "builtin", "--methods", "ngram;nope", "--dtype", "float32",
-               "--batch-sizes", "1,2", "--max-new-tokens", "6", "--adaptive", "--gateway-overhead", "--out", str(out)])
+    rc = main(
+        [
+            "bench",
+            "--quick",
+            "--sweep-only",
+            "--eval-sets",
+            "builtin",
+            "--methods",
+            "ngram;nope",
+            "--dtype",
+            "float32",
+            "--batch-sizes",
+            "1,2",
+            "--max-new-tokens",
+            "6",
+            "--adaptive",
+            "--gateway-overhead",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     data = json.loads((out / "results.json").read_text())
     rows = data["batch_sweep"]["rows"]
@@ -184,23 +236,31 @@ def test_bench_batch_sweep_and_gateway_overhead_quick(tmp_path):
         v, n = by[("vanilla", b)], by[("ngram", b)]
         assert v["tokens"] > 0 and n["verify_steps"] > 0 and n["adaptive"] and not v["adaptive"]
         assert abs(n["speedup_vs_vanilla"] - n["tokens_per_s"] / v["tokens_per_s"]) < 1e-9  # same-bs vanilla
-        assert n["decode_tokens_per_s"] > 0 and n["decode_tokens"] == n["tokens"] - 2 * b  # 2b prompts served; first tokens come from prefill
+        assert (
+            n["decode_tokens_per_s"] > 0 and n["decode_tokens"] == n["tokens"] - 2 * b
+        )  # 2b prompts served; first tokens come from prefill
         assert n["peak_rss_mb"] > 0 and "unknown drafter" in by[("nope", b)]["error"]
     assert by[("vanilla", 2)]["mean_batch"] > 1
     (oh,) = data["gateway_overhead"]
     assert oh["error"] is None and oh["engine_p50_ms"] > 0 and oh["http_p50_ms"] > 0 and oh["same_tokens"] is True
     table = (out / "table.md").read_text()
-    assert "## Throughput vs batch size" in table and "| method | bs=1 | bs=2 |" in table and "## Gateway overhead" in table
+    assert (
+        "## Throughput vs batch size" in table
+        and "| method | bs=1 | bs=2 |" in table
+        and "## Gateway overhead" in table
+    )
     assert (out / "throughput_vs_batch.png").stat().st_size > 1000
 
 
 def test_tau_per_eval_set_plot(tmp_path):
     from serving.bench import MethodResult, plot_tau_by_set
 
-    rows = [MethodResult("vanilla", "mt_bench", "-", tokens=10, seconds=1.0),
-            MethodResult("moa", "mt_bench", "5,4,16", tokens=10, seconds=1.0, verify_steps=4, accepted=4),
-            MethodResult("moa", "gsm8k", "5,4,16", tokens=10, seconds=1.0, verify_steps=5, accepted=10),
-            MethodResult("eagle3", "gsm8k", "5,4,16", error="boom")]
+    rows = [
+        MethodResult("vanilla", "mt_bench", "-", tokens=10, seconds=1.0),
+        MethodResult("moa", "mt_bench", "5,4,16", tokens=10, seconds=1.0, verify_steps=4, accepted=4),
+        MethodResult("moa", "gsm8k", "5,4,16", tokens=10, seconds=1.0, verify_steps=5, accepted=10),
+        MethodResult("eagle3", "gsm8k", "5,4,16", error="boom"),
+    ]
     assert rows[1].tau == 2.0 and rows[2].tau == 3.0
     assert plot_tau_by_set(rows, tmp_path / "tau.png") and (tmp_path / "tau.png").stat().st_size > 1000
     assert not plot_tau_by_set(rows[:1], tmp_path / "none.png")

@@ -4,13 +4,29 @@ skipped peers reported, and the transformers peers running for real on a tiny mo
 import json
 
 import pytest
-import torch
-
-from serving.bench import MethodResult, acceptance_by_position, acceptance_table, add_runner, markdown_table, plot_acceptance, pooled_acceptance, run_interleaved
-from serving.engine import RequestStats
-from serving.peers import PeerStats, PeerUnavailable, hf_runner, hf_self_draft_assistant, layer_ranges, stats_from_steps, target_gguf
-from sglang_ext.sampling import SamplingParams
 from helpers import tiny_config, tiny_state
+
+from serving.bench import (
+    MethodResult,
+    acceptance_by_position,
+    acceptance_table,
+    add_runner,
+    markdown_table,
+    plot_acceptance,
+    pooled_acceptance,
+    run_interleaved,
+)
+from serving.engine import RequestStats
+from serving.peers import (
+    PeerStats,
+    PeerUnavailable,
+    hf_runner,
+    hf_self_draft_assistant,
+    layer_ranges,
+    stats_from_steps,
+    target_gguf,
+)
+from sglang_ext.sampling import SamplingParams
 
 
 def stats_for(accepts: list[int], drafted_per_step: int) -> RequestStats:
@@ -41,7 +57,12 @@ def test_acceptance_by_position_from_known_accepts():
     assert res.acceptance_by_position == [0.75, 0.5, 0.25, 0.0]  # padded to the tree depth
     assert res.tau == (6 + 4) / 4
     other = MethodResult("ngram", "t", "4,1,4", verify_steps=4, accepted_by_depth=[1])
-    assert pooled_acceptance([res, other])["ngram 4,1,4"] == [0.5, 0.25, 0.125, 0.0]  # counts summed over eval sets, then divided
+    assert pooled_acceptance([res, other])["ngram 4,1,4"] == [
+        0.5,
+        0.25,
+        0.125,
+        0.0,
+    ]  # counts summed over eval sets, then divided
     table = acceptance_table([res, MethodResult("vanilla", "s", "-", verify_steps=10)])
     assert "| s | ngram | 4,1,4 | 4 | 0.75 | 0.50 | 0.25 | 0.00 |" in table and "vanilla" not in table
 
@@ -49,7 +70,13 @@ def test_acceptance_by_position_from_known_accepts():
 def test_peer_stats_from_recorded_forwards():
     # prompt of 5; prefill (no drafts), then a step accepting 2 of 3, one accepting 0 of 3, the last 2 of 2
     st = stats_from_steps([(5, 0), (6, 3), (9, 3), (10, 2)], final_len=13)
-    assert (st.verify_steps, st.draft_tokens, st.accepted_tokens, st.accepted_by_depth, st.max_draft) == (3, 8, 4, [2, 2], 3)
+    assert (st.verify_steps, st.draft_tokens, st.accepted_tokens, st.accepted_by_depth, st.max_draft) == (
+        3,
+        8,
+        4,
+        [2, 2],
+        3,
+    )
     # transformers' assisted loop verifies drafts already in its first forward: that one is a verify step
     st = stats_from_steps([(5, 4), (8, 4)], final_len=9)
     assert (st.verify_steps, st.accepted_tokens, st.accepted_by_depth) == (2, 2, [1, 1])
@@ -80,7 +107,9 @@ def test_failing_and_skipped_peers_are_rows_with_the_reason(tmp_path):
     table = markdown_table(rows)
     assert "| s | llama.cpp | - | skipped: --model /some/hf/dir" in table and "failed: skipped" not in table
     assert "| s | flaky-peer | - | failed: RuntimeError: llama_decode returned -1 |" in table
-    assert "n/a (sampling)" in markdown_table([by["vanilla"], MethodResult("ngram", "s", "6,2,12", tokens=2, seconds=1.0, prompts=1)], sampling=True)
+    assert "n/a (sampling)" in markdown_table(
+        [by["vanilla"], MethodResult("ngram", "s", "6,2,12", tokens=2, seconds=1.0, prompts=1)], sampling=True
+    )
     assert not plot_acceptance(rows, tmp_path / "a.png")  # nothing speculative: no plot, no crash
 
 
@@ -88,9 +117,19 @@ def tiny_hf_model(layers=4):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     c = tiny_config(vocab=32, layers=layers)
-    hc = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_hidden_layers=c.num_layers,
-                     num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-                     rope_theta=c.rope_theta, max_position_embeddings=c.max_position, tie_word_embeddings=False)
+    hc = LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(hc)
     model.load_state_dict(tiny_state(c), strict=True)
     return model.eval()
@@ -111,7 +150,10 @@ def test_hf_prompt_lookup_and_assisted_peers_run_on_a_tiny_model():
     assert st.accepted_tokens + st.verify_steps <= len(out) <= st.accepted_tokens + st.verify_steps + 1  # +1: a prefill
 
     assistant = hf_self_draft_assistant(hf, [0, 3])
-    assert assistant.model.layers[1].self_attn.q_proj.weight.data_ptr() == hf.model.layers[3].self_attn.q_proj.weight.data_ptr()  # shared, not copied
+    assert (
+        assistant.model.layers[1].self_attn.q_proj.weight.data_ptr()
+        == hf.model.layers[3].self_attn.q_proj.weight.data_ptr()
+    )  # shared, not copied
     assert len(assistant.model.layers) == 2 and assistant.model.layers[1].self_attn.layer_idx == 1
     out, st = hf_runner(hf, greedy, [], assistant_model=assistant)(PROMPT)
     assert out == plain and st.verify_steps > 0 and st.draft_tokens > 0
@@ -157,8 +199,28 @@ def test_bench_quick_with_peers_and_sampling(tmp_path):
     from serving.cli import main
 
     out = tmp_path / "bench"
-    rc = main(["bench", "--quick", "--eval-sets", "builtin", "--methods", "ngram", "--peers", "hf-assisted,hf-prompt-lookup,llama.cpp,nope",
-               "--temperature", "0.7", "--top-p", "0.9", "--seed", "1", "--dtype", "float32", "--out", str(out)])
+    rc = main(
+        [
+            "bench",
+            "--quick",
+            "--eval-sets",
+            "builtin",
+            "--methods",
+            "ngram",
+            "--peers",
+            "hf-assisted,hf-prompt-lookup,llama.cpp,nope",
+            "--temperature",
+            "0.7",
+            "--top-p",
+            "0.9",
+            "--seed",
+            "1",
+            "--dtype",
+            "float32",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     data = json.loads((out / "results.json").read_text())
     by = {r["method"]: r for r in data["results"]}

@@ -36,12 +36,15 @@ def test_depth_on_raw_bytes_equals_the_decoded_depth(value, ascii_only, indent):
     assert load_json(text) == value
 
 
-@pytest.mark.parametrize("text", [
-    "[" * 100_000 + "]" * 100_000,  # Python's decoder would raise RecursionError
-    '{"a": ' * 50_000 + "1" + "}" * 50_000,
-    "[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1),
-    "[" * 100_000,  # unbalanced
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[" * 100_000 + "]" * 100_000,  # Python's decoder would raise RecursionError
+        '{"a": ' * 50_000 + "1" + "}" * 50_000,
+        "[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1),
+        "[" * 100_000,  # unbalanced
+    ],
+)
 def test_deep_nesting_is_refused_before_decoding(text):
     with pytest.raises(JSONError, match="levels deep"):
         load_json(text)
@@ -52,7 +55,9 @@ def test_the_limit_itself_is_accepted():
     assert load_json('["' + "[" * 100_000 + '"]') == ["[" * 100_000]  # brackets inside a string are text
 
 
-@pytest.mark.parametrize("text", ["", "{", "[NaN]", '{"a": Infinity}', "-Infinity", "1" * 5000, b"\xff\xfe", b'"\xc3"', "[1,]"])
+@pytest.mark.parametrize(
+    "text", ["", "{", "[NaN]", '{"a": Infinity}', "-Infinity", "1" * 5000, b"\xff\xfe", b'"\xc3"', "[1,]"]
+)
 def test_malformed_text_is_a_json_error(text):
     with pytest.raises(JSONError):
         load_json(text)

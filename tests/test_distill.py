@@ -13,13 +13,29 @@ from sglang_ext.sampling import SamplingParams
 from sglang_ext.training.data import encode_conversation, open_conversations
 from sglang_ext.training.distill import distill, prompts_from
 
-QUESTIONS = ["Name three primary colors.", "What is 7 times 8?", "Write a haiku about rain.", "Define entropy in one sentence."]
+QUESTIONS = [
+    "Name three primary colors.",
+    "What is 7 times 8?",
+    "Write a haiku about rain.",
+    "Define entropy in one sentence.",
+]
 
 
 def _conversations(path, n=len(QUESTIONS)):
     with open(path, "w") as f:
         for i, q in enumerate(QUESTIONS[:n]):
-            f.write(json.dumps({"id": f"q{i}", "conversations": [{"role": "user", "content": q}, {"role": "assistant", "content": "an answer not written by the target"}]}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "id": f"q{i}",
+                        "conversations": [
+                            {"role": "user", "content": q},
+                            {"role": "assistant", "content": "an answer not written by the target"},
+                        ],
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
@@ -28,14 +44,26 @@ def test_distilled_answers_are_the_targets_own_greedy_answers(tmp_path, smollm2_
     src = _conversations(tmp_path / "convs.jsonl")
     records = []
     engine = Engine(target, None, kv_slots=4096)
-    n = distill(engine, lambda ids: target.tokenizer.decode(ids, skip_special_tokens=True).strip(),
-                prompts_from(str(src), target.encode_chat, 512, set()), SamplingParams(max_new_tokens=12), limit=3, batch_size=2, write=records.append)
+    n = distill(
+        engine,
+        lambda ids: target.tokenizer.decode(ids, skip_special_tokens=True).strip(),
+        prompts_from(str(src), target.encode_chat, 512, set()),
+        SamplingParams(max_new_tokens=12),
+        limit=3,
+        batch_size=2,
+        write=records.append,
+    )
     assert n == 3 and [r["id"] for r in sorted(records, key=lambda r: r["id"])] == ["q0", "q1", "q2"]
     assert engine.running == [] and engine.waiting == []  # nothing left in flight
     for rec in records:
         user = rec["conversations"][0]
-        alone = Engine(target, None, kv_slots=1024).generate([target.encode_chat([user])], SamplingParams(max_new_tokens=12))[0]
-        assert rec["conversations"][1] == {"role": "assistant", "content": target.tokenizer.decode(alone.output_ids, skip_special_tokens=True).strip()}
+        alone = Engine(target, None, kv_slots=1024).generate(
+            [target.encode_chat([user])], SamplingParams(max_new_tokens=12)
+        )[0]
+        assert rec["conversations"][1] == {
+            "role": "assistant",
+            "content": target.tokenizer.decode(alone.output_ids, skip_special_tokens=True).strip(),
+        }
         assert rec["finish_reason"] == alone.finish_reason
     # the output is training data as is: our loader reads it and masks the new answers
     out = tmp_path / "distilled.jsonl"
@@ -48,7 +76,20 @@ def test_distilled_answers_are_the_targets_own_greedy_answers(tmp_path, smollm2_
 def test_distill_cli_resumes_and_refuses_to_overwrite(tmp_path):
     src = _conversations(tmp_path / "convs.jsonl")
     out = tmp_path / "d.jsonl"
-    base = ["distill", "--data", str(src), "--out", str(out), "--max-new-tokens", "4", "--batch-size", "2", "--threads", "1", "--no-progress"]
+    base = [
+        "distill",
+        "--data",
+        str(src),
+        "--out",
+        str(out),
+        "--max-new-tokens",
+        "4",
+        "--batch-size",
+        "2",
+        "--threads",
+        "1",
+        "--no-progress",
+    ]
     assert cli_main(base + ["--num-conversations", "2"]) == 0
     assert len(out.read_text().splitlines()) == 2
     with pytest.raises(SystemExit, match="--resume"):
@@ -62,11 +103,37 @@ def test_distill_resumes_after_an_answer_holding_a_unicode_line_separator(tmp_pa
     """json.dumps(ensure_ascii=False) leaves U+2028/U+0085 raw; resuming must still read one record per line."""
     src = _conversations(tmp_path / "convs.jsonl")
     out = tmp_path / "d.jsonl"
-    rec = {"id": "q0", "conversations": [{"role": "user", "content": QUESTIONS[0]}, {"role": "assistant", "content": "red\u2028blue\x85green"}],
-           "finish_reason": "stop"}
+    rec = {
+        "id": "q0",
+        "conversations": [
+            {"role": "user", "content": QUESTIONS[0]},
+            {"role": "assistant", "content": "red\u2028blue\x85green"},
+        ],
+        "finish_reason": "stop",
+    }
     out.write_text(json.dumps(rec, ensure_ascii=False) + "\n", encoding="utf-8")
-    assert cli_main(["distill", "--data", str(src), "--out", str(out), "--max-new-tokens", "4", "--batch-size", "2", "--threads", "1",
-                     "--no-progress", "--num-conversations", "2", "--resume"]) == 0
+    assert (
+        cli_main(
+            [
+                "distill",
+                "--data",
+                str(src),
+                "--out",
+                str(out),
+                "--max-new-tokens",
+                "4",
+                "--batch-size",
+                "2",
+                "--threads",
+                "1",
+                "--no-progress",
+                "--num-conversations",
+                "2",
+                "--resume",
+            ]
+        )
+        == 0
+    )
     with open(out, encoding="utf-8") as f:
         ids = [json.loads(line)["id"] for line in f]
     assert ids == ["q0", "q1"]
@@ -80,13 +147,55 @@ def test_fine_tune_a_shipped_drafter_with_init_from(tmp_path, smollm2_fp32):
     src = _conversations(tmp_path / "convs.jsonl")
     ship = default_checkpoint(smollm2_fp32)
     out = tmp_path / "ft"
-    args = ["train", "eagle3", "--data", str(src), "--out", str(out), "--init-from", str(ship), "--max-steps", "1", "--num-examples", "4",
-            "--max-len", "64", "--tokens-per-batch", "256", "--threads", "1", "--no-progress", "--lr", "1e-5"]
+    args = [
+        "train",
+        "eagle3",
+        "--data",
+        str(src),
+        "--out",
+        str(out),
+        "--init-from",
+        str(ship),
+        "--max-steps",
+        "1",
+        "--num-examples",
+        "4",
+        "--max-len",
+        "64",
+        "--tokens-per-batch",
+        "256",
+        "--threads",
+        "1",
+        "--no-progress",
+        "--lr",
+        "1e-5",
+    ]
     assert cli_main(args) == 0
     before, after = load_eagle3(ship), load_eagle3(out / "final")
     assert torch.equal(before.d2t, after.d2t)
-    delta = max(float((a - b).abs().max()) for a, b in zip(after.state_dict().values(), before.state_dict().values()) if a.is_floating_point())
+    delta = max(
+        float((a - b).abs().max())
+        for a, b in zip(after.state_dict().values(), before.state_dict().values())
+        if a.is_floating_point()
+    )
     assert 0 < delta < 0.05
     # a MoA checkpoint can't seed a run of another TLI
     with pytest.raises(SystemExit, match="TLI"):
-        cli_main(["train", "moa", "--tli", "1", "--data", str(src), "--out", str(tmp_path / "m"), "--init-from", "drafters/smollm2-moa-tli0", "--max-steps", "1", "--threads", "1"])
+        cli_main(
+            [
+                "train",
+                "moa",
+                "--tli",
+                "1",
+                "--data",
+                str(src),
+                "--out",
+                str(tmp_path / "m"),
+                "--init-from",
+                "drafters/smollm2-moa-tli0",
+                "--max-steps",
+                "1",
+                "--threads",
+                "1",
+            ]
+        )

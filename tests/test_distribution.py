@@ -15,13 +15,13 @@ from dataclasses import replace
 
 import pytest
 import torch
+from helpers import tiny_target
 from scipy.stats import chisquare
 
-from helpers import tiny_target
 from serving.engine import Engine
 from sglang_ext.attention import causal_mask, plan_attention
 from sglang_ext.drafters import DraftModelDrafter
-from sglang_ext.grammar import GrammarSpec, Grammars, apply_bitmask, tree_bitmask
+from sglang_ext.grammar import Grammars, GrammarSpec, apply_bitmask, tree_bitmask
 from sglang_ext.penalties import output_counts, penalize
 from sglang_ext.sampling import SamplingParams, logits_to_probs
 from sglang_ext.tree import TreeShape, chain_tree
@@ -37,7 +37,9 @@ def next_probs(model, seqs, params):
     kv = model.new_kv_pool(len(seqs) * len(seqs[0]) + 1)
     slots = [kv.alloc(len(s)) for s in seqs]
     plan = plan_attention(slots, [causal_mask(len(s), 0) for s in seqs])
-    out = model.forward(torch.tensor(sum(seqs, [])), torch.cat([torch.arange(len(s)) for s in seqs]), torch.cat(slots), plan, kv)
+    out = model.forward(
+        torch.tensor(sum(seqs, [])), torch.cat([torch.arange(len(s)) for s in seqs]), torch.cat(slots), plan, kv
+    )
     last = torch.tensor([len(seqs[0]) * (i + 1) - 1 for i in range(len(seqs))])
     logits = model.logits(out.hidden[last])
     if params.penalized:
@@ -91,7 +93,9 @@ class CommittedOutputGrammar(Engine):
     """Broken on purpose: every tree node is masked with the committed output's grammar state."""
 
     def _verify(self, r, tree, logits):
-        logits = apply_bitmask(logits, tree_bitmask(r.matcher, chain_tree(0, [], 0), logits.shape[-1]).expand(tree.num_nodes, -1))
+        logits = apply_bitmask(
+            logits, tree_bitmask(r.matcher, chain_tree(0, [], 0), logits.shape[-1]).expand(tree.num_nodes, -1)
+        )
         return sampling_verify(tree, lambda node: logits_to_probs(logits[node], r.params), r.generator)
 
     def _append(self, r, tokens):
@@ -152,7 +156,9 @@ PARAMS = {
     "T0.7": SamplingParams(temperature=0.7),
     "T1.0-top_p0.9": SamplingParams(temperature=1.0, top_p=0.9),
     # strong enough that a repeat within a drafted path changes the law visibly
-    "T1.0-penalties": SamplingParams(temperature=1.0, presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.5, logit_bias=((2, 1.0),)),
+    "T1.0-penalties": SamplingParams(
+        temperature=1.0, presence_penalty=1.5, frequency_penalty=1.0, repetition_penalty=1.5, logit_bias=((2, 1.0),)
+    ),
     # tokens alternate between 0-3 and 4-7: a drafted node's mask depends on its depth
     "T1.0-grammar": SamplingParams(temperature=1.0, grammar=GrammarSpec("regex", "([0-3][4-7])*")),
     # token 5 (likely as the 3rd token) stops, but not among the first 3 output tokens: every row that

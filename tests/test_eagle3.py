@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import compare_to_reference, tiny_config, tiny_state
 from safetensors.torch import load_file, save_file
 
-from helpers import compare_to_reference, tiny_config, tiny_state
 from serving.engine import Engine
 from sglang_ext.drafters.eagle3 import Eagle3Drafter
 from sglang_ext.models import LlamaModel, Target
@@ -58,16 +58,25 @@ def test_save_load_round_trip_is_exact(tmp_path):
     def logits(m):
         feat = m.fuse(x)
         q, k, v = m.qkv(emb, feat, pos)
-        attn = torch.nn.functional.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1), is_causal=True)
+        attn = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.repeat_interleave(2, 1).transpose(0, 1),
+            v.repeat_interleave(2, 1).transpose(0, 1),
+            is_causal=True,
+        )
         return m.logits(m.finish(attn.transpose(0, 1), feat))
 
     draft.save(tmp_path / "fp32", dtype=torch.float32)
     assert torch.equal(logits(load_eagle3(tmp_path / "fp32", target.cfg)), logits(draft))
     draft.save(tmp_path / "bf16")  # the shipped format
     as_bf16 = Eagle3Draft(draft.cfg)
-    as_bf16.load_state_dict({k: (v.bfloat16().float() if v.is_floating_point() else v) for k, v in draft.state_dict().items()})
+    as_bf16.load_state_dict(
+        {k: (v.bfloat16().float() if v.is_floating_point() else v) for k, v in draft.state_dict().items()}
+    )
     assert torch.equal(logits(load_eagle3(tmp_path / "bf16", target.cfg)), logits(as_bf16))
-    assert load_eagle3(tmp_path / "bf16", target.cfg, dtype=torch.bfloat16).inv_freq.dtype == torch.float32  # RoPE stays exact
+    assert (
+        load_eagle3(tmp_path / "bf16", target.cfg, dtype=torch.bfloat16).inv_freq.dtype == torch.float32
+    )  # RoPE stays exact
     cfg = json.loads((tmp_path / "bf16" / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == DRAFT_VOCAB
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(draft.cfg.aux_layers)
@@ -76,20 +85,40 @@ def test_save_load_round_trip_is_exact(tmp_path):
     assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.hidden_norm.weight"} <= names
 
 
-def _specforge_checkpoint(path: Path, draft: Eagle3Draft, layers_prefix: str, with_embed: bool, aux_in_config: bool) -> None:
+def _specforge_checkpoint(
+    path: Path, draft: Eagle3Draft, layers_prefix: str, with_embed: bool, aux_in_config: bool
+) -> None:
     """A checkpoint as SpecForge 0.2.0 writes it (HF LlamaConfig dump + draft state dict in bf16)."""
     c = draft.cfg
     cfg = {
-        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "bos_token_id": 1, "eos_token_id": 2,
-        "hidden_act": "silu", "hidden_size": c.hidden_size, "initializer_range": 0.02, "intermediate_size": c.intermediate_size,
-        "max_position_embeddings": 2048, "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
-        "num_hidden_layers": 1, "pad_token_id": 0, "rms_norm_eps": c.rms_norm_eps, "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16", "transformers_version": "4.53.2", "use_cache": True, "vocab_size": c.vocab_size,
-        "draft_vocab_size": c.draft_vocab_size, "rope_theta": c.rope_theta,
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "hidden_act": "silu",
+        "hidden_size": c.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": c.intermediate_size,
+        "max_position_embeddings": 2048,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "num_hidden_layers": 1,
+        "pad_token_id": 0,
+        "rms_norm_eps": c.rms_norm_eps,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.53.2",
+        "use_cache": True,
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": c.draft_vocab_size,
+        "rope_theta": c.rope_theta,
     }
     if aux_in_config:
         cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(c.aux_layers), "use_aux_hidden_state": True}
-    state = {k.replace("midlayer.", layers_prefix): v.bfloat16() if v.is_floating_point() else v for k, v in draft.state_dict().items()}
+    state = {
+        k.replace("midlayer.", layers_prefix): v.bfloat16() if v.is_floating_point() else v
+        for k, v in draft.state_dict().items()
+    }
     if with_embed:
         state["embed_tokens.weight"] = torch.zeros(c.vocab_size, c.hidden_size, dtype=torch.bfloat16)
     path.mkdir()
@@ -233,12 +262,18 @@ def _unroll_logits(task: Eagle3Task, batch: Batch, feats: torch.Tensor) -> list[
 
 
 # --- greedy identity through the engine --------------------------------------------------------
-@pytest.mark.parametrize("shape", [TreeShape.chain(4), TreeShape(4, 3, 10), TreeShape(4, 3, 10, min_prob=0.02)], ids=["chain4", "tree4x3x10", "tree4x3x10-min-prob"])
+@pytest.mark.parametrize(
+    "shape",
+    [TreeShape.chain(4), TreeShape(4, 3, 10), TreeShape(4, 3, 10, min_prob=0.02)],
+    ids=["chain4", "tree4x3x10", "tree4x3x10-min-prob"],
+)
 @pytest.mark.parametrize("bs", [1, 4])
 def test_greedy_identity_tiny(shape, bs):
     target, draft = tiny_pair(seed=2)
     g = torch.Generator().manual_seed(bs)
-    prompts = [torch.randint(0, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(3, 20, (4,), generator=g)]
+    prompts = [
+        torch.randint(0, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(3, 20, (4,), generator=g)
+    ]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     ref = [r.output_ids for r in Engine(target, None).generate(prompts, params)]
     drafter = Eagle3Drafter(target.model, draft)
@@ -273,7 +308,9 @@ def test_greedy_identity_smollm2(smollm2_fp32, eval_prompts, bs):
     for i in range(0, len(prompts), bs):
         reqs += eng.generate(prompts[i : i + bs], params)
     verdicts = [compare_to_reference(smollm2_fp32.model, p, r, q.output_ids) for p, r, q in zip(prompts, ref, reqs)]
-    print(f"eagle3 bs{bs}: {verdicts.count('same')} same, {verdicts.count('tie')} ties; tau {sum(q.stats.accept_length for q in reqs) / len(reqs):.2f}")
+    print(
+        f"eagle3 bs{bs}: {verdicts.count('same')} same, {verdicts.count('tie')} ties; tau {sum(q.stats.accept_length for q in reqs) / len(reqs):.2f}"
+    )
     assert "bug" not in verdicts, verdicts
 
 
@@ -285,7 +322,9 @@ def test_sampling_runs_and_drafts_stay_in_vocab(shape):
     eng = Engine(target, drafter, shape)
     falls = []
     eng.on_fallback = lambda r, reason: falls.append(reason)
-    reqs = eng.generate([[1, 2, 3, 4], [5, 6, 7]], SamplingParams(max_new_tokens=16, temperature=1.0, seed=0, ignore_eos=True))
+    reqs = eng.generate(
+        [[1, 2, 3, 4], [5, 6, 7]], SamplingParams(max_new_tokens=16, temperature=1.0, seed=0, ignore_eos=True)
+    )
     assert not falls and all(len(r.output_ids) == 16 for r in reqs)
     assert all(r.stats.draft_tokens > 0 for r in reqs)
 

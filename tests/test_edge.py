@@ -8,9 +8,9 @@ import time
 import httpx
 import pytest
 import torch
-
 from helpers import compare_to_reference, tiny_config, tiny_state
-from serving.edge.client import EdgeClient, EdgeServerError, collect
+
+from serving.edge.client import EdgeClient, collect
 from serving.edge.netem import PROFILES, LinkProxy
 from serving.edge.protocol import pack, unpack
 from serving.edge.service import EdgeLimits, EdgeService
@@ -61,7 +61,9 @@ def setup():
         "moa-tli1": MoADrafter(target.model, drafts["moa-tli1"]),
         "eagle3": Eagle3Drafter(target.model, drafts["eagle3"]),
     }
-    service = EdgeService(target, server_drafters, EdgeLimits(ttl_s=60, max_tree_nodes=32, max_session_tokens=512, kv_slots=8192))
+    service = EdgeService(
+        target, server_drafters, EdgeLimits(ttl_s=60, max_tree_nodes=32, max_session_tokens=512, kv_slots=8192)
+    )
     backend, telemetry = embedded_backend(Engine(target, None), "tiny", "none")
     with ServerThread(create_app(backend, telemetry, edge=service)) as srv:
         yield target, drafts, service, srv
@@ -79,7 +81,9 @@ def _prompts(n, seed):
 
 
 def _reference(target, prompts, n):
-    return [r.output_ids for r in Engine(target, None).generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True))]
+    return [
+        r.output_ids for r in Engine(target, None).generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True))
+    ]
 
 
 @pytest.mark.parametrize("name", ["moa-tli0", "moa-tli1", "eagle3"])
@@ -151,13 +155,43 @@ def test_bad_input_gets_clear_errors(setup):
     assert set(ctx) == {"ca_k", "ca_v"} and ctx["ca_k"].shape[0] == 3
     cases = [
         ("/v1/edge/sessions/nope/verify", {"seq_len": 3, "tokens": [root], "parents": [-1]}, 404, "session_not_found"),
-        (f"/v1/edge/sessions/{sid}/verify", {"seq_len": 3, "tokens": [root, 5], "parents": [-1, 1]}, 400, "invalid_value"),  # malformed tree
-        (f"/v1/edge/sessions/{sid}/verify", {"seq_len": 3, "tokens": [root] * 40, "parents": list(range(-1, 39))}, 400, "invalid_value"),  # too large
-        (f"/v1/edge/sessions/{sid}/verify", {"seq_len": 3, "tokens": [root, 999], "parents": [-1, 0]}, 400, "invalid_value"),  # out of vocab
-        (f"/v1/edge/sessions/{sid}/verify", {"seq_len": 3, "tokens": [(root + 1) % VOCAB], "parents": [-1]}, 409, "session_out_of_sync"),
-        (f"/v1/edge/sessions/{sid}/verify", {"seq_len": 7, "tokens": [root], "parents": [-1]}, 409, "session_out_of_sync"),
+        (
+            f"/v1/edge/sessions/{sid}/verify",
+            {"seq_len": 3, "tokens": [root, 5], "parents": [-1, 1]},
+            400,
+            "invalid_value",
+        ),  # malformed tree
+        (
+            f"/v1/edge/sessions/{sid}/verify",
+            {"seq_len": 3, "tokens": [root] * 40, "parents": list(range(-1, 39))},
+            400,
+            "invalid_value",
+        ),  # too large
+        (
+            f"/v1/edge/sessions/{sid}/verify",
+            {"seq_len": 3, "tokens": [root, 999], "parents": [-1, 0]},
+            400,
+            "invalid_value",
+        ),  # out of vocab
+        (
+            f"/v1/edge/sessions/{sid}/verify",
+            {"seq_len": 3, "tokens": [(root + 1) % VOCAB], "parents": [-1]},
+            409,
+            "session_out_of_sync",
+        ),
+        (
+            f"/v1/edge/sessions/{sid}/verify",
+            {"seq_len": 7, "tokens": [root], "parents": [-1]},
+            409,
+            "session_out_of_sync",
+        ),
         (f"/v1/edge/sessions/{sid}/verify", {"seq_len": 3, "tokens": "x", "parents": [-1]}, 400, "invalid_value"),
-        (f"/v1/edge/sessions/{sid}/verify", {"seq_len": 3, "tokens": [root], "parents": [-1], "mode": "yolo"}, 400, "invalid_value"),
+        (
+            f"/v1/edge/sessions/{sid}/verify",
+            {"seq_len": 3, "tokens": [root], "parents": [-1], "mode": "yolo"},
+            400,
+            "invalid_value",
+        ),
         ("/v1/edge/sessions", {"prompt_token_ids": [1], "drafter": "medusa"}, 400, "invalid_value"),
         ("/v1/edge/sessions", {"prompt_token_ids": [], "drafter": "moa-tli0"}, 400, "invalid_value"),
         ("/v1/edge/sessions", {"prompt_token_ids": [1], "drafter": "moa-tli0", "dtype": "fp8"}, 400, "invalid_value"),
@@ -192,7 +226,9 @@ def test_lost_response_is_redone_exactly_once(setup):
 
 def test_killed_client_frees_server_memory_after_ttl():
     target = _target(seed=2)
-    service = EdgeService(target, {"moa-tli0": MoADrafter(target.model, _moa(target, 0))}, EdgeLimits(ttl_s=0.2, kv_slots=1024))
+    service = EdgeService(
+        target, {"moa-tli0": MoADrafter(target.model, _moa(target, 0))}, EdgeLimits(ttl_s=0.2, kv_slots=1024)
+    )
     free = service.kv.num_free
     head, _ = service.create([1, 2, 3, 4], "moa-tli0")
     assert service.kv.num_free < free
@@ -222,7 +258,11 @@ def test_namespace_host_link_cut_and_restore():
     if reason:
         pytest.skip(reason)
     with NamespaceHost(7, rate_mbit=20) as host:
-        srv = host.popen([sys.executable, "-m", "http.server", "8000", "--bind", host.ns_ip], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        srv = host.popen(
+            [sys.executable, "-m", "http.server", "8000", "--bind", host.ns_ip],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             with LinkProxy(host.ns_ip, 8000, PROFILES["4g"]) as link:
                 deadline = time.monotonic() + 20

@@ -1,13 +1,13 @@
 """The engine on the real SmolLM2 target (fp32): model correctness, greedy identity, KV accounting, bad input."""
 
+import json
+import re
+from dataclasses import replace
+
 import pytest
 import torch
-
-import json
-from dataclasses import replace
-import re
-
 from helpers import compare_to_reference, reference_greedy, reference_logprobs, tiny_target
+
 from serving.engine import Engine
 from sglang_ext.attention import causal_mask, plan_attention
 from sglang_ext.drafters import make_drafter
@@ -26,7 +26,11 @@ def test_forward_matches_transformers(smollm2_fp32):
     m = smollm2_fp32.model
     kv = m.new_kv_pool(len(ids) + 1)
     s = kv.alloc(len(ids))
-    ours = m.logits(m.forward(torch.tensor(ids), torch.arange(len(ids)), s, plan_attention([s], [causal_mask(len(ids), 0)]), kv).hidden)
+    ours = m.logits(
+        m.forward(
+            torch.tensor(ids), torch.arange(len(ids)), s, plan_attention([s], [causal_mask(len(ids), 0)]), kv
+        ).hidden
+    )
     hf = AutoModelForCausalLM.from_pretrained(smollm2_fp32.path, dtype=torch.float32)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
@@ -47,7 +51,13 @@ def test_qwen2_style_bias_and_gqa_tiny_model_decode_equals_prefill():
     for i in range(12):
         new = kv2.alloc(1)
         slots = torch.cat([slots, new])
-        out = m.forward(ids[i : i + 1], torch.tensor([i]), new, plan_attention([slots], [torch.ones(1, i + 1, dtype=torch.bool)]), kv2)
+        out = m.forward(
+            ids[i : i + 1],
+            torch.tensor([i]),
+            new,
+            plan_attention([slots], [torch.ones(1, i + 1, dtype=torch.bool)]),
+            kv2,
+        )
         rows.append(m.logits(out.hidden))
     assert torch.allclose(torch.cat(rows), full, atol=1e-4)
 
@@ -74,7 +84,9 @@ def test_greedy_identity(smollm2_fp32, eval_prompts, vanilla_outputs, drafter, s
     eng = Engine(smollm2_fp32, make_drafter(drafter, smollm2_fp32), SHAPES[shape])
     outs = []
     for i in range(0, len(eval_prompts), bs):
-        outs += [r.output_ids for r in eng.generate(eval_prompts[i : i + bs], SamplingParams(max_new_tokens=NEW_TOKENS))]
+        outs += [
+            r.output_ids for r in eng.generate(eval_prompts[i : i + bs], SamplingParams(max_new_tokens=NEW_TOKENS))
+        ]
     _check_identity(smollm2_fp32, eval_prompts, vanilla_outputs, outs, f"{drafter}/{shape}/bs{bs}")
     assert eng.kv.num_free == eng.kv.num_slots - 1, "KV slots leaked"
 
@@ -101,10 +113,17 @@ def test_abort_frees_kv_and_drafter_state(smollm2_fp32, eval_prompts):
 class _ExplodingDrafter:
     name, capture_layers = "boom", ()
 
-    def add_request(self, rid, capture): pass
-    def propose(self, batch, shape): raise RuntimeError("injected drafter fault")
-    def commit(self, rid, capture): pass
-    def remove_request(self, rid): pass
+    def add_request(self, rid, capture):
+        pass
+
+    def propose(self, batch, shape):
+        raise RuntimeError("injected drafter fault")
+
+    def commit(self, rid, capture):
+        pass
+
+    def remove_request(self, rid):
+        pass
 
 
 def test_drafter_fault_falls_back_to_vanilla(smollm2_fp32, eval_prompts, vanilla_outputs):
@@ -114,7 +133,9 @@ def test_drafter_fault_falls_back_to_vanilla(smollm2_fp32, eval_prompts, vanilla
     assert r.output_ids == vanilla_outputs[0] and seen == ["RuntimeError"] and not r.drafting
 
 
-@pytest.mark.parametrize("mixed,chunk", [(True, 2048), (False, 2048), (True, 16)], ids=["mixed", "separate", "mixed-chunked"])
+@pytest.mark.parametrize(
+    "mixed,chunk", [(True, 2048), (False, 2048), (True, 16)], ids=["mixed", "separate", "mixed-chunked"]
+)
 def test_arrivals_prefilled_in_the_decode_forward(smollm2_fp32, eval_prompts, vanilla_outputs, mixed, chunk):
     """Requests that arrive while others decode are prefilled in the same forward as the others'
     trees (or, mixed_prefill=False, in a forward of their own first; or in chunks of 16 prompt tokens
@@ -183,7 +204,12 @@ def test_abort_during_a_chunked_prefill_frees_its_kv(smollm2_fp32, eval_prompts)
     assert eng.step() == [] and eng.step() == []  # two chunks of 8: no token yet
     assert r.prefilled == 16 and len(r.slots) == 16 and eng.kv.num_free == free0 - 16
     eng.abort(r)
-    assert eng.kv.num_free == free0 and eng.drafter.kv.num_free == dfree0 and not eng.has_work and r.finish_reason == "abort"
+    assert (
+        eng.kv.num_free == free0
+        and eng.drafter.kv.num_free == dfree0
+        and not eng.has_work
+        and r.finish_reason == "abort"
+    )
     with pytest.raises(ValueError, match="prefill_tokens"):
         Engine(smollm2_fp32, None, prefill_tokens=0)
 
@@ -244,14 +270,22 @@ def test_same_seed_same_text(smollm2_fp32, eval_prompts):
     assert a == b
 
 
-
-@pytest.mark.parametrize("drafter,temperature", [(None, 0.0), ("suffix", 0.0), ("ngram", 0.8)], ids=["vanilla", "suffix-greedy", "ngram-sampled"])
+@pytest.mark.parametrize(
+    "drafter,temperature",
+    [(None, 0.0), ("suffix", 0.0), ("ngram", 0.8)],
+    ids=["vanilla", "suffix-greedy", "ngram-sampled"],
+)
 def test_logprobs_are_the_targets_whatever_the_draft(smollm2_fp32, eval_prompts, drafter, temperature):
     """Each output token's logprob (and top alternatives) is the target's raw log-softmax at the row
     that produced it: drafted-and-accepted, bonus and first tokens alike (batch of 3, mixed lengths)."""
-    eng = Engine(smollm2_fp32, make_drafter(drafter, smollm2_fp32) if drafter else None, TreeShape.chain(4) if drafter else None)
+    eng = Engine(
+        smollm2_fp32, make_drafter(drafter, smollm2_fp32) if drafter else None, TreeShape.chain(4) if drafter else None
+    )
     prompts = eval_prompts[3:6]
-    sp = [SamplingParams(max_new_tokens=n, temperature=temperature, seed=7, logprobs=k) for n, k in ((16, 3), (9, 0), (16, None))]
+    sp = [
+        SamplingParams(max_new_tokens=n, temperature=temperature, seed=7, logprobs=k)
+        for n, k in ((16, 3), (9, 0), (16, None))
+    ]
     reqs = eng.generate(prompts, sp)
     assert reqs[2].output_logprobs == []  # not asked for: none kept
     if drafter == "suffix":
@@ -268,7 +302,9 @@ def test_logprobs_are_the_targets_whatever_the_draft(smollm2_fp32, eval_prompts,
                 assert [v for _, v in x.top] == pytest.approx(vals.tolist(), abs=1e-4)
                 assert x.top[0][0] == ids[0] or abs(x.top[0][1] - x.top[1][1]) < 1e-4  # same argmax, up to a tie
                 if temperature == 0:
-                    assert x.logprob == pytest.approx(x.top[0][1], abs=1e-4)  # greedy: the chosen token is the likeliest
+                    assert x.logprob == pytest.approx(
+                        x.top[0][1], abs=1e-4
+                    )  # greedy: the chosen token is the likeliest
     with pytest.raises(InvalidRequest, match="top_logprobs"):
         SamplingParams(logprobs=21)
 
@@ -307,7 +343,9 @@ def _assert_plain_decoding(reqs, refs):
     """Each request's tokens are its plain-decoding reference's, up to a divergence at a numerical tie."""
     for r, (ref, gaps) in zip(reqs, refs):
         n = next((i for i, (a, b) in enumerate(zip(ref, r.output_ids)) if a != b), None)
-        assert n is None or gaps[n] < 1e-3, f"request {r.rid}: differs from plain decoding at token {n} (gap {gaps[n]:.4f})"
+        assert n is None or gaps[n] < 1e-3, (
+            f"request {r.rid}: differs from plain decoding at token {n} (gap {gaps[n]:.4f})"
+        )
         assert n is not None or len(ref) == len(r.output_ids)
 
 
@@ -315,8 +353,16 @@ PENALTY_TOKENS = 24
 PENALTIES = [  # per request in one batch: penalised and not side by side
     SamplingParams(max_new_tokens=PENALTY_TOKENS, ignore_eos=True, frequency_penalty=1.0, presence_penalty=0.5),
     SamplingParams(max_new_tokens=PENALTY_TOKENS, ignore_eos=True),
-    SamplingParams(max_new_tokens=PENALTY_TOKENS, ignore_eos=True, repetition_penalty=1.3, logit_bias=((28, -100.0), (30, 3.0))),
-    SamplingParams(max_new_tokens=PENALTY_TOKENS, ignore_eos=True, presence_penalty=-0.5, frequency_penalty=2.0, repetition_penalty=1.5),
+    SamplingParams(
+        max_new_tokens=PENALTY_TOKENS, ignore_eos=True, repetition_penalty=1.3, logit_bias=((28, -100.0), (30, 3.0))
+    ),
+    SamplingParams(
+        max_new_tokens=PENALTY_TOKENS,
+        ignore_eos=True,
+        presence_penalty=-0.5,
+        frequency_penalty=2.0,
+        repetition_penalty=1.5,
+    ),
 ]
 
 
@@ -362,9 +408,18 @@ MIN_TOKENS = [  # (user message, params): short answers made longer, beside a re
 @pytest.fixture(scope="module")
 def min_tokens_reference(smollm2_fp32):
     eng = Engine(smollm2_fp32, None)
-    prompts = [smollm2_fp32.encode_chat([{"role": "system", "content": "Answer with one word."}, {"role": "user", "content": text}]) for text, _ in MIN_TOKENS]
+    prompts = [
+        smollm2_fp32.encode_chat(
+            [{"role": "system", "content": "Answer with one word."}, {"role": "user", "content": text}]
+        )
+        for text, _ in MIN_TOKENS
+    ]
     params = [sp for _, sp in MIN_TOKENS]
-    return prompts, params, [reference_greedy(smollm2_fp32.model, p, sp, 24, stop_ids=eng.eos_ids) for p, sp in zip(prompts, params)]
+    return (
+        prompts,
+        params,
+        [reference_greedy(smollm2_fp32.model, p, sp, 24, stop_ids=eng.eos_ids) for p, sp in zip(prompts, params)],
+    )
 
 
 @pytest.mark.parametrize("drafter,shape", [(None, None), ("suffix", "chain"), ("suffix", "tree"), ("ngram", "tree")])
@@ -397,10 +452,20 @@ def test_predicted_outputs_are_drafted_and_lossless(smollm2_fp32, drafter, shape
     """A predicted output (here: the answer to a close variant of the prompt, not in the prompt) is
     drafted from, which raises tau, and never changes the output, right or wrong (bs 4: one request
     with a wrong prediction, one without)."""
-    first = Engine(smollm2_fp32, None).generate([smollm2_fp32.encode_chat([{"role": "user", "content": PRIME + "."}])], SamplingParams(max_new_tokens=96))[0].output_ids
+    first = (
+        Engine(smollm2_fp32, None)
+        .generate(
+            [smollm2_fp32.encode_chat([{"role": "user", "content": PRIME + "."}])], SamplingParams(max_new_tokens=96)
+        )[0]
+        .output_ids
+    )
     prompt = smollm2_fp32.encode_chat([{"role": "user", "content": PRIME + " and type hints."}])
     other = smollm2_fp32.encode("The quick brown fox jumps over the lazy dog. " * 4)
-    params = [SamplingParams(max_new_tokens=96, prediction=tuple(first)), SamplingParams(max_new_tokens=96), SamplingParams(max_new_tokens=96, prediction=tuple(other))]
+    params = [
+        SamplingParams(max_new_tokens=96, prediction=tuple(first)),
+        SamplingParams(max_new_tokens=96),
+        SamplingParams(max_new_tokens=96, prediction=tuple(other)),
+    ]
     vanilla = Engine(smollm2_fp32, None).generate([prompt] * 3, params)
     eng, reqs = _generate_in_batches(smollm2_fp32, drafter, shape, [prompt] * 3, params, 4)
     for r, v in zip(reqs, vanilla):
@@ -416,10 +481,20 @@ def test_model_drafters_draft_from_predicted_outputs(smollm2_fp32, drafter):
     """A model drafter's requests with a prediction draft from it where their tail matches it (a chain
     of the step's budget), and from the model elsewhere; the model drafter catches up on the tokens it
     did not draft for (no fallback), and outputs stay those of plain decoding."""
-    first = Engine(smollm2_fp32, None).generate([smollm2_fp32.encode_chat([{"role": "user", "content": PRIME + "."}])], SamplingParams(max_new_tokens=96))[0].output_ids
+    first = (
+        Engine(smollm2_fp32, None)
+        .generate(
+            [smollm2_fp32.encode_chat([{"role": "user", "content": PRIME + "."}])], SamplingParams(max_new_tokens=96)
+        )[0]
+        .output_ids
+    )
     prompt = smollm2_fp32.encode_chat([{"role": "user", "content": PRIME + " and type hints."}])
     other = smollm2_fp32.encode("The quick brown fox jumps over the lazy dog. " * 4)
-    params = [SamplingParams(max_new_tokens=96, prediction=tuple(first)), SamplingParams(max_new_tokens=96), SamplingParams(max_new_tokens=96, prediction=tuple(other))]
+    params = [
+        SamplingParams(max_new_tokens=96, prediction=tuple(first)),
+        SamplingParams(max_new_tokens=96),
+        SamplingParams(max_new_tokens=96, prediction=tuple(other)),
+    ]
     vanilla = Engine(smollm2_fp32, None).generate([prompt] * 3, params)
     eng = Engine(smollm2_fp32, make_drafter(drafter, smollm2_fp32), SHAPES["tree"])
     fallbacks = []
@@ -437,16 +512,28 @@ def test_model_drafters_draft_from_predicted_outputs(smollm2_fp32, drafter):
     assert reqs[1].rid not in from_prediction and from_prediction.count(reqs[2].rid) <= 2
     assert 5 < from_prediction.count(reqs[0].rid) < reqs[0].stats.verify_steps
     assert reqs[0].stats.accept_length > reqs[1].stats.accept_length + 0.3, [r.stats.accept_length for r in reqs]
-    assert make_drafter("suffix", smollm2_fp32).reads_reference and Engine(smollm2_fp32, make_drafter("ngram", smollm2_fp32))._prediction is None
+    assert (
+        make_drafter("suffix", smollm2_fp32).reads_reference
+        and Engine(smollm2_fp32, make_drafter("ngram", smollm2_fp32))._prediction is None
+    )
 
 
-@pytest.mark.parametrize("drafter,shape", [("suffix", "chain"), ("suffix", "tree"), ("eagle3", "tree"), ("eagle3", "chain"), ("moa-tli1", "tree")])
+@pytest.mark.parametrize(
+    "drafter,shape",
+    [("suffix", "chain"), ("suffix", "tree"), ("eagle3", "tree"), ("eagle3", "chain"), ("moa-tli1", "tree")],
+)
 def test_seeded_sampling_reproduces_plain_decoding(smollm2_fp32, drafter, shape):
     """A seeded sampled request's text is plain seeded decoding's, token for token, whatever drafts it
     (lookup or model, trees or sampled chains) and whoever shares its batch (an unseeded request too)."""
-    prompts = [smollm2_fp32.encode_chat([{"role": "user", "content": q}]) for q in ("Write a haiku about rivers.", "List four fruits.", "Tell me a story.")]
-    params = [SamplingParams(max_new_tokens=40, temperature=0.9, top_p=0.95, seed=11), SamplingParams(max_new_tokens=40, temperature=1.0, top_k=50, seed=12),
-              SamplingParams(max_new_tokens=40, temperature=0.8)]
+    prompts = [
+        smollm2_fp32.encode_chat([{"role": "user", "content": q}])
+        for q in ("Write a haiku about rivers.", "List four fruits.", "Tell me a story.")
+    ]
+    params = [
+        SamplingParams(max_new_tokens=40, temperature=0.9, top_p=0.95, seed=11),
+        SamplingParams(max_new_tokens=40, temperature=1.0, top_k=50, seed=12),
+        SamplingParams(max_new_tokens=40, temperature=0.8),
+    ]
     plain = [Engine(smollm2_fp32, None).generate([p], [sp])[0].output_ids for p, sp in zip(prompts[:2], params[:2])]
     eng = Engine(smollm2_fp32, make_drafter(drafter, smollm2_fp32), SHAPES[shape])
     together = eng.generate(prompts, params)
@@ -457,7 +544,11 @@ def test_seeded_sampling_reproduces_plain_decoding(smollm2_fp32, drafter, shape)
 
 
 GRAMMAR_TOKENS = 40
-PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}, "required": ["name", "age"]}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+}
 COLORS = r"(red|green|blue)(, (red|green|blue)){2}\."
 STRUCTURED = [  # (user message, grammar): a schema, a JSON object, a regex, and a plain request beside them
     ("Describe a person named Ann in JSON.", GrammarSpec("json_schema", json.dumps(PERSON))),
@@ -472,7 +563,10 @@ def structured_reference(smollm2_fp32):
     eng = Engine(smollm2_fp32, None)  # (for its grammar compiler and stop ids)
     prompts = [smollm2_fp32.encode_chat([{"role": "user", "content": text}]) for text, _ in STRUCTURED]
     params = [SamplingParams(max_new_tokens=GRAMMAR_TOKENS, grammar=g) for _, g in STRUCTURED]
-    refs = [reference_greedy(smollm2_fp32.model, p, sp, GRAMMAR_TOKENS, eng.grammars, eng.eos_ids) for p, sp in zip(prompts, params)]
+    refs = [
+        reference_greedy(smollm2_fp32.model, p, sp, GRAMMAR_TOKENS, eng.grammars, eng.eos_ids)
+        for p, sp in zip(prompts, params)
+    ]
     return prompts, params, refs
 
 
@@ -485,7 +579,11 @@ def test_greedy_structured_output_equals_plain_decoding(smollm2_fp32, structured
     eng, reqs = _generate_in_batches(smollm2_fp32, drafter, shape, prompts, params, bs)
     _assert_plain_decoding(reqs, refs)
     person, cat, colors, plain = (smollm2_fp32.decode(r.output_ids) for r in reqs)
-    assert reqs[0].finish_reason == "stop" and set(json.loads(person)) >= {"name", "age"} and isinstance(json.loads(person)["age"], int)
+    assert (
+        reqs[0].finish_reason == "stop"
+        and set(json.loads(person)) >= {"name", "age"}
+        and isinstance(json.loads(person)["age"], int)
+    )
     assert reqs[2].finish_reason == "stop" and re.fullmatch(COLORS, colors)
     assert not re.fullmatch(COLORS, plain)  # unconstrained, the model answers otherwise
     if reqs[1].finish_reason == "stop":

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import tiny_target
 
 import serving.engine as engine_mod
-from helpers import tiny_target
 from serving.engine import Engine
 from sglang_ext.drafters import NgramDrafter
 from sglang_ext.sampling import SamplingParams
@@ -35,8 +35,14 @@ def prompts() -> list[list[int]]:
 
 def params(i: int) -> SamplingParams:
     # every request runs every stage under test: penalties, min_tokens, logprobs (prompt and output)
-    return SamplingParams(max_new_tokens=16, presence_penalty=0.5, min_tokens=4 + (i == FAULTY), logprobs=2, prompt_logprobs=1,
-                          ignore_eos=True)
+    return SamplingParams(
+        max_new_tokens=16,
+        presence_penalty=0.5,
+        min_tokens=4 + (i == FAULTY),
+        logprobs=2,
+        prompt_logprobs=1,
+        ignore_eos=True,
+    )
 
 
 def run(target, prefill_tokens: int = 8) -> tuple[list, Engine]:
@@ -68,6 +74,7 @@ def in_faulty_prompt(tokens: list[int]) -> bool:
     """Whether `tokens` (a chunk's prompt tokens, logprobs asked with k=1) run inside the faulty prompt."""
     n = len(tokens)
     return n > 2 and any(FAULTY_PROMPT[j : j + n] == tokens for j in range(1, len(FAULTY_PROMPT) - n + 1))
+
 
 INJECTIONS = {
     # stage: (engine function, does this call belong to the faulty request?)
@@ -123,19 +130,24 @@ def test_gateway_fails_the_faulty_request_alone_and_counts_it(monkeypatch):
 
     import httpx
     import openai
+    from helpers import tiny_config, tiny_state
 
     from serving.gateway.app import create_app
     from serving.gateway.server import ServerThread, embedded_backend
     from sglang_ext.models import LlamaModel, Target
     from sglang_ext.models.loader import load_tokenizer, resolve_target
 
-    from helpers import tiny_config, tiny_state
-
     cfg = tiny_config(vocab=49152, hidden=32, layers=2)
     tiny = Target(LlamaModel(cfg, tiny_state(cfg, seed=3)), load_tokenizer(resolve_target("smollm2")), None)
     engine = Engine(tiny, NgramDrafter(), TreeShape(3, 2, 6), kv_slots=4096)
     backend, telemetry = embedded_backend(engine, "tiny", "ngram")
-    kw = dict(model="tiny", max_tokens=12, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True}, presence_penalty=0.5)
+    kw = dict(
+        model="tiny",
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+        presence_penalty=0.5,
+    )
     topics = ["cats", "rain", "bread"]
     with ServerThread(create_app(backend, telemetry)) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -145,11 +157,17 @@ def test_gateway_fails_the_faulty_request_alone_and_counts_it(monkeypatch):
 
         alone = [ask(t) for t in topics]
         faulty_prompt = tiny.encode_chat([{"role": "user", "content": "poison"}])
-        monkeypatch.setattr(engine_mod, "penalize_tree", faulty_call("penalize_tree", lambda l, p, prompt_ids, *a: prompt_ids == faulty_prompt, 1))
+        monkeypatch.setattr(
+            engine_mod,
+            "penalize_tree",
+            faulty_call("penalize_tree", lambda l, p, prompt_ids, *a: prompt_ids == faulty_prompt, 1),
+        )
 
         def poisoned():
             with pytest.raises(openai.APIError, match=r"internal error \(penalty\)"):
-                for _ in client.chat.completions.create(messages=[{"role": "user", "content": "poison"}], stream=True, **kw):
+                for _ in client.chat.completions.create(
+                    messages=[{"role": "user", "content": "poison"}], stream=True, **kw
+                ):
                     pass
 
         with cf.ThreadPoolExecutor(4) as pool:

@@ -12,26 +12,26 @@ import os
 import re
 import shutil
 import subprocess
-import threading
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from helpers import compare_to_reference, reference_greedy, reference_logprobs
 from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from prometheus_client.parser import text_string_to_metric_families
 
-from helpers import compare_to_reference, reference_greedy, reference_logprobs
 from serving.cli import default_tree
 from serving.engine import Engine
 from serving.gateway.app import create_app
 from serving.gateway.server import ServerThread, embedded_backend
+from sglang_ext.drafters import make_drafter
 from sglang_ext.grammar import GrammarSpec
 from sglang_ext.sampling import SamplingParams
-from sglang_ext.drafters import make_drafter
 
 MODEL = "smollm2"
 DRAFTER = "ngram"
@@ -65,16 +65,28 @@ def sse_objects(resp: httpx.Response) -> list:
 
 
 def test_chat_shapes_usage_and_spec_stats(server, client):
-    raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=user("Name three colors."), max_tokens=12, temperature=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=user("Name three colors."), max_tokens=12, temperature=0
+    )
     body = raw.http_response.json()
     full = ChatCompletion.model_validate(body)
     assert full.choices[0].finish_reason in ("stop", "length") and full.choices[0].message.role == "assistant"
-    assert full.usage.completion_tokens <= 12 and full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    assert (
+        full.usage.completion_tokens <= 12
+        and full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    )
     assert SPEC_KEYS <= set(body["meta_info"]) and SPEC_KEYS <= set(body["choices"][0]["meta_info"])
     assert body["meta_info"]["spec_verify_ct"] >= 1
 
     with httpx.Client(base_url=server.url, timeout=300) as c:
-        req = {"model": MODEL, "messages": user("Name three colors."), "max_tokens": 12, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        req = {
+            "model": MODEL,
+            "messages": user("Name three colors."),
+            "max_tokens": 12,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         with c.stream("POST", CHAT, json=req) as r:
             assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
             objs = sse_objects(r)
@@ -85,26 +97,46 @@ def test_chat_shapes_usage_and_spec_stats(server, client):
     assert usage.choices == [] and usage.usage.model_dump() == full.usage.model_dump()
     assert SPEC_KEYS <= set(objs[-1]["meta_info"])
     assert "".join(ch.choices[0].delta.content or "" for ch in content) == full.choices[0].message.content
-    assert [ch.choices[0].finish_reason for ch in content if ch.choices[0].finish_reason] == [full.choices[0].finish_reason]
+    assert [ch.choices[0].finish_reason for ch in content if ch.choices[0].finish_reason] == [
+        full.choices[0].finish_reason
+    ]
 
     # the openai client's own streaming path; without include_usage there is no usage chunk
-    stream = client.chat.completions.create(model=MODEL, messages=user("Name three colors."), max_tokens=12, temperature=0, stream=True)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=user("Name three colors."), max_tokens=12, temperature=0, stream=True
+    )
     parts = list(stream)
     assert all(p.usage is None for p in parts) and all(p.choices for p in parts)
     assert "".join(p.choices[0].delta.content or "" for p in parts) == full.choices[0].message.content
 
 
 def test_completions_endpoint_shapes(server, client):
-    raw = client.completions.with_raw_response.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0
+    )
     full = Completion.model_validate(raw.http_response.json())
     assert full.object == "text_completion" and full.choices[0].text
     with httpx.Client(base_url=server.url, timeout=300) as c:
-        req = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+        req = {
+            "model": MODEL,
+            "prompt": "The capital of France is",
+            "max_tokens": 8,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         with c.stream("POST", "/v1/completions", json=req) as r:
             objs = sse_objects(r)
     # openai's Completion types finish_reason as non-null, so mid-stream chunks (finish_reason: null, as
     # OpenAI sends them) validate once it is filled in; the finish and usage chunks validate as they are
-    chunks = [Completion.model_validate(o if not o["choices"] or o["choices"][0]["finish_reason"] else {**o, "choices": [{**o["choices"][0], "finish_reason": "length"}]}) for o in objs]
+    chunks = [
+        Completion.model_validate(
+            o
+            if not o["choices"] or o["choices"][0]["finish_reason"]
+            else {**o, "choices": [{**o["choices"][0], "finish_reason": "length"}]}
+        )
+        for o in objs
+    ]
     assert all(set(o["choices"][0]) >= {"index", "text", "finish_reason", "logprobs"} for o in objs if o["choices"])
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == full.choices[0].text
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
@@ -112,13 +144,17 @@ def test_completions_endpoint_shapes(server, client):
 
 
 def test_n_and_seeds(server, client):
-    kw = dict(model=MODEL, messages=user("Write a short sentence about the sea."), max_tokens=10, temperature=1.0, top_p=0.95)
+    kw = dict(
+        model=MODEL, messages=user("Write a short sentence about the sea."), max_tokens=10, temperature=1.0, top_p=0.95
+    )
     both = client.chat.completions.create(n=2, seed=11, **kw)
     assert sorted(c.index for c in both.choices) == [0, 1]
     alone = [client.chat.completions.create(seed=11 + i, **kw).choices[0].message.content for i in range(2)]
     again = client.chat.completions.create(seed=11, **kw).choices[0].message.content
     assert again == alone[0], "same seed must give the same text"
-    assert [c.message.content for c in sorted(both.choices, key=lambda c: c.index)] == alone, "choice i of n uses seed + i"
+    assert [c.message.content for c in sorted(both.choices, key=lambda c: c.index)] == alone, (
+        "choice i of n uses seed + i"
+    )
     assert 2 <= both.usage.completion_tokens <= 20
 
     stream = client.chat.completions.create(n=2, seed=11, stream=True, stream_options={"include_usage": True}, **kw)
@@ -134,7 +170,12 @@ def test_n_and_seeds(server, client):
 
 
 def test_stop_strings(server, client):
-    kw = dict(model=MODEL, messages=user("Explain what a tree is in two sentences.", system="You are a teacher."), max_tokens=24, temperature=0)
+    kw = dict(
+        model=MODEL,
+        messages=user("Explain what a tree is in two sentences.", system="You are a teacher."),
+        max_tokens=24,
+        temperature=0,
+    )
     ref = client.chat.completions.create(**kw).choices[0].message.content
     k = len(ref) // 2
     stop = ref[k : k + 3]
@@ -158,12 +199,35 @@ def test_greedy_text_equals_cli_generate(server, client):
     script = Path(sys.executable).parent / "moa-serve"
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "serving.cli"]
     cli = subprocess.run(
-        [*cmd, "generate", "--chat", "--prompt", prompt, "--dtype", "float32", "--drafter", DRAFTER, "--max-new-tokens", "24", "--json"],
-        capture_output=True, text=True, env=env, timeout=300, cwd=Path(__file__).parent.parent,
+        [
+            *cmd,
+            "generate",
+            "--chat",
+            "--prompt",
+            prompt,
+            "--dtype",
+            "float32",
+            "--drafter",
+            DRAFTER,
+            "--max-new-tokens",
+            "24",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=Path(__file__).parent.parent,
     )
     assert cli.returncode == 0, cli.stderr
     ref = json.loads(cli.stdout.strip().splitlines()[-1])
-    api = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0, extra_body={"return_token_ids": True})
+    api = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=24,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
     assert api.choices[0].message.content == ref["text"]
     assert api.choices[0].token_ids == ref["token_ids"]
 
@@ -171,7 +235,9 @@ def test_greedy_text_equals_cli_generate(server, client):
 def test_logprobs_chat_stream_completions_and_stop(server, client, smollm2_fp32):
     """logprobs / top_logprobs are the target's (a plain forward over the output agrees), the same
     streamed and not, in the legacy completions shape too, and cut with the text at a stop string."""
-    kw = dict(model=MODEL, messages=user("List three fruits."), max_tokens=14, temperature=0, logprobs=True, top_logprobs=2)
+    kw = dict(
+        model=MODEL, messages=user("List three fruits."), max_tokens=14, temperature=0, logprobs=True, top_logprobs=2
+    )
     full = client.chat.completions.create(extra_body={"return_token_ids": True}, **kw)
     ChatCompletion.model_validate(full.model_dump())
     choice = full.choices[0]
@@ -185,7 +251,7 @@ def test_logprobs_chat_stream_completions_and_stop(server, client, smollm2_fp32)
         assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
         assert e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-4)  # greedy: the likeliest token
     text = b"".join(bytes(e.bytes) for e in entries).decode()
-    assert text.startswith(choice.message.content) and text[len(choice.message.content):] in ("", "<|im_end|>")
+    assert text.startswith(choice.message.content) and text[len(choice.message.content) :] in ("", "<|im_end|>")
 
     streamed = []
     for ch in client.chat.completions.create(stream=True, **kw):
@@ -193,20 +259,38 @@ def test_logprobs_chat_stream_completions_and_stop(server, client, smollm2_fp32)
         for c in ch.choices:
             streamed += c.logprobs.content if c.logprobs and c.logprobs.content else []
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
-    plain = client.chat.completions.create(model=MODEL, messages=user("List three fruits."), max_tokens=14, temperature=0)
+    plain = client.chat.completions.create(
+        model=MODEL, messages=user("List three fruits."), max_tokens=14, temperature=0
+    )
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == choice.message.content
 
-    comp = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=3)
+    comp = client.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=3
+    )
     lp = comp.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == comp.usage.completion_tokens
+    assert (
+        len(lp.tokens)
+        == len(lp.token_logprobs)
+        == len(lp.top_logprobs)
+        == len(lp.text_offset)
+        == comp.usage.completion_tokens
+    )
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
-    assert all(len(t) == 3 and max(t.values()) == pytest.approx(v, abs=1e-4) for t, v in zip(lp.top_logprobs, lp.token_logprobs))
+    assert all(
+        len(t) == 3 and max(t.values()) == pytest.approx(v, abs=1e-4)
+        for t, v in zip(lp.top_logprobs, lp.token_logprobs)
+    )
 
     stop = choice.message.content[6:9]
     cut = client.chat.completions.create(stop=stop, **kw).choices[0]
-    assert cut.finish_reason == "stop" and cut.message.content == choice.message.content[: choice.message.content.index(stop)]
+    assert (
+        cut.finish_reason == "stop"
+        and cut.message.content == choice.message.content[: choice.message.content.index(stop)]
+    )
     kept = "".join(e.token for e in cut.logprobs.content)
-    assert stop in kept and stop not in kept[: -len(cut.logprobs.content[-1].token)]  # through the token that completed the stop string
+    assert (
+        stop in kept and stop not in kept[: -len(cut.logprobs.content[-1].token)]
+    )  # through the token that completed the stop string
 
 
 def test_completions_echo_with_prompt_logprobs(server, client, smollm2_fp32):
@@ -214,22 +298,47 @@ def test_completions_echo_with_prompt_logprobs(server, client, smollm2_fp32):
     first, its tokens scored by the target given their prefix (the first one: null), then the output."""
     prompt = "The capital of France is Paris. The capital of Italy is"
     ids = smollm2_fp32.encode(prompt)
-    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, logprobs=1, echo=True, extra_body={"return_token_ids": True})
+    out = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=2,
+        temperature=0,
+        logprobs=1,
+        echo=True,
+        extra_body={"return_token_ids": True},
+    )
     c = out.choices[0]
     lp = c.logprobs
-    assert c.text.startswith(prompt) and c.text[len(prompt):] == client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0).choices[0].text
+    assert (
+        c.text.startswith(prompt)
+        and c.text[len(prompt) :]
+        == client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0).choices[0].text
+    )
     assert len(lp.tokens) == len(ids) + 2 and out.usage.prompt_tokens == len(ids) and out.usage.completion_tokens == 2
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and "".join(lp.tokens[: len(ids)]) == prompt
     ref = reference_logprobs(smollm2_fp32.model, ids[:1], ids[1:] + c.token_ids)
     for i, (tok_id, got) in enumerate(zip(ids[1:] + c.token_ids, lp.token_logprobs[1:])):
         assert abs(got - float(ref[i, tok_id])) < 1e-4
     assert lp.text_offset[len(ids)] == len(prompt)
-    streamed = "".join(ch.choices[0].text for ch in client.completions.create(model=MODEL, prompt=ids, max_tokens=2, temperature=0, echo=True, stream=True) if ch.choices)
-    assert streamed == smollm2_fp32.tokenizer.decode(ids) + c.text[len(prompt):]
+    streamed = "".join(
+        ch.choices[0].text
+        for ch in client.completions.create(
+            model=MODEL, prompt=ids, max_tokens=2, temperature=0, echo=True, stream=True
+        )
+        if ch.choices
+    )
+    assert streamed == smollm2_fp32.tokenizer.decode(ids) + c.text[len(prompt) :]
     # max_tokens 0: the prompt scored, nothing generated
     only = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, logprobs=0, echo=True)
-    assert only.choices[0].text == prompt and only.usage.completion_tokens == 0 and only.choices[0].finish_reason == "length"
-    assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[: len(ids)] and only.choices[0].logprobs.tokens == lp.tokens[: len(ids)]
+    assert (
+        only.choices[0].text == prompt
+        and only.usage.completion_tokens == 0
+        and only.choices[0].finish_reason == "length"
+    )
+    assert (
+        only.choices[0].logprobs.token_logprobs == lp.token_logprobs[: len(ids)]
+        and only.choices[0].logprobs.tokens == lp.tokens[: len(ids)]
+    )
     deadline = time.monotonic() + 60  # a condition, not a speed: the abort is applied on the engine thread
     while server.engine.kv.num_free != server.engine.kv.num_slots - 1 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -248,43 +357,88 @@ def test_penalties_and_logit_bias(server, client, smollm2_fp32):
     ref, gaps = reference_greedy(smollm2_fp32.model, smollm2_fp32.encode_chat(messages), sp, len(got))
     n = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
     assert n is None or gaps[n] < 1e-3, f"differs from plain penalised decoding at token {n}"
-    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0, extra_body={"return_token_ids": True})
+    plain = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=24, temperature=0, extra_body={"return_token_ids": True}
+    )
     assert plain.choices[0].token_ids != got  # the penalties did something
     stream = client.chat.completions.create(**kw, stream=True, extra_body={"repetition_penalty": 1.2})
     assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == api.choices[0].message.content
     first = plain.choices[0].token_ids[0]
-    banned = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0, logit_bias={str(first): -100}, extra_body={"return_token_ids": True})
+    banned = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=3,
+        temperature=0,
+        logit_bias={str(first): -100},
+        extra_body={"return_token_ids": True},
+    )
     assert first not in banned.choices[0].token_ids
     (sea,) = smollm2_fp32.encode(" sea")
-    forced = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=3, temperature=0, logit_bias={str(sea): 100})
+    forced = client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=3, temperature=0, logit_bias={str(sea): 100}
+    )
     assert forced.choices[0].text == " sea" * 3
 
 
 def test_structured_output(server, client, smollm2_fp32):
     """response_format json_schema / json_object and the regex extension: the output matches, and is
     plain constrained greedy decoding's (the drafter's accepted tokens included), streamed and not."""
-    schema = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}}, "required": ["city", "population"]}
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+        "required": ["city", "population"],
+    }
     messages = user("Tell me about Paris as JSON.")
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}}
-    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0, response_format=fmt, extra_body={"return_token_ids": True})
+    out = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=60,
+        temperature=0,
+        response_format=fmt,
+        extra_body={"return_token_ids": True},
+    )
     c = out.choices[0]
     data = json.loads(c.message.content)
     assert c.finish_reason == "stop" and set(data) == {"city", "population"} and isinstance(data["population"], int)
     sp = SamplingParams(grammar=GrammarSpec("json_schema", json.dumps(schema)))
-    ref, gaps = reference_greedy(smollm2_fp32.model, smollm2_fp32.encode_chat(messages), sp, 60, server.engine.grammars, server.engine.eos_ids)
+    ref, gaps = reference_greedy(
+        smollm2_fp32.model, smollm2_fp32.encode_chat(messages), sp, 60, server.engine.grammars, server.engine.eos_ids
+    )
     n = next((i for i, (a, b) in enumerate(zip(ref, c.token_ids)) if a != b), None)
     assert n is None or gaps[n] < 1e-3, f"differs from plain constrained decoding at token {n}"
-    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=60, temperature=0, response_format=fmt, stream=True)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=60, temperature=0, response_format=fmt, stream=True
+    )
     assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == c.message.content
-    obj = client.chat.completions.create(model=MODEL, messages=user("Describe a dog."), max_tokens=80, temperature=0, response_format={"type": "json_object"})
+    obj = client.chat.completions.create(
+        model=MODEL,
+        messages=user("Describe a dog."),
+        max_tokens=80,
+        temperature=0,
+        response_format={"type": "json_object"},
+    )
     if obj.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(obj.choices[0].message.content), dict)  # an object, as in OpenAI's JSON mode
     else:
         assert obj.choices[0].message.content.lstrip().startswith("{")
-    date = client.completions.create(model=MODEL, prompt="The date today is", max_tokens=20, temperature=0, extra_body={"regex": r" [0-9]{4}-[0-9]{2}-[0-9]{2}"})
-    assert re.fullmatch(r" [0-9]{4}-[0-9]{2}-[0-9]{2}", date.choices[0].text) and date.choices[0].finish_reason == "stop"
+    date = client.completions.create(
+        model=MODEL,
+        prompt="The date today is",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"regex": r" [0-9]{4}-[0-9]{2}-[0-9]{2}"},
+    )
+    assert (
+        re.fullmatch(r" [0-9]{4}-[0-9]{2}-[0-9]{2}", date.choices[0].text) and date.choices[0].finish_reason == "stop"
+    )
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}})
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=5,
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}},
+        )
     assert e.value.body["param"] == "response_format" and "nope" in e.value.body["message"]
 
 
@@ -294,33 +448,69 @@ def test_min_tokens(client, server, smollm2_fp32):
     messages = user("Name one colour.", system="Answer with one word.")
     short = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
     assert short.usage.completion_tokens < 14 and short.choices[0].finish_reason == "stop"
-    kw = dict(model=MODEL, messages=messages, max_tokens=24, temperature=0, extra_body={"min_tokens": 14, "return_token_ids": True})
+    kw = dict(
+        model=MODEL,
+        messages=messages,
+        max_tokens=24,
+        temperature=0,
+        extra_body={"min_tokens": 14, "return_token_ids": True},
+    )
     long = client.chat.completions.create(**kw)
     assert long.usage.completion_tokens >= 14
-    ref, gaps = reference_greedy(smollm2_fp32.model, smollm2_fp32.encode_chat(messages), SamplingParams(max_new_tokens=24, min_tokens=14), 24, stop_ids=server.engine.eos_ids)
+    ref, gaps = reference_greedy(
+        smollm2_fp32.model,
+        smollm2_fp32.encode_chat(messages),
+        SamplingParams(max_new_tokens=24, min_tokens=14),
+        24,
+        stop_ids=server.engine.eos_ids,
+    )
     n = next((i for i, (a, b) in enumerate(zip(ref, long.choices[0].token_ids)) if a != b), None)
     assert n is None or gaps[n] < 1e-3, f"differs from plain decoding at token {n}"
-    assert "".join(ch.choices[0].delta.content or "" for ch in client.chat.completions.create(stream=True, **kw) if ch.choices) == long.choices[0].message.content
+    assert (
+        "".join(
+            ch.choices[0].delta.content or "" for ch in client.chat.completions.create(stream=True, **kw) if ch.choices
+        )
+        == long.choices[0].message.content
+    )
 
 
 def test_predicted_outputs(client, server):
     """OpenAI's `prediction`: drafts come from it (tau rises), the text does not change, and usage
     reports accepted / rejected prediction tokens."""
     ask = "Write a Python function that checks whether a number is prime, with a docstring"
-    first = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": ask + "."}], max_tokens=80, temperature=0).choices[0].message.content
-    kw = dict(model=MODEL, messages=[{"role": "user", "content": ask + " and type hints."}], max_tokens=80, temperature=0)
+    first = (
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": ask + "."}], max_tokens=80, temperature=0
+        )
+        .choices[0]
+        .message.content
+    )
+    kw = dict(
+        model=MODEL, messages=[{"role": "user", "content": ask + " and type hints."}], max_tokens=80, temperature=0
+    )
     plain = client.chat.completions.with_raw_response.create(**kw).http_response.json()
-    predicted = client.chat.completions.with_raw_response.create(prediction={"type": "content", "content": first}, **kw).http_response.json()
+    predicted = client.chat.completions.with_raw_response.create(
+        prediction={"type": "content", "content": first}, **kw
+    ).http_response.json()
     assert predicted["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
     assert predicted["meta_info"]["spec_accept_length"] > plain["meta_info"]["spec_accept_length"] + 0.2
     details = ChatCompletion.model_validate(predicted).usage.completion_tokens_details
     assert details.accepted_prediction_tokens > 10 and details.rejected_prediction_tokens >= 0
     assert "completion_tokens_details" not in plain["usage"]
-    accepted = server.telemetry.metrics.prediction_tokens.labels(**server.telemetry._lab, result="accepted")._value.get()
+    accepted = server.telemetry.metrics.prediction_tokens.labels(
+        **server.telemetry._lab, result="accepted"
+    )._value.get()
     assert accepted >= details.accepted_prediction_tokens  # the counter moved (with this request's at least)
     parts = [{"type": "text", "text": first[:20]}, {"type": "text", "text": first[20:]}]
-    chunks = list(client.chat.completions.create(prediction={"type": "content", "content": parts}, stream=True, stream_options={"include_usage": True}, **kw))
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain["choices"][0]["message"]["content"]
+    chunks = list(
+        client.chat.completions.create(
+            prediction={"type": "content", "content": parts}, stream=True, stream_options={"include_usage": True}, **kw
+        )
+    )
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        == plain["choices"][0]["message"]["content"]
+    )
     assert chunks[-1].usage.completion_tokens_details.accepted_prediction_tokens == details.accepted_prediction_tokens
 
 
@@ -329,39 +519,80 @@ def test_tokenize_and_detokenize(server, client, smollm2_fp32):
     counts it); /detokenize inverts it."""
     with httpx.Client(base_url=server.url, timeout=60) as c:
         one = c.post("/tokenize", json={"model": MODEL, "prompt": "Hello world"}).json()
-        assert one == {"tokens": smollm2_fp32.encode("Hello world"), "count": len(smollm2_fp32.encode("Hello world")), "max_model_len": server.backend.max_context}
+        assert one == {
+            "tokens": smollm2_fp32.encode("Hello world"),
+            "count": len(smollm2_fp32.encode("Hello world")),
+            "max_model_len": server.backend.max_context,
+        }
         many = c.post("/v1/tokenize", json={"prompt": ["a b", "c"]}).json()
-        assert many["tokens"] == [smollm2_fp32.encode("a b"), smollm2_fp32.encode("c")] and many["count"] == [len(x) for x in many["tokens"]]
+        assert many["tokens"] == [smollm2_fp32.encode("a b"), smollm2_fp32.encode("c")] and many["count"] == [
+            len(x) for x in many["tokens"]
+        ]
         messages = user("What is the weather in Paris?")
         chat = c.post("/tokenize", json={"messages": messages, "tools": WEATHER_TOOLS}).json()
-        used = client.chat.completions.create(model=MODEL, messages=messages, tools=WEATHER_TOOLS, max_tokens=1, temperature=0).usage.prompt_tokens
+        used = client.chat.completions.create(
+            model=MODEL, messages=messages, tools=WEATHER_TOOLS, max_tokens=1, temperature=0
+        ).usage.prompt_tokens
         assert chat["count"] == used and chat["tokens"][0] == smollm2_fp32.encode("<|im_start|>")[0]
         assert c.post("/detokenize", json={"tokens": one["tokens"]}).json() == {"text": "Hello world"}
         assert c.post("/v1/detokenize", json={"tokens": many["tokens"]}).json() == {"text": ["a b", "c"]}
         back = c.post("/detokenize", json={"tokens": chat["tokens"]}).json()["text"]
-        assert back.startswith("<|im_start|>system\n") and "get_weather" in back and back.endswith("<|im_start|>assistant\n")
+        assert (
+            back.startswith("<|im_start|>system\n")
+            and "get_weather" in back
+            and back.endswith("<|im_start|>assistant\n")
+        )
 
 
 def test_continue_final_message(server, client, smollm2_fp32):
     """continue_final_message: the reply continues the last assistant message (a prefilled answer), i.e.
     it is the completion of the template rendered up to inside that message."""
     messages = user("Name three colors.") + [{"role": "assistant", "content": "1. Red\n2."}]
-    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0, extra_body={"continue_final_message": True})
+    out = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, extra_body={"continue_final_message": True}
+    )
     text = smollm2_fp32.chat_prompt(messages, continue_final=True)
     assert text.endswith("<|im_start|>assistant\n1. Red\n2.")
     same = client.completions.create(model=MODEL, prompt=text, max_tokens=12, temperature=0)
-    assert out.choices[0].message.content == same.choices[0].text and out.usage.prompt_tokens == len(smollm2_fp32.encode(text))
+    assert out.choices[0].message.content == same.choices[0].text and out.usage.prompt_tokens == len(
+        smollm2_fp32.encode(text)
+    )
     with httpx.Client(base_url=server.url, timeout=60) as c:
-        assert c.post("/tokenize", json={"messages": messages, "continue_final_message": True}).json()["count"] == out.usage.prompt_tokens
+        assert (
+            c.post("/tokenize", json={"messages": messages, "continue_final_message": True}).json()["count"]
+            == out.usage.prompt_tokens
+        )
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=user("hi"), max_tokens=2, extra_body={"continue_final_message": True})
+        client.chat.completions.create(
+            model=MODEL, messages=user("hi"), max_tokens=2, extra_body={"continue_final_message": True}
+        )
     assert e.value.body["param"] == "messages"
 
 
 WEATHER_TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["city"]}}},
-    {"type": "function", "function": {"name": "get_time", "description": "Local time in a city", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Local time in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    },
 ]
 
 
@@ -386,8 +617,13 @@ def test_tool_calls(server, client, smollm2_fp32):
     calls_before, seen = calls_counter._value.get(), 0
     messages = user("What is the weather in Paris?")
     kw = dict(model=MODEL, messages=messages, tools=WEATHER_TOOLS, max_tokens=60, temperature=0)
-    for choice, allowed, parallel in (("required", {"get_weather", "get_time"}, False), ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}, True)):
-        out = client.chat.completions.create(tool_choice=choice, parallel_tool_calls=parallel, extra_body={"return_token_ids": True}, **kw)
+    for choice, allowed, parallel in (
+        ("required", {"get_weather", "get_time"}, False),
+        ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}, True),
+    ):
+        out = client.chat.completions.create(
+            tool_choice=choice, parallel_tool_calls=parallel, extra_body={"return_token_ids": True}, **kw
+        )
         c = out.choices[0]
         assert parallel or c.finish_reason == "tool_calls"  # one call, then the grammar ends the reply
         if c.finish_reason == "length":  # calls until cut off: nothing lost, the text comes back as content
@@ -402,39 +638,117 @@ def test_tool_calls(server, client, smollm2_fp32):
         tools = parse_tools(WEATHER_TOOLS, choice, None)
         chosen = [f for f in tools.functions if f.name in allowed]
         sp = SamplingParams(grammar=GrammarSpec("ebnf", call_grammar(chosen, parallel)))
-        ref, gaps = reference_greedy(smollm2_fp32.model, smollm2_fp32.encode_chat(render_messages(messages, tools)), sp, 60, server.engine.grammars, server.engine.eos_ids)
+        ref, gaps = reference_greedy(
+            smollm2_fp32.model,
+            smollm2_fp32.encode_chat(render_messages(messages, tools)),
+            sp,
+            60,
+            server.engine.grammars,
+            server.engine.eos_ids,
+        )
         n = next((i for i, (a, b) in enumerate(zip(ref, c.token_ids)) if a != b), None)
         assert n is None or gaps[n] < 1e-3, f"differs from plain constrained decoding at token {n}"
         if c.finish_reason == "tool_calls":
             assert len(c.token_ids) == len(ref)
-        content, calls, finish = streamed_reply(client.chat.completions.create(tool_choice=choice, parallel_tool_calls=parallel, stream=True, **kw))
-        assert (content or None, calls, finish) == (c.message.content, [(t.function.name, t.function.arguments) for t in c.message.tool_calls or ()], c.finish_reason)
+        content, calls, finish = streamed_reply(
+            client.chat.completions.create(tool_choice=choice, parallel_tool_calls=parallel, stream=True, **kw)
+        )
+        assert (content or None, calls, finish) == (
+            c.message.content,
+            [(t.function.name, t.function.arguments) for t in c.message.tool_calls or ()],
+            c.finish_reason,
+        )
         seen += 2 * len(calls)
     # "auto": calls the model writes are parsed, with the content before them
     forced = 'Checking\\.\n<tool_call>\n\\{"name": "get_time", "arguments": \\{"city": "Oslo"\\}\\}\n</tool_call>'
     out = client.chat.completions.create(extra_body={"regex": forced}, **kw).choices[0]
     assert (out.message.content, out.finish_reason) == ("Checking.\n", "tool_calls")
-    assert [(t.function.name, json.loads(t.function.arguments)) for t in out.message.tool_calls] == [("get_time", {"city": "Oslo"})]
-    assert streamed_reply(client.chat.completions.create(extra_body={"regex": forced}, stream=True, **kw))[0::2] == ("Checking.\n", "tool_calls")
-    assert calls_counter._value.get() - calls_before == seen + 2  # every call returned, streamed or not (+ the forced pair)
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in out.message.tool_calls] == [
+        ("get_time", {"city": "Oslo"})
+    ]
+    assert streamed_reply(client.chat.completions.create(extra_body={"regex": forced}, stream=True, **kw))[0::2] == (
+        "Checking.\n",
+        "tool_calls",
+    )
+    assert (
+        calls_counter._value.get() - calls_before == seen + 2
+    )  # every call returned, streamed or not (+ the forced pair)
     # a conversation with a call and its result: the model sees the rendered history
     history = messages + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 18, "sky": "cloudy"}'},
     ]
-    answer = client.chat.completions.create(model=MODEL, messages=history, tools=WEATHER_TOOLS, max_tokens=30, temperature=0)
-    rendered = render_messages([messages[0], messages[1], {"role": "assistant", "content": "", "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]},
-                                {"role": "tool", "content": history[-1]["content"]}], parse_tools(WEATHER_TOOLS, None, None))
+    answer = client.chat.completions.create(
+        model=MODEL, messages=history, tools=WEATHER_TOOLS, max_tokens=30, temperature=0
+    )
+    rendered = render_messages(
+        [
+            messages[0],
+            messages[1],
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}],
+            },
+            {"role": "tool", "content": history[-1]["content"]},
+        ],
+        parse_tools(WEATHER_TOOLS, None, None),
+    )
     assert answer.usage.prompt_tokens == len(smollm2_fp32.encode_chat(rendered))
     assert isinstance(answer.choices[0].message.content, str) or answer.choices[0].message.tool_calls
     # tool_choice "none": plain text, the same as without tools
     plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
     none = client.chat.completions.create(tool_choice="none", **{**kw, "max_tokens": 20})
-    assert none.choices[0].message.content == plain.choices[0].message.content and none.choices[0].message.tool_calls is None
+    assert (
+        none.choices[0].message.content == plain.choices[0].message.content
+        and none.choices[0].message.tool_calls is None
+    )
 
 
-TOPICS = ["cats", "rain", "the moon", "bread", "music", "rivers", "chess", "winter", "bees", "glass", "trains", "salt", "clouds", "paper", "islands", "owls",
-          "copper", "tea", "deserts", "maps", "violins", "snow", "bridges", "apples", "stars", "wool", "volcanoes", "clocks", "rice", "whales", "kites", "ink"]
+TOPICS = [
+    "cats",
+    "rain",
+    "the moon",
+    "bread",
+    "music",
+    "rivers",
+    "chess",
+    "winter",
+    "bees",
+    "glass",
+    "trains",
+    "salt",
+    "clouds",
+    "paper",
+    "islands",
+    "owls",
+    "copper",
+    "tea",
+    "deserts",
+    "maps",
+    "violins",
+    "snow",
+    "bridges",
+    "apples",
+    "stars",
+    "wool",
+    "volcanoes",
+    "clocks",
+    "rice",
+    "whales",
+    "kites",
+    "ink",
+]
 
 
 def test_32_concurrent_streams_equal_each_alone(server, client, smollm2_fp32):
@@ -473,7 +787,13 @@ def test_50_dropped_streams_free_their_kv(server):
     aborted0 = server.telemetry._requests["aborted"]._value.get()
 
     async def open_and_drop(c, i):
-        req = {"model": MODEL, "messages": user(f"Tell a long story about {TOPICS[i % 32]}."), "max_tokens": 64, "temperature": 0, "stream": True}
+        req = {
+            "model": MODEL,
+            "messages": user(f"Tell a long story about {TOPICS[i % 32]}."),
+            "max_tokens": 64,
+            "temperature": 0,
+            "stream": True,
+        }
         async with c.stream("POST", CHAT, json=req) as r:
             assert r.status_code == 200
             async for line in r.aiter_lines():
@@ -499,7 +819,13 @@ def test_kv_cache_gauges_follow_a_request(server, monkeypatch):
     _, idle = _scrape(server.url)
     assert idle["moa_kv_cache_capacity_tokens"] == engine.kv.num_slots - 1
     assert (idle["moa_kv_cache_used_tokens"], idle["moa_kv_cache_reserved_tokens"]) == (0, 0)
-    req = {"model": MODEL, "messages": user("Tell a long story about a lighthouse."), "max_tokens": 200, "temperature": 0, "stream": True}
+    req = {
+        "model": MODEL,
+        "messages": user("Tell a long story about a lighthouse."),
+        "max_tokens": 200,
+        "temperature": 0,
+        "stream": True,
+    }
     prompt = httpx.post(server.url + "/tokenize", json={"model": MODEL, "messages": req["messages"]}).json()["count"]
     # NOTE: the engine thread is held after the first step whose KV holds the prompt and some output,
     # so the scrape sees the request mid-flight however fast the machine is (without the hold a fast
@@ -538,18 +864,34 @@ def _scrape(url: str) -> tuple[str, dict]:
     values = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("drafter", "backend")) + "}" if len(s.labels) > 2 else "")
+            key = s.name + (
+                "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("drafter", "backend")) + "}"
+                if len(s.labels) > 2
+                else ""
+            )
             values[key] = values.get(key, 0) + s.value
     return text, values
 
 
 def test_metrics_promtool_and_counters_move(server, client, tmp_path):
     _, before = _scrape(server.url)
-    client.chat.completions.create(model=MODEL, messages=user("Repeat: one two three one two three one two three"), max_tokens=16, temperature=0)
+    client.chat.completions.create(
+        model=MODEL, messages=user("Repeat: one two three one two three one two three"), max_tokens=16, temperature=0
+    )
     text, after = _scrape(server.url)
-    for name in ("moa_verify_steps_total", "moa_draft_tokens_total", "moa_generated_tokens_total", "moa_prompt_tokens_total", "moa_requests_total{status=ok}",
-                 "moa_time_to_first_token_seconds_count", "moa_inter_token_latency_seconds_count", "moa_request_latency_seconds_count",
-                 "moa_batch_size_count", "moa_accept_length_count", "moa_draft_tokens_per_step_count"):
+    for name in (
+        "moa_verify_steps_total",
+        "moa_draft_tokens_total",
+        "moa_generated_tokens_total",
+        "moa_prompt_tokens_total",
+        "moa_requests_total{status=ok}",
+        "moa_time_to_first_token_seconds_count",
+        "moa_inter_token_latency_seconds_count",
+        "moa_request_latency_seconds_count",
+        "moa_batch_size_count",
+        "moa_accept_length_count",
+        "moa_draft_tokens_per_step_count",
+    ):
         assert after[name] > before.get(name, 0), name
     assert after["moa_accepted_tokens_total"] >= before["moa_accepted_tokens_total"]
     assert any(v > 0 for k, v in after.items() if k.startswith("moa_throughput_tokens_per_second"))

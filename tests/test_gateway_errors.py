@@ -13,8 +13,8 @@ import time
 import httpx
 import openai
 import pytest
-
 from helpers import compare_to_reference, tiny_config, tiny_state
+
 from serving.engine import Engine
 from serving.gateway.app import GatewayConfig, create_app
 from serving.gateway.auth import APIKeys
@@ -37,10 +37,22 @@ def tiny():
     return Target(LlamaModel(cfg, tiny_state(cfg, seed=3)), load_tokenizer(resolve_target("smollm2")), None)
 
 
-def serve(target, drafter=None, *, drafter_name="ngram", max_running=64, max_queue=256, limits=Limits(), keys=None, kv_slots=4096):
+def serve(
+    target,
+    drafter=None,
+    *,
+    drafter_name="ngram",
+    max_running=64,
+    max_queue=256,
+    limits=Limits(),
+    keys=None,
+    kv_slots=4096,
+):
     """(ServerThread context, engine, telemetry) for an embedded backend on `target`."""
     engine = Engine(target, drafter if drafter is not None else NgramDrafter(), TREE, kv_slots=kv_slots)
-    backend, telemetry = embedded_backend(engine, MODEL, drafter_name, max_running=max_running, max_queue=max_queue, max_tokens=limits.max_tokens)
+    backend, telemetry = embedded_backend(
+        engine, MODEL, drafter_name, max_running=max_running, max_queue=max_queue, max_tokens=limits.max_tokens
+    )
     app = create_app(backend, telemetry, GatewayConfig(limits=limits, api_keys=keys))
     return ServerThread(app), engine, telemetry
 
@@ -80,20 +92,92 @@ BAD_REQUESTS = [
     ("array body", "POST", CHAT, "[1, 2]", 400, None, "invalid_json"),
     ("missing messages", "POST", CHAT, {"model": MODEL}, 400, "messages", "missing_required_parameter"),
     ("empty messages", "POST", CHAT, {**msg(), "messages": []}, 400, "messages", None),
-    ("bad role", "POST", CHAT, {**msg(), "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", None),
-    ("content not text", "POST", CHAT, {**msg(), "messages": [{"role": "user", "content": 42}]}, 400, "messages[0].content", None),
-    ("image content", "POST", CHAT, {**msg(), "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 400, "messages[0].content[0]", "unsupported_parameter"),
-    ("function role", "POST", CHAT, {**msg(), "messages": [{"role": "function", "content": "x"}]}, 400, "messages[0].role", "unsupported_parameter"),
-    ("tool message without content", "POST", CHAT, {**msg(), "messages": [{"role": "tool", "tool_call_id": "c"}]}, 400, "messages[0].content", None),
-    ("tool call arguments not JSON", "POST", CHAT, {**msg(), "messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{x"}}]}]}, 400, "messages[0].tool_calls[0].function.arguments", None),
-    ("tool calls on a user message", "POST", CHAT, {**msg(), "messages": [{"role": "user", "content": "x", "tool_calls": []}]}, 400, "messages[0].tool_calls", None),
+    (
+        "bad role",
+        "POST",
+        CHAT,
+        {**msg(), "messages": [{"role": "robot", "content": "x"}]},
+        400,
+        "messages[0].role",
+        None,
+    ),
+    (
+        "content not text",
+        "POST",
+        CHAT,
+        {**msg(), "messages": [{"role": "user", "content": 42}]},
+        400,
+        "messages[0].content",
+        None,
+    ),
+    (
+        "image content",
+        "POST",
+        CHAT,
+        {**msg(), "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x"}}]}]},
+        400,
+        "messages[0].content[0]",
+        "unsupported_parameter",
+    ),
+    (
+        "function role",
+        "POST",
+        CHAT,
+        {**msg(), "messages": [{"role": "function", "content": "x"}]},
+        400,
+        "messages[0].role",
+        "unsupported_parameter",
+    ),
+    (
+        "tool message without content",
+        "POST",
+        CHAT,
+        {**msg(), "messages": [{"role": "tool", "tool_call_id": "c"}]},
+        400,
+        "messages[0].content",
+        None,
+    ),
+    (
+        "tool call arguments not JSON",
+        "POST",
+        CHAT,
+        {
+            **msg(),
+            "messages": [
+                {
+                    "role": "assistant",
+                    "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{x"}}],
+                }
+            ],
+        },
+        400,
+        "messages[0].tool_calls[0].function.arguments",
+        None,
+    ),
+    (
+        "tool calls on a user message",
+        "POST",
+        CHAT,
+        {**msg(), "messages": [{"role": "user", "content": "x", "tool_calls": []}]},
+        400,
+        "messages[0].tool_calls",
+        None,
+    ),
     ("temperature too high", "POST", CHAT, msg(temperature=3), 400, "temperature", None),
     ("temperature string", "POST", CHAT, msg(temperature="hot"), 400, "temperature", None),
     ("top_p zero", "POST", CHAT, msg(top_p=0), 400, "top_p", None),
     ("top_p above 1", "POST", CHAT, msg(top_p=1.5), 400, "top_p", None),
     ("top_k negative", "POST", CHAT, msg(top_k=-5), 400, "top_k", None),
     ("max_tokens zero", "POST", CHAT, msg(max_tokens=0), 400, "max_tokens", None),
-    ("completions max_tokens zero without echo", "POST", "/v1/completions", {"model": MODEL, "prompt": "a", "max_tokens": 0}, 400, "max_tokens", None),
+    (
+        "completions max_tokens zero without echo",
+        "POST",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "a", "max_tokens": 0},
+        400,
+        "max_tokens",
+        None,
+    ),
     ("max_tokens over limit", "POST", CHAT, msg(max_tokens=100000), 400, "max_tokens", None),
     ("max_completion_tokens negative", "POST", CHAT, msg(max_completion_tokens=-1), 400, "max_completion_tokens", None),
     ("max_tokens float", "POST", CHAT, msg(max_tokens=2.5), 400, "max_tokens", None),
@@ -105,16 +189,95 @@ BAD_REQUESTS = [
     ("seed negative", "POST", CHAT, msg(seed=-1), 400, "seed", None),
     ("seed float", "POST", CHAT, msg(seed=1.5), 400, "seed", None),
     ("stream not bool", "POST", CHAT, msg(stream="yes"), 400, "stream", None),
-    ("stream_options without stream", "POST", CHAT, msg(stream_options={"include_usage": True}), 400, "stream_options", None),
-    ("functions (deprecated API)", "POST", CHAT, msg(functions=[{"name": "f"}]), 400, "functions", "unsupported_parameter"),
-    ("tool not a function", "POST", CHAT, msg(tools=[{"type": "code_interpreter"}]), 400, "tools[0]", "unsupported_parameter"),
-    ("tool name invalid", "POST", CHAT, msg(tools=[{"type": "function", "function": {"name": "get weather"}}]), 400, "tools[0].function.name", None),
-    ("tool names repeated", "POST", CHAT, msg(tools=[{"type": "function", "function": {"name": "f"}}] * 2), 400, "tools", None),
-    ("tool parameters not a schema", "POST", CHAT, msg(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]), 400, "tools[0].function.parameters", None),
+    (
+        "stream_options without stream",
+        "POST",
+        CHAT,
+        msg(stream_options={"include_usage": True}),
+        400,
+        "stream_options",
+        None,
+    ),
+    (
+        "functions (deprecated API)",
+        "POST",
+        CHAT,
+        msg(functions=[{"name": "f"}]),
+        400,
+        "functions",
+        "unsupported_parameter",
+    ),
+    (
+        "tool not a function",
+        "POST",
+        CHAT,
+        msg(tools=[{"type": "code_interpreter"}]),
+        400,
+        "tools[0]",
+        "unsupported_parameter",
+    ),
+    (
+        "tool name invalid",
+        "POST",
+        CHAT,
+        msg(tools=[{"type": "function", "function": {"name": "get weather"}}]),
+        400,
+        "tools[0].function.name",
+        None,
+    ),
+    (
+        "tool names repeated",
+        "POST",
+        CHAT,
+        msg(tools=[{"type": "function", "function": {"name": "f"}}] * 2),
+        400,
+        "tools",
+        None,
+    ),
+    (
+        "tool parameters not a schema",
+        "POST",
+        CHAT,
+        msg(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]),
+        400,
+        "tools[0].function.parameters",
+        None,
+    ),
     ("tool_choice without tools", "POST", CHAT, msg(tool_choice="required"), 400, "tool_choice", None),
-    ("tool_choice names an unknown function", "POST", CHAT, msg(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={"type": "function", "function": {"name": "g"}}), 400, "tool_choice", None),
-    ("tool_choice invalid", "POST", CHAT, msg(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="always"), 400, "tool_choice", None),
-    ("required tool call with response_format", "POST", CHAT, msg(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="required", response_format={"type": "json_object"}), 400, "tool_choice", None),
+    (
+        "tool_choice names an unknown function",
+        "POST",
+        CHAT,
+        msg(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
+        400,
+        "tool_choice",
+        None,
+    ),
+    (
+        "tool_choice invalid",
+        "POST",
+        CHAT,
+        msg(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="always"),
+        400,
+        "tool_choice",
+        None,
+    ),
+    (
+        "required tool call with response_format",
+        "POST",
+        CHAT,
+        msg(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice="required",
+            response_format={"type": "json_object"},
+        ),
+        400,
+        "tool_choice",
+        None,
+    ),
     ("top_logprobs without logprobs", "POST", CHAT, msg(top_logprobs=2), 400, "top_logprobs", None),
     ("top_logprobs over 20", "POST", CHAT, msg(logprobs=True, top_logprobs=21), 400, "top_logprobs", None),
     ("logprobs not a bool", "POST", CHAT, msg(logprobs="yes"), 400, "logprobs", None),
@@ -124,29 +287,157 @@ BAD_REQUESTS = [
     ("logit_bias key not a token id", "POST", CHAT, msg(logit_bias={"hello": 10}), 400, "logit_bias", None),
     ("logit_bias value over 100", "POST", CHAT, msg(logit_bias={"50": 101}), 400, "logit_bias", None),
     ("logit_bias value a string", "POST", CHAT, msg(logit_bias={"50": "up"}), 400, "logit_bias", None),
-    ("logit_bias token out of vocab", "POST", "/v1/completions", {"model": MODEL, "prompt": "a", "logit_bias": {"49152": 5}}, 400, "logit_bias", None),
-    ("logit_bias too many tokens", "POST", CHAT, msg(logit_bias={str(i): 1 for i in range(301)}), 400, "logit_bias", None),
-    ("response_format xml", "POST", CHAT, msg(response_format={"type": "xml"}), 400, "response_format", "unsupported_parameter"),
-    ("json_schema without a schema", "POST", CHAT, msg(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400, "response_format", None),
-    ("json_schema invalid", "POST", CHAT, msg(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}), 400, "response_format", None),
+    (
+        "logit_bias token out of vocab",
+        "POST",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "a", "logit_bias": {"49152": 5}},
+        400,
+        "logit_bias",
+        None,
+    ),
+    (
+        "logit_bias too many tokens",
+        "POST",
+        CHAT,
+        msg(logit_bias={str(i): 1 for i in range(301)}),
+        400,
+        "logit_bias",
+        None,
+    ),
+    (
+        "response_format xml",
+        "POST",
+        CHAT,
+        msg(response_format={"type": "xml"}),
+        400,
+        "response_format",
+        "unsupported_parameter",
+    ),
+    (
+        "json_schema without a schema",
+        "POST",
+        CHAT,
+        msg(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+        400,
+        "response_format",
+        None,
+    ),
+    (
+        "json_schema invalid",
+        "POST",
+        CHAT,
+        msg(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}),
+        400,
+        "response_format",
+        None,
+    ),
     ("regex invalid", "POST", "/v1/completions", {"model": MODEL, "prompt": "a", "regex": "([a"}, 400, "regex", None),
-    ("regex with response_format", "POST", CHAT, msg(regex="a+", response_format={"type": "json_object"}), 400, "regex", None),
+    (
+        "regex with response_format",
+        "POST",
+        CHAT,
+        msg(regex="a+", response_format={"type": "json_object"}),
+        400,
+        "regex",
+        None,
+    ),
     ("min_tokens over max_tokens", "POST", CHAT, msg(min_tokens=5, max_tokens=4), 400, "min_tokens", None),
     ("min_tokens negative", "POST", CHAT, msg(min_tokens=-1), 400, "min_tokens", None),
-    ("min_tokens with a grammar", "POST", CHAT, msg(min_tokens=2, response_format={"type": "json_object"}), 400, "min_tokens", None),
-    ("prediction of an unknown type", "POST", CHAT, msg(prediction={"type": "diff", "content": "x"}), 400, "prediction", None),
-    ("prediction content not text", "POST", CHAT, msg(prediction={"type": "content", "content": [{"type": "image_url"}]}), 400, "prediction", None),
-    ("ignore_eos with a grammar", "POST", CHAT, msg(ignore_eos=True, response_format={"type": "json_object"}), 400, "ignore_eos", None),
+    (
+        "min_tokens with a grammar",
+        "POST",
+        CHAT,
+        msg(min_tokens=2, response_format={"type": "json_object"}),
+        400,
+        "min_tokens",
+        None,
+    ),
+    (
+        "prediction of an unknown type",
+        "POST",
+        CHAT,
+        msg(prediction={"type": "diff", "content": "x"}),
+        400,
+        "prediction",
+        None,
+    ),
+    (
+        "prediction content not text",
+        "POST",
+        CHAT,
+        msg(prediction={"type": "content", "content": [{"type": "image_url"}]}),
+        400,
+        "prediction",
+        None,
+    ),
+    (
+        "ignore_eos with a grammar",
+        "POST",
+        CHAT,
+        msg(ignore_eos=True, response_format={"type": "json_object"}),
+        400,
+        "ignore_eos",
+        None,
+    ),
     ("unknown model", "POST", CHAT, {**msg(), "model": "gpt-9"}, 404, "model", "model_not_found"),
     ("prompt too long", "POST", CHAT, msg(LONG[:20000]), 400, "messages", "context_length_exceeded"),
-    ("prompt + max_tokens over context", "POST", CHAT, msg(max_tokens=250, content="x " * 300), 400, "max_tokens", "context_length_exceeded"),
+    (
+        "prompt + max_tokens over context",
+        "POST",
+        CHAT,
+        msg(max_tokens=250, content="x " * 300),
+        400,
+        "max_tokens",
+        "context_length_exceeded",
+    ),
     ("body too large", "POST", CHAT, msg(LONG * 5), 413, None, "request_too_large"),
-    ("completions missing prompt", "POST", "/v1/completions", {"model": MODEL}, 400, "prompt", "missing_required_parameter"),
+    (
+        "completions missing prompt",
+        "POST",
+        "/v1/completions",
+        {"model": MODEL},
+        400,
+        "prompt",
+        "missing_required_parameter",
+    ),
     ("completions empty prompt", "POST", "/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt", None),
-    ("completions token out of vocab", "POST", "/v1/completions", {"model": MODEL, "prompt": [1, 2, 10**9]}, 400, "prompt", None),
-    ("completions logprobs negative", "POST", "/v1/completions", {"model": MODEL, "prompt": "a", "logprobs": -1}, 400, "logprobs", None),
-    ("completions best_of", "POST", "/v1/completions", {"model": MODEL, "prompt": "a", "best_of": 3}, 400, "best_of", "unsupported_parameter"),
-    ("tokenize with prompt and messages", "POST", "/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}, 400, "prompt", None),
+    (
+        "completions token out of vocab",
+        "POST",
+        "/v1/completions",
+        {"model": MODEL, "prompt": [1, 2, 10**9]},
+        400,
+        "prompt",
+        None,
+    ),
+    (
+        "completions logprobs negative",
+        "POST",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "a", "logprobs": -1},
+        400,
+        "logprobs",
+        None,
+    ),
+    (
+        "completions best_of",
+        "POST",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "a", "best_of": 3},
+        400,
+        "best_of",
+        "unsupported_parameter",
+    ),
+    (
+        "tokenize with prompt and messages",
+        "POST",
+        "/tokenize",
+        {"prompt": "a", "messages": [{"role": "user", "content": "a"}]},
+        400,
+        "prompt",
+        None,
+    ),
     ("tokenize with neither", "POST", "/tokenize", {"model": MODEL}, 400, "prompt", None),
     ("tokenize unknown model", "POST", "/tokenize", {"model": "gpt-9", "prompt": "a"}, 404, "model", "model_not_found"),
     ("detokenize token out of vocab", "POST", "/detokenize", {"tokens": [1, 49152]}, 400, "tokens", None),
@@ -207,7 +498,12 @@ def test_api_keys(tiny, tmp_path):
     f.write_text("file-key\n")
     srv, _, _ = serve(tiny, keys=APIKeys(["env-key"], f))
     with srv, httpx.Client(base_url=srv.url, timeout=30) as c:
-        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "Basic file-key"}, {"authorization": "Bearer"}):
+        for headers in (
+            {},
+            {"authorization": "Bearer wrong"},
+            {"authorization": "Basic file-key"},
+            {"authorization": "Bearer"},
+        ):
             r = c.post(CHAT, json=msg(), headers=headers)
             assert_error_shape(r, 401, code="invalid_api_key")
             assert r.headers["www-authenticate"] == "Bearer"
@@ -276,7 +572,14 @@ def test_drafter_fault_falls_back_with_correct_output(tiny, mode, reason):
     fallbacks = telemetry.metrics.drafter_fallbacks.labels(drafter="faulty", backend="embedded", reason=reason)
     with srv, httpx.Client(base_url=srv.url, timeout=60) as c:
         with cf.ThreadPoolExecutor(3) as pool:
-            outs = list(pool.map(lambda p: c.post(CHAT, json=msg(p, max_tokens=20, temperature=0, ignore_eos=True, return_token_ids=True)).json(), prompts))
+            outs = list(
+                pool.map(
+                    lambda p: c.post(
+                        CHAT, json=msg(p, max_tokens=20, temperature=0, ignore_eos=True, return_token_ids=True)
+                    ).json(),
+                    prompts,
+                )
+            )
         metrics_text = c.get("/metrics").text
     for p, r, o in zip(ids, ref, outs):
         got = o["choices"][0]["token_ids"]
@@ -348,11 +651,19 @@ def test_engine_failure_mid_stream_is_an_error_event(tiny):
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
         got = []
         with pytest.raises(openai.APIError, match="internal error"):
-            stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=50, stream=True, extra_body={"ignore_eos": True})
+            stream = client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=50,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
             for ch in stream:
                 got.append(ch)
         assert got, "the stream had started before the fault"
-        assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4).choices
+        assert client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        ).choices
     assert telemetry._requests["error"]._value.get() == 1
     assert engine.kv.num_free == engine.kv.num_slots - 1
 
@@ -367,7 +678,12 @@ def test_drain_deadline_aborts_what_is_left_and_exits(tiny):
     engine = Engine(tiny, SlowDrafter(), TREE, kv_slots=4096)
     backend, telemetry = embedded_backend(engine, MODEL, "ngram")
     app = create_app(backend, telemetry)
-    server = DrainingServer(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=5), app.state.gateway, backend, drain_timeout=1.0)
+    server = DrainingServer(
+        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=5),
+        app.state.gateway,
+        backend,
+        drain_timeout=1.0,
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:

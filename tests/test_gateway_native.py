@@ -47,11 +47,19 @@ def test_generate_matches_completions_and_sglang_shape(server, http, smollm2_fp3
     out = http.post("/generate", json={"text": PROMPT, "sampling_params": greedy()}).json()
     assert set(out) == {"text", "output_ids", "meta_info"}
     meta = out["meta_info"]
-    assert meta["finish_reason"] == {"type": "length", "length": 16} and meta["completion_tokens"] == 16 == len(out["output_ids"])
-    assert meta["prompt_tokens"] == len(smollm2_fp32.encode(PROMPT)) and meta["cached_tokens"] == 0 and meta["e2e_latency"] > 0
+    assert meta["finish_reason"] == {"type": "length", "length": 16} and meta["completion_tokens"] == 16 == len(
+        out["output_ids"]
+    )
+    assert (
+        meta["prompt_tokens"] == len(smollm2_fp32.encode(PROMPT))
+        and meta["cached_tokens"] == 0
+        and meta["e2e_latency"] > 0
+    )
     assert meta["spec_verify_ct"] >= 1 and meta["spec_num_proposed_drafts"] == meta["spec_draft_tokens"]
     assert smollm2_fp32.tokenizer.decode(out["output_ids"], skip_special_tokens=True) == out["text"]
-    openai = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 0}).json()
+    openai = http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 16, "temperature": 0}
+    ).json()
     assert out["text"] == openai["choices"][0]["text"]
     by_ids = http.post("/generate", json={"input_ids": smollm2_fp32.encode(PROMPT), "sampling_params": greedy()}).json()
     assert by_ids["text"] == out["text"] and by_ids["output_ids"] == out["output_ids"]
@@ -64,9 +72,21 @@ def test_generate_batches_n_and_per_prompt_params(http):
     assert [o["text"] for o in outs] == [a["text"] for a in alone]
     per_prompt = http.post("/generate", json={"text": prompts, "sampling_params": [greedy(4), greedy(8)]}).json()
     assert [o["meta_info"]["completion_tokens"] for o in per_prompt] == [4, 8]
-    sampled = http.post("/generate", json={"text": PROMPT, "sampling_params": {"n": 3, "temperature": 1.0, "max_new_tokens": 12, "sampling_seed": 7}}).json()
+    sampled = http.post(
+        "/generate",
+        json={
+            "text": PROMPT,
+            "sampling_params": {"n": 3, "temperature": 1.0, "max_new_tokens": 12, "sampling_seed": 7},
+        },
+    ).json()
     assert isinstance(sampled, list) and len(sampled) == 3
-    again = http.post("/generate", json={"text": PROMPT, "sampling_params": {"n": 3, "temperature": 1.0, "max_new_tokens": 12, "sampling_seed": 7}}).json()
+    again = http.post(
+        "/generate",
+        json={
+            "text": PROMPT,
+            "sampling_params": {"n": 3, "temperature": 1.0, "max_new_tokens": 12, "sampling_seed": 7},
+        },
+    ).json()
     assert [o["text"] for o in again] == [o["text"] for o in sampled]  # seeded: reproducible
 
 
@@ -82,7 +102,9 @@ def test_generate_stream_is_cumulative_and_ends_like_the_whole(server, http):
     assert evs[-1]["text"] == whole["text"] and evs[-1]["output_ids"] == whole["output_ids"]
     assert evs[-1]["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
     assert all(e["output_ids"] == evs[-1]["output_ids"][: len(e["output_ids"])] for e in evs)
-    with http.stream("POST", "/generate", json={"text": [PROMPT, "Hello"], "sampling_params": greedy(6), "stream": True}) as r:
+    with http.stream(
+        "POST", "/generate", json={"text": [PROMPT, "Hello"], "sampling_params": greedy(6), "stream": True}
+    ) as r:
         batch = events(r)
     assert {e["index"] for e in batch} == {0, 1}
     assert [e["meta_info"]["finish_reason"] is not None for e in batch].count(True) == 2
@@ -99,10 +121,19 @@ def test_generate_logprobs_sglang_shape(http, smollm2_fp32):
     assert all(text is None for _, _, text in meta["output_token_logprobs"])
     assert [len(top) for top in meta["output_top_logprobs"]] == [3] * 12
     assert all(top[0][0] >= top[1][0] >= top[2][0] for top in meta["output_top_logprobs"])
-    assert all(abs(lp - top[0][0]) < 1e-5 for (lp, _, _), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"]))  # greedy: the top one
-    ref = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": 3}).json()
-    assert [round(lp, 4) for lp, _, _ in meta["output_token_logprobs"]] == [round(x, 4) for x in ref["choices"][0]["logprobs"]["token_logprobs"]]
-    texts = http.post("/generate", json={**body, "return_text_in_logprobs": True}).json()["meta_info"]["output_token_logprobs"]
+    assert all(
+        abs(lp - top[0][0]) < 1e-5
+        for (lp, _, _), top in zip(meta["output_token_logprobs"], meta["output_top_logprobs"])
+    )  # greedy: the top one
+    ref = http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "logprobs": 3}
+    ).json()
+    assert [round(lp, 4) for lp, _, _ in meta["output_token_logprobs"]] == [
+        round(x, 4) for x in ref["choices"][0]["logprobs"]["token_logprobs"]
+    ]
+    texts = http.post("/generate", json={**body, "return_text_in_logprobs": True}).json()["meta_info"][
+        "output_token_logprobs"
+    ]
     assert "".join(t for _, _, t in texts) == out["text"]
     with http.stream("POST", "/generate", json={**body, "stream": True}) as r:
         last = events(r)[-1]
@@ -114,17 +145,34 @@ def test_generate_prompt_logprobs_from_logprob_start_len(http, smollm2_fp32):
     """logprob_start_len i >= 0: the prompt's logprobs from position i (the first token's null), the same
     numbers as /v1/completions echo; no echoed text; with max_new_tokens 0 (how sgl.select scores)."""
     ids = smollm2_fp32.encode(PROMPT)
-    ref = http.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 2}).json()
+    ref = http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 2}
+    ).json()
     ref_lps = ref["choices"][0]["logprobs"]["token_logprobs"]
     for start in (0, 2):
-        out = http.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
-                                           "return_text_in_logprobs": True, "logprob_start_len": start, "top_logprobs_num": 2}).json()
+        out = http.post(
+            "/generate",
+            json={
+                "text": PROMPT,
+                "sampling_params": {"max_new_tokens": 0},
+                "return_logprob": True,
+                "return_text_in_logprobs": True,
+                "logprob_start_len": start,
+                "top_logprobs_num": 2,
+            },
+        ).json()
         meta = out["meta_info"]
         assert out["text"] == "" and [t for _, t, _ in meta["input_token_logprobs"]] == ids[start:]
-        assert [None if lp is None else round(lp, 4) for lp, _, _ in meta["input_token_logprobs"]] == [None if x is None else round(x, 4) for x in ref_lps[start:]]
+        assert [None if lp is None else round(lp, 4) for lp, _, _ in meta["input_token_logprobs"]] == [
+            None if x is None else round(x, 4) for x in ref_lps[start:]
+        ]
         assert "".join(t for _, _, t in meta["input_token_logprobs"]) == smollm2_fp32.tokenizer.decode(ids[start:])
-        assert (meta["input_top_logprobs"][0] is None) == (start == 0) and all(len(t) == 2 for t in meta["input_top_logprobs"][1:])
-    out = http.post("/generate", json={"text": PROMPT, "sampling_params": greedy(4), "return_logprob": True, "logprob_start_len": 1}).json()
+        assert (meta["input_top_logprobs"][0] is None) == (start == 0) and all(
+            len(t) == 2 for t in meta["input_top_logprobs"][1:]
+        )
+    out = http.post(
+        "/generate", json={"text": PROMPT, "sampling_params": greedy(4), "return_logprob": True, "logprob_start_len": 1}
+    ).json()
     plain = http.post("/generate", json={"text": PROMPT, "sampling_params": greedy(4)}).json()
     assert out["text"] == plain["text"] and len(out["meta_info"]["input_token_logprobs"]) == len(ids) - 1
     assert len(out["meta_info"]["output_token_logprobs"]) == 4
@@ -133,31 +181,40 @@ def test_generate_prompt_logprobs_from_logprob_start_len(http, smollm2_fp32):
 def test_generate_stop_and_json_schema(http):
     out = http.post("/generate", json={"text": "1, 2, 3, 4,", "sampling_params": greedy(32, stop=[" 7"])}).json()
     assert " 7" not in out["text"] and out["meta_info"]["finish_reason"]["type"] == "stop", out
-    schema = {"type": "object", "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]}}, "required": ["color"]}
-    out = http.post("/generate", json={"text": "A color as JSON: ", "sampling_params": greedy(32, json_schema=json.dumps(schema))}).json()
+    schema = {
+        "type": "object",
+        "properties": {"color": {"type": "string", "enum": ["red", "green", "blue"]}},
+        "required": ["color"],
+    }
+    out = http.post(
+        "/generate", json={"text": "A color as JSON: ", "sampling_params": greedy(32, json_schema=json.dumps(schema))}
+    ).json()
     assert json.loads(out["text"])["color"] in ("red", "green", "blue")
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"sampling_params": greedy()}, "text"),
-    ({"text": "a", "input_ids": [1, 2]}, "text"),
-    ({"text": []}, "text"),
-    ({"input_ids": [[1, 2], "x"]}, "input_ids"),
-    ({"text": "a", "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
-    ({"text": "a", "sampling_params": {"min_p": 0.1}}, "sampling_params.min_p"),
-    ({"text": "a", "sampling_params": {"max_new_tokens": 10**6}}, "sampling_params.max_new_tokens"),
-    ({"text": "a", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
-    ({"text": "a", "sampling_params": {"stop": [""]}}, "sampling_params.stop"),
-    ({"text": "a", "sampling_params": {"json_schema": "{not json"}}, "sampling_params.json_schema"),
-    ({"text": "a", "sampling_params": {"json_schema": "{}", "regex": "a+"}}, "sampling_params.json_schema"),
-    ({"text": ["a", "b"], "sampling_params": [greedy()]}, "sampling_params"),
-    ({"text": "a", "sampling_params": {"n": 100}}, "sampling_params.n"),
-    ({"text": "a", "return_logprob": True, "logprob_start_len": -5}, "logprob_start_len"),
-    ({"text": "a", "return_logprob": True, "top_logprobs_num": 50}, "top_logprobs_num"),
-    ({"text": "a", "return_logprob": "yes"}, "return_logprob"),
-    ({"text": "a", "image_data": "http://x/y.png"}, "image_data"),
-    ({"text": "a", "stream": "yes"}, "stream"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"sampling_params": greedy()}, "text"),
+        ({"text": "a", "input_ids": [1, 2]}, "text"),
+        ({"text": []}, "text"),
+        ({"input_ids": [[1, 2], "x"]}, "input_ids"),
+        ({"text": "a", "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
+        ({"text": "a", "sampling_params": {"min_p": 0.1}}, "sampling_params.min_p"),
+        ({"text": "a", "sampling_params": {"max_new_tokens": 10**6}}, "sampling_params.max_new_tokens"),
+        ({"text": "a", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+        ({"text": "a", "sampling_params": {"stop": [""]}}, "sampling_params.stop"),
+        ({"text": "a", "sampling_params": {"json_schema": "{not json"}}, "sampling_params.json_schema"),
+        ({"text": "a", "sampling_params": {"json_schema": "{}", "regex": "a+"}}, "sampling_params.json_schema"),
+        ({"text": ["a", "b"], "sampling_params": [greedy()]}, "sampling_params"),
+        ({"text": "a", "sampling_params": {"n": 100}}, "sampling_params.n"),
+        ({"text": "a", "return_logprob": True, "logprob_start_len": -5}, "logprob_start_len"),
+        ({"text": "a", "return_logprob": True, "top_logprobs_num": 50}, "top_logprobs_num"),
+        ({"text": "a", "return_logprob": "yes"}, "return_logprob"),
+        ({"text": "a", "image_data": "http://x/y.png"}, "image_data"),
+        ({"text": "a", "stream": "yes"}, "stream"),
+    ],
+)
 def test_generate_bad_requests(http, body, param):
     r = http.post("/generate", json=body)
     assert r.status_code == 400, r.text
@@ -175,8 +232,15 @@ def test_the_body_sglang_bench_serving_sends(http):
     """sglang.bench_serving --backend sglang (sglang 0.5.23, benchmark/serving.py
     async_request_sglang_generate) posts this body and reads the stream this way: cumulative "text",
     meta_info.completion_tokens as the output length, meta_info.spec_accept_length when present."""
-    payload = {"text": PROMPT, "sampling_params": {"temperature": 0.0, "max_new_tokens": 20, "ignore_eos": True}, "stream": True,
-               "lora_path": None, "return_logprob": False, "return_routed_experts": False, "logprob_start_len": -1}
+    payload = {
+        "text": PROMPT,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": 20, "ignore_eos": True},
+        "stream": True,
+        "lora_path": None,
+        "return_logprob": False,
+        "return_routed_experts": False,
+        "logprob_start_len": -1,
+    }
     generated, output_len, accept_length, chunks = "", 0, None, 0
     with http.stream("POST", "/generate", json=payload) as r:
         assert r.status_code == 200, r.read()
@@ -218,15 +282,25 @@ def test_sglang_frontend_language_runs_against_the_gateway(server, http):
 
     @sgl.function
     def pick(s):  # sgl.select scores each choice by the prompt logprobs of prefix + choice
-        s += "Q: What color is the sky on a clear day?\nA: The sky is" + sgl.select("color", choices=[" blue", " green", " purple"])
+        s += "Q: What color is the sky on a clear day?\nA: The sky is" + sgl.select(
+            "color", choices=[" blue", " green", " purple"]
+        )
 
     state = pick.run(backend=backend)
     assert state["color"] in (" blue", " green", " purple")
     meta = state.get_meta_info("color")
-    assert len(meta["normalized_prompt_logprobs"]) == 3 and state["color"] == [" blue", " green", " purple"][max(range(3), key=meta["normalized_prompt_logprobs"].__getitem__)]
+    assert (
+        len(meta["normalized_prompt_logprobs"]) == 3
+        and state["color"]
+        == [" blue", " green", " purple"][max(range(3), key=meta["normalized_prompt_logprobs"].__getitem__)]
+    )
 
 
 def test_generate_max_new_tokens_0_is_prefill_only(http, smollm2_fp32):
     out = http.post("/generate", json={"text": PROMPT, "sampling_params": {"max_new_tokens": 0}}).json()
-    assert out["text"] == "" and out["output_ids"] == [] and out["meta_info"]["prompt_tokens"] == len(smollm2_fp32.encode(PROMPT))
+    assert (
+        out["text"] == ""
+        and out["output_ids"] == []
+        and out["meta_info"]["prompt_tokens"] == len(smollm2_fp32.encode(PROMPT))
+    )
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}

@@ -30,8 +30,14 @@ from serving.metrics import Metrics
 
 ROOT = Path(__file__).parent.parent
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
-SPEC = {"spec_accept_rate": 0.5, "spec_accept_length": 2.5, "spec_num_correct_drafts": 6, "spec_num_proposed_drafts": 12, "spec_verify_ct": 4,
-        "spec_correct_drafts_histogram": [1, 1, 1, 1]}
+SPEC = {
+    "spec_accept_rate": 0.5,
+    "spec_accept_length": 2.5,
+    "spec_num_correct_drafts": 6,
+    "spec_num_proposed_drafts": 12,
+    "spec_verify_ct": 4,
+    "spec_correct_drafts_histogram": [1, 1, 1, 1],
+}
 
 
 PING_CALL = 'On it. <tool|_call>\n{"name": "pi|ng", "arguments": {}}|\n</tool_call|>'
@@ -66,10 +72,32 @@ class FakeSGLang:
         self.requests.append(body)
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         if prompt == "fail400":
-            return JSONResponse({"object": "error", "message": "bad thing upstream", "type": "BadRequestError", "param": None, "code": 400}, status_code=400)
+            return JSONResponse(
+                {
+                    "object": "error",
+                    "message": "bad thing upstream",
+                    "type": "BadRequestError",
+                    "param": None,
+                    "code": 400,
+                },
+                status_code=400,
+            )
         if prompt == "fail500":
-            return JSONResponse({"object": "error", "message": "upstream exploded", "type": "InternalServerError", "param": None, "code": 500}, status_code=500)
-        assert body["stream"] is True and body["stream_options"] == {"include_usage": True} and body["return_spec_tokens_details"] is True
+            return JSONResponse(
+                {
+                    "object": "error",
+                    "message": "upstream exploded",
+                    "type": "InternalServerError",
+                    "param": None,
+                    "code": 500,
+                },
+                status_code=500,
+            )
+        assert (
+            body["stream"] is True
+            and body["stream_options"] == {"include_usage": True}
+            and body["return_spec_tokens_details"] is True
+        )
         n_tok = body.get("max_tokens", 4)
         first = (body.get("seed") or 0) % len(WORDS)
         words = [WORDS[(first + i) % len(WORDS)] for i in range(n_tok)]
@@ -78,15 +106,36 @@ class FakeSGLang:
             words, finish = [p.strip(" ") for p in PING_CALL.split("|")], "stop"
         slow = prompt == "slow"
         if prompt == "garbled":  # an upstream that answers 200 and then a stream nobody can read
-            return StreamingResponse(iter(['data: {"choices": [{"index": 0, "text": "ok", "finish_reason": null}]}\n\n', "data: {not json\n\n"]),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                iter(
+                    [
+                        'data: {"choices": [{"index": 0, "text": "ok", "finish_reason": null}]}\n\n',
+                        "data: {not json\n\n",
+                    ]
+                ),
+                media_type="text/event-stream",
+            )
 
         def chunk(**kw):
-            return "data: " + json.dumps({"id": "x", "object": "chat.completion.chunk" if chat else "text_completion", "created": 1, "model": body["model"], **kw}) + "\n\n"
+            return (
+                "data: "
+                + json.dumps(
+                    {
+                        "id": "x",
+                        "object": "chat.completion.chunk" if chat else "text_completion",
+                        "created": 1,
+                        "model": body["model"],
+                        **kw,
+                    }
+                )
+                + "\n\n"
+            )
 
         def choice(text=None, finish=None, i=0):
             lp = None
-            if text is not None and body.get("logprobs") is not None:  # word i has logprob -(i + 1) / 10, as its only alternative
+            if (
+                text is not None and body.get("logprobs") is not None
+            ):  # word i has logprob -(i + 1) / 10, as its only alternative
                 v = -(i + 1) / 10
                 if chat:
                     top = [{"token": text, "logprob": v, "bytes": list(text.encode())}][: body.get("top_logprobs") or 0]
@@ -94,20 +143,29 @@ class FakeSGLang:
                 else:
                     lp = {"tokens": [text], "token_logprobs": [v], "top_logprobs": [{text: v}], "text_offset": [0]}
             if chat:
-                return {"index": 0, "delta": {"content": text} if text is not None else {}, "finish_reason": finish, "logprobs": lp}
+                return {
+                    "index": 0,
+                    "delta": {"content": text} if text is not None else {},
+                    "finish_reason": finish,
+                    "logprobs": lp,
+                }
             return {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lp}
 
         async def events():
             try:
                 if chat:
-                    yield chunk(choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+                    yield chunk(
+                        choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
+                    )
                 for i, w in enumerate(words):
                     if slow:
                         await asyncio.sleep(0.05)
                     yield chunk(choices=[choice(w if i == 0 or finish == "stop" else " " + w, i=i)])
                 yield chunk(choices=[choice(finish=finish)])
                 yield chunk(choices=[], sglext={"spec_tokens_details": SPEC})
-                yield chunk(choices=[], usage={"prompt_tokens": 7, "completion_tokens": n_tok, "total_tokens": 7 + n_tok})
+                yield chunk(
+                    choices=[], usage={"prompt_tokens": 7, "completion_tokens": n_tok, "total_tokens": 7 + n_tok}
+                )
                 yield "data: [DONE]\n\n"
             except asyncio.CancelledError:
                 self.disconnects += 1
@@ -145,16 +203,44 @@ def expected(n: int, seed: int = 0) -> str:
 
 def test_chat_through_upstream(gw, upstream):
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
-    raw = client.chat.completions.with_raw_response.create(model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0.5, top_p=0.9, seed=3, stop=["zzz"])
+    raw = client.chat.completions.with_raw_response.create(
+        model="llama-8b",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=5,
+        temperature=0.5,
+        top_p=0.9,
+        seed=3,
+        stop=["zzz"],
+    )
     body = raw.http_response.json()
     out = ChatCompletion.model_validate(body)
     assert out.choices[0].message.content == expected(5, 3) and out.choices[0].finish_reason == "length"
     assert out.usage.prompt_tokens == 7 and out.usage.completion_tokens == 5
-    assert body["meta_info"]["spec_verify_ct"] == 4 and body["meta_info"]["spec_draft_tokens"] == 12 and body["meta_info"]["spec_accepted_tokens"] == 6
+    assert (
+        body["meta_info"]["spec_verify_ct"] == 4
+        and body["meta_info"]["spec_draft_tokens"] == 12
+        and body["meta_info"]["spec_accepted_tokens"] == 6
+    )
     sent = upstream.requests[-1]
-    assert sent["model"] == "upstream-model" and sent["temperature"] == 0.5 and sent["top_p"] == 0.9 and sent["stop"] == ["zzz"] and "n" not in sent
+    assert (
+        sent["model"] == "upstream-model"
+        and sent["temperature"] == 0.5
+        and sent["top_p"] == 0.9
+        and sent["stop"] == ["zzz"]
+        and "n" not in sent
+    )
 
-    chunks = list(client.chat.completions.create(model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True, stream_options={"include_usage": True}, n=2, seed=1))
+    chunks = list(
+        client.chat.completions.create(
+            model="llama-8b",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+            n=2,
+            seed=1,
+        )
+    )
     for ch in chunks:
         ChatCompletionChunk.model_validate(ch.model_dump())
     texts = {0: "", 1: ""}
@@ -171,19 +257,38 @@ def test_chat_through_upstream(gw, upstream):
 
 def test_logprobs_pass_through_from_upstream(gw, upstream):
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
-    out = client.chat.completions.create(model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=3, logprobs=True, top_logprobs=1)
+    out = client.chat.completions.create(
+        model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=3, logprobs=True, top_logprobs=1
+    )
     assert upstream.requests[-1]["logprobs"] is True and upstream.requests[-1]["top_logprobs"] == 1
     content = out.choices[0].logprobs.content
     assert [(e.token, e.logprob) for e in content] == [("alpha", -0.1), (" beta", -0.2), (" gamma", -0.3)]
     assert [[t.token for t in e.top_logprobs] for e in content] == [["alpha"], [" beta"], [" gamma"]]
-    streamed = [e.token for ch in client.chat.completions.create(model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=3, logprobs=True, stream=True)
-                for c in ch.choices if c.logprobs for e in c.logprobs.content or ()]
+    streamed = [
+        e.token
+        for ch in client.chat.completions.create(
+            model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=3, logprobs=True, stream=True
+        )
+        for c in ch.choices
+        if c.logprobs
+        for e in c.logprobs.content or ()
+    ]
     assert streamed == ["alpha", " beta", " gamma"]
     comp = client.completions.create(model="llama-8b", prompt="hi", max_tokens=2, logprobs=1)
     assert upstream.requests[-1]["logprobs"] == 1
     lp = comp.choices[0].logprobs
-    assert lp.tokens == ["alpha", " beta"] and lp.token_logprobs == [-0.1, -0.2] and lp.top_logprobs == [{"alpha": -0.1}, {" beta": -0.2}] and lp.text_offset == [0, 5]
-    assert client.chat.completions.create(model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=2).choices[0].logprobs is None
+    assert (
+        lp.tokens == ["alpha", " beta"]
+        and lp.token_logprobs == [-0.1, -0.2]
+        and lp.top_logprobs == [{"alpha": -0.1}, {" beta": -0.2}]
+        and lp.text_offset == [0, 5]
+    )
+    assert (
+        client.chat.completions.create(model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        .choices[0]
+        .logprobs
+        is None
+    )
     assert "logprobs" not in upstream.requests[-1] and "echo" not in upstream.requests[-1]
     client.completions.create(model="llama-8b", prompt="hi", max_tokens=2, echo=True)
     assert upstream.requests[-1]["echo"] is True
@@ -192,22 +297,43 @@ def test_logprobs_pass_through_from_upstream(gw, upstream):
 def test_penalties_and_logit_bias_forwarded(gw, upstream):
     """Upstream SGLang applies them itself: they go through as given, and are left out when off."""
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
-    client.chat.completions.create(model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=2, presence_penalty=0.5,
-                                   frequency_penalty=-0.25, logit_bias={"7": -100, "9": 2.5}, extra_body={"repetition_penalty": 1.1, "min_tokens": 2})
+    client.chat.completions.create(
+        model="llama-8b",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=2,
+        presence_penalty=0.5,
+        frequency_penalty=-0.25,
+        logit_bias={"7": -100, "9": 2.5},
+        extra_body={"repetition_penalty": 1.1, "min_tokens": 2},
+    )
     sent = upstream.requests[-1]
     assert sent["min_tokens"] == 2
     assert (sent["presence_penalty"], sent["frequency_penalty"], sent["repetition_penalty"]) == (0.5, -0.25, 1.1)
     assert sent["logit_bias"] == {"7": -100.0, "9": 2.5}
     client.completions.create(model="llama-8b", prompt="hi", max_tokens=2)
-    assert not {"presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "response_format", "regex", "ebnf", "min_tokens"} & set(upstream.requests[-1])
+    assert not {
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "response_format",
+        "regex",
+        "ebnf",
+        "min_tokens",
+    } & set(upstream.requests[-1])
 
 
 def test_structured_output_forwarded(gw, upstream):
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     chat = dict(model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
-    client.chat.completions.create(**chat, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}})
-    assert upstream.requests[-1]["response_format"] == {"type": "json_schema", "json_schema": {"name": "response", "schema": schema}}
+    client.chat.completions.create(
+        **chat, response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    )
+    assert upstream.requests[-1]["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "response", "schema": schema},
+    }
     client.chat.completions.create(**chat, response_format={"type": "json_object"})
     assert upstream.requests[-1]["response_format"] == {"type": "json_object"}
     client.completions.create(model="llama-8b", prompt="hi", max_tokens=2, extra_body={"regex": "[0-9]+"})
@@ -223,12 +349,27 @@ def test_tool_calls_through_upstream(gw, upstream):
 
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
     tools = [{"type": "function", "function": {"name": "ping", "description": "Check the link"}}]
-    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "ping", "arguments": "{}"}}]},
-               {"role": "tool", "tool_call_id": "c1", "content": "pong"}, {"role": "user", "content": "call ping"}]
+    history = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "ping", "arguments": "{}"}}],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "pong"},
+        {"role": "user", "content": "call ping"},
+    ]
     out = client.chat.completions.create(model="llama-8b", messages=history, tools=tools, max_tokens=20)
     sent = upstream.requests[-1]
-    expected_messages = render_messages([history[0], {"role": "assistant", "content": "", "tool_calls": [{"name": "ping", "arguments": {}}]}, {"role": "tool", "content": "pong"}, history[-1]],
-                                        parse_tools(tools, None, None))
+    expected_messages = render_messages(
+        [
+            history[0],
+            {"role": "assistant", "content": "", "tool_calls": [{"name": "ping", "arguments": {}}]},
+            {"role": "tool", "content": "pong"},
+            history[-1],
+        ],
+        parse_tools(tools, None, None),
+    )
     assert sent["messages"] == expected_messages and "tools" not in sent and "ebnf" not in sent
     c = out.choices[0]
     assert (c.message.content, c.finish_reason) == ("On it. ", "tool_calls")
@@ -237,25 +378,49 @@ def test_tool_calls_through_upstream(gw, upstream):
     chunks = [ch.choices[0] for ch in stream if ch.choices]
     assert "".join(ch.delta.content or "" for ch in chunks) == "On it. " and chunks[-1].finish_reason == "tool_calls"
     assert [t.function.name for ch in chunks for t in ch.delta.tool_calls or ()] == ["ping"]
-    client.chat.completions.create(model="llama-8b", messages=[*history[:1], {"role": "assistant", "content": "Sure"}], max_tokens=2, extra_body={"continue_final_message": True})
+    client.chat.completions.create(
+        model="llama-8b",
+        messages=[*history[:1], {"role": "assistant", "content": "Sure"}],
+        max_tokens=2,
+        extra_body={"continue_final_message": True},
+    )
     assert upstream.requests[-1]["continue_final_message"] is True
-    client.chat.completions.create(model="llama-8b", messages=history[:1], tools=tools, tool_choice="required", max_tokens=2)
+    client.chat.completions.create(
+        model="llama-8b", messages=history[:1], tools=tools, tool_choice="required", max_tokens=2
+    )
     assert "call_json" in upstream.requests[-1]["ebnf"] and upstream.requests[-1]["messages"][0]["role"] == "system"
 
 
 def test_tokenize_and_generate_are_the_upstreams(gw):
     with httpx.Client(base_url=gw.url, timeout=30) as c:
-        for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]}), ("/generate", {"text": "hi"})):
+        for path, body in (
+            ("/tokenize", {"prompt": "hi"}),
+            ("/detokenize", {"tokens": [1]}),
+            ("/generate", {"text": "hi"}),
+        ):
             r = c.post(path, json=body)
             assert r.status_code == 400 and "upstream" in r.json()["error"]["message"]
 
 
 def test_upstream_errors_and_readiness(gw, upstream):
     with httpx.Client(base_url=gw.url, timeout=30) as c:
-        r = c.post("/v1/chat/completions", json={"model": "llama-8b", "messages": [{"role": "user", "content": "fail400"}]})
-        assert r.status_code == 400 and r.json()["error"] == {"message": "bad thing upstream", "type": "invalid_request_error", "param": None, "code": None}
-        r = c.post("/v1/chat/completions", json={"model": "llama-8b", "messages": [{"role": "user", "content": "fail500"}]})
-        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_error" and "upstream exploded" in r.json()["error"]["message"]
+        r = c.post(
+            "/v1/chat/completions", json={"model": "llama-8b", "messages": [{"role": "user", "content": "fail400"}]}
+        )
+        assert r.status_code == 400 and r.json()["error"] == {
+            "message": "bad thing upstream",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": None,
+        }
+        r = c.post(
+            "/v1/chat/completions", json={"model": "llama-8b", "messages": [{"role": "user", "content": "fail500"}]}
+        )
+        assert (
+            r.status_code == 502
+            and r.json()["error"]["code"] == "upstream_error"
+            and "upstream exploded" in r.json()["error"]["message"]
+        )
         assert c.get("/ready").status_code == 200
         upstream.healthy = False
         time.sleep(1.1)  # readiness is cached for 1 s
@@ -285,14 +450,22 @@ def test_an_unreadable_upstream_reply_fails_that_request_alone(gw, upstream):
         assert bad.status_code == 502 and bad.json()["error"]["code"] == "upstream_error"
         ok = c.post("/v1/completions", json={"model": "llama-8b", "prompt": "hi", "max_tokens": 4})
         assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "length"
-        assert 'moa_request_faults_total{backend="sglang",drafter="moa",reason="upstream_response"}' in c.get("/metrics").text
+        assert (
+            'moa_request_faults_total{backend="sglang",drafter="moa",reason="upstream_response"}'
+            in c.get("/metrics").text
+        )
     assert faults._value.get() == before + 1
 
 
 def test_client_disconnect_closes_the_upstream_request(gw, upstream):
     before = upstream.disconnects
     with httpx.Client(base_url=gw.url, timeout=30) as c:
-        body = {"model": "llama-8b", "messages": [{"role": "user", "content": "slow"}], "max_tokens": 200, "stream": True}
+        body = {
+            "model": "llama-8b",
+            "messages": [{"role": "user", "content": "slow"}],
+            "max_tokens": 200,
+            "stream": True,
+        }
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
             for line in r.iter_lines():
                 if '"content": "alpha"' in line:
@@ -306,8 +479,14 @@ def test_client_disconnect_closes_the_upstream_request(gw, upstream):
 def test_sglang_metrics(gw, upstream):
     t = gw.telemetry
     v0, d0, a0, n0 = (x._value.get() for x in (t.verify_steps, t.draft_tokens, t.accepted_tokens, t.generated_tokens))
-    openai.OpenAI(base_url=gw.url + "/v1", api_key="unused").chat.completions.create(model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=6)
-    assert t.verify_steps._value.get() - v0 == 4 and t.draft_tokens._value.get() - d0 == 12 and t.accepted_tokens._value.get() - a0 == 6
+    openai.OpenAI(base_url=gw.url + "/v1", api_key="unused").chat.completions.create(
+        model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=6
+    )
+    assert (
+        t.verify_steps._value.get() - v0 == 4
+        and t.draft_tokens._value.get() - d0 == 12
+        and t.accepted_tokens._value.get() - a0 == 6
+    )
     assert t.generated_tokens._value.get() - n0 == 6
     text = httpx.get(gw.url + "/metrics").text
     assert 'moa_verify_steps_total{backend="sglang",drafter="moa"}' in text
@@ -326,8 +505,25 @@ def test_cli_env_selects_the_sglang_backend(upstream, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "MOA_SERVE_BACKEND": "sglang", "MOA_SERVE_UPSTREAM": upstream.url}
-    proc = subprocess.Popen([sys.executable, "-m", "serving.cli", "serve", "--port", str(port), "--model", "llama-8b", "--drafter", "moa", "--no-access-log"],
-                            env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "log", "w"))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "serving.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--model",
+            "llama-8b",
+            "--drafter",
+            "moa",
+            "--no-access-log",
+        ],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=open(tmp_path / "log", "w"),
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
@@ -337,7 +533,11 @@ def test_cli_env_selects_the_sglang_backend(upstream, tmp_path):
                     break
             except httpx.HTTPError:
                 time.sleep(0.1)
-        r = httpx.post(url + "/v1/chat/completions", json={"model": "llama-8b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, timeout=30)
+        r = httpx.post(
+            url + "/v1/chat/completions",
+            json={"model": "llama-8b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            timeout=30,
+        )
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == expected(2)
         assert httpx.get(url + "/ready").json()["backend"] == "sglang"
     finally:

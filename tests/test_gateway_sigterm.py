@@ -55,22 +55,52 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MOA_SERVE_API_KEYS_FILE": str(keys), "MOA_SERVE_BACKEND": "embedded"}
     env.pop("MOA_SERVE_API_KEYS", None)
     log = open(tmp_path / "server.log", "w")
-    cmd = [sys.executable, "-m", "serving.cli", "serve", "--port", str(port), "--dtype", "float32",  # default drafter: auto
-           "--kv-slots", "2048", "--threads", "1", "--drain-timeout", "120", "--no-access-log"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "serving.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",  # default drafter: auto
+        "--kv-slots",
+        "2048",
+        "--threads",
+        "1",
+        "--drain-timeout",
+        "120",
+        "--no-access-log",
+    ]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_up(url, proc)
-        assert httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}).status_code == 401
+        assert (
+            httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}).status_code
+            == 401
+        )
         assert httpx.get(url + "/v1/models", headers=AUTH).json()["data"][0]["id"] == "smollm2"
 
-        body = {"model": "smollm2", "messages": [{"role": "user", "content": "Write a poem about the sea."}], "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+        body = {
+            "model": "smollm2",
+            "messages": [{"role": "user", "content": "Write a poem about the sea."}],
+            "max_tokens": 48,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
 
         def plain(_):
             r = httpx.post(url + "/v1/chat/completions", json=body, headers=AUTH, timeout=300)
             return r.status_code, r.json()
 
         def streamed():
-            with httpx.stream("POST", url + "/v1/chat/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}, headers=AUTH, timeout=300) as r:
+            with httpx.stream(
+                "POST",
+                url + "/v1/chat/completions",
+                json={**body, "stream": True, "stream_options": {"include_usage": True}},
+                headers=AUTH,
+                timeout=300,
+            ) as r:
                 events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
             return r.status_code, events
 
@@ -85,12 +115,20 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
             while httpx.get(url + "/ready").status_code != 503 and time.monotonic() < deadline:
                 time.sleep(0.05)
             late = httpx.post(url + "/v1/chat/completions", json=body, headers=AUTH, timeout=30)
-            assert late.status_code == 503 and late.json()["error"]["code"] == "service_unavailable" and late.headers["retry-after"]
+            assert (
+                late.status_code == 503
+                and late.json()["error"]["code"] == "service_unavailable"
+                and late.headers["retry-after"]
+            )
             assert httpx.get(url + "/ready").status_code == 503
             assert httpx.get(url + "/health").status_code == 200
             results = [f.result(timeout=300) for f in futures]
         for status, out in results[:2]:
-            assert status == 200 and out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 48
+            assert (
+                status == 200
+                and out["choices"][0]["finish_reason"] == "length"
+                and out["usage"]["completion_tokens"] == 48
+            )
         status, events = results[2]
         assert status == 200 and events[-1] == "[DONE]"
         assert json.loads(events[-2])["usage"]["completion_tokens"] == 48

@@ -86,7 +86,15 @@ def test_chat_jobs_n_seed_and_params():
     assert all(j.params.max_tokens == 7 and j.params.stop == ("x",) and j.params.temperature == 0.7 for j in jobs)
     assert jobs[0].messages == ({"role": "user", "content": "hi"},)
     # developer -> system, text parts joined
-    j = chat_jobs(_chat(messages=[{"role": "developer", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]), Limits())[0]
+    j = chat_jobs(
+        _chat(
+            messages=[
+                {"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            ]
+        ),
+        Limits(),
+    )[0]
     assert j.messages == ({"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"})
     assert j.params.temperature == 1.0 and j.params.seed is None  # OpenAI defaults
 
@@ -94,9 +102,20 @@ def test_chat_jobs_n_seed_and_params():
 def test_chat_jobs_with_tools():
     """Tools reach the job as its reader's set-up; a required call becomes the job's grammar; the
     messages are rendered (tool results as user turns)."""
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}}}]
-    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
-               {"role": "tool", "tool_call_id": "1", "content": "2"}]
+    tools = [
+        {
+            "type": "function",
+            "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+        }
+    ]
+    history = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}],
+        },
+        {"role": "tool", "tool_call_id": "1", "content": "2"},
+    ]
     auto = chat_jobs(_chat(messages=history, tools=tools, n=2), Limits())
     assert [j.tools.choice for j in auto] == ["auto", "auto"] and auto[0].params.grammar is None
     assert [m["role"] for m in auto[0].messages] == ["system", "user", "assistant", "user"]
@@ -171,6 +190,7 @@ def test_scheduler_admits_by_kv_reservation_and_delivers_everything():
     import asyncio
 
     from helpers import tiny_target
+
     from serving.engine import Engine
     from serving.scheduler import QueueFull, Scheduler
     from sglang_ext.drafters import NgramDrafter

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from sglang_ext.grammar import JSON_OBJECT, GrammarSpec, Grammars, apply_bitmask, tree_bitmask
+from sglang_ext.grammar import JSON_OBJECT, Grammars, GrammarSpec, apply_bitmask, tree_bitmask
 from sglang_ext.models.loader import load_tokenizer, resolve_target
 from sglang_ext.sampling import InvalidRequest, SamplingParams
 from sglang_ext.tree import chain_tree, tree_from_parents
@@ -53,7 +53,9 @@ def test_tree_rows_follow_their_own_path(grammars):
 
 
 def test_json_schema_rows(grammars):
-    spec = GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}))
+    spec = GrammarSpec(
+        "json_schema", json.dumps({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
+    )
     row = apply_bitmask(torch.zeros(1, VOCAB), tree_bitmask(grammars.matcher(spec), chain_tree(0, [], 0), VOCAB))[0]
     allowed = row.isfinite().nonzero().flatten().tolist()
     assert 0 < len(allowed) < 100 and all(t != EOS for t in allowed)  # an object must start; it cannot end yet

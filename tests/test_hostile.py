@@ -85,19 +85,38 @@ def tool(parameters) -> list:
 
 
 def call_message(arguments: str) -> list:
-    return [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}]}]
+    return [
+        {
+            "role": "assistant",
+            "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}],
+        }
+    ]
 
 
 # (name, method, path, body: dict | str | bytes | None, status, param)
 HOSTILE = [
     # token ids carried by the OpenAI routes
-    ("chat stop id past the vocab with min_tokens", "POST", CHAT, chat(stop_token_ids=[99999999], min_tokens=1), 400, "stop_token_ids"),
+    (
+        "chat stop id past the vocab with min_tokens",
+        "POST",
+        CHAT,
+        chat(stop_token_ids=[99999999], min_tokens=1),
+        400,
+        "stop_token_ids",
+    ),
     ("chat stop id 10**30", "POST", CHAT, chat(stop_token_ids=[10**30]), 400, "stop_token_ids[0]"),
     ("chat stop id -5", "POST", CHAT, chat(stop_token_ids=[-5]), 400, "stop_token_ids[0]"),
     ("chat stop id == vocab", "POST", CHAT, chat(stop_token_ids=[VOCAB], min_tokens=2), 400, "stop_token_ids"),
     ("chat stop id a string", "POST", CHAT, chat(stop_token_ids=["7"]), 400, "stop_token_ids[0]"),
     ("chat 65 stop ids", "POST", CHAT, chat(stop_token_ids=list(range(65))), 400, "stop_token_ids"),
-    ("chat streamed stop id past the vocab", "POST", CHAT, chat(stop_token_ids=[99999999], min_tokens=1, stream=True), 400, "stop_token_ids"),
+    (
+        "chat streamed stop id past the vocab",
+        "POST",
+        CHAT,
+        chat(stop_token_ids=[99999999], min_tokens=1, stream=True),
+        400,
+        "stop_token_ids",
+    ),
     ("chat logit_bias id past the vocab", "POST", CHAT, chat(logit_bias={"99999999": 5}), 400, "logit_bias"),
     ("chat logit_bias 5000-digit id", "POST", CHAT, chat(logit_bias={"1" * 5000: 5}), 400, "logit_bias"),
     ("chat logit_bias 5000-digit id of zeros", "POST", CHAT, chat(logit_bias={"0" * 4999 + "1": 5}), 400, "logit_bias"),
@@ -111,21 +130,77 @@ HOSTILE = [
     ("chat n 10**30", "POST", CHAT, chat(n=10**30), 400, "n"),
     ("chat n 10**30 with a seed", "POST", CHAT, chat(n=10**30, seed=5), 400, "seed"),
     ("chat seed 2**64", "POST", CHAT, chat(seed=2**64), 400, "seed"),
-    ("chat min_tokens 10**9 without max_tokens", "POST", CHAT, {**chat(min_tokens=10**9), "max_tokens": None}, 400, "min_tokens"),
+    (
+        "chat min_tokens 10**9 without max_tokens",
+        "POST",
+        CHAT,
+        {**chat(min_tokens=10**9), "max_tokens": None},
+        400,
+        "min_tokens",
+    ),
     ("chat top_logprobs 10**9", "POST", CHAT, chat(logprobs=True, top_logprobs=10**9), 400, "top_logprobs"),
     ("chat presence_penalty 1e308", "POST", CHAT, chat(presence_penalty=1e308), 400, "presence_penalty"),
     ("chat repetition_penalty -1", "POST", CHAT, chat(repetition_penalty=-1), 400, "repetition_penalty"),
-    ("chat repetition_penalty 1e-92 (logits / it overflow)", "POST", CHAT, chat(repetition_penalty=1e-92), 400, "repetition_penalty"),
+    (
+        "chat repetition_penalty 1e-92 (logits / it overflow)",
+        "POST",
+        CHAT,
+        chat(repetition_penalty=1e-92),
+        400,
+        "repetition_penalty",
+    ),
     # nesting
     ("chat body 100k nested arrays", "POST", CHAT, DEEP, 400, None),
-    ("chat content 100k nested arrays", "POST", CHAT, raw(chat(), "messages", f'[{{"role": "user", "content": {DEEP}}}]'), 400, None),
-    ("chat json_schema 100k nested arrays", "POST", CHAT, raw(chat(), "response_format", f'{{"type": "json_schema", "json_schema": {{"name": "x", "schema": {DEEP}}}}}'), 400, None),
-    ("chat json_schema 200 levels", "POST", CHAT, chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": deep_schema(200)}}), 400, None),
+    (
+        "chat content 100k nested arrays",
+        "POST",
+        CHAT,
+        raw(chat(), "messages", f'[{{"role": "user", "content": {DEEP}}}]'),
+        400,
+        None,
+    ),
+    (
+        "chat json_schema 100k nested arrays",
+        "POST",
+        CHAT,
+        raw(chat(), "response_format", f'{{"type": "json_schema", "json_schema": {{"name": "x", "schema": {DEEP}}}}}'),
+        400,
+        None,
+    ),
+    (
+        "chat json_schema 200 levels",
+        "POST",
+        CHAT,
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": deep_schema(200)}}),
+        400,
+        None,
+    ),
     ("chat tool parameters 200 levels", "POST", CHAT, chat(tools=tool(deep_schema(200))), 400, None),
-    ("chat tool call arguments 100k nested arrays", "POST", CHAT, chat(messages=call_message(DEEP)), 400, "messages[0].tool_calls[0].function.arguments"),
-    ("chat prediction 100k nested arrays", "POST", CHAT, raw(chat(), "prediction", f'{{"type": "content", "content": {DEEP}}}'), 400, None),
+    (
+        "chat tool call arguments 100k nested arrays",
+        "POST",
+        CHAT,
+        chat(messages=call_message(DEEP)),
+        400,
+        "messages[0].tool_calls[0].function.arguments",
+    ),
+    (
+        "chat prediction 100k nested arrays",
+        "POST",
+        CHAT,
+        raw(chat(), "prediction", f'{{"type": "content", "content": {DEEP}}}'),
+        400,
+        None,
+    ),
     ("chat regex nested 100k groups", "POST", CHAT, chat(regex="(" * 100_000 + "a" + ")" * 100_000), 400, "regex"),
-    ("chat ebnf nested 100k groups", "POST", CHAT, chat(ebnf="root ::= " + "(" * 100_000 + '"a"' + ")" * 100_000), 400, "ebnf"),
+    (
+        "chat ebnf nested 100k groups",
+        "POST",
+        CHAT,
+        chat(ebnf="root ::= " + "(" * 100_000 + '"a"' + ")" * 100_000),
+        400,
+        "ebnf",
+    ),
     ("chat body invalid UTF-8", "POST", CHAT, b'{"messages": [{"role": "user", "content": "\xff\xfe"}]}', 400, None),
     ("chat body a bare number", "POST", CHAT, "1" * 5000, 400, None),
     ("chat messages empty", "POST", CHAT, chat(messages=[]), 400, "messages"),
@@ -135,50 +210,204 @@ HOSTILE = [
     ("completions prompt id 10**30", "POST", COMP, comp(prompt=[1, 2, 10**30]), 400, "prompt"),
     ("completions prompt id -1", "POST", COMP, comp(prompt=[-1]), 400, "prompt"),
     ("completions prompt id past the vocab in a batch", "POST", COMP, comp(prompt=[[1, 2], [99999999]]), 400, "prompt"),
-    ("completions stop id past the vocab with min_tokens", "POST", COMP, comp(stop_token_ids=[99999999], min_tokens=1), 400, "stop_token_ids"),
+    (
+        "completions stop id past the vocab with min_tokens",
+        "POST",
+        COMP,
+        comp(stop_token_ids=[99999999], min_tokens=1),
+        400,
+        "stop_token_ids",
+    ),
     ("completions logprobs 10**9", "POST", COMP, comp(logprobs=10**9), 400, "logprobs"),
-    ("completions echo scoring with a bad bias", "POST", COMP, comp(max_tokens=0, echo=True, logit_bias={"99999999": 1}), 400, "logit_bias"),
+    (
+        "completions echo scoring with a bad bias",
+        "POST",
+        COMP,
+        comp(max_tokens=0, echo=True, logit_bias={"99999999": 1}),
+        400,
+        "logit_bias",
+    ),
     ("completions prompt 100k nested arrays", "POST", COMP, raw(comp(), "prompt", DEEP), 400, None),
     ("completions top_k vocab + 1", "POST", COMP, comp(top_k=VOCAB + 1), 400, "top_k"),
     # SGLang's /generate
-    ("generate min_new_tokens + stop id past the vocab", "POST", GEN, gen({"min_new_tokens": 1, "stop_token_ids": [99999999]}), 400, "sampling_params.stop_token_ids"),
-    ("generate stop id 10**30", "POST", GEN, gen({"stop_token_ids": [10**30]}), 400, "sampling_params.stop_token_ids[0]"),
+    (
+        "generate min_new_tokens + stop id past the vocab",
+        "POST",
+        GEN,
+        gen({"min_new_tokens": 1, "stop_token_ids": [99999999]}),
+        400,
+        "sampling_params.stop_token_ids",
+    ),
+    (
+        "generate stop id 10**30",
+        "POST",
+        GEN,
+        gen({"stop_token_ids": [10**30]}),
+        400,
+        "sampling_params.stop_token_ids[0]",
+    ),
     ("generate stop id -5", "POST", GEN, gen({"stop_token_ids": [-5]}), 400, "sampling_params.stop_token_ids[0]"),
-    ("generate input id 10**30", "POST", GEN, {"input_ids": [1, 10**30], "sampling_params": {"max_new_tokens": 2}}, 400, "input_ids"),
-    ("generate input id -5", "POST", GEN, {"input_ids": [-5], "sampling_params": {"max_new_tokens": 2}}, 400, "input_ids"),
-    ("generate logprob_start_len 10**9", "POST", GEN, gen(return_logprob=True, logprob_start_len=10**9), 400, "logprob_start_len"),
+    (
+        "generate input id 10**30",
+        "POST",
+        GEN,
+        {"input_ids": [1, 10**30], "sampling_params": {"max_new_tokens": 2}},
+        400,
+        "input_ids",
+    ),
+    (
+        "generate input id -5",
+        "POST",
+        GEN,
+        {"input_ids": [-5], "sampling_params": {"max_new_tokens": 2}},
+        400,
+        "input_ids",
+    ),
+    (
+        "generate logprob_start_len 10**9",
+        "POST",
+        GEN,
+        gen(return_logprob=True, logprob_start_len=10**9),
+        400,
+        "logprob_start_len",
+    ),
     ("generate top_k 10**12", "POST", GEN, gen({"top_k": 10**12}), 400, "sampling_params.top_k"),
-    ("generate logit_bias id past the vocab", "POST", GEN, gen({"logit_bias": {"99999999": 1}}), 400, "sampling_params.logit_bias"),
+    (
+        "generate logit_bias id past the vocab",
+        "POST",
+        GEN,
+        gen({"logit_bias": {"99999999": 1}}),
+        400,
+        "sampling_params.logit_bias",
+    ),
     ("generate n 10**30", "POST", GEN, gen({"n": 10**30}), 400, "sampling_params.n"),
     ("generate max_new_tokens -1", "POST", GEN, gen({"max_new_tokens": -1}), 400, "sampling_params.max_new_tokens"),
-    ("generate top_logprobs_num 10**30", "POST", GEN, gen(return_logprob=True, top_logprobs_num=10**30), 400, "top_logprobs_num"),
+    (
+        "generate top_logprobs_num 10**30",
+        "POST",
+        GEN,
+        gen(return_logprob=True, top_logprobs_num=10**30),
+        400,
+        "top_logprobs_num",
+    ),
     ("generate body 100k nested arrays", "POST", GEN, DEEP, 400, None),
     ("generate text 100k nested arrays", "POST", GEN, raw(gen(), "text", DEEP), 400, None),
-    ("generate json_schema 100k nested arrays", "POST", GEN, gen({"json_schema": DEEP}), 400, "sampling_params.json_schema"),
-    ("generate streamed stop id past the vocab", "POST", GEN, gen({"min_new_tokens": 1, "stop_token_ids": [99999999]}, stream=True), 400, "sampling_params.stop_token_ids"),
-    ("generate 100 sampling_params for 1 prompt", "POST", GEN, {"text": "Hi", "sampling_params": [{}] * 100}, 400, "sampling_params"),
+    (
+        "generate json_schema 100k nested arrays",
+        "POST",
+        GEN,
+        gen({"json_schema": DEEP}),
+        400,
+        "sampling_params.json_schema",
+    ),
+    (
+        "generate streamed stop id past the vocab",
+        "POST",
+        GEN,
+        gen({"min_new_tokens": 1, "stop_token_ids": [99999999]}, stream=True),
+        400,
+        "sampling_params.stop_token_ids",
+    ),
+    (
+        "generate 100 sampling_params for 1 prompt",
+        "POST",
+        GEN,
+        {"text": "Hi", "sampling_params": [{}] * 100},
+        400,
+        "sampling_params",
+    ),
     # tokenize / detokenize
     ("tokenize prompt 100k nested arrays", "POST", "/tokenize", raw({}, "prompt", DEEP), 400, None),
-    ("tokenize messages 100k nested arrays", "POST", "/tokenize", raw({}, "messages", f'[{{"role": "user", "content": {DEEP}}}]'), 400, None),
+    (
+        "tokenize messages 100k nested arrays",
+        "POST",
+        "/tokenize",
+        raw({}, "messages", f'[{{"role": "user", "content": {DEEP}}}]'),
+        400,
+        None,
+    ),
     ("tokenize 1000 prompts", "POST", "/tokenize", {"prompt": ["a"] * 1000}, 400, "prompt"),
-    ("tokenize tool parameters 200 levels", "POST", "/v1/tokenize", {"messages": [{"role": "user", "content": "x"}], "tools": tool(deep_schema(200))}, 400, None),
+    (
+        "tokenize tool parameters 200 levels",
+        "POST",
+        "/v1/tokenize",
+        {"messages": [{"role": "user", "content": "x"}], "tools": tool(deep_schema(200))},
+        400,
+        None,
+    ),
     ("tokenize NaN", "POST", "/v1/tokenize", raw({}, "prompt", "NaN"), 400, None),
     ("detokenize id 10**30", "POST", "/detokenize", {"tokens": [10**30]}, 400, "tokens"),
     ("detokenize id -5", "POST", "/detokenize", {"tokens": [-5]}, 400, "tokens"),
     ("detokenize id past the vocab in a batch", "POST", "/detokenize", {"tokens": [[1], [99999999]]}, 400, "tokens"),
     ("detokenize 100k nested arrays", "POST", "/v1/detokenize", raw({}, "tokens", DEEP), 400, None),
     # the edge API
-    ("edge prompt id 10**30", "POST", "/v1/edge/sessions", {"prompt_token_ids": [1, 10**30], "drafter": EDGE_DRAFTER}, 400, "prompt_token_ids"),
-    ("edge prompt id -5", "POST", "/v1/edge/sessions", {"prompt_token_ids": [-5], "drafter": EDGE_DRAFTER}, 400, "prompt_token_ids"),
+    (
+        "edge prompt id 10**30",
+        "POST",
+        "/v1/edge/sessions",
+        {"prompt_token_ids": [1, 10**30], "drafter": EDGE_DRAFTER},
+        400,
+        "prompt_token_ids",
+    ),
+    (
+        "edge prompt id -5",
+        "POST",
+        "/v1/edge/sessions",
+        {"prompt_token_ids": [-5], "drafter": EDGE_DRAFTER},
+        400,
+        "prompt_token_ids",
+    ),
     ("edge body 100k nested arrays", "POST", "/v1/edge/sessions", DEEP, 400, None),
-    ("edge messages without roles", "POST", "/v1/edge/sessions", {"messages": [{"role": 5, "content": "x"}], "drafter": EDGE_DRAFTER}, 400, "messages"),
+    (
+        "edge messages without roles",
+        "POST",
+        "/v1/edge/sessions",
+        {"messages": [{"role": 5, "content": "x"}], "drafter": EDGE_DRAFTER},
+        400,
+        "messages",
+    ),
     ("edge drafter a number", "POST", "/v1/edge/sessions", {"prompt_token_ids": [1], "drafter": 5}, 400, "drafter"),
-    ("edge verify parent 10**30", "POST", "/v1/edge/sessions/{sid}/verify", {"seq_len": 3, "tokens": ["{root}", 5], "parents": [-1, 10**30]}, 400, "parents"),
-    ("edge verify token 10**30", "POST", "/v1/edge/sessions/{sid}/verify", {"seq_len": 3, "tokens": ["{root}", 10**30], "parents": [-1, 0]}, 400, "tokens"),
-    ("edge verify token -5", "POST", "/v1/edge/sessions/{sid}/verify", {"seq_len": 3, "tokens": ["{root}", -5], "parents": [-1, 0]}, 400, "tokens"),
-    ("edge verify seq_len 10**30", "POST", "/v1/edge/sessions/{sid}/verify", {"seq_len": 10**30, "tokens": ["{root}"], "parents": [-1]}, 409, "seq_len"),
+    (
+        "edge verify parent 10**30",
+        "POST",
+        "/v1/edge/sessions/{sid}/verify",
+        {"seq_len": 3, "tokens": ["{root}", 5], "parents": [-1, 10**30]},
+        400,
+        "parents",
+    ),
+    (
+        "edge verify token 10**30",
+        "POST",
+        "/v1/edge/sessions/{sid}/verify",
+        {"seq_len": 3, "tokens": ["{root}", 10**30], "parents": [-1, 0]},
+        400,
+        "tokens",
+    ),
+    (
+        "edge verify token -5",
+        "POST",
+        "/v1/edge/sessions/{sid}/verify",
+        {"seq_len": 3, "tokens": ["{root}", -5], "parents": [-1, 0]},
+        400,
+        "tokens",
+    ),
+    (
+        "edge verify seq_len 10**30",
+        "POST",
+        "/v1/edge/sessions/{sid}/verify",
+        {"seq_len": 10**30, "tokens": ["{root}"], "parents": [-1]},
+        409,
+        "seq_len",
+    ),
     ("edge verify body 100k nested arrays", "POST", "/v1/edge/sessions/{sid}/verify", DEEP, 400, None),
-    ("edge verify unknown session", "POST", "/v1/edge/sessions/nope/verify", {"seq_len": 3, "tokens": [1], "parents": [-1]}, 404, None),
+    (
+        "edge verify unknown session",
+        "POST",
+        "/v1/edge/sessions/nope/verify",
+        {"seq_len": 3, "tokens": [1], "parents": [-1]},
+        404,
+        None,
+    ),
     ("edge delete unknown session", "DELETE", "/v1/edge/sessions/nope", None, 404, None),
     # the rest
     ("unknown model card", "GET", "/v1/models/" + "x" * 5000, None, 404, "model"),
@@ -204,12 +433,41 @@ def send(http: httpx.Client, method: str, path: str, body, session) -> httpx.Res
 
 
 STREAMS = [  # (path, body): greedy, long enough to run while the table is sent
-    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "Write a short poem about the sea."}], "max_tokens": 40,
-            "temperature": 0, "stream": True, "return_token_ids": True}),
-    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "List three uses of copper."}], "max_tokens": 40,
-            "temperature": 0, "stream": True, "return_token_ids": True, "presence_penalty": 0.5, "min_tokens": 8}),
-    (COMP, {"model": MODEL, "prompt": "The history of tea begins", "max_tokens": 40, "temperature": 0, "stream": True,
-            "return_token_ids": True}),
+    (
+        CHAT,
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Write a short poem about the sea."}],
+            "max_tokens": 40,
+            "temperature": 0,
+            "stream": True,
+            "return_token_ids": True,
+        },
+    ),
+    (
+        CHAT,
+        {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "List three uses of copper."}],
+            "max_tokens": 40,
+            "temperature": 0,
+            "stream": True,
+            "return_token_ids": True,
+            "presence_penalty": 0.5,
+            "min_tokens": 8,
+        },
+    ),
+    (
+        COMP,
+        {
+            "model": MODEL,
+            "prompt": "The history of tea begins",
+            "max_tokens": 40,
+            "temperature": 0,
+            "stream": True,
+            "return_token_ids": True,
+        },
+    ),
 ]
 
 
@@ -270,40 +528,81 @@ def check_clean(server, http: httpx.Client) -> None:
 # --- property-based: bodies drawn from the schemas, hostile values mixed with valid ones ----------------
 HUGE = st.sampled_from([-(10**30), -1, 0, 1, VOCAB - 1, VOCAB, 2**31, 2**63, 10**30])
 INTS = st.one_of(st.integers(-3, 8), HUGE)
-HOSTILE_VALUES = st.one_of(INTS, st.floats(allow_nan=False, allow_infinity=False), st.booleans(), st.none(), st.text(max_size=8),
-                           st.lists(INTS, max_size=4), st.dictionaries(st.text(max_size=4), INTS, max_size=2))
+HOSTILE_VALUES = st.one_of(
+    INTS,
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=8),
+    st.lists(INTS, max_size=4),
+    st.dictionaries(st.text(max_size=4), INTS, max_size=2),
+)
 TOKEN_IDS = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=4)
 VALID = {  # values the OpenAI routes accept (some combinations still are a 400: min_tokens > max_tokens, ...)
-    "max_tokens": st.integers(1, 3), "temperature": st.floats(0, 2), "top_p": st.floats(0.05, 1), "top_k": st.integers(-1, 50),
-    "n": st.integers(1, 2), "seed": st.integers(0, 2**63 - 2), "stop_token_ids": TOKEN_IDS, "min_tokens": st.integers(0, 3),
+    "max_tokens": st.integers(1, 3),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0.05, 1),
+    "top_k": st.integers(-1, 50),
+    "n": st.integers(1, 2),
+    "seed": st.integers(0, 2**63 - 2),
+    "stop_token_ids": TOKEN_IDS,
+    "min_tokens": st.integers(0, 3),
     "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100), max_size=2),
-    "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2), "repetition_penalty": st.floats(0.5, 2),
-    "ignore_eos": st.booleans(), "stream": st.booleans(), "stop": st.lists(st.text(min_size=1, max_size=3), max_size=2),
+    "presence_penalty": st.floats(-2, 2),
+    "frequency_penalty": st.floats(-2, 2),
+    "repetition_penalty": st.floats(0.5, 2),
+    "ignore_eos": st.booleans(),
+    "stream": st.booleans(),
+    "stop": st.lists(st.text(min_size=1, max_size=3), max_size=2),
 }
-NATIVE = {"max_new_tokens": st.integers(0, 3), "min_new_tokens": st.integers(0, 2), "stop_token_ids": TOKEN_IDS, "top_k": st.integers(-1, 50),
-          "temperature": st.floats(0, 2), "n": st.integers(1, 2), "sampling_seed": st.integers(0, 2**32),
-          "json_schema": st.just('{"type": "object"}'), "regex": st.just("[a-z]+")}
+NATIVE = {
+    "max_new_tokens": st.integers(0, 3),
+    "min_new_tokens": st.integers(0, 2),
+    "stop_token_ids": TOKEN_IDS,
+    "top_k": st.integers(-1, 50),
+    "temperature": st.floats(0, 2),
+    "n": st.integers(1, 2),
+    "sampling_seed": st.integers(0, 2**32),
+    "json_schema": st.just('{"type": "object"}'),
+    "regex": st.just("[a-z]+"),
+}
 
 
 def mixed(valid: dict):
     """A dict of valid values for some fields, with at most two fields (named or not) given hostile values."""
     names = sorted(valid) + ["logprob_start_len", "top_logprobs", "logprobs", "echo", "best_of"]
-    return st.builds(lambda ok, bad: {**ok, **bad}, st.fixed_dictionaries({}, optional=valid),
-                     st.dictionaries(st.sampled_from(names), HOSTILE_VALUES, max_size=2) | st.just({}))
+    return st.builds(
+        lambda ok, bad: {**ok, **bad},
+        st.fixed_dictionaries({}, optional=valid),
+        st.dictionaries(st.sampled_from(names), HOSTILE_VALUES, max_size=2) | st.just({}),
+    )
 
 
 @st.composite
 def requests(draw):
     route = draw(st.sampled_from([CHAT, COMP, GEN, "/tokenize", "/detokenize"]))
     if route == GEN:
-        prompt = draw(st.one_of(st.just({"text": "Hi"}), st.builds(lambda ids: {"input_ids": ids}, TOKEN_IDS | st.lists(INTS, max_size=3))))
-        extra = draw(st.fixed_dictionaries({}, optional={"return_logprob": st.booleans(), "logprob_start_len": INTS, "top_logprobs_num": INTS}))
+        prompt = draw(
+            st.one_of(
+                st.just({"text": "Hi"}),
+                st.builds(lambda ids: {"input_ids": ids}, TOKEN_IDS | st.lists(INTS, max_size=3)),
+            )
+        )
+        extra = draw(
+            st.fixed_dictionaries(
+                {}, optional={"return_logprob": st.booleans(), "logprob_start_len": INTS, "top_logprobs_num": INTS}
+            )
+        )
         return route, {**prompt, "sampling_params": {"max_new_tokens": 2, **draw(mixed(NATIVE))}, **extra}
     if route == "/detokenize":
         return route, {"tokens": draw(TOKEN_IDS | HOSTILE_VALUES)}
     if route == "/tokenize":
         return route, {"prompt": draw(st.text(max_size=20) | HOSTILE_VALUES)}
-    prompt = {"messages": [{"role": "user", "content": "Hi"}]} if route == CHAT else {"prompt": draw(st.just("Hi") | TOKEN_IDS)}
+    prompt = (
+        {"messages": [{"role": "user", "content": "Hi"}]}
+        if route == CHAT
+        else {"prompt": draw(st.just("Hi") | TOKEN_IDS)}
+    )
     return route, {"model": MODEL, **prompt, "max_tokens": 2, **draw(mixed(VALID))}
 
 
@@ -322,9 +621,15 @@ def test_after_fuzzing_no_fault_and_the_server_still_serves(server, http):
     check_clean(server, http)
     # a temperature whose logits / temperature would overflow decodes greedily
     tiny_t, greedy = (http.post(CHAT, json=chat(temperature=t, max_tokens=8)) for t in (1e-300, 0))
-    assert tiny_t.status_code == 200 and tiny_t.json()["choices"][0]["message"] == greedy.json()["choices"][0]["message"]
+    assert (
+        tiny_t.status_code == 200 and tiny_t.json()["choices"][0]["message"] == greedy.json()["choices"][0]["message"]
+    )
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=4,
-                                       extra_body={"stop_token_ids": [99999999], "min_tokens": 1})
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "x"}],
+            max_tokens=4,
+            extra_body={"stop_token_ids": [99999999], "min_tokens": 1},
+        )
     assert e.value.body["param"] == "stop_token_ids"

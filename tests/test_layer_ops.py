@@ -8,7 +8,9 @@ import torch.nn.functional as F
 from sglang_ext import kernels
 from sglang_ext.models.llama import apply_rope, rms_norm
 
-pytestmark = pytest.mark.skipif(kernels.rope_store is None, reason=f"layer ops unavailable: {kernels.UNAVAILABLE or 'MOA_SERVE_LAYER_OPS=0'}")
+pytestmark = pytest.mark.skipif(
+    kernels.rope_store is None, reason=f"layer ops unavailable: {kernels.UNAVAILABLE or 'MOA_SERVE_LAYER_OPS=0'}"
+)
 
 ops = torch.ops.moa_cpu
 
@@ -112,11 +114,19 @@ def test_target_forward_with_and_without_the_ops(smollm2_fp32):
         try:
             kv = model.new_kv_pool(len(ids) + 8)
             slots = torch.arange(1, len(ids) + 1)
-            out = model.forward(ids, torch.arange(len(ids)), slots, plan_attention([slots], [causal_mask(len(ids), 0)]), kv)
+            out = model.forward(
+                ids, torch.arange(len(ids)), slots, plan_attention([slots], [causal_mask(len(ids), 0)]), kv
+            )
             block = torch.arange(len(ids) + 1, len(ids) + 5)
             nxt = torch.tensor([28, 29, 30, 31])
             all_slots = torch.cat([slots, block])
-            out2 = model.forward(nxt, torch.arange(len(ids), len(ids) + 4), block, plan_attention([all_slots], [causal_mask(4, len(ids))]), kv)
+            out2 = model.forward(
+                nxt,
+                torch.arange(len(ids), len(ids) + 4),
+                block,
+                plan_attention([all_slots], [causal_mask(4, len(ids))]),
+                kv,
+            )
             results.append((model.logits(out.hidden[-1:]), model.logits(out2.hidden)))
         finally:
             kernels.rope_store = saved
@@ -139,7 +149,11 @@ def test_unchecked_rows_kernel_is_the_same_computation(smollm2_fp32):
             kv = model.new_kv_pool(len(ids) + 1)
             slots = torch.arange(1, len(ids) + 1)
             # a short prompt is a few-row forward: the path a decode or verify step takes
-            outs.append(model.forward(ids, torch.arange(len(ids)), slots, plan_attention([slots], [causal_mask(len(ids), 0)]), kv).hidden)
+            outs.append(
+                model.forward(
+                    ids, torch.arange(len(ids)), slots, plan_attention([slots], [causal_mask(len(ids), 0)]), kv
+                ).hidden
+            )
         finally:
             model._rows_kernel = True
     assert torch.equal(*outs)

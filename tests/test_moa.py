@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-
 from helpers import compare_to_reference, tiny_config, tiny_state
+
 from serving.engine import Engine
 from sglang_ext.drafters import make_drafter
 from sglang_ext.drafters.base import DraftInput
@@ -30,7 +30,9 @@ def tiny_pair(tli=0, seed=0, draft_vocab=DRAFT_VOCAB, sa="self", memory="lsa") -
     cfg = tiny_config(vocab=VOCAB, layers=LAYERS)
     target = Target(model=LlamaModel(cfg, tiny_state(cfg, seed)), tokenizer=None, path=None)
     torch.manual_seed(seed)
-    draft = MoADraft(MoAConfig.for_target(cfg, tli=tli, draft_vocab_size=draft_vocab, sa_tree_attention=sa, memory_source=memory))
+    draft = MoADraft(
+        MoAConfig.for_target(cfg, tli=tli, draft_vocab_size=draft_vocab, sa_tree_attention=sa, memory_source=memory)
+    )
     with torch.no_grad():
         for p in draft.parameters():
             p.add_(torch.randn_like(p) * 0.05)  # norms away from 1, so the tests see every weight
@@ -195,7 +197,10 @@ def test_hebo_style_prefixed_names_load(tmp_path):
     target, draft = tiny_pair(tli=0, seed=6)
     draft.save(tmp_path / "ck", dtype=torch.float32)
     st = load_file(str(tmp_path / "ck" / "model.safetensors"))
-    save_file({("model." + k): v for k, v in st.items()} | {"model.embed_tokens.weight": torch.zeros(VOCAB, 32)}, str(tmp_path / "ck" / "model.safetensors"))
+    save_file(
+        {("model." + k): v for k, v in st.items()} | {"model.embed_tokens.weight": torch.zeros(VOCAB, 32)},
+        str(tmp_path / "ck" / "model.safetensors"),
+    )
     loaded = load_moa(tmp_path / "ck", target.cfg)
     assert all(torch.equal(a, b) for a, b in zip(draft.state_dict().values(), loaded.state_dict().values()))
 
@@ -230,7 +235,11 @@ def test_training_forward_matches_the_drafter_chain(tli, memory):
 
 # --- greedy identity ---------------------------------------------------------------------------
 @pytest.mark.parametrize("tli", [0, 1])
-@pytest.mark.parametrize("shape", [TreeShape.chain(4), TreeShape(4, 3, 10), TreeShape(4, 3, 10, min_prob=0.02)], ids=["chain4", "tree4x3x10", "tree4x3x10-min-prob"])
+@pytest.mark.parametrize(
+    "shape",
+    [TreeShape.chain(4), TreeShape(4, 3, 10), TreeShape(4, 3, 10, min_prob=0.02)],
+    ids=["chain4", "tree4x3x10", "tree4x3x10-min-prob"],
+)
 @pytest.mark.parametrize("bs", [1, 4])
 def test_greedy_identity_tiny(tli, shape, bs):
     target, draft = tiny_pair(tli=tli, seed=2)
@@ -254,7 +263,9 @@ def test_sampling_runs_and_drafts_stay_in_vocab(shape):
     eng = Engine(target, MoADrafter(target.model, draft), shape)
     falls = []
     eng.on_fallback = lambda r, reason: falls.append(reason)
-    reqs = eng.generate([[1, 2, 3, 4], [5, 6, 7]], SamplingParams(max_new_tokens=16, temperature=1.0, seed=0, ignore_eos=True))
+    reqs = eng.generate(
+        [[1, 2, 3, 4], [5, 6, 7]], SamplingParams(max_new_tokens=16, temperature=1.0, seed=0, ignore_eos=True)
+    )
     assert not falls and all(len(r.output_ids) == 16 for r in reqs)
     assert all(r.stats.draft_tokens > 0 for r in reqs)
 
@@ -286,8 +297,13 @@ def test_short_training_run_lowers_loss(tmp_path, tli):
         exs.append(Example(ids, torch.arange(ids.numel()) >= 4))
     task = MoATask(target, draft, min_gap=2, max_gap=4, seed=0)
     batches = make_batches(exs, 64, seed=0)
-    trainer = Trainer(task, TargetRunner(target, 64), batches, OptimConfig(lr=1e-2, warmup_ratio=0.1),
-                      RunConfig(str(tmp_path), 40, save_every_s=1e9, progress_bar=False))
+    trainer = Trainer(
+        task,
+        TargetRunner(target, 64),
+        batches,
+        OptimConfig(lr=1e-2, warmup_ratio=0.1),
+        RunConfig(str(tmp_path), 40, save_every_s=1e9, progress_bar=False),
+    )
 
     def evaluate():
         with torch.no_grad():
@@ -324,7 +340,9 @@ def test_greedy_identity_smollm2(smollm2_fp32, eval_prompts, name, bs):
     for i in range(0, len(prompts), bs):
         reqs += eng.generate(prompts[i : i + bs], params)
     verdicts = [compare_to_reference(smollm2_fp32.model, p, r, q.output_ids) for p, r, q in zip(prompts, ref, reqs)]
-    print(f"{name} bs{bs}: {verdicts.count('same')} same, {verdicts.count('tie')} ties; tau {sum(q.stats.accept_length for q in reqs) / len(reqs):.2f}")
+    print(
+        f"{name} bs{bs}: {verdicts.count('same')} same, {verdicts.count('tie')} ties; tau {sum(q.stats.accept_length for q in reqs) / len(reqs):.2f}"
+    )
     assert "bug" not in verdicts, verdicts
 
 

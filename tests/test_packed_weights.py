@@ -9,7 +9,14 @@ from safetensors.torch import save_file
 
 from sglang_ext import kernels
 from sglang_ext.attention import causal_mask, plan_attention
-from sglang_ext.models.loader import PACKED_FILE, load_packed_weights, load_state_dict, resolve_target, smollm2_gguf_path, write_packed_weights
+from sglang_ext.models.loader import (
+    PACKED_FILE,
+    load_packed_weights,
+    load_state_dict,
+    resolve_target,
+    smollm2_gguf_path,
+    write_packed_weights,
+)
 
 pytestmark = pytest.mark.skipif(not kernels.AVAILABLE, reason=f"kernel unavailable: {kernels.UNAVAILABLE}")
 
@@ -54,7 +61,9 @@ def test_linear_packed_equals_linear_small_on_the_dequantized_weights(kind, m, s
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     got = torch.ops.moa_cpu.linear_packed(x, blocks, kernels.PACKED_KIND_IDS[kind])
     assert torch.equal(got, torch.ops.moa_cpu.linear_small(x, w))
-    assert torch.equal(got[m // 2], torch.ops.moa_cpu.linear_packed(x[m // 2 : m // 2 + 1], blocks, kernels.PACKED_KIND_IDS[kind])[0])
+    assert torch.equal(
+        got[m // 2], torch.ops.moa_cpu.linear_packed(x[m // 2 : m // 2 + 1], blocks, kernels.PACKED_KIND_IDS[kind])[0]
+    )
 
 
 def test_linear_dispatches_to_attached_blocks_and_checks_them():
@@ -102,9 +111,21 @@ def test_packed_and_fp32_decode_give_identical_logits(smollm2_fp32, monkeypatch)
     def step_logits():
         kv = model.new_kv_pool(len(ids) + 8)
         slots = torch.arange(len(ids))
-        model.forward(torch.tensor(ids[:-1]), torch.arange(len(ids) - 1), slots[:-1], plan_attention([slots[:-1]], [causal_mask(len(ids) - 1, 0)]), kv)
+        model.forward(
+            torch.tensor(ids[:-1]),
+            torch.arange(len(ids) - 1),
+            slots[:-1],
+            plan_attention([slots[:-1]], [causal_mask(len(ids) - 1, 0)]),
+            kv,
+        )
         # the last token as a decode step (1 row: the kernel path) over the cached prompt
-        out = model.forward(torch.tensor(ids[-1:]), torch.tensor([len(ids) - 1]), slots[-1:], plan_attention([slots], [causal_mask(1, len(ids) - 1)]), kv)
+        out = model.forward(
+            torch.tensor(ids[-1:]),
+            torch.tensor([len(ids) - 1]),
+            slots[-1:],
+            plan_attention([slots], [causal_mask(1, len(ids) - 1)]),
+            kv,
+        )
         return model.logits(out.hidden, fp32=False)
 
     packed = step_logits()
@@ -124,7 +145,11 @@ def test_writer_keeps_only_tensors_whose_blocks_match_exactly(tmp_path):
     packed = load_packed_weights(tmp_path)
     assert set(packed) == {q} and (tmp_path / PACKED_FILE).is_file()
     kind, blocks = packed[q]
-    assert kind == "Q4_1" and torch.equal(torch.ops.moa_cpu.dequantize_packed(blocks, 0, q_cols := state[q].shape[1]), state[q]) and q_cols == 576
+    assert (
+        kind == "Q4_1"
+        and torch.equal(torch.ops.moa_cpu.dequantize_packed(blocks, 0, q_cols := state[q].shape[1]), state[q])
+        and q_cols == 576
+    )
 
 
 # --- bf16 halves: a drafter checkpoint saved in bf16 and run in fp32 -------------------------------
@@ -163,7 +188,10 @@ def test_shipped_drafters_read_bf16_halves(smollm2_fp32):
 
     d = make_drafter("eagle3", smollm2_fp32)
     linears = [m for m in d.draft.modules() if isinstance(m, torch.nn.Linear)]
-    assert linears and all(kernels._packed(m.weight) is not None and m.weight.moa_packed[0] == kernels.PACKED_KIND_IDS["BF16"] for m in linears)
+    assert linears and all(
+        kernels._packed(m.weight) is not None and m.weight.moa_packed[0] == kernels.PACKED_KIND_IDS["BF16"]
+        for m in linears
+    )
 
 
 def test_packed_rows_of_a_weight_give_its_rows_sums():
@@ -186,7 +214,9 @@ def test_moa_draft_head_reads_the_targets_blocks(smollm2_fp32):
 
     d = make_drafter("moa-tli1", smollm2_fp32)
     kind, blocks, _ = kernels._packed(d.head)
-    assert kind == kernels.PACKED_KIND_IDS["Q8_0"] and torch.equal(torch.ops.moa_cpu.dequantize_packed(blocks, kind, d.head.shape[1]), d.head)
+    assert kind == kernels.PACKED_KIND_IDS["Q8_0"] and torch.equal(
+        torch.ops.moa_cpu.dequantize_packed(blocks, kind, d.head.shape[1]), d.head
+    )
 
 
 def test_blocks_attach_to_inference_tensors_too():

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from sglang_ext.penalties import ban_early_stops, output_counts, penalize, penalize_tree, tree_output_counts
 from sglang_ext.grammar import JSON_OBJECT
+from sglang_ext.penalties import ban_early_stops, output_counts, penalize, penalize_tree, tree_output_counts
 from sglang_ext.sampling import InvalidRequest, SamplingParams
 from sglang_ext.tree import chain_tree, tree_from_parents
 
@@ -13,7 +13,9 @@ def test_penalize_by_hand():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0]])
     counts = output_counts([3, 3, 1], 5)  # output: token 3 twice, token 1 once
     assert counts.tolist() == [0, 1, 0, 2, 0]
-    p = SamplingParams(presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0, logit_bias=((0, -10.0), (4, 1.5)))
+    p = SamplingParams(
+        presence_penalty=0.5, frequency_penalty=0.25, repetition_penalty=2.0, logit_bias=((0, -10.0), (4, 1.5))
+    )
     got = penalize(logits, p, counts, prompt_ids=[2])
     # 0: bias only; 1: seen (output), negative -> *2, then -0.25*1 - 0.5; 2: in the prompt -> /2, no
     # output count; 3: seen, positive -> /2, then -0.25*2 - 0.5; 4: bias only
@@ -47,7 +49,10 @@ def test_penalized_tree_rows_equal_penalized_paths():
         want = penalize(logits[i : i + 1], p, output_counts(output + path, vocab), prompt)
         assert torch.equal(got[i : i + 1], want), i
     chain = chain_tree(9, [], 6)  # a plain decode step: the output's counts alone
-    assert torch.equal(penalize_tree(logits[:1], p, prompt, output, chain), penalize(logits[:1], p, output_counts(output, vocab), prompt))
+    assert torch.equal(
+        penalize_tree(logits[:1], p, prompt, output, chain),
+        penalize(logits[:1], p, output_counts(output, vocab), prompt),
+    )
 
 
 def test_min_tokens_bans_stops_by_depth():

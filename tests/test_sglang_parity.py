@@ -57,7 +57,16 @@ class Case:
 
 
 def _cases() -> list[Case]:
-    corners = [(1, 1, 1, 2), (2, 1, 6, 7), (1, 2, 1, 3), (3, 8, 1, 9), (2, 8, 6, 64), (4, 4, 6, 64), (1, 4, 3, 37), (4, 2, 5, 17)]
+    corners = [
+        (1, 1, 1, 2),
+        (2, 1, 6, 7),
+        (1, 2, 1, 3),
+        (3, 8, 1, 9),
+        (2, 8, 6, 64),
+        (4, 4, 6, 64),
+        (1, 4, 3, 37),
+        (4, 2, 5, 17),
+    ]
     cases = [Case(i, *c) for i, c in enumerate(corners)]
     rng = random.Random(2026)
     while len(cases) < 20:
@@ -143,13 +152,24 @@ def make_inputs(case: Case) -> tuple[dict, dict]:
     candidates = stack(trees, "draft_tokens")
     for s in num_spec:
         ours[f"verify{s}"] = verify_tree_greedy(
-            candidates, ours["retrieve_index"], ours["retrieve_next_token"], ours["retrieve_next_sibling"], target_predict, s
+            candidates,
+            ours["retrieve_index"],
+            ours["retrieve_next_token"],
+            ours["retrieve_next_sibling"],
+            target_predict,
+            s,
         )
     sglang_in = {
         "case": asdict(case),
-        "parent_list": parent_list, "top_scores_index": top_scores_index, "draft": draft, "roots": roots, "seq_lens": seq_lens,
+        "parent_list": parent_list,
+        "top_scores_index": top_scores_index,
+        "draft": draft,
+        "roots": roots,
+        "seq_lens": seq_lens,
         # verification is checked on our tree (same as SGLang's whenever the build parity holds)
-        "candidates": candidates, "target_predict": target_predict, "num_spec": num_spec,
+        "candidates": candidates,
+        "target_predict": target_predict,
+        "num_spec": num_spec,
         **{f: ours[f] for f in ("retrieve_index", "retrieve_next_token", "retrieve_next_sibling")},
     }
     return sglang_in, ours
@@ -177,8 +197,16 @@ def _sglang_case(spec_tree, x: dict) -> dict:
         retrieve = torch.full((3, bs, n), -1, dtype=torch.long)
         positions = torch.empty((bs * n,), dtype=torch.long)
         spec_tree.sgl_build_tree_kernel_triton(
-            x["parent_list"], x["top_scores_index"], seq_lens, tree_mask, positions, *retrieve,
-            c.topk, c.depth, n, spec_tree.TreeMaskMode(mode),
+            x["parent_list"],
+            x["top_scores_index"],
+            seq_lens,
+            tree_mask,
+            positions,
+            *retrieve,
+            c.topk,
+            c.depth,
+            n,
+            spec_tree.TreeMaskMode(mode),
         )
         out[mode_name] = tree_mask
         out[f"{mode_name}/positions"] = positions
@@ -193,8 +221,14 @@ def _sglang_case(spec_tree, x: dict) -> dict:
         accept_index = torch.full((bs, s), -1, dtype=torch.int32)
         accept_num = torch.full((bs,), -7, dtype=torch.int32)
         spec_tree.verify_tree_greedy_triton(
-            predicts, accept_index, accept_num, x["candidates"],
-            x["retrieve_index"], x["retrieve_next_token"], x["retrieve_next_sibling"], x["target_predict"],
+            predicts,
+            accept_index,
+            accept_num,
+            x["candidates"],
+            x["retrieve_index"],
+            x["retrieve_next_token"],
+            x["retrieve_next_sibling"],
+            x["target_predict"],
         )
         out[f"verify{s}"] = (predicts, accept_index, accept_num)
     return out
@@ -208,7 +242,12 @@ def sglang_subprocess(inputs: list[dict], workdir: Path) -> list[dict]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), str(in_path), str(out_path)],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out_path)
@@ -227,12 +266,23 @@ def orphan_case_inputs() -> tuple[dict, dict]:
     parent_list, top, draft = search.organize(case.num_draft_tokens)
     trees = build_trees(torch.tensor([1]), search, [5], case.num_draft_tokens)
     fields = ("retrieve_index", "retrieve_next_token", "retrieve_next_sibling")
-    ours = {"qlen": trees[0].tree_mask.flatten(), "positions": trees[0].positions, **{f: stack(trees, f) for f in fields}}
+    ours = {
+        "qlen": trees[0].tree_mask.flatten(),
+        "positions": trees[0].positions,
+        **{f: stack(trees, f) for f in fields},
+    }
     empty = torch.empty(1, 0, dtype=torch.long)
     sglang_in = {
-        "case": asdict(case), "parent_list": parent_list, "top_scores_index": top, "draft": draft,
-        "roots": torch.tensor([1]), "seq_lens": torch.tensor([5]), "num_spec": [],
-        "candidates": empty, "target_predict": empty, **{f: ours[f] for f in fields},
+        "case": asdict(case),
+        "parent_list": parent_list,
+        "top_scores_index": top,
+        "draft": draft,
+        "roots": torch.tensor([1]),
+        "seq_lens": torch.tensor([5]),
+        "num_spec": [],
+        "candidates": empty,
+        "target_predict": empty,
+        **{f: ours[f] for f in fields},
     }
     return sglang_in, ours
 
@@ -261,7 +311,9 @@ def test_build_tree_matches_sglang(parity, case, mode):
 def test_verify_greedy_matches_sglang(parity, case):
     ours, theirs = parity[case.id]
     for s in (case.depth + 1, case.num_draft_tokens):
-        for name, a, b in zip(("predicts", "accept_index", "accept_token_num"), ours[f"verify{s}"], theirs[f"verify{s}"]):
+        for name, a, b in zip(
+            ("predicts", "accept_index", "accept_token_num"), ours[f"verify{s}"], theirs[f"verify{s}"]
+        ):
             assert torch.equal(a.long(), b.long()), f"{name} (num_speculative_tokens={s})"
 
 

@@ -88,9 +88,20 @@ def tiny_moa_checkpoint(out_dir: Path, tli: int = 1, draft_vocab: int = 40, sa_m
     target = out_dir / "target"
     target.mkdir(parents=True, exist_ok=True)
     hf = dict(
-        architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=64,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6,
-        rope_theta=10000.0, max_position_embeddings=512, torch_dtype="float32", tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        torch_dtype="float32",
+        tie_word_embeddings=False,
     )
     (target / "config.json").write_text(json.dumps(hf))
     return out_dir / "moa", target, t
@@ -127,7 +138,10 @@ def draft_parity_case(draft, tm, tli: int, sa_mode: str, steps: int, topk: int, 
         slots.append(s)
         tm.forward(torch.tensor(p), torch.arange(len(p)), s, plan_attention([s], [causal_mask(len(p), 0)]), kv)
         emb.add_request(rid, TargetCapture(token_ids=p, positions=torch.arange(len(p)), slots=s, kv=kv))
-    trees = emb.propose([DraftInput(rid, prompts[rid] + [roots[rid]], SamplingParams(), None) for rid in range(2)], TreeShape(steps, topk, n))
+    trees = emb.propose(
+        [DraftInput(rid, prompts[rid] + [roots[rid]], SamplingParams(), None) for rid in range(2)],
+        TreeShape(steps, topk, n),
+    )
 
     cfg = reference.cfg
     num_slots = kv.k[0].shape[0]
@@ -138,18 +152,43 @@ def draft_parity_case(draft, tm, tli: int, sa_mode: str, steps: int, topk: int, 
         req_to_token[b, : len(p)] = slots[b]
         req_to_token[b, len(p) : len(p) + width] = kv.alloc(width)
         moa_commit(draft, tm.embed, pools, slots[b], torch.arange(len(p)), torch.tensor(p))
-    layers = [(lambda li: (lambda x, pos, s, plan: tm.layer_forward(li, x, tm.rope(pos), s, plan, kv)))(li) for li in range(3 - tli, 3)]
+    layers = [
+        (lambda li: lambda x, pos, s, plan: tm.layer_forward(li, x, tm.rope(pos), s, plan, kv))(li)
+        for li in range(3 - tli, 3)
+    ]
     hot = reference.hot_ids
     parent_list, top, tokens = moa_draft(
-        draft, tm.embed, tm.lm_head[hot], hot, lambda x: rms_norm(x, tm.norm, tm.cfg.rms_norm_eps), layers, pools,
-        tree_attention_torch, req_to_token, torch.arange(2), torch.tensor([len(p) for p in prompts]), torch.tensor(roots),
-        topk, steps, n, sa_mode,
+        draft,
+        tm.embed,
+        tm.lm_head[hot],
+        hot,
+        lambda x: rms_norm(x, tm.norm, tm.cfg.rms_norm_eps),
+        layers,
+        pools,
+        tree_attention_torch,
+        req_to_token,
+        torch.arange(2),
+        torch.tensor([len(p) for p in prompts]),
+        torch.tensor(roots),
+        topk,
+        steps,
+        n,
+        sa_mode,
     )
     out = []
     for b in range(2):
         par, orphans = node_parents(parent_list[b], top[b], topk)
-        ours = tree_from_parents(torch.cat([torch.tensor([roots[b]]), tokens[b]]), par, len(prompts[b]), b, unlinked=orphans)
-        out.append((trees[b].draft_tokens.tolist(), trees[b].parents.tolist(), ours.draft_tokens.tolist(), ours.parents.tolist()))
+        ours = tree_from_parents(
+            torch.cat([torch.tensor([roots[b]]), tokens[b]]), par, len(prompts[b]), b, unlinked=orphans
+        )
+        out.append(
+            (
+                trees[b].draft_tokens.tolist(),
+                trees[b].parents.tolist(),
+                ours.draft_tokens.tolist(),
+                ours.parents.tolist(),
+            )
+        )
     return out
 
 
@@ -195,7 +234,9 @@ def test_flashinfer_plan_reproduces_tree_attention_torch(seed):
     fi = flashinfer_plan(plan)
     assert fi.kv_last_page_len.tolist() == [1] * bs
     assert fi.mask_indptr.tolist() == [0] + np.cumsum([(m.numel() + 7) // 8 for m in masks]).tolist()
-    assert torch.equal(segment_unpackbits_little(fi.packed_mask, fi.mask_indptr, [m.numel() for m in masks]), plan.custom_mask)
+    assert torch.equal(
+        segment_unpackbits_little(fi.packed_mask, fi.mask_indptr, [m.numel() for m in masks]), plan.custom_mask
+    )
     ref = tree_attention_torch(q, k_pool, v_pool, plan, d**-0.5)
     got = paged_attention_reference(q, k_pool, v_pool, fi, d**-0.5)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
@@ -218,14 +259,20 @@ def test_committed_after_verify_matches_a_loop():
         accept_index[b, : len(nodes)] = torch.tensor(nodes) + b * n
     seq_lens = torch.tensor([10, 3, 7])
     slots, pos, tok, bidx = committed_after_verify(out_cache_loc, accept_index, accept_lens, seq_lens, draft_token, n)
-    want = [(int(out_cache_loc[b * n + j]), int(seq_lens[b]) + j, int(draft_token[accept_index[b, j]]), b) for b in range(bs) for j in range(int(accept_lens[b]))]
+    want = [
+        (int(out_cache_loc[b * n + j]), int(seq_lens[b]) + j, int(draft_token[accept_index[b, j]]), b)
+        for b in range(bs)
+        for j in range(int(accept_lens[b]))
+    ]
     assert list(zip(slots.tolist(), pos.tolist(), tok.tolist(), bidx.tolist())) == want
 
 
 def test_committed_after_extend_positions_follow_prefix():
     from sglang_ext.sglang_plugin.layout import committed_after_extend
 
-    slots, pos, tok = committed_after_extend(torch.arange(7) + 100, torch.arange(7) + 50, prefix_lens=[0, 5], extend_lens=[3, 4])
+    slots, pos, tok = committed_after_extend(
+        torch.arange(7) + 100, torch.arange(7) + 50, prefix_lens=[0, 5], extend_lens=[3, 4]
+    )
     assert pos.tolist() == [0, 1, 2, 5, 6, 7, 8]
     assert slots.tolist() == list(range(100, 107)) and tok.tolist() == list(range(50, 57))
 
@@ -233,7 +280,13 @@ def test_committed_after_extend_positions_follow_prefix():
 def test_tree_step_plan_matches_per_node_plans():
     """The worker's batched plan (per request: prefix + draft block, mask = visible columns) gives the
     same attention as one plan row per node listing its slots (what the embedded drafter builds)."""
-    from sglang_ext.sglang_plugin.layout import draft_block, draft_columns, next_visibility, step_columns, tree_step_plan
+    from sglang_ext.sglang_plugin.layout import (
+        draft_block,
+        draft_columns,
+        next_visibility,
+        step_columns,
+        tree_step_plan,
+    )
 
     g = torch.Generator().manual_seed(5)
     bs, topk, steps = 3, 2, 4
@@ -260,12 +313,16 @@ def test_tree_step_plan_matches_per_node_plans():
     per_node = plan_attention(lists, [torch.ones(1, s.numel(), dtype=torch.bool) for s in lists])
     q = torch.randn(bs * topk, 4, 8, generator=g)
     kp, vp = torch.randn(201, 2, 8, generator=g), torch.randn(201, 2, 8, generator=g)
-    torch.testing.assert_close(tree_attention_torch(q, kp, vp, plan, 0.3), tree_attention_torch(q, kp, vp, per_node, 0.3), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        tree_attention_torch(q, kp, vp, plan, 0.3), tree_attention_torch(q, kp, vp, per_node, 0.3), rtol=1e-5, atol=1e-5
+    )
     # step-2 node 0 of request 0 descends from step-1 node 1: it sees root, that node and itself
     assert visible[0, 0, :used].nonzero().flatten().tolist() == [0, 2, 3]
 
 
-@pytest.mark.parametrize("tli,sa_mode,shape", [(1, "self", (4, 3, 10)), (0, "ancestors", (3, 2, 6)), (2, "ancestors", (5, 1, 6))])
+@pytest.mark.parametrize(
+    "tli,sa_mode,shape", [(1, "self", (4, 3, 10)), (0, "ancestors", (3, 2, 6)), (2, "ancestors", (5, 1, 6))]
+)
 def test_draft_core_trees_equal_embedded_moa_drafter(tmp_path, tli, sa_mode, shape):
     """The SGLang worker's draft math (slot-indexed pools, batched tree plans, TLI through the
     target's layers) drafts exactly the embedded MoA drafter's trees."""
@@ -273,7 +330,9 @@ def test_draft_core_trees_equal_embedded_moa_drafter(tmp_path, tli, sa_mode, sha
 
     ckpt, _, _ = tiny_moa_checkpoint(tmp_path, tli=tli, sa_mode=sa_mode)
     draft = load_moa(ckpt)
-    for emb_tokens, emb_parents, our_tokens, our_parents in draft_parity_case(draft, tiny_target_model(), tli, sa_mode, *shape):
+    for emb_tokens, emb_parents, our_tokens, our_parents in draft_parity_case(
+        draft, tiny_target_model(), tli, sa_mode, *shape
+    ):
         assert our_tokens == emb_tokens
         assert our_parents == emb_parents
 
@@ -299,7 +358,9 @@ def _init_single_process_group(port: int) -> None:
 
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
     reset_context()
-    publish(ServerArgs(model_path="dummy", tp_size=1, pp_size=1, device="cpu"), role="test", ranks=SpawnRanks(world_rank=0))
+    publish(
+        ServerArgs(model_path="dummy", tp_size=1, pp_size=1, device="cpu"), role="test", ranks=SpawnRanks(world_rank=0)
+    )
     get_parallel().override_permanently(world_group=parallel_state._WORLD)
     initialize_model_parallel(backend="gloo")
 
@@ -337,11 +398,22 @@ def run_sglang_checks(out_path: str) -> None:
 
     def from_string():
         algo = SpeculativeAlgorithm.from_string("MOA")
-        enum_methods = {n for n, v in vars(SpeculativeAlgorithm).items() if callable(v) and not n.startswith("_") and n not in ("from_string", "register")}
+        enum_methods = {
+            n
+            for n, v in vars(SpeculativeAlgorithm).items()
+            if callable(v) and not n.startswith("_") and n not in ("from_string", "register")
+        }
         missing = sorted(n for n in enum_methods if not callable(getattr(algo, n, None)))
-        return {"type": type(algo).__name__, "name": algo.name, "is_eagle": algo.is_eagle(), "is_eagle3": algo.is_eagle3(),
-                "need_topk": algo.need_topk(), "carries_hidden": algo.carries_draft_hidden_states(), "missing": missing,
-                "lower": type(SpeculativeAlgorithm.from_string("moa")).__name__}
+        return {
+            "type": type(algo).__name__,
+            "name": algo.name,
+            "is_eagle": algo.is_eagle(),
+            "is_eagle3": algo.is_eagle3(),
+            "need_topk": algo.need_topk(),
+            "carries_hidden": algo.carries_draft_hidden_states(),
+            "missing": missing,
+            "lower": type(SpeculativeAlgorithm.from_string("moa")).__name__,
+        }
 
     _check(results, "from_string", from_string)
 
@@ -361,30 +433,111 @@ def run_sglang_checks(out_path: str) -> None:
             for k, v in old.items():
                 os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
-    fields = ("speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens", "disable_overlap_schedule", "page_size", "max_running_requests")
+    fields = (
+        "speculative_algorithm",
+        "speculative_num_steps",
+        "speculative_eagle_topk",
+        "speculative_num_draft_tokens",
+        "disable_overlap_schedule",
+        "page_size",
+        "max_running_requests",
+    )
     accepted = {
         "defaults": ["--speculative-draft-model-path", str(ckpt)],
-        "chain": ["--speculative-draft-model-path", str(ckpt), "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"],
-        "tree": ["--speculative-draft-model-path", str(ckpt), "--speculative-num-steps", "6", "--speculative-eagle-topk", "8", "--speculative-num-draft-tokens", "48"],
-        "chain_implicit_tokens": ["--speculative-draft-model-path", str(ckpt), "--speculative-num-steps", "2", "--speculative-eagle-topk", "1"],
+        "chain": [
+            "--speculative-draft-model-path",
+            str(ckpt),
+            "--speculative-num-steps",
+            "3",
+            "--speculative-eagle-topk",
+            "1",
+            "--speculative-num-draft-tokens",
+            "4",
+        ],
+        "tree": [
+            "--speculative-draft-model-path",
+            str(ckpt),
+            "--speculative-num-steps",
+            "6",
+            "--speculative-eagle-topk",
+            "8",
+            "--speculative-num-draft-tokens",
+            "48",
+        ],
+        "chain_implicit_tokens": [
+            "--speculative-draft-model-path",
+            str(ckpt),
+            "--speculative-num-steps",
+            "2",
+            "--speculative-eagle-topk",
+            "1",
+        ],
     }
     for name, extra in accepted.items():
-        _check(results, f"accept/{name}", lambda extra=extra: {f: getattr(resolved_view(resolve(extra)), f) for f in fields})
-    _check(results, "accept/tli_override", lambda: resolve(["--speculative-draft-model-path", str(ckpt)], {"MOA_SGLANG_TLI": "0"}) is not None)
+        _check(
+            results,
+            f"accept/{name}",
+            lambda extra=extra: {f: getattr(resolved_view(resolve(extra)), f) for f in fields},
+        )
+    _check(
+        results,
+        "accept/tli_override",
+        lambda: resolve(["--speculative-draft-model-path", str(ckpt)], {"MOA_SGLANG_TLI": "0"}) is not None,
+    )
 
     rejected = {
         "no_draft_path": ([], None),
         "eagle3_checkpoint": (["--speculative-draft-model-path", str(eagle3)], None),
-        "chain_token_mismatch": (["--speculative-draft-model-path", str(ckpt), "--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "6"], None),
-        "too_many_tokens": (["--speculative-draft-model-path", str(ckpt), "--speculative-num-steps", "2", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "9"], None),
-        "zero_steps": (["--speculative-draft-model-path", str(ckpt), "--speculative-num-steps", "0", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "3"], None),
+        "chain_token_mismatch": (
+            [
+                "--speculative-draft-model-path",
+                str(ckpt),
+                "--speculative-num-steps",
+                "3",
+                "--speculative-eagle-topk",
+                "1",
+                "--speculative-num-draft-tokens",
+                "6",
+            ],
+            None,
+        ),
+        "too_many_tokens": (
+            [
+                "--speculative-draft-model-path",
+                str(ckpt),
+                "--speculative-num-steps",
+                "2",
+                "--speculative-eagle-topk",
+                "2",
+                "--speculative-num-draft-tokens",
+                "9",
+            ],
+            None,
+        ),
+        "zero_steps": (
+            [
+                "--speculative-draft-model-path",
+                str(ckpt),
+                "--speculative-num-steps",
+                "0",
+                "--speculative-eagle-topk",
+                "2",
+                "--speculative-num-draft-tokens",
+                "3",
+            ],
+            None,
+        ),
         "tp2": (["--speculative-draft-model-path", str(ckpt), "--tp-size", "2"], None),
         "page16": (["--speculative-draft-model-path", str(ckpt), "--page-size", "16"], None),
         "tli_out_of_range": (["--speculative-draft-model-path", str(ckpt)], {"MOA_SGLANG_TLI": "7"}),
         "tli_not_int": (["--speculative-draft-model-path", str(ckpt)], {"MOA_SGLANG_TLI": "one"}),
-        "wrong_target": (["--speculative-draft-model-path", str(ckpt), "--model-path", str(REPO / "drafters" / "smollm2-eagle3")], None),
+        "wrong_target": (
+            ["--speculative-draft-model-path", str(ckpt), "--model-path", str(REPO / "drafters" / "smollm2-eagle3")],
+            None,
+        ),
     }
     for name, (extra, env) in rejected.items():
+
         def expect_error(extra=extra, env=env):
             try:
                 resolve(extra, env)
@@ -408,7 +561,13 @@ def run_sglang_checks(out_path: str) -> None:
 
         sa = resolve(["--speculative-draft-model-path", str(ckpt)])
         mc = ModelConfig.from_server_args(sa, model_path=str(ckpt), is_draft_model=True)
-        return {"archs": mc.hf_config.architectures, "layers": mc.num_hidden_layers, "kv_heads": mc.get_total_num_kv_heads(), "head_dim": mc.head_dim, "context_len": mc.context_len}
+        return {
+            "archs": mc.hf_config.architectures,
+            "layers": mc.num_hidden_layers,
+            "kv_heads": mc.get_total_num_kv_heads(),
+            "head_dim": mc.head_dim,
+            "context_len": mc.context_len,
+        }
 
     _check(results, "draft_model_config", draft_model_config)
 
@@ -418,17 +577,47 @@ def run_sglang_checks(out_path: str) -> None:
 
         smol = work / "smollm2-shape"
         smol.mkdir()
-        (smol / "config.json").write_text(json.dumps(dict(
-            architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
-            num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
-            rope_theta=100000.0, max_position_embeddings=8192, torch_dtype="bfloat16", tie_word_embeddings=True,
-        )))
-        sa = prepare_server_args(["--model-path", str(smol), "--device", "cpu", "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(eagle3)])
+        (smol / "config.json").write_text(
+            json.dumps(
+                dict(
+                    architectures=["LlamaForCausalLM"],
+                    model_type="llama",
+                    vocab_size=49152,
+                    hidden_size=576,
+                    intermediate_size=1536,
+                    num_hidden_layers=30,
+                    num_attention_heads=9,
+                    num_key_value_heads=3,
+                    head_dim=64,
+                    rms_norm_eps=1e-5,
+                    rope_theta=100000.0,
+                    max_position_embeddings=8192,
+                    torch_dtype="bfloat16",
+                    tie_word_embeddings=True,
+                )
+            )
+        )
+        sa = prepare_server_args(
+            [
+                "--model-path",
+                str(smol),
+                "--device",
+                "cpu",
+                "--speculative-algorithm",
+                "EAGLE3",
+                "--speculative-draft-model-path",
+                str(eagle3),
+            ]
+        )
         sa.resolve_once()
         v = resolved_view(sa)
         mc = ModelConfig.from_server_args(sa, model_path=str(eagle3), is_draft_model=True)
-        return {"algo": v.speculative_algorithm, "shape": (v.speculative_num_steps, v.speculative_eagle_topk, v.speculative_num_draft_tokens),
-                "draft_arch": mc.hf_config.architectures, "draft_layers": mc.num_hidden_layers}
+        return {
+            "algo": v.speculative_algorithm,
+            "shape": (v.speculative_num_steps, v.speculative_eagle_topk, v.speculative_num_draft_tokens),
+            "draft_arch": mc.hf_config.architectures,
+            "draft_layers": mc.num_hidden_layers,
+        }
 
     _check(results, "eagle3_server_args", eagle3_server_args)
     _check(results, "process_group", lambda: _init_single_process_group(29711) or True)
@@ -469,8 +658,10 @@ def run_sglang_checks(out_path: str) -> None:
 
         trees = draft_parity_case(WithReference(model, ref), tiny_target_model(), 1, "self", 4, 3, 10)
         return {
-            "checkpoint_names": sorted(state), "consumed": sorted(model.loaded_weight_names),
-            "loaded": sorted(loaded), "expected": sorted(expected_loaded_names(model)),
+            "checkpoint_names": sorted(state),
+            "consumed": sorted(model.loaded_weight_names),
+            "loaded": sorted(loaded),
+            "expected": sorted(expected_loaded_names(model)),
             "hot_ids_equal": torch.equal(model.hot_ids, ref.hot_ids),
             "max_diff": {k: float(v) for k, v in diffs.items()},
             "trees_equal": all(a == c and b == d for a, b, c, d in trees),
@@ -480,9 +671,9 @@ def run_sglang_checks(out_path: str) -> None:
 
     def eagle3_model():
         from sglang.srt.layers.rotary_embedding import base as rope_base
+        from sglang.srt.utils.hf_transformers_utils import get_config
 
         from sglang_ext.models.checkpoint import read_weights
-        from sglang.srt.utils.hf_transformers_utils import get_config
 
         # RotaryEmbedding picks a CPU kernel only under SGLANG_USE_CPU_ENGINE, which also needs
         # sgl_kernel (no CPU wheel); flip just the rope module's flag so the layer builds. RoPE has
@@ -500,20 +691,33 @@ def run_sglang_checks(out_path: str) -> None:
         unset = sorted(n for n, p in model.named_parameters() if torch.isnan(p).any())
         hot = model.hot_token_id
         return {
-            "unset": unset, "hot_ok": hot is not None and torch.equal(hot, state["d2t"] + torch.arange(state["d2t"].numel())),
-            "draft_vocab": int(cfg.draft_vocab_size), "aux": list(cfg.eagle_config["eagle_aux_hidden_state_layer_ids"]),
-            "fc_in": int(model.model.fc.in_features), "qkv_ok": torch.equal(model.model.layers[0].self_attn.qkv_proj.weight[: 576], state["midlayer.self_attn.q_proj.weight"].float()),
+            "unset": unset,
+            "hot_ok": hot is not None and torch.equal(hot, state["d2t"] + torch.arange(state["d2t"].numel())),
+            "draft_vocab": int(cfg.draft_vocab_size),
+            "aux": list(cfg.eagle_config["eagle_aux_hidden_state_layer_ids"]),
+            "fc_in": int(model.model.fc.in_features),
+            "qkv_ok": torch.equal(
+                model.model.layers[0].self_attn.qkv_proj.weight[:576], state["midlayer.self_attn.q_proj.weight"].float()
+            ),
         }
 
     _check(results, "eagle3_model", eagle3_model)
 
     def triton_vs_torch():
         from sglang_ext.attention.triton_tree import tree_attention_triton
-        from sglang_ext.sglang_plugin.layout import draft_block, draft_columns, next_visibility, step_columns, tree_step_plan
+        from sglang_ext.sglang_plugin.layout import (
+            draft_block,
+            draft_columns,
+            next_visibility,
+            step_columns,
+            tree_step_plan,
+        )
 
         out = []
         g = torch.Generator().manual_seed(1)
-        for seed, (bs, topk, steps, dtype) in enumerate([(2, 2, 3, torch.float32), (3, 3, 4, torch.float32), (2, 2, 3, torch.bfloat16)]):
+        for seed, (bs, topk, steps, dtype) in enumerate(
+            [(2, 2, 3, torch.float32), (3, 3, 4, torch.float32), (2, 2, 3, torch.bfloat16)]
+        ):
             seq_lens = torch.randint(1, 40, (bs,), generator=g)
             width = draft_columns(steps, topk)
             req_to_token = torch.zeros(bs, 64, dtype=torch.long)
@@ -526,7 +730,10 @@ def run_sglang_checks(out_path: str) -> None:
             vis = next_visibility(vis, None, step_columns(1, topk), width, bs)
             vis = next_visibility(vis, torch.randint(topk, (bs, topk), generator=g), step_columns(2, topk), width, bs)
             used = int(step_columns(2, topk).max()) + 1
-            for plan in (tree_step_plan(req_to_token, rpi, seq_lens, block[:, :used], vis[:, :, :used], topk), tree_step_plan(req_to_token, rpi, seq_lens, None, None, topk)):
+            for plan in (
+                tree_step_plan(req_to_token, rpi, seq_lens, block[:, :used], vis[:, :, :used], topk),
+                tree_step_plan(req_to_token, rpi, seq_lens, None, None, topk),
+            ):
                 q = torch.randn(bs * topk, 4, 16, generator=g).to(dtype)
                 kp, vp = torch.randn(401, 2, 16, generator=g).to(dtype), torch.randn(401, 2, 16, generator=g).to(dtype)
                 ref = tree_attention_torch(q.float(), kp.float(), vp.float(), plan, 0.25)
@@ -546,7 +753,15 @@ def run_sglang_checks(out_path: str) -> None:
         # SGLang's verify-graph packer: same uniform width n, kv_indptr per request
         kv_indptr = fi.kv_indptr.to(torch.int64)
         out = torch.zeros(int(fi.mask_indptr[-1]) + 8, dtype=torch.uint8)
-        pack_verify_mask_into(torch.cat([m.flatten() for m in masks]), kv_indptr, fi.mask_indptr.to(torch.int64), out, batch_size=bs, query_width=n, max_kv_len=max(m.shape[1] for m in masks))
+        pack_verify_mask_into(
+            torch.cat([m.flatten() for m in masks]),
+            kv_indptr,
+            fi.mask_indptr.to(torch.int64),
+            out,
+            batch_size=bs,
+            query_width=n,
+            max_kv_len=max(m.shape[1] for m in masks),
+        )
         return {"equal": torch.equal(out[: fi.packed_mask.numel()], fi.packed_mask), "bytes": fi.packed_mask.numel()}
 
     _check(results, "pack_vs_sglang", pack_vs_sglang)
@@ -556,9 +771,15 @@ def run_sglang_checks(out_path: str) -> None:
 # Light packages (all declared sglang dependencies) that importing SGLang's model, layer and worker
 # modules needs on a CPU machine where sglang itself is installed --no-deps.
 SGLANG_CPU_DEPS = {
-    "torchvision": "torchvision==0.29.1", "tvm_ffi": "apache-tvm-ffi==0.1.11", "dill": "dill", "sentencepiece": "sentencepiece==0.2.1",
-    "compressed_tensors": "compressed-tensors==0.18.0", "loguru": "loguru", "partial_json_parser": "partial-json-parser",
-    "setproctitle": "setproctitle", "einops": "einops",
+    "torchvision": "torchvision==0.29.1",
+    "tvm_ffi": "apache-tvm-ffi==0.1.11",
+    "dill": "dill",
+    "sentencepiece": "sentencepiece==0.2.1",
+    "compressed_tensors": "compressed-tensors==0.18.0",
+    "loguru": "loguru",
+    "partial_json_parser": "partial-json-parser",
+    "setproctitle": "setproctitle",
+    "einops": "einops",
 }
 
 
@@ -570,9 +791,21 @@ def sglang_results(tmp_path_factory) -> dict:
     if missing:
         pytest.skip(f"SGLang's model/worker modules need {' '.join(missing)} (pip install --no-deps)")
     out = tmp_path_factory.mktemp("sglang") / "results.pt"
-    env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_USE_CPU_ENGINE", "TRITON_INTERPRET", "MOA_SGLANG_TLI", "MOA_SGLANG_DRAFT_ATTENTION")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("SGLANG_USE_CPU_ENGINE", "TRITON_INTERPRET", "MOA_SGLANG_TLI", "MOA_SGLANG_DRAFT_ATTENTION")
+    }
     env["TRITON_INTERPRET"] = "1"
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), str(out)], env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True, timeout=600, check=False)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), str(out)],
+        env=env,
+        cwd=tempfile.gettempdir(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out, weights_only=False)
 
@@ -693,7 +926,9 @@ def test_packed_mask_equals_sglang_pack_kernel(sglang_results):
 
 
 @gpu
-@pytest.mark.skipif(not HAS_CUDA or importlib.util.find_spec("flashinfer") is None, reason="needs a CUDA device and flashinfer")
+@pytest.mark.skipif(
+    not HAS_CUDA or importlib.util.find_spec("flashinfer") is None, reason="needs a CUDA device and flashinfer"
+)
 def test_flashinfer_tree_attention_equals_torch_gpu():
     from sglang_ext.attention.flashinfer_plan import tree_attention_flashinfer
 
@@ -728,7 +963,10 @@ def test_triton_tree_attention_replays_in_cuda_graph_gpu():
 
 
 @gpu
-@pytest.mark.skipif(not HAS_CUDA or not (REPO / "drafters" / "smollm2-moa-tli1" / "config.json").is_file(), reason="needs a CUDA device, the full sglang install and drafters/smollm2-moa-tli1")
+@pytest.mark.skipif(
+    not HAS_CUDA or not (REPO / "drafters" / "smollm2-moa-tli1" / "config.json").is_file(),
+    reason="needs a CUDA device, the full sglang install and drafters/smollm2-moa-tli1",
+)
 def test_sglang_server_with_moa_matches_plain_decoding_gpu():
     """End to end: greedy output of `launch_server --speculative-algorithm MOA` equals the same
     server without speculation, and the server reports an accept length > 1."""
@@ -740,7 +978,20 @@ def test_sglang_server_with_moa_matches_plain_decoding_gpu():
     prompts = ["The capital of France is", "def fibonacci(n):"]
 
     def serve(port, extra):
-        proc = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--model-path", target, "--port", str(port), "--dtype", "bfloat16", *extra])
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "sglang.launch_server",
+                "--model-path",
+                target,
+                "--port",
+                str(port),
+                "--dtype",
+                "bfloat16",
+                *extra,
+            ]
+        )
         try:
             for _ in range(600):
                 try:
@@ -751,14 +1002,29 @@ def test_sglang_server_with_moa_matches_plain_decoding_gpu():
                 import time
 
                 time.sleep(1)
-            outs = [requests.post(f"http://127.0.0.1:{port}/generate", json={"text": p, "sampling_params": {"temperature": 0, "max_new_tokens": 64}}, timeout=120).json() for p in prompts]
+            outs = [
+                requests.post(
+                    f"http://127.0.0.1:{port}/generate",
+                    json={"text": p, "sampling_params": {"temperature": 0, "max_new_tokens": 64}},
+                    timeout=120,
+                ).json()
+                for p in prompts
+            ]
             return [o["text"] for o in outs], [o["meta_info"].get("spec_accept_length", 1.0) for o in outs]
         finally:
             proc.terminate()
             proc.wait(timeout=60)
 
     plain, _ = serve(30111, [])
-    moa, accept = serve(30112, ["--speculative-algorithm", "MOA", "--speculative-draft-model-path", str(REPO / "drafters" / "smollm2-moa-tli1")])
+    moa, accept = serve(
+        30112,
+        [
+            "--speculative-algorithm",
+            "MOA",
+            "--speculative-draft-model-path",
+            str(REPO / "drafters" / "smollm2-moa-tli1"),
+        ],
+    )
     assert moa == plain
     assert min(accept) > 1.0
 

@@ -7,7 +7,6 @@ import random
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 import torch
 
@@ -145,8 +144,10 @@ def test_min_prob_cuts_lookup_nodes_by_share_times_match_confidence():
     the match behind them (0 for no match, 1 from FULL_CONFIDENCE_MATCH tokens); min_prob cuts below it."""
     assert [match_confidence(n) for n in range(5)] == [0.0, 1 / 3, 2 / 3, 1.0, 1.0] and FULL_CONFIDENCE_MATCH == 3
     weighted = [([5, 6, 7], 0.6), ([5, 8], 0.4)]  # node 5: share 1.0, 6 and 7: 0.6, 8: 0.4
+
     def paths(shape, confidence):
         return _paths(trie_tree(1, 10, weighted, shape, confidence=confidence))
+
     assert paths(TreeShape(3, 2, 5), 0.0) == {(5,), (5, 6), (5, 6, 7), (5, 8)}  # no min_prob: no cut
     cut = TreeShape(3, 2, 5, min_prob=0.3)
     assert paths(cut, 1.0) == {(5,), (5, 6), (5, 6, 7), (5, 8)}  # 0.4 >= 0.3
@@ -168,6 +169,7 @@ def test_min_prob_cuts_lookup_nodes_by_share_times_match_confidence():
 
 def test_lookup_drafters_with_min_prob_keep_greedy_output():
     from helpers import tiny_target
+
     from serving.engine import Engine
 
     t = tiny_target(seed=2, vocab=16)
@@ -218,21 +220,44 @@ def test_build_corpus_cli(tmp_path, smollm2_fp32):
     evp = sorted(eval_prompts())
     data = tmp_path / "answers.jsonl"
     recs = [
-        {"id": "a", "conversations": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi there!"}], "finish_reason": "stop"},
-        {"id": "b", "conversations": [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "One two three"}], "finish_reason": "length"},
-    ] + ([{"id": "e", "conversations": [{"role": "user", "content": evp[0]}, {"role": "assistant", "content": "leak"}]}] if evp else [])
+        {
+            "id": "a",
+            "conversations": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi there!"}],
+            "finish_reason": "stop",
+        },
+        {
+            "id": "b",
+            "conversations": [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "One two three"}],
+            "finish_reason": "length",
+        },
+    ] + (
+        [{"id": "e", "conversations": [{"role": "user", "content": evp[0]}, {"role": "assistant", "content": "leak"}]}]
+        if evp
+        else []
+    )
     data.write_text("".join(json.dumps(r) + "\n" for r in recs))
     out = tmp_path / "corpus"
-    res = subprocess.run([sys.executable, "-m", "serving.cli", "build-corpus", "--data", str(data), "--out", str(out)], capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "serving.cli", "build-corpus", "--data", str(data), "--out", str(out)],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr
     docs, meta = load_corpus(out, smollm2_fp32.cfg.vocab_size)
     tok = smollm2_fp32.tokenizer
     eot = tok.eos_token_id
-    assert [d.tolist() for d in docs] == [tok.encode("Hi there!", add_special_tokens=False) + [eot], tok.encode("One two three", add_special_tokens=False)]
+    assert [d.tolist() for d in docs] == [
+        tok.encode("Hi there!", add_special_tokens=False) + [eot],
+        tok.encode("One two three", add_special_tokens=False),
+    ]
     assert make_drafter(str(out), smollm2_fp32).seed.num_docs == 2  # --drafter PATH
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    res = subprocess.run([sys.executable, "-m", "serving.cli", "build-corpus", "--data", str(empty), "--out", str(tmp_path / "x")], capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "serving.cli", "build-corpus", "--data", str(empty), "--out", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode != 0 and "empty" in res.stderr
 
 

@@ -10,7 +10,12 @@ import xgrammar as xgr
 from serving.gateway.errors import APIError
 from serving.gateway.tools import CLOSE, OPEN, ToolCallReader, call_grammar, parse_tools, render_messages, split_output
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "root"]}}, "required": ["city"], "additionalProperties": False}
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "root"]}},
+    "required": ["city"],
+    "additionalProperties": False,
+}
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER}},
     {"type": "function", "function": {"name": "ping"}},  # no parameters: takes {}
@@ -44,7 +49,11 @@ def test_parse_tools_and_choices():
         ([{"type": "function", "function": {"name": ""}}], None, "tools[0].function.name"),
         ([{"type": "function", "function": {"name": "a", "description": 3}}], None, "tools[0].function.description"),
         ([{"type": "function", "function": {"name": "a", "parameters": []}}], None, "tools[0].function.parameters"),
-        ([{"type": "function", "function": {"name": "a", "parameters": {"type": "integer", "minimum": "x"}}}], None, "tools[0].function.parameters"),
+        (
+            [{"type": "function", "function": {"name": "a", "parameters": {"type": "integer", "minimum": "x"}}}],
+            None,
+            "tools[0].function.parameters",
+        ),
         (TOOLS + TOOLS[:1], None, "tools"),
         ([TOOLS[1]] * 129, None, "tools"),
         (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
@@ -62,7 +71,14 @@ def test_render_messages_hermes_format():
     messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Paris and Rome?"},
-        {"role": "assistant", "content": "", "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"name": "get_weather", "arguments": {"city": "Paris"}},
+                {"name": "get_weather", "arguments": {"city": "Rome"}},
+            ],
+        },
         {"role": "tool", "content": "18C"},
         {"role": "tool", "content": "25C"},
         {"role": "assistant", "content": "Checking.", "tool_calls": [{"name": "ping", "arguments": {}}]},
@@ -72,7 +88,10 @@ def test_render_messages_hermes_format():
     assert out[0] == {"role": "system", "content": "Be brief.\n\n" + t.system_block()}
     assert out[1:] == [
         {"role": "user", "content": "Weather in Paris and Rome?"},
-        {"role": "assistant", "content": call("get_weather", {"city": "Paris"}) + "\n" + call("get_weather", {"city": "Rome"})},
+        {
+            "role": "assistant",
+            "content": call("get_weather", {"city": "Paris"}) + "\n" + call("get_weather", {"city": "Rome"}),
+        },
         {"role": "user", "content": "<tool_response>\n18C\n</tool_response>\n<tool_response>\n25C\n</tool_response>"},
         {"role": "assistant", "content": "Checking.\n" + call("ping", {})},
     ]
@@ -97,7 +116,14 @@ def test_call_grammar_accepts_only_schema_valid_calls():
     paris = call("get_weather", {"city": "Paris", "unit": "root"})  # "root" in a literal survives the rule renaming
     assert accepts(one, paris) and accepts(one, call("ping", {}))
     assert accepts(many, paris + "\n" + call("ping", {})) and not accepts(one, paris + "\n" + call("ping", {}))
-    for bad in (call("get_weather", {}), call("get_weather", {"city": 3}), call("get_weather", {"city": "x", "unit": "kelvin"}), call("nope", {}), paris[:-1], "hello"):
+    for bad in (
+        call("get_weather", {}),
+        call("get_weather", {"city": 3}),
+        call("get_weather", {"city": "x", "unit": "kelvin"}),
+        call("nope", {}),
+        paris[:-1],
+        "hello",
+    ):
         assert not accepts(many, bad), bad
     only_ping = call_grammar([t.functions[1]], parallel=True)
     assert accepts(only_ping, call("ping", {})) and not accepts(only_ping, paris)
@@ -132,7 +158,11 @@ def test_reader_splits_content_and_calls_streamed_or_whole(text, content, names)
     assert [c["function"]["name"] for c in calls] == names
     assert got_content == (text if not names else content)
     for c in calls:
-        assert c["type"] == "function" and c["id"].startswith("call_") and isinstance(json.loads(c["function"]["arguments"]), dict)
+        assert (
+            c["type"] == "function"
+            and c["id"].startswith("call_")
+            and isinstance(json.loads(c["function"]["arguments"]), dict)
+        )
     rng = random.Random(0)
     for _ in range(20):  # streamed in random pieces: the same split
         reader = t.reader()

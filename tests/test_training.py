@@ -8,8 +8,8 @@ import json
 
 import pytest
 import torch
-
 from helpers import tiny_config, tiny_state
+
 from sglang_ext.models import LlamaModel
 from sglang_ext.models.eagle3 import Eagle3Config, Eagle3Draft, load_eagle3
 from sglang_ext.training.data import (
@@ -43,8 +43,22 @@ def test_truncated_json_array_keeps_complete_records(tmp_path):
 def test_specforge_jsonl_and_role_normalisation(tmp_path):
     p = tmp_path / "d.jsonl"
     recs = [
-        {"id": "a", "conversations": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
-        {"id": "b", "conversations": [{"role": "assistant", "content": "orphan"}, {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]},
+        {
+            "id": "a",
+            "conversations": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": "a"},
+            ],
+        },
+        {
+            "id": "b",
+            "conversations": [
+                {"role": "assistant", "content": "orphan"},
+                {"role": "user", "content": "q2"},
+                {"role": "assistant", "content": "a2"},
+            ],
+        },
         {"id": "c", "conversations": [{"role": "user", "content": "no answer"}]},
     ]
     p.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
@@ -58,7 +72,10 @@ def test_specforge_jsonl_and_role_normalisation(tmp_path):
     "content,match",
     [
         ("", "is empty"),
-        ('{"id": 1, "conversations": [{"role": "user", "content": "only a question"}]}\n', "no conversation with an assistant turn"),
+        (
+            '{"id": 1, "conversations": [{"role": "user", "content": "only a question"}]}\n',
+            "no conversation with an assistant turn",
+        ),
         ('{"id": 1, "messages": []}\n', "expected an object with a 'conversations' list"),
         ('{"id": 1, "conversations": [{"speaker": "x", "text": "y"}]}\n', "role/content"),
         ("not json\n", "not valid JSON"),
@@ -105,10 +122,16 @@ def tokenizer():
 
 
 def test_loss_mask_covers_exactly_the_assistant_spans(tokenizer):
-    msgs = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "It is 4."},
-            {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "Six."}]
+    msgs = [
+        {"role": "user", "content": "What is 2+2?"},
+        {"role": "assistant", "content": "It is 4."},
+        {"role": "user", "content": "And 3+3?"},
+        {"role": "assistant", "content": "Six."},
+    ]
     ex = encode_conversation(tokenizer, msgs, 4096)
-    assert ex.input_ids.tolist() == tokenizer.encode(tokenizer.apply_chat_template(msgs, tokenize=False), add_special_tokens=False)
+    assert ex.input_ids.tolist() == tokenizer.encode(
+        tokenizer.apply_chat_template(msgs, tokenize=False), add_special_tokens=False
+    )
     spans, cur = [], []
     for t, m in zip(ex.input_ids.tolist(), ex.loss_mask.tolist()):
         if m:
@@ -155,8 +178,13 @@ def _tiny_setup(tmp_path, steps, seed=0):
     draft.set_vocab(torch.topk(token_counts(exs, 64).float() + torch.arange(64).flip(0) * 1e-3, 48).indices)
     task = Eagle3Task(target, draft, ttt_length=3)
     batches = make_batches(exs, 64, seed=0)
-    trainer = Trainer(task, TargetRunner(target, 64), batches, OptimConfig(lr=3e-3, warmup_ratio=0.1),
-                      RunConfig(str(tmp_path), steps, save_every_s=1e9, progress_bar=False))
+    trainer = Trainer(
+        task,
+        TargetRunner(target, 64),
+        batches,
+        OptimConfig(lr=3e-3, warmup_ratio=0.1),
+        RunConfig(str(tmp_path), steps, save_every_s=1e9, progress_bar=False),
+    )
     return task, trainer, batches
 
 
@@ -174,7 +202,9 @@ def test_short_ttt_run_lowers_loss(tmp_path):
 
     def eval_loss():
         with torch.no_grad():
-            return sum(task.loss(b, trainer.runner.run(b, task.capture_layers), 0.0)[0].item() for b in batches) / len(batches)
+            return sum(task.loss(b, trainer.runner.run(b, task.capture_layers), 0.0)[0].item() for b in batches) / len(
+                batches
+            )
 
     before = eval_loss()
     final = trainer.fit()
@@ -212,7 +242,12 @@ def test_train_cli_parser_and_errors(tmp_path):
     parser = argparse.ArgumentParser()
     add_train_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["train", "eagle3", "--data", str(tmp_path / "x.jsonl"), "--out", str(tmp_path / "o")])
-    assert args.draft_type == "eagle3" and args.ttt_length == 7 and args.draft_vocab_size == 16384 and args.device == "auto"
+    assert (
+        args.draft_type == "eagle3"
+        and args.ttt_length == 7
+        and args.draft_vocab_size == 16384
+        and args.device == "auto"
+    )
     (tmp_path / "x.jsonl").write_text("")
     with pytest.raises(DataError, match="empty"):
         args.train_fn(args)

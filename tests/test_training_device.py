@@ -10,9 +10,9 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers import tiny_config, tiny_state
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
-from helpers import tiny_config, tiny_state
 from sglang_ext.models import LlamaModel
 from sglang_ext.models.checkpoint import INDEX, read_weights, save_weights, weight_files
 from sglang_ext.training import job as job_mod
@@ -42,7 +42,9 @@ def test_padded_target_run_matches_the_pooled_one():
         assert torch.allclose(a.captured[layer][valid], b.captured[layer][valid], atol=1e-4, rtol=1e-4)
     for layer in range(cfg.num_layers):
         (ka, va), (kb, vb) = a.layer_kv(layer), b.layer_kv(layer)
-        assert torch.allclose(ka[valid], kb[valid], atol=1e-4, rtol=1e-4) and torch.allclose(va[valid], vb[valid], atol=1e-4, rtol=1e-4)
+        assert torch.allclose(ka[valid], kb[valid], atol=1e-4, rtol=1e-4) and torch.allclose(
+            va[valid], vb[valid], atol=1e-4, rtol=1e-4
+        )
 
 
 def test_a_training_step_of_every_head_is_device_clean_and_sync_free(monkeypatch):
@@ -50,9 +52,22 @@ def test_a_training_step_of_every_head_is_device_clean_and_sync_free(monkeypatch
     losses and metrics all stay on the device without a single host read."""
     from sglang_ext.models.loader import LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
-                      rms_norm_eps=1e-5, rope_theta=100000.0, rope_scaling=None, max_position=8192, tie_word_embeddings=True,
-                      attention_bias=False, eos_token_ids=(2,))
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        rope_scaling=None,
+        max_position=8192,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        eos_token_ids=(2,),
+    )
     batches = make_batches(_examples(cfg.vocab_size, (40, 33, 50)), 256, 0)
     hot = torch.arange(0, 16384, 2)
     drawn_on_host = moa_mod.last_points
@@ -67,17 +82,27 @@ def test_a_training_step_of_every_head_is_device_clean_and_sync_free(monkeypatch
         state = {"model.embed_tokens.weight": torch.empty(cfg.vocab_size, 576), "model.norm.weight": torch.ones(576)}
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
-            for name, shape in (("self_attn.q_proj", (576, 576)), ("self_attn.k_proj", (192, 576)), ("self_attn.v_proj", (192, 576)),
-                                ("self_attn.o_proj", (576, 576)), ("mlp.gate_proj", (1536, 576)), ("mlp.up_proj", (1536, 576)),
-                                ("mlp.down_proj", (576, 1536))):
+            for name, shape in (
+                ("self_attn.q_proj", (576, 576)),
+                ("self_attn.k_proj", (192, 576)),
+                ("self_attn.v_proj", (192, 576)),
+                ("self_attn.o_proj", (576, 576)),
+                ("mlp.gate_proj", (1536, 576)),
+                ("mlp.up_proj", (1536, 576)),
+                ("mlp.down_proj", (576, 1536)),
+            ):
                 state[p + name + ".weight"] = torch.empty(*shape)
             state[p + "input_layernorm.weight"] = torch.ones(576)
             state[p + "post_attention_layernorm.weight"] = torch.ones(576)
         # NOTE: fp32: autocast needs a real CUDA runtime (bf16 under autocast: the next test, on the CPU)
         target = LlamaModel(cfg, state, dtype=torch.float32, device="cuda")
-        tasks = job_mod.build_tasks(target, hot, job_mod.HEADS, {"lambda_kl": 1.0, "lambda_feat": 0.1, "min_gap": 6, "max_gap": 14})
+        tasks = job_mod.build_tasks(
+            target, hot, job_mod.HEADS, {"lambda_kl": 1.0, "lambda_feat": 0.1, "min_gap": 6, "max_gap": 14}
+        )
         assert all(t.autocast for t in tasks)
-        trainer = Trainer(tasks, TargetRunner(target, 256), batches, OptimConfig(), RunConfig("/nonexistent", 10, progress_bar=False))
+        trainer = Trainer(
+            tasks, TargetRunner(target, 256), batches, OptimConfig(), RunConfig("/nonexistent", 10, progress_bar=False)
+        )
         assert not trainer.runner.pooled and trainer.batches[0].input_ids.device.type == "cuda"
         batch = trainer.batches[0]
         tout = trainer.runner.run(batch, trainer.capture_layers, keep_kv=trainer.needs_kv)
@@ -87,7 +112,9 @@ def test_a_training_step_of_every_head_is_device_clean_and_sync_free(monkeypatch
             assert loss.device.type == "cuda" and loss.requires_grad
             assert all(v.device.type == "cuda" for v in metrics.values())
             assert all(p.device.type == "cuda" for p in task.module.parameters())
-        assert {"acc_6", "loss_6"} <= set(tasks[0].loss(batch, tout, 0.5)[1]) and "kl" in tasks[2].loss(batch, tout, 0.5)[1]
+        assert {"acc_6", "loss_6"} <= set(tasks[0].loss(batch, tout, 0.5)[1]) and "kl" in tasks[2].loss(
+            batch, tout, 0.5
+        )[1]
 
 
 def test_every_head_trains_in_bf16_under_autocast():
@@ -95,10 +122,18 @@ def test_every_head_trains_in_bf16_under_autocast():
     cfg = tiny_config(vocab=64, layers=4)
     target = LlamaModel(cfg, tiny_state(cfg, 0), dtype=torch.bfloat16)
     batches = make_batches(_examples(64), 200, 0)
-    tasks = job_mod.build_tasks(target, torch.arange(8, 56), job_mod.HEADS, {"lambda_kl": 1.0, "lambda_feat": 0.1, "min_gap": 3, "max_gap": 5})
+    tasks = job_mod.build_tasks(
+        target, torch.arange(8, 56), job_mod.HEADS, {"lambda_kl": 1.0, "lambda_feat": 0.1, "min_gap": 3, "max_gap": 5}
+    )
     for t in tasks:
         t.autocast = True
-    trainer = Trainer(tasks, TargetRunner(target, 200), batches, OptimConfig(lr=3e-3), RunConfig("/nonexistent", 12, progress_bar=False))
+    trainer = Trainer(
+        tasks,
+        TargetRunner(target, 200),
+        batches,
+        OptimConfig(lr=3e-3),
+        RunConfig("/nonexistent", 12, progress_bar=False),
+    )
     steps = []
     for _ in range(12):
         steps.append({k: float(v) for k, v in trainer.train_step(trainer.batches[0]).items()})
@@ -130,10 +165,18 @@ def _distill_dir(tmp_path, vocab=300, n=12, seed=0):
     p_lens, a_lens = rng.integers(5, 30, n), rng.integers(2, 40, n)
     d = tmp_path / "distill"
     d.mkdir()
-    np.savez(d / "sharegpt-prompts.npz", ids=rng.integers(0, vocab, p_lens.sum()).astype(np.uint16),
-             offsets=np.concatenate([[0], np.cumsum(p_lens)]), src=np.arange(n, dtype=np.int32) * 2)
-    np.savez(d / "smollm2-sharegpt-answers.npz", ids=rng.integers(0, vocab, a_lens.sum()).astype(np.uint16),
-             offsets=np.concatenate([[0], np.cumsum(a_lens)]), prompt_index=np.arange(n, dtype=np.int32))
+    np.savez(
+        d / "sharegpt-prompts.npz",
+        ids=rng.integers(0, vocab, p_lens.sum()).astype(np.uint16),
+        offsets=np.concatenate([[0], np.cumsum(p_lens)]),
+        src=np.arange(n, dtype=np.int32) * 2,
+    )
+    np.savez(
+        d / "smollm2-sharegpt-answers.npz",
+        ids=rng.integers(0, vocab, a_lens.sum()).astype(np.uint16),
+        offsets=np.concatenate([[0], np.cumsum(a_lens)]),
+        prompt_index=np.arange(n, dtype=np.int32),
+    )
     return d, p_lens, a_lens
 
 
@@ -142,7 +185,9 @@ def test_shards_round_trip_with_masks_and_sources(tmp_path):
     exs = list(distill_examples(d, exclude_records={4}))  # record 4 = prompt 2
     assert len(exs) == 11 and all(e.mask.sum() == len(e.ids) - p for e, p in zip(exs, np.delete(p_lens, 2)))
     other = [type(exs[0])(np.arange(70) % 300, np.arange(70) >= 10)]
-    manifest = pack(tmp_path / "shards", {"distill:x": iter(exs), "sharegpt": iter(other)}, vocab_size=300, shard_tokens=100)
+    manifest = pack(
+        tmp_path / "shards", {"distill:x": iter(exs), "sharegpt": iter(other)}, vocab_size=300, shard_tokens=100
+    )
     assert manifest["source_names"] == ["distill:x", "sharegpt"] and len(manifest["shards"]) > 1
     assert manifest["tokens"] == sum(len(e.ids) for e in exs) + 70
     assert manifest["assistant_tokens"] == sum(int(e.mask.sum()) for e in exs) + 60
@@ -172,21 +217,54 @@ def test_gpu_job_smoke_runs_end_to_end_on_cpu(tmp_path):
     d, _, _ = _distill_dir(tmp_path, vocab=49152, n=24)
     pack(tmp_path / "shards", {"distill:d": distill_examples(d)}, vocab_size=49152)
     out = tmp_path / "out"
-    assert job_mod.main(["--shards", str(tmp_path / "shards"), "--out", str(out), "--pack", str(tmp_path / "parts"), "--smoke", "--device", "cpu"]) == 0
+    assert (
+        job_mod.main(
+            [
+                "--shards",
+                str(tmp_path / "shards"),
+                "--out",
+                str(out),
+                "--pack",
+                str(tmp_path / "parts"),
+                "--smoke",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     summary = json.loads((out / "summary.json").read_text())
     assert summary["heads"] == list(job_mod.HEADS) and summary["steps"] == 3 and summary["tokens_seen"] > 0
     assert set(summary["held_out"]) == set(job_mod.HEADS) and "acc_0" in summary["held_out"]["eagle3"]
     curves = json.loads((out / "curves.json").read_text())
-    assert [len(curves[h]) for h in job_mod.HEADS] == [3, 3, 3] and "loss_0" in curves["eagle3"][0] and "kl" in curves["moa-tli1"][-1]
+    assert (
+        [len(curves[h]) for h in job_mod.HEADS] == [3, 3, 3]
+        and "loss_0" in curves["eagle3"][0]
+        and "kl" in curves["moa-tli1"][-1]
+    )
     job_mod.unpack_outputs(tmp_path / "parts", tmp_path / "back")
     target = job_mod.smoke_target(49152, torch.device("cpu"))
     e3 = load_eagle3(tmp_path / "back" / "heads" / "eagle3", target.cfg)
-    assert e3.cfg.draft_vocab_size == 256 and json.loads((out / "heads" / "eagle3" / "config.json").read_text())["training"]["step"] == 3
+    assert (
+        e3.cfg.draft_vocab_size == 256
+        and json.loads((out / "heads" / "eagle3" / "config.json").read_text())["training"]["step"] == 3
+    )
     for tli in (0, 1):
         assert load_moa(tmp_path / "back" / "heads" / f"moa-tli{tli}", target.cfg).cfg.tli == tli
     # fine-tuning: the same job started from those heads keeps their vocab and starts from their weights
-    again = ["--shards", str(tmp_path / "shards"), "--out", str(tmp_path / "ft"), "--smoke", "--device", "cpu", "--heads", "eagle3,moa-tli1",
-             "--init-from", str(tmp_path / "back" / "heads")]
+    again = [
+        "--shards",
+        str(tmp_path / "shards"),
+        "--out",
+        str(tmp_path / "ft"),
+        "--smoke",
+        "--device",
+        "cpu",
+        "--heads",
+        "eagle3,moa-tli1",
+        "--init-from",
+        str(tmp_path / "back" / "heads"),
+    ]
     assert job_mod.main(again) == 0
     ft = load_eagle3(tmp_path / "ft" / "heads" / "eagle3", target.cfg)
     assert torch.equal(ft.d2t, e3.d2t) and not torch.equal(ft.fc.weight, e3.fc.weight)

@@ -98,7 +98,18 @@ def test_logits_to_probs_top_p_top_k():
     assert logits_to_probs(logits, SamplingParams()).argmax() == 0
 
 
-@pytest.mark.parametrize("kw", [dict(max_new_tokens=0), dict(max_new_tokens=-3), dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-1)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(max_new_tokens=0),
+        dict(max_new_tokens=-3),
+        dict(temperature=-0.1),
+        dict(temperature=float("nan")),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(top_k=-1),
+    ],
+)
 def test_bad_sampling_params(kw):
     with pytest.raises(InvalidRequest):
         SamplingParams(**kw)
@@ -112,7 +123,9 @@ def _nucleus_by_full_sort(logits, temperature, top_p):
     return out / out.sum(-1, keepdim=True)
 
 
-@pytest.mark.parametrize("scale", [8.0, 1.0, 0.05], ids=["peaky", "medium", "flat"])  # flat: nucleus wider than 4096 ids
+@pytest.mark.parametrize(
+    "scale", [8.0, 1.0, 0.05], ids=["peaky", "medium", "flat"]
+)  # flat: nucleus wider than 4096 ids
 def test_top_p_partial_topk_equals_full_sort(scale):
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 49152, generator=g) * scale

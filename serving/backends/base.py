@@ -37,7 +37,9 @@ class GenParams:
     min_tokens: int = 0  # extension: no EOS / stop_token_ids before this many tokens
     logprobs: int | None = None  # None: off; k: each token's logprob and its k likeliest alternatives
     echo: bool = False  # completions: the output starts with the prompt (and its logprobs, when asked)
-    prompt_logprobs: bool = False  # the prompt's logprobs (with `logprobs` alternatives) without echoing it (SGLang's /generate)
+    prompt_logprobs: bool = (
+        False  # the prompt's logprobs (with `logprobs` alternatives) without echoing it (SGLang's /generate)
+    )
     logprob_start_len: int | None = None  # /generate: the first prompt position reported (< the prompt's length)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -74,7 +76,11 @@ class SpecStats:
         return (self.accepted_tokens + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
 
     def __add__(self, other: SpecStats) -> SpecStats:
-        return SpecStats(self.verify_steps + other.verify_steps, self.draft_tokens + other.draft_tokens, self.accepted_tokens + other.accepted_tokens)
+        return SpecStats(
+            self.verify_steps + other.verify_steps,
+            self.draft_tokens + other.draft_tokens,
+            self.accepted_tokens + other.accepted_tokens,
+        )
 
     def as_meta_info(self) -> dict:
         return {
@@ -99,9 +105,15 @@ class Chunk:
     token_ids: list[int] | None = None  # all completion token ids, on the last chunk (embedded backend)
     ids: list[int] | None = None  # this chunk's completion token ids, when the backend knows them (embedded)
     logprobs: list[dict] | None = None  # when asked: one OpenAI chat `logprobs.content` entry per token of this chunk
-    token_logprobs: list | None = None  # the same as sglang_ext.sampling.TokenLogprob (token ids), when asked (embedded)
-    prompt_token_logprobs: list | None = None  # TokenLogprob of every prompt token (the first's logprob None), with the first chunk, when asked
-    prediction_tokens: tuple[int, int] | None = None  # with a prediction, on the last chunk: (accepted, rejected) prediction tokens
+    token_logprobs: list | None = (
+        None  # the same as sglang_ext.sampling.TokenLogprob (token ids), when asked (embedded)
+    )
+    prompt_token_logprobs: list | None = (
+        None  # TokenLogprob of every prompt token (the first's logprob None), with the first chunk, when asked
+    )
+    prediction_tokens: tuple[int, int] | None = (
+        None  # with a prediction, on the last chunk: (accepted, rejected) prediction tokens
+    )
 
 
 @dataclass(frozen=True)

@@ -115,7 +115,9 @@ class TokenStrings:
 
     def entries(self, logprobs) -> list[dict]:
         """TokenLogprobs -> OpenAI chat `logprobs.content` entries."""
-        return [{**self.entry(x.token, x.logprob), "top_logprobs": [self.entry(t, lp) for t, lp in x.top]} for x in logprobs]
+        return [
+            {**self.entry(x.token, x.logprob), "top_logprobs": [self.entry(t, lp) for t, lp in x.top]} for x in logprobs
+        ]
 
     def entry(self, token: int, logprob: float | None) -> dict:
         text, raw = self(token)

@@ -32,11 +32,20 @@ class EmbeddedLimits:
 class EmbeddedBackend:
     kind = "embedded"
 
-    def __init__(self, engine: Engine, model_ids: list[str], drafter: str, telemetry: Telemetry, limits: EmbeddedLimits = EmbeddedLimits()):
+    def __init__(
+        self,
+        engine: Engine,
+        model_ids: list[str],
+        drafter: str,
+        telemetry: Telemetry,
+        limits: EmbeddedLimits = EmbeddedLimits(),
+    ):
         self.engine, self.target, self.model_ids, self.drafter = engine, engine.target, model_ids, drafter
         self.limits, self.telemetry = limits, telemetry
         engine.on_fallback = lambda req, reason: telemetry.fallback(reason)
-        self.scheduler = Scheduler(engine, max_running=limits.max_running, max_queue=limits.max_queue, telemetry=telemetry)
+        self.scheduler = Scheduler(
+            engine, max_running=limits.max_running, max_queue=limits.max_queue, telemetry=telemetry
+        )
         # tokens (prompt + output) one request may hold: the model's context, or less if the KV pool is smaller
         self.max_context = min(engine.max_context - 1, self.scheduler.capacity())
         self.max_prompt_tokens = min(limits.max_prompt_tokens or self.max_context - 1, self.max_context - 1)
@@ -90,7 +99,12 @@ class EmbeddedBackend:
         if not ids:
             raise invalid("the prompt is empty", "messages" if job.messages is not None else "prompt")
         if len(ids) > self.max_prompt_tokens:
-            raise APIError(400, f"the prompt has {len(ids)} tokens; this server accepts at most {self.max_prompt_tokens}", param="messages" if job.messages is not None else "prompt", code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"the prompt has {len(ids)} tokens; this server accepts at most {self.max_prompt_tokens}",
+                param="messages" if job.messages is not None else "prompt",
+                code="context_length_exceeded",
+            )
         return ids
 
     def sampling_params(self, job: Job, prompt_len: int) -> SamplingParams:
@@ -108,15 +122,30 @@ class EmbeddedBackend:
         else:
             max_new = max(p.max_tokens, 1)  # 0 (echo: score the prompt only): one token is generated and dropped
         if p.logprob_start_len is not None and not 0 <= p.logprob_start_len < prompt_len:
-            raise invalid(f"logprob_start_len must be -1 (output tokens only) or a prompt position from 0 to {prompt_len - 1} "
-                          f"(the prompt has {prompt_len} tokens), got {p.logprob_start_len}", "logprob_start_len")
+            raise invalid(
+                f"logprob_start_len must be -1 (output tokens only) or a prompt position from 0 to {prompt_len - 1} "
+                f"(the prompt has {prompt_len} tokens), got {p.logprob_start_len}",
+                "logprob_start_len",
+            )
         try:
             params = SamplingParams(
-                max_new, p.temperature, p.top_p, p.top_k, p.seed, tuple(p.stop_token_ids), p.ignore_eos, p.logprobs,
+                max_new,
+                p.temperature,
+                p.top_p,
+                p.top_k,
+                p.seed,
+                tuple(p.stop_token_ids),
+                p.ignore_eos,
+                p.logprobs,
                 prompt_logprobs=p.logprobs if p.echo or p.prompt_logprobs else None,
-                presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
-                repetition_penalty=p.repetition_penalty, logit_bias=p.logit_bias, grammar=p.grammar, min_tokens=p.min_tokens,
-                prediction=tuple(self.target.encode(p.prediction)) if p.prediction else ())
+                presence_penalty=p.presence_penalty,
+                frequency_penalty=p.frequency_penalty,
+                repetition_penalty=p.repetition_penalty,
+                logit_bias=p.logit_bias,
+                grammar=p.grammar,
+                min_tokens=p.min_tokens,
+                prediction=tuple(self.target.encode(p.prediction)) if p.prediction else (),
+            )
             params.check_vocab(self.target.cfg.vocab_size)
         except InvalidRequest as e:
             raise invalid(str(e), e.param) from e
@@ -126,7 +155,10 @@ class EmbeddedBackend:
         """An echoed prompt's logprobs entries: the first token has none (no context), as in OpenAI's API."""
         if prompt_logprobs is None:
             return None
-        return [{**self.token_strings.entry(ids[0], None), "top_logprobs": None}, *self.token_strings.entries(prompt_logprobs)]
+        return [
+            {**self.token_strings.entry(ids[0], None), "top_logprobs": None},
+            *self.token_strings.entries(prompt_logprobs),
+        ]
 
     async def generate(self, job: Job) -> AsyncGenerator[Chunk, None]:
         ids = self.prompt_ids(job)
@@ -144,11 +176,15 @@ class EmbeddedBackend:
                 if d.error:
                     raise invalid(d.error, None) if d.invalid else APIError(500, d.error, code="internal_error")
                 if d.finish_reason == "abort":
-                    raise APIError(503, "the request was aborted: the server is shutting down", code="service_unavailable")
+                    raise APIError(
+                        503, "the request was aborted: the server is shutting down", code="service_unavailable"
+                    )
                 try:
                     chunk, stopped = out.chunk(d)
                     if chunk.finish_reason and params.prediction:
-                        chunk.prediction_tokens = await asyncio.to_thread(prediction_usage, params.prediction, chunk.token_ids)
+                        chunk.prediction_tokens = await asyncio.to_thread(
+                            prediction_usage, params.prediction, chunk.token_ids
+                        )
                 except Exception as e:  # noqa: BLE001 - this request's fault alone
                     raise self._fault("detokenize") from e
                 if stopped or job.params.max_tokens == 0:
@@ -195,8 +231,17 @@ class _Output:
         ids, echo = self.ids, self.job.params.echo
         if self.job.params.max_tokens == 0:  # echo only: the prompt (and its logprobs); the sampled token is dropped
             lps = self.backend._echo_logprobs(ids, d.prompt_logprobs) if echo else None
-            return Chunk(self.echo, 0, "length", prompt_tokens=len(ids), completion_tokens=0, spec=SpecStats(),
-                         token_ids=[], logprobs=lps, prompt_token_logprobs=_with_first(ids, d.prompt_logprobs)), False
+            return Chunk(
+                self.echo,
+                0,
+                "length",
+                prompt_tokens=len(ids),
+                completion_tokens=0,
+                spec=SpecStats(),
+                token_ids=[],
+                logprobs=lps,
+                prompt_token_logprobs=_with_first(ids, d.prompt_logprobs),
+            ), False
         self.produced += len(d.tokens)
         delta, stopped = self.text.push(d.tokens, final=d.finish_reason is not None)
         finish = "stop" if stopped else d.finish_reason

@@ -92,7 +92,9 @@ class SGLangBackend:
             base_url=self.config.url.rstrip("/"),
             headers=headers,
             timeout=httpx.Timeout(connect=5.0, read=self.config.timeout_s, write=30.0, pool=None),
-            limits=httpx.Limits(max_connections=self.config.max_running, max_keepalive_connections=self.config.max_running),
+            limits=httpx.Limits(
+                max_connections=self.config.max_running, max_keepalive_connections=self.config.max_running
+            ),
             trust_env=False,  # in-cluster traffic must not go through an HTTP(S)_PROXY from the environment
         )
         self._ticker = asyncio.create_task(self._tick())
@@ -153,7 +155,12 @@ class SGLangBackend:
 
     async def _payload(self, job: Job) -> tuple[str, dict]:
         p = job.params
-        body: dict = {"model": await self._model(), "stream": True, "stream_options": {"include_usage": True}, "return_spec_tokens_details": True}
+        body: dict = {
+            "model": await self._model(),
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_spec_tokens_details": True,
+        }
         body.update(temperature=p.temperature, top_p=p.top_p)
         for key, value in (("max_tokens", p.max_tokens), ("seed", p.seed)):
             if value is not None:
@@ -168,7 +175,11 @@ class SGLangBackend:
             body["ignore_eos"] = True
         if p.min_tokens:
             body["min_tokens"] = p.min_tokens
-        for key, value, off in (("presence_penalty", p.presence_penalty, 0.0), ("frequency_penalty", p.frequency_penalty, 0.0), ("repetition_penalty", p.repetition_penalty, 1.0)):
+        for key, value, off in (
+            ("presence_penalty", p.presence_penalty, 0.0),
+            ("frequency_penalty", p.frequency_penalty, 0.0),
+            ("repetition_penalty", p.repetition_penalty, 1.0),
+        ):
             if value != off:
                 body[key] = value
         if p.logit_bias:
@@ -185,11 +196,16 @@ class SGLangBackend:
             body["logprobs"] = p.logprobs
         if p.echo:
             body["echo"] = True
-        return "/v1/completions", {**body, "prompt": job.prompt if isinstance(job.prompt, str) else list(job.prompt or ())}
+        return "/v1/completions", {
+            **body,
+            "prompt": job.prompt if isinstance(job.prompt, str) else list(job.prompt or ()),
+        }
 
     async def generate(self, job: Job) -> AsyncGenerator[Chunk, None]:
         if self._in_flight >= self.config.max_running + self.config.max_queue:
-            raise APIError(429, "the server is busy; retry later", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+            raise APIError(
+                429, "the server is busy; retry later", code="rate_limit_exceeded", headers={"Retry-After": "1"}
+            )
         path, body = await self._payload(job)
         self._in_flight += 1
         try:
@@ -232,7 +248,9 @@ class SGLangBackend:
                 text = (c.get("delta") or {}).get("content") if chat else c.get("text")
                 if c.get("finish_reason"):
                     if c["finish_reason"] not in _FINISH:
-                        raise APIError(502, f"upstream finished the request with {c['finish_reason']!r}", code="upstream_error")
+                        raise APIError(
+                            502, f"upstream finished the request with {c['finish_reason']!r}", code="upstream_error"
+                        )
                     finish = _FINISH[c["finish_reason"]]
                 logprobs = _logprob_entries(c.get("logprobs"), chat)
                 if text or logprobs:
@@ -257,11 +275,15 @@ def _logprob_entries(obj: dict | None, chat: bool) -> list[dict] | None:
     the legacy completions shape is converted, bytes from the token text)."""
     if not obj:
         return None
+
     def entry(e: dict) -> dict:
         return logprob_entry(e["token"], e["logprob"], e.get("bytes") or None)
 
     if chat:
-        return [{**entry(e), "top_logprobs": [entry(t) for t in e.get("top_logprobs") or ()]} for e in obj.get("content") or ()] or None
+        return [
+            {**entry(e), "top_logprobs": [entry(t) for t in e.get("top_logprobs") or ()]}
+            for e in obj.get("content") or ()
+        ] or None
     tops = obj.get("top_logprobs") or [None] * len(obj.get("tokens") or ())
     return [
         {**logprob_entry(t, lp), "top_logprobs": [logprob_entry(k, v) for k, v in (top or {}).items()]}
@@ -283,7 +305,13 @@ async def _upstream_error(r: httpx.Response) -> APIError:
     if 400 <= r.status_code < 500:
         headers = {"Retry-After": r.headers["retry-after"]} if "retry-after" in r.headers else None
         code, param = err.get("code"), err.get("param")
-        return APIError(r.status_code, message, param=param if isinstance(param, str) else None, code=code if isinstance(code, str) else None, headers=headers)
+        return APIError(
+            r.status_code,
+            message,
+            param=param if isinstance(param, str) else None,
+            code=code if isinstance(code, str) else None,
+            headers=headers,
+        )
     return APIError(502, f"upstream error {r.status_code}: {message}", code="upstream_error")
 
 
@@ -292,9 +320,18 @@ def _grammar_fields(g: GrammarSpec) -> dict:
     if g == JSON_OBJECT:
         return {"response_format": {"type": "json_object"}}
     if g.kind == "json_schema":
-        return {"response_format": {"type": "json_schema", "json_schema": {"name": "response", "schema": json.loads(g.source)}}}
+        return {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "response", "schema": json.loads(g.source)},
+            }
+        }
     return {g.kind: g.source}
 
 
 def _no_tokenizer() -> APIError:
-    return APIError(400, "tokenize / detokenize are not available with the sglang backend (the gateway holds no tokenizer): call the upstream SGLang server's /tokenize and /detokenize", code="unsupported_parameter")
+    return APIError(
+        400,
+        "tokenize / detokenize are not available with the sglang backend (the gateway holds no tokenizer): call the upstream SGLang server's /tokenize and /detokenize",
+        code="unsupported_parameter",
+    )

@@ -65,7 +65,9 @@ class Telemetry:
         self.accept_length.observe(accepted + 1)
         self.draft_per_step.observe(drafted)
 
-    def spec_totals(self, verify_steps: int, drafted: int, accepted: int, accepted_histogram: list[int] | None = None) -> None:
+    def spec_totals(
+        self, verify_steps: int, drafted: int, accepted: int, accepted_histogram: list[int] | None = None
+    ) -> None:
         """A finished request's totals, when per-step data is not available (upstream backend).
 
         accepted_histogram[i] = verify steps that accepted i draft tokens (SGLang's spec_correct_drafts_histogram).
@@ -116,5 +118,9 @@ class Telemetry:
         """usage: a KVCacheUsage, or None (an upstream backend): then no series, rather than a capacity of 0."""
         if usage is not None:
             m = self.metrics
-            for gauge, value in ((m.kv_used, usage.used), (m.kv_reserved, usage.reserved), (m.kv_capacity, usage.capacity)):
+            for gauge, value in (
+                (m.kv_used, usage.used),
+                (m.kv_reserved, usage.reserved),
+                (m.kv_capacity, usage.capacity),
+            ):
                 gauge.labels(**self._lab).set(value)

@@ -25,21 +25,41 @@ import httpx
 
 
 def add_edge_parsers(sub) -> None:
-    e = sub.add_parser("edge", help="generate on an edge client: draft here, verify on a moa-serve server (--edge-drafters)")
+    e = sub.add_parser(
+        "edge", help="generate on an edge client: draft here, verify on a moa-serve server (--edge-drafters)"
+    )
     e.add_argument("--server", required=True, help="base URL of a `moa-serve serve --edge-drafters ...` server")
     e.add_argument("--prompt", required=True)
-    e.add_argument("--drafter", default="moa-tli1", help="a drafter the server offers: moa-tli0 | moa-tli1 | moa | eagle3 | PATH")
-    e.add_argument("--model", default="smollm2", help="the local copy of the target (its embeddings, norm, head and last TLI layers are used)")
+    e.add_argument(
+        "--drafter", default="moa-tli1", help="a drafter the server offers: moa-tli0 | moa-tli1 | moa | eagle3 | PATH"
+    )
+    e.add_argument(
+        "--model",
+        default="smollm2",
+        help="the local copy of the target (its embeddings, norm, head and last TLI layers are used)",
+    )
     e.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
-    e.add_argument("--wire-dtype", default="fp16", choices=["fp32", "bf16", "fp16", "int8"], help="dtype of the context the server sends")
+    e.add_argument(
+        "--wire-dtype",
+        default="fp16",
+        choices=["fp32", "bf16", "fp16", "int8"],
+        help="dtype of the context the server sends",
+    )
     e.add_argument("--tree", default=None)
     e.add_argument("--max-new-tokens", type=int, default=128)
     e.add_argument("--timeout", type=float, default=2.0, help="seconds before a call counts as disconnected")
-    e.add_argument("--resync", default="verify", choices=["verify", "keep"], help="offline tokens on reconnect: verified and replaced from the first disagreement, or kept")
+    e.add_argument(
+        "--resync",
+        default="verify",
+        choices=["verify", "keep"],
+        help="offline tokens on reconnect: verified and replaced from the first disagreement, or kept",
+    )
     e.add_argument("--api-key", default=os.environ.get("MOA_SERVE_API_KEY"))
     e.set_defaults(handler=cmd_edge)
 
-    b = sub.add_parser("edge-bench", help="client–server decoding over emulated 5G/4G links (needs root for network namespaces)")
+    b = sub.add_parser(
+        "edge-bench", help="client–server decoding over emulated 5G/4G links (needs root for network namespaces)"
+    )
     b.add_argument("--profiles", default="5g,4g", help="comma list of lan,5g,4g")
     b.add_argument("--drafters", default="moa-tli0,moa-tli1,eagle3")
     b.add_argument("--server-drafter", default="none", help="the server's own drafter for the API baseline")
@@ -48,7 +68,11 @@ def add_edge_parsers(sub) -> None:
     b.add_argument("--max-new-tokens", type=int, default=96)
     b.add_argument("--wire-dtype", default="fp16", choices=["fp32", "bf16", "fp16", "int8"])
     b.add_argument("--also-int8", action="store_true", help="add rows with int8 context to measure its effect on τ")
-    b.add_argument("--trees", default="", help="';'-separated tree shapes to compare per drafter (e.g. '3,4,16;1,2,3'); default: the drafter's default tree")
+    b.add_argument(
+        "--trees",
+        default="",
+        help="';'-separated tree shapes to compare per drafter (e.g. '3,4,16;1,2,3'); default: the drafter's default tree",
+    )
     b.add_argument("--cut", action="store_true", help="add the disconnect run (link cut after 50 tokens)")
     b.add_argument("--threads", type=int, default=1, help="torch threads for the client and for the server")
     b.add_argument("--out", default="results/edge")
@@ -74,8 +98,17 @@ def cmd_edge(args) -> int:
 
     target = load_target(args.model, dtype=args.dtype)
     tree = TreeShape.parse(args.tree) if args.tree else default_tree(args.drafter)
-    client = EdgeClient(args.server, _local_drafter(target, args.drafter), args.drafter, tree, args.wire_dtype, args.api_key, args.timeout, args.resync,
-                        eos_ids=tuple(target.cfg.eos_token_ids))
+    client = EdgeClient(
+        args.server,
+        _local_drafter(target, args.drafter),
+        args.drafter,
+        tree,
+        args.wire_dtype,
+        args.api_key,
+        args.timeout,
+        args.resync,
+        eos_ids=tuple(target.cfg.eos_token_ids),
+    )
     ids = target.encode_chat([{"role": "user", "content": args.prompt}])
     pending: list[int] = []
     dim, reset = ("\033[2m", "\033[0m") if sys.stdout.isatty() else ("[", "]")
@@ -92,8 +125,11 @@ def cmd_edge(args) -> int:
             pending = []
     print()
     st = client.stats
-    print(f"[{st.cycles} cycles, τ {st.accept_length:.2f}, {st.calls} calls, {sum(st.cycle_bytes) / max(1, len(st.cycle_bytes)):.0f} B/cycle, "
-          f"{st.disconnects} disconnects, {st.offline_tokens} offline tokens ({st.offline_kept} kept)]", file=sys.stderr)
+    print(
+        f"[{st.cycles} cycles, τ {st.accept_length:.2f}, {st.calls} calls, {sum(st.cycle_bytes) / max(1, len(st.cycle_bytes)):.0f} B/cycle, "
+        f"{st.disconnects} disconnects, {st.offline_tokens} offline tokens ({st.offline_kept} kept)]",
+        file=sys.stderr,
+    )
     client.close()
     return 0
 
@@ -117,8 +153,14 @@ def _api_run(url: str, prompt: str, max_tokens: int) -> dict:
     """Stream one chat completion; tokens/s over the whole request (as a user sees it)."""
     t0 = time.perf_counter()
     n, first = 0, None
-    body = {"model": "smollm2", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -133,7 +175,9 @@ def _api_run(url: str, prompt: str, max_tokens: int) -> dict:
     return {"tokens": n, "seconds": dt, "tokens_per_s": n / dt, "ttft_s": first, "calls_per_token": 1 / max(n, 1)}
 
 
-def _edge_run(client, ids: list[int], max_tokens: int, cut_after: int | None = None, link=None, cut_seconds: float = 3.0) -> dict:
+def _edge_run(
+    client, ids: list[int], max_tokens: int, cut_after: int | None = None, link=None, cut_seconds: float = 3.0
+) -> dict:
     import threading
 
     from .client import EdgeStats, collect
@@ -160,9 +204,18 @@ def _edge_run(client, ids: list[int], max_tokens: int, cut_after: int | None = N
         link.restore()
     dt = time.perf_counter() - t0
     st = client.stats
-    return {"tokens": len(verified), "seconds": dt, "tokens_per_s": len(verified) / dt, "tau": st.accept_length, "calls": st.calls,
-            "calls_per_token": st.calls / max(1, len(verified)), "bytes_per_cycle": sum(st.cycle_bytes) / max(1, len(st.cycle_bytes)),
-            "offline_tokens": st.offline_tokens, "offline_kept": st.offline_kept, "output": verified}
+    return {
+        "tokens": len(verified),
+        "seconds": dt,
+        "tokens_per_s": len(verified) / dt,
+        "tau": st.accept_length,
+        "calls": st.calls,
+        "calls_per_token": st.calls / max(1, len(verified)),
+        "bytes_per_cycle": sum(st.cycle_bytes) / max(1, len(st.cycle_bytes)),
+        "offline_tokens": st.offline_tokens,
+        "offline_kept": st.offline_kept,
+        "output": verified,
+    }
 
 
 def cmd_edge_bench(args) -> int:
@@ -195,50 +248,108 @@ def cmd_edge_bench(args) -> int:
     trees = {t.strip(): TreeShape.parse(t) for t in args.trees.split(";") if t.strip()}
     for prof in profiles:
         with NamespaceHost(1, prof.rate_mbit) as host:
-            cmd = [sys.executable, "-m", "serving.cli", "serve", "--host", host.ns_ip, "--port", "8000", "--drafter", args.server_drafter,
-                   "--edge-drafters", ",".join(drafters), "--threads", str(args.threads), "--log-level", "warning", "--no-access-log"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "serving.cli",
+                "serve",
+                "--host",
+                host.ns_ip,
+                "--port",
+                "8000",
+                "--drafter",
+                args.server_drafter,
+                "--edge-drafters",
+                ",".join(drafters),
+                "--threads",
+                str(args.threads),
+                "--log-level",
+                "warning",
+                "--no-access-log",
+            ]
             server = host.popen(cmd, stdout=subprocess.DEVNULL, stderr=open(out / f"server-{prof.name}.log", "w"))
             try:
                 with LinkProxy(host.ns_ip, 8000, prof, seed=0) as link:
                     _wait_ready(link.url, server)
                     for set_name, text in prompts:
                         ids = target.encode_chat([{"role": "user", "content": text}])
-                        rows.append({"profile": prof.name, "set": set_name, "method": "api", **_api_run(link.url, text, args.max_new_tokens)})
+                        rows.append(
+                            {
+                                "profile": prof.name,
+                                "set": set_name,
+                                "method": "api",
+                                **_api_run(link.url, text, args.max_new_tokens),
+                            }
+                        )
                         for d, w, tree in [(d, w, t) for d in drafters for w in wire for t in (trees or [None])]:
-                            method = f"edge:{d}" + ("" if w == args.wire_dtype else f":{w}") + (f"@{tree}" if tree else "")
+                            method = (
+                                f"edge:{d}" + ("" if w == args.wire_dtype else f":{w}") + (f"@{tree}" if tree else "")
+                            )
                             shape = trees[tree] if tree else default_tree(d)
-                            c = EdgeClient(link.url, local[d], d, shape, w, timeout_s=2.0, eos_ids=tuple(target.cfg.eos_token_ids))
+                            c = EdgeClient(
+                                link.url, local[d], d, shape, w, timeout_s=2.0, eos_ids=tuple(target.cfg.eos_token_ids)
+                            )
                             try:
                                 r = _edge_run(c, ids, args.max_new_tokens)
                             except Exception as e:  # noqa: BLE001 - reported, the run goes on
-                                rows.append({"profile": prof.name, "set": set_name, "method": method, "error": f"{type(e).__name__}: {e}"})
+                                rows.append(
+                                    {
+                                        "profile": prof.name,
+                                        "set": set_name,
+                                        "method": method,
+                                        "error": f"{type(e).__name__}: {e}",
+                                    }
+                                )
                                 continue
                             finally:
                                 c.close()
                             rows.append({"profile": prof.name, "set": set_name, "method": method, **r})
-                            print(f"[edge-bench] {prof.name} {set_name} {rows[-1]['method']}: {r['tokens_per_s']:.1f} tok/s τ {r['tau']:.2f}", file=sys.stderr, flush=True)
+                            print(
+                                f"[edge-bench] {prof.name} {set_name} {rows[-1]['method']}: {r['tokens_per_s']:.1f} tok/s τ {r['tau']:.2f}",
+                                file=sys.stderr,
+                                flush=True,
+                            )
                     if args.cut:
                         for d in [x for x in drafters if x.startswith("moa")]:
                             _, text = prompts[0]
                             ids = target.encode_chat([{"role": "user", "content": text}])
-                            c = EdgeClient(link.url, local[d], d, default_tree(d), args.wire_dtype, timeout_s=1.0, eos_ids=())
+                            c = EdgeClient(
+                                link.url, local[d], d, default_tree(d), args.wire_dtype, timeout_s=1.0, eos_ids=()
+                            )
                             try:
                                 ref = _edge_run(c, ids, 120)
                                 r = _edge_run(c, ids, 120, cut_after=50, link=link)
                             except Exception as e:  # noqa: BLE001
-                                rows.append({"profile": prof.name, "set": "cut", "method": f"edge:{d}", "error": f"{type(e).__name__}: {e}"})
+                                rows.append(
+                                    {
+                                        "profile": prof.name,
+                                        "set": "cut",
+                                        "method": f"edge:{d}",
+                                        "error": f"{type(e).__name__}: {e}",
+                                    }
+                                )
                                 continue
                             finally:
                                 c.close()
                             agree = sum(a == b for a, b in zip(ref["output"], r["output"])) / max(1, len(ref["output"]))
-                            rows.append({"profile": prof.name, "set": "cut", "method": f"edge:{d}", **r, "agreement_with_connected": agree,
-                                         "same_as_connected": r["output"] == ref["output"]})
+                            rows.append(
+                                {
+                                    "profile": prof.name,
+                                    "set": "cut",
+                                    "method": f"edge:{d}",
+                                    **r,
+                                    "agreement_with_connected": agree,
+                                    "same_as_connected": r["output"] == ref["output"],
+                                }
+                            )
             finally:
                 server.terminate()
                 server.wait(30)
     for r in rows:
         r.pop("output", None)
-    (out / "edge.json").write_text(json.dumps({"args": {k: v for k, v in vars(args).items() if k != "handler"}, "rows": rows}, indent=1))
+    (out / "edge.json").write_text(
+        json.dumps({"args": {k: v for k, v in vars(args).items() if k != "handler"}, "rows": rows}, indent=1)
+    )
     print(_table(rows))
     return 0
 
@@ -252,17 +363,26 @@ def _table(rows: list[dict]) -> str:
     for r in rows:
         if r["set"] != "cut":
             groups[(r["profile"], r["method"])].append(r)
-    lines = ["| profile | method | tokens/s | × api | τ | server calls / token | bytes / cycle |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| profile | method | tokens/s | × api | τ | server calls / token | bytes / cycle |",
+        "|---|---|---|---|---|---|---|",
+    ]
     api = {p: sum(x["tokens"] for x in g) / sum(x["seconds"] for x in g) for (p, m), g in groups.items() if m == "api"}
     for (p, m), g in groups.items():
         tps = sum(x["tokens"] for x in g) / sum(x["seconds"] for x in g)
         tau = sum(x.get("tau", 0) for x in g) / len(g)
         bpc = sum(x.get("bytes_per_cycle", 0) for x in g) / len(g)
         cpt = sum(x["calls_per_token"] for x in g) / len(g)
-        lines.append(f"| {p} | {m} | {tps:.1f} | {tps / api[p]:.2f} | {tau:.2f} | {cpt:.3f} | {bpc:.0f} |" if m != "api" else f"| {p} | api (stream) | {tps:.1f} | 1.00 | – | {cpt:.3f} | – |")
+        lines.append(
+            f"| {p} | {m} | {tps:.1f} | {tps / api[p]:.2f} | {tau:.2f} | {cpt:.3f} | {bpc:.0f} |"
+            if m != "api"
+            else f"| {p} | api (stream) | {tps:.1f} | 1.00 | – | {cpt:.3f} | – |"
+        )
     for r in rows:
         if r["set"] == "cut":
-            lines.append(f"\ncut ({r['profile']}, {r['method']}): {r['offline_tokens']} offline tokens, {r['offline_kept']} kept after verify-resync; "
-                         f"{r['tokens']} verified tokens, same as connected: {r['same_as_connected']} (agreement {r['agreement_with_connected']:.2f})")
+            lines.append(
+                f"\ncut ({r['profile']}, {r['method']}): {r['offline_tokens']} offline tokens, {r['offline_kept']} kept after verify-resync; "
+                f"{r['tokens']} verified tokens, same as connected: {r['same_as_connected']} (agreement {r['agreement_with_connected']:.2f})"
+            )
     lines += [f"\nfailed: {r['profile']} {r['set']} {r['method']}: {r['error']}" for r in errors]
     return "\n".join(lines)

@@ -66,9 +66,19 @@ class EdgeStats:
 
 
 class EdgeClient:
-    def __init__(self, server: str, drafter, drafter_name: str, shape: TreeShape = TreeShape(1, 2, 3), dtype: str = "fp16",
-                 api_key: str | None = None, timeout_s: float = 2.0, resync: str = "verify", backoff_s: tuple[float, float] = (0.25, 4.0),
-                 eos_ids: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        server: str,
+        drafter,
+        drafter_name: str,
+        shape: TreeShape = TreeShape(1, 2, 3),
+        dtype: str = "fp16",
+        api_key: str | None = None,
+        timeout_s: float = 2.0,
+        resync: str = "verify",
+        backoff_s: tuple[float, float] = (0.25, 4.0),
+        eos_ids: tuple[int, ...] = (),
+    ):
         if not isinstance(drafter, (MoADrafter, Eagle3Drafter)):
             raise TypeError("edge clients run a MoA or EAGLE-3 drafter")
         if isinstance(drafter, MoADrafter) and not drafter.remote:
@@ -108,7 +118,13 @@ class EdgeClient:
             self.drafter.ingest_remote(rid, tokens, pos, ctx["ca_k"], ctx["ca_v"], ctx.get("tli_k"), ctx.get("tli_v"))
 
     # --- generation ---------------------------------------------------------------------------
-    def generate(self, prompt_ids: list[int], max_new_tokens: int = 128, max_offline_tokens: int = 256, final_sync_s: float = 30.0) -> Iterator[Event]:
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int = 128,
+        max_offline_tokens: int = 256,
+        final_sync_s: float = 30.0,
+    ) -> Iterator[Event]:
         """final_sync_s: when the budget is used up while offline, how long to keep trying to get
         the offline tokens verified before returning them unverified."""
         self._rid += 1
@@ -134,7 +150,9 @@ class EdgeClient:
         try:
             give_up = None
             while True:
-                budget_left = len(out) + len(offline) < max_new_tokens and not any(t in self.eos_ids for t in out[:1] + offline)
+                budget_left = len(out) + len(offline) < max_new_tokens and not any(
+                    t in self.eos_ids for t in out[:1] + offline
+                )
                 if not offline and not budget_left:
                     break
                 if offline and not budget_left:  # done drafting: only the resync is left
@@ -143,7 +161,12 @@ class EdgeClient:
                         break
                 if not offline:
                     tree = self.drafter.propose([DraftInput(rid, verified + [root], params, None)], self.shape)[0]
-                    body = {"seq_len": len(verified), "tokens": tree.draft_tokens.tolist(), "parents": tree.parents.tolist(), "mode": "tree"}
+                    body = {
+                        "seq_len": len(verified),
+                        "tokens": tree.draft_tokens.tolist(),
+                        "parents": tree.parents.tolist(),
+                        "mode": "tree",
+                    }
                     try:
                         head, ctx = self._post(f"/v1/edge/sessions/{sid}/verify", body)
                     except httpx.TransportError:
@@ -169,7 +192,12 @@ class EdgeClient:
                     continue
                 # offline: draft one more token, and now and then try to resync
                 if time.monotonic() >= next_try:
-                    body = {"seq_len": len(verified), "tokens": [root] + offline, "parents": list(range(-1, len(offline))), "mode": "keep" if self.resync == "keep" else "sync"}
+                    body = {
+                        "seq_len": len(verified),
+                        "tokens": [root] + offline,
+                        "parents": list(range(-1, len(offline))),
+                        "mode": "keep" if self.resync == "keep" else "sync",
+                    }
                     try:
                         head, ctx = self._post(f"/v1/edge/sessions/{sid}/verify", body)
                     except httpx.TransportError:
@@ -194,7 +222,9 @@ class EdgeClient:
                             break
                         continue
                 if len(offline) >= max_offline_tokens or not budget_left:
-                    time.sleep(max(0.0, min(next_try - time.monotonic(), 0.5)))  # nothing more to draft; wait for the link
+                    time.sleep(
+                        max(0.0, min(next_try - time.monotonic(), 0.5))
+                    )  # nothing more to draft; wait for the link
                     continue
                 offline.append(self.drafter_offline(rid, verified + [root] + offline))
                 yield Event("draft", offline[-1:])

@@ -87,9 +87,11 @@ class LinkProxy:
 
     def drop_connections(self) -> None:
         """Reset every relayed connection (what a client sees when the radio link goes away)."""
+
         def close_all():
             for w in list(self._conns):
                 w.transport.abort()
+
         self.loop.call_soon_threadsafe(close_all)
 
     def _delay(self, nbytes: int) -> float:

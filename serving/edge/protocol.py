@@ -32,7 +32,9 @@ def _to_bytes(t: torch.Tensor) -> bytes:
 
 def _from_bytes(buf: bytes, dtype: str, shape: list[int]) -> torch.Tensor:
     if not buf:
-        return torch.zeros([0 if s == -1 else s for s in shape], dtype=torch.int16 if dtype == "bf16" else DTYPES[dtype]).view(DTYPES[dtype])
+        return torch.zeros(
+            [0 if s == -1 else s for s in shape], dtype=torch.int16 if dtype == "bf16" else DTYPES[dtype]
+        ).view(DTYPES[dtype])
     if dtype == "bf16":
         return torch.frombuffer(bytearray(buf), dtype=torch.int16).view(torch.bfloat16).reshape(shape)
     return torch.frombuffer(bytearray(buf), dtype=DTYPES[dtype]).reshape(shape)

@@ -23,7 +23,6 @@ from ..gateway.errors import APIError, invalid
 from .protocol import MEDIA_TYPE, pack
 from .service import EdgeError, EdgeService
 
-
 BodyReader = Callable[[Request], Awaitable[bytes]]
 
 
@@ -83,7 +82,10 @@ def install_edge_routes(app: FastAPI, service: EdgeService, read_body: BodyReade
             header, tensors = await asyncio.to_thread(service.verify, sid, seq_len, tokens, parents, mode)
         except EdgeError as e:
             raise APIError(e.status, e.message, param=e.param, code=e.code) from e
-        return Response(pack(header, tensors, service.sessions[sid].dtype if sid in service.sessions else "fp16"), media_type=MEDIA_TYPE)
+        return Response(
+            pack(header, tensors, service.sessions[sid].dtype if sid in service.sessions else "fp16"),
+            media_type=MEDIA_TYPE,
+        )
 
     @app.delete("/v1/edge/sessions/{sid}")
     async def close(sid: str):

@@ -89,35 +89,64 @@ class EdgeService:
     # --- sessions -----------------------------------------------------------------------------
     def create(self, prompt_ids: list[int], drafter: str, dtype: str = "fp16") -> tuple[dict, dict[str, torch.Tensor]]:
         if drafter not in self.drafters:
-            raise EdgeError(400, f"unknown edge drafter {drafter!r}; this server offers {sorted(self.drafters)}", "invalid_value", "drafter")
+            raise EdgeError(
+                400,
+                f"unknown edge drafter {drafter!r}; this server offers {sorted(self.drafters)}",
+                "invalid_value",
+                "drafter",
+            )
         if dtype not in DTYPES:
             raise EdgeError(400, f"dtype must be one of {sorted(DTYPES)}", "invalid_value", "dtype")
         self._check_ids(prompt_ids, "prompt_token_ids")
         if not prompt_ids:
             raise EdgeError(400, "prompt_token_ids is empty", "invalid_value", "prompt_token_ids")
         if len(prompt_ids) + 1 > self.limits.max_session_tokens:
-            raise EdgeError(400, f"prompt has {len(prompt_ids)} tokens; a session holds at most {self.limits.max_session_tokens}", "context_length_exceeded", "prompt_token_ids")
+            raise EdgeError(
+                400,
+                f"prompt has {len(prompt_ids)} tokens; a session holds at most {self.limits.max_session_tokens}",
+                "context_length_exceeded",
+                "prompt_token_ids",
+            )
         self.reap()
         with self._table_lock:
             if len(self.sessions) >= self.limits.max_sessions:
-                raise EdgeError(429, f"too many edge sessions ({self.limits.max_sessions}); retry later", "rate_limit_exceeded")
-            sess = Session(secrets.token_urlsafe(16), drafter, dtype, torch.empty(0, dtype=torch.long), [], -1, time.monotonic())
+                raise EdgeError(
+                    429, f"too many edge sessions ({self.limits.max_sessions}); retry later", "rate_limit_exceeded"
+                )
+            sess = Session(
+                secrets.token_urlsafe(16), drafter, dtype, torch.empty(0, dtype=torch.long), [], -1, time.monotonic()
+            )
             self.sessions[sess.id] = sess
         try:
             with sess.lock, self._forward_lock:
                 n = len(prompt_ids)
                 slots = self._alloc(n)
                 pos = torch.arange(n)
-                out = self.model.forward(torch.tensor(prompt_ids), pos, slots, plan_attention([slots], [causal_mask(n, 0)]), self.kv, self.capture)
+                out = self.model.forward(
+                    torch.tensor(prompt_ids),
+                    pos,
+                    slots,
+                    plan_attention([slots], [causal_mask(n, 0)]),
+                    self.kv,
+                    self.capture,
+                )
                 sess.slots, sess.tokens = slots, list(prompt_ids)
                 sess.root = int(self.model.logits(out.hidden[-1:]).argmax(-1)[0])
                 ctx = self._context(sess, slots, pos, out.captured, torch.arange(n))
         except BaseException:
             self.close(sess.id)
             raise
-        return {"session_id": sess.id, "root": sess.root, "seq_len": sess.seq_len, "ttl_s": self.limits.ttl_s, "drafter": drafter}, ctx
+        return {
+            "session_id": sess.id,
+            "root": sess.root,
+            "seq_len": sess.seq_len,
+            "ttl_s": self.limits.ttl_s,
+            "drafter": drafter,
+        }, ctx
 
-    def verify(self, sid: str, seq_len: int, tokens: list[int], parents: list[int], mode: str = "tree") -> tuple[dict, dict[str, torch.Tensor]]:
+    def verify(
+        self, sid: str, seq_len: int, tokens: list[int], parents: list[int], mode: str = "tree"
+    ) -> tuple[dict, dict[str, torch.Tensor]]:
         sess = self._get(sid)
         with sess.lock:
             self._sync_to(sess, seq_len)
@@ -131,11 +160,17 @@ class EdgeService:
                 raise EdgeError(400, f"parents has {len(parents)} entries for {n} tokens", "invalid_value", "parents")
             self._check_ids(tokens, "tokens")
             if tokens[0] != sess.root:
-                raise EdgeError(409, f"tokens[0] must be the session's root token {sess.root}", "session_out_of_sync", "tokens")
+                raise EdgeError(
+                    409, f"tokens[0] must be the session's root token {sess.root}", "session_out_of_sync", "tokens"
+                )
             if mode != "tree" and parents != list(range(-1, n - 1)):
-                raise EdgeError(400, f"mode {mode!r} takes a chain (parents = [-1, 0, 1, ...])", "invalid_value", "parents")
+                raise EdgeError(
+                    400, f"mode {mode!r} takes a chain (parents = [-1, 0, 1, ...])", "invalid_value", "parents"
+                )
             if sess.seq_len + n + 1 > self.limits.max_session_tokens:
-                raise EdgeError(400, f"session would exceed {self.limits.max_session_tokens} tokens", "context_length_exceeded")
+                raise EdgeError(
+                    400, f"session would exceed {self.limits.max_session_tokens} tokens", "context_length_exceeded"
+                )
             try:
                 tree = tree_from_parents(torch.tensor(tokens), torch.tensor(parents), sess.seq_len)
             except ValueError as e:
@@ -143,7 +178,9 @@ class EdgeService:
             with self._forward_lock:
                 new = self._alloc(n)
                 try:
-                    plan = plan_attention([torch.cat([sess.slots, new])], [prefix_and_tree_mask(tree.tree_mask, sess.seq_len)])
+                    plan = plan_attention(
+                        [torch.cat([sess.slots, new])], [prefix_and_tree_mask(tree.tree_mask, sess.seq_len)]
+                    )
                     out = self.model.forward(tree.draft_tokens, tree.positions, new, plan, self.kv, self.capture)
                     argmax = self.model.logits(out.hidden).argmax(-1)
                     if mode == "keep":
@@ -180,7 +217,9 @@ class EdgeService:
         """Drop sessions idle longer than the TTL; returns how many."""
         now = time.monotonic() if now is None else now
         with self._table_lock:
-            expired = [s.id for s in self.sessions.values() if now - s.last_used > self.limits.ttl_s and not s.lock.locked()]
+            expired = [
+                s.id for s in self.sessions.values() if now - s.last_used > self.limits.ttl_s and not s.lock.locked()
+            ]
         return sum(self.close(sid) for sid in expired)
 
     # --- internals ----------------------------------------------------------------------------
@@ -188,7 +227,11 @@ class EdgeService:
         self.reap()
         sess = self.sessions.get(sid)
         if sess is None:
-            raise EdgeError(404, f"no edge session {sid!r} (unknown, closed or expired after {self.limits.ttl_s:.0f}s idle)", "session_not_found")
+            raise EdgeError(
+                404,
+                f"no edge session {sid!r} (unknown, closed or expired after {self.limits.ttl_s:.0f}s idle)",
+                "session_not_found",
+            )
         sess.last_used = time.monotonic()
         return sess
 
@@ -201,7 +244,12 @@ class EdgeService:
             sess.slots, sess.tokens, sess.root = sess.slots[:seq_len], sess.tokens[:seq_len], sess.prev[1]
             sess.prev = None
             return
-        raise EdgeError(409, f"client is at {seq_len} verified tokens, the session at {sess.seq_len}", "session_out_of_sync", "seq_len")
+        raise EdgeError(
+            409,
+            f"client is at {seq_len} verified tokens, the session at {sess.seq_len}",
+            "session_out_of_sync",
+            "seq_len",
+        )
 
     def _alloc(self, n: int) -> torch.Tensor:
         try:
@@ -215,7 +263,9 @@ class EdgeService:
             raise EdgeError(400, f"{param} must be token ids in [0, {vocab})", "invalid_value", param)
 
     @torch.inference_mode()
-    def _context(self, sess: Session, slots: torch.Tensor, positions: torch.Tensor, captured: dict, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _context(
+        self, sess: Session, slots: torch.Tensor, positions: torch.Tensor, captured: dict, rows: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
         d = self.drafters[sess.drafter]
         if isinstance(d, Eagle3Drafter):
             return {"features": d.context({l: h[rows] for l, h in captured.items()})}

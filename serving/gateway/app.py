@@ -29,7 +29,17 @@ from .body import ClientGone, read_body, shutting_down
 from .errors import APIError, from_validation_errors
 from .generation import ChatFormat, CompletionFormat, Generation
 from .native import NativeGeneration, generate_jobs, model_info, server_info
-from .schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, Limits, TokenizeRequest, chat_jobs, completion_jobs, parse, tokenize_jobs
+from .schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    Limits,
+    TokenizeRequest,
+    chat_jobs,
+    completion_jobs,
+    parse,
+    tokenize_jobs,
+)
 
 log = logging.getLogger("moa_serve.gateway")
 
@@ -73,7 +83,9 @@ class SSEResponse(StreamingResponse):
     """A text/event-stream response that always runs `on_close` (client gone, finished, or failed)."""
 
     def __init__(self, content, on_close):
-        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self._on_close = on_close
 
     async def __call__(self, scope, receive, send):
@@ -83,7 +95,9 @@ class SSEResponse(StreamingResponse):
             await self._on_close()
 
 
-def create_app(backend: Backend, telemetry: Telemetry, config: GatewayConfig | None = None, edge=None, edge_tokenizer=None) -> FastAPI:
+def create_app(
+    backend: Backend, telemetry: Telemetry, config: GatewayConfig | None = None, edge=None, edge_tokenizer=None
+) -> FastAPI:
     """edge: an optional serving.edge.EdgeService to expose the client–server session API."""
     config = config or GatewayConfig()
     state = GatewayState()
@@ -173,14 +187,26 @@ def create_app(backend: Backend, telemetry: Telemetry, config: GatewayConfig | N
             req = parse(schema, body)
             _check_model(req.model, backend)
             include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-            gen = Generation(backend, telemetry, make_jobs(req, config.limits), req.model or backend.model_ids[0], fmt, include_usage, bool(req.return_token_ids))
+            gen = Generation(
+                backend,
+                telemetry,
+                make_jobs(req, config.limits),
+                req.model or backend.model_ids[0],
+                fmt,
+                include_usage,
+                bool(req.return_token_ids),
+            )
             return gen, bool(req.stream)
 
         return build
 
     def native_request(body: bytes) -> tuple[Generation, bool]:
         if backend.kind != "embedded":  # an upstream SGLang serves /generate itself, with its own output ids
-            raise APIError(400, "/generate is served by the upstream SGLang server with --backend sglang: call its /generate", code="unsupported_parameter")
+            raise APIError(
+                400,
+                "/generate is served by the upstream SGLang server with --backend sglang: call its /generate",
+                code="unsupported_parameter",
+            )
         jobs, batched, stream, logprobs = generate_jobs(body, config.limits)
         return NativeGeneration(backend, telemetry, jobs, batched, logprobs), stream
 
@@ -219,7 +245,11 @@ def create_app(backend: Backend, telemetry: Telemetry, config: GatewayConfig | N
         jobs, batched = tokenize_jobs(req)
         ids = await asyncio.to_thread(lambda: [backend.tokenize(j) for j in jobs])  # a long text takes a while
         counts = [len(x) for x in ids]
-        return {"tokens": ids if batched else ids[0], "count": counts if batched else counts[0], "max_model_len": backend.context_length()}
+        return {
+            "tokens": ids if batched else ids[0],
+            "count": counts if batched else counts[0],
+            "max_model_len": backend.context_length(),
+        }
 
     @app.post("/detokenize")
     @app.post("/v1/detokenize")
@@ -227,7 +257,9 @@ def create_app(backend: Backend, telemetry: Telemetry, config: GatewayConfig | N
         req = parse(DetokenizeRequest, await body_of(request))
         _check_model(req.model, backend)
         batched = bool(req.tokens) and isinstance(req.tokens[0], list)
-        texts = await asyncio.to_thread(lambda: [backend.detokenize(list(x)) for x in (req.tokens if batched else [req.tokens])])
+        texts = await asyncio.to_thread(
+            lambda: [backend.detokenize(list(x)) for x in (req.tokens if batched else [req.tokens])]
+        )
         return {"text": texts if batched else texts[0]}
 
     if edge is not None:
@@ -326,7 +358,12 @@ class _AuthMiddleware:
         headers = dict(scope.get("headers") or [])
         auth = headers.get(b"authorization", b"").decode("latin-1")
         if not self.keys.check(auth):
-            err = APIError(401, "Invalid or missing API key. Send 'Authorization: Bearer <key>'.", code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            err = APIError(
+                401,
+                "Invalid or missing API key. Send 'Authorization: Bearer <key>'.",
+                code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
             return await err.response()(scope, receive, send)
         return await self.app(scope, receive, send)
 
@@ -341,7 +378,9 @@ def _install_error_handlers(app: FastAPI) -> None:
         if e.status_code == 404:
             err = APIError(404, f"Not found: {request.method} {request.url.path}", code="not_found")
         elif e.status_code == 405:
-            err = APIError(405, f"Method {request.method} is not allowed for {request.url.path}", code="method_not_allowed")
+            err = APIError(
+                405, f"Method {request.method} is not allowed for {request.url.path}", code="method_not_allowed"
+            )
         else:
             err = APIError(e.status_code, str(e.detail), code=None)
         err.headers.update(getattr(e, "headers", None) or {})

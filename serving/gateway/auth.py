@@ -42,7 +42,10 @@ class APIKeys:
 
     @classmethod
     def from_env(cls, file: str | None = None) -> APIKeys:
-        return cls(parse_keys(os.environ.get("MOA_SERVE_API_KEYS", ""), ","), file or os.environ.get("MOA_SERVE_API_KEYS_FILE") or None)
+        return cls(
+            parse_keys(os.environ.get("MOA_SERVE_API_KEYS", ""), ","),
+            file or os.environ.get("MOA_SERVE_API_KEYS_FILE") or None,
+        )
 
     @property
     def enabled(self) -> bool:

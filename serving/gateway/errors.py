@@ -25,7 +25,16 @@ _TYPES = {
 class APIError(Exception):
     """An error the client sees as `status` + the OpenAI error body."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None, type: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
@@ -64,7 +73,11 @@ def from_validation_errors(errors: Sequence[Mapping[str, Any]]) -> APIError:
     """A pydantic error list -> one 400 naming the first bad parameter."""
     first = errors[0]
     if first.get("type") == "json_invalid":
-        return invalid(f"request body is not valid JSON ({first.get('msg', '').removeprefix('Invalid JSON: ')})", None, "invalid_json")
+        return invalid(
+            f"request body is not valid JSON ({first.get('msg', '').removeprefix('Invalid JSON: ')})",
+            None,
+            "invalid_json",
+        )
     if first.get("type") == "model_type" and not first.get("loc"):
         return invalid("request body must be a JSON object", None, "invalid_json")
     param = _param(tuple(first.get("loc", ())))

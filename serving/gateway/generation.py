@@ -1,11 +1,11 @@
 """One OpenAI completion request in flight: its choices, their backend streams, and the response shapes.
 
-    jobs (n choices x prompts) ──► backend.generate(job) per choice
-    open():    peek the first chunk of every choice (errors here become the HTTP status)
-    stream():  SSE: role chunks, content deltas (choices interleaved as they arrive), finish chunks,
-               the usage chunk (stream_options.include_usage), `data: [DONE]`
-    collect(): one JSON body
-    close():   always; stops the pumps and closes every backend stream (aborting unfinished choices)
+jobs (n choices x prompts) ──► backend.generate(job) per choice
+open():    peek the first chunk of every choice (errors here become the HTTP status)
+stream():  SSE: role chunks, content deltas (choices interleaved as they arrive), finish chunks,
+           the usage chunk (stream_options.include_usage), `data: [DONE]`
+collect(): one JSON body
+close():   always; stops the pumps and closes every backend stream (aborting unfinished choices)
 """
 
 from __future__ import annotations
@@ -30,10 +30,22 @@ class ChatFormat:
 
     @staticmethod
     def choice(index: int, text: str, finish: str | None, logprobs: list[dict] | None = None, offset: int = 0) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": ChatFormat.logprobs(logprobs)}
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": finish,
+            "logprobs": ChatFormat.logprobs(logprobs),
+        }
 
     @staticmethod
-    def delta(index: int, text: str | None = None, finish: str | None = None, role: bool = False, logprobs: list[dict] | None = None, offset: int = 0) -> dict:
+    def delta(
+        index: int,
+        text: str | None = None,
+        finish: str | None = None,
+        role: bool = False,
+        logprobs: list[dict] | None = None,
+        offset: int = 0,
+    ) -> dict:
         d: dict = {"role": "assistant", "content": ""} if role else {}
         if text:
             d["content"] = text
@@ -46,7 +58,12 @@ class ChatFormat:
     @staticmethod
     def tool_calls_delta(index: int, calls: list[dict]) -> dict:
         # NOTE: each call whole in one delta (OpenAI streams arguments in pieces; clients join them either way)
-        return {"index": index, "delta": {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]}, "finish_reason": None, "logprobs": None}
+        return {
+            "index": index,
+            "delta": {"tool_calls": [{"index": k, **call} for k, call in enumerate(calls)]},
+            "finish_reason": None,
+            "logprobs": None,
+        }
 
 
 class CompletionFormat:
@@ -54,11 +71,28 @@ class CompletionFormat:
 
     @staticmethod
     def choice(index: int, text: str, finish: str | None, logprobs: list[dict] | None = None, offset: int = 0) -> dict:
-        return {"index": index, "text": text, "finish_reason": finish, "logprobs": CompletionFormat.logprobs(logprobs, offset)}
+        return {
+            "index": index,
+            "text": text,
+            "finish_reason": finish,
+            "logprobs": CompletionFormat.logprobs(logprobs, offset),
+        }
 
     @staticmethod
-    def delta(index: int, text: str | None = None, finish: str | None = None, role: bool = False, logprobs: list[dict] | None = None, offset: int = 0) -> dict:
-        return {"index": index, "text": text or "", "finish_reason": finish, "logprobs": CompletionFormat.logprobs(logprobs, offset)}
+    def delta(
+        index: int,
+        text: str | None = None,
+        finish: str | None = None,
+        role: bool = False,
+        logprobs: list[dict] | None = None,
+        offset: int = 0,
+    ) -> dict:
+        return {
+            "index": index,
+            "text": text or "",
+            "finish_reason": finish,
+            "logprobs": CompletionFormat.logprobs(logprobs, offset),
+        }
 
     @staticmethod
     def logprobs(entries: list[dict] | None, offset: int) -> dict | None:
@@ -73,7 +107,10 @@ class CompletionFormat:
         return {
             "tokens": [e["token"] for e in entries],
             "token_logprobs": [e["logprob"] for e in entries],  # None for an echoed prompt's first token
-            "top_logprobs": [None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "top_logprobs": [
+                None if e["top_logprobs"] is None else {t["token"]: t["logprob"] for t in e["top_logprobs"]}
+                for e in entries
+            ],
             "text_offset": offsets,
         }
 
@@ -92,14 +129,29 @@ class _Choice:
 
 
 class Generation:
-    def __init__(self, backend: Backend, telemetry: Telemetry, jobs: list[Job], model: str, fmt, include_usage: bool = False, return_token_ids: bool = False):
+    def __init__(
+        self,
+        backend: Backend,
+        telemetry: Telemetry,
+        jobs: list[Job],
+        model: str,
+        fmt,
+        include_usage: bool = False,
+        return_token_ids: bool = False,
+    ):
         self.telemetry, self.model, self.fmt, self.include_usage = telemetry, model, fmt, include_usage
         self.return_token_ids = return_token_ids
         self.id = fmt.id_prefix + uuid.uuid4().hex
         self.created = int(time.time())
         self.t0 = time.monotonic()
         self.choices = [
-            _Choice(j, backend.generate(j), t_last=self.t0, logprobs=None if j.params.logprobs is None else [], tool_reader=j.tools.reader() if j.tools else None)
+            _Choice(
+                j,
+                backend.generate(j),
+                t_last=self.t0,
+                logprobs=None if j.params.logprobs is None else [],
+                tool_reader=j.tools.reader() if j.tools else None,
+            )
             for j in jobs
         ]
         self._firsts: list[Chunk] = []
@@ -156,11 +208,15 @@ class Generation:
     # --- non-streaming ------------------------------------------------------------------------
     async def collect(self) -> dict:
         await self._run_to_end()
-        return self._body(self.fmt.object, [self._final_choice(c) for c in self.choices], usage=self._usage(), meta_info=self._meta())
+        return self._body(
+            self.fmt.object, [self._final_choice(c) for c in self.choices], usage=self._usage(), meta_info=self._meta()
+        )
 
     async def _run_to_end(self) -> None:
         await self.open()
-        await asyncio.gather(*(self._drain(c) for c, first in zip(self.choices, self._firsts) if not first.finish_reason))
+        await asyncio.gather(
+            *(self._drain(c) for c, first in zip(self.choices, self._firsts) if not first.finish_reason)
+        )
         self.completed = True
 
     async def _drain(self, c: _Choice) -> None:
@@ -203,7 +259,11 @@ class Generation:
         while pending:
             c, item = await queue.get()
             if isinstance(item, Exception):
-                err = item if isinstance(item, APIError) else APIError(500, f"internal error: {type(item).__name__}", code="internal_error")
+                err = (
+                    item
+                    if isinstance(item, APIError)
+                    else APIError(500, f"internal error: {type(item).__name__}", code="internal_error")
+                )
                 self.failed = err
                 yield err.sse()
                 yield "data: [DONE]\n\n"
@@ -273,7 +333,10 @@ class Generation:
         usage: dict = {"prompt_tokens": p, "completion_tokens": completion, "total_tokens": p + completion}
         predicted = [c.final.prediction_tokens for c in self.choices if c.final and c.final.prediction_tokens]
         if predicted:
-            usage["completion_tokens_details"] = {"accepted_prediction_tokens": sum(a for a, _ in predicted), "rejected_prediction_tokens": sum(r for _, r in predicted)}
+            usage["completion_tokens_details"] = {
+                "accepted_prediction_tokens": sum(a for a, _ in predicted),
+                "rejected_prediction_tokens": sum(r for _, r in predicted),
+            }
         return usage
 
     def _meta(self) -> dict:

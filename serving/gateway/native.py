@@ -32,26 +32,76 @@ from .errors import APIError, invalid
 from .generation import CompletionFormat, Generation, _Choice
 from .schemas import CompletionRequest, Limits, completion_jobs, parse
 
-SGLANG_DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's SamplingParams default (ours for the OpenAI routes is --default-max-tokens)
+SGLANG_DEFAULT_MAX_NEW_TOKENS = (
+    128  # SGLang's SamplingParams default (ours for the OpenAI routes is --default-max-tokens)
+)
 
 # SGLang sampling_params key -> our CompletionRequest field (the same meaning)
 _RENAMED = {
-    "max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed", "stop": "stop", "stop_token_ids": "stop_token_ids",
-    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "frequency_penalty": "frequency_penalty",
-    "presence_penalty": "presence_penalty", "repetition_penalty": "repetition_penalty", "n": "n", "regex": "regex", "ebnf": "ebnf",
-    "ignore_eos": "ignore_eos", "logit_bias": "logit_bias",
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "sampling_seed": "seed",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "n": "n",
+    "regex": "regex",
+    "ebnf": "ebnf",
+    "ignore_eos": "ignore_eos",
+    "logit_bias": "logit_bias",
 }
 # keys accepted only at their default (what we always do), and keys without effect here
-_ONLY_DEFAULT = {"min_p": 0.0, "skip_special_tokens": True, "spaces_between_special_tokens": True, "no_stop_trim": False, "stop_regex": None,
-                 "structural_tag": None, "beam_width": None, "custom_params": None, "watermark": None}
+_ONLY_DEFAULT = {
+    "min_p": 0.0,
+    "skip_special_tokens": True,
+    "spaces_between_special_tokens": True,
+    "no_stop_trim": False,
+    "stop_regex": None,
+    "structural_tag": None,
+    "beam_width": None,
+    "custom_params": None,
+    "watermark": None,
+}
 _IGNORED = {"stream_interval"}  # how often SGLang streams; we stream each engine step
 # top-level fields: accepted, or accepted only when off (null / false / empty)
-_TOP_LEVEL = {"text", "input_ids", "sampling_params", "stream", "rid", "model", "return_logprob", "top_logprobs_num", "return_text_in_logprobs",
-              "logprob_start_len"}
-_TOP_LEVEL_OFF = {"token_ids_logprob", "image_data",
-                  "video_data", "audio_data", "input_embeds", "lora_path", "lora_id", "return_hidden_states", "session_params",
-                  "custom_logit_processor", "modalities", "bootstrap_host", "bootstrap_port", "bootstrap_room", "data_parallel_rank",
-                  "log_metrics", "return_routed_experts", "background", "priority"}
+_TOP_LEVEL = {
+    "text",
+    "input_ids",
+    "sampling_params",
+    "stream",
+    "rid",
+    "model",
+    "return_logprob",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+    "logprob_start_len",
+}
+_TOP_LEVEL_OFF = {
+    "token_ids_logprob",
+    "image_data",
+    "video_data",
+    "audio_data",
+    "input_embeds",
+    "lora_path",
+    "lora_id",
+    "return_hidden_states",
+    "session_params",
+    "custom_logit_processor",
+    "modalities",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+    "data_parallel_rank",
+    "log_metrics",
+    "return_routed_experts",
+    "background",
+    "priority",
+}
 
 
 @dataclass(frozen=True)
@@ -78,16 +128,24 @@ def generate_jobs(body: bytes, limits: Limits) -> tuple[list[Job], bool, bool, L
     sp = req.get("sampling_params") or {}
     per_prompt = sp if isinstance(sp, list) else [sp] * len(prompts)
     if len(per_prompt) != len(prompts) or not all(isinstance(p, dict) for p in per_prompt):
-        raise invalid(f"sampling_params must be an object, or a list of one object per prompt ({len(prompts)})", "sampling_params")
+        raise invalid(
+            f"sampling_params must be an object, or a list of one object per prompt ({len(prompts)})", "sampling_params"
+        )
     jobs: list[Job] = []
     for g, (p, params) in enumerate(zip(prompts, per_prompt)):
         for job in _prompt_jobs(p, params, limits, stream, logprobs):
             # /generate never echoes (max_new_tokens 0 borrows completions' echo-only path to pass validation)
-            params_g = replace(job.params, echo=False, prompt_logprobs=report.prompt_from is not None,
-                               logprob_start_len=report.prompt_from)
+            params_g = replace(
+                job.params,
+                echo=False,
+                prompt_logprobs=report.prompt_from is not None,
+                logprob_start_len=report.prompt_from,
+            )
             jobs.append(replace(job, index=len(jobs), prompt_group=g, params=params_g))
     if len(jobs) > limits.max_n:
-        raise invalid(f"at most {limits.max_n} generations per request (prompts x n), got {len(jobs)}", "sampling_params.n")
+        raise invalid(
+            f"at most {limits.max_n} generations per request (prompts x n), got {len(jobs)}", "sampling_params.n"
+        )
     return jobs, batched or len(jobs) > 1, stream, report
 
 
@@ -102,7 +160,9 @@ def _logprob_options(req: dict) -> tuple[int | None, Logprobs]:
     start = req.get("logprob_start_len")
     start = -1 if start is None else start
     if not isinstance(start, int) or isinstance(start, bool) or start < -1:
-        raise invalid("logprob_start_len must be -1 (output tokens only) or a prompt position >= 0", "logprob_start_len")
+        raise invalid(
+            "logprob_start_len must be -1 (output tokens only) or a prompt position >= 0", "logprob_start_len"
+        )
     if not req.get("return_logprob"):
         return None, Logprobs()
     return top, Logprobs(bool(req.get("return_text_in_logprobs")), start if start >= 0 else None)
@@ -129,18 +189,30 @@ def _ids(x) -> bool:
 
 
 def _prompt_jobs(prompt, sp: dict[str, Any], limits: Limits, stream: bool, logprobs: int | None) -> list[Job]:
-    fields: dict[str, Any] = {"prompt": prompt, "stream": stream, "max_tokens": SGLANG_DEFAULT_MAX_NEW_TOKENS, "logprobs": logprobs}
+    fields: dict[str, Any] = {
+        "prompt": prompt,
+        "stream": stream,
+        "max_tokens": SGLANG_DEFAULT_MAX_NEW_TOKENS,
+        "logprobs": logprobs,
+    }
     for key, value in sp.items():
         if key in _RENAMED:
             if value is not None:
                 fields[_RENAMED[key]] = value
         elif key in _ONLY_DEFAULT:
             if value not in (None, [], "") and value != _ONLY_DEFAULT[key]:  # sglang.lang sends stop_regex: []
-                raise APIError(400, f"sampling_params.{key}={value!r} is not supported by this server", param=f"sampling_params.{key}", code="unsupported_parameter")
+                raise APIError(
+                    400,
+                    f"sampling_params.{key}={value!r} is not supported by this server",
+                    param=f"sampling_params.{key}",
+                    code="unsupported_parameter",
+                )
         elif key not in _IGNORED and key != "json_schema":
             raise invalid(f"sampling_params.{key} is not a sampling parameter", f"sampling_params.{key}")
     if fields["max_tokens"] == 0:
-        fields["echo"] = True  # prefill only (SGLang clients send it to cache a prefix): completions allow 0 with echo (turned off after)
+        fields["echo"] = (
+            True  # prefill only (SGLang clients send it to cache a prefix): completions allow 0 with echo (turned off after)
+        )
     try:
         jobs = completion_jobs(parse(CompletionRequest, json.dumps(fields).encode()), limits)
     except APIError as e:
@@ -149,7 +221,10 @@ def _prompt_jobs(prompt, sp: dict[str, Any], limits: Limits, stream: bool, logpr
     if schema is not None:
         _check_schema(schema)
         if jobs[0].params.grammar is not None:
-            raise invalid("json_schema cannot be combined with regex or ebnf: give one output constraint", "sampling_params.json_schema")
+            raise invalid(
+                "json_schema cannot be combined with regex or ebnf: give one output constraint",
+                "sampling_params.json_schema",
+            )
         jobs = [replace(j, params=replace(j.params, grammar=GrammarSpec("json_schema", schema))) for j in jobs]
     return jobs
 
@@ -227,23 +302,39 @@ class NativeGeneration(Generation):
         final = c.final
         ids = final.token_ids if final is not None and final.token_ids is not None else self.ids[c.job.index]
         text = "".join(c.parts)
-        meta: dict[str, Any] = {"id": f"{self.id}-{c.job.index}", "finish_reason": None, "prompt_tokens": None,
-                                "completion_tokens": len(ids), "cached_tokens": 0}
+        meta: dict[str, Any] = {
+            "id": f"{self.id}-{c.job.index}",
+            "finish_reason": None,
+            "prompt_tokens": None,
+            "completion_tokens": len(ids),
+            "cached_tokens": 0,
+        }
         if final is not None:
-            meta["finish_reason"] = {"type": final.finish_reason, "length": final.completion_tokens or 0} if final.finish_reason == "length" else {"type": final.finish_reason, "matched": None}
+            meta["finish_reason"] = (
+                {"type": final.finish_reason, "length": final.completion_tokens or 0}
+                if final.finish_reason == "length"
+                else {"type": final.finish_reason, "matched": None}
+            )
             meta["prompt_tokens"] = final.prompt_tokens
             meta["completion_tokens"] = final.completion_tokens if final.completion_tokens is not None else len(ids)
             meta["e2e_latency"] = round(time.monotonic() - self.t0, 6)
             if final.spec is not None and final.spec.verify_steps:
                 meta |= final.spec.as_meta_info()
-                meta["spec_num_correct_drafts"], meta["spec_num_proposed_drafts"] = final.spec.accepted_tokens, final.spec.draft_tokens
+                meta["spec_num_correct_drafts"], meta["spec_num_proposed_drafts"] = (
+                    final.spec.accepted_tokens,
+                    final.spec.draft_tokens,
+                )
         k = c.job.params.logprobs
         if k is not None:
             lps, prompt = self.lps[c.job.index], self.prompt_lps[c.job.index][self.logprobs.prompt_from or 0 :]
-            meta["input_token_logprobs"] = [self._triple(x.logprob, x.token) for x in prompt]  # [] for logprob_start_len -1
+            meta["input_token_logprobs"] = [
+                self._triple(x.logprob, x.token) for x in prompt
+            ]  # [] for logprob_start_len -1
             meta["output_token_logprobs"] = [self._triple(x.logprob, x.token) for x in lps]
             if k:
-                meta["input_top_logprobs"] = [None if x.logprob is None else [self._triple(lp, t) for t, lp in x.top] for x in prompt]
+                meta["input_top_logprobs"] = [
+                    None if x.logprob is None else [self._triple(lp, t) for t, lp in x.top] for x in prompt
+                ]
                 meta["output_top_logprobs"] = [[self._triple(lp, t) for t, lp in x.top] for x in lps]
         return {"text": text, "output_ids": list(ids), "meta_info": meta}
 
@@ -254,15 +345,26 @@ class NativeGeneration(Generation):
 
 # --- what SGLang clients ask a server about itself (sglang.lang's RuntimeEndpoint calls /get_model_info) ----
 def model_info(backend) -> dict:
-    return {"model_path": backend.model_ids[0], "tokenizer_path": backend.model_ids[0], "is_generation": True,
-            "preferred_sampling_params": None, "weight_version": "default", "has_image_understanding": False,
-            "has_audio_understanding": False}
+    return {
+        "model_path": backend.model_ids[0],
+        "tokenizer_path": backend.model_ids[0],
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+    }
 
 
 def server_info(backend, telemetry, version: str) -> dict:
     """A few of SGLang's /server_info fields, from our counters: the mean acceptance length since start."""
     steps, accepted = telemetry.verify_steps._value.get(), telemetry.accepted_tokens._value.get()
     kv = backend.kv_cache()
-    return {"version": f"moa-serve {version}", "model_path": backend.model_ids[0], "backend": backend.kind,
-            "speculative_algorithm": backend.drafter, "max_total_num_tokens": kv.capacity if kv else None,
-            "internal_states": [{"avg_spec_accept_length": (accepted + steps) / steps if steps else None}]}
+    return {
+        "version": f"moa-serve {version}",
+        "model_path": backend.model_ids[0],
+        "backend": backend.kind,
+        "speculative_algorithm": backend.drafter,
+        "max_total_num_tokens": kv.capacity if kv else None,
+        "internal_states": [{"avg_spec_accept_length": (accepted + steps) / steps if steps else None}],
+    }

@@ -81,7 +81,9 @@ class _Common(_Strict):
     ebnf: str | None = None  # ... or this grammar (xgrammar's EBNF)
     top_k: int | None = Field(None, ge=-1)
     ignore_eos: bool | None = None
-    min_tokens: int | None = Field(None, ge=0)  # EOS and stop_token_ids are banned until the output holds this many tokens
+    min_tokens: int | None = Field(
+        None, ge=0
+    )  # EOS and stop_token_ids are banned until the output holds this many tokens
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     return_token_ids: bool | None = None  # completion token ids in the last chunk of each choice
 
@@ -98,7 +100,9 @@ class ChatCompletionRequest(_Common):
     function_call: Any = None
     response_format: dict[str, Any] | None = None
     prediction: dict[str, Any] | None = None  # Predicted Outputs: {"type": "content", "content": text or text parts}
-    continue_final_message: bool | None = None  # extension (SGLang/vLLM): the reply continues the last assistant message
+    continue_final_message: bool | None = (
+        None  # extension (SGLang/vLLM): the reply continues the last assistant message
+    )
 
 
 class CompletionRequest(_Common):
@@ -159,10 +163,13 @@ def _logit_bias(bias: dict[str, Any] | None) -> tuple[tuple[int, float], ...]:
     for key, value in bias.items():
         if not (key.isascii() and key.isdigit()) or len(key) > 10 or int(key) > MAX_TOKEN_ID:
             got = f"got {key[:24]!r}"
-            raise invalid(f"logit_bias: keys must be token ids (integers from 0 to {MAX_TOKEN_ID}), {got}",
-                          "logit_bias")
+            raise invalid(
+                f"logit_bias: keys must be token ids (integers from 0 to {MAX_TOKEN_ID}), {got}", "logit_bias"
+            )
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
-            raise invalid(f"logit_bias: values must be numbers from -100 to 100, got {value!r} for token {key}", "logit_bias")
+            raise invalid(
+                f"logit_bias: values must be numbers from -100 to 100, got {value!r} for token {key}", "logit_bias"
+            )
         out.append((int(key), float(value)))
     if len({t for t, _ in out}) < len(out):
         raise invalid("logit_bias names a token more than once", "logit_bias")
@@ -173,7 +180,15 @@ def _grammar(r: _Common) -> GrammarSpec | None:
     """response_format (json_object, json_schema; chat) or the SGLang extensions regex / ebnf: at most one."""
     fmt = getattr(r, "response_format", None) or {"type": "text"}
     kind = fmt.get("type")
-    asked = [name for name, on in (("response_format", kind != "text"), ("regex", r.regex is not None), ("ebnf", r.ebnf is not None)) if on]
+    asked = [
+        name
+        for name, on in (
+            ("response_format", kind != "text"),
+            ("regex", r.regex is not None),
+            ("ebnf", r.ebnf is not None),
+        )
+        if on
+    ]
     if len(asked) > 1:
         raise invalid(f"{' and '.join(asked)} cannot be combined: give one output constraint", asked[1])
     for param, source in (("regex", r.regex), ("ebnf", r.ebnf)):
@@ -199,9 +214,13 @@ def _logprobs(k: int | None, param: str) -> int | None:
     return k
 
 
-def _params(r: _Common, max_tokens: int | None, max_tokens_param: str, limits: Limits, logprobs: int | None = None) -> GenParams:
+def _params(
+    r: _Common, max_tokens: int | None, max_tokens_param: str, limits: Limits, logprobs: int | None = None
+) -> GenParams:
     if max_tokens is not None and max_tokens > limits.max_tokens:
-        raise invalid(f"{max_tokens_param}: at most {limits.max_tokens} tokens per request, got {max_tokens}", max_tokens_param)
+        raise invalid(
+            f"{max_tokens_param}: at most {limits.max_tokens} tokens per request, got {max_tokens}", max_tokens_param
+        )
     if r.min_tokens and max_tokens is not None and r.min_tokens > max_tokens:
         raise invalid(f"min_tokens ({r.min_tokens}) must not exceed {max_tokens_param} ({max_tokens})", "min_tokens")
     if r.min_tokens and r.min_tokens > limits.max_tokens:
@@ -234,7 +253,9 @@ def _fan_out(r: _Common, params: GenParams, prompts: list[dict], limits: Limits)
     n = r.n or 1
     if n * len(prompts) > limits.max_n:
         param = "n" if len(prompts) == 1 else "prompt"
-        raise invalid(f"{param}: at most {limits.max_n} choices per request (n x prompts), got {n * len(prompts)}", param)
+        raise invalid(
+            f"{param}: at most {limits.max_n} choices per request (n x prompts), got {n * len(prompts)}", param
+        )
     jobs = []
     for g, prompt in enumerate(prompts):
         for i in range(n):
@@ -266,7 +287,9 @@ def _prediction(prediction: dict[str, Any] | None) -> str:
     content = prediction.get("content")
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
         return "".join(p["text"] for p in content)
     raise invalid("prediction.content must be a string or a list of text parts", "prediction")
 
@@ -275,7 +298,9 @@ def _message(m: ChatMessage, i: int) -> dict:
     if m.role == "function":
         raise _unsupported(f"messages[{i}].role", "role 'function' (the deprecated functions API; use tools)")
     if m.tool_calls is not None and m.role != "assistant":
-        raise invalid(f"messages[{i}].tool_calls: only assistant messages carry tool calls", f"messages[{i}].tool_calls")
+        raise invalid(
+            f"messages[{i}].tool_calls: only assistant messages carry tool calls", f"messages[{i}].tool_calls"
+        )
     if m.role == "assistant" and m.tool_calls:
         content = "" if m.content is None else _message_text(m, i)
         return {"role": "assistant", "content": content, "tool_calls": assistant_calls(m.tool_calls, i)}
@@ -294,7 +319,10 @@ def chat_jobs(r: ChatCompletionRequest, limits: Limits) -> list[Job]:
         raise invalid("messages must contain at least one message", "messages")
     messages = render_messages([_message(m, i) for i, m in enumerate(r.messages)], tools)
     if r.continue_final_message and (r.messages[-1].role != "assistant" or r.messages[-1].tool_calls):
-        raise invalid("continue_final_message needs the last message to be an assistant message with text (the start of the reply)", "messages")
+        raise invalid(
+            "continue_final_message needs the last message to be an assistant message with text (the start of the reply)",
+            "messages",
+        )
     if r.max_tokens == 0:
         raise invalid("max_tokens must be at least 1", "max_tokens")
     max_tokens: int | None
@@ -305,9 +333,17 @@ def chat_jobs(r: ChatCompletionRequest, limits: Limits) -> list[Job]:
     params = replace(_params(r, max_tokens, param, limits, logprobs), prediction=_prediction(r.prediction))
     if tools is not None and (call_grammar := tools.grammar()) is not None:
         if params.grammar is not None:
-            raise invalid(f"a required tool call constrains the output already: tool_choice cannot be combined with {params.grammar.param}", "tool_choice")
+            raise invalid(
+                f"a required tool call constrains the output already: tool_choice cannot be combined with {params.grammar.param}",
+                "tool_choice",
+            )
         params = replace(params, grammar=call_grammar)
-    return _fan_out(r, params, [{"messages": tuple(messages), "tools": tools, "continue_final": bool(r.continue_final_message)}], limits)
+    return _fan_out(
+        r,
+        params,
+        [{"messages": tuple(messages), "tools": tools, "continue_final": bool(r.continue_final_message)}],
+        limits,
+    )
 
 
 def tokenize_jobs(r: TokenizeRequest) -> tuple[list[Job], bool]:
@@ -342,9 +378,12 @@ def completion_jobs(r: CompletionRequest, limits: Limits) -> list[Job]:
     if not prompts or any(len(x) == 0 for x in prompts):
         raise invalid("prompt must not be empty", "prompt")
     if any(not 0 <= t <= MAX_TOKEN_ID for x in prompts if not isinstance(x, str) for t in x):
-        raise invalid(f"prompt token ids must be integers from 0 to {MAX_TOKEN_ID} (below the vocabulary size)",
-                      "prompt")
+        raise invalid(
+            f"prompt token ids must be integers from 0 to {MAX_TOKEN_ID} (below the vocabulary size)", "prompt"
+        )
     if r.max_tokens == 0 and not r.echo:
         raise invalid("max_tokens 0 is only allowed with echo (to score the prompt)", "max_tokens")
-    params = replace(_params(r, r.max_tokens, "max_tokens", limits, _logprobs(r.logprobs, "logprobs")), echo=bool(r.echo))
+    params = replace(
+        _params(r, r.max_tokens, "max_tokens", limits, _logprobs(r.logprobs, "logprobs")), echo=bool(r.echo)
+    )
     return _fan_out(r, params, [{"prompt": x} for x in prompts], limits)

@@ -94,13 +94,19 @@ def parse_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: 
     if len(set(names)) < len(names):
         raise invalid("tools: function names must be unique", "tools")
     choice = _choice(tool_choice, set(names))
-    return None if choice == "none" else ToolCalling(functions, choice, True if parallel_tool_calls is None else parallel_tool_calls)
+    return (
+        None
+        if choice == "none"
+        else ToolCalling(functions, choice, True if parallel_tool_calls is None else parallel_tool_calls)
+    )
 
 
 def _function(tool: Any, i: int) -> Function:
     param = f"tools[{i}]"
     if not isinstance(tool, dict) or tool.get("type") != "function":
-        raise APIError(400, f"{param}: only tools of type 'function' are supported", param=param, code="unsupported_parameter")
+        raise APIError(
+            400, f"{param}: only tools of type 'function' are supported", param=param, code="unsupported_parameter"
+        )
     f = tool.get("function")
     if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not _NAME.fullmatch(f["name"]):
         raise invalid(f"{param}.function.name must be 1 to 64 letters, digits, '_' or '-'", f"{param}.function.name")
@@ -128,12 +134,19 @@ def _choice(tool_choice: Any, names: set[str]) -> str:
         return "auto"
     if tool_choice in ("none", "auto", "required"):
         return tool_choice
-    if isinstance(tool_choice, dict) and tool_choice.get("type") == "function" and isinstance(tool_choice.get("function"), dict):
+    if (
+        isinstance(tool_choice, dict)
+        and tool_choice.get("type") == "function"
+        and isinstance(tool_choice.get("function"), dict)
+    ):
         name = tool_choice["function"].get("name")
         if name in names:
             return name
         raise invalid(f"tool_choice names function {name!r}, which is not among the tools", "tool_choice")
-    raise invalid('tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}', "tool_choice")
+    raise invalid(
+        'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+        "tool_choice",
+    )
 
 
 def call_grammar(functions: list[Function], parallel: bool) -> str:
@@ -142,7 +155,12 @@ def call_grammar(functions: list[Function], parallel: bool) -> str:
 
     call = {
         "anyOf": [
-            {"type": "object", "properties": {"name": {"const": f.name}, "arguments": f.parameters}, "required": ["name", "arguments"], "additionalProperties": False}
+            {
+                "type": "object",
+                "properties": {"name": {"const": f.name}, "arguments": f.parameters},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
             for f in functions
         ]
     }
@@ -189,7 +207,9 @@ def assistant_calls(calls: list[Any], i: int) -> list[dict]:
         param = f"messages[{i}].tool_calls[{j}]"
         f = c.get("function") if isinstance(c, dict) else None
         if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not isinstance(f.get("arguments"), str):
-            raise invalid(f"{param} must be {{'id', 'type': 'function', 'function': {{'name': str, 'arguments': str}}}}", param)
+            raise invalid(
+                f"{param} must be {{'id', 'type': 'function', 'function': {{'name': str, 'arguments': str}}}}", param
+            )
         try:
             arguments = load_json(f["arguments"], f"{param}.function.arguments")
         except JSONError as e:
@@ -244,7 +264,11 @@ class ToolCallReader:
             if not isinstance(arguments, dict):
                 return None
             calls.append(
-                {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
+                {
+                    "id": f"call_{uuid.uuid4().hex[:24]}",
+                    "type": "function",
+                    "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)},
+                }
             )
         # NOTE: parallel_tool_calls=false promises at most one call; a model that wrote more gets its first
         return calls if self.parallel else calls[:1]

@@ -42,7 +42,9 @@ def _kernel_fits(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) ->
     )
 
 
-def tree_attention_cpu(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: AttentionPlan, scale: float) -> torch.Tensor:
+def tree_attention_cpu(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: AttentionPlan, scale: float
+) -> torch.Tensor:
     """Same signature and result (up to fp32 rounding) as tree_attention_torch."""
     if not _kernel_fits(q, k_pool, v_pool):
         return tree_attention_torch(q, k_pool, v_pool, plan, scale)
@@ -58,4 +60,6 @@ def tree_attention_cpu(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tens
 
 
 def _kernel(q, k_pool, v_pool, plan: AttentionPlan, scale: float) -> torch.Tensor:
-    return kernels.tree_attention(q, k_pool, v_pool, plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.custom_mask, scale)
+    return kernels.tree_attention(
+        q, k_pool, v_pool, plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.custom_mask, scale
+    )

@@ -104,7 +104,9 @@ def flashinfer_plan(plan: AttentionPlan, with_mask: bool | None = None) -> Flash
     )
 
 
-def plan_from_ragged(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, custom_mask: torch.Tensor | None = None) -> AttentionPlan:
+def plan_from_ragged(
+    qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, custom_mask: torch.Tensor | None = None
+) -> AttentionPlan:
     """An AttentionPlan (ragged + padded views) from ragged arrays; custom_mask None = all visible.
 
     Vectorised (no per-request Python loop) so the MoA worker can plan on the GPU every step.
@@ -120,7 +122,9 @@ def plan_from_ragged(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indice
     q_valid = ar_q[None, :] < q_lens[:, None]
     k_valid = ar_k[None, :] < k_lens[:, None]
     q_index = torch.where(q_valid, qo_indptr[:-1, None] + ar_q[None, :], 0)
-    kv_slots = torch.where(k_valid, kv_indices[(kv_indptr[:-1, None] + ar_k[None, :]).clamp(max=max(kv_indices.numel() - 1, 0))], 0)
+    kv_slots = torch.where(
+        k_valid, kv_indices[(kv_indptr[:-1, None] + ar_k[None, :]).clamp(max=max(kv_indices.numel() - 1, 0))], 0
+    )
     mask_start = torch.cat([q_lens.new_zeros(1), (q_lens * k_lens).cumsum(0)])[:-1]
     cell = mask_start[:, None, None] + ar_q[None, :, None] * k_lens[:, None, None] + ar_k[None, None, :]
     valid = q_valid[:, :, None] & k_valid[:, None, :]
@@ -131,13 +135,21 @@ def plan_from_ragged(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indice
         mask_out = None
     else:
         mask_out = mask[:, None]
-    return AttentionPlan(qo_indptr.cpu(), kv_indptr.cpu(), kv_indices.long(), custom_mask.bool(), [PaddedGroup(q_index, q_valid, kv_slots, mask_out)])
+    return AttentionPlan(
+        qo_indptr.cpu(),
+        kv_indptr.cpu(),
+        kv_indices.long(),
+        custom_mask.bool(),
+        [PaddedGroup(q_index, q_valid, kv_slots, mask_out)],
+    )
 
 
 # --- reference consumer of the FlashInfer arguments ------------------------------------------------
 
 
-def paged_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, fi: FlashInferPlan, scale: float) -> torch.Tensor:
+def paged_attention_reference(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, fi: FlashInferPlan, scale: float
+) -> torch.Tensor:
     """Masked attention that reads exactly what FlashInfer's kernel reads (page_size = 1).
 
     Per request: its qo rows, its kv pages (kv_last_page_len says how full the last one is), and
@@ -172,7 +184,9 @@ _WORKSPACE: dict[torch.device, torch.Tensor] = {}
 _LAST_PLANNED: list = []  # [(plan, wrapper)]: one plan serves every layer of a step, so plan() once
 
 
-def tree_attention_flashinfer(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: AttentionPlan, scale: float) -> torch.Tensor:
+def tree_attention_flashinfer(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: AttentionPlan, scale: float
+) -> torch.Tensor:
     """Same signature and result as tree_attention_torch, on FlashInfer's paged prefill kernel.
 
     The pool is viewed as pages of one token in NHD layout ([S, 1, Hkv, D]). The bool mask goes to
@@ -195,10 +209,19 @@ def tree_attention_flashinfer(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
             ws = _WORKSPACE[dev] = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=dev)
         wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
         wrapper.plan(
-            fi.qo_indptr.to(dev), fi.kv_indptr.to(dev), fi.kv_indices.to(dev), fi.kv_last_page_len.to(dev),
-            q.shape[1], k_pool.shape[1], q.shape[2], 1,
+            fi.qo_indptr.to(dev),
+            fi.kv_indptr.to(dev),
+            fi.kv_indices.to(dev),
+            fi.kv_last_page_len.to(dev),
+            q.shape[1],
+            k_pool.shape[1],
+            q.shape[2],
+            1,
             custom_mask=None if fi.custom_mask is None else fi.custom_mask.to(dev),
-            causal=False, sm_scale=scale, q_data_type=q.dtype, kv_data_type=k_pool.dtype,
+            causal=False,
+            sm_scale=scale,
+            q_data_type=q.dtype,
+            kv_data_type=k_pool.dtype,
         )
         _LAST_PLANNED[:] = [(plan, key, wrapper)]
     return wrapper.run(q.contiguous(), (k_pool.unsqueeze(1), v_pool.unsqueeze(1)))

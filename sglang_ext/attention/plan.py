@@ -23,7 +23,6 @@ from functools import cached_property
 
 import torch
 
-
 PAD_WASTE = 1.5
 LONG_Q = 64  # more queries than this: a prompt block, not a decode / verify / draft step
 

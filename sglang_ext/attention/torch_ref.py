@@ -17,7 +17,9 @@ from .plan import LONG_Q, AttentionPlan, PaddedGroup
 SMALL_Q = LONG_Q  # the plan buckets requests with more queries apart, so a group is all small or all long
 
 
-def _attend_small_q(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, g: PaddedGroup, scale: float) -> torch.Tensor:
+def _attend_small_q(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, g: PaddedGroup, scale: float
+) -> torch.Tensor:
     b, qm = g.q_index.shape
     hq, d = q.shape[1], q.shape[2]
     hkv = k_pool.shape[1]
@@ -34,11 +36,15 @@ def _attend_small_q(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     return out[g.q_valid]
 
 
-def _attend_sdpa(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, g: PaddedGroup, scale: float) -> torch.Tensor:
+def _attend_sdpa(
+    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, g: PaddedGroup, scale: float
+) -> torch.Tensor:
     qb = q[g.q_index].transpose(1, 2)  # [G, Hq, Qmax, D]
     kb = k_pool[g.kv_slots].transpose(1, 2)  # [G, Hkv, Kmax, D]
     vb = v_pool[g.kv_slots].transpose(1, 2)
-    out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=g.mask, scale=scale, enable_gqa=kb.shape[1] != qb.shape[1])
+    out = F.scaled_dot_product_attention(
+        qb, kb, vb, attn_mask=g.mask, scale=scale, enable_gqa=kb.shape[1] != qb.shape[1]
+    )
     return out.transpose(1, 2)[g.q_valid]  # [rows, Hq, D]
 
 

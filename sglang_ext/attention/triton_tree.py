@@ -32,9 +32,23 @@ BLOCK_N = 32  # kv positions per inner step
 
 @triton.jit
 def _tree_attention_kernel(
-    Q, K, V, O,  # q/o [T, Hq, D]; k/v pools [S, Hkv, D]
-    qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    Q,
+    K,
+    V,
+    O,  # q/o [T, Hq, D]; k/v pools [S, Hkv, D]
+    qo_indptr,
+    kv_indptr,
+    kv_indices,
+    custom_mask,
+    mask_indptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
     scale,
     GROUP: tl.constexpr,  # q heads per kv head
     HEAD_DIM: tl.constexpr,
@@ -139,10 +153,23 @@ def tree_attention_triton(
     upcast = device.type == "cpu" and q.dtype == torch.bfloat16
     grid = (plan.batch_size, num_q_heads, triton.cdiv(int(q_lens.max()), BLOCK_M))
     _tree_attention_kernel[grid](
-        q, k_pool, v_pool, out,
-        qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
-        out.stride(0), out.stride(1),
+        q,
+        k_pool,
+        v_pool,
+        out,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        custom_mask,
+        mask_indptr,
+        q.stride(0),
+        q.stride(1),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        v_pool.stride(0),
+        v_pool.stride(1),
+        out.stride(0),
+        out.stride(1),
         scale,
         GROUP=num_q_heads // num_kv_heads,
         HEAD_DIM=head_dim,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .base import DraftInput, Drafter, DrafterError, TargetCapture
+from .base import Drafter, DrafterError, DraftInput, TargetCapture
 from .draft_model import DraftModelDrafter
 from .ngram import NgramDrafter
 
@@ -98,4 +98,16 @@ def make_drafter(name: str | None, target) -> Drafter | None:
     return _REGISTRY[name](target)
 
 
-__all__ = ["DraftInput", "Drafter", "DrafterError", "DraftModelDrafter", "NgramDrafter", "TargetCapture", "available_drafters", "is_suffix_corpus", "make_drafter", "register_drafter", "resolve_drafter"]
+__all__ = [
+    "DraftInput",
+    "Drafter",
+    "DrafterError",
+    "DraftModelDrafter",
+    "NgramDrafter",
+    "TargetCapture",
+    "available_drafters",
+    "is_suffix_corpus",
+    "make_drafter",
+    "register_drafter",
+    "resolve_drafter",
+]

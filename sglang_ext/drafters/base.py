@@ -29,7 +29,6 @@ from ..models.kv_pool import KVPool
 from ..sampling import SamplingParams
 from ..tree import TokenTree, TreeShape
 
-
 SHIPPED_DIR = Path(__file__).resolve().parents[2] / "drafters"  # the repo's shipped drafters (model cards inside)
 
 

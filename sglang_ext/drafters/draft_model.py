@@ -32,7 +32,9 @@ class DraftModelDrafter:
         self.slots: dict[int, torch.Tensor] = {}  # draft-KV slots of the tokens already processed
 
     @classmethod
-    def self_draft(cls, target: LlamaModel, layers: list[int] | None = None, num_slots: int = 16384) -> "DraftModelDrafter":
+    def self_draft(
+        cls, target: LlamaModel, layers: list[int] | None = None, num_slots: int = 16384
+    ) -> "DraftModelDrafter":
         return cls(target.subset(layers or default_self_draft_layers(len(target.layers))), num_slots)
 
     def add_request(self, rid: int, capture: TargetCapture) -> None:
@@ -60,7 +62,9 @@ class DraftModelDrafter:
             masks.append(causal_mask(len(pending), done.numel()))
             row += len(pending)
             last_rows.append(row - 1)
-        out = self.model.forward(torch.tensor(ids), torch.cat(pos), torch.cat(new_slots), plan_attention(kv_lists, masks), self.kv)
+        out = self.model.forward(
+            torch.tensor(ids), torch.cat(pos), torch.cat(new_slots), plan_attention(kv_lists, masks), self.kv
+        )
         return self.model.logits(out.hidden[last_rows])
 
     def propose(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree]:

@@ -39,7 +39,9 @@ def default_checkpoint(target) -> Path:
         return Path(env)
     ckpt = SHIPPED.get(Path(target.path).name)
     if ckpt is None or not (ckpt / "config.json").is_file():
-        raise DraftCheckpointError(f"no shipped EAGLE-3 drafter for target {target.path}; train one (moa-serve train eagle3) and pass its path")
+        raise DraftCheckpointError(
+            f"no shipped EAGLE-3 drafter for target {target.path}; train one (moa-serve train eagle3) and pass its path"
+        )
     return ckpt
 
 
@@ -143,7 +145,9 @@ class Eagle3Drafter:
             done = st.slots.numel()
             aux = torch.cat(st.pending) if st.pending else None
             if aux is None or done + aux.shape[0] != d.seq_len:
-                raise DraftCheckpointError(f"request {d.rid}: draft state out of sync ({done} pairs + pending vs {d.seq_len} verified tokens)")
+                raise DraftCheckpointError(
+                    f"request {d.rid}: draft state out of sync ({done} pairs + pending vs {d.seq_len} verified tokens)"
+                )
             m = aux.shape[0]
             s = self.kv.alloc(m)
             st.slots, st.pending = torch.cat([st.slots, s]), []
@@ -155,10 +159,14 @@ class Eagle3Drafter:
             masks.append(causal_mask(m, done))
             last.append(sum(x.numel() for x in new_slots) - 1)
         fused = torch.cat(feats)
-        out = self._layer(torch.tensor(ids), fused, torch.cat(pos), torch.cat(new_slots), plan_attention(kv_lists, masks))
+        out = self._layer(
+            torch.tensor(ids), fused, torch.cat(pos), torch.cat(new_slots), plan_attention(kv_lists, masks)
+        )
         return out[last]
 
-    def _layer(self, ids: torch.Tensor, feat: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, plan) -> torch.Tensor:
+    def _layer(
+        self, ids: torch.Tensor, feat: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, plan
+    ) -> torch.Tensor:
         """Draft layer over flat rows; writes their K/V to `slots`; returns pre-norm outputs [n, H]."""
         q, k, v = self.draft.qkv(self.target.embed[ids], feat, positions)
         self.kv.write(0, slots, k, v)

@@ -48,7 +48,9 @@ def shipped_checkpoint(target, name: str) -> Path:
     sub = SHIPPED.get(tname, {}).get(name)
     ckpt = SHIPPED_DIR / sub if sub else None
     if ckpt is None or not (ckpt / "config.json").is_file():
-        raise DraftCheckpointError(f"no shipped MoA drafter {name!r} for target {target.path}; train one (moa-serve train moa) and pass its path")
+        raise DraftCheckpointError(
+            f"no shipped MoA drafter {name!r} for target {target.path}; train one (moa-serve train moa) and pass its path"
+        )
     return ckpt
 
 
@@ -62,8 +64,9 @@ class _RequestState:
 
 
 class MoADrafter:
-
-    def __init__(self, target: LlamaModel, draft: MoADraft, num_slots: int = 32768, name: str = "moa", remote: bool = False):
+    def __init__(
+        self, target: LlamaModel, draft: MoADraft, num_slots: int = 32768, name: str = "moa", remote: bool = False
+    ):
         """remote=True: the target runs elsewhere (edge client); verified context arrives through
         ingest_remote() and the TLI layers keep their own copy of the last N layers' K/V."""
         c = draft.cfg
@@ -78,7 +81,9 @@ class MoADrafter:
         self.sa = KVPool(1, num_slots, c.num_kv_heads, c.head_dim, target.dtype, target.device)
         self.hot_ids = self.draft.hot_ids
         self.head = target.lm_head[self.hot_ids].contiguous()  # draft-vocab rows of the target's lm_head
-        attach_packed_rows(self.head, target.lm_head, self.hot_ids)  # and of its GGUF blocks: the same sums, ~1/4 the bytes
+        attach_packed_rows(
+            self.head, target.lm_head, self.hot_ids
+        )  # and of its GGUF blocks: the same sums, ~1/4 the bytes
         self.tli_layers = list(range(len(target.layers) - c.tli, len(target.layers)))
         # MoA reads the target KV pool, not layer outputs (the no-LSA ablation reads the last layer's output)
         self.capture_layers: tuple[int, ...] = (len(target.layers) - 1,) if c.memory_source == "last_hidden" else ()
@@ -140,7 +145,9 @@ class MoADrafter:
             self.lsa_rows += slots.numel()
         return self.draft.ca_kv(memory, positions)
 
-    def _ingest(self, st: _RequestState, token_ids: list[int], positions: torch.Tensor, ca_k, ca_v, target_slots: torch.Tensor) -> None:
+    def _ingest(
+        self, st: _RequestState, token_ids: list[int], positions: torch.Tensor, ca_k, ca_v, target_slots: torch.Tensor
+    ) -> None:
         n = len(token_ids)
         mem = self.mem.alloc(n)
         self.mem.write(0, mem, ca_k, ca_v)
@@ -152,7 +159,9 @@ class MoADrafter:
         st.target_slots = torch.cat([st.target_slots, target_slots])
 
     @torch.inference_mode()
-    def ingest_remote(self, rid: int, token_ids: list[int], positions: torch.Tensor, ca_k, ca_v, tli_k=None, tli_v=None) -> None:
+    def ingest_remote(
+        self, rid: int, token_ids: list[int], positions: torch.Tensor, ca_k, ca_v, tli_k=None, tli_v=None
+    ) -> None:
         """Edge client: verified tokens' CA K/V (and, for TLI > 0, the target's last-N-layer K/V
         [N, n, kv, D]) as computed by the server."""
         if not self.remote:
@@ -185,7 +194,9 @@ class MoADrafter:
         sa_plan = plan_frontier([st.sa_slots], [[[s for s, _ in own]]])
         ca_plan = plan_frontier([st.mem_slots], [[[]]])
         tli_plan = plan_frontier([st.target_slots], [[[t for _, t in st.offline]]]) if self.tli_layers else None
-        h = self._forward(torch.tensor(token_ids[-1:]), torch.tensor([seq_len + depth]), sa_new, tgt_new, sa_plan, ca_plan, tli_plan)
+        h = self._forward(
+            torch.tensor(token_ids[-1:]), torch.tensor([seq_len + depth]), sa_new, tgt_new, sa_plan, ca_plan, tli_plan
+        )
         return int(self.hot_ids[greedy_tokens(self._to_logits(h, False))[0]])
 
     def drop_offline(self, rid: int) -> None:
@@ -213,7 +224,9 @@ class MoADrafter:
         for d in batch:
             st = self.reqs[d.rid]
             if st.target_slots.numel() != d.seq_len:
-                raise DraftCheckpointError(f"request {d.rid}: draft state out of sync ({st.target_slots.numel()} verified vs {d.seq_len})")
+                raise DraftCheckpointError(
+                    f"request {d.rid}: draft state out of sync ({st.target_slots.numel()} verified vs {d.seq_len})"
+                )
         b, k = len(batch), shape.topk
         full = shape.topk == 1 and any(not d.params.greedy for d in batch)
         to_target = (lambda ids: ids) if full else (lambda ids: self.hot_ids[ids])

@@ -49,7 +49,9 @@ class NgramDrafter:
     def remove_request(self, rid: int) -> None:
         pass
 
-    def longest_match(self, tokens: list[int], length: int, reference: list[int] = (), own: bool = True) -> tuple[int, list[list[int]]]:
+    def longest_match(
+        self, tokens: list[int], length: int, reference: list[int] = (), own: bool = True
+    ) -> tuple[int, list[list[int]]]:
         """(n, continuations): the longest n-gram tail of `tokens` found earlier in them (unless
         own=False) or in `reference` (a predicted output: its matches come first), and what followed
         it, most recent match first."""
@@ -89,8 +91,14 @@ def _matches(seq: list[int], tail: list[int], length: int, last_start: int, limi
     return found
 
 
-def trie_tree(root: int, seq_len: int, weighted: list[tuple[list[int], float]], shape: TreeShape, min_share: float = 0.0,
-              confidence: float = 1.0) -> TokenTree:
+def trie_tree(
+    root: int,
+    seq_len: int,
+    weighted: list[tuple[list[int], float]],
+    shape: TreeShape,
+    min_share: float = 0.0,
+    confidence: float = 1.0,
+) -> TokenTree:
     """The TokenTree of the heaviest nodes of a trie of weighted continuations (at most topk children
     each); nodes carrying less than `min_share` of the total weight are left out (not worth a verify
     slot), and with shape.min_prob > 0 so are nodes whose estimated probability (share x `confidence`)

@@ -20,7 +20,9 @@ MIN_MATCH = FULL_CONFIDENCE_MATCH
 
 class PredictionLookup:
     def __init__(self, min_match: int = MIN_MATCH, max_ngram: int = 4):
-        self.ngram = NgramDrafter(max_ngram=max_ngram, min_ngram=min_match)  # matches shorter than min_match are not tried
+        self.ngram = NgramDrafter(
+            max_ngram=max_ngram, min_ngram=min_match
+        )  # matches shorter than min_match are not tried
 
     def trees(self, batch: list[DraftInput], shape: TreeShape) -> dict[int, TokenTree]:
         """rid -> a chain from the prediction, for the requests of `batch` whose tail matches theirs."""

@@ -20,7 +20,7 @@ import torch
 
 from ..sampling import greedy_tokens, logits_to_probs
 from ..tree import TokenTree, TreeSearch, TreeShape, build_trees, chain_tree
-from .base import DraftInput, DrafterError
+from .base import DrafterError, DraftInput
 
 StepFn = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
@@ -42,7 +42,9 @@ def _check_finite(logits: torch.Tensor, where: str) -> None:
         raise DrafterError(f"drafter produced non-finite logits ({where})")
 
 
-def search_tree(root_logits: torch.Tensor, step_fn: StepFn, shape: TreeShape, batch: list[DraftInput]) -> list[TokenTree]:
+def search_tree(
+    root_logits: torch.Tensor, step_fn: StepFn, shape: TreeShape, batch: list[DraftInput]
+) -> list[TokenTree]:
     """root_logits [b, V]: the drafter's prediction after each request's root token."""
     _check_finite(root_logits, "root")
     if shape.topk == 1 and any(not d.params.greedy for d in batch):
@@ -64,7 +66,9 @@ def search_tree(root_logits: torch.Tensor, step_fn: StepFn, shape: TreeShape, ba
     return build_trees(roots, search, [d.seq_len for d in batch], shape.num_draft_tokens, shape.min_prob)
 
 
-def _sample_chains(root_logits: torch.Tensor, step_fn: StepFn, shape: TreeShape, batch: list[DraftInput]) -> list[TokenTree]:
+def _sample_chains(
+    root_logits: torch.Tensor, step_fn: StepFn, shape: TreeShape, batch: list[DraftInput]
+) -> list[TokenTree]:
     b = len(batch)
     drafts: list[list[int]] = [[] for _ in range(b)]
     qs: list[list[torch.Tensor]] = [[] for _ in range(b)]
@@ -76,7 +80,11 @@ def _sample_chains(root_logits: torch.Tensor, step_fn: StepFn, shape: TreeShape,
         nxt = []
         for i, d in enumerate(batch):
             q = logits_to_probs(logits[i], d.params)
-            x = int(greedy_tokens(logits[i])) if d.params.greedy else int(torch.multinomial(q, 1, generator=d.generator))
+            x = (
+                int(greedy_tokens(logits[i]))
+                if d.params.greedy
+                else int(torch.multinomial(q, 1, generator=d.generator))
+            )
             drafts[i].append(x)
             qs[i].append(q)
             nxt.append(x)

@@ -61,11 +61,19 @@ def load_corpus(path: str | Path, vocab_size: int | None = None) -> tuple[list[n
             tokens, offsets = z["tokens"].astype(np.int64), z["offsets"]
     except (OSError, ValueError, KeyError) as e:
         raise CorpusError(f"{path}: not a suffix corpus ({CONFIG_FILE} + {CORPUS_FILE}): {e}") from None
-    if offsets.ndim != 1 or offsets.size < 1 or offsets[0] != 0 or offsets[-1] != tokens.size or (np.diff(offsets) < 0).any():
+    if (
+        offsets.ndim != 1
+        or offsets.size < 1
+        or offsets[0] != 0
+        or offsets[-1] != tokens.size
+        or (np.diff(offsets) < 0).any()
+    ):
         raise CorpusError(f"{path}: offsets do not partition the tokens")
     if vocab_size is not None:
         if meta.get("vocab_size") != vocab_size:
-            raise CorpusError(f"{path}: corpus made for a vocabulary of {meta.get('vocab_size')} ids, the target has {vocab_size}")
+            raise CorpusError(
+                f"{path}: corpus made for a vocabulary of {meta.get('vocab_size')} ids, the target has {vocab_size}"
+            )
         if tokens.size and tokens.max() >= vocab_size:
             raise CorpusError(f"{path}: token ids outside the target's vocabulary")
     return [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])], meta
@@ -75,15 +83,26 @@ def shipped_corpus(target) -> Path:
     sub = SHIPPED.get(Path(target.path).name)
     path = SHIPPED_DIR / sub if sub else None
     if path is None or not (path / CONFIG_FILE).is_file():
-        raise CorpusError(f"no shipped suffix corpus for target {target.path}; build one (moa-serve build-corpus) and pass --drafter suffix:PATH")
+        raise CorpusError(
+            f"no shipped suffix corpus for target {target.path}; build one (moa-serve build-corpus) and pass --drafter suffix:PATH"
+        )
     return path
 
 
 class SuffixDrafter(NgramDrafter):
     name = "suffix"
 
-    def __init__(self, seed_docs: list | None = None, max_match: int = 8, min_corpus_match: int = 1,
-                 max_samples: int = 64, online: bool = True, max_online_tokens: int = 1_000_000, min_share: float = 0.3, **ngram_kw):
+    def __init__(
+        self,
+        seed_docs: list | None = None,
+        max_match: int = 8,
+        min_corpus_match: int = 1,
+        max_samples: int = 64,
+        online: bool = True,
+        max_online_tokens: int = 1_000_000,
+        min_share: float = 0.3,
+        **ngram_kw,
+    ):
         super().__init__(**ngram_kw)
         self.min_share = min_share  # leave out nodes with less than this share of the evidence
         self.max_match, self.min_corpus_match, self.max_samples = max_match, min_corpus_match, max_samples
@@ -127,7 +146,9 @@ class SuffixDrafter(NgramDrafter):
             self._last_seq[d.rid] = d.token_ids
         return [self._tree(d, shape) for d in batch]
 
-    def candidates(self, ctx: list[int], depth: int, reference: list[int] = ()) -> tuple[int, list[tuple[list[int], float]]]:
+    def candidates(
+        self, ctx: list[int], depth: int, reference: list[int] = ()
+    ) -> tuple[int, list[tuple[list[int], float]]]:
         """(length of the request's own longest match, weighted continuations of up to `depth` tokens
         from the request itself (and its predicted output) and the corpora): what a tree is built from."""
         own_len, own = self.longest_match(ctx, depth, reference)

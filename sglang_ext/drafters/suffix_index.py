@@ -67,7 +67,9 @@ class SuffixIndex:
                 best = (k + 1, lo, hi)
         return best
 
-    def lookup(self, context: list[int], length: int, max_len: int | None = None, min_len: int = 1, max_samples: int = 64) -> Match:
+    def lookup(
+        self, context: list[int], length: int, max_len: int | None = None, min_len: int = 1, max_samples: int = 64
+    ) -> Match:
         """Continuations (up to `length` tokens) after the longest matching tail of `context`."""
         n, lo, hi = self.longest_match(context, max_len, min_len)
         if n == 0 or length <= 0:

@@ -63,7 +63,9 @@ AVAILABLE = UNAVAILABLE is None
 linear_small = torch.ops.moa_cpu.linear_small if AVAILABLE else None
 tree_attention = torch.ops.moa_cpu.tree_attention if AVAILABLE else None
 # GGUF block weights (Q4_1 / Q8_0, see cpu_linear.cpp); MOA_SERVE_PACKED_WEIGHTS=0 uses the fp32 copy
-linear_packed = getattr(torch.ops.moa_cpu, "linear_packed", None) if AVAILABLE else None  # None: a build older than the op
+linear_packed = (
+    getattr(torch.ops.moa_cpu, "linear_packed", None) if AVAILABLE else None
+)  # None: a build older than the op
 PACKED = linear_packed is not None and os.environ.get("MOA_SERVE_PACKED_WEIGHTS", "1") != "0"
 # AVX-512 tiles for 3-24-row packed matmuls where the CPU has them (same sums as the AVX2 tiles);
 # MOA_SERVE_AVX512=0 keeps the AVX2 tiles. True when in use.
@@ -91,7 +93,9 @@ SMALL_ROWS = _kernel_rows()
 # the layer glue ops (cpu_layer_ops.cpp: RMSNorm, add + RMSNorm, RoPE + K/V store, SiLU * up);
 # MOA_SERVE_LAYER_OPS=0 runs the torch ops instead (to measure what they buy); uses_layer_ops reads
 # rope_store, so setting it to None turns all four off (tests and scripts/kernel-ab.py do)
-_layer_ops = AVAILABLE and hasattr(torch.ops.moa_cpu, "rope_store") and os.environ.get("MOA_SERVE_LAYER_OPS", "1") != "0"
+_layer_ops = (
+    AVAILABLE and hasattr(torch.ops.moa_cpu, "rope_store") and os.environ.get("MOA_SERVE_LAYER_OPS", "1") != "0"
+)
 rms_norm = torch.ops.moa_cpu.rms_norm if _layer_ops else None
 add_rms_norm = torch.ops.moa_cpu.add_rms_norm if _layer_ops else None
 rope_store = torch.ops.moa_cpu.rope_store if _layer_ops else None
@@ -106,8 +110,15 @@ def attach_packed(w: torch.Tensor, kind: str, blocks: torch.Tensor) -> None:
     are a snapshot: once w changes in place (an optimizer step), `linear` reads w again."""
     if kind not in PACKED_KIND_IDS:
         raise ValueError(f"unsupported packed kind {kind!r}; supported: {sorted(PACKED_KIND_IDS)}")
-    if w.dim() != 2 or w.shape[1] % 32 or blocks.dtype != torch.uint8 or blocks.shape != (w.shape[0], w.shape[1] // 32 * PACKED_BLOCK_BYTES[kind]):
-        raise ValueError(f"packed blocks {tuple(blocks.shape)} {blocks.dtype} do not fit a {kind} weight {tuple(w.shape)}")
+    if (
+        w.dim() != 2
+        or w.shape[1] % 32
+        or blocks.dtype != torch.uint8
+        or blocks.shape != (w.shape[0], w.shape[1] // 32 * PACKED_BLOCK_BYTES[kind])
+    ):
+        raise ValueError(
+            f"packed blocks {tuple(blocks.shape)} {blocks.dtype} do not fit a {kind} weight {tuple(w.shape)}"
+        )
     w.moa_packed = (PACKED_KIND_IDS[kind], blocks.contiguous(), _version(w))
 
 
@@ -181,7 +192,9 @@ def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -
         return F.linear(x, w, bias)
     packed = _packed(w)
     x2 = x.reshape(-1, x.shape[-1])
-    y = (linear_small(x2, w) if packed is None else linear_packed(x2, packed[1], packed[0])).view(*x.shape[:-1], w.shape[0])
+    y = (linear_small(x2, w) if packed is None else linear_packed(x2, packed[1], packed[0])).view(
+        *x.shape[:-1], w.shape[0]
+    )
     return y if bias is None else y + bias
 
 

@@ -10,7 +10,16 @@ import torch
 from .. import kernels
 from .kv_pool import KVPool, OutOfSlots
 from .llama import ForwardOutput, LlamaModel
-from .loader import DEFAULT_TARGET, LlamaConfig, ModelLoadError, load_config, load_packed_weights, load_state_dict, load_tokenizer, resolve_target
+from .loader import (
+    DEFAULT_TARGET,
+    LlamaConfig,
+    ModelLoadError,
+    load_config,
+    load_packed_weights,
+    load_state_dict,
+    load_tokenizer,
+    resolve_target,
+)
 
 
 @dataclass
@@ -26,7 +35,9 @@ class Target:
     def chat_prompt(self, messages: list[dict], continue_final: bool = False) -> str:
         """The chat template applied to messages, ending with the assistant turn header; with
         continue_final, ending inside the last (assistant) message instead, for the reply to continue it."""
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not continue_final, continue_final_message=continue_final)
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=not continue_final, continue_final_message=continue_final
+        )
 
     def encode(self, text: str) -> list[int]:
         # special tokens are spelled out by the chat template itself
@@ -80,10 +91,32 @@ def parse_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     return _DTYPES[name]
 
 
-def load_target(name_or_path: str = DEFAULT_TARGET, dtype: str | torch.dtype = "float32", device: str = "cpu") -> Target:
+def load_target(
+    name_or_path: str = DEFAULT_TARGET, dtype: str | torch.dtype = "float32", device: str = "cpu"
+) -> Target:
     path = resolve_target(name_or_path)
-    model = LlamaModel(load_config(path), load_state_dict(path), dtype=parse_dtype(dtype, device), device=device, packed=load_packed_weights(path))
+    model = LlamaModel(
+        load_config(path),
+        load_state_dict(path),
+        dtype=parse_dtype(dtype, device),
+        device=device,
+        packed=load_packed_weights(path),
+    )
     return Target(model=model, tokenizer=load_tokenizer(path), path=path)
 
 
-__all__ = ["DEFAULT_TARGET", "ForwardOutput", "KVPool", "LlamaConfig", "LlamaModel", "ModelLoadError", "OutOfSlots", "Target", "load_target", "parse_dtype", "auto_dtype", "cpu_has_fast_bf16", "DTYPE_CHOICES"]
+__all__ = [
+    "DEFAULT_TARGET",
+    "ForwardOutput",
+    "KVPool",
+    "LlamaConfig",
+    "LlamaModel",
+    "ModelLoadError",
+    "OutOfSlots",
+    "Target",
+    "load_target",
+    "parse_dtype",
+    "auto_dtype",
+    "cpu_has_fast_bf16",
+    "DTYPE_CHOICES",
+]

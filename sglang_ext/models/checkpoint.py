@@ -38,7 +38,9 @@ def _split(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, tor
     return shards
 
 
-def save_weights(state: dict[str, torch.Tensor], out_dir: str | Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+def save_weights(
+    state: dict[str, torch.Tensor], out_dir: str | Path, max_shard_bytes: int = MAX_SHARD_BYTES
+) -> list[str]:
     """Write state as model.safetensors or as shards + index; returns the file names written.
     Earlier weight files in out_dir are removed first, so a directory never holds two versions."""
     out = Path(out_dir)
@@ -46,7 +48,11 @@ def save_weights(state: dict[str, torch.Tensor], out_dir: str | Path, max_shard_
     for old in [*out.glob("model*.safetensors"), out / INDEX]:
         old.unlink(missing_ok=True)
     shards = _split({k: v.contiguous() for k, v in state.items()}, max_shard_bytes)
-    names = ["model.safetensors"] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     for name, shard in zip(names, shards):
         tmp = out / (name + ".tmp")
         save_file(shard, str(tmp), metadata={"format": "pt"})

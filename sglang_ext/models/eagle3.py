@@ -66,7 +66,9 @@ class Eagle3Config:
     extra: dict = field(default_factory=dict, compare=False)  # unknown config.json keys, kept on save
 
     @classmethod
-    def for_target(cls, target: LlamaConfig, draft_vocab_size: int, aux_layers: tuple[int, ...] | None = None) -> "Eagle3Config":
+    def for_target(
+        cls, target: LlamaConfig, draft_vocab_size: int, aux_layers: tuple[int, ...] | None = None
+    ) -> "Eagle3Config":
         """The draft layer mirrors one target layer (SpecForge's default)."""
         return cls(
             hidden_size=target.hidden_size,
@@ -116,15 +118,23 @@ class Eagle3Config:
         if arch and not any("Eagle3" in a for a in arch):
             raise DraftCheckpointError(f"not an EAGLE-3 checkpoint: architectures={arch}")
         if cfg.get("num_hidden_layers", 1) != 1:
-            raise DraftCheckpointError(f"only 1-layer EAGLE-3 drafts are supported, got num_hidden_layers={cfg['num_hidden_layers']}")
+            raise DraftCheckpointError(
+                f"only 1-layer EAGLE-3 drafts are supported, got num_hidden_layers={cfg['num_hidden_layers']}"
+            )
         eagle = cfg.get("eagle_config") or {}
-        unsupported = [k for k in ("norm_before_fc", "fc_norm", "use_aux_norm", "norm_output", "bias") if eagle.get(k) or cfg.get(k)]
+        unsupported = [
+            k
+            for k in ("norm_before_fc", "fc_norm", "use_aux_norm", "norm_output", "bias")
+            if eagle.get(k) or cfg.get(k)
+        ]
         if unsupported:
             raise DraftCheckpointError(f"unsupported EAGLE-3 options in config: {unsupported}")
         aux = eagle.get("eagle_aux_hidden_state_layer_ids")
         if aux is None:
             if target_layers is None:
-                raise DraftCheckpointError("config has no eagle_aux_hidden_state_layer_ids and the target depth is unknown")
+                raise DraftCheckpointError(
+                    "config has no eagle_aux_hidden_state_layer_ids and the target depth is unknown"
+                )
             aux = default_aux_layers(target_layers)
         lc = LlamaConfig.from_hf({**cfg, "num_hidden_layers": 1})
         known = {"eagle_config", "draft_vocab_size", "target_hidden_size"}
@@ -302,12 +312,16 @@ def _read_state(ckpt: Path) -> dict[str, torch.Tensor]:
     raise DraftCheckpointError(f"no model.safetensors or pytorch_model.bin in {ckpt}")
 
 
-def load_eagle3(ckpt_dir: str | Path, target_cfg: LlamaConfig | None = None, dtype: torch.dtype = torch.float32) -> Eagle3Draft:
+def load_eagle3(
+    ckpt_dir: str | Path, target_cfg: LlamaConfig | None = None, dtype: torch.dtype = torch.float32
+) -> Eagle3Draft:
     """Read an EAGLE-3 checkpoint (ours or SpecForge's); check it against the target if given."""
     ckpt = Path(ckpt_dir).expanduser()
     if not (ckpt / "config.json").is_file():
         raise DraftCheckpointError(f"{ckpt} has no config.json")
-    cfg = Eagle3Config.from_hf(json.loads((ckpt / "config.json").read_text()), target_cfg.num_layers if target_cfg else None)
+    cfg = Eagle3Config.from_hf(
+        json.loads((ckpt / "config.json").read_text()), target_cfg.num_layers if target_cfg else None
+    )
     if target_cfg is not None:
         _check_fits(cfg, target_cfg)
     model = Eagle3Draft(cfg)
@@ -347,4 +361,11 @@ def vocab_from_counts(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tens
     return order[:draft_vocab_size].sort().values
 
 
-__all__ = ["DraftCheckpointError", "Eagle3Config", "Eagle3Draft", "default_aux_layers", "load_eagle3", "vocab_from_counts"]
+__all__ = [
+    "DraftCheckpointError",
+    "Eagle3Config",
+    "Eagle3Draft",
+    "default_aux_layers",
+    "load_eagle3",
+    "vocab_from_counts",
+]

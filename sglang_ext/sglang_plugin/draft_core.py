@@ -49,7 +49,9 @@ class MoAPools:
 
 
 @torch.inference_mode()
-def moa_commit(draft, embed: torch.Tensor, pools: MoAPools, slots: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor) -> None:
+def moa_commit(
+    draft, embed: torch.Tensor, pools: MoAPools, slots: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor
+) -> None:
     for a in range(0, slots.numel(), LSA_CHUNK):
         s, pos, tok = slots[a : a + LSA_CHUNK], positions[a : a + LSA_CHUNK], token_ids[a : a + LSA_CHUNK]
         memory = draft.lsa(stack_layer_kv(pools.target_k, pools.target_v, s))
@@ -101,7 +103,9 @@ def moa_draft(
             ca_plan = tree_step_plan(req_to_token, req_pool_indices, seq_lens, None, None, kk)
         x2 = draft.ca_finish(attention(draft.ca_q(x1, positions), pools.ca_k, pools.ca_v, ca_plan, draft.scale), x1)
         if tli_layers:
-            tli_plan = tree_step_plan(req_to_token, req_pool_indices, seq_lens, block[:, :used], visible[:, :, :used], kk)
+            tli_plan = tree_step_plan(
+                req_to_token, req_pool_indices, seq_lens, block[:, :used], visible[:, :, :used], kk
+            )
             for layer in tli_layers:
                 x2 = layer(x2, positions, node_slots, tli_plan)
         logits = torch.nn.functional.linear(final_norm(x2), head).float()
@@ -117,7 +121,9 @@ def moa_draft(
         visible = next_visibility(visible, parent_beam, step_columns(step, topk, seq_lens.device), width, bs)
         logits = run(tokens, step, visible)
         child_p, child_index = torch.softmax(logits, dim=-1).topk(topk, dim=-1)
-        tokens, scores, parent_beam = search.expand(step, scores, child_p.flatten(0, 1), hot_ids[child_index].flatten(0, 1))
+        tokens, scores, parent_beam = search.expand(
+            step, scores, child_p.flatten(0, 1), hot_ids[child_index].flatten(0, 1)
+        )
     return search.organize(num_draft_tokens)
 
 

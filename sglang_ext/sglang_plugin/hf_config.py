@@ -31,7 +31,9 @@ class MoADraftHFConfig(PretrainedConfig):
         "max_position_embeddings": "max_position",
     }
 
-    def __init__(self, num_heads: int = 8, num_kv_heads: int = 4, head_dim: int = 64, max_position: int = 8192, **kwargs):
+    def __init__(
+        self, num_heads: int = 8, num_kv_heads: int = 4, head_dim: int = 64, max_position: int = 8192, **kwargs
+    ):
         kwargs.pop("num_hidden_layers", None)  # always the draft pool's two layers
         kwargs.setdefault("architectures", [ARCH])
         super().__init__(**kwargs)

@@ -24,11 +24,12 @@ import torch
 from ..attention.flashinfer_plan import plan_from_ragged
 from ..attention.plan import AttentionPlan
 
-
 # --- what the target just verified ---------------------------------------------------------------
 
 
-def committed_after_extend(out_cache_loc: torch.Tensor, input_ids: torch.Tensor, prefix_lens: list[int], extend_lens: list[int]):
+def committed_after_extend(
+    out_cache_loc: torch.Tensor, input_ids: torch.Tensor, prefix_lens: list[int], extend_lens: list[int]
+):
     """Prefill (or a prefill chunk): every extended token is verified.
 
     Returns (slots [n], positions [n], token_ids [n]) in batch order."""
@@ -40,7 +41,14 @@ def committed_after_extend(out_cache_loc: torch.Tensor, input_ids: torch.Tensor,
     return out_cache_loc.long(), positions.long(), input_ids.long()
 
 
-def committed_after_verify(out_cache_loc: torch.Tensor, accept_index: torch.Tensor, accept_lens: torch.Tensor, seq_lens: torch.Tensor, draft_token: torch.Tensor, num_draft_tokens: int):
+def committed_after_verify(
+    out_cache_loc: torch.Tensor,
+    accept_index: torch.Tensor,
+    accept_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    draft_token: torch.Tensor,
+    num_draft_tokens: int,
+):
     """Decode: the root plus the accepted draft nodes of each request.
 
     accept_index [bs, S] flat node ids (b*N + i, root first, -1 padded); accept_lens [bs] counts
@@ -73,13 +81,17 @@ def step_columns(step: int, topk: int, device=None) -> torch.Tensor:
     return 1 + (step - 1) * topk + torch.arange(topk, dtype=torch.long, device=device)
 
 
-def draft_block(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, width: int) -> torch.Tensor:
+def draft_block(
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, width: int
+) -> torch.Tensor:
     """[bs, width] slots req_to_token[req_b, seq_len_b + c] (reserved for this decode step)."""
     cols = seq_lens.long()[:, None] + torch.arange(width, device=seq_lens.device)[None, :]
     return req_to_token[req_pool_indices.long()[:, None], cols].long()
 
 
-def next_visibility(visible: torch.Tensor | None, parent_beam: torch.Tensor | None, cols: torch.Tensor, width: int, bs: int) -> torch.Tensor:
+def next_visibility(
+    visible: torch.Tensor | None, parent_beam: torch.Tensor | None, cols: torch.Tensor, width: int, bs: int
+) -> torch.Tensor:
     """Which draft-block columns each new frontier node sees (its ancestors and itself).
 
     visible [bs, k_prev, width] of the previous frontier (None before the root); parent_beam
@@ -106,7 +118,14 @@ def only_self(cols: torch.Tensor, width: int, bs: int) -> torch.Tensor:
 # --- attention plans of one draft step ------------------------------------------------------------
 
 
-def tree_step_plan(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, block: torch.Tensor | None, visible: torch.Tensor | None, queries_per_req: int) -> AttentionPlan:
+def tree_step_plan(
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block: torch.Tensor | None,
+    visible: torch.Tensor | None,
+    queries_per_req: int,
+) -> AttentionPlan:
     """Plan of one draft pass: request b's `queries_per_req` nodes read its verified prefix
     (req_to_token[req_b, :seq_len_b], all visible) and, when `block` is given, the draft-block
     columns `visible[b, q]` marks.
@@ -122,7 +141,9 @@ def tree_step_plan(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, s
     k_max = int(k_lens.max()) if bs else 0
     col = torch.arange(k_max, device=device)[None, :]
     in_prefix = col < seq[:, None]
-    prefix_slot = req_to_token[req_pool_indices.long()[:, None], col.clamp(max=req_to_token.shape[1] - 1).expand(bs, -1)]
+    prefix_slot = req_to_token[
+        req_pool_indices.long()[:, None], col.clamp(max=req_to_token.shape[1] - 1).expand(bs, -1)
+    ]
     if t:
         block_col = (col - seq[:, None]).clamp(0, t - 1)
         slot = torch.where(in_prefix, prefix_slot, torch.gather(block, 1, block_col))

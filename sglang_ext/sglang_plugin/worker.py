@@ -24,7 +24,6 @@ the target verify keeps SGLang's graphs). Overlap scheduling is disabled by the 
 from __future__ import annotations
 
 import torch
-
 from sglang.srt.managers.tp_worker import TpModelWorker
 from sglang.srt.runtime_context import get_device, get_schedule, get_spec
 from sglang.srt.server_args import ServerArgs
@@ -57,7 +56,17 @@ def sglang_tli_layer(layer, layer_id: int, kv_pool, attention):
     """A TLILayer over one SGLang Llama decoder layer: its norms/projections/RoPE/MLP, our tree
     attention over the target pool (RadixAttention needs a ForwardBatch, which the draft has not)."""
     attn = layer.self_attn
-    for name in ("qkv_proj", "o_proj", "rotary_emb", "q_size", "kv_size", "scaling", "num_heads", "num_kv_heads", "head_dim"):
+    for name in (
+        "qkv_proj",
+        "o_proj",
+        "rotary_emb",
+        "q_size",
+        "kv_size",
+        "scaling",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+    ):
         if not hasattr(attn, name):
             raise ValueError(f"MOA TLI: target layer {layer_id} ({type(layer).__name__}) lacks self_attn.{name}")
 
@@ -143,16 +152,40 @@ class MoADraftWorker(EagleDraftWorker):
             raise NotImplementedError("MOA does not support pipeline parallelism (pp_size 1 only)")
         draft_input: EagleDraftInput = batch.spec_info
         if batch.forward_mode.is_idle():
-            return EagleVerifyInput.create_idle_input(self.topk, self.speculative_num_steps, self.speculative_num_draft_tokens, self.device)
+            return EagleVerifyInput.create_idle_input(
+                self.topk, self.speculative_num_steps, self.speculative_num_draft_tokens, self.device
+            )
         parent_list, top_scores_index, draft_tokens = moa_draft(
-            self.moa, self.embed, self.head, self.hot_ids, self.final_norm, self.tli_layers, self.pools(), self.attention,
-            self.req_to_token_pool.req_to_token, batch.req_pool_indices, batch.seq_lens, draft_input.bonus_tokens,
-            self.topk, self.speculative_num_steps, self.speculative_num_draft_tokens, self.moa.cfg.sa_tree_attention,
+            self.moa,
+            self.embed,
+            self.head,
+            self.hot_ids,
+            self.final_norm,
+            self.tli_layers,
+            self.pools(),
+            self.attention,
+            self.req_to_token_pool.req_to_token,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            draft_input.bonus_tokens,
+            self.topk,
+            self.speculative_num_steps,
+            self.speculative_num_draft_tokens,
+            self.moa.cfg.sa_tree_attention,
         )
         return build_eagle_verify_input(
-            batch, draft_input, parent_list, top_scores_index, draft_tokens, None,
-            target_worker=self.target_worker, topk=self.topk, num_steps=self.speculative_num_steps,
-            num_draft_tokens=self.speculative_num_draft_tokens, tree_mask_mode=self.tree_mask_mode, device=self.device,
+            batch,
+            draft_input,
+            parent_list,
+            top_scores_index,
+            draft_tokens,
+            None,
+            target_worker=self.target_worker,
+            topk=self.topk,
+            num_steps=self.speculative_num_steps,
+            num_draft_tokens=self.speculative_num_draft_tokens,
+            tree_mask_mode=self.tree_mask_mode,
+            device=self.device,
         )
 
     def _next_draft_input(self, bonus_tokens: torch.Tensor) -> EagleDraftInput:
@@ -167,9 +200,13 @@ class MoADraftWorker(EagleDraftWorker):
             num_tokens_for_logprob_per_req=1,
         )
 
-    def _draft_extend_for_prefill(self, batch, target_hidden_states, next_token_ids, mm_input_embeds=None, kv_loc_plan=None):
+    def _draft_extend_for_prefill(
+        self, batch, target_hidden_states, next_token_ids, mm_input_embeds=None, kv_loc_plan=None
+    ):
         if not batch.forward_mode.is_idle():
-            slots, positions, tokens = committed_after_extend(batch.out_cache_loc, batch.input_ids, batch.prefix_lens, batch.extend_lens)
+            slots, positions, tokens = committed_after_extend(
+                batch.out_cache_loc, batch.input_ids, batch.prefix_lens, batch.extend_lens
+            )
             moa_commit(self.moa, self.embed, self.pools(), slots, positions, tokens)
         return self._next_draft_input(next_token_ids)
 
@@ -178,8 +215,12 @@ class MoADraftWorker(EagleDraftWorker):
         if not batch.forward_mode.is_idle():
             verify_input: EagleVerifyInput = batch.spec_info
             slots, positions, tokens, _ = committed_after_verify(
-                batch.out_cache_loc, batch_result.accept_index, batch_result.accept_lens, batch.seq_lens,
-                verify_input.draft_token, self.speculative_num_draft_tokens,
+                batch.out_cache_loc,
+                batch_result.accept_index,
+                batch_result.accept_lens,
+                batch.seq_lens,
+                verify_input.draft_token,
+                self.speculative_num_draft_tokens,
             )
             moa_commit(self.moa, self.embed, self.pools(), slots, positions, tokens)
         filled = self._next_draft_input(nxt.bonus_tokens)

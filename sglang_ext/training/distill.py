@@ -29,17 +29,27 @@ import torch
 
 
 def add_distill_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("distill", help="regenerate conversation answers with the target (self-distilled drafter training data)")
+    p = sub.add_parser(
+        "distill", help="regenerate conversation answers with the target (self-distilled drafter training data)"
+    )
     p.add_argument("--model", default="smollm2", help="the target: 'smollm2' or a local HF Llama/Qwen directory")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
-    p.add_argument("--data", default="sharegpt", help="'sharegpt' or a .json/.jsonl conversation file (prompts are taken from it)")
+    p.add_argument(
+        "--data", default="sharegpt", help="'sharegpt' or a .json/.jsonl conversation file (prompts are taken from it)"
+    )
     p.add_argument("--out", required=True, help="output .jsonl (appended to with --resume)")
     p.add_argument("--num-conversations", type=int, default=1000)
     p.add_argument("--max-prompt-tokens", type=int, default=768, help="skip conversations whose prompt is longer")
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=32, help="requests decoded together (continuous batching)")
-    p.add_argument("--drafter", default="none", help="speed up generation with a drafter (lossless: same answers); 'none' = plain decoding")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy answers (what a greedy-served drafter sees)")
+    p.add_argument(
+        "--drafter",
+        default="none",
+        help="speed up generation with a drafter (lossless: same answers); 'none' = plain decoding",
+    )
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy answers (what a greedy-served drafter sees)"
+    )
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
@@ -49,7 +59,9 @@ def add_distill_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def prompts_from(source: str, tokenizer_encode, max_prompt_tokens: int, skip_ids: set[str]) -> Iterator[tuple[str, list[dict], list[int]]]:
+def prompts_from(
+    source: str, tokenizer_encode, max_prompt_tokens: int, skip_ids: set[str]
+) -> Iterator[tuple[str, list[dict], list[int]]]:
     """(id, prompt messages, prompt token ids) for each usable conversation, eval prompts excluded."""
     from .data import eval_prompts, open_conversations
 
@@ -63,7 +75,16 @@ def prompts_from(source: str, tokenizer_encode, max_prompt_tokens: int, skip_ids
             yield conv.id, messages, ids
 
 
-def distill(engine, decode, prompts: Iterator[tuple[str, list[dict], list[int]]], params, limit: int, batch_size: int, write, progress=None) -> int:
+def distill(
+    engine,
+    decode,
+    prompts: Iterator[tuple[str, list[dict], list[int]]],
+    params,
+    limit: int,
+    batch_size: int,
+    write,
+    progress=None,
+) -> int:
     """Keep up to batch_size requests running; write(record) as each finishes. Returns records written."""
     running: dict[int, tuple[str, list[dict], object]] = {}
     written, exhausted = 0, False
@@ -84,7 +105,13 @@ def distill(engine, decode, prompts: Iterator[tuple[str, list[dict], list[int]]]
                 cid, messages, _ = running.pop(r.rid)
                 if r.finish_reason in ("stop", "length"):
                     answer = decode(r.output_ids)
-                    write({"id": cid, "conversations": messages + [{"role": "assistant", "content": answer}], "finish_reason": r.finish_reason})
+                    write(
+                        {
+                            "id": cid,
+                            "conversations": messages + [{"role": "assistant", "content": answer}],
+                            "finish_reason": r.finish_reason,
+                        }
+                    )
                     written += 1
                     if progress:
                         progress(len(r.output_ids))
@@ -113,9 +140,16 @@ def cmd_distill(args) -> int:
             done = {json.loads(line)["id"] for line in f if line.strip()}
     target = load_target(args.model, dtype=args.dtype)
     drafter = None if args.drafter == "none" else make_drafter(args.drafter, target)
-    engine = Engine(target, drafter, default_tree(args.drafter) if drafter else None,
-                    kv_slots=args.batch_size * (args.max_prompt_tokens + args.max_new_tokens + 64) + 1024, adaptive=drafter is not None)
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    engine = Engine(
+        target,
+        drafter,
+        default_tree(args.drafter) if drafter else None,
+        kv_slots=args.batch_size * (args.max_prompt_tokens + args.max_new_tokens + 64) + 1024,
+        adaptive=drafter is not None,
+    )
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
     tok = target.tokenizer
 
     def decode(ids: list[int]) -> str:
@@ -145,6 +179,7 @@ def cmd_distill(args) -> int:
 
     t0 = time.time()
     with open(out, "a", encoding="utf-8") as f:
+
         def write(rec: dict) -> None:
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
             f.flush()
@@ -156,5 +191,8 @@ def cmd_distill(args) -> int:
     if bar:
         bar.close()
     dt = time.time() - t0
-    print(f"distill: {n} answers, {tokens[0]} tokens in {dt:.0f}s ({tokens[0] / max(dt, 1e-9):.1f} tok/s) -> {out}", file=sys.stderr)
+    print(
+        f"distill: {n} answers, {tokens[0]} tokens in {dt:.0f}s ({tokens[0] / max(dt, 1e-9):.1f} tok/s) -> {out}",
+        file=sys.stderr,
+    )
     return 0

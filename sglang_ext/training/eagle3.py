@@ -21,10 +21,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from ..models.eagle3 import Eagle3Draft
 from ..models import cpu_has_fast_bf16
+from ..models.eagle3 import Eagle3Draft
 from ..models.llama import LlamaModel
 from .data import Batch
 from .target import TargetOutputs
@@ -61,7 +60,9 @@ def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.
     s0 = (qh @ keys[0].transpose(-1, -2)).float() + _causal_bias(t, q.device)
     diag = [(q * k.repeat_interleave(rep, dim=2)).sum(-1).transpose(1, 2).float()[..., None] for k in keys[1:]]
     p = torch.softmax(torch.cat([s0, *diag], dim=-1), dim=-1)
-    p0, pd = p.split([t, len(diag)], dim=-1)  # NOTE: one split, not per-column slices (whose backward fills full-size zeros)
+    p0, pd = p.split(
+        [t, len(diag)], dim=-1
+    )  # NOTE: one split, not per-column slices (whose backward fills full-size zeros)
     out = p0.to(q.dtype) @ values[0]  # [B, Hq, T, D]
     for i, v in enumerate(values[1:]):
         out = out + pd[..., i, None].to(v.dtype) * _heads(v, rep)
@@ -87,7 +88,14 @@ class Eagle3Task:
     name = "eagle3"
     needs_kv = False
 
-    def __init__(self, target: LlamaModel, draft: Eagle3Draft, ttt_length: int = 7, decay: float = 0.8, autocast: bool | None = None):
+    def __init__(
+        self,
+        target: LlamaModel,
+        draft: Eagle3Draft,
+        ttt_length: int = 7,
+        decay: float = 0.8,
+        autocast: bool | None = None,
+    ):
         self.target, self.draft = target, draft
         self.ttt_length, self.decay = ttt_length, decay
         self.autocast = default_autocast(target.device) if autocast is None else autocast

@@ -31,7 +31,12 @@ def evaluate(target, drafter, shape, prompts: list[list[int]], max_new_tokens: i
         accepted += r.stats.accepted_tokens
         tokens += len(r.output_ids)
     dt = time.perf_counter() - t0
-    return {"tau": (accepted + steps) / max(steps, 1), "verify_steps": steps, "tokens": tokens, "tokens_per_s": tokens / dt}
+    return {
+        "tau": (accepted + steps) / max(steps, 1),
+        "verify_steps": steps,
+        "tokens": tokens,
+        "tokens_per_s": tokens / dt,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,9 +65,16 @@ def main(argv: list[str] | None = None) -> int:
         texts = load_eval_set(name, args.num_prompts)[1]
         prompts = [target.encode_chat([{"role": "user", "content": t}]) for t in texts]
         for tree in args.trees:
-            res = {"set": name, "tree": tree, **evaluate(target, drafter, TreeShape.parse(tree), prompts, args.max_new_tokens)}
+            res = {
+                "set": name,
+                "tree": tree,
+                **evaluate(target, drafter, TreeShape.parse(tree), prompts, args.max_new_tokens),
+            }
             results.append(res)
-            print(f"{name:10s} tree {tree:8s} tau {res['tau']:.3f}  ({res['tokens']} tokens, {res['tokens_per_s']:.1f} tok/s)", flush=True)
+            print(
+                f"{name:10s} tree {tree:8s} tau {res['tau']:.3f}  ({res['tokens']} tokens, {res['tokens_per_s']:.1f} tok/s)",
+                flush=True,
+            )
     for tree in args.trees:
         taus = [r["tau"] for r in results if r["tree"] == tree]
         print(f"{'mean':10s} tree {tree:8s} tau {sum(taus) / len(taus):.3f}")

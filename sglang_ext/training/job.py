@@ -52,13 +52,33 @@ def smoke_target(vocab_size: int, device: torch.device, seed: int = 0):
     from ..models.llama import LlamaModel
     from ..models.loader import LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
-                      rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None, max_position=2048, tie_word_embeddings=True,
-                      attention_bias=False, eos_token_ids=(2,))
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        max_position=2048,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        eos_token_ids=(2,),
+    )
     g = torch.Generator().manual_seed(seed)
     state = {"model.embed_tokens.weight": torch.randn(vocab_size, 64, generator=g), "model.norm.weight": torch.ones(64)}
-    shapes = {"self_attn.q_proj": (64, 64), "self_attn.k_proj": (32, 64), "self_attn.v_proj": (32, 64), "self_attn.o_proj": (64, 64),
-              "mlp.gate_proj": (128, 64), "mlp.up_proj": (128, 64), "mlp.down_proj": (64, 128)}
+    shapes = {
+        "self_attn.q_proj": (64, 64),
+        "self_attn.k_proj": (32, 64),
+        "self_attn.v_proj": (32, 64),
+        "self_attn.o_proj": (64, 64),
+        "mlp.gate_proj": (128, 64),
+        "mlp.up_proj": (128, 64),
+        "mlp.down_proj": (64, 128),
+    }
     for i in range(cfg.num_layers):
         for name, shape in shapes.items():
             state[f"model.layers.{i}.{name}.weight"] = torch.randn(*shape, generator=g) / shape[1] ** 0.5
@@ -92,7 +112,9 @@ def draft_vocab(examples_by_source: dict[str, list], vocab_size: int, size: int)
     return vocab_from_counts(token_counts(pool, vocab_size), min(size, vocab_size))
 
 
-def build_tasks(target, hot_ids: torch.Tensor, heads: tuple[str, ...], moa_loss: dict, seed: int = 0, init_from: Path | None = None) -> list:
+def build_tasks(
+    target, hot_ids: torch.Tensor, heads: tuple[str, ...], moa_loss: dict, seed: int = 0, init_from: Path | None = None
+) -> list:
     """One task per head, all on the target's device, the draft vocab shared; with init_from, heads
     start from the checkpoints `init_from/<head>` (fine-tuning: their own vocab and weights)."""
     from ..models.eagle3 import Eagle3Config, Eagle3Draft, load_eagle3
@@ -115,7 +137,11 @@ def build_tasks(target, hot_ids: torch.Tensor, heads: tuple[str, ...], moa_loss:
             if head == "eagle3":
                 draft = Eagle3Draft(Eagle3Config.for_target(target.cfg, hot_ids.numel()))
             else:
-                draft = MoADraft(MoAConfig.for_target(target.cfg, tli=int(head.removeprefix("moa-tli")), draft_vocab_size=hot_ids.numel()))
+                draft = MoADraft(
+                    MoAConfig.for_target(
+                        target.cfg, tli=int(head.removeprefix("moa-tli")), draft_vocab_size=hot_ids.numel()
+                    )
+                )
         draft.set_vocab(hot_ids.to(target.device))
         if head == "eagle3":
             with torch.no_grad():  # lm_head rows and final norm start from the target's
@@ -184,7 +210,15 @@ def curves(metrics_file: Path, heads: list[str]) -> dict[str, list[dict]]:
         for h in heads:
             pre = f"{h}/" if len(heads) > 1 else ""
             vals = {k.removeprefix(pre): v for k, v in row.items() if k.startswith(pre) and (pre or "/" not in k)}
-            out[h].append({"step": row["step"], "time": row["time"], "tokens_seen": row["tokens_seen"], "tokens_per_s": row["tokens_per_s"], **vals})
+            out[h].append(
+                {
+                    "step": row["step"],
+                    "time": row["time"],
+                    "tokens_seen": row["tokens_seen"],
+                    "tokens_per_s": row["tokens_per_s"],
+                    **vals,
+                }
+            )
     return out
 
 
@@ -227,11 +261,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--pack", default=None, help="also write heads.tar.partNN (<= 15 MiB each) here")
     p.add_argument("--heads", default=",".join(HEADS))
-    p.add_argument("--init-from", default=None, help="fine-tune: start each head from <dir>/<head> (its weights and draft vocab)")
+    p.add_argument(
+        "--init-from", default=None, help="fine-tune: start each head from <dir>/<head> (its weights and draft vocab)"
+    )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--time-budget-min", type=float, default=7.0, help="training time; the LR schedule follows it")
-    p.add_argument("--deadline-min", type=float, default=None,
-                   help="wall time of the whole job: training stops early enough to export and score by then")
+    p.add_argument(
+        "--deadline-min",
+        type=float,
+        default=None,
+        help="wall time of the whole job: training stops early enough to export and score by then",
+    )
     p.add_argument("--max-steps", type=int, default=1_000_000)
     p.add_argument("--tokens-per-batch", type=int, default=32768)
     p.add_argument("--max-len", type=int, default=1024)
@@ -255,14 +295,24 @@ def run(args: argparse.Namespace) -> dict:
 
     t0 = time.time()
     if args.smoke:
-        args = argparse.Namespace(**{**vars(args), "tokens_per_batch": min(args.tokens_per_batch, 512), "max_len": min(args.max_len, 64),
-                                     "max_steps": min(args.max_steps, 3), "draft_vocab_size": min(args.draft_vocab_size, 256), "log_every": 1,
-                                     "max_examples": min(args.max_examples or 64, 64)})
+        args = argparse.Namespace(
+            **{
+                **vars(args),
+                "tokens_per_batch": min(args.tokens_per_batch, 512),
+                "max_len": min(args.max_len, 64),
+                "max_steps": min(args.max_steps, 3),
+                "draft_vocab_size": min(args.draft_vocab_size, 256),
+                "log_every": 1,
+                "max_examples": min(args.max_examples or 64, 64),
+            }
+        )
     device = resolve_device(args.device)
     manifest = read_manifest(args.shards)
     target = smoke_target(manifest["vocab_size"], device, args.seed) if args.smoke else load_job_target(args, device)
     if target.cfg.vocab_size != manifest["vocab_size"]:
-        raise SystemExit(f"shards were made for a vocab of {manifest['vocab_size']}, the target has {target.cfg.vocab_size}")
+        raise SystemExit(
+            f"shards were made for a vocab of {manifest['vocab_size']}, the target has {target.cfg.vocab_size}"
+        )
     by_source = load_examples_by_source(args.shards, args.max_len, limit=args.max_examples)
     hot = draft_vocab(by_source, target.cfg.vocab_size, args.draft_vocab_size)
     train, held = split_examples(by_source, args.distill_repeat, args.holdout, args.seed)
@@ -270,21 +320,45 @@ def run(args: argparse.Namespace) -> dict:
     held_batches = make_batches(held, args.tokens_per_batch, args.seed)[:8]
     heads = tuple(h for h in args.heads.split(",") if h)
     init = Path(args.init_from) if args.init_from else None
-    tasks = build_tasks(target, hot, heads, {"lambda_kl": 1.0, "lambda_feat": 0.1, "min_gap": 6, "max_gap": 14}, args.seed, init)
+    tasks = build_tasks(
+        target, hot, heads, {"lambda_kl": 1.0, "lambda_feat": 0.1, "min_gap": 6, "max_gap": 14}, args.seed, init
+    )
     out = Path(args.out)
-    meta = {"job": "sglang_ext.training.job", "shards": manifest.get("sources"), "tokens_per_batch": args.tokens_per_batch, "max_len": args.max_len,
-            "lr": args.lr, "distill_repeat": args.distill_repeat, "draft_vocab_size": int(hot.numel()), "device": _device_name(device),
-            "time_budget_min": args.time_budget_min, "smoke": bool(args.smoke), "init_from": args.init_from}
-    run_cfg = RunConfig(str(out / "train"), args.max_steps, save_every_s=1e9, keep_checkpoints=1, log_every=args.log_every,
-                        time_budget_s=args.time_budget_min * 60, seed=args.seed, progress_bar=False)
-    runner = TargetRunner(target, args.tokens_per_batch if device.type != "cpu" else max(args.tokens_per_batch, args.max_len))
+    meta = {
+        "job": "sglang_ext.training.job",
+        "shards": manifest.get("sources"),
+        "tokens_per_batch": args.tokens_per_batch,
+        "max_len": args.max_len,
+        "lr": args.lr,
+        "distill_repeat": args.distill_repeat,
+        "draft_vocab_size": int(hot.numel()),
+        "device": _device_name(device),
+        "time_budget_min": args.time_budget_min,
+        "smoke": bool(args.smoke),
+        "init_from": args.init_from,
+    }
+    run_cfg = RunConfig(
+        str(out / "train"),
+        args.max_steps,
+        save_every_s=1e9,
+        keep_checkpoints=1,
+        log_every=args.log_every,
+        time_budget_s=args.time_budget_min * 60,
+        seed=args.seed,
+        progress_bar=False,
+    )
+    runner = TargetRunner(
+        target, args.tokens_per_batch if device.type != "cpu" else max(args.tokens_per_batch, args.max_len)
+    )
     trainer = Trainer(tasks, runner, batches, OptimConfig(lr=args.lr, warmup_ratio=args.warmup_ratio), run_cfg, meta)
     preflight(trainer, batches)
     if args.deadline_min:  # what is left of the job's wall time, less a reserve for export and scoring
         left = args.deadline_min * 60 - (time.time() - t0) - EXPORT_RESERVE_S
         trainer.run_cfg = replace(run_cfg, time_budget_s=max(1.0, min(run_cfg.time_budget_s, left)))
     n_tok = sum(b.num_tokens for b in batches)
-    _log(f"{device}: {len(batches)} batches, {n_tok} tokens per epoch, heads {heads}, draft vocab {hot.numel()}, prep {time.time() - t0:.0f}s")
+    _log(
+        f"{device}: {len(batches)} batches, {n_tok} tokens per epoch, heads {heads}, draft vocab {hot.numel()}, prep {time.time() - t0:.0f}s"
+    )
     t1 = time.time()
     final = trainer.fit()
     train_s = time.time() - t1
@@ -292,9 +366,16 @@ def run(args: argparse.Namespace) -> dict:
     trainer.export(out / "heads" if len(tasks) > 1 else out / "heads" / tasks[0].name)
     held_scores = evaluate(trainer, held_batches) if held_batches else {}
     summary = {
-        "device": _device_name(device), "heads": list(heads), "steps": trainer.step, "tokens_seen": trainer.tokens_seen,
-        "train_seconds": round(train_s, 1), "tokens_per_s": round(trainer.tokens_seen / max(train_s, 1e-9)), "epoch_tokens": n_tok,
-        "final_train": {k: round(v, 5) for k, v in final.items()}, "held_out": held_scores, "total_seconds": round(time.time() - t0, 1),
+        "device": _device_name(device),
+        "heads": list(heads),
+        "steps": trainer.step,
+        "tokens_seen": trainer.tokens_seen,
+        "train_seconds": round(train_s, 1),
+        "tokens_per_s": round(trainer.tokens_seen / max(train_s, 1e-9)),
+        "epoch_tokens": n_tok,
+        "final_train": {k: round(v, 5) for k, v in final.items()},
+        "held_out": held_scores,
+        "total_seconds": round(time.time() - t0, 1),
     }
     (out / "curves.json").write_text(json.dumps(curves(out / "train" / "metrics.jsonl", list(heads))) + "\n")
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")

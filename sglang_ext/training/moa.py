@@ -75,11 +75,26 @@ def tli_masks(v: torch.Tensor) -> torch.Tensor:
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """q [B, T, Hq, D]; k/v [B, S, Hkv, D]; mask [B, T, S] -> [B, T, Hq, D]."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=mask[:, None],
+        scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
     return out.transpose(1, 2)
 
 
-def tli_layer(model: LlamaModel, li: int, x: torch.Tensor, positions: torch.Tensor, real_k: torch.Tensor, real_v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def tli_layer(
+    model: LlamaModel,
+    li: int,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    real_k: torch.Tensor,
+    real_v: torch.Tensor,
+    mask: torch.Tensor,
+) -> torch.Tensor:
     """Target layer li on draft hidden states x [B, T, H] (differentiable; target weights frozen),
     attending to [real K/V | x's own K/V] under mask [B, T, 2T]. Same math as LlamaModel.layer_forward."""
     c, lw = model.cfg, model.layers[li]
@@ -110,8 +125,19 @@ class MoATask:
 
     needs_kv = True
 
-    def __init__(self, target: LlamaModel, draft: MoADraft, lambda_kl: float = 0.1, lambda_feat: float = 1.0, min_gap: int = 6, max_gap: int = 14,
-                 staircase_ramp: float = 0.5, staircase_max: float = 1.0, seed: int = 0, autocast: bool | None = None):
+    def __init__(
+        self,
+        target: LlamaModel,
+        draft: MoADraft,
+        lambda_kl: float = 0.1,
+        lambda_feat: float = 1.0,
+        min_gap: int = 6,
+        max_gap: int = 14,
+        staircase_ramp: float = 0.5,
+        staircase_max: float = 1.0,
+        seed: int = 0,
+        autocast: bool | None = None,
+    ):
         if not 1 <= min_gap <= max_gap:
             raise ValueError(f"need 1 <= min_gap <= max_gap, got {min_gap}, {max_gap}")
         self.target, self.draft = target, draft
@@ -131,7 +157,11 @@ class MoATask:
         return self.draft
 
     def staircase_prob(self, progress: float) -> float:
-        return self.staircase_max * min(1.0, progress / self.staircase_ramp) if self.staircase_ramp > 0 else self.staircase_max
+        return (
+            self.staircase_max * min(1.0, progress / self.staircase_ramp)
+            if self.staircase_ramp > 0
+            else self.staircase_max
+        )
 
     def loss(self, batch: Batch, tout: TargetOutputs, progress: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         b, t = batch.input_ids.shape
@@ -176,7 +206,9 @@ class MoATask:
             w = counts & (inv[top] >= 0)  # [B, T] rows that count
             p = torch.softmax(tl[..., d.hot_ids].float(), dim=-1)
             n = w.sum().clamp(min=1)
-        z = F.linear(rms_norm(hidden, self.target.norm.to(hidden.dtype), self.target.cfg.rms_norm_eps), head.to(hidden.dtype)).float()
+        z = F.linear(
+            rms_norm(hidden, self.target.norm.to(hidden.dtype), self.target.cfg.rms_norm_eps), head.to(hidden.dtype)
+        ).float()
         logq = torch.log_softmax(z, dim=-1)
         kl = torch.where(w, (p * (torch.log(p.clamp_min(1e-20)) - logq)).sum(-1), 0.0).sum() / n
         feat_loss = _row_smooth_l1(feat, tout.captured[self.feature_layer], w, n)

@@ -60,7 +60,9 @@ def distill_examples(directory: str | Path, exclude_records: set[int] | None = N
         prompts = np.load(d / "sharegpt-prompts.npz")
         answers = np.load(d / "smollm2-sharegpt-answers.npz")
     except FileNotFoundError as e:
-        raise DataError(f"{d} is not a distill directory (needs sharegpt-prompts.npz and smollm2-sharegpt-answers.npz)") from e
+        raise DataError(
+            f"{d} is not a distill directory (needs sharegpt-prompts.npz and smollm2-sharegpt-answers.npz)"
+        ) from e
     p_ids, p_off, src = prompts["ids"], prompts["offsets"], prompts["src"]
     a_ids, a_off, a_prompt = answers["ids"], answers["offsets"], answers["prompt_index"]
     for k in range(len(a_off) - 1):
@@ -89,7 +91,13 @@ def _write_shard(path: Path, items: list[tuple[int, Packed]], id_dtype) -> dict:
     }
 
 
-def pack(out_dir: str | Path, sources: dict[str, Iterator[Packed]], vocab_size: int, shard_tokens: int = 4_000_000, meta: dict | None = None) -> dict:
+def pack(
+    out_dir: str | Path,
+    sources: dict[str, Iterator[Packed]],
+    vocab_size: int,
+    shard_tokens: int = 4_000_000,
+    meta: dict | None = None,
+) -> dict:
     """Write every example of `sources` (name -> examples) into shards; returns the manifest."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -152,7 +160,9 @@ def _windows(ids: np.ndarray, mask: np.ndarray, max_len: int) -> Iterator[Exampl
             yield Example(torch.from_numpy(w_ids.astype(np.int64)), torch.from_numpy(w_mask.copy()))
 
 
-def load_examples_by_source(directory: str | Path, max_len: int, verify: bool = True, limit: int | None = None) -> dict[str, list[Example]]:
+def load_examples_by_source(
+    directory: str | Path, max_len: int, verify: bool = True, limit: int | None = None
+) -> dict[str, list[Example]]:
     """Every example of a shard directory by source name, long ones cut into max_len windows (order
     kept); with `limit`, the first `limit` windows of each source."""
     d = Path(directory)

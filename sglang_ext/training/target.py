@@ -58,7 +58,9 @@ class TargetRunner:
         n = batch.num_tokens if self.pooled else batch.input_ids.numel()
         if n > self.max_tokens:
             raise ValueError(f"batch has {n} tokens; the target runner was sized for {self.max_tokens}")
-        return self._run_pooled(batch, capture_layers) if self.pooled else self._run_padded(batch, capture_layers, keep_kv)
+        return (
+            self._run_pooled(batch, capture_layers) if self.pooled else self._run_padded(batch, capture_layers, keep_kv)
+        )
 
     def _run_padded(self, batch: Batch, capture_layers: tuple[int, ...], keep_kv: bool) -> TargetOutputs:
         b, t = batch.input_ids.shape

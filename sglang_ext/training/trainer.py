@@ -48,7 +48,9 @@ class Task(Protocol):
     @property
     def module(self) -> torch.nn.Module: ...
 
-    def loss(self, batch: Batch, tout: TargetOutputs, progress: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+    def loss(
+        self, batch: Batch, tout: TargetOutputs, progress: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
 
     def save(self, out_dir: str | Path, extra_config: dict | None = None) -> None: ...
 
@@ -101,7 +103,15 @@ def counted_seconds(dt: float, recent: list[tuple[float, int]], tokens: int, win
 
 
 class Trainer:
-    def __init__(self, task: Task | list[Task], target_runner: TargetRunner, batches: list[Batch], optim: OptimConfig, run: RunConfig, meta: dict | None = None):
+    def __init__(
+        self,
+        task: Task | list[Task],
+        target_runner: TargetRunner,
+        batches: list[Batch],
+        optim: OptimConfig,
+        run: RunConfig,
+        meta: dict | None = None,
+    ):
         if not batches:
             raise ValueError("no training batches")
         self.tasks = list(task) if isinstance(task, (list, tuple)) else [task]
@@ -113,7 +123,13 @@ class Trainer:
         self.out = Path(run.out_dir)
         fused = {"fused": True} if target_runner.device.type == "cuda" else {}
         self.opts = [
-            torch.optim.AdamW([p for p in t.module.parameters() if p.requires_grad], lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay, **fused)
+            torch.optim.AdamW(
+                [p for p in t.module.parameters() if p.requires_grad],
+                lr=optim.lr,
+                betas=optim.betas,
+                weight_decay=optim.weight_decay,
+                **fused,
+            )
             for t in self.tasks
         ]
         self.capture_layers = tuple(sorted({l for t in self.tasks for l in t.capture_layers}))
@@ -207,7 +223,9 @@ class Trainer:
             loss, metrics = task.loss(batch, tout, progress)
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(task.module.parameters(), self.optim_cfg.grad_clip).detach()
+            metrics["grad_norm"] = torch.nn.utils.clip_grad_norm_(
+                task.module.parameters(), self.optim_cfg.grad_clip
+            ).detach()
             opt.step()
             prefix = "" if len(self.tasks) == 1 else f"{task.name}/"
             out.update({prefix + k: v for k, v in metrics.items()})
@@ -225,7 +243,11 @@ class Trainer:
     @property
     def done(self) -> bool:
         rc = self.run_cfg
-        return self.step >= rc.total_steps or self.progress >= 1.0 or (rc.stop_step is not None and self.step >= rc.stop_step)
+        return (
+            self.step >= rc.total_steps
+            or self.progress >= 1.0
+            or (rc.stop_step is not None and self.step >= rc.stop_step)
+        )
 
     def fit(self) -> dict[str, float]:
         from torch.utils.tensorboard import SummaryWriter
@@ -235,7 +257,9 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         tb = SummaryWriter(str(self.out / "tb"))
         log = open(self.out / "metrics.jsonl", "a")
-        bar = tqdm(total=rc.total_steps, initial=self.step, disable=not rc.progress_bar, dynamic_ncols=True, mininterval=5)
+        bar = tqdm(
+            total=rc.total_steps, initial=self.step, disable=not rc.progress_bar, dynamic_ncols=True, mininterval=5
+        )
         last_save, metrics, recent = time.monotonic(), {}, []
         mark, mark_tokens, logged = time.perf_counter(), self.tokens_seen, self.elapsed_s
         try:
@@ -252,7 +276,9 @@ class Trainer:
                 metrics = {k: float(v) for k, v in pending.items()}  # the one host sync of the interval
                 now = time.perf_counter()
                 dt = counted_seconds(now - mark, recent, self.tokens_seen - mark_tokens)
-                metrics.update(tokens_per_s=(self.tokens_seen - mark_tokens) / max(dt, 1e-9), tokens_seen=self.tokens_seen)
+                metrics.update(
+                    tokens_per_s=(self.tokens_seen - mark_tokens) / max(dt, 1e-9), tokens_seen=self.tokens_seen
+                )
                 self.elapsed_s = logged + dt
                 mark, mark_tokens, logged = now, self.tokens_seen, self.elapsed_s
                 self._log(tb, log, bar, metrics)
@@ -269,7 +295,15 @@ class Trainer:
     def _log(self, tb, log, bar, m: dict[str, float]) -> None:
         for k, v in m.items():
             tb.add_scalar(f"train/{k}", v, self.step)
-        log.write(json.dumps({"step": self.step, "time": round(self.elapsed_s, 1), **{k: round(v, 5) for k, v in m.items()}}) + "\n")
+        log.write(
+            json.dumps({"step": self.step, "time": round(self.elapsed_s, 1), **{k: round(v, 5) for k, v in m.items()}})
+            + "\n"
+        )
         log.flush()
         first = "" if len(self.tasks) == 1 else f"{self.tasks[0].name}/"
-        bar.set_postfix(loss=f"{m[first + 'loss']:.3f}", acc0=f"{m.get(first + 'acc_0', 0):.3f}", tok_s=f"{m['tokens_per_s']:.0f}", refresh=False)
+        bar.set_postfix(
+            loss=f"{m[first + 'loss']:.3f}",
+            acc0=f"{m.get(first + 'acc_0', 0):.3f}",
+            tok_s=f"{m['tokens_per_s']:.0f}",
+            refresh=False,
+        )

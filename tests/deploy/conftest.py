@@ -34,10 +34,11 @@ def metric_names() -> set[str]:
     return {fam.name + s for fam in Metrics().registry.collect() for s in suffixes[fam.type]}
 
 
-
 @pytest.fixture(scope="session")
 def promql():
-    return pytest.importorskip("promql_parser", reason="promql-parser not installed (run scripts/install-deploy-tools.sh)")
+    return pytest.importorskip(
+        "promql_parser", reason="promql-parser not installed (run scripts/install-deploy-tools.sh)"
+    )
 
 
 @pytest.fixture(scope="session")

@@ -37,9 +37,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def http(method: str, url: str, body: dict | None = None, headers: dict | None = None, timeout: float = 30) -> tuple[int, bytes]:
+def http(
+    method: str, url: str, body: dict | None = None, headers: dict | None = None, timeout: float = 30
+) -> tuple[int, bytes]:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"content-type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url, data=data, method=method, headers={"content-type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, resp.read()
@@ -53,8 +57,9 @@ class LiveProcess:
     def __init__(self, name: str, argv: list[str], log: Path, env: dict | None = None, cwd: Path | None = None):
         self.name, self.log = name, log
         self._log_file = open(log, "wb")
-        self.proc = subprocess.Popen(argv, stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, cwd=cwd)
+        self.proc = subprocess.Popen(
+            argv, stdout=self._log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=cwd
+        )
 
     def tail(self, n: int = 3000) -> str:
         try:
@@ -108,12 +113,28 @@ class Gateway(LiveProcess):
             env.pop(var, None)
         script = Path(sys.executable).parent / "moa-serve"  # the console script; the module when not installed
         cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "serving.cli"]
-        argv = [*cmd, "serve", "--host", LOOPBACK, "--port", str(self.port),
-                *GATEWAY_ARGS, "--drain-timeout", "5", "--no-access-log", "--log-level", "warning"]
+        argv = [
+            *cmd,
+            "serve",
+            "--host",
+            LOOPBACK,
+            "--port",
+            str(self.port),
+            *GATEWAY_ARGS,
+            "--drain-timeout",
+            "5",
+            "--no-access-log",
+            "--log-level",
+            "warning",
+        ]
         super().__init__("moa-serve serve", argv, tmp / "gateway.log", env=env, cwd=Path(__file__).resolve().parents[2])
-        self.wait_ready("/ready", lambda: http("GET", self.url + "/ready", timeout=2)[0] == 200, GATEWAY_START_TIMEOUT, 0.5)
+        self.wait_ready(
+            "/ready", lambda: http("GET", self.url + "/ready", timeout=2)[0] == 200, GATEWAY_START_TIMEOUT, 0.5
+        )
 
-    def chat(self, content: str, max_tokens: int = 16, stream: bool = False, key: str | None = API_KEY, **extra) -> tuple[int, bytes]:
+    def chat(
+        self, content: str, max_tokens: int = 16, stream: bool = False, key: str | None = API_KEY, **extra
+    ) -> tuple[int, bytes]:
         body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0, **extra}
         if stream:
             body |= {"stream": True, "stream_options": {"include_usage": True}}
@@ -156,13 +177,25 @@ class Prometheus(LiveProcess):
         self.port = free_port()
         self.url = f"http://{LOOPBACK}:{self.port}"
         config = tmp / "prometheus.yml"
-        config.write_text(yaml.safe_dump({
-            "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(rules)],
-            "scrape_configs": [{"job_name": self.JOB, "metrics_path": "/metrics", "static_configs": [{"targets": [target]}]}],
-        }))
-        argv = [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'tsdb'}",
-                f"--web.listen-address={LOOPBACK}:{self.port}", "--storage.tsdb.retention.time=1h", "--log.level=warn"]
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
+                    "rule_files": [str(rules)],
+                    "scrape_configs": [
+                        {"job_name": self.JOB, "metrics_path": "/metrics", "static_configs": [{"targets": [target]}]}
+                    ],
+                }
+            )
+        )
+        argv = [
+            binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp / 'tsdb'}",
+            f"--web.listen-address={LOOPBACK}:{self.port}",
+            "--storage.tsdb.retention.time=1h",
+            "--log.level=warn",
+        ]
         super().__init__("prometheus", argv, tmp / "prometheus.log", cwd=tmp)
         self.wait_ready("/-/ready", lambda: http("GET", self.url + "/-/ready", timeout=2)[0] == 200, 30)
 

@@ -13,9 +13,16 @@ BUILTIN_DURATIONS = {"$__rate_interval": "1m", "$__interval": "1m", "$__range": 
 REQUIRED_VARIABLES = {"datasource", "namespace", "instance", "drafter"}
 # Issue 7's panel list, as words each panel title must contain.
 REQUIRED_PANELS = [
-    ("acceptance rate", "drafter"), ("acceptance length", "drafter"), ("draft tokens per step",), ("accepted tokens/s",),
-    ("throughput", "batch-size"), ("time to first token",), ("inter-token latency",), ("end-to-end latency",),
-    ("running", "queued"), ("error rate",),
+    ("acceptance rate", "drafter"),
+    ("acceptance length", "drafter"),
+    ("draft tokens per step",),
+    ("accepted tokens/s",),
+    ("throughput", "batch-size"),
+    ("time to first token",),
+    ("inter-token latency",),
+    ("end-to-end latency",),
+    ("running", "queued"),
+    ("error rate",),
 ]
 
 
@@ -83,7 +90,9 @@ def test_every_selector_filters_by_the_variables():
     for where, expr in targets():
         for var in ("namespace", "instance", "drafter"):
             wanted = f'{var}=~"${var}"'
-            assert expr.count(wanted) == len(re.findall(r"moa_\w+\{", expr)), f"{where}: not every selector has {wanted}"
+            assert expr.count(wanted) == len(re.findall(r"moa_\w+\{", expr)), (
+                f"{where}: not every selector has {wanted}"
+            )
 
 
 def test_divisions_are_guarded(promql):
@@ -100,13 +109,22 @@ def test_divisions_are_guarded(promql):
             return den.val != 0
         if isinstance(den, promql.Call) and den.func.name == "clamp_min":
             return unwrap(den.args[1]).val > 0
-        return (isinstance(den, promql.BinaryExpr) and str(den.op) == ">" and not (den.modifier and den.modifier.return_bool)
-                and isinstance(unwrap(den.rhs), promql.NumberLiteral) and unwrap(den.rhs).val >= 0)
+        return (
+            isinstance(den, promql.BinaryExpr)
+            and str(den.op) == ">"
+            and not (den.modifier and den.modifier.return_bool)
+            and isinstance(unwrap(den.rhs), promql.NumberLiteral)
+            and unwrap(den.rhs).val >= 0
+        )
 
     for where, expr in targets():
         divisions = []
-        promql.walk(promql.parse(substitute(expr)),
-                    lambda n, divisions=divisions: divisions.append(n) if isinstance(n, promql.BinaryExpr) and str(n.op) == "/" else None)
+        promql.walk(
+            promql.parse(substitute(expr)),
+            lambda n, divisions=divisions: (
+                divisions.append(n) if isinstance(n, promql.BinaryExpr) and str(n.op) == "/" else None
+            ),
+        )
         for div in divisions:
             assert guarded(div.rhs), f"{where}: unguarded division by {div.rhs}"
 

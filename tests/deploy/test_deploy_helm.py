@@ -27,7 +27,9 @@ def one(objs, kind: str, suffix: str = "") -> dict:
 
 
 def sglang(objs) -> dict:
-    (workload,) = [o for o in objs if o["kind"] in ("Deployment", "StatefulSet") and o["metadata"]["name"].endswith("-sglang")]
+    (workload,) = [
+        o for o in objs if o["kind"] in ("Deployment", "StatefulSet") and o["metadata"]["name"].endswith("-sglang")
+    ]
     return workload
 
 
@@ -48,6 +50,7 @@ def pod_specs(objs):
 
 # --- lint, render, schema validation -------------------------------------------------------------------
 
+
 @ALL_VALUES
 def test_helm_lint_strict(helm, values):
     path = VALUES_FILES[values]
@@ -64,8 +67,12 @@ def test_kubernetes_validate_strict_on_core_objects(helm, values, k8s, tmp_path)
     assert len(core) == len([o for o in objs if "coreos" not in o["apiVersion"] and "keda" not in o["apiVersion"]])
     manifest = tmp_path / f"{values}.yaml"
     manifest.write_text(yaml.safe_dump_all(core))
-    proc = subprocess.run([find_tool("kubernetes-validate"), "--strict", "-k", k8s, "--quiet", str(manifest)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [find_tool("kubernetes-validate"), "--strict", "-k", k8s, "--quiet", str(manifest)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -82,6 +89,7 @@ def test_schema_rejects_bad_values(helm):
 
 # --- SGLang server pods ----------------------------------------------------------------------------------
 
+
 @ALL_VALUES
 def test_sglang_gpus_and_h100_scheduling(helm, values):
     pod = sglang(helm.render_values(values))["spec"]["template"]["spec"]
@@ -92,7 +100,9 @@ def test_sglang_gpus_and_h100_scheduling(helm, values):
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     (shm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
     assert shm["emptyDir"]["medium"] == "Memory" and shm["emptyDir"]["sizeLimit"]
-    assert {"name": "dshm", "mountPath": "/dev/shm"} in container({"spec": {"template": {"spec": pod}}}, "sglang")["volumeMounts"]
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in container({"spec": {"template": {"spec": pod}}}, "sglang")[
+        "volumeMounts"
+    ]
     assert pod.get("runtimeClassName") == (None if values == "default" else "nvidia")
 
 
@@ -123,9 +133,15 @@ def test_sglang_speculative_args(helm):
     args = container(sglang(helm.render_values("default")), "sglang")["args"]
     c = container(sglang(helm.render_values("default")), "sglang")
     assert {"name": "MOA_SGLANG_TLI", "value": "1"} in c["env"]  # the plugin's TLI setting
-    for want in ("--speculative-algorithm=MOA", "--speculative-num-steps=5",
-                 "--speculative-eagle-topk=4", "--speculative-num-draft-tokens=8", "--enable-metrics", "--port=30000",
-                 "--speculative-draft-model-path=/models/drafters/moa-llama-3.1-8b-instruct-tli1"):
+    for want in (
+        "--speculative-algorithm=MOA",
+        "--speculative-num-steps=5",
+        "--speculative-eagle-topk=4",
+        "--speculative-num-draft-tokens=8",
+        "--enable-metrics",
+        "--port=30000",
+        "--speculative-draft-model-path=/models/drafters/moa-llama-3.1-8b-instruct-tli1",
+    ):
         assert want in args, want
     vanilla = container(sglang(helm.render_values("default", "--set", "drafter.algorithm=NONE")), "sglang")["args"]
     assert not any(a.startswith("--speculative") or a.startswith("--moa") for a in vanilla)
@@ -160,6 +176,7 @@ def test_replicas_cannot_share_a_readwriteonce_cache(helm):
 
 # --- gateway ---------------------------------------------------------------------------------------------
 
+
 @ALL_VALUES
 def test_no_secret_is_ever_rendered(helm, values):
     assert not by_kind(helm.render_values(values), "Secret")
@@ -183,7 +200,9 @@ def test_ingress_requires_api_keys(helm):
     proc = helm.template("--set", "gateway.ingress.enabled=true")
     assert proc.returncode != 0 and "gateway.apiKeys.existingSecret" in proc.stderr
     objs = helm.render("--set", "gateway.ingress.enabled=true", "--set", "gateway.apiKeys.allowUnauthenticated=true")
-    assert one(objs, "Ingress")["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["port"] == {"name": "http"}
+    assert one(objs, "Ingress")["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]["port"] == {
+        "name": "http"
+    }
 
 
 @ALL_VALUES
@@ -192,7 +211,9 @@ def test_gateway_service_and_upstream(helm, values):
     svc = one(objs, "Service", "-gateway")
     assert svc["spec"]["type"] == "ClusterIP" and svc["spec"]["ports"][0]["port"] == 8000
     c = container(one(objs, "Deployment", "-gateway"), "gateway")
-    upstream = "http://moa-moa-serve-router:30000" if values.startswith("multi") else "http://moa-moa-serve-sglang:30000"
+    upstream = (
+        "http://moa-moa-serve-router:30000" if values.startswith("multi") else "http://moa-moa-serve-sglang:30000"
+    )
     assert f"--upstream={upstream}" in c["args"] and "--backend=sglang" in c["args"]
     assert env_of(c)["MOA_SERVE_UPSTREAM"]["value"] == upstream
     assert c["livenessProbe"]["httpGet"]["path"] == "/health" and c["readinessProbe"]["httpGet"]["path"] == "/ready"
@@ -224,7 +245,15 @@ def test_pod_disruption_budgets_select_their_pods(helm, values):
 
 # --- optional parts: off by default, on in the multi-replica file -----------------------------------------
 
-OPTIONAL_KINDS = ("Ingress", "HorizontalPodAutoscaler", "ScaledObject", "ServiceMonitor", "PrometheusRule", "ConfigMap", "Role")
+OPTIONAL_KINDS = (
+    "Ingress",
+    "HorizontalPodAutoscaler",
+    "ScaledObject",
+    "ServiceMonitor",
+    "PrometheusRule",
+    "ConfigMap",
+    "Role",
+)
 
 
 def test_optional_parts_off_by_default(helm):
@@ -241,7 +270,11 @@ def test_router_autoscaling_and_monitoring_on(helm):
     assert "replicas" not in workload["spec"], "the autoscaler owns the replica count"
 
     scaled = one(objs, "ScaledObject")
-    assert scaled["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": workload["metadata"]["name"]}
+    assert scaled["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": workload["metadata"]["name"],
+    }
     assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]) == (2, 8)
     trigger = scaled["spec"]["triggers"][0]
     assert trigger["type"] == "prometheus" and trigger["metadata"]["threshold"] == "4"
@@ -261,8 +294,15 @@ def test_router_autoscaling_and_monitoring_on(helm):
 
 
 def test_hpa_mode(helm):
-    objs = helm.render_values("default", "--set", "autoscaling.enabled=true", "--set", "autoscaling.mode=hpa",
-                              "--set", "sglang.kind=StatefulSet")
+    objs = helm.render_values(
+        "default",
+        "--set",
+        "autoscaling.enabled=true",
+        "--set",
+        "autoscaling.mode=hpa",
+        "--set",
+        "sglang.kind=StatefulSet",
+    )
     assert not by_kind(objs, "ScaledObject")
     hpa = one(objs, "HorizontalPodAutoscaler")
     assert hpa["spec"]["scaleTargetRef"]["kind"] == "StatefulSet"
@@ -282,9 +322,12 @@ def test_headless_service_is_not_scraped_twice(helm):
 
 # --- the chart ships deploy/'s dashboard and rules, unchanged ----------------------------------------------
 
+
 def test_chart_files_are_the_deploy_files():
-    for chart_file, source in [(CHART / "files" / "moa-serve-dashboard.json", DASHBOARD),
-                               (CHART / "files" / "prometheus-rules.yaml", RULES)]:
+    for chart_file, source in [
+        (CHART / "files" / "moa-serve-dashboard.json", DASHBOARD),
+        (CHART / "files" / "prometheus-rules.yaml", RULES),
+    ]:
         assert chart_file.read_bytes() == source.read_bytes(), f"{chart_file} drifted from {source}"
 
 

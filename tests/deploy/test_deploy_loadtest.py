@@ -65,10 +65,21 @@ class OpenAIStreamHandler(BaseHTTPRequestHandler):
         try:
             for i in range(MAX_TOKENS):
                 time.sleep(0.01)
-                self._event({"object": "chat.completion.chunk", "model": MODEL,
-                             "choices": [{"index": 0, "delta": {"content": f"w{i} "}, "finish_reason": None}]})
-            self._event({"object": "chat.completion.chunk", "model": MODEL, "choices": [],
-                         "usage": {"prompt_tokens": 2, "completion_tokens": MAX_TOKENS, "total_tokens": MAX_TOKENS + 2}})
+                self._event(
+                    {
+                        "object": "chat.completion.chunk",
+                        "model": MODEL,
+                        "choices": [{"index": 0, "delta": {"content": f"w{i} "}, "finish_reason": None}],
+                    }
+                )
+            self._event(
+                {
+                    "object": "chat.completion.chunk",
+                    "model": MODEL,
+                    "choices": [],
+                    "usage": {"prompt_tokens": 2, "completion_tokens": MAX_TOKENS, "total_tokens": MAX_TOKENS + 2},
+                }
+            )
             self._chunk(b"data: [DONE]\n\n")
             if self.chunked:
                 self.wfile.write(b"0\r\n\r\n")
@@ -99,13 +110,38 @@ def test_headless_locust_records_stream_metrics(stream_server, tmp_path):
     locust = find_tool("locust")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"question_id": 1, "turns": [PROMPT, "second turn"]}) + "\n")
-    env = {**os.environ, "MOA_LOADTEST_HOST": stream_server, "MOA_LOADTEST_API_KEY": API_KEY,
-           "MOA_LOADTEST_MAX_TOKENS": str(MAX_TOKENS), "MOA_LOADTEST_PROMPTS": str(prompts)}
+    env = {
+        **os.environ,
+        "MOA_LOADTEST_HOST": stream_server,
+        "MOA_LOADTEST_API_KEY": API_KEY,
+        "MOA_LOADTEST_MAX_TOKENS": str(MAX_TOKENS),
+        "MOA_LOADTEST_PROMPTS": str(prompts),
+    }
     env.pop("MOA_LOADTEST_MODEL", None)  # discovered through GET /v1/models
     proc = subprocess.run(
-        [locust, "-f", str(ROOT / "loadtest" / "chat.py"), "--headless", "-u", "2", "-r", "2", "-t", "3s",
-         "--csv", str(tmp_path / "run"), "--only-summary", "--exit-code-on-error", "1"],
-        capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+        [
+            locust,
+            "-f",
+            str(ROOT / "loadtest" / "chat.py"),
+            "--headless",
+            "-u",
+            "2",
+            "-r",
+            "2",
+            "-t",
+            "3s",
+            "--csv",
+            str(tmp_path / "run"),
+            "--only-summary",
+            "--exit-code-on-error",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(open(tmp_path / "run_stats.csv"))}
@@ -121,14 +157,32 @@ def test_headless_locust_records_stream_metrics(stream_server, tmp_path):
     assert float(metric["e2e_ms"]["Average Response Time"]) >= MAX_TOKENS * 10
 
 
-@pytest.mark.parametrize("mix,message", [
-    ("chat:2,nope:1", "unknown workload 'nope'"),
-    ("chat:x", "weight of 'chat' is not a whole number"),
-    ("chat:0", "no workload with a positive weight"),
-    ("tools:-1,chat", "weight of 'tools' is negative"),
-])
+@pytest.mark.parametrize(
+    "mix,message",
+    [
+        ("chat:2,nope:1", "unknown workload 'nope'"),
+        ("chat:x", "weight of 'chat' is not a whole number"),
+        ("chat:0", "no workload with a positive weight"),
+        ("tools:-1,chat", "weight of 'tools' is negative"),
+    ],
+)
 def test_a_bad_workload_mix_is_a_clear_error(mix, message, tmp_path):
     proc = subprocess.run(
-        [find_tool("locust"), "-f", str(ROOT / "loadtest" / "chat.py"), "--headless", "-u", "1", "-t", "1s", "--only-summary"],
-        capture_output=True, text=True, timeout=60, env={**os.environ, "MOA_LOADTEST_MIX": mix}, cwd=tmp_path)
+        [
+            find_tool("locust"),
+            "-f",
+            str(ROOT / "loadtest" / "chat.py"),
+            "--headless",
+            "-u",
+            "1",
+            "-t",
+            "1s",
+            "--only-summary",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "MOA_LOADTEST_MIX": mix},
+        cwd=tmp_path,
+    )
     assert proc.returncode != 0 and f"MOA_LOADTEST_MIX: {message}" in proc.stderr, proc.stderr[-2000:]

@@ -49,7 +49,6 @@ def test_rule_metrics_exist_in_serving_metrics(metric_names, selector_names):
                 assert name in metric_names | records, f"{r.get('alert') or r.get('record')}: unknown metric {name}"
 
 
-
 def test_alerts_read_recording_rules_from_earlier_in_their_group(selector_names):
     """Rules of one group run in order; across groups an alert may read a recorded value one interval old
     (this made `promtool test rules` flaky when records and alerts were in separate groups)."""
@@ -58,6 +57,8 @@ def test_alerts_read_recording_rules_from_earlier_in_their_group(selector_names)
         for r in g["rules"]:
             if "alert" in r:
                 used = {n for n in selector_names(r["expr"]) if ":" in n}
-                assert used <= recorded_so_far, f"{r['alert']} reads {used - recorded_so_far} from another group or later"
+                assert used <= recorded_so_far, (
+                    f"{r['alert']} reads {used - recorded_so_far} from another group or later"
+                )
             else:
                 recorded_so_far.add(r["record"])

@@ -76,12 +76,16 @@ def traffic(prometheus, live_gateway):
 
     counts = {s: g.sample("moa_requests_total", status=s) for s in ("ok", "invalid", "error")}
     assert counts["ok"] >= len(BURST) and counts["invalid"] >= 1 and counts["error"] == 0, counts
-    assert g.sample("moa_draft_tokens_total") > 0, "the ngram drafter proposed nothing: the acceptance panels would be empty"
+    assert g.sample("moa_draft_tokens_total") > 0, (
+        "the ngram drafter proposed nothing: the acceptance panels would be empty"
+    )
     batch_steps, single_steps = g.sample("moa_batch_size_count"), g.sample("moa_batch_size_bucket", le="1.0")
     assert single_steps < batch_steps, "no engine step ran more than one request: the burst was not concurrent"
 
     def scraped() -> bool:  # Prometheus holds the final counts (so it scraped after the last request)
-        return all(prom.scalar(f'sum(moa_requests_total{{job="{prom.JOB}", status="{s}"}})') == n for s, n in counts.items())
+        return all(
+            prom.scalar(f'sum(moa_requests_total{{job="{prom.JOB}", status="{s}"}})') == n for s, n in counts.items()
+        )
 
     prom.wait_until("a scrape after the traffic", scraped, 20)
     # and one more scrape (rates need two samples after the traffic): wait for a newer scrape timestamp
@@ -91,8 +95,9 @@ def traffic(prometheus, live_gateway):
 
 
 def test_gateway_metrics_pass_promtool(traffic, promtool, live_gateway):
-    proc = subprocess.run([promtool, "check", "metrics"], input=live_gateway.metrics_text(), capture_output=True,
-                          text=True, timeout=30)
+    proc = subprocess.run(
+        [promtool, "check", "metrics"], input=live_gateway.metrics_text(), capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -173,8 +178,10 @@ def test_status_panels_count_the_statuses(prometheus, traffic):
     moa_requests_total{status} series at start (value 0): no 5xx is needed for "no errors" to show as 0.
     The 400 sent by `traffic` must show up as status="invalid", apart from "ok"."""
     by_status = dict(targets())["Requests/s by status [A]"]
-    rates = {r["metric"]["status"]: float(r["value"][1])
-             for r in prometheus.query(substitute(by_status.replace("$__rate_interval", RATE_WINDOW)))}
+    rates = {
+        r["metric"]["status"]: float(r["value"][1])
+        for r in prometheus.query(substitute(by_status.replace("$__rate_interval", RATE_WINDOW)))
+    }
     assert set(rates) == {"ok", "error", "aborted", "rejected", "invalid"}, rates
     assert rates["ok"] > 0 and rates["invalid"] > 0 and rates["error"] == 0, rates
     error_rate = dict(targets())["Error rate [A]"]  # status="error" over all statuses

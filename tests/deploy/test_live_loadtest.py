@@ -13,7 +13,12 @@ from liveprocs import API_KEY
 
 USERS, RUN_TIME, MAX_TOKENS = 8, "20s", 32
 MIX = "chat:2,tools:1,prediction:1,generate:1"
-NAMES = ("/v1/chat/completions (stream)", "/v1/chat/completions (tools)", "/v1/chat/completions (prediction)", "/generate (stream)")
+NAMES = (
+    "/v1/chat/completions (stream)",
+    "/v1/chat/completions (tools)",
+    "/v1/chat/completions (prediction)",
+    "/generate (stream)",
+)
 MT_BENCH = ROOT.parent / "shared" / "data" / "eval" / "mt_bench.jsonl"
 
 
@@ -21,7 +26,12 @@ def test_locust_against_live_gateway(locust, live_gateway, tmp_path):
     g = live_gateway
     before = {s: g.sample("moa_requests_total", status=s) for s in ("ok", "error", "rejected", "aborted")}
     calls_before = g.sample("moa_tool_calls_total")
-    env = {**os.environ, "MOA_LOADTEST_API_KEY": API_KEY, "MOA_LOADTEST_MAX_TOKENS": str(MAX_TOKENS), "MOA_LOADTEST_MIX": MIX}
+    env = {
+        **os.environ,
+        "MOA_LOADTEST_API_KEY": API_KEY,
+        "MOA_LOADTEST_MAX_TOKENS": str(MAX_TOKENS),
+        "MOA_LOADTEST_MIX": MIX,
+    }
     for var in ("MOA_LOADTEST_MODEL", "MOA_LOADTEST_HOST", "MOA_LOADTEST_PROMPTS", "MOA_LOADTEST_THINK_TIME"):
         env.pop(var, None)  # the model comes from GET /v1/models
     if MT_BENCH.is_file():  # chat prompts of moderate length (the whole eval directory has long documents)
@@ -29,10 +39,35 @@ def test_locust_against_live_gateway(locust, live_gateway, tmp_path):
     # --stop-timeout: at the end of the 20 s the users finish their stream instead of being cut off, so the
     # gateway sees no aborted requests and locust no broken streams.
     proc = subprocess.run(
-        [locust, "-f", str(ROOT / "loadtest" / "chat.py"), "--host", g.url, "--headless", "-u", str(USERS),
-         "-r", str(USERS), "-t", RUN_TIME, "--stop-timeout", "20", "--csv", str(tmp_path / "run"),
-         "--only-summary", "--exit-code-on-error", "1", "--loglevel", "WARNING"],
-        capture_output=True, text=True, timeout=90, env=env, cwd=tmp_path)
+        [
+            locust,
+            "-f",
+            str(ROOT / "loadtest" / "chat.py"),
+            "--host",
+            g.url,
+            "--headless",
+            "-u",
+            str(USERS),
+            "-r",
+            str(USERS),
+            "-t",
+            RUN_TIME,
+            "--stop-timeout",
+            "20",
+            "--csv",
+            str(tmp_path / "run"),
+            "--only-summary",
+            "--exit-code-on-error",
+            "1",
+            "--loglevel",
+            "WARNING",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        env=env,
+        cwd=tmp_path,
+    )
     out = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, out
 
@@ -62,5 +97,7 @@ def test_locust_against_live_gateway(locust, live_gateway, tmp_path):
     delta = {s: after[s] - before[s] for s in before}
     assert requests <= delta.pop("ok") <= requests + USERS, (after, before, requests)
     assert delta == {"error": 0, "rejected": 0, "aborted": 0}, delta
-    print(f"locust: {requests} streams, ttft median {metric['ttft_ms']['Median Response Time']} ms, "
-          f"itl median {metric['itl_ms']['Median Response Time']} ms, e2e median {metric['e2e_ms']['Median Response Time']} ms")
+    print(
+        f"locust: {requests} streams, ttft median {metric['ttft_ms']['Median Response Time']} ms, "
+        f"itl median {metric['itl_ms']['Median Response Time']} ms, e2e median {metric['e2e_ms']['Median Response Time']} ms"
+    )

@@ -30,8 +30,6 @@ from typing import Iterable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from sglang.srt.configs.draft_parallel import DraftParallelSpec, DraftTPExecution
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import (
@@ -42,6 +40,7 @@ from sglang.srt.layers.linear import (
     RowParallelLinear,
 )
 from sglang.srt.model_loader.weight_utils import default_weight_loader
+from torch import nn
 
 from ...models.llama import rope_inv_freq
 from ...models.moa import ARCH, GROUPS, MoAConfig, MoAPieces
@@ -69,7 +68,9 @@ def _join(prefix: str, name: str) -> str:
 class _MLP(nn.Module):
     def __init__(self, hidden: int, inter: int, prefix: str):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=False, prefix=_join(prefix, "gate_up_proj"))
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden, [inter, inter], bias=False, prefix=_join(prefix, "gate_up_proj")
+        )
         self.down_proj = RowParallelLinear(inter, hidden, bias=False, prefix=_join(prefix, "down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -80,7 +81,9 @@ class _MLP(nn.Module):
 class _SelfProj(nn.Module):
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, prefix: str):
         super().__init__()
-        self.qkv_proj = QKVParallelLinear(hidden, head_dim, heads, kv_heads, bias=False, prefix=_join(prefix, "qkv_proj"))
+        self.qkv_proj = QKVParallelLinear(
+            hidden, head_dim, heads, kv_heads, bias=False, prefix=_join(prefix, "qkv_proj")
+        )
         self.o_proj = RowParallelLinear(heads * head_dim, hidden, bias=False, prefix=_join(prefix, "o_proj"))
 
 
@@ -88,14 +91,26 @@ class _CrossProj(nn.Module):
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, prefix: str):
         super().__init__()
         self.q_proj = ColumnParallelLinear(hidden, heads * head_dim, bias=False, prefix=_join(prefix, "q_proj"))
-        self.kv_proj = MergedColumnParallelLinear(hidden, [kv_heads * head_dim] * 2, bias=False, prefix=_join(prefix, "kv_proj"))
+        self.kv_proj = MergedColumnParallelLinear(
+            hidden, [kv_heads * head_dim] * 2, bias=False, prefix=_join(prefix, "kv_proj")
+        )
         self.o_proj = RowParallelLinear(heads * head_dim, hidden, bias=False, prefix=_join(prefix, "o_proj"))
 
 
 class _Block(nn.Module):
     """Pre-norm decoder layer around an externally computed attention; `cross` adds kv_layernorm."""
 
-    def __init__(self, hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int, eps: float, prefix: str, cross: bool = False):
+    def __init__(
+        self,
+        hidden: int,
+        inter: int,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        eps: float,
+        prefix: str,
+        cross: bool = False,
+    ):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.input_layernorm = RMSNorm(hidden, eps=eps)
@@ -115,7 +130,11 @@ class _Block(nn.Module):
         qkv = self.self_attn.qkv_proj(self.input_layernorm(x))[0]
         nq, nk = self.heads * self.head_dim, self.kv_heads * self.head_dim
         q, k, v = qkv.split([nq, nk, nk], dim=-1)
-        return q.unflatten(-1, (self.heads, self.head_dim)), k.unflatten(-1, (self.kv_heads, self.head_dim)), v.unflatten(-1, (self.kv_heads, self.head_dim))
+        return (
+            q.unflatten(-1, (self.heads, self.head_dim)),
+            k.unflatten(-1, (self.kv_heads, self.head_dim)),
+            v.unflatten(-1, (self.kv_heads, self.head_dim)),
+        )
 
     def q(self, x: torch.Tensor) -> torch.Tensor:
         return self.cross_attn.q_proj(self.input_layernorm(x))[0].unflatten(-1, (self.heads, self.head_dim))
@@ -137,17 +156,48 @@ class MoADraftModel(MoAPieces, nn.Module):
     def __init__(self, config: MoADraftHFConfig, quant_config=None, prefix: str = "") -> None:
         super().__init__()
         if quant_config is not None:
-            raise ValueError("the MoA draft model does not support quantization (--speculative-draft-model-quantization)")
+            raise ValueError(
+                "the MoA draft model does not support quantization (--speculative-draft-model-quantization)"
+            )
         cfg: MoAConfig = config.moa_config() if hasattr(config, "moa_config") else MoAConfig.from_json(config.to_dict())
         if cfg.memory_source != "lsa":
-            raise ValueError(f"the SGLang MoA plugin runs memory_source='lsa' checkpoints only, got {cfg.memory_source!r}")
+            raise ValueError(
+                f"the SGLang MoA plugin runs memory_source='lsa' checkpoints only, got {cfg.memory_source!r}"
+            )
         self.config, self.cfg = config, cfg
         w, h = cfg.lsa_hidden, cfg.hidden_size
-        self.layer_self_attention = _Block(w, cfg.lsa_intermediate_size, cfg.lsa_num_heads, cfg.lsa_num_kv_heads, w // cfg.lsa_num_heads, cfg.rms_norm_eps, _join(prefix, "layer_self_attention"))
+        self.layer_self_attention = _Block(
+            w,
+            cfg.lsa_intermediate_size,
+            cfg.lsa_num_heads,
+            cfg.lsa_num_kv_heads,
+            w // cfg.lsa_num_heads,
+            cfg.rms_norm_eps,
+            _join(prefix, "layer_self_attention"),
+        )
         self.Ekv2E = ReplicatedLinear(w, h, bias=True, prefix=_join(prefix, "Ekv2E"))
-        self.self_attention = _Block(h, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, _join(prefix, "self_attention"))
-        self.cross_attention = _Block(h, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, _join(prefix, "cross_attention"), cross=True)
-        self.register_buffer("hot_ids", torch.arange(cfg.draft_vocab_size or cfg.vocab_size, dtype=torch.long), persistent=False)
+        self.self_attention = _Block(
+            h,
+            cfg.intermediate_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.rms_norm_eps,
+            _join(prefix, "self_attention"),
+        )
+        self.cross_attention = _Block(
+            h,
+            cfg.intermediate_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.rms_norm_eps,
+            _join(prefix, "cross_attention"),
+            cross=True,
+        )
+        self.register_buffer(
+            "hot_ids", torch.arange(cfg.draft_vocab_size or cfg.vocab_size, dtype=torch.long), persistent=False
+        )
         # NOTE: plain attributes (not buffers) keep RoPE frequencies fp32 whatever the model dtype
         self.inv_freq = rope_inv_freq(cfg)  # type: ignore[arg-type]
         lsa_d = w // cfg.lsa_num_heads
@@ -160,7 +210,9 @@ class MoADraftModel(MoAPieces, nn.Module):
         return self.Ekv2E(x)[0]  # SGLang linears return (output, bias)
 
     def forward(self, *args, **kwargs):
-        raise RuntimeError("MoADraftModel is driven by the MoA worker (sglang_ext.sglang_plugin.worker), not by ModelRunner.forward")
+        raise RuntimeError(
+            "MoADraftModel is driven by the MoA worker (sglang_ext.sglang_plugin.worker), not by ModelRunner.forward"
+        )
 
     # --- weights ----------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -185,7 +237,9 @@ class MoADraftModel(MoAPieces, nn.Module):
                 if ckpt_frag in name:
                     target = name.replace(ckpt_frag, param_frag)
                     if target not in params:
-                        raise KeyError(f"MoA checkpoint weight {ckpt_name} maps to {target}, which the model does not have")
+                        raise KeyError(
+                            f"MoA checkpoint weight {ckpt_name} maps to {target}, which the model does not have"
+                        )
                     params[target].weight_loader(params[target], tensor, shard)
                     loaded.add(f"{target}#{shard}")
                     break
