@@ -1,4 +1,5 @@
-"""Builds the optional CPU kernels (sglang_ext/kernels/cpu_linear.cpp, cpu_attention.cpp, cpu_layer_ops.cpp) next to the Python sources.
+"""Builds the optional CPU kernels (sglang_ext/kernels/cpu_linear.cpp, cpu_attention.cpp, cpu_layer_ops.cpp)
+next to the Python sources.
 
 Everything else is declared in pyproject.toml. The kernel needs x86-64 (AVX2 + FMA) and torch's
 headers at build time (`pip install --no-build-isolation -e .` after torch); where either is

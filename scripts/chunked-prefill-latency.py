@@ -45,7 +45,8 @@ def main() -> None:
                 eng.step()
                 steps.append(time.perf_counter() - t0)
             print(
-                f"chunk {chunk}: {len(steps)} steps to the long prompt's first token, longest step {max(steps) * 1000:.0f} ms, "
+                f"chunk {chunk}: {len(steps)} steps to the long prompt's first token, longest step "
+                f"{max(steps) * 1000:.0f} ms, "
                 f"its TTFT {(arrival.t_first_token - t_start) * 1000:.0f} ms"
             )
             for r in running + [arrival]:

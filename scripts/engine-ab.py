@@ -116,10 +116,15 @@ def main() -> None:
             vs_vanilla = ""
             if "vanilla" in at and VARIANTS[name][0] != "vanilla":
                 v = at["vanilla"]
-                vs_vanilla = f"; x vanilla {o['tokens_per_s'] / v['tokens_per_s']:.3f} (full batch {o['full_tokens_per_s'] / v['full_tokens_per_s']:.3f})"
+                vs_vanilla = (
+                    f"; x vanilla {o['tokens_per_s'] / v['tokens_per_s']:.3f} "
+                    f"(full batch {o['full_tokens_per_s'] / v['full_tokens_per_s']:.3f})"
+                )
             print(
-                f"bs {b} {name}: {o['tokens_per_s']:.1f} tok/s (full batch {o['full_tokens_per_s']:.1f}), tau {o['tau']:.2f}; "
-                f"x {base} {o['tokens_per_s'] / ref['tokens_per_s']:.3f} (full batch {o['full_tokens_per_s'] / ref['full_tokens_per_s']:.3f}){vs_vanilla}"
+                f"bs {b} {name}: {o['tokens_per_s']:.1f} tok/s (full batch {o['full_tokens_per_s']:.1f}), "
+                f"tau {o['tau']:.2f}; "
+                f"x {base} {o['tokens_per_s'] / ref['tokens_per_s']:.3f} "
+                f"(full batch {o['full_tokens_per_s'] / ref['full_tokens_per_s']:.3f}){vs_vanilla}"
             )
     if args.out:
         with open(args.out, "w") as f:

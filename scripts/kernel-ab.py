@@ -6,9 +6,11 @@ with our kernel and without, interleaved so machine drift hits both alike.
     .venv/bin/python scripts/kernel-ab.py --attention          # the attention kernel against torch's
     .venv/bin/python scripts/kernel-ab.py --packed             # GGUF block weights against their fp32 copy
     .venv/bin/python scripts/kernel-ab.py --packed --baseline a3d6397   # the packed kernel against another commit's
-    .venv/bin/python scripts/kernel-ab.py --layer-ops          # the layer glue ops against the torch ops (GGUF blocks on both sides)
+    .venv/bin/python scripts/kernel-ab.py --layer-ops          # the layer glue ops against the torch ops
+                                                               # (GGUF blocks on both sides)
     .venv/bin/python scripts/kernel-ab.py --mkl                # the serving default against MKL for every row count
-    .venv/bin/python scripts/kernel-ab.py --unchecked-rows     # the layer's matmuls without linear()'s per-call checks, against linear()
+    .venv/bin/python scripts/kernel-ab.py --unchecked-rows     # the layer's matmuls without linear()'s per-call checks,
+                                                               # against linear()
 
 By default the B side is torch's F.linear for the linear layers; with --baseline REV it is the linear
 kernel source at git revision REV (compiled here under another op namespace); with --attention it
@@ -102,7 +104,10 @@ def main() -> None:
     ap.add_argument(
         "--mkl",
         action="store_true",
-        help="the serving default (kernel on GGUF blocks up to SMALL_ROWS rows) against MKL (F.linear on the fp32 weights) for every row count",
+        help=(
+            "the serving default (kernel on GGUF blocks up to SMALL_ROWS rows) against MKL (F.linear on the fp32 "
+            "weights) for every row count"
+        ),
     )
     ap.add_argument(
         "--unchecked-rows",

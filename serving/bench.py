@@ -44,7 +44,8 @@ def tree_depth(tree_text: str) -> int:
 
 
 class SpecRates:
-    """Rates every benchmark row derives from its counters (tokens, seconds, verify_steps, accepted, drafted, accepted_by_depth)."""
+    """Rates every benchmark row derives from its counters
+    (tokens, seconds, verify_steps, accepted, drafted, accepted_by_depth)."""
 
     @property
     def acceptance_by_position(self) -> list[float]:
@@ -282,7 +283,10 @@ def machine_description() -> str:
                 break
     except OSError:
         pass
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads, Python {platform.python_version()}, no GPU"
+    return (
+        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"Python {platform.python_version()}, no GPU"
+    )
 
 
 def add_bench_parser(sub) -> None:
@@ -302,13 +306,19 @@ def add_bench_parser(sub) -> None:
     b.add_argument(
         "--peers",
         default=None,
-        help="comma list of peers (hf-generate,hf-assisted,hf-prompt-lookup,llama.cpp,llama.cpp-prompt-lookup), 'all' or 'none' (default: all; hf-generate with --quick); a peer that cannot run here is reported as skipped",
+        help=(
+            "comma list of peers (hf-generate,hf-assisted,hf-prompt-lookup,llama.cpp,llama.cpp-prompt-lookup), 'all' "
+            "or 'none' (default: all; hf-generate with --quick); a peer that cannot run here is reported as skipped"
+        ),
     )
     b.add_argument(
         "--peer-lookup-tokens",
         type=int,
         default=10,
-        help="prompt-lookup peers (hf-prompt-lookup, llama.cpp-prompt-lookup): draft tokens per lookup (both libraries' usual 10)",
+        help=(
+            "prompt-lookup peers (hf-prompt-lookup, llama.cpp-prompt-lookup): draft tokens per lookup (both "
+            "libraries' usual 10)"
+        ),
     )
     b.add_argument(
         "--temperature",
@@ -321,7 +331,10 @@ def add_bench_parser(sub) -> None:
         "--seed",
         type=int,
         default=0,
-        help="sampling seed, the same for every prompt and method (seeded requests verify by coupled sampling: the same text for every method; -1: unseeded, SpecInfer rejection sampling)",
+        help=(
+            "sampling seed, the same for every prompt and method (seeded requests verify by coupled sampling: the "
+            "same text for every method; -1: unseeded, SpecInfer rejection sampling)"
+        ),
     )
     b.add_argument("--num-prompts", type=int, default=10)
     b.add_argument("--max-new-tokens", type=int, default=None, help="default 128 (16 with --quick)")
@@ -336,12 +349,19 @@ def add_bench_parser(sub) -> None:
     b.add_argument(
         "--batch-sizes",
         default=None,
-        help="batch sweep, e.g. 1,2,4,8,16,32,64: per batch size b, each method serves a queue of max(--sweep-min-prompts, 2b) prompts with b running at a time (continuous batching), methods interleaved step by step (default: no sweep; the per-prompt table above is batch size 1)",
+        help=(
+            "batch sweep, e.g. 1,2,4,8,16,32,64: per batch size b, each method serves a queue of "
+            "max(--sweep-min-prompts, 2b) prompts with b running at a time (continuous batching), methods interleaved "
+            "step by step (default: no sweep; the per-prompt table above is batch size 1)"
+        ),
     )
     b.add_argument(
         "--adaptive",
         action="store_true",
-        help="sweep and gateway overhead: drafter rows use Engine(adaptive=True) (per-step tree / off from measured throughput, the serving default)",
+        help=(
+            "sweep and gateway overhead: drafter rows use Engine(adaptive=True) (per-step tree / off from measured "
+            "throughput, the serving default)"
+        ),
     )
     b.add_argument(
         "--repeats",
@@ -353,7 +373,10 @@ def add_bench_parser(sub) -> None:
         "--sweep-min-prompts",
         type=int,
         default=24,
-        help="sweep: a measured run at batch size b serves max(this, 2b) prompts, b at a time (continuous batching); at small b more than 2b, so the start and the drain tail are a small part of the run",
+        help=(
+            "sweep: a measured run at batch size b serves max(this, 2b) prompts, b at a time (continuous batching); "
+            "at small b more than 2b, so the start and the drain tail are a small part of the run"
+        ),
     )
     b.add_argument(
         "--sweep-only",
@@ -604,7 +627,8 @@ def cmd_bench(args) -> int:
         except Exception as e:  # noqa: BLE001 - the numbers are still written
             print(f"plot failed: {type(e).__name__}: {e}", file=sys.stderr)
         sections.append(
-            f"### Acceptance rate by draft position (fraction of verify steps that accepted draft position i; {sampling})\n\n{accept}{plot}"
+            "### Acceptance rate by draft position (fraction of verify steps that accepted draft position i; "
+            f"{sampling})\n\n{accept}{plot}"
         )
     if sweep:
         from .bench_batch import batch_grid_table, batch_json, batch_rows_table, plot_throughput
@@ -616,13 +640,19 @@ def cmd_bench(args) -> int:
             "min_prompts": args.sweep_min_prompts,
             "eval_sets": args.eval_sets.split(","),
             "distinct_prompts": len(mixed),
-            "memory": "peak process RSS (psutil, sampled every 5 ms) during the row's measured run(s) (all engines alive at that batch size included), and its rise over the RSS when the run started",
+            "memory": (
+                "peak process RSS (psutil, sampled every 5 ms) during the row's measured run(s) "
+                "(all engines alive at that batch size included), and its rise over the RSS when the run started"
+            ),
             "rows": batch_json(sweep),
         }
         sections.append(
-            f"## Throughput vs batch size ({args.max_new_tokens} new tokens, {sampling}, {args.repeats} repeat(s); at batch size b, max({args.sweep_min_prompts}, 2b) prompts served b at a time with continuous batching)\n\n{batch_rows_table(sweep)}\n\n"
+            f"## Throughput vs batch size ({args.max_new_tokens} new tokens, {sampling}, {args.repeats} repeat(s); at "
+            f"batch size b, max({args.sweep_min_prompts}, 2b) prompts served b at a time with continuous "
+            f"batching)\n\n{batch_rows_table(sweep)}\n\n"
             f"### tok/s (× vanilla at the same batch size), whole run\n\n{batch_grid_table(sweep)}\n\n"
-            f"### tok/s (× vanilla at the same batch size) at full batch: steps with b requests in the engine (steady load of b clients; the drain tail excluded)\n\n{batch_grid_table(sweep, steady=True)}\n\n"
+            "### tok/s (× vanilla at the same batch size) at full batch: steps with b requests in the engine (steady "
+            f"load of b clients; the drain tail excluded)\n\n{batch_grid_table(sweep, steady=True)}\n\n"
             "![throughput vs batch size](throughput_vs_batch.png)"
         )
         try:
@@ -646,6 +676,8 @@ def cmd_bench(args) -> int:
         for png in ("throughput_vs_batch.png", "acceptance_by_position.png"):
             table = table.replace(f"]({png})", f"]({os.path.relpath(out / png, Path(args.report).resolve().parent)})")
         Path(args.report).write_text(
-            f"# Benchmarks\n\nCommand: `{command}`\n\nMachine: {payload['machine']}; dtype {payload['dtype']}; {sampling}; {args.max_new_tokens} new tokens; per-prompt table at batch size 1{'; batch sweep ' + args.batch_sizes if sweep else ''}.\n\n{table}\n"
+            f"# Benchmarks\n\nCommand: `{command}`\n\n"
+            f"Machine: {payload['machine']}; dtype {payload['dtype']}; {sampling}; {args.max_new_tokens} new tokens; "
+            f"per-prompt table at batch size 1{'; batch sweep ' + args.batch_sizes if sweep else ''}.\n\n{table}\n"
         )
     return 0

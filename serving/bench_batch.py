@@ -183,9 +183,9 @@ def engine_batch_runner(
     sampling: a SamplingParams whose temperature / top-p / seed every request uses (default greedy).
 
     The engine (and its KV pool, sized for `concurrency` of the longest prompts at the full
-    max_new_tokens) is kept while the batch size stays the same, so the warm-up and the measured runs of a row share it; a new
-    batch size builds a new one. The adaptive policy carries over across batch sizes (one server
-    process, one policy). The drafter is built once per method and reused."""
+    max_new_tokens) is kept while the batch size stays the same, so the warm-up and the measured
+    runs of a row share it; a new batch size builds a new one. The adaptive policy carries over
+    across batch sizes (one server process, one policy). The drafter is built once per method and reused."""
     from sglang_ext.sampling import SamplingParams
 
     from .bench import bench_drafter
@@ -367,7 +367,8 @@ def run_batch_sweep(
             results.append(row)
             if log:
                 log(
-                    f"bs={b} {row.key}: {row.tokens_per_s:.1f} tok/s ({row.full_tokens_per_s:.1f} at full batch) tau {row.tau:.2f} {row.error or ''}"
+                    f"bs={b} {row.key}: {row.tokens_per_s:.1f} tok/s ({row.full_tokens_per_s:.1f} at full batch) tau "
+                    f"{row.tau:.2f} {row.error or ''}"
                 )
     return results
 
@@ -393,7 +394,9 @@ def _fmt(x: float | None, spec: str = ".2f") -> str:
 
 def batch_rows_table(results: list[BatchResult]) -> str:
     lines = [
-        "| batch size | method | tree (d,k,n) | adaptive | τ | draft tok/step | tok/s (whole run) | speedup vs vanilla (same bs) | tok/s at full batch | speedup at full batch | decode-only tok/s | mean running batch | fallbacks | peak RSS (MB, process) | RSS rise in row (MB) |",
+        "| batch size | method | tree (d,k,n) | adaptive | τ | draft tok/step | tok/s (whole run) "
+        "| speedup vs vanilla (same bs) | tok/s at full batch | speedup at full batch | decode-only tok/s "
+        "| mean running batch | fallbacks | peak RSS (MB, process) | RSS rise in row (MB) |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -404,8 +407,11 @@ def batch_rows_table(results: list[BatchResult]) -> str:
         s, sf = speedup(r, results), speedup(r, results, steady=True)
         spec = r.method != "vanilla"
         lines.append(
-            f"| {r.batch_size} | {r.method} | {r.tree} | {ad} | {_fmt(r.tau) if spec else '-'} | {_fmt(r.draft_per_step, '.1f') if spec else '-'} "
-            f"| {_fmt(r.tokens_per_s, '.1f')} | {_fmt(s) + '×' if s is not None else 'n/a'} | {_fmt(r.full_tokens_per_s, '.1f')} | {_fmt(sf) + '×' if sf is not None else 'n/a'} | {_fmt(r.decode_tokens_per_s, '.1f')} | {_fmt(r.mean_batch, '.1f')} | {r.fallbacks} "
+            f"| {r.batch_size} | {r.method} | {r.tree} | {ad} | {_fmt(r.tau) if spec else '-'} "
+            f"| {_fmt(r.draft_per_step, '.1f') if spec else '-'} "
+            f"| {_fmt(r.tokens_per_s, '.1f')} | {_fmt(s) + '×' if s is not None else 'n/a'} "
+            f"| {_fmt(r.full_tokens_per_s, '.1f')} | {_fmt(sf) + '×' if sf is not None else 'n/a'} "
+            f"| {_fmt(r.decode_tokens_per_s, '.1f')} | {_fmt(r.mean_batch, '.1f')} | {r.fallbacks} "
             f"| {_fmt(r.peak_rss_mb, '.0f')} | {_fmt(r.rss_rise_mb, '.0f')} |"
         )
     return "\n".join(lines)
@@ -565,7 +571,8 @@ def measure_gateway_overhead(
 
 def overhead_table(rows: list[OverheadResult]) -> str:
     lines = [
-        "| method | tree (d,k,n) | adaptive | requests | new tokens | engine direct p50 (ms) | gateway HTTP p50 (ms) | overhead p50 (ms) | same tokens |",
+        "| method | tree (d,k,n) | adaptive | requests | new tokens | engine direct p50 (ms) | gateway HTTP p50 (ms) "
+        "| overhead p50 (ms) | same tokens |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -575,7 +582,8 @@ def overhead_table(rows: list[OverheadResult]) -> str:
             continue
         same = "-" if r.same_tokens is None else ("yes" if r.same_tokens else "no")
         lines.append(
-            f"| {r.method} | {r.tree} | {ad} | {r.requests} | {r.max_tokens} | {_fmt(r.engine_p50, '.1f')} | {_fmt(r.http_p50, '.1f')} | {_fmt(r.overhead_p50, '.1f')} | {same} |"
+            f"| {r.method} | {r.tree} | {ad} | {r.requests} | {r.max_tokens} | {_fmt(r.engine_p50, '.1f')} "
+            f"| {_fmt(r.http_p50, '.1f')} | {_fmt(r.overhead_p50, '.1f')} | {same} |"
         )
     return "\n".join(lines)
 

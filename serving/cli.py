@@ -27,7 +27,10 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--drafter",
         default="auto",
-        help="auto (suffix when a corpus is shipped for the target, else ngram) | none | ngram | suffix | draft-model | eagle3 | moa | moa-tli0 | moa-tli1 | PATH (an EAGLE-3/MoA checkpoint or a suffix corpus directory)",
+        help=(
+            "auto (suffix when a corpus is shipped for the target, else ngram) | none | ngram | suffix | draft-model "
+            "| eagle3 | moa | moa-tli0 | moa-tli1 | PATH (an EAGLE-3/MoA checkpoint or a suffix corpus directory)"
+        ),
     )
     p.add_argument("--tree", default=None, help="depth,topk,num_draft_tokens (e.g. 6,4,16) or depth for a chain")
 
@@ -184,7 +187,8 @@ def cmd_generate(args) -> int:
     else:
         print(text)
         print(
-            f"[{len(req.output_ids)} tokens, {len(req.output_ids) / dt:.1f} tok/s, accept length {st.accept_length:.2f}, {args.drafter}]",
+            f"[{len(req.output_ids)} tokens, {len(req.output_ids) / dt:.1f} tok/s, accept length "
+            f"{st.accept_length:.2f}, {args.drafter}]",
             file=sys.stderr,
         )
     return 0

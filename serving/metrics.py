@@ -98,7 +98,8 @@ class Metrics:
         )
         self.kv_reserved = Gauge(
             "moa_kv_cache_reserved_tokens",
-            "Target KV cache slots reserved by admitted requests: prompt + max_tokens + one draft tree each (embedded engine)",
+            "Target KV cache slots reserved by admitted requests: prompt + max_tokens + one draft tree each (embedded "
+            "engine)",
             _LABELS,
             registry=r,
         )

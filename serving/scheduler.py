@@ -137,11 +137,13 @@ class Scheduler:
     def submit(
         self, prompt_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop | None = None
     ) -> Handle:
-        """Queue a request (thread-safe). Raises QueueFull, SchedulerClosed, InvalidRequest (too big for the KV pool)."""
+        """Queue a request (thread-safe).
+        Raises QueueFull, SchedulerClosed, InvalidRequest (too big for the KV pool)."""
         h = Handle(self, list(prompt_ids), params, loop or asyncio.get_running_loop())
         if h.reservation > self.capacity():
             raise InvalidRequest(
-                f"prompt + max_tokens = {h.reservation} tokens exceeds this server's KV capacity of {self.capacity()} tokens",
+                f"prompt + max_tokens = {h.reservation} tokens exceeds this server's KV capacity of {self.capacity()} "
+                "tokens",
                 "max_tokens",
             )
         with self._cond:

@@ -54,7 +54,8 @@ class TreeShape:
         most = self.depth + 1 if self.topk == 1 else 1 + self.topk + (self.depth - 1) * self.topk**2
         if not 2 <= self.num_draft_tokens <= most:
             raise ValueError(
-                f"num_draft_tokens must be in [2, {most}] for depth={self.depth} topk={self.topk}, got {self.num_draft_tokens}"
+                f"num_draft_tokens must be in [2, {most}] for depth={self.depth} topk={self.topk}, got "
+                f"{self.num_draft_tokens}"
             )
 
     @classmethod

@@ -225,7 +225,8 @@ def test_step_cost_model_interpolates_and_extends_along_the_last_slope():
 
 
 def _sweep(p, cost, batch_sizes, steps):
-    """Run the policy through batch sizes; cost(option, bs) -> (seconds, tokens, rows). Returns options chosen per bs."""
+    """Run the policy through batch sizes; cost(option, bs) -> (seconds, tokens, rows).
+    Returns options chosen per bs."""
     chosen = {}
     for bs in batch_sizes:
         chosen[bs] = []
@@ -262,8 +263,11 @@ def test_ruled_out_trees_are_still_measured_for_real_now_and_then():
     a ruled-out tree runs for real, and if it now wins, it is chosen."""
     p = AdaptiveSpeculation(TreeShape(5, 1, 6), warmup=3, retry_every=32, max_retry_every=128)
     _sweep(p, _cpu_cost, (1, 2, 4, 8), 60)
+
     # the content turns very repetitive at bs 8: the tree now emits 5 tokens per request per step
-    better = lambda o, bs: (0.03 + 0.004 * bs * _ROWS[o], bs * {0: 1.0, 1: 5.0, 2: 2.9}[o], round(bs * _ROWS[o]))
+    def better(o, bs):
+        return 0.03 + 0.004 * bs * _ROWS[o], bs * {0: 1.0, 1: 5.0, 2: 2.9}[o], round(bs * _ROWS[o])
+
     chosen = _sweep(p, better, (8,), 2000)[8]
     assert chosen[:30] == [0] * 30  # still ruled out by the old acceptance at first
     assert p.postponed > 0  # re-measurements skipped while the back-off was below its ceiling
@@ -359,7 +363,10 @@ def test_a_new_batch_size_is_decided_by_the_model_without_trial_steps():
     """Once acceptance, tree size and the verify cost of enough rows are known, a batch size never run
     before starts on the option the model rates best: no exploratory tree steps where 'off' wins, and
     the tree straight away where it wins."""
-    cheap_rows = lambda o, bs: (0.030 + 0.0002 * bs * _ROWS[o], bs * _TOKENS[o], round(bs * _ROWS[o]))
+
+    def cheap_rows(o, bs):
+        return 0.030 + 0.0002 * bs * _ROWS[o], bs * _TOKENS[o], round(bs * _ROWS[o])
+
     p = AdaptiveSpeculation(TreeShape(5, 1, 6), warmup=3, retry_every=32)
     _sweep(
         p, _cpu_cost, (1, 2, 4, 8), 60

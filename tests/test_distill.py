@@ -21,7 +21,7 @@ QUESTIONS = [
 ]
 
 
-def _conversations(path, n=len(QUESTIONS)):
+def _conversations(path, n=None):
     with open(path, "w") as f:
         for i, q in enumerate(QUESTIONS[:n]):
             f.write(

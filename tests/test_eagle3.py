@@ -309,7 +309,8 @@ def test_greedy_identity_smollm2(smollm2_fp32, eval_prompts, bs):
         reqs += eng.generate(prompts[i : i + bs], params)
     verdicts = [compare_to_reference(smollm2_fp32.model, p, r, q.output_ids) for p, r, q in zip(prompts, ref, reqs)]
     print(
-        f"eagle3 bs{bs}: {verdicts.count('same')} same, {verdicts.count('tie')} ties; tau {sum(q.stats.accept_length for q in reqs) / len(reqs):.2f}"
+        f"eagle3 bs{bs}: {verdicts.count('same')} same, {verdicts.count('tie')} ties; tau "
+        f"{sum(q.stats.accept_length for q in reqs) / len(reqs):.2f}"
     )
     assert "bug" not in verdicts, verdicts
 

@@ -1,4 +1,5 @@
-"""The gateway on a real uvicorn server (127.0.0.1) with the real SmolLM2 (fp32) + n-gram drafter, via the real openai client.
+"""The gateway on a real uvicorn server (127.0.0.1) with the real SmolLM2 (fp32) + n-gram drafter,
+via the real openai client.
 
 Covers: response shapes (ChatCompletion / ChatCompletionChunk / Completion), include_usage, n, stop
 strings, seeds, API == `moa-serve generate`, 32 concurrent streams == each alone, 50 dropped

@@ -705,7 +705,10 @@ def test_drain_deadline_aborts_what_is_left_and_exits(tiny):
 def _partial_upload(port: int, sent: bytes = b'{"model": "tiny", ') -> socket.socket:
     """A connection that sends a chat request's headers and the start of a 1000-byte body, then stalls."""
     s = socket.create_connection(("127.0.0.1", port))
-    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\n"
+        b"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    )
     s.sendall(head + sent)
     return s
 

@@ -1,4 +1,5 @@
-"""Gateway pieces without a server: incremental detokenization + stop strings, request -> jobs, API keys, error params."""
+"""Gateway pieces without a server: incremental detokenization + stop strings, request -> jobs,
+API keys, error params."""
 
 import time
 

@@ -101,7 +101,8 @@ def test_lsa_runs_once_per_verified_token():
     while not req.finished:
         eng.step()
         verified.append(len(req.slots))
-    # prefill: the prompt; each verify step: only root + accepted nodes (LSA'd at the next propose), never the prefix again
+    # prefill: the prompt; each verify step: only root + accepted nodes (LSA'd at the next propose),
+    # never the prefix again
     assert shapes[0] == (len(prompt), LAYERS, draft.cfg.lsa_hidden)
     assert all(s[1:] == (LAYERS, draft.cfg.lsa_hidden) for s in shapes)
     added = [b - a for a, b in zip(verified, verified[1:]) if b > a]
@@ -341,7 +342,8 @@ def test_greedy_identity_smollm2(smollm2_fp32, eval_prompts, name, bs):
         reqs += eng.generate(prompts[i : i + bs], params)
     verdicts = [compare_to_reference(smollm2_fp32.model, p, r, q.output_ids) for p, r, q in zip(prompts, ref, reqs)]
     print(
-        f"{name} bs{bs}: {verdicts.count('same')} same, {verdicts.count('tie')} ties; tau {sum(q.stats.accept_length for q in reqs) / len(reqs):.2f}"
+        f"{name} bs{bs}: {verdicts.count('same')} same, {verdicts.count('tie')} ties; tau "
+        f"{sum(q.stats.accept_length for q in reqs) / len(reqs):.2f}"
     )
     assert "bug" not in verdicts, verdicts
 

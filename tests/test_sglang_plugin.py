@@ -152,10 +152,14 @@ def draft_parity_case(draft, tm, tli: int, sa_mode: str, steps: int, topk: int, 
         req_to_token[b, : len(p)] = slots[b]
         req_to_token[b, len(p) : len(p) + width] = kv.alloc(width)
         moa_commit(draft, tm.embed, pools, slots[b], torch.arange(len(p)), torch.tensor(p))
-    layers = [
-        (lambda li: lambda x, pos, s, plan: tm.layer_forward(li, x, tm.rope(pos), s, plan, kv))(li)
-        for li in range(3 - tli, 3)
-    ]
+
+    def layer(li):
+        def forward(x, pos, s, plan):
+            return tm.layer_forward(li, x, tm.rope(pos), s, plan, kv)
+
+        return forward
+
+    layers = [layer(li) for li in range(3 - tli, 3)]
     hot = reference.hot_ids
     parent_list, top, tokens = moa_draft(
         draft,
@@ -715,9 +719,7 @@ def run_sglang_checks(out_path: str) -> None:
 
         out = []
         g = torch.Generator().manual_seed(1)
-        for seed, (bs, topk, steps, dtype) in enumerate(
-            [(2, 2, 3, torch.float32), (3, 3, 4, torch.float32), (2, 2, 3, torch.bfloat16)]
-        ):
+        for bs, topk, steps, dtype in [(2, 2, 3, torch.float32), (3, 3, 4, torch.float32), (2, 2, 3, torch.bfloat16)]:
             seq_lens = torch.randint(1, 40, (bs,), generator=g)
             width = draft_columns(steps, topk)
             req_to_token = torch.zeros(bs, 64, dtype=torch.long)

@@ -139,7 +139,7 @@ def test_sampling_verify_lazy_probabilities_same_result_fewer_rows():
     probs = torch.softmax(torch.randn(4, 6, generator=torch.Generator().manual_seed(1)), -1)
     for seed in range(30):
         seen = []
-        lazy = sampling_verify(t, lambda i: seen.append(i) or probs[i], torch.Generator().manual_seed(seed))
+        lazy = sampling_verify(t, lambda i, seen=seen: seen.append(i) or probs[i], torch.Generator().manual_seed(seed))
         eager = sampling_verify(t, probs, torch.Generator().manual_seed(seed))
         assert lazy == eager and seen == lazy.accepted_nodes  # only the accepted path and its last node
 

@@ -115,7 +115,8 @@ class EmbeddedBackend:
         elif p.max_tokens > room:
             raise APIError(
                 400,
-                f"this server's context is {self.max_context} tokens; the prompt has {prompt_len} and max_tokens asks for {p.max_tokens}. Lower max_tokens or shorten the prompt.",
+                f"this server's context is {self.max_context} tokens; the prompt has {prompt_len} and max_tokens asks "
+                f"for {p.max_tokens}. Lower max_tokens or shorten the prompt.",
                 param="max_tokens",
                 code="context_length_exceeded",
             )

@@ -332,6 +332,7 @@ def _grammar_fields(g: GrammarSpec) -> dict:
 def _no_tokenizer() -> APIError:
     return APIError(
         400,
-        "tokenize / detokenize are not available with the sglang backend (the gateway holds no tokenizer): call the upstream SGLang server's /tokenize and /detokenize",
+        "tokenize / detokenize are not available with the sglang backend (the gateway holds no tokenizer): call the "
+        "upstream SGLang server's /tokenize and /detokenize",
         code="unsupported_parameter",
     )

@@ -71,7 +71,10 @@ def add_edge_parsers(sub) -> None:
     b.add_argument(
         "--trees",
         default="",
-        help="';'-separated tree shapes to compare per drafter (e.g. '3,4,16;1,2,3'); default: the drafter's default tree",
+        help=(
+            "';'-separated tree shapes to compare per drafter (e.g. '3,4,16;1,2,3'); default: the drafter's default "
+            "tree"
+        ),
     )
     b.add_argument("--cut", action="store_true", help="add the disconnect run (link cut after 50 tokens)")
     b.add_argument("--threads", type=int, default=1, help="torch threads for the client and for the server")
@@ -126,7 +129,8 @@ def cmd_edge(args) -> int:
     print()
     st = client.stats
     print(
-        f"[{st.cycles} cycles, τ {st.accept_length:.2f}, {st.calls} calls, {sum(st.cycle_bytes) / max(1, len(st.cycle_bytes)):.0f} B/cycle, "
+        f"[{st.cycles} cycles, τ {st.accept_length:.2f}, {st.calls} calls, "
+        f"{sum(st.cycle_bytes) / max(1, len(st.cycle_bytes)):.0f} B/cycle, "
         f"{st.disconnects} disconnects, {st.offline_tokens} offline tokens ({st.offline_kept} kept)]",
         file=sys.stderr,
     )
@@ -305,7 +309,8 @@ def cmd_edge_bench(args) -> int:
                                 c.close()
                             rows.append({"profile": prof.name, "set": set_name, "method": method, **r})
                             print(
-                                f"[edge-bench] {prof.name} {set_name} {rows[-1]['method']}: {r['tokens_per_s']:.1f} tok/s τ {r['tau']:.2f}",
+                                f"[edge-bench] {prof.name} {set_name} {rows[-1]['method']}: {r['tokens_per_s']:.1f} "
+                                f"tok/s τ {r['tau']:.2f}",
                                 file=sys.stderr,
                                 flush=True,
                             )
@@ -381,8 +386,10 @@ def _table(rows: list[dict]) -> str:
     for r in rows:
         if r["set"] == "cut":
             lines.append(
-                f"\ncut ({r['profile']}, {r['method']}): {r['offline_tokens']} offline tokens, {r['offline_kept']} kept after verify-resync; "
-                f"{r['tokens']} verified tokens, same as connected: {r['same_as_connected']} (agreement {r['agreement_with_connected']:.2f})"
+                f"\ncut ({r['profile']}, {r['method']}): {r['offline_tokens']} offline tokens, "
+                f"{r['offline_kept']} kept after verify-resync; "
+                f"{r['tokens']} verified tokens, same as connected: {r['same_as_connected']} "
+                f"(agreement {r['agreement_with_connected']:.2f})"
             )
     lines += [f"\nfailed: {r['profile']} {r['set']} {r['method']}: {r['error']}" for r in errors]
     return "\n".join(lines)

@@ -210,9 +210,8 @@ def _prompt_jobs(prompt, sp: dict[str, Any], limits: Limits, stream: bool, logpr
         elif key not in _IGNORED and key != "json_schema":
             raise invalid(f"sampling_params.{key} is not a sampling parameter", f"sampling_params.{key}")
     if fields["max_tokens"] == 0:
-        fields["echo"] = (
-            True  # prefill only (SGLang clients send it to cache a prefix): completions allow 0 with echo (turned off after)
-        )
+        # prefill only (SGLang clients send it to cache a prefix): completions allow 0 with echo (turned off after)
+        fields["echo"] = True
     try:
         jobs = completion_jobs(parse(CompletionRequest, json.dumps(fields).encode()), limits)
     except APIError as e:

@@ -320,7 +320,8 @@ def chat_jobs(r: ChatCompletionRequest, limits: Limits) -> list[Job]:
     messages = render_messages([_message(m, i) for i, m in enumerate(r.messages)], tools)
     if r.continue_final_message and (r.messages[-1].role != "assistant" or r.messages[-1].tool_calls):
         raise invalid(
-            "continue_final_message needs the last message to be an assistant message with text (the start of the reply)",
+            "continue_final_message needs the last message to be an assistant message with text (the start of the "
+            "reply)",
             "messages",
         )
     if r.max_tokens == 0:
@@ -334,7 +335,8 @@ def chat_jobs(r: ChatCompletionRequest, limits: Limits) -> list[Job]:
     if tools is not None and (call_grammar := tools.grammar()) is not None:
         if params.grammar is not None:
             raise invalid(
-                f"a required tool call constrains the output already: tool_choice cannot be combined with {params.grammar.param}",
+                "a required tool call constrains the output already: tool_choice cannot be combined with "
+                f"{params.grammar.param}",
                 "tool_choice",
             )
         params = replace(params, grammar=call_grammar)

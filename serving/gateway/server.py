@@ -58,7 +58,10 @@ def add_serve_parser(sub) -> None:
     s.add_argument(
         "--no-adaptive",
         action="store_true",
-        help="embedded: always speculate with --tree (default: per step, the measured-fastest of off / --tree / a smaller tree)",
+        help=(
+            "embedded: always speculate with --tree (default: per step, the measured-fastest of off / --tree / a "
+            "smaller tree)"
+        ),
     )
     s.add_argument("--max-running", type=int, default=64, help="requests decoded together (continuous batching)")
     s.add_argument("--max-queue", type=int, default=256, help="requests waiting for admission before 429")
@@ -67,7 +70,10 @@ def add_serve_parser(sub) -> None:
         "--prefill-tokens",
         type=int,
         default=512,
-        help="embedded: prompt tokens prefilled per step at most; longer prompts are prefilled in chunks over several steps, next to the running requests' decode steps",
+        help=(
+            "embedded: prompt tokens prefilled per step at most; longer prompts are prefilled in chunks over several "
+            "steps, next to the running requests' decode steps"
+        ),
     )
     s.add_argument("--max-context", type=int, default=None, help="embedded: context limit (default: the model's)")
     s.add_argument("--max-tokens-limit", type=int, default=2048, help="largest max_tokens a request may ask for")
@@ -85,7 +91,10 @@ def add_serve_parser(sub) -> None:
     s.add_argument(
         "--api-keys-file",
         default=None,
-        help="file with one API key per line [env MOA_SERVE_API_KEYS_FILE; keys also from env MOA_SERVE_API_KEYS, comma list]",
+        help=(
+            "file with one API key per line [env MOA_SERVE_API_KEYS_FILE; keys also from env MOA_SERVE_API_KEYS, "
+            "comma list]"
+        ),
     )
     s.add_argument(
         "--auth-exempt",
@@ -101,7 +110,10 @@ def add_serve_parser(sub) -> None:
     s.add_argument(
         "--edge-drafters",
         default=None,
-        help="embedded: comma list of drafters (e.g. moa-tli1,moa-tli0,eagle3) whose clients may use the edge session API /v1/edge/sessions",
+        help=(
+            "embedded: comma list of drafters (e.g. moa-tli1,moa-tli0,eagle3) whose clients may use the edge session "
+            "API /v1/edge/sessions"
+        ),
     )
     s.add_argument("--edge-ttl", type=float, default=120.0, help="seconds an idle edge session keeps its KV")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -147,7 +159,8 @@ def build_embedded(args, metrics: Metrics):
 
 
 def embedded_backend(engine, model_id: str, drafter: str, metrics: Metrics | None = None, **limits):
-    """(EmbeddedBackend, Telemetry) around an existing Engine (also for tests and benchmarks); limits: EmbeddedLimits fields."""
+    """(EmbeddedBackend, Telemetry) around an existing Engine (also for tests and benchmarks);
+    limits: EmbeddedLimits fields."""
     from ..backends.embedded import EmbeddedBackend, EmbeddedLimits
     from ..backends.telemetry import Telemetry
 

@@ -67,7 +67,8 @@ class ToolCalling:
             "# Tools\n\nYou may call one or more of these functions to answer the user. Their signatures, "
             f"one JSON object per line, are inside <tools></tools>:\n<tools>\n{tools}\n</tools>\n\n"
             "To call a function, reply with a JSON object holding its name and arguments inside "
-            '<tool_call></tool_call>:\n<tool_call>\n{"name": <function name>, "arguments": <arguments object>}\n</tool_call>'
+            "<tool_call></tool_call>:\n"
+            '<tool_call>\n{"name": <function name>, "arguments": <arguments object>}\n</tool_call>'
         )
 
     def grammar(self) -> GrammarSpec | None:
@@ -168,7 +169,10 @@ def call_grammar(functions: list[Function], parallel: bool) -> str:
     json_rules = str(xgr.Grammar.from_json_schema(json.dumps(call), any_whitespace=False))
     json_rules = "".join("call_json" if tok == "root" else tok for tok in _EBNF_TOKEN.findall(json_rules))
     repeat = ' ("\\n" call)*' if parallel else ""
-    return f'{json_rules}\nroot ::= call{repeat}\ncall ::= "{_ebnf_literal(OPEN)}\\n" call_json "\\n{_ebnf_literal(CLOSE)}"\n'
+    return (
+        f"{json_rules}\nroot ::= call{repeat}\n"
+        f'call ::= "{_ebnf_literal(OPEN)}\\n" call_json "\\n{_ebnf_literal(CLOSE)}"\n'
+    )
 
 
 def _ebnf_literal(text: str) -> str:

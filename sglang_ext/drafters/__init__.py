@@ -80,7 +80,8 @@ def resolve_drafter(name: str | None, target) -> str | None:
 
 
 def make_drafter(name: str | None, target) -> Drafter | None:
-    """A drafter for `target` by registry name ('auto': see resolve_drafter); 'none' (or None) means vanilla decoding."""
+    """A drafter for `target` by registry name ('auto': see resolve_drafter);
+    'none' (or None) means vanilla decoding."""
     name = resolve_drafter(name, target)
     if name in (None, "none", "vanilla"):
         return None

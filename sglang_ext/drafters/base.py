@@ -10,7 +10,8 @@ Lifecycle of a request, as the engine drives it:
 
 A drafter owns only its own state (e.g. its KV cache); the engine owns requests and the target
 KV pool. A drafter whose commit() does nothing (it reads token ids only: n-gram, suffix) may say so
-with `needs_commit = False`, and the engine skips building the TargetCapture of every verify step. Trees may differ in size across requests (a drafter with nothing to say returns a
+with `needs_commit = False`, and the engine skips building the TargetCapture of every verify step.
+Trees may differ in size across requests (a drafter with nothing to say returns a
 root-only tree, which the engine verifies as a plain decode step). A drafter that searches a request's
 predicted output (DraftInput.reference) itself says `reads_reference = True`; for the others the engine
 drafts such a request from its prediction where it matches (drafters/prediction.py), and skips the

@@ -49,7 +49,8 @@ def shipped_checkpoint(target, name: str) -> Path:
     ckpt = SHIPPED_DIR / sub if sub else None
     if ckpt is None or not (ckpt / "config.json").is_file():
         raise DraftCheckpointError(
-            f"no shipped MoA drafter {name!r} for target {target.path}; train one (moa-serve train moa) and pass its path"
+            f"no shipped MoA drafter {name!r} for target {target.path}; train one (moa-serve train moa) and pass its "
+            "path"
         )
     return ckpt
 
@@ -227,7 +228,7 @@ class MoADrafter:
                 raise DraftCheckpointError(
                     f"request {d.rid}: draft state out of sync ({st.target_slots.numel()} verified vs {d.seq_len})"
                 )
-        b, k = len(batch), shape.topk
+        b = len(batch)
         full = shape.topk == 1 and any(not d.params.greedy for d in batch)
         to_target = (lambda ids: ids) if full else (lambda ids: self.hot_ids[ids])
         temps: list[tuple[KVPool, torch.Tensor]] = []

@@ -74,9 +74,6 @@ def _sample_chains(
     qs: list[list[torch.Tensor]] = [[] for _ in range(b)]
     logits = root_logits
     for step in range(shape.depth):
-        if step > 0:
-            logits = step_fn(tokens, None if step == 1 else torch.zeros(b, 1, dtype=torch.long))[:, 0]
-            _check_finite(logits, f"step {step}")
         nxt = []
         for i, d in enumerate(batch):
             q = logits_to_probs(logits[i], d.params)
@@ -88,7 +85,10 @@ def _sample_chains(
             drafts[i].append(x)
             qs[i].append(q)
             nxt.append(x)
-        tokens = torch.tensor(nxt)[:, None]
+        if step + 1 < shape.depth:  # the next step's logits, from the tokens just drafted
+            tokens = torch.tensor(nxt)[:, None]
+            logits = step_fn(tokens, None if step == 0 else torch.zeros(b, 1, dtype=torch.long))[:, 0]
+            _check_finite(logits, f"step {step + 1}")
     trees = []
     for i, d in enumerate(batch):
         q = None

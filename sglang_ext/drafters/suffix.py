@@ -38,7 +38,8 @@ class CorpusError(ValueError):
 
 
 def save_corpus(out: str | Path, docs: list[list[int]], meta: dict) -> Path:
-    """Write docs (token id lists) as one flat array (uint16 when the vocab fits) + offsets, with a config.json of `meta`."""
+    """Write docs (token id lists) as one flat array (uint16 when the vocab fits) + offsets,
+    with a config.json of `meta`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     docs = [d for d in docs if len(d)]
@@ -84,7 +85,8 @@ def shipped_corpus(target) -> Path:
     path = SHIPPED_DIR / sub if sub else None
     if path is None or not (path / CONFIG_FILE).is_file():
         raise CorpusError(
-            f"no shipped suffix corpus for target {target.path}; build one (moa-serve build-corpus) and pass --drafter suffix:PATH"
+            f"no shipped suffix corpus for target {target.path}; build one (moa-serve build-corpus) and pass "
+            "--drafter suffix:PATH"
         )
     return path
 
@@ -117,7 +119,8 @@ class SuffixDrafter(NgramDrafter):
 
     @classmethod
     def from_target(cls, target, path: str | Path | None = None, **kw) -> "SuffixDrafter":
-        """The shipped corpus for `target` (or the one at `path`); MOA_SERVE_SUFFIX_ONLINE=0 turns off online learning."""
+        """The shipped corpus for `target` (or the one at `path`);
+        MOA_SERVE_SUFFIX_ONLINE=0 turns off online learning."""
         docs, _ = load_corpus(path or shipped_corpus(target), target.cfg.vocab_size)
         kw.setdefault("online", os.environ.get("MOA_SERVE_SUFFIX_ONLINE", "1") != "0")
         return cls(docs, **kw)

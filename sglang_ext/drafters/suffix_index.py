@@ -52,7 +52,8 @@ class SuffixIndex:
         return self.num_tokens
 
     def longest_match(self, context: list[int], max_len: int | None = None, min_len: int = 1) -> tuple[int, int, int]:
-        """(n, lo, hi): the longest n ≤ max_len such that context[-n:] occurs; its rows lo:hi (n = 0 if none ≥ min_len)."""
+        """(n, lo, hi): the longest n ≤ max_len such that context[-n:] occurs;
+        its rows lo:hi (n = 0 if none ≥ min_len)."""
         max_len = min(max_len or self.key_len, self.key_len, len(context))
         lo, hi, best = 0, len(self._sa), (0, 0, 0)
         for k in range(max_len):

@@ -129,7 +129,8 @@ class LlamaModel:
                 )
             )
         self.inv_freq = rope_inv_freq(cfg).to(device)
-        # every layer matmul fits the small-rows kernel (fp32, K % 8 == 0): _layer_forward_ops may skip linear()'s checks
+        # every layer matmul fits the small-rows kernel (fp32, K % 8 == 0):
+        # _layer_forward_ops may skip linear()'s checks
         self._rows_kernel = (
             kernels.AVAILABLE
             and self.device.type == "cpu"

@@ -394,7 +394,8 @@ def _check_fits(cfg: MoAConfig, t: LlamaConfig) -> None:
         t.head_dim,
     ):
         problems.append(
-            f"LSA expects {cfg.num_target_layers} layers x {cfg.target_num_kv_heads} KV heads x {cfg.target_head_dim}, target has {t.num_layers} x {t.num_kv_heads} x {t.head_dim}"
+            f"LSA expects {cfg.num_target_layers} layers x {cfg.target_num_kv_heads} KV heads x "
+            f"{cfg.target_head_dim}, target has {t.num_layers} x {t.num_kv_heads} x {t.head_dim}"
         )
     if problems:
         raise DraftCheckpointError("MoA draft does not fit the target: " + "; ".join(problems))

@@ -50,7 +50,8 @@ def read_moa_checkpoint(path) -> MoAConfig:
     """The MoA config of a draft dir, or MoAServerArgsError saying what is wrong with it."""
     if not path:
         raise MoAServerArgsError(
-            "--speculative-algorithm MOA needs --speculative-draft-model-path DIR (a MoA checkpoint, e.g. drafters/smollm2-moa-tli1)"
+            "--speculative-algorithm MOA needs --speculative-draft-model-path DIR (a MoA checkpoint, e.g. "
+            "drafters/smollm2-moa-tli1)"
         )
     cfg_file = Path(path).expanduser() / "config.json"
     if not cfg_file.is_file():
@@ -65,7 +66,8 @@ def read_moa_checkpoint(path) -> MoAConfig:
     if ARCH not in archs:
         hint = " (an EAGLE-3 head: use --speculative-algorithm EAGLE3)" if any("Eagle3" in a for a in archs) else ""
         raise MoAServerArgsError(
-            f'--speculative-draft-model-path {path} is not a MoA checkpoint: architectures={archs}, expected ["{ARCH}"]{hint}'
+            f"--speculative-draft-model-path {path} is not a MoA checkpoint: architectures={archs}, expected "
+            f'["{ARCH}"]{hint}'
         )
     try:
         cfg = MoAConfig.from_json(raw)
@@ -150,7 +152,8 @@ def check_fits_target(cfg: MoAConfig, t: LlamaConfig) -> None:
     if (cfg.num_kv_heads, cfg.head_dim) != (t.num_kv_heads, t.head_dim):
         # the draft KV pool is budgeted with the target's per-layer KV size (SGLang's EAGLE assumption)
         problems.append(
-            f"SA/CA KV heads {cfg.num_kv_heads} x {cfg.head_dim} differ from the target's {t.num_kv_heads} x {t.head_dim}"
+            f"SA/CA KV heads {cfg.num_kv_heads} x {cfg.head_dim} differ from the target's {t.num_kv_heads} x "
+            f"{t.head_dim}"
         )
     if problems:
         raise MoAServerArgsError("MoA draft does not fit --model-path: " + "; ".join(problems))
@@ -161,7 +164,8 @@ def validate_moa_server_args(sa) -> None:
     cfg = read_moa_checkpoint(sa.speculative_draft_model_path)
     if cfg.memory_source != "lsa":
         raise MoAServerArgsError(
-            f"MOA runs LSA checkpoints only; {sa.speculative_draft_model_path} has memory_source={cfg.memory_source!r} (an ablation for the embedded engine)"
+            f"MOA runs LSA checkpoints only; {sa.speculative_draft_model_path} has "
+            f"memory_source={cfg.memory_source!r} (an ablation for the embedded engine)"
         )
     tli_override(cfg)
     for flag, value in (("--tp-size", sa.tp_size), ("--pp-size", sa.pp_size), ("--dp-size", sa.dp_size)):
@@ -173,7 +177,8 @@ def validate_moa_server_args(sa) -> None:
         raise MoAServerArgsError("MOA does not support --speculative-adaptive")
     if getattr(sa, "speculative_use_rejection_sampling", False):
         raise MoAServerArgsError(
-            "MOA does not support --speculative-use-rejection-sampling (tree drafts are verified by SGLang's target-only sampling)"
+            "MOA does not support --speculative-use-rejection-sampling (tree drafts are verified by SGLang's "
+            "target-only sampling)"
         )
     if getattr(sa, "enable_multi_layer_eagle", False):
         raise MoAServerArgsError("MOA does not combine with --enable-multi-layer-eagle")

@@ -62,7 +62,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--init-from",
         default=None,
-        help="start from this checkpoint's weights and draft vocab (fine-tuning, e.g. on `moa-serve distill` data); a fresh optimizer and LR schedule",
+        help=(
+            "start from this checkpoint's weights and draft vocab (fine-tuning, e.g. on `moa-serve distill` data); a "
+            "fresh optimizer and LR schedule"
+        ),
     )
     p.add_argument(
         "--no-progress", action="store_true", help="no tqdm bar (metrics still go to metrics.jsonl/TensorBoard)"
@@ -140,7 +143,10 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         "--data",
         action="append",
         required=True,
-        help="'sharegpt', a .json/.jsonl file, or a directory of the target's answers (../shared/data/distill format); repeatable",
+        help=(
+            "'sharegpt', a .json/.jsonl file, or a directory of the target's answers (../shared/data/distill format); "
+            "repeatable"
+        ),
     )
     k.add_argument("--out", required=True, help="shard directory (manifest.json + shard-*.npz)")
     k.add_argument("--shard-tokens", type=int, default=4_000_000, help="tokens per shard file")
@@ -251,7 +257,8 @@ def _fit(args, target, exs, task, meta_extra: dict, note: str, t0: float) -> int
     steps = args.max_steps or max(1, int(args.epochs * len(batches)))
     n_tok = sum(b.num_tokens for b in batches)
     _log(
-        f"{len(exs)} conversations, {n_tok} tokens in {len(batches)} batches; {steps} steps; {note}; prep {time.time() - t0:.0f}s"
+        f"{len(exs)} conversations, {n_tok} tokens in {len(batches)} batches; {steps} steps; {note}; prep "
+        f"{time.time() - t0:.0f}s"
     )
     meta = {
         **meta_extra,
@@ -295,7 +302,8 @@ def _fit(args, target, exs, task, meta_extra: dict, note: str, t0: float) -> int
         },
     )
     _log(
-        f"done: step {trainer.step}, loss {final.get('loss', float('nan')):.4f}, acc_0 {final.get('acc_0', float('nan')):.4f}; exported {Path(args.out) / 'final'}"
+        f"done: step {trainer.step}, loss {final.get('loss', float('nan')):.4f}, acc_0 "
+        f"{final.get('acc_0', float('nan')):.4f}; exported {Path(args.out) / 'final'}"
     )
     return 0
 
@@ -326,7 +334,8 @@ def train_moa(args) -> int:
         draft = load_moa(args.init_from, target.cfg)
         if (draft.cfg.tli, draft.cfg.memory_source) != (cfg.tli, cfg.memory_source):
             raise SystemExit(
-                f"--init-from {args.init_from} has TLI={draft.cfg.tli}, memory {draft.cfg.memory_source}; this run asks for TLI={cfg.tli}, {cfg.memory_source}"
+                f"--init-from {args.init_from} has TLI={draft.cfg.tli}, memory {draft.cfg.memory_source}; this run "
+                f"asks for TLI={cfg.tli}, {cfg.memory_source}"
             )
         cfg = draft.cfg
     else:
@@ -389,7 +398,8 @@ def pack_data(args) -> int:
             sources[src if src == "sharegpt" else Path(src).name] = sharegpt_examples(tok, src)
     manifest = pack(args.out, sources, len(tok), args.shard_tokens, meta={"target": args.target, "data": args.data})
     _log(
-        f"{manifest['examples']} examples, {manifest['tokens']} tokens ({manifest['assistant_tokens']} assistant) in {len(manifest['shards'])} shards -> {args.out}"
+        f"{manifest['examples']} examples, {manifest['tokens']} tokens ({manifest['assistant_tokens']} assistant) in "
+        f"{len(manifest['shards'])} shards -> {args.out}"
     )
     return 0
 

@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             }
             results.append(res)
             print(
-                f"{name:10s} tree {tree:8s} tau {res['tau']:.3f}  ({res['tokens']} tokens, {res['tokens_per_s']:.1f} tok/s)",
+                f"{name:10s} tree {tree:8s} tau {res['tau']:.3f}  ({res['tokens']} tokens, {res['tokens_per_s']:.1f} "
+                "tok/s)",
                 flush=True,
             )
     for tree in args.trees:

@@ -357,7 +357,8 @@ def run(args: argparse.Namespace) -> dict:
         trainer.run_cfg = replace(run_cfg, time_budget_s=max(1.0, min(run_cfg.time_budget_s, left)))
     n_tok = sum(b.num_tokens for b in batches)
     _log(
-        f"{device}: {len(batches)} batches, {n_tok} tokens per epoch, heads {heads}, draft vocab {hot.numel()}, prep {time.time() - t0:.0f}s"
+        f"{device}: {len(batches)} batches, {n_tok} tokens per epoch, heads {heads}, draft vocab {hot.numel()}, prep "
+        f"{time.time() - t0:.0f}s"
     )
     t1 = time.time()
     final = trainer.fit()

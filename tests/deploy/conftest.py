@@ -71,7 +71,8 @@ def locust() -> str:
 
 @pytest.fixture(scope="session")
 def live_gateway(tmp_path_factory):
-    """A real `moa-serve serve` (SmolLM2 in the machine's fast dtype, ngram drafter, 1 thread) on 127.0.0.1, with an API key.
+    """A real `moa-serve serve` (SmolLM2 in the machine's fast dtype, ngram drafter, 1 thread) on 127.0.0.1,
+    with an API key.
 
     Shared by tests/deploy/test_live_*.py so the model loads once; stopped by its pid at the end of the
     session, also when a test failed."""

@@ -99,5 +99,6 @@ def test_locust_against_live_gateway(locust, live_gateway, tmp_path):
     assert delta == {"error": 0, "rejected": 0, "aborted": 0}, delta
     print(
         f"locust: {requests} streams, ttft median {metric['ttft_ms']['Median Response Time']} ms, "
-        f"itl median {metric['itl_ms']['Median Response Time']} ms, e2e median {metric['e2e_ms']['Median Response Time']} ms"
+        f"itl median {metric['itl_ms']['Median Response Time']} ms, e2e median "
+        f"{metric['e2e_ms']['Median Response Time']} ms"
     )
