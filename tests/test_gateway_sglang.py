@@ -12,12 +12,14 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
@@ -25,7 +27,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from serving.backends.sglang import SGLangBackend, UpstreamConfig
 from serving.backends.telemetry import Telemetry
 from serving.gateway.app import create_app
-from serving.gateway.server import ServerThread
+from serving.gateway.server import DrainingServer, ServerThread
 from serving.metrics import Metrics
 
 ROOT = Path(__file__).parent.parent
@@ -160,6 +162,8 @@ class FakeSGLang:
                 for i, w in enumerate(words):
                     if slow:
                         await asyncio.sleep(0.05)
+                    if prompt == "hang" and i == 1:  # one word, then nothing until the gateway goes away
+                        await asyncio.sleep(3600)
                     yield chunk(choices=[choice(w if i == 0 or finish == "stop" else " " + w, i=i)])
                 yield chunk(choices=[choice(finish=finish)])
                 yield chunk(choices=[], sglext={"spec_tokens_details": SPEC})
@@ -543,3 +547,53 @@ def test_cli_env_selects_the_sglang_backend(upstream, tmp_path):
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) == 0
+
+
+def test_drain_deadline_aborts_upstream_streams_with_an_openai_error(upstream):
+    """The real drain (DrainingServer.on_tick) of a gateway in front of the upstream: a stream still
+    running at the deadline ends with an OpenAI-shaped 503 event and [DONE], and the upstream request is closed."""
+    metrics = Metrics()
+    telemetry = Telemetry(metrics, "moa", "sglang")
+    backend = SGLangBackend(UpstreamConfig(upstream.url), ["llama-8b"], "moa", telemetry)
+    app = create_app(backend, telemetry)
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=0, log_level="warning", access_log=False, timeout_graceful_shutdown=5
+    )  # as `moa-serve serve` runs it
+    server = DrainingServer(config, app.state.gateway, backend, drain_timeout=0.3)
+    thread = threading.Thread(target=server.run, name="moa-drain-test", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
+            time.sleep(0.02)
+        url = f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+        disconnects = upstream.disconnects
+        body = {"model": "llama-8b", "messages": [{"role": "user", "content": "hang"}], "stream": True}
+        events = []
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if '"content": "alpha"' in line:
+                    assert backend.load() == (1, 0)
+                    server.begin_drain()  # as SIGTERM does; on_tick aborts at the deadline
+        error = json.loads(events[-2])["error"]
+        assert events[-1] == "[DONE]" and set(error) == {"message", "type", "param", "code"}
+        assert error["type"] == "server_error" and error["code"] == "service_unavailable"
+        assert "drain deadline" in error["message"]
+        thread.join(30)
+        assert not thread.is_alive(), "the gateway did not exit after the drain deadline"
+        assert backend.load() == (0, 0) and not backend._open
+        deadline = time.monotonic() + 10
+        while upstream.disconnects == disconnects and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert upstream.disconnects == disconnects + 1  # the upstream saw its request closed
+        requests = metrics.requests.labels(drafter="moa", backend="sglang", status="rejected")._value.get()
+        assert requests == 1  # counted as the embedded backend's aborted-at-shutdown requests are
+        assert not [s for f in metrics.request_faults.collect() for s in f.samples if s.value]  # not a fault
+    finally:
+        server.should_exit = True
+        thread.join(30)

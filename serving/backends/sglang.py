@@ -4,7 +4,8 @@ Every choice is one streamed upstream request (n=1, `stream_options.include_usag
 measures TTFT/ITL itself and a client disconnect closes the upstream connection (SGLang then aborts
 the request). Speculative stats come from SGLang's `sglext.spec_tokens_details` (requested with
 `return_spec_tokens_details`, SGLang >= 0.5) or a `meta_info` object (older servers, other gateways).
-Stop strings, tokenization and prompt limits are the upstream's job.
+Stop strings, tokenization and prompt limits are the upstream's job. At the drain deadline `abort_all`
+closes the open upstream streams: their clients get an OpenAI-shaped 503 error event, then `[DONE]`.
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ class SGLangBackend:
         self._ready_cache: tuple[float, str | None] = (0.0, "not checked yet")
         self._upstream_model = config.model
         self._ticker: asyncio.Task | None = None
+        self._open: set[httpx.Response] = set()  # the upstream streams of the running generate() calls
+        self._aborted: set[httpx.Response] = set()  # those closed by abort_all (their requests end with a 503)
+        self._closing: set[asyncio.Task] = set()
+        self._aborting = False  # the drain deadline passed: no new upstream request
 
     def tokenize(self, job: Job) -> list[int]:
         raise _no_tokenizer()
@@ -116,7 +121,17 @@ class SGLangBackend:
         return running, self._in_flight - running
 
     def abort_all(self) -> None:
-        pass  # closing the gateway's connections (server shutdown) aborts the upstream requests
+        """Close every open upstream stream (drain deadline passed; called on the event loop thread).
+
+        The pending reads end at once; each request then fails with a 503 (an in-stream error event),
+        and closing the upstream connection makes SGLang abort the request."""
+        self._aborting = True
+        loop = asyncio.get_running_loop()
+        for r in self._open - self._aborted:
+            self._aborted.add(r)
+            task = loop.create_task(_close_quietly(r))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     async def not_ready_reason(self) -> str | None:
         t, reason = self._ready_cache
@@ -206,27 +221,44 @@ class SGLangBackend:
             raise APIError(
                 429, "the server is busy; retry later", code="rate_limit_exceeded", headers={"Retry-After": "1"}
             )
+        if self._aborting:
+            raise _aborted()
         path, body = await self._payload(job)
         self._in_flight += 1
+        r: httpx.Response | None = None
         try:
             async with self._client.stream("POST", path, json=body) as r:
+                self._open.add(r)
+                if self._aborting:  # opened after the drain deadline (it waited for a connection)
+                    self._aborted.add(r)
+                    raise _aborted()
                 if r.status_code != 200:
                     raise await _upstream_error(r)
                 async for chunk in self._chunks(r, job.messages is not None):
                     yield chunk
-        except APIError:
-            raise
-        except httpx.TimeoutException as e:
-            raise APIError(504, f"upstream timed out: {type(e).__name__}", code="upstream_timeout") from e
-        except httpx.HTTPError as e:
-            raise APIError(502, f"upstream request failed: {type(e).__name__}: {e}", code="upstream_error") from e
-        except Exception as e:  # noqa: BLE001 - an upstream reply this gateway cannot read fails this request alone
-            log.exception("unreadable upstream response; the other requests carry on")
-            self.telemetry.fault("upstream_response")
-            unreadable = f"the upstream sent a response this gateway cannot read ({type(e).__name__})"
-            raise APIError(502, unreadable, code="upstream_error") from e
+        except Exception as e:
+            if r is not None and r in self._aborted:  # the stream ended or failed because abort_all closed it
+                raise _aborted() from e
+            if isinstance(e, APIError):
+                raise
+            raise self._failure(e) from e
         finally:
             self._in_flight -= 1
+            if r is not None:
+                self._open.discard(r)
+                self._aborted.discard(r)
+
+    def _failure(self, e: Exception) -> APIError:
+        """An upstream failure (not an abort) -> this request's error."""
+        if isinstance(e, httpx.TimeoutException):
+            return APIError(504, f"upstream timed out: {type(e).__name__}", code="upstream_timeout")
+        if isinstance(e, httpx.HTTPError):
+            return APIError(502, f"upstream request failed: {type(e).__name__}: {e}", code="upstream_error")
+        # an upstream reply this gateway cannot read fails this request alone
+        log.error("unreadable upstream response; the other requests carry on", exc_info=e)
+        self.telemetry.fault("upstream_response")
+        unreadable = f"the upstream sent a response this gateway cannot read ({type(e).__name__})"
+        return APIError(502, unreadable, code="upstream_error")
 
     async def _chunks(self, r: httpx.Response, chat: bool) -> AsyncGenerator[Chunk, None]:
         finish, spec, hist = None, None, None
@@ -327,6 +359,19 @@ def _grammar_fields(g: GrammarSpec) -> dict:
             }
         }
     return {g.kind: g.source}
+
+
+def _aborted() -> APIError:
+    return APIError(
+        503, "the server is shutting down: the request was aborted at the drain deadline", code="service_unavailable"
+    )
+
+
+async def _close_quietly(r: httpx.Response) -> None:
+    try:
+        await r.aclose()
+    except Exception:  # noqa: BLE001 - the stream is being torn down; its request reports the abort
+        log.debug("closing an upstream stream at the drain deadline failed", exc_info=True)
 
 
 def _no_tokenizer() -> APIError:
