@@ -79,23 +79,8 @@ def test_a_training_step_of_every_head_is_device_clean_and_sync_free(monkeypatch
     monkeypatch.setattr(moa_mod, "last_points", last_points)
     monkeypatch.setattr(moa_mod, "_to_device", lambda x, device: x.to(device))  # pinned staging needs a CUDA runtime
     with FakeTensorMode(allow_non_fake_inputs=True):
-        state = {"model.embed_tokens.weight": torch.empty(cfg.vocab_size, 576), "model.norm.weight": torch.ones(576)}
-        for i in range(cfg.num_layers):
-            p = f"model.layers.{i}."
-            for name, shape in (
-                ("self_attn.q_proj", (576, 576)),
-                ("self_attn.k_proj", (192, 576)),
-                ("self_attn.v_proj", (192, 576)),
-                ("self_attn.o_proj", (576, 576)),
-                ("mlp.gate_proj", (1536, 576)),
-                ("mlp.up_proj", (1536, 576)),
-                ("mlp.down_proj", (576, 1536)),
-            ):
-                state[p + name + ".weight"] = torch.empty(*shape)
-            state[p + "input_layernorm.weight"] = torch.ones(576)
-            state[p + "post_attention_layernorm.weight"] = torch.ones(576)
         # NOTE: fp32: autocast needs a real CUDA runtime (bf16 under autocast: the next test, on the CPU)
-        target = LlamaModel(cfg, state, dtype=torch.float32, device="cuda")
+        target = job_mod.random_target(cfg, "cuda")
         tasks = job_mod.build_tasks(
             target, hot, job_mod.HEADS, {"lambda_kl": 1.0, "lambda_feat": 0.1, "min_gap": 6, "max_gap": 14}
         )

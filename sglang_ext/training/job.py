@@ -47,12 +47,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def smoke_target(vocab_size: int, device: torch.device, seed: int = 0):
-    """A small random Llama with the data's vocab: SmolLM2's family at a fraction of its size."""
-    from ..models.llama import LlamaModel
+def smoke_config(vocab_size: int):
+    """SmolLM2's family (tied embeddings, GQA) at a fraction of its size, with the data's vocab."""
     from ..models.loader import LlamaConfig
 
-    cfg = LlamaConfig(
+    return LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,
@@ -68,24 +67,45 @@ def smoke_target(vocab_size: int, device: torch.device, seed: int = 0):
         attention_bias=False,
         eos_token_ids=(2,),
     )
+
+
+def random_target(cfg, device: torch.device | str, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """A Llama of cfg's shape with random weights (tied embeddings, no biases)."""
+    from ..models.llama import LlamaModel
+
     g = torch.Generator().manual_seed(seed)
-    state = {"model.embed_tokens.weight": torch.randn(vocab_size, 64, generator=g), "model.norm.weight": torch.ones(64)}
+    h, q, kv, inter = (
+        cfg.hidden_size,
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.intermediate_size,
+    )
     shapes = {
-        "self_attn.q_proj": (64, 64),
-        "self_attn.k_proj": (32, 64),
-        "self_attn.v_proj": (32, 64),
-        "self_attn.o_proj": (64, 64),
-        "mlp.gate_proj": (128, 64),
-        "mlp.up_proj": (128, 64),
-        "mlp.down_proj": (64, 128),
+        "self_attn.q_proj": (q, h),
+        "self_attn.k_proj": (kv, h),
+        "self_attn.v_proj": (kv, h),
+        "self_attn.o_proj": (h, q),
+        "mlp.gate_proj": (inter, h),
+        "mlp.up_proj": (inter, h),
+        "mlp.down_proj": (h, inter),
+    }
+    state = {
+        "model.embed_tokens.weight": torch.randn(cfg.vocab_size, h, generator=g),
+        "model.norm.weight": torch.ones(h),
     }
     for i in range(cfg.num_layers):
         for name, shape in shapes.items():
             state[f"model.layers.{i}.{name}.weight"] = torch.randn(*shape, generator=g) / shape[1] ** 0.5
-        state[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(64)
-        state[f"model.layers.{i}.post_attention_layernorm.weight"] = torch.ones(64)
-    dtype = torch.bfloat16 if device.type != "cpu" else torch.float32
+        state[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(h)
+        state[f"model.layers.{i}.post_attention_layernorm.weight"] = torch.ones(h)
     return LlamaModel(cfg, state, dtype=dtype, device=device)
+
+
+def smoke_target(vocab_size: int, device: torch.device, seed: int = 0):
+    """The --smoke target: bf16 on an accelerator, as the real run."""
+    return random_target(
+        smoke_config(vocab_size), device, torch.bfloat16 if device.type != "cpu" else torch.float32, seed
+    )
 
 
 def load_job_target(args, device: torch.device):
