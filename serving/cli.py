@@ -89,13 +89,11 @@ def default_tree(drafter: str | None):
     from sglang_ext.tree import TreeShape
 
     # EAGLE-3 and MoA share one tree budget, so their numbers compare. On this CPU each verify row
-    # costs ~1/8 of a decode and each draft step a head forward, so with the shipped heads (tau ~1.6
-    # at 16 nodes) one draft step with two candidates is fastest: 0.91x vanilla against 0.81x for
-    # 2,2,4, 0.70x for 3,2,6 and 0.44x for 3,4,16 (2-core Xeon, six eval sets). Over a network
-    # too, although each cycle also pays a round trip: under emulated 4G 1,2,3 gave 0.33x the API
-    # baseline against 0.23x for 3,4,16.
+    # costs ~1/8 of a decode and each draft step a head forward, so one draft step with two candidates
+    # is fastest even with the GPU-trained heads (tau 2.1 at 6,4,24): EAGLE-3 1.02x vanilla at 1,2,3,0.1
+    # against 0.98x at 2,2,4,0.1 and 0.34x at 6,4,24 (2-core Xeon, six eval sets, docs/BENCHMARKS.md).
     # min_prob 0.1: nodes of draft probability < 0.1 were accepted ~6 % of the time, not worth a
-    # verify row here: EAGLE-3 0.93-0.94x vanilla against 0.89x without (docs/BENCHMARKS.md, "Tree shapes").
+    # verify row here (docs/BENCHMARKS.md, "Tree shapes"). On a GPU a tree verify costs about a decode.
     eagle_like = TreeShape(1, 2, 3, min_prob=0.1)
     from sglang_ext.drafters import is_suffix_corpus
 
