@@ -14,8 +14,8 @@ import argparse
 import time
 
 from serving.engine import Engine
-from serving.evalsets import load_eval_set
 from sglang_ext.drafters import make_drafter
+from sglang_ext.evalsets import load_eval_set
 from sglang_ext.models import load_target
 from sglang_ext.sampling import SamplingParams
 from sglang_ext.tree import TreeShape

@@ -20,9 +20,9 @@ import itertools
 import json
 
 import serving.engine as engine_module
+from benchmarks.batch import engine_batch_runner, run_batch_sweep
 from serving.adaptive import AdaptiveSpeculation
-from serving.bench_batch import engine_batch_runner, run_batch_sweep
-from serving.evalsets import EVAL_SETS, load_eval_set
+from sglang_ext.evalsets import EVAL_SETS, load_eval_set
 from sglang_ext.models import load_target
 from sglang_ext.tree import TreeShape
 

@@ -19,9 +19,9 @@ import collections
 import torch
 
 from serving.engine import Engine
-from serving.evalsets import EVAL_SETS, load_eval_set
 from sglang_ext.drafters.ngram import match_confidence, trie_tree
 from sglang_ext.drafters.suffix import SuffixDrafter
+from sglang_ext.evalsets import EVAL_SETS, load_eval_set
 from sglang_ext.models import load_target
 from sglang_ext.sampling import SamplingParams
 from sglang_ext.tree import TreeShape

@@ -23,9 +23,8 @@ import time
 
 from bench_table import new_totals, record, report
 
-from serving.cli import default_tree
 from serving.engine import Engine
-from sglang_ext.drafters import make_drafter
+from sglang_ext.drafters import default_tree, make_drafter
 from sglang_ext.models import load_target
 from sglang_ext.sampling import SamplingParams
 from sglang_ext.tree import TreeShape

@@ -24,8 +24,8 @@ import time
 
 from bench_table import new_totals, record, report
 
+from serving.api.tools import call_grammar, parse_tools, render_messages, split_output
 from serving.engine import Engine
-from serving.gateway.tools import call_grammar, parse_tools, render_messages, split_output
 from sglang_ext.drafters import make_drafter
 from sglang_ext.grammar import GrammarSpec
 from sglang_ext.models import load_target

@@ -31,10 +31,19 @@ from dataclasses import dataclass
 
 from sglang_ext.sampling import InvalidRequest, SamplingParams
 
-from .backends.base import KVCacheUsage
 from .engine import Engine, Request, StepEvent
 
 log = logging.getLogger("moa_serve.scheduler")
+
+
+@dataclass(frozen=True)
+class KVCacheUsage:
+    """Target KV cache slots (one per token): holding tokens now, reserved by admitted requests (each
+    reserves prompt + max_tokens + one draft tree, so admission never runs out mid-request), and the total."""
+
+    used: int
+    reserved: int
+    capacity: int
 
 
 class QueueFull(Exception):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import InvalidRequest
+from .errors import InvalidRequest
 from .tree import TokenTree
 
 KINDS = ("json_schema", "regex", "ebnf")

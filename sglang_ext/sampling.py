@@ -13,16 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .errors import InvalidRequest  # noqa: F401 - re-exported: sampling.InvalidRequest is used across the tree
+
 if TYPE_CHECKING:
     from .grammar import GrammarSpec
-
-
-class InvalidRequest(ValueError):
-    """A request parameter is out of range; the message names the parameter."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs

@@ -20,7 +20,7 @@ def smollm2_fp32():
 @pytest.fixture(scope="session")
 def eval_prompts(smollm2_fp32):
     """>= 20 chat prompts drawn from several eval categories (built-in set when ../shared is absent)."""
-    from serving.evalsets import EVAL_SETS, eval_dir, load_eval_set
+    from sglang_ext.evalsets import EVAL_SETS, eval_dir, load_eval_set
 
     texts = []
     if eval_dir() is not None:

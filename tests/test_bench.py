@@ -2,8 +2,8 @@
 
 import json
 
-from serving.bench import MethodResult, markdown_table
-from serving.cli import main
+from benchmarks.bench import MethodResult, markdown_table
+from entrypoints.cli import main
 from sglang_ext.tree import TreeShape
 
 
@@ -54,7 +54,7 @@ def test_bench_quick_end_to_end(tmp_path):
 
 # --- batch sweep and gateway overhead -------------------------------------------------------------
 
-from serving.bench_batch import BatchResult, BatchRun, batch_grid_table, batch_rows_table, run_batch_sweep, speedup  # noqa: E402
+from benchmarks.batch import BatchResult, BatchRun, batch_grid_table, batch_rows_table, run_batch_sweep, speedup  # noqa: E402
 
 
 def test_batch_speedup_is_against_same_batch_size_vanilla():
@@ -122,7 +122,7 @@ def test_batch_sweep_failure_at_one_batch_size_is_a_row():
 
 
 def test_sweep_serves_a_prompt_queue_b_at_a_time():
-    from serving.bench_batch import sweep_prompts
+    from benchmarks.batch import sweep_prompts
 
     prompts = [[i] for i in range(5)]
     assert sweep_prompts(prompts, 1, 3) == [[0], [1], [2]]
@@ -158,7 +158,7 @@ def test_sweep_interleaves_stepped_runners_step_by_step():
             return res
 
         def run(queue, max_new=4, concurrency=None):
-            from serving.bench_batch import drive
+            from benchmarks.batch import drive
 
             return drive(steps(queue, max_new, concurrency))
 
@@ -179,7 +179,7 @@ def test_sweep_interleaves_stepped_runners_step_by_step():
 
 def test_engine_runner_keeps_b_requests_running(smollm2_fp32):
     """Continuous batching in the sweep: never more than b running, refilled until the queue is served."""
-    from serving.bench_batch import engine_batch_runner
+    from benchmarks.batch import engine_batch_runner
 
     prompts = [smollm2_fp32.encode_chat([{"role": "user", "content": f"Count to {n}."}]) for n in range(5)]
     run = engine_batch_runner(smollm2_fp32, "vanilla", TreeShape.chain(1), 6, False, {})
@@ -191,7 +191,7 @@ def test_engine_runner_keeps_b_requests_running(smollm2_fp32):
     alone = run(prompts[:1], 6)
     assert alone.outputs[0] == res.outputs[0]  # batching does not change outputs (greedy, fp32)
     # stepped (as an interleaved sweep runs it): the same outputs, its own time counted
-    from serving.bench_batch import interleave
+    from benchmarks.batch import interleave
 
     spec = engine_batch_runner(smollm2_fp32, "ngram", TreeShape(3, 1, 4), 6, True, {})
     a, b = interleave([run.steps(prompts, 6, 2), spec.steps(prompts, 6, 2)])
@@ -253,7 +253,7 @@ def test_bench_batch_sweep_and_gateway_overhead_quick(tmp_path):
 
 
 def test_tau_per_eval_set_plot(tmp_path):
-    from serving.bench import MethodResult, plot_tau_by_set
+    from benchmarks.bench import MethodResult, plot_tau_by_set
 
     rows = [
         MethodResult("vanilla", "mt_bench", "-", tokens=10, seconds=1.0),

@@ -6,7 +6,7 @@ import json
 import pytest
 from helpers import tiny_config, tiny_state
 
-from serving.bench import (
+from benchmarks.bench import (
     MethodResult,
     acceptance_by_position,
     acceptance_table,
@@ -16,8 +16,7 @@ from serving.bench import (
     pooled_acceptance,
     run_interleaved,
 )
-from serving.engine import RequestStats
-from serving.peers import (
+from benchmarks.peers import (
     PeerStats,
     PeerUnavailable,
     hf_runner,
@@ -26,6 +25,7 @@ from serving.peers import (
     stats_from_steps,
     target_gguf,
 )
+from serving.engine import RequestStats
 from sglang_ext.sampling import SamplingParams
 
 
@@ -176,7 +176,7 @@ def test_layer_ranges():
 
 def test_llama_cpp_peer_on_the_target_gguf():
     pytest.importorskip("llama_cpp", reason="optional peer: `make bench-peers` builds llama-cpp-python")
-    from serving.peers import llama_cpp_runner
+    from benchmarks.peers import llama_cpp_runner
 
     try:
         gguf = target_gguf("smollm2")
@@ -196,7 +196,7 @@ def test_llama_cpp_peer_on_the_target_gguf():
 
 @pytest.mark.slow
 def test_bench_quick_with_peers_and_sampling(tmp_path):
-    from serving.cli import main
+    from entrypoints.cli import main
 
     out = tmp_path / "bench"
     rc = main(

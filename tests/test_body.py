@@ -1,4 +1,4 @@
-"""The one JSON parser of request bodies (serving/gateway/body.py): depth measured on the raw bytes, no
+"""The one JSON parser of request bodies (serving/api/body.py): depth measured on the raw bytes, no
 RecursionError or other exception ever escaping as anything but JSONError."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serving.gateway.body import MAX_JSON_DEPTH, JSONError, load_json, nesting_depth
+from serving.api.body import MAX_JSON_DEPTH, JSONError, load_json, nesting_depth
 
 # strings full of what could fool a scanner: brackets, quotes, backslashes
 TRICKY = st.text(alphabet=st.sampled_from('[]{}"\\ a\n\u00e9'), max_size=12)

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from serving.cli import main as cli_main
+from entrypoints.cli import main as cli_main
+from entrypoints.distill import distill, prompts_from
 from serving.engine import Engine
 from sglang_ext.sampling import SamplingParams
 from sglang_ext.training.data import encode_conversation, open_conversations
-from sglang_ext.training.distill import distill, prompts_from
 
 QUESTIONS = [
     "Name three primary colors.",

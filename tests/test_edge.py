@@ -10,8 +10,8 @@ import pytest
 import torch
 from helpers import compare_to_reference, tiny_config, tiny_state
 
+from benchmarks.netem import PROFILES, LinkProxy
 from serving.edge.client import EdgeClient, collect
-from serving.edge.netem import PROFILES, LinkProxy
 from serving.edge.protocol import pack, unpack
 from serving.edge.service import EdgeLimits, EdgeService
 from serving.engine import Engine
@@ -252,7 +252,7 @@ def test_namespace_host_link_cut_and_restore():
     import subprocess
     import sys
 
-    from serving.edge.netem import NamespaceHost, namespaces_available
+    from benchmarks.netem import NamespaceHost, namespaces_available
 
     reason = namespaces_available()
     if reason:
@@ -294,7 +294,7 @@ def test_link_delay_runs_from_each_chunks_arrival():
     import socket
     import threading
 
-    from serving.edge.netem import Profile
+    from benchmarks.netem import Profile
 
     echo = socket.create_server(("127.0.0.1", 0))
 

@@ -26,11 +26,10 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving.cli import default_tree
 from serving.engine import Engine
 from serving.gateway.app import create_app
 from serving.gateway.server import ServerThread, embedded_backend
-from sglang_ext.drafters import make_drafter
+from sglang_ext.drafters import default_tree, make_drafter
 from sglang_ext.grammar import GrammarSpec
 from sglang_ext.sampling import SamplingParams
 
@@ -198,7 +197,7 @@ def test_greedy_text_equals_cli_generate(server, client):
     prompt = "Give two tips for sleeping well."
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     script = Path(sys.executable).parent / "moa-serve"
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "serving.cli"]
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "entrypoints.cli"]
     cli = subprocess.run(
         [
             *cmd,
@@ -612,7 +611,7 @@ def test_tool_calls(server, client, smollm2_fp32):
     """tools / tool_choice: a required or named call is schema-valid and is plain constrained greedy
     decoding of the rendered prompt (drafts included); streamed == not; calls the model writes itself
     (here forced by a regex under "auto") are parsed; a conversation with tool results is served."""
-    from serving.gateway.tools import call_grammar, parse_tools, render_messages
+    from serving.api.tools import call_grammar, parse_tools, render_messages
 
     calls_counter = server.telemetry.metrics.tool_calls.labels(**server.telemetry._lab)
     calls_before, seen = calls_counter._value.get(), 0

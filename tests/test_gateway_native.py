@@ -8,11 +8,10 @@ import json
 import httpx
 import pytest
 
-from serving.cli import default_tree
 from serving.engine import Engine
 from serving.gateway.app import create_app
 from serving.gateway.server import ServerThread, embedded_backend
-from sglang_ext.drafters import make_drafter
+from sglang_ext.drafters import default_tree, make_drafter
 
 MODEL, DRAFTER = "smollm2", "suffix"
 PROMPT = "The three primary colors are"

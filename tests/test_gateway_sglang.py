@@ -349,7 +349,7 @@ def test_structured_output_forwarded(gw, upstream):
 def test_tool_calls_through_upstream(gw, upstream):
     """The gateway renders tools into plain messages (and a grammar when a call is required) for any
     upstream model, and reads the calls out of the upstream's text."""
-    from serving.gateway.tools import parse_tools, render_messages
+    from serving.api.tools import parse_tools, render_messages
 
     client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
     tools = [{"type": "function", "function": {"name": "ping", "description": "Check the link"}}]
@@ -513,7 +513,7 @@ def test_cli_env_selects_the_sglang_backend(upstream, tmp_path):
         [
             sys.executable,
             "-m",
-            "serving.cli",
+            "entrypoints.cli",
             "serve",
             "--port",
             str(port),

@@ -58,7 +58,7 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "serving.cli",
+        "entrypoints.cli",
         "serve",
         "--port",
         str(port),

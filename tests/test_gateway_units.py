@@ -5,9 +5,9 @@ import time
 
 import pytest
 
+from serving.api.errors import APIError, _param
 from serving.backends.detok import IncrementalText
 from serving.gateway.auth import APIKeys
-from serving.gateway.errors import APIError, _param
 from serving.gateway.schemas import ChatCompletionRequest, CompletionRequest, Limits, chat_jobs, completion_jobs, parse
 
 

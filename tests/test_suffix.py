@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from serving.bench import bench_drafter
+from benchmarks.bench import bench_drafter
 from sglang_ext.drafters import make_drafter
 from sglang_ext.drafters.base import DraftInput, TargetCapture
 from sglang_ext.drafters.ngram import FULL_CONFIDENCE_MATCH, match_confidence, trie_tree
@@ -238,7 +238,7 @@ def test_build_corpus_cli(tmp_path, smollm2_fp32):
     data.write_text("".join(json.dumps(r) + "\n" for r in recs))
     out = tmp_path / "corpus"
     res = subprocess.run(
-        [sys.executable, "-m", "serving.cli", "build-corpus", "--data", str(data), "--out", str(out)],
+        [sys.executable, "-m", "entrypoints.cli", "build-corpus", "--data", str(data), "--out", str(out)],
         capture_output=True,
         text=True,
     )
@@ -254,7 +254,7 @@ def test_build_corpus_cli(tmp_path, smollm2_fp32):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     res = subprocess.run(
-        [sys.executable, "-m", "serving.cli", "build-corpus", "--data", str(empty), "--out", str(tmp_path / "x")],
+        [sys.executable, "-m", "entrypoints.cli", "build-corpus", "--data", str(empty), "--out", str(tmp_path / "x")],
         capture_output=True,
         text=True,
     )

@@ -7,8 +7,8 @@ import random
 import pytest
 import xgrammar as xgr
 
-from serving.gateway.errors import APIError
-from serving.gateway.tools import CLOSE, OPEN, ToolCallReader, call_grammar, parse_tools, render_messages, split_output
+from serving.api.errors import APIError
+from serving.api.tools import CLOSE, OPEN, ToolCallReader, call_grammar, parse_tools, render_messages, split_output
 
 WEATHER = {
     "type": "object",

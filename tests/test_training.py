@@ -89,7 +89,7 @@ def test_bad_data_clear_errors(tmp_path, content, match):
 
 
 def test_missing_file_and_eval_dir_refused(tmp_path):
-    from serving.evalsets import eval_dir
+    from sglang_ext.evalsets import eval_dir
 
     with pytest.raises(DataError, match="does not exist"):
         list(open_conversations(str(tmp_path / "nope.jsonl")))
@@ -237,7 +237,7 @@ def test_resume_continues_exactly(tmp_path):
 
 
 def test_train_cli_parser_and_errors(tmp_path):
-    from sglang_ext.training.cli import add_train_parser
+    from entrypoints.train import add_train_parser
 
     parser = argparse.ArgumentParser()
     add_train_parser(parser.add_subparsers(dest="command"))

@@ -18,8 +18,9 @@ from typing import Protocol
 
 from sglang_ext.grammar import GrammarSpec
 
-from ..gateway.errors import APIError
-from ..gateway.tools import ToolCalling
+from ..api.errors import APIError
+from ..api.tools import ToolCalling
+from ..scheduler import KVCacheUsage
 
 
 @dataclass(frozen=True)
@@ -114,16 +115,6 @@ class Chunk:
     prediction_tokens: tuple[int, int] | None = (
         None  # with a prediction, on the last chunk: (accepted, rejected) prediction tokens
     )
-
-
-@dataclass(frozen=True)
-class KVCacheUsage:
-    """Target KV cache slots (one per token): holding tokens now, reserved by admitted requests (each
-    reserves prompt + max_tokens + one draft tree, so admission never runs out mid-request), and the total."""
-
-    used: int
-    reserved: int
-    capacity: int
 
 
 class Backend(Protocol):

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from sglang_ext.sampling import InvalidRequest, SamplingParams, TokenLogprob
 
+from ..api.errors import APIError, invalid
 from ..engine import Engine
-from ..gateway.errors import APIError, invalid
 from ..scheduler import Delivery, Handle, QueueFull, Scheduler, SchedulerClosed, fault_message
 from .base import Chunk, Job, KVCacheUsage, SpecStats
 from .detok import IncrementalText, TokenStrings

@@ -21,7 +21,7 @@ import httpx
 
 from sglang_ext.grammar import JSON_OBJECT, GrammarSpec
 
-from ..gateway.errors import APIError
+from ..api.errors import APIError
 from .base import Chunk, Job, SpecStats
 from .detok import logprob_entry
 from .telemetry import Telemetry

@@ -18,8 +18,8 @@ from collections.abc import Awaitable, Callable
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
-from ..gateway.body import load_object
-from ..gateway.errors import APIError, invalid
+from ..api.body import load_object
+from ..api.errors import APIError, invalid
 from .protocol import MEDIA_TYPE, pack
 from .service import EdgeError, EdgeService
 

@@ -22,11 +22,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ..api.body import ClientGone, read_body, shutting_down
+from ..api.errors import APIError, from_validation_errors
 from ..backends.base import Backend
 from ..backends.telemetry import Telemetry
 from .auth import APIKeys
-from .body import ClientGone, read_body, shutting_down
-from .errors import APIError, from_validation_errors
 from .generation import ChatFormat, CompletionFormat, Generation
 from .native import NativeGeneration, generate_jobs, model_info, server_info
 from .schemas import (

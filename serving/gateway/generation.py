@@ -17,10 +17,10 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
+from ..api.errors import APIError
+from ..api.tools import ToolCallReader, split_output
 from ..backends.base import Backend, Chunk, Job, SpecStats
 from ..backends.telemetry import Telemetry
-from .errors import APIError
-from .tools import ToolCallReader, split_output
 
 
 class ChatFormat:

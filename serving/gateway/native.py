@@ -26,9 +26,9 @@ from typing import Any
 from sglang_ext.grammar import GrammarSpec
 from sglang_ext.sampling import MAX_TOP_LOGPROBS
 
+from ..api.body import JSONError, load_json, load_object
+from ..api.errors import APIError, invalid
 from ..backends.base import Chunk, Job
-from .body import JSONError, load_json, load_object
-from .errors import APIError, invalid
 from .generation import CompletionFormat, Generation, _Choice
 from .schemas import CompletionRequest, Limits, completion_jobs, parse
 

@@ -16,10 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from sglang_ext.grammar import JSON_OBJECT, GrammarSpec
 from sglang_ext.sampling import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY
 
+from ..api.body import parse  # noqa: F401 - the routes and native.py parse bodies through schemas.parse
+from ..api.errors import APIError, invalid
+from ..api.tools import assistant_calls, parse_tools, render_messages
 from ..backends.base import GenParams, Job
-from .body import parse  # noqa: F401 - the routes and native.py parse bodies through schemas.parse
-from .errors import APIError, invalid
-from .tools import assistant_calls, parse_tools, render_messages
 
 MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS = 16

@@ -99,6 +99,35 @@ def make_drafter(name: str | None, target) -> Drafter | None:
     return _REGISTRY[name](target)
 
 
+def default_tree(drafter: str | None):
+    """Tree shape tuned per drafter (see docs/BENCHMARKS.md for the sweeps); the edge client uses it too."""
+    from ..tree import TreeShape
+
+    # EAGLE-3 and MoA share one tree budget, so their numbers compare. On this CPU each verify row
+    # costs ~1/8 of a decode and each draft step a head forward, so one draft step with two candidates
+    # is fastest even with the GPU-trained heads (tau 2.1 at 6,4,24): EAGLE-3 1.02x vanilla at 1,2,3,0.1
+    # against 0.98x at 2,2,4,0.1 and 0.34x at 6,4,24 (2-core Xeon, six eval sets, docs/BENCHMARKS.md).
+    # min_prob 0.1: nodes of draft probability < 0.1 were accepted ~6 % of the time, not worth a
+    # verify row here (docs/BENCHMARKS.md, "Tree shapes"). On a GPU a tree verify costs about a decode.
+    eagle_like = TreeShape(1, 2, 3, min_prob=0.1)
+    if drafter and is_suffix_corpus(drafter):
+        drafter = "suffix"  # --drafter PATH to a corpus
+    # suffix: a 3-token chain. A chain beat 8,3,24; with the matmuls on the GGUF blocks a decode no
+    # longer waits on memory, each verify row costs ~1/4 of a decode, and the 3-chain won over six
+    # sets on a 2-core AMD EPYC: 1.37x vs 1.30x for the 5-chain in one run, 1.40x vs 1.37x / 1.27x
+    # for the 2- / 4-chains in another; again on a 2-core Xeon once 5-8 row verifies got cheaper:
+    # 1.21x vs 1.18x / 1.15x / 1.05x for the 4- / 5- / 7-chains
+    return {
+        "ngram": TreeShape(6, 2, 12),
+        "suffix": TreeShape(3, 1, 4),
+        "draft-model": TreeShape(3, 1, 4),
+        "eagle3": eagle_like,
+        "moa": eagle_like,
+        "moa-tli0": eagle_like,
+        "moa-tli1": eagle_like,
+    }.get(drafter or "none", TreeShape(6, 4, 24))
+
+
 __all__ = [
     "DraftInput",
     "Drafter",
@@ -107,6 +136,7 @@ __all__ = [
     "NgramDrafter",
     "TargetCapture",
     "available_drafters",
+    "default_tree",
     "is_suffix_corpus",
     "make_drafter",
     "register_drafter",

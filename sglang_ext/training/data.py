@@ -163,7 +163,7 @@ def open_conversations(source: str, exclude_prompts: set[str] | None = None) -> 
 
 
 def _refuse_eval(path: Path) -> None:
-    from serving.evalsets import eval_dir
+    from sglang_ext.evalsets import eval_dir
 
     ev = eval_dir()
     if ev is not None and path.resolve().is_relative_to(ev.resolve()):
@@ -172,7 +172,7 @@ def _refuse_eval(path: Path) -> None:
 
 def eval_prompts() -> set[str]:
     """First user turns of the shared eval sets (kept out of training)."""
-    from serving.evalsets import eval_dir
+    from sglang_ext.evalsets import eval_dir
 
     ev = eval_dir()
     out: set[str] = set()

@@ -63,7 +63,7 @@ def prompts_from(
     source: str, tokenizer_encode, max_prompt_tokens: int, skip_ids: set[str]
 ) -> Iterator[tuple[str, list[dict], list[int]]]:
     """(id, prompt messages, prompt token ids) for each usable conversation, eval prompts excluded."""
-    from .data import eval_prompts, open_conversations
+    from sglang_ext.training.data import eval_prompts, open_conversations
 
     for conv in open_conversations(source, eval_prompts()):
         if conv.id in skip_ids:
@@ -121,13 +121,11 @@ def distill(
 
 
 def cmd_distill(args) -> int:
-    from serving.cli import default_tree
     from serving.engine import Engine
-    from sglang_ext.drafters import make_drafter
+    from sglang_ext.drafters import default_tree, make_drafter
     from sglang_ext.models import load_target
     from sglang_ext.sampling import SamplingParams
-
-    from .data import DataError
+    from sglang_ext.training.data import DataError
 
     torch.set_num_threads(args.threads)
     out = Path(args.out)

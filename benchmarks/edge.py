@@ -93,11 +93,10 @@ def _local_drafter(target, name: str):
 
 
 def cmd_edge(args) -> int:
+    from serving.edge.client import EdgeClient
+    from sglang_ext.drafters import default_tree
     from sglang_ext.models import load_target
     from sglang_ext.tree import TreeShape
-
-    from ..cli import default_tree
-    from .client import EdgeClient
 
     target = load_target(args.model, dtype=args.dtype)
     tree = TreeShape.parse(args.tree) if args.tree else default_tree(args.drafter)
@@ -184,7 +183,7 @@ def _edge_run(
 ) -> dict:
     import threading
 
-    from .client import EdgeStats, collect
+    from serving.edge.client import EdgeStats, collect
 
     timer = None
 
@@ -225,13 +224,12 @@ def _edge_run(
 def cmd_edge_bench(args) -> int:
     import torch
 
+    from benchmarks.netem import PROFILES, LinkProxy, NamespaceHost, namespaces_available
+    from serving.edge.client import EdgeClient
+    from sglang_ext.drafters import default_tree
+    from sglang_ext.evalsets import load_eval_set
     from sglang_ext.models import load_target
     from sglang_ext.tree import TreeShape
-
-    from ..cli import default_tree
-    from ..evalsets import load_eval_set
-    from .client import EdgeClient
-    from .netem import PROFILES, LinkProxy, NamespaceHost, namespaces_available
 
     reason = namespaces_available()
     if reason:
@@ -255,7 +253,7 @@ def cmd_edge_bench(args) -> int:
             cmd = [
                 sys.executable,
                 "-m",
-                "serving.cli",
+                "entrypoints.cli",
                 "serve",
                 "--host",
                 host.ns_ip,

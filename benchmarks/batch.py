@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from .bench import SpecRates, add_counts
+from benchmarks.bench import SpecRates, add_counts
 
 
 @dataclass
@@ -186,10 +186,9 @@ def engine_batch_runner(
     max_new_tokens) is kept while the batch size stays the same, so the warm-up and the measured
     runs of a row share it; a new batch size builds a new one. The adaptive policy carries over
     across batch sizes (one server process, one policy). The drafter is built once per method and reused."""
+    from benchmarks.bench import bench_drafter
+    from serving.engine import Engine
     from sglang_ext.sampling import SamplingParams
-
-    from .bench import bench_drafter
-    from .engine import Engine
 
     if method != "vanilla" and method not in drafter_cache:
         drafter_cache[method] = bench_drafter(method, target)  # raises for an unknown drafter: reported
@@ -527,12 +526,11 @@ def measure_gateway_overhead(
     different trees from timing noise, and then the two paths no longer do the same work."""
     import httpx
 
+    from benchmarks.bench import bench_drafter
+    from serving.engine import Engine
+    from serving.gateway.app import create_app
+    from serving.gateway.server import ServerThread, embedded_backend
     from sglang_ext.sampling import SamplingParams
-
-    from .bench import bench_drafter
-    from .engine import Engine
-    from .gateway.app import create_app
-    from .gateway.server import ServerThread, embedded_backend
 
     res = OverheadResult(method, tree.label if method != "vanilla" else "-", False, requests, max_tokens)
     try:

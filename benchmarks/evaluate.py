@@ -1,6 +1,6 @@
 """Acceptance length (tau) of a trained drafter checkpoint on the shared eval sets, greedy, bs=1.
 
-    python -m sglang_ext.training.evaluate --drafter eagle3 --ckpt runs/x/final \
+    python -m benchmarks.evaluate --drafter eagle3 --ckpt runs/x/final \
         --trees 6,1,7 6,4,24 6,8,48 --sets mt_bench,gsm8k --num-prompts 10 --max-new-tokens 128
 
 Prompts: the first user turn ("turns"[0]) of each record, in the target's chat template. Prints a
@@ -40,12 +40,12 @@ def evaluate(target, drafter, shape, prompts: list[list[int]], max_new_tokens: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    from serving.evalsets import load_eval_set
     from sglang_ext.drafters import make_drafter
+    from sglang_ext.evalsets import load_eval_set
     from sglang_ext.models import load_target
     from sglang_ext.tree import TreeShape
 
-    ap = argparse.ArgumentParser(prog="python -m sglang_ext.training.evaluate")
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.evaluate")
     ap.add_argument("--target", default="smollm2")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--drafter", default="eagle3")

