@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -131,3 +134,18 @@ def test_only_settings_reads_moa_variables():
                 if key is not None and key.startswith(PREFIXES):
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} reads {key}")
     assert not offenders, "read MOA_* through sglang_ext.settings:\n" + "\n".join(offenders)
+
+
+def test_no_module_reads_settings_at_import():
+    """Every product module imports with a bad MOA_* value: settings are read on first use, not at import
+    (the SGLang plugin is left out: it imports SGLang, and reads its settings only in functions)."""
+    script = (
+        "import importlib, pkgutil\n"
+        "for pkg in ('sglang_ext', 'serving', 'benchmarks', 'entrypoints'):\n"
+        "    for m in pkgutil.walk_packages(importlib.import_module(pkg).__path__, pkg + '.'):\n"
+        "        if not m.name.startswith(('sglang_ext.sglang_plugin', 'sglang_ext.kernels._')):\n"
+        "            importlib.import_module(m.name)\n"
+    )
+    env = {**os.environ, "MOA_SERVE_KERNEL_ROWS": "abc", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]

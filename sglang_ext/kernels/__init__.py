@@ -63,8 +63,8 @@ def _load(enabled: bool) -> str | None:
 # that, so tests and scripts/kernel-ab.py can swap them.
 _ready = False
 _LAZY = frozenset(
-    ("UNAVAILABLE", "AVAILABLE", "linear_small", "tree_attention", "linear_packed", "PACKED", "AVX512", "SMALL_ROWS")
-    + ("rms_norm", "add_rms_norm", "rope_store", "silu_mul")
+    "UNAVAILABLE AVAILABLE linear_small tree_attention linear_packed PACKED AVX512 SMALL_ROWS "
+    "rms_norm add_rms_norm rope_store silu_mul".split()
 )
 
 
