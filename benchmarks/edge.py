@@ -15,13 +15,14 @@ the connected output. Client and server share this machine's cores: say so when 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from sglang_ext.settings import settings
 
 
 def add_edge_parsers(sub) -> None:
@@ -54,7 +55,7 @@ def add_edge_parsers(sub) -> None:
         choices=["verify", "keep"],
         help="offline tokens on reconnect: verified and replaced from the first disagreement, or kept",
     )
-    e.add_argument("--api-key", default=os.environ.get("MOA_SERVE_API_KEY"))
+    e.add_argument("--api-key", default=settings().api_key)
     e.set_defaults(handler=cmd_edge)
 
     b = sub.add_parser(

@@ -16,6 +16,7 @@ from serving.gateway.auth import APIKeys
 from serving.gateway.schemas import Limits
 from serving.gateway.server import DrainingServer, build_edge, embedded_backend
 from serving.metrics import Metrics
+from sglang_ext.settings import settings
 
 
 def add_serve_parser(sub) -> None:
@@ -162,7 +163,7 @@ def build_sglang(args, metrics: Metrics, upstream: str):
         args.max_running,
         args.max_queue,
         args.upstream_timeout,
-        os.environ.get("MOA_SERVE_UPSTREAM_API_KEY") or None,
+        settings().upstream_api_key,
     )
     return SGLangBackend(cfg, [_served_name(args)], args.drafter or "none", telemetry), telemetry
 
@@ -173,10 +174,10 @@ def cmd_serve(args) -> int:
 
         torch.set_num_threads(args.threads)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    kind = args.backend or os.environ.get("MOA_SERVE_BACKEND") or "embedded"
+    kind = args.backend or settings().backend or "embedded"
     if kind not in ("embedded", "sglang"):
         raise ValueError(f"backend must be 'embedded' or 'sglang', got {kind!r}")
-    upstream = args.upstream or os.environ.get("MOA_SERVE_UPSTREAM")
+    upstream = args.upstream or settings().upstream
     if kind == "sglang" and not upstream:
         raise ValueError("--backend sglang needs --upstream URL (or MOA_SERVE_UPSTREAM)")
     keys = APIKeys.from_env(args.api_keys_file)

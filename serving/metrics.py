@@ -24,8 +24,16 @@ def batch_bucket(bs: int) -> str:
 
 
 class Metrics:
+    """The gateway's metric families, registered in `registry` (a fresh one by default)."""
+
     def __init__(self, registry: CollectorRegistry | None = None):
         r = self.registry = registry or CollectorRegistry()
+        self._add_counters(r)
+        self._add_histograms(r)
+        self._add_gauges(r)
+
+    def _add_counters(self, r: CollectorRegistry) -> None:
+        """Requests, tokens, verify steps, fallbacks and faults."""
         self.requests = Counter(
             "moa_requests",
             "Finished requests by status (ok, error, aborted, rejected, invalid)",
@@ -65,6 +73,9 @@ class Metrics:
             (*_LABELS, "result"),
             registry=r,
         )
+
+    def _add_histograms(self, r: CollectorRegistry) -> None:
+        """Per verify step (accept length, draft tokens, batch size) and per request (latencies)."""
         self.accept_length = Histogram(
             "moa_accept_length",
             "Accepted draft tokens + 1 per verify step",
@@ -91,6 +102,9 @@ class Metrics:
         self.e2e = Histogram(
             "moa_request_latency_seconds", "End-to-end request latency", _LABELS, buckets=_LAT, registry=r
         )
+
+    def _add_gauges(self, r: CollectorRegistry) -> None:
+        """Occupancy (running, queued), the KV cache and recent throughput."""
         self.running = Gauge("moa_running_requests", "Requests being decoded", _LABELS, registry=r)
         self.queued = Gauge("moa_queued_requests", "Requests waiting for admission", _LABELS, registry=r)
         self.kv_used = Gauge(

@@ -6,8 +6,9 @@ Format (one JSON object per line): {"question_id", "category", "turns": [first u
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+
+from .settings import settings
 
 EVAL_SETS = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
 
@@ -27,8 +28,8 @@ BUILTIN_PROMPTS = {
 
 def eval_dir() -> Path | None:
     """$MOA_SERVE_EVAL_DIR, else ../shared/data/eval beside the repo (None when absent)."""
-    env = os.environ.get("MOA_SERVE_EVAL_DIR")
-    candidates = [Path(env)] if env else []
+    env = settings().eval_dir
+    candidates = [env] if env is not None else []
     candidates.append(Path(__file__).resolve().parents[1].parent / "shared" / "data" / "eval")
     for c in candidates:
         if c.is_dir() and any(c.glob("*.jsonl")):

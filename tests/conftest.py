@@ -5,9 +5,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from sglang_ext.settings import settings
+
 sys.path.insert(0, str(Path(__file__).parent))
 # MOA_TEST_THREADS=1 while a background job (e.g. training) holds a core: oversubscribed OpenMP is ~20x slower
 torch.set_num_threads(int(os.environ.get("MOA_TEST_THREADS", min(2, os.cpu_count() or 1))))
+
+
+@pytest.fixture(autouse=True)
+def _settings_per_test():
+    """settings() reads MOA_* once per process: a test that changes them calls reload_settings(), and each
+    test ends by dropping the cached Settings (after monkeypatch restored the environment)."""
+    yield
+    settings.cache_clear()
 
 
 @pytest.fixture(scope="session")

@@ -9,6 +9,7 @@ from serving.api.errors import APIError, _param
 from serving.backends.detok import IncrementalText
 from serving.gateway.auth import APIKeys
 from serving.gateway.schemas import ChatCompletionRequest, CompletionRequest, Limits, chat_jobs, completion_jobs, parse
+from sglang_ext.settings import reload_settings
 
 
 def chars(ids):
@@ -167,6 +168,7 @@ def test_api_keys_env_file_and_reload(tmp_path, monkeypatch):
     f = tmp_path / "keys"
     f.write_text("# comment\nfile-key-1\n\n  file-key-2  \n")
     monkeypatch.setenv("MOA_SERVE_API_KEYS", "env-a, env-b")
+    reload_settings()
     keys = APIKeys.from_env(str(f))
     assert keys.enabled
     for k in ("env-a", "env-b", "file-key-1", "file-key-2"):
@@ -181,6 +183,7 @@ def test_api_keys_env_file_and_reload(tmp_path, monkeypatch):
     assert keys.check("Bearer rotated") and not keys.check("Bearer file-key-1")
     monkeypatch.delenv("MOA_SERVE_API_KEYS")
     monkeypatch.delenv("MOA_SERVE_API_KEYS_FILE", raising=False)
+    reload_settings()
     assert not APIKeys.from_env().enabled
     with pytest.raises(FileNotFoundError):
         APIKeys(file=tmp_path / "missing")

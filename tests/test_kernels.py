@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang_ext import kernels
+from sglang_ext.settings import reload_settings
 
 
 def _has_avx2() -> bool:
@@ -91,10 +92,13 @@ def test_kernel_row_limit_follows_the_cpu_and_the_environment(monkeypatch):
     """MKL takes forwards of more rows than SMALL_ROWS: 24 where the AVX-512 tiles run, else 128;
     MOA_SERVE_KERNEL_ROWS overrides it, and a bad value is a clear error, not a silent default."""
     monkeypatch.delenv("MOA_SERVE_KERNEL_ROWS", raising=False)
+    reload_settings()
     assert kernels._kernel_rows() == (24 if kernels.AVX512 else 128)
     monkeypatch.setenv("MOA_SERVE_KERNEL_ROWS", "128")
+    reload_settings()
     assert kernels._kernel_rows() == 128
     for bad in ("abc", "0", "-3", "2.5"):
         monkeypatch.setenv("MOA_SERVE_KERNEL_ROWS", bad)
         with pytest.raises(ValueError, match="MOA_SERVE_KERNEL_ROWS"):
+            reload_settings()
             kernels._kernel_rows()

@@ -424,11 +424,14 @@ def run_sglang_checks(out_path: str) -> None:
     from sglang.srt.arg_groups.overrides import resolved_view
     from sglang.srt.server_args import prepare_server_args
 
+    from sglang_ext.settings import settings
+
     base = ["--model-path", str(target_dir), "--device", "cpu", "--speculative-algorithm", "MOA"]
 
     def resolve(extra, env=None):
         old = {k: os.environ.get(k) for k in (env or {})}
         os.environ.update(env or {})
+        settings.cache_clear()  # settings() reads the environment once
         try:
             sa = prepare_server_args(base + extra)
             sa.resolve_once()
@@ -436,6 +439,7 @@ def run_sglang_checks(out_path: str) -> None:
         finally:
             for k, v in old.items():
                 os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+            settings.cache_clear()
 
     fields = (
         "speculative_algorithm",

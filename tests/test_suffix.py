@@ -17,6 +17,7 @@ from sglang_ext.drafters.ngram import FULL_CONFIDENCE_MATCH, match_confidence, t
 from sglang_ext.drafters.suffix import CorpusError, SuffixDrafter, load_corpus, save_corpus
 from sglang_ext.drafters.suffix_index import SuffixIndex
 from sglang_ext.sampling import SamplingParams
+from sglang_ext.settings import reload_settings
 from sglang_ext.tree import TreeShape
 
 
@@ -205,6 +206,7 @@ def test_shipped_corpus_loads_for_smollm2(smollm2_fp32, monkeypatch):
     assert isinstance(d, SuffixDrafter) and len(d.seed) > 100_000 and d.online
     assert not bench_drafter("suffix", smollm2_fp32).online  # benchmarks repeat prompts: no learning the answers
     monkeypatch.setenv("MOA_SERVE_SUFFIX_ONLINE", "0")
+    reload_settings()
     assert not make_drafter("suffix", smollm2_fp32).online
     # the target's own phrasing is in there: an answer opener is found, and (no pruning) drafts a continuation
     ids = smollm2_fp32.tokenizer.encode("Here is a", add_special_tokens=False)

@@ -17,8 +17,8 @@ target's token) or keeping them as they are ("keep").
 from __future__ import annotations
 
 import time
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import httpx
 import torch
@@ -63,6 +63,22 @@ class EdgeStats:
     @property
     def accept_length(self) -> float:
         return (self.accepted + self.cycles) / self.cycles if self.cycles else 0.0
+
+
+@dataclass
+class _Generation:
+    """One generate() call: the session and the tokens so far."""
+
+    rid: int
+    sid: str
+    params: SamplingParams
+    max_new_tokens: int
+    verified: list[int]  # the context the server holds (prompt + verified tokens, without root)
+    root: int  # the latest verified token, not yet in the server's context
+    out: list[int]  # verified output tokens
+    offline: list[int] = field(default_factory=list)  # drafted while disconnected, not yet verified
+    next_try: float = 0.0  # monotonic time of the next resync attempt
+    delay: float = 0.0  # current resync backoff
 
 
 class EdgeClient:
@@ -129,111 +145,134 @@ class EdgeClient:
         the offline tokens verified before returning them unverified."""
         self._rid += 1
         rid = self._rid
+        head, ctx = self._open_session(prompt_ids)
+        self._ingest(rid, prompt_ids, 0, ctx)
+        g = _Generation(
+            rid,
+            head["session_id"],
+            SamplingParams(max_new_tokens=max_new_tokens),
+            max_new_tokens,
+            verified=list(prompt_ids),
+            root=head["root"],
+            out=[head["root"]],
+            delay=self.backoff_s[0],
+        )
+        yield Event("token", [g.root])
+        try:
+            yield from self._run(g, max_offline_tokens, final_sync_s)
+        finally:
+            self.drafter.remove_request(rid)
+            try:
+                self.http.delete(f"/v1/edge/sessions/{g.sid}", timeout=min(self.timeout_s, 1.0))
+            except httpx.HTTPError:
+                pass  # the server drops it after its TTL
+
+    def _open_session(self, prompt_ids: list[int]) -> tuple[dict, dict]:
+        """Creates the server session (prefill): nothing to draft from before it, so a few quick retries,
+        then the network error."""
         body = {"prompt_token_ids": prompt_ids, "drafter": self.drafter_name, "dtype": self.dtype}
-        for attempt in range(3):  # nothing to draft from before the prefill: a few quick retries, then give up
+        for attempt in range(3):
             try:
                 head, ctx = self._post("/v1/edge/sessions", body)
-                self.stats.setup_bytes += self.stats.cycle_bytes.pop()  # the prompt's context: not a cycle
                 break
             except httpx.TransportError:
                 if attempt == 2:
                     raise
                 time.sleep(self.backoff_s[0] * 2**attempt)
-        sid = head["session_id"]
-        self._ingest(rid, prompt_ids, 0, ctx)
-        verified, root = list(prompt_ids), head["root"]
-        out = [root]
-        yield Event("token", [root])
-        offline: list[int] = []
-        next_try, delay = 0.0, self.backoff_s[0]
-        params = SamplingParams(max_new_tokens=max_new_tokens)
+        self.stats.setup_bytes += self.stats.cycle_bytes.pop()  # the prompt's context: not a cycle
+        return head, ctx
+
+    def _run(self, g: _Generation, max_offline_tokens: int, final_sync_s: float) -> Iterator[Event]:
+        """Draft-verify cycles while connected; offline, drafts alone and now and then tries to resync."""
+        give_up = None
+        while True:
+            budget_left = len(g.out) + len(g.offline) < g.max_new_tokens and not any(
+                t in self.eos_ids for t in g.out[:1] + g.offline
+            )
+            if not g.offline and not budget_left:
+                return
+            if g.offline and not budget_left:  # done drafting: only the resync is left
+                give_up = give_up or time.monotonic() + final_sync_s
+                if time.monotonic() > give_up:
+                    return
+            if not g.offline:
+                if (yield from self._cycle(g)):
+                    return
+                continue
+            if time.monotonic() >= g.next_try:
+                over = yield from self._resync(g)
+                if over is not None:
+                    if over:
+                        return
+                    continue
+            if len(g.offline) >= max_offline_tokens or not budget_left:
+                # nothing more to draft; wait for the link
+                time.sleep(max(0.0, min(g.next_try - time.monotonic(), 0.5)))
+                continue
+            g.offline.append(self.drafter_offline(g.rid, g.verified + [g.root] + g.offline))
+            yield Event("draft", g.offline[-1:])
+
+    def _cycle(self, g: _Generation) -> Generator[Event, None, bool]:
+        """One connected draft-verify cycle; returns whether the generation is over. When the call fails,
+        a MoA drafter goes offline with one drafted token (EAGLE-3 waits for the link)."""
+        tree = self.drafter.propose([DraftInput(g.rid, g.verified + [g.root], g.params, None)], self.shape)[0]
+        path = f"/v1/edge/sessions/{g.sid}/verify"
+        body = {
+            "seq_len": len(g.verified),
+            "tokens": tree.draft_tokens.tolist(),
+            "parents": tree.parents.tolist(),
+            "mode": "tree",
+        }
         try:
-            give_up = None
-            while True:
-                budget_left = len(out) + len(offline) < max_new_tokens and not any(
-                    t in self.eos_ids for t in out[:1] + offline
-                )
-                if not offline and not budget_left:
-                    break
-                if offline and not budget_left:  # done drafting: only the resync is left
-                    give_up = give_up or time.monotonic() + final_sync_s
-                    if time.monotonic() > give_up:
-                        break
-                if not offline:
-                    tree = self.drafter.propose([DraftInput(rid, verified + [root], params, None)], self.shape)[0]
-                    body = {
-                        "seq_len": len(verified),
-                        "tokens": tree.draft_tokens.tolist(),
-                        "parents": tree.parents.tolist(),
-                        "mode": "tree",
-                    }
-                    try:
-                        head, ctx = self._post(f"/v1/edge/sessions/{sid}/verify", body)
-                    except httpx.TransportError:
-                        self.stats.disconnects += 1
-                        next_try, delay = time.monotonic() + self.backoff_s[0], self.backoff_s[0]
-                        if not self.can_draft_offline:  # EAGLE-3 needs the target's features for every token
-                            head, ctx = self._retry_until_connected(f"/v1/edge/sessions/{sid}/verify", body)
-                        else:
-                            offline = [self.drafter_offline(rid, verified + [root])]
-                            yield Event("draft", offline[-1:])
-                            continue
-                    kept = [tree.draft_tokens[i].item() for i in head["accepted"]]
-                    self._ingest(rid, kept, len(verified), ctx)
-                    self.stats.cycles += 1
-                    self.stats.accepted += len(head["tokens"]) - 1
-                    verified += kept
-                    root = head["root"]
-                    new, stop = self._clip(head["tokens"], max_new_tokens - len(out))
-                    out += new
-                    yield Event("token", new)
-                    if stop:
-                        break
-                    continue
-                # offline: draft one more token, and now and then try to resync
-                if time.monotonic() >= next_try:
-                    body = {
-                        "seq_len": len(verified),
-                        "tokens": [root] + offline,
-                        "parents": list(range(-1, len(offline))),
-                        "mode": "keep" if self.resync == "keep" else "sync",
-                    }
-                    try:
-                        head, ctx = self._post(f"/v1/edge/sessions/{sid}/verify", body)
-                    except httpx.TransportError:
-                        next_try, delay = time.monotonic() + delay, min(2 * delay, self.backoff_s[1])
-                    else:
-                        kept_nodes = head["accepted"]
-                        good = len(kept_nodes) - 1  # offline tokens kept
-                        self.stats.offline_kept += good
-                        kept = [root] + offline[:good]
-                        self._ingest(rid, kept, len(verified), ctx)
-                        verified += kept
-                        root = head["root"]
-                        yield Event("confirm", count=good)
-                        if good < len(offline):
-                            yield Event("retract", count=len(offline) - good)
-                        out += offline[:good]
-                        offline = []
-                        new, stop = self._clip([root], max_new_tokens - len(out))
-                        out += new
-                        yield Event("token", new)
-                        if stop or any(t in self.eos_ids for t in out):
-                            break
-                        continue
-                if len(offline) >= max_offline_tokens or not budget_left:
-                    time.sleep(
-                        max(0.0, min(next_try - time.monotonic(), 0.5))
-                    )  # nothing more to draft; wait for the link
-                    continue
-                offline.append(self.drafter_offline(rid, verified + [root] + offline))
-                yield Event("draft", offline[-1:])
-        finally:
-            self.drafter.remove_request(rid)
-            try:
-                self.http.delete(f"/v1/edge/sessions/{sid}", timeout=min(self.timeout_s, 1.0))
-            except httpx.HTTPError:
-                pass  # the server drops it after its TTL
+            head, ctx = self._post(path, body)
+        except httpx.TransportError:
+            self.stats.disconnects += 1
+            g.next_try, g.delay = time.monotonic() + self.backoff_s[0], self.backoff_s[0]
+            if self.can_draft_offline:
+                g.offline = [self.drafter_offline(g.rid, g.verified + [g.root])]
+                yield Event("draft", g.offline[-1:])
+                return False
+            head, ctx = self._retry_until_connected(path, body)  # EAGLE-3 needs the target's features for every token
+        kept = [tree.draft_tokens[i].item() for i in head["accepted"]]
+        self._ingest(g.rid, kept, len(g.verified), ctx)
+        self.stats.cycles += 1
+        self.stats.accepted += len(head["tokens"]) - 1
+        g.verified += kept
+        g.root = head["root"]
+        new, stop = self._clip(head["tokens"], g.max_new_tokens - len(g.out))
+        g.out += new
+        yield Event("token", new)
+        return stop
+
+    def _resync(self, g: _Generation) -> Generator[Event, None, bool | None]:
+        """Sends the offline tokens to be verified ("sync") or kept ("keep"). Returns None while the link
+        is still down (the next try backs off), else whether the generation is over."""
+        body = {
+            "seq_len": len(g.verified),
+            "tokens": [g.root] + g.offline,
+            "parents": list(range(-1, len(g.offline))),
+            "mode": "keep" if self.resync == "keep" else "sync",
+        }
+        try:
+            head, ctx = self._post(f"/v1/edge/sessions/{g.sid}/verify", body)
+        except httpx.TransportError:
+            g.next_try, g.delay = time.monotonic() + g.delay, min(2 * g.delay, self.backoff_s[1])
+            return None
+        good = len(head["accepted"]) - 1  # offline tokens kept
+        self.stats.offline_kept += good
+        kept = [g.root] + g.offline[:good]
+        self._ingest(g.rid, kept, len(g.verified), ctx)
+        g.verified += kept
+        g.root = head["root"]
+        yield Event("confirm", count=good)
+        if good < len(g.offline):
+            yield Event("retract", count=len(g.offline) - good)
+        g.out += g.offline[:good]
+        g.offline = []
+        new, stop = self._clip([g.root], g.max_new_tokens - len(g.out))
+        g.out += new
+        yield Event("token", new)
+        return stop or any(t in self.eos_ids for t in g.out)
 
     @property
     def can_draft_offline(self) -> bool:

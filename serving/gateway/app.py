@@ -95,16 +95,28 @@ class SSEResponse(StreamingResponse):
             await self._on_close()
 
 
+@dataclass
+class _Gateway:
+    """What the route groups share."""
+
+    backend: Backend
+    telemetry: Telemetry
+    config: GatewayConfig
+    state: GatewayState
+
+    async def body_of(self, request: Request) -> bytes:
+        return await read_body(request, self.config.limits.max_body_bytes, self.state.closed)
+
+
 def create_app(
     backend: Backend, telemetry: Telemetry, config: GatewayConfig | None = None, edge=None, edge_tokenizer=None
 ) -> FastAPI:
     """edge: an optional serving.edge.EdgeService to expose the client–server session API."""
-    config = config or GatewayConfig()
-    state = GatewayState()
+    gw = _Gateway(backend, telemetry, config or GatewayConfig(), GatewayState())
 
     @asynccontextmanager
     async def lifespan(app):
-        state.closed = asyncio.Event()
+        gw.state.closed = asyncio.Event()
         await backend.start()
         try:
             yield
@@ -112,11 +124,25 @@ def create_app(
             await backend.close()
 
     app = FastAPI(title="moa-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.gateway = state
+    app.state.gateway = gw.state
     app.state.backend = backend
     _install_error_handlers(app)
-    if config.api_keys is not None and config.api_keys.enabled:
-        app.add_middleware(_AuthMiddleware, keys=config.api_keys, exempt=config.auth_exempt)
+    if gw.config.api_keys is not None and gw.config.api_keys.enabled:
+        app.add_middleware(_AuthMiddleware, keys=gw.config.api_keys, exempt=gw.config.auth_exempt)
+    _add_status_routes(app, gw)
+    _add_generation_routes(app, gw)
+    _add_native_info_routes(app, gw)
+    _add_token_routes(app, gw)
+    if edge is not None:
+        from ..edge.routes import install_edge_routes
+
+        install_edge_routes(app, edge, gw.body_of, edge_tokenizer)
+    return app
+
+
+def _add_status_routes(app: FastAPI, gw: _Gateway) -> None:
+    """/health, /ready, /metrics and /v1/models."""
+    backend = gw.backend
 
     @app.get("/health")
     async def health():
@@ -124,16 +150,16 @@ def create_app(
 
     @app.get("/ready")
     async def ready():
-        reason = "the server is shutting down" if state.draining else await backend.not_ready_reason()
+        reason = "the server is shutting down" if gw.state.draining else await backend.not_ready_reason()
         if reason:
             raise APIError(503, reason, code="not_ready")
         return {"status": "ready", "backend": backend.kind, "model": backend.model_ids[0], "drafter": backend.drafter}
 
     @app.get("/metrics")
     async def metrics():
-        telemetry.occupancy(*backend.load())
-        telemetry.kv_cache(backend.kv_cache())
-        return Response(generate_latest(telemetry.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        gw.telemetry.occupancy(*backend.load())
+        gw.telemetry.kv_cache(backend.kv_cache())
+        return Response(generate_latest(gw.telemetry.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models():
@@ -145,102 +171,118 @@ def create_app(
             raise _model_not_found(model_id)
         return _model_card(model_id)
 
-    async def body_of(request: Request) -> bytes:
-        return await read_body(request, config.limits.max_body_bytes, state.closed)
 
-    async def completion(request: Request, build):
-        """Run one generation request; build(body) -> (Generation, stream?) parses and validates it.
-        Counted once in moa_requests_total by how it ended, and in flight from its whole body on."""
-        entered = handed_off = False
-        try:
-            if state.draining:
-                raise shutting_down()
-            body = await body_of(request)
-            if state.draining:  # the drain began during the upload
-                raise shutting_down()
-            state.enter()
-            entered = True
-            gen, stream = build(body)
-            if not stream:
-                return JSONResponse(await _collect(request, gen, telemetry))
-            await _open(request, gen)
-            handed_off = True
-            return SSEResponse(gen.stream(), on_close=lambda: _close_stream(gen, telemetry, state))
-        except APIError as e:
-            telemetry.request(_status_of(e))
-            if e.status >= 500 and e.code != "service_unavailable":  # (a drain logs its own rejections)
-                log.warning("request failed: %s %s", e.status, e.message)
-            raise
-        except ClientGone:
-            telemetry.request("aborted")
-            return Response(status_code=499)
-        except Exception as e:
-            telemetry.request("error")
-            log.exception("unexpected error in %s", request.url.path)
-            raise APIError(500, "internal server error", code="internal_error") from e
-        finally:
-            if entered and not handed_off:
-                state.leave()
-
-    def openai_request(schema, make_jobs, fmt):
-        def build(body: bytes) -> tuple[Generation, bool]:
-            req = parse(schema, body)
-            _check_model(req.model, backend)
-            include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
-            gen = Generation(
-                backend,
-                telemetry,
-                make_jobs(req, config.limits),
-                req.model or backend.model_ids[0],
-                fmt,
-                include_usage,
-                bool(req.return_token_ids),
-            )
-            return gen, bool(req.stream)
-
-        return build
-
-    def native_request(body: bytes) -> tuple[Generation, bool]:
-        if backend.kind != "embedded":  # an upstream SGLang serves /generate itself, with its own output ids
-            raise APIError(
-                400,
-                "/generate is served by the upstream SGLang server with --backend sglang: call its /generate",
-                code="unsupported_parameter",
-            )
-        jobs, batched, stream, logprobs = generate_jobs(body, config.limits)
-        return NativeGeneration(backend, telemetry, jobs, batched, logprobs), stream
+def _add_generation_routes(app: FastAPI, gw: _Gateway) -> None:
+    """/v1/chat/completions, /v1/completions and SGLang's native /generate."""
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await completion(request, openai_request(ChatCompletionRequest, chat_jobs, ChatFormat))
+        return await _completion(gw, request, _openai_request(gw, ChatCompletionRequest, chat_jobs, ChatFormat))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await completion(request, openai_request(CompletionRequest, completion_jobs, CompletionFormat))
+        return await _completion(gw, request, _openai_request(gw, CompletionRequest, completion_jobs, CompletionFormat))
 
     @app.post("/generate")
     async def generate(request: Request):
         """SGLang's native API (gateway/native.py)."""
-        return await completion(request, native_request)
+        return await _completion(gw, request, lambda body: _native_request(gw, body))
+
+
+async def _completion(gw: _Gateway, request: Request, build):
+    """Run one generation request; build(body) -> (Generation, stream?) parses and validates it.
+    Counted once in moa_requests_total by how it ended, and in flight from its whole body on."""
+    state, telemetry = gw.state, gw.telemetry
+    entered = handed_off = False
+    try:
+        if state.draining:
+            raise shutting_down()
+        body = await gw.body_of(request)
+        if state.draining:  # the drain began during the upload
+            raise shutting_down()
+        state.enter()
+        entered = True
+        gen, stream = build(body)
+        if not stream:
+            return JSONResponse(await _collect(request, gen, telemetry))
+        await _open(request, gen)
+        handed_off = True
+        return SSEResponse(gen.stream(), on_close=lambda: _close_stream(gen, telemetry, state))
+    except APIError as e:
+        telemetry.request(_status_of(e))
+        if e.status >= 500 and e.code != "service_unavailable":  # (a drain logs its own rejections)
+            log.warning("request failed: %s %s", e.status, e.message)
+        raise
+    except ClientGone:
+        telemetry.request("aborted")
+        return Response(status_code=499)
+    except Exception as e:
+        telemetry.request("error")
+        log.exception("unexpected error in %s", request.url.path)
+        raise APIError(500, "internal server error", code="internal_error") from e
+    finally:
+        if entered and not handed_off:
+            state.leave()
+
+
+def _openai_request(gw: _Gateway, schema, make_jobs, fmt):
+    """build(body) for an OpenAI completion endpoint: its schema, job builder and response format."""
+
+    def build(body: bytes) -> tuple[Generation, bool]:
+        req = parse(schema, body)
+        _check_model(req.model, gw.backend)
+        include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+        gen = Generation(
+            gw.backend,
+            gw.telemetry,
+            make_jobs(req, gw.config.limits),
+            req.model or gw.backend.model_ids[0],
+            fmt,
+            include_usage,
+            bool(req.return_token_ids),
+        )
+        return gen, bool(req.stream)
+
+    return build
+
+
+def _native_request(gw: _Gateway, body: bytes) -> tuple[Generation, bool]:
+    if gw.backend.kind != "embedded":  # an upstream SGLang serves /generate itself, with its own output ids
+        raise APIError(
+            400,
+            "/generate is served by the upstream SGLang server with --backend sglang: call its /generate",
+            code="unsupported_parameter",
+        )
+    jobs, batched, stream, logprobs = generate_jobs(body, gw.config.limits)
+    return NativeGeneration(gw.backend, gw.telemetry, jobs, batched, logprobs), stream
+
+
+def _add_native_info_routes(app: FastAPI, gw: _Gateway) -> None:
+    """SGLang's native server and model info, and its /flush_cache."""
 
     @app.get("/get_model_info")
     async def get_model_info():
-        return model_info(backend)
+        return model_info(gw.backend)
 
     @app.get("/server_info")
     @app.get("/get_server_info")
     async def get_server_info():
-        return server_info(backend, telemetry, VERSION)
+        return server_info(gw.backend, gw.telemetry, VERSION)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
         return {"success": True, "message": "nothing to flush: this server keeps no prefix cache between requests"}
 
+
+def _add_token_routes(app: FastAPI, gw: _Gateway) -> None:
+    """/tokenize and /detokenize, also under /v1."""
+    backend = gw.backend
+
     @app.post("/tokenize")
     @app.post("/v1/tokenize")
     async def tokenize(request: Request):
         """{"tokens", "count", "max_model_len"}: the ids a completion would run with (lists for a list of prompts)."""
-        req = parse(TokenizeRequest, await body_of(request))
+        req = parse(TokenizeRequest, await gw.body_of(request))
         _check_model(req.model, backend)
         jobs, batched = tokenize_jobs(req)
         ids = await asyncio.to_thread(lambda: [backend.tokenize(j) for j in jobs])  # a long text takes a while
@@ -254,19 +296,13 @@ def create_app(
     @app.post("/detokenize")
     @app.post("/v1/detokenize")
     async def detokenize(request: Request):
-        req = parse(DetokenizeRequest, await body_of(request))
+        req = parse(DetokenizeRequest, await gw.body_of(request))
         _check_model(req.model, backend)
         batched = bool(req.tokens) and isinstance(req.tokens[0], list)
         texts = await asyncio.to_thread(
             lambda: [backend.detokenize(list(x)) for x in (req.tokens if batched else [req.tokens])]
         )
         return {"text": texts if batched else texts[0]}
-
-    if edge is not None:
-        from ..edge.routes import install_edge_routes
-
-        install_edge_routes(app, edge, body_of, edge_tokenizer)
-    return app
 
 
 async def _collect(request: Request, gen: Generation, telemetry: Telemetry) -> dict | list:

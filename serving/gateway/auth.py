@@ -13,6 +13,8 @@ import threading
 import time
 from pathlib import Path
 
+from sglang_ext.settings import settings
+
 RELOAD_CHECK_S = 5.0
 
 
@@ -42,10 +44,8 @@ class APIKeys:
 
     @classmethod
     def from_env(cls, file: str | None = None) -> APIKeys:
-        return cls(
-            parse_keys(os.environ.get("MOA_SERVE_API_KEYS", ""), ","),
-            file or os.environ.get("MOA_SERVE_API_KEYS_FILE") or None,
-        )
+        s = settings()
+        return cls(list(s.api_keys), file or s.api_keys_file)
 
     @property
     def enabled(self) -> bool:

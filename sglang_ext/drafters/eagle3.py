@@ -25,6 +25,7 @@ from ..kernels import attach_bf16_halves
 from ..models.eagle3 import DraftCheckpointError, Eagle3Draft, load_eagle3
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel
+from ..settings import settings
 from ..tree import TokenTree, TreeShape
 from .base import SHIPPED_DIR, DraftInput, TargetCapture
 from .search import scatter_to_vocab, search_tree
@@ -34,9 +35,9 @@ SHIPPED = {"SmolLM2-135M-Instruct": SHIPPED_DIR / "smollm2-eagle3"}
 
 def default_checkpoint(target) -> Path:
     """$MOA_SERVE_EAGLE3 if set, else the drafter shipped in drafters/ for this target."""
-    env = os.environ.get("MOA_SERVE_EAGLE3")
-    if env:
-        return Path(env)
+    env = settings().eagle3
+    if env is not None:
+        return env
     ckpt = SHIPPED.get(Path(target.path).name)
     if ckpt is None or not (ckpt / "config.json").is_file():
         raise DraftCheckpointError(

@@ -29,6 +29,7 @@ from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel, rms_norm
 from ..models.moa import MoADraft, load_moa, stack_pool_kv
 from ..sampling import greedy_tokens
+from ..settings import settings
 from ..tree import TokenTree, TreeShape
 from .base import SHIPPED_DIR, DraftInput, TargetCapture
 from .search import scatter_to_vocab, search_tree
@@ -39,9 +40,9 @@ BEST = {"SmolLM2-135M-Instruct": "moa-tli1"}  # `--drafter moa`: the better ship
 
 def shipped_checkpoint(target, name: str) -> Path:
     """Checkpoint dir of a shipped MoA drafter ('moa', 'moa-tli0', 'moa-tli1'); $MOA_SERVE_MOA overrides 'moa'."""
-    env = os.environ.get("MOA_SERVE_MOA")
-    if name == "moa" and env:
-        return Path(env)
+    env = settings().moa
+    if name == "moa" and env is not None:
+        return env
     tname = Path(target.path).name
     if name == "moa":
         name = BEST.get(tname, "")

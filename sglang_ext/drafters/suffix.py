@@ -19,11 +19,11 @@ timing channel between tenants); turn it off with `online=False` / MOA_SERVE_SUF
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
+from ..settings import settings
 from ..tree import TokenTree, TreeShape
 from .base import SHIPPED_DIR, DraftInput, TargetCapture
 from .ngram import NgramDrafter, match_confidence, trie_tree
@@ -122,7 +122,7 @@ class SuffixDrafter(NgramDrafter):
         """The shipped corpus for `target` (or the one at `path`);
         MOA_SERVE_SUFFIX_ONLINE=0 turns off online learning."""
         docs, _ = load_corpus(path or shipped_corpus(target), target.cfg.vocab_size)
-        kw.setdefault("online", os.environ.get("MOA_SERVE_SUFFIX_ONLINE", "1") != "0")
+        kw.setdefault("online", settings().suffix_online)
         return cls(docs, **kw)
 
     # -- request lifecycle: remember each request's sequence so its output can join the online corpus

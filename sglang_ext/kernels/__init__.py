@@ -27,11 +27,12 @@ FMAs): 6-16 rows another 1.12-1.21x (MOA_SERVE_AVX512=0 keeps the AVX2 tiles), a
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from ..settings import settings
 
 
 def _cpu_flags() -> set[str]:
@@ -41,9 +42,9 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
-def _load() -> str | None:
+def _load(enabled: bool) -> str | None:
     """Loads the kernel library; returns why not, or None when loaded."""
-    if os.environ.get("MOA_SERVE_CPU_KERNELS", "1") == "0":
+    if not enabled:
         return "disabled by MOA_SERVE_CPU_KERNELS=0"
     if not {"avx2", "fma", "f16c"} <= _cpu_flags():
         return "this CPU lacks AVX2/FMA/F16C"
@@ -57,20 +58,53 @@ def _load() -> str | None:
     return None
 
 
-UNAVAILABLE: str | None = _load()  # None when the kernel is in use
-AVAILABLE = UNAVAILABLE is None
-# the op `linear` calls (a module global, so scripts/kernel-ab.py can swap in another build of it)
-linear_small = torch.ops.moa_cpu.linear_small if AVAILABLE else None
-tree_attention = torch.ops.moa_cpu.tree_attention if AVAILABLE else None
-# GGUF block weights (Q4_1 / Q8_0, see cpu_linear.cpp); MOA_SERVE_PACKED_WEIGHTS=0 uses the fp32 copy
-linear_packed = (
-    getattr(torch.ops.moa_cpu, "linear_packed", None) if AVAILABLE else None
-)  # None: a build older than the op
-PACKED = linear_packed is not None and os.environ.get("MOA_SERVE_PACKED_WEIGHTS", "1") != "0"
-# AVX-512 tiles for 3-24-row packed matmuls where the CPU has them (same sums as the AVX2 tiles);
-# MOA_SERVE_AVX512=0 keeps the AVX2 tiles. True when in use.
-_set_avx512 = getattr(torch.ops.moa_cpu, "set_avx512", None) if AVAILABLE else None
-AVX512 = bool(_set_avx512(os.environ.get("MOA_SERVE_AVX512", "1") != "0")) if _set_avx512 is not None else False
+# The module globals below (UNAVAILABLE ... silu_mul) are set by _init on first use: the first access
+# from outside (module __getattr__) or the first call of a function here. They stay plain globals after
+# that, so tests and scripts/kernel-ab.py can swap them.
+_ready = False
+_LAZY = frozenset(
+    "UNAVAILABLE AVAILABLE linear_small tree_attention linear_packed PACKED AVX512 SMALL_ROWS "
+    "rms_norm add_rms_norm rope_store silu_mul".split()
+)
+
+
+def _init() -> None:
+    """Loads the kernels and picks them per settings() (MOA_SERVE_CPU_KERNELS, _PACKED_WEIGHTS, _AVX512,
+    _KERNEL_ROWS, _LAYER_OPS), once per process."""
+    global _ready, UNAVAILABLE, AVAILABLE, linear_small, tree_attention, linear_packed, PACKED, AVX512, SMALL_ROWS
+    global rms_norm, add_rms_norm, rope_store, silu_mul
+    s = settings()
+    UNAVAILABLE = _load(s.cpu_kernels)  # None when the kernel is in use
+    AVAILABLE = UNAVAILABLE is None
+    ops = torch.ops.moa_cpu if AVAILABLE else None
+    # the op `linear` calls (a module global, so scripts/kernel-ab.py can swap in another build of it)
+    linear_small = ops.linear_small if AVAILABLE else None
+    tree_attention = ops.tree_attention if AVAILABLE else None
+    # GGUF block weights (Q4_1 / Q8_0, see cpu_linear.cpp); MOA_SERVE_PACKED_WEIGHTS=0 uses the fp32 copy
+    linear_packed = getattr(ops, "linear_packed", None) if AVAILABLE else None  # None: a build older than the op
+    PACKED = linear_packed is not None and s.packed_weights
+    # AVX-512 tiles for 3-24-row packed matmuls where the CPU has them (same sums as the AVX2 tiles);
+    # MOA_SERVE_AVX512=0 keeps the AVX2 tiles. True when in use.
+    set_avx512 = getattr(ops, "set_avx512", None) if AVAILABLE else None
+    AVX512 = bool(set_avx512(s.avx512)) if set_avx512 is not None else False
+    SMALL_ROWS = _rows_for(AVX512)
+    # the layer glue ops (cpu_layer_ops.cpp: RMSNorm, add + RMSNorm, RoPE + K/V store, SiLU * up);
+    # MOA_SERVE_LAYER_OPS=0 runs the torch ops instead (to measure what they buy); uses_layer_ops reads
+    # rope_store, so setting it to None turns all four off (tests and scripts/kernel-ab.py do)
+    layer_ops = AVAILABLE and hasattr(ops, "rope_store") and s.layer_ops
+    rms_norm = ops.rms_norm if layer_ops else None
+    add_rms_norm = ops.add_rms_norm if layer_ops else None
+    rope_store = ops.rope_store if layer_ops else None
+    silu_mul = ops.silu_mul if layer_ops else None
+    _ready = True
+
+
+def __getattr__(name: str):
+    """The kernel globals, set on first access (PEP 562: called only for names not set yet)."""
+    if name in _LAZY and not _ready:
+        _init()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _kernel_rows() -> int:
@@ -80,26 +114,16 @@ def _kernel_rows() -> int:
     faster on the kernel at 24 rows, 1.00x at 32, 0.67x at 128 on a 2-core Xeon); on AVX2-only CPUs
     (a 2-core AMD EPYC) the kernel led up to 128.
     MOA_SERVE_KERNEL_ROWS overrides (128: batch-invariant up to 128 rows)."""
-    text = os.environ.get("MOA_SERVE_KERNEL_ROWS", "")
-    if not text:
-        return 24 if AVX512 else 128
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"MOA_SERVE_KERNEL_ROWS must be a positive integer, got {text!r}")
-    return int(text)
+    if not _ready:
+        _init()
+    return _rows_for(AVX512)
 
 
-SMALL_ROWS = _kernel_rows()
+def _rows_for(avx512: bool) -> int:
+    rows = settings().kernel_rows
+    return rows if rows is not None else (24 if avx512 else 128)
 
-# the layer glue ops (cpu_layer_ops.cpp: RMSNorm, add + RMSNorm, RoPE + K/V store, SiLU * up);
-# MOA_SERVE_LAYER_OPS=0 runs the torch ops instead (to measure what they buy); uses_layer_ops reads
-# rope_store, so setting it to None turns all four off (tests and scripts/kernel-ab.py do)
-_layer_ops = (
-    AVAILABLE and hasattr(torch.ops.moa_cpu, "rope_store") and os.environ.get("MOA_SERVE_LAYER_OPS", "1") != "0"
-)
-rms_norm = torch.ops.moa_cpu.rms_norm if _layer_ops else None
-add_rms_norm = torch.ops.moa_cpu.add_rms_norm if _layer_ops else None
-rope_store = torch.ops.moa_cpu.rope_store if _layer_ops else None
-silu_mul = torch.ops.moa_cpu.silu_mul if _layer_ops else None
+
 PACKED_KIND_IDS = {"Q4_1": 0, "Q8_0": 1, "BF16": 2}  # GGUF block type (or bf16 halves) -> the op's `kind`
 PACKED_BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34, "BF16": 64}  # per 32 weights
 
@@ -156,11 +180,15 @@ def _version(w: torch.Tensor) -> int | None:
 
 def _packed(w: torch.Tensor):
     """w's attached blocks, unless w changed in place since they were attached."""
+    if not _ready:
+        _init()
     p = getattr(w, "moa_packed", None) if PACKED else None
     return p if p is not None and p[2] == _version(w) else None
 
 
 def uses_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
+    if not _ready:
+        _init()
     return (
         AVAILABLE
         and x.dim() >= 1
@@ -175,6 +203,8 @@ def uses_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 def uses_layer_ops(x: torch.Tensor) -> bool:
     """Whether a decoder layer over hidden states x [T, H] can run on the layer glue ops."""
+    if not _ready:
+        _init()
     return (
         rope_store is not None
         and x.dtype == torch.float32
@@ -203,6 +233,8 @@ def linear_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     CPU with at most SMALL_ROWS rows, no autograd, w fp32 with K % 8 == 0 (the decoder layer on the
     layer ops; ~8 us of checks and reshapes per matmul, ~1 ms of a bs-1 step). The target's weights
     are frozen, so the attached blocks are read without _packed's staleness check."""
+    if not _ready:
+        _init()
     packed = getattr(w, "moa_packed", None) if PACKED else None
     return linear_small(x, w) if packed is None else linear_packed(x, packed[1], packed[0])
 

@@ -380,7 +380,7 @@ inline bool has_avx512() {
   return yes;
 }
 
-// Whether 3-16-row matmuls may use the AVX-512 tiles; set once at import (MOA_SERVE_AVX512=0 keeps the
+// Whether 3-16-row matmuls may use the AVX-512 tiles; set once, on the kernels' first use (MOA_SERVE_AVX512=0 keeps the
 // AVX2 tiles: the same results, to measure what AVX-512 buys and to test both). Returns whether they are used.
 std::atomic<bool> avx512_allowed{true};
 

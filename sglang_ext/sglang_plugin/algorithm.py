@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import torch
@@ -32,6 +31,7 @@ from sglang.srt.speculative.spec_registry import CustomSpecAlgo, get_spec
 from ..models.eagle3 import DraftCheckpointError
 from ..models.loader import LlamaConfig
 from ..models.moa import ARCH, MoAConfig
+from ..settings import SettingsError, settings
 from ..tree import TreeShape
 
 logger = logging.getLogger(__name__)
@@ -80,13 +80,12 @@ def read_moa_checkpoint(path) -> MoAConfig:
 
 def tli_override(cfg: MoAConfig) -> int:
     """The TLI the worker runs: $MOA_SGLANG_TLI when set (checked), else the checkpoint's."""
-    text = os.environ.get(TLI_ENV, "").strip()
-    if not text:
-        return cfg.tli
     try:
-        tli = int(text)
-    except ValueError as e:
-        raise MoAServerArgsError(f"{TLI_ENV}={text!r} must be an integer in [0, {cfg.num_target_layers}]") from e
+        tli = settings().sglang_tli
+    except SettingsError as e:
+        raise MoAServerArgsError(str(e)) from e
+    if tli is None:
+        return cfg.tli
     if not 0 <= tli <= cfg.num_target_layers:
         raise MoAServerArgsError(
             f"{TLI_ENV}={tli} outside [0, {cfg.num_target_layers}] (the target has {cfg.num_target_layers} layers)"
@@ -190,7 +189,10 @@ def validate_moa_server_args(sa) -> None:
         raise MoAServerArgsError("MOA does not support PD disaggregation")
     if getattr(sa, "speculative_draft_model_quantization", None):
         raise MoAServerArgsError("MOA does not support --speculative-draft-model-quantization")
-    backend = os.environ.get(DRAFT_ATTENTION_ENV, "auto")
+    try:
+        backend = settings().draft_attention
+    except SettingsError as e:
+        raise MoAServerArgsError(str(e)) from e
     if backend not in ("auto", "flashinfer", "triton", "torch"):
         raise MoAServerArgsError(f"{DRAFT_ATTENTION_ENV}={backend!r}: choose auto, flashinfer, triton or torch")
     tree_shape(sa.speculative_num_steps, sa.speculative_eagle_topk, sa.speculative_num_draft_tokens)

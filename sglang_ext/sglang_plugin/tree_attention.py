@@ -14,18 +14,18 @@ backend (--attention-backend); only the draft passes use these.
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
 from ..attention import AttentionFn, select_backend
+from ..settings import settings
 from .algorithm import DRAFT_ATTENTION_ENV
 
 BACKENDS = ("flashinfer", "triton", "cpu", "torch")
 
 
 def resolve_backend_name(device: torch.device | str, name: str | None = None) -> str:
-    name = name or os.environ.get(DRAFT_ATTENTION_ENV, "auto")
+    name = name or settings().draft_attention
     device = torch.device(device)
     if name == "auto":
         if device.type != "cuda":

@@ -308,24 +308,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from .data import make_batches
-    from .shards import load_examples_by_source, read_manifest
-    from .target import TargetRunner
-    from .trainer import OptimConfig, RunConfig, Trainer
+    from .shards import read_manifest
 
     t0 = time.time()
     if args.smoke:
-        args = argparse.Namespace(
-            **{
-                **vars(args),
-                "tokens_per_batch": min(args.tokens_per_batch, 512),
-                "max_len": min(args.max_len, 64),
-                "max_steps": min(args.max_steps, 3),
-                "draft_vocab_size": min(args.draft_vocab_size, 256),
-                "log_every": 1,
-                "max_examples": min(args.max_examples or 64, 64),
-            }
-        )
+        args = _smoke_args(args)
     device = resolve_device(args.device)
     manifest = read_manifest(args.shards)
     target = smoke_target(manifest["vocab_size"], device, args.seed) if args.smoke else load_job_target(args, device)
@@ -333,48 +320,14 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit(
             f"shards were made for a vocab of {manifest['vocab_size']}, the target has {target.cfg.vocab_size}"
         )
-    by_source = load_examples_by_source(args.shards, args.max_len, limit=args.max_examples)
-    hot = draft_vocab(by_source, target.cfg.vocab_size, args.draft_vocab_size)
-    train, held = split_examples(by_source, args.distill_repeat, args.holdout, args.seed)
-    batches = make_batches(train, args.tokens_per_batch, args.seed)
-    held_batches = make_batches(held, args.tokens_per_batch, args.seed)[:8]
+    hot, batches, held_batches = _job_data(args, target)
     heads = tuple(h for h in args.heads.split(",") if h)
     init = Path(args.init_from) if args.init_from else None
     tasks = build_tasks(
         target, hot, heads, {"lambda_kl": 1.0, "lambda_feat": 0.1, "min_gap": 6, "max_gap": 14}, args.seed, init
     )
     out = Path(args.out)
-    meta = {
-        "job": "sglang_ext.training.job",
-        "shards": manifest.get("sources"),
-        "tokens_per_batch": args.tokens_per_batch,
-        "max_len": args.max_len,
-        "lr": args.lr,
-        "distill_repeat": args.distill_repeat,
-        "draft_vocab_size": int(hot.numel()),
-        "device": _device_name(device),
-        "time_budget_min": args.time_budget_min,
-        "smoke": bool(args.smoke),
-        "init_from": args.init_from,
-    }
-    run_cfg = RunConfig(
-        str(out / "train"),
-        args.max_steps,
-        save_every_s=1e9,
-        keep_checkpoints=1,
-        log_every=args.log_every,
-        time_budget_s=args.time_budget_min * 60,
-        seed=args.seed,
-        progress_bar=False,
-    )
-    runner = TargetRunner(
-        target, args.tokens_per_batch if device.type != "cpu" else max(args.tokens_per_batch, args.max_len)
-    )
-    trainer = Trainer(tasks, runner, batches, OptimConfig(lr=args.lr, warmup_ratio=args.warmup_ratio), run_cfg, meta)
-    preflight(trainer, batches)
-    if args.deadline_min:  # what is left of the job's wall time, less a reserve for export and scoring
-        left = args.deadline_min * 60 - (time.time() - t0) - EXPORT_RESERVE_S
-        trainer.run_cfg = replace(run_cfg, time_budget_s=max(1.0, min(run_cfg.time_budget_s, left)))
+    trainer = _job_trainer(args, device, tasks, target, batches, _job_meta(args, manifest, hot, device), t0)
     n_tok = sum(b.num_tokens for b in batches)
     _log(
         f"{device}: {len(batches)} batches, {n_tok} tokens per epoch, heads {heads}, draft vocab {hot.numel()}, prep "
@@ -404,6 +357,77 @@ def run(args: argparse.Namespace) -> dict:
         pack_outputs(out, Path(args.pack))
     _log(json.dumps(summary))
     return summary
+
+
+def _smoke_args(args: argparse.Namespace) -> argparse.Namespace:
+    """--smoke: tiny batches and a few steps."""
+    return argparse.Namespace(
+        **{
+            **vars(args),
+            "tokens_per_batch": min(args.tokens_per_batch, 512),
+            "max_len": min(args.max_len, 64),
+            "max_steps": min(args.max_steps, 3),
+            "draft_vocab_size": min(args.draft_vocab_size, 256),
+            "log_every": 1,
+            "max_examples": min(args.max_examples or 64, 64),
+        }
+    )
+
+
+def _job_data(args: argparse.Namespace, target) -> tuple[torch.Tensor, list, list]:
+    """-> (draft vocab [V_draft] target ids, training batches, held-out batches (at most 8))."""
+    from .data import make_batches
+    from .shards import load_examples_by_source
+
+    by_source = load_examples_by_source(args.shards, args.max_len, limit=args.max_examples)
+    hot = draft_vocab(by_source, target.cfg.vocab_size, args.draft_vocab_size)
+    train, held = split_examples(by_source, args.distill_repeat, args.holdout, args.seed)
+    batches = make_batches(train, args.tokens_per_batch, args.seed)
+    return hot, batches, make_batches(held, args.tokens_per_batch, args.seed)[:8]
+
+
+def _job_meta(args: argparse.Namespace, manifest: dict, hot: torch.Tensor, device: torch.device) -> dict:
+    """What the trainer records with its checkpoints and metrics."""
+    return {
+        "job": "sglang_ext.training.job",
+        "shards": manifest.get("sources"),
+        "tokens_per_batch": args.tokens_per_batch,
+        "max_len": args.max_len,
+        "lr": args.lr,
+        "distill_repeat": args.distill_repeat,
+        "draft_vocab_size": int(hot.numel()),
+        "device": _device_name(device),
+        "time_budget_min": args.time_budget_min,
+        "smoke": bool(args.smoke),
+        "init_from": args.init_from,
+    }
+
+
+def _job_trainer(args: argparse.Namespace, device: torch.device, tasks, target, batches, meta: dict, t0: float):
+    """The Trainer of all heads, checked on a first batch (preflight); with --deadline-min its time budget
+    is what is left of the job's wall time (since t0), less a reserve for export and scoring."""
+    from .target import TargetRunner
+    from .trainer import OptimConfig, RunConfig, Trainer
+
+    run_cfg = RunConfig(
+        str(Path(args.out) / "train"),
+        args.max_steps,
+        save_every_s=1e9,
+        keep_checkpoints=1,
+        log_every=args.log_every,
+        time_budget_s=args.time_budget_min * 60,
+        seed=args.seed,
+        progress_bar=False,
+    )
+    runner = TargetRunner(
+        target, args.tokens_per_batch if device.type != "cpu" else max(args.tokens_per_batch, args.max_len)
+    )
+    trainer = Trainer(tasks, runner, batches, OptimConfig(lr=args.lr, warmup_ratio=args.warmup_ratio), run_cfg, meta)
+    preflight(trainer, batches)
+    if args.deadline_min:
+        left = args.deadline_min * 60 - (time.time() - t0) - EXPORT_RESERVE_S
+        trainer.run_cfg = replace(run_cfg, time_budget_s=max(1.0, min(run_cfg.time_budget_s, left)))
+    return trainer
 
 
 def _device_name(device: torch.device) -> str:
