@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from serving.engine import Engine
 from sglang_ext.drafters.eagle3 import Eagle3Drafter
 from sglang_ext.models import LlamaModel, Target
-from sglang_ext.models.eagle3 import DraftCheckpointError, Eagle3Config, Eagle3Draft, load_eagle3, vocab_from_counts
+from sglang_ext.models.checkpoint import CheckpointError
+from sglang_ext.models.eagle3 import Eagle3Config, Eagle3Draft, load_eagle3, vocab_from_counts
 from sglang_ext.sampling import SamplingParams
 from sglang_ext.training.data import Batch
 from sglang_ext.training.eagle3 import Eagle3Task
@@ -138,14 +139,14 @@ def test_specforge_checkpoint_loads(tmp_path, prefix, embed, aux):
 
 def test_bad_checkpoints_give_clear_errors(tmp_path):
     target, draft = tiny_pair()
-    with pytest.raises(DraftCheckpointError, match="no config.json"):
+    with pytest.raises(CheckpointError, match="no config.json"):
         load_eagle3(tmp_path, target.cfg)
     draft.save(tmp_path / "ok")
     other = tiny_config(vocab=VOCAB + 1, layers=LAYERS)
-    with pytest.raises(DraftCheckpointError, match="vocab"):
+    with pytest.raises(CheckpointError, match="vocab"):
         load_eagle3(tmp_path / "ok", other)
     (tmp_path / "ok" / "model.safetensors").unlink()
-    with pytest.raises(DraftCheckpointError, match="no model.safetensors"):
+    with pytest.raises(CheckpointError, match="no model.safetensors"):
         load_eagle3(tmp_path / "ok", target.cfg)
 
 
@@ -295,7 +296,7 @@ def test_greedy_identity_smollm2(smollm2_fp32, eval_prompts, bs):
 
     try:
         draft = load_eagle3(default_checkpoint(smollm2_fp32), smollm2_fp32.cfg)
-    except DraftCheckpointError:
+    except CheckpointError:
         draft = Eagle3Draft(Eagle3Config.for_target(smollm2_fp32.cfg, 16384))
         draft.set_vocab(torch.arange(16384))
         with torch.no_grad():

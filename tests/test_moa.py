@@ -14,7 +14,7 @@ from sglang_ext.drafters import make_drafter
 from sglang_ext.drafters.base import DraftInput
 from sglang_ext.drafters.moa import MoADrafter
 from sglang_ext.models import LlamaModel, Target
-from sglang_ext.models.eagle3 import DraftCheckpointError
+from sglang_ext.models.checkpoint import CheckpointError
 from sglang_ext.models.moa import MoAConfig, MoADraft, load_moa
 from sglang_ext.sampling import SamplingParams
 from sglang_ext.training.data import Batch, Example, make_batches
@@ -176,18 +176,18 @@ def test_save_load_round_trip_is_exact(tmp_path):
 
 def test_bad_checkpoints_give_clear_errors(tmp_path):
     target, draft = tiny_pair()
-    with pytest.raises(DraftCheckpointError, match="no config.json"):
+    with pytest.raises(CheckpointError, match="no config.json"):
         load_moa(tmp_path, target.cfg)
     draft.save(tmp_path / "ck")
     other = tiny_config(vocab=VOCAB, layers=LAYERS + 1)
-    with pytest.raises(DraftCheckpointError, match="LSA expects"):
+    with pytest.raises(CheckpointError, match="num_target_layers"):
         load_moa(tmp_path / "ck", other)
     cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
     (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg | {"architectures": ["LlamaForCausalLMEagle3"]}))
-    with pytest.raises(DraftCheckpointError, match="not a MoA checkpoint"):
+    with pytest.raises(CheckpointError, match="not a MoA checkpoint"):
         load_moa(tmp_path / "ck")
     (tmp_path / "ck" / "config.json").write_text(json.dumps(cfg | {"tli": 99}))
-    with pytest.raises(DraftCheckpointError, match="tli=99"):
+    with pytest.raises(CheckpointError, match="tli=99"):
         load_moa(tmp_path / "ck")
 
 
@@ -331,7 +331,7 @@ def test_greedy_identity_smollm2(smollm2_fp32, eval_prompts, name, bs):
 
     try:
         draft = load_moa(shipped_checkpoint(smollm2_fp32, name), smollm2_fp32.cfg)
-    except DraftCheckpointError:
+    except CheckpointError:
         draft = MoADraft(MoAConfig.for_target(smollm2_fp32.cfg, tli=int(name[-1])))
     prompts = eval_prompts[:8]
     params = SamplingParams(max_new_tokens=32)

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
+import types
 from pathlib import Path
 
 import numpy as np
@@ -247,6 +248,56 @@ def test_flashinfer_plan_reproduces_tree_attention_torch(seed):
     # the ragged arrays alone rebuild an equivalent plan (what the MoA worker builds on the GPU)
     again = plan_from_ragged(fi.qo_indptr, fi.kv_indptr, fi.kv_indices, fi.custom_mask)
     torch.testing.assert_close(tree_attention_torch(q, k_pool, v_pool, again, d**-0.5), ref, rtol=1e-5, atol=1e-5)
+
+
+class _StandInWrapper:
+    """flashinfer.BatchPrefillWithPagedKVCacheWrapper's plan/run on CPU: run() attends over exactly the
+    arrays plan() was given (through plan_from_ragged), and every instance counts its plans."""
+
+    plans = 0
+
+    def __init__(self, workspace, layout):
+        assert layout == "NHD"
+        self.workspace = workspace
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, last_page_len, hq, hkv, d, page_size, **kw):
+        assert page_size == 1 and last_page_len.tolist() == [1] * (qo_indptr.numel() - 1) and not kw["causal"]
+        type(self).plans += 1
+        self.ragged, self.scale = plan_from_ragged(qo_indptr, kv_indptr, kv_indices, kw["custom_mask"]), kw["sm_scale"]
+
+    def run(self, q, kv):
+        k_pool, v_pool = (t.squeeze(1) for t in kv)
+        return tree_attention_torch(q, k_pool, v_pool, self.ragged, self.scale)
+
+
+def test_flashinfer_backend_plans_once_per_step_and_holds_its_own_state(monkeypatch):
+    """Every layer of a step reuses the step planned for its plan object; a new plan (or head layout)
+    plans again; two backends (two workers) share nothing. Results equal tree_attention_torch."""
+    from sglang_ext.attention.flashinfer_plan import FlashInferTreeAttention
+    from sglang_ext.sglang_plugin.tree_attention import select_tree_attention
+
+    monkeypatch.setattr(_StandInWrapper, "plans", 0)
+    monkeypatch.setitem(
+        sys.modules, "flashinfer", types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=_StandInWrapper)
+    )
+    g = torch.Generator().manual_seed(0)
+    masks = random_trees(3, 2, [5, 7], [9, 4])
+    slots = [torch.randperm(60, generator=g)[: m.shape[1]] for m in masks]
+    step1, step2 = plan_attention(slots, masks), plan_attention(slots, masks)
+    k_pool, v_pool = torch.randn(60, 2, 16, generator=g), torch.randn(60, 2, 16, generator=g)
+    attention = FlashInferTreeAttention(workspace_bytes=16)
+    for plan, plans_after in ((step1, 1), (step2, 2)):
+        for _layer in range(3):
+            q = torch.randn(plan.num_queries, 4, 16, generator=g)
+            ref = tree_attention_torch(q, k_pool, v_pool, plan, 0.25)
+            torch.testing.assert_close(attention(q, k_pool, v_pool, plan, 0.25), ref, rtol=1e-5, atol=1e-5)
+        assert _StandInWrapper.plans == plans_after
+    attention(torch.randn(step2.num_queries, 2, 16), k_pool, v_pool, step2, 0.25)  # 2 query heads: a new layout
+    assert _StandInWrapper.plans == 3
+    other = select_tree_attention("cpu", "flashinfer")
+    assert isinstance(other, FlashInferTreeAttention) and other.step is None and other is not attention
+    other(torch.randn(step2.num_queries, 4, 16), k_pool, v_pool, step2, 0.25)
+    assert _StandInWrapper.plans == 4 and attention.step.plan is step2 and other.workspace is not attention.workspace
 
 
 def test_committed_after_verify_matches_a_loop():
@@ -936,7 +987,7 @@ def test_packed_mask_equals_sglang_pack_kernel(sglang_results):
     not HAS_CUDA or importlib.util.find_spec("flashinfer") is None, reason="needs a CUDA device and flashinfer"
 )
 def test_flashinfer_tree_attention_equals_torch_gpu():
-    from sglang_ext.attention.flashinfer_plan import tree_attention_flashinfer
+    from sglang_ext.attention.flashinfer_plan import FlashInferTreeAttention
 
     masks = random_trees(4, 3, [6, 9, 3], [20, 0, 33])
     slots = [torch.randperm(500)[: m.shape[1]] + 1 for m in masks]
@@ -945,7 +996,9 @@ def test_flashinfer_tree_attention_equals_torch_gpu():
     kp = torch.randn(501, 2, 64, device="cuda", dtype=torch.bfloat16)
     vp = torch.randn(501, 2, 64, device="cuda", dtype=torch.bfloat16)
     ref = tree_attention_torch(q.float(), kp.float(), vp.float(), plan, 0.125)
-    torch.testing.assert_close(tree_attention_flashinfer(q, kp, vp, plan, 0.125).float(), ref, rtol=2e-2, atol=2e-2)
+    attention = FlashInferTreeAttention()
+    for _ in range(2):  # the second layer of the step reuses the planned wrapper
+        torch.testing.assert_close(attention(q, kp, vp, plan, 0.125).float(), ref, rtol=2e-2, atol=2e-2)
 
 
 @gpu

@@ -18,8 +18,9 @@ is `numpy.packbits(..., bitorder="little")` per segment, and what SGLang's own
     mask_indptr  [B+1]  cumsum ceil(Q_b*K_b / 8)        byte offset of request b's segment
     packed_mask  [mask_indptr[-1]] uint8
 
-Everything here except `tree_attention_flashinfer` runs on any device; that one needs
-`flashinfer` and a CUDA device and has not been executed on this CPU-only machine.
+Everything here except `FlashInferTreeAttention`'s kernel calls runs on any device; those need
+`flashinfer` and a CUDA device and have not been executed on this CPU-only machine. No state lives
+in this module: a FlashInferTreeAttention instance holds its workspace and planned step.
 """
 
 from __future__ import annotations
@@ -180,61 +181,92 @@ def paged_attention_reference(
 
 # --- the FlashInfer kernel (GPU only) -------------------------------------------------------------
 
-_WORKSPACE: dict[torch.device, torch.Tensor] = {}
-_LAST_PLANNED: list = []  # [(plan, wrapper)]: one plan serves every layer of a step, so plan() once
+WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's scratch buffer for plan() / run()
 
 
-def tree_attention_flashinfer(
-    q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: AttentionPlan, scale: float
-) -> torch.Tensor:
-    """Same signature and result as tree_attention_torch, on FlashInfer's paged prefill kernel.
+@dataclass
+class FlashInferStep:
+    """One step's planned FlashInfer wrapper: plan() ran once on the host, run() serves every layer."""
 
-    The pool is viewed as pages of one token in NHD layout ([S, 1, Hkv, D]). The bool mask goes to
-    plan(custom_mask=...), which packs it into the layout `flashinfer_plan` computes (checked on
-    CPU against SGLang's pack kernel); plan() itself is not CUDA-graph safe, so graph capture
-    writes `FlashInferPlan.packed_mask`/`mask_indptr` into the wrapper's buffers instead.
-    Not executed on this CPU-only machine (tests/test_sglang_plugin.py::test_flashinfer_* is
-    marked gpu).
+    plan: AttentionPlan  # the plan it was made for: a step is reused only for this very object
+    layout: tuple  # (num_qo_heads, num_kv_heads, head_dim, q dtype, kv dtype, scale)
+    wrapper: object  # flashinfer.BatchPrefillWithPagedKVCacheWrapper
+
+    def run(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, D], pools [S, Hkv, D] (pages of one token, NHD) -> [T, Hq, D]."""
+        return self.wrapper.run(q.contiguous(), (k_pool.unsqueeze(1), v_pool.unsqueeze(1)))
+
+
+def _layout(q: torch.Tensor, k_pool: torch.Tensor, scale: float) -> tuple:
+    return (q.shape[1], k_pool.shape[1], q.shape[2], q.dtype, k_pool.dtype, scale)
+
+
+class FlashInferTreeAttention:
+    """Tree attention on FlashInfer's paged prefill kernel, same signature and result as
+    tree_attention_torch: fn(q [T, Hq, D], k_pool [S, Hkv, D], v_pool, plan, scale) -> [T, Hq, D].
+
+    One instance per caller (the MoA worker holds one): it owns the workspace and the step planned
+    last. A step is planned once (plan(), host work) and run per layer (FlashInferStep.run); a call
+    with the plan object and layout of the held step only runs, any other call plans first.
+
+    The bool mask goes to plan(custom_mask=...), which packs it into the layout `flashinfer_plan`
+    computes (checked on CPU against SGLang's pack kernel); plan() itself is not CUDA-graph safe, so
+    graph capture writes `FlashInferPlan.packed_mask`/`mask_indptr` into the wrapper's buffers instead.
+    The kernel has not run on this CPU-only machine (tests/test_sglang_plugin.py::test_flashinfer_*
+    is marked gpu); the planning and reuse are checked on CPU against a stand-in wrapper.
     """
-    import flashinfer  # noqa: PLC0415 - GPU-only dependency
 
-    key = (q.shape[1], k_pool.shape[1], q.shape[2], q.dtype, k_pool.dtype, scale)
-    if _LAST_PLANNED and _LAST_PLANNED[0][0] is plan and _LAST_PLANNED[0][1] == key:
-        wrapper = _LAST_PLANNED[0][2]
-    else:
+    def __init__(self, workspace_bytes: int = WORKSPACE_BYTES):
+        self.workspace_bytes = workspace_bytes
+        self.workspace: torch.Tensor | None = None  # on the device of the last step
+        self.step: FlashInferStep | None = None
+
+    def plan(self, plan: AttentionPlan, layout: tuple, device: torch.device) -> FlashInferStep:
+        """Plan one step: FlashInfer's arguments for `plan`, handed to a wrapper over this instance's workspace."""
+        import flashinfer  # noqa: PLC0415 - GPU-only dependency
+
+        num_qo_heads, num_kv_heads, head_dim, q_dtype, kv_dtype, scale = layout
+        if self.workspace is None or self.workspace.device != device:
+            self.workspace = torch.empty(self.workspace_bytes, dtype=torch.uint8, device=device)
         fi = flashinfer_plan(plan)
-        dev = q.device
-        ws = _WORKSPACE.get(dev)
-        if ws is None:
-            ws = _WORKSPACE[dev] = torch.empty(128 * 1024 * 1024, dtype=torch.uint8, device=dev)
-        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD")
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         wrapper.plan(
-            fi.qo_indptr.to(dev),
-            fi.kv_indptr.to(dev),
-            fi.kv_indices.to(dev),
-            fi.kv_last_page_len.to(dev),
-            q.shape[1],
-            k_pool.shape[1],
-            q.shape[2],
-            1,
-            custom_mask=None if fi.custom_mask is None else fi.custom_mask.to(dev),
+            fi.qo_indptr.to(device),
+            fi.kv_indptr.to(device),
+            fi.kv_indices.to(device),
+            fi.kv_last_page_len.to(device),
+            num_qo_heads,
+            num_kv_heads,
+            head_dim,
+            1,  # page_size
+            custom_mask=None if fi.custom_mask is None else fi.custom_mask.to(device),
             causal=False,
             sm_scale=scale,
-            q_data_type=q.dtype,
-            kv_data_type=k_pool.dtype,
+            q_data_type=q_dtype,
+            kv_data_type=kv_dtype,
         )
-        _LAST_PLANNED[:] = [(plan, key, wrapper)]
-    return wrapper.run(q.contiguous(), (k_pool.unsqueeze(1), v_pool.unsqueeze(1)))
+        return FlashInferStep(plan, layout, wrapper)
+
+    def __call__(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, plan: AttentionPlan, scale: float
+    ) -> torch.Tensor:
+        layout = _layout(q, k_pool, scale)
+        step = self.step
+        if step is None or step.plan is not plan or step.layout != layout:
+            step = self.step = self.plan(plan, layout, q.device)
+        return step.run(q, k_pool, v_pool)
 
 
 __all__ = [
     "FlashInferPlan",
+    "FlashInferStep",
+    "FlashInferTreeAttention",
+    "WORKSPACE_BYTES",
     "flashinfer_plan",
     "packbits_little",
     "paged_attention_reference",
     "plan_from_ragged",
     "segment_packbits_little",
     "segment_unpackbits_little",
-    "tree_attention_flashinfer",
     "unpackbits_little",
 ]

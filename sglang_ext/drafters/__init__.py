@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ..models.checkpoint import EAGLE3, MOA, SUFFIX_CORPUS, checkpoint_kind
 from .base import Drafter, DrafterError, DraftInput, TargetCapture
 from .draft_model import DraftModelDrafter
 from .ngram import NgramDrafter
@@ -42,24 +43,9 @@ def register_drafter(name: str, factory: Callable[..., Drafter]) -> None:
     _REGISTRY[name] = factory
 
 
-def _config(path: str) -> dict:
-    import json
-    from pathlib import Path
-
-    try:
-        cfg = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return {}
-    return cfg if isinstance(cfg, dict) else {}
-
-
 def is_suffix_corpus(path: str) -> bool:
     """A directory written by `moa-serve build-corpus`."""
-    return _config(path).get("kind") == "suffix-corpus"
-
-
-def _is_eagle3_checkpoint(path: str) -> bool:
-    return any("Eagle3" in a for a in _config(path).get("architectures", []))
+    return checkpoint_kind(path) == SUFFIX_CORPUS
 
 
 def available_drafters() -> list[str]:
@@ -85,15 +71,11 @@ def make_drafter(name: str | None, target) -> Drafter | None:
     name = resolve_drafter(name, target)
     if name in (None, "none", "vanilla"):
         return None
-    if name not in _REGISTRY and is_suffix_corpus(name):
-        return _REGISTRY["suffix"](target, name)  # --drafter PATH to a corpus from `moa-serve build-corpus`
-    if name not in _REGISTRY and _is_eagle3_checkpoint(name):
-        return _REGISTRY["eagle3"](target, name)  # --drafter PATH to an EAGLE-3 checkpoint directory
     if name not in _REGISTRY:
-        from ..models.moa import is_moa_checkpoint
-
-        if is_moa_checkpoint(name):
-            return _REGISTRY["moa"](target, name)  # --drafter PATH to a MoA checkpoint directory
+        # --drafter PATH: a corpus from `moa-serve build-corpus`, an EAGLE-3 or a MoA checkpoint directory
+        kind = checkpoint_kind(name)
+        if kind is not None:
+            return _REGISTRY[{SUFFIX_CORPUS: "suffix", EAGLE3: "eagle3", MOA: "moa"}[kind]](target, name)
     if name not in _REGISTRY:
         raise ValueError(f"unknown drafter {name!r}; available: {', '.join(available_drafters())}")
     return _REGISTRY[name](target)

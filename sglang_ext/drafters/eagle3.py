@@ -22,12 +22,13 @@ import torch
 
 from ..attention import causal_mask, plan_attention, plan_frontier, tree_attention_cpu
 from ..kernels import attach_bf16_halves
-from ..models.eagle3 import DraftCheckpointError, Eagle3Draft, load_eagle3
+from ..models.checkpoint import CheckpointError, check_fits, has_config
+from ..models.eagle3 import Eagle3Draft, load_eagle3
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel
 from ..settings import settings
 from ..tree import TokenTree, TreeShape
-from .base import SHIPPED_DIR, DraftInput, TargetCapture
+from .base import SHIPPED_DIR, DrafterError, DraftInput, TargetCapture
 from .search import scatter_to_vocab, search_tree
 
 SHIPPED = {"SmolLM2-135M-Instruct": SHIPPED_DIR / "smollm2-eagle3"}
@@ -39,8 +40,8 @@ def default_checkpoint(target) -> Path:
     if env is not None:
         return env
     ckpt = SHIPPED.get(Path(target.path).name)
-    if ckpt is None or not (ckpt / "config.json").is_file():
-        raise DraftCheckpointError(
+    if ckpt is None or not has_config(ckpt):
+        raise CheckpointError(
             f"no shipped EAGLE-3 drafter for target {target.path}; train one (moa-serve train eagle3) and pass its path"
         )
     return ckpt
@@ -57,8 +58,7 @@ class Eagle3Drafter:
 
     def __init__(self, target: LlamaModel, draft: Eagle3Draft, num_slots: int = 32768):
         c = draft.cfg
-        if c.vocab_size != target.cfg.vocab_size:
-            raise DraftCheckpointError(f"draft vocab {c.vocab_size} != target vocab {target.cfg.vocab_size}")
+        check_fits(c, target.cfg)
         self.target = target
         self.draft = draft.to(target.dtype).eval()
         attach_bf16_halves(self.draft)  # a bf16 checkpoint: its matmuls read half the bytes, same sums
@@ -86,7 +86,7 @@ class Eagle3Drafter:
         """Fused features [n, H] of newly verified tokens (also what an edge server sends a client)."""
         missing = [l for l in self.capture_layers if l not in hidden]
         if missing:
-            raise DraftCheckpointError(f"target capture lacks layers {missing}")
+            raise DrafterError(f"target capture lacks layers {missing}")
         return self.draft.fuse(torch.cat([hidden[l] for l in self.capture_layers], dim=-1).to(self.target.dtype))
 
     def ingest_remote(self, rid: int, fused: torch.Tensor) -> None:
@@ -146,7 +146,7 @@ class Eagle3Drafter:
             done = st.slots.numel()
             aux = torch.cat(st.pending) if st.pending else None
             if aux is None or done + aux.shape[0] != d.seq_len:
-                raise DraftCheckpointError(
+                raise DrafterError(
                     f"request {d.rid}: draft state out of sync ({done} pairs + pending vs {d.seq_len} verified tokens)"
                 )
             m = aux.shape[0]

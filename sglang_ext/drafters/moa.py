@@ -24,14 +24,14 @@ import torch
 
 from ..attention import plan_frontier, tree_attention_cpu
 from ..kernels import attach_bf16_halves, attach_packed_rows, linear
-from ..models.eagle3 import DraftCheckpointError
+from ..models.checkpoint import CheckpointError, check_fits, has_config
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel, rms_norm
 from ..models.moa import MoADraft, load_moa, stack_pool_kv
 from ..sampling import greedy_tokens
 from ..settings import settings
 from ..tree import TokenTree, TreeShape
-from .base import SHIPPED_DIR, DraftInput, TargetCapture
+from .base import SHIPPED_DIR, DrafterError, DraftInput, TargetCapture
 from .search import scatter_to_vocab, search_tree
 
 SHIPPED = {"SmolLM2-135M-Instruct": {"moa-tli0": "smollm2-moa-tli0", "moa-tli1": "smollm2-moa-tli1"}}
@@ -48,8 +48,8 @@ def shipped_checkpoint(target, name: str) -> Path:
         name = BEST.get(tname, "")
     sub = SHIPPED.get(tname, {}).get(name)
     ckpt = SHIPPED_DIR / sub if sub else None
-    if ckpt is None or not (ckpt / "config.json").is_file():
-        raise DraftCheckpointError(
+    if ckpt is None or not has_config(ckpt):
+        raise CheckpointError(
             f"no shipped MoA drafter {name!r} for target {target.path}; train one (moa-serve train moa) and pass its "
             "path"
         )
@@ -72,8 +72,7 @@ class MoADrafter:
         """remote=True: the target runs elsewhere (edge client); verified context arrives through
         ingest_remote() and the TLI layers keep their own copy of the last N layers' K/V."""
         c = draft.cfg
-        if c.vocab_size != target.cfg.vocab_size or c.num_target_layers != len(target.layers):
-            raise DraftCheckpointError("MoA draft does not fit the target (vocab or layer count)")
+        check_fits(c, target.cfg)
         self.name = name
         self.target = target
         self.draft = draft.to(target.dtype).eval()
@@ -109,11 +108,11 @@ class MoADrafter:
     @torch.inference_mode()
     def commit(self, rid: int, capture: TargetCapture) -> None:
         if capture.kv is None:
-            raise DraftCheckpointError("MoA needs the target KV pool in TargetCapture.kv")
+            raise DrafterError("MoA needs the target KV pool in TargetCapture.kv")
         if self.tli_kv is None:
             self.tli_kv = capture.kv
         elif self.tli_kv is not capture.kv:
-            raise DraftCheckpointError("MoA drafter bound to a different target KV pool")
+            raise DrafterError("MoA drafter bound to a different target KV pool")
         if capture.slots.numel():
             # NOTE: deferred to the next propose, where all pending tokens of the batch go through
             # LSA in one call: when adaptive speculation is off for many steps, commits cost nothing
@@ -188,7 +187,7 @@ class MoADrafter:
         seq_len = st.target_slots.numel()
         depth = len(token_ids) - 1 - seq_len  # 0 = the root
         if depth != len(st.offline):
-            raise DraftCheckpointError(f"request {rid}: offline chain out of sync ({len(st.offline)} vs {depth})")
+            raise DrafterError(f"request {rid}: offline chain out of sync ({len(st.offline)} vs {depth})")
         sa_new = self.sa.alloc(1)
         tgt_new = self.tli_kv.alloc(1) if self.tli_layers else torch.zeros(1, dtype=torch.long)
         st.offline.append((int(sa_new), int(tgt_new)))
@@ -226,7 +225,7 @@ class MoADrafter:
         for d in batch:
             st = self.reqs[d.rid]
             if st.target_slots.numel() != d.seq_len:
-                raise DraftCheckpointError(
+                raise DrafterError(
                     f"request {d.rid}: draft state out of sync ({st.target_slots.numel()} verified vs {d.seq_len})"
                 )
         b = len(batch)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..models.checkpoint import CONFIG, SUFFIX_CORPUS, CheckpointError, has_config, read_config
 from ..settings import settings
 from ..tree import TokenTree, TreeShape
 from .base import SHIPPED_DIR, DraftInput, TargetCapture
@@ -30,10 +31,10 @@ from .ngram import NgramDrafter, match_confidence, trie_tree
 from .suffix_index import SuffixIndex
 
 SHIPPED = {"SmolLM2-135M-Instruct": "smollm2-suffix"}
-CORPUS_FILE, CONFIG_FILE = "corpus.npz", "config.json"
+CORPUS_FILE = "corpus.npz"
 
 
-class CorpusError(ValueError):
+class CorpusError(CheckpointError):
     """A suffix corpus is missing, malformed, or made for another tokenizer."""
 
 
@@ -49,19 +50,19 @@ def save_corpus(out: str | Path, docs: list[list[int]], meta: dict) -> Path:
     offsets = np.cumsum([0] + [len(d) for d in docs]).astype(np.int64)
     dtype = np.uint16 if meta.get("vocab_size", 2**31) <= 2**16 else np.uint32
     np.savez_compressed(out / CORPUS_FILE, tokens=flat.astype(dtype), offsets=offsets)
-    meta = {"kind": "suffix-corpus", **meta, "num_docs": len(docs), "num_tokens": int(flat.size)}
-    (out / CONFIG_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    meta = {"kind": SUFFIX_CORPUS, **meta, "num_docs": len(docs), "num_tokens": int(flat.size)}
+    (out / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
     return out
 
 
 def load_corpus(path: str | Path, vocab_size: int | None = None) -> tuple[list[np.ndarray], dict]:
     path = Path(path)
     try:
-        meta = json.loads((path / CONFIG_FILE).read_text())
+        meta = read_config(path)
         with np.load(path / CORPUS_FILE) as z:
             tokens, offsets = z["tokens"].astype(np.int64), z["offsets"]
-    except (OSError, ValueError, KeyError) as e:
-        raise CorpusError(f"{path}: not a suffix corpus ({CONFIG_FILE} + {CORPUS_FILE}): {e}") from None
+    except (OSError, ValueError, KeyError) as e:  # CheckpointError (config.json) is a ValueError
+        raise CorpusError(f"{path}: not a suffix corpus ({CONFIG} + {CORPUS_FILE}): {e}") from None
     if (
         offsets.ndim != 1
         or offsets.size < 1
@@ -83,7 +84,7 @@ def load_corpus(path: str | Path, vocab_size: int | None = None) -> tuple[list[n
 def shipped_corpus(target) -> Path:
     sub = SHIPPED.get(Path(target.path).name)
     path = SHIPPED_DIR / sub if sub else None
-    if path is None or not (path / CONFIG_FILE).is_file():
+    if path is None or not has_config(path):
         raise CorpusError(
             f"no shipped suffix corpus for target {target.path}; build one (moa-serve build-corpus) and pass "
             "--drafter suffix:PATH"

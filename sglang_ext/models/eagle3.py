@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
@@ -33,13 +34,20 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..kernels import Linear
-from .checkpoint import read_weights, save_weights, weight_files
+from .checkpoint import (
+    CONFIG,
+    EAGLE3,
+    EAGLE3_ARCH,
+    CheckpointError,
+    check_fits,
+    config_kind,
+    load_state,
+    read_config,
+    read_weights,
+    save_weights,
+)
 from .llama import apply_rope, rope_inv_freq
 from .loader import LlamaConfig
-
-
-class DraftCheckpointError(RuntimeError):
-    """A draft checkpoint is missing, malformed, or does not fit the target."""
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
@@ -49,6 +57,7 @@ def default_aux_layers(num_layers: int) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class Eagle3Config:
+    kind: ClassVar[str] = EAGLE3
     hidden_size: int
     intermediate_size: int
     num_heads: int
@@ -89,7 +98,7 @@ class Eagle3Config:
     def to_hf(self) -> dict:
         cfg = dict(self.extra)
         cfg.update(
-            architectures=["LlamaForCausalLMEagle3"],
+            architectures=[EAGLE3_ARCH],
             model_type="llama",
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
@@ -115,10 +124,10 @@ class Eagle3Config:
     @classmethod
     def from_hf(cls, cfg: dict, target_layers: int | None = None) -> "Eagle3Config":
         arch = cfg.get("architectures") or []
-        if arch and not any("Eagle3" in a for a in arch):
-            raise DraftCheckpointError(f"not an EAGLE-3 checkpoint: architectures={arch}")
+        if arch and config_kind(cfg) != EAGLE3:
+            raise CheckpointError(f"not an EAGLE-3 checkpoint: architectures={arch}")
         if cfg.get("num_hidden_layers", 1) != 1:
-            raise DraftCheckpointError(
+            raise CheckpointError(
                 f"only 1-layer EAGLE-3 drafts are supported, got num_hidden_layers={cfg['num_hidden_layers']}"
             )
         eagle = cfg.get("eagle_config") or {}
@@ -128,15 +137,16 @@ class Eagle3Config:
             if eagle.get(k) or cfg.get(k)
         ]
         if unsupported:
-            raise DraftCheckpointError(f"unsupported EAGLE-3 options in config: {unsupported}")
+            raise CheckpointError(f"unsupported EAGLE-3 options in config: {unsupported}")
         aux = eagle.get("eagle_aux_hidden_state_layer_ids")
         if aux is None:
             if target_layers is None:
-                raise DraftCheckpointError(
-                    "config has no eagle_aux_hidden_state_layer_ids and the target depth is unknown"
-                )
+                raise CheckpointError("config has no eagle_aux_hidden_state_layer_ids and the target depth is unknown")
             aux = default_aux_layers(target_layers)
-        lc = LlamaConfig.from_hf({**cfg, "num_hidden_layers": 1})
+        try:
+            lc = LlamaConfig.from_hf({**cfg, "num_hidden_layers": 1})
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"bad EAGLE-3 config: {type(e).__name__} {e}") from e
         known = {"eagle_config", "draft_vocab_size", "target_hidden_size"}
         return cls(
             hidden_size=lc.hidden_size,
@@ -284,7 +294,7 @@ class Eagle3Draft(nn.Module):
         state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in self.state_dict().items()}
         cfg = self.cfg.to_hf() | {"torch_dtype": str(dtype).removeprefix("torch.")} | (extra_config or {})
         save_weights(state, out)
-        (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        (out / CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 # --- reading checkpoints ----------------------------------------------------------------------
@@ -303,56 +313,31 @@ def _canonical_name(name: str) -> str | None:
     return name
 
 
-def _read_state(ckpt: Path) -> dict[str, torch.Tensor]:
-    if weight_files(ckpt):
-        return read_weights(ckpt)
-    bin_file = ckpt / "pytorch_model.bin"
-    if bin_file.is_file():
-        return torch.load(bin_file, map_location="cpu", weights_only=True)
-    raise DraftCheckpointError(f"no model.safetensors or pytorch_model.bin in {ckpt}")
-
-
 def load_eagle3(
     ckpt_dir: str | Path, target_cfg: LlamaConfig | None = None, dtype: torch.dtype = torch.float32
 ) -> Eagle3Draft:
     """Read an EAGLE-3 checkpoint (ours or SpecForge's); check it against the target if given."""
     ckpt = Path(ckpt_dir).expanduser()
-    if not (ckpt / "config.json").is_file():
-        raise DraftCheckpointError(f"{ckpt} has no config.json")
-    cfg = Eagle3Config.from_hf(
-        json.loads((ckpt / "config.json").read_text()), target_cfg.num_layers if target_cfg else None
-    )
+    cfg = Eagle3Config.from_hf(read_config(ckpt), target_cfg.num_layers if target_cfg else None)
     if target_cfg is not None:
-        _check_fits(cfg, target_cfg)
+        check_fits(cfg, target_cfg)
     model = Eagle3Draft(cfg)
     state = {}
-    for k, v in _read_state(ckpt).items():
+    for k, v in read_weights(ckpt).items():
         name = _canonical_name(k)
         if name is not None:
             state[name] = v
     if "d2t" not in state:  # no reduced vocab: identity mapping
         state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
-    if "t2d" not in state:
+    if "t2d" not in state and state["d2t"].numel() == cfg.draft_vocab_size:
         t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
         t2d[state["d2t"].long() + torch.arange(cfg.draft_vocab_size)] = True
         state["t2d"] = t2d
-    state["d2t"], state["t2d"] = state["d2t"].long(), state["t2d"].bool()
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise DraftCheckpointError(f"{ckpt}: missing weights {missing}, unexpected weights {unexpected}")
+    state["d2t"] = state["d2t"].long()
+    if "t2d" in state:
+        state["t2d"] = state["t2d"].bool()
+    load_state(model, state, ckpt)
     return model.to(dtype)
-
-
-def _check_fits(cfg: Eagle3Config, t: LlamaConfig) -> None:
-    problems = []
-    if cfg.vocab_size != t.vocab_size:
-        problems.append(f"vocab {cfg.vocab_size} != target {t.vocab_size}")
-    if cfg.target_hidden_size != t.hidden_size or cfg.hidden_size != t.hidden_size:
-        problems.append(f"hidden {cfg.hidden_size}/{cfg.target_hidden_size} != target {t.hidden_size}")
-    if any(not 0 <= l < t.num_layers for l in cfg.aux_layers):
-        problems.append(f"aux layers {cfg.aux_layers} outside the target's {t.num_layers} layers")
-    if problems:
-        raise DraftCheckpointError("draft does not fit the target: " + "; ".join(problems))
 
 
 def vocab_from_counts(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tensor:
@@ -362,7 +347,6 @@ def vocab_from_counts(counts: torch.Tensor, draft_vocab_size: int) -> torch.Tens
 
 
 __all__ = [
-    "DraftCheckpointError",
     "Eagle3Config",
     "Eagle3Draft",
     "default_aux_layers",

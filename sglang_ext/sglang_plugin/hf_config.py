@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from transformers import AutoConfig, PretrainedConfig
 
-from ..models.moa import ARCH, MoAConfig
+from ..models.checkpoint import MOA_ARCH
+from ..models.moa import MoAConfig
 
 MODEL_TYPE = "moa_draft"
 DRAFT_KV_LAYERS = 2  # pool layer 0: SA keys/values of verified tokens; 1: CA keys/values (LSA memory)
@@ -35,7 +36,7 @@ class MoADraftHFConfig(PretrainedConfig):
         self, num_heads: int = 8, num_kv_heads: int = 4, head_dim: int = 64, max_position: int = 8192, **kwargs
     ):
         kwargs.pop("num_hidden_layers", None)  # always the draft pool's two layers
-        kwargs.setdefault("architectures", [ARCH])
+        kwargs.setdefault("architectures", [MOA_ARCH])
         super().__init__(**kwargs)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads

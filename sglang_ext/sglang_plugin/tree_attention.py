@@ -1,7 +1,8 @@
 """One interface, four tree-attention backends for the MoA draft passes:
 fn(q [T, Hq, D], k_pool [S, Hkv, D], v_pool, plan: AttentionPlan, scale) -> [T, Hq, D].
 
-    flashinfer  BatchPrefillWithPagedKVCacheWrapper, page_size 1, custom mask (attention/flashinfer_plan.py)
+    flashinfer  BatchPrefillWithPagedKVCacheWrapper, page_size 1, custom mask (attention/flashinfer_plan.py);
+                a FlashInferTreeAttention per call of select_tree_attention, planned once per step
     triton      our tree kernel over the plan's ragged view (attention/triton_tree.py)
     cpu         our AVX2 kernel for few queries per request, else torch (attention/cpu.py)
     torch       SDPA over the plan's padded view (attention/torch_ref.py), the reference
@@ -39,7 +40,7 @@ def resolve_backend_name(device: torch.device | str, name: str | None = None) ->
 def select_tree_attention(device: torch.device | str, name: str | None = None) -> AttentionFn:
     name = resolve_backend_name(device, name)
     if name == "flashinfer":
-        from ..attention.flashinfer_plan import tree_attention_flashinfer
+        from ..attention.flashinfer_plan import FlashInferTreeAttention
 
-        return tree_attention_flashinfer
+        return FlashInferTreeAttention()  # the caller holds it: its workspace and the step it planned
     return select_backend(device, name)  # cpu, torch, triton

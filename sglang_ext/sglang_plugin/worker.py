@@ -35,8 +35,9 @@ from sglang.srt.speculative.pp_draft_embedding import resolve_target_embed_and_h
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from sglang.srt.speculative.spec_utils import get_plan_stream
 
+from ..models.checkpoint import check_fits
 from ..models.loader import LlamaConfig
-from .algorithm import check_fits_target, tli_override
+from .algorithm import tli_override
 from .draft_core import MoAPools, moa_commit, moa_draft
 from .hf_config import CA_KV_LAYER, SA_KV_LAYER
 from .layout import committed_after_extend, committed_after_verify
@@ -95,7 +96,7 @@ class MoADraftWorker(EagleDraftWorker):
         cfg = self.moa.cfg
         self.tli = tli_override(cfg)
         hf = target_worker.model_runner.model_config.hf_text_config
-        check_fits_target(cfg, LlamaConfig.from_hf(hf.to_dict()))
+        check_fits(cfg, LlamaConfig.from_hf(hf.to_dict()), "the target model")
         self.attention = select_tree_attention(self.device)
         layers = _target_layers(target_worker.model_runner.model)
         self.tli_layer_ids = list(range(len(layers) - self.tli, len(layers)))

@@ -111,11 +111,12 @@ def smoke_target(vocab_size: int, device: torch.device, seed: int = 0):
 def load_job_target(args, device: torch.device):
     """The target model: a GGUF file (converted once into --cache), a name/dir, or the smoke target."""
     from ..models import load_target
+    from ..models.checkpoint import has_config
     from ..models.loader import _convert_gguf
 
     if args.target_gguf:
         out = Path(args.cache) / Path(args.target_gguf).stem
-        if not (out / "config.json").is_file():
+        if not has_config(out):
             out.parent.mkdir(parents=True, exist_ok=True)
             _convert_gguf(Path(args.target_gguf), out)
         return load_target(str(out), dtype="auto", device=str(device)).model

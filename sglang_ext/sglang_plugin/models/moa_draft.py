@@ -42,8 +42,9 @@ from sglang.srt.layers.linear import (
 from sglang.srt.model_loader.weight_utils import default_weight_loader
 from torch import nn
 
+from ...models.checkpoint import MOA_ARCH, CheckpointError
 from ...models.llama import rope_inv_freq
-from ...models.moa import ARCH, GROUPS, MoAConfig, MoAPieces
+from ...models.moa import MoAConfig, MoAPieces, strip_wrappers
 from ..hf_config import MoADraftHFConfig
 
 # (parameter fragment, checkpoint fragment, shard id)
@@ -58,7 +59,6 @@ CROSS_STACKED = (
     (".kv_proj.", ".k_proj.", 0),
     (".kv_proj.", ".v_proj.", 1),
 )
-WRAPPER_PREFIXES = ("module.", "model.", "draft_model.", "draft.")
 
 
 def _join(prefix: str, name: str) -> str:
@@ -216,41 +216,43 @@ class MoADraftModel(MoAPieces, nn.Module):
 
     # --- weights ----------------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load checkpoint tensors; raise on any name that maps to no parameter. Returns the
-        parameter names loaded (fused ones once per shard)."""
+        """Load checkpoint tensors; CheckpointError for a name that maps to no parameter or a tensor of
+        the wrong shape. Returns the parameter names loaded (fused ones once per shard)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for ckpt_name, tensor in weights:
-            name = ckpt_name
-            for p in WRAPPER_PREFIXES:  # same prefixes the embedded loader strips
-                if name.startswith(p) and not name.startswith(GROUPS):
-                    name = name[len(p) :]
+            name = strip_wrappers(ckpt_name)  # the prefixes the embedded loader strips
             if name == "hot_ids":
                 if tensor.numel() != self.hot_ids.numel():
-                    raise ValueError(f"hot_ids has {tensor.numel()} ids, config says {self.hot_ids.numel()}")
+                    raise CheckpointError(f"hot_ids has {tensor.numel()} ids, config says {self.hot_ids.numel()}")
                 self.hot_ids.copy_(tensor.to(torch.long).sort().values)
-                self.loaded_weight_names.add(ckpt_name)
                 loaded.add("hot_ids")
-                continue
-            stacked = CROSS_STACKED if name.startswith("cross_attention.cross_attn.") else STACKED
-            for param_frag, ckpt_frag, shard in stacked:
-                if ckpt_frag in name:
-                    target = name.replace(ckpt_frag, param_frag)
-                    if target not in params:
-                        raise KeyError(
-                            f"MoA checkpoint weight {ckpt_name} maps to {target}, which the model does not have"
-                        )
-                    params[target].weight_loader(params[target], tensor, shard)
-                    loaded.add(f"{target}#{shard}")
-                    break
             else:
-                if name not in params:
-                    raise KeyError(f"MoA checkpoint weight {ckpt_name} has no parameter in {type(self).__name__}")
-                param = params[name]
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-                loaded.add(name)
+                loaded.add(self._load_one(params, ckpt_name, name, tensor))
             self.loaded_weight_names.add(ckpt_name)
         return loaded
+
+    def _load_one(self, params: dict, ckpt_name: str, name: str, tensor: torch.Tensor) -> str:
+        """Hand one checkpoint tensor to its parameter's weight loader; the loaded name (#shard if fused)."""
+        stacked = CROSS_STACKED if name.startswith("cross_attention.cross_attn.") else STACKED
+        target, shard = next(
+            ((name.replace(c, p), s) for p, c, s in stacked if c in name),
+            (name, None),
+        )
+        if target not in params:
+            raise CheckpointError(f"MoA checkpoint weight {ckpt_name} maps to {target}, which the model does not have")
+        param = params[target]
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            if shard is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard)
+        except (AssertionError, RuntimeError, ValueError) as e:  # SGLang's loaders assert on shapes
+            raise CheckpointError(
+                f"MoA checkpoint weight {ckpt_name} {list(tensor.shape)} does not fit {target} {list(param.shape)}: {e}"
+            ) from e
+        return target if shard is None else f"{target}#{shard}"
 
 
 def expected_loaded_names(model: MoADraftModel) -> set[str]:
@@ -270,4 +272,4 @@ def expected_loaded_names(model: MoADraftModel) -> set[str]:
 
 
 EntryClass = [MoADraftModel]
-assert MoADraftModel.__name__ == ARCH
+assert MoADraftModel.__name__ == MOA_ARCH
