@@ -358,3 +358,16 @@ def test_lsa_layer_rope_is_made_once_and_matches_a_fresh_one():
     assert torch.equal(a[0], fresh[0]) and torch.equal(a[1], fresh[1])
     b = d._lsa_rope(7, torch.float32, torch.device("cpu"))
     assert b[0].shape[0] == 7  # another layer count: its own entry
+
+
+def test_moa_draft_math_has_one_home():
+    """The MoA pieces (LSA, SA, CA) and the logits/top-k step are driven from drafters/moa_core.py and
+    search.py only: the embedded drafter and the SGLang plugin's draft core are storage around them."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "sglang_ext"
+    math = re.compile(r"\.(lsa|sa_qkv|sa_finish|ca_kv|ca_q|ca_finish|topk)\(|softmax\(|\blinear\(")
+    storage = [root / "drafters" / "moa.py", *sorted((root / "sglang_plugin").rglob("*.py"))]
+    hits = [f"{p.name}: {line.strip()}" for p in storage for line in p.read_text().splitlines() if math.search(line)]
+    assert not hits, hits

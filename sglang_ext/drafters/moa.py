@@ -13,6 +13,9 @@ at its position; its SA sees the verified prefix plus itself (or its ancestors, 
 its CA sees all verified memory, and the TLI layers see the target's real KV for verified
 positions plus the node's ancestors' speculative KV, written to temporary target-pool slots that
 are freed before propose returns (the target's own cache is never written).
+
+The math (commit, the draft pass, logits, the tree driver) is moa_core's, shared with the SGLang
+plugin; this class is the embedded storage: per-request slot lists and temporary tree slots.
 """
 
 from __future__ import annotations
@@ -23,16 +26,27 @@ from pathlib import Path
 import torch
 
 from ..attention import plan_frontier, tree_attention_cpu
-from ..kernels import attach_bf16_halves, attach_packed_rows, linear
+from ..kernels import attach_bf16_halves, attach_packed_rows
 from ..models.checkpoint import CheckpointError, check_fits, has_config
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel, rms_norm
-from ..models.moa import MoADraft, load_moa, stack_pool_kv
+from ..models.moa import MoADraft, load_moa
 from ..sampling import greedy_tokens
 from ..settings import settings
 from ..tree import TokenTree, TreeShape
 from .base import SHIPPED_DIR, DrafterError, DraftInput, TargetCapture
-from .search import scatter_to_vocab, search_tree
+from .moa_core import (
+    DraftKV,
+    MoAParts,
+    PassSlots,
+    commit_ca,
+    commit_sa,
+    draft_logits,
+    draft_pass,
+    draft_tree,
+    lsa_memory,
+)
+from .search import search_tree
 
 SHIPPED = {"SmolLM2-135M-Instruct": {"moa-tli0": "smollm2-moa-tli0", "moa-tli1": "smollm2-moa-tli1"}}
 BEST = {"SmolLM2-135M-Instruct": "moa-tli1"}  # `--drafter moa`: the better shipped TLI (see docs/BENCHMARKS.md)
@@ -94,6 +108,25 @@ class MoADrafter:
         self.tli_offset = len(target.layers) - c.tli if remote else 0  # pool layer = target layer - offset
         self.reqs: dict[int, _RequestState] = {}
         self.lsa_rows = 0  # tokens LSA has processed (each verified token exactly once)
+        self.kv = DraftKV(self.sa.k[0], self.sa.v[0], self.mem.k[0], self.mem.v[0])
+        self.parts = MoAParts(
+            draft=self.draft,
+            embed=target.embed,
+            head=self.head,
+            hot_ids=self.hot_ids,
+            final_norm=lambda x: rms_norm(x, target.norm, target.cfg.rms_norm_eps),
+            tli_layers=[self._tli_layer(li) for li in self.tli_layers],
+            attention=tree_attention_cpu,
+        )
+
+    def _tli_layer(self, li: int):
+        """Target layer li over the draft feature: reads and writes the K/V of tli_kv (bound at the first commit)."""
+
+        def run(x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, plan) -> torch.Tensor:
+            rope = self.target.rope(positions)
+            return self.target.layer_forward(li, x, rope, slots, plan, self.tli_kv, kv_layer=li - self.tli_offset)
+
+        return run
 
     @classmethod
     def from_target(cls, target, path: str | os.PathLike | None = None, name: str = "moa") -> "MoADrafter":
@@ -142,9 +175,9 @@ class MoADrafter:
         if self.capture_layers:
             memory = (hidden or {})[self.capture_layers[0]]
         else:
-            memory = self.draft.lsa(stack_pool_kv(kv, slots))  # [n, H], the new tokens only
+            memory = lsa_memory(self.draft, kv.k, kv.v, slots)  # [n, H], the new tokens only
             self.lsa_rows += slots.numel()
-        return self.draft.ca_kv(memory, positions)
+        return commit_ca(self.draft, memory, positions)
 
     def _ingest(
         self, st: _RequestState, token_ids: list[int], positions: torch.Tensor, ca_k, ca_v, target_slots: torch.Tensor
@@ -152,7 +185,7 @@ class MoADrafter:
         n = len(token_ids)
         mem = self.mem.alloc(n)
         self.mem.write(0, mem, ca_k, ca_v)
-        _, k, v = self.draft.sa_qkv(self.target.embed[torch.as_tensor(token_ids)], positions)
+        k, v = commit_sa(self.draft, self.target.embed, torch.as_tensor(token_ids), positions)
         sa = self.sa.alloc(n)
         self.sa.write(0, sa, k, v)
         st.mem_slots = torch.cat([st.mem_slots, mem])
@@ -195,9 +228,8 @@ class MoADrafter:
         sa_plan = plan_frontier([st.sa_slots], [[[s for s, _ in own]]])
         ca_plan = plan_frontier([st.mem_slots], [[[]]])
         tli_plan = plan_frontier([st.target_slots], [[[t for _, t in st.offline]]]) if self.tli_layers else None
-        h = self._forward(
-            torch.tensor(token_ids[-1:]), torch.tensor([seq_len + depth]), sa_new, tgt_new, sa_plan, ca_plan, tli_plan
-        )
+        at = PassSlots(torch.tensor([seq_len + depth]), sa_new, tgt_new, sa_plan, ca_plan, tli_plan)
+        h = draft_pass(self.parts, self.kv, torch.tensor(token_ids[-1:]), at)
         return int(self.hot_ids[greedy_tokens(self._to_logits(h, False))[0]])
 
     def drop_offline(self, rid: int) -> None:
@@ -228,74 +260,73 @@ class MoADrafter:
                 raise DrafterError(
                     f"request {d.rid}: draft state out of sync ({st.target_slots.numel()} verified vs {d.seq_len})"
                 )
-        b = len(batch)
         full = shape.topk == 1 and any(not d.params.greedy for d in batch)
-        to_target = (lambda ids: ids) if full else (lambda ids: self.hot_ids[ids])
-        temps: list[tuple[KVPool, torch.Tensor]] = []
-        # per frontier node: its path's temporary (sa slot, target slot) pairs, root first
-        paths: list[list[list[tuple[int, int]]]] = [[[]] for _ in range(b)]
-
-        def run(tokens: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
-            """tokens [b, kk] target ids of the frontier; parent [b, kk] index into the previous paths."""
-            kk = tokens.shape[1]
-            sa_new = self.sa.alloc(b * kk)
-            temps.append((self.sa, sa_new))
-            tgt_new = self.tli_kv.alloc(b * kk) if self.tli_layers else torch.zeros(b * kk, dtype=torch.long)
-            if self.tli_layers:
-                temps.append((self.tli_kv, tgt_new))
-            new_paths, pos, sa_seen, tgt_seen = [], [], [], []
-            for i, d in enumerate(batch):
-                rows = []
-                for j in range(kk):
-                    path = paths[i][int(parent[i, j])] + [(int(sa_new[i * kk + j]), int(tgt_new[i * kk + j]))]
-                    rows.append(path)
-                    pos.append(d.seq_len + len(path) - 1)
-                new_paths.append(rows)
-                own = (lambda p: p) if self.cfg.sa_tree_attention == "ancestors" else (lambda p: p[-1:])
-                sa_seen.append([[s for s, _ in own(p)] for p in rows])
-                tgt_seen.append([[t for _, t in p] for p in rows])
-            paths[:] = new_paths
-            sts = [self.reqs[d.rid] for d in batch]
-            # per request: its verified prefix gathered once for all its frontier nodes
-            sa_plan = plan_frontier([st.sa_slots for st in sts], sa_seen)
-            ca_plan = plan_frontier([st.mem_slots for st in sts], [[[]] * kk for _ in sts])
-            tli_plan = plan_frontier([st.target_slots for st in sts], tgt_seen) if self.tli_layers else None
-            logits = self._forward(tokens.reshape(-1), torch.tensor(pos), sa_new, tgt_new, sa_plan, ca_plan, tli_plan)
-            return self._to_logits(logits, full).view(b, kk, -1)
-
-        def step_fn(tokens: torch.Tensor, parent_beam: torch.Tensor | None) -> torch.Tensor:
-            parent = torch.zeros(b, tokens.shape[1], dtype=torch.long) if parent_beam is None else parent_beam
-            return run(to_target(tokens), parent)
-
+        paths = _TreePaths(self, batch)
         try:
-            roots = torch.tensor([d.token_ids[-1] for d in batch])[:, None]
-            # the root is a node too: its own query, SA and TLI entries at position seq_len
-            root_logits = run(roots, torch.zeros(b, 1, dtype=torch.long))[:, 0]
-            trees = search_tree(root_logits, step_fn, shape, batch)
+            trees = draft_tree(
+                self.parts,
+                self.kv,
+                paths,
+                torch.tensor([d.token_ids[-1] for d in batch]),
+                lambda root_logits, step_fn: search_tree(root_logits, step_fn, shape, batch),
+                full,
+                logits=lambda h: self._to_logits(h, full),
+            )
         finally:
-            for pool, s in temps:  # speculative K/V is never kept
-                pool.free(s)
+            paths.free()  # speculative K/V is never kept
         if not full:
             for t in trees:
                 t.draft_tokens = torch.cat([t.draft_tokens[:1], self.hot_ids[t.draft_tokens[1:]]])
         return trees
 
-    def _forward(self, ids, positions, sa_new, tgt_new, sa_plan, ca_plan, tli_plan) -> torch.Tensor:
-        """One draft pass over n nodes -> final hidden [n, H] (after the target's norm)."""
-        d, tgt = self.draft, self.target
-        x = tgt.embed[ids]
-        rope = d.rope(positions, x.dtype)
-        q, k, v = d.sa_qkv(x, positions, rope)
-        self.sa.write(0, sa_new, k, v)
-        x = d.sa_finish(tree_attention_cpu(q, self.sa.k[0], self.sa.v[0], sa_plan, d.scale), x)
-        q = d.ca_q(x, positions, rope)
-        x = d.ca_finish(tree_attention_cpu(q, self.mem.k[0], self.mem.v[0], ca_plan, d.scale), x)
-        if self.tli_layers:
-            rope = tgt.rope(positions)
-            for li in self.tli_layers:
-                x = tgt.layer_forward(li, x, rope, tgt_new, tli_plan, self.tli_kv, kv_layer=li - self.tli_offset)
-        return rms_norm(x, tgt.norm, tgt.cfg.rms_norm_eps)
-
     def _to_logits(self, hidden: torch.Tensor, full: bool) -> torch.Tensor:
-        lg = linear(hidden, self.head).float()
-        return scatter_to_vocab(lg, self.hot_ids, self.cfg.vocab_size) if full else lg
+        return draft_logits(self.parts, hidden, full)
+
+
+class _TreePaths:
+    """The embedded storage of one propose (moa_core's Frontier): each pass's nodes get temporary SA
+    (and TLI) slots; a node sees its request's verified slot lists plus its path's temporary slots
+    (root first). The temporary slots are freed when the propose ends."""
+
+    def __init__(self, drafter: MoADrafter, batch: list[DraftInput]):
+        self.d, self.batch = drafter, batch
+        self.sts = [drafter.reqs[x.rid] for x in batch]
+        self.paths: list[list[list[tuple[int, int]]]] = [[[]] for _ in batch]  # per node: (sa, tli) slots
+        self.temps: list[tuple[KVPool, torch.Tensor]] = []
+
+    def __call__(self, parent: torch.Tensor) -> PassSlots:
+        """parent [b, kk]: each new node's index among the previous pass's nodes."""
+        d = self.d
+        b, kk = parent.shape
+        sa_new = d.sa.alloc(b * kk)
+        self.temps.append((d.sa, sa_new))
+        tgt_new = d.tli_kv.alloc(b * kk) if d.tli_layers else torch.zeros(b * kk, dtype=torch.long)
+        if d.tli_layers:
+            self.temps.append((d.tli_kv, tgt_new))
+        own = (lambda p: p) if d.cfg.sa_tree_attention == "ancestors" else (lambda p: p[-1:])
+        new_paths, pos, sa_seen, tgt_seen = [], [], [], []
+        for i, x in enumerate(self.batch):
+            rows = []
+            for j in range(kk):
+                path = self.paths[i][int(parent[i, j])] + [(int(sa_new[i * kk + j]), int(tgt_new[i * kk + j]))]
+                rows.append(path)
+                pos.append(x.seq_len + len(path) - 1)
+            new_paths.append(rows)
+            sa_seen.append([[s for s, _ in own(p)] for p in rows])
+            tgt_seen.append([[t for _, t in p] for p in rows])
+        self.paths = new_paths
+        # per request: its verified prefix gathered once for all its frontier nodes
+        sts = self.sts
+        return PassSlots(
+            positions=torch.tensor(pos),
+            sa_slots=sa_new,
+            tli_slots=tgt_new,
+            sa_plan=plan_frontier([st.sa_slots for st in sts], sa_seen),
+            ca_plan=plan_frontier([st.mem_slots for st in sts], [[[]] * kk for _ in sts]),
+            tli_plan=plan_frontier([st.target_slots for st in sts], tgt_seen) if d.tli_layers else None,
+        )
+
+    def free(self) -> None:
+        for pool, s in self.temps:
+            pool.free(s)
+        self.temps = []

@@ -6,6 +6,8 @@ A drafter supplies the root logits and a step function; this module turns them i
   nodes of lower path probability are left out and the search stops once the whole frontier is below;
 - chains (topk = 1): argmax for greedy requests; for sampling requests each token is drawn from
   the drafter's processed distribution q and q is recorded (Leviathan-style verification).
+The EAGLE-2 loop alone (top_k_search -> TreeSearch) also drives the SGLang plugin's MoA draft,
+which hands SGLang the organized search instead of TokenTrees.
 
 step_fn(tokens [b, k], parent_beam [b, k] | None) -> logits [b, k, V]
     tokens are the current frontier; parent_beam[i, j] is the index (in the previous frontier) of the
@@ -49,21 +51,33 @@ def search_tree(
     _check_finite(root_logits, "root")
     if shape.topk == 1 and any(not d.params.greedy for d in batch):
         return _sample_chains(root_logits, step_fn, shape, batch)
-    k = shape.topk
+    search = top_k_search(root_logits, step_fn, shape.topk, shape.depth, shape.min_prob)
     roots = torch.tensor([d.token_ids[-1] for d in batch])
+    return build_trees(roots, search, [d.seq_len for d in batch], shape.num_draft_tokens, shape.min_prob)
+
+
+def top_k_search(
+    root_logits: torch.Tensor, step_fn: StepFn, topk: int, depth: int, min_prob: float = 0.0, check: bool = True
+) -> TreeSearch:
+    """The EAGLE-2 loop: root_logits [b, V] -> the root's top-k, then per step each frontier node's
+    top-k children, globally reranked by path probability. min_prob > 0 stops once the whole frontier
+    is below it; check=False skips the finiteness checks (each one a device sync)."""
+    if check:
+        _check_finite(root_logits, "root")
     probs = torch.softmax(root_logits.float(), dim=-1)
-    topk_p, topk_index = probs.topk(k, dim=-1)
-    search = TreeSearch.start(k)
+    topk_p, topk_index = probs.topk(topk, dim=-1)
+    search = TreeSearch.start(topk)
     tokens, scores = search.first(topk_p, topk_index)
     parent_beam = None
-    for step in range(1, shape.depth):
-        if shape.min_prob and bool((scores < shape.min_prob).all()):
+    for step in range(1, depth):
+        if min_prob and bool((scores < min_prob).all()):
             break  # no frontier node of any request would be verified: its children even less (scores only fall)
         logits = step_fn(tokens, parent_beam)  # [b, k, V]
-        _check_finite(logits, f"step {step}")
-        child_p, child_index = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        if check:
+            _check_finite(logits, f"step {step}")
+        child_p, child_index = torch.softmax(logits.float(), dim=-1).topk(topk, dim=-1)
         tokens, scores, parent_beam = search.expand(step, scores, child_p.flatten(0, 1), child_index.flatten(0, 1))
-    return build_trees(roots, search, [d.seq_len for d in batch], shape.num_draft_tokens, shape.min_prob)
+    return search
 
 
 def _sample_chains(

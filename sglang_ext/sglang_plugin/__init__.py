@@ -11,7 +11,8 @@ What `register()` does (no SGLang file is patched, no hook is needed):
     2. SpeculativeAlgorithm "MOA" with its checks and worker factory   (algorithm.py)
     3. ModelRegistry learns architecture "MoADraftModel"               (models/moa_draft.py)
 
-Modules: layout.py (pure index/tree functions), tree_attention.py (backend choice for the draft
+Modules: layout.py (pure index/tree functions), draft_core.py (the MoA draft core of
+drafters/moa_core.py over SGLang's slot pools), tree_attention.py (backend choice for the draft
 passes), worker.py (MoAWorkerV2 / MoADraftWorker on SGLang's EAGLE v2 worker schema).
 """
 

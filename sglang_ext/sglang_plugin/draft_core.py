@@ -1,16 +1,15 @@
-"""The MoA draft math of the SGLang worker, free of SGLang objects (runs on CPU in tests).
+"""The SGLang worker's storage for the MoA draft core (drafters/moa_core.py), free of SGLang objects
+(runs on CPU in tests). The math is moa_core's, the same the embedded drafter runs; here it works
+over slot-indexed pools instead of per-request slot lists:
 
-Two operations, the same as the embedded drafter's commit/propose (sglang_ext/drafters/moa.py)
-but over slot-indexed pools instead of per-request slot lists:
-
-    moa_commit   verified tokens at `slots`: LSA over their K/V at every target layer -> CA K/V,
-                 and SA K/V of their embeddings; both written to the draft pools at the same slots
-                 (the draft pool shares SGLang's slot numbers, so freeing is the target's business)
-    moa_draft    EAGLE-2 tree search from each request's root (the bonus token): every pass runs
-                 SA (prefix SA K/V + the node itself, or its ancestors), CA (prefix memory), and the
-                 target's last N layers (prefix target K/V + the node's ancestors, written to the
-                 request's draft block, which verify overwrites afterwards).
-                 Returns SGLang's (parent_list, top_scores_index, draft_tokens) in target ids.
+    moa_commit   verified tokens at `slots`: CA K/V (LSA over their K/V at every target layer) and
+                 SA K/V written to the draft pools at the same slots (the draft pool shares SGLang's
+                 slot numbers, so freeing is the target's business)
+    moa_draft    the core's tree search from each request's root (the bonus token); pass s writes
+                 its nodes' SA and TLI K/V to columns step_columns(s) of the request's draft block
+                 (verify overwrites them afterwards); each node sees the request's req_to_token
+                 prefix and its block columns (layout.py). Returns SGLang's (parent_list,
+                 top_scores_index, draft_tokens) in target ids.
 
 The caller supplies the draft model (MoADraft or the SGLang MoADraftModel: same piece API), the
 target's embedding / lm_head rows / final norm, TLI layer callables and a tree-attention function
@@ -24,41 +23,82 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..attention.plan import AttentionPlan
-from ..models.moa import stack_layer_kv
-from ..tree import TreeSearch
+from ..attention import AttentionFn
+from ..drafters.moa_core import DraftKV, MoAParts, PassSlots, TLILayer, commit_ca, commit_sa, draft_tree, lsa_memory
+from ..drafters.search import top_k_search
 from .layout import draft_block, draft_columns, next_visibility, only_self, step_columns, tree_step_plan
-
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionPlan, float], torch.Tensor]
-# (x [n, H], positions [n], node slots [n], plan) -> x; writes the layer's K/V of the nodes at the slots
-TLILayer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionPlan], torch.Tensor]
 
 LSA_CHUNK = 1024  # verified tokens per LSA call: [chunk, L, W] stays small for long prefills
 
 
 @dataclass
-class MoAPools:
-    """K/V buffers [num_slots, heads, head_dim], all indexed by SGLang slot numbers."""
+class MoAPools(DraftKV):
+    """The draft's K/V buffers [num_slots, heads, head_dim] (DraftKV) and the target's per-layer
+    pools (LSA input), all indexed by SGLang slot numbers."""
 
-    sa_k: torch.Tensor
-    sa_v: torch.Tensor
-    ca_k: torch.Tensor
-    ca_v: torch.Tensor
-    target_k: Sequence[torch.Tensor]  # every target layer (LSA input)
-    target_v: Sequence[torch.Tensor]
+    target_k: Sequence[torch.Tensor] = ()  # every target layer
+    target_v: Sequence[torch.Tensor] = ()
 
 
 @torch.inference_mode()
 def moa_commit(
     draft, embed: torch.Tensor, pools: MoAPools, slots: torch.Tensor, positions: torch.Tensor, token_ids: torch.Tensor
 ) -> None:
+    """slots / positions / token_ids [n] of the verified tokens."""
     for a in range(0, slots.numel(), LSA_CHUNK):
         s, pos, tok = slots[a : a + LSA_CHUNK], positions[a : a + LSA_CHUNK], token_ids[a : a + LSA_CHUNK]
-        memory = draft.lsa(stack_layer_kv(pools.target_k, pools.target_v, s))
-        k, v = draft.ca_kv(memory, pos)
+        k, v = commit_ca(draft, lsa_memory(draft, pools.target_k, pools.target_v, s), pos)
         pools.ca_k[s], pools.ca_v[s] = k.to(pools.ca_k.dtype), v.to(pools.ca_v.dtype)
-        _, k, v = draft.sa_qkv(embed[tok], pos)
+        k, v = commit_sa(draft, embed, tok, pos)
         pools.sa_k[s], pools.sa_v[s] = k.to(pools.sa_k.dtype), v.to(pools.sa_v.dtype)
+
+
+class DraftBlock:
+    """moa_core's Frontier over SGLang's slots: pass s's nodes take columns step_columns(s) of each
+    request's reserved draft block; SA and TLI write at the same slots (the draft and target pools
+    share slot numbers)."""
+
+    def __init__(
+        self,
+        req_to_token: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        topk: int,
+        num_steps: int,
+        sa_tree_attention: str,
+        tli: bool,
+    ):
+        self.req_to_token, self.req_pool_indices, self.seq_lens = req_to_token, req_pool_indices, seq_lens
+        self.topk, self.sa_tree_attention, self.tli = topk, sa_tree_attention, tli
+        self.width = draft_columns(num_steps, topk)
+        self.block = draft_block(req_to_token, req_pool_indices, seq_lens, self.width)  # [bs, width]
+        self.step = 0
+        self.visible: torch.Tensor | None = None  # [bs, kk, width] the last pass's ancestors-and-self columns
+        self.ca_plan = None  # the prefix-only plan, kept while the pass size repeats
+
+    def __call__(self, parent: torch.Tensor) -> PassSlots:
+        """parent [bs, kk]: each new node's index among the previous pass's nodes."""
+        bs, kk = parent.shape
+        seq_lens, plan_args = self.seq_lens, (self.req_to_token, self.req_pool_indices, self.seq_lens)
+        cols = step_columns(self.step, self.topk, seq_lens.device)
+        used = int(cols.max()) + 1
+        self.visible = next_visibility(self.visible, parent, cols, self.width, bs)
+        block = self.block[:, :used]
+        sa_visible = self.visible if self.sa_tree_attention == "ancestors" else only_self(cols, self.width, bs)
+        ca_plan = self.ca_plan
+        if ca_plan is None or ca_plan.qo_indptr.numel() - 1 != bs or int(ca_plan.qo_indptr[1]) != kk:
+            self.ca_plan = ca_plan = tree_step_plan(*plan_args, None, None, kk)
+        node_slots = self.block[:, cols].reshape(-1)
+        at = PassSlots(
+            positions=(seq_lens.long()[:, None] + self.step).expand(bs, kk).reshape(-1),
+            sa_slots=node_slots,
+            tli_slots=node_slots,
+            sa_plan=tree_step_plan(*plan_args, block, sa_visible[:, :, :used], kk),
+            ca_plan=ca_plan,
+            tli_plan=tree_step_plan(*plan_args, block, self.visible[:, :, :used], kk) if self.tli else None,
+        )
+        self.step += 1
+        return at
 
 
 @torch.inference_mode()
@@ -71,60 +111,29 @@ def moa_draft(
     tli_layers: Sequence[TLILayer],
     pools: MoAPools,
     attention: AttentionFn,
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
+    req_to_token: torch.Tensor,  # [max_reqs, max_context] slot of token i of request r
+    req_pool_indices: torch.Tensor,  # [bs]
+    seq_lens: torch.Tensor,  # [bs] verified tokens (the root is not one)
     roots: torch.Tensor,  # [bs] target ids
     topk: int,
     num_steps: int,
     num_draft_tokens: int,
     sa_tree_attention: str = "self",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    bs = seq_lens.numel()
-    width = draft_columns(num_steps, topk)
-    block = draft_block(req_to_token, req_pool_indices, seq_lens, width)
-    ca_plan = None
-
-    def run(tokens: torch.Tensor, step: int, visible: torch.Tensor) -> torch.Tensor:
-        """One pass over the frontier tokens [bs, kk] (target ids) -> draft logits [bs, kk, Vd]."""
-        nonlocal ca_plan
-        kk = tokens.shape[1]
-        cols = step_columns(step, topk, seq_lens.device)
-        used = int(cols.max()) + 1
-        node_slots = block[:, cols].reshape(-1)
-        positions = (seq_lens.long()[:, None] + step).expand(bs, kk).reshape(-1)
-        x = embed[tokens.reshape(-1)]
-        q, k, v = draft.sa_qkv(x, positions)
-        pools.sa_k[node_slots], pools.sa_v[node_slots] = k.to(pools.sa_k.dtype), v.to(pools.sa_v.dtype)
-        sa_visible = visible if sa_tree_attention == "ancestors" else only_self(cols, width, bs)
-        sa_plan = tree_step_plan(req_to_token, req_pool_indices, seq_lens, block[:, :used], sa_visible[:, :, :used], kk)
-        x1 = draft.sa_finish(attention(q, pools.sa_k, pools.sa_v, sa_plan, draft.scale), x)
-        if ca_plan is None or ca_plan.qo_indptr.numel() - 1 != bs or int(ca_plan.qo_indptr[1]) != kk:
-            ca_plan = tree_step_plan(req_to_token, req_pool_indices, seq_lens, None, None, kk)
-        x2 = draft.ca_finish(attention(draft.ca_q(x1, positions), pools.ca_k, pools.ca_v, ca_plan, draft.scale), x1)
-        if tli_layers:
-            tli_plan = tree_step_plan(
-                req_to_token, req_pool_indices, seq_lens, block[:, :used], visible[:, :, :used], kk
-            )
-            for layer in tli_layers:
-                x2 = layer(x2, positions, node_slots, tli_plan)
-        logits = torch.nn.functional.linear(final_norm(x2), head).float()
-        return logits.view(bs, kk, -1)
-
-    visible = next_visibility(None, None, step_columns(0, topk, seq_lens.device), width, bs)
-    root_logits = run(roots.long()[:, None], 0, visible)[:, 0]
-    topk_p, topk_index = torch.softmax(root_logits, dim=-1).topk(topk, dim=-1)
-    search = TreeSearch.start(topk)
-    tokens, scores = search.first(topk_p, hot_ids[topk_index])
-    parent_beam = None
-    for step in range(1, num_steps):
-        visible = next_visibility(visible, parent_beam, step_columns(step, topk, seq_lens.device), width, bs)
-        logits = run(tokens, step, visible)
-        child_p, child_index = torch.softmax(logits, dim=-1).topk(topk, dim=-1)
-        tokens, scores, parent_beam = search.expand(
-            step, scores, child_p.flatten(0, 1), hot_ids[child_index].flatten(0, 1)
-        )
-    return search.organize(num_draft_tokens)
+    parts = MoAParts(draft, embed, head, hot_ids, final_norm, tli_layers, attention)
+    frontier = DraftBlock(
+        req_to_token, req_pool_indices, seq_lens, topk, num_steps, sa_tree_attention, bool(tli_layers)
+    )
+    search = draft_tree(
+        parts,
+        pools,
+        frontier,
+        roots,
+        # no finiteness checks: each is a device sync, and the worker has no fallback to take
+        lambda root_logits, step_fn: top_k_search(root_logits, step_fn, topk, num_steps, check=False),
+    )
+    parent_list, top_scores_index, draft_tokens = search.organize(num_draft_tokens)
+    return parent_list, top_scores_index, hot_ids[draft_tokens]
 
 
-__all__ = ["LSA_CHUNK", "MoAPools", "moa_commit", "moa_draft"]
+__all__ = ["LSA_CHUNK", "DraftBlock", "MoAPools", "moa_commit", "moa_draft"]

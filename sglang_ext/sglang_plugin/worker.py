@@ -1,8 +1,9 @@
 """MoA on SGLang's v2 speculative worker schema (EAGLEWorkerV2 / EagleDraftWorker, sglang 0.5.23).
 
 NOT RUN: this module needs a CUDA device and SGLang's kernels; it has never executed on the
-CPU-only machine it was written on. Its math lives in draft_core.py (checked on CPU against the
-embedded MoA drafter) and its index handling in layout.py (checked on CPU); this file is the glue.
+CPU-only machine it was written on. Its math is drafters/moa_core.py, the embedded MoA drafter's
+own, over SGLang's slot pools (draft_core.py, checked on CPU against the embedded drafter); its index
+handling is layout.py (checked on CPU); this file is the glue.
 
 One decode iteration, as EAGLEWorkerV2.forward_batch_generation drives it:
 
