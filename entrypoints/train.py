@@ -151,6 +151,11 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     k.add_argument("--out", required=True, help="shard directory (manifest.json + shard-*.npz)")
     k.add_argument("--shard-tokens", type=int, default=4_000_000, help="tokens per shard file")
     k.set_defaults(train_fn=pack_data)
+    from entrypoints.train_job import add_job_args, cmd_job
+
+    j = kinds.add_parser("job", help="EAGLE-3 and MoA TLI 0/1 trained together on one target run (the GPU job)")
+    add_job_args(j)
+    j.set_defaults(train_fn=cmd_job)
     return t
 
 

@@ -47,9 +47,9 @@ run)
   shards=${SHARDS:-runs/shards}
   init=()
   [ -d /tmp/moa-stage/init ] && init=(--init-from /tmp/moa-stage/init)
-  [ -n "${SKIP_SMOKE:-}" ] || $PY -m sglang_ext.training.job --shards "$shards" --out /tmp/moa-smoke --smoke --device cuda 2>&1 | tail -3
+  [ -n "${SKIP_SMOKE:-}" ] || $PY -m entrypoints.train_job --shards "$shards" --out /tmp/moa-smoke --smoke --device cuda 2>&1 | tail -3
   # shellcheck disable=SC2086
-  $PY -m sglang_ext.training.job --shards "$shards" --target-gguf /tmp/moa-target/$GGUF_NAME --out /tmp/moa-job --pack "$out" \
+  $PY -m entrypoints.train_job --shards "$shards" --target-gguf /tmp/moa-target/$GGUF_NAME --out /tmp/moa-job --pack "$out" \
     --device cuda --time-budget-min "${TIME_BUDGET_MIN:-6.5}" --deadline-min "${DEADLINE_MIN:-8.2}" "${init[@]}" ${JOB_ARGS:-} 2>&1 | tee "$out/job.log"
   cp /tmp/moa-job/summary.json "$out/summary.json"
   ;;

@@ -13,6 +13,7 @@ import torch
 from helpers import tiny_config, tiny_state
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
+from entrypoints.train_job import main as train_job_main
 from sglang_ext.models import LlamaModel
 from sglang_ext.models.checkpoint import INDEX, read_weights, save_weights, weight_files
 from sglang_ext.training import job as job_mod
@@ -203,7 +204,7 @@ def test_gpu_job_smoke_runs_end_to_end_on_cpu(tmp_path):
     pack(tmp_path / "shards", {"distill:d": distill_examples(d)}, vocab_size=49152)
     out = tmp_path / "out"
     assert (
-        job_mod.main(
+        train_job_main(
             [
                 "--shards",
                 str(tmp_path / "shards"),
@@ -250,7 +251,7 @@ def test_gpu_job_smoke_runs_end_to_end_on_cpu(tmp_path):
         "--init-from",
         str(tmp_path / "back" / "heads"),
     ]
-    assert job_mod.main(again) == 0
+    assert train_job_main(again) == 0
     ft = load_eagle3(tmp_path / "ft" / "heads" / "eagle3", target.cfg)
     assert torch.equal(ft.d2t, e3.d2t) and not torch.equal(ft.fc.weight, e3.fc.weight)
     assert json.loads((tmp_path / "ft" / "summary.json").read_text())["heads"] == ["eagle3", "moa-tli1"]

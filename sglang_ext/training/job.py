@@ -1,7 +1,8 @@
 """The drafter training job: EAGLE-3, MoA TLI=0 and MoA TLI=1 trained together on one GPU.
 
-    python -m sglang_ext.training.job --shards data/shards --target smollm2 --out runs/job --time-budget-min 7
-    python -m sglang_ext.training.job --shards data/shards --out runs/smoke --smoke      # CPU, seconds
+    moa-serve train job --shards data/shards --target smollm2 --out runs/job --time-budget-min 7
+    moa-serve train job --shards data/shards --out runs/smoke --smoke      # CPU, seconds
+    python -m entrypoints.train_job ...      # the same, where only torch is installed (a GPU machine)
 
 Every head sees the same batches and the same target run (one target forward per step), so they
 are compared at equal training tokens. Data: token shards (`moa-serve train pack`); the target's own
@@ -18,14 +19,13 @@ one of the same family and runs a few steps: the very same code path, for the CP
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import sys
 import tarfile
 import time
 import traceback
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -33,6 +33,35 @@ import torch
 HEADS = ("eagle3", "moa-tli0", "moa-tli1")
 PART_BYTES = 15 * 2**20
 EXPORT_RESERVE_S = 20.0
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """Everything the job needs (flags: entrypoints/train_job.py)."""
+
+    shards: str  # token shard directory (moa-serve train pack)
+    out: str
+    target: str = "smollm2"  # 'smollm2' or a local HF directory
+    target_gguf: str | None = None  # a GGUF file of the target (converted once into `cache`)
+    cache: str = "/tmp/moa-serve-job-cache"
+    pack: str | None = None  # also write heads.tar.partNN (<= 15 MiB each) here
+    heads: tuple[str, ...] = HEADS
+    init_from: str | None = None  # fine-tune: start each head from <dir>/<head> (its weights and draft vocab)
+    device: str = "auto"  # auto | cpu | cuda
+    time_budget_min: float = 7.0  # training time; the LR schedule follows it
+    deadline_min: float | None = None  # wall time of the whole job: training stops in time to export and score
+    max_steps: int = 1_000_000
+    tokens_per_batch: int = 32768
+    max_len: int = 1024
+    draft_vocab_size: int = 8192
+    distill_repeat: int = 3
+    max_examples: int | None = None  # at most this many examples (windows) per source
+    holdout: float = 0.005  # fraction of each source held out for the final scores
+    lr: float = 1e-3
+    warmup_ratio: float = 0.03
+    log_every: int = 20
+    seed: int = 0
+    smoke: bool = False  # small random target, tiny batches, a few steps (CPU test)
 
 
 def _log(msg: str) -> None:
@@ -108,19 +137,19 @@ def smoke_target(vocab_size: int, device: torch.device, seed: int = 0):
     )
 
 
-def load_job_target(args, device: torch.device):
+def load_job_target(job: JobConfig, device: torch.device):
     """The target model: a GGUF file (converted once into --cache), a name/dir, or the smoke target."""
     from ..models import load_target
     from ..models.checkpoint import has_config
     from ..models.loader import _convert_gguf
 
-    if args.target_gguf:
-        out = Path(args.cache) / Path(args.target_gguf).stem
+    if job.target_gguf:
+        out = Path(job.cache) / Path(job.target_gguf).stem
         if not has_config(out):
             out.parent.mkdir(parents=True, exist_ok=True)
-            _convert_gguf(Path(args.target_gguf), out)
+            _convert_gguf(Path(job.target_gguf), out)
         return load_target(str(out), dtype="auto", device=str(device)).model
-    return load_target(args.target, dtype="auto", device=str(device)).model
+    return load_target(job.target, dtype="auto", device=str(device)).model
 
 
 def draft_vocab(examples_by_source: dict[str, list], vocab_size: int, size: int) -> torch.Tensor:
@@ -273,62 +302,27 @@ def unpack_outputs(parts_dir: Path, dest: Path) -> None:
     tar_path.unlink()
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m sglang_ext.training.job", description=__doc__.split("\n")[0])
-    p.add_argument("--shards", required=True, help="token shard directory (moa-serve train pack)")
-    p.add_argument("--target", default="smollm2", help="'smollm2' or a local HF directory")
-    p.add_argument("--target-gguf", default=None, help="a GGUF file of the target (converted once into --cache)")
-    p.add_argument("--cache", default="/tmp/moa-serve-job-cache")
-    p.add_argument("--out", required=True)
-    p.add_argument("--pack", default=None, help="also write heads.tar.partNN (<= 15 MiB each) here")
-    p.add_argument("--heads", default=",".join(HEADS))
-    p.add_argument(
-        "--init-from", default=None, help="fine-tune: start each head from <dir>/<head> (its weights and draft vocab)"
-    )
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--time-budget-min", type=float, default=7.0, help="training time; the LR schedule follows it")
-    p.add_argument(
-        "--deadline-min",
-        type=float,
-        default=None,
-        help="wall time of the whole job: training stops early enough to export and score by then",
-    )
-    p.add_argument("--max-steps", type=int, default=1_000_000)
-    p.add_argument("--tokens-per-batch", type=int, default=32768)
-    p.add_argument("--max-len", type=int, default=1024)
-    p.add_argument("--draft-vocab-size", type=int, default=8192)
-    p.add_argument("--distill-repeat", type=int, default=3)
-    p.add_argument("--max-examples", type=int, default=None, help="at most this many examples (windows) per source")
-    p.add_argument("--holdout", type=float, default=0.005, help="fraction of each source held out for the final scores")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--warmup-ratio", type=float, default=0.03)
-    p.add_argument("--log-every", type=int, default=20)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--smoke", action="store_true", help="small random target, tiny batches, a few steps (CPU test)")
-    return p.parse_args(argv)
-
-
-def run(args: argparse.Namespace) -> dict:
+def run(job: JobConfig) -> dict:
     from .shards import read_manifest
 
     t0 = time.time()
-    if args.smoke:
-        args = _smoke_args(args)
-    device = resolve_device(args.device)
-    manifest = read_manifest(args.shards)
-    target = smoke_target(manifest["vocab_size"], device, args.seed) if args.smoke else load_job_target(args, device)
+    if job.smoke:
+        job = _smoked(job)
+    device = resolve_device(job.device)
+    manifest = read_manifest(job.shards)
+    target = smoke_target(manifest["vocab_size"], device, job.seed) if job.smoke else load_job_target(job, device)
     if target.cfg.vocab_size != manifest["vocab_size"]:
         raise SystemExit(
             f"shards were made for a vocab of {manifest['vocab_size']}, the target has {target.cfg.vocab_size}"
         )
-    hot, batches, held_batches = _job_data(args, target)
-    heads = tuple(h for h in args.heads.split(",") if h)
-    init = Path(args.init_from) if args.init_from else None
+    hot, batches, held_batches = _job_data(job, target)
+    heads = tuple(job.heads)
+    init = Path(job.init_from) if job.init_from else None
     tasks = build_tasks(
-        target, hot, heads, {"lambda_kl": 1.0, "lambda_feat": 0.1, "min_gap": 6, "max_gap": 14}, args.seed, init
+        target, hot, heads, {"lambda_kl": 1.0, "lambda_feat": 0.1, "min_gap": 6, "max_gap": 14}, job.seed, init
     )
-    out = Path(args.out)
-    trainer = _job_trainer(args, device, tasks, target, batches, _job_meta(args, manifest, hot, device), t0)
+    out = Path(job.out)
+    trainer = _job_trainer(job, device, tasks, target, batches, _job_meta(job, manifest, hot, device), t0)
     n_tok = sum(b.num_tokens for b in batches)
     _log(
         f"{device}: {len(batches)} batches, {n_tok} tokens per epoch, heads {heads}, draft vocab {hot.numel()}, prep "
@@ -354,97 +348,80 @@ def run(args: argparse.Namespace) -> dict:
     }
     (out / "curves.json").write_text(json.dumps(curves(out / "train" / "metrics.jsonl", list(heads))) + "\n")
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    if args.pack:
-        pack_outputs(out, Path(args.pack))
+    if job.pack:
+        pack_outputs(out, Path(job.pack))
     _log(json.dumps(summary))
     return summary
 
 
-def _smoke_args(args: argparse.Namespace) -> argparse.Namespace:
+def _smoked(job: JobConfig) -> JobConfig:
     """--smoke: tiny batches and a few steps."""
-    return argparse.Namespace(
-        **{
-            **vars(args),
-            "tokens_per_batch": min(args.tokens_per_batch, 512),
-            "max_len": min(args.max_len, 64),
-            "max_steps": min(args.max_steps, 3),
-            "draft_vocab_size": min(args.draft_vocab_size, 256),
-            "log_every": 1,
-            "max_examples": min(args.max_examples or 64, 64),
-        }
+    return replace(
+        job,
+        tokens_per_batch=min(job.tokens_per_batch, 512),
+        max_len=min(job.max_len, 64),
+        max_steps=min(job.max_steps, 3),
+        draft_vocab_size=min(job.draft_vocab_size, 256),
+        log_every=1,
+        max_examples=min(job.max_examples or 64, 64),
     )
 
 
-def _job_data(args: argparse.Namespace, target) -> tuple[torch.Tensor, list, list]:
+def _job_data(job: JobConfig, target) -> tuple[torch.Tensor, list, list]:
     """-> (draft vocab [V_draft] target ids, training batches, held-out batches (at most 8))."""
     from .data import make_batches
     from .shards import load_examples_by_source
 
-    by_source = load_examples_by_source(args.shards, args.max_len, limit=args.max_examples)
-    hot = draft_vocab(by_source, target.cfg.vocab_size, args.draft_vocab_size)
-    train, held = split_examples(by_source, args.distill_repeat, args.holdout, args.seed)
-    batches = make_batches(train, args.tokens_per_batch, args.seed)
-    return hot, batches, make_batches(held, args.tokens_per_batch, args.seed)[:8]
+    by_source = load_examples_by_source(job.shards, job.max_len, limit=job.max_examples)
+    hot = draft_vocab(by_source, target.cfg.vocab_size, job.draft_vocab_size)
+    train, held = split_examples(by_source, job.distill_repeat, job.holdout, job.seed)
+    batches = make_batches(train, job.tokens_per_batch, job.seed)
+    return hot, batches, make_batches(held, job.tokens_per_batch, job.seed)[:8]
 
 
-def _job_meta(args: argparse.Namespace, manifest: dict, hot: torch.Tensor, device: torch.device) -> dict:
+def _job_meta(job: JobConfig, manifest: dict, hot: torch.Tensor, device: torch.device) -> dict:
     """What the trainer records with its checkpoints and metrics."""
     return {
-        "job": "sglang_ext.training.job",
+        "job": "moa-serve train job",
         "shards": manifest.get("sources"),
-        "tokens_per_batch": args.tokens_per_batch,
-        "max_len": args.max_len,
-        "lr": args.lr,
-        "distill_repeat": args.distill_repeat,
+        "tokens_per_batch": job.tokens_per_batch,
+        "max_len": job.max_len,
+        "lr": job.lr,
+        "distill_repeat": job.distill_repeat,
         "draft_vocab_size": int(hot.numel()),
         "device": _device_name(device),
-        "time_budget_min": args.time_budget_min,
-        "smoke": bool(args.smoke),
-        "init_from": args.init_from,
+        "time_budget_min": job.time_budget_min,
+        "smoke": bool(job.smoke),
+        "init_from": job.init_from,
     }
 
 
-def _job_trainer(args: argparse.Namespace, device: torch.device, tasks, target, batches, meta: dict, t0: float):
+def _job_trainer(job: JobConfig, device: torch.device, tasks, target, batches, meta: dict, t0: float):
     """The Trainer of all heads, checked on a first batch (preflight); with --deadline-min its time budget
     is what is left of the job's wall time (since t0), less a reserve for export and scoring."""
     from .target import TargetRunner
     from .trainer import OptimConfig, RunConfig, Trainer
 
     run_cfg = RunConfig(
-        str(Path(args.out) / "train"),
-        args.max_steps,
+        str(Path(job.out) / "train"),
+        job.max_steps,
         save_every_s=1e9,
         keep_checkpoints=1,
-        log_every=args.log_every,
-        time_budget_s=args.time_budget_min * 60,
-        seed=args.seed,
+        log_every=job.log_every,
+        time_budget_s=job.time_budget_min * 60,
+        seed=job.seed,
         progress_bar=False,
     )
     runner = TargetRunner(
-        target, args.tokens_per_batch if device.type != "cpu" else max(args.tokens_per_batch, args.max_len)
+        target, job.tokens_per_batch if device.type != "cpu" else max(job.tokens_per_batch, job.max_len)
     )
-    trainer = Trainer(tasks, runner, batches, OptimConfig(lr=args.lr, warmup_ratio=args.warmup_ratio), run_cfg, meta)
+    trainer = Trainer(tasks, runner, batches, OptimConfig(lr=job.lr, warmup_ratio=job.warmup_ratio), run_cfg, meta)
     preflight(trainer, batches)
-    if args.deadline_min:
-        left = args.deadline_min * 60 - (time.time() - t0) - EXPORT_RESERVE_S
+    if job.deadline_min:
+        left = job.deadline_min * 60 - (time.time() - t0) - EXPORT_RESERVE_S
         trainer.run_cfg = replace(run_cfg, time_budget_s=max(1.0, min(run_cfg.time_budget_s, left)))
     return trainer
 
 
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def main(argv=None) -> int:
-    try:
-        run(parse_args(argv))
-    except SystemExit:
-        raise
-    except Exception:
-        traceback.print_exc()
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
