@@ -29,7 +29,7 @@ prepare)
   tail -c +$((PART0_BYTES + 1)) stage/target.gguf.xz >stage/part1/target.gguf.xz.1
   rm stage/target.gguf.xz
   $PY -m pip download -q --no-deps -d stage/wheels gguf==0.19.0
-  [ -f runs/shards/manifest.json ] || $PY -m entrypoints.train train pack --data sharegpt --data ../shared/data/distill --out runs/shards
+  [ -f runs/shards/manifest.json ] || $PY -m entrypoints.cli train pack --data sharegpt --data ../shared/data/distill --out runs/shards
   du -sh stage/* runs/shards
   ;;
 stage)
