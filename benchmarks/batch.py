@@ -174,6 +174,44 @@ def sweep_prompts(prompts: list[list[int]], b: int, min_prompts: int, rounds: in
     return batch_prompts(prompts, max(min_prompts, rounds * b, b))
 
 
+class _SweepEngines:
+    """A method's Engine for the current batch size (engine_batch_runner), and the adaptive policy
+    that outlives it.
+
+    The engine (and its KV pool, sized for b of the longest prompts at the full max_new_tokens) is
+    kept while the batch size stays the same, so the warm-up and the measured runs of a row share
+    it; a new batch size builds a new one. Adaptive speculation keeps what it learned, as in a server
+    whose load changes: its measurements per batch bucket, and the acceptance and step costs behind
+    its prior (kept here, not only in the engine: the engine is released after each batch size)."""
+
+    def __init__(self, engine_cls, target, drafter, tree, max_new_tokens: int, adaptive: bool):
+        self.engine_cls, self.target, self.drafter, self.tree = engine_cls, target, drafter, tree
+        self.max_new_tokens, self.adaptive = max_new_tokens, adaptive and drafter is not None
+        self.engine, self.b, self.policy = None, None, None
+        self.fallbacks: list[str] = []
+
+    def get(self, prompts: list[list[int]], b: int):
+        from serving.config import EngineConfig
+
+        longest = sorted((len(p) for p in prompts), reverse=True)[:b]
+        need = sum(n + self.max_new_tokens + self.tree.num_draft_tokens + 2 for n in longest) + 64
+        e = self.engine
+        if e is None or self.b != b or e.kv.num_slots < need:
+            self.engine = None  # free the old pool first
+            config = EngineConfig(tree=self.tree, kv_slots=2 * need, adaptive=self.adaptive)
+            e = self.engine_cls(
+                self.target, self.drafter, config, on_fallback=lambda r, why: self.fallbacks.append(why)
+            )
+            if self.policy is not None:
+                e.policy = self.policy
+            self.engine, self.b, self.policy = e, b, e.policy
+        return e
+
+    def release(self) -> None:
+        """After the last run at a batch size."""
+        self.engine, self.b = None, None
+
+
 def engine_batch_runner(
     target, method: str, tree, max_new_tokens: int, adaptive: bool, drafter_cache: dict, sampling=None
 ) -> Callable:
@@ -181,11 +219,8 @@ def engine_batch_runner(
     Engine with at most `concurrency` requests running (default: all at once), refilled as they finish.
 
     sampling: a SamplingParams whose temperature / top-p / seed every request uses (default greedy).
-
-    The engine (and its KV pool, sized for `concurrency` of the longest prompts at the full
-    max_new_tokens) is kept while the batch size stays the same, so the warm-up and the measured
-    runs of a row share it; a new batch size builds a new one. The adaptive policy carries over
-    across batch sizes (one server process, one policy). The drafter is built once per method and reused."""
+    One engine per batch size, one adaptive policy across them (_SweepEngines). The drafter is built
+    once per method and reused. The engine class is looked up when the runner is built."""
     from benchmarks.bench import bench_drafter
     from serving.engine import Engine
     from sglang_ext.sampling import SamplingParams
@@ -193,85 +228,67 @@ def engine_batch_runner(
     if method != "vanilla" and method not in drafter_cache:
         drafter_cache[method] = bench_drafter(method, target)  # raises for an unknown drafter: reported
     drafter = drafter_cache.get(method) if method != "vanilla" else None
-    fallbacks: list[str] = []
-    state: dict = {"engine": None, "b": None, "policy": None}
-
-    def engine_for(prompts: list[list[int]], b: int) -> Engine:
-        longest = sorted((len(p) for p in prompts), reverse=True)[:b]
-        need = sum(n + max_new_tokens + tree.num_draft_tokens + 2 for n in longest) + 64
-        e = state["engine"]
-        if e is None or state["b"] != b or e.kv.num_slots < need:
-            # adaptive speculation keeps what it learned, as in a server whose load changes: its
-            # measurements per batch bucket, and the acceptance and step costs behind its prior
-            # (kept in `state`, not only in the engine: the engine is released after each batch size)
-            state["engine"] = None  # free the old pool first
-            e = Engine(
-                target,
-                drafter,
-                tree,
-                kv_slots=2 * need,
-                adaptive=adaptive and drafter is not None,
-                on_fallback=lambda r, why: fallbacks.append(why),
-            )
-            if state["policy"] is not None:
-                e.policy = state["policy"]
-            state["engine"], state["b"], state["policy"] = e, b, e.policy
-        return e
+    engines = _SweepEngines(Engine, target, drafter, tree, max_new_tokens, adaptive)
 
     def steps(prompts: list[list[int]], max_new: int = max_new_tokens, concurrency: int | None = None):
-        """A generator: one engine step per next(); returns the BatchRun (StopIteration.value).
-        res.seconds counts only the time between resumptions, so a sweep can interleave methods
-        step by step and each still gets its own time."""
+        """A generator: one engine step per next(); returns the BatchRun (StopIteration.value)."""
         b = concurrency or len(prompts)
-        engine = engine_for(prompts, b)
-        fallbacks.clear()
+        engine = engines.get(prompts, b)
+        engines.fallbacks.clear()
         sp = SamplingParams(max_new_tokens=max_new) if sampling is None else replace(sampling, max_new_tokens=max_new)
-        todo, reqs = list(prompts), []
-        res = BatchRun(0, seconds=0.0)
-        try:
-            while True:
-                t_in = time.perf_counter()
-                live = sum(not r.finished for r in reqs)  # requests in the engine
-                while todo and live < b:
-                    reqs.append(engine.add_request(todo.pop(0), sp))
-                    live += 1
-                if not live:
-                    break
-                decoding = {r.rid for r in engine.running}  # requests this step decodes (arrivals only prefill)
-                t0 = time.perf_counter()
-                events = engine.step()
-                dt = time.perf_counter() - t0
-                if live == b:
-                    res.full_seconds += dt
-                    res.full_tokens += sum(len(e.new_tokens) for e in events)
-                if decoding:
-                    res.decode_seconds += dt  # NOTE: includes any arrival's prefill in the step
-                    res.decode_tokens += sum(len(e.new_tokens) for e in events if e.request.rid in decoding)
-                    res.decode_steps += 1
-                    res.batch_sum += len(decoding)
-                res.seconds += time.perf_counter() - t_in
-                yield
-        finally:
-            for r in reqs:
-                if not r.finished:
-                    engine.abort(r)
-        for r in reqs:
-            res.tokens += len(r.output_ids)
-            res.verify_steps += r.stats.verify_steps
-            res.accepted += r.stats.accepted_tokens
-            res.drafted += r.stats.draft_tokens
-            add_counts(res.accepted_by_depth, getattr(r.stats, "accepted_by_depth", []))
-            res.outputs.append(r.output_ids)
-        res.fallbacks = len(fallbacks)
+        res = yield from _serve_queue(engine, list(prompts), b, sp)
+        res.fallbacks = len(engines.fallbacks)
         return res
 
     def run(prompts: list[list[int]], max_new: int = max_new_tokens, concurrency: int | None = None) -> BatchRun:
         return drive(steps(prompts, max_new, concurrency))
 
     run.steps = steps  # type: ignore[attr-defined]  # for interleaved sweeps
-    run.release = lambda: state.update(engine=None, b=None)  # type: ignore[attr-defined]  # after the last run at a batch size
-    run.policy = lambda: state["policy"]  # type: ignore[attr-defined]  # the adaptive policy (None when not adaptive)
+    run.release = engines.release  # type: ignore[attr-defined]  # after the last run at a batch size
+    run.policy = lambda: engines.policy  # type: ignore[attr-defined]  # the adaptive policy (None when not adaptive)
     return run
+
+
+def _serve_queue(engine, todo: list[list[int]], b: int, sp):
+    """A generator: one engine step per next(), at most b requests in the engine, refilled from `todo`
+    as they finish; returns the BatchRun. res.seconds counts only the time between resumptions, so a
+    sweep can interleave methods step by step and each still gets its own time."""
+    reqs, res = [], BatchRun(0, seconds=0.0)
+    try:
+        while True:
+            t_in = time.perf_counter()
+            live = sum(not r.finished for r in reqs)  # requests in the engine
+            while todo and live < b:
+                reqs.append(engine.add_request(todo.pop(0), sp))
+                live += 1
+            if not live:
+                break
+            decoding = {r.rid for r in engine.running}  # requests this step decodes (arrivals only prefill)
+            t0 = time.perf_counter()
+            events = engine.step()
+            dt = time.perf_counter() - t0
+            if live == b:
+                res.full_seconds += dt
+                res.full_tokens += sum(len(e.new_tokens) for e in events)
+            if decoding:
+                res.decode_seconds += dt  # NOTE: includes any arrival's prefill in the step
+                res.decode_tokens += sum(len(e.new_tokens) for e in events if e.request.rid in decoding)
+                res.decode_steps += 1
+                res.batch_sum += len(decoding)
+            res.seconds += time.perf_counter() - t_in
+            yield
+    finally:
+        for r in reqs:
+            if not r.finished:
+                engine.abort(r)
+    for r in reqs:
+        res.tokens += len(r.output_ids)
+        res.verify_steps += r.stats.verify_steps
+        res.accepted += r.stats.accepted_tokens
+        res.drafted += r.stats.draft_tokens
+        add_counts(res.accepted_by_depth, getattr(r.stats, "accepted_by_depth", []))
+        res.outputs.append(r.output_ids)
+    return res
 
 
 def run_batch_sweep(
@@ -305,60 +322,14 @@ def run_batch_sweep(
     results: list[BatchResult] = []
     for b in batch_sizes:
         queue = sweep_prompts(prompts, b, min_prompts)
-        batch = queue[:b]
         rows = {
             i: BatchResult(label, tree, b, adaptive, error=build_errors.get(i))
             for i, (label, tree, adaptive, _) in enumerate(methods)
         }
         if warmup:  # the same batch, few new tokens (warms the engine and the adaptive policy)
-            for i, row in rows.items():
-                if row.error:
-                    continue
-                try:
-                    runners[i](batch, warmup_tokens)
-                except Exception as e:  # noqa: BLE001 - a failing method is reported, not dropped
-                    row.error = f"{type(e).__name__}: {e}"
-        order = list(rows)
+            _warm_up(rows, runners, queue[:b], warmup_tokens)
         for rep in range(repeats):
-            rot = order[rep % len(order) :] + order[: rep % len(order)] if order else []
-            live = [i for i in rot if not rows[i].error]
-            stepped = [i for i in live if interleaved and hasattr(runners[i], "steps")]
-            groups = ([stepped] if stepped else []) + [[i] for i in live if i not in stepped]
-            for group in groups:
-                sampler = RSSSampler() if measure_memory else None
-                try:
-                    if sampler:
-                        sampler.__enter__()
-                    outs = dict(zip(group, interleave([_step_generator(runners[i], queue, b) for i in group])))
-                finally:
-                    if sampler:
-                        sampler.__exit__(None, None, None)
-                for i, out in outs.items():
-                    row = rows[i]
-                    if isinstance(out, Exception):
-                        row.error = f"{type(out).__name__}: {out}"
-                        continue
-                    row.seconds += out.seconds
-                    row.runs += 1
-                    for f in (
-                        "tokens",
-                        "verify_steps",
-                        "accepted",
-                        "drafted",
-                        "decode_steps",
-                        "batch_sum",
-                        "fallbacks",
-                        "decode_seconds",
-                        "decode_tokens",
-                        "full_seconds",
-                        "full_tokens",
-                    ):
-                        setattr(row, f, getattr(row, f) + getattr(out, f))
-                    add_counts(row.accepted_by_depth, out.accepted_by_depth)
-                    if sampler:
-                        mb = 1 << 20
-                        row.peak_rss_mb = max(row.peak_rss_mb or 0.0, sampler.peak / mb)
-                        row.rss_rise_mb = max(row.rss_rise_mb or 0.0, (sampler.peak - sampler.start) / mb)
+            _measured_runs(rows, runners, queue, b, rep, interleaved, measure_memory)
         for r in runners.values():
             if r is not None and hasattr(r, "release"):
                 r.release()
@@ -370,6 +341,76 @@ def run_batch_sweep(
                     f"{row.tau:.2f} {row.error or ''}"
                 )
     return results
+
+
+def _warm_up(rows: dict[int, BatchResult], runners: dict, batch: list[list[int]], tokens: int) -> None:
+    for i, row in rows.items():
+        if row.error:
+            continue
+        try:
+            runners[i](batch, tokens)
+        except Exception as e:  # noqa: BLE001 - a failing method is reported, not dropped
+            row.error = f"{type(e).__name__}: {e}"
+
+
+def _measured_runs(
+    rows: dict[int, BatchResult],
+    runners: dict,
+    queue: list[list[int]],
+    b: int,
+    rep: int,
+    interleaved: bool,
+    memory: bool,
+) -> None:
+    """Repeat `rep` at batch size b: every live method serves `queue`, the method order rotated by rep;
+    stepped runners interleaved as one group, the others one at a time."""
+    order = list(rows)
+    rot = order[rep % len(order) :] + order[: rep % len(order)] if order else []
+    live = [i for i in rot if not rows[i].error]
+    stepped = [i for i in live if interleaved and hasattr(runners[i], "steps")]
+    groups = ([stepped] if stepped else []) + [[i] for i in live if i not in stepped]
+    for group in groups:
+        sampler = RSSSampler() if memory else None
+        try:
+            if sampler:
+                sampler.__enter__()
+            outs = dict(zip(group, interleave([_step_generator(runners[i], queue, b) for i in group])))
+        finally:
+            if sampler:
+                sampler.__exit__(None, None, None)
+        for i, out in outs.items():
+            _add_run(rows[i], out, sampler)
+
+
+_SUMMED = (  # BatchRun counters a row adds up over its runs
+    "tokens",
+    "verify_steps",
+    "accepted",
+    "drafted",
+    "decode_steps",
+    "batch_sum",
+    "fallbacks",
+    "decode_seconds",
+    "decode_tokens",
+    "full_seconds",
+    "full_tokens",
+)
+
+
+def _add_run(row: BatchResult, out, sampler) -> None:
+    """A measured run's BatchRun (or the exception that ended it) into its row."""
+    if isinstance(out, Exception):
+        row.error = f"{type(out).__name__}: {out}"
+        return
+    row.seconds += out.seconds
+    row.runs += 1
+    for f in _SUMMED:
+        setattr(row, f, getattr(row, f) + getattr(out, f))
+    add_counts(row.accepted_by_depth, out.accepted_by_depth)
+    if sampler:
+        mb = 1 << 20
+        row.peak_rss_mb = max(row.peak_rss_mb or 0.0, sampler.peak / mb)
+        row.rss_rise_mb = max(row.rss_rise_mb or 0.0, (sampler.peak - sampler.start) / mb)
 
 
 def speedup(row: BatchResult, results: list[BatchResult], steady: bool = False) -> float | None:
@@ -527,6 +568,7 @@ def measure_gateway_overhead(
     import httpx
 
     from benchmarks.bench import bench_drafter
+    from serving.config import EngineConfig
     from serving.engine import Engine
     from serving.gateway.app import create_app
     from serving.gateway.server import ServerThread, embedded_backend
@@ -535,8 +577,9 @@ def measure_gateway_overhead(
     res = OverheadResult(method, tree.label if method != "vanilla" else "-", False, requests, max_tokens)
     try:
         name = "none" if method == "vanilla" else method
-        direct = Engine(target, bench_drafter(method, target), tree)
-        served = Engine(target, bench_drafter(method, target), tree)
+        config = EngineConfig(tree=tree)
+        direct = Engine(target, bench_drafter(method, target), config)
+        served = Engine(target, bench_drafter(method, target), config)
         prompt = target.encode_chat(messages)
         sp = SamplingParams(max_new_tokens=max_tokens, ignore_eos=True)
         body = {

@@ -94,9 +94,10 @@ def bench_drafter(method: str, target):
 
 def engine_runner(target, method: str, tree, sp):
     """A function prompt -> (output ids, stats) running our engine with one drafter (or none); sp: SamplingParams."""
+    from serving.config import EngineConfig
     from serving.engine import Engine
 
-    engine = Engine(target, bench_drafter(method, target), tree)
+    engine = Engine(target, bench_drafter(method, target), EngineConfig(tree=tree))
 
     def run(prompt):
         r = engine.generate([prompt], sp)[0]

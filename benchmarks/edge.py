@@ -1,6 +1,6 @@
-"""`moa-serve edge` (one generation from an edge client) and `moa-serve edge-bench`.
+"""`moa-serve edge-bench` (entrypoints/edge.py parses its flags): client–server decoding over emulated links.
 
-edge-bench puts the server on its own host (a network namespace joined by a veth pair, tbf for
+It puts the server on its own host (a network namespace joined by a veth pair, tbf for
 the bandwidth) and the client here behind a LinkProxy with the profile's delay/jitter/loss
 (netem.py says why), then runs, per profile and prompt, interleaved:
 
@@ -18,127 +18,30 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
 
-from sglang_ext.settings import settings
+
+@dataclass(frozen=True)
+class EdgeBenchSettings:
+    """What one edge-bench run measures (the `moa-serve edge-bench` flags, their defaults these)."""
+
+    profiles: str = "5g,4g"  # comma list of lan,5g,4g
+    drafters: str = "moa-tli0,moa-tli1,eagle3"
+    server_drafter: str = "none"  # the server's own drafter for the API baseline
+    sets: str = "humaneval,mt_bench"
+    prompts: int = 3  # prompts per set
+    max_new_tokens: int = 96
+    wire_dtype: str = "fp16"
+    also_int8: bool = False  # add rows with int8 context to measure its effect on τ
+    trees: str = ""  # ';'-separated tree shapes to compare per drafter; '': each drafter's default tree
+    cut: bool = False  # add the disconnect run (link cut after 50 tokens)
+    threads: int = 1  # torch threads for the client and for the server
+    out: str = "results/edge"
 
 
-def add_edge_parsers(sub) -> None:
-    e = sub.add_parser(
-        "edge", help="generate on an edge client: draft here, verify on a moa-serve server (--edge-drafters)"
-    )
-    e.add_argument("--server", required=True, help="base URL of a `moa-serve serve --edge-drafters ...` server")
-    e.add_argument("--prompt", required=True)
-    e.add_argument(
-        "--drafter", default="moa-tli1", help="a drafter the server offers: moa-tli0 | moa-tli1 | moa | eagle3 | PATH"
-    )
-    e.add_argument(
-        "--model",
-        default="smollm2",
-        help="the local copy of the target (its embeddings, norm, head and last TLI layers are used)",
-    )
-    e.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
-    e.add_argument(
-        "--wire-dtype",
-        default="fp16",
-        choices=["fp32", "bf16", "fp16", "int8"],
-        help="dtype of the context the server sends",
-    )
-    e.add_argument("--tree", default=None)
-    e.add_argument("--max-new-tokens", type=int, default=128)
-    e.add_argument("--timeout", type=float, default=2.0, help="seconds before a call counts as disconnected")
-    e.add_argument(
-        "--resync",
-        default="verify",
-        choices=["verify", "keep"],
-        help="offline tokens on reconnect: verified and replaced from the first disagreement, or kept",
-    )
-    e.add_argument("--api-key", default=settings().api_key)
-    e.set_defaults(handler=cmd_edge)
-
-    b = sub.add_parser(
-        "edge-bench", help="client–server decoding over emulated 5G/4G links (needs root for network namespaces)"
-    )
-    b.add_argument("--profiles", default="5g,4g", help="comma list of lan,5g,4g")
-    b.add_argument("--drafters", default="moa-tli0,moa-tli1,eagle3")
-    b.add_argument("--server-drafter", default="none", help="the server's own drafter for the API baseline")
-    b.add_argument("--sets", default="humaneval,mt_bench")
-    b.add_argument("--prompts", type=int, default=3, help="prompts per set")
-    b.add_argument("--max-new-tokens", type=int, default=96)
-    b.add_argument("--wire-dtype", default="fp16", choices=["fp32", "bf16", "fp16", "int8"])
-    b.add_argument("--also-int8", action="store_true", help="add rows with int8 context to measure its effect on τ")
-    b.add_argument(
-        "--trees",
-        default="",
-        help=(
-            "';'-separated tree shapes to compare per drafter (e.g. '3,4,16;1,2,3'); default: the drafter's default "
-            "tree"
-        ),
-    )
-    b.add_argument("--cut", action="store_true", help="add the disconnect run (link cut after 50 tokens)")
-    b.add_argument("--threads", type=int, default=1, help="torch threads for the client and for the server")
-    b.add_argument("--out", default="results/edge")
-    b.set_defaults(handler=cmd_edge_bench)
-
-
-def _local_drafter(target, name: str):
-    from sglang_ext.drafters import make_drafter
-    from sglang_ext.drafters.moa import MoADrafter
-
-    d = make_drafter(name, target)
-    if isinstance(d, MoADrafter):  # the client keeps its own copy of the TLI layers' K/V
-        d = MoADrafter(target.model, d.draft, name=d.name, remote=True)
-    return d
-
-
-def cmd_edge(args) -> int:
-    from serving.edge.client import EdgeClient
-    from sglang_ext.drafters import default_tree
-    from sglang_ext.models import load_target
-    from sglang_ext.tree import TreeShape
-
-    target = load_target(args.model, dtype=args.dtype)
-    tree = TreeShape.parse(args.tree) if args.tree else default_tree(args.drafter)
-    client = EdgeClient(
-        args.server,
-        _local_drafter(target, args.drafter),
-        args.drafter,
-        tree,
-        args.wire_dtype,
-        args.api_key,
-        args.timeout,
-        args.resync,
-        eos_ids=tuple(target.cfg.eos_token_ids),
-    )
-    ids = target.encode_chat([{"role": "user", "content": args.prompt}])
-    pending: list[int] = []
-    dim, reset = ("\033[2m", "\033[0m") if sys.stdout.isatty() else ("[", "]")
-    for ev in client.generate(ids, args.max_new_tokens):
-        if ev.kind == "token":
-            print(target.decode(ev.tokens), end="", flush=True)
-        elif ev.kind == "draft":
-            pending += ev.tokens
-            print(f"{dim}{target.decode(ev.tokens)}{reset}", end="", flush=True)  # unverified
-        elif ev.kind == "confirm":
-            pending = pending[ev.count :]
-        elif ev.kind == "retract":
-            print(f"{dim}<-{ev.count} replaced>{reset}", end="", flush=True)
-            pending = []
-    print()
-    st = client.stats
-    print(
-        f"[{st.cycles} cycles, τ {st.accept_length:.2f}, {st.calls} calls, "
-        f"{sum(st.cycle_bytes) / max(1, len(st.cycle_bytes)):.0f} B/cycle, "
-        f"{st.disconnects} disconnects, {st.offline_tokens} offline tokens ({st.offline_kept} kept)]",
-        file=sys.stderr,
-    )
-    client.close()
-    return 0
-
-
-# --- benchmark ----------------------------------------------------------------------------------
 def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -222,143 +125,146 @@ def _edge_run(
     }
 
 
-def cmd_edge_bench(args) -> int:
+def run_edge_bench(s: EdgeBenchSettings) -> list[dict]:
+    """Every profile's rows (see the module docstring); also written to s.out/edge.json."""
     import torch
 
-    from benchmarks.netem import PROFILES, LinkProxy, NamespaceHost, namespaces_available
-    from serving.edge.client import EdgeClient
-    from sglang_ext.drafters import default_tree
+    from benchmarks.netem import PROFILES, namespaces_available
+    from serving.edge.client import local_drafter
     from sglang_ext.evalsets import load_eval_set
     from sglang_ext.models import load_target
     from sglang_ext.tree import TreeShape
 
+    trees = {t.strip(): TreeShape.parse(t) for t in s.trees.split(";") if t.strip()}  # bad input fails first
     reason = namespaces_available()
     if reason:
         raise RuntimeError(f"edge-bench {reason}")
-    torch.set_num_threads(args.threads)
-    profiles = [PROFILES[p] for p in args.profiles.split(",")]
-    drafters = [d for d in args.drafters.split(",") if d]
+    torch.set_num_threads(s.threads)
+    profiles = [PROFILES[p] for p in s.profiles.split(",")]
+    drafters = [d for d in s.drafters.split(",") if d]
     target = load_target("smollm2", dtype="auto")
-    local = {d: _local_drafter(target, d) for d in drafters}
+    local = {d: local_drafter(target, d) for d in drafters}
     prompts = []
-    for s in args.sets.split(","):
-        _, texts = load_eval_set(s, args.prompts)
-        prompts += [(s, t) for t in texts]
-    rows, out = [], Path(args.out)
+    for name in s.sets.split(","):
+        _, texts = load_eval_set(name, s.prompts)
+        prompts += [(name, t) for t in texts]
+    out = Path(s.out)
     out.mkdir(parents=True, exist_ok=True)
-    wire = [args.wire_dtype] + (["int8"] if args.also_int8 and args.wire_dtype != "int8" else [])
-    # parsed here: bad input fails before the namespaces are set up
-    trees = {t.strip(): TreeShape.parse(t) for t in args.trees.split(";") if t.strip()}
+    rows = []
     for prof in profiles:
-        with NamespaceHost(1, prof.rate_mbit) as host:
-            cmd = [
-                sys.executable,
-                "-m",
-                "entrypoints.cli",
-                "serve",
-                "--host",
-                host.ns_ip,
-                "--port",
-                "8000",
-                "--drafter",
-                args.server_drafter,
-                "--edge-drafters",
-                ",".join(drafters),
-                "--threads",
-                str(args.threads),
-                "--log-level",
-                "warning",
-                "--no-access-log",
-            ]
-            server = host.popen(cmd, stdout=subprocess.DEVNULL, stderr=open(out / f"server-{prof.name}.log", "w"))
-            try:
-                with LinkProxy(host.ns_ip, 8000, prof, seed=0) as link:
-                    _wait_ready(link.url, server)
-                    for set_name, text in prompts:
-                        ids = target.encode_chat([{"role": "user", "content": text}])
-                        rows.append(
-                            {
-                                "profile": prof.name,
-                                "set": set_name,
-                                "method": "api",
-                                **_api_run(link.url, text, args.max_new_tokens),
-                            }
-                        )
-                        for d, w, tree in [(d, w, t) for d in drafters for w in wire for t in (trees or [None])]:
-                            method = (
-                                f"edge:{d}" + ("" if w == args.wire_dtype else f":{w}") + (f"@{tree}" if tree else "")
-                            )
-                            shape = trees[tree] if tree else default_tree(d)
-                            c = EdgeClient(
-                                link.url, local[d], d, shape, w, timeout_s=2.0, eos_ids=tuple(target.cfg.eos_token_ids)
-                            )
-                            try:
-                                r = _edge_run(c, ids, args.max_new_tokens)
-                            except Exception as e:  # noqa: BLE001 - reported, the run goes on
-                                rows.append(
-                                    {
-                                        "profile": prof.name,
-                                        "set": set_name,
-                                        "method": method,
-                                        "error": f"{type(e).__name__}: {e}",
-                                    }
-                                )
-                                continue
-                            finally:
-                                c.close()
-                            rows.append({"profile": prof.name, "set": set_name, "method": method, **r})
-                            print(
-                                f"[edge-bench] {prof.name} {set_name} {rows[-1]['method']}: {r['tokens_per_s']:.1f} "
-                                f"tok/s τ {r['tau']:.2f}",
-                                file=sys.stderr,
-                                flush=True,
-                            )
-                    if args.cut:
-                        for d in [x for x in drafters if x.startswith("moa")]:
-                            _, text = prompts[0]
-                            ids = target.encode_chat([{"role": "user", "content": text}])
-                            c = EdgeClient(
-                                link.url, local[d], d, default_tree(d), args.wire_dtype, timeout_s=1.0, eos_ids=()
-                            )
-                            try:
-                                ref = _edge_run(c, ids, 120)
-                                r = _edge_run(c, ids, 120, cut_after=50, link=link)
-                            except Exception as e:  # noqa: BLE001
-                                rows.append(
-                                    {
-                                        "profile": prof.name,
-                                        "set": "cut",
-                                        "method": f"edge:{d}",
-                                        "error": f"{type(e).__name__}: {e}",
-                                    }
-                                )
-                                continue
-                            finally:
-                                c.close()
-                            agree = sum(a == b for a, b in zip(ref["output"], r["output"])) / max(1, len(ref["output"]))
-                            rows.append(
-                                {
-                                    "profile": prof.name,
-                                    "set": "cut",
-                                    "method": f"edge:{d}",
-                                    **r,
-                                    "agreement_with_connected": agree,
-                                    "same_as_connected": r["output"] == ref["output"],
-                                }
-                            )
-            finally:
-                server.terminate()
-                server.wait(30)
+        rows += _profile_rows(s, prof, target, local, prompts, trees, out)
     for r in rows:
         r.pop("output", None)
-    (out / "edge.json").write_text(
-        json.dumps({"args": {k: v for k, v in vars(args).items() if k != "handler"}, "rows": rows}, indent=1)
-    )
-    print(_table(rows))
-    return 0
+    (out / "edge.json").write_text(json.dumps({"args": {"command": "edge-bench", **asdict(s)}, "rows": rows}, indent=1))
+    return rows
 
 
-def _table(rows: list[dict]) -> str:
+def _server_command(s: EdgeBenchSettings, host: str, drafters: list[str]) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "entrypoints.cli",
+        "serve",
+        "--host",
+        host,
+        "--port",
+        "8000",
+        "--drafter",
+        s.server_drafter,
+        "--edge-drafters",
+        ",".join(drafters),
+        "--threads",
+        str(s.threads),
+        "--log-level",
+        "warning",
+        "--no-access-log",
+    ]
+
+
+def _profile_rows(s: EdgeBenchSettings, prof, target, local: dict, prompts: list, trees: dict, out: Path) -> list[dict]:
+    """One profile: the server in its own namespace, every prompt through the api and each edge method."""
+    from benchmarks.netem import LinkProxy, NamespaceHost
+
+    rows: list[dict] = []
+    with NamespaceHost(1, prof.rate_mbit) as host:
+        log = open(out / f"server-{prof.name}.log", "w")
+        server = host.popen(_server_command(s, host.ns_ip, list(local)), stdout=subprocess.DEVNULL, stderr=log)
+        try:
+            with LinkProxy(host.ns_ip, 8000, prof, seed=0) as link:
+                _wait_ready(link.url, server)
+                for set_name, text in prompts:
+                    ids = target.encode_chat([{"role": "user", "content": text}])
+                    api = _api_run(link.url, text, s.max_new_tokens)
+                    rows.append({"profile": prof.name, "set": set_name, "method": "api", **api})
+                    rows += _edge_rows(s, prof.name, set_name, link.url, target, local, ids, trees)
+                if s.cut:
+                    rows += _cut_rows(s, prof.name, link, target, local, prompts)
+        finally:
+            server.terminate()
+            server.wait(30)
+    return rows
+
+
+def _edge_rows(s: EdgeBenchSettings, profile: str, set_name: str, url: str, target, local, ids, trees) -> list[dict]:
+    """One prompt through each (drafter, wire dtype, tree) edge method; a failing one is a row with its error."""
+    from serving.edge.client import EdgeClient
+    from sglang_ext.drafters import default_tree
+
+    wire = [s.wire_dtype] + (["int8"] if s.also_int8 and s.wire_dtype != "int8" else [])
+    rows = []
+    for d, w, tree in [(d, w, t) for d in local for w in wire for t in (trees or [None])]:
+        method = f"edge:{d}" + ("" if w == s.wire_dtype else f":{w}") + (f"@{tree}" if tree else "")
+        shape = trees[tree] if tree else default_tree(d)
+        c = EdgeClient(url, local[d], d, shape, w, timeout_s=2.0, eos_ids=tuple(target.cfg.eos_token_ids))
+        try:
+            r = _edge_run(c, ids, s.max_new_tokens)
+        except Exception as e:  # noqa: BLE001 - reported, the run goes on
+            rows.append({"profile": profile, "set": set_name, "method": method, "error": f"{type(e).__name__}: {e}"})
+            continue
+        finally:
+            c.close()
+        rows.append({"profile": profile, "set": set_name, "method": method, **r})
+        print(
+            f"[edge-bench] {profile} {set_name} {method}: {r['tokens_per_s']:.1f} tok/s τ {r['tau']:.2f}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return rows
+
+
+def _cut_rows(s: EdgeBenchSettings, profile: str, link, target, local: dict, prompts: list) -> list[dict]:
+    """The first prompt with each MoA drafter, connected and then with the link cut after 50 tokens."""
+    from serving.edge.client import EdgeClient
+    from sglang_ext.drafters import default_tree
+
+    rows = []
+    _, text = prompts[0]
+    ids = target.encode_chat([{"role": "user", "content": text}])
+    for d in [x for x in local if x.startswith("moa")]:
+        c = EdgeClient(link.url, local[d], d, default_tree(d), s.wire_dtype, timeout_s=1.0, eos_ids=())
+        try:
+            ref = _edge_run(c, ids, 120)
+            r = _edge_run(c, ids, 120, cut_after=50, link=link)
+        except Exception as e:  # noqa: BLE001
+            rows.append({"profile": profile, "set": "cut", "method": f"edge:{d}", "error": f"{type(e).__name__}: {e}"})
+            continue
+        finally:
+            c.close()
+        agree = sum(a == b for a, b in zip(ref["output"], r["output"])) / max(1, len(ref["output"]))
+        rows.append(
+            {
+                "profile": profile,
+                "set": "cut",
+                "method": f"edge:{d}",
+                **r,
+                "agreement_with_connected": agree,
+                "same_as_connected": r["output"] == ref["output"],
+            }
+        )
+    return rows
+
+
+def edge_table(rows: list[dict]) -> str:
     from collections import defaultdict
 
     groups = defaultdict(list)

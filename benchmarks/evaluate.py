@@ -19,10 +19,11 @@ import torch
 
 
 def evaluate(target, drafter, shape, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    from serving.config import EngineConfig
     from serving.engine import Engine
     from sglang_ext.sampling import SamplingParams
 
-    eng = Engine(target, drafter, shape)
+    eng = Engine(target, drafter, EngineConfig(tree=shape))
     steps = accepted = tokens = 0
     t0 = time.perf_counter()
     for p in prompts:

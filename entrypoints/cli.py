@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from pathlib import Path
 
-from entrypoints.flags import add_model_args, add_spec_args
+from entrypoints.flags import (
+    add_generation_args,
+    add_model_args,
+    add_spec_args,
+    engine_config,
+    generation_json,
+    sampling_params,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,25 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user turn")
     add_model_args(g)
     add_spec_args(g)
-    g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--presence-penalty", type=float, default=0.0)
-    g.add_argument("--frequency-penalty", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--min-tokens", type=int, default=0, help="no end of text before this many tokens")
-    g.add_argument("--regex", default=None, help="structured output: the output matches this regex")
-    g.add_argument(
-        "--json-schema",
-        default=None,
-        metavar="SCHEMA",
-        help="structured output: a JSON schema (JSON text, or a file holding it); '{}' for any JSON",
-    )
-    g.add_argument(
-        "--json", action="store_true", help="print one JSON object with text, token ids and speculative stats"
-    )
+    add_generation_args(g)
 
     from entrypoints.bench import add_bench_parser
     from entrypoints.serve import add_serve_parser
@@ -54,55 +41,20 @@ def build_parser() -> argparse.ArgumentParser:
     from entrypoints.corpus import add_corpus_parser
 
     add_corpus_parser(sub)
-    from benchmarks.edge import add_edge_parsers
+    from entrypoints.edge import add_edge_parsers
 
     add_edge_parsers(sub)
     return parser
 
 
-def _grammar_arg(args):
-    from sglang_ext.grammar import GrammarSpec
-
-    if args.regex is not None and args.json_schema is not None:
-        raise ValueError("give --regex or --json-schema, not both")
-    if args.regex is not None:
-        return GrammarSpec("regex", args.regex)
-    if args.json_schema is None:
-        return None
-    text = args.json_schema
-    if not text.lstrip().startswith(("{", "[")) and Path(text).is_file():
-        text = Path(text).read_text()
-    return GrammarSpec("json_schema", text)
-
-
 def cmd_generate(args) -> int:
-    from serving.engine import Engine
-    from sglang_ext.drafters import default_tree, make_drafter, resolve_drafter
-    from sglang_ext.models import load_target
-    from sglang_ext.sampling import SamplingParams
-    from sglang_ext.tree import TreeShape
+    from serving.engine import build_engine
 
-    grammar = _grammar_arg(args)
-    params = SamplingParams(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        repetition_penalty=args.repetition_penalty,
-        grammar=grammar,
-        min_tokens=args.min_tokens,
-    )
+    params = sampling_params(args)
     if not args.prompt.strip():
         raise ValueError("prompt is empty")
-    tree = TreeShape.parse(args.tree) if args.tree else None  # a bad --tree fails before the model loads
-    target = load_target(args.model, dtype=args.dtype)
-    args.drafter = resolve_drafter(args.drafter, target)
-    tree = tree or default_tree(args.drafter)
-    drafter = make_drafter(args.drafter, target)
-    engine = Engine(target, drafter, tree)
+    engine = build_engine(engine_config(args))  # a bad --tree fails before the model loads
+    target, cfg = engine.target, engine.config
     ids = target.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else target.encode(args.prompt)
     t0 = time.perf_counter()
     req = engine.generate([ids], params)[0]
@@ -110,27 +62,18 @@ def cmd_generate(args) -> int:
     text = target.decode(req.output_ids)
     st = req.stats
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "text": text,
-                    "token_ids": req.output_ids,
-                    "finish_reason": req.finish_reason,
-                    "accept_length": round(st.accept_length, 4),
-                    "draft_tokens_per_step": round(st.draft_tokens / max(st.verify_steps, 1), 4),
-                    "verify_steps": st.verify_steps,
-                    "tokens_per_s": round(len(req.output_ids) / dt, 3),
-                    "drafter": args.drafter,
-                    "tree": [tree.depth, tree.topk, tree.num_draft_tokens],
-                    "tree_min_prob": tree.min_prob,
-                }
-            )
-        )
+        stats = {
+            "accept_length": round(st.accept_length, 4),
+            "draft_tokens_per_step": round(st.draft_tokens / max(st.verify_steps, 1), 4),
+            "verify_steps": st.verify_steps,
+            "tokens_per_s": round(len(req.output_ids) / dt, 3),
+        }
+        print(generation_json(text, req.output_ids, req.finish_reason, stats, cfg.drafter, cfg.tree))
     else:
         print(text)
         print(
             f"[{len(req.output_ids)} tokens, {len(req.output_ids) / dt:.1f} tok/s, accept length "
-            f"{st.accept_length:.2f}, {args.drafter}]",
+            f"{st.accept_length:.2f}, {cfg.drafter}]",
             file=sys.stderr,
         )
     return 0

@@ -27,13 +27,14 @@ from typing import Iterator
 
 import torch
 
+from entrypoints.flags import add_model_args, engine_config
+
 
 def add_distill_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "distill", help="regenerate conversation answers with the target (self-distilled drafter training data)"
     )
-    p.add_argument("--model", default="smollm2", help="the target: 'smollm2' or a local HF Llama/Qwen directory")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    add_model_args(p, model_help="the target: 'smollm2' or a local HF Llama/Qwen directory")
     p.add_argument(
         "--data", default="sharegpt", help="'sharegpt' or a .json/.jsonl conversation file (prompts are taken from it)"
     )
@@ -121,9 +122,7 @@ def distill(
 
 
 def cmd_distill(args) -> int:
-    from serving.engine import Engine
-    from sglang_ext.drafters import default_tree, make_drafter
-    from sglang_ext.models import load_target
+    from serving.engine import build_engine
     from sglang_ext.sampling import SamplingParams
     from sglang_ext.training.data import DataError
 
@@ -136,15 +135,9 @@ def cmd_distill(args) -> int:
         # iterate lines, not str.splitlines(): answers may hold U+2028 etc., which json.dumps leaves raw
         with open(out, encoding="utf-8") as f:
             done = {json.loads(line)["id"] for line in f if line.strip()}
-    target = load_target(args.model, dtype=args.dtype)
-    drafter = None if args.drafter == "none" else make_drafter(args.drafter, target)
-    engine = Engine(
-        target,
-        drafter,
-        default_tree(args.drafter) if drafter else None,
-        kv_slots=args.batch_size * (args.max_prompt_tokens + args.max_new_tokens + 64) + 1024,
-        adaptive=drafter is not None,
-    )
+    kv_slots = args.batch_size * (args.max_prompt_tokens + args.max_new_tokens + 64) + 1024
+    engine = build_engine(engine_config(args, kv_slots=kv_slots, adaptive=True))  # adaptive only with a drafter
+    target = engine.target
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import uvicorn
 
-from entrypoints.flags import add_model_args, add_spec_args
+from entrypoints.flags import add_model_args, add_spec_args, engine_config
 from serving.gateway.app import DEFAULT_AUTH_EXEMPT, GatewayConfig, create_app
 from serving.gateway.auth import APIKeys
 from serving.gateway.schemas import Limits
@@ -30,6 +30,13 @@ def add_serve_parser(sub) -> None:
         default=None,
         help="the `model` name clients use (default: --model, or the directory name for a path)",
     )
+    _add_backend_args(s)
+    _add_engine_args(s)
+    _add_limit_args(s)
+    _add_server_args(s)
+
+
+def _add_backend_args(s) -> None:
     s.add_argument(
         "--backend",
         choices=["embedded", "sglang"],
@@ -47,6 +54,10 @@ def add_serve_parser(sub) -> None:
         help="model name sent upstream (default: the first id of the upstream's /v1/models)",
     )
     s.add_argument("--upstream-timeout", type=float, default=600.0, help="seconds without upstream bytes before 504")
+
+
+def _add_engine_args(s) -> None:
+    """The embedded engine's settings (build_embedded passes them to engine_config) and its edge API."""
     s.add_argument(
         "--no-adaptive",
         action="store_true",
@@ -55,8 +66,6 @@ def add_serve_parser(sub) -> None:
             "smaller tree)"
         ),
     )
-    s.add_argument("--max-running", type=int, default=64, help="requests decoded together (continuous batching)")
-    s.add_argument("--max-queue", type=int, default=256, help="requests waiting for admission before 429")
     s.add_argument("--kv-slots", type=int, default=16384, help="embedded: target KV pool size in tokens")
     s.add_argument(
         "--prefill-tokens",
@@ -68,6 +77,20 @@ def add_serve_parser(sub) -> None:
         ),
     )
     s.add_argument("--max-context", type=int, default=None, help="embedded: context limit (default: the model's)")
+    s.add_argument(
+        "--edge-drafters",
+        default=None,
+        help=(
+            "embedded: comma list of drafters (e.g. moa-tli1,moa-tli0,eagle3) whose clients may use the edge session "
+            "API /v1/edge/sessions"
+        ),
+    )
+    s.add_argument("--edge-ttl", type=float, default=120.0, help="seconds an idle edge session keeps its KV")
+
+
+def _add_limit_args(s) -> None:
+    s.add_argument("--max-running", type=int, default=64, help="requests decoded together (continuous batching)")
+    s.add_argument("--max-queue", type=int, default=256, help="requests waiting for admission before 429")
     s.add_argument("--max-tokens-limit", type=int, default=2048, help="largest max_tokens a request may ask for")
     s.add_argument(
         "--default-max-tokens",
@@ -80,6 +103,9 @@ def add_serve_parser(sub) -> None:
     )
     s.add_argument("--max-n", type=int, default=16, help="most choices per request (n x prompts)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 above)")
+
+
+def _add_server_args(s) -> None:
     s.add_argument(
         "--api-keys-file",
         default=None,
@@ -99,15 +125,6 @@ def add_serve_parser(sub) -> None:
     s.add_argument(
         "--threads", type=int, default=None, help="torch CPU threads (default: OMP_NUM_THREADS or torch's default)"
     )
-    s.add_argument(
-        "--edge-drafters",
-        default=None,
-        help=(
-            "embedded: comma list of drafters (e.g. moa-tli1,moa-tli0,eagle3) whose clients may use the edge session "
-            "API /v1/edge/sessions"
-        ),
-    )
-    s.add_argument("--edge-ttl", type=float, default=120.0, help="seconds an idle edge session keeps its KV")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--no-access-log", action="store_true")
 
@@ -120,24 +137,16 @@ def _served_name(args) -> str:
 
 def build_embedded(args, metrics: Metrics):
     """The embedded engine backend from CLI args (loads the model)."""
-    from serving.engine import Engine
-    from sglang_ext.drafters import default_tree, make_drafter, resolve_drafter
-    from sglang_ext.models import load_target
-    from sglang_ext.tree import TreeShape
+    from serving.engine import build_engine
 
-    tree = TreeShape.parse(args.tree) if args.tree else None  # a bad --tree fails before the model loads
-    target = load_target(args.model, dtype=args.dtype)
-    args.drafter = resolve_drafter(args.drafter, target)
-    tree = tree or default_tree(args.drafter)
-    engine = Engine(
-        target,
-        make_drafter(args.drafter, target),
-        tree,
+    config = engine_config(
+        args,
         kv_slots=args.kv_slots,
         max_context=args.max_context,
         adaptive=not args.no_adaptive,
         prefill_tokens=args.prefill_tokens,
-    )
+    )  # a bad --tree fails before the model loads
+    engine = build_engine(config)
     limits = dict(
         max_running=args.max_running,
         max_queue=args.max_queue,
@@ -145,7 +154,7 @@ def build_embedded(args, metrics: Metrics):
         default_max_tokens=args.default_max_tokens,
         max_prompt_tokens=args.max_prompt_tokens,
     )
-    return embedded_backend(engine, _served_name(args), args.drafter or "none", metrics, **limits)
+    return embedded_backend(engine, _served_name(args), engine.config.drafter or "none", metrics, **limits)
 
 
 def build_sglang(args, metrics: Metrics, upstream: str):

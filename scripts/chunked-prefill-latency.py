@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from serving.config import EngineConfig
 from serving.engine import Engine
 from sglang_ext.drafters import make_drafter
 from sglang_ext.evalsets import load_eval_set
@@ -34,7 +35,11 @@ def main() -> None:
     drafter = make_drafter("suffix", target)
     for _ in range(args.repeats):
         for chunk in (int(c) for c in args.chunks.split(",")):
-            eng = Engine(target, drafter, TreeShape(3, 1, 4), adaptive=True, prefill_tokens=chunk, kv_slots=8192)
+            eng = Engine(
+                target,
+                drafter,
+                EngineConfig(tree=TreeShape(3, 1, 4), adaptive=True, prefill_tokens=chunk, kv_slots=8192),
+            )
             running = [eng.add_request(p, SamplingParams(max_new_tokens=200, ignore_eos=True)) for p in short]
             for _ in range(5):
                 eng.step()

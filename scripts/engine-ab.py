@@ -6,7 +6,7 @@ turn, one engine step each, so the machine's drift hits them alike. Prints each 
 Variants:
   vanilla, suffix           the serving engine (suffix: adaptive speculation, tree 3,1,4)
   vanilla-separate,         arrivals prefilled in a forward of their own before the decode forward
-  suffix-separate           (Engine(mixed_prefill=False)): the engine before mixed prefill
+  suffix-separate           (EngineConfig(mixed_prefill=False)): the engine before mixed prefill
   suffix-nocut              adaptive speculation without the confident option (three options)
 
     MOA_SERVE_EVAL_DIR=../shared/data/eval .venv/bin/python scripts/engine-ab.py \\
@@ -18,10 +18,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from dataclasses import replace
 
 import serving.engine as engine_module
 from benchmarks.batch import engine_batch_runner, run_batch_sweep
 from serving.adaptive import AdaptiveSpeculation
+from serving.config import EngineConfig
 from sglang_ext.evalsets import EVAL_SETS, load_eval_set
 from sglang_ext.models import load_target
 from sglang_ext.tree import TreeShape
@@ -30,8 +32,8 @@ Engine = engine_module.Engine
 
 
 class SeparatePrefill(Engine):
-    def __init__(self, *a, **k):
-        super().__init__(*a, mixed_prefill=False, **k)
+    def __init__(self, target, drafter=None, config=None, **k):
+        super().__init__(target, drafter, replace(config or EngineConfig(), mixed_prefill=False), **k)
 
 
 class NoConfidentOption(Engine):

@@ -23,6 +23,7 @@ import time
 
 from bench_table import new_totals, record, report
 
+from serving.config import EngineConfig
 from serving.engine import Engine
 from sglang_ext.drafters import default_tree, make_drafter
 from sglang_ext.models import load_target
@@ -80,13 +81,22 @@ def main() -> None:
     vanilla = Engine(target, None)
     methods = {
         "vanilla": (vanilla, False),
-        "suffix": (Engine(target, make_drafter("suffix", target), TreeShape(3, 1, 4)), False),
-        "suffix+prediction": (Engine(target, make_drafter("suffix", target), TreeShape(3, 1, 4)), True),
-        "suffix6+prediction": (Engine(target, make_drafter("suffix", target), TreeShape(6, 1, 7)), True),
+        "suffix": (Engine(target, make_drafter("suffix", target), EngineConfig(tree=TreeShape(3, 1, 4))), False),
+        "suffix+prediction": (
+            Engine(target, make_drafter("suffix", target), EngineConfig(tree=TreeShape(3, 1, 4))),
+            True,
+        ),
+        "suffix6+prediction": (
+            Engine(target, make_drafter("suffix", target), EngineConfig(tree=TreeShape(6, 1, 7))),
+            True,
+        ),
     }
     for name in filter(None, args.model_drafters.split(",")):
-        methods[name] = (Engine(target, make_drafter(name, target), default_tree(name)), False)
-        methods[name + "+prediction"] = (Engine(target, make_drafter(name, target), default_tree(name)), True)
+        methods[name] = (Engine(target, make_drafter(name, target), EngineConfig(tree=default_tree(name))), False)
+        methods[name + "+prediction"] = (
+            Engine(target, make_drafter(name, target), EngineConfig(tree=default_tree(name))),
+            True,
+        )
     totals = new_totals(methods, "same_as_vanilla")
     for earlier, now in TASKS[: args.num_prompts]:
         first = vanilla.generate(

@@ -25,6 +25,7 @@ import time
 from bench_table import new_totals, record, report
 
 from serving.api.tools import call_grammar, parse_tools, render_messages, split_output
+from serving.config import EngineConfig
 from serving.engine import Engine
 from sglang_ext.drafters import make_drafter
 from sglang_ext.grammar import GrammarSpec
@@ -114,8 +115,8 @@ def main() -> None:
     methods = {
         "vanilla": (Engine(target, None), None),
         "vanilla+schema": (Engine(target, None), spec),
-        "suffix+schema": (Engine(target, suffix, TreeShape(3, 1, 4)), spec),
-        "suffix": (Engine(target, make_drafter("suffix", target), TreeShape(3, 1, 4)), None),
+        "suffix+schema": (Engine(target, suffix, EngineConfig(tree=TreeShape(3, 1, 4))), spec),
+        "suffix": (Engine(target, make_drafter("suffix", target), EngineConfig(tree=TreeShape(3, 1, 4))), None),
     }
     totals = new_totals(methods, "finished", "valid")
     for messages in prompts[: args.num_prompts]:

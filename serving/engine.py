@@ -25,15 +25,15 @@ import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from sglang_ext.attention import causal_mask, plan_attention, prefix_and_tree_mask
-from sglang_ext.drafters import Drafter, DraftInput, TargetCapture
+from sglang_ext.drafters import Drafter, DraftInput, TargetCapture, default_tree, make_drafter, resolve_drafter
 from sglang_ext.drafters.prediction import PredictionLookup
 from sglang_ext.grammar import Grammars, apply_bitmask, tree_bitmask
-from sglang_ext.models import Target
+from sglang_ext.models import Target, load_target, resolve_device
 from sglang_ext.penalties import ban_early_stops, penalize_tree
 from sglang_ext.sampling import (
     InvalidRequest,
@@ -49,6 +49,7 @@ from sglang_ext.tree import TokenTree, TreeShape, chain_tree
 from sglang_ext.verify import VerifyResult, coupled_verify, greedy_verify, sampling_verify
 
 from .adaptive import CONFIDENT_FROM_BATCH, AdaptiveSpeculation
+from .config import EngineConfig
 
 PREDICTION_HEAD = 4  # prompt tokens before a predicted output in the drafter's reference (the assistant turn header)
 
@@ -136,23 +137,30 @@ class StepEvent:
 
 
 class Engine:
+    """The engine around a target and a drafter (None: vanilla decoding), with the settings of an
+    EngineConfig (its model / dtype / device / drafter names are for build_engine, which loads them).
+
+    The config is the only place settings come from, so a setting added to the engine is one field
+    in one dataclass, and every caller (CLI, server, benchmarks, tests) sets it the same way. The
+    tree stays in the config too: `Engine(t, d, EngineConfig(tree=TreeShape(3, 1, 4)))` is a little
+    longer than a tree argument, but a tree argument beside the config would be a second source for
+    the same setting. `config.tree` None: the drafter's default tree (its registry entry, by
+    `drafter.name`); `self.config` is the config with that tree filled in.
+    """
+
     def __init__(
-        self,
-        target: Target,
-        drafter: Drafter | None = None,
-        tree: TreeShape | None = None,
-        kv_slots: int = 16384,
-        max_context: int | None = None,
-        on_fallback=None,
-        adaptive: bool = False,
-        prefill_tokens: int = 512,
-        mixed_prefill: bool = True,
+        self, target: Target, drafter: Drafter | None = None, config: EngineConfig | None = None, on_fallback=None
     ):
+        config = config or EngineConfig()
+        if config.tree is None:
+            config = replace(config, tree=default_tree(getattr(drafter, "name", None)))
+        self.config = config
         self.target, self.model = target, target.model
         self.drafter = drafter
-        self.tree = tree or TreeShape(6, 8, 48)
-        self.kv = self.model.new_kv_pool(kv_slots)
-        self.max_context = min(max_context or self.model.cfg.max_position, self.model.cfg.max_position)
+        self.tree = config.tree
+        self.kv = self.model.new_kv_pool(config.kv_slots)
+        cap = self.model.cfg.max_position
+        self.max_context = min(config.max_context or cap, cap)
         self.eos_ids = set(self.model.cfg.eos_token_ids)
         eos = getattr(target.tokenizer, "eos_token_id", None)
         if eos is not None:
@@ -165,7 +173,7 @@ class Engine:
         # per-step choice of tree shape / no speculation from measured throughput (serving default)
         self.policy = (
             AdaptiveSpeculation(self.tree, confident_from=CONFIDENT_FROM_BATCH)
-            if adaptive and drafter is not None
+            if config.adaptive and drafter is not None
             else None
         )
         self.last_shape: TreeShape | None = self.tree if drafter is not None else None
@@ -175,10 +183,8 @@ class Engine:
         self._prediction = (
             PredictionLookup() if drafter is not None and not getattr(drafter, "reads_reference", False) else None
         )
-        if prefill_tokens < 1:
-            raise ValueError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
-        self.prefill_tokens = prefill_tokens  # prompt tokens prefilled per step at most (longer prompts in chunks)
-        self.mixed_prefill = mixed_prefill  # False: arrivals get a forward of their own before the decode forward
+        self.prefill_tokens = config.prefill_tokens  # prompt tokens prefilled per step at most (longer in chunks)
+        self.mixed_prefill = config.mixed_prefill  # False: arrivals get a forward of their own before the decode one
 
     # --- admission ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
@@ -586,3 +592,18 @@ class Engine:
                 if not r.finished:
                     self.abort(r)
         return reqs
+
+
+def build_engine(config: EngineConfig, target: Target | None = None, on_fallback=None) -> Engine:
+    """The one place an engine is built from a config: load the target (unless one is given; on
+    config.device), resolve the drafter ('auto': see resolve_drafter), build it, fill in its default
+    tree, and build the Engine. `engine.config` is the resolved config (the drafter's name after
+    'auto', the device, the tree), for labels and reports."""
+    if target is None:
+        device = resolve_device(config.device)  # cuda without CUDA fails here, before any weights are read
+        target = load_target(config.model, dtype=config.dtype, device=device)
+    else:
+        device = str(target.model.device)
+    name = resolve_drafter(config.drafter, target)
+    config = replace(config, drafter=name, device=device, tree=config.tree or default_tree(name))
+    return Engine(target, make_drafter(name, target), config, on_fallback=on_fallback)

@@ -3,6 +3,7 @@
 from helpers import tiny_target
 
 from serving.adaptive import AdaptiveSpeculation, StepCostModel, shape_menu
+from serving.config import EngineConfig
 from serving.engine import Engine
 from sglang_ext.drafters import NgramDrafter
 from sglang_ext.sampling import SamplingParams
@@ -278,12 +279,12 @@ def test_adaptive_engine_output_equals_vanilla():
     t = tiny_target(seed=2, vocab=16)
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5, 6, 4]]
     ref = [r.output_ids for r in Engine(t, None).generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))]
-    eng = Engine(t, NgramDrafter(), TreeShape(4, 2, 8), adaptive=True)
+    eng = Engine(t, NgramDrafter(), EngineConfig(tree=TreeShape(4, 2, 8), adaptive=True))
     out = [r.output_ids for r in eng.generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))]
     assert out == ref
     assert eng.policy.stats, "the policy observed steps"
     # a chain: its steps also rate the nested shorter chain; drafting time is recorded apart
-    chain = Engine(t, NgramDrafter(), TreeShape(4, 1, 5), adaptive=True)
+    chain = Engine(t, NgramDrafter(), EngineConfig(tree=TreeShape(4, 1, 5), adaptive=True))
     out = [r.output_ids for r in chain.generate(prompts, SamplingParams(max_new_tokens=40, ignore_eos=True))]
     assert out == ref
     pol = chain.policy

@@ -9,6 +9,7 @@ import torch
 
 from entrypoints.cli import main as cli_main
 from entrypoints.distill import distill, prompts_from
+from serving.config import EngineConfig
 from serving.engine import Engine
 from sglang_ext.sampling import SamplingParams
 from sglang_ext.training.data import encode_conversation, open_conversations
@@ -43,7 +44,7 @@ def test_distilled_answers_are_the_targets_own_greedy_answers(tmp_path, smollm2_
     target = smollm2_fp32
     src = _conversations(tmp_path / "convs.jsonl")
     records = []
-    engine = Engine(target, None, kv_slots=4096)
+    engine = Engine(target, None, EngineConfig(kv_slots=4096))
     n = distill(
         engine,
         lambda ids: target.tokenizer.decode(ids, skip_special_tokens=True).strip(),
@@ -57,7 +58,7 @@ def test_distilled_answers_are_the_targets_own_greedy_answers(tmp_path, smollm2_
     assert engine.running == [] and engine.waiting == []  # nothing left in flight
     for rec in records:
         user = rec["conversations"][0]
-        alone = Engine(target, None, kv_slots=1024).generate(
+        alone = Engine(target, None, EngineConfig(kv_slots=1024)).generate(
             [target.encode_chat([user])], SamplingParams(max_new_tokens=12)
         )[0]
         assert rec["conversations"][1] == {

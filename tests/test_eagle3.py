@@ -12,6 +12,7 @@ import torch
 from helpers import compare_to_reference, tiny_config, tiny_state
 from safetensors.torch import load_file, save_file
 
+from serving.config import EngineConfig
 from serving.engine import Engine
 from sglang_ext.drafters.eagle3 import Eagle3Drafter
 from sglang_ext.models import LlamaModel, Target
@@ -224,7 +225,7 @@ def test_ttt_unroll_matches_inference_chain():
     target, draft = tiny_pair(seed=1)
     drafter = Eagle3Drafter(target.model, draft)
     prompt = torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(3)).tolist()
-    engine = Engine(target, drafter, TreeShape.chain(4))
+    engine = Engine(target, drafter, EngineConfig(tree=TreeShape.chain(4)))
     recorded = []  # draft-vocab logits of the root, then of each chain step
     logits = drafter.draft.logits
     drafter.draft.logits = lambda out: recorded.append(logits(out)) or recorded[-1]
@@ -278,7 +279,7 @@ def test_greedy_identity_tiny(shape, bs):
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     ref = [r.output_ids for r in Engine(target, None).generate(prompts, params)]
     drafter = Eagle3Drafter(target.model, draft)
-    eng = Engine(target, drafter, shape)
+    eng = Engine(target, drafter, EngineConfig(tree=shape))
     free0 = drafter.kv.num_free
     outs = []
     for i in range(0, len(prompts), bs):
@@ -304,7 +305,7 @@ def test_greedy_identity_smollm2(smollm2_fp32, eval_prompts, bs):
     prompts = eval_prompts[:8]
     params = SamplingParams(max_new_tokens=32)
     ref = [r.output_ids for r in Engine(smollm2_fp32, None).generate(prompts, params)]
-    eng = Engine(smollm2_fp32, Eagle3Drafter(smollm2_fp32.model, draft), TreeShape(5, 4, 16))
+    eng = Engine(smollm2_fp32, Eagle3Drafter(smollm2_fp32.model, draft), EngineConfig(tree=TreeShape(5, 4, 16)))
     reqs = []
     for i in range(0, len(prompts), bs):
         reqs += eng.generate(prompts[i : i + bs], params)
@@ -321,7 +322,7 @@ def test_sampling_runs_and_drafts_stay_in_vocab(shape):
     """Sampled chains carry q over the target vocab; tree drafts map draft ids back to target ids."""
     target, draft = tiny_pair(seed=4)
     drafter = Eagle3Drafter(target.model, draft)
-    eng = Engine(target, drafter, shape)
+    eng = Engine(target, drafter, EngineConfig(tree=shape))
     falls = []
     eng.on_fallback = lambda r, reason: falls.append(reason)
     reqs = eng.generate(

@@ -3,6 +3,7 @@ connected identity, disconnect + resync through a link that can be cut, bad inpu
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -139,6 +140,45 @@ def test_disconnect_keeps_generating_then_resyncs(setup, name, resync):
         assert verified[:before] == ref[:before]
         offline = [t for e in events if e.kind == "draft" for t in e.tokens]
         assert verified[before : before + st.offline_kept] == offline[: st.offline_kept]
+    assert not service.sessions
+
+
+class _CharTokenizer:
+    """Just enough of a tokenizer for `moa-serve edge` on the tiny target: a prompt's characters as ids."""
+
+    eos_token_id = None
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, continue_final_message=False):
+        return messages[-1]["content"]
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) % VOCAB for c in text]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def test_cli_edge_json_against_the_server(setup, monkeypatch, capsys):
+    """`moa-serve edge --json`: one JSON object like generate's, the greedy output, the drafter's default tree."""
+    from entrypoints.cli import main
+
+    target, drafts, service, srv = setup
+    local = Target(model=target.model, tokenizer=_CharTokenizer(), path=None)
+    monkeypatch.setattr("sglang_ext.models.load_target", lambda *a, **k: local)
+    monkeypatch.setattr(
+        "serving.edge.client.local_drafter", lambda t, name: MoADrafter(t.model, drafts[name], remote=True)
+    )
+    prompt = "edge prompt"
+    argv = ["edge", "--server", srv.url, "--prompt", prompt, "--max-new-tokens", "24", "--device", "cpu", "--json"]
+    assert main(argv) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ids = local.encode_chat([{"role": "user", "content": prompt}])
+    ref = _reference(target, [ids], 24)[0]
+    assert len(out["token_ids"]) == 24 and compare_to_reference(target.model, ids, ref, out["token_ids"]) != "bug"
+    assert out["text"] == local.decode(out["token_ids"]) and out["finish_reason"] == "length"
+    assert out["drafter"] == "moa-tli1" and out["tree"] == [1, 2, 3] and out["tree_min_prob"] == 0.1
+    assert out["verify_steps"] > 0 and 0 < out["draft_tokens_per_step"] <= 2 and out["accept_length"] >= 1
+    assert out["tokens_per_s"] > 0 and out["unverified_tokens"] == 0 and out["disconnects"] == 0
     assert not service.sessions
 
 

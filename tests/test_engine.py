@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import compare_to_reference, reference_greedy, reference_logprobs, tiny_target
 
+from serving.config import EngineConfig
 from serving.engine import Engine
 from sglang_ext.attention import causal_mask, plan_attention
 from sglang_ext.drafters import make_drafter
@@ -81,7 +82,7 @@ def _check_identity(target, prompts, ref, outs, label):
 @pytest.mark.parametrize("bs", [1, 4])
 def test_greedy_identity(smollm2_fp32, eval_prompts, vanilla_outputs, drafter, shape, bs):
     assert len(eval_prompts) >= 20
-    eng = Engine(smollm2_fp32, make_drafter(drafter, smollm2_fp32), SHAPES[shape])
+    eng = Engine(smollm2_fp32, make_drafter(drafter, smollm2_fp32), EngineConfig(tree=SHAPES[shape]))
     outs = []
     for i in range(0, len(eval_prompts), bs):
         outs += [
@@ -99,7 +100,7 @@ def test_vanilla_batching_identity(smollm2_fp32, eval_prompts, vanilla_outputs):
 
 
 def test_abort_frees_kv_and_drafter_state(smollm2_fp32, eval_prompts):
-    eng = Engine(smollm2_fp32, make_drafter("draft-model", smollm2_fp32), TreeShape(3, 2, 6))
+    eng = Engine(smollm2_fp32, make_drafter("draft-model", smollm2_fp32), EngineConfig(tree=TreeShape(3, 2, 6)))
     free0, dfree0 = eng.kv.num_free, eng.drafter.kv.num_free
     reqs = [eng.add_request(p, SamplingParams(max_new_tokens=50)) for p in eval_prompts[:3]]
     eng.step()
@@ -128,7 +129,12 @@ class _ExplodingDrafter:
 
 def test_drafter_fault_falls_back_to_vanilla(smollm2_fp32, eval_prompts, vanilla_outputs):
     seen = []
-    eng = Engine(smollm2_fp32, _ExplodingDrafter(), TreeShape.chain(3), on_fallback=lambda r, why: seen.append(why))
+    eng = Engine(
+        smollm2_fp32,
+        _ExplodingDrafter(),
+        EngineConfig(tree=TreeShape.chain(3)),
+        on_fallback=lambda r, why: seen.append(why),
+    )
     r = eng.generate([eval_prompts[0]], SamplingParams(max_new_tokens=NEW_TOKENS))[0]
     assert r.output_ids == vanilla_outputs[0] and seen == ["RuntimeError"] and not r.drafting
 
@@ -163,7 +169,9 @@ def test_arrivals_prefilled_in_the_decode_forward(smollm2_fp32, eval_prompts, va
         return torch.cat([c.positions for c in caps]), {l: torch.cat([c.hidden[l] for c in caps]) for l in (1, 14)}
 
     prompts, sp = eval_prompts[:6], SamplingParams(max_new_tokens=NEW_TOKENS)
-    eng = Engine(smollm2_fp32, Recording(), TreeShape.chain(3), mixed_prefill=mixed, prefill_tokens=chunk)
+    eng = Engine(
+        smollm2_fp32, Recording(), EngineConfig(tree=TreeShape.chain(3), mixed_prefill=mixed, prefill_tokens=chunk)
+    )
     reqs, fused_steps = [], 0
 
     def step():
@@ -183,7 +191,7 @@ def test_arrivals_prefilled_in_the_decode_forward(smollm2_fp32, eval_prompts, va
         assert max(len(p) for p in prompts) > 3 * chunk  # some prompts really took several steps
     _check_identity(smollm2_fp32, prompts, vanilla_outputs[:6], [r.output_ids for r in reqs], "staggered arrivals")
     for r, p in zip(reqs, prompts):
-        alone = Engine(smollm2_fp32, Recording(), TreeShape.chain(3))
+        alone = Engine(smollm2_fp32, Recording(), EngineConfig(tree=TreeShape.chain(3)))
         ref = alone.generate([p], sp)[0]
         if ref.output_ids != r.output_ids:
             continue  # a numerical tie (checked above): the accepted tokens differ from there on
@@ -197,7 +205,9 @@ def test_arrivals_prefilled_in_the_decode_forward(smollm2_fp32, eval_prompts, va
 
 
 def test_abort_during_a_chunked_prefill_frees_its_kv(smollm2_fp32, eval_prompts):
-    eng = Engine(smollm2_fp32, make_drafter("draft-model", smollm2_fp32), TreeShape(3, 2, 6), prefill_tokens=8)
+    eng = Engine(
+        smollm2_fp32, make_drafter("draft-model", smollm2_fp32), EngineConfig(tree=TreeShape(3, 2, 6), prefill_tokens=8)
+    )
     free0, dfree0 = eng.kv.num_free, eng.drafter.kv.num_free
     long = max(eval_prompts, key=len)
     r = eng.add_request(long, SamplingParams(max_new_tokens=5))
@@ -211,7 +221,7 @@ def test_abort_during_a_chunked_prefill_frees_its_kv(smollm2_fp32, eval_prompts)
         and r.finish_reason == "abort"
     )
     with pytest.raises(ValueError, match="prefill_tokens"):
-        Engine(smollm2_fp32, None, prefill_tokens=0)
+        Engine(smollm2_fp32, None, EngineConfig(prefill_tokens=0))
 
 
 def test_commits_only_reach_drafters_that_need_them():
@@ -232,14 +242,18 @@ def test_commits_only_reach_drafters_that_need_them():
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5, 6]]
     sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
     ref = [r.output_ids for r in Engine(t, None).generate(prompts, sp)]
-    assert [r.output_ids for r in Engine(t, Counting(), TreeShape.chain(3)).generate(prompts, sp)] == ref
+    assert [
+        r.output_ids for r in Engine(t, Counting(), EngineConfig(tree=TreeShape.chain(3))).generate(prompts, sp)
+    ] == ref
     assert Counting.commits == 0
-    reqs = Engine(t, Needs(), TreeShape.chain(3)).generate(prompts, sp)
+    reqs = Engine(t, Needs(), EngineConfig(tree=TreeShape.chain(3))).generate(prompts, sp)
     assert [r.output_ids for r in reqs] == ref and Counting.commits == sum(r.stats.verify_steps for r in reqs) > 0
 
 
 def test_bad_input_clear_errors_and_engine_keeps_working(smollm2_fp32, eval_prompts, vanilla_outputs):
-    eng = Engine(smollm2_fp32, make_drafter("ngram", smollm2_fp32), TreeShape.chain(3), max_context=512)
+    eng = Engine(
+        smollm2_fp32, make_drafter("ngram", smollm2_fp32), EngineConfig(tree=TreeShape.chain(3), max_context=512)
+    )
     with pytest.raises(InvalidRequest, match="empty"):
         eng.add_request([], SamplingParams())
     with pytest.raises(InvalidRequest, match="context limit"):
@@ -254,7 +268,7 @@ def test_bad_input_clear_errors_and_engine_keeps_working(smollm2_fp32, eval_prom
 
 
 def test_length_and_stop_finish(smollm2_fp32, eval_prompts, vanilla_outputs):
-    eng = Engine(smollm2_fp32, make_drafter("ngram", smollm2_fp32), TreeShape.chain(4))
+    eng = Engine(smollm2_fp32, make_drafter("ngram", smollm2_fp32), EngineConfig(tree=TreeShape.chain(4)))
     r = eng.generate([eval_prompts[1]], SamplingParams(max_new_tokens=5))[0]
     assert r.output_ids == vanilla_outputs[1][:5] and r.finish_reason == "length"
     stop = vanilla_outputs[1][3]
@@ -263,7 +277,7 @@ def test_length_and_stop_finish(smollm2_fp32, eval_prompts, vanilla_outputs):
 
 
 def test_same_seed_same_text(smollm2_fp32, eval_prompts):
-    eng = Engine(smollm2_fp32, make_drafter("ngram", smollm2_fp32), TreeShape(3, 2, 6))
+    eng = Engine(smollm2_fp32, make_drafter("ngram", smollm2_fp32), EngineConfig(tree=TreeShape(3, 2, 6)))
     sp = SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.95, seed=123)
     a = eng.generate([eval_prompts[2]], sp)[0].output_ids
     b = eng.generate([eval_prompts[2]], sp)[0].output_ids
@@ -279,7 +293,9 @@ def test_logprobs_are_the_targets_whatever_the_draft(smollm2_fp32, eval_prompts,
     """Each output token's logprob (and top alternatives) is the target's raw log-softmax at the row
     that produced it: drafted-and-accepted, bonus and first tokens alike (batch of 3, mixed lengths)."""
     eng = Engine(
-        smollm2_fp32, make_drafter(drafter, smollm2_fp32) if drafter else None, TreeShape.chain(4) if drafter else None
+        smollm2_fp32,
+        make_drafter(drafter, smollm2_fp32) if drafter else None,
+        EngineConfig(tree=TreeShape.chain(4) if drafter else None),
     )
     prompts = eval_prompts[3:6]
     sp = [
@@ -313,7 +329,11 @@ def test_logprobs_are_the_targets_whatever_the_draft(smollm2_fp32, eval_prompts,
 def test_prompt_logprobs_across_prefill_chunks(smollm2_fp32, eval_prompts, prefill_tokens):
     """Prompt tokens 1.. get the target's logprobs of each given its prefix, whether the prompt is
     prefilled at once or in 16-token chunks next to a decoding request."""
-    eng = Engine(smollm2_fp32, make_drafter("suffix", smollm2_fp32), TreeShape.chain(3), prefill_tokens=prefill_tokens)
+    eng = Engine(
+        smollm2_fp32,
+        make_drafter("suffix", smollm2_fp32),
+        EngineConfig(tree=TreeShape.chain(3), prefill_tokens=prefill_tokens),
+    )
     busy = eng.add_request(eval_prompts[0], SamplingParams(max_new_tokens=30))
     eng.step()
     r = eng.add_request(eval_prompts[7], SamplingParams(max_new_tokens=3, prompt_logprobs=2, logprobs=0))
@@ -332,7 +352,9 @@ def test_prompt_logprobs_across_prefill_chunks(smollm2_fp32, eval_prompts, prefi
 
 
 def _generate_in_batches(target, drafter, shape, prompts, params, bs):
-    eng = Engine(target, make_drafter(drafter, target) if drafter else None, SHAPES[shape] if shape else None)
+    eng = Engine(
+        target, make_drafter(drafter, target) if drafter else None, EngineConfig(tree=SHAPES[shape] if shape else None)
+    )
     reqs = []
     for i in range(0, len(prompts), bs):
         reqs += eng.generate(prompts[i : i + bs], params[i : i + bs])
@@ -496,7 +518,7 @@ def test_model_drafters_draft_from_predicted_outputs(smollm2_fp32, drafter):
         SamplingParams(max_new_tokens=96, prediction=tuple(other)),
     ]
     vanilla = Engine(smollm2_fp32, None).generate([prompt] * 3, params)
-    eng = Engine(smollm2_fp32, make_drafter(drafter, smollm2_fp32), SHAPES["tree"])
+    eng = Engine(smollm2_fp32, make_drafter(drafter, smollm2_fp32), EngineConfig(tree=SHAPES["tree"]))
     fallbacks = []
     eng.on_fallback = lambda r, reason: fallbacks.append(reason)
     lookups = []
@@ -535,7 +557,7 @@ def test_seeded_sampling_reproduces_plain_decoding(smollm2_fp32, drafter, shape)
         SamplingParams(max_new_tokens=40, temperature=0.8),
     ]
     plain = [Engine(smollm2_fp32, None).generate([p], [sp])[0].output_ids for p, sp in zip(prompts[:2], params[:2])]
-    eng = Engine(smollm2_fp32, make_drafter(drafter, smollm2_fp32), SHAPES[shape])
+    eng = Engine(smollm2_fp32, make_drafter(drafter, smollm2_fp32), EngineConfig(tree=SHAPES[shape]))
     together = eng.generate(prompts, params)
     assert [r.output_ids for r in together[:2]] == plain
     assert sum(r.stats.accepted_tokens for r in together[:2]) > 0  # drafts were accepted, not just bypassed

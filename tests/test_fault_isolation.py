@@ -13,6 +13,7 @@ import torch
 from helpers import tiny_target
 
 import serving.engine as engine_mod
+from serving.config import EngineConfig
 from serving.engine import Engine
 from sglang_ext.drafters import NgramDrafter
 from sglang_ext.sampling import SamplingParams
@@ -46,7 +47,9 @@ def params(i: int) -> SamplingParams:
 
 
 def run(target, prefill_tokens: int = 8) -> tuple[list, Engine]:
-    engine = Engine(target, NgramDrafter(), TreeShape(3, 2, 6), kv_slots=1024, prefill_tokens=prefill_tokens)
+    engine = Engine(
+        target, NgramDrafter(), EngineConfig(tree=TreeShape(3, 2, 6), kv_slots=1024, prefill_tokens=prefill_tokens)
+    )
     reqs = [engine.add_request(p, params(i)) for i, p in enumerate(prompts())]
     while engine.has_work:
         engine.step()
@@ -108,7 +111,7 @@ def test_a_fault_fails_one_request_and_the_others_run_unchanged(target, fault_fr
 
 
 def test_step_fault_then_reset_leaves_a_whole_kv_pool(target, fault_free):
-    engine = Engine(target, NgramDrafter(), TreeShape(3, 2, 6), kv_slots=1024)
+    engine = Engine(target, NgramDrafter(), EngineConfig(tree=TreeShape(3, 2, 6), kv_slots=1024))
     for i, p in enumerate(prompts()):
         engine.add_request(p, params(i))
     engine.step()
@@ -139,7 +142,7 @@ def test_gateway_fails_the_faulty_request_alone_and_counts_it(monkeypatch):
 
     cfg = tiny_config(vocab=49152, hidden=32, layers=2)
     tiny = Target(LlamaModel(cfg, tiny_state(cfg, seed=3)), load_tokenizer(resolve_target("smollm2")), None)
-    engine = Engine(tiny, NgramDrafter(), TreeShape(3, 2, 6), kv_slots=4096)
+    engine = Engine(tiny, NgramDrafter(), EngineConfig(tree=TreeShape(3, 2, 6), kv_slots=4096))
     backend, telemetry = embedded_backend(engine, "tiny", "ngram")
     kw = dict(
         model="tiny",

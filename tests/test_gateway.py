@@ -26,6 +26,7 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from prometheus_client.parser import text_string_to_metric_families
 
+from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.gateway.app import create_app
 from serving.gateway.server import ServerThread, embedded_backend
@@ -41,7 +42,9 @@ SPEC_KEYS = {"spec_accept_length", "spec_verify_ct", "spec_draft_tokens", "spec_
 
 @pytest.fixture(scope="module")
 def server(smollm2_fp32):
-    engine = Engine(smollm2_fp32, make_drafter(DRAFTER, smollm2_fp32), default_tree(DRAFTER), kv_slots=8192)
+    engine = Engine(
+        smollm2_fp32, make_drafter(DRAFTER, smollm2_fp32), EngineConfig(tree=default_tree(DRAFTER), kv_slots=8192)
+    )
     backend, telemetry = embedded_backend(engine, MODEL, DRAFTER)
     with ServerThread(create_app(backend, telemetry)) as srv:
         srv.engine, srv.telemetry, srv.backend = engine, telemetry, backend

@@ -15,6 +15,7 @@ import openai
 import pytest
 from helpers import compare_to_reference, tiny_config, tiny_state
 
+from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.gateway.app import GatewayConfig, create_app
 from serving.gateway.auth import APIKeys
@@ -49,7 +50,9 @@ def serve(
     kv_slots=4096,
 ):
     """(ServerThread context, engine, telemetry) for an embedded backend on `target`."""
-    engine = Engine(target, drafter if drafter is not None else NgramDrafter(), TREE, kv_slots=kv_slots)
+    engine = Engine(
+        target, drafter if drafter is not None else NgramDrafter(), EngineConfig(tree=TREE, kv_slots=kv_slots)
+    )
     backend, telemetry = embedded_backend(
         engine, MODEL, drafter_name, max_running=max_running, max_queue=max_queue, max_tokens=limits.max_tokens
     )
@@ -675,7 +678,7 @@ def test_drain_deadline_aborts_what_is_left_and_exits(tiny):
 
     from serving.gateway.server import DrainingServer
 
-    engine = Engine(tiny, SlowDrafter(), TREE, kv_slots=4096)
+    engine = Engine(tiny, SlowDrafter(), EngineConfig(tree=TREE, kv_slots=4096))
     backend, telemetry = embedded_backend(engine, MODEL, "ngram")
     app = create_app(backend, telemetry)
     server = DrainingServer(
@@ -735,7 +738,7 @@ def test_a_stalled_upload_does_not_hold_the_drain_and_gets_an_openai_503(tiny):
 
     from serving.gateway.server import DrainingServer
 
-    engine = Engine(tiny, NgramDrafter(), TREE, kv_slots=4096)
+    engine = Engine(tiny, NgramDrafter(), EngineConfig(tree=TREE, kv_slots=4096))
     backend, telemetry = embedded_backend(engine, MODEL, "ngram")
     app = create_app(backend, telemetry)
     # NOTE: a drain timeout no test waits for: the server exits before it only if the upload does not count

@@ -8,6 +8,7 @@ import json
 import httpx
 import pytest
 
+from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.gateway.app import create_app
 from serving.gateway.server import ServerThread, embedded_backend
@@ -19,7 +20,9 @@ PROMPT = "The three primary colors are"
 
 @pytest.fixture(scope="module")
 def server(smollm2_fp32):
-    engine = Engine(smollm2_fp32, make_drafter(DRAFTER, smollm2_fp32), default_tree(DRAFTER), kv_slots=8192)
+    engine = Engine(
+        smollm2_fp32, make_drafter(DRAFTER, smollm2_fp32), EngineConfig(tree=default_tree(DRAFTER), kv_slots=8192)
+    )
     backend, telemetry = embedded_backend(engine, MODEL, DRAFTER)
     with ServerThread(create_app(backend, telemetry)) as srv:
         srv.engine = engine

@@ -195,6 +195,7 @@ def test_scheduler_admits_by_kv_reservation_and_delivers_everything():
 
     from helpers import tiny_target
 
+    from serving.config import EngineConfig
     from serving.engine import Engine
     from serving.scheduler import QueueFull, Scheduler
     from sglang_ext.drafters import NgramDrafter
@@ -203,7 +204,7 @@ def test_scheduler_admits_by_kv_reservation_and_delivers_everything():
 
     tree = TreeShape(3, 2, 6)
     per_request = 10 + 20 + tree.num_draft_tokens + 1  # prompt + max_new + one tree
-    engine = Engine(tiny_target(), NgramDrafter(), tree, kv_slots=1 + 2 * per_request + 5)
+    engine = Engine(tiny_target(), NgramDrafter(), EngineConfig(tree=tree, kv_slots=1 + 2 * per_request + 5))
     real_step, peak = engine.step, []
 
     def step():

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from serving.config import EngineConfig
 from serving.edge.protocol import unpack
 from serving.engine import Engine
 from serving.gateway.app import create_app
@@ -33,7 +34,9 @@ DEEP = "[" * 100_000 + "]" * 100_000  # 100k nested arrays (200 KB, under the bo
 @pytest.fixture(scope="module")
 def server(smollm2_fp32):
     # NOTE: a chain of 3 keeps every verify forward small; greedy rows then do not depend on the batch
-    engine = Engine(smollm2_fp32, make_drafter(DRAFTER, smollm2_fp32), TreeShape.chain(3), kv_slots=8192)
+    engine = Engine(
+        smollm2_fp32, make_drafter(DRAFTER, smollm2_fp32), EngineConfig(tree=TreeShape.chain(3), kv_slots=8192)
+    )
     backend, telemetry = embedded_backend(engine, MODEL, DRAFTER)
     edge, edge_tok = build_edge(smollm2_fp32, EDGE_DRAFTER, ttl_s=600)
     with ServerThread(create_app(backend, telemetry, edge=edge, edge_tokenizer=edge_tok)) as srv:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import compare_to_reference, tiny_config, tiny_state
 
+from serving.config import EngineConfig
 from serving.engine import Engine
 from sglang_ext.drafters import make_drafter
 from sglang_ext.drafters.base import DraftInput
@@ -94,7 +95,7 @@ def test_lsa_runs_once_per_verified_token():
     shapes = []
     lsa = drafter.draft.lsa
     drafter.draft.lsa = lambda x: shapes.append(tuple(x.shape)) or lsa(x)
-    eng = Engine(target, drafter, TreeShape(4, 3, 10))
+    eng = Engine(target, drafter, EngineConfig(tree=TreeShape(4, 3, 10)))
     prompt = _prompts(1, 0)[0]
     req = eng.add_request(prompt, SamplingParams(max_new_tokens=20, ignore_eos=True))
     verified = []
@@ -120,7 +121,7 @@ def _one_propose(drafter, eng, prompt, shape):
 def test_tli_reads_the_target_cache_and_never_writes_it():
     target, draft = tiny_pair(tli=1, seed=3)
     drafter = MoADrafter(target.model, draft)
-    eng = Engine(target, drafter, TreeShape(3, 2, 6))
+    eng = Engine(target, drafter, EngineConfig(tree=TreeShape(3, 2, 6)))
     req, tree = _one_propose(drafter, eng, _prompts(1, 5)[0], TreeShape(3, 2, 6))
     kv = eng.kv
     free = kv.num_free
@@ -169,7 +170,7 @@ def test_save_load_round_trip_is_exact(tmp_path):
     outs = []
     for d in (draft, loaded):
         dr = MoADrafter(target.model, d)
-        eng = Engine(target, dr, TreeShape(3, 2, 6))
+        eng = Engine(target, dr, EngineConfig(tree=TreeShape(3, 2, 6)))
         outs.append(_one_propose(dr, eng, prompt, TreeShape(3, 2, 6))[1].draft_tokens)
     assert torch.equal(outs[0], outs[1])
 
@@ -213,7 +214,7 @@ def test_training_forward_matches_the_drafter_chain(tli, memory):
     drafter's root and chain nodes (SA staircase == 'self', CA up to v, TLI real/draft K/V)."""
     target, draft = tiny_pair(tli=tli, seed=7, draft_vocab=0, memory=memory)
     drafter = MoADrafter(target.model, draft)
-    eng = Engine(target, drafter, TreeShape.chain(4))
+    eng = Engine(target, drafter, EngineConfig(tree=TreeShape.chain(4)))
     prompt = _prompts(1, 9)[0]
     recorded = []
     head = drafter._to_logits
@@ -248,7 +249,7 @@ def test_greedy_identity_tiny(tli, shape, bs):
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     ref = [r.output_ids for r in Engine(target, None).generate(prompts, params)]
     drafter = MoADrafter(target.model, draft)
-    eng = Engine(target, drafter, shape)
+    eng = Engine(target, drafter, EngineConfig(tree=shape))
     free = (drafter.mem.num_free, drafter.sa.num_free, eng.kv.num_free)
     outs = []
     for i in range(0, len(prompts), bs):
@@ -261,7 +262,7 @@ def test_greedy_identity_tiny(tli, shape, bs):
 @pytest.mark.parametrize("shape", [TreeShape.chain(3), TreeShape(3, 2, 6)], ids=["sampled-chain", "tree"])
 def test_sampling_runs_and_drafts_stay_in_vocab(shape):
     target, draft = tiny_pair(tli=1, seed=4)
-    eng = Engine(target, MoADrafter(target.model, draft), shape)
+    eng = Engine(target, MoADrafter(target.model, draft), EngineConfig(tree=shape))
     falls = []
     eng.on_fallback = lambda r, reason: falls.append(reason)
     reqs = eng.generate(
@@ -280,7 +281,9 @@ def test_drafter_by_path_and_ancestors_mode(tmp_path, memory):
     prompts = _prompts(2, 11)
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     ref = [r.output_ids for r in Engine(target, None).generate(prompts, params)]
-    outs = [r.output_ids for r in Engine(target, drafter, TreeShape(3, 2, 6)).generate(prompts, params)]
+    outs = [
+        r.output_ids for r in Engine(target, drafter, EngineConfig(tree=TreeShape(3, 2, 6))).generate(prompts, params)
+    ]
     assert "bug" not in [compare_to_reference(target.model, p, r, o) for p, r, o in zip(prompts, ref, outs)]
 
 
@@ -336,7 +339,7 @@ def test_greedy_identity_smollm2(smollm2_fp32, eval_prompts, name, bs):
     prompts = eval_prompts[:8]
     params = SamplingParams(max_new_tokens=32)
     ref = [r.output_ids for r in Engine(smollm2_fp32, None).generate(prompts, params)]
-    eng = Engine(smollm2_fp32, MoADrafter(smollm2_fp32.model, draft), TreeShape(5, 4, 16))
+    eng = Engine(smollm2_fp32, MoADrafter(smollm2_fp32.model, draft), EngineConfig(tree=TreeShape(5, 4, 16)))
     reqs = []
     for i in range(0, len(prompts), bs):
         reqs += eng.generate(prompts[i : i + bs], params)

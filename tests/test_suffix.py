@@ -171,6 +171,7 @@ def test_min_prob_cuts_lookup_nodes_by_share_times_match_confidence():
 def test_lookup_drafters_with_min_prob_keep_greedy_output():
     from helpers import tiny_target
 
+    from serving.config import EngineConfig
     from serving.engine import Engine
 
     t = tiny_target(seed=2, vocab=16)
@@ -178,7 +179,7 @@ def test_lookup_drafters_with_min_prob_keep_greedy_output():
     sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
     ref = [r.output_ids for r in Engine(t, None).generate(prompts, sp)]
     for drafter in (make_drafter("ngram", None), SuffixDrafter([[1, 2, 3, 4, 5, 6]])):
-        eng = Engine(t, drafter, TreeShape(4, 2, 8, min_prob=0.3))
+        eng = Engine(t, drafter, EngineConfig(tree=TreeShape(4, 2, 8, min_prob=0.3)))
         reqs = eng.generate(prompts, sp)
         assert [r.output_ids for r in reqs] == ref
         assert sum(r.stats.draft_tokens for r in reqs) > 0  # the cut left some nodes to verify

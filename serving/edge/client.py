@@ -50,6 +50,7 @@ class Event:
 @dataclass
 class EdgeStats:
     cycles: int = 0  # successful verify calls
+    drafted: int = 0  # draft tokens those calls carried (tree nodes, roots excluded)
     calls: int = 0  # HTTP requests attempted (create, verify, resync, failures)
     bytes_up: int = 0
     bytes_down: int = 0
@@ -124,6 +125,8 @@ class EdgeClient:
         if resp.status_code != 200 or resp.headers.get("content-type", "").split(";")[0] != MEDIA_TYPE:
             raise EdgeServerError(resp.status_code, resp.text[:500])
         self.stats.cycle_bytes.append(up + len(resp.content))
+        if body.get("mode") == "tree":  # a draft-verify cycle: the tree's nodes after its root
+            self.stats.drafted += len(body["tokens"]) - 1
         return unpack(resp.content)
 
     def _ingest(self, rid: int, tokens: list[int], start: int, ctx: dict) -> None:
@@ -313,3 +316,26 @@ def collect(events: Iterator[Event]) -> tuple[list[int], list[int]]:
         elif ev.kind == "retract":
             pending = pending[: len(pending) - ev.count]
     return verified, pending
+
+
+def local_drafter(target, name: str):
+    """The client's drafter for a registry name or checkpoint: a MoA drafter keeps its own copy of
+    the TLI layers' K/V (remote=True); an EAGLE-3 drafter as it is."""
+    from sglang_ext.drafters import make_drafter
+
+    d = make_drafter(name, target)
+    if isinstance(d, MoADrafter):
+        d = MoADrafter(target.model, d.draft, name=d.name, remote=True)
+    return d
+
+
+def unsupported_settings(params: SamplingParams) -> list[str]:
+    """The SamplingParams fields an edge generation cannot honour (empty: it can). The server
+    verifies greedily (service.py: greedy_verify) and the client stops at EOS and the token budget
+    only, so sampling, penalties, min_tokens and structured output would be silently dropped."""
+    defaults = SamplingParams()
+    out = [] if params.greedy else ["temperature"]
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens", "grammar"):
+        if getattr(params, name) != getattr(defaults, name):
+            out.append(name)
+    return out

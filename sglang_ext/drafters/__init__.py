@@ -1,24 +1,45 @@
-"""Drafters behind one interface (base.Drafter), built by name from one registry."""
+"""Drafters behind one interface (base.Drafter), built by name from one registry.
+
+Each registry entry is a DrafterSpec: the factory that builds the drafter for a target, and the tree
+shape it drafts best with (default_tree reads it; the numbers are measured, docs/BENCHMARKS.md).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 from ..models.checkpoint import EAGLE3, MOA, SUFFIX_CORPUS, checkpoint_kind
+from ..tree import TreeShape
 from .base import Drafter, DrafterError, DraftInput, TargetCapture
 from .draft_model import DraftModelDrafter
 from .ngram import NgramDrafter
 
-# name -> factory(target_model) ; EAGLE-3 and MoA register here too
-_REGISTRY: dict[str, Callable[..., Drafter]] = {
-    "ngram": lambda target: NgramDrafter(),
-    "suffix": lambda target, path=None: _suffix().SuffixDrafter.from_target(target, path),
-    "draft-model": lambda target: DraftModelDrafter.self_draft(target.model),
-    "eagle3": lambda target, path=None: _eagle3().Eagle3Drafter.from_target(target, path),
-    "moa": lambda target, path=None: _moa().MoADrafter.from_target(target, path, name="moa"),
-    "moa-tli0": lambda target: _moa().MoADrafter.from_target(target, name="moa-tli0"),
-    "moa-tli1": lambda target: _moa().MoADrafter.from_target(target, name="moa-tli1"),
-}
+# the tree of a drafter without a tuned one (registered without a tree, or not in the registry)
+FALLBACK_TREE = TreeShape(6, 4, 24)
+
+# EAGLE-3 and MoA share one tree budget, so their numbers compare. On this CPU each verify row
+# costs ~1/8 of a decode and each draft step a head forward, so one draft step with two candidates
+# is fastest even with the GPU-trained heads (tau 2.1 at 6,4,24): EAGLE-3 1.02x vanilla at 1,2,3,0.1
+# against 0.98x at 2,2,4,0.1 and 0.34x at 6,4,24 (2-core Xeon, six eval sets, docs/BENCHMARKS.md).
+# min_prob 0.1: nodes of draft probability < 0.1 were accepted ~6 % of the time, not worth a
+# verify row here (docs/BENCHMARKS.md, "Tree shapes"). On a GPU a tree verify costs about a decode.
+EAGLE_LIKE_TREE = TreeShape(1, 2, 3, min_prob=0.1)
+
+# suffix: a 3-token chain. A chain beat 8,3,24; with the matmuls on the GGUF blocks a decode no
+# longer waits on memory, each verify row costs ~1/4 of a decode, and the 3-chain won over six
+# sets on a 2-core AMD EPYC: 1.37x vs 1.30x for the 5-chain in one run, 1.40x vs 1.37x / 1.27x
+# for the 2- / 4-chains in another; again on a 2-core Xeon once 5-8 row verifies got cheaper:
+# 1.21x vs 1.18x / 1.15x / 1.05x for the 4- / 5- / 7-chains
+SUFFIX_TREE = TreeShape(3, 1, 4)
+
+
+@dataclass(frozen=True)
+class DrafterSpec:
+    """A registry entry: factory(target[, path]) -> Drafter, and the drafter's default tree shape."""
+
+    factory: Callable[..., Drafter]
+    default_tree: TreeShape = FALLBACK_TREE
 
 
 def _eagle3():
@@ -39,13 +60,40 @@ def _moa():
     return moa
 
 
-def register_drafter(name: str, factory: Callable[..., Drafter]) -> None:
-    _REGISTRY[name] = factory
+# name -> DrafterSpec; a factory taking `path` also builds from a checkpoint / corpus directory
+_REGISTRY: dict[str, DrafterSpec] = {
+    "ngram": DrafterSpec(lambda target: NgramDrafter(), TreeShape(6, 2, 12)),
+    "suffix": DrafterSpec(lambda target, path=None: _suffix().SuffixDrafter.from_target(target, path), SUFFIX_TREE),
+    "draft-model": DrafterSpec(lambda target: DraftModelDrafter.self_draft(target.model), TreeShape(3, 1, 4)),
+    "eagle3": DrafterSpec(lambda target, path=None: _eagle3().Eagle3Drafter.from_target(target, path), EAGLE_LIKE_TREE),
+    "moa": DrafterSpec(
+        lambda target, path=None: _moa().MoADrafter.from_target(target, path, name="moa"), EAGLE_LIKE_TREE
+    ),
+    "moa-tli0": DrafterSpec(lambda target: _moa().MoADrafter.from_target(target, name="moa-tli0"), EAGLE_LIKE_TREE),
+    "moa-tli1": DrafterSpec(lambda target: _moa().MoADrafter.from_target(target, name="moa-tli1"), EAGLE_LIKE_TREE),
+}
+
+
+def register_drafter(name: str, factory: Callable[..., Drafter], default_tree: TreeShape | None = None) -> None:
+    """Add (or replace) a drafter; without a default tree it drafts with FALLBACK_TREE unless told otherwise."""
+    _REGISTRY[name] = DrafterSpec(factory, default_tree or FALLBACK_TREE)
 
 
 def is_suffix_corpus(path: str) -> bool:
     """A directory written by `moa-serve build-corpus`."""
     return checkpoint_kind(path) == SUFFIX_CORPUS
+
+
+def drafter_kind(name: str | None) -> str | None:
+    """The registry entry a drafter name stands for: the name itself, or for a directory the kind of
+    what it holds (a suffix corpus -> 'suffix', an EAGLE-3 / MoA checkpoint -> 'eagle3' / 'moa');
+    None when it is neither."""
+    if name in _REGISTRY:
+        return name
+    if not name:
+        return None
+    # --drafter PATH: a corpus from `moa-serve build-corpus`, an EAGLE-3 or a MoA checkpoint directory
+    return {SUFFIX_CORPUS: "suffix", EAGLE3: "eagle3", MOA: "moa"}.get(checkpoint_kind(name))
 
 
 def available_drafters() -> list[str]:
@@ -66,59 +114,37 @@ def resolve_drafter(name: str | None, target) -> str | None:
 
 
 def make_drafter(name: str | None, target) -> Drafter | None:
-    """A drafter for `target` by registry name ('auto': see resolve_drafter);
+    """A drafter for `target` by registry name or directory ('auto': see resolve_drafter);
     'none' (or None) means vanilla decoding."""
     name = resolve_drafter(name, target)
     if name in (None, "none", "vanilla"):
         return None
-    if name not in _REGISTRY:
-        # --drafter PATH: a corpus from `moa-serve build-corpus`, an EAGLE-3 or a MoA checkpoint directory
-        kind = checkpoint_kind(name)
-        if kind is not None:
-            return _REGISTRY[{SUFFIX_CORPUS: "suffix", EAGLE3: "eagle3", MOA: "moa"}[kind]](target, name)
-    if name not in _REGISTRY:
+    kind = drafter_kind(name)
+    if kind is None:
         raise ValueError(f"unknown drafter {name!r}; available: {', '.join(available_drafters())}")
-    return _REGISTRY[name](target)
+    factory = _REGISTRY[kind].factory
+    return factory(target) if kind == name else factory(target, name)
 
 
-def default_tree(drafter: str | None):
-    """Tree shape tuned per drafter (see docs/BENCHMARKS.md for the sweeps); the edge client uses it too."""
-    from ..tree import TreeShape
-
-    # EAGLE-3 and MoA share one tree budget, so their numbers compare. On this CPU each verify row
-    # costs ~1/8 of a decode and each draft step a head forward, so one draft step with two candidates
-    # is fastest even with the GPU-trained heads (tau 2.1 at 6,4,24): EAGLE-3 1.02x vanilla at 1,2,3,0.1
-    # against 0.98x at 2,2,4,0.1 and 0.34x at 6,4,24 (2-core Xeon, six eval sets, docs/BENCHMARKS.md).
-    # min_prob 0.1: nodes of draft probability < 0.1 were accepted ~6 % of the time, not worth a
-    # verify row here (docs/BENCHMARKS.md, "Tree shapes"). On a GPU a tree verify costs about a decode.
-    eagle_like = TreeShape(1, 2, 3, min_prob=0.1)
-    if drafter and is_suffix_corpus(drafter):
-        drafter = "suffix"  # --drafter PATH to a corpus
-    # suffix: a 3-token chain. A chain beat 8,3,24; with the matmuls on the GGUF blocks a decode no
-    # longer waits on memory, each verify row costs ~1/4 of a decode, and the 3-chain won over six
-    # sets on a 2-core AMD EPYC: 1.37x vs 1.30x for the 5-chain in one run, 1.40x vs 1.37x / 1.27x
-    # for the 2- / 4-chains in another; again on a 2-core Xeon once 5-8 row verifies got cheaper:
-    # 1.21x vs 1.18x / 1.15x / 1.05x for the 4- / 5- / 7-chains
-    return {
-        "ngram": TreeShape(6, 2, 12),
-        "suffix": TreeShape(3, 1, 4),
-        "draft-model": TreeShape(3, 1, 4),
-        "eagle3": eagle_like,
-        "moa": eagle_like,
-        "moa-tli0": eagle_like,
-        "moa-tli1": eagle_like,
-    }.get(drafter or "none", TreeShape(6, 4, 24))
+def default_tree(drafter: str | None) -> TreeShape:
+    """The tree shape a drafter (registry name or directory) drafts with by default: its registry
+    entry's; FALLBACK_TREE for names outside the registry and for 'none'. The edge client uses it too."""
+    kind = drafter_kind(drafter)
+    return _REGISTRY[kind].default_tree if kind else FALLBACK_TREE
 
 
 __all__ = [
     "DraftInput",
     "Drafter",
     "DrafterError",
+    "DrafterSpec",
     "DraftModelDrafter",
+    "FALLBACK_TREE",
     "NgramDrafter",
     "TargetCapture",
     "available_drafters",
     "default_tree",
+    "drafter_kind",
     "is_suffix_corpus",
     "make_drafter",
     "register_drafter",

@@ -91,9 +91,32 @@ def parse_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
     return _DTYPES[name]
 
 
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(name: str = "auto") -> str:
+    """'auto' -> 'cuda' when torch sees a CUDA GPU, else 'cpu'; 'cpu', 'cuda' and 'cuda:N' as given.
+    A CUDA device without CUDA is an error here, before any weights are read."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return name
+    if name == "cuda" or name.startswith("cuda:"):
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device {name!r}: CUDA is not available here (torch.cuda.is_available() is False); "
+                "use --device cpu or --device auto"
+            )
+        return name
+    raise ValueError(f"unknown device {name!r}; choose one of {', '.join(DEVICE_CHOICES)} (or cuda:N)")
+
+
 def load_target(
     name_or_path: str = DEFAULT_TARGET, dtype: str | torch.dtype = "float32", device: str = "cpu"
 ) -> Target:
+    """The target model and tokenizer, its weights (and the KV pools it makes) on `device`
+    ('auto': see resolve_device); dtype 'auto': see auto_dtype (bf16 on a GPU)."""
+    device = resolve_device(device)
     path = resolve_target(name_or_path)
     model = LlamaModel(
         load_config(path),
@@ -116,6 +139,8 @@ __all__ = [
     "Target",
     "load_target",
     "parse_dtype",
+    "resolve_device",
+    "DEVICE_CHOICES",
     "auto_dtype",
     "cpu_has_fast_bf16",
     "DTYPE_CHOICES",
