@@ -92,12 +92,13 @@ def bench_drafter(method: str, target):
     return drafter
 
 
-def engine_runner(target, method: str, tree, sp):
-    """A function prompt -> (output ids, stats) running our engine with one drafter (or none); sp: SamplingParams."""
+def engine_runner(target, method: str, tree, sp, on_fallback=None):
+    """A function prompt -> (output ids, stats) running our engine with one drafter (or none); sp: SamplingParams.
+    on_fallback(request, reason): called when a drafter fault sends a request back to vanilla decoding."""
     from serving.config import EngineConfig
     from serving.engine import Engine
 
-    engine = Engine(target, bench_drafter(method, target), EngineConfig(tree=tree))
+    engine = Engine(target, bench_drafter(method, target), EngineConfig(tree=tree), on_fallback=on_fallback)
 
     def run(prompt):
         r = engine.generate([prompt], sp)[0]

@@ -79,14 +79,15 @@ def sampling_label(sp) -> str:
 # --- transformers --------------------------------------------------------------------------------
 
 
-def load_hf_model(target, dtype: torch.dtype, cache: dict):
-    """The target as a transformers model, loaded once per run and shared by every HF peer."""
+def load_hf_model(target, dtype: torch.dtype, cache: dict, device: str | torch.device = "cpu"):
+    """The target as a transformers model on `device` (the GPU our engine runs on, so the comparison
+    is on the same chip), loaded once per run and shared by every HF peer."""
     if "hf" not in cache:
         if target.path is None:
             raise PeerUnavailable("the target has no Hugging Face directory to load transformers from")
         from transformers import AutoModelForCausalLM
 
-        cache["hf"] = AutoModelForCausalLM.from_pretrained(target.path, dtype=dtype).eval()
+        cache["hf"] = AutoModelForCausalLM.from_pretrained(target.path, dtype=dtype).to(device).eval()
     return cache["hf"]
 
 
@@ -163,7 +164,7 @@ def hf_runner(hf_model, sp, eos_ids: list[int], **mode):
             torch.manual_seed(sp.seed)
         with torch.inference_mode():
             out = hf_model.generate(
-                torch.tensor([prompt]),
+                torch.tensor([prompt], device=hf_model.device),
                 max_new_tokens=sp.max_new_tokens,
                 eos_token_id=eos,
                 pad_token_id=eos[0] if eos else 0,

@@ -250,14 +250,14 @@ def _add_peers(add, peers: list[str], args, target, sp, prompts: list[list[int]]
     """add(label, tree text, make_runner) for each peer (benchmarks/peers.py)."""
     from benchmarks import peers as peer_lib
     from sglang_ext.drafters.draft_model import default_self_draft_layers
-    from sglang_ext.models import parse_dtype
 
     eos = getattr(target.tokenizer, "eos_token_id", None)
     eos_ids = sorted(set(target.cfg.eos_token_ids) | ({eos} if eos is not None else set()))
     assistant_layers = default_self_draft_layers(target.cfg.num_layers)
 
     def hf():
-        return peer_lib.load_hf_model(target, parse_dtype(args.dtype), hf_cache)
+        # the target's own dtype and device: transformers runs on the same chip as our engine
+        return peer_lib.load_hf_model(target, target.model.dtype, hf_cache, target.model.device)
 
     def assistant():
         if "assistant" not in hf_cache:
