@@ -497,10 +497,12 @@ def test_gpu_verification_is_sync_free_and_matches_the_cpu():
         probs = torch.softmax(torch.randn(tree.num_nodes, 4, generator=gen) * 2, -1)
         target = probs.argmax(-1)
         dev_tree = tree_from_parents(tree.draft_tokens.cuda(), tree.parents.cuda(), 9)
-        dev_probs, g = probs.cuda(), torch.Generator(device="cuda").manual_seed(trial)
-        torch.cuda.set_sync_debug_mode("error")
+        dev_probs, dev_target = probs.cuda(), target.cuda()
+        g = torch.Generator(device="cuda").manual_seed(trial)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")  # any synchronizing call in here raises
         try:
-            paths = [greedy_path(dev_tree, target.cuda()), coupled_path(dev_tree, dev_probs, trial, 9)]
+            paths = [greedy_path(dev_tree, dev_target), coupled_path(dev_tree, dev_probs, trial, 9)]
             paths.append(sampling_path(dev_tree, dev_probs, g))
         finally:
             torch.cuda.set_sync_debug_mode("default")

@@ -57,6 +57,9 @@ class KVPool:
         return self.k[0].device if self.k else torch.device("cpu")
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # NOTE: host slot ids index a device pool through a queued upload (indexing with them as they are
+        # would copy them synchronously); callers that pass device slots skip even that
+        slots = to_device(slots, self.k[layer].device)
         self.k[layer][slots] = k
         self.v[layer][slots] = v
 
