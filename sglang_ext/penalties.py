@@ -18,27 +18,34 @@ frequency and presence. `min_tokens` bans the stop tokens from the rows that wou
 output's first min_tokens tokens: row i chooses output token number len(output) + depth(i).
 Drafters draft without penalties: losslessness holds for any draft, and a
 penalty only changes which drafts are accepted.
+
+Everything runs on the logits' device without host reads: the per-request inputs (token ids,
+biases, stop ids) are host values uploaded once.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .device import to_device
 from .sampling import SamplingParams
 from .tree import TokenTree
 
 
-def output_counts(output_ids: list[int], vocab: int) -> torch.Tensor:
-    """[V] float32: occurrences of each token in the output."""
-    return torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=vocab)[:vocab].float()
+def output_counts(output_ids: list[int], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[V] float32 on `device`: occurrences of each token in the output.
+    NOTE: index_add, not bincount: bincount sizes its output from the ids' maximum (a device read)."""
+    ids = to_device(torch.tensor(output_ids, dtype=torch.long), device)
+    return torch.zeros(vocab, device=device).index_add_(0, ids, torch.ones(len(output_ids), device=device))
 
 
 def tree_output_counts(counts: torch.Tensor, tree: TokenTree) -> torch.Tensor:
-    """[N, V]: the output's counts plus, in row i, the draft tokens on the path root -> node i."""
-    rows = counts.expand(tree.num_nodes, -1).clone()
-    node, ancestor = tree.tree_mask[:, 1:].nonzero(as_tuple=True)  # ancestor-or-self pairs below the root
-    rows.index_put_((node, tree.draft_tokens[ancestor + 1].long()), torch.ones(len(node)), accumulate=True)
-    return rows
+    """[V] output counts -> [N, V]: the output's counts plus, in row i, the draft tokens on the path
+    root -> node i (each ancestor-or-self below the root adds one at its token)."""
+    n = tree.num_nodes
+    rows = counts.expand(n, -1).clone()
+    tokens = to_device(tree.draft_tokens[1:].long(), rows.device).expand(n, -1)  # [N, N-1]
+    return rows.scatter_add_(1, tokens, to_device(tree.tree_mask[:, 1:], rows.device).to(rows.dtype))
 
 
 def penalize(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor, prompt_ids: list[int]) -> torch.Tensor:
@@ -46,11 +53,11 @@ def penalize(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor,
     x = logits.float().clone()
     if params.logit_bias:
         ids, bias = zip(*params.logit_bias)
-        x[:, list(ids)] += torch.tensor(bias, dtype=x.dtype)
+        x[:, to_device(torch.tensor(ids), x.device)] += to_device(torch.tensor(bias, dtype=x.dtype), x.device)
     counts = counts.expand_as(x)
     if params.repetition_penalty != 1.0:
         seen = counts > 0
-        seen[:, torch.tensor(prompt_ids, dtype=torch.long)] = True
+        seen[:, to_device(torch.tensor(prompt_ids, dtype=torch.long), x.device)] = True
         penalized = torch.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty)
         x = torch.where(seen, penalized, x)
     if params.frequency_penalty:
@@ -64,7 +71,7 @@ def penalize_tree(
     logits: torch.Tensor, params: SamplingParams, prompt_ids: list[int], output_ids: list[int], tree: TokenTree
 ) -> torch.Tensor:
     """[N, V] logits of a request's tree rows -> the same rows under its penalties, each with its path."""
-    counts = output_counts(output_ids, logits.shape[-1])
+    counts = output_counts(output_ids, logits.shape[-1], logits.device)
     return penalize(logits, params, tree_output_counts(counts, tree), prompt_ids)
 
 
@@ -72,11 +79,12 @@ def ban_early_stops(
     logits: torch.Tensor, tree: TokenTree, output_len: int, min_tokens: int, stop_ids: set[int]
 ) -> torch.Tensor:
     """[N, V] tree rows -> the same with `stop_ids` at -inf in rows that choose an output token
-    before number `min_tokens` (0-based: output_len + the node's depth)."""
-    depth = tree.positions - tree.positions[0]
-    early = ((output_len + depth) < min_tokens).nonzero()[:, 0]
-    if not len(early) or not stop_ids:
+    before number `min_tokens` (0-based: output_len + the node's depth). Depths are >= 0, so
+    output_len >= min_tokens (host ints) means no row is early."""
+    if output_len >= min_tokens or not stop_ids:
         return logits
-    out = logits.clone()
-    out[early[:, None], torch.tensor(sorted(stop_ids))[None, :]] = float("-inf")
-    return out
+    depth = to_device(tree.positions - tree.positions[0], logits.device)
+    early = (output_len + depth) < min_tokens  # [N]
+    stops = torch.zeros(logits.shape[-1], dtype=torch.bool)
+    stops[sorted(stop_ids)] = True
+    return logits.masked_fill(early[:, None] & to_device(stops, logits.device)[None, :], float("-inf"))

@@ -152,10 +152,17 @@ class SamplingParams:
         # such a temperature means the argmax anyway (vLLM's rule)
         return self.temperature < GREEDY_TEMPERATURE
 
-    def generator(self) -> torch.Generator:
-        g = torch.Generator()
-        g.manual_seed(self.seed if self.seed is not None else torch.seed())
-        return g
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """The request's random stream, on the device its draws are made on (torch draws on a device
+        only from that device's generator)."""
+        return device_generator(self.seed if self.seed is not None else torch.seed(), device)
+
+
+def device_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator seeded with `seed` on `device` (host work only: seeding reads nothing back)."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -165,7 +172,8 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[..., V] logits -> [..., V] float32 probabilities under temperature/top-k/top-p."""
+    """[..., V] logits -> [..., V] float32 probabilities under temperature/top-k/top-p, on the logits'
+    device without host reads there."""
     if params.greedy:
         return torch.nn.functional.one_hot(greedy_tokens(logits), logits.shape[-1]).float()
     x = logits.float() / params.temperature
@@ -186,9 +194,10 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 def _top_mass(probs: torch.Tensor, mass: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The largest probabilities, descending, with their ids: enough of them to reach `mass` in every
     row. A partial top-k first (a full sort of a 49k vocab costs ~5 ms per row on one CPU core,
-    top-256 0.1 ms); the full sort only when the nucleus is wider than that."""
+    top-256 0.1 ms); the full sort only when the nucleus is wider than that. Off the CPU, the full sort
+    at once: choosing would read the device (and a GPU sorts a vocab in microseconds)."""
     v = probs.shape[-1]
-    for k in (256, 4096):
+    for k in (256, 4096) if probs.device.type == "cpu" else ():
         if k >= v:
             break
         vals, idx = probs.topk(k, dim=-1)
@@ -215,7 +224,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[Toke
     if not tokens:
         return []
     lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
+    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
     if not k:
         return [TokenLogprob(t, c) for t, c in zip(tokens, chosen)]
     vals, ids = lp.topk(k, dim=-1)
@@ -224,6 +233,14 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[Toke
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """[..., V] probabilities -> [...] int64, one sample per row, on the rows' device: torch.multinomial's
+    own exponential race (argmax p / E, E ~ Exp(1)), so the same draws for the same generator state,
+    without multinomial's checks of the probabilities (host reads of the device)."""
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / race).argmax(-1)
 
 
 # --- seeded requests: sampling as a function of (seed, position) -------------------------------------
@@ -243,14 +260,15 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def position_gumbel(seed: int, position: int, vocab: int) -> torch.Tensor:
-    """[vocab] Gumbel(0, 1) noise for the token at `position` of a request seeded with `seed`."""
-    g = torch.Generator()
-    g.manual_seed(_splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 1)  # manual_seed takes < 2**63
-    u = torch.rand(vocab, generator=g).clamp_(min=torch.finfo(torch.float32).tiny)
+def position_gumbel(seed: int, position: int, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[vocab] Gumbel(0, 1) noise for the token at `position` of a request seeded with `seed`, drawn on
+    `device` from that device's generator keyed by (seed, position): a pure function of them on one
+    kind of device (each kind's generator has its own stream)."""
+    g = device_generator(_splitmix64(_splitmix64(seed & _MASK64) ^ position) >> 1, device)  # seeds < 2**63
+    u = torch.rand(vocab, generator=g, device=device).clamp_(min=torch.finfo(torch.float32).tiny)
     return -torch.log(-torch.log(u))
 
 
 def seeded_sample(probs: torch.Tensor, seed: int, position: int) -> int:
     """The token at `position` drawn from probs [V] with the (seed, position) noise."""
-    return int((probs.log() + position_gumbel(seed, position, probs.shape[-1])).argmax())
+    return int((probs.log() + position_gumbel(seed, position, probs.shape[-1], probs.device)).argmax())

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .device import to_device
+
 
 @dataclass(frozen=True)
 class TreeShape:
@@ -114,50 +116,88 @@ class TokenTree:
 
 
 def tree_from_parents(
-    tokens: torch.Tensor, parents: torch.Tensor, seq_len: int, batch_index: int = 0, draft_probs=None, unlinked=()
+    tokens: torch.Tensor,  # [N] node tokens, root first
+    parents: torch.Tensor,  # [N] parent index of each node, -1 for the root
+    seq_len: int,
+    batch_index: int = 0,
+    draft_probs=None,
+    unlinked=(),
 ) -> TokenTree:
     """Build the layout from node tokens and parent indices (parents[i] < i, parents[0] == -1).
 
-    Nodes in `unlinked` keep their mask row and position but are left out of the retrieve lists,
-    so verification never reaches them (SGLang's treatment of a node whose parent was not kept).
+    Nodes in `unlinked` (node indices, or an [N] bool tensor) keep their mask row and position but
+    are left out of the retrieve lists, so verification never reaches them (SGLang's treatment of a
+    node whose parent was not kept).
+
+    Everything is built where `parents` lives, with fixed-shape tensor ops: no value is read back
+    to the host. Parents on the host are checked; a device's are trusted (checking them would read
+    them back).
     """
     n = tokens.numel()
-    par = parents.tolist()
-    if par[0] != -1 or any(not 0 <= p < i for i, p in enumerate(par[1:], 1)):
-        raise ValueError("tree parents must precede children and node 0 must be the root")
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    depth = [0] * n
-    next_token = [-1] * n
-    next_sibling = [-1] * n
-    last_child = [-1] * n
-    mask[0, 0] = True
-    for i in range(1, n):
-        p = par[i]
-        mask[i] = mask[p]
-        mask[i, i] = True
-        depth[i] = depth[p] + 1
-        if i in unlinked:
-            continue
-        if next_token[p] == -1:
-            next_token[p] = i
-        else:
-            next_sibling[last_child[p]] = i
-        last_child[p] = i
+    parents = parents.long()
+    dev = parents.device
+    if dev.type == "cpu":
+        par = parents.tolist()
+        if par[0] != -1 or any(not 0 <= p < i for i, p in enumerate(par[1:], 1)):
+            raise ValueError("tree parents must precede children and node 0 must be the root")
+    if isinstance(unlinked, torch.Tensor):
+        linked = ~to_device(unlinked.bool(), dev)
+    else:
+        linked = torch.ones(n, dtype=torch.bool, device=dev)
+        if unlinked:
+            linked[to_device(torch.tensor(sorted(unlinked), dtype=torch.long), dev)] = False
+    mask = ancestor_mask(parents)
+    next_token, next_sibling = child_lists(parents, linked)
     return TokenTree(
         draft_tokens=tokens.long(),
-        parents=parents.long(),
-        positions=torch.tensor(depth, dtype=torch.long) + seq_len,
+        parents=parents,
+        positions=mask.sum(1) - 1 + seq_len,  # seq_len + depth (a node's ancestors, itself excluded)
         tree_mask=mask,
-        retrieve_index=torch.arange(n, dtype=torch.long) + batch_index * n,
-        retrieve_next_token=torch.tensor(next_token, dtype=torch.long),
-        retrieve_next_sibling=torch.tensor(next_sibling, dtype=torch.long),
+        retrieve_index=torch.arange(n, dtype=torch.long, device=dev) + batch_index * n,
+        retrieve_next_token=next_token,
+        retrieve_next_sibling=next_sibling,
         draft_probs=draft_probs,
     )
 
 
-def chain_tree(root_token: int, draft: list[int], seq_len: int, draft_probs=None) -> TokenTree:
-    tokens = torch.tensor([root_token] + list(draft), dtype=torch.long)
-    return tree_from_parents(tokens, torch.arange(-1, len(draft), dtype=torch.long), seq_len, draft_probs=draft_probs)
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """[N] parents (-1 for the root, parents[i] < i) -> [N, N] bool, row i = i and its ancestors.
+
+    Pointer doubling: row i starts as {i, parent(i)} and jump(i) = its grandparent; each round adds
+    the row of jump(i) and squares the jump, so after r rounds row i holds the ancestors up to
+    distance 2^(r+1) - 1: log2(N) rounds, no host read."""
+    n = parents.numel()
+    ar = torch.arange(n, device=parents.device)
+    up = torch.where(parents >= 0, parents, ar)  # the root is its own parent
+    mask = torch.zeros(n, n, dtype=torch.bool, device=parents.device)
+    mask[ar, ar] = True
+    mask[ar, up] = True
+    jump = up[up]
+    for _ in range(max(n - 1, 1).bit_length()):
+        mask = mask | mask[jump]
+        jump = jump[jump]
+    return mask
+
+
+def child_lists(parents: torch.Tensor, linked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang's retrieve lists from parents [N] and linked [N] bool (the nodes verification may reach):
+    (first child [N], next sibling [N]), children in index order, -1 where there is none."""
+    n = parents.numel()
+    ar = torch.arange(n, device=parents.device)
+    child = (parents[None, :] == ar[:, None]) & linked[None, :]  # [parent, child]
+    first = torch.where(child, ar[None, :], n).amin(1)
+    later = (parents[None, :] == parents[:, None]) & (ar[None, :] > ar[:, None]) & linked[None, :]  # [i, sibling]
+    sibling = torch.where(later, ar[None, :], n).amin(1)
+    return torch.where(first < n, first, -1), torch.where((sibling < n) & linked, sibling, -1)
+
+
+def chain_tree(root_token: int, draft: list[int], seq_len: int, draft_probs=None, device=None) -> TokenTree:
+    """A chain from host ints, built on `device` (default: draft_probs' device, else the CPU)."""
+    if device is None:
+        device = draft_probs.device if draft_probs is not None else "cpu"
+    tokens = to_device(torch.tensor([root_token] + list(draft), dtype=torch.long), device)
+    parents = torch.arange(-1, len(draft), dtype=torch.long, device=device)
+    return tree_from_parents(tokens, parents, seq_len, draft_probs=draft_probs)
 
 
 # --- EAGLE-2 dynamic tree search (SGLang semantics) ------------------------------------------
@@ -181,7 +221,7 @@ class TreeSearch:
         b, k = topk_p.shape
         self.score_list.append(topk_p.unsqueeze(1))
         self.token_list.append(topk_index)
-        self.parents_list.append(torch.arange(-1, k, dtype=torch.long).expand(b, -1))
+        self.parents_list.append(torch.arange(-1, k, dtype=torch.long, device=topk_index.device).expand(b, -1))
         return topk_index, topk_p
 
     def expand(self, step: int, scores: torch.Tensor, topk_p: torch.Tensor, topk_index: torch.Tensor):
@@ -212,16 +252,18 @@ class TreeSearch:
         if len(self.parents_list) > 1:
             parent_list = torch.cat(self.parents_list[:-1], dim=1)
         else:
-            parent_list = torch.empty(scores.shape[0], 0, dtype=torch.long)
+            parent_list = torch.empty(scores.shape[0], 0, dtype=torch.long, device=scores.device)
         return parent_list, top, draft_tokens
 
 
-def node_parents(parent_list: torch.Tensor, top_scores_index: torch.Tensor, topk: int) -> torch.Tensor:
+def node_parents(
+    parent_list: torch.Tensor, top_scores_index: torch.Tensor, topk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Parent node index (in 0..N-1, root = 0) of each selected node, for one request.
 
-    parent_list [P], top_scores_index [N-1] sorted. Returns [N] with -1 for the root.
-    A node whose parent was not selected (only possible with exact score ties) hangs off the root,
-    as SGLang's kernel does for retrieval.
+    parent_list [P], top_scores_index [N-1] sorted. Returns (parents [N] with -1 for the root,
+    unlinked [N] bool). A node whose parent was not selected (only possible with exact score ties)
+    hangs off the root, as SGLang's kernel does for retrieval, and is unlinked (never verified).
     """
     pt = top_scores_index // topk
     # parent_list[0] is -1 (the root), so step-0 nodes (pt == 0) map to the root directly
@@ -230,8 +272,9 @@ def node_parents(parent_list: torch.Tensor, top_scores_index: torch.Tensor, topk
     found = (parent_flat >= 0) & (pos < top_scores_index.numel())
     found &= top_scores_index[pos.clamp(max=top_scores_index.numel() - 1)] == parent_flat
     parents = torch.where(found, pos + 1, 0)
-    orphans = ((~found) & (parent_flat >= 0)).nonzero().flatten() + 1
-    return torch.cat([torch.tensor([-1]), parents]), set(orphans.tolist())
+    orphan = (~found) & (parent_flat >= 0)
+    root = parents.new_full((1,), -1)
+    return torch.cat([root, parents]), torch.cat([orphan.new_zeros(1), orphan])
 
 
 def build_trees(
@@ -239,7 +282,8 @@ def build_trees(
 ) -> list[TokenTree]:
     """Turn a finished search into one TokenTree per request (batch_index used for retrieve_index).
     min_prob > 0: each request keeps only its nodes whose score (path probability) reaches it; a
-    node's score never exceeds its parent's, so the kept nodes form a tree."""
+    node's score never exceeds its parent's, so the kept nodes form a tree. NOTE: that makes the
+    tree's size data-dependent (a host read per request on a device); min_prob = 0 reads nothing."""
     parent_list, top, draft = search.organize(num_draft_tokens)
     keep = None
     if min_prob > 0:
@@ -247,17 +291,14 @@ def build_trees(
     trees = []
     for b in range(root_tokens.numel()):
         top_b, draft_b = (top[b], draft[b]) if keep is None else (top[b][keep[b]], draft[b][keep[b]])
-        parents, orphans = node_parents(parent_list[b], top_b, search.topk)
-        tokens = torch.cat([root_tokens[b : b + 1].long(), draft_b])
-        trees.append(tree_from_parents(tokens, parents, seq_lens[b], batch_index=b, unlinked=orphans))
+        parents, unlinked = node_parents(parent_list[b], top_b, search.topk)
+        tokens = torch.cat([to_device(root_tokens[b : b + 1].long(), draft_b.device), draft_b])
+        trees.append(tree_from_parents(tokens, parents, seq_lens[b], batch_index=b, unlinked=unlinked))
     return trees
 
 
 def full_mask(trees: list[TokenTree], seq_lens: list[int]) -> torch.Tensor:
     """SGLang's FULL_MASK: flat bool, per request N rows x (seq_len + N) columns, prefix all True."""
     return torch.cat(
-        [
-            torch.cat([torch.ones(t.num_nodes, s, dtype=torch.bool), t.tree_mask], 1).flatten()
-            for t, s in zip(trees, seq_lens)
-        ]
+        [torch.cat([t.tree_mask.new_ones(t.num_nodes, s), t.tree_mask], 1).flatten() for t, s in zip(trees, seq_lens)]
     )

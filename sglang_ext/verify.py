@@ -28,6 +28,16 @@ walk accepts the child holding that token, as greedy verification does with the 
 is then plain seeded decoding's, token for token, whatever was drafted. For point-mass proposals
 (lookup drafters, top-k trees) the chance that some child is accepted is the same as above (the sum
 of p over the children); for sampled chains it is lower (sum of p*q instead of sum of min(p, q)).
+
+Two forms of each:
+- on the device (greedy_path, sampling_path, coupled_path, verify_tree_greedy): tensors in, an
+  AcceptedPath of tensors out, no host read (no .item(), .tolist(), boolean-mask gather or nonzero);
+  `to_host` then copies every request's path in one read, the step's only one.
+- on the host (greedy_verify, sampling_verify, coupled_verify): a VerifyResult of Python lists. The
+  sampling and seeded ones take a function node -> probabilities and visit only the accepted path and
+  one more node, which on a CPU saves the transform of the other rows (top-p over a 49k vocab).
+greedy_path / coupled_path give the host forms' results on the same device. sampling_path draws its
+random numbers up front (sampling_verify draws per trial): the same law, other samples for a seed.
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import seeded_sample
+from .sampling import draw, position_gumbel, seeded_sample
 from .tree import TokenTree
 
 
@@ -50,6 +60,122 @@ class VerifyResult:
         return len(self.tokens) - 1
 
 
+@dataclass
+class AcceptedPath:
+    """A verification's result on the device, before the step's one copy to the host (to_host)."""
+
+    nodes: torch.Tensor  # [N] int64: node indices on the accepted path, root (0) first, then -1
+    tokens: torch.Tensor  # [N] int64: the accepted draft tokens, then the bonus token, then -1
+
+
+def to_host(paths: list[AcceptedPath]) -> list[VerifyResult]:
+    """Every request's path in one device-to-host copy (the only host read of a verify step)."""
+    if not paths:
+        return []
+    flat = torch.cat([torch.cat([p.nodes, p.tokens]) for p in paths]).tolist()
+    out, at = [], 0
+    for p in paths:
+        n = p.nodes.numel()
+        nodes, tokens = flat[at : at + n], flat[at + n : at + 2 * n]
+        k = n - nodes.count(-1)
+        out.append(VerifyResult(nodes[:k], tokens[:k]))
+        at += 2 * n
+    return out
+
+
+# --- the walk, on the device ---------------------------------------------------------------------
+# Verification is a walk from the root: at each node, its children are tried in sibling-list order
+# and the first one that passes is accepted. Whether a child passes when tried never depends on
+# later siblings, so it is computed for every node at once (`ok`); then each node's first passing
+# child (`choice`), and the path is `choice` followed from the root. Fixed shapes throughout: no
+# value is read back to the host, and the loops run a count known on the host (log N, the depth).
+
+
+def sibling_lists(
+    next_token: torch.Tensor,  # [..., N] first child of each node, -1 if none
+    next_sibling: torch.Tensor,  # [..., N] next sibling, -1 if last
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(owner [..., N]: the node whose child list holds each node, -1 for none (the root, unlinked
+    nodes); rank [..., N]: its place in that list, 0 first). List ranking by pointer doubling."""
+    n = next_token.shape[-1]
+    ar = torch.arange(n, device=next_token.device).expand_as(next_token)
+    wide = next_token.shape[:-1] + (n + 1,)  # column n: where the -1 entries land
+    prev = next_token.new_full(wide, -1).scatter_(-1, torch.where(next_sibling >= 0, next_sibling, n), ar)[..., :n]
+    owner_of_head = next_token.new_full(wide, -1).scatter_(-1, torch.where(next_token >= 0, next_token, n), ar)
+    rank = (prev >= 0).long()
+    head = torch.where(prev >= 0, prev, ar)
+    for _ in range(max(n - 1, 1).bit_length()):
+        back = prev.clamp(min=0)
+        rank = rank + torch.where(prev >= 0, rank.gather(-1, back), 0)
+        prev = torch.where(prev >= 0, prev.gather(-1, back), -1)
+        head = head.gather(-1, head)
+    return owner_of_head[..., :n].gather(-1, head), rank
+
+
+def tree_lists(tree: TokenTree) -> tuple[torch.Tensor, torch.Tensor]:
+    """sibling_lists for a TokenTree in fewer ops: its lists hold the linked children of each node in
+    index order (tree_from_parents builds them so), so owner = parent for a node in some list and
+    rank = its linked elder siblings."""
+    n = tree.num_nodes
+    nxt, sib = tree.retrieve_next_token, tree.retrieve_next_sibling
+    listed = torch.zeros(n + 1, dtype=torch.bool, device=nxt.device)
+    listed[torch.where(nxt >= 0, nxt, n)] = True
+    listed[torch.where(sib >= 0, sib, n)] = True
+    listed = listed[:n]
+    owner = torch.where(listed, tree.parents, -1)
+    ar = torch.arange(n, device=nxt.device)
+    elder = (owner[None, :] == owner[:, None]) & (ar[None, :] < ar[:, None]) & listed[None, :]  # [node, elder]
+    return owner, elder.sum(1)
+
+
+def first_passing_child(owner: torch.Tensor, rank: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """[..., N] each node's first child (in list order) with ok set, -1 if none."""
+    n = owner.shape[-1]
+    ar = torch.arange(n, device=owner.device)
+    none = n * n
+    key = torch.where(ok & (owner >= 0), rank * n + ar, none)
+    best = key.new_full(owner.shape[:-1] + (n + 1,), none)
+    best = best.scatter_reduce(-1, torch.where(owner >= 0, owner, n), key, "amin")[..., :n]
+    return torch.where(best < none, best % n, -1)
+
+
+def walk(choice: torch.Tensor, steps: int) -> torch.Tensor:
+    """[..., N] choice -> [..., steps] the path from the root (node 0) following it, -1 after its end."""
+    cur = choice.new_zeros(choice.shape[:-1] + (1,))
+    path = [cur]
+    for _ in range(steps - 1):
+        cur = torch.where(cur >= 0, choice.gather(-1, cur.clamp(min=0)), -1)
+        path.append(cur)
+    return torch.cat(path, -1)
+
+
+def path_in_tree(tree: TokenTree, choice: torch.Tensor) -> torch.Tensor:
+    """walk(choice, N) for a TokenTree in a fixed number of ops (no loop over the depth): a node is on
+    the path when it and each of its ancestors below the root are their parent's choice, and the path
+    lists those nodes by depth. [N] choice -> [N] nodes, -1 after the path."""
+    n = tree.num_nodes
+    ar = torch.arange(n, device=choice.device)
+    chosen = (choice[tree.parents.clamp(min=0)] == ar) | (ar == 0)
+    on = ~(tree.tree_mask & ~chosen[None, :]).any(1)
+    depth = tree.positions - tree.positions[0]
+    return choice.new_full((n + 1,), -1).scatter_(0, torch.where(on, depth, n), ar)[:n]
+
+
+def _accepted(tree: TokenTree, nodes: torch.Tensor, bonus: torch.Tensor) -> AcceptedPath:
+    """nodes [N]: the path (-1 after it); bonus [N]: the bonus token if the path ends at that node."""
+    nxt = torch.cat([nodes[1:], nodes.new_full((1,), -1)])
+    tokens = torch.where(nxt >= 0, tree.draft_tokens[nxt.clamp(min=0)], bonus[nodes.clamp(min=0)])
+    return AcceptedPath(nodes, torch.where(nodes >= 0, tokens, -1))
+
+
+def _target_path(tree: TokenTree, target: torch.Tensor) -> AcceptedPath:
+    """The path where a child passes if it holds the target's token at its parent (target [N]: the
+    token the target picks after each node); the bonus is the target's token at the last node."""
+    owner, rank = tree_lists(tree)
+    ok = tree.draft_tokens == target[owner.clamp(min=0)]
+    return _accepted(tree, path_in_tree(tree, first_passing_child(owner, rank, ok)), target)
+
+
 def verify_tree_greedy(
     candidates: torch.Tensor,  # [bs, N] node tokens (root first)
     retrieve_index: torch.Tensor,  # [bs, N]
@@ -58,50 +184,49 @@ def verify_tree_greedy(
     target_predict: torch.Tensor,  # [bs, N] target argmax at each node
     num_speculative_tokens: int,  # max accepted nodes incl. root (SGLang: steps + 1)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SGLang's greedy tree verification, same outputs.
+    """SGLang's greedy tree verification, same outputs, on the inputs' device without host reads.
 
     Returns predicts [bs*N] (target token written at accepted nodes and the last one, else 0),
     accept_index [bs, num_speculative_tokens] (flat node ids, -1 padded), accept_token_num [bs].
     """
     bs, n = candidates.shape
-    cand, ridx = candidates.tolist(), retrieve_index.tolist()
-    nxt, sib, tgt = retrieve_next_token.tolist(), retrieve_next_sibling.tolist(), target_predict.reshape(-1).tolist()
-    predicts = [0] * (bs * n)
-    accept_index = [[-1] * num_speculative_tokens for _ in range(bs)]
-    accept_num = [0] * bs
-    for b in range(bs):
-        last = ridx[b][0]
-        accept_index[b][0] = last
-        cur = 0
-        for j in range(1, num_speculative_tokens):
-            cur = nxt[b][cur]
-            target = tgt[last]
-            while cur != -1 and cand[b][cur] != target:
-                cur = sib[b][cur]
-            if cur == -1:
-                break
-            predicts[last] = target
-            accept_num[b] += 1
-            last = ridx[b][cur]
-            accept_index[b][j] = last
-        predicts[last] = tgt[last]
-    return torch.tensor(predicts), torch.tensor(accept_index), torch.tensor(accept_num)
+    flat_target = target_predict.reshape(-1).long()
+    target = flat_target[retrieve_index]  # [bs, N] the target's token at each node
+    owner, rank = sibling_lists(retrieve_next_token, retrieve_next_sibling)
+    ok = candidates == target.gather(1, owner.clamp(min=0))  # a child passes if it is its parent's argmax
+    path = walk(first_passing_child(owner, rank, ok), num_speculative_tokens)  # [bs, M] local nodes
+    on = path >= 0
+    flat = retrieve_index.gather(1, path.clamp(min=0))
+    accept_index = torch.where(on, flat, -1)
+    predicts = flat_target.new_zeros(bs * n + 1)  # slot bs*n: where the padding's writes go
+    predicts.scatter_(0, torch.where(on, flat, bs * n).reshape(-1), flat_target[flat].reshape(-1))
+    return predicts[:-1], accept_index, on.sum(1) - 1
+
+
+def greedy_path(tree: TokenTree, target_argmax: torch.Tensor) -> AcceptedPath:
+    """One request on the device. target_argmax [N]: the target's argmax at each node."""
+    return _target_path(tree, target_argmax.reshape(-1).long())
 
 
 def greedy_verify(tree: TokenTree, target_argmax: torch.Tensor) -> VerifyResult:
     """One request. target_argmax [N]: the target's argmax at each node."""
-    n = tree.num_nodes
-    _, accept_index, accept_num = verify_tree_greedy(
-        tree.draft_tokens[None],
-        torch.arange(n)[None],
-        tree.retrieve_next_token[None],
-        tree.retrieve_next_sibling[None],
-        target_argmax.reshape(1, n),
-        n,
-    )
-    nodes = accept_index[0, : int(accept_num[0]) + 1].tolist()
-    tokens = [int(tree.draft_tokens[i]) for i in nodes[1:]] + [int(target_argmax[nodes[-1]])]
-    return VerifyResult(nodes, tokens)
+    return to_host([greedy_path(tree, target_argmax)])[0]
+
+
+def coupled_path(
+    tree: TokenTree, target_probs: torch.Tensor, seed: int, seq_len: int, max_depth: int | None = None
+) -> AcceptedPath:
+    """One seeded request on the device (see the module docstring). target_probs [N, V]: the target's
+    processed distribution at each node; seq_len: the root's position (tree.positions[0], known on
+    the host); max_depth: a bound on the tree's depth (default N - 1), so the noise is drawn for that
+    many positions only. The same tokens as coupled_verify on the same kind of device."""
+    n, vocab = target_probs.shape
+    depth = tree.positions - tree.positions[0]
+    d = n - 1 if max_depth is None else min(max_depth, n - 1)
+    noise = torch.stack(
+        [position_gumbel(seed, seq_len + 1 + k, vocab, target_probs.device) for k in range(d + 1)]
+    )  # [D+1, V]: the noise of the token after a node at each depth
+    return _target_path(tree, (target_probs.log() + noise[depth.clamp(max=d)]).argmax(-1))
 
 
 def coupled_verify(tree: TokenTree, target_probs, seed: int) -> VerifyResult:
@@ -157,3 +282,90 @@ def sampling_verify(tree: TokenTree, target_probs, generator: torch.Generator | 
         nodes.append(accepted)
         tokens.append(int(tree.draft_tokens[accepted]))
         node = accepted
+
+
+# --- speculative sampling on the device ------------------------------------------------------------
+
+
+def sampling_path(
+    tree: TokenTree, target_probs: torch.Tensor, generator: torch.Generator | None, max_children: int | None = None
+) -> AcceptedPath:
+    """One request on the device: sampling_verify's law (multi-step speculative sampling, module
+    docstring) with every random number drawn up front, on target_probs' device: u [N] (node c's trial
+    uses u[c]) and one exponential race over the vocab for the bonus. So the samples for a seed differ
+    from sampling_verify's (which draws per trial), the law does not (tests/test_device_step.py: chi2).
+    target_probs [N, V]: the target's processed distribution at each node; max_children: the most
+    children a node has, when known (a chain: 1; default N - 1): the rounds of sampled proposals."""
+    n = target_probs.shape[0]
+    p = target_probs.double()
+    owner, rank = tree_lists(tree)
+    u = torch.rand(n, generator=generator, dtype=torch.float64, device=p.device)
+    if tree.draft_probs is None:
+        ok, residual = point_mass_trials(p, tree.draft_tokens, owner, rank, u)
+    else:
+        rounds = n - 1 if max_children is None else max_children
+        ok, residual = sampled_trials(p, tree.draft_probs.double(), tree.draft_tokens, owner, rank, u, rounds)
+    nodes = path_in_tree(tree, first_passing_child(owner, rank, ok))
+    last = nodes.gather(0, ((nodes >= 0).sum() - 1).view(1))  # [1] the path's last node
+    bonus = draw(residual(last).float(), generator)
+    return _accepted(tree, nodes, bonus.expand(n))
+
+
+def point_mass_trials(
+    p: torch.Tensor,  # [N, V] float64 target distribution at each node
+    x: torch.Tensor,  # [N] node tokens
+    owner: torch.Tensor,  # [N] (sibling_lists)
+    rank: torch.Tensor,  # [N]
+    u: torch.Tensor,  # [N] float64 uniforms
+):
+    """Deterministic proposals (point masses). Rejecting x zeroes p(x) and renormalizes, so when child
+    c is tried, its parent's residual is p(x_c) / (1 - S_c), S_c the mass of the distinct tokens of the
+    siblings tried before it (0 if one of them held x_c). Returns (ok [N], residual: last [1] -> [V]
+    the distribution of the bonus when the path ends at `last`, every child of it rejected)."""
+    n, vocab = p.shape
+    px = p[owner.clamp(min=0), x]  # [N] each node's token under its parent's distribution
+    earlier = (owner[None, :] == owner[:, None]) & (owner[:, None] >= 0) & (rank[None, :] < rank[:, None])  # [c, s]
+    dup = (earlier & (x[None, :] == x[:, None])).any(1)  # an earlier sibling held the same token
+    mass = torch.where(earlier & ~dup[None, :], px[None, :], 0.0).sum(1)
+    left = 1.0 - mass
+    # NOTE: left <= 0 (the earlier siblings held all of p, up to rounding): sampling_verify falls back to p
+    before = torch.where(dup, 0.0, torch.where(left > 0, px / left.clamp(min=1e-300), px))
+    ok = u < before
+
+    def residual(last: torch.Tensor) -> torch.Tensor:
+        row = p[last][0]
+        rejected = torch.where(owner == last, x, vocab)  # the children's tokens; the rest -> column V
+        keep = row.new_ones(vocab + 1).scatter_(0, rejected, 0.0)[:vocab]
+        res = row * keep
+        return torch.where(res.sum() > 0, res, row)
+
+    return ok, residual
+
+
+def sampled_trials(
+    p: torch.Tensor,  # [N, V] float64 target distribution at each node
+    q: torch.Tensor,  # [N, V] float64 proposal each node's token was drawn from (row 0 unused)
+    x: torch.Tensor,  # [N] node tokens
+    owner: torch.Tensor,  # [N] (sibling_lists)
+    rank: torch.Tensor,  # [N]
+    u: torch.Tensor,  # [N] float64 uniforms
+    rounds: int,  # >= the most children any node has
+):
+    """Sampled proposals: rejecting child c turns its parent's residual r into normalize(max(0, r - q_c)).
+    Round k applies every node's k-th child to that node's residual row at once. Returns (ok [N],
+    residual: last [1] -> [V], the residual after all of last's children)."""
+    n = p.shape[0]
+    ar = torch.arange(n, device=p.device)
+    res = p.clone()  # row j: node j's residual after the children applied so far
+    before = p.new_zeros(n)  # the parent's residual at each node's token when it is tried
+    for k in range(rounds):
+        at = (rank == k) & (owner >= 0)
+        kid = owner.new_full((n + 1,), -1).scatter_(0, torch.where(at, owner, n), ar)[:n]  # node j's k-th child
+        before = torch.where(at, res[owner.clamp(min=0), x], before)
+        new = (res - q[kid.clamp(min=0)]).clamp_(min=0.0)
+        total = new.sum(-1, keepdim=True)
+        new = torch.where(total > 0, new / total, p)  # p covered by q exactly: fall back to p
+        res = torch.where((kid >= 0)[:, None], new, res)
+    qx = q[ar, x]
+    ok = (qx > 0) & (u * qx < before)
+    return ok, lambda last: res[last][0]

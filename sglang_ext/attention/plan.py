@@ -1,5 +1,11 @@
-"""Tree-attention planning: pure host functions that turn per-request (kv slots, mask) into index
-tensors. Computed once per forward step and shared by every layer and every backend.
+"""Tree-attention planning: turn per-request (kv slots, mask) into index tensors. Computed once per
+forward step and shared by every layer and every backend.
+
+Where: a plan is built on the device of its inputs' kv slots, or on an explicit `device=`; the
+host part (every index derived from the requests' lengths, which are shapes: Python ints) is built
+on the CPU and uploaded in one copy per dtype, and the slots and masks are only sliced and copied
+on their device, never read back. A backend given q on another device uses `plan.on(q.device)`
+(moved once, then cached for the other layers).
 
 Batch layout (flat, like SGLang): the queries of all requests are concatenated.
 
@@ -7,6 +13,7 @@ Batch layout (flat, like SGLang): the queries of all requests are concatenated.
     flat q rows:    [a0 a1 | b0]               qo_indptr = [0, 2, 3]
     kv slots:       [7 8 9 10 | 3 4 5]         kv_indptr = [0, 4, 7], kv_indices = the slots
     custom_mask:    a: 2x4 rows, b: 1x3 row, flattened row-major and concatenated (FlashInfer's layout)
+                    mask_indptr = [0, 8, 11] (cumsum q_len * kv)
 
 The padded view is what the torch backend consumes: requests are bucketed by kv length (sorted,
 a new bucket when a request's kv is more than `PAD_WASTE` x the bucket's shortest), and each bucket
@@ -23,6 +30,8 @@ from functools import cached_property
 
 import torch
 
+from ..device import to_device, upload
+
 PAD_WASTE = 1.5
 LONG_Q = 64  # more queries than this: a prompt block, not a decode / verify / draft step
 
@@ -35,11 +44,20 @@ class PaddedGroup:
     q_valid: torch.Tensor  # [G, Qmax] bool
     kv_slots: torch.Tensor  # [G, Kmax] int64 (padding -> slot 0)
     mask: torch.Tensor | None  # [G, 1, Qmax, Kmax] bool; None when every query sees every kv
+    # where q_valid is True, as (group, query) index pairs: out[q_valid] without a boolean-mask
+    # gather (whose size is a host read on a device); None: use the mask
+    valid_at: torch.Tensor | None = None  # [2, rows] int64
 
     @property
     def rows(self) -> torch.Tensor:
         """Flat query rows this group's output fills, in the order of out[q_valid]."""
-        return self.q_index[self.q_valid]
+        return self.valid(self.q_index)
+
+    def valid(self, x: torch.Tensor) -> torch.Tensor:
+        """[G, Qmax, ...] -> [rows, ...]: x[q_valid]."""
+        if self.valid_at is None:
+            return x[self.q_valid]
+        return x[self.valid_at[0], self.valid_at[1]]
 
 
 @dataclass
@@ -52,20 +70,39 @@ class AttentionPlan:
     # padded (torch) view: requests bucketed by kv length; one group covering the batch in order
     # means the output needs no scatter
     groups: list[PaddedGroup]
+    mask_indptr: torch.Tensor | None = None  # [B+1] int64, cumsum Q_b*K_b: where each request's mask starts
+    # the requests' query and kv counts on the host (None: read from the indptrs when asked)
+    q_lens: tuple[int, ...] | None = None
+    k_lens: tuple[int, ...] | None = None
     _splits: dict = field(default_factory=dict, repr=False, compare=False)  # split_by_queries, per max_q
+    _moved: dict = field(default_factory=dict, repr=False, compare=False)  # on(), per device
 
     @property
     def batch_size(self) -> int:
         return self.qo_indptr.numel() - 1
 
     @property
+    def device(self) -> torch.device:
+        return self.kv_indices.device
+
+    @property
     def num_queries(self) -> int:
-        return int(self.qo_indptr[-1])
+        return sum(self.q_lens) if self.q_lens is not None else int(self.qo_indptr[-1])
 
     @cached_property
     def max_q_len(self) -> int:
         """The most queries any request has (once per plan, not once per layer)."""
+        if self.q_lens is not None:
+            return max(self.q_lens)
         return int((self.qo_indptr[1:] - self.qo_indptr[:-1]).max())
+
+    def on(self, device: torch.device | str) -> AttentionPlan:
+        """This plan on `device`: itself if it is all there, else a copy moved once (one upload per
+        dtype) and kept for the next layer."""
+        device = torch.device(device)
+        if device not in self._moved:
+            self._moved[device] = _moved(self, device)
+        return self._moved[device]
 
     def split_by_queries(self, max_q: int) -> PlanSplit | None:
         """The requests with at most max_q queries and the others as two plans, with the flat query rows
@@ -87,36 +124,52 @@ class PlanSplit:
     long: AttentionPlan
 
 
+def _moved(plan: AttentionPlan, device: torch.device) -> AttentionPlan:
+    ragged = [plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.custom_mask, plan.mask_indptr]
+    per_group = [[g.q_index, g.q_valid, g.kv_slots, g.mask, g.valid_at] for g in plan.groups]
+    tensors = ragged + [t for g in per_group for t in g]
+    moved = upload(tensors, device)
+    if all(a is b for a, b in zip(moved, tensors)):
+        return plan
+    groups = [PaddedGroup(*moved[5 + 5 * i : 10 + 5 * i]) for i in range(len(plan.groups))]
+    return AttentionPlan(*moved[:4], groups, moved[4], plan.q_lens, plan.k_lens)
+
+
 def _split(plan: AttentionPlan, max_q: int) -> PlanSplit | None:
-    q_lens = (plan.qo_indptr[1:] - plan.qo_indptr[:-1]).tolist()
-    k_lens = (plan.kv_indptr[1:] - plan.kv_indptr[:-1]).tolist()
+    q_lens = list(plan.q_lens) if plan.q_lens is not None else (plan.qo_indptr[1:] - plan.qo_indptr[:-1]).tolist()
+    k_lens = list(plan.k_lens) if plan.k_lens is not None else (plan.kv_indptr[1:] - plan.kv_indptr[:-1]).tolist()
     is_short = [q <= max_q for q in q_lens]
     if all(is_short) or not any(is_short):
         return None
-    q0, k0 = plan.qo_indptr.tolist(), plan.kv_indptr.tolist()
-    m0 = [0]
-    for q, k in zip(q_lens, k_lens):
-        m0.append(m0[-1] + q * k)
+    q0, k0, m0 = _cumsum(q_lens), _cumsum(k_lens), _cumsum([q * k for q, k in zip(q_lens, k_lens)])
     parts = []
     for want in (True, False):
         idx = [b for b, s in enumerate(is_short) if s == want]
-        rows = torch.cat([torch.arange(q0[b], q0[b + 1]) for b in idx])
+        rows = to_device(torch.cat([torch.arange(q0[b], q0[b + 1]) for b in idx]), plan.device)
         slots = [plan.kv_indices[k0[b] : k0[b + 1]] for b in idx]
         masks = [plan.custom_mask[m0[b] : m0[b + 1]].view(q_lens[b], k_lens[b]) for b in idx]
         parts += [rows, plan_attention(slots, masks)]
     return PlanSplit(*parts)
 
 
-def causal_mask(q_len: int, prefix_len: int) -> torch.Tensor:
+def _cumsum(xs: list[int]) -> list[int]:
+    out = [0]
+    for x in xs:
+        out.append(out[-1] + x)
+    return out
+
+
+def causal_mask(q_len: int, prefix_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[q_len, prefix_len + q_len]: new tokens see the whole prefix and earlier new tokens."""
-    new = torch.ones(q_len, q_len, dtype=torch.bool).tril_()
-    return torch.cat([torch.ones(q_len, prefix_len, dtype=torch.bool), new], dim=1)
+    new = torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril_()
+    return torch.cat([torch.ones(q_len, prefix_len, dtype=torch.bool, device=device), new], dim=1)
 
 
 def prefix_and_tree_mask(tree_mask: torch.Tensor, prefix_len: int) -> torch.Tensor:
-    """[N, prefix_len + N]: tree nodes see the whole prefix and their ancestors (tree_mask [N, N])."""
+    """[N, prefix_len + N] on tree_mask's device: tree nodes see the whole prefix and their ancestors
+    (tree_mask [N, N])."""
     n = tree_mask.shape[0]
-    return torch.cat([torch.ones(n, prefix_len, dtype=torch.bool), tree_mask], dim=1)
+    return torch.cat([tree_mask.new_ones(n, prefix_len, dtype=torch.bool), tree_mask.bool()], dim=1)
 
 
 def length_buckets(k_lens: list[int], waste: float = PAD_WASTE) -> list[list[int]]:
@@ -133,56 +186,100 @@ def length_buckets(k_lens: list[int], waste: float = PAD_WASTE) -> list[list[int
     return groups
 
 
-def _padded(qo_start: list[int], kv_slots: list[torch.Tensor], masks: list[torch.Tensor]) -> PaddedGroup:
-    q_lens = torch.tensor([m.shape[0] for m in masks])
-    q_max, k_max = int(q_lens.max()), max(m.shape[1] for m in masks)
-    ar_q = torch.arange(q_max)
-    q_valid = ar_q[None, :] < q_lens[:, None]
-    q_index = torch.where(q_valid, torch.tensor(qo_start)[:, None] + ar_q[None, :], 0)
+def _group_index(starts: list[int], q_lens: list[int]) -> list[torch.Tensor]:
+    """Host part of a padded group, from Python ints: q_index [G, Qmax], q_valid [G, Qmax], valid_at [2, rows]."""
+    q_len = torch.tensor(q_lens)
+    ar_q = torch.arange(max(q_lens))
+    q_valid = ar_q[None, :] < q_len[:, None]
+    q_index = torch.where(q_valid, torch.tensor(starts)[:, None] + ar_q[None, :], 0)
+    valid_at = torch.tensor(
+        [[g for g, q in enumerate(q_lens) for _ in range(q)], [j for q in q_lens for j in range(q)]]
+    )
+    return [q_index, q_valid, valid_at]
+
+
+def _padded(
+    q_index: torch.Tensor,
+    q_valid: torch.Tensor,
+    valid_at: torch.Tensor,
+    kv_slots: list[torch.Tensor],
+    masks: list[torch.Tensor],
+    host_masks: list[torch.Tensor],
+) -> PaddedGroup:
+    """One group, on the device of its (already placed) index tensors, slots and masks; host_masks: the
+    caller's masks, read on the host only where they live there (skipping an all-True mask)."""
     if len(masks) == 1:
-        mask = None if bool(masks[0].all()) else masks[0][None, None]
-        return PaddedGroup(q_index, q_valid, kv_slots[0].long()[None], mask)
-    slots = torch.zeros(len(masks), k_max, dtype=torch.long)
-    mask = torch.zeros(len(masks), q_max, k_max, dtype=torch.bool)
+        m = host_masks[0]
+        mask = None if m.device.type == "cpu" and bool(m.all()) else masks[0][None, None]
+        return PaddedGroup(q_index, q_valid, kv_slots[0].long()[None], mask, valid_at)
+    q_max, k_max = q_index.shape[1], max(m.shape[1] for m in masks)
+    dev = q_index.device
+    slots = torch.zeros(len(masks), k_max, dtype=torch.long, device=dev)
+    mask = torch.zeros(len(masks), q_max, k_max, dtype=torch.bool, device=dev)
     for b, (s, m) in enumerate(zip(kv_slots, masks)):
         slots[b, : s.numel()] = s
         mask[b, : m.shape[0], : m.shape[1]] = m
     # NOTE: padded query rows must see something, or softmax over an empty row gives NaN.
     mask[:, :, 0] |= ~q_valid
-    return PaddedGroup(q_index, q_valid, slots, mask[:, None])
+    return PaddedGroup(q_index, q_valid, slots, mask[:, None], valid_at)
 
 
-def plan_attention(kv_slots: list[torch.Tensor], masks: list[torch.Tensor], waste: float = PAD_WASTE) -> AttentionPlan:
-    """kv_slots[b]: [K_b] pool slots request b reads; masks[b]: [Q_b, K_b] bool (True = attend)."""
+def _buckets(q_lens: list[int], k_lens: list[int], waste: float) -> list[list[int]]:
+    long = [q > LONG_Q for q in q_lens]
+    if not (any(long) and not all(long) and waste != float("inf")):
+        return length_buckets(k_lens, waste)
+    buckets = []  # prompt blocks and few-query requests apart
+    for kind in (False, True):
+        idx = [b for b in range(len(q_lens)) if long[b] == kind]
+        buckets += [[idx[j] for j in g] for g in length_buckets([k_lens[b] for b in idx], waste)]
+    return buckets
+
+
+def plan_attention(
+    kv_slots: list[torch.Tensor],
+    masks: list[torch.Tensor],
+    waste: float = PAD_WASTE,
+    device: torch.device | str | None = None,
+) -> AttentionPlan:
+    """kv_slots[b]: [K_b] pool slots request b reads; masks[b]: [Q_b, K_b] bool (True = attend).
+    Built on `device` (default: the slots' device); see the module docstring."""
     if len(kv_slots) != len(masks) or not masks:
         raise ValueError("plan_attention needs one mask per request and at least one request")
+    device = torch.device(device) if device is not None else kv_slots[0].device
     q_lens = [m.shape[0] for m in masks]
     k_lens = [m.shape[1] for m in masks]
     for s, k in zip(kv_slots, k_lens):
         if s.numel() != k:
             raise ValueError(f"mask has {k} kv columns but {s.numel()} slots were given")
-    qo_indptr = torch.tensor([0] + q_lens).cumsum(0)
-    kv_indptr = torch.tensor([0] + k_lens).cumsum(0)
+    q0, k0, m0 = _cumsum(q_lens), _cumsum(k_lens), _cumsum([q * k for q, k in zip(q_lens, k_lens)])
+    buckets = _buckets(q_lens, k_lens, waste)
+    host = [torch.tensor(q0), torch.tensor(k0), torch.tensor(m0)]
+    for g in buckets:
+        host += _group_index([q0[i] for i in g], [q_lens[i] for i in g])
     kv_indices = torch.cat(kv_slots).long()
-    custom_mask = torch.cat([m.reshape(-1) for m in masks])
-    starts = qo_indptr[:-1].tolist()
-    long = [q > LONG_Q for q in q_lens]
-    if any(long) and not all(long) and waste != float("inf"):  # bucket prompt blocks and few-query requests apart
-        buckets = []
-        for kind in (False, True):
-            idx = [b for b in range(len(q_lens)) if long[b] == kind]
-            buckets += [[idx[j] for j in g] for g in length_buckets([k_lens[b] for b in idx], waste)]
-    else:
-        buckets = length_buckets(k_lens, waste)
-    groups = [_padded([starts[i] for i in g], [kv_slots[i] for i in g], [masks[i] for i in g]) for g in buckets]
-    return AttentionPlan(qo_indptr, kv_indptr, kv_indices, custom_mask, groups)
+    custom_mask = torch.cat([m.reshape(-1) for m in masks]).bool()
+    placed = upload(host + [kv_indices, custom_mask], device)
+    kv_indices, custom_mask = placed[-2:]
+    slots = [kv_indices[k0[b] : k0[b + 1]] for b in range(len(masks))]
+    dev_masks = [custom_mask[m0[b] : m0[b + 1]].view(q_lens[b], k_lens[b]) for b in range(len(masks))]
+    groups = [
+        _padded(*placed[3 + 3 * j : 6 + 3 * j], [slots[i] for i in g], [dev_masks[i] for i in g], [masks[i] for i in g])
+        for j, g in enumerate(buckets)
+    ]
+    qo_indptr, kv_indptr, mask_indptr = placed[:3]
+    return AttentionPlan(
+        qo_indptr, kv_indptr, kv_indices, custom_mask, groups, mask_indptr, tuple(q_lens), tuple(k_lens)
+    )
 
 
-def plan_frontier(prefixes: list[torch.Tensor], seen: list[list[list[int]]]) -> AttentionPlan:
+def plan_frontier(
+    prefixes: list[torch.Tensor], seen: list[list[list[int]]], device: torch.device | str | None = None
+) -> AttentionPlan:
     """A drafter's frontier step: one query per frontier node, grouped per request so the request's
     prefix is gathered once (not once per node). prefixes[i]: request i's committed slots, which all
     its nodes see; seen[i][j]: the temporary slots node j of request i also sees (its path).
-    Query rows are request-major, node order within a request."""
+    Query rows are request-major, node order within a request. The masks are host work from the
+    Python ints in `seen`; the plan is built on `device` (default: the prefixes' device)."""
     slots, masks = [], []
     for prefix, nodes in zip(prefixes, seen):
         extra = sorted({s for node in nodes for s in node})
@@ -191,6 +288,6 @@ def plan_frontier(prefixes: list[torch.Tensor], seen: list[list[list[int]]]) -> 
         m[:, : prefix.numel()] = True
         for j, node in enumerate(nodes):
             m[j, [col[s] for s in node]] = True
-        slots.append(torch.cat([prefix.long(), torch.tensor(extra, dtype=torch.long)]))
+        slots.append(torch.cat([prefix.long(), to_device(torch.tensor(extra, dtype=torch.long), prefix.device)]))
         masks.append(m)
-    return plan_attention(slots, masks)
+    return plan_attention(slots, masks, device=device)

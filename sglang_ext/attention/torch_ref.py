@@ -1,5 +1,5 @@
-"""Reference tree attention on CPU: per padded group of the plan, gather the group's KV slots and
-attend with one batched call.
+"""Reference tree attention (any device): per padded group of the plan, gather the group's KV slots
+and attend with one batched call. No host reads: rows are selected by the plan's index tensors.
 
 Small query blocks (decode, tree verify: Q <= SMALL_Q) use plain batched matmuls with the query
 heads of each KV head folded into the query dim; on CPU that beats SDPA's flash kernel at every
@@ -33,7 +33,7 @@ def _attend_small_q(
         s = s.view(b, hkv, rep, qm, -1).masked_fill_(~g.mask[:, :, None], float("-inf")).view(b, hkv, rep * qm, -1)
     p = s.softmax(-1).to(vb.dtype)
     out = torch.matmul(p, vb).view(b, hkv, rep, qm, -1).permute(0, 3, 1, 2, 4).reshape(b, qm, hq, -1)
-    return out[g.q_valid]
+    return g.valid(out)
 
 
 def _attend_sdpa(
@@ -45,7 +45,7 @@ def _attend_sdpa(
     out = F.scaled_dot_product_attention(
         qb, kb, vb, attn_mask=g.mask, scale=scale, enable_gqa=kb.shape[1] != qb.shape[1]
     )
-    return out.transpose(1, 2)[g.q_valid]  # [rows, Hq, D]
+    return g.valid(out.transpose(1, 2))  # [rows, Hq, D]
 
 
 def tree_attention_torch(
@@ -55,6 +55,8 @@ def tree_attention_torch(
     plan: AttentionPlan,
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
+    plan = plan.on(q.device)  # a plan built elsewhere moves once (cached for the other layers)
+
     def attend(g: PaddedGroup) -> torch.Tensor:
         fn = _attend_small_q if g.q_index.shape[1] <= SMALL_Q else _attend_sdpa
         return fn(q, k_pool, v_pool, g, scale)

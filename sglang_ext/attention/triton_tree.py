@@ -140,27 +140,26 @@ def tree_attention_triton(
     if num_tokens == 0:
         return out
 
-    # host-side sizes (the plan is built on the host; one tiny sync at most otherwise)
-    q_lens = plan.qo_indptr.diff().cpu()
-    k_lens = plan.kv_indptr.diff().cpu()
-    mask_indptr = torch.cat([torch.zeros(1, dtype=torch.long), (q_lens * k_lens).cumsum(0)])
     device = q.device
-    qo_indptr, kv_indptr, kv_indices = (t.to(device) for t in (plan.qo_indptr, plan.kv_indptr, plan.kv_indices))
-    custom_mask, mask_indptr = plan.custom_mask.to(device), mask_indptr.to(device)
+    plan = plan.on(device)  # a plan built elsewhere moves once (cached for the other layers)
+    mask_indptr = plan.mask_indptr
+    if mask_indptr is None:  # a plan made without it (plan_from_ragged): derived on the device
+        sizes = plan.qo_indptr.diff() * plan.kv_indptr.diff()
+        mask_indptr = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)])
 
     # NOTE: CPU tensors only run under TRITON_INTERPRET=1, whose tl.dot multiplies bf16 bit patterns
     # (numpy has no bf16; triton-lang/triton#11584), so there the kernel computes in fp32.
     upcast = device.type == "cpu" and q.dtype == torch.bfloat16
-    grid = (plan.batch_size, num_q_heads, triton.cdiv(int(q_lens.max()), BLOCK_M))
+    grid = (plan.batch_size, num_q_heads, triton.cdiv(plan.max_q_len, BLOCK_M))  # max_q_len: host ints
     _tree_attention_kernel[grid](
         q,
         k_pool,
         v_pool,
         out,
-        qo_indptr,
-        kv_indptr,
-        kv_indices,
-        custom_mask,
+        plan.qo_indptr,
+        plan.kv_indptr,
+        plan.kv_indices,
+        plan.custom_mask,
         mask_indptr,
         q.stride(0),
         q.stride(1),

@@ -4,11 +4,17 @@ Every token's K/V lives in one slot of a per-layer pool; a request holds the lis
 Tree verification writes draft nodes into fresh slots; accepting a path keeps those slots in
 order (compaction by index, no copy) and frees the rest. Slot 0 is never handed out: padded
 rows of a batch read it harmlessly.
+
+Where: the pools live on the model's device; the free-slot stack is host bookkeeping (slot ids
+are handed out and returned by the host, which knows every request's length). Moving K/V between
+slots (`compact`) is a device op with its index tensors on the device.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ..device import to_device
 
 
 class OutOfSlots(RuntimeError):
@@ -46,6 +52,24 @@ class KVPool:
         self._free[self._top : self._top + n] = slots.reshape(-1).flip(0)
         self._top += n
 
+    @property
+    def device(self) -> torch.device:
+        return self.k[0].device if self.k else torch.device("cpu")
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # NOTE: host slot ids index a device pool through a queued upload (indexing with them as they are
+        # would copy them synchronously); callers that pass device slots skip even that
+        slots = to_device(slots, self.k[layer].device)
         self.k[layer][slots] = k
         self.v[layer][slots] = v
+
+    def compact(self, slots: torch.Tensor, nodes: torch.Tensor) -> None:
+        """After a verify, on the device, every layer: the accepted path's K/V moves to the front of its
+        tree's slots. slots [N]: the tree's slots in node order; nodes [N]: the path's node indices, root
+        first, -1 after it (verify.AcceptedPath.nodes). Slot i then holds path node i's K/V (its position
+        is seq_len + i, as RoPE wrote it), so the request keeps slots[:len(path)] and frees the rest once
+        the path's length is on the host. Fixed shapes: entries past the path copy a slot onto itself."""
+        slots, nodes = to_device(slots, self.device), to_device(nodes, self.device)
+        src = torch.where(nodes >= 0, slots[nodes.clamp(min=0)], slots)
+        for pool in self.k + self.v:
+            pool[slots] = pool[src]  # the gather copies first: a slot both read and written is safe

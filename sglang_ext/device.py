@@ -1,0 +1,46 @@
+"""Host -> device copies of a step's inputs that start on the host (slot ids, token ids, lengths).
+
+Rule: a step's device work reads nothing back from the device; what the host knows (request lengths,
+token ids, slot ids) it uploads. A copy from ordinary (pageable) host memory makes the host wait for
+the device's queue to drain; from pinned memory it is queued like a kernel (non_blocking), so the
+host never waits. Pinning needs a CUDA runtime: without one (a CPU-only host; fake tensors in tests)
+the copy is a plain .to().
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether a and b name the same device ('cuda' and 'cuda:0' do)."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def to_device(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """x on `device`: itself if there, else copied (pinned and queued, from the host to a GPU)."""
+    device = torch.device(device)
+    if same_device(x.device, device):
+        return x
+    if device.type == "cuda" and x.device.type == "cpu" and torch.cuda.is_available():
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
+
+
+def upload(tensors: list[torch.Tensor | None], device: torch.device | str) -> list[torch.Tensor | None]:
+    """The tensors on `device`: those elsewhere packed into one buffer per dtype and copied once (None
+    stays None)."""
+    device = torch.device(device)
+    out = list(tensors)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t is not None and not same_device(t.device, device):
+            by_dtype.setdefault(t.dtype, []).append(i)
+    for idx in by_dtype.values():
+        flat = to_device(torch.cat([tensors[i].reshape(-1) for i in idx]), device)
+        at = 0
+        for i in idx:
+            n = tensors[i].numel()
+            out[i] = flat[at : at + n].view(tensors[i].shape)
+            at += n
+    return out
