@@ -293,7 +293,7 @@ def sampling_path(
     """One request on the device: sampling_verify's law (multi-step speculative sampling, module
     docstring) with every random number drawn up front, on target_probs' device: u [N] (node c's trial
     uses u[c]) and one exponential race over the vocab for the bonus. So the samples for a seed differ
-    from sampling_verify's (which draws per trial), the law does not (tests/test_device_step.py: chi2).
+    from sampling_verify's (which draws per trial), the law does not (tests/sglang_ext/test_device_step.py: chi2).
     target_probs [N, V]: the target's processed distribution at each node; max_children: the most
     children a node has, when known (a chain: 1; default N - 1): the rounds of sampled proposals."""
     n = target_probs.shape[0]

@@ -212,7 +212,7 @@ class FlashInferTreeAttention:
     The bool mask goes to plan(custom_mask=...), which packs it into the layout `flashinfer_plan`
     computes (checked on CPU against SGLang's pack kernel); plan() itself is not CUDA-graph safe, so
     graph capture writes `FlashInferPlan.packed_mask`/`mask_indptr` into the wrapper's buffers instead.
-    The kernel has not run on this CPU-only machine (tests/test_sglang_plugin.py::test_flashinfer_*
+    The kernel has not run on this CPU-only machine (tests/sglang_ext/test_sglang_plugin.py::test_flashinfer_*
     is marked gpu); the planning and reuse are checked on CPU against a stand-in wrapper.
     """
 

@@ -29,7 +29,7 @@ from sglang_ext.models.eagle3 import Eagle3Config, Eagle3Draft, load_eagle3
 from sglang_ext.models.moa import MoAConfig, MoADraft, load_moa
 from sglang_ext.tree import TreeShape
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TARGET = tiny_config(vocab=64, hidden=32, layers=3)  # 4 heads, 2 KV heads, head_dim 8
 
 

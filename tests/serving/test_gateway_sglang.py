@@ -30,7 +30,7 @@ from serving.gateway.app import create_app
 from serving.gateway.server import DrainingServer, ServerThread
 from serving.metrics import Metrics
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
 SPEC = {
     "spec_accept_rate": 0.5,

@@ -44,7 +44,7 @@ from sglang_ext.attention.flashinfer_plan import (
     unpackbits_little,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -1088,6 +1088,7 @@ def test_sglang_server_with_moa_matches_plain_decoding_gpu():
     assert min(accept) > 1.0
 
 
-if __name__ == "__main__":  # the SGLang side: TRITON_INTERPRET=1 python tests/test_sglang_plugin.py OUT
+if __name__ == "__main__":  # the SGLang side: TRITON_INTERPRET=1 python tests/sglang_ext/test_sglang_plugin.py OUT
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: helpers
     torch.set_num_threads(1)
     run_sglang_checks(sys.argv[1])

@@ -14,7 +14,7 @@ import pytest
 
 from sglang_ext.settings import Settings, SettingsError, parse_settings, reload_settings, settings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("sglang_ext", "serving", "benchmarks", "entrypoints")
 PREFIXES = ("MOA_SERVE_", "MOA_SGLANG_")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KEY = "sigterm-test-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
 

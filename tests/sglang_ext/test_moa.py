@@ -369,7 +369,7 @@ def test_moa_draft_math_has_one_home():
     import re
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1] / "sglang_ext"
+    root = Path(__file__).resolve().parents[2] / "sglang_ext"
     math = re.compile(r"\.(lsa|sa_qkv|sa_finish|ca_kv|ca_q|ca_finish|topk)\(|softmax\(|\blinear\(")
     storage = [root / "drafters" / "moa.py", *sorted((root / "sglang_plugin").rglob("*.py"))]
     hits = [f"{p.name}: {line.strip()}" for p in storage for line in p.read_text().splitlines() if math.search(line)]

@@ -220,7 +220,7 @@ def test_greedy_text_equals_cli_generate(server, client):
         text=True,
         env=env,
         timeout=300,
-        cwd=Path(__file__).parent.parent,
+        cwd=Path(__file__).resolve().parents[2],
     )
     assert cli.returncode == 0, cli.stderr
     ref = json.loads(cli.stdout.strip().splitlines()[-1])
@@ -899,7 +899,7 @@ def test_metrics_promtool_and_counters_move(server, client, tmp_path):
     assert after["moa_accepted_tokens_total"] >= before["moa_accepted_tokens_total"]
     assert any(v > 0 for k, v in after.items() if k.startswith("moa_throughput_tokens_per_second"))
     assert 'backend="embedded"' in text and f'drafter="{DRAFTER}"' in text
-    promtool = shutil.which("promtool") or str(Path(__file__).parent.parent / ".tools/bin/promtool")
+    promtool = shutil.which("promtool") or str(Path(__file__).resolve().parents[2] / ".tools/bin/promtool")
     if not Path(promtool).exists():
         pytest.skip("promtool not installed (scripts/install-deploy-tools.sh)")
     check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True)
@@ -908,7 +908,7 @@ def test_metrics_promtool_and_counters_move(server, client, tmp_path):
 
 def test_serving_doc_example_runs(server):
     """docs/SERVING.md's openai-client example runs as written (against this server)."""
-    doc = (Path(__file__).parent.parent / "docs" / "SERVING.md").read_text()
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "SERVING.md").read_text()
     code = re.search(r"```python\n(from openai import OpenAI.*?)```", doc, re.S).group(1)
     ns: dict = {}
     exec(compile(code.replace("http://127.0.0.1:8000/v1", server.url + "/v1"), "docs/SERVING.md", "exec"), ns)

@@ -3,6 +3,7 @@ against the torch reference, row-by-row bit invariance, its fallbacks and its in
 
 import pytest
 import torch
+from test_attention import random_pools, random_tree_batch
 
 from sglang_ext import kernels
 from sglang_ext.attention import (
@@ -14,7 +15,6 @@ from sglang_ext.attention import (
     tree_attention_torch,
 )
 from sglang_ext.attention.cpu import MAX_Q, uses_attention_kernel
-from tests.test_attention import random_pools, random_tree_batch
 
 needs_kernel = pytest.mark.skipif(not kernels.AVAILABLE, reason=f"kernel unavailable: {kernels.UNAVAILABLE}")
 HQ, HKV = 9, 3

@@ -2,7 +2,7 @@
 
 The Triton checks run in subprocesses: on CPU the kernel only runs under TRITON_INTERPRET=1, which must
 be set before `triton` is imported, and setting it here would change every later triton import in this
-pytest process. `python tests/test_attention.py triton-parity` runs the parity cases by hand.
+pytest process. `python tests/sglang_ext/test_attention.py triton-parity` runs the parity cases by hand.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from sglang_ext.attention import causal_mask, plan_attention, prefix_and_tree_mask, tree_attention_torch
 from sglang_ext.tree import TokenTree, tree_from_parents
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # --- helpers ------------------------------------------------------------------------------------
@@ -290,6 +290,7 @@ def test_frontier_plan_equals_one_plan_per_node():
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: helpers
     if sys.argv[1:] == ["triton-parity"]:
         print(json.dumps(_run_parity_cases()))
     elif sys.argv[1:] == ["triton-compile"]:

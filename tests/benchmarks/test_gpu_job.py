@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # not on the GPU machine (gguf travels as a wheel, installed only to convert the GGUF)
 ABSENT = ("fastapi", "uvicorn", "starlette", "pydantic", "xgrammar", "sglang", "sgl_kernel", "flashinfer", "gguf")
 ABSENT += ("openai", "llama_cpp")

@@ -36,7 +36,7 @@ import torch
 from sglang_ext.tree import TokenTree, TreeSearch, build_trees, full_mask
 from sglang_ext.verify import verify_tree_greedy
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 VOCAB = 48
 MODES = {"full": 0, "qlen": 1}  # sglang TreeMaskMode.FULL_MASK, QLEN_ONLY
 
@@ -339,5 +339,6 @@ def test_orphan_node_retrieval_matches_sglang(parity):
         assert torch.equal(ours[f], theirs[f"qlen/{f}"]), f
 
 
-if __name__ == "__main__":  # the SGLang side: python tests/test_sglang_parity.py INPUTS OUTPUTS
+if __name__ == "__main__":  # the SGLang side: python tests/sglang_ext/test_sglang_parity.py INPUTS OUTPUTS
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: helpers
     torch.save(run_sglang(torch.load(sys.argv[1])), sys.argv[2])
