@@ -75,6 +75,18 @@ def _add_common(p: argparse.ArgumentParser) -> None:
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
     t = subparsers.add_parser("train", help="train a drafter (eagle3) on conversations with the target run online")
     kinds = t.add_subparsers(dest="draft_type", required=True)
+    _add_eagle3_parser(kinds)
+    _add_moa_parser(kinds)
+    _add_pack_parser(kinds)
+    from entrypoints.train_job import add_job_args, cmd_job
+
+    j = kinds.add_parser("job", help="EAGLE-3 and MoA TLI 0/1 trained together on one target run (the GPU job)")
+    add_job_args(j)
+    j.set_defaults(train_fn=cmd_job)
+    return t
+
+
+def _add_eagle3_parser(kinds) -> None:
     e = kinds.add_parser("eagle3", help="EAGLE-3 draft head (SpecForge/SGLang checkpoint format)")
     _add_common(e)
     e.add_argument("--draft-vocab-size", type=int, default=16384)
@@ -96,6 +108,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         help="start lm_head/norm from the target's rows",
     )
     e.set_defaults(train_fn=train_eagle3)
+
+
+def _add_moa_parser(kinds) -> None:
     m = kinds.add_parser("moa", help="Mixture-of-Attentions drafter (LSA + SA + CA, optional target-layer inference)")
     _add_common(m)
     m.add_argument("--tli", type=int, default=0, help="target layers run on the draft feature (0, 1, 3, ...)")
@@ -135,6 +150,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         help="ablation: CA reads the target's last-layer output instead of LSA over all layers' K/V",
     )
     m.set_defaults(train_fn=train_moa)
+
+
+def _add_pack_parser(kinds) -> None:
     k = kinds.add_parser(
         "pack", help="pack conversations and the target's answers into token shards (what a GPU job carries)"
     )
@@ -151,12 +169,6 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     k.add_argument("--out", required=True, help="shard directory (manifest.json + shard-*.npz)")
     k.add_argument("--shard-tokens", type=int, default=4_000_000, help="tokens per shard file")
     k.set_defaults(train_fn=pack_data)
-    from entrypoints.train_job import add_job_args, cmd_job
-
-    j = kinds.add_parser("job", help="EAGLE-3 and MoA TLI 0/1 trained together on one target run (the GPU job)")
-    add_job_args(j)
-    j.set_defaults(train_fn=cmd_job)
-    return t
 
 
 def cmd_train(args) -> int:
