@@ -24,7 +24,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
         "--drafter",
         default="auto",
         help=(
-            "auto (suffix when a corpus is shipped for the target, else ngram) | none | ngram | suffix | draft-model "
+            "auto (suffix when a corpus is shipped for the target, else ngram) | none | ngram | suffix "
+            "| lookahead[-wW][-nN] (lookahead decoding: Jacobi window W, n-gram size N; default 3, 4) | draft-model "
             "| eagle3 | moa | moa-tli0 | moa-tli1 | PATH (an EAGLE-3/MoA checkpoint or a suffix corpus directory)"
         ),
     )

@@ -12,6 +12,7 @@ from .ngram import NgramDrafter
 # name -> factory(target_model) ; EAGLE-3 and MoA register here too
 _REGISTRY: dict[str, Callable[..., Drafter]] = {
     "ngram": lambda target: NgramDrafter(),
+    "lookahead": lambda target, *window_ngram: _lookahead().LookaheadDrafter(*window_ngram),
     "suffix": lambda target, path=None: _suffix().SuffixDrafter.from_target(target, path),
     "draft-model": lambda target: DraftModelDrafter.self_draft(target.model),
     "eagle3": lambda target, path=None: _eagle3().Eagle3Drafter.from_target(target, path),
@@ -33,6 +34,12 @@ def _suffix():
     return suffix
 
 
+def _lookahead():
+    from . import lookahead
+
+    return lookahead
+
+
 def _moa():
     from . import moa
 
@@ -49,7 +56,7 @@ def is_suffix_corpus(path: str) -> bool:
 
 
 def available_drafters() -> list[str]:
-    return ["none", "auto", *sorted(_REGISTRY)]
+    return ["none", "auto", *sorted(_REGISTRY), _lookahead().SPEC_USAGE.split(" ")[0]]
 
 
 def resolve_drafter(name: str | None, target) -> str | None:
@@ -71,6 +78,8 @@ def make_drafter(name: str | None, target) -> Drafter | None:
     name = resolve_drafter(name, target)
     if name in (None, "none", "vanilla"):
         return None
+    if name not in _REGISTRY and (spec := _lookahead().parse_spec(name)) is not None:
+        return _REGISTRY["lookahead"](target, *spec)  # lookahead-wW-nN
     if name not in _REGISTRY:
         # --drafter PATH: a corpus from `moa-serve build-corpus`, an EAGLE-3 or a MoA checkpoint directory
         kind = checkpoint_kind(name)
@@ -94,6 +103,8 @@ def default_tree(drafter: str | None):
     eagle_like = TreeShape(1, 2, 3, min_prob=0.1)
     if drafter and is_suffix_corpus(drafter):
         drafter = "suffix"  # --drafter PATH to a corpus
+    if drafter != "lookahead" and (spec := _lookahead().parse_spec(drafter)) is not None:
+        return _lookahead().lookahead_tree(*spec)  # lookahead-wW-nN: a chain of its window
     # suffix: a 3-token chain. A chain beat 8,3,24; with the matmuls on the GGUF blocks a decode no
     # longer waits on memory, each verify row costs ~1/4 of a decode, and the 3-chain won over six
     # sets on a 2-core AMD EPYC: 1.37x vs 1.30x for the 5-chain in one run, 1.40x vs 1.37x / 1.27x
@@ -102,6 +113,7 @@ def default_tree(drafter: str | None):
     return {
         "ngram": TreeShape(6, 2, 12),
         "suffix": TreeShape(3, 1, 4),
+        "lookahead": _lookahead().lookahead_tree(),  # lookahead-wW-nN: see above
         "draft-model": TreeShape(3, 1, 4),
         "eagle3": eagle_like,
         "moa": eagle_like,
