@@ -488,7 +488,7 @@ class Engine:
         if self.drafter is not None and r.drafting and self._drafter_commits:
             nodes = torch.tensor(res.accepted_nodes)
             hidden = {l: h[nodes] for l, h in captured.items()}
-            argmax = rows.argmax(-1) if getattr(self.drafter, "wants_tree_argmax", False) else None
+            argmax = greedy_tokens(rows) if getattr(self.drafter, "wants_tree_argmax", False) else None
             cap = TargetCapture(t.draft_tokens[nodes].tolist(), t.positions[nodes], keep, hidden, self.kv, argmax)
             self._drafter_call(lambda: self.drafter.commit(r.rid, cap), [r])
         try:
