@@ -494,7 +494,8 @@ class Engine:
         if self.drafter is not None and r.drafting and self._drafter_commits:
             nodes = torch.tensor(res.accepted_nodes)
             hidden = {l: h[nodes] for l, h in captured.items()}
-            cap = TargetCapture(t.draft_tokens[nodes].tolist(), t.positions[nodes], keep, hidden, self.kv)
+            argmax = greedy_tokens(rows) if getattr(self.drafter, "wants_tree_argmax", False) else None
+            cap = TargetCapture(t.draft_tokens[nodes].tolist(), t.positions[nodes], keep, hidden, self.kv, argmax)
             self._drafter_call(lambda: self.drafter.commit(r.rid, cap), [r])
         try:
             new = self._append(r, res.tokens)

@@ -54,6 +54,12 @@ def _suffix():
     return suffix
 
 
+def _lookahead():
+    from . import lookahead
+
+    return lookahead
+
+
 def _moa():
     from . import moa
 
@@ -63,6 +69,8 @@ def _moa():
 # name -> DrafterSpec; a factory taking `path` also builds from a checkpoint / corpus directory
 _REGISTRY: dict[str, DrafterSpec] = {
     "ngram": DrafterSpec(lambda target: NgramDrafter(), TreeShape(6, 2, 12)),
+    # lookahead-wW-nN names a window and n-gram size; its default tree is a chain of its window
+    "lookahead": DrafterSpec(lambda target, *window_ngram: _lookahead().LookaheadDrafter(*window_ngram), SUFFIX_TREE),
     "suffix": DrafterSpec(lambda target, path=None: _suffix().SuffixDrafter.from_target(target, path), SUFFIX_TREE),
     "draft-model": DrafterSpec(lambda target: DraftModelDrafter.self_draft(target.model), TreeShape(3, 1, 4)),
     "eagle3": DrafterSpec(lambda target, path=None: _eagle3().Eagle3Drafter.from_target(target, path), EAGLE_LIKE_TREE),
@@ -92,12 +100,14 @@ def drafter_kind(name: str | None) -> str | None:
         return name
     if not name:
         return None
+    if _lookahead().parse_spec(name) is not None:
+        return "lookahead"  # lookahead-wW-nN
     # --drafter PATH: a corpus from `moa-serve build-corpus`, an EAGLE-3 or a MoA checkpoint directory
     return {SUFFIX_CORPUS: "suffix", EAGLE3: "eagle3", MOA: "moa"}.get(checkpoint_kind(name))
 
 
 def available_drafters() -> list[str]:
-    return ["none", "auto", *sorted(_REGISTRY)]
+    return ["none", "auto", *sorted(_REGISTRY), _lookahead().SPEC_USAGE.split(" ")[0]]
 
 
 def resolve_drafter(name: str | None, target) -> str | None:
@@ -123,13 +133,19 @@ def make_drafter(name: str | None, target) -> Drafter | None:
     if kind is None:
         raise ValueError(f"unknown drafter {name!r}; available: {', '.join(available_drafters())}")
     factory = _REGISTRY[kind].factory
-    return factory(target) if kind == name else factory(target, name)
+    if kind == name:
+        return factory(target)
+    if kind == "lookahead":
+        return factory(target, *_lookahead().parse_spec(name))
+    return factory(target, name)
 
 
 def default_tree(drafter: str | None) -> TreeShape:
     """The tree shape a drafter (registry name or directory) drafts with by default: its registry
     entry's; FALLBACK_TREE for names outside the registry and for 'none'. The edge client uses it too."""
     kind = drafter_kind(drafter)
+    if kind == "lookahead" and drafter != "lookahead":
+        return _lookahead().lookahead_tree(*_lookahead().parse_spec(drafter))
     return _REGISTRY[kind].default_tree if kind else FALLBACK_TREE
 
 

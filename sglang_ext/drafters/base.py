@@ -10,7 +10,9 @@ Lifecycle of a request, as the engine drives it:
 
 A drafter owns only its own state (e.g. its KV cache); the engine owns requests and the target
 KV pool. A drafter whose commit() does nothing (it reads token ids only: n-gram, suffix) may say so
-with `needs_commit = False`, and the engine skips building the TargetCapture of every verify step.
+with `needs_commit = False`, and the engine skips building the TargetCapture of every verify step. A drafter
+that learns from the target's prediction at every node of the verified tree, accepted or not (lookahead's
+Jacobi window), says `wants_tree_argmax = True` and gets TargetCapture.tree_argmax; the others pay nothing.
 Trees may differ in size across requests (a drafter with nothing to say returns a
 root-only tree, which the engine verifies as a plain decode step). A drafter that searches a request's
 predicted output (DraftInput.reference) itself says `reads_reference = True`; for the others the engine
@@ -46,6 +48,9 @@ class TargetCapture:
     slots: torch.Tensor  # [a] int64, the tokens' slots in the target KV pool
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [a, H] output of that target layer
     kv: "KVPool | None" = None  # the target's KV pool (read-only for drafters; MoA reads every layer's K/V at `slots`)
+    # verify only, for drafters with `wants_tree_argmax`: the target's argmax (raw logits) at every node of
+    # the verified tree, in the TokenTree's node order
+    tree_argmax: torch.Tensor | None = None  # [num_nodes] int64
 
 
 @dataclass
