@@ -6,6 +6,7 @@ import torch
 from helpers import compare_to_reference, tiny_target
 from test_distribution import PROMPT, SAMPLES, chi2_pvalue, exact_joint_t2_t3
 
+from serving.config import EngineConfig
 from serving.engine import Engine
 from sglang_ext.drafters import available_drafters, default_tree, make_drafter
 from sglang_ext.drafters.base import DraftInput, TargetCapture
@@ -138,7 +139,7 @@ def test_engine_fills_tree_argmax_only_for_drafters_that_want_it():
     prompt, sp = [1, 2, 3, 1, 2], SamplingParams(max_new_tokens=12, ignore_eos=True)
     for wants in (True, False):
         d = Recording(wants)
-        seq = prompt + Engine(t, d, TreeShape.chain(3)).generate([prompt], sp)[0].output_ids
+        seq = prompt + Engine(t, d, EngineConfig(tree=TreeShape.chain(3))).generate([prompt], sp)[0].output_ids
         assert d.seen
         for n, root_pos, argmax in d.seen:
             if not wants:
@@ -156,7 +157,7 @@ def vanilla_outputs(smollm2_fp32, eval_prompts):
 @pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
 @pytest.mark.parametrize("bs", [1, 4])
 def test_greedy_identity(smollm2_fp32, eval_prompts, vanilla_outputs, shape, bs):
-    eng = Engine(smollm2_fp32, make_drafter("lookahead", smollm2_fp32), SHAPES[shape])
+    eng = Engine(smollm2_fp32, make_drafter("lookahead", smollm2_fp32), EngineConfig(tree=SHAPES[shape]))
     outs, steps = [], 0
     for i in range(0, len(eval_prompts), bs):
         reqs = eng.generate(eval_prompts[i : i + bs], SamplingParams(max_new_tokens=NEW_TOKENS))
@@ -174,7 +175,9 @@ def test_accepts_drafts_on_a_repetitive_prompt(smollm2_fp32):
     prompt = smollm2_fp32.encode_chat([{"role": "user", "content": text}])
     sp = SamplingParams(max_new_tokens=60)
     vanilla = Engine(smollm2_fp32, None).generate([prompt], sp)[0].output_ids
-    r = Engine(smollm2_fp32, make_drafter("lookahead", smollm2_fp32), TreeShape.chain(3)).generate([prompt], sp)[0]
+    r = Engine(smollm2_fp32, make_drafter("lookahead", smollm2_fp32), EngineConfig(tree=TreeShape.chain(3))).generate(
+        [prompt], sp
+    )[0]
     assert compare_to_reference(smollm2_fp32.model, prompt, vanilla, r.output_ids) != "bug"
     assert r.stats.accept_length > 1.5, r.stats
 
@@ -184,7 +187,7 @@ def test_sampling_keeps_the_target_law(shape):
     """Unseeded sampling (sampling_verify, each request its own generator) of the 2nd and 3rd tokens."""
     target = tiny_target(seed=3)
     params = SamplingParams(temperature=0.7, max_new_tokens=3)
-    eng = Engine(target, LookaheadDrafter(window=2, ngram=2), shape, kv_slots=SAMPLES * 16)
+    eng = Engine(target, LookaheadDrafter(window=2, ngram=2), EngineConfig(tree=shape, kv_slots=SAMPLES * 16))
     reqs = [eng.add_request(PROMPT, params) for _ in range(SAMPLES)]
     for i, r in enumerate(reqs):
         r.generator.manual_seed(i)
