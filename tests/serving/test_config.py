@@ -49,6 +49,7 @@ def test_registry_entries_carry_their_default_trees():
     expected = {
         "ngram": TreeShape(6, 2, 12),
         "suffix": TreeShape(3, 1, 4),
+        "lookahead": TreeShape(3, 1, 4),  # a chain of its window (W = 3)
         "draft-model": TreeShape(3, 1, 4),
         "eagle3": EAGLE_LIKE,
         "moa": EAGLE_LIKE,
