@@ -659,8 +659,8 @@ def _finite(x):
 
 
 def _commit(c: GpuJobConfig) -> str | None:
-    if c.commit or os.environ.get("MOA_SERVE_COMMIT"):
-        return c.commit or os.environ.get("MOA_SERVE_COMMIT")
+    if c.commit:
+        return c.commit
     try:
         done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):

@@ -57,7 +57,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--gpu-tests", default=",".join(d.gpu_tests), help="paths for `pytest -m gpu` ('none': skip)")
     p.add_argument("--cache", default=d.cache, help="where a GGUF is converted to")
-    p.add_argument("--commit", default=None, help="the commit measured (default: $MOA_SERVE_COMMIT, else git)")
+    p.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
     return p
 
 

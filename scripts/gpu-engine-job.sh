@@ -145,8 +145,6 @@ run) # device, command 2
   unpack
   $PY -m pip install -q --no-index --no-deps --target /tmp/moa-pylib $S/c2/wheels/gguf-*.whl
   export PYTHONPATH="$PWD:/tmp/moa-pylib" PYTHONUNBUFFERED=1 MOA_SERVE_EVAL_DIR="$PWD/$S/c2/eval"
-  MOA_SERVE_COMMIT=$(cat $S/c2/commit)
-  export MOA_SERVE_COMMIT
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
   if [ -n "${SMOKE:-}" ]; then
     $PY -m entrypoints.gpu_job --smoke --device "${DEVICE:-cuda}" --out /tmp/moa-gpu-smoke --eval-sets mt_bench \
@@ -154,7 +152,7 @@ run) # device, command 2
   fi
   # shellcheck disable=SC2086
   $PY -m entrypoints.gpu_job --target-gguf /tmp/moa-target/$GGUF_NAME --device "${DEVICE:-cuda}" --out "$out" \
-    --deadline-min "${DEADLINE_MIN:-8}" ${JOB_ARGS:-} 2>&1 | tee "$out/job.log"
+    --deadline-min "${DEADLINE_MIN:-8}" --commit "$(cat $S/c2/commit)" ${JOB_ARGS:-} 2>&1 | tee "$out/job.log"
   ;;
 collect) # here: FILES_AT of the run command
   mkdir -p results/gpu-engine

@@ -18,6 +18,7 @@ import torch
 from helpers import tiny_target
 from scipy.stats import chisquare
 
+from serving.config import EngineConfig
 from serving.engine import Engine
 from sglang_ext.attention import causal_mask, plan_attention
 from sglang_ext.drafters import DraftModelDrafter
@@ -121,7 +122,12 @@ class RootOnlyMinTokens(Engine):
 def sample_t2_t3(engine_cls, target, shape, params):
     drafter = DraftModelDrafter.self_draft(target.model, layers=[0], num_slots=SAMPLES * 16)
     fallbacks = []
-    eng = engine_cls(target, drafter, shape, kv_slots=SAMPLES * 16, on_fallback=lambda r, why: fallbacks.append(why))
+    eng = engine_cls(
+        target,
+        drafter,
+        EngineConfig(tree=shape, kv_slots=SAMPLES * 16),
+        on_fallback=lambda r, why: fallbacks.append(why),
+    )
     eng.grammars = GRAMMARS
     reqs = eng.generate([PROMPT] * SAMPLES, [replace(params, max_new_tokens=3, seed=i) for i in range(SAMPLES)])
     v = target.cfg.vocab_size
