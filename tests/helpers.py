@@ -138,3 +138,25 @@ def reference_greedy(
         if out[-1] in stop_ids or out[-1] in params.stop_token_ids:
             break
     return out, gaps
+
+
+def smollm2_config():
+    """SmolLM2-135M's LlamaConfig (random-weight targets of the real shape)."""
+    from sglang_ext.models.loader import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        rope_scaling=None,
+        max_position=8192,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        eos_token_ids=(2,),
+    )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import smollm2_config
 from test_distribution import chi2_pvalue
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
@@ -43,27 +44,6 @@ cuda = pytest.mark.gpu
 def _skip_without_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-
-
-def smollm2_config():
-    from sglang_ext.models.loader import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_layers=30,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        rms_norm_eps=1e-5,
-        rope_theta=100000.0,
-        rope_scaling=None,
-        max_position=8192,
-        tie_word_embeddings=True,
-        attention_bias=False,
-        eos_token_ids=(2,),
-    )
 
 
 # --- the host code's loops, as references ----------------------------------------------------------

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_config, tiny_state
+from helpers import smollm2_config, tiny_config, tiny_state
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from entrypoints.train_job import main as train_job_main
@@ -51,24 +51,7 @@ def test_padded_target_run_matches_the_pooled_one():
 def test_a_training_step_of_every_head_is_device_clean_and_sync_free(monkeypatch):
     """SmolLM2's shape on fake CUDA tensors: the batches, the target run and the EAGLE-3 + MoA TLI=0/1
     losses and metrics all stay on the device without a single host read."""
-    from sglang_ext.models.loader import LlamaConfig
-
-    cfg = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_layers=30,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        rms_norm_eps=1e-5,
-        rope_theta=100000.0,
-        rope_scaling=None,
-        max_position=8192,
-        tie_word_embeddings=True,
-        attention_bias=False,
-        eos_token_ids=(2,),
-    )
+    cfg = smollm2_config()
     batches = make_batches(_examples(cfg.vocab_size, (40, 33, 50)), 256, 0)
     hot = torch.arange(0, 16384, 2)
     drawn_on_host = moa_mod.last_points
