@@ -87,8 +87,9 @@ def bench_drafter(method: str, target):
     from sglang_ext.drafters.suffix import SuffixDrafter
 
     drafter = make_drafter("none" if method == "vanilla" else method, target)
-    if isinstance(drafter, SuffixDrafter):
-        drafter.online = False
+    for d in getattr(drafter, "members", [drafter]):  # a merged drafter's members too
+        if isinstance(d, SuffixDrafter):
+            d.online = False
     return drafter
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 DRAFTER_HELP = (
     "auto (suffix when a corpus is shipped for the target, else ngram) | none | ngram | suffix "
     "| lookahead[-wW][-nN] (lookahead decoding: Jacobi window W, n-gram size N; default 3, 4) | draft-model "
-    "| eagle3 | moa | moa-tli0 | moa-tli1 | PATH (an EAGLE-3/MoA checkpoint or a suffix corpus directory)"
+    "| eagle3 | moa | moa-tli0 | moa-tli1 | PATH (an EAGLE-3/MoA checkpoint or a suffix corpus directory) "
+    "| A+B[+...] (one tree merged from several drafters' trees, e.g. suffix+eagle3)"
 )
 
 

@@ -174,6 +174,20 @@ def shape_menu(shape: TreeShape, confident: bool = False) -> list[TreeShape | No
     return menu
 
 
+def member_arms(shape: TreeShape, members: tuple[str, ...] = ()) -> list[TreeShape]:
+    """A merged drafter's members (drafters/merged.py), each alone at the configured shape: one arm
+    each beside the merge's own shapes, so the policy measures whether the merge pays over its best
+    member (the merge drafts with every member and verifies more rows). None for a single drafter."""
+    if len(members) < 2:
+        return []
+    from sglang_ext.drafters.merged import MemberShape
+
+    return [
+        MemberShape(shape.depth, shape.topk, shape.num_draft_tokens, shape.min_prob, members=(i,))
+        for i in range(len(members))
+    ]
+
+
 class AdaptiveSpeculation:
     REL_WINDOW = 16  # ratios kept per losing option (and bucket)
 
@@ -188,6 +202,7 @@ class AdaptiveSpeculation:
         trust_after: int = 8,
         tree_margin: float = 0.03,
         confident_from: int | None = None,
+        members: tuple[str, ...] = (),
     ):
         self.options = shape_menu(shape, confident=confident_from is not None)
         # the confident (cut) option only from `confident_from` requests: at bs 1 a verify row costs a
@@ -195,6 +210,9 @@ class AdaptiveSpeculation:
         self.min_batch = [1] * len(self.options)
         if len(self.options) > len(shape_menu(shape)):
             self.min_batch[-1] = confident_from
+        arms = member_arms(shape, members)  # a merged drafter: each member alone is an arm too
+        self.options += arms
+        self.min_batch += [1] * len(arms)
         self._cheapest_first = sorted(
             range(len(self.options)),
             key=lambda i: (
@@ -448,8 +466,9 @@ class AdaptiveSpeculation:
                 or shape.topk != 1
                 or shape.depth > ran.depth
                 or shape.min_prob != ran.min_prob
+                or getattr(shape, "members", ()) != getattr(ran, "members", ())
             ):
-                continue  # (a chain cut at another min_prob is not the longer chain's first nodes)
+                continue  # (a chain cut at another min_prob or drafted by other members: not the first nodes)
             d = shape.depth
             h = self.history[j]
             per_draft = h.draft_seconds if h.steps else 0.0

@@ -172,7 +172,9 @@ class Engine:
         self.on_fallback = on_fallback  # callback(request, reason) for metrics
         # per-step choice of tree shape / no speculation from measured throughput (serving default)
         self.policy = (
-            AdaptiveSpeculation(self.tree, confident_from=CONFIDENT_FROM_BATCH)
+            AdaptiveSpeculation(
+                self.tree, confident_from=CONFIDENT_FROM_BATCH, members=getattr(drafter, "member_names", ())
+            )
             if config.adaptive and drafter is not None
             else None
         )

@@ -101,6 +101,10 @@ class TokenTree:
     # Proposal distribution each node's token was drawn from (chain sampling); None = deterministic
     # proposals (top-k), which verification treats as point masses.
     draft_probs: torch.Tensor | None = None  # [N, V] float, row 0 unused
+    # each node's estimated probability of acceptance under its drafter (root 1): a neural search's path
+    # probability, a lookup's candidate share x match confidence (TreeShape.min_prob); None = not estimated.
+    # A merged multi-drafter tree (drafters/merged.py) ranks the nodes of several drafters by it.
+    scores: torch.Tensor | None = None  # [N] float
 
     @property
     def num_nodes(self) -> int:
@@ -122,6 +126,7 @@ def tree_from_parents(
     batch_index: int = 0,
     draft_probs=None,
     unlinked=(),
+    scores=None,
 ) -> TokenTree:
     """Build the layout from node tokens and parent indices (parents[i] < i, parents[0] == -1).
 
@@ -157,6 +162,7 @@ def tree_from_parents(
         retrieve_next_token=next_token,
         retrieve_next_sibling=next_sibling,
         draft_probs=draft_probs,
+        scores=scores,
     )
 
 
@@ -285,15 +291,17 @@ def build_trees(
     node's score never exceeds its parent's, so the kept nodes form a tree. NOTE: that makes the
     tree's size data-dependent (a host read per request on a device); min_prob = 0 reads nothing."""
     parent_list, top, draft = search.organize(num_draft_tokens)
-    keep = None
-    if min_prob > 0:
-        keep = torch.gather(search.flat_scores(), 1, top) >= min_prob
+    scores = torch.gather(search.flat_scores(), 1, top)
+    keep = scores >= min_prob if min_prob > 0 else None
     trees = []
     for b in range(root_tokens.numel()):
-        top_b, draft_b = (top[b], draft[b]) if keep is None else (top[b][keep[b]], draft[b][keep[b]])
+        top_b, draft_b, score_b = (
+            (top[b], draft[b], scores[b]) if keep is None else (top[b][keep[b]], draft[b][keep[b]], scores[b][keep[b]])
+        )
         parents, unlinked = node_parents(parent_list[b], top_b, search.topk)
         tokens = torch.cat([to_device(root_tokens[b : b + 1].long(), draft_b.device), draft_b])
-        trees.append(tree_from_parents(tokens, parents, seq_lens[b], batch_index=b, unlinked=unlinked))
+        score_b = torch.cat([score_b.new_ones(1), score_b.float()])
+        trees.append(tree_from_parents(tokens, parents, seq_lens[b], batch_index=b, unlinked=unlinked, scores=score_b))
     return trees
 
 

@@ -7,6 +7,7 @@ shape it drafts best with (default_tree reads it; the numbers are measured, docs
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from ..models.checkpoint import EAGLE3, MOA, SUFFIX_CORPUS, checkpoint_kind
@@ -87,6 +88,30 @@ def register_drafter(name: str, factory: Callable[..., Drafter], default_tree: T
     _REGISTRY[name] = DrafterSpec(factory, default_tree or FALLBACK_TREE)
 
 
+def _merged():
+    from . import merged
+
+    return merged
+
+
+def merge_members(name: str | None) -> list[str] | None:
+    """'suffix+eagle3' -> ['suffix', 'eagle3'] (a merged tree of several drafters: drafters/merged.py);
+    None for a name without '+' (or a directory that has one). Every member must be a drafter name or
+    directory this registry knows (not 'none' or 'auto'), each at most once."""
+    sep = _merged().SEPARATOR
+    if not name or sep not in name or name in _REGISTRY or Path(name).exists():
+        return None
+    parts = name.split(sep)
+    bad = [p for p in parts if p in ("", "none", "auto", "vanilla") or drafter_kind(p) is None]
+    if bad:
+        raise ValueError(
+            f"bad merged drafter {name!r}: {bad[0]!r} is not a drafter; available: {', '.join(available_drafters())}"
+        )
+    if len(set(parts)) != len(parts):
+        raise ValueError(f"bad merged drafter {name!r}: a drafter named twice")
+    return parts
+
+
 def is_suffix_corpus(path: str) -> bool:
     """A directory written by `moa-serve build-corpus`."""
     return checkpoint_kind(path) == SUFFIX_CORPUS
@@ -107,7 +132,7 @@ def drafter_kind(name: str | None) -> str | None:
 
 
 def available_drafters() -> list[str]:
-    return ["none", "auto", *sorted(_REGISTRY), _lookahead().SPEC_USAGE.split(" ")[0]]
+    return ["none", "auto", *sorted(_REGISTRY), _lookahead().SPEC_USAGE.split(" ")[0], "NAME+NAME[+...]"]
 
 
 def resolve_drafter(name: str | None, target) -> str | None:
@@ -129,6 +154,9 @@ def make_drafter(name: str | None, target) -> Drafter | None:
     name = resolve_drafter(name, target)
     if name in (None, "none", "vanilla"):
         return None
+    members = merge_members(name)
+    if members is not None:
+        return _merged().MergedDrafter([make_drafter(m, target) for m in members], members)
     kind = drafter_kind(name)
     if kind is None:
         raise ValueError(f"unknown drafter {name!r}; available: {', '.join(available_drafters())}")
@@ -143,6 +171,9 @@ def make_drafter(name: str | None, target) -> Drafter | None:
 def default_tree(drafter: str | None) -> TreeShape:
     """The tree shape a drafter (registry name or directory) drafts with by default: its registry
     entry's; FALLBACK_TREE for names outside the registry and for 'none'. The edge client uses it too."""
+    members = merge_members(drafter)
+    if members is not None:  # (drafters/merged.py: merged_default_tree)
+        return _merged().merged_default_tree([default_tree(m) for m in members])
     kind = drafter_kind(drafter)
     if kind == "lookahead" and drafter != "lookahead":
         return _lookahead().lookahead_tree(*_lookahead().parse_spec(drafter))
@@ -163,6 +194,7 @@ __all__ = [
     "drafter_kind",
     "is_suffix_corpus",
     "make_drafter",
+    "merge_members",
     "register_drafter",
     "resolve_drafter",
 ]

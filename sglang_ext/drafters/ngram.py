@@ -140,4 +140,6 @@ def trie_tree(
     new_id = {old: new for new, old in enumerate(kept)}
     tokens = torch.tensor([token[i] for i in kept])
     parents = torch.tensor([-1] + [new_id[parent[i]] for i in kept[1:]])
-    return tree_from_parents(tokens, parents, seq_len)
+    total = sum(w for _, w in weighted) or 1.0
+    scores = torch.tensor([1.0] + [min(1.0, weight[i] / total * confidence) for i in kept[1:]])  # share x confidence
+    return tree_from_parents(tokens, parents, seq_len, scores=scores)

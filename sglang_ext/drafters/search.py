@@ -108,5 +108,7 @@ def _sample_chains(
         q = None
         if not d.params.greedy:
             q = torch.stack([torch.zeros_like(qs[i][0])] + qs[i])  # row 0 (root) unused
-        trees.append(chain_tree(d.token_ids[-1], drafts[i], d.seq_len, draft_probs=q))
+        tree = chain_tree(d.token_ids[-1], drafts[i], d.seq_len, draft_probs=q)
+        tree.scores = torch.tensor([1.0] + [float(qs[i][k][x]) for k, x in enumerate(drafts[i])]).cumprod(0)
+        trees.append(tree)
     return trees

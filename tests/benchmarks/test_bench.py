@@ -264,3 +264,10 @@ def test_tau_per_eval_set_plot(tmp_path):
     assert rows[1].tau == 2.0 and rows[2].tau == 3.0
     assert plot_tau_by_set(rows, tmp_path / "tau.png") and (tmp_path / "tau.png").stat().st_size > 1000
     assert not plot_tau_by_set(rows[:1], tmp_path / "none.png")
+
+
+def test_bench_turns_online_learning_off_inside_a_merged_drafter(smollm2_fp32):
+    from benchmarks.bench import bench_drafter
+
+    drafter = bench_drafter("suffix+ngram", smollm2_fp32)
+    assert drafter.name == "suffix+ngram" and drafter.members[0].online is False

@@ -377,3 +377,43 @@ def test_a_new_batch_size_is_decided_by_the_model_without_trial_steps():
     _sweep(q, cheap_rows, (1, 2, 4, 8), 60)  # a machine where rows are nearly free: the tree wins everywhere
     chosen = _sweep(q, cheap_rows, (24,), 20)[24]
     assert chosen[0] == 1 and chosen.count(1) >= 15  # (off is still re-measured now and then)
+
+
+def test_a_merged_drafter_offers_each_member_alone_and_learns_which_pays():
+    from sglang_ext.drafters.merged import MemberShape
+
+    shape = TreeShape(3, 2, 6)
+    assert len(AdaptiveSpeculation(shape).options) == 3  # a single drafter: no member arms
+    p = AdaptiveSpeculation(shape, warmup=2, retry_every=1000, members=("suffix", "eagle3"))
+    assert p.options[3:] == [MemberShape(3, 2, 6, members=(0,)), MemberShape(3, 2, 6, members=(1,))]
+    merge, suffix, eagle = 1, 3, 4
+    # bs 1: the merge emits the most per second; bs 8: suffix alone (fewer rows, most of the merge's tokens)
+    cost = {
+        1: {0: (0.020, 1), merge: (0.030, 2.0), 2: (0.026, 1.5), suffix: (0.025, 1.5), eagle: (0.028, 1.6)},
+        8: {0: (0.05, 8), merge: (0.12, 15), 2: (0.09, 11), suffix: (0.07, 12), eagle: (0.10, 13)},
+    }
+    for bs in (1, 8):
+        for _ in range(40):
+            o = p.choose(bs)
+            p.observe(o, bs, *cost[bs][o])
+    assert p.choose(1) == merge and p.choose(8) == suffix
+    # a member's chain is not nested in the merge's chain (other members' nodes): no counterfactual
+    chains = AdaptiveSpeculation(TreeShape(3, 1, 4), warmup=3, members=("a", "b"))
+    chains.observe(1, 1, 0.03, 4, rows=4, accepted=[3], drafted=[3])
+    assert [len(h.steps) for h in chains.history] == [0, 1, 1, 0, 0]
+
+
+def test_adaptive_engine_with_a_merged_drafter_equals_vanilla_and_runs_the_member_arms():
+    from sglang_ext.drafters.lookahead import LookaheadDrafter
+    from sglang_ext.drafters.merged import MemberShape, MergedDrafter
+
+    t = tiny_target(seed=2, vocab=16)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5, 6, 4]]
+    sp = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    ref = [r.output_ids for r in Engine(t, None).generate(prompts, sp)]
+    drafter = MergedDrafter([NgramDrafter(), LookaheadDrafter()], ["ngram", "lookahead"])
+    eng = Engine(t, drafter, EngineConfig(tree=TreeShape(3, 2, 6), adaptive=True))
+    assert [r.output_ids for r in eng.generate(prompts, sp)] == ref
+    arms = {i for i, o in enumerate(eng.policy.options) if isinstance(o, MemberShape)}
+    assert [eng.policy.options[i].members for i in sorted(arms)] == [(0,), (1,)]
+    assert arms <= {i for (i, _), st in eng.policy.stats.items() if st.n}, "each member alone was measured"
