@@ -47,10 +47,13 @@ Rule (merge_trees):
   3. node indices follow insertion order, so among siblings the trial order is the insertion order the
      rows were computed for (a sampled node's row names the earlier siblings it excludes); rows: the
      restricted q of sampled nodes, one-hot for point masses ((c)); draft_probs None when no node is sampled.
-What breaks it (tests/sglang_ext/test_merged.py checks the chi-square test fails for it): inserting point
-masses first and letting a sampled token that equals one keep its q row on the shared node; the sampled
-token's separate node then exists only when x differs from the point mass, so x is not distributed as q
-there, and the shared node's q-trial mixes the two laws.
+What breaks it (tests/sglang_ext/test_merged.py: the chi-square tests fail for both): inserting point
+masses first and letting a sampled token equal to one take the shared node with its q row (the sampled
+token's own node then exists only when it differs from the point mass, so neither node's token is
+distributed as its row); or keeping a sampled node's whole q row when its earlier siblings' tokens were
+excluded from it (its token is then a draw from the restricted law, not from q).
+Shape: every member drafts within depth and topk, but a merged node may have up to topk children per
+member; depth never exceeds the shape's.
 
 Lifecycle: add_request / commit / remove_request go to every member (commit: the same TargetCapture, its
 tree_argmax re-indexed to each member's own tree for members that want it); capture_layers = union;

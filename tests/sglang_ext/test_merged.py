@@ -1,6 +1,10 @@
 """Merged multi-drafter trees (drafters/merged.py): the merge (prefix sharing, budget, parents closure,
-provenance, layout), the sampled rows and the chi-square law (pass, and fail for broken merges), the
-registry's '+' names, greedy identity on the real SmolLM2, the CLI, and tau against the members alone."""
+provenance, layout), the sampled rows, the registry's '+' names, greedy identity on the real SmolLM2, and
+tau against the members alone (the CLI: tests/entrypoints/test_generate_merged.py).
+
+The sampled law is checked twice with the chi-square pattern of test_distribution.py: on the merge and
+sampling_verify alone, with proposal laws chosen so members collide often (many cheap samples; two
+broken merge rules must fail), and end to end in the engine with real drafters on a tiny Llama."""
 
 import random
 
@@ -18,6 +22,7 @@ from sglang_ext.drafters.merged import MemberShape, MergedDrafter, Trie, merge_t
 from sglang_ext.drafters.ngram import trie_tree
 from sglang_ext.sampling import SamplingParams
 from sglang_ext.tree import TreeShape, tree_from_parents
+from sglang_ext.verify import sampling_verify
 
 SEQ = 10  # the root's position in the hand-built trees
 
@@ -256,7 +261,7 @@ def q_on_shared_node(trees, bits, budget, seq_len, batch_index=0):
     where = [trie.add_points(t, b) if t.draft_probs is None else None for t, b in zip(trees, bits)]
     for k, (t, b) in enumerate(zip(trees, bits)):
         if t.draft_probs is not None:
-            where[k] = trie.add_sampled(t, b, budget, budget)
+            where[k] = trie.add_sampled(t, b, budget, -(-(budget - 1) // len(trees)))
             for i, w in enumerate(where[k][1:], 1):
                 if w >= 0:
                     trie.row[w], trie.fixed[w] = t.draft_probs[i].double(), True
@@ -279,7 +284,73 @@ def unrestricted_rows(trees, bits, budget, seq_len, batch_index=0):
     return tree, prov, where
 
 
-@pytest.mark.parametrize("broken", [q_on_shared_node, unrestricted_rows], ids=lambda f: f.__name__)
+# the merge and sampling_verify alone, on proposal laws chosen so that a broken rule shows: the target's
+# first two tokens (p1, p2[t1]); two sampled members (chains drawn from qa / qc here, rows as drawn) and
+# a point-mass chain on the target's likeliest tokens. Many cheap samples: the exact law is known.
+V, VERIFY_SAMPLES = 6, 20000
+
+
+def _law(seed, flat):
+    g = torch.Generator().manual_seed(seed)
+    return torch.softmax(torch.randn(V, generator=g) / flat, -1).double()
+
+
+def _peaked(token, mass):
+    q = torch.full((V,), (1 - mass) / (V - 1), dtype=torch.float64)
+    q[token] = mass
+    return q
+
+
+# both sampled members favour a token the target does not (1): they collide there often, and the
+# second one's other draws are the case a restricted row exists for
+P1, P2 = _law(0, 1.0), torch.stack([_law(10 + x, 1.0) for x in range(V)])
+QA1, QA2 = _peaked(1, 0.9), torch.stack([_law(20 + x, 1.5) for x in range(V)])
+QC1, QC2 = _peaked(1, 0.9), torch.stack([_law(30 + x, 0.7) for x in range(V)])
+
+
+def _draw(q, g):
+    return int(torch.multinomial(q, 1, generator=g))
+
+
+def _merged_law(merge, budget):
+    """Counts [V, V] of the first two tokens emitted: verify the merged tree of depth-2 member chains with
+    the target's rows, then (a path shorter than 2) the next token from the target itself."""
+    g = torch.Generator().manual_seed(0)
+    b1 = int(P1.argmax())
+    points = _tree([9, b1, int(P2[b1].argmax())], [-1, 0, 1], [1, 0.9, 0.8])
+    counts = torch.zeros(V, V, dtype=torch.float64)
+    for _ in range(VERIFY_SAMPLES):
+        chains = []
+        for q1, q2 in ((QA1, QA2), (QC1, QC2)):
+            x1 = _draw(q1, g)
+            x2 = _draw(q2[x1], g)
+            chains.append(_tree([9, x1, x2], [-1, 0, 1], probs=torch.stack([q1, q1, q2[x1]]).float()))
+        tree = merge(chains + [points], [1, 2, 4], budget, SEQ)[0]
+        toks, depth = tree.draft_tokens.tolist(), (tree.positions - SEQ).tolist()
+        # the target after each node: P1 at the root, P2[x] after a depth-1 node x (deeper: not recorded)
+        rows = torch.stack([P2[toks[i]] if depth[i] == 1 else P1 for i in range(tree.num_nodes)])
+        res = sampling_verify(tree, rows.float(), g)
+        t1 = res.tokens[0]
+        t2 = res.tokens[1] if len(res.tokens) > 1 else _draw(P2[t1], g)
+        counts[t1, t2] += 1
+    return counts
+
+
+@pytest.mark.parametrize("budget", [4, 6])
+def test_the_merge_rule_keeps_the_law_where_members_collide(budget):
+    """Two sampled members and a point mass collide at the root and below (joins, restricted siblings,
+    point masses after sampled ones); budget 4: each sampled member's share is 1, 6: 2."""
+    counts = _merged_law(merge_trees, budget)
+    assert chi2_pvalue(counts, P1[:, None] * P2) > 1e-3
+
+
+@pytest.mark.parametrize("broken", ["q_on_shared_node", "unrestricted_rows"])
+def test_broken_merge_rules_fail_the_law(broken):
+    counts = _merged_law(globals()[broken], 6)
+    assert chi2_pvalue(counts, P1[:, None] * P2) < 1e-6
+
+
+@pytest.mark.parametrize("broken", [q_on_shared_node], ids=lambda f: f.__name__)
 def test_broken_merges_fail_the_same_test(broken):
     target = tiny_target(seed=3)
     params = SamplingParams(temperature=LAW_TEMPERATURE, max_new_tokens=3)
