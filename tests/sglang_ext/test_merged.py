@@ -4,7 +4,9 @@ tau against the members alone (the CLI: tests/entrypoints/test_generate_merged.p
 
 The sampled law is checked twice with the chi-square pattern of test_distribution.py: on the merge and
 sampling_verify alone, with proposal laws chosen so members collide often (many cheap samples; two
-broken merge rules must fail), and end to end in the engine with real drafters on a tiny Llama."""
+broken merge rules must fail), and end to end in the engine with real drafters on a tiny Llama (there
+the members seldom collide with a surviving point mass, so a broken rule's bias is too rare to show: the
+first rule below passed the end-to-end test at p = 0.25; hence the verify-level failing tests)."""
 
 import random
 
@@ -348,18 +350,6 @@ def test_the_merge_rule_keeps_the_law_where_members_collide(budget):
 def test_broken_merge_rules_fail_the_law(broken):
     counts = _merged_law(globals()[broken], 6)
     assert chi2_pvalue(counts, P1[:, None] * P2) < 1e-6
-
-
-@pytest.mark.parametrize("broken", [q_on_shared_node], ids=lambda f: f.__name__)
-def test_broken_merges_fail_the_same_test(broken):
-    target = tiny_target(seed=3)
-    params = SamplingParams(temperature=LAW_TEMPERATURE, max_new_tokens=3)
-
-    class Broken(MergedDrafter):
-        merge = staticmethod(broken)
-
-    counts, _ = _sample_law(Broken(*_members(target)), target, LAW_SHAPES["chain"], params)
-    assert chi2_pvalue(counts, exact_joint_t2_t3(target.model, params)) < 1e-6
 
 
 # --- the real SmolLM2 -----------------------------------------------------------------------------
