@@ -347,7 +347,9 @@ class MergedDrafter:
         prop = self._pending.pop(rid, None)
         argmax = capture.tree_argmax
         # a tree the merge did not propose (a predicted output's, a step without speculation) is not its own
-        if prop is not None and capture.token_ids[:1] == prop.tokens[:1]:
+        if prop is not None and capture.token_ids[:1] != prop.tokens[:1]:
+            prop = None
+        if prop is not None:
             self._count(prop, capture.token_ids)
         if argmax is not None and (prop is None or argmax.numel() != len(prop.tokens)):
             argmax = None
