@@ -1,0 +1,260 @@
+"""CUDA graphs for the target's decode / verify forward at bucketed shapes (as SGLang's
+cuda_graph_runner does), with the same static padded path run eagerly off CUDA.
+
+Why: on a GPU a small step is host-bound (one launch per op, ~300 per SmolLM2 forward); one graph
+replay launches them all at once. A graph replays fixed shapes and fixed buffer addresses with no host
+reads, so a step that runs in one is first put in a *static* form:
+
+    bucket (B, Q, P): B requests (batch padded up), Q query rows each (tree nodes padded up), P prefix
+    columns each (the request's committed KV slots, padded up to a context bucket)
+
+    ids / positions / out_slots  [B*Q]    row b*Q + j = node j of request b; padding: token 0, position 0,
+                                          K/V written to slot 0 (the pool's scratch slot, never handed out)
+    prefix                       [B, P]   committed slots (padding -> slot 0), prefix_len [B] real columns
+    tree_mask                    [B, Q, Q] node j sees node i; a padded row sees only itself
+
+and attention reads the K/V of [prefix | the request's own Q rows] through that table, masked on the
+device from prefix_len and tree_mask (`static_attention`: the torch reference's batched matmuls). A
+real row never sees a padded column (masked to -inf, weight exactly 0), so padding changes no real
+row's output; padded rows' outputs are dropped.
+
+Host data goes into the bucket's static buffers in one copy per dtype before the replay; the replay's
+outputs are gathered to the real rows (a copy, so the next replay cannot overwrite what the caller kept).
+
+Off CUDA (or with graphs off) `GraphRunner` runs the same static path eagerly, which is how its
+padding, bucketing and buffer logic is tested on the CPU. Graphs are captured lazily, one per bucket
+on its first use (a warmup on a side stream, then the capture into one memory pool shared by all).
+Outside the buckets (prefill and mixed steps, bigger batches or trees, longer contexts) the caller
+runs the eager forward.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..device import to_device
+from .kv_pool import KVPool
+from .llama import ForwardOutput, LlamaModel
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+NODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+MIN_CONTEXT_BUCKET = 128  # context buckets: powers of two from this up to the model's context
+MAX_ROWS = 1024  # B*Q above this runs eagerly (the padded attention scores would be too large)
+
+
+@dataclass
+class StaticPlan:
+    """A padded batch's attention inputs, built on the device inside the graph (once per forward)."""
+
+    slots: torch.Tensor  # [B, K] int64: pool slots each request's rows read
+    hidden: torch.Tensor  # [B, Q, K] bool: True where a row must NOT read the column
+
+
+def static_plan(prefix: torch.Tensor, prefix_len: torch.Tensor, extra: torch.Tensor, extra_mask: torch.Tensor):
+    """prefix [B, P] slots every row of request b may read below prefix_len [B]; extra [B, E] slots read
+    under extra_mask [B, Q, E] (tree nodes). Device ops only, fixed shapes."""
+    b, q = extra_mask.shape[:2]
+    cols = torch.arange(prefix.shape[1], device=prefix.device)
+    seen_prefix = (cols[None, :] < prefix_len[:, None])[:, None, :].expand(b, q, -1)
+    return StaticPlan(torch.cat([prefix, extra], dim=1), ~torch.cat([seen_prefix, extra_mask], dim=2))
+
+
+def static_attention(
+    q: torch.Tensor,  # [B*Q, Hq, D] rows request-major
+    k_pool: torch.Tensor,  # [S, Hkv, D]
+    v_pool: torch.Tensor,  # [S, Hkv, D]
+    plan: StaticPlan,
+    scale: float,
+) -> torch.Tensor:  # [B*Q, Hq, D]
+    """The torch reference's batched-matmul attention over a StaticPlan (same math, fixed shapes)."""
+    b, qm, k = plan.hidden.shape
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k_pool.shape[1]
+    rep = hq // hkv
+    qb = q.reshape(b, qm, hkv, rep, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, rep * qm, d)
+    kb = k_pool[plan.slots].transpose(1, 2)  # [B, Hkv, K, D]
+    vb = v_pool[plan.slots].transpose(1, 2)
+    s = torch.matmul(qb, kb.transpose(-1, -2)).float().mul_(scale)  # [B, Hkv, rep*Q, K]
+    s = s.view(b, hkv, rep, qm, k).masked_fill_(plan.hidden[:, None, None], float("-inf")).view(b, hkv, rep * qm, k)
+    p = s.softmax(-1).to(vb.dtype)
+    out = torch.matmul(p, vb).view(b, hkv, rep, qm, -1).permute(0, 3, 1, 2, 4)
+    return out.reshape(b * qm, hq, -1)
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket >= n, or None when n exceeds them all."""
+    return next((x for x in buckets if x >= n), None)
+
+
+def context_buckets(max_context: int, smallest: int = MIN_CONTEXT_BUCKET) -> tuple[int, ...]:
+    """Powers of two from `smallest`, the last one covering max_context."""
+    out = [smallest]
+    while out[-1] < max_context:
+        out.append(out[-1] * 2)
+    return tuple(out)
+
+
+class GraphCache:
+    """Per bucket key: static input buffers and, with graphs on, the graph captured over them and its
+    outputs. Without graphs the same function runs eagerly on the same buffers."""
+
+    def __init__(self, device: torch.device, graphs: bool):
+        self.device = torch.device(device)
+        self.graphs = graphs and self.device.type == "cuda"
+        self.entries: dict[Any, tuple[dict, Any, Any]] = {}  # key -> (buffers, graph or None, outputs)
+        self.pool = None  # one CUDA memory pool shared by every graph (they never run at once)
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def run(self, key, make_buffers: Callable[[], dict], fill: Callable[[dict], None], fn: Callable[[dict], Any]):
+        """fill(buffers) copies this call's inputs into the key's buffers; fn(buffers) is the computation
+        (captured once per key, then replayed)."""
+        if key not in self.entries:
+            bufs = make_buffers()  # padding everywhere: a valid input to capture over
+            graph, out = self._capture(fn, bufs) if self.graphs else (None, None)
+            self.entries[key] = (bufs, graph, out)
+        bufs, graph, out = self.entries[key]
+        fill(bufs)
+        if graph is None:
+            return fn(bufs)
+        graph.replay()
+        return out
+
+    def _capture(self, fn: Callable[[dict], Any], bufs: dict):
+        # warmup on a side stream (lazy inits, allocator caches, Triton/cuBLAS autotuning stay out of the graph)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn(bufs)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn(bufs)
+        self.pool = graph.pool()
+        return graph, out
+
+
+def _fill_flat(buf: torch.Tensor, host: torch.Tensor) -> None:
+    """buf (a static device buffer) <- host, queued (pinned) when buf is on a GPU."""
+    buf.copy_(to_device(host, buf.device), non_blocking=True)
+
+
+class GraphRunner:
+    """The target's forward over a batch of requests, each with `q_lens[b]` new rows (a decode token or
+    a verify tree) after a committed prefix, at a bucketed static shape: replayed from a CUDA graph on
+    CUDA with graphs on, else the same static path run eagerly. Same outputs as `model.forward` with
+    the request's plan (up to the attention's summation order)."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        capture_layers: tuple[int, ...] = (),
+        graphs: bool = True,
+        batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
+        node_buckets: tuple[int, ...] = NODE_BUCKETS,
+        context: tuple[int, ...] | None = None,
+        max_rows: int = MAX_ROWS,
+    ):
+        """context: prefix-length buckets (default: powers of two up to the model's context)."""
+        for name, b in (("batch", batch_buckets), ("node", node_buckets)):
+            if not b or list(b) != sorted(set(b)) or b[0] < 1:
+                raise ValueError(f"{name} buckets must be increasing positive ints, got {b!r}")
+        self.model = model
+        # the same model (weights shared) with the static attention: its forward is the captured function
+        self._static_model = copy.copy(model)
+        self._static_model.attention = static_attention
+        self.capture_layers = tuple(capture_layers)
+        self.batch_buckets, self.node_buckets = tuple(batch_buckets), tuple(node_buckets)
+        self.context = tuple(context) if context else context_buckets(model.cfg.max_position)
+        self.max_rows = max_rows
+        self.cache = GraphCache(model.device, graphs)
+        self._kv: KVPool | None = None
+        self.runs = 0  # forwards this runner took (the rest of a caller's steps ran eagerly)
+
+    @property
+    def graphs(self) -> bool:
+        """Whether steps replay CUDA graphs (else the static path runs eagerly)."""
+        return self.cache.graphs
+
+    def bucket_of(self, q_lens: list[int], prefix_lens: list[int]) -> tuple[int, int, int] | None:
+        """The (B, Q, P) bucket of a batch (q_lens[b] new rows after prefix_lens[b] committed tokens),
+        or None when it fits none (the caller runs the eager forward)."""
+        if not q_lens or len(q_lens) != len(prefix_lens) or min(q_lens) < 1:
+            return None
+        b = bucket(len(q_lens), self.batch_buckets)
+        q = bucket(max(q_lens), self.node_buckets)
+        p = bucket(max(prefix_lens), self.context)
+        if b is None or q is None or p is None or b * q > self.max_rows:
+            return None
+        return b, q, p
+
+    def can_run(self, q_lens: list[int], prefix_lens: list[int]) -> bool:
+        return self.bucket_of(q_lens, prefix_lens) is not None
+
+    def run(
+        self,
+        ids: list[torch.Tensor],  # per request [n_b] token ids
+        positions: list[torch.Tensor],  # per request [n_b]
+        out_slots: list[torch.Tensor],  # per request [n_b] where each row's K/V is written
+        prefixes: list[torch.Tensor],  # per request [P_b] committed slots every row reads
+        tree_masks: list[torch.Tensor],  # per request [n_b, n_b] bool: row j sees row i
+        kv: KVPool,
+    ) -> ForwardOutput:  # rows of all requests, flat, request-major (as model.forward's)
+        q_lens = [t.numel() for t in ids]
+        key = self.bucket_of(q_lens, [p.numel() for p in prefixes])
+        if key is None:
+            raise ValueError(f"batch (rows {q_lens}, prefixes {[p.numel() for p in prefixes]}) fits no graph bucket")
+        for n, t in zip(q_lens, tree_masks):
+            if tuple(t.shape) != (n, n):
+                raise ValueError(f"tree mask of shape {tuple(t.shape)} for {n} rows")
+        if kv is not self._kv:  # graphs bake the pool's addresses in: a new pool needs new graphs
+            self.cache.clear()
+            self._kv = kv
+        self.runs += 1
+        b, q, p = key
+        longs, mask = _host_inputs(key, ids, positions, out_slots, prefixes, tree_masks)
+
+        def fill(bufs: dict) -> None:
+            _fill_flat(bufs["longs"], longs)
+            _fill_flat(bufs["mask"], mask)
+
+        out = self.cache.run(key, lambda: self._buffers(key), fill, lambda bufs: self._forward(key, bufs, kv))
+        rows = torch.cat([torch.arange(i * q, i * q + n) for i, n in enumerate(q_lens)])
+        rows = to_device(rows, out.hidden.device)
+        return ForwardOutput(out.hidden[rows], {l: h[rows] for l, h in out.captured.items()})
+
+    def _buffers(self, key: tuple[int, int, int]) -> dict:
+        """A bucket's static inputs, holding an all-padding batch."""
+        longs, mask = _host_inputs(key, [], [], [], [], [])
+        return {"longs": longs.to(self.model.device), "mask": mask.to(self.model.device)}
+
+    def _forward(self, key: tuple[int, int, int], bufs: dict, kv: KVPool) -> ForwardOutput:
+        """The captured function: views of the flat buffers, the static plan, the model's forward."""
+        b, q, p = key
+        ids, pos, slots, prefix, prefix_len = bufs["longs"].split([b * q, b * q, b * q, b * p, b])
+        plan = static_plan(prefix.view(b, p), prefix_len, slots.view(b, q), bufs["mask"])
+        return self._static_model.forward(ids, pos, slots, plan, kv, self.capture_layers)
+
+
+def _host_inputs(key, ids, positions, out_slots, prefixes, tree_masks) -> tuple[torch.Tensor, torch.Tensor]:
+    """The host side of a bucket's buffers: one int64 tensor [ids | positions | out_slots | prefix |
+    prefix_len] and the tree mask [B, Q, Q], padding as the module docstring says."""
+    b, q, p = key
+    tok, pos, slot = (torch.zeros(b, q, dtype=torch.long) for _ in range(3))
+    prefix = torch.zeros(b, p, dtype=torch.long)
+    prefix_len = torch.zeros(b, dtype=torch.long)
+    mask = torch.eye(q, dtype=torch.bool).repeat(b, 1, 1)  # padded rows see only themselves
+    for i, (t, ps, s, pre, m) in enumerate(zip(ids, positions, out_slots, prefixes, tree_masks)):
+        n = t.numel()
+        tok[i, :n], pos[i, :n], slot[i, :n] = t, ps, s
+        prefix[i, : pre.numel()] = pre
+        prefix_len[i] = pre.numel()
+        mask[i, :n, :n] = m
+    return torch.cat([tok.view(-1), pos.view(-1), slot.view(-1), prefix.view(-1), prefix_len]), mask
