@@ -192,6 +192,8 @@ class Engine:
             if config.cuda_graphs and self.model.device.type == "cuda"
             else None
         )
+        if self.graph_runner is not None and hasattr(drafter, "step_graphs"):
+            drafter.step_graphs = True  # a drafter with a captured step replays it too
 
     # --- admission ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:

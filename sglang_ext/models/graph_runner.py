@@ -258,3 +258,124 @@ def _host_inputs(key, ids, positions, out_slots, prefixes, tree_masks) -> tuple[
         prefix_len[i] = pre.numel()
         mask[i, :n, :n] = m
     return torch.cat([tok.view(-1), pos.view(-1), slot.view(-1), prefix.view(-1), prefix_len]), mask
+
+
+StepFn = Callable[..., tuple[torch.Tensor, ...]]
+
+
+class FrontierRunner:
+    """A drafter's frontier step at bucketed static shapes: b requests x q tree nodes, one query row each
+    (request-major), every node reading its request's committed draft KV (`prefixes[i]`) and the
+    temporary slots of its own path (`seen[i][j]`): attention.plan_frontier's batch, in static form
+
+        bucket (B, Q, P, E): prefix [B, P] + prefix_len [B] as for the target; extra [B, E] the union of
+        the request's path slots, extra_mask [B, Q, E] which of them node j reads
+
+    step(ids [R], feat [R, H], positions [R], slots [R], plan: StaticPlan) -> tensors [R, ...] is the
+    drafter's layer (with `static_attention`) and its logits; it is captured per bucket on CUDA with
+    graphs on, else run eagerly on the same buffers. Padded requests read and write only slot 0."""
+
+    def __init__(
+        self,
+        step: StepFn,
+        device: torch.device | str,
+        max_context: int,
+        graphs: bool = True,
+        batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
+        node_buckets: tuple[int, ...] = NODE_BUCKETS,
+        max_rows: int = MAX_ROWS,
+    ):
+        self.step = step
+        self.batch_buckets, self.node_buckets = tuple(batch_buckets), tuple(node_buckets)
+        self.context = context_buckets(max_context)
+        self.max_rows = max_rows
+        self.cache = GraphCache(torch.device(device), graphs)
+        self._kv: KVPool | None = None
+        self.runs = 0
+
+    def bucket_of(self, b: int, q: int, prefix_lens: list[int], extra_lens: list[int]):
+        """(B, Q, P, E) for b requests of q nodes each, or None when no bucket fits."""
+        key = (
+            bucket(b, self.batch_buckets),
+            bucket(q, self.node_buckets),
+            bucket(max(prefix_lens, default=0), self.context),
+            bucket(max(extra_lens, default=1), self.node_buckets),
+        )
+        if b < 1 or q < 1 or None in key or key[0] * key[1] > self.max_rows:
+            return None
+        return key
+
+    def run(
+        self,
+        ids: torch.Tensor,  # [b*q] token ids (on the device: the search's tokens, never read here)
+        feat: torch.Tensor,  # [b*q, H] the rows' input features
+        positions: list[int],  # b*q positions
+        slots: torch.Tensor,  # [b*q] where each row's K/V is written (host slot ids)
+        prefixes: list[torch.Tensor],  # b x [P_i] committed slots
+        seen: list[list[list[int]]],  # [i][j]: the temporary slots node j of request i also reads
+        kv: KVPool,
+    ) -> tuple[torch.Tensor, ...] | None:
+        """step's outputs for the b*q real rows (copies: the next replay overwrites the graph's), or None
+        when the batch fits no bucket (the caller runs its eager step)."""
+        b, q = len(seen), len(seen[0]) if seen else 0
+        extras = [sorted({s for node in nodes for s in node}) for nodes in seen]
+        key = self.bucket_of(b, q, [p.numel() for p in prefixes], [len(e) for e in extras])
+        if key is None or any(len(nodes) != q for nodes in seen) or ids.numel() != b * q:
+            return None
+        if kv is not self._kv:  # graphs bake the pool's addresses in
+            self.cache.clear()
+            self._kv = kv
+        self.runs += 1
+        longs, mask = _frontier_host(key, positions, slots, prefixes, extras, seen)
+        n = b * q  # real rows: row i*Q + j of the bucket holds node j of request i
+
+        bb, qq = key[:2]
+
+        def fill(bufs: dict) -> None:
+            _fill_flat(bufs["longs"], longs)
+            _fill_flat(bufs["mask"], mask)
+            bufs["ids"].view(bb, qq)[:b, :q].copy_(ids.view(b, q))
+            bufs["feat"].view(bb, qq, -1)[:b, :q].copy_(feat.view(b, q, -1))
+
+        def make() -> dict:
+            host_longs, host_mask = _frontier_host(key, [], torch.empty(0, dtype=torch.long), [], [], [])
+            rows = key[0] * key[1]
+            return {
+                "longs": host_longs.to(feat.device),
+                "mask": host_mask.to(feat.device),
+                "ids": torch.zeros(rows, dtype=torch.long, device=feat.device),
+                "feat": torch.zeros(rows, feat.shape[-1], dtype=feat.dtype, device=feat.device),
+            }
+
+        out = self.cache.run(key, make, fill, lambda bufs: self._step(key, bufs))
+        return tuple(o.view(bb, qq, *o.shape[1:])[:b, :q].reshape(n, *o.shape[1:]).clone() for o in out)
+
+    def _step(self, key, bufs: dict) -> tuple[torch.Tensor, ...]:
+        bb, qq, p, e = key
+        pos, slots, prefix, prefix_len, extra = bufs["longs"].split([bb * qq, bb * qq, bb * p, bb, bb * e])
+        plan = static_plan(prefix.view(bb, p), prefix_len, extra.view(bb, e), bufs["mask"])
+        return tuple(self.step(bufs["ids"], bufs["feat"], pos, slots, plan))
+
+
+def _frontier_host(key, positions, slots, prefixes, extras, seen) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host side of a frontier bucket: int64 [positions | slots | prefix | prefix_len | extra] and the
+    extra mask [B, Q, E], node j of request i at row i*Q + j; a padded row (padded request or node)
+    writes slot 0 and reads extra column 0 too, so its softmax is never over nothing."""
+    bb, qq, p, e = key
+    b, q = len(seen), len(seen[0]) if seen else 0
+    pos, out = torch.zeros(bb, qq, dtype=torch.long), torch.zeros(bb, qq, dtype=torch.long)
+    if b:
+        pos[:b, :q] = torch.tensor(positions, dtype=torch.long).view(b, q)
+        out[:b, :q] = slots.view(b, q)
+    prefix, prefix_len = torch.zeros(bb, p, dtype=torch.long), torch.zeros(bb, dtype=torch.long)
+    extra, mask = torch.zeros(bb, e, dtype=torch.long), torch.zeros(bb, qq, e, dtype=torch.bool)
+    mask[:, :, 0] = True
+    mask[:b, :q, 0] = False
+    for i, (pre, ex, nodes) in enumerate(zip(prefixes, extras, seen)):
+        prefix[i, : pre.numel()] = pre
+        prefix_len[i] = pre.numel()
+        extra[i, : len(ex)] = torch.tensor(ex, dtype=torch.long)
+        col = {s: c for c, s in enumerate(ex)}
+        for j, node in enumerate(nodes):
+            mask[i, j, [col[s] for s in node]] = True
+    return torch.cat([pos.view(-1), out.view(-1), prefix.view(-1), prefix_len, extra.view(-1)]), mask

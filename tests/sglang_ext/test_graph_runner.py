@@ -14,7 +14,7 @@ from helpers import compare_to_reference, tiny_target
 
 from serving.config import EngineConfig
 from serving.engine import Engine
-from sglang_ext.attention import causal_mask, plan_attention, prefix_and_tree_mask
+from sglang_ext.attention import causal_mask, plan_attention, plan_frontier, prefix_and_tree_mask
 from sglang_ext.drafters import make_drafter
 from sglang_ext.models.graph_runner import GraphRunner, bucket, context_buckets, static_attention, static_plan
 from sglang_ext.sampling import SamplingParams
@@ -157,6 +157,43 @@ def test_bucket_selection_and_fallback():
         GraphRunner(model, batch_buckets=(4, 2))
 
 
+@pytest.mark.parametrize("b,kk,depth", [(1, 1, 1), (3, 2, 2), (2, 3, 3)])
+def test_eagle3_frontier_step_static_equals_eager(smollm2_fp32, b, kk, depth):
+    """The EAGLE-3 drafter's frontier step through its FrontierRunner (batch and nodes padded to the
+    buckets) == its eager step over plan_frontier: outputs and draft logits, same argmax."""
+    d = make_drafter("eagle3", smollm2_fp32)
+    g = torch.Generator().manual_seed(b * 10 + kk)
+    h = smollm2_fp32.cfg.hidden_size
+
+    def fill(slots):  # K/V of earlier draft steps
+        d.kv.k[0][slots] = torch.randn(slots.numel(), *d.kv.k[0].shape[1:], generator=g)
+        d.kv.v[0][slots] = torch.randn(slots.numel(), *d.kv.v[0].shape[1:], generator=g)
+
+    prefixes = [d.kv.alloc(n) for n in (9, 4, 20)[:b]]
+    for p in prefixes:
+        fill(p)
+    # each node's path: depth-1 earlier temporary slots, then its own new slot
+    earlier = [[d.kv.alloc(depth - 1) for _ in range(kk)] for _ in range(b)]
+    for row in earlier:
+        for s in row:
+            fill(s)
+    new = d.kv.alloc(b * kk)
+    chains = [[earlier[i][j].tolist() + [int(new[i * kk + j])] for j in range(kk)] for i in range(b)]
+    pos = [p.numel() + depth - 1 for p in prefixes for _ in range(kk)]
+    ids = torch.randint(0, d.hot_ids.numel(), (b * kk,), generator=g)
+    feat = torch.randn(b * kk, h, generator=g)
+    out = d._layer(d.hot_ids[ids], feat, torch.tensor(pos), new, plan_frontier(prefixes, chains))
+    logits = d.draft.logits(out).float()
+    static = d._frontier(d.hot_ids[ids], feat, pos, new, prefixes, chains)
+    assert static is not None and d._steps.runs == 1 and not d._steps.cache.graphs
+    torch.testing.assert_close(static[0], out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(static[1], logits, atol=1e-3, rtol=1e-4)
+    assert torch.equal(static[1].argmax(-1), logits.argmax(-1))
+    # outside the buckets: None, the caller's eager step runs
+    assert d._steps.run(ids[:0], feat[:0], [], new[:0], [], [], d.kv) is None
+    assert d._steps.bucket_of(65, 1, [3], [1]) is None and d._steps.bucket_of(1, 65, [3], [1]) is None
+
+
 def _outputs(engine: Engine, prompts: list[list[int]], bs: int, n: int) -> list[list[int]]:
     outs = []
     for i in range(0, len(prompts), bs):
@@ -177,6 +214,8 @@ def test_engine_tokens_with_the_static_path_equal_eager(smollm2_fp32, eval_promp
         assert eng.graph_runner is None  # graphs are a CUDA feature: off on the CPU whatever the config
         if runner_kw is not None:
             eng.graph_runner = GraphRunner(eng.model, eng.capture_layers, graphs=False, **runner_kw)
+            if drafter:
+                eng.drafter.step_graphs = True  # its frontier steps on the static path too
         return eng
 
     ref = _outputs(engine(), prompts, bs, n)
@@ -185,6 +224,8 @@ def test_engine_tokens_with_the_static_path_equal_eager(smollm2_fp32, eval_promp
     verdicts = [compare_to_reference(smollm2_fp32.model, p, r, o) for p, r, o in zip(prompts, ref, outs)]
     assert "bug" not in verdicts, verdicts
     assert eng.graph_runner.runs > 0
+    if drafter:
+        assert eng.drafter._steps.runs > 0
     if bs == 4:  # contexts over the buckets (every prompt is longer than 8 tokens): every step eager
         small = engine({"context": (8,)})
         assert _outputs(small, prompts, bs, n) == ref and small.graph_runner.runs == 0
