@@ -195,12 +195,13 @@ class Eagle3Drafter:
         None when its buckets do not fit (the caller runs the eager step)."""
         if self._steps is None:
 
-            def step(ids, feat, positions, slots, plan):
-                out = self._layer(ids, feat, positions, slots, plan, static_attention)
+            def step(ids, feat, rows, plans):
+                out = self._layer(ids, feat, rows["positions"], rows["slots"], plans["draft"], static_attention)
                 return out, self.draft.logits(out).float()
 
             self._steps = FrontierRunner(step, self.target.device, self.target.cfg.max_position)
-        return self._steps.run(ids, feat, pos, slots, prefixes, chains, self.kv)
+        rows = {"positions": torch.tensor(pos), "slots": slots}
+        return self._steps.run(ids, feat, rows, {"draft": (prefixes, chains)}, (self.kv,))
 
     def _full_logits(self, out: torch.Tensor) -> torch.Tensor:
         return scatter_to_vocab(self.draft.logits(out).float(), self.hot_ids, self.draft.cfg.vocab_size)

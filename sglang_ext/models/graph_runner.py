@@ -260,20 +260,25 @@ def _host_inputs(key, ids, positions, out_slots, prefixes, tree_masks) -> tuple[
     return torch.cat([tok.view(-1), pos.view(-1), slot.view(-1), prefix.view(-1), prefix_len]), mask
 
 
+# step(ids [R], feat [R, H] | None, rows {name: [R] int64}, plans {name: StaticPlan}) -> tensors [R, ...]
 StepFn = Callable[..., tuple[torch.Tensor, ...]]
+# a frontier plan's host description, as attention.plan_frontier takes it: per request its committed
+# slots [P_i], and per node the temporary slots it also reads
+FrontierSpec = tuple[list[torch.Tensor], list[list[list[int]]]]
 
 
 class FrontierRunner:
-    """A drafter's frontier step at bucketed static shapes: b requests x q tree nodes, one query row each
-    (request-major), every node reading its request's committed draft KV (`prefixes[i]`) and the
-    temporary slots of its own path (`seen[i][j]`): attention.plan_frontier's batch, in static form
+    """A drafter's frontier step at bucketed static shapes: b requests x q tree nodes, one row each
+    (request-major), each row reading, in one or more KV pools, its request's committed slots and the
+    temporary slots of its own path (attention.plan_frontier's batch, one per pool), in static form
 
-        bucket (B, Q, P, E): prefix [B, P] + prefix_len [B] as for the target; extra [B, E] the union of
-        the request's path slots, extra_mask [B, Q, E] which of them node j reads
+        bucket (B, Q, ((name, P, E), ...)): node j of request i at row i*Q + j; per plan: prefix [B, P] +
+        prefix_len [B] as for the target, extra [B, E] the union of the request's path slots and
+        extra_mask [B, Q, E] which of them node j reads; per-row int64 inputs (positions, write slots)
+        padded with 0 (padded rows write and read slot 0 only)
 
-    step(ids [R], feat [R, H], positions [R], slots [R], plan: StaticPlan) -> tensors [R, ...] is the
-    drafter's layer (with `static_attention`) and its logits; it is captured per bucket on CUDA with
-    graphs on, else run eagerly on the same buffers. Padded requests read and write only slot 0."""
+    step(ids, feat, rows, plans) is the drafter's pass with `static_attention` and its logits; it is
+    captured per bucket on CUDA with graphs on, else run eagerly on the same buffers."""
 
     def __init__(
         self,
@@ -290,92 +295,107 @@ class FrontierRunner:
         self.context = context_buckets(max_context)
         self.max_rows = max_rows
         self.cache = GraphCache(torch.device(device), graphs)
-        self._kv: KVPool | None = None
+        self._pools: tuple = ()
         self.runs = 0
 
-    def bucket_of(self, b: int, q: int, prefix_lens: list[int], extra_lens: list[int]):
-        """(B, Q, P, E) for b requests of q nodes each, or None when no bucket fits."""
-        key = (
-            bucket(b, self.batch_buckets),
-            bucket(q, self.node_buckets),
-            bucket(max(prefix_lens, default=0), self.context),
-            bucket(max(extra_lens, default=1), self.node_buckets),
-        )
-        if b < 1 or q < 1 or None in key or key[0] * key[1] > self.max_rows:
+    def bucket_of(self, b: int, q: int, lens: dict[str, tuple[int, int]]):
+        """The bucket of b requests x q nodes with, per plan, (longest prefix, most path slots of a
+        request); None when none fits."""
+        bb, qq = bucket(b, self.batch_buckets), bucket(q, self.node_buckets)
+        plans = tuple((n, bucket(p, self.context), bucket(max(e, 1), self.node_buckets)) for n, (p, e) in lens.items())
+        if b < 1 or q < 1 or bb is None or qq is None or bb * qq > self.max_rows:
             return None
-        return key
+        if any(p is None or e is None for _, p, e in plans):
+            return None
+        return bb, qq, plans
 
     def run(
         self,
         ids: torch.Tensor,  # [b*q] token ids (on the device: the search's tokens, never read here)
-        feat: torch.Tensor,  # [b*q, H] the rows' input features
-        positions: list[int],  # b*q positions
-        slots: torch.Tensor,  # [b*q] where each row's K/V is written (host slot ids)
-        prefixes: list[torch.Tensor],  # b x [P_i] committed slots
-        seen: list[list[list[int]]],  # [i][j]: the temporary slots node j of request i also reads
-        kv: KVPool,
+        feat: torch.Tensor | None,  # [b*q, H] the rows' input features, if the step takes any
+        rows: dict[str, torch.Tensor],  # name -> [b*q] int64 host values per row (positions, write slots)
+        plans: dict[str, FrontierSpec],  # name -> (prefixes, seen) of one pool's attention
+        pools: tuple,  # the KV pools the step writes and reads (graphs bake their addresses in)
     ) -> tuple[torch.Tensor, ...] | None:
         """step's outputs for the b*q real rows (copies: the next replay overwrites the graph's), or None
         when the batch fits no bucket (the caller runs its eager step)."""
-        b, q = len(seen), len(seen[0]) if seen else 0
-        extras = [sorted({s for node in nodes for s in node}) for nodes in seen]
-        key = self.bucket_of(b, q, [p.numel() for p in prefixes], [len(e) for e in extras])
-        if key is None or any(len(nodes) != q for nodes in seen) or ids.numel() != b * q:
+        b = len(next(iter(plans.values()))[1])
+        q = ids.numel() // b if b else 0
+        extras = {n: [sorted({s for node in nodes for s in node}) for nodes in seen] for n, (_, seen) in plans.items()}
+        lens = {n: (max(p.numel() for p in pre), max(len(e) for e in extras[n])) for n, (pre, _) in plans.items()}
+        key = self.bucket_of(b, q, lens) if b else None
+        if key is None or any(len(nodes) != q for _, seen in plans.values() for nodes in seen):
             return None
-        if kv is not self._kv:  # graphs bake the pool's addresses in
+        if len(pools) != len(self._pools) or any(a is not c for a, c in zip(pools, self._pools)):
             self.cache.clear()
-            self._kv = kv
+            self._pools = tuple(pools)
         self.runs += 1
-        longs, mask = _frontier_host(key, positions, slots, prefixes, extras, seen)
-        n = b * q  # real rows: row i*Q + j of the bucket holds node j of request i
-
-        bb, qq = key[:2]
+        bb, qq, _ = key
+        longs, mask = _frontier_host(key, b, q, rows, plans, extras)
+        names = tuple(rows)
+        device = self.cache.device
 
         def fill(bufs: dict) -> None:
             _fill_flat(bufs["longs"], longs)
             _fill_flat(bufs["mask"], mask)
             bufs["ids"].view(bb, qq)[:b, :q].copy_(ids.view(b, q))
-            bufs["feat"].view(bb, qq, -1)[:b, :q].copy_(feat.view(b, q, -1))
+            if feat is not None:
+                bufs["feat"].view(bb, qq, -1)[:b, :q].copy_(feat.view(b, q, -1))
 
         def make() -> dict:
-            host_longs, host_mask = _frontier_host(key, [], torch.empty(0, dtype=torch.long), [], [], [])
-            rows = key[0] * key[1]
-            return {
-                "longs": host_longs.to(feat.device),
-                "mask": host_mask.to(feat.device),
-                "ids": torch.zeros(rows, dtype=torch.long, device=feat.device),
-                "feat": torch.zeros(rows, feat.shape[-1], dtype=feat.dtype, device=feat.device),
+            empty = {n: torch.empty(0, dtype=torch.long) for n in names}
+            host_longs, host_mask = _frontier_host(key, 0, 0, empty, {n: ([], []) for n in plans}, {})
+            bufs = {
+                "longs": host_longs.to(device),
+                "mask": host_mask.to(device),
+                "ids": torch.zeros(bb * qq, dtype=torch.long, device=device),
             }
+            if feat is not None:
+                bufs["feat"] = torch.zeros(bb * qq, feat.shape[-1], dtype=feat.dtype, device=device)
+            return bufs
 
-        out = self.cache.run(key, make, fill, lambda bufs: self._step(key, bufs))
+        out = self.cache.run((key, names, feat is not None), make, fill, lambda bufs: self._step(key, names, bufs))
+        n = b * q
         return tuple(o.view(bb, qq, *o.shape[1:])[:b, :q].reshape(n, *o.shape[1:]).clone() for o in out)
 
-    def _step(self, key, bufs: dict) -> tuple[torch.Tensor, ...]:
-        bb, qq, p, e = key
-        pos, slots, prefix, prefix_len, extra = bufs["longs"].split([bb * qq, bb * qq, bb * p, bb, bb * e])
-        plan = static_plan(prefix.view(bb, p), prefix_len, extra.view(bb, e), bufs["mask"])
-        return tuple(self.step(bufs["ids"], bufs["feat"], pos, slots, plan))
+    def _step(self, key, names: tuple[str, ...], bufs: dict) -> tuple[torch.Tensor, ...]:
+        """The captured function: the buffers' views, the static plans, the drafter's step."""
+        bb, qq, plan_keys = key
+        sizes = [bb * qq] * len(names) + [x for _, p, e in plan_keys for x in (bb * p, bb, bb * e)]
+        longs = bufs["longs"].split(sizes)
+        masks = bufs["mask"].split([bb * qq * e for _, _, e in plan_keys])
+        rows = dict(zip(names, longs))
+        plans = {}
+        for i, (n, p, e) in enumerate(plan_keys):
+            prefix, prefix_len, extra = longs[len(names) + 3 * i : len(names) + 3 * i + 3]
+            plans[n] = static_plan(prefix.view(bb, p), prefix_len, extra.view(bb, e), masks[i].view(bb, qq, e))
+        return tuple(self.step(bufs["ids"], bufs.get("feat"), rows, plans))
 
 
-def _frontier_host(key, positions, slots, prefixes, extras, seen) -> tuple[torch.Tensor, torch.Tensor]:
-    """Host side of a frontier bucket: int64 [positions | slots | prefix | prefix_len | extra] and the
-    extra mask [B, Q, E], node j of request i at row i*Q + j; a padded row (padded request or node)
-    writes slot 0 and reads extra column 0 too, so its softmax is never over nothing."""
-    bb, qq, p, e = key
-    b, q = len(seen), len(seen[0]) if seen else 0
-    pos, out = torch.zeros(bb, qq, dtype=torch.long), torch.zeros(bb, qq, dtype=torch.long)
-    if b:
-        pos[:b, :q] = torch.tensor(positions, dtype=torch.long).view(b, q)
-        out[:b, :q] = slots.view(b, q)
-    prefix, prefix_len = torch.zeros(bb, p, dtype=torch.long), torch.zeros(bb, dtype=torch.long)
-    extra, mask = torch.zeros(bb, e, dtype=torch.long), torch.zeros(bb, qq, e, dtype=torch.bool)
-    mask[:, :, 0] = True
-    mask[:b, :q, 0] = False
-    for i, (pre, ex, nodes) in enumerate(zip(prefixes, extras, seen)):
-        prefix[i, : pre.numel()] = pre
-        prefix_len[i] = pre.numel()
-        extra[i, : len(ex)] = torch.tensor(ex, dtype=torch.long)
-        col = {s: c for c, s in enumerate(ex)}
-        for j, node in enumerate(nodes):
-            mask[i, j, [col[s] for s in node]] = True
-    return torch.cat([pos.view(-1), out.view(-1), prefix.view(-1), prefix_len, extra.view(-1)]), mask
+def _frontier_host(key, b: int, q: int, rows: dict, plans: dict, extras: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host side of a frontier bucket: one int64 tensor [each row input [B*Q] | per plan: prefix [B*P],
+    prefix_len [B], extra [B*E]] and one bool tensor [per plan: extra_mask [B*Q*E]]. A padded row
+    (padded request or node) reads extra column 0 too, so its softmax is never over nothing."""
+    bb, qq, plan_keys = key
+    longs, masks = [], []
+    for vals in rows.values():
+        grid = torch.zeros(bb, qq, dtype=torch.long)
+        if b:
+            grid[:b, :q] = torch.as_tensor(vals, dtype=torch.long).view(b, q)
+        longs.append(grid.view(-1))
+    for name, p, e in plan_keys:
+        prefixes, seen = plans[name]
+        prefix, prefix_len = torch.zeros(bb, p, dtype=torch.long), torch.zeros(bb, dtype=torch.long)
+        extra, mask = torch.zeros(bb, e, dtype=torch.long), torch.zeros(bb, qq, e, dtype=torch.bool)
+        mask[:, :, 0] = True
+        mask[:b, :q, 0] = False
+        for i, (pre, ex, nodes) in enumerate(zip(prefixes, extras.get(name, []), seen)):
+            prefix[i, : pre.numel()] = pre
+            prefix_len[i] = pre.numel()
+            extra[i, : len(ex)] = torch.tensor(ex, dtype=torch.long)
+            col = {s: c for c, s in enumerate(ex)}
+            for j, node in enumerate(nodes):
+                mask[i, j, [col[s] for s in node]] = True
+        longs += [prefix.view(-1), prefix_len, extra.view(-1)]
+        masks.append(mask.view(-1))
+    return torch.cat(longs), torch.cat(masks)

@@ -15,7 +15,7 @@ from helpers import compare_to_reference, tiny_target
 from serving.config import EngineConfig
 from serving.engine import Engine
 from sglang_ext.attention import causal_mask, plan_attention, plan_frontier, prefix_and_tree_mask
-from sglang_ext.drafters import make_drafter
+from sglang_ext.drafters import DraftInput, make_drafter
 from sglang_ext.models.graph_runner import GraphRunner, bucket, context_buckets, static_attention, static_plan
 from sglang_ext.sampling import SamplingParams
 from sglang_ext.tree import TreeShape
@@ -190,8 +190,29 @@ def test_eagle3_frontier_step_static_equals_eager(smollm2_fp32, b, kk, depth):
     torch.testing.assert_close(static[1], logits, atol=1e-3, rtol=1e-4)
     assert torch.equal(static[1].argmax(-1), logits.argmax(-1))
     # outside the buckets: None, the caller's eager step runs
-    assert d._steps.run(ids[:0], feat[:0], [], new[:0], [], [], d.kv) is None
-    assert d._steps.bucket_of(65, 1, [3], [1]) is None and d._steps.bucket_of(1, 65, [3], [1]) is None
+    rows = {"positions": torch.tensor(pos), "slots": new}
+    assert d._steps.run(ids, feat, rows, {"draft": (prefixes, [[list(range(100, 165))] * kk] * b)}, (d.kv,)) is None
+    assert d._steps.bucket_of(65, 1, {"draft": (3, 1)}) is None and d._steps.bucket_of(1, 65, {"draft": (3, 1)}) is None
+    assert d._steps.bucket_of(1, 1, {"draft": (1 << 20, 1)}) is None
+
+
+@pytest.mark.parametrize("name", ["moa", "moa-tli0"])
+def test_moa_static_draft_passes_propose_the_eager_trees(smollm2_fp32, eval_prompts, name):
+    """The MoA drafter's passes through its FrontierRunner (3 requests: batch padded to 4; SA, CA and TLI
+    plans in static form) propose the trees its eager passes propose, from the same state."""
+    eng = Engine(smollm2_fp32, make_drafter(name, smollm2_fp32), EngineConfig(tree=TreeShape(3, 2, 6)))
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=8)) for p in eval_prompts[:3]]
+    eng.step()  # prefill: each request's first token, the drafter's add_request
+    batch = [DraftInput(r.rid, r.token_ids, r.params, r.generator, r.reference) for r in reqs]
+    d = eng.drafter
+    eager = d.propose(batch, TreeShape(3, 2, 6))  # (ingests the prompts: their SA / memory slots)
+    free = (d.sa.num_free, eng.kv.num_free)
+    d.step_graphs = True
+    static = d.propose(batch, TreeShape(3, 2, 6))
+    assert d._steps.runs == 3  # the roots' pass and two search steps
+    assert (d.sa.num_free, eng.kv.num_free) == free  # temporary slots freed either way
+    for a, b in zip(eager, static):
+        assert torch.equal(a.draft_tokens, b.draft_tokens) and torch.equal(a.parents, b.parents)
 
 
 def _outputs(engine: Engine, prompts: list[list[int]], bs: int, n: int) -> list[list[int]]:
@@ -202,7 +223,7 @@ def _outputs(engine: Engine, prompts: list[list[int]], bs: int, n: int) -> list[
     return outs
 
 
-@pytest.mark.parametrize("drafter,bs", [(None, 1), (None, 4), ("eagle3", 1), ("eagle3", 4)])
+@pytest.mark.parametrize("drafter,bs", [(None, 1), (None, 4), ("eagle3", 1), ("eagle3", 4), ("moa", 1), ("moa", 4)])
 def test_engine_tokens_with_the_static_path_equal_eager(smollm2_fp32, eval_prompts, drafter, bs):
     """An engine whose decode / verify steps take the runner's static path (forced on the CPU) gives the
     eager engine's greedy tokens; prefill steps and batches outside the buckets run eagerly."""
