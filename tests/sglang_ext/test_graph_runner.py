@@ -157,17 +157,28 @@ def test_bucket_selection_and_fallback():
         GraphRunner(model, batch_buckets=(4, 2))
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
+
+
+def _target_on(device: str, request):
+    return request.getfixturevalue("smollm2_fp32") if device == "cpu" else _cuda_target()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("b,kk,depth", [(1, 1, 1), (3, 2, 2), (2, 3, 3)])
-def test_eagle3_frontier_step_static_equals_eager(smollm2_fp32, b, kk, depth):
+def test_eagle3_frontier_step_static_equals_eager(b, kk, depth, device, request):
     """The EAGLE-3 drafter's frontier step through its FrontierRunner (batch and nodes padded to the
-    buckets) == its eager step over plan_frontier: outputs and draft logits, same argmax."""
-    d = make_drafter("eagle3", smollm2_fp32)
+    buckets; captured and replayed on CUDA) == its eager step over plan_frontier: outputs and draft
+    logits, same argmax."""
+    target = _target_on(device, request)
+    d = make_drafter("eagle3", target)
     g = torch.Generator().manual_seed(b * 10 + kk)
-    h = smollm2_fp32.cfg.hidden_size
+    h = target.cfg.hidden_size
 
     def fill(slots):  # K/V of earlier draft steps
-        d.kv.k[0][slots] = torch.randn(slots.numel(), *d.kv.k[0].shape[1:], generator=g)
-        d.kv.v[0][slots] = torch.randn(slots.numel(), *d.kv.v[0].shape[1:], generator=g)
+        shape = (slots.numel(), *d.kv.k[0].shape[1:])
+        d.kv.k[0][slots] = torch.randn(shape, generator=g).to(d.kv.device, d.kv.k[0].dtype)
+        d.kv.v[0][slots] = torch.randn(shape, generator=g).to(d.kv.device, d.kv.v[0].dtype)
 
     prefixes = [d.kv.alloc(n) for n in (9, 4, 20)[:b]]
     for p in prefixes:
@@ -180,12 +191,14 @@ def test_eagle3_frontier_step_static_equals_eager(smollm2_fp32, b, kk, depth):
     new = d.kv.alloc(b * kk)
     chains = [[earlier[i][j].tolist() + [int(new[i * kk + j])] for j in range(kk)] for i in range(b)]
     pos = [p.numel() + depth - 1 for p in prefixes for _ in range(kk)]
-    ids = torch.randint(0, d.hot_ids.numel(), (b * kk,), generator=g)
-    feat = torch.randn(b * kk, h, generator=g)
-    out = d._layer(d.hot_ids[ids], feat, torch.tensor(pos), new, plan_frontier(prefixes, chains))
+    ids = torch.randint(0, d.hot_ids.numel(), (b * kk,), generator=g).to(device)
+    feat = torch.randn(b * kk, h, generator=g).to(device)
+    positions = torch.tensor(pos, device=device)
+    out = d._layer(d.hot_ids[ids], feat, positions, new, plan_frontier(prefixes, chains, device=device))
     logits = d.draft.logits(out).float()
-    static = d._frontier(d.hot_ids[ids], feat, pos, new, prefixes, chains)
-    assert static is not None and d._steps.runs == 1 and not d._steps.cache.graphs
+    for _ in range(2):  # on CUDA: the capture, then a replay
+        static = d._frontier(d.hot_ids[ids], feat, pos, new, prefixes, chains)
+    assert static is not None and d._steps.runs == 2 and d._steps.cache.graphs == (device == "cuda")
     torch.testing.assert_close(static[0], out, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(static[1], logits, atol=1e-3, rtol=1e-4)
     assert torch.equal(static[1].argmax(-1), logits.argmax(-1))
@@ -196,20 +209,26 @@ def test_eagle3_frontier_step_static_equals_eager(smollm2_fp32, b, kk, depth):
     assert d._steps.bucket_of(1, 1, {"draft": (1 << 20, 1)}) is None
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["moa", "moa-tli0"])
-def test_moa_static_draft_passes_propose_the_eager_trees(smollm2_fp32, eval_prompts, name):
+def test_moa_static_draft_passes_propose_the_eager_trees(name, device, request):
     """The MoA drafter's passes through its FrontierRunner (3 requests: batch padded to 4; SA, CA and TLI
-    plans in static form) propose the trees its eager passes propose, from the same state."""
-    eng = Engine(smollm2_fp32, make_drafter(name, smollm2_fp32), EngineConfig(tree=TreeShape(3, 2, 6)))
-    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=8)) for p in eval_prompts[:3]]
+    plans in static form; captured and replayed on CUDA) propose the trees its eager passes propose,
+    from the same state."""
+    target = _target_on(device, request)
+    config = EngineConfig(tree=TreeShape(3, 2, 6), cuda_graphs=False)
+    eng = Engine(target, make_drafter(name, target), config)
+    prompts = [target.encode_chat([{"role": "user", "content": t}]) for t in ("Name three rivers.", "Hi!", "7*8?")]
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=8)) for p in prompts]
     eng.step()  # prefill: each request's first token, the drafter's add_request
     batch = [DraftInput(r.rid, r.token_ids, r.params, r.generator, r.reference) for r in reqs]
     d = eng.drafter
     eager = d.propose(batch, TreeShape(3, 2, 6))  # (ingests the prompts: their SA / memory slots)
     free = (d.sa.num_free, eng.kv.num_free)
     d.step_graphs = True
-    static = d.propose(batch, TreeShape(3, 2, 6))
-    assert d._steps.runs == 3  # the roots' pass and two search steps
+    for _ in range(2):  # on CUDA: the captures, then replays
+        static = d.propose(batch, TreeShape(3, 2, 6))
+    assert d._steps.runs == 6 and d._steps.cache.graphs == (device == "cuda")  # roots' pass + 2 search steps, twice
     assert (d.sa.num_free, eng.kv.num_free) == free  # temporary slots freed either way
     for a, b in zip(eager, static):
         assert torch.equal(a.draft_tokens, b.draft_tokens) and torch.equal(a.parents, b.parents)
@@ -291,7 +310,7 @@ def test_cuda_graph_replay_equals_the_static_path_eagerly():
     """One captured bucket replayed with new inputs gives the eager static path's outputs."""
     model = _cuda_target().model
     kv = model.new_kv_pool(512)
-    prefixes = [p.cuda() for p in _prefill(model, kv, [30, 70, 5])]
+    prefixes = _prefill(model, kv, [30, 70, 5])
     trees = [_tree_mask([-1, 0, 1]), _tree_mask([-1]), _tree_mask([-1, 0, 0, 2])]
     g = torch.Generator().manual_seed(2)
     ids = [torch.randint(0, model.cfg.vocab_size, (t.shape[0],), generator=g) for t in trees]
