@@ -20,7 +20,6 @@ plugin; this class is the embedded storage: per-request slot lists and temporary
 
 from __future__ import annotations
 
-import copy
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -30,7 +29,7 @@ import torch
 from ..attention import plan_frontier, tree_attention_cpu
 from ..kernels import attach_bf16_halves, attach_packed_rows
 from ..models.checkpoint import CheckpointError, check_fits, has_config
-from ..models.graph_runner import FrontierRunner, static_attention
+from ..models.graph_runner import FrontierRunner, static_attention, with_static_attention
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel, rms_norm
 from ..models.moa import MoADraft, load_moa
@@ -300,7 +299,7 @@ class MoADrafter:
             static = replace(
                 self.parts,
                 attention=static_attention,
-                tli_layers=[self._tli_layer(li, _static_copy(self.target)) for li in self.tli_layers],
+                tli_layers=[self._tli_layer(li, with_static_attention(self.target)) for li in self.tli_layers],
             )
 
             def step(ids, feat, rows, plans):
@@ -315,13 +314,6 @@ class MoADrafter:
             return out[0]
         at = replace(at, **_plan_fields({n: plan_frontier(*spec) for n, spec in at.specs.items()}))
         return self._to_logits(draft_pass(self.parts, self.kv, tokens, at), False)
-
-
-def _static_copy(model: LlamaModel) -> LlamaModel:
-    """The same model (weights shared) with the static attention of graph_runner."""
-    m = copy.copy(model)
-    m.attention = static_attention
-    return m
 
 
 def _plan_fields(plans: dict) -> dict:

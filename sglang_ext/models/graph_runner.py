@@ -86,6 +86,13 @@ def static_attention(
     return out.reshape(b * qm, hq, -1)
 
 
+def with_static_attention(model: LlamaModel) -> LlamaModel:
+    """The same model (weights shared, not copied) attending with `static_attention`."""
+    m = copy.copy(model)
+    m.attention = static_attention
+    return m
+
+
 def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
     """The smallest bucket >= n, or None when n exceeds them all."""
     return next((x for x in buckets if x >= n), None)
@@ -168,8 +175,7 @@ class GraphRunner:
                 raise ValueError(f"{name} buckets must be increasing positive ints, got {b!r}")
         self.model = model
         # the same model (weights shared) with the static attention: its forward is the captured function
-        self._static_model = copy.copy(model)
-        self._static_model.attention = static_attention
+        self._static_model = with_static_attention(model)
         self.capture_layers = tuple(capture_layers)
         self.batch_buckets, self.node_buckets = tuple(batch_buckets), tuple(node_buckets)
         self.context = tuple(context) if context else context_buckets(model.cfg.max_position)

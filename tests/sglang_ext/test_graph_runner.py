@@ -234,6 +234,28 @@ def test_moa_static_draft_passes_propose_the_eager_trees(name, device, request):
         assert torch.equal(a.draft_tokens, b.draft_tokens) and torch.equal(a.parents, b.parents)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_draft_model_static_steps_propose_the_eager_trees(device, request):
+    """The self-draft model's search steps through its FrontierRunner (3 requests padded to 4; captured
+    and replayed on CUDA) propose the trees of its eager steps: two drafters fed the same requests."""
+    target = _target_on(device, request)
+    prompts = [target.encode_chat([{"role": "user", "content": t}]) for t in ("Name three rivers.", "Hi!", "7*8?")]
+    params = SamplingParams(max_new_tokens=8)
+    batch = [DraftInput(i, p, params, None, []) for i, p in enumerate(prompts)]
+    eager, static = make_drafter("draft-model", target), make_drafter("draft-model", target)
+    static.step_graphs = True
+    for d in (eager, static):
+        for x in batch:
+            d.add_request(x.rid, None)
+    for _ in range(2):  # on CUDA: the captures, then replays (the second propose has nothing new to extend)
+        batch = [DraftInput(x.rid, x.token_ids + [x.token_ids[-1]], params, None, []) for x in batch]
+        a, b = eager.propose(batch, TreeShape(3, 2, 6)), static.propose(batch, TreeShape(3, 2, 6))
+        for x, y in zip(a, b):
+            assert torch.equal(x.draft_tokens, y.draft_tokens) and torch.equal(x.parents, y.parents)
+    assert static._steps.runs == 4 and static._steps.cache.graphs == (device == "cuda")
+    assert eager._steps is None and eager.kv.num_free == static.kv.num_free
+
+
 def _outputs(engine: Engine, prompts: list[list[int]], bs: int, n: int) -> list[list[int]]:
     outs = []
     for i in range(0, len(prompts), bs):
