@@ -1,5 +1,7 @@
-"""CUDA graphs for the target's decode / verify forward at bucketed shapes (as SGLang's
-cuda_graph_runner does), with the same static padded path run eagerly off CUDA.
+"""CUDA graphs for the target's decode / verify forward (`GraphRunner`) and for a drafter's search
+step (`FrontierRunner`: EAGLE-3, MoA, the draft model) at bucketed shapes, as SGLang's
+cuda_graph_runner and eagle_draft_cuda_graph_runner do, with the same static padded path run eagerly
+off CUDA.
 
 Why: on a GPU a small step is host-bound (one launch per op, ~300 per SmolLM2 forward); one graph
 replay launches them all at once. A graph replays fixed shapes and fixed buffer addresses with no host
@@ -21,9 +23,14 @@ row's output; padded rows' outputs are dropped.
 Host data goes into the bucket's static buffers in one copy per dtype before the replay; the replay's
 outputs are gathered to the real rows (a copy, so the next replay cannot overwrite what the caller kept).
 
-Off CUDA (or with graphs off) `GraphRunner` runs the same static path eagerly, which is how its
+A drafter's step is the same idea with one row per frontier node: `FrontierRunner` takes
+attention.plan_frontier's description of each of the step's attentions (per request its committed
+slots, per node its path's temporary slots) and pads it the same way.
+
+Off CUDA (or with graphs off) the runners run the same static path eagerly, which is how their
 padding, bucketing and buffer logic is tested on the CPU. Graphs are captured lazily, one per bucket
-on its first use (a warmup on a side stream, then the capture into one memory pool shared by all).
+on its first use (a warmup on a side stream, then the capture into one memory pool per runner, shared
+by its buckets: one replay's outputs are copied out before the next replay).
 Outside the buckets (prefill and mixed steps, bigger batches or trees, longer contexts) the caller
 runs the eager forward.
 """
