@@ -232,20 +232,25 @@ class GraphRunner:
             self._kv = kv
         self.runs += 1
         b, q, p = key
-        longs, mask = _host_inputs(key, ids, positions, out_slots, prefixes, tree_masks)
+        device = self.model.device
+        rows = to_device(torch.cat([torch.arange(i * q, i * q + n) for i, n in enumerate(q_lens)]), device)
+        # tokens, positions and masks built on the device (a drafter's trees) are placed there, never read back
+        host = all(t.device.type == "cpu" for t in (*ids, *positions, *tree_masks))
+        args = (ids, positions, tree_masks) if host else (None, None, None)
+        longs, mask = _host_inputs(key, q_lens, out_slots, prefixes, *args)
 
         def fill(bufs: dict) -> None:
             _fill_flat(bufs["longs"], longs)
             _fill_flat(bufs["mask"], mask)
+            if not host:
+                _place(bufs, key, rows, ids, positions, tree_masks)
 
         out = self.cache.run(key, lambda: self._buffers(key), fill, lambda bufs: self._forward(key, bufs, kv))
-        rows = torch.cat([torch.arange(i * q, i * q + n) for i, n in enumerate(q_lens)])
-        rows = to_device(rows, out.hidden.device)
         return ForwardOutput(out.hidden[rows], {l: h[rows] for l, h in out.captured.items()})
 
     def _buffers(self, key: tuple[int, int, int]) -> dict:
         """A bucket's static inputs, holding an all-padding batch."""
-        longs, mask = _host_inputs(key, [], [], [], [], [])
+        longs, mask = _host_inputs(key, [], [], [])
         return {"longs": longs.to(self.model.device), "mask": mask.to(self.model.device)}
 
     def _forward(self, key: tuple[int, int, int], bufs: dict, kv: KVPool) -> ForwardOutput:
@@ -256,20 +261,34 @@ class GraphRunner:
         return self._static_model.forward(ids, pos, slots, plan, kv, self.capture_layers)
 
 
-def _host_inputs(key, ids, positions, out_slots, prefixes, tree_masks) -> tuple[torch.Tensor, torch.Tensor]:
+def _place(bufs: dict, key, rows: torch.Tensor, ids, positions, tree_masks) -> None:
+    """Tokens, positions and tree masks (per request, wherever they are) into a bucket's buffers on
+    their device by device copies: rows [T] the flat rows they fill (see _host_inputs' layout)."""
+    b, q, _ = key
+    device = bufs["longs"].device
+    bufs["longs"][: b * q][rows] = torch.cat([to_device(t, device) for t in ids])
+    bufs["longs"][b * q : 2 * b * q][rows] = torch.cat([to_device(t, device) for t in positions])
+    for i, m in enumerate(tree_masks):
+        bufs["mask"][i, : m.shape[0], : m.shape[0]] = to_device(m, device)
+
+
+def _host_inputs(
+    key, q_lens: list[int], out_slots, prefixes, ids=None, positions=None, tree_masks=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The host side of a bucket's buffers: one int64 tensor [ids | positions | out_slots | prefix |
-    prefix_len] and the tree mask [B, Q, Q], padding as the module docstring says."""
+    prefix_len] and the tree mask [B, Q, Q], padding as the module docstring says; ids, positions and
+    tree_masks None: left as padding (the caller places them on the device)."""
     b, q, p = key
     tok, pos, slot = (torch.zeros(b, q, dtype=torch.long) for _ in range(3))
     prefix = torch.zeros(b, p, dtype=torch.long)
     prefix_len = torch.zeros(b, dtype=torch.long)
     mask = torch.eye(q, dtype=torch.bool).repeat(b, 1, 1)  # padded rows see only themselves
-    for i, (t, ps, s, pre, m) in enumerate(zip(ids, positions, out_slots, prefixes, tree_masks)):
-        n = t.numel()
-        tok[i, :n], pos[i, :n], slot[i, :n] = t, ps, s
+    for i, (n, s, pre) in enumerate(zip(q_lens, out_slots, prefixes)):
+        slot[i, :n] = s
         prefix[i, : pre.numel()] = pre
         prefix_len[i] = pre.numel()
-        mask[i, :n, :n] = m
+        if ids is not None:
+            tok[i, :n], pos[i, :n], mask[i, :n, :n] = ids[i], positions[i], tree_masks[i]
     return torch.cat([tok.view(-1), pos.view(-1), slot.view(-1), prefix.view(-1), prefix_len]), mask
 
 

@@ -114,6 +114,27 @@ def test_padding_never_changes_a_real_row():
     torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+def test_inputs_placed_on_the_device_fill_the_buffers_as_host_packing_does():
+    """Trees built on the device (tokens, positions, masks) are copied into the buffers on the device
+    (_place) instead of being packed on the host: the same buffers."""
+    from sglang_ext.models.graph_runner import _host_inputs, _place
+
+    key, q_lens = (4, 8, 16), [3, 1, 6]
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, 50, (n,), generator=g) for n in q_lens]
+    pos = [torch.arange(n) + 7 for n in q_lens]
+    slots = [torch.arange(n) + 20 * (i + 1) for i, n in enumerate(q_lens)]
+    prefixes = [torch.arange(5), torch.arange(9), torch.arange(2)]
+    masks = [_tree_mask([-1] + list(range(n - 1))) for n in q_lens]
+    packed = _host_inputs(key, q_lens, slots, prefixes, ids, pos, masks)
+    longs, mask = _host_inputs(key, q_lens, slots, prefixes)
+    assert not torch.equal(longs, packed[0])
+    rows = torch.cat([torch.arange(i * 8, i * 8 + n) for i, n in enumerate(q_lens)])
+    bufs = {"longs": longs.clone(), "mask": mask.clone()}
+    _place(bufs, key, rows, ids, pos, masks)
+    assert torch.equal(bufs["longs"], packed[0]) and torch.equal(bufs["mask"], packed[1])
+
+
 def test_static_attention_masks_padding_and_keeps_rows_apart():
     """static_attention against a dense softmax per request: prefix columns past prefix_len and tree
     columns outside the mask get no weight."""
