@@ -42,12 +42,18 @@ def add_model_args(p: argparse.ArgumentParser, model_help: str | None = None) ->
 
 
 def add_spec_args(p: argparse.ArgumentParser, drafter: str = "auto", drafter_help: str = DRAFTER_HELP) -> None:
-    """--drafter and --tree."""
+    """--drafter, --tree and --no-cuda-graphs (the engine's step settings)."""
     p.add_argument("--drafter", default=drafter, help=drafter_help)
     p.add_argument(
         "--tree",
         default=None,
         help="depth,topk,num_draft_tokens[,min_prob] (e.g. 6,4,16) or depth for a chain (default: the drafter's)",
+    )
+    p.add_argument(
+        "--no-cuda-graphs",
+        dest="cuda_graphs",
+        action="store_false",
+        help="run every step eagerly on a GPU (default: decode / verify steps replay CUDA graphs)",
     )
 
 
@@ -113,7 +119,7 @@ def engine_config(args, **settings):
     before any model loads."""
     from serving.config import EngineConfig
 
-    spec = {k: getattr(args, k) for k in ("drafter", "tree") if hasattr(args, k)}
+    spec = {k: getattr(args, k) for k in ("drafter", "tree", "cuda_graphs") if hasattr(args, k)}
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, **spec, **settings)
 
 

@@ -32,6 +32,9 @@ class EngineConfig:
     adaptive: bool = False  # per-step tree / no speculation from measured throughput (the serving default)
     prefill_tokens: int = 512  # prompt tokens prefilled per step at most (longer prompts in chunks)
     mixed_prefill: bool = True  # False: arrivals get a forward of their own before the decode forward
+    # decode / verify forwards at bucketed shapes replayed from CUDA graphs (sglang_ext/models/graph_runner.py);
+    # effective on a CUDA device only, eager outside the buckets
+    cuda_graphs: bool = True
 
     def __post_init__(self):
         if isinstance(self.tree, str):

@@ -34,6 +34,7 @@ from sglang_ext.drafters import Drafter, DraftInput, TargetCapture, default_tree
 from sglang_ext.drafters.prediction import PredictionLookup
 from sglang_ext.grammar import Grammars, apply_bitmask, tree_bitmask
 from sglang_ext.models import Target, load_target, resolve_device
+from sglang_ext.models.graph_runner import GraphRunner
 from sglang_ext.penalties import ban_early_stops, penalize_tree
 from sglang_ext.sampling import (
     InvalidRequest,
@@ -187,6 +188,14 @@ class Engine:
         )
         self.prefill_tokens = config.prefill_tokens  # prompt tokens prefilled per step at most (longer in chunks)
         self.mixed_prefill = config.mixed_prefill  # False: arrivals get a forward of their own before the decode one
+        # steps without prompt rows replay CUDA graphs when their shape fits a bucket (None: always eager)
+        self.graph_runner = (
+            GraphRunner(self.model, self.capture_layers)
+            if config.cuda_graphs and self.model.device.type == "cuda"
+            else None
+        )
+        if self.graph_runner is not None and hasattr(drafter, "step_graphs"):
+            drafter.step_graphs = True  # a drafter with a captured step replays it too
 
     # --- admission ----------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
@@ -310,14 +319,18 @@ class Engine:
                 slots.append(s)
                 kv_lists.append(torch.cat([r.slots, s]))
                 masks.append(causal_mask(end - r.prefilled, r.prefilled))
-            out = self.model.forward(
-                torch.cat(ids),
-                torch.cat(pos),
-                torch.cat(slots),
-                plan_attention(kv_lists, masks),
-                self.kv,
-                self.capture_layers,
-            )
+            g = self.graph_runner
+            if g is not None and not chunks and g.can_run([t.num_nodes for t in trees], [len(r.slots) for r in reqs]):
+                out = g.run(ids, pos, slots, [r.slots for r in reqs], [t.tree_mask for t in trees], self.kv)
+            else:
+                out = self.model.forward(
+                    torch.cat(ids),
+                    torch.cat(pos),
+                    torch.cat(slots),
+                    plan_attention(kv_lists, masks),
+                    self.kv,
+                    self.capture_layers,
+                )
         except BaseException:
             for s in new_slots + chunk_slots:  # a failed forward must not leak the tree's slots or the chunks'
                 self.kv.free(s)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..attention import causal_mask, plan_attention
+from ..models.graph_runner import FrontierRunner, with_static_attention
 from ..models.llama import LlamaModel
 from ..tree import TokenTree, TreeShape
 from .base import DraftInput, TargetCapture
@@ -30,6 +31,10 @@ class DraftModelDrafter:
         self.model = model
         self.kv = model.new_kv_pool(num_slots)
         self.slots: dict[int, torch.Tensor] = {}  # draft-KV slots of the tokens already processed
+        # search steps at bucketed static shapes (CUDA graphs on CUDA); the engine turns this on with its
+        # cuda_graphs setting
+        self.step_graphs = False
+        self._steps: FrontierRunner | None = None
 
     @classmethod
     def self_draft(
@@ -85,6 +90,11 @@ class DraftModelDrafter:
                 for j in range(kk):
                     chains[i][j].append(int(new[i * kk + j]))
                     pos.append(d.seq_len + len(chains[i][j]))
+            static = self._static_step(tokens.reshape(-1), pos, new, batch, chains) if self.step_graphs else None
+            if static is not None:
+                return static.view(b, kk, -1)
+            for i, d in enumerate(batch):
+                for j in range(kk):
                     kv_lists.append(torch.cat([self.slots[d.rid], torch.tensor(chains[i][j])]))
             plan = plan_attention(kv_lists, [torch.ones(1, s.numel(), dtype=torch.bool) for s in kv_lists])
             out = self.model.forward(tokens.reshape(-1), torch.tensor(pos), new, plan, self.kv)
@@ -95,3 +105,18 @@ class DraftModelDrafter:
         finally:
             for t in temp:  # speculative draft K/V is never kept
                 self.kv.free(t)
+
+    def _static_step(self, ids, pos: list[int], slots, batch: list[DraftInput], chains) -> torch.Tensor | None:
+        """A search step's logits [n, V] from the step runner (each node: the request's processed
+        tokens + its own chain), or None when its buckets do not fit (the caller runs the eager step)."""
+        if self._steps is None:
+            static = with_static_attention(self.model)
+
+            def step(ids, feat, rows, plans):
+                out = static.forward(ids, rows["positions"], rows["slots"], plans["draft"], self.kv)
+                return (static.logits(out.hidden),)
+
+            self._steps = FrontierRunner(step, self.model.device, self.model.cfg.max_position)
+        rows = {"positions": torch.tensor(pos), "slots": slots}
+        out = self._steps.run(ids, None, rows, {"draft": ([self.slots[d.rid] for d in batch], chains)}, (self.kv,))
+        return None if out is None else out[0]

@@ -24,6 +24,7 @@ from ..attention import causal_mask, plan_attention, plan_frontier, tree_attenti
 from ..kernels import attach_bf16_halves
 from ..models.checkpoint import CheckpointError, check_fits, has_config
 from ..models.eagle3 import Eagle3Draft, load_eagle3
+from ..models.graph_runner import FrontierRunner, static_attention
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel
 from ..settings import settings
@@ -67,6 +68,10 @@ class Eagle3Drafter:
         self.hot_ids = self.draft.hot_ids
         self.scale = c.head_dim**-0.5
         self.reqs: dict[int, _RequestState] = {}
+        # frontier steps at bucketed static shapes (CUDA graphs on CUDA); the engine turns this on with
+        # its cuda_graphs setting. Deterministic searches only: sampled chains need full-vocab logits.
+        self.step_graphs = False
+        self._steps: FrontierRunner | None = None
 
     @classmethod
     def from_target(cls, target, path: str | os.PathLike | None = None) -> "Eagle3Drafter":
@@ -123,10 +128,16 @@ class Eagle3Drafter:
                 for j in range(kk):
                     chains[i][j].append(int(new[i * kk + j]))
                     pos.append(d.seq_len - 1 + len(chains[i][j]))
-            plan = plan_frontier([self.reqs[d.rid].slots for d in batch], chains)  # each node: prefix + its own chain
-            out = self._layer(to_target(tokens.reshape(-1)), feat.reshape(b * kk, -1), torch.tensor(pos), new, plan)
+            ids, feat = to_target(tokens.reshape(-1)), feat.reshape(b * kk, -1)
+            prefixes = [self.reqs[d.rid].slots for d in batch]
+            static = self._frontier(ids, feat, pos, new, prefixes, chains) if self.step_graphs and not full else None
+            if static is None:
+                out = self._layer(ids, feat, torch.tensor(pos), new, plan_frontier(prefixes, chains))
+                logits = to_logits(out)  # (each node: prefix + its own chain)
+            else:
+                out, logits = static
             state["out"], state["chains"] = out.view(b, kk, -1), chains
-            return to_logits(out).view(b, kk, -1)
+            return logits.view(b, kk, -1)
 
         try:
             trees = search_tree(to_logits(root_out), step_fn, shape, batch)
@@ -166,12 +177,31 @@ class Eagle3Drafter:
         return out[last]
 
     def _layer(
-        self, ids: torch.Tensor, feat: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, plan
+        self,
+        ids: torch.Tensor,
+        feat: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        plan,
+        attention=tree_attention_cpu,
     ) -> torch.Tensor:
         """Draft layer over flat rows; writes their K/V to `slots`; returns pre-norm outputs [n, H]."""
         q, k, v = self.draft.qkv(self.target.embed[ids], feat, positions)
         self.kv.write(0, slots, k, v)
-        return self.draft.finish(tree_attention_cpu(q, self.kv.k[0], self.kv.v[0], plan, self.scale), feat)
+        return self.draft.finish(attention(q, self.kv.k[0], self.kv.v[0], plan, self.scale), feat)
+
+    def _frontier(self, ids, feat, pos: list[int], slots, prefixes, chains) -> tuple[torch.Tensor, ...] | None:
+        """A frontier step (pre-norm outputs [n, H], draft-vocab logits [n, Vd]) from the step runner, or
+        None when its buckets do not fit (the caller runs the eager step)."""
+        if self._steps is None:
+
+            def step(ids, feat, rows, plans):
+                out = self._layer(ids, feat, rows["positions"], rows["slots"], plans["draft"], static_attention)
+                return out, self.draft.logits(out).float()
+
+            self._steps = FrontierRunner(step, self.target.device, self.target.cfg.max_position)
+        rows = {"positions": torch.tensor(pos), "slots": slots}
+        return self._steps.run(ids, feat, rows, {"draft": (prefixes, chains)}, (self.kv,))
 
     def _full_logits(self, out: torch.Tensor) -> torch.Tensor:
         return scatter_to_vocab(self.draft.logits(out).float(), self.hot_ids, self.draft.cfg.vocab_size)

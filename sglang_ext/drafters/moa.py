@@ -21,6 +21,7 @@ plugin; this class is the embedded storage: per-request slot lists and temporary
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ import torch
 from ..attention import plan_frontier, tree_attention_cpu
 from ..kernels import attach_bf16_halves, attach_packed_rows
 from ..models.checkpoint import CheckpointError, check_fits, has_config
+from ..models.graph_runner import FrontierRunner, static_attention, with_static_attention
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel, rms_norm
 from ..models.moa import MoADraft, load_moa
@@ -118,13 +120,19 @@ class MoADrafter:
             tli_layers=[self._tli_layer(li) for li in self.tli_layers],
             attention=tree_attention_cpu,
         )
+        # draft passes at bucketed static shapes (CUDA graphs on CUDA); the engine turns this on with its
+        # cuda_graphs setting. Deterministic searches only: sampled chains need full-vocab logits.
+        self.step_graphs = False
+        self._steps: FrontierRunner | None = None
 
-    def _tli_layer(self, li: int):
-        """Target layer li over the draft feature: reads and writes the K/V of tli_kv (bound at the first commit)."""
+    def _tli_layer(self, li: int, target: LlamaModel | None = None):
+        """Target layer li over the draft feature: reads and writes the K/V of tli_kv (bound at the first
+        commit); target: the model whose layer runs (the target, or its static-attention copy)."""
+        target = target or self.target
 
         def run(x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, plan) -> torch.Tensor:
-            rope = self.target.rope(positions)
-            return self.target.layer_forward(li, x, rope, slots, plan, self.tli_kv, kv_layer=li - self.tli_offset)
+            rope = target.rope(positions)
+            return target.layer_forward(li, x, rope, slots, plan, self.tli_kv, kv_layer=li - self.tli_offset)
 
         return run
 
@@ -261,7 +269,8 @@ class MoADrafter:
                     f"request {d.rid}: draft state out of sync ({st.target_slots.numel()} verified vs {d.seq_len})"
                 )
         full = shape.topk == 1 and any(not d.params.greedy for d in batch)
-        paths = _TreePaths(self, batch)
+        static = self.step_graphs and not full
+        paths = _TreePaths(self, batch, plans=not static)
         try:
             trees = draft_tree(
                 self.parts,
@@ -271,6 +280,7 @@ class MoADrafter:
                 lambda root_logits, step_fn: search_tree(root_logits, step_fn, shape, batch),
                 full,
                 logits=lambda h: self._to_logits(h, full),
+                run_pass=self._static_pass if static else None,
             )
         finally:
             paths.free()  # speculative K/V is never kept
@@ -282,14 +292,43 @@ class MoADrafter:
     def _to_logits(self, hidden: torch.Tensor, full: bool) -> torch.Tensor:
         return draft_logits(self.parts, hidden, full)
 
+    def _static_pass(self, tokens: torch.Tensor, at: PassSlots) -> torch.Tensor:
+        """A draft pass (draft-vocab logits [n, Vd]) from the step runner; the eager pass over planned
+        attention when no bucket fits."""
+        if self._steps is None:
+            static = replace(
+                self.parts,
+                attention=static_attention,
+                tli_layers=[self._tli_layer(li, with_static_attention(self.target)) for li in self.tli_layers],
+            )
+
+            def step(ids, feat, rows, plans):
+                slots = PassSlots(rows["positions"], rows["sa_slots"], rows["tli_slots"], **_plan_fields(plans))
+                return (draft_logits(static, draft_pass(static, self.kv, ids, slots)),)
+
+            self._steps = FrontierRunner(step, self.target.device, self.target.cfg.max_position)
+        rows = {"positions": at.positions, "sa_slots": at.sa_slots, "tli_slots": at.tli_slots}
+        pools = (self.sa, self.mem, self.tli_kv)
+        out = self._steps.run(tokens, None, rows, at.specs, pools)
+        if out is not None:
+            return out[0]
+        at = replace(at, **_plan_fields({n: plan_frontier(*spec) for n, spec in at.specs.items()}))
+        return self._to_logits(draft_pass(self.parts, self.kv, tokens, at), False)
+
+
+def _plan_fields(plans: dict) -> dict:
+    """PassSlots' plan fields from plans named as _TreePaths' specs ('tli' absent: TLI 0)."""
+    return {"sa_plan": plans["sa"], "ca_plan": plans["ca"], "tli_plan": plans.get("tli")}
+
 
 class _TreePaths:
     """The embedded storage of one propose (moa_core's Frontier): each pass's nodes get temporary SA
     (and TLI) slots; a node sees its request's verified slot lists plus its path's temporary slots
     (root first). The temporary slots are freed when the propose ends."""
 
-    def __init__(self, drafter: MoADrafter, batch: list[DraftInput]):
-        self.d, self.batch = drafter, batch
+    def __init__(self, drafter: MoADrafter, batch: list[DraftInput], plans: bool = True):
+        """plans=False: passes carry only the plans' specs (a static pass builds its own)."""
+        self.d, self.batch, self.plans = drafter, batch, plans
         self.sts = [drafter.reqs[x.rid] for x in batch]
         self.paths: list[list[list[tuple[int, int]]]] = [[[]] for _ in batch]  # per node: (sa, tli) slots
         self.temps: list[tuple[KVPool, torch.Tensor]] = []
@@ -317,14 +356,14 @@ class _TreePaths:
         self.paths = new_paths
         # per request: its verified prefix gathered once for all its frontier nodes
         sts = self.sts
-        return PassSlots(
-            positions=torch.tensor(pos),
-            sa_slots=sa_new,
-            tli_slots=tgt_new,
-            sa_plan=plan_frontier([st.sa_slots for st in sts], sa_seen),
-            ca_plan=plan_frontier([st.mem_slots for st in sts], [[[]] * kk for _ in sts]),
-            tli_plan=plan_frontier([st.target_slots for st in sts], tgt_seen) if d.tli_layers else None,
-        )
+        specs = {
+            "sa": ([st.sa_slots for st in sts], sa_seen),
+            "ca": ([st.mem_slots for st in sts], [[[]] * kk for _ in sts]),
+        }
+        if d.tli_layers:
+            specs["tli"] = ([st.target_slots for st in sts], tgt_seen)
+        plans = {n: plan_frontier(*spec) for n, spec in specs.items()} if self.plans else {"sa": None, "ca": None}
+        return PassSlots(torch.tensor(pos), sa_new, tgt_new, **_plan_fields(plans), specs=specs)
 
     def free(self) -> None:
         for pool, s in self.temps:

@@ -66,9 +66,12 @@ class PassSlots:
     positions: torch.Tensor  # [n] token positions of the nodes
     sa_slots: torch.Tensor  # [n] where the nodes' SA K/V go in DraftKV.sa_k/sa_v
     tli_slots: torch.Tensor  # [n] where the TLI layers write the nodes' target K/V
-    sa_plan: AttentionPlan  # per node: verified SA keys + itself (or its ancestors and itself)
-    ca_plan: AttentionPlan  # per node: the request's verified memory
+    sa_plan: AttentionPlan | None  # per node: verified SA keys + itself (or its ancestors and itself)
+    ca_plan: AttentionPlan | None  # per node: the request's verified memory
     tli_plan: AttentionPlan | None  # per node: verified target K/V + its ancestors and itself (None: TLI 0)
+    # the same three as plan_frontier's inputs, name -> (per request its verified slots, per node the
+    # temporary slots it also reads): what a static (CUDA-graph) pass takes instead of the plans
+    specs: dict | None = None
 
 
 # a storage's frontier: parent [b, kk] (each new node's parent among the previous pass's nodes;
@@ -137,18 +140,21 @@ def draft_tree(
     search: Callable[[torch.Tensor, StepFn], R],
     full: bool = False,
     logits: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    run_pass: Callable[[torch.Tensor, PassSlots], torch.Tensor] | None = None,
 ) -> R:
     """A pass over the roots (each a node at its own position), then one pass per search step.
     search(root_logits [b, V], step_fn) runs the top-k search (search.py) and returns its result.
     The search sees draft-vocab ids unless full (target-vocab logits: ids are target ids already).
-    logits: hidden -> logits of a pass (default draft_logits(parts, hidden, full))."""
+    logits: hidden -> logits of a pass (default draft_logits(parts, hidden, full)).
+    run_pass(tokens [n], slots) -> logits [n, V]: a pass run some other way (a replayed CUDA graph)."""
     b = roots.numel()
     to_logits = logits or (lambda h: draft_logits(parts, h, full))
 
     def run(tokens: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
         """tokens [b, kk] target ids; parent [b, kk] index into the previous pass's nodes -> [b, kk, V]."""
-        hidden = draft_pass(parts, kv, tokens.reshape(-1), frontier(parent))
-        return to_logits(hidden).view(b, tokens.shape[1], -1)
+        at, flat = frontier(parent), tokens.reshape(-1)
+        lg = run_pass(flat, at) if run_pass is not None else to_logits(draft_pass(parts, kv, flat, at))
+        return lg.view(b, tokens.shape[1], -1)
 
     def step_fn(tokens: torch.Tensor, parent_beam: torch.Tensor | None) -> torch.Tensor:
         parent = torch.zeros_like(tokens) if parent_beam is None else parent_beam

@@ -184,6 +184,16 @@ def test_generate_and_edge_share_the_generation_flags():
     assert engine_config(edge) == EngineConfig(device="cpu", drafter="moa-tli1")
 
 
+def test_no_cuda_graphs_flag_reaches_the_engine_config():
+    """Graphs are on by default (effective on a CUDA device only); --no-cuda-graphs turns them off for
+    every command that builds an engine from the shared flags."""
+    parser = build_parser()
+    for cmd in (["generate", "--prompt", "p"], ["serve"], ["edge", "--server", "http://x", "--prompt", "p"]):
+        assert engine_config(parser.parse_args(cmd + ["--device", "cpu"])).cuda_graphs
+        assert not engine_config(parser.parse_args(cmd + ["--device", "cpu", "--no-cuda-graphs"])).cuda_graphs
+    assert EngineConfig().cuda_graphs and not EngineConfig(cuda_graphs=False).cuda_graphs
+
+
 @pytest.mark.parametrize(
     "flags,named",
     [

@@ -1,0 +1,433 @@
+"""CUDA graphs for the target's decode / verify forward (`GraphRunner`) and for a drafter's search
+step (`FrontierRunner`: EAGLE-3, MoA, the draft model) at bucketed shapes, as SGLang's
+cuda_graph_runner and eagle_draft_cuda_graph_runner do, with the same static padded path run eagerly
+off CUDA.
+
+Why: on a GPU a small step is host-bound (one launch per op, ~300 per SmolLM2 forward); one graph
+replay launches them all at once. A graph replays fixed shapes and fixed buffer addresses with no host
+reads, so a step that runs in one is first put in a *static* form:
+
+    bucket (B, Q, P): B requests (batch padded up), Q query rows each (tree nodes padded up), P prefix
+    columns each (the request's committed KV slots, padded up to a context bucket)
+
+    ids / positions / out_slots  [B*Q]    row b*Q + j = node j of request b; padding: token 0, position 0,
+                                          K/V written to slot 0 (the pool's scratch slot, never handed out)
+    prefix                       [B, P]   committed slots (padding -> slot 0), prefix_len [B] real columns
+    tree_mask                    [B, Q, Q] node j sees node i; a padded row sees only itself
+
+and attention reads the K/V of [prefix | the request's own Q rows] through that table, masked on the
+device from prefix_len and tree_mask (`static_attention`: the torch reference's batched matmuls). A
+real row never sees a padded column (masked to -inf, weight exactly 0), so padding changes no real
+row's output; padded rows' outputs are dropped.
+
+Host data goes into the bucket's static buffers in one copy per dtype before the replay; the replay's
+outputs are gathered to the real rows (a copy, so the next replay cannot overwrite what the caller kept).
+
+A drafter's step is the same idea with one row per frontier node: `FrontierRunner` takes
+attention.plan_frontier's description of each of the step's attentions (per request its committed
+slots, per node its path's temporary slots) and pads it the same way.
+
+Off CUDA (or with graphs off) the runners run the same static path eagerly, which is how their
+padding, bucketing and buffer logic is tested on the CPU. Graphs are captured lazily, one per bucket
+on its first use (a warmup on a side stream, then the capture into one memory pool per runner, shared
+by its buckets: one replay's outputs are copied out before the next replay).
+Outside the buckets (prefill and mixed steps, bigger batches or trees, longer contexts) the caller
+runs the eager forward.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..device import to_device
+from .kv_pool import KVPool
+from .llama import ForwardOutput, LlamaModel
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+NODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+MIN_CONTEXT_BUCKET = 128  # context buckets: powers of two from this up to the model's context
+MAX_ROWS = 1024  # B*Q above this runs eagerly (the padded attention scores would be too large)
+
+
+@dataclass
+class StaticPlan:
+    """A padded batch's attention inputs, built on the device inside the graph (once per forward)."""
+
+    slots: torch.Tensor  # [B, K] int64: pool slots each request's rows read
+    hidden: torch.Tensor  # [B, Q, K] bool: True where a row must NOT read the column
+
+
+def static_plan(prefix: torch.Tensor, prefix_len: torch.Tensor, extra: torch.Tensor, extra_mask: torch.Tensor):
+    """prefix [B, P] slots every row of request b may read below prefix_len [B]; extra [B, E] slots read
+    under extra_mask [B, Q, E] (tree nodes). Device ops only, fixed shapes."""
+    b, q = extra_mask.shape[:2]
+    cols = torch.arange(prefix.shape[1], device=prefix.device)
+    seen_prefix = (cols[None, :] < prefix_len[:, None])[:, None, :].expand(b, q, -1)
+    return StaticPlan(torch.cat([prefix, extra], dim=1), ~torch.cat([seen_prefix, extra_mask], dim=2))
+
+
+def static_attention(
+    q: torch.Tensor,  # [B*Q, Hq, D] rows request-major
+    k_pool: torch.Tensor,  # [S, Hkv, D]
+    v_pool: torch.Tensor,  # [S, Hkv, D]
+    plan: StaticPlan,
+    scale: float,
+) -> torch.Tensor:  # [B*Q, Hq, D]
+    """The torch reference's batched-matmul attention over a StaticPlan (same math, fixed shapes)."""
+    b, qm, k = plan.hidden.shape
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k_pool.shape[1]
+    rep = hq // hkv
+    qb = q.reshape(b, qm, hkv, rep, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, rep * qm, d)
+    kb = k_pool[plan.slots].transpose(1, 2)  # [B, Hkv, K, D]
+    vb = v_pool[plan.slots].transpose(1, 2)
+    s = torch.matmul(qb, kb.transpose(-1, -2)).float().mul_(scale)  # [B, Hkv, rep*Q, K]
+    s = s.view(b, hkv, rep, qm, k).masked_fill_(plan.hidden[:, None, None], float("-inf")).view(b, hkv, rep * qm, k)
+    p = s.softmax(-1).to(vb.dtype)
+    out = torch.matmul(p, vb).view(b, hkv, rep, qm, -1).permute(0, 3, 1, 2, 4)
+    return out.reshape(b * qm, hq, -1)
+
+
+def with_static_attention(model: LlamaModel) -> LlamaModel:
+    """The same model (weights shared, not copied) attending with `static_attention`."""
+    m = copy.copy(model)
+    m.attention = static_attention
+    return m
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket >= n, or None when n exceeds them all."""
+    return next((x for x in buckets if x >= n), None)
+
+
+def context_buckets(max_context: int, smallest: int = MIN_CONTEXT_BUCKET) -> tuple[int, ...]:
+    """Powers of two from `smallest`, the last one covering max_context."""
+    out = [smallest]
+    while out[-1] < max_context:
+        out.append(out[-1] * 2)
+    return tuple(out)
+
+
+class GraphCache:
+    """Per bucket key: static input buffers and, with graphs on, the graph captured over them and its
+    outputs. Without graphs the same function runs eagerly on the same buffers."""
+
+    def __init__(self, device: torch.device, graphs: bool):
+        self.device = torch.device(device)
+        self.graphs = graphs and self.device.type == "cuda"
+        self.entries: dict[Any, tuple[dict, Any, Any]] = {}  # key -> (buffers, graph or None, outputs)
+        self.pool = None  # one CUDA memory pool shared by every graph (they never run at once)
+
+    def clear(self) -> None:
+        self.entries.clear()
+
+    def run(self, key, make_buffers: Callable[[], dict], fill: Callable[[dict], None], fn: Callable[[dict], Any]):
+        """fill(buffers) copies this call's inputs into the key's buffers; fn(buffers) is the computation
+        (captured once per key, then replayed)."""
+        if key not in self.entries:
+            bufs = make_buffers()  # padding everywhere: a valid input to capture over
+            graph, out = self._capture(fn, bufs) if self.graphs else (None, None)
+            self.entries[key] = (bufs, graph, out)
+        bufs, graph, out = self.entries[key]
+        fill(bufs)
+        if graph is None:
+            return fn(bufs)
+        graph.replay()
+        return out
+
+    def _capture(self, fn: Callable[[dict], Any], bufs: dict):
+        # warmup on a side stream (lazy inits, allocator caches, Triton/cuBLAS autotuning stay out of the graph)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                fn(bufs)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = fn(bufs)
+        self.pool = graph.pool()
+        return graph, out
+
+
+def _fill_flat(buf: torch.Tensor, host: torch.Tensor) -> None:
+    """buf (a static device buffer) <- host, queued (pinned) when buf is on a GPU."""
+    buf.copy_(to_device(host, buf.device), non_blocking=True)
+
+
+class GraphRunner:
+    """The target's forward over a batch of requests, each with `q_lens[b]` new rows (a decode token or
+    a verify tree) after a committed prefix, at a bucketed static shape: replayed from a CUDA graph on
+    CUDA with graphs on, else the same static path run eagerly. Same outputs as `model.forward` with
+    the request's plan (up to the attention's summation order)."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        capture_layers: tuple[int, ...] = (),
+        graphs: bool = True,
+        batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
+        node_buckets: tuple[int, ...] = NODE_BUCKETS,
+        context: tuple[int, ...] | None = None,
+        max_rows: int = MAX_ROWS,
+    ):
+        """context: prefix-length buckets (default: powers of two up to the model's context)."""
+        for name, b in (("batch", batch_buckets), ("node", node_buckets)):
+            if not b or list(b) != sorted(set(b)) or b[0] < 1:
+                raise ValueError(f"{name} buckets must be increasing positive ints, got {b!r}")
+        self.model = model
+        # the same model (weights shared) with the static attention: its forward is the captured function
+        self._static_model = with_static_attention(model)
+        self.capture_layers = tuple(capture_layers)
+        self.batch_buckets, self.node_buckets = tuple(batch_buckets), tuple(node_buckets)
+        self.context = tuple(context) if context else context_buckets(model.cfg.max_position)
+        self.max_rows = max_rows
+        self.cache = GraphCache(model.device, graphs)
+        self._kv: KVPool | None = None
+        self.runs = 0  # forwards this runner took (the rest of a caller's steps ran eagerly)
+
+    @property
+    def graphs(self) -> bool:
+        """Whether steps replay CUDA graphs (else the static path runs eagerly)."""
+        return self.cache.graphs
+
+    def bucket_of(self, q_lens: list[int], prefix_lens: list[int]) -> tuple[int, int, int] | None:
+        """The (B, Q, P) bucket of a batch (q_lens[b] new rows after prefix_lens[b] committed tokens),
+        or None when it fits none (the caller runs the eager forward)."""
+        if not q_lens or len(q_lens) != len(prefix_lens) or min(q_lens) < 1:
+            return None
+        b = bucket(len(q_lens), self.batch_buckets)
+        q = bucket(max(q_lens), self.node_buckets)
+        p = bucket(max(prefix_lens), self.context)
+        if b is None or q is None or p is None or b * q > self.max_rows:
+            return None
+        return b, q, p
+
+    def can_run(self, q_lens: list[int], prefix_lens: list[int]) -> bool:
+        return self.bucket_of(q_lens, prefix_lens) is not None
+
+    def run(
+        self,
+        ids: list[torch.Tensor],  # per request [n_b] token ids
+        positions: list[torch.Tensor],  # per request [n_b]
+        out_slots: list[torch.Tensor],  # per request [n_b] where each row's K/V is written
+        prefixes: list[torch.Tensor],  # per request [P_b] committed slots every row reads
+        tree_masks: list[torch.Tensor],  # per request [n_b, n_b] bool: row j sees row i
+        kv: KVPool,
+    ) -> ForwardOutput:  # rows of all requests, flat, request-major (as model.forward's)
+        q_lens = [t.numel() for t in ids]
+        key = self.bucket_of(q_lens, [p.numel() for p in prefixes])
+        if key is None:
+            raise ValueError(f"batch (rows {q_lens}, prefixes {[p.numel() for p in prefixes]}) fits no graph bucket")
+        for n, t in zip(q_lens, tree_masks):
+            if tuple(t.shape) != (n, n):
+                raise ValueError(f"tree mask of shape {tuple(t.shape)} for {n} rows")
+        if kv is not self._kv:  # graphs bake the pool's addresses in: a new pool needs new graphs
+            self.cache.clear()
+            self._kv = kv
+        self.runs += 1
+        b, q, p = key
+        device = self.model.device
+        rows = to_device(torch.cat([torch.arange(i * q, i * q + n) for i, n in enumerate(q_lens)]), device)
+        # tokens, positions and masks built on the device (a drafter's trees) are placed there, never read back
+        host = all(t.device.type == "cpu" for t in (*ids, *positions, *tree_masks))
+        args = (ids, positions, tree_masks) if host else (None, None, None)
+        longs, mask = _host_inputs(key, q_lens, out_slots, prefixes, *args)
+
+        def fill(bufs: dict) -> None:
+            _fill_flat(bufs["longs"], longs)
+            _fill_flat(bufs["mask"], mask)
+            if not host:
+                _place(bufs, key, rows, ids, positions, tree_masks)
+
+        out = self.cache.run(key, lambda: self._buffers(key), fill, lambda bufs: self._forward(key, bufs, kv))
+        return ForwardOutput(out.hidden[rows], {l: h[rows] for l, h in out.captured.items()})
+
+    def _buffers(self, key: tuple[int, int, int]) -> dict:
+        """A bucket's static inputs, holding an all-padding batch."""
+        longs, mask = _host_inputs(key, [], [], [])
+        return {"longs": longs.to(self.model.device), "mask": mask.to(self.model.device)}
+
+    def _forward(self, key: tuple[int, int, int], bufs: dict, kv: KVPool) -> ForwardOutput:
+        """The captured function: views of the flat buffers, the static plan, the model's forward."""
+        b, q, p = key
+        ids, pos, slots, prefix, prefix_len = bufs["longs"].split([b * q, b * q, b * q, b * p, b])
+        plan = static_plan(prefix.view(b, p), prefix_len, slots.view(b, q), bufs["mask"])
+        return self._static_model.forward(ids, pos, slots, plan, kv, self.capture_layers)
+
+
+def _place(bufs: dict, key, rows: torch.Tensor, ids, positions, tree_masks) -> None:
+    """Tokens, positions and tree masks (per request, wherever they are) into a bucket's buffers on
+    their device by device copies: rows [T] the flat rows they fill (see _host_inputs' layout)."""
+    b, q, _ = key
+    device = bufs["longs"].device
+    bufs["longs"][: b * q][rows] = torch.cat([to_device(t, device) for t in ids])
+    bufs["longs"][b * q : 2 * b * q][rows] = torch.cat([to_device(t, device) for t in positions])
+    for i, m in enumerate(tree_masks):
+        bufs["mask"][i, : m.shape[0], : m.shape[0]] = to_device(m, device)
+
+
+def _host_inputs(
+    key, q_lens: list[int], out_slots, prefixes, ids=None, positions=None, tree_masks=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The host side of a bucket's buffers: one int64 tensor [ids | positions | out_slots | prefix |
+    prefix_len] and the tree mask [B, Q, Q], padding as the module docstring says; ids, positions and
+    tree_masks None: left as padding (the caller places them on the device)."""
+    b, q, p = key
+    tok, pos, slot = (torch.zeros(b, q, dtype=torch.long) for _ in range(3))
+    prefix = torch.zeros(b, p, dtype=torch.long)
+    prefix_len = torch.zeros(b, dtype=torch.long)
+    mask = torch.eye(q, dtype=torch.bool).repeat(b, 1, 1)  # padded rows see only themselves
+    for i, (n, s, pre) in enumerate(zip(q_lens, out_slots, prefixes)):
+        slot[i, :n] = s
+        prefix[i, : pre.numel()] = pre
+        prefix_len[i] = pre.numel()
+        if ids is not None:
+            tok[i, :n], pos[i, :n], mask[i, :n, :n] = ids[i], positions[i], tree_masks[i]
+    return torch.cat([tok.view(-1), pos.view(-1), slot.view(-1), prefix.view(-1), prefix_len]), mask
+
+
+# step(ids [R], feat [R, H] | None, rows {name: [R] int64}, plans {name: StaticPlan}) -> tensors [R, ...]
+StepFn = Callable[..., tuple[torch.Tensor, ...]]
+# a frontier plan's host description, as attention.plan_frontier takes it: per request its committed
+# slots [P_i], and per node the temporary slots it also reads
+FrontierSpec = tuple[list[torch.Tensor], list[list[list[int]]]]
+
+
+class FrontierRunner:
+    """A drafter's frontier step at bucketed static shapes: b requests x q tree nodes, one row each
+    (request-major), each row reading, in one or more KV pools, its request's committed slots and the
+    temporary slots of its own path (attention.plan_frontier's batch, one per pool), in static form
+
+        bucket (B, Q, ((name, P, E), ...)): node j of request i at row i*Q + j; per plan: prefix [B, P] +
+        prefix_len [B] as for the target, extra [B, E] the union of the request's path slots and
+        extra_mask [B, Q, E] which of them node j reads; per-row int64 inputs (positions, write slots)
+        padded with 0 (padded rows write and read slot 0 only)
+
+    step(ids, feat, rows, plans) is the drafter's pass with `static_attention` and its logits; it is
+    captured per bucket on CUDA with graphs on, else run eagerly on the same buffers."""
+
+    def __init__(
+        self,
+        step: StepFn,
+        device: torch.device | str,
+        max_context: int,
+        graphs: bool = True,
+        batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
+        node_buckets: tuple[int, ...] = NODE_BUCKETS,
+        max_rows: int = MAX_ROWS,
+    ):
+        self.step = step
+        self.batch_buckets, self.node_buckets = tuple(batch_buckets), tuple(node_buckets)
+        self.context = context_buckets(max_context)
+        self.max_rows = max_rows
+        self.cache = GraphCache(torch.device(device), graphs)
+        self._pools: tuple = ()
+        self.runs = 0
+
+    def bucket_of(self, b: int, q: int, lens: dict[str, tuple[int, int]]):
+        """The bucket of b requests x q nodes with, per plan, (longest prefix, most path slots of a
+        request); None when none fits."""
+        bb, qq = bucket(b, self.batch_buckets), bucket(q, self.node_buckets)
+        plans = tuple((n, bucket(p, self.context), bucket(max(e, 1), self.node_buckets)) for n, (p, e) in lens.items())
+        if b < 1 or q < 1 or bb is None or qq is None or bb * qq > self.max_rows:
+            return None
+        if any(p is None or e is None for _, p, e in plans):
+            return None
+        return bb, qq, plans
+
+    def run(
+        self,
+        ids: torch.Tensor,  # [b*q] token ids (on the device: the search's tokens, never read here)
+        feat: torch.Tensor | None,  # [b*q, H] the rows' input features, if the step takes any
+        rows: dict[str, torch.Tensor],  # name -> [b*q] int64 host values per row (positions, write slots)
+        plans: dict[str, FrontierSpec],  # name -> (prefixes, seen) of one pool's attention
+        pools: tuple,  # the KV pools the step writes and reads (graphs bake their addresses in)
+    ) -> tuple[torch.Tensor, ...] | None:
+        """step's outputs for the b*q real rows (copies: the next replay overwrites the graph's), or None
+        when the batch fits no bucket (the caller runs its eager step)."""
+        b = len(next(iter(plans.values()))[1])
+        q = ids.numel() // b if b else 0
+        extras = {n: [sorted({s for node in nodes for s in node}) for nodes in seen] for n, (_, seen) in plans.items()}
+        lens = {n: (max(p.numel() for p in pre), max(len(e) for e in extras[n])) for n, (pre, _) in plans.items()}
+        key = self.bucket_of(b, q, lens) if b else None
+        if key is None or any(len(nodes) != q for _, seen in plans.values() for nodes in seen):
+            return None
+        if len(pools) != len(self._pools) or any(a is not c for a, c in zip(pools, self._pools)):
+            self.cache.clear()
+            self._pools = tuple(pools)
+        self.runs += 1
+        bb, qq, _ = key
+        longs, mask = _frontier_host(key, b, q, rows, plans, extras)
+        names = tuple(rows)
+        device = self.cache.device
+
+        def fill(bufs: dict) -> None:
+            _fill_flat(bufs["longs"], longs)
+            _fill_flat(bufs["mask"], mask)
+            bufs["ids"].view(bb, qq)[:b, :q].copy_(ids.view(b, q))
+            if feat is not None:
+                bufs["feat"].view(bb, qq, -1)[:b, :q].copy_(feat.view(b, q, -1))
+
+        def make() -> dict:
+            empty = {n: torch.empty(0, dtype=torch.long) for n in names}
+            host_longs, host_mask = _frontier_host(key, 0, 0, empty, {n: ([], []) for n in plans}, {})
+            bufs = {
+                "longs": host_longs.to(device),
+                "mask": host_mask.to(device),
+                "ids": torch.zeros(bb * qq, dtype=torch.long, device=device),
+            }
+            if feat is not None:
+                bufs["feat"] = torch.zeros(bb * qq, feat.shape[-1], dtype=feat.dtype, device=device)
+            return bufs
+
+        out = self.cache.run((key, names, feat is not None), make, fill, lambda bufs: self._step(key, names, bufs))
+        n = b * q
+        return tuple(o.view(bb, qq, *o.shape[1:])[:b, :q].reshape(n, *o.shape[1:]).clone() for o in out)
+
+    def _step(self, key, names: tuple[str, ...], bufs: dict) -> tuple[torch.Tensor, ...]:
+        """The captured function: the buffers' views, the static plans, the drafter's step."""
+        bb, qq, plan_keys = key
+        sizes = [bb * qq] * len(names) + [x for _, p, e in plan_keys for x in (bb * p, bb, bb * e)]
+        longs = bufs["longs"].split(sizes)
+        masks = bufs["mask"].split([bb * qq * e for _, _, e in plan_keys])
+        rows = dict(zip(names, longs))
+        plans = {}
+        for i, (n, p, e) in enumerate(plan_keys):
+            prefix, prefix_len, extra = longs[len(names) + 3 * i : len(names) + 3 * i + 3]
+            plans[n] = static_plan(prefix.view(bb, p), prefix_len, extra.view(bb, e), masks[i].view(bb, qq, e))
+        return tuple(self.step(bufs["ids"], bufs.get("feat"), rows, plans))
+
+
+def _frontier_host(key, b: int, q: int, rows: dict, plans: dict, extras: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host side of a frontier bucket: one int64 tensor [each row input [B*Q] | per plan: prefix [B*P],
+    prefix_len [B], extra [B*E]] and one bool tensor [per plan: extra_mask [B*Q*E]]. A padded row
+    (padded request or node) reads extra column 0 too, so its softmax is never over nothing."""
+    bb, qq, plan_keys = key
+    longs, masks = [], []
+    for vals in rows.values():
+        grid = torch.zeros(bb, qq, dtype=torch.long)
+        if b:
+            grid[:b, :q] = torch.as_tensor(vals, dtype=torch.long).view(b, q)
+        longs.append(grid.view(-1))
+    for name, p, e in plan_keys:
+        prefixes, seen = plans[name]
+        prefix, prefix_len = torch.zeros(bb, p, dtype=torch.long), torch.zeros(bb, dtype=torch.long)
+        extra, mask = torch.zeros(bb, e, dtype=torch.long), torch.zeros(bb, qq, e, dtype=torch.bool)
+        mask[:, :, 0] = True
+        mask[:b, :q, 0] = False
+        for i, (pre, ex, nodes) in enumerate(zip(prefixes, extras.get(name, []), seen)):
+            prefix[i, : pre.numel()] = pre
+            prefix_len[i] = pre.numel()
+            extra[i, : len(ex)] = torch.tensor(ex, dtype=torch.long)
+            col = {s: c for c, s in enumerate(ex)}
+            for j, node in enumerate(nodes):
+                mask[i, j, [col[s] for s in node]] = True
+        longs += [prefix.view(-1), prefix_len, extra.view(-1)]
+        masks.append(mask.view(-1))
+    return torch.cat(longs), torch.cat(masks)

@@ -1,0 +1,369 @@
+"""CUDA graphs for the target's decode / verify forward (sglang_ext/models/graph_runner.py).
+
+On the CPU the runner's static padded path runs eagerly: it must give the eager forward's outputs for
+decode and verify batches at several buckets (batch, tree nodes and context padded), pick the smallest
+bucket that fits, refuse what fits none, and leave an engine's greedy tokens unchanged. The `gpu`
+tests replay the captured graphs on CUDA against the eager engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import compare_to_reference, tiny_target
+
+from serving.config import EngineConfig
+from serving.engine import Engine
+from sglang_ext.attention import causal_mask, plan_attention, plan_frontier, prefix_and_tree_mask
+from sglang_ext.drafters import DraftInput, make_drafter
+from sglang_ext.models.graph_runner import GraphRunner, bucket, context_buckets, static_attention, static_plan
+from sglang_ext.sampling import SamplingParams
+from sglang_ext.tree import TreeShape
+
+gpu = pytest.mark.gpu
+
+
+def _prefill(model, kv, lens: list[int], seed: int = 0) -> list[torch.Tensor]:
+    """Each request's prompt of random tokens prefilled eagerly; returns their committed slots."""
+    g = torch.Generator().manual_seed(seed)
+    prefixes = []
+    for n in lens:
+        s = kv.alloc(n)
+        ids = torch.randint(0, model.cfg.vocab_size, (n,), generator=g)
+        model.forward(ids, torch.arange(n), s, plan_attention([s], [causal_mask(n, 0)]), kv)
+        prefixes.append(s)
+    return prefixes
+
+
+def _tree_mask(parents: list[int]) -> torch.Tensor:
+    n = len(parents)
+    m = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        m[i] |= m[parents[i]]
+    return m
+
+
+# a decode step (root-only trees) and verify steps (trees of several shapes side by side)
+BATCHES = {
+    "decode-bs1": ([[-1]], [5]),
+    "decode-bs3": ([[-1], [-1], [-1]], [5, 9, 2]),
+    "verify-bs1": ([[-1, 0, 0, 1, 2]], [7]),
+    "verify-bs3": ([[-1, 0, 1], [-1], [-1, 0, 0, 1, 1, 3]], [4, 11, 6]),
+}
+
+
+@pytest.mark.parametrize("model_kind", ["tiny", "smollm2"])
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_static_path_equals_eager_forward(batch, model_kind, request):
+    target = tiny_target(vocab=64, hidden=64, heads=4, kv_heads=2) if model_kind == "tiny" else None
+    if target is None:
+        target = request.getfixturevalue("smollm2_fp32")
+    model = target.model
+    parents, prefix_lens = BATCHES[batch]
+    kv = model.new_kv_pool(256)
+    prefixes = _prefill(model, kv, prefix_lens)
+    g = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, model.cfg.vocab_size, (len(p),), generator=g) for p in parents]
+    trees = [_tree_mask(p) for p in parents]
+    depth = [t.sum(1) - 1 for t in trees]
+    pos = [n + d for n, d in zip(prefix_lens, depth)]
+    slots = [kv.alloc(len(p)) for p in parents]
+    layers = (0, len(model.layers) // 2)
+    plan = plan_attention(
+        [torch.cat([p, s]) for p, s in zip(prefixes, slots)],
+        [prefix_and_tree_mask(t, p.numel()) for t, p in zip(trees, prefixes)],
+    )
+    eager = model.forward(torch.cat(ids), torch.cat(pos), torch.cat(slots), plan, kv, layers)
+    tree_kv = [(kv.k[li][torch.cat(slots)].clone(), kv.v[li][torch.cat(slots)].clone()) for li in range(len(kv.k))]
+    # buckets that pad the batch (3 -> 4), the nodes (1 -> 2, 3/6 -> 8) and the context (-> 16)
+    runner = GraphRunner(model, layers, graphs=False, batch_buckets=(1, 4), node_buckets=(2, 8), context=(16, 64))
+    static = runner.run(ids, pos, slots, prefixes, trees, kv)
+    assert not runner.graphs and runner.runs == 1
+    assert static.hidden.shape == eager.hidden.shape
+    torch.testing.assert_close(static.hidden, eager.hidden, atol=1e-4, rtol=1e-4)
+    for l in layers:
+        torch.testing.assert_close(static.captured[l], eager.captured[l], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(model.logits(static.hidden), model.logits(eager.hidden), atol=1e-3, rtol=1e-4)
+    assert torch.equal(model.logits(static.hidden).argmax(-1), model.logits(eager.hidden).argmax(-1))
+    # the tree's K/V as the eager forward wrote it; padded rows wrote nothing but the scratch slot 0
+    untouched = torch.ones(kv.num_slots, dtype=torch.bool)
+    untouched[torch.cat(prefixes + slots)] = False
+    untouched[0] = False
+    for li, (k, v) in enumerate(tree_kv):
+        torch.testing.assert_close(kv.k[li][torch.cat(slots)], k, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(kv.v[li][torch.cat(slots)], v, atol=1e-4, rtol=1e-4)
+        assert not kv.k[li][untouched].any() and not kv.v[li][untouched].any()
+
+
+def test_padding_never_changes_a_real_row():
+    """The same batch in a bigger bucket (more padded requests, nodes and prefix columns) gives the same
+    rows up to the matmuls' rounding (their blocking changes with the shape): padded columns get weight
+    exactly 0, padded rows touch no real row."""
+    model = tiny_target(vocab=64, hidden=64, heads=4, kv_heads=2).model
+    kv = model.new_kv_pool(128)
+    prefixes = _prefill(model, kv, [6, 3])
+    trees = [_tree_mask([-1, 0, 0]), _tree_mask([-1, 0])]
+    ids = [torch.tensor([3, 4, 5]), torch.tensor([7, 8])]
+    pos = [torch.tensor([6, 7, 7]), torch.tensor([3, 4])]
+    slots = [kv.alloc(3), kv.alloc(2)]
+    tight = GraphRunner(model, graphs=False, batch_buckets=(2,), node_buckets=(3,), context=(6,))
+    loose = GraphRunner(model, graphs=False, batch_buckets=(8,), node_buckets=(16,), context=(64,))
+    assert tight.bucket_of([3, 2], [6, 3]) == (2, 3, 6) and loose.bucket_of([3, 2], [6, 3]) == (8, 16, 64)
+    a = tight.run(ids, pos, slots, prefixes, trees, kv).hidden
+    b = loose.run(ids, pos, slots, prefixes, trees, kv).hidden
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_inputs_placed_on_the_device_fill_the_buffers_as_host_packing_does():
+    """Trees built on the device (tokens, positions, masks) are copied into the buffers on the device
+    (_place) instead of being packed on the host: the same buffers."""
+    from sglang_ext.models.graph_runner import _host_inputs, _place
+
+    key, q_lens = (4, 8, 16), [3, 1, 6]
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, 50, (n,), generator=g) for n in q_lens]
+    pos = [torch.arange(n) + 7 for n in q_lens]
+    slots = [torch.arange(n) + 20 * (i + 1) for i, n in enumerate(q_lens)]
+    prefixes = [torch.arange(5), torch.arange(9), torch.arange(2)]
+    masks = [_tree_mask([-1] + list(range(n - 1))) for n in q_lens]
+    packed = _host_inputs(key, q_lens, slots, prefixes, ids, pos, masks)
+    longs, mask = _host_inputs(key, q_lens, slots, prefixes)
+    assert not torch.equal(longs, packed[0])
+    rows = torch.cat([torch.arange(i * 8, i * 8 + n) for i, n in enumerate(q_lens)])
+    bufs = {"longs": longs.clone(), "mask": mask.clone()}
+    _place(bufs, key, rows, ids, pos, masks)
+    assert torch.equal(bufs["longs"], packed[0]) and torch.equal(bufs["mask"], packed[1])
+
+
+def test_static_attention_masks_padding_and_keeps_rows_apart():
+    """static_attention against a dense softmax per request: prefix columns past prefix_len and tree
+    columns outside the mask get no weight."""
+    g = torch.Generator().manual_seed(0)
+    k_pool, v_pool = torch.randn(20, 2, 8, generator=g), torch.randn(20, 2, 8, generator=g)
+    q = torch.randn(2 * 3, 4, 8, generator=g)
+    prefix = torch.tensor([[5, 6, 7, 0], [9, 0, 0, 0]])
+    prefix_len = torch.tensor([3, 1])
+    extra = torch.tensor([[1, 2, 3], [4, 0, 0]])
+    tree = torch.stack([_tree_mask([-1, 0, 0]), torch.eye(3, dtype=torch.bool)])
+    out = static_attention(q, k_pool, v_pool, static_plan(prefix, prefix_len, extra, tree), 0.5)
+    for b in range(2):
+        for j in range(3):
+            cols = prefix[b, : prefix_len[b]].tolist() + [int(extra[b, i]) for i in range(3) if tree[b, j, i]]
+            for h in range(4):
+                w = (k_pool[cols, h // 2] @ q[b * 3 + j, h] * 0.5).softmax(0)
+                torch.testing.assert_close(out[b * 3 + j, h], w @ v_pool[cols, h // 2], atol=1e-5, rtol=1e-5)
+
+
+def test_bucket_selection_and_fallback():
+    model = tiny_target().model
+    r = GraphRunner(model, graphs=False, batch_buckets=(1, 2, 4), node_buckets=(1, 8), context=(32, 64), max_rows=16)
+    assert bucket(3, (1, 2, 4)) == 4 and bucket(5, (1, 2, 4)) is None
+    assert r.bucket_of([1], [10]) == (1, 1, 32)
+    assert r.bucket_of([1, 1, 1], [40, 3, 3]) == (4, 1, 64)
+    assert r.bucket_of([1, 5], [3, 3]) == (2, 8, 32)
+    assert r.bucket_of([1] * 5, [3] * 5) is None  # batch over the largest bucket
+    assert r.bucket_of([9], [3]) is None  # a tree over the largest node bucket
+    assert r.bucket_of([1], [65]) is None  # a context over the largest context bucket
+    assert r.bucket_of([8, 8, 8], [3] * 3) is None  # 4 x 8 rows > max_rows
+    assert r.bucket_of([], []) is None and not r.can_run([2], [70])
+    assert context_buckets(1000) == (128, 256, 512, 1024) and context_buckets(128) == (128,)
+    assert GraphRunner(model, graphs=False).context[-1] >= model.cfg.max_position
+    assert not GraphRunner(model).graphs  # graphs only on CUDA: the static path runs eagerly here
+    kv = model.new_kv_pool(16)
+    with pytest.raises(ValueError, match="fits no graph bucket"):
+        r.run([torch.tensor([1] * 9)], [torch.arange(9)], [kv.alloc(9)], [torch.empty(0, dtype=torch.long)], [], kv)
+    with pytest.raises(ValueError, match="tree mask"):
+        r.run([torch.tensor([1, 2])], [torch.arange(2)], [kv.alloc(2)], [kv.alloc(1)], [torch.eye(3).bool()], kv)
+    with pytest.raises(ValueError, match="increasing"):
+        GraphRunner(model, batch_buckets=(4, 2))
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=gpu)]
+
+
+def _target_on(device: str, request):
+    return request.getfixturevalue("smollm2_fp32") if device == "cpu" else _cuda_target()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("b,kk,depth", [(1, 1, 1), (3, 2, 2), (2, 3, 3)])
+def test_eagle3_frontier_step_static_equals_eager(b, kk, depth, device, request):
+    """The EAGLE-3 drafter's frontier step through its FrontierRunner (batch and nodes padded to the
+    buckets; captured and replayed on CUDA) == its eager step over plan_frontier: outputs and draft
+    logits, same argmax."""
+    target = _target_on(device, request)
+    d = make_drafter("eagle3", target)
+    g = torch.Generator().manual_seed(b * 10 + kk)
+    h = target.cfg.hidden_size
+
+    def fill(slots):  # K/V of earlier draft steps
+        shape = (slots.numel(), *d.kv.k[0].shape[1:])
+        d.kv.k[0][slots] = torch.randn(shape, generator=g).to(d.kv.device, d.kv.k[0].dtype)
+        d.kv.v[0][slots] = torch.randn(shape, generator=g).to(d.kv.device, d.kv.v[0].dtype)
+
+    prefixes = [d.kv.alloc(n) for n in (9, 4, 20)[:b]]
+    for p in prefixes:
+        fill(p)
+    # each node's path: depth-1 earlier temporary slots, then its own new slot
+    earlier = [[d.kv.alloc(depth - 1) for _ in range(kk)] for _ in range(b)]
+    for row in earlier:
+        for s in row:
+            fill(s)
+    new = d.kv.alloc(b * kk)
+    chains = [[earlier[i][j].tolist() + [int(new[i * kk + j])] for j in range(kk)] for i in range(b)]
+    pos = [p.numel() + depth - 1 for p in prefixes for _ in range(kk)]
+    ids = torch.randint(0, d.hot_ids.numel(), (b * kk,), generator=g).to(device)
+    feat = torch.randn(b * kk, h, generator=g).to(device)
+    positions = torch.tensor(pos, device=device)
+    out = d._layer(d.hot_ids[ids], feat, positions, new, plan_frontier(prefixes, chains, device=device))
+    logits = d.draft.logits(out).float()
+    for _ in range(2):  # on CUDA: the capture, then a replay
+        static = d._frontier(d.hot_ids[ids], feat, pos, new, prefixes, chains)
+    assert static is not None and d._steps.runs == 2 and d._steps.cache.graphs == (device == "cuda")
+    torch.testing.assert_close(static[0], out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(static[1], logits, atol=1e-3, rtol=1e-4)
+    assert torch.equal(static[1].argmax(-1), logits.argmax(-1))
+    # outside the buckets: None, the caller's eager step runs
+    rows = {"positions": torch.tensor(pos), "slots": new}
+    assert d._steps.run(ids, feat, rows, {"draft": (prefixes, [[list(range(100, 165))] * kk] * b)}, (d.kv,)) is None
+    assert d._steps.bucket_of(65, 1, {"draft": (3, 1)}) is None and d._steps.bucket_of(1, 65, {"draft": (3, 1)}) is None
+    assert d._steps.bucket_of(1, 1, {"draft": (1 << 20, 1)}) is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["moa", "moa-tli0"])
+def test_moa_static_draft_passes_propose_the_eager_trees(name, device, request):
+    """The MoA drafter's passes through its FrontierRunner (3 requests: batch padded to 4; SA, CA and TLI
+    plans in static form; captured and replayed on CUDA) propose the trees its eager passes propose,
+    from the same state."""
+    target = _target_on(device, request)
+    config = EngineConfig(tree=TreeShape(3, 2, 6), cuda_graphs=False)
+    eng = Engine(target, make_drafter(name, target), config)
+    prompts = [target.encode_chat([{"role": "user", "content": t}]) for t in ("Name three rivers.", "Hi!", "7*8?")]
+    reqs = [eng.add_request(p, SamplingParams(max_new_tokens=8)) for p in prompts]
+    eng.step()  # prefill: each request's first token, the drafter's add_request
+    batch = [DraftInput(r.rid, r.token_ids, r.params, r.generator, r.reference) for r in reqs]
+    d = eng.drafter
+    eager = d.propose(batch, TreeShape(3, 2, 6))  # (ingests the prompts: their SA / memory slots)
+    free = (d.sa.num_free, eng.kv.num_free)
+    d.step_graphs = True
+    for _ in range(2):  # on CUDA: the captures, then replays
+        static = d.propose(batch, TreeShape(3, 2, 6))
+    assert d._steps.runs == 6 and d._steps.cache.graphs == (device == "cuda")  # roots' pass + 2 search steps, twice
+    assert (d.sa.num_free, eng.kv.num_free) == free  # temporary slots freed either way
+    for a, b in zip(eager, static):
+        assert torch.equal(a.draft_tokens, b.draft_tokens) and torch.equal(a.parents, b.parents)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_draft_model_static_steps_propose_the_eager_trees(device, request):
+    """The self-draft model's search steps through its FrontierRunner (3 requests padded to 4; captured
+    and replayed on CUDA) propose the trees of its eager steps: two drafters fed the same requests."""
+    target = _target_on(device, request)
+    prompts = [target.encode_chat([{"role": "user", "content": t}]) for t in ("Name three rivers.", "Hi!", "7*8?")]
+    params = SamplingParams(max_new_tokens=8)
+    batch = [DraftInput(i, p, params, None, []) for i, p in enumerate(prompts)]
+    eager, static = make_drafter("draft-model", target), make_drafter("draft-model", target)
+    static.step_graphs = True
+    for d in (eager, static):
+        for x in batch:
+            d.add_request(x.rid, None)
+    for _ in range(2):  # on CUDA: the captures, then replays (the second propose has nothing new to extend)
+        batch = [DraftInput(x.rid, x.token_ids + [x.token_ids[-1]], params, None, []) for x in batch]
+        a, b = eager.propose(batch, TreeShape(3, 2, 6)), static.propose(batch, TreeShape(3, 2, 6))
+        for x, y in zip(a, b):
+            assert torch.equal(x.draft_tokens, y.draft_tokens) and torch.equal(x.parents, y.parents)
+    assert static._steps.runs == 4 and static._steps.cache.graphs == (device == "cuda")
+    assert eager._steps is None and eager.kv.num_free == static.kv.num_free
+
+
+def _outputs(engine: Engine, prompts: list[list[int]], bs: int, n: int) -> list[list[int]]:
+    outs = []
+    for i in range(0, len(prompts), bs):
+        outs += [r.output_ids for r in engine.generate(prompts[i : i + bs], SamplingParams(max_new_tokens=n))]
+    assert engine.kv.num_free == engine.kv.num_slots - 1, "KV slots leaked"
+    return outs
+
+
+@pytest.mark.parametrize("drafter,bs", [(None, 1), (None, 4), ("eagle3", 1), ("eagle3", 4), ("moa", 1), ("moa", 4)])
+def test_engine_tokens_with_the_static_path_equal_eager(smollm2_fp32, eval_prompts, drafter, bs):
+    """An engine whose decode / verify steps take the runner's static path (forced on the CPU) gives the
+    eager engine's greedy tokens; prefill steps and batches outside the buckets run eagerly."""
+    prompts, n = eval_prompts[: max(bs, 2)], 12
+    config = EngineConfig(tree=TreeShape(3, 2, 6) if drafter else None)
+
+    def engine(runner_kw=None):
+        eng = Engine(smollm2_fp32, make_drafter(drafter, smollm2_fp32) if drafter else None, config)
+        assert eng.graph_runner is None  # graphs are a CUDA feature: off on the CPU whatever the config
+        if runner_kw is not None:
+            eng.graph_runner = GraphRunner(eng.model, eng.capture_layers, graphs=False, **runner_kw)
+            if drafter:
+                eng.drafter.step_graphs = True  # its frontier steps on the static path too
+        return eng
+
+    ref = _outputs(engine(), prompts, bs, n)
+    eng = engine({})
+    outs = _outputs(eng, prompts, bs, n)
+    verdicts = [compare_to_reference(smollm2_fp32.model, p, r, o) for p, r, o in zip(prompts, ref, outs)]
+    assert "bug" not in verdicts, verdicts
+    assert eng.graph_runner.runs > 0
+    if drafter:
+        assert eng.drafter._steps.runs > 0
+    if bs == 4 and drafter is None:  # contexts over the buckets (every prompt is longer than 8 tokens): all eager
+        small = engine({"context": (8,)})
+        assert _outputs(small, prompts, bs, n) == ref and small.graph_runner.runs == 0
+
+
+# --- on CUDA: captured graphs replayed --------------------------------------------------------------
+
+
+def _cuda_target():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from sglang_ext.models import load_target
+
+    # fp32: graphs and eager attention differ in summation order; bf16 would turn that into token ties
+    return load_target("smollm2", dtype="float32", device="cuda")
+
+
+@gpu
+@pytest.mark.parametrize("drafter", [None, "eagle3", "moa"])
+@pytest.mark.parametrize("bs", [1, 4])
+def test_cuda_graph_replay_equals_eager_tokens(drafter, bs):
+    target = _cuda_target()
+    prompts = [target.encode_chat([{"role": "user", "content": t}]) for t in ("Name three rivers.", "What is 7*8?")]
+    prompts = (prompts * 2)[: max(bs, 2)]
+
+    def outputs(graphs: bool):
+        config = EngineConfig(device="cuda", cuda_graphs=graphs, tree=TreeShape(3, 2, 6) if drafter else None)
+        eng = Engine(target, make_drafter(drafter, target) if drafter else None, config)
+        assert (eng.graph_runner is not None) == graphs
+        return _outputs(eng, prompts, bs, 24), eng
+
+    ref, _ = outputs(False)
+    got, eng = outputs(True)
+    assert eng.graph_runner.graphs and eng.graph_runner.runs > 0
+    assert any(graph is not None for _, graph, _ in eng.graph_runner.cache.entries.values())
+    verdicts = [compare_to_reference(target.model, p, r, o) for p, r, o in zip(prompts, ref, got)]
+    assert "bug" not in verdicts, verdicts
+
+
+@gpu
+def test_cuda_graph_replay_equals_the_static_path_eagerly():
+    """One captured bucket replayed with new inputs gives the eager static path's outputs."""
+    model = _cuda_target().model
+    kv = model.new_kv_pool(512)
+    prefixes = _prefill(model, kv, [30, 70, 5])
+    trees = [_tree_mask([-1, 0, 1]), _tree_mask([-1]), _tree_mask([-1, 0, 0, 2])]
+    g = torch.Generator().manual_seed(2)
+    ids = [torch.randint(0, model.cfg.vocab_size, (t.shape[0],), generator=g) for t in trees]
+    pos = [p.numel() + t.sum(1) - 1 for p, t in zip(prefixes, trees)]
+    slots = [kv.alloc(t.shape[0]) for t in trees]
+    graphs, eager = GraphRunner(model, (1, 15)), GraphRunner(model, (1, 15), graphs=False)
+    graphs.run(ids, pos, slots, prefixes, trees, kv)  # capture (and a first replay)
+    ids = [(i + 1) % model.cfg.vocab_size for i in ids]  # new inputs, same bucket: a replay
+    got, ref = graphs.run(ids, pos, slots, prefixes, trees, kv), eager.run(ids, pos, slots, prefixes, trees, kv)
+    assert len(graphs.cache.entries) == 1
+    torch.testing.assert_close(got.hidden, ref.hidden, atol=1e-4, rtol=1e-4)
+    for l in (1, 15):
+        torch.testing.assert_close(got.captured[l], ref.captured[l], atol=1e-4, rtol=1e-4)
