@@ -33,7 +33,9 @@ EAGLE_LIKE_TREE = TreeShape(1, 2, 3, min_prob=0.1)
 # 1.21x vs 1.18x / 1.15x / 1.05x for the 4- / 5- / 7-chains
 SUFFIX_TREE = TreeShape(3, 1, 4)
 
-# medusa: PLACEHOLDER
+# medusa: one head forward drafts every depth (no draft step per level, unlike EAGLE-3 / MoA), so depth
+# costs only verify rows; heads 2-4 of the CPU-trained heads are rarely right (drafters/smollm2-medusa),
+# so three levels, two candidates each, six nodes, and min_prob 0.1 as for the other neural drafters
 MEDUSA_TREE = TreeShape(3, 2, 6, min_prob=0.1)
 
 
