@@ -269,6 +269,29 @@ def test_train_medusa_cli_parses(tmp_path):
     assert (args.train_fn, args.num_heads, args.draft_vocab_size, args.decay) == (train_medusa, 3, 8192, 0.8)
 
 
+def test_train_data_from_a_shard_directory(tmp_path):
+    """--data DIR of `moa-serve train pack`: its examples cut into --max-len windows, a seeded sample of them."""
+    import argparse
+
+    import numpy as np
+
+    from entrypoints.train import prepare_examples
+    from sglang_ext.training.shards import Packed, pack
+
+    g = np.random.default_rng(0)
+    items = [Packed(g.integers(0, 50, 30), np.arange(30) >= 10) for _ in range(5)]
+    pack(tmp_path / "shards", {"distill:x": iter(items)}, 64)
+    args = argparse.Namespace(
+        out=str(tmp_path / "run"), data=[str(tmp_path / "shards")], num_examples=7, max_len=12, seed=0, resume=False
+    )
+    exs = prepare_examples(args, tokenizer=None)  # shards need no tokenizer
+    assert len(exs) == 7 and all(len(e.input_ids) <= 12 and int(e.loss_mask.sum()) >= 2 for e in exs)
+    windows = {tuple(x.ids[s : s + 12].tolist()) for x in items for s in range(0, 30, 12)}
+    assert {tuple(e.input_ids.tolist()) for e in exs} <= windows
+    args.resume = True  # a resumed run reads the same examples back
+    assert [e.input_ids.tolist() for e in prepare_examples(args, None)] == [e.input_ids.tolist() for e in exs]
+
+
 # --- the engine: greedy identity and the sampled law -------------------------------------------
 @pytest.fixture(scope="module")
 def prompts(eval_prompts):
