@@ -2,6 +2,7 @@
 
     moa-serve train eagle3 --target smollm2 --data sharegpt --out runs/eagle3 [--resume]
     moa-serve train moa --tli 1 --target smollm2 --data sharegpt --out runs/moa-tli1 [--resume]
+    moa-serve train medusa --data runs/shards-distill --out runs/medusa [--resume]
 
 Wiring (entrypoints/cli.py): `add_train_parser(sub)` in build_parser and `handlers["train"] = cmd_train`.
 Also runnable as `python -m entrypoints.train train eagle3 ...`.
@@ -26,7 +27,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         choices=["auto", "bfloat16", "float32"],
         help="dtype of the (frozen) target run (auto: as for serving: fp32 on CPUs with our kernels)",
     )
-    p.add_argument("--data", action="append", required=True, help="'sharegpt' or a .json/.jsonl file (repeatable)")
+    p.add_argument(
+        "--data",
+        action="append",
+        required=True,
+        help="'sharegpt', a .json/.jsonl file or a token shard directory (`moa-serve train pack`); repeatable",
+    )
     p.add_argument("--out", required=True, help="output directory (checkpoints, logs, TensorBoard)")
     p.add_argument("--num-examples", type=int, default=2000, help="conversations to train on (seeded sample)")
     p.add_argument("--max-len", type=int, default=1024, help="tokens per conversation (longer ones are truncated)")
@@ -77,6 +83,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     kinds = t.add_subparsers(dest="draft_type", required=True)
     _add_eagle3_parser(kinds)
     _add_moa_parser(kinds)
+    _add_medusa_parser(kinds)
     _add_pack_parser(kinds)
     from entrypoints.train_job import add_job_args, cmd_job
 
@@ -152,6 +159,22 @@ def _add_moa_parser(kinds) -> None:
     m.set_defaults(train_fn=train_moa)
 
 
+def _add_medusa_parser(kinds) -> None:
+    m = kinds.add_parser(
+        "medusa", help="Medusa-1 heads over the target's last hidden state (the target's lm_head shared)"
+    )
+    _add_common(m)
+    m.add_argument("--num-heads", type=int, default=4, help="heads (head k drafts tree depth k+1)")
+    m.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=8192,
+        help="rows of the target lm_head the heads score (0: full vocab)",
+    )
+    m.add_argument("--decay", type=float, default=0.8, help="head k's loss weight is decay**k (Medusa: 0.8)")
+    m.set_defaults(train_fn=train_medusa)
+
+
 def _add_pack_parser(kinds) -> None:
     k = kinds.add_parser(
         "pack", help="pack conversations and the target's answers into token shards (what a GPU job carries)"
@@ -185,8 +208,21 @@ def prepare_examples(args, tokenizer):
         raw = torch.load(cache, weights_only=True)
         return [Example(i, m) for i, m in zip(raw["input_ids"], raw["loss_mask"])]
     exclude = eval_prompts()
-    convs = (c for src in args.data for c in open_conversations(src, exclude))
-    exs = build_examples(tokenizer, convs, args.num_examples, args.max_len, seed=args.seed)
+    shard_dirs = [src for src in args.data if (Path(src) / "manifest.json").is_file()]
+    convs = (c for src in args.data if src not in shard_dirs for c in open_conversations(src, exclude))
+    exs = (
+        build_examples(tokenizer, convs, args.num_examples, args.max_len, seed=args.seed)
+        if len(shard_dirs) < len(args.data)
+        else []
+    )
+    if shard_dirs:  # packed examples (eval prompts were left out when packing): a seeded sample of their windows
+        import random
+
+        from sglang_ext.training.shards import load_examples
+
+        packed = [e for d in shard_dirs for e in load_examples(d, args.max_len)]
+        random.Random(args.seed).shuffle(packed)
+        exs = (exs + packed)[: args.num_examples]
     cache.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"input_ids": [e.input_ids for e in exs], "loss_mask": [e.loss_mask for e in exs]}, cache)
     return exs
@@ -398,6 +434,47 @@ def train_moa(args) -> int:
         task,
         meta,
         f"MoA TLI={args.tli}, {n_params / 1e6:.1f}M trainable params, draft vocab covers {coverage:.4f}",
+        t0,
+    )
+
+
+def train_medusa(args) -> int:
+    from sglang_ext.models import load_target
+    from sglang_ext.models.eagle3 import vocab_from_counts
+    from sglang_ext.models.medusa import MedusaConfig, MedusaHeads, load_medusa
+    from sglang_ext.training.data import token_counts
+    from sglang_ext.training.medusa import MedusaTask
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    t0 = time.time()
+    target = load_target(args.target, dtype=args.target_dtype, device=_device(args))
+    if args.num_heads < 1:
+        raise SystemExit("--num-heads must be >= 1")
+    exs = prepare_examples(args, target.tokenizer)
+    counts = token_counts(exs, target.cfg.vocab_size)
+    if args.init_from:
+        heads = load_medusa(args.init_from, target.cfg)
+    else:
+        heads = MedusaHeads(MedusaConfig.for_target(target.cfg, args.num_heads, args.draft_vocab_size))
+        heads.set_vocab(vocab_from_counts(counts, heads.cfg.draft_vocab_size))
+    coverage = float(counts[heads.hot_ids].sum()) / max(1, int(counts.sum()))
+    heads = heads.to(target.model.device)
+    meta = {
+        "type": "medusa",
+        "init_from": args.init_from,
+        "num_heads": heads.cfg.num_heads,
+        "decay": args.decay,
+        "draft_vocab_coverage": round(coverage, 5),
+    }
+    n_params = sum(p.numel() for p in heads.parameters())
+    return _fit(
+        args,
+        target,
+        exs,
+        MedusaTask(target.model, heads, args.decay),
+        meta,
+        f"Medusa, {heads.cfg.num_heads} heads, {n_params / 1e6:.2f}M params, draft vocab covers {coverage:.4f}",
         t0,
     )
 

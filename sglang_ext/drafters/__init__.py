@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..models.checkpoint import EAGLE3, MOA, SUFFIX_CORPUS, checkpoint_kind
+from ..models.checkpoint import EAGLE3, MEDUSA, MOA, SUFFIX_CORPUS, checkpoint_kind
 from ..tree import TreeShape
 from .base import Drafter, DrafterError, DraftInput, TargetCapture
 from .draft_model import DraftModelDrafter
@@ -33,6 +33,11 @@ EAGLE_LIKE_TREE = TreeShape(1, 2, 3, min_prob=0.1)
 # for the 2- / 4-chains in another; again on a 2-core Xeon once 5-8 row verifies got cheaper:
 # 1.21x vs 1.18x / 1.15x / 1.05x for the 4- / 5- / 7-chains
 SUFFIX_TREE = TreeShape(3, 1, 4)
+
+# medusa: one head forward drafts every depth (no draft step per level, unlike EAGLE-3 / MoA), so depth
+# costs only verify rows; heads 2-4 of the CPU-trained heads are rarely right (drafters/smollm2-medusa),
+# so three levels, two candidates each, six nodes, and min_prob 0.1 as for the other neural drafters
+MEDUSA_TREE = TreeShape(3, 2, 6, min_prob=0.1)
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,12 @@ def _moa():
     return moa
 
 
+def _medusa():
+    from . import medusa
+
+    return medusa
+
+
 # name -> DrafterSpec; a factory taking `path` also builds from a checkpoint / corpus directory
 _REGISTRY: dict[str, DrafterSpec] = {
     "ngram": DrafterSpec(lambda target: NgramDrafter(), TreeShape(6, 2, 12)),
@@ -80,6 +91,7 @@ _REGISTRY: dict[str, DrafterSpec] = {
     ),
     "moa-tli0": DrafterSpec(lambda target: _moa().MoADrafter.from_target(target, name="moa-tli0"), EAGLE_LIKE_TREE),
     "moa-tli1": DrafterSpec(lambda target: _moa().MoADrafter.from_target(target, name="moa-tli1"), EAGLE_LIKE_TREE),
+    "medusa": DrafterSpec(lambda target, path=None: _medusa().MedusaDrafter.from_target(target, path), MEDUSA_TREE),
 }
 
 
@@ -128,7 +140,7 @@ def drafter_kind(name: str | None) -> str | None:
     if _lookahead().parse_spec(name) is not None:
         return "lookahead"  # lookahead-wW-nN
     # --drafter PATH: a corpus from `moa-serve build-corpus`, an EAGLE-3 or a MoA checkpoint directory
-    return {SUFFIX_CORPUS: "suffix", EAGLE3: "eagle3", MOA: "moa"}.get(checkpoint_kind(name))
+    return {SUFFIX_CORPUS: "suffix", EAGLE3: "eagle3", MOA: "moa", MEDUSA: "medusa"}.get(checkpoint_kind(name))
 
 
 def available_drafters() -> list[str]:

@@ -8,10 +8,10 @@ that a draft fits its target, and reads and writes the weights.
     pytorch_model.bin                                   read when there are no safetensors (SpecForge)
 
 Kinds (checkpoint_kind): "eagle3" (architectures name an Eagle3 model), "moa" (["MoADraftModel"]),
-"suffix-corpus" (`kind` written by `moa-serve build-corpus`). Every way a checkpoint cannot be
-loaded (no or malformed config.json, no weights, unexpected / missing / mis-shaped tensors, a draft
+"medusa" (["MedusaHeads"]), "suffix-corpus" (`kind` written by `moa-serve build-corpus`). Every way a
+checkpoint cannot be loaded (no or malformed config.json, no weights, unexpected / missing / mis-shaped tensors, a draft
 that does not fit its target) is one CheckpointError, a ValueError, whose message names the path or
-the field; the EAGLE-3 and MoA loaders and the SGLang plugin all raise it.
+the field; the EAGLE-3, MoA and Medusa loaders and the SGLang plugin all raise it.
 
 Shards keep every file of a shipped head under the size a GPU job can send back (16 MiB) and are
 what SGLang and transformers read. Reading follows the index when there is one, so stale files
@@ -33,7 +33,8 @@ BIN = "pytorch_model.bin"
 MAX_SHARD_BYTES = 15 * 2**20  # under the 16 MiB a GPU job may return per file
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
 MOA_ARCH = "MoADraftModel"
-EAGLE3, MOA, SUFFIX_CORPUS = "eagle3", "moa", "suffix-corpus"
+MEDUSA_ARCH = "MedusaHeads"
+EAGLE3, MOA, MEDUSA, SUFFIX_CORPUS = "eagle3", "moa", "medusa", "suffix-corpus"
 
 
 class CheckpointError(ValueError):
@@ -62,13 +63,15 @@ def read_config(path: str | Path) -> dict:
 
 
 def config_kind(cfg: dict) -> str | None:
-    """EAGLE3, MOA or SUFFIX_CORPUS for a config.json's contents; None for anything else."""
+    """EAGLE3, MOA, MEDUSA or SUFFIX_CORPUS for a config.json's contents; None for anything else."""
     if cfg.get("kind") == SUFFIX_CORPUS:
         return SUFFIX_CORPUS
     archs = cfg.get("architectures")
     archs = [a for a in archs if isinstance(a, str)] if isinstance(archs, list) else []
     if MOA_ARCH in archs:
         return MOA
+    if MEDUSA_ARCH in archs:
+        return MEDUSA
     if any("Eagle3" in a for a in archs):
         return EAGLE3
     return None
@@ -84,7 +87,7 @@ def checkpoint_kind(path: str | Path) -> str | None:
 
 # --- does a draft fit its target -------------------------------------------------------------------
 def fit_problems(draft, target) -> list[str]:
-    """Every way `draft` (an Eagle3Config or MoAConfig, told apart by `kind`) does not fit `target`
+    """Every way `draft` (an Eagle3Config, MoAConfig or MedusaConfig, told apart by `kind`) does not fit `target`
     (a LlamaConfig), each naming the draft's field and value and the target's field and value."""
     t = target
     same = [  # (draft field, its value, target field, its value)
@@ -117,7 +120,7 @@ def check_fits(draft, target, target_name: str = "the target") -> None:
     """CheckpointError listing every mismatch of `draft` against `target` (see fit_problems)."""
     problems = fit_problems(draft, target)
     if problems:
-        what = {EAGLE3: "EAGLE-3", MOA: "MoA"}[draft.kind]
+        what = {EAGLE3: "EAGLE-3", MOA: "MoA", MEDUSA: "Medusa"}[draft.kind]
         raise CheckpointError(f"{what} draft does not fit {target_name}: " + "; ".join(problems))
 
 
@@ -222,6 +225,8 @@ __all__ = [
     "EAGLE3_ARCH",
     "INDEX",
     "MAX_SHARD_BYTES",
+    "MEDUSA",
+    "MEDUSA_ARCH",
     "MOA",
     "MOA_ARCH",
     "SUFFIX_CORPUS",

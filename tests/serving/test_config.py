@@ -55,6 +55,7 @@ def test_registry_entries_carry_their_default_trees():
         "moa": EAGLE_LIKE,
         "moa-tli0": EAGLE_LIKE,
         "moa-tli1": EAGLE_LIKE,
+        "medusa": TreeShape(3, 2, 6, min_prob=0.1),
     }
     assert {name: spec.default_tree for name, spec in REGISTRY.items()} == expected
     assert {name: default_tree(name) for name in expected} == expected
