@@ -140,6 +140,12 @@ def tree_from_parents(
         par = parents.tolist()
         if par[0] != -1 or any(not 0 <= p < i for i, p in enumerate(par[1:], 1)):
             raise ValueError("tree parents must precede children and node 0 must be the root")
+    if n == 1:  # the root alone (a plain decode step): nothing to derive
+        none = torch.full((1,), -1, dtype=torch.long, device=dev)
+        mask = torch.ones(1, 1, dtype=torch.bool, device=dev)
+        return TokenTree(
+            tokens.long(), parents, none + 1 + seq_len, mask, none + 1 + batch_index, none, none.clone(), draft_probs
+        )
     if isinstance(unlinked, torch.Tensor):
         linked = ~to_device(unlinked.bool(), dev)
     else:

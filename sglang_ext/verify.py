@@ -171,6 +171,8 @@ def _accepted(tree: TokenTree, nodes: torch.Tensor, bonus: torch.Tensor) -> Acce
 def _target_path(tree: TokenTree, target: torch.Tensor) -> AcceptedPath:
     """The path where a child passes if it holds the target's token at its parent (target [N]: the
     token the target picks after each node); the bonus is the target's token at the last node."""
+    if tree.num_nodes == 1:  # the root alone: its token is the bonus
+        return AcceptedPath(torch.zeros_like(target), target)
     owner, rank = tree_lists(tree)
     ok = tree.draft_tokens == target[owner.clamp(min=0)]
     return _accepted(tree, path_in_tree(tree, first_passing_child(owner, rank, ok)), target)
