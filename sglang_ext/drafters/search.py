@@ -108,5 +108,5 @@ def _sample_chains(
         q = None
         if not d.params.greedy:
             q = torch.stack([torch.zeros_like(qs[i][0])] + qs[i])  # row 0 (root) unused
-        trees.append(chain_tree(d.token_ids[-1], drafts[i], d.seq_len, draft_probs=q))
+        trees.append(chain_tree(d.token_ids[-1], drafts[i], d.seq_len, draft_probs=q, device=root_logits.device))
     return trees
