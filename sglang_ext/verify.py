@@ -307,7 +307,9 @@ def sampling_path(
     uses u[c]) and one exponential race over the vocab for the bonus. So the samples for a seed differ
     from sampling_verify's (which draws per trial), the law does not (tests/sglang_ext/test_device_step.py: chi2).
     target_probs [N, V]: the target's processed distribution at each node; max_children: the most
-    children a node has, when known (a chain: 1; default N - 1): the rounds of sampled proposals."""
+    children a node has, when known (a chain: 1; default N - 1): the rounds of sampled proposals.
+    A root-only tree (a plain decode step) draws its bonus alone: torch.multinomial's draw of p.
+    A drafted token outside the vocabulary is never tried (as if unlinked)."""
     n, vocab = target_probs.shape
     if n == 1:  # the root alone: the bonus is drawn from p (multinomial's draw, no trial's numbers)
         bonus = draw(target_probs.float(), generator)
