@@ -20,7 +20,7 @@ from scipy.stats import chisquare
 
 from serving.config import EngineConfig
 from serving.engine import Engine
-from sglang_ext.attention import causal_mask, plan_attention
+from sglang_ext.attention import causal_mask, plan_attention, tree_attention_torch
 from sglang_ext.drafters import DraftModelDrafter
 from sglang_ext.grammar import Grammars, GrammarSpec, apply_bitmask, tree_bitmask
 from sglang_ext.models import LlamaModel, Target
@@ -228,7 +228,9 @@ def cuda_target():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     cfg = tiny_config()
-    return Target(model=LlamaModel(cfg, tiny_state(cfg, 3), device="cuda"), tokenizer=None, path=None)
+    # (the torch reference attention: this checks the sampling, not the kernel, on a head_dim of 8)
+    model = LlamaModel(cfg, tiny_state(cfg, 3), device="cuda", attention=tree_attention_torch)
+    return Target(model=model, tokenizer=None, path=None)
 
 
 @pytest.mark.gpu
