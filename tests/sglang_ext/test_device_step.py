@@ -30,7 +30,7 @@ from sglang_ext.device import to_device
 from sglang_ext.models.kv_pool import KVPool
 from sglang_ext.penalties import ban_early_stops, output_counts, penalize_tree, tree_output_counts
 from sglang_ext.sampling import SamplingParams, draw, greedy_tokens, logits_to_probs
-from sglang_ext.tree import TreeSearch, build_trees, chain_tree, tree_from_parents
+from sglang_ext.tree import TreeSearch, build_trees, chain_tree, root_tree, tree_from_parents
 from sglang_ext.verify import (
     AcceptedPath,
     coupled_path,
@@ -343,6 +343,16 @@ def test_sampling_path_certain_accept_and_zero_probability_draft():
     for seed in range(20):
         r = to_host([sampling_path(t, probs, torch.Generator().manual_seed(seed))])[0]
         assert r.tokens[0] in (1, 3) and r.num_accepted == 0
+
+
+def test_a_root_only_tree_samples_as_multinomial():
+    """A plain decode step's bonus is torch.multinomial's draw of the row, for the same generator state."""
+    gen = torch.Generator().manual_seed(9)
+    for seed in range(50):
+        p = torch.softmax(torch.randn(1, 40, generator=gen) * 2, -1)
+        got = to_host([sampling_path(root_tree(3, 17), p, torch.Generator().manual_seed(seed))])[0]
+        want = int(torch.multinomial(p[0], 1, generator=torch.Generator().manual_seed(seed)))
+        assert (got.accepted_nodes, got.tokens) == ([0], [want])
 
 
 def test_out_of_vocabulary_drafts_are_left_out_and_flagged():
