@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from sglang_ext.attention import causal_mask, plan_attention, prefix_and_tree_mask
+from sglang_ext.device import to_device, upload
 from sglang_ext.drafters import Drafter, DraftInput, TargetCapture, default_tree, make_drafter, resolve_drafter
 from sglang_ext.drafters.prediction import PredictionLookup
 from sglang_ext.grammar import Grammars, apply_bitmask, tree_bitmask
@@ -40,14 +41,14 @@ from sglang_ext.sampling import (
     InvalidRequest,
     SamplingParams,
     TokenLogprob,
+    draw,
     greedy_tokens,
     logits_to_probs,
-    sample,
-    seeded_sample,
+    seeded_token,
     token_logprobs,
 )
-from sglang_ext.tree import TokenTree, TreeShape, chain_tree
-from sglang_ext.verify import VerifyResult, coupled_verify, greedy_verify, sampling_verify
+from sglang_ext.tree import TokenTree, TreeShape, root_tree, trees_on
+from sglang_ext.verify import AcceptedPath, VerifyResult, coupled_path, greedy_path, sampling_path, to_host
 
 from .adaptive import CONFIDENT_FROM_BATCH, AdaptiveSpeculation
 from .config import EngineConfig
@@ -209,7 +210,7 @@ class Engine:
             raise InvalidRequest(
                 f"prompt has {len(prompt_ids)} tokens; the context limit is {self.max_context}", "messages"
             )
-        gen = None if params.greedy else params.generator()
+        gen = None if params.greedy else params.generator(self.model.device)  # draws on the target's device
         req = Request(next(self._ids), list(prompt_ids), params, gen)
         if params.grammar is not None:
             req.matcher = self.grammars.matcher(params.grammar)
@@ -291,14 +292,19 @@ class Engine:
         done) side by side.
         NOTE: one forward, not a prefill forward and a decode forward: the prompt rows share the pass
         over the weights with the decode rows (a step's fixed cost), and arrivals one or two at a time
-        (what speculation's uneven finishing gives) cost no more than arrivals in a group."""
+        (what speculation's uneven finishing gives) cost no more than arrivals in a group.
+        Device rule: everything up to the verified paths and first tokens runs on the target's device
+        and reads nothing back; `_to_host` then copies every request's result at once (the step's one
+        device-to-host copy) and the bookkeeping after it is host work. Logprobs (when asked) and
+        grammar masks (built by xgrammar on the host) add reads of their own."""
         t0 = time.perf_counter()
         option = self.policy.choose(len(reqs)) if self.policy and reqs else None
         shape = self.policy.options[option] if option is not None else self.tree
         if reqs:
             self.last_shape = shape if self.drafter is not None else None
         t_propose = time.perf_counter()
-        trees = self._propose(reqs, shape) if reqs else []
+        dev = self.model.device
+        trees = trees_on(self._propose(reqs, shape), dev) if reqs else []
         t_drafted = time.perf_counter()
         new_slots = [self.kv.alloc(t.num_nodes) for t in trees]
         ids, pos, slots, kv_lists, masks = [], [], [], [], []
@@ -319,15 +325,22 @@ class Engine:
                 slots.append(s)
                 kv_lists.append(torch.cat([r.slots, s]))
                 masks.append(causal_mask(end - r.prefilled, r.prefilled))
+            k = len(ids)
+            placed = upload(ids + pos + masks, dev)  # the prompts' ids and masks: one copy per dtype
+            ids, pos, masks = placed[:k], placed[k : 2 * k], placed[2 * k :]
+            # NOTE: a faulty drafter's token outside the vocabulary must not index past the embedding (on
+            # a GPU, a device-side assert); verification never accepts it (_verify_trees flags it)
+            top = self.model.cfg.vocab_size - 1
             g = self.graph_runner
             if g is not None and not chunks and g.can_run([t.num_nodes for t in trees], [len(r.slots) for r in reqs]):
+                ids = [x.clamp(0, top) for x in ids]
                 out = g.run(ids, pos, slots, [r.slots for r in reqs], [t.tree_mask for t in trees], self.kv)
             else:
                 out = self.model.forward(
-                    torch.cat(ids),
+                    torch.cat(ids).clamp_(0, top),
                     torch.cat(pos),
-                    torch.cat(slots),
-                    plan_attention(kv_lists, masks),
+                    to_device(torch.cat(slots), dev),
+                    plan_attention(kv_lists, masks, device=dev),
                     self.kv,
                     self.capture_layers,
                 )
@@ -340,12 +353,15 @@ class Engine:
         if chunks:  # (not on plain decode steps)
             ends = torch.tensor([end - r.prefilled for r, end in chunks], dtype=torch.long).cumsum(0) - 1 + tree_rows
             done = [i for i, (r, end) in enumerate(chunks) if end == len(r.prompt_ids)]
-            hidden = hidden[torch.cat([torch.arange(tree_rows), ends[done]])]
+            hidden = hidden[to_device(torch.cat([torch.arange(tree_rows), ends[done]]), hidden.device)]
         logits = (
             self.model.logits(hidden, fp32=False) if hidden.shape[0] else hidden.new_empty(0, 0)
         )  # (only chunks of unfinished prompts)
-        events = self._accept(reqs, trees, new_slots, out.captured, logits)
-        events += self._prefilled(chunks, chunk_slots, logits[tree_rows:], out, tree_rows)
+        paths = self._verify_trees(reqs, trees, logits)
+        firsts = self._first_tokens(chunks, logits[tree_rows:])
+        results = self._to_host(paths + firsts)  # the step's one device-to-host copy
+        events = self._accept(reqs, trees, new_slots, out.captured, logits, results[: len(reqs)])
+        events += self._prefilled(chunks, chunk_slots, logits[tree_rows:], out, tree_rows, results[len(reqs) :])
         if option is not None and not chunks:
             # NOTE: steps with a prompt in the forward are not measured: their seconds are not the trees'
             self.policy.observe(
@@ -360,18 +376,32 @@ class Engine:
             )
         return events
 
+    @staticmethod
+    def _to_host(items: list) -> list:
+        """The step's one device-to-host copy: each AcceptedPath in `items` as a VerifyResult, in place;
+        the other items (RequestFault, None, a host verifier's VerifyResult) as they are."""
+        done = iter(to_host([p for p in items if isinstance(p, AcceptedPath)]))
+        return [next(done) if isinstance(p, AcceptedPath) else p for p in items]
+
     def _prefilled(
-        self, chunks: list[tuple[Request, int]], chunk_slots: list[torch.Tensor], logits: torch.Tensor, out, start: int
+        self,
+        chunks: list[tuple[Request, int]],
+        chunk_slots: list[torch.Tensor],
+        logits: torch.Tensor,
+        out,
+        start: int,
+        firsts: list,
     ) -> list[StepEvent]:
         """Commit each prompt chunk (its rows of the forward `out` from `start` on, chunk after chunk); a
-        request whose prompt is now done samples its first token (logits: one row per such request,
-        in order) and starts drafting with the target's view of the whole prompt."""
+        request whose prompt is now done gets its first token (firsts: per chunk, from _first_tokens after
+        the step's copy; logits: one row per such request, in order) and starts drafting with the
+        target's view of the whole prompt."""
         events, done = [], iter(range(logits.shape[0]))
-        for (r, end), s in zip(chunks, chunk_slots):
+        for (r, end), s, first in zip(chunks, chunk_slots, firsts):
             n = end - r.prefilled
             row = next(done) if end == len(r.prompt_ids) else None
             try:
-                event = self._prefill_chunk(r, end, s, out, start, logits, row)
+                event = self._prefill_chunk(r, end, s, out, start, logits, row, first)
             except RequestFault as f:
                 event = self._fail(r, f)
             if event is not None:
@@ -380,46 +410,75 @@ class Engine:
         return events
 
     def _prefill_chunk(
-        self, r: Request, end: int, s: torch.Tensor, out, start: int, logits: torch.Tensor, row: int | None
+        self,
+        r: Request,
+        end: int,
+        s: torch.Tensor,
+        out,
+        start: int,
+        logits: torch.Tensor,
+        row: int | None,
+        first: VerifyResult | RequestFault | None,
     ) -> StepEvent | None:
         """One prompt chunk: prompt tokens [r.prefilled, end) on rows `start`.. of `out`, slots `s`;
-        row: the prompt's logits row once the prompt is done (then its first token), else None."""
-        first, n = r.prefilled, end - r.prefilled
+        row: the prompt's logits row once the prompt is done (then `first`: its first token), else None."""
+        first_pos, n = r.prefilled, end - r.prefilled
         r.slots = torch.cat([r.slots, s])  # the chunk's slots are the request's from here on (freed with it)
         r.prefilled = end
-        if r.params.prompt_logprobs is not None and (m := min(end, len(r.prompt_ids) - 1) - first) > 0:
+        if r.params.prompt_logprobs is not None and (m := min(end, len(r.prompt_ids) - 1) - first_pos) > 0:
             # chunk row j (position first + j) predicts prompt token first + j + 1; the last
             # prompt row predicts the first output token (sampled below), not a prompt token
             with _stage("logprobs"):
                 rows = self.model.logits(out.hidden[start : start + m], fp32=False)
-                tokens = r.prompt_ids[first + 1 : first + 1 + m]
-                r.prompt_logprobs += token_logprobs(rows, tokens, r.params.prompt_logprobs)
+                tokens = r.prompt_ids[first_pos + 1 : first_pos + 1 + m]
+                r.prompt_logprobs += token_logprobs(rows, tokens, r.params.prompt_logprobs)  # (a copy of its own)
         captured = out.captured
         if self.drafter is not None and captured:
             r.prompt_captured.append({l: h[start : start + n] for l, h in captured.items()})
         if row is None:
             return None
-        tok = self._sample(logits[row], r)
+        if isinstance(first, RequestFault):
+            raise first
+        tok = first.tokens[0]
         self.running.append(r)
         if self.drafter is not None:
             parts, r.prompt_captured = r.prompt_captured, []
             hidden = {l: torch.cat([p[l] for p in parts]) for l in captured} if parts else {}
-            cap = TargetCapture(r.prompt_ids, torch.arange(end), r.slots, hidden, self.kv)
+            cap = TargetCapture(r.prompt_ids, to_device(torch.arange(end), self.model.device), r.slots, hidden, self.kv)
             self._drafter_call(lambda: self.drafter.add_request(r.rid, cap), [r])
         r.t_first_token = time.perf_counter()
         new = self._append(r, [tok])
         prompt_lps = r.prompt_logprobs if r.params.prompt_logprobs is not None else None
         return StepEvent(r, new, 0, 0, self._logprobs(r, logits, [row], new), prompt_lps)
 
-    def _sample(self, logits: torch.Tensor, r: Request) -> int:
+    def _first_tokens(self, chunks: list[tuple[Request, int]], logits: torch.Tensor) -> list:
+        """Per chunk, on the device: a prompt done now gets its first token (an AcceptedPath, as a root-only
+        tree's; logits: one row per such prompt, in order), or the RequestFault of that; others None."""
+        out, rows = [], iter(range(logits.shape[0]))
+        for r, end in chunks:
+            if end < len(r.prompt_ids):
+                out.append(None)
+                continue
+            row = next(rows)
+            try:
+                out.append(self._sample(logits[row], r))
+            except RequestFault as f:
+                out.append(f)
+        return out
+
+    def _sample(self, logits: torch.Tensor, r: Request) -> AcceptedPath:
+        """The first output token from the prompt's last row [V], on its device (no host read)."""
         if self._context_dependent(r):  # the first token: a root-only tree, no path
-            logits = self._constrained(r, logits[None], chain_tree(0, [], 0))[0]
+            logits = self._constrained(r, logits[None], root_tree(0, 0, logits.device))[0]
         with _stage("sample"):
             if r.params.greedy:
-                return int(greedy_tokens(logits))
-            if r.params.seed is not None:
-                return seeded_sample(logits_to_probs(logits, r.params), r.params.seed, len(r.prompt_ids))
-            return sample(logits_to_probs(logits, r.params), r.generator)
+                tok = greedy_tokens(logits)
+            elif r.params.seed is not None:
+                tok = seeded_token(logits_to_probs(logits, r.params), r.params.seed, len(r.prompt_ids))
+            else:
+                tok = draw(logits_to_probs(logits, r.params), r.generator)  # torch.multinomial's draw
+            tok = tok.reshape(1)
+            return AcceptedPath(torch.zeros_like(tok), tok)
 
     def _fail(self, r: Request, fault: RequestFault) -> StepEvent:
         """End one request after a fault in its own stage; the step's other requests carry on."""
@@ -449,7 +508,8 @@ class Engine:
                 self.on_fallback(r, reason)
 
     def _propose(self, reqs: list[Request], shape: TreeShape | None) -> list[TokenTree]:
-        """One tree per request; root-only (a plain decode step) when not drafting."""
+        """One tree per request; root-only (a plain decode step) when not drafting. (A drafted token
+        outside the vocabulary is caught on the device: _verify_trees.)"""
         trees: dict[int, TokenTree] = {}
         drafting = [r for r in reqs if r.drafting and self.drafter is not None and shape is not None]
         inputs = [DraftInput(r.rid, r.token_ids, r.params, r.generator, r.reference) for r in drafting]
@@ -460,13 +520,25 @@ class Engine:
         if drafting:
             proposed = self._drafter_call(lambda: self.drafter.propose(inputs, shape), drafting)
             if proposed is not None:
-                vocab = self.model.cfg.vocab_size
-                for r, t in zip(drafting, proposed):
-                    if ((t.draft_tokens < 0) | (t.draft_tokens >= vocab)).any():
-                        self._fallback([r], "invalid_draft")
-                    else:
-                        trees[r.rid] = t
-        return [trees.get(r.rid) or chain_tree(r.output_ids[-1], [], len(r.slots)) for r in reqs]
+                trees.update((r.rid, t) for r, t in zip(drafting, proposed))
+        return [trees.get(r.rid) or root_tree(r.output_ids[-1], len(r.slots)) for r in reqs]
+
+    def _verify_trees(self, reqs: list[Request], trees: list[TokenTree], logits: torch.Tensor) -> list:
+        """Each request's accepted path on its rows of the logits, on the device (or the RequestFault of
+        its verification). A drafted tree's path carries whether the tree held a token outside the
+        vocabulary (never accepted; the request falls back to vanilla decoding after the step's copy)."""
+        out, start, vocab = [], 0, self.model.cfg.vocab_size
+        for r, t in zip(reqs, trees):
+            n = t.num_nodes
+            try:
+                path = self._verify(r, t, logits[start : start + n])
+            except RequestFault as f:
+                path = f
+            if n > 1 and isinstance(path, AcceptedPath):
+                path.draft_oov = ((t.draft_tokens < 0) | (t.draft_tokens >= vocab)).any()
+            out.append(path)
+            start += n
+        return out
 
     def _accept(
         self,
@@ -475,24 +547,30 @@ class Engine:
         new_slots: list[torch.Tensor],
         captured: dict,
         logits: torch.Tensor,
+        results: list,
     ) -> list[StepEvent]:
-        """Verify each request's tree on its rows of the logits; keep the accepted nodes' KV, free the rest.
-        A fault verifying one request fails that request alone (its tree's slots freed with it)."""
+        """After the step's copy (results: per request, a VerifyResult or the RequestFault of its
+        verification): keep the accepted nodes' KV, free the rest. A fault fails that request alone
+        (its tree's slots freed with it)."""
         events, start = [], 0
-        for r, t, s in zip(reqs, trees, new_slots):
+        for r, t, s, res in zip(reqs, trees, new_slots, results):
             n = t.num_nodes
             rows = logits[start : start + n]
             try:
-                res = self._verify(r, t, rows)
+                if isinstance(res, RequestFault):
+                    raise res
                 with _stage("verify"):
-                    rejected = torch.ones(n, dtype=torch.bool)
-                    rejected[res.accepted_nodes] = False
+                    # compaction by index: the path's slots join the request in path order (host slot ids,
+                    # no copy, no device read); list indices keep the shapes known on the host
                     keep = s[res.accepted_nodes]
+                    rejected = s[sorted(set(range(n)) - set(res.accepted_nodes))]
             except RequestFault as f:
                 self.kv.free(s)
                 events.append(self._fail(r, f))
             else:
-                self.kv.free(s[rejected])
+                if res.draft_oov:
+                    self._fallback([r], "invalid_draft")
+                self.kv.free(rejected)
                 r.slots = torch.cat([r.slots, keep])
                 tree_captured = {l: h[start : start + n] for l, h in captured.items()}
                 events.append(self._advance(r, t, res, keep, rows, tree_captured))
@@ -507,10 +585,11 @@ class Engine:
         n = t.num_nodes
         self._record(r, res, n - 1)
         if self.drafter is not None and r.drafting and self._drafter_commits:
-            nodes = torch.tensor(res.accepted_nodes)
+            nodes = to_device(torch.tensor(res.accepted_nodes), rows.device)  # (an upload: host -> device)
             hidden = {l: h[nodes] for l, h in captured.items()}
             argmax = greedy_tokens(rows) if getattr(self.drafter, "wants_tree_argmax", False) else None
-            cap = TargetCapture(t.draft_tokens[nodes].tolist(), t.positions[nodes], keep, hidden, self.kv, argmax)
+            tokens = [r.token_ids[-1]] + res.tokens[:-1]  # the root, then the accepted drafts: host values
+            cap = TargetCapture(tokens, t.positions[nodes], keep, hidden, self.kv, argmax)
             self._drafter_call(lambda: self.drafter.commit(r.rid, cap), [r])
         try:
             new = self._append(r, res.tokens)
@@ -520,7 +599,8 @@ class Engine:
             return self._fail(r, f)
 
     def _logprobs(self, r: Request, logits: torch.Tensor, rows: list[int], new: list[int]) -> list[TokenLogprob] | None:
-        """The new tokens' logprobs (rows: the logits row of each, in order), when the request asked."""
+        """The new tokens' logprobs (rows: the logits row of each, in order), when the request asked
+        (a device-to-host copy of their own, only then)."""
         if r.params.logprobs is None:
             return None
         with _stage("logprobs"):
@@ -534,7 +614,9 @@ class Engine:
 
     def _constrained(self, r: Request, logits: torch.Tensor, tree: TokenTree) -> torch.Tensor:
         """The tree's rows under the request's penalties, min_tokens, then its grammar, each node after
-        its own path. (Logprobs stay the raw ones: callers keep their rows.)"""
+        its own path. (Logprobs stay the raw ones: callers keep their rows.) Penalties and min_tokens are
+        device ops; the grammar's bitmask is built by xgrammar on the host from the tree's tokens (a
+        copy of its own, for requests with a grammar only)."""
         if r.params.penalized:
             with _stage("penalty"):
                 logits = penalize_tree(logits, r.params, r.prompt_ids, r.output_ids, tree)
@@ -546,16 +628,20 @@ class Engine:
                 logits = apply_bitmask(logits, tree_bitmask(r.matcher, tree, logits.shape[-1]))
         return logits
 
-    def _verify(self, r: Request, tree: TokenTree, logits: torch.Tensor) -> VerifyResult:
+    def _verify(self, r: Request, tree: TokenTree, logits: torch.Tensor) -> AcceptedPath | VerifyResult:
+        """The request's accepted path on its tree's rows of the logits, on their device, no host read.
+        (A subclass may verify on the host and return a VerifyResult; the step's copy passes it through.)"""
         if self._context_dependent(r):
             logits = self._constrained(r, logits, tree)
         with _stage("verify"):
             if r.params.greedy:
-                return greedy_verify(tree, greedy_tokens(logits))
-            probs = lambda node: logits_to_probs(logits[node], r.params)  # noqa: E731
+                return greedy_path(tree, greedy_tokens(logits))
+            probs = logits_to_probs(logits, r.params)
             if r.params.seed is not None:  # reproducible: plain seeded decoding's tokens, whatever was drafted
-                return coupled_verify(tree, probs, r.params.seed)
-            return sampling_verify(tree, probs, r.generator)
+                return coupled_path(tree, probs, r.params.seed, len(r.slots))  # the root's position
+            # a tree proposed under a shape gives a node at most shape.topk children (the sampled rounds)
+            shape = self.last_shape
+            return sampling_path(tree, probs, r.generator, shape.topk if shape is not None else None)
 
     def _record(self, r: Request, res: VerifyResult, drafted: int) -> None:
         st = r.stats

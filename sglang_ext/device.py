@@ -44,3 +44,15 @@ def upload(tensors: list[torch.Tensor | None], device: torch.device | str) -> li
             out[i] = flat[at : at + n].view(tensors[i].shape)
             at += n
     return out
+
+
+def module_on(module: torch.nn.Module, device: torch.device | str, dtype: torch.dtype) -> torch.nn.Module:
+    """The module with its weights and buffers on `device` in `dtype`, and its plain tensor attributes
+    (kept out of the buffers so that .to(dtype) leaves them alone, e.g. RoPE frequencies in fp32) on
+    `device` in their own dtype: a drafter beside its target, nothing left on the host."""
+    module = module.to(device=device, dtype=dtype)
+    for m in module.modules():
+        plain = {k: v for k, v in vars(m).items() if isinstance(v, torch.Tensor)}
+        for name, value in plain.items():
+            setattr(m, name, to_device(value, device))
+    return module

@@ -269,6 +269,12 @@ def position_gumbel(seed: int, position: int, vocab: int, device: torch.device |
     return -torch.log(-torch.log(u))
 
 
+def seeded_token(probs: torch.Tensor, seed: int, position: int) -> torch.Tensor:
+    """The token at `position` drawn from probs [V] with the (seed, position) noise: a 0-d int64 on
+    probs' device (no host read)."""
+    return (probs.log() + position_gumbel(seed, position, probs.shape[-1], probs.device)).argmax()
+
+
 def seeded_sample(probs: torch.Tensor, seed: int, position: int) -> int:
-    """The token at `position` drawn from probs [V] with the (seed, position) noise."""
-    return int((probs.log() + position_gumbel(seed, position, probs.shape[-1], probs.device)).argmax())
+    """seeded_token, read back to the host."""
+    return int(seeded_token(probs, seed, position))

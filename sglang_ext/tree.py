@@ -27,11 +27,11 @@ Layout (per request, what SGLang's build_tree_kernel_efficient produces, QLEN_ON
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
-from .device import to_device
+from .device import to_device, upload
 
 
 @dataclass(frozen=True)
@@ -145,6 +145,12 @@ def tree_from_parents(
         par = parents.tolist()
         if par[0] != -1 or any(not 0 <= p < i for i, p in enumerate(par[1:], 1)):
             raise ValueError("tree parents must precede children and node 0 must be the root")
+    if n == 1:  # the root alone (a plain decode step): nothing to derive
+        none = torch.full((1,), -1, dtype=torch.long, device=dev)
+        mask = torch.ones(1, 1, dtype=torch.bool, device=dev)
+        return TokenTree(
+            tokens.long(), parents, none + 1 + seq_len, mask, none + 1 + batch_index, none, none.clone(), draft_probs
+        )
     if isinstance(unlinked, torch.Tensor):
         linked = ~to_device(unlinked.bool(), dev)
     else:
@@ -195,6 +201,29 @@ def child_lists(parents: torch.Tensor, linked: torch.Tensor) -> tuple[torch.Tens
     later = (parents[None, :] == parents[:, None]) & (ar[None, :] > ar[:, None]) & linked[None, :]  # [i, sibling]
     sibling = torch.where(later, ar[None, :], n).amin(1)
     return torch.where(first < n, first, -1), torch.where((sibling < n) & linked, sibling, -1)
+
+
+def root_tree(token: int, seq_len: int, device: torch.device | str = "cpu") -> TokenTree:
+    """A root-only tree (a plain decode step) from a host int, on `device`: the layout is fixed, so
+    it is written out (no parents to check, nothing read)."""
+    tokens = to_device(torch.tensor([token], dtype=torch.long), device)
+    none = torch.full((1,), -1, dtype=torch.long, device=tokens.device)
+    mask = torch.ones(1, 1, dtype=torch.bool, device=tokens.device)
+    return TokenTree(tokens, none, none + 1 + seq_len, mask, none + 1, none.clone(), none.clone())
+
+
+def trees_on(trees: list[TokenTree], device: torch.device | str) -> list[TokenTree]:
+    """The trees with every tensor on `device`: a tree already there is returned as is; the others'
+    tensors (host-built lookup trees, root-only trees) go up in one copy per dtype for all of them."""
+    device = torch.device(device)
+    names = [f.name for f in fields(TokenTree)]
+    flat = [getattr(t, name) for t in trees for name in names]
+    placed = upload(flat, device)
+    k, out = len(names), []
+    for i, t in enumerate(trees):
+        mine = placed[i * k : (i + 1) * k]
+        out.append(t if all(a is b for a, b in zip(flat[i * k : (i + 1) * k], mine)) else TokenTree(*mine))
+    return out
 
 
 def chain_tree(root_token: int, draft: list[int], seq_len: int, draft_probs=None, device=None) -> TokenTree:

@@ -54,6 +54,7 @@ from .tree import TokenTree
 class VerifyResult:
     accepted_nodes: list[int]  # node indices on the accepted path, root (0) first
     tokens: list[int]  # accepted draft tokens followed by the bonus token
+    draft_oov: bool = False  # the tree held a token outside the vocabulary (AcceptedPath.draft_oov)
 
     @property
     def num_accepted(self) -> int:
@@ -66,20 +67,29 @@ class AcceptedPath:
 
     nodes: torch.Tensor  # [N] int64: node indices on the accepted path, root (0) first, then -1
     tokens: torch.Tensor  # [N] int64: the accepted draft tokens, then the bonus token, then -1
+    # [] bool, optional: the tree held a token outside the target's vocabulary (a faulty drafter). Such a
+    # token is never accepted, so the path stays right; the flag travels in the same copy, so the
+    # caller learns it without a read of its own.
+    draft_oov: torch.Tensor | None = None
 
 
 def to_host(paths: list[AcceptedPath]) -> list[VerifyResult]:
     """Every request's path in one device-to-host copy (the only host read of a verify step)."""
     if not paths:
         return []
-    flat = torch.cat([torch.cat([p.nodes, p.tokens]) for p in paths]).tolist()
+    parts = []
+    for p in paths:
+        parts += [p.nodes, p.tokens] + ([] if p.draft_oov is None else [p.draft_oov.reshape(1).long()])
+    flat = torch.cat(parts).tolist()
     out, at = [], 0
     for p in paths:
         n = p.nodes.numel()
         nodes, tokens = flat[at : at + n], flat[at + n : at + 2 * n]
         k = n - nodes.count(-1)
-        out.append(VerifyResult(nodes[:k], tokens[:k]))
         at += 2 * n
+        oov = p.draft_oov is not None and bool(flat[at])
+        at += p.draft_oov is not None
+        out.append(VerifyResult(nodes[:k], tokens[:k], oov))
     return out
 
 
@@ -171,6 +181,8 @@ def _accepted(tree: TokenTree, nodes: torch.Tensor, bonus: torch.Tensor) -> Acce
 def _target_path(tree: TokenTree, target: torch.Tensor) -> AcceptedPath:
     """The path where a child passes if it holds the target's token at its parent (target [N]: the
     token the target picks after each node); the bonus is the target's token at the last node."""
+    if tree.num_nodes == 1:  # the root alone: its token is the bonus
+        return AcceptedPath(torch.zeros_like(target), target)
     owner, rank = tree_lists(tree)
     ok = tree.draft_tokens == target[owner.clamp(min=0)]
     return _accepted(tree, path_in_tree(tree, first_passing_child(owner, rank, ok)), target)
@@ -295,16 +307,26 @@ def sampling_path(
     uses u[c]) and one exponential race over the vocab for the bonus. So the samples for a seed differ
     from sampling_verify's (which draws per trial), the law does not (tests/sglang_ext/test_device_step.py: chi2).
     target_probs [N, V]: the target's processed distribution at each node; max_children: the most
-    children a node has, when known (a chain: 1; default N - 1): the rounds of sampled proposals."""
-    n = target_probs.shape[0]
+    children a node has, when known (a chain: 1; default N - 1): the rounds of sampled proposals.
+    A root-only tree (a plain decode step) draws its bonus alone: torch.multinomial's draw of p.
+    A drafted token outside the vocabulary is never tried (as if unlinked)."""
+    n, vocab = target_probs.shape
+    if n == 1:  # the root alone: the bonus is drawn from p (multinomial's draw, no trial's numbers)
+        bonus = draw(target_probs.float(), generator)
+        return AcceptedPath(torch.zeros_like(bonus), bonus)
     p = target_probs.double()
     owner, rank = tree_lists(tree)
+    x = tree.draft_tokens
+    # a token outside the vocabulary (a faulty drafter) is left out of its parent's list: never tried,
+    # so it neither passes nor changes the residual (greedy and coupled paths never match it either)
+    owner = torch.where((x >= 0) & (x < vocab), owner, -1)
+    x = x.clamp(0, vocab - 1)
     u = torch.rand(n, generator=generator, dtype=torch.float64, device=p.device)
     if tree.draft_probs is None:
-        ok, residual = point_mass_trials(p, tree.draft_tokens, owner, rank, u)
+        ok, residual = point_mass_trials(p, x, owner, rank, u)
     else:
         rounds = n - 1 if max_children is None else max_children
-        ok, residual = sampled_trials(p, tree.draft_probs.double(), tree.draft_tokens, owner, rank, u, rounds)
+        ok, residual = sampled_trials(p, tree.draft_probs.double(), x, owner, rank, u, rounds)
     nodes = path_in_tree(tree, first_passing_child(owner, rank, ok))
     last = nodes.gather(0, ((nodes >= 0).sum() - 1).view(1))  # [1] the path's last node
     bonus = draw(residual(last).float(), generator)

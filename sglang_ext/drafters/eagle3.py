@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..attention import causal_mask, plan_attention, plan_frontier, tree_attention_cpu
+from ..device import module_on
 from ..kernels import attach_bf16_halves
 from ..models.checkpoint import CheckpointError, check_fits, has_config
 from ..models.eagle3 import Eagle3Draft, load_eagle3
@@ -61,8 +62,9 @@ class Eagle3Drafter:
         c = draft.cfg
         check_fits(c, target.cfg)
         self.target = target
-        self.draft = draft.to(target.dtype).eval()
-        attach_bf16_halves(self.draft)  # a bf16 checkpoint: its matmuls read half the bytes, same sums
+        self.draft = module_on(draft, target.device, target.dtype).eval()  # beside the target
+        if target.device.type == "cpu":  # (the CPU kernels' weights; a GPU runs the checkpoint's dtype)
+            attach_bf16_halves(self.draft)  # a bf16 checkpoint: its matmuls read half the bytes, same sums
         self.capture_layers = tuple(c.aux_layers)
         self.kv = KVPool(1, num_slots, c.num_kv_heads, c.head_dim, target.dtype, target.device)
         self.hot_ids = self.draft.hot_ids

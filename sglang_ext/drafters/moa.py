@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ..attention import plan_frontier, tree_attention_cpu
+from ..device import module_on
 from ..kernels import attach_bf16_halves, attach_packed_rows
 from ..models.checkpoint import CheckpointError, check_fits, has_config
 from ..models.graph_runner import FrontierRunner, static_attention, with_static_attention
@@ -91,8 +92,9 @@ class MoADrafter:
         check_fits(c, target.cfg)
         self.name = name
         self.target = target
-        self.draft = draft.to(target.dtype).eval()
-        attach_bf16_halves(self.draft)  # a bf16 checkpoint: its matmuls read half the bytes, same sums
+        self.draft = module_on(draft, target.device, target.dtype).eval()  # beside the target
+        if target.device.type == "cpu":  # (the CPU kernels' weights; a GPU runs the checkpoint's dtype)
+            attach_bf16_halves(self.draft)  # a bf16 checkpoint: its matmuls read half the bytes, same sums
         self.cfg = c
         self.mem = KVPool(1, num_slots, c.num_kv_heads, c.head_dim, target.dtype, target.device)
         self.sa = KVPool(1, num_slots, c.num_kv_heads, c.head_dim, target.dtype, target.device)

@@ -108,7 +108,8 @@ def _sample_chains(
         q = None
         if not d.params.greedy:
             q = torch.stack([torch.zeros_like(qs[i][0])] + qs[i])  # row 0 (root) unused
-        tree = chain_tree(d.token_ids[-1], drafts[i], d.seq_len, draft_probs=q)
+        tree = chain_tree(d.token_ids[-1], drafts[i], d.seq_len, draft_probs=q, device=root_logits.device)
+        # the merged drafter's ranking reads scores on the host (merges are built there)
         tree.scores = torch.tensor([1.0] + [float(qs[i][k][x]) for k, x in enumerate(drafts[i])]).cumprod(0)
         trees.append(tree)
     return trees

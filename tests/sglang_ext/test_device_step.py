@@ -15,6 +15,8 @@ same test must fail without the residual's renormalization. The `gpu` tests run 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from helpers import smollm2_config
@@ -28,8 +30,9 @@ from sglang_ext.device import to_device
 from sglang_ext.models.kv_pool import KVPool
 from sglang_ext.penalties import ban_early_stops, output_counts, penalize_tree, tree_output_counts
 from sglang_ext.sampling import SamplingParams, draw, greedy_tokens, logits_to_probs
-from sglang_ext.tree import TreeSearch, build_trees, chain_tree, tree_from_parents
+from sglang_ext.tree import TreeSearch, build_trees, chain_tree, root_tree, tree_from_parents
 from sglang_ext.verify import (
+    AcceptedPath,
     coupled_path,
     coupled_verify,
     greedy_path,
@@ -340,6 +343,39 @@ def test_sampling_path_certain_accept_and_zero_probability_draft():
     for seed in range(20):
         r = to_host([sampling_path(t, probs, torch.Generator().manual_seed(seed))])[0]
         assert r.tokens[0] in (1, 3) and r.num_accepted == 0
+
+
+def test_a_root_only_tree_samples_as_multinomial():
+    """A plain decode step's bonus is torch.multinomial's draw of the row, for the same generator state."""
+    gen = torch.Generator().manual_seed(9)
+    for seed in range(50):
+        p = torch.softmax(torch.randn(1, 40, generator=gen) * 2, -1)
+        got = to_host([sampling_path(root_tree(3, 17), p, torch.Generator().manual_seed(seed))])[0]
+        want = int(torch.multinomial(p[0], 1, generator=torch.Generator().manual_seed(seed)))
+        assert (got.accepted_nodes, got.tokens) == ([0], [want])
+
+
+def test_out_of_vocabulary_drafts_are_left_out_and_flagged():
+    """A faulty drafter's token outside the vocabulary: sampling_path treats its node as unlinked (the same
+    draws, so the same result as the tree without it), greedy and coupled paths never accept it, and
+    to_host brings the tree's flag in the same copy."""
+    gen = torch.Generator().manual_seed(8)
+    for trial in range(60):
+        n = int(torch.randint(2, 14, (), generator=gen))
+        tree = random_tree(n, gen, vocab=6, seq_len=4)
+        bad = torch.rand(n, generator=gen) < 0.3
+        bad[0] = False
+        oov = replace(tree, draft_tokens=torch.where(bad, torch.where(bad.roll(1), -3, 6), tree.draft_tokens))
+        unlinked = tree_from_parents(tree.draft_tokens, tree.parents, 4, unlinked=bad)
+        probs = torch.softmax(torch.randn(n, 6, generator=gen) * 2, -1)
+        for seed in range(3):
+            got = sampling_path(oov, probs, torch.Generator().manual_seed(seed))
+            want = sampling_path(unlinked, probs, torch.Generator().manual_seed(seed))
+            assert to_host([got]) == to_host([want]), trial
+        for path in (greedy_path(oov, probs.argmax(-1)), coupled_path(oov, probs, trial, 4)):
+            assert not bad[to_host([path])[0].accepted_nodes].any(), trial
+    flags = [AcceptedPath(torch.tensor([0, -1]), torch.tensor([5, -1]), torch.tensor(f)) for f in (True, False)]
+    assert [r.draft_oov for r in to_host(flags + [greedy_path(oov, probs.argmax(-1))])] == [True, False, False]
 
 
 # --- a verify step on fake CUDA tensors ------------------------------------------------------------

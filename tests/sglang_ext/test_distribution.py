@@ -15,14 +15,15 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import tiny_target
+from helpers import tiny_config, tiny_state, tiny_target
 from scipy.stats import chisquare
 
 from serving.config import EngineConfig
 from serving.engine import Engine
-from sglang_ext.attention import causal_mask, plan_attention
+from sglang_ext.attention import causal_mask, plan_attention, tree_attention_torch
 from sglang_ext.drafters import DraftModelDrafter
 from sglang_ext.grammar import Grammars, GrammarSpec, apply_bitmask, tree_bitmask
+from sglang_ext.models import LlamaModel, Target
 from sglang_ext.penalties import output_counts, penalize
 from sglang_ext.sampling import SamplingParams, logits_to_probs
 from sglang_ext.tree import TreeShape, chain_tree
@@ -45,7 +46,7 @@ def next_probs(model, seqs, params):
     logits = model.logits(out.hidden[last])
     if params.penalized:
         v = logits.shape[-1]
-        counts = torch.stack([output_counts(s[len(PROMPT) :], v) for s in seqs])
+        counts = torch.stack([output_counts(s[len(PROMPT) :], v, logits.device) for s in seqs])
         logits = penalize(logits, params, counts, PROMPT)
     if len(seqs[0]) - len(PROMPT) < params.min_tokens:  # the next token is output token number len(output)
         logits[:, list(params.stop_token_ids)] = float("-inf")
@@ -119,7 +120,9 @@ class RootOnlyMinTokens(Engine):
         return sampling_verify(tree, lambda node: logits_to_probs(logits[node], r.params), r.generator)
 
 
-def sample_t2_t3(engine_cls, target, shape, params):
+def sample_t2_t3(engine_cls, target, shape, params, seeded=True):
+    """seeded: request i has seed i (coupled verification); else no seed (speculative sampling on the
+    device), its generator seeded with i on the target's device so that the test is reproducible."""
     drafter = DraftModelDrafter.self_draft(target.model, layers=[0], num_slots=SAMPLES * 16)
     fallbacks = []
     eng = engine_cls(
@@ -129,7 +132,14 @@ def sample_t2_t3(engine_cls, target, shape, params):
         on_fallback=lambda r, why: fallbacks.append(why),
     )
     eng.grammars = GRAMMARS
-    reqs = eng.generate([PROMPT] * SAMPLES, [replace(params, max_new_tokens=3, seed=i) for i in range(SAMPLES)])
+    if seeded:
+        reqs = eng.generate([PROMPT] * SAMPLES, [replace(params, max_new_tokens=3, seed=i) for i in range(SAMPLES)])
+    else:
+        reqs = [eng.add_request(PROMPT, replace(params, max_new_tokens=3)) for _ in range(SAMPLES)]
+        for i, r in enumerate(reqs):
+            r.generator = torch.Generator(target.model.device).manual_seed(i)
+        while eng.has_work:
+            eng.step()
     v = target.cfg.vocab_size
     counts = torch.zeros(v, v, dtype=torch.float64)
     for r in reqs:
@@ -183,6 +193,16 @@ def test_speculative_sampling_matches_target(target, shape, pname):
     assert chi2_pvalue(counts, expected) > 1e-3
 
 
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+def test_unseeded_speculative_sampling_matches_target(target, shape):
+    """Requests without a seed: speculative sampling on the device (sampling_path; sampled chains for
+    the chain shape, point-mass top-k trees for the tree shape)."""
+    params = PARAMS["T1.0-top_p0.9"]
+    counts, accepted = sample_t2_t3(Engine, target, SHAPES[shape], params, seeded=False)
+    assert accepted > SAMPLES * 0.3, "the drafter must get drafts accepted or the test proves nothing"
+    assert chi2_pvalue(counts, exact_joint_t2_t3(target.model, params)) > 1e-3
+
+
 BROKEN = {  # each wrong in its own way; the same test must catch each
     "accept-everything": (AcceptEverything, "T0.7"),
     "committed-output-penalties": (CommittedOutputPenalties, "T1.0-penalties"),
@@ -198,3 +218,33 @@ def test_broken_verifiers_fail_the_same_test(target, shape, broken):
     expected = exact_joint_t2_t3(target.model, PARAMS[pname])
     counts, _ = sample_t2_t3(engine_cls, target, SHAPES[shape], PARAMS[pname])
     assert chi2_pvalue(counts, expected) < 1e-6
+
+
+# --- the same on a real GPU (skipped without CUDA) --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cuda_target():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    cfg = tiny_config()
+    # (the torch reference attention: this checks the sampling, not the kernel, on a head_dim of 8)
+    model = LlamaModel(cfg, tiny_state(cfg, 3), device="cuda", attention=tree_attention_torch)
+    return Target(model=model, tokenizer=None, path=None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seeded", [True, False], ids=["seeded", "unseeded"])
+@pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
+@pytest.mark.parametrize("pname", ["T0.7", "T1.0-penalties"])
+def test_gpu_speculative_sampling_matches_target(cuda_target, shape, pname, seeded):
+    """The engine on CUDA (the target, drafter, verification and sampling there): the same law, and a
+    broken verifier still fails it."""
+    params = PARAMS[pname]
+    expected = exact_joint_t2_t3(cuda_target.model, params).cpu()
+    counts, accepted = sample_t2_t3(Engine, cuda_target, SHAPES[shape], params, seeded)
+    assert accepted > SAMPLES * 0.3
+    assert chi2_pvalue(counts, expected) > 1e-3
+    if seeded and pname == "T0.7":
+        broken, _ = sample_t2_t3(AcceptEverything, cuda_target, SHAPES[shape], params)
+        assert chi2_pvalue(broken, expected) < 1e-6

@@ -1,0 +1,106 @@
+"""The engine on a real GPU (`gpu` marker: skipped without CUDA), SmolLM2-135M in bf16 as served there.
+
+- Greedy identity: every registered drafter, bs 1 and 4, against vanilla decoding in the same dtype on
+  the same device. bf16 rounds the verify forward (N rows) and a decode (1 row) differently, so a
+  divergence is excused only at a numerical tie of the target, here within BF16_TIE of its top-2 logits
+  (fp32 on a CPU: 1e-3); the ties are counted and must stay a minority.
+- One device-to-host copy per engine step on the device: CUDA's sync debug mode counts every
+  synchronizing call while a vanilla and a drafted step run.
+The chi-square law of the engine's sampling on CUDA is in tests/sglang_ext/test_distribution.py, and
+Triton vs the torch reference attention on CUDA in tests/sglang_ext/test_device_step.py.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from helpers import compare_to_reference
+
+from serving.config import EngineConfig
+from serving.engine import Engine, build_engine
+from sglang_ext.drafters import available_drafters, default_tree
+from sglang_ext.evalsets import load_eval_set
+from sglang_ext.models.checkpoint import CheckpointError
+from sglang_ext.sampling import SamplingParams
+
+pytestmark = pytest.mark.gpu
+
+NEW_TOKENS = 32
+BF16_TIE = 0.5  # bf16 logits of SmolLM2 (|x| ~ 10-30) are spaced 0.06-0.125 apart; orders of summation differ
+DRAFTERS = [n for n in available_drafters() if n not in ("none", "auto") and n.replace("-", "").isalnum()]
+
+
+@pytest.fixture(scope="module")
+def cuda_target():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from sglang_ext.models import load_target
+
+    return load_target("smollm2", dtype="bfloat16", device="cuda")
+
+
+@pytest.fixture(scope="module")
+def prompts(cuda_target):
+    texts = load_eval_set("builtin")[1][:8]
+    return [cuda_target.encode_chat([{"role": "user", "content": t[:600]}]) for t in texts]
+
+
+@pytest.fixture(scope="module")
+def vanilla(cuda_target, prompts):
+    eng = Engine(cuda_target, None)
+    return [eng.generate([p], SamplingParams(max_new_tokens=NEW_TOKENS))[0].output_ids for p in prompts]
+
+
+def _engine(target, name: str) -> Engine:
+    try:
+        return build_engine(EngineConfig(drafter=name, tree=default_tree(name), adaptive=False), target=target)
+    except CheckpointError as e:  # a model drafter without its checkpoint on this machine
+        pytest.skip(str(e))
+
+
+@pytest.mark.parametrize("bs", [1, 4])
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_gpu_greedy_identity(cuda_target, prompts, vanilla, drafter, bs):
+    eng = _engine(cuda_target, drafter)
+    assert eng.drafter is not None and eng.kv.device.type == "cuda"
+    outs = []
+    for i in range(0, len(prompts), bs):
+        reqs = eng.generate(prompts[i : i + bs], SamplingParams(max_new_tokens=NEW_TOKENS))
+        outs += [r.output_ids for r in reqs]
+    model = cuda_target.model
+    verdicts = [compare_to_reference(model, p, r, o, BF16_TIE) for p, r, o in zip(prompts, vanilla, outs)]
+    print(f"{drafter}/bs{bs}: {verdicts.count('same')} same, {verdicts.count('tie')} ties, {verdicts}")
+    assert "bug" not in verdicts, f"{drafter}/bs{bs}: output differs from vanilla away from a numerical tie"
+    assert verdicts.count("tie") <= len(prompts) // 4, "too many ties: the comparison would prove little"
+    assert eng.kv.num_free == eng.kv.num_slots - 1, "KV slots leaked"
+
+
+def _syncs_per_step(eng: Engine, steps: int) -> list[int]:
+    """The synchronizing CUDA calls of each of `steps` engine steps (sync debug mode 'warn')."""
+    counts = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                eng.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts.append(sum("synchronizing" in str(w.message) for w in seen))
+    return counts
+
+
+@pytest.mark.parametrize("drafter", [None, "ngram"])
+def test_gpu_a_greedy_step_synchronizes_once(cuda_target, prompts, drafter):
+    """After the prefill, each decode step of a batch of 4 greedy requests makes one synchronizing call:
+    the copy of the accepted paths (lookup trees are built on the host and go up in one queued copy)."""
+    eng = Engine(cuda_target, None) if drafter is None else _engine(cuda_target, drafter)
+    for p in prompts[:4]:
+        eng.add_request(p, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+    eng.step()  # the prefill
+    assert _syncs_per_step(eng, 6) == [1] * 6
+    while eng.has_work:
+        eng.step()

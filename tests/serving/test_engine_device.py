@@ -1,0 +1,137 @@
+"""Engine.step on an accelerator, checked on the CPU: the step's one device-to-host copy.
+
+The engine runs on fake CUDA tensors (FakeTensorMode) at SmolLM2's widths (4 layers) with random weights: any host
+read of a device value (`.item()`, `int(t)`, `bool(t)`, `.tolist()`, a boolean-mask gather, `nonzero`)
+raises there, and so does any CPU tensor mixed into device math. Fake tensors hold no values, so the
+one copy the engine is allowed, `verify.to_host` (the accepted paths and first tokens of every request,
+at once), is the single stand-in: it checks that what it is given lives on the device, counts its
+calls, and answers plausible paths so that the host bookkeeping after it runs too. A read added
+anywhere in the step (an `int(tensor)` in the loop, a per-request copy) makes a request fail in its
+stage or the step raise, and the test fails; so does a second copy per step.
+
+Covered: prefill (whole and chunked) with first tokens, arrivals in the decode forward, greedy,
+seeded and unseeded sampling, penalties + min_tokens, root-only and drafted trees (a test drafter
+that drafts on the device without reading it, with an out-of-vocabulary token in one tree), the
+drafter's commit. Not covered here (a copy of their own, documented in the engine): logprobs and
+grammar masks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from helpers import smollm2_config
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import serving.engine as engine_mod
+from serving.config import EngineConfig
+from serving.engine import Engine
+from sglang_ext import sampling
+from sglang_ext.attention import tree_attention_torch
+from sglang_ext.models import Target
+from sglang_ext.sampling import SamplingParams
+from sglang_ext.tree import TreeShape, chain_tree
+from sglang_ext.verify import VerifyResult
+
+DRAFT = [5, 9]  # the test drafter's chain after every root
+OOV_EVERY = 3  # every 3rd propose drafts a token outside the vocabulary for its first request
+
+
+class DeviceChainDrafter:
+    """Drafts DRAFT after every root, built on the target's device from host ints (no device read);
+    records where the commits' tensors live."""
+
+    name, capture_layers = "device-chain", (3,)
+
+    def __init__(self, device: str, vocab: int):
+        self.device, self.vocab, self.proposals, self.commits = device, vocab, 0, []
+
+    def add_request(self, rid, capture):
+        self.commits.append(capture)
+
+    def propose(self, batch, shape):
+        self.proposals += 1
+        trees = []
+        for i, d in enumerate(batch):
+            draft = [self.vocab + 7, 9] if i == 0 and self.proposals % OOV_EVERY == 0 else DRAFT
+            trees.append(chain_tree(d.token_ids[-1], draft, d.seq_len, device=self.device))
+        return trees
+
+    def commit(self, rid, capture):
+        self.commits.append(capture)
+
+    def remove_request(self, rid):
+        pass
+
+
+class OneCopy:
+    """Stands in for verify.to_host under fake tensors: counts the calls, checks the paths are on the
+    device, and answers: a drafted chain's first draft accepted (DRAFT[0], then a bonus), else the root
+    alone with a bonus."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, paths):
+        self.calls += 1
+        out = []
+        for p in paths:
+            assert p.nodes.device.type == p.tokens.device.type == "cuda"
+            n = p.nodes.numel()
+            if n > 1:
+                assert p.draft_oov is not None and p.draft_oov.device.type == "cuda"
+                out.append(VerifyResult([0, 1], [DRAFT[0], 11]))
+            else:
+                out.append(VerifyResult([0], [11]))
+        return out
+
+
+PARAMS = [
+    SamplingParams(max_new_tokens=6),
+    SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9, seed=3),
+    SamplingParams(max_new_tokens=6, temperature=1.0, top_k=50),
+    SamplingParams(max_new_tokens=6, presence_penalty=0.5, repetition_penalty=1.2, min_tokens=4, stop_token_ids=(4,)),
+]
+
+
+@pytest.mark.parametrize("drafted", [False, True], ids=["vanilla", "drafted"])
+def test_an_engine_step_makes_one_device_to_host_copy(monkeypatch, drafted):
+    # NOTE: a CUDA generator needs a CUDA runtime, and fake tensors draw from no generator at all: the
+    # requests get None (the default stream); what is drawn is irrelevant here, fake tensors hold no values
+    monkeypatch.setattr(sampling, "device_generator", lambda seed, device="cpu": None)
+    copy = OneCopy()
+    monkeypatch.setattr(engine_mod, "to_host", copy)
+    fallbacks = []
+    cfg = replace(smollm2_config(), num_layers=4)  # SmolLM2's widths and vocabulary, fewer layers
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        from sglang_ext.training import job as job_mod
+
+        model = job_mod.random_target(cfg, "cuda")
+        model.attention = tree_attention_torch  # (the Triton kernel needs a real GPU)
+        drafter = DeviceChainDrafter("cuda", cfg.vocab_size) if drafted else None
+        config = EngineConfig(kv_slots=4096, prefill_tokens=24, tree=TreeShape.chain(2), adaptive=False)
+        eng = Engine(Target(model, None, None), drafter, config, on_fallback=lambda r, why: fallbacks.append(why))
+        prompts = [list(range(10, 10 + n)) for n in (9, 30, 5)]  # 30 > prefill_tokens: chunked
+        reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, PARAMS)]
+        steps = 0
+        while eng.has_work:
+            if steps == 2:  # an arrival while the others decode: prefilled in their forward
+                reqs.append(eng.add_request(list(range(40, 52)), PARAMS[3]))
+            before = copy.calls
+            events = eng.step()
+            steps += 1
+            assert copy.calls - before == (1 if any(e.new_tokens for e in events) else 0), steps
+            assert steps < 40
+    errors = [(r.rid, r.error) for r in reqs if r.finish_reason == "error"]
+    assert not errors, f"a stage read the device or mixed devices: {errors}"
+    assert all(r.finish_reason == "length" and len(r.output_ids) == 6 for r in reqs)
+    # (the OOV tree's flag reaches the host through the copy, which the stand-in answers with False;
+    # tests/serving/test_gateway_errors.py checks that fallback with real values)
+    assert not fallbacks
+    if drafted:
+        assert drafter.commits and all(
+            c.positions.device.type == "cuda" and all(h.device.type == "cuda" for h in c.hidden.values())
+            for c in drafter.commits
+        )
+        assert sum(r.stats.accepted_tokens for r in reqs) > 0
