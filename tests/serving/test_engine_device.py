@@ -110,7 +110,10 @@ def test_an_engine_step_makes_one_device_to_host_copy(monkeypatch, drafted):
         model = job_mod.random_target(cfg, "cuda")
         model.attention = tree_attention_torch  # (the Triton kernel needs a real GPU)
         drafter = DeviceChainDrafter("cuda", cfg.vocab_size) if drafted else None
-        config = EngineConfig(kv_slots=4096, prefill_tokens=24, tree=TreeShape.chain(2), adaptive=False)
+        # (capturing a CUDA graph needs a real GPU: this proves the eager step; gpu tests cover replay)
+        config = EngineConfig(
+            kv_slots=4096, prefill_tokens=24, tree=TreeShape.chain(2), adaptive=False, cuda_graphs=False
+        )
         eng = Engine(Target(model, None, None), drafter, config, on_fallback=lambda r, why: fallbacks.append(why))
         prompts = [list(range(10, 10 + n)) for n in (9, 30, 5)]  # 30 > prefill_tokens: chunked
         reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, PARAMS)]
