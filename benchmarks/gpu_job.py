@@ -37,10 +37,17 @@ import torch
 from benchmarks.bench import MethodResult, add_runner, bench_drafter, engine_runner, markdown_table, run_interleaved
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_METHODS = ("ngram", "suffix", "eagle3", "moa")
+DEFAULT_METHODS = ("ngram", "suffix", "lookahead", "eagle3", "moa", "medusa", "suffix+eagle3")
 # On a GPU a verify of tens of tree nodes costs about one decode (../shared/notes/gpu.md), so drafters
 # draft deeper and wider trees there than their registry defaults, which are tuned for a 2-core CPU.
-GPU_TREES = {"ngram": "6,2,12", "suffix": "8,3,24", "eagle3": "6,4,24", "moa": "6,4,24"}
+GPU_TREES = {
+    "ngram": "6,2,12",
+    "suffix": "8,3,24",
+    "eagle3": "6,4,24",
+    "moa": "6,4,24",
+    "medusa": "4,4,16",
+    "suffix+eagle3": "8,4,32",
+}
 SMOKE_VOCAB = 256  # the smoke target reads prompts as UTF-8 bytes
 SMOKE_PROMPT_TOKENS = 32
 # the issue's bars (GPU engine issue): (value key, threshold, rule)

@@ -9,7 +9,7 @@
 # drafters (tracked: eagle3 19.8, moa-tli0 17.2, moa-tli1 17.2, suffix 0.7 MB); the target's GGUF is
 # 98 MB, 90.4 MB xz'd. So `hide-drafters` takes drafters/ out of the tree (moved aside and out of the
 # index: the tree is then ~2.2 MB), and what the job needs travels as carry: the xz'd GGUF and the
-# three drafters it runs (eagle3, moa-tli1, suffix; 26.7 MB as tar.xz), one payload split in two
+# four drafters it runs (eagle3, moa-tli1, suffix, medusa; ~29 MB as tar.xz), one payload split in two
 # halves of ~58.6 MB, one per command (~61 MB each with the tree). The first half waits in /tmp on the
 # machine, which keeps it while the machine stays warm (30 s after a command: send the second command
 # at once, nothing in between); `run` joins the halves, puts the drafters back into its copy of the
@@ -30,7 +30,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-python3}                    # the device machine's Python
 HERE_PY=${HERE_PY:-.venv/bin/python} # this machine's (prepare, budget)
 GGUF_NAME=SmolLM2-135M-Instruct.Q4_1.gguf
-DRAFTERS="drafters/smollm2-eagle3 drafters/smollm2-moa-tli1 drafters/smollm2-suffix"
+DRAFTERS="drafters/smollm2-eagle3 drafters/smollm2-moa-tli1 drafters/smollm2-suffix drafters/smollm2-medusa"
 S=stage/engine
 MACHINE_STAGE=/tmp/moa-engine-stage
 LIMIT=$((64 * 1024 * 1024))

@@ -149,7 +149,15 @@ def tree_from_parents(
         none = torch.full((1,), -1, dtype=torch.long, device=dev)
         mask = torch.ones(1, 1, dtype=torch.bool, device=dev)
         return TokenTree(
-            tokens.long(), parents, none + 1 + seq_len, mask, none + 1 + batch_index, none, none.clone(), draft_probs, scores
+            tokens.long(),
+            parents,
+            none + 1 + seq_len,
+            mask,
+            none + 1 + batch_index,
+            none,
+            none.clone(),
+            draft_probs,
+            scores,
         )
     if isinstance(unlinked, torch.Tensor):
         linked = ~to_device(unlinked.bool(), dev)

@@ -67,26 +67,37 @@ def test_smoke_job_end_to_end(tmp_path):
     assert not [k for k, v in res.items() if isinstance(v, dict) and set(v) == {"error"}], "a section failed"
 
     status = {m["method"]: m["status"] for m in res["methods"]}
-    assert status["ngram"] == status["suffix"] == "loaded"
-    for head in ("eagle3", "moa"):  # the shipped heads do not fit the smoke target: skipped, with the reason
+    assert status["ngram"] == status["suffix"] == status["lookahead"] == "loaded"
+    assert status["suffix+eagle3"].startswith("skipped: cannot load on this target")  # (its eagle3 member)
+    for head in ("eagle3", "moa", "medusa"):  # the shipped heads do not fit the smoke target: skipped, with the reason
         assert status[head].startswith("skipped: cannot load on this target") and "does not fit" in status[head]
 
     ident = res["identity"]
     assert ident["batch_sizes"] == [1, 2] and ident["vanilla_same_at_every_batch_size"] is True
     assert {(r["method"], r["batch_size"]) for r in ident["rows"]} == {
-        (m, b) for m in ("vanilla", "ngram", "suffix") for b in (1, 2)
+        (m, b) for m in ("vanilla", "ngram", "suffix", "lookahead") for b in (1, 2)
     }
     assert all(r["identical"] == r["prompts"] == 2 and not r["error"] for r in ident["rows"])
 
     pooled = {r["method"]: r for r in res["bs1"]["pooled"]}
-    assert set(pooled) == {"vanilla", "ngram", "suffix", "eagle3", "moa", "hf-generate"}
+    assert set(pooled) == {
+        "vanilla",
+        "ngram",
+        "suffix",
+        "lookahead",
+        "eagle3",
+        "moa",
+        "medusa",
+        "suffix+eagle3",
+        "hf-generate",
+    }
     for m in ("vanilla", "ngram", "suffix", "hf-generate"):
         assert pooled[m]["prompts"] == 2 and pooled[m]["tokens_per_s"] > 0, pooled[m]
     assert pooled["ngram"]["tau"] >= 1.0 and pooled["ngram"]["identical"] == 2
     assert pooled["eagle3"]["skipped"] and pooled["eagle3"]["tokens_per_s"] is None
 
     sweep = res["sweep"]
-    assert sweep["batch_sizes"] == [1, 2] and sweep["best_drafter"]["method"] in ("ngram", "suffix")
+    assert sweep["batch_sizes"] == [1, 2] and sweep["best_drafter"]["method"] in ("ngram", "suffix", "lookahead")
     rows = {(r["method"], r["adaptive"], r["batch_size"]) for r in sweep["rows"] if not r["error"]}
     best = sweep["best_drafter"]["method"]
     assert rows == {(m, a, b) for m, a in (("vanilla", False), (best, False), (best, True)) for b in (1, 2)}
