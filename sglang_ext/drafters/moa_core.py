@@ -27,6 +27,7 @@ import torch
 
 from ..attention import AttentionFn
 from ..attention.plan import AttentionPlan
+from ..device import to_device
 from ..kernels import linear
 from ..models.moa import MoAPieces, stack_layer_kv
 from .search import StepFn, scatter_to_vocab
@@ -111,7 +112,7 @@ def draft_pass(parts: MoAParts, kv: DraftKV, tokens: torch.Tensor, at: PassSlots
     Writes the nodes' SA K/V at at.sa_slots and (TLI layers) their target K/V at at.tli_slots."""
     d = parts.draft
     x = parts.embed[tokens]
-    rope = d.rope(at.positions, x.dtype)  # one cos/sin for SA and CA
+    rope = d.rope(to_device(at.positions, x.device), x.dtype)  # one cos/sin for SA and CA, where x is
     q, k, v = d.sa_qkv(x, at.positions, rope)
     kv.sa_k[at.sa_slots], kv.sa_v[at.sa_slots] = k.to(kv.sa_k.dtype), v.to(kv.sa_v.dtype)
     x = d.sa_finish(parts.attention(q, kv.sa_k, kv.sa_v, at.sa_plan, d.scale), x)

@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import kernels
+from ..device import to_device
 from ..kernels import Linear
 from .checkpoint import (
     CONFIG,
@@ -274,7 +275,8 @@ class Eagle3Draft(nn.Module):
         q = a.q_proj(x).unflatten(-1, (c.num_heads, c.head_dim))
         k = a.k_proj(x).unflatten(-1, (c.num_kv_heads, c.head_dim))
         v = a.v_proj(x).unflatten(-1, (c.num_kv_heads, c.head_dim))
-        cos, sin = self.rope(positions, q.dtype)
+        # (positions may be host-built: a drafter's step on a GPU target; cos/sin go where q is)
+        cos, sin = self.rope(to_device(positions, q.device), q.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def finish(self, attn_out: torch.Tensor, feat: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..device import to_device
 from ..kernels import Linear
 from .checkpoint import (
     CONFIG,
@@ -270,7 +271,7 @@ class MoAPieces:
     # --- SA -------------------------------------------------------------------------------------
     def sa_qkv(self, embeds: torch.Tensor, positions: torch.Tensor, rope=None):
         q, k, v = self.self_attention.qkv(embeds)
-        cos, sin = rope or self.rope(positions, q.dtype)
+        cos, sin = rope or self.rope(to_device(positions, q.device), q.dtype)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def sa_finish(self, attn_out: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
@@ -281,12 +282,12 @@ class MoAPieces:
         """LSA memory of verified tokens -> CA keys/values (cached by the caller)."""
         lay = self.cross_attention
         k, v = lay.kv(lay.kv_layernorm(memory))
-        cos, sin = self.rope(positions, k.dtype)
+        cos, sin = self.rope(to_device(positions, k.device), k.dtype)
         return apply_rope(k, cos, sin), v
 
     def ca_q(self, x1: torch.Tensor, positions: torch.Tensor, rope=None) -> torch.Tensor:
         q = self.cross_attention.q(x1)
-        cos, sin = rope or self.rope(positions, q.dtype)
+        cos, sin = rope or self.rope(to_device(positions, q.device), q.dtype)
         return apply_rope(q, cos, sin)
 
     def ca_finish(self, attn_out: torch.Tensor, x1: torch.Tensor) -> torch.Tensor:
