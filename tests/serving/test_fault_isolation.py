@@ -84,7 +84,7 @@ INJECTIONS = {
     "penalty": ("penalize_tree", lambda logits, params, prompt_ids, *a: prompt_ids == FAULTY_PROMPT),
     "mask": ("ban_early_stops", lambda logits, tree, output_len, min_tokens, stops: min_tokens == 5),
     "logprobs": ("token_logprobs", lambda logits, tokens, k: k == 1 and in_faulty_prompt(tokens)),
-    "verify": ("greedy_verify", lambda tree, tokens: int(tree.positions[0]) >= len(FAULTY_PROMPT)),
+    "verify": ("greedy_path", lambda tree, tokens: int(tree.positions[0]) >= len(FAULTY_PROMPT)),
 }
 
 
