@@ -160,3 +160,15 @@ def smollm2_config():
         attention_bias=False,
         eos_token_ids=(2,),
     )
+
+
+def generate_in_groups(engine, prompts: list[list[int]], bs: int, max_new_tokens: int) -> tuple[list[list[int]], int]:
+    """Greedy outputs of `engine` serving `prompts` bs at a time, and the draft tokens it accepted."""
+    from sglang_ext.sampling import SamplingParams
+
+    outs, accepted = [], 0
+    for i in range(0, len(prompts), bs):
+        reqs = engine.generate(prompts[i : i + bs], SamplingParams(max_new_tokens=max_new_tokens))
+        outs += [r.output_ids for r in reqs]
+        accepted += sum(r.stats.accepted_tokens for r in reqs)
+    return outs, accepted

@@ -3,7 +3,7 @@ trajectories; the engine's tree_argmax; greedy identity on the real SmolLM2; the
 
 import pytest
 import torch
-from helpers import compare_to_reference, tiny_target
+from helpers import compare_to_reference, generate_in_groups, tiny_target
 from test_distribution import PROMPT, SAMPLES, chi2_pvalue, exact_joint_t2_t3
 
 from serving.config import EngineConfig
@@ -158,11 +158,7 @@ def vanilla_outputs(smollm2_fp32, eval_prompts):
 @pytest.mark.parametrize("bs", [1, 4])
 def test_greedy_identity(smollm2_fp32, eval_prompts, vanilla_outputs, shape, bs):
     eng = Engine(smollm2_fp32, make_drafter("lookahead", smollm2_fp32), EngineConfig(tree=SHAPES[shape]))
-    outs, steps = [], 0
-    for i in range(0, len(eval_prompts), bs):
-        reqs = eng.generate(eval_prompts[i : i + bs], SamplingParams(max_new_tokens=NEW_TOKENS))
-        outs += [r.output_ids for r in reqs]
-        steps += sum(r.stats.accepted_tokens for r in reqs)
+    outs, steps = generate_in_groups(eng, eval_prompts, bs, NEW_TOKENS)
     verdicts = [
         compare_to_reference(smollm2_fp32.model, p, r, o) for p, r, o in zip(eval_prompts, vanilla_outputs, outs)
     ]

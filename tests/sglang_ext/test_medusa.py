@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import compare_to_reference, tiny_config, tiny_state, tiny_target
+from helpers import compare_to_reference, generate_in_groups, tiny_config, tiny_state, tiny_target
 from test_distribution import PROMPT, SAMPLES, chi2_pvalue, exact_joint_t2_t3
 
 from serving.config import EngineConfig
@@ -308,11 +308,7 @@ def vanilla_outputs(smollm2_fp32, prompts):
 @pytest.mark.parametrize("bs", [1, 4])
 def test_greedy_identity_with_the_shipped_heads(smollm2_fp32, prompts, vanilla_outputs, shape, bs):
     eng = Engine(smollm2_fp32, make_drafter("medusa", smollm2_fp32), EngineConfig(tree=SHAPES[shape]))
-    outs, accepted = [], 0
-    for i in range(0, len(prompts), bs):
-        reqs = eng.generate(prompts[i : i + bs], SamplingParams(max_new_tokens=NEW_TOKENS))
-        outs += [r.output_ids for r in reqs]
-        accepted += sum(r.stats.accepted_tokens for r in reqs)
+    outs, accepted = generate_in_groups(eng, prompts, bs, NEW_TOKENS)
     verdicts = [compare_to_reference(smollm2_fp32.model, p, r, o) for p, r, o in zip(prompts, vanilla_outputs, outs)]
     assert "bug" not in verdicts, f"medusa/{shape}/bs{bs}: output differs from vanilla away from a tie: {verdicts}"
     assert accepted > 0 and eng.kv.num_free == eng.kv.num_slots - 1, "no draft accepted, or KV slots leaked"
