@@ -307,15 +307,11 @@ class Engine:
         trees = trees_on(self._propose(reqs, shape), dev) if reqs else []
         t_drafted = time.perf_counter()
         new_slots = [self.kv.alloc(t.num_nodes) for t in trees]
-        ids, pos, slots, kv_lists, masks = [], [], [], [], []
-        for r, t, s in zip(reqs, trees, new_slots):
-            ids.append(t.draft_tokens)
-            pos.append(t.positions)
-            slots.append(s)
-            kv_lists.append(torch.cat([r.slots, s]))
-            masks.append(prefix_and_tree_mask(t.tree_mask, len(r.slots)))
+        ids = [t.draft_tokens for t in trees]
+        pos = [t.positions for t in trees]
+        slots = list(new_slots)
         tree_rows = sum(t.num_nodes for t in trees)
-        chunk_slots = []
+        chunk_slots, chunk_masks = [], []
         try:
             for r, end in chunks:
                 s = self.kv.alloc(end - r.prefilled)
@@ -323,11 +319,7 @@ class Engine:
                 ids.append(torch.tensor(r.prompt_ids[r.prefilled : end]))
                 pos.append(torch.arange(r.prefilled, end))
                 slots.append(s)
-                kv_lists.append(torch.cat([r.slots, s]))
-                masks.append(causal_mask(end - r.prefilled, r.prefilled))
-            k = len(ids)
-            placed = upload(ids + pos + masks, dev)  # the prompts' ids and masks: one copy per dtype
-            ids, pos, masks = placed[:k], placed[k : 2 * k], placed[2 * k :]
+                chunk_masks.append(causal_mask(end - r.prefilled, r.prefilled))
             # NOTE: a faulty drafter's token outside the vocabulary must not index past the embedding (on
             # a GPU, a device-side assert); verification never accepts it (_verify_trees flags it)
             top = self.model.cfg.vocab_size - 1
@@ -336,6 +328,11 @@ class Engine:
                 ids = [x.clamp(0, top) for x in ids]
                 out = g.run(ids, pos, slots, [r.slots for r in reqs], [t.tree_mask for t in trees], self.kv)
             else:
+                masks = [prefix_and_tree_mask(t.tree_mask, len(r.slots)) for r, t in zip(reqs, trees)] + chunk_masks
+                kv_lists = [torch.cat([r.slots, s]) for r, s in zip(reqs + [r for r, _ in chunks], slots)]
+                k = len(ids)
+                placed = upload(ids + pos + masks, dev)  # the prompts' ids and masks: one copy per dtype
+                ids, pos, masks = placed[:k], placed[k : 2 * k], placed[2 * k :]
                 out = self.model.forward(
                     torch.cat(ids).clamp_(0, top),
                     torch.cat(pos),
@@ -525,8 +522,9 @@ class Engine:
 
     def _verify_trees(self, reqs: list[Request], trees: list[TokenTree], logits: torch.Tensor) -> list:
         """Each request's accepted path on its rows of the logits, on the device (or the RequestFault of
-        its verification). A drafted tree's path carries whether the tree held a token outside the
-        vocabulary (never accepted; the request falls back to vanilla decoding after the step's copy)."""
+        its verification). A drafted tree's path carries whether the tree was a faulty drafter's (a token
+        outside the vocabulary, never accepted; non-finite draft logits): the request falls back to
+        vanilla decoding after the step's copy."""
         out, start, vocab = [], 0, self.model.cfg.vocab_size
         for r, t in zip(reqs, trees):
             n = t.num_nodes
@@ -535,7 +533,8 @@ class Engine:
             except RequestFault as f:
                 path = f
             if n > 1 and isinstance(path, AcceptedPath):
-                path.draft_oov = ((t.draft_tokens < 0) | (t.draft_tokens >= vocab)).any()
+                invalid = ((t.draft_tokens < 0) | (t.draft_tokens >= vocab)).any()
+                path.draft_invalid = invalid if t.finite is None else invalid | ~t.finite
             out.append(path)
             start += n
         return out
@@ -568,7 +567,7 @@ class Engine:
                 self.kv.free(s)
                 events.append(self._fail(r, f))
             else:
-                if res.draft_oov:
+                if res.draft_invalid:
                     self._fallback([r], "invalid_draft")
                 self.kv.free(rejected)
                 r.slots = torch.cat([r.slots, keep])

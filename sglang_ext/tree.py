@@ -105,6 +105,10 @@ class TokenTree:
     # probability, a lookup's candidate share x match confidence (TreeShape.min_prob); None = not estimated.
     # A merged multi-drafter tree (drafters/merged.py) ranks the nodes of several drafters by it.
     scores: torch.Tensor | None = None  # [N] float
+    # [] bool on the tree's device: whether the drafter's logits behind the tree were all finite. A
+    # faulty drafter's tree still holds valid ids and is verified losslessly; the engine reads the flag
+    # in its one copy per step and drops the drafter for the request. None: nothing to check.
+    finite: torch.Tensor | None = None
 
     @property
     def num_nodes(self) -> int:
@@ -234,11 +238,18 @@ def trees_on(trees: list[TokenTree], device: torch.device | str) -> list[TokenTr
     return out
 
 
-def chain_tree(root_token: int, draft: list[int], seq_len: int, draft_probs=None, device=None) -> TokenTree:
-    """A chain from host ints, built on `device` (default: draft_probs' device, else the CPU)."""
+def chain_tree(
+    root_token: int, draft: list[int] | torch.Tensor, seq_len: int, draft_probs=None, device=None
+) -> TokenTree:
+    """A chain from host ints, or from a [d] tensor of draft tokens (a search's, left unread), built on
+    `device` (default: draft_probs' device, else the CPU)."""
     if device is None:
         device = draft_probs.device if draft_probs is not None else "cpu"
-    tokens = to_device(torch.tensor([root_token] + list(draft), dtype=torch.long), device)
+    if isinstance(draft, torch.Tensor):
+        root = to_device(torch.tensor([root_token], dtype=torch.long), device)
+        tokens = torch.cat([root, to_device(draft.long(), device)])
+    else:
+        tokens = to_device(torch.tensor([root_token] + list(draft), dtype=torch.long), device)
     parents = torch.arange(-1, len(draft), dtype=torch.long, device=device)
     return tree_from_parents(tokens, parents, seq_len, draft_probs=draft_probs)
 
@@ -321,21 +332,31 @@ def node_parents(
 
 
 def build_trees(
-    root_tokens: torch.Tensor, search: TreeSearch, seq_lens: list[int], num_draft_tokens: int, min_prob: float = 0.0
+    root_tokens: torch.Tensor,
+    search: TreeSearch,
+    seq_lens: list[int],
+    num_draft_tokens: int,
+    min_prob: float = 0.0,
+    drop: bool | None = None,
 ) -> list[TokenTree]:
     """Turn a finished search into one TokenTree per request (batch_index used for retrieve_index).
-    min_prob > 0: each request keeps only its nodes whose score (path probability) reaches it; a
-    node's score never exceeds its parent's, so the kept nodes form a tree. NOTE: that makes the
-    tree's size data-dependent (a host read per request on a device); min_prob = 0 reads nothing."""
+    min_prob > 0: only a request's nodes whose score (path probability) reaches it are verified; a
+    node's score never exceeds its parent's, so they form a tree. drop (default: on the CPU) leaves
+    the others out (fewer verify rows); else they stay in the tree, unlinked, as on a device, where
+    leaving them out would make the tree's size data-dependent (a host read per request) and the
+    extra rows cost a GPU nothing."""
     parent_list, top, draft = search.organize(num_draft_tokens)
     scores = torch.gather(search.flat_scores(), 1, top)
     keep = scores >= min_prob if min_prob > 0 else None
+    drop = top.device.type == "cpu" if drop is None else drop
     trees = []
     for b in range(root_tokens.numel()):
-        top_b, draft_b, score_b = (
-            (top[b], draft[b], scores[b]) if keep is None else (top[b][keep[b]], draft[b][keep[b]], scores[b][keep[b]])
-        )
+        top_b, draft_b, score_b = top[b], draft[b], scores[b]
+        if keep is not None and drop:
+            top_b, draft_b, score_b = top_b[keep[b]], draft_b[keep[b]], score_b[keep[b]]
         parents, unlinked = node_parents(parent_list[b], top_b, search.topk)
+        if keep is not None and not drop:
+            unlinked = unlinked | torch.cat([keep.new_zeros(1), ~keep[b]])
         tokens = torch.cat([to_device(root_tokens[b : b + 1].long(), draft_b.device), draft_b])
         score_b = torch.cat([score_b.new_ones(1), score_b.float()])
         trees.append(tree_from_parents(tokens, parents, seq_lens[b], batch_index=b, unlinked=unlinked, scores=score_b))

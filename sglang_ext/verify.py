@@ -54,7 +54,8 @@ from .tree import TokenTree
 class VerifyResult:
     accepted_nodes: list[int]  # node indices on the accepted path, root (0) first
     tokens: list[int]  # accepted draft tokens followed by the bonus token
-    draft_oov: bool = False  # the tree held a token outside the vocabulary (AcceptedPath.draft_oov)
+    # the tree was a faulty drafter's: a token outside the vocabulary or non-finite draft logits (AcceptedPath)
+    draft_invalid: bool = False
 
     @property
     def num_accepted(self) -> int:
@@ -67,10 +68,11 @@ class AcceptedPath:
 
     nodes: torch.Tensor  # [N] int64: node indices on the accepted path, root (0) first, then -1
     tokens: torch.Tensor  # [N] int64: the accepted draft tokens, then the bonus token, then -1
-    # [] bool, optional: the tree held a token outside the target's vocabulary (a faulty drafter). Such a
-    # token is never accepted, so the path stays right; the flag travels in the same copy, so the
+    # [] bool, optional: the tree was a faulty drafter's (a token outside the target's vocabulary, or
+    # drafted from non-finite logits: TokenTree.finite). Such a token is never accepted and any valid
+    # tree is verified losslessly, so the path stays right; the flag travels in the same copy, so the
     # caller learns it without a read of its own.
-    draft_oov: torch.Tensor | None = None
+    draft_invalid: torch.Tensor | None = None
 
 
 def to_host(paths: list[AcceptedPath]) -> list[VerifyResult]:
@@ -79,7 +81,7 @@ def to_host(paths: list[AcceptedPath]) -> list[VerifyResult]:
         return []
     parts = []
     for p in paths:
-        parts += [p.nodes, p.tokens] + ([] if p.draft_oov is None else [p.draft_oov.reshape(1).long()])
+        parts += [p.nodes, p.tokens] + ([] if p.draft_invalid is None else [p.draft_invalid.reshape(1).long()])
     flat = torch.cat(parts).tolist()
     out, at = [], 0
     for p in paths:
@@ -87,9 +89,9 @@ def to_host(paths: list[AcceptedPath]) -> list[VerifyResult]:
         nodes, tokens = flat[at : at + n], flat[at + n : at + 2 * n]
         k = n - nodes.count(-1)
         at += 2 * n
-        oov = p.draft_oov is not None and bool(flat[at])
-        at += p.draft_oov is not None
-        out.append(VerifyResult(nodes[:k], tokens[:k], oov))
+        invalid = p.draft_invalid is not None and bool(flat[at])
+        at += p.draft_invalid is not None
+        out.append(VerifyResult(nodes[:k], tokens[:k], invalid))
     return out
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import httpx
 import torch
 
-from sglang_ext.drafters.base import DraftInput
+from sglang_ext.drafters.base import DrafterError, DraftInput
 from sglang_ext.drafters.eagle3 import Eagle3Drafter
 from sglang_ext.drafters.moa import MoADrafter
 from sglang_ext.sampling import SamplingParams
@@ -219,6 +219,8 @@ class EdgeClient:
         """One connected draft-verify cycle; returns whether the generation is over. When the call fails,
         a MoA drafter goes offline with one drafted token (EAGLE-3 waits for the link)."""
         tree = self.drafter.propose([DraftInput(g.rid, g.verified + [g.root], g.params, None)], self.shape)[0]
+        if tree.finite is not None and not bool(tree.finite):  # (the tree is read here anyway)
+            raise DrafterError("drafter produced non-finite logits")
         path = f"/v1/edge/sessions/{g.sid}/verify"
         body = {
             "seq_len": len(g.verified),

@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 
 from .cpu import tree_attention_cpu
-from .plan import AttentionPlan, causal_mask, plan_attention, plan_frontier, prefix_and_tree_mask
+from .plan import AttentionPlan, FrontierPaths, causal_mask, plan_attention, plan_frontier, prefix_and_tree_mask
 from .torch_ref import tree_attention_torch
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionPlan, float], torch.Tensor]
@@ -39,6 +39,7 @@ def select_backend(device: torch.device | str, name: str = "auto") -> AttentionF
 __all__ = [
     "AttentionFn",
     "AttentionPlan",
+    "FrontierPaths",
     "causal_mask",
     "plan_attention",
     "plan_frontier",

@@ -272,22 +272,67 @@ def plan_attention(
     )
 
 
+@dataclass
+class FrontierPaths:
+    """A drafter's tree search in flight: the temporary KV slots its passes wrote, and which of them
+    each frontier node reads (its path: its ancestors' slots and its own), kept without reading the
+    device, where the search's choices (each node's parent) live.
+
+        slots  [b, E] int64 on the host: request i's temporary slots, pass after pass (slot ids are host
+               values: the pools hand them out)
+        seen   [b, q, E] bool on the search's device: node j of the current frontier reads column e
+        last   the current frontier's node count per request (its own columns are the last `last`)
+
+    A pass over kk nodes per request appends their slots; node j's row is its parent's row (gathered
+    on the device) plus its own column. A request's E is the same for every request: each pass
+    gives every request the same number of nodes."""
+
+    slots: torch.Tensor
+    seen: torch.Tensor
+    last: int = 0
+
+    @classmethod
+    def start(cls, b: int, device: torch.device | str) -> "FrontierPaths":
+        """No pass yet: one (root) row per request, reading no temporary slot."""
+        return cls(torch.zeros(b, 0, dtype=torch.long), torch.zeros(b, 1, 0, dtype=torch.bool, device=device))
+
+    def advance(self, new: torch.Tensor, parent: torch.Tensor | None) -> "FrontierPaths":
+        """After a pass: new [b*kk] the slots its nodes wrote (request-major); parent [b, kk] each node's
+        index among the previous frontier's nodes (None: all children of the one row there)."""
+        b, e = self.slots.shape[0], self.slots.shape[1]
+        kk = new.numel() // b
+        dev = self.seen.device
+        if parent is None:
+            rows = self.seen[:, :1].expand(b, kk, e)
+        else:
+            index = to_device(parent.long(), dev)[..., None].expand(b, kk, e)
+            rows = torch.gather(self.seen, 1, index)
+        own = torch.eye(kk, dtype=torch.bool, device=dev).expand(b, kk, kk)
+        return FrontierPaths(torch.cat([self.slots, new.view(b, kk).long()], 1), torch.cat([rows, own], 2), kk)
+
+    def own(self) -> torch.Tensor:
+        """[b, q, E] each node's own column only (a pass whose nodes see themselves, not their ancestors)."""
+        b, q, e = self.seen.shape
+        own = torch.eye(q, dtype=torch.bool, device=self.seen.device).expand(b, q, q)
+        return torch.cat([own.new_zeros(b, q, e - q), own], 2)
+
+
 def plan_frontier(
-    prefixes: list[torch.Tensor], seen: list[list[list[int]]], device: torch.device | str | None = None
+    prefixes: list[torch.Tensor],
+    extra: torch.Tensor,
+    seen: torch.Tensor,
+    device: torch.device | str | None = None,
 ) -> AttentionPlan:
     """A drafter's frontier step: one query per frontier node, grouped per request so the request's
     prefix is gathered once (not once per node). prefixes[i]: request i's committed slots, which all
-    its nodes see; seen[i][j]: the temporary slots node j of request i also sees (its path).
-    Query rows are request-major, node order within a request. The masks are host work from the
-    Python ints in `seen`; the plan is built on `device` (default: the prefixes' device)."""
-    slots, masks = [], []
-    for prefix, nodes in zip(prefixes, seen):
-        extra = sorted({s for node in nodes for s in node})
-        col = {s: prefix.numel() + c for c, s in enumerate(extra)}
-        m = torch.zeros(len(nodes), prefix.numel() + len(extra), dtype=torch.bool)
-        m[:, : prefix.numel()] = True
-        for j, node in enumerate(nodes):
-            m[j, [col[s] for s in node]] = True
-        slots.append(torch.cat([prefix.long(), to_device(torch.tensor(extra, dtype=torch.long), prefix.device)]))
-        masks.append(m)
-    return plan_attention(slots, masks, device=device)
+    its nodes see; extra [b, E]: the request's temporary slots (host); seen [b, q, E] bool: which of
+    them node j also reads (its path; FrontierPaths). Query rows are request-major, node order within
+    a request. Built on `device` (default: seen's device); the masks stay where seen is, unread."""
+    b, q, _ = seen.shape
+    if len(prefixes) != b or extra.shape[0] != b or extra.shape[1] != seen.shape[2]:
+        raise ValueError(
+            f"frontier plan: {len(prefixes)} prefixes, extra slots {tuple(extra.shape)}, seen {tuple(seen.shape)}"
+        )
+    slots = [torch.cat([prefix.long(), extra[i].long()]) for i, prefix in enumerate(prefixes)]
+    masks = [torch.cat([seen.new_ones(q, prefix.numel()), seen[i]], 1) for i, prefix in enumerate(prefixes)]
+    return plan_attention(slots, masks, device=device if device is not None else seen.device)

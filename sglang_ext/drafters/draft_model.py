@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention import causal_mask, plan_attention
+from ..attention import FrontierPaths, causal_mask, plan_attention, plan_frontier
 from ..models.graph_runner import FrontierRunner, with_static_attention
 from ..models.llama import LlamaModel
 from ..tree import TokenTree, TreeShape
@@ -74,30 +74,23 @@ class DraftModelDrafter:
 
     def propose(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree]:
         root_logits = self._extend(batch)
-        b, k = len(batch), shape.topk
-        chains: list[list[list[int]]] = [[[] for _ in range(k)] for _ in range(b)]
+        b = len(batch)
+        prefixes = [self.slots[d.rid] for d in batch]
+        paths = [FrontierPaths.start(b, root_logits.device)]  # each frontier node's path (on the device)
         temp: list[torch.Tensor] = []
 
         def step_fn(tokens: torch.Tensor, parent_beam: torch.Tensor | None) -> torch.Tensor:
-            nonlocal chains
             kk = tokens.shape[1]
-            if parent_beam is not None:
-                chains = [[list(chains[i][int(p)]) for p in parent_beam[i]] for i in range(b)]
             new = self.kv.alloc(b * kk)
             temp.append(new)
-            pos, kv_lists = [], []
-            for i, d in enumerate(batch):
-                for j in range(kk):
-                    chains[i][j].append(int(new[i * kk + j]))
-                    pos.append(d.seq_len + len(chains[i][j]))
-            static = self._static_step(tokens.reshape(-1), pos, new, batch, chains) if self.step_graphs else None
+            paths[0] = p = paths[0].advance(new, parent_beam)
+            # every node of this step is at depth len(temp)
+            pos = torch.tensor([d.seq_len + len(temp) for d in batch]).repeat_interleave(kk)
+            static = self._static_step(tokens.reshape(-1), pos, new, prefixes, p) if self.step_graphs else None
             if static is not None:
                 return static.view(b, kk, -1)
-            for i, d in enumerate(batch):
-                for j in range(kk):
-                    kv_lists.append(torch.cat([self.slots[d.rid], torch.tensor(chains[i][j])]))
-            plan = plan_attention(kv_lists, [torch.ones(1, s.numel(), dtype=torch.bool) for s in kv_lists])
-            out = self.model.forward(tokens.reshape(-1), torch.tensor(pos), new, plan, self.kv)
+            plan = plan_frontier(prefixes, p.slots, p.seen)
+            out = self.model.forward(tokens.reshape(-1), pos, new, plan, self.kv)
             return self.model.logits(out.hidden).view(b, kk, -1)
 
         try:
@@ -106,9 +99,9 @@ class DraftModelDrafter:
             for t in temp:  # speculative draft K/V is never kept
                 self.kv.free(t)
 
-    def _static_step(self, ids, pos: list[int], slots, batch: list[DraftInput], chains) -> torch.Tensor | None:
+    def _static_step(self, ids, pos, slots, prefixes, paths: FrontierPaths) -> torch.Tensor | None:
         """A search step's logits [n, V] from the step runner (each node: the request's processed
-        tokens + its own chain), or None when its buckets do not fit (the caller runs the eager step)."""
+        tokens + its own path), or None when its buckets do not fit (the caller runs the eager step)."""
         if self._steps is None:
             static = with_static_attention(self.model)
 
@@ -117,6 +110,6 @@ class DraftModelDrafter:
                 return (static.logits(out.hidden),)
 
             self._steps = FrontierRunner(step, self.model.device, self.model.cfg.max_position)
-        rows = {"positions": torch.tensor(pos), "slots": slots}
-        out = self._steps.run(ids, None, rows, {"draft": ([self.slots[d.rid] for d in batch], chains)}, (self.kv,))
+        rows = {"positions": pos, "slots": slots}
+        out = self._steps.run(ids, None, rows, {"draft": (prefixes, paths.slots, paths.seen)}, (self.kv,))
         return None if out is None else out[0]

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..attention import causal_mask, plan_attention, plan_frontier, tree_attention_cpu
+from ..attention import FrontierPaths, causal_mask, plan_attention, plan_frontier, tree_attention_cpu
 from ..device import module_on
 from ..kernels import attach_bf16_halves
 from ..models.checkpoint import CheckpointError, check_fits, has_config
@@ -109,36 +109,37 @@ class Eagle3Drafter:
     @torch.inference_mode()
     def propose(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree]:
         root_out = self._extend(batch)  # [b, H]
-        b, k = len(batch), shape.topk
+        b = len(batch)
         # NOTE: deterministic (top-k) search runs over the draft vocab and maps ids back at the end;
         # sampled chains need q over the target vocab for verification, so they get full-vocab logits.
         full = shape.topk == 1 and any(not d.params.greedy for d in batch)
         to_logits = self._full_logits if full else (lambda out: self.draft.logits(out).float())
         to_target = (lambda ids: ids) if full else (lambda ids: self.hot_ids[ids])
-        state = {"out": root_out[:, None], "chains": [[[] for _ in range(k)] for _ in range(b)]}
+        prefixes = [self.reqs[d.rid].slots for d in batch]
+        # the search in flight: the frontier's pre-norm outputs [b, q, H] and each node's path (device)
+        state = {"out": root_out[:, None], "paths": FrontierPaths.start(b, root_out.device)}
         temp: list[torch.Tensor] = []
 
         def step_fn(tokens: torch.Tensor, parent_beam: torch.Tensor | None) -> torch.Tensor:
             kk = tokens.shape[1]
-            parent = torch.zeros(b, kk, dtype=torch.long) if parent_beam is None else parent_beam
-            feat = torch.stack([state["out"][i, parent[i]] for i in range(b)])  # [b, kk, H]
-            chains = [[list(state["chains"][i][int(p)]) for p in parent[i]] for i in range(b)]
+            out = state["out"]
+            if parent_beam is None:  # the root's children
+                feat = out.expand(b, kk, -1)
+            else:
+                feat = torch.gather(out, 1, parent_beam[..., None].expand(b, kk, out.shape[-1]))
             new = self.kv.alloc(b * kk)
             temp.append(new)
-            pos = []
-            for i, d in enumerate(batch):
-                for j in range(kk):
-                    chains[i][j].append(int(new[i * kk + j]))
-                    pos.append(d.seq_len - 1 + len(chains[i][j]))
+            paths = state["paths"].advance(new, parent_beam)
+            # every node of this step is at depth len(temp): pair position seq_len - 1 + depth
+            pos = torch.tensor([d.seq_len - 1 + len(temp) for d in batch]).repeat_interleave(kk)
             ids, feat = to_target(tokens.reshape(-1)), feat.reshape(b * kk, -1)
-            prefixes = [self.reqs[d.rid].slots for d in batch]
-            static = self._frontier(ids, feat, pos, new, prefixes, chains) if self.step_graphs and not full else None
+            static = self._frontier(ids, feat, pos, new, prefixes, paths) if self.step_graphs and not full else None
             if static is None:
-                out = self._layer(ids, feat, torch.tensor(pos), new, plan_frontier(prefixes, chains))
-                logits = to_logits(out)  # (each node: prefix + its own chain)
+                out = self._layer(ids, feat, pos, new, plan_frontier(prefixes, paths.slots, paths.seen))
+                logits = to_logits(out)  # (each node: prefix + its own path)
             else:
                 out, logits = static
-            state["out"], state["chains"] = out.view(b, kk, -1), chains
+            state["out"], state["paths"] = out.view(b, kk, -1), paths
             return logits.view(b, kk, -1)
 
         try:
@@ -192,7 +193,7 @@ class Eagle3Drafter:
         self.kv.write(0, slots, k, v)
         return self.draft.finish(attention(q, self.kv.k[0], self.kv.v[0], plan, self.scale), feat)
 
-    def _frontier(self, ids, feat, pos: list[int], slots, prefixes, chains) -> tuple[torch.Tensor, ...] | None:
+    def _frontier(self, ids, feat, pos, slots, prefixes, paths: FrontierPaths) -> tuple[torch.Tensor, ...] | None:
         """A frontier step (pre-norm outputs [n, H], draft-vocab logits [n, Vd]) from the step runner, or
         None when its buckets do not fit (the caller runs the eager step)."""
         if self._steps is None:
@@ -202,8 +203,8 @@ class Eagle3Drafter:
                 return out, self.draft.logits(out).float()
 
             self._steps = FrontierRunner(step, self.target.device, self.target.cfg.max_position)
-        rows = {"positions": torch.tensor(pos), "slots": slots}
-        return self._steps.run(ids, feat, rows, {"draft": (prefixes, chains)}, (self.kv,))
+        rows = {"positions": pos, "slots": slots}
+        return self._steps.run(ids, feat, rows, {"draft": (prefixes, paths.slots, paths.seen)}, (self.kv,))
 
     def _full_logits(self, out: torch.Tensor) -> torch.Tensor:
         return scatter_to_vocab(self.draft.logits(out).float(), self.hot_ids, self.draft.cfg.vocab_size)

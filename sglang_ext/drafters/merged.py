@@ -337,6 +337,9 @@ class MergedDrafter:
                     [drafted[i][b] for i in active], [1 << i for i in active], plain.num_draft_tokens, d.seq_len, b
                 )
                 where = dict(zip(active, maps))
+                flags = [drafted[i][b].finite for i in active if drafted[i][b].finite is not None]
+                if flags:  # the members' finiteness flags, unread: the engine reads them in its copy
+                    tree.finite = flags[0] if len(flags) == 1 else torch.stack(flags).all()
             self._pending[d.rid] = _Proposal(
                 tree.draft_tokens.tolist(), tree.parents.tolist(), provenance.tolist(), where
             )

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..attention import plan_frontier, tree_attention_cpu
+from ..attention import FrontierPaths, plan_frontier, tree_attention_cpu
 from ..device import module_on
 from ..kernels import attach_bf16_halves, attach_packed_rows
 from ..models.checkpoint import CheckpointError, check_fits, has_config
@@ -235,9 +235,16 @@ class MoADrafter:
         tgt_new = self.tli_kv.alloc(1) if self.tli_layers else torch.zeros(1, dtype=torch.long)
         st.offline.append((int(sa_new), int(tgt_new)))
         own = st.offline if self.cfg.sa_tree_attention == "ancestors" else st.offline[-1:]
-        sa_plan = plan_frontier([st.sa_slots], [[[s for s, _ in own]]])
-        ca_plan = plan_frontier([st.mem_slots], [[[]]])
-        tli_plan = plan_frontier([st.target_slots], [[[t for _, t in st.offline]]]) if self.tli_layers else None
+        sa_plan = plan_frontier(
+            [st.sa_slots], torch.tensor([[s for s, _ in own]]), torch.ones(1, 1, len(own), dtype=torch.bool)
+        )
+        ca_plan = plan_frontier(
+            [st.mem_slots], torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, 1, 0, dtype=torch.bool)
+        )
+        tli_plan = None
+        if self.tli_layers:
+            path = torch.tensor([[t for _, t in st.offline]])
+            tli_plan = plan_frontier([st.target_slots], path, torch.ones(1, 1, path.shape[1], dtype=torch.bool))
         at = PassSlots(torch.tensor([seq_len + depth]), sa_new, tgt_new, sa_plan, ca_plan, tli_plan)
         h = draft_pass(self.parts, self.kv, torch.tensor(token_ids[-1:]), at)
         return int(self.hot_ids[greedy_tokens(self._to_logits(h, False))[0]])
@@ -326,13 +333,16 @@ def _plan_fields(plans: dict) -> dict:
 class _TreePaths:
     """The embedded storage of one propose (moa_core's Frontier): each pass's nodes get temporary SA
     (and TLI) slots; a node sees its request's verified slot lists plus its path's temporary slots
-    (root first). The temporary slots are freed when the propose ends."""
+    (root first), tracked on the device (FrontierPaths). The temporary slots are freed when the
+    propose ends."""
 
     def __init__(self, drafter: MoADrafter, batch: list[DraftInput], plans: bool = True):
         """plans=False: passes carry only the plans' specs (a static pass builds its own)."""
         self.d, self.batch, self.plans = drafter, batch, plans
         self.sts = [drafter.reqs[x.rid] for x in batch]
-        self.paths: list[list[list[tuple[int, int]]]] = [[[]] for _ in batch]  # per node: (sa, tli) slots
+        start = FrontierPaths.start(len(batch), drafter.target.device)
+        self.sa_paths, self.tli_paths = start, start  # per pass the same nodes: one slot of each kind
+        self.passes = 0
         self.temps: list[tuple[KVPool, torch.Tensor]] = []
 
     def __call__(self, parent: torch.Tensor) -> PassSlots:
@@ -344,28 +354,23 @@ class _TreePaths:
         tgt_new = d.tli_kv.alloc(b * kk) if d.tli_layers else torch.zeros(b * kk, dtype=torch.long)
         if d.tli_layers:
             self.temps.append((d.tli_kv, tgt_new))
-        own = (lambda p: p) if d.cfg.sa_tree_attention == "ancestors" else (lambda p: p[-1:])
-        new_paths, pos, sa_seen, tgt_seen = [], [], [], []
-        for i, x in enumerate(self.batch):
-            rows = []
-            for j in range(kk):
-                path = self.paths[i][int(parent[i, j])] + [(int(sa_new[i * kk + j]), int(tgt_new[i * kk + j]))]
-                rows.append(path)
-                pos.append(x.seq_len + len(path) - 1)
-            new_paths.append(rows)
-            sa_seen.append([[s for s, _ in own(p)] for p in rows])
-            tgt_seen.append([[t for _, t in p] for p in rows])
-        self.paths = new_paths
+        self.sa_paths = self.sa_paths.advance(sa_new, parent)
+        self.tli_paths = self.tli_paths.advance(tgt_new, parent)
+        # every node of this pass is at depth `passes` (the roots' pass: 0)
+        pos = torch.tensor([x.seq_len + self.passes for x in self.batch]).repeat_interleave(kk)
+        self.passes += 1
+        sa = self.sa_paths
+        sa_seen = sa.seen if d.cfg.sa_tree_attention == "ancestors" else sa.own()
         # per request: its verified prefix gathered once for all its frontier nodes
         sts = self.sts
         specs = {
-            "sa": ([st.sa_slots for st in sts], sa_seen),
-            "ca": ([st.mem_slots for st in sts], [[[]] * kk for _ in sts]),
+            "sa": ([st.sa_slots for st in sts], sa.slots, sa_seen),
+            "ca": ([st.mem_slots for st in sts], sa.slots[:, :0], sa_seen[:, :, :0]),
         }
         if d.tli_layers:
-            specs["tli"] = ([st.target_slots for st in sts], tgt_seen)
+            specs["tli"] = ([st.target_slots for st in sts], self.tli_paths.slots, self.tli_paths.seen)
         plans = {n: plan_frontier(*spec) for n, spec in specs.items()} if self.plans else {"sa": None, "ca": None}
-        return PassSlots(torch.tensor(pos), sa_new, tgt_new, **_plan_fields(plans), specs=specs)
+        return PassSlots(pos, sa_new, tgt_new, **_plan_fields(plans), specs=specs)
 
     def free(self) -> None:
         for pool, s in self.temps:

@@ -3,11 +3,14 @@
 A drafter supplies the root logits and a step function; this module turns them into TokenTrees:
 - EAGLE-2 dynamic tree (top-k per frontier node, global rerank) — deterministic proposals, which
   the verifier treats as point masses, so it is lossless under sampling too; with shape.min_prob,
-  nodes of lower path probability are left out and the search stops once the whole frontier is below;
+  nodes of lower path probability are not verified (on the CPU they are left out and the search stops
+  once the whole frontier is below; on a device that would read the scores back);
 - chains (topk = 1): argmax for greedy requests; for sampling requests each token is drawn from
   the drafter's processed distribution q and q is recorded (Leviathan-style verification).
 The EAGLE-2 loop alone (top_k_search -> TreeSearch) also drives the SGLang plugin's MoA draft,
 which hands SGLang the organized search instead of TokenTrees.
+Nothing here reads the device: a search on a GPU queues its work and returns (the engine's one copy
+per step reads the accepted tokens, and with them whether the drafter's logits were finite).
 
 step_fn(tokens [b, k], parent_beam [b, k] | None) -> logits [b, k, V]
     tokens are the current frontier; parent_beam[i, j] is the index (in the previous frontier) of the
@@ -20,15 +23,16 @@ from typing import Callable
 
 import torch
 
+from ..device import to_device
 from ..sampling import greedy_tokens, logits_to_probs
 from ..tree import TokenTree, TreeSearch, TreeShape, build_trees, chain_tree
-from .base import DrafterError, DraftInput
+from .base import DraftInput
 
 StepFn = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
 # logit of target ids outside a drafter's reduced vocab: never drawn (exp underflows to 0)
-_NEG = -1e9  # finite: the search checks that logits are finite
+_NEG = -1e9  # finite: the search checks that logits are finite (Finite)
 
 
 def scatter_to_vocab(draft_logits: torch.Tensor, hot_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -39,77 +43,106 @@ def scatter_to_vocab(draft_logits: torch.Tensor, hot_ids: torch.Tensor, vocab_si
     return full
 
 
-def _check_finite(logits: torch.Tensor, where: str) -> None:
-    if not torch.isfinite(logits).all():
-        raise DrafterError(f"drafter produced non-finite logits ({where})")
+class Finite:
+    """Whether every logit a search produced was finite, as a [] bool on the logits' device: each step
+    ANDs its own check in, and nothing is read. A faulty drafter's non-finite logits still give valid
+    token ids (top-k and argmax over NaN pick some index), so its tree is verified losslessly like any
+    other; the flag rides on the trees (TokenTree.finite) into the engine's one copy per step, which
+    then drops the drafter for those requests."""
+
+    def __init__(self):
+        self.flag: torch.Tensor | None = None
+
+    def check(self, logits: torch.Tensor) -> None:
+        ok = torch.isfinite(logits).all()
+        self.flag = ok if self.flag is None else self.flag & ok
 
 
 def search_tree(
     root_logits: torch.Tensor, step_fn: StepFn, shape: TreeShape, batch: list[DraftInput]
 ) -> list[TokenTree]:
     """root_logits [b, V]: the drafter's prediction after each request's root token."""
-    _check_finite(root_logits, "root")
+    finite = Finite()
     if shape.topk == 1 and any(not d.params.greedy for d in batch):
-        return _sample_chains(root_logits, step_fn, shape, batch)
-    search = top_k_search(root_logits, step_fn, shape.topk, shape.depth, shape.min_prob)
-    roots = torch.tensor([d.token_ids[-1] for d in batch])
-    return build_trees(roots, search, [d.seq_len for d in batch], shape.num_draft_tokens, shape.min_prob)
+        trees = _sample_chains(root_logits, step_fn, shape, batch, finite)
+    else:
+        search = top_k_search(root_logits, step_fn, shape.topk, shape.depth, shape.min_prob, finite)
+        roots = to_device(torch.tensor([d.token_ids[-1] for d in batch]), root_logits.device)
+        trees = build_trees(roots, search, [d.seq_len for d in batch], shape.num_draft_tokens, shape.min_prob)
+    for t in trees:
+        t.finite = finite.flag
+    return trees
 
 
 def top_k_search(
-    root_logits: torch.Tensor, step_fn: StepFn, topk: int, depth: int, min_prob: float = 0.0, check: bool = True
+    root_logits: torch.Tensor,
+    step_fn: StepFn,
+    topk: int,
+    depth: int,
+    min_prob: float = 0.0,
+    finite: Finite | None = None,
 ) -> TreeSearch:
     """The EAGLE-2 loop: root_logits [b, V] -> the root's top-k, then per step each frontier node's
-    top-k children, globally reranked by path probability. min_prob > 0 stops once the whole frontier
-    is below it; check=False skips the finiteness checks (each one a device sync)."""
-    if check:
-        _check_finite(root_logits, "root")
+    top-k children, globally reranked by path probability. `finite` (if given) collects whether every
+    logit was finite. min_prob > 0 on the CPU stops once the whole frontier is below it; on a device
+    the search runs every step (stopping would read the scores back; the nodes below min_prob are
+    left unverified by build_trees)."""
+    if finite is not None:
+        finite.check(root_logits)
     probs = torch.softmax(root_logits.float(), dim=-1)
     topk_p, topk_index = probs.topk(topk, dim=-1)
     search = TreeSearch.start(topk)
     tokens, scores = search.first(topk_p, topk_index)
     parent_beam = None
     for step in range(1, depth):
-        if min_prob and bool((scores < min_prob).all()):
+        if min_prob and scores.device.type == "cpu" and bool((scores < min_prob).all()):
             break  # no frontier node of any request would be verified: its children even less (scores only fall)
         logits = step_fn(tokens, parent_beam)  # [b, k, V]
-        if check:
-            _check_finite(logits, f"step {step}")
+        if finite is not None:
+            finite.check(logits)
         child_p, child_index = torch.softmax(logits.float(), dim=-1).topk(topk, dim=-1)
         tokens, scores, parent_beam = search.expand(step, scores, child_p.flatten(0, 1), child_index.flatten(0, 1))
     return search
 
 
+def _draw(logits: torch.Tensor, d: DraftInput) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's next chain token from logits [V], on their device: (token [1], q [V], the
+    distribution it was drawn from). Non-finite logits (a faulty drafter) draw from the uniform
+    distribution instead, which is then the q verification divides by: still lossless."""
+    q = logits_to_probs(logits, d.params)
+    if d.params.greedy:
+        return greedy_tokens(logits).reshape(1), q
+    q = torch.where(torch.isfinite(q).all(), q, torch.full_like(q, 1.0 / q.shape[-1]))
+    return torch.multinomial(q, 1, generator=d.generator), q
+
+
 def _sample_chains(
-    root_logits: torch.Tensor, step_fn: StepFn, shape: TreeShape, batch: list[DraftInput]
+    root_logits: torch.Tensor, step_fn: StepFn, shape: TreeShape, batch: list[DraftInput], finite: Finite
 ) -> list[TokenTree]:
-    b = len(batch)
-    drafts: list[list[int]] = [[] for _ in range(b)]
-    qs: list[list[torch.Tensor]] = [[] for _ in range(b)]
+    """Chains drawn token by token from the drafter's processed distribution q (argmax for greedy
+    requests), on the logits' device: nothing is read back."""
+    b, dev = len(batch), root_logits.device
+    drafts: list[list[torch.Tensor]] = [[] for _ in range(b)]  # per request, per step: token [1]
+    qs: list[list[torch.Tensor]] = [[] for _ in range(b)]  # per request, per step: q [V]
     logits = root_logits
+    finite.check(root_logits)
     for step in range(shape.depth):
-        nxt = []
         for i, d in enumerate(batch):
-            q = logits_to_probs(logits[i], d.params)
-            x = (
-                int(greedy_tokens(logits[i]))
-                if d.params.greedy
-                else int(torch.multinomial(q, 1, generator=d.generator))
-            )
+            x, q = _draw(logits[i], d)
             drafts[i].append(x)
             qs[i].append(q)
-            nxt.append(x)
         if step + 1 < shape.depth:  # the next step's logits, from the tokens just drafted
-            tokens = torch.tensor(nxt)[:, None]
-            logits = step_fn(tokens, None if step == 0 else torch.zeros(b, 1, dtype=torch.long))[:, 0]
-            _check_finite(logits, f"step {step + 1}")
+            tokens = torch.cat([x[-1] for x in drafts])[:, None]  # [b, 1]
+            parent = None if step == 0 else torch.zeros(b, 1, dtype=torch.long, device=dev)
+            logits = step_fn(tokens, parent)[:, 0]
+            finite.check(logits)
     trees = []
     for i, d in enumerate(batch):
-        q = None
-        if not d.params.greedy:
-            q = torch.stack([torch.zeros_like(qs[i][0])] + qs[i])  # row 0 (root) unused
-        tree = chain_tree(d.token_ids[-1], drafts[i], d.seq_len, draft_probs=q, device=root_logits.device)
-        # the merged drafter's ranking reads scores on the host (merges are built there)
-        tree.scores = torch.tensor([1.0] + [float(qs[i][k][x]) for k, x in enumerate(drafts[i])]).cumprod(0)
+        tokens = torch.cat(drafts[i])  # [depth]
+        q = torch.stack(qs[i])  # [depth, V]
+        rows = None if d.params.greedy else torch.cat([torch.zeros_like(q[:1]), q])  # row 0 (root) unused
+        tree = chain_tree(d.token_ids[-1], tokens, d.seq_len, draft_probs=rows, device=dev)
+        # each node's chance of acceptance as the merged drafter ranks it: the running product of q
+        tree.scores = torch.cat([q.new_ones(1), q.gather(1, tokens[:, None])[:, 0]]).cumprod(0)
         trees.append(tree)
     return trees

@@ -25,7 +25,8 @@ outputs are gathered to the real rows (a copy, so the next replay cannot overwri
 
 A drafter's step is the same idea with one row per frontier node: `FrontierRunner` takes
 attention.plan_frontier's description of each of the step's attentions (per request its committed
-slots, per node its path's temporary slots) and pads it the same way.
+slots and its temporary slots, on the host; per node which temporary slots are on its path, on the
+device) and pads it the same way.
 
 Off CUDA (or with graphs off) the runners run the same static path eagerly, which is how their
 padding, bucketing and buffer logic is tested on the CPU. Graphs are captured lazily, one per bucket
@@ -294,9 +295,10 @@ def _host_inputs(
 
 # step(ids [R], feat [R, H] | None, rows {name: [R] int64}, plans {name: StaticPlan}) -> tensors [R, ...]
 StepFn = Callable[..., tuple[torch.Tensor, ...]]
-# a frontier plan's host description, as attention.plan_frontier takes it: per request its committed
-# slots [P_i], and per node the temporary slots it also reads
-FrontierSpec = tuple[list[torch.Tensor], list[list[list[int]]]]
+# a frontier plan's description, as attention.plan_frontier takes it: per request its committed slots
+# [P_i] (host), the request's temporary slots [b, E] (host), and which of them each node reads
+# [b, q, E] bool (on the device: the search's choices, never read here)
+FrontierSpec = tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]
 
 
 class FrontierRunner:
@@ -305,9 +307,9 @@ class FrontierRunner:
     temporary slots of its own path (attention.plan_frontier's batch, one per pool), in static form
 
         bucket (B, Q, ((name, P, E), ...)): node j of request i at row i*Q + j; per plan: prefix [B, P] +
-        prefix_len [B] as for the target, extra [B, E] the union of the request's path slots and
-        extra_mask [B, Q, E] which of them node j reads; per-row int64 inputs (positions, write slots)
-        padded with 0 (padded rows write and read slot 0 only)
+        prefix_len [B] as for the target, extra [B, E] the request's temporary slots and extra_mask
+        [B, Q, E] which of them node j reads (copied on the device from the spec's `seen`); per-row
+        int64 inputs (positions, write slots) padded with 0 (padded rows write and read slot 0 only)
 
     step(ids, feat, rows, plans) is the drafter's pass with `static_attention` and its logits; it is
     captured per bucket on CUDA with graphs on, else run eagerly on the same buffers."""
@@ -331,7 +333,7 @@ class FrontierRunner:
         self.runs = 0
 
     def bucket_of(self, b: int, q: int, lens: dict[str, tuple[int, int]]):
-        """The bucket of b requests x q nodes with, per plan, (longest prefix, most path slots of a
+        """The bucket of b requests x q nodes with, per plan, (longest prefix, temporary slots per
         request); None when none fits."""
         bb, qq = bucket(b, self.batch_buckets), bucket(q, self.node_buckets)
         plans = tuple((n, bucket(p, self.context), bucket(max(e, 1), self.node_buckets)) for n, (p, e) in lens.items())
@@ -346,37 +348,41 @@ class FrontierRunner:
         ids: torch.Tensor,  # [b*q] token ids (on the device: the search's tokens, never read here)
         feat: torch.Tensor | None,  # [b*q, H] the rows' input features, if the step takes any
         rows: dict[str, torch.Tensor],  # name -> [b*q] int64 host values per row (positions, write slots)
-        plans: dict[str, FrontierSpec],  # name -> (prefixes, seen) of one pool's attention
+        plans: dict[str, FrontierSpec],  # name -> (prefixes, extra, seen) of one pool's attention
         pools: tuple,  # the KV pools the step writes and reads (graphs bake their addresses in)
     ) -> tuple[torch.Tensor, ...] | None:
         """step's outputs for the b*q real rows (copies: the next replay overwrites the graph's), or None
         when the batch fits no bucket (the caller runs its eager step)."""
-        b = len(next(iter(plans.values()))[1])
+        b = len(next(iter(plans.values()))[0])
         q = ids.numel() // b if b else 0
-        extras = {n: [sorted({s for node in nodes for s in node}) for nodes in seen] for n, (_, seen) in plans.items()}
-        lens = {n: (max(p.numel() for p in pre), max(len(e) for e in extras[n])) for n, (pre, _) in plans.items()}
+        lens = {n: (max(p.numel() for p in pre), extra.shape[1]) for n, (pre, extra, _) in plans.items()}
         key = self.bucket_of(b, q, lens) if b else None
-        if key is None or any(len(nodes) != q for _, seen in plans.values() for nodes in seen):
+        if key is None or any(tuple(seen.shape[:2]) != (b, q) for _, _, seen in plans.values()):
             return None
         if len(pools) != len(self._pools) or any(a is not c for a, c in zip(pools, self._pools)):
             self.cache.clear()
             self._pools = tuple(pools)
         self.runs += 1
-        bb, qq, _ = key
-        longs, mask = _frontier_host(key, b, q, rows, plans, extras)
+        bb, qq, plan_keys = key
+        longs, mask = _frontier_host(key, b, q, rows, plans)
         names = tuple(rows)
         device = self.cache.device
 
         def fill(bufs: dict) -> None:
             _fill_flat(bufs["longs"], longs)
             _fill_flat(bufs["mask"], mask)
+            at = 0
+            for name, _, e in plan_keys:  # each node's path, where the search put it
+                seen = plans[name][2]
+                bufs["mask"][at : at + bb * qq * e].view(bb, qq, e)[:b, :q, : seen.shape[2]].copy_(seen)
+                at += bb * qq * e
             bufs["ids"].view(bb, qq)[:b, :q].copy_(ids.view(b, q))
             if feat is not None:
                 bufs["feat"].view(bb, qq, -1)[:b, :q].copy_(feat.view(b, q, -1))
 
         def make() -> dict:
             empty = {n: torch.empty(0, dtype=torch.long) for n in names}
-            host_longs, host_mask = _frontier_host(key, 0, 0, empty, {n: ([], []) for n in plans}, {})
+            host_longs, host_mask = _frontier_host(key, 0, 0, empty, {})
             bufs = {
                 "longs": host_longs.to(device),
                 "mask": host_mask.to(device),
@@ -404,10 +410,11 @@ class FrontierRunner:
         return tuple(self.step(bufs["ids"], bufs.get("feat"), rows, plans))
 
 
-def _frontier_host(key, b: int, q: int, rows: dict, plans: dict, extras: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def _frontier_host(key, b: int, q: int, rows: dict, plans: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Host side of a frontier bucket: one int64 tensor [each row input [B*Q] | per plan: prefix [B*P],
-    prefix_len [B], extra [B*E]] and one bool tensor [per plan: extra_mask [B*Q*E]]. A padded row
-    (padded request or node) reads extra column 0 too, so its softmax is never over nothing."""
+    prefix_len [B], extra [B*E]] and one bool tensor [per plan: extra_mask [B*Q*E]], the real rows'
+    masks left False (run() copies each node's path in on the device). A padded row (padded request or
+    node) reads extra column 0, so its softmax is never over nothing."""
     bb, qq, plan_keys = key
     longs, masks = [], []
     for vals in rows.values():
@@ -416,18 +423,16 @@ def _frontier_host(key, b: int, q: int, rows: dict, plans: dict, extras: dict) -
             grid[:b, :q] = torch.as_tensor(vals, dtype=torch.long).view(b, q)
         longs.append(grid.view(-1))
     for name, p, e in plan_keys:
-        prefixes, seen = plans[name]
         prefix, prefix_len = torch.zeros(bb, p, dtype=torch.long), torch.zeros(bb, dtype=torch.long)
         extra, mask = torch.zeros(bb, e, dtype=torch.long), torch.zeros(bb, qq, e, dtype=torch.bool)
         mask[:, :, 0] = True
         mask[:b, :q, 0] = False
-        for i, (pre, ex, nodes) in enumerate(zip(prefixes, extras.get(name, []), seen)):
-            prefix[i, : pre.numel()] = pre
-            prefix_len[i] = pre.numel()
-            extra[i, : len(ex)] = torch.tensor(ex, dtype=torch.long)
-            col = {s: c for c, s in enumerate(ex)}
-            for j, node in enumerate(nodes):
-                mask[i, j, [col[s] for s in node]] = True
+        if name in plans:
+            prefixes, slots, _ = plans[name]
+            extra[:b, : slots.shape[1]] = slots
+            for i, pre in enumerate(prefixes):
+                prefix[i, : pre.numel()] = pre
+                prefix_len[i] = pre.numel()
         longs += [prefix.view(-1), prefix_len, extra.view(-1)]
         masks.append(mask.view(-1))
     return torch.cat(longs), torch.cat(masks)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..attention import AttentionFn, AttentionPlan, select_backend
+from ..device import to_device
 from ..kernels import attach_packed, linear
 from .kv_pool import KVPool
 from .loader import LlamaConfig
@@ -151,7 +152,7 @@ class LlamaModel:
         return KVPool(num_layers or len(self.layers), num_slots, c.num_kv_heads, c.head_dim, self.dtype, self.device)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
+        freqs = to_device(positions, self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 

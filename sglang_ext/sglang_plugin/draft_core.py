@@ -129,8 +129,8 @@ def moa_draft(
         pools,
         frontier,
         roots,
-        # no finiteness checks: each is a device sync, and the worker has no fallback to take
-        lambda root_logits, step_fn: top_k_search(root_logits, step_fn, topk, num_steps, check=False),
+        # no finiteness flag: the worker has no fallback to take (SGLang verifies what it is given)
+        lambda root_logits, step_fn: top_k_search(root_logits, step_fn, topk, num_steps),
     )
     parent_list, top_scores_index, draft_tokens = search.organize(num_draft_tokens)
     return parent_list, top_scores_index, hot_ids[draft_tokens]

@@ -70,17 +70,17 @@ class OneCopy:
     device, and answers: a drafted chain's first draft accepted (DRAFT[0], then a bonus), else the root
     alone with a bonus."""
 
-    def __init__(self):
-        self.calls = 0
+    def __init__(self, device: str = "cuda"):
+        self.calls, self.device = 0, device
 
     def __call__(self, paths):
         self.calls += 1
         out = []
         for p in paths:
-            assert p.nodes.device.type == p.tokens.device.type == "cuda"
+            assert p.nodes.device.type == p.tokens.device.type == self.device
             n = p.nodes.numel()
             if n > 1:
-                assert p.draft_oov is not None and p.draft_oov.device.type == "cuda"
+                assert p.draft_invalid is not None and p.draft_invalid.device.type == self.device
                 out.append(VerifyResult([0, 1], [DRAFT[0], 11]))
             else:
                 out.append(VerifyResult([0], [11]))
@@ -138,3 +138,44 @@ def test_an_engine_step_makes_one_device_to_host_copy(monkeypatch, drafted):
             for c in drafter.commits
         )
         assert sum(r.stats.accepted_tokens for r in reqs) > 0
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "moa", "draft-model"])
+def test_an_engine_step_with_a_model_drafter_makes_one_copy(monkeypatch, kind):
+    """The same with a real model drafter searching trees (EAGLE-3, MoA, the self-draft), all on the meta
+    device (it stands for the GPU as fake CUDA does; the drafters' modules cannot be faked): the search,
+    its paths and plans, the commit of each verify step add no read of their own."""
+    from sglang_ext.drafters import DraftModelDrafter
+    from sglang_ext.drafters.eagle3 import Eagle3Drafter
+    from sglang_ext.drafters.moa import MoADrafter
+    from sglang_ext.models.eagle3 import Eagle3Config, Eagle3Draft
+    from sglang_ext.models.moa import MoAConfig, MoADraft
+    from sglang_ext.training import job as job_mod
+
+    monkeypatch.setattr(sampling, "device_generator", lambda seed, device="cpu": None)
+    copy = OneCopy("meta")
+    monkeypatch.setattr(engine_mod, "to_host", copy)
+    cfg = replace(smollm2_config(), num_layers=4)
+    model = job_mod.random_target(cfg, "meta")
+    model.attention = tree_attention_torch
+    if kind == "eagle3":
+        drafter = Eagle3Drafter(model, Eagle3Draft(Eagle3Config.for_target(cfg, 2048)), num_slots=1024)
+    elif kind == "moa":
+        drafter = MoADrafter(model, MoADraft(MoAConfig.for_target(cfg, tli=1, draft_vocab_size=2048)), num_slots=1024)
+    else:
+        drafter = DraftModelDrafter.self_draft(model, layers=[0, 3], num_slots=1024)
+    fallbacks = []
+    config = EngineConfig(kv_slots=4096, prefill_tokens=24, tree=TreeShape(3, 2, 6), adaptive=False, cuda_graphs=False)
+    eng = Engine(Target(model, None, None), drafter, config, on_fallback=lambda r, why: fallbacks.append(why))
+    reqs = [eng.add_request(list(range(10, 10 + n)), sp) for n, sp in zip((9, 30, 5), PARAMS[:3])]
+    steps = 0
+    while eng.has_work:
+        before = copy.calls
+        events = eng.step()
+        steps += 1
+        assert copy.calls - before == (1 if any(e.new_tokens for e in events) else 0), steps
+        assert steps < 40
+    errors = [(r.rid, r.error) for r in reqs if r.finish_reason == "error"]
+    assert not errors and not fallbacks, (errors, fallbacks)
+    assert all(len(r.output_ids) == 6 for r in reqs)
+    assert sum(r.stats.accepted_tokens for r in reqs) > 0  # drafted trees were verified (the stand-in accepts one)

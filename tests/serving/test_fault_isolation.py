@@ -183,3 +183,53 @@ def test_gateway_fails_the_faulty_request_alone_and_counts_it(monkeypatch):
     assert 'moa_request_faults_total{backend="embedded",drafter="ngram",reason="penalty"} 1.0' in metrics
     assert telemetry._requests["error"]._value.get() == 1
     assert engine.kv.num_free == engine.kv.num_slots - 1
+
+
+class PoisonedEagle3:
+    """A real EAGLE-3 drafter whose weights turn NaN from its `after`-th propose on (a faulty checkpoint
+    or kernel): its logits are non-finite, its trees still hold valid ids."""
+
+    def __new__(cls, target, after: int):
+        from sglang_ext.drafters.eagle3 import Eagle3Drafter
+        from sglang_ext.models.eagle3 import Eagle3Config, Eagle3Draft
+
+        cfg = target.model.cfg
+        d = Eagle3Drafter(target.model, Eagle3Draft(Eagle3Config.for_target(cfg, 48, aux_layers=(0, 1, 1))))
+        real, calls = d.propose, []
+
+        def propose(batch, shape):
+            calls.append(1)
+            if len(calls) == after:
+                for p in d.draft.parameters():
+                    p.data.fill_(float("nan"))
+            return real(batch, shape)
+
+        d.propose = propose
+        return d
+
+
+@pytest.mark.parametrize("shape", ["3,2,6", "3"], ids=["tree", "chain"])
+def test_non_finite_draft_logits_fall_back_with_the_targets_tokens(target, shape):
+    """Non-finite draft logits are caught in the step's one copy (not by a read inside the search): the
+    step's tree is still verified losslessly, then the request falls back to vanilla decoding. Greedy
+    and seeded sampling (sampled chains draw from the uniform distribution instead of NaN) give exactly
+    the tokens of a run without a drafter."""
+    sp = [
+        SamplingParams(max_new_tokens=12, ignore_eos=True),
+        SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.9, seed=4),
+    ]
+    ids = prompts()[:2]
+    ref = [r.output_ids for r in Engine(target, None).generate(ids, sp)]
+    why = []
+    engine = Engine(
+        target,
+        PoisonedEagle3(target, after=3),
+        EngineConfig(tree=TreeShape.parse(shape), kv_slots=1024, adaptive=False),
+        on_fallback=lambda r, reason: why.append(reason),
+    )
+    reqs = [engine.add_request(p, s) for p, s in zip(ids, sp)]
+    while engine.has_work:
+        engine.step()
+    assert [r.output_ids for r in reqs] == ref
+    assert why == ["invalid_draft", "invalid_draft"] and not any(r.drafting for r in reqs)
+    assert engine.kv.num_free == engine.kv.num_slots - 1

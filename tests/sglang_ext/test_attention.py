@@ -262,20 +262,29 @@ def test_bucketed_batch_equals_one_padded_group(small_q, monkeypatch):
 
 
 def test_frontier_plan_equals_one_plan_per_node():
-    """A drafter step planned per request (prefix gathered once, each node masked to its own path)
-    gives every node the same attention as planning that node alone over prefix + path."""
-    from sglang_ext.attention import plan_frontier
+    """A drafter step planned per request (prefix gathered once, each node masked to its own path, the
+    paths tracked by FrontierPaths from each pass's parents) gives every node the same attention as
+    planning that node alone over prefix + path."""
+    from sglang_ext.attention import FrontierPaths, plan_frontier
 
     gen = torch.Generator().manual_seed(5)
     k_pool, v_pool = random_pools(200, HKV, D, gen)
     prefixes = [torch.arange(1, 40), torch.arange(60, 65)]
-    seen = [[[100], [100, 101], [102]], [[150, 151], [152]]]  # node paths into temporary slots
-    plan = plan_frontier(prefixes, seen)
-    assert plan.batch_size == 2 and plan.num_queries == 5
-    q = torch.randn(5, HQ, D, generator=gen)
+    paths = FrontierPaths.start(2, "cpu")
+    paths = paths.advance(torch.tensor([100, 101, 150, 151]), None)  # pass 1: the roots' children
+    paths = paths.advance(torch.tensor([102, 103, 152, 153]), torch.tensor([[1, 1], [0, 1]]))
+    want = [[[101, 102], [101, 103]], [[150, 152], [151, 153]]]  # each node's path, root side first
+    assert paths.slots.tolist() == [[100, 101, 102, 103], [150, 151, 152, 153]]
+    for i in range(2):
+        for j in range(2):
+            assert paths.slots[i][paths.seen[i, j]].tolist() == want[i][j]
+            assert paths.slots[i][paths.own()[i, j]].tolist() == want[i][j][-1:]
+    plan = plan_frontier(prefixes, paths.slots, paths.seen)
+    assert plan.batch_size == 2 and plan.num_queries == 4
+    q = torch.randn(4, HQ, D, generator=gen)
     out = tree_attention_torch(q, k_pool, v_pool, plan, SCALE)
     row = 0
-    for prefix, nodes in zip(prefixes, seen):
+    for prefix, nodes in zip(prefixes, want):
         for node in nodes:
             slots = torch.cat([prefix, torch.tensor(node)])
             alone = tree_attention_torch(
@@ -287,6 +296,8 @@ def test_frontier_plan_equals_one_plan_per_node():
             )
             torch.testing.assert_close(out[row : row + 1], alone, atol=1e-5, rtol=1e-5)
             row += 1
+    with pytest.raises(ValueError, match="frontier plan"):
+        plan_frontier(prefixes[:1], paths.slots, paths.seen)
 
 
 if __name__ == "__main__":

@@ -375,7 +375,7 @@ def test_out_of_vocabulary_drafts_are_left_out_and_flagged():
         for path in (greedy_path(oov, probs.argmax(-1)), coupled_path(oov, probs, trial, 4)):
             assert not bad[to_host([path])[0].accepted_nodes].any(), trial
     flags = [AcceptedPath(torch.tensor([0, -1]), torch.tensor([5, -1]), torch.tensor(f)) for f in (True, False)]
-    assert [r.draft_oov for r in to_host(flags + [greedy_path(oov, probs.argmax(-1))])] == [True, False, False]
+    assert [r.draft_invalid for r in to_host(flags + [greedy_path(oov, probs.argmax(-1))])] == [True, False, False]
 
 
 # --- a verify step on fake CUDA tensors ------------------------------------------------------------

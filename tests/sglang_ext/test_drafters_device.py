@@ -13,13 +13,16 @@ import torch
 from helpers import tiny_config, tiny_state
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from sglang_ext.attention import tree_attention_torch
 from sglang_ext.drafters import DraftModelDrafter
+from sglang_ext.drafters.base import DraftInput, TargetCapture
 from sglang_ext.drafters.eagle3 import Eagle3Drafter
 from sglang_ext.drafters.moa import MoADrafter
 from sglang_ext.models import LlamaModel
 from sglang_ext.models.eagle3 import Eagle3Config, Eagle3Draft
 from sglang_ext.models.moa import MoAConfig, MoADraft
-from sglang_ext.tree import TokenTree, chain_tree, root_tree, trees_on
+from sglang_ext.sampling import SamplingParams
+from sglang_ext.tree import TokenTree, TreeShape, chain_tree, root_tree, trees_on
 
 CFG = tiny_config(vocab=64, layers=6)
 
@@ -86,3 +89,68 @@ def test_trees_on_keeps_the_values_and_root_tree_is_a_root_only_chain():
         for name in TokenTree.__dataclass_fields__:
             a, b = getattr(got, name), getattr(want, name)
             assert (a is None and b is None) or torch.equal(a, b), name
+
+
+# --- a propose reads nothing back from the device ----------------------------------------------------
+# The target and the drafter live on the meta device (standing for a GPU: a meta tensor holds no
+# values, so `int(t)`, `bool(t)`, `.tolist()`, a boolean-mask gather or `nonzero` on it raises, and so
+# does a host tensor mixed into its math), while slot ids and other host values stay real CPU tensors,
+# as they do beside a GPU. Every path of a search runs: the EAGLE-2 tree with min_prob, greedy chains,
+# sampled chains (seeded generators on the host cannot draw on a device: unseeded here), batches of
+# several requests, the eager plans and the static (graph-runner) steps, then the commit of a step.
+
+
+def _meta_drafter(kind: str, model: LlamaModel):
+    if kind == "draft-model":
+        return DraftModelDrafter.self_draft(model, layers=[0, 5], num_slots=256)
+    if kind == "eagle3":
+        return Eagle3Drafter(model, Eagle3Draft(Eagle3Config.for_target(CFG, 48)), num_slots=256)
+    tli = 0 if kind == "moa-tli0" else 1
+    return MoADrafter(model, MoADraft(MoAConfig.for_target(CFG, tli=tli, draft_vocab_size=48)), num_slots=256)
+
+
+def _capture(drafter, model: LlamaModel, kv, tokens: list[int], slots: torch.Tensor, first: int) -> TargetCapture:
+    n = len(tokens)
+    hidden = {l: torch.randn(n, CFG.hidden_size, device="meta") for l in drafter.capture_layers}
+    return TargetCapture(tokens, torch.arange(first, first + n, device="meta"), slots, hidden, kv)
+
+
+SHAPES = {
+    "tree": (TreeShape(3, 2, 6, min_prob=0.1), SamplingParams()),
+    "greedy-chain": (TreeShape.chain(3), SamplingParams()),
+    "sampled-chain": (TreeShape.chain(3), SamplingParams(temperature=0.8, top_p=0.9, top_k=20)),
+}
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("kind", ["eagle3", "moa", "moa-tli0", "draft-model"])
+def test_a_propose_reads_nothing_from_the_device(kind, shape, static):
+    tree_shape, params = SHAPES[shape]
+    model = LlamaModel(CFG, tiny_state(CFG), device="meta")
+    model.attention = tree_attention_torch
+    drafter = _meta_drafter(kind, model)
+    drafter.step_graphs = static  # the FrontierRunner's static path (eager off CUDA: graphs need a GPU)
+    kv = model.new_kv_pool(256)
+    prompts = [list(range(3, 3 + n)) for n in (7, 12)]
+    held = {}
+    for rid, p in enumerate(prompts):
+        held[rid] = kv.alloc(len(p))
+        drafter.add_request(rid, _capture(drafter, model, kv, p, held[rid], 0))
+    for _ in range(2):  # a propose, a commit of what was verified, and the next propose
+        batch = [DraftInput(rid, p + [1], params, None) for rid, p in enumerate(prompts)]
+        trees = drafter.propose(batch, tree_shape)
+        assert len(trees) == 2
+        for t in trees:
+            assert t.draft_tokens.device.type == "meta" and t.tree_mask.device.type == "meta"
+            assert t.finite is not None and t.finite.device.type == "meta"
+            assert (t.draft_probs is not None) == (shape == "sampled-chain")
+        for rid, p in enumerate(prompts):  # the target verified the root and one draft token
+            s = kv.alloc(2)
+            drafter.commit(rid, _capture(drafter, model, kv, [1, 2], s, len(p)))
+            held[rid] = torch.cat([held[rid], s])
+            prompts[rid] = p + [1, 2]
+    if static and (shape != "sampled-chain" or kind == "draft-model"):  # (others' sampled chains: full vocab, eager)
+        assert drafter._steps is not None and drafter._steps.runs > 0
+    for rid in held:
+        drafter.remove_request(rid)

@@ -14,7 +14,7 @@ from helpers import compare_to_reference, tiny_target
 
 from serving.config import EngineConfig
 from serving.engine import Engine
-from sglang_ext.attention import causal_mask, plan_attention, plan_frontier, prefix_and_tree_mask
+from sglang_ext.attention import FrontierPaths, causal_mask, plan_attention, plan_frontier, prefix_and_tree_mask
 from sglang_ext.drafters import DraftInput, make_drafter
 from sglang_ext.models.graph_runner import GraphRunner, bucket, context_buckets, static_attention, static_plan
 from sglang_ext.sampling import SamplingParams
@@ -204,28 +204,30 @@ def test_eagle3_frontier_step_static_equals_eager(b, kk, depth, device, request)
     prefixes = [d.kv.alloc(n) for n in (9, 4, 20)[:b]]
     for p in prefixes:
         fill(p)
-    # each node's path: depth-1 earlier temporary slots, then its own new slot
-    earlier = [[d.kv.alloc(depth - 1) for _ in range(kk)] for _ in range(b)]
-    for row in earlier:
-        for s in row:
-            fill(s)
-    new = d.kv.alloc(b * kk)
-    chains = [[earlier[i][j].tolist() + [int(new[i * kk + j])] for j in range(kk)] for i in range(b)]
-    pos = [p.numel() + depth - 1 for p in prefixes for _ in range(kk)]
+    # each node's path through `depth` passes of kk nodes per request, parents drawn at random
+    paths = FrontierPaths.start(b, device)
+    for step in range(depth):
+        new = d.kv.alloc(b * kk)
+        if step + 1 < depth:
+            fill(new)  # (the last pass's K/V is the step's own write)
+        parent = None if step == 0 else torch.randint(0, kk, (b, kk), generator=g).to(device)
+        paths = paths.advance(new, parent)
+    pos = torch.tensor([p.numel() + depth - 1 for p in prefixes for _ in range(kk)])
     ids = torch.randint(0, d.hot_ids.numel(), (b * kk,), generator=g).to(device)
     feat = torch.randn(b * kk, h, generator=g).to(device)
-    positions = torch.tensor(pos, device=device)
-    out = d._layer(d.hot_ids[ids], feat, positions, new, plan_frontier(prefixes, chains, device=device))
+    plan = plan_frontier(prefixes, paths.slots, paths.seen, device=device)
+    out = d._layer(d.hot_ids[ids], feat, pos.to(device), new, plan)
     logits = d.draft.logits(out).float()
     for _ in range(2):  # on CUDA: the capture, then a replay
-        static = d._frontier(d.hot_ids[ids], feat, pos, new, prefixes, chains)
+        static = d._frontier(d.hot_ids[ids], feat, pos, new, prefixes, paths)
     assert static is not None and d._steps.runs == 2 and d._steps.cache.graphs == (device == "cuda")
     torch.testing.assert_close(static[0], out, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(static[1], logits, atol=1e-3, rtol=1e-4)
     assert torch.equal(static[1].argmax(-1), logits.argmax(-1))
-    # outside the buckets: None, the caller's eager step runs
-    rows = {"positions": torch.tensor(pos), "slots": new}
-    assert d._steps.run(ids, feat, rows, {"draft": (prefixes, [[list(range(100, 165))] * kk] * b)}, (d.kv,)) is None
+    # outside the buckets (65 temporary slots per request): None, the caller's eager step runs
+    rows = {"positions": pos, "slots": new}
+    wide = (torch.arange(100, 165).repeat(b, 1), torch.ones(b, kk, 65, dtype=torch.bool, device=device))
+    assert d._steps.run(ids, feat, rows, {"draft": (prefixes, *wide)}, (d.kv,)) is None
     assert d._steps.bucket_of(65, 1, {"draft": (3, 1)}) is None and d._steps.bucket_of(1, 65, {"draft": (3, 1)}) is None
     assert d._steps.bucket_of(1, 1, {"draft": (1 << 20, 1)}) is None
 

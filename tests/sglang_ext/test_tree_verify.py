@@ -177,6 +177,32 @@ def test_min_prob_keeps_exactly_the_nodes_at_or_above_it():
     assert only_root.num_nodes == 1 and only_root.draft_tokens.tolist() == [1]
 
 
+def _reachable(tree) -> set[tuple[int, ...]]:
+    """Token paths (root excluded) of the nodes verification can reach (the retrieve lists)."""
+    out, todo = set(), [(0, ())]
+    nxt, sib = tree.retrieve_next_token.tolist(), tree.retrieve_next_sibling.tolist()
+    while todo:
+        node, path = todo.pop()
+        child = nxt[node]
+        while child != -1:
+            p = path + (int(tree.draft_tokens[child]),)
+            out.add(p)
+            todo.append((child, p))
+            child = sib[child]
+    return out
+
+
+@pytest.mark.parametrize("min_prob", [0.12, 0.28, 0.7])
+def test_min_prob_on_a_device_unlinks_what_the_cpu_leaves_out(min_prob):
+    """Without dropping (a device's trees keep their size): every searched node stays, and verification
+    reaches exactly the nodes the CPU's dropped tree holds."""
+    dropped = build_trees(torch.tensor([1]), _hand_search(), [5], 8, min_prob=min_prob)[0]
+    kept = build_trees(torch.tensor([1]), _hand_search(), [5], 8, min_prob=min_prob, drop=False)[0]
+    assert kept.num_nodes == 8
+    assert _reachable(kept) == _reachable(dropped) == set(_paths(dropped))
+    assert set(_paths(kept)) >= set(_paths(dropped))
+
+
 def test_search_stops_drafting_once_every_frontier_node_is_below_min_prob():
     from sglang_ext.drafters.base import DraftInput
     from sglang_ext.drafters.search import search_tree
