@@ -526,6 +526,7 @@ class Engine:
         outside the vocabulary, never accepted; non-finite draft logits): the request falls back to
         vanilla decoding after the step's copy."""
         out, start, vocab = [], 0, self.model.cfg.vocab_size
+        wants_argmax = getattr(self.drafter, "wants_tree_argmax", False)
         for r, t in zip(reqs, trees):
             n = t.num_nodes
             try:
@@ -535,6 +536,8 @@ class Engine:
             if n > 1 and isinstance(path, AcceptedPath):
                 invalid = ((t.draft_tokens < 0) | (t.draft_tokens >= vocab)).any()
                 path.draft_invalid = invalid if t.finite is None else invalid | ~t.finite
+            if wants_argmax and r.drafting and isinstance(path, AcceptedPath):  # (its commit reads it: same copy)
+                path.tree_argmax = greedy_tokens(logits[start : start + n])
             out.append(path)
             start += n
         return out
@@ -586,7 +589,7 @@ class Engine:
         if self.drafter is not None and r.drafting and self._drafter_commits:
             nodes = to_device(torch.tensor(res.accepted_nodes), rows.device)  # (an upload: host -> device)
             hidden = {l: h[nodes] for l, h in captured.items()}
-            argmax = greedy_tokens(rows) if getattr(self.drafter, "wants_tree_argmax", False) else None
+            argmax = None if res.tree_argmax is None else torch.tensor(res.tree_argmax)  # (host values)
             tokens = [r.token_ids[-1]] + res.tokens[:-1]  # the root, then the accepted drafts: host values
             cap = TargetCapture(tokens, t.positions[nodes], keep, hidden, self.kv, argmax)
             self._drafter_call(lambda: self.drafter.commit(r.rid, cap), [r])

@@ -322,9 +322,17 @@ def node_parents(
     pt = top_scores_index // topk
     # parent_list[0] is -1 (the root), so step-0 nodes (pt == 0) map to the root directly
     parent_flat = parent_list[pt] if parent_list.numel() else torch.full_like(pt, -1)
-    pos = torch.searchsorted(top_scores_index, parent_flat)
-    found = (parent_flat >= 0) & (pos < top_scores_index.numel())
-    found &= top_scores_index[pos.clamp(max=top_scores_index.numel() - 1)] == parent_flat
+    return link_selected(top_scores_index, parent_flat)
+
+
+def link_selected(selected: torch.Tensor, parent_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates selected from a search's flat list as tree nodes, on their device: selected [M] their
+    flat indices, sorted (a parent's flat index is below its children's); parent_flat [M] each one's
+    parent's flat index (-1: the root). Returns (parents [M+1] node indices, root first with -1;
+    unlinked [M+1] bool: a node whose parent was not selected hangs off the root, never verified)."""
+    pos = torch.searchsorted(selected, parent_flat)
+    found = (parent_flat >= 0) & (pos < selected.numel())
+    found &= selected[pos.clamp(max=max(selected.numel() - 1, 0))] == parent_flat
     parents = torch.where(found, pos + 1, 0)
     orphan = (~found) & (parent_flat >= 0)
     root = parents.new_full((1,), -1)

@@ -56,6 +56,7 @@ class VerifyResult:
     tokens: list[int]  # accepted draft tokens followed by the bonus token
     # the tree was a faulty drafter's: a token outside the vocabulary or non-finite draft logits (AcceptedPath)
     draft_invalid: bool = False
+    tree_argmax: list[int] | None = None  # the target's argmax at every node, when asked (AcceptedPath)
 
     @property
     def num_accepted(self) -> int:
@@ -73,6 +74,9 @@ class AcceptedPath:
     # tree is verified losslessly, so the path stays right; the flag travels in the same copy, so the
     # caller learns it without a read of its own.
     draft_invalid: torch.Tensor | None = None
+    # [N] int64, optional: the target's argmax (raw logits) at every node of the tree, for a drafter that
+    # learns from it (TargetCapture.tree_argmax), copied with the path rather than read after it
+    tree_argmax: torch.Tensor | None = None
 
 
 def to_host(paths: list[AcceptedPath]) -> list[VerifyResult]:
@@ -81,7 +85,9 @@ def to_host(paths: list[AcceptedPath]) -> list[VerifyResult]:
         return []
     parts = []
     for p in paths:
-        parts += [p.nodes, p.tokens] + ([] if p.draft_invalid is None else [p.draft_invalid.reshape(1).long()])
+        parts += [p.nodes, p.tokens]
+        parts += [] if p.draft_invalid is None else [p.draft_invalid.reshape(1).long()]
+        parts += [] if p.tree_argmax is None else [p.tree_argmax.long()]
     flat = torch.cat(parts).tolist()
     out, at = [], 0
     for p in paths:
@@ -91,7 +97,10 @@ def to_host(paths: list[AcceptedPath]) -> list[VerifyResult]:
         at += 2 * n
         invalid = p.draft_invalid is not None and bool(flat[at])
         at += p.draft_invalid is not None
-        out.append(VerifyResult(nodes[:k], tokens[:k], invalid))
+        argmax = None
+        if p.tree_argmax is not None:
+            argmax, at = flat[at : at + p.tree_argmax.numel()], at + p.tree_argmax.numel()
+        out.append(VerifyResult(nodes[:k], tokens[:k], invalid, argmax))
     return out
 
 

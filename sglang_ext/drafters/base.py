@@ -49,7 +49,8 @@ class TargetCapture:
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [a, H] output of that target layer
     kv: "KVPool | None" = None  # the target's KV pool (read-only for drafters; MoA reads every layer's K/V at `slots`)
     # verify only, for drafters with `wants_tree_argmax`: the target's argmax (raw logits) at every node of
-    # the verified tree, in the TokenTree's node order
+    # the verified tree, in the TokenTree's node order; host values (the engine copies them with the
+    # step's accepted tokens, in its one copy)
     tree_argmax: torch.Tensor | None = None  # [num_nodes] int64
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..attention import FrontierPaths, causal_mask, plan_attention, plan_frontier
+from ..device import upload
 from ..models.graph_runner import FrontierRunner, with_static_attention
 from ..models.llama import LlamaModel
 from ..tree import TokenTree, TreeShape
@@ -67,10 +68,11 @@ class DraftModelDrafter:
             masks.append(causal_mask(len(pending), done.numel()))
             row += len(pending)
             last_rows.append(row - 1)
-        out = self.model.forward(
-            torch.tensor(ids), torch.cat(pos), torch.cat(new_slots), plan_attention(kv_lists, masks), self.kv
-        )
-        return self.model.logits(out.hidden[last_rows])
+        dev = self.model.device
+        ids, last = upload([torch.tensor(ids), torch.tensor(last_rows)], dev)  # (host values: one copy)
+        plan = plan_attention(kv_lists, masks, device=dev)
+        out = self.model.forward(ids, torch.cat(pos), torch.cat(new_slots), plan, self.kv)
+        return self.model.logits(out.hidden[last])
 
     def propose(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree]:
         root_logits = self._extend(batch)

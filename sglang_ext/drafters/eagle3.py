@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..attention import FrontierPaths, causal_mask, plan_attention, plan_frontier, tree_attention_cpu
-from ..device import module_on
+from ..device import module_on, upload
 from ..kernels import attach_bf16_halves
 from ..models.checkpoint import CheckpointError, check_fits, has_config
 from ..models.eagle3 import Eagle3Draft, load_eagle3
@@ -174,9 +174,8 @@ class Eagle3Drafter:
             masks.append(causal_mask(m, done))
             last.append(sum(x.numel() for x in new_slots) - 1)
         fused = torch.cat(feats)
-        out = self._layer(
-            torch.tensor(ids), fused, torch.cat(pos), torch.cat(new_slots), plan_attention(kv_lists, masks)
-        )
+        ids, last = upload([torch.tensor(ids), torch.tensor(last)], fused.device)  # (host values: one copy)
+        out = self._layer(ids, fused, torch.cat(pos), torch.cat(new_slots), plan_attention(kv_lists, masks))
         return out[last]
 
     def _layer(

@@ -21,17 +21,18 @@ masses, which keeps speculative sampling lossless.
 
 from __future__ import annotations
 
-import heapq
 import os
 from pathlib import Path
 
 import torch
 
+from ..device import to_device
 from ..models.checkpoint import CheckpointError, check_fits, has_config
 from ..models.llama import LlamaModel, rms_norm
 from ..models.medusa import MedusaHeads, load_medusa
-from ..tree import TokenTree, TreeShape, tree_from_parents
+from ..tree import TokenTree, TreeShape, link_selected, tree_from_parents
 from .base import SHIPPED_DIR, DrafterError, DraftInput, TargetCapture
+from .search import Finite
 
 SHIPPED = {"SmolLM2-135M-Instruct": SHIPPED_DIR / "smollm2-medusa"}
 
@@ -44,36 +45,6 @@ def default_checkpoint(target) -> Path:
             f"no shipped Medusa heads for target {target.path}; train them (moa-serve train medusa) and pass the path"
         )
     return ckpt
-
-
-def best_first_tree(
-    probs: list[list[float]], ids: list[list[int]], num_nodes: int, min_prob: float = 0.0
-) -> tuple[list[int], list[int]]:
-    """The best nodes of the tree whose depth-(d+1) children are ids[d] with probabilities probs[d].
-
-    probs, ids: [depth][topk] per depth, best first. Returns (tokens, parents) of the non-root nodes
-    in the order taken (parents index the full tree: 0 = the root, node i of the result = i + 1),
-    at most num_nodes of them, each of path probability >= min_prob.
-    """
-    tokens: list[int] = []
-    parents: list[int] = []
-    # (-score, tie order, depth index d, parent node, token)
-    heap = [(-p, j, 0, 0, t) for j, (p, t) in enumerate(zip(probs[0], ids[0]))]
-    heapq.heapify(heap)
-    order = len(heap)
-    while heap and len(tokens) < num_nodes:
-        neg, _, d, parent, tok = heapq.heappop(heap)
-        score = -neg
-        if score < min_prob or score <= 0.0:
-            break  # the heap pops in decreasing score: everything left is lower
-        tokens.append(tok)
-        parents.append(parent)
-        node = len(tokens)
-        if d + 1 < len(probs):
-            for p, t in zip(probs[d + 1], ids[d + 1]):
-                heapq.heappush(heap, (-score * p, order, d + 1, node, t))
-                order += 1
-    return tokens, parents
 
 
 class MedusaDrafter:
@@ -110,32 +81,76 @@ class MedusaDrafter:
 
     # --- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def head_probs(self, rids: list[int]) -> torch.Tensor:
-        """[b, K, Vd] each head's probabilities over the draft vocab for each request."""
+    def head_probs(self, rids: list[int], finite: Finite | None = None) -> torch.Tensor:
+        """[b, K, Vd] each head's probabilities over the draft vocab for each request; `finite` (if
+        given) collects whether the heads' logits were finite."""
         missing = [r for r in rids if r not in self.last]
         if missing:
             raise DrafterError(f"requests {missing} have no verified hidden state")
         logits = self.heads.logits(torch.stack([self.last[r] for r in rids]), self.lm_rows)
-        if not torch.isfinite(logits).all():
-            raise DrafterError("Medusa heads produced non-finite logits")
+        if finite is not None:
+            finite.check(logits)
         return torch.softmax(logits, dim=-1)
 
     @torch.inference_mode()
     def propose(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree]:
         depth = min(shape.depth, self.heads.cfg.num_heads)
-        probs = self.head_probs([d.rid for d in batch])[:, :depth]  # [b, D, Vd]
+        finite = Finite()
+        probs = self.head_probs([d.rid for d in batch], finite)[:, :depth]  # [b, D, Vd]
         top_p, top_i = probs.topk(min(shape.topk, probs.shape[-1]), dim=-1)  # [b, D, k]
-        top_ids = self.hot_ids[top_i]  # target ids
-        trees = []
-        for i, d in enumerate(batch):
-            tokens, parents = best_first_tree(
-                top_p[i].tolist(), top_ids[i].tolist(), shape.num_draft_tokens - 1, shape.min_prob
-            )
-            trees.append(
-                tree_from_parents(
-                    torch.tensor([d.token_ids[-1], *tokens], dtype=torch.long),
-                    torch.tensor([-1, *parents], dtype=torch.long),
-                    d.seq_len,
-                )
-            )
+        roots = to_device(torch.tensor([d.token_ids[-1] for d in batch]), top_p.device)
+        trees = head_trees(
+            top_p, self.hot_ids[top_i], roots, [d.seq_len for d in batch], shape.num_draft_tokens, shape.min_prob
+        )
+        for t in trees:
+            t.finite = finite.flag
         return trees
+
+
+def head_trees(
+    top_p: torch.Tensor,  # [b, D, k] each head's top-k probabilities, best first
+    top_ids: torch.Tensor,  # [b, D, k] their target ids
+    roots: torch.Tensor,  # [b] each request's root token
+    seq_lens: list[int],
+    num_draft_tokens: int,
+    min_prob: float = 0.0,
+    drop: bool | None = None,
+) -> list[TokenTree]:
+    """The trees for a batch, on top_p's device without reading it: every candidate node
+    (k + k^2 + ... + k^D of them, depth-major: node m of depth t+1 is child m % k of node m // k of
+    depth t) is scored at once, and the num_draft_tokens-1 best are the tree (a child never outscores
+    its parent, so they are closed under parents up to exact ties, whose orphans stay unverified).
+    Nodes below min_prob (or of probability 0) are left out when `drop` (default: on the CPU), else
+    kept unlinked (build_trees' rule)."""
+    b, depth, k = top_p.shape
+    dev = top_p.device
+    scores, tokens, parents = [], [], []
+    prev = top_p.new_ones(b, 1)
+    start = 0  # flat index where the previous depth's candidates begin (-1: the root)
+    for t in range(depth):
+        level = (prev[:, :, None] * top_p[:, t, None, :]).reshape(b, -1)  # [b, k^(t+1)]
+        scores.append(level)
+        tokens.append(top_ids[:, t].repeat(1, level.shape[1] // k))
+        ar = torch.arange(level.shape[1], device=dev)
+        parents.append(ar // k + start if t else torch.full_like(ar, -1))
+        start += prev.shape[1] if t else 0
+        prev = level
+    flat_s, flat_t, flat_p = torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents)
+    top = torch.topk(flat_s, min(num_draft_tokens - 1, flat_s.shape[1]), dim=-1).indices.sort(dim=-1).values
+    node_s, node_t = torch.gather(flat_s, 1, top), torch.gather(flat_t, 1, top)
+    keep = (node_s >= min_prob) & (node_s > 0)
+    drop = dev.type == "cpu" if drop is None else drop
+    trees = []
+    for i in range(b):
+        sel, tok, sc = top[i], node_t[i], node_s[i]
+        if drop:
+            sel, tok, sc = sel[keep[i]], tok[keep[i]], sc[keep[i]]
+        par, unlinked = link_selected(sel, flat_p[sel])
+        if not drop:
+            unlinked = unlinked | torch.cat([keep.new_zeros(1), ~keep[i]])
+        tree_tokens = torch.cat([roots[i : i + 1].long(), tok.long()])
+        tree_scores = torch.cat([sc.new_ones(1), sc.float()])
+        trees.append(
+            tree_from_parents(tree_tokens, par, seq_lens[i], batch_index=i, unlinked=unlinked, scores=tree_scores)
+        )
+    return trees

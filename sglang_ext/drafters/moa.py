@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ..attention import FrontierPaths, plan_frontier, tree_attention_cpu
-from ..device import module_on
+from ..device import module_on, to_device
 from ..kernels import attach_bf16_halves, attach_packed_rows
 from ..models.checkpoint import CheckpointError, check_fits, has_config
 from ..models.graph_runner import FrontierRunner, static_attention, with_static_attention
@@ -195,7 +195,7 @@ class MoADrafter:
         n = len(token_ids)
         mem = self.mem.alloc(n)
         self.mem.write(0, mem, ca_k, ca_v)
-        k, v = commit_sa(self.draft, self.target.embed, torch.as_tensor(token_ids), positions)
+        k, v = commit_sa(self.draft, self.target.embed, to_device(torch.as_tensor(token_ids), ca_k.device), positions)
         sa = self.sa.alloc(n)
         self.sa.write(0, sa, k, v)
         st.mem_slots = torch.cat([st.mem_slots, mem])

@@ -5,7 +5,7 @@
   divergence is excused only at a numerical tie of the target, here within BF16_TIE of its top-2 logits
   (fp32 on a CPU: 1e-3); the ties are counted and must stay a minority.
 - One device-to-host copy per engine step on the device: CUDA's sync debug mode counts every
-  synchronizing call while a vanilla and a drafted step run.
+  synchronizing call of vanilla steps and of steps drafted by each kind of drafter, graphs on and off.
 The chi-square law of the engine's sampling on CUDA is in tests/sglang_ext/test_distribution.py, and
 Triton vs the torch reference attention on CUDA in tests/sglang_ext/test_device_step.py.
 """
@@ -53,9 +53,10 @@ def vanilla(cuda_target, prompts):
     return [eng.generate([p], SamplingParams(max_new_tokens=NEW_TOKENS))[0].output_ids for p in prompts]
 
 
-def _engine(target, name: str) -> Engine:
+def _engine(target, name: str, cuda_graphs: bool = True) -> Engine:
+    config = EngineConfig(drafter=name, tree=default_tree(name), adaptive=False, cuda_graphs=cuda_graphs)
     try:
-        return build_engine(EngineConfig(drafter=name, tree=default_tree(name), adaptive=False), target=target)
+        return build_engine(config, target=target)
     except CheckpointError as e:  # a model drafter without its checkpoint on this machine
         pytest.skip(str(e))
 
@@ -77,11 +78,19 @@ def test_gpu_greedy_identity(cuda_target, prompts, vanilla, drafter, bs):
     assert eng.kv.num_free == eng.kv.num_slots - 1, "KV slots leaked"
 
 
+def _graphs(eng: Engine) -> int:
+    """CUDA graphs captured so far by the engine's runner and its drafter's step runner."""
+    runners = [eng.graph_runner, getattr(eng.drafter, "_steps", None)]
+    return sum(len(r.cache.entries) for r in runners if r is not None)
+
+
 def _syncs_per_step(eng: Engine, steps: int) -> list[int]:
-    """The synchronizing CUDA calls of each of `steps` engine steps (sync debug mode 'warn')."""
+    """The synchronizing CUDA calls of each of `steps` engine steps (sync debug mode 'warn') that captured
+    no new graph (a capture synchronizes: a new context bucket can open a new one at any step)."""
     counts = []
     for _ in range(steps):
         torch.cuda.synchronize()
+        before = _graphs(eng)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
@@ -89,18 +98,27 @@ def _syncs_per_step(eng: Engine, steps: int) -> list[int]:
                 eng.step()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        counts.append(sum("synchronizing" in str(w.message) for w in seen))
+        if _graphs(eng) == before:
+            counts.append(sum("synchronizing" in str(w.message) for w in seen))
     return counts
 
 
-@pytest.mark.parametrize("drafter", [None, "ngram"])
-def test_gpu_a_greedy_step_synchronizes_once(cuda_target, prompts, drafter):
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+@pytest.mark.parametrize("drafter", [None, "ngram", "lookahead", "eagle3", "moa", "medusa", "draft-model"])
+def test_gpu_a_greedy_step_synchronizes_once(cuda_target, prompts, drafter, graphs):
     """After the prefill, each decode step of a batch of 4 greedy requests makes one synchronizing call:
-    the copy of the accepted paths (lookup trees are built on the host and go up in one queued copy)."""
-    eng = Engine(cuda_target, None) if drafter is None else _engine(cuda_target, drafter)
+    the copy of the accepted paths (lookup trees are built on the host and go up in one queued copy; a
+    model drafter searches on the device without reading it), with CUDA graphs replayed or eager."""
+    if drafter is None:
+        eng = Engine(cuda_target, None, EngineConfig(cuda_graphs=graphs))
+    else:
+        eng = _engine(cuda_target, drafter, graphs)
     for p in prompts[:4]:
-        eng.add_request(p, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+        eng.add_request(p, SamplingParams(max_new_tokens=2 * NEW_TOKENS, ignore_eos=True))
     eng.step()  # the prefill
-    assert _syncs_per_step(eng, 6) == [1] * 6
+    for _ in range(2):  # the first decode steps capture their graphs (a capture synchronizes)
+        eng.step()
+    counts = _syncs_per_step(eng, 8)
+    assert len(counts) >= 4 and counts == [1] * len(counts), counts
     while eng.has_work:
         eng.step()

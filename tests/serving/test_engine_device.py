@@ -79,11 +79,15 @@ class OneCopy:
         for p in paths:
             assert p.nodes.device.type == p.tokens.device.type == self.device
             n = p.nodes.numel()
+            argmax = None  # (the target's argmax at every node, for a drafter that asked: copied here too)
+            if p.tree_argmax is not None:
+                assert p.tree_argmax.device.type == self.device and p.tree_argmax.numel() == n
+                argmax = [11] * n
             if n > 1:
                 assert p.draft_invalid is not None and p.draft_invalid.device.type == self.device
-                out.append(VerifyResult([0, 1], [DRAFT[0], 11]))
+                out.append(VerifyResult([0, 1], [DRAFT[0], 11], tree_argmax=argmax))
             else:
-                out.append(VerifyResult([0], [11]))
+                out.append(VerifyResult([0], [11], tree_argmax=argmax))
         return out
 
 
@@ -140,15 +144,20 @@ def test_an_engine_step_makes_one_device_to_host_copy(monkeypatch, drafted):
         assert sum(r.stats.accepted_tokens for r in reqs) > 0
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "moa", "draft-model"])
+@pytest.mark.parametrize("kind", ["eagle3", "moa", "draft-model", "medusa", "lookahead"])
 def test_an_engine_step_with_a_model_drafter_makes_one_copy(monkeypatch, kind):
-    """The same with a real model drafter searching trees (EAGLE-3, MoA, the self-draft), all on the meta
-    device (it stands for the GPU as fake CUDA does; the drafters' modules cannot be faked): the search,
-    its paths and plans, the commit of each verify step add no read of their own."""
+    """The same with a real model drafter searching trees (EAGLE-3, MoA, the self-draft, Medusa's heads),
+    all on the meta device (it stands for the GPU as fake CUDA does; the drafters' modules cannot be
+    faked): the search, its paths and plans, the commit of each verify step add no read of their own.
+    Lookahead's commit reads the target's argmax at every node: it arrives in the same copy.
+    (A merged drafter reads its members' trees to merge them on the host: not covered, by design.)"""
     from sglang_ext.drafters import DraftModelDrafter
     from sglang_ext.drafters.eagle3 import Eagle3Drafter
+    from sglang_ext.drafters.lookahead import LookaheadDrafter
+    from sglang_ext.drafters.medusa import MedusaDrafter
     from sglang_ext.drafters.moa import MoADrafter
     from sglang_ext.models.eagle3 import Eagle3Config, Eagle3Draft
+    from sglang_ext.models.medusa import MedusaConfig, MedusaHeads
     from sglang_ext.models.moa import MoAConfig, MoADraft
     from sglang_ext.training import job as job_mod
 
@@ -162,6 +171,10 @@ def test_an_engine_step_with_a_model_drafter_makes_one_copy(monkeypatch, kind):
         drafter = Eagle3Drafter(model, Eagle3Draft(Eagle3Config.for_target(cfg, 2048)), num_slots=1024)
     elif kind == "moa":
         drafter = MoADrafter(model, MoADraft(MoAConfig.for_target(cfg, tli=1, draft_vocab_size=2048)), num_slots=1024)
+    elif kind == "medusa":
+        drafter = MedusaDrafter(model, MedusaHeads(MedusaConfig.for_target(cfg, num_heads=3, draft_vocab_size=2048)))
+    elif kind == "lookahead":  # a host drafter that learns from the target's argmax at every node
+        drafter = LookaheadDrafter()
     else:
         drafter = DraftModelDrafter.self_draft(model, layers=[0, 3], num_slots=1024)
     fallbacks = []

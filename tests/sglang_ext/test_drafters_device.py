@@ -17,9 +17,11 @@ from sglang_ext.attention import tree_attention_torch
 from sglang_ext.drafters import DraftModelDrafter
 from sglang_ext.drafters.base import DraftInput, TargetCapture
 from sglang_ext.drafters.eagle3 import Eagle3Drafter
+from sglang_ext.drafters.medusa import MedusaDrafter
 from sglang_ext.drafters.moa import MoADrafter
 from sglang_ext.models import LlamaModel
 from sglang_ext.models.eagle3 import Eagle3Config, Eagle3Draft
+from sglang_ext.models.medusa import MedusaConfig, MedusaHeads
 from sglang_ext.models.moa import MoAConfig, MoADraft
 from sglang_ext.sampling import SamplingParams
 from sglang_ext.tree import TokenTree, TreeShape, chain_tree, root_tree, trees_on
@@ -105,6 +107,8 @@ def _meta_drafter(kind: str, model: LlamaModel):
         return DraftModelDrafter.self_draft(model, layers=[0, 5], num_slots=256)
     if kind == "eagle3":
         return Eagle3Drafter(model, Eagle3Draft(Eagle3Config.for_target(CFG, 48)), num_slots=256)
+    if kind == "medusa":
+        return MedusaDrafter(model, MedusaHeads(MedusaConfig.for_target(CFG, num_heads=3, draft_vocab_size=48)))
     tli = 0 if kind == "moa-tli0" else 1
     return MoADrafter(model, MoADraft(MoAConfig.for_target(CFG, tli=tli, draft_vocab_size=48)), num_slots=256)
 
@@ -124,7 +128,7 @@ SHAPES = {
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("kind", ["eagle3", "moa", "moa-tli0", "draft-model"])
+@pytest.mark.parametrize("kind", ["eagle3", "moa", "moa-tli0", "draft-model", "medusa"])
 def test_a_propose_reads_nothing_from_the_device(kind, shape, static):
     tree_shape, params = SHAPES[shape]
     model = LlamaModel(CFG, tiny_state(CFG), device="meta")
@@ -144,13 +148,15 @@ def test_a_propose_reads_nothing_from_the_device(kind, shape, static):
         for t in trees:
             assert t.draft_tokens.device.type == "meta" and t.tree_mask.device.type == "meta"
             assert t.finite is not None and t.finite.device.type == "meta"
-            assert (t.draft_probs is not None) == (shape == "sampled-chain")
+            assert (t.draft_probs is not None) == (shape == "sampled-chain" and kind != "medusa")
         for rid, p in enumerate(prompts):  # the target verified the root and one draft token
             s = kv.alloc(2)
             drafter.commit(rid, _capture(drafter, model, kv, [1, 2], s, len(p)))
             held[rid] = torch.cat([held[rid], s])
             prompts[rid] = p + [1, 2]
-    if static and (shape != "sampled-chain" or kind == "draft-model"):  # (others' sampled chains: full vocab, eager)
+    if (
+        static and kind != "medusa" and (shape != "sampled-chain" or kind == "draft-model")
+    ):  # (others' sampled chains: full vocab, eager)
         assert drafter._steps is not None and drafter._steps.runs > 0
     for rid in held:
         drafter.remove_request(rid)

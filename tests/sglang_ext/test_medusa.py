@@ -3,6 +3,7 @@ target, greedy identity with the shipped heads on the real SmolLM2, and the samp
 
 from __future__ import annotations
 
+import heapq
 import json
 import math
 
@@ -17,7 +18,7 @@ from serving.engine import Engine
 from sglang_ext.attention import causal_mask, plan_attention
 from sglang_ext.drafters import default_tree, drafter_kind, make_drafter
 from sglang_ext.drafters.base import DrafterError, DraftInput, TargetCapture
-from sglang_ext.drafters.medusa import MedusaDrafter, best_first_tree
+from sglang_ext.drafters.medusa import MedusaDrafter, head_trees
 from sglang_ext.models import LlamaModel
 from sglang_ext.models.checkpoint import MEDUSA, CheckpointError, checkpoint_kind
 from sglang_ext.models.medusa import MedusaConfig, MedusaHeads, load_medusa
@@ -143,6 +144,83 @@ def test_loss_scores_each_head_against_the_right_token():
 
 
 # --- trees ------------------------------------------------------------------------------------
+def best_first_tree(
+    probs: list[list[float]], ids: list[list[int]], num_nodes: int, min_prob: float = 0.0
+) -> tuple[list[int], list[int]]:
+    """The reference rule, on the host: the best nodes of the tree whose depth-(d+1) children are ids[d]
+    with probabilities probs[d].
+
+    probs, ids: [depth][topk] per depth, best first. Returns (tokens, parents) of the non-root nodes
+    in the order taken (parents index the full tree: 0 = the root, node i of the result = i + 1),
+    at most num_nodes of them, each of path probability >= min_prob.
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    # (-score, tie order, depth index d, parent node, token)
+    heap = [(-p, j, 0, 0, t) for j, (p, t) in enumerate(zip(probs[0], ids[0]))]
+    heapq.heapify(heap)
+    order = len(heap)
+    while heap and len(tokens) < num_nodes:
+        neg, _, d, parent, tok = heapq.heappop(heap)
+        score = -neg
+        if score < min_prob or score <= 0.0:
+            break  # the heap pops in decreasing score: everything left is lower
+        tokens.append(tok)
+        parents.append(parent)
+        node = len(tokens)
+        if d + 1 < len(probs):
+            for p, t in zip(probs[d + 1], ids[d + 1]):
+                heapq.heappush(heap, (-score * p, order, d + 1, node, t))
+                order += 1
+    return tokens, parents
+
+
+def _node_paths(tokens: list[int], parents: list[int]) -> set[tuple[int, ...]]:
+    """best_first_tree's nodes as token paths from the root (root excluded)."""
+    paths = [()]
+    for tok, par in zip(tokens, parents):
+        paths.append(paths[par] + (tok,))
+    return set(paths[1:])
+
+
+def _tree_paths(tree, reachable: bool = False) -> set[tuple[int, ...]]:
+    """A TokenTree's nodes as token paths (with reachable: only those verification can reach)."""
+    toks, pars = tree.draft_tokens.tolist(), tree.parents.tolist()
+    linked = [True] * len(toks)
+    if reachable:
+        heads = set(tree.retrieve_next_token.tolist()) | set(tree.retrieve_next_sibling.tolist())
+        linked = [i == 0 or (i in heads and linked[pars[i]]) for i in range(len(toks))]
+    out = set()
+    for i in range(1, len(toks)):
+        if linked[i]:
+            path, n = [], i
+            while n > 0:
+                path.append(toks[n])
+                n = pars[n]
+            out.add(tuple(path[::-1]))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_head_trees_on_the_device_are_the_best_first_trees(seed):
+    """The batched, read-free tree builder keeps exactly the best-first nodes (random head
+    probabilities: no ties), with and without min_prob, dropped (CPU) or unlinked (a device's rule)."""
+    g = torch.Generator().manual_seed(seed)
+    b, depth, k = 3, 1 + seed % 4, 2 + seed % 3
+    top_p = torch.rand(b, depth, k, generator=g).sort(dim=-1, descending=True).values
+    top_ids = torch.randperm(1000, generator=g)[: b * depth * k].view(b, depth, k)
+    n = 2 + seed * 3 % 12
+    most = sum(k ** (t + 1) for t in range(depth))
+    for min_prob in (0.0, 0.05, 0.3):
+        dropped = head_trees(top_p, top_ids, torch.tensor([7, 8, 9]), [4, 5, 6], n, min_prob)
+        kept = head_trees(top_p, top_ids, torch.tensor([7, 8, 9]), [4, 5, 6], n, min_prob, drop=False)
+        for i in range(b):
+            want = _node_paths(*best_first_tree(top_p[i].tolist(), top_ids[i].tolist(), n - 1, min_prob))
+            assert _tree_paths(dropped[i]) == want and _tree_paths(kept[i], reachable=True) == want
+            assert kept[i].num_nodes == min(n, most + 1) and dropped[i].draft_tokens[0] == 7 + i
+            assert (dropped[i].scores[1:] >= min_prob).all()
+
+
 def test_best_first_tree_keeps_the_best_paths_closed_under_parents():
     probs = [[0.6, 0.3], [0.9, 0.05], [0.45, 0.4]]
     ids = [[1, 2], [3, 4], [5, 6]]
