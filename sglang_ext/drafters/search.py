@@ -106,7 +106,7 @@ def top_k_search(
 
 
 def _draw(logits: torch.Tensor, d: DraftInput) -> tuple[torch.Tensor, torch.Tensor]:
-    """One request's next chain token from logits [V], on their device: (token [1], q [V], the
+    """One request's next chain token from logits [V], on their device: (token [1], q [V]: the
     distribution it was drawn from). Non-finite logits (a faulty drafter) draw from the uniform
     distribution instead, which is then the q verification divides by: still lossless."""
     q = logits_to_probs(logits, d.params)
