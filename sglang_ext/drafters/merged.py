@@ -3,7 +3,8 @@ request at once and their trees become ONE TokenTree, verified in one forward.
 
     --drafter suffix+eagle3          (any '+' combination of registered drafters; registry: merge_members)
 
-Merge (per request, host lists: trees are small):
+Merge (per request, host lists: trees are small; a model member's trees come down from its device in one
+copy per dtype for the step, the merge's one read, and the merged tree goes back up with the engine's trees):
 - a trie over token paths from the root: a path proposed by several drafters is one node, so common
   prefixes are shared; each node keeps a bitmask of the drafters that proposed it (`provenance`, bit i =
   member i), which the per-drafter statistics read (MergeStats: proposed / accepted tokens per member);
@@ -70,7 +71,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..tree import TokenTree, TreeShape, tree_from_parents
+from ..tree import TokenTree, TreeShape, tree_from_parents, trees_on
 from .base import Drafter, DraftInput, TargetCapture
 
 SEPARATOR = "+"
@@ -324,6 +325,10 @@ class MergedDrafter:
         active = self.active(shape)
         plain = shape.plain() if isinstance(shape, MemberShape) else shape
         drafted = {i: self.members[i].propose(batch, plain) for i in active}
+        # the merge is host work: every member tree of the step comes down at once (one copy per dtype,
+        # not a read per tree and field; a model member's trees are on its device)
+        flat = trees_on([t for i in active for t in drafted[i]], "cpu")
+        drafted = {i: flat[k * len(batch) : (k + 1) * len(batch)] for k, i in enumerate(active)}
         trees = []
         for b, d in enumerate(batch):
             if len(active) == 1:  # a member alone drafts exactly its own tree
