@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from ..device import to_device
-from ..sampling import greedy_tokens, logits_to_probs
+from ..sampling import draw, greedy_tokens, logits_to_probs
 from ..tree import TokenTree, TreeSearch, TreeShape, build_trees, chain_tree
 from .base import DraftInput
 
@@ -113,7 +113,7 @@ def _draw(logits: torch.Tensor, d: DraftInput) -> tuple[torch.Tensor, torch.Tens
     if d.params.greedy:
         return greedy_tokens(logits).reshape(1), q
     q = torch.where(torch.isfinite(q).all(), q, torch.full_like(q, 1.0 / q.shape[-1]))
-    return torch.multinomial(q, 1, generator=d.generator), q
+    return draw(q, d.generator).reshape(1), q  # (torch.multinomial's draw without its reads)
 
 
 def _sample_chains(
