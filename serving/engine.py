@@ -48,7 +48,15 @@ from sglang_ext.sampling import (
     token_logprobs,
 )
 from sglang_ext.tree import TokenTree, TreeShape, root_tree, trees_on
-from sglang_ext.verify import AcceptedPath, VerifyResult, coupled_path, greedy_path, sampling_path, to_host
+from sglang_ext.verify import (
+    AcceptedPath,
+    VerifyResult,
+    coupled_path,
+    greedy_path,
+    path_logprobs,
+    sampling_path,
+    to_host,
+)
 
 from .adaptive import CONFIDENT_FROM_BATCH, AdaptiveSpeculation
 from .config import EngineConfig
@@ -295,8 +303,8 @@ class Engine:
         (what speculation's uneven finishing gives) cost no more than arrivals in a group.
         Device rule: everything up to the verified paths and first tokens runs on the target's device
         and reads nothing back; `_to_host` then copies every request's result at once (the step's one
-        device-to-host copy) and the bookkeeping after it is host work. Logprobs (when asked) and
-        grammar masks (built by xgrammar on the host) add reads of their own."""
+        device-to-host copy, output logprobs included when asked) and the bookkeeping after it is host
+        work. Prompt logprobs and grammar masks (built by xgrammar on the host) add reads of their own."""
         t0 = time.perf_counter()
         option = self.policy.choose(len(reqs)) if self.policy and reqs else None
         shape = self.policy.options[option] if option is not None else self.tree
@@ -446,7 +454,7 @@ class Engine:
         r.t_first_token = time.perf_counter()
         new = self._append(r, [tok])
         prompt_lps = r.prompt_logprobs if r.params.prompt_logprobs is not None else None
-        return StepEvent(r, new, 0, 0, self._logprobs(r, logits, [row], new), prompt_lps)
+        return StepEvent(r, new, 0, 0, self._logprobs(r, logits, [row], new, first.logprobs), prompt_lps)
 
     def _first_tokens(self, chunks: list[tuple[Request, int]], logits: torch.Tensor) -> list:
         """Per chunk, on the device: a prompt done now gets its first token (an AcceptedPath, as a root-only
@@ -458,7 +466,7 @@ class Engine:
                 continue
             row = next(rows)
             try:
-                out.append(self._sample(logits[row], r))
+                out.append(self._with_logprobs(r, self._sample(logits[row], r), logits[row][None]))
             except RequestFault as f:
                 out.append(f)
         return out
@@ -538,7 +546,7 @@ class Engine:
                 path.draft_invalid = invalid if t.finite is None else invalid | ~t.finite
             if wants_argmax and r.drafting and isinstance(path, AcceptedPath):  # (its commit reads it: same copy)
                 path.tree_argmax = greedy_tokens(logits[start : start + n])
-            out.append(path)
+            out.append(self._with_logprobs(r, path, logits[start : start + n]))
             start += n
         return out
 
@@ -596,17 +604,39 @@ class Engine:
         try:
             new = self._append(r, res.tokens)
             # token i of the accepted path came from the target's logits at accepted node i
-            return StepEvent(r, new, res.num_accepted, n - 1, self._logprobs(r, rows, res.accepted_nodes, new))
+            lps = self._logprobs(r, rows, res.accepted_nodes, new, res.logprobs)
+            return StepEvent(r, new, res.num_accepted, n - 1, lps)
         except RequestFault as f:
             return self._fail(r, f)
 
-    def _logprobs(self, r: Request, logits: torch.Tensor, rows: list[int], new: list[int]) -> list[TokenLogprob] | None:
-        """The new tokens' logprobs (rows: the logits row of each, in order), when the request asked
-        (a device-to-host copy of their own, only then)."""
+    @staticmethod
+    def _with_logprobs(r: Request, path, logits: torch.Tensor):
+        """path (an AcceptedPath, on the device) with its tokens' logprobs when the request asked for them,
+        computed on the device from the tree's raw logits [N, V] (they travel in the step's one copy), or
+        the RequestFault of that; anything else as it is."""
+        if r.params.logprobs is None or not isinstance(path, AcceptedPath):
+            return path
+        try:
+            with _stage("logprobs"):
+                path_logprobs(path, logits, r.params.logprobs)
+        except RequestFault as f:
+            return f
+        return path
+
+    def _logprobs(
+        self, r: Request, logits: torch.Tensor, rows: list[int], new: list[int], copied: list | None = None
+    ) -> list[TokenLogprob] | None:
+        """The new tokens' logprobs when the request asked: those that came in the step's copy (`copied`),
+        else from the logits (rows: the logits row of each, in order; a copy of their own: a verifier
+        that returned host results)."""
         if r.params.logprobs is None:
             return None
         with _stage("logprobs"):
-            lps = token_logprobs(logits[rows[: len(new)]], new, r.params.logprobs)
+            lps = (
+                copied[: len(new)]
+                if copied is not None
+                else token_logprobs(logits[rows[: len(new)]], new, r.params.logprobs)
+            )
         r.output_logprobs += lps
         return lps
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import draw, position_gumbel, seeded_sample
+from .sampling import TokenLogprob, draw, position_gumbel, seeded_sample
 from .tree import TokenTree
 
 
@@ -57,6 +57,7 @@ class VerifyResult:
     # the tree was a faulty drafter's: a token outside the vocabulary or non-finite draft logits (AcceptedPath)
     draft_invalid: bool = False
     tree_argmax: list[int] | None = None  # the target's argmax at every node, when asked (AcceptedPath)
+    logprobs: list[TokenLogprob] | None = None  # each accepted token's, when the request asked (AcceptedPath)
 
     @property
     def num_accepted(self) -> int:
@@ -77,19 +78,35 @@ class AcceptedPath:
     # [N] int64, optional: the target's argmax (raw logits) at every node of the tree, for a drafter that
     # learns from it (TargetCapture.tree_argmax), copied with the path rather than read after it
     tree_argmax: torch.Tensor | None = None
+    # optional, for a request that asked for logprobs: at each path row (as `nodes`), the log-probability
+    # of `tokens` under the target's raw logits, and the k likeliest (logprobs, token ids); path_logprobs
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # [N] float, [N, k] float, [N, k] int64
+
+
+def path_logprobs(path: AcceptedPath, logits: torch.Tensor, k: int) -> None:
+    """Sets path.logprobs from the tree's raw logits [N, V] (rows by node index), on their device: the
+    rows of the path's nodes (padding rows read node 0 and are never copied out)."""
+    rows = torch.log_softmax(logits[path.nodes.clamp(min=0)].float(), dim=-1)  # [N, V]
+    chosen = rows.gather(1, path.tokens.clamp(min=0)[:, None])[:, 0]
+    vals, ids = rows.topk(k, dim=-1) if k else (rows[:, :0], path.tokens[:, None][:, :0])
+    path.logprobs = (chosen, vals, ids)
 
 
 def to_host(paths: list[AcceptedPath]) -> list[VerifyResult]:
     """Every request's path in one device-to-host copy (the only host read of a verify step)."""
     if not paths:
         return []
-    parts = []
+    parts, floats = [], []
     for p in paths:
         parts += [p.nodes, p.tokens]
         parts += [] if p.draft_invalid is None else [p.draft_invalid.reshape(1).long()]
         parts += [] if p.tree_argmax is None else [p.tree_argmax.long()]
-    flat = torch.cat(parts).tolist()
-    out, at = [], 0
+        if p.logprobs is not None:
+            parts.append(p.logprobs[2].reshape(-1))
+            floats += [p.logprobs[0], p.logprobs[1].reshape(-1)]
+    flat, flat_f = _download([torch.cat(parts), torch.cat(floats) if floats else None])
+    flat, flat_f = flat.tolist(), [] if flat_f is None else flat_f.tolist()
+    out, at, at_f = [], 0, 0
     for p in paths:
         n = p.nodes.numel()
         nodes, tokens = flat[at : at + n], flat[at + n : at + 2 * n]
@@ -100,8 +117,36 @@ def to_host(paths: list[AcceptedPath]) -> list[VerifyResult]:
         argmax = None
         if p.tree_argmax is not None:
             argmax, at = flat[at : at + p.tree_argmax.numel()], at + p.tree_argmax.numel()
-        out.append(VerifyResult(nodes[:k], tokens[:k], invalid, argmax))
+        lps = None
+        if p.logprobs is not None:
+            width = p.logprobs[1].shape[1]
+            ids, at = flat[at : at + n * width], at + n * width
+            chosen, vals = flat_f[at_f : at_f + n], flat_f[at_f + n : at_f + n + n * width]
+            at_f += n + n * width
+            lps = [
+                TokenLogprob(
+                    tokens[i],
+                    chosen[i],
+                    tuple(zip(ids[i * width : (i + 1) * width], vals[i * width : (i + 1) * width])),
+                )
+                for i in range(k)
+            ]
+        out.append(VerifyResult(nodes[:k], tokens[:k], invalid, argmax, lps))
     return out
+
+
+def _download(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """The tensors (on one device) on the host, with one wait: from a GPU, queued copies into pinned
+    memory, then one synchronize (a plain .cpu() would wait once per tensor)."""
+    present = [t for t in tensors if t is not None]
+    if not present or present[0].device.type != "cuda" or not torch.cuda.is_available():  # (fake CUDA in tests)
+        return [None if t is None else t.cpu() for t in tensors]
+    host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for h, t in zip(host, tensors):
+        if t is not None:
+            h.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(present[0].device).synchronize()
+    return host
 
 
 # --- the walk, on the device ---------------------------------------------------------------------

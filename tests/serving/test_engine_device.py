@@ -12,8 +12,8 @@ stage or the step raise, and the test fails; so does a second copy per step.
 Covered: prefill (whole and chunked) with first tokens, arrivals in the decode forward, greedy,
 seeded and unseeded sampling, penalties + min_tokens, root-only and drafted trees (a test drafter
 that drafts on the device without reading it, with an out-of-vocabulary token in one tree), the
-drafter's commit. Not covered here (a copy of their own, documented in the engine): logprobs and
-grammar masks.
+drafter's commit, output logprobs (computed on the device, they come in the same copy). Not covered
+here (a copy of their own, documented in the engine): prompt logprobs and grammar masks.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from serving.engine import Engine
 from sglang_ext import sampling
 from sglang_ext.attention import tree_attention_torch
 from sglang_ext.models import Target
-from sglang_ext.sampling import SamplingParams
+from sglang_ext.sampling import SamplingParams, TokenLogprob
 from sglang_ext.tree import TreeShape, chain_tree
 from sglang_ext.verify import VerifyResult
 
@@ -71,7 +71,7 @@ class OneCopy:
     alone with a bonus."""
 
     def __init__(self, device: str = "cuda"):
-        self.calls, self.device = 0, device
+        self.calls, self.device, self.logprobs = 0, device, 0
 
     def __call__(self, paths):
         self.calls += 1
@@ -85,14 +85,21 @@ class OneCopy:
                 argmax = [11] * n
             if n > 1:
                 assert p.draft_invalid is not None and p.draft_invalid.device.type == self.device
-                out.append(VerifyResult([0, 1], [DRAFT[0], 11], tree_argmax=argmax))
+                res = VerifyResult([0, 1], [DRAFT[0], 11], tree_argmax=argmax)
             else:
-                out.append(VerifyResult([0], [11], tree_argmax=argmax))
+                res = VerifyResult([0], [11], tree_argmax=argmax)
+            if p.logprobs is not None:  # (a request that asked for logprobs: its tokens', copied here too)
+                chosen, vals, ids = p.logprobs
+                assert all(x.device.type == self.device for x in p.logprobs) and chosen.shape == (n,)
+                k = vals.shape[1]
+                res.logprobs = [TokenLogprob(t, -0.5, tuple((t, -0.5) for _ in range(k))) for t in res.tokens]
+                self.logprobs += 1
+            out.append(res)
         return out
 
 
 PARAMS = [
-    SamplingParams(max_new_tokens=6),
+    SamplingParams(max_new_tokens=6, logprobs=2),
     SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9, seed=3),
     SamplingParams(max_new_tokens=6, temperature=1.0, top_k=50),
     SamplingParams(max_new_tokens=6, presence_penalty=0.5, repetition_penalty=1.2, min_tokens=4, stop_token_ids=(4,)),
@@ -136,6 +143,7 @@ def test_an_engine_step_makes_one_device_to_host_copy(monkeypatch, drafted):
     # (the OOV tree's flag reaches the host through the copy, which the stand-in answers with False;
     # tests/serving/test_gateway_errors.py checks that fallback with real values)
     assert not fallbacks
+    assert copy.logprobs > 0 and len(reqs[0].output_logprobs) == 6  # (every token's, from the copies)
     if drafted:
         assert drafter.commits and all(
             c.positions.device.type == "cuda" and all(h.device.type == "cuda" for h in c.hidden.values())

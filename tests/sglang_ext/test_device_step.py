@@ -174,6 +174,30 @@ def test_verify_tree_greedy_and_greedy_path_equal_the_host_loop():
             assert (res.accepted_nodes, res.tokens) == (nodes, tokens), trial
 
 
+@pytest.mark.parametrize("k", [0, 3])
+def test_logprobs_in_the_copy_equal_the_hosts(k):
+    """path_logprobs (on the device, copied by to_host with the path) gives token_logprobs' numbers for
+    the accepted tokens at their rows, batch after batch, mixed with paths that did not ask."""
+    gen = torch.Generator().manual_seed(9)
+    for trial in range(20):
+        trees = [random_tree(int(n), gen, vocab=8) for n in torch.randint(1, 9, (3,), generator=gen)]
+        logits = [torch.randn(t.num_nodes, 8, generator=gen) * 3 for t in trees]
+        paths = [greedy_path(t, greedy_tokens(lg)) for t, lg in zip(trees, logits)]
+        for p, lg in zip(paths[:2], logits):
+            verify_mod.path_logprobs(p, lg, k)
+        got = to_host(paths)
+        for res, lg in zip(got[:2], logits):
+            want = sampling.token_logprobs(lg[res.accepted_nodes], res.tokens, k)
+            assert len(res.logprobs) == len(want) and all(
+                a.token == b.token
+                and a.logprob == pytest.approx(b.logprob, abs=1e-6)
+                and [t for t, _ in a.top] == [t for t, _ in b.top]
+                and [v for _, v in a.top] == pytest.approx([v for _, v in b.top], abs=1e-6)
+                for a, b in zip(res.logprobs, want)
+            ), trial
+        assert got[2].logprobs is None and got[2].tokens == to_host([paths[2]])[0].tokens
+
+
 def test_tree_shortcuts_equal_the_general_list_walk():
     """tree_lists and path_in_tree (a TokenTree's index-ordered lists) give sibling_lists' and walk's results."""
     gen = torch.Generator().manual_seed(6)
