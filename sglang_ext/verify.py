@@ -104,8 +104,10 @@ def to_host(paths: list[AcceptedPath]) -> list[VerifyResult]:
         if p.logprobs is not None:
             parts.append(p.logprobs[2].reshape(-1))
             floats += [p.logprobs[0], p.logprobs[1].reshape(-1)]
-    flat, flat_f = _download([torch.cat(parts), torch.cat(floats) if floats else None])
-    flat, flat_f = flat.tolist(), [] if flat_f is None else flat_f.tolist()
+    if floats:  # two dtypes: both copies queued, one wait
+        flat, flat_f = (t.tolist() for t in _download([torch.cat(parts), torch.cat(floats)]))
+    else:
+        flat, flat_f = torch.cat(parts).tolist(), []
     out, at, at_f = [], 0, 0
     for p in paths:
         n = p.nodes.numel()
@@ -135,17 +137,15 @@ def to_host(paths: list[AcceptedPath]) -> list[VerifyResult]:
     return out
 
 
-def _download(tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+def _download(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors (on one device) on the host, with one wait: from a GPU, queued copies into pinned
     memory, then one synchronize (a plain .cpu() would wait once per tensor)."""
-    present = [t for t in tensors if t is not None]
-    if not present or present[0].device.type != "cuda" or not torch.cuda.is_available():  # (fake CUDA in tests)
-        return [None if t is None else t.cpu() for t in tensors]
-    host = [None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    if tensors[0].device.type != "cuda" or not torch.cuda.is_available():  # (fake CUDA in tests: .cpu() reads)
+        return [t.cpu() for t in tensors]
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
     for h, t in zip(host, tensors):
-        if t is not None:
-            h.copy_(t, non_blocking=True)
-    torch.cuda.current_stream(present[0].device).synchronize()
+        h.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(tensors[0].device).synchronize()
     return host
 
 

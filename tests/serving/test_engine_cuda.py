@@ -122,3 +122,20 @@ def test_gpu_a_greedy_step_synchronizes_once(cuda_target, prompts, drafter, grap
     assert len(counts) >= 4 and counts == [1] * len(counts), counts
     while eng.has_work:
         eng.step()
+
+
+@pytest.mark.parametrize("drafter", [None, "eagle3"])
+def test_gpu_output_logprobs_come_in_the_one_copy(cuda_target, prompts, drafter):
+    """Requests asking for logprobs (top 2) add no synchronizing call: they come with the accepted paths."""
+    eng = Engine(cuda_target, None) if drafter is None else _engine(cuda_target, drafter)
+    for p in prompts[:4]:
+        eng.add_request(p, SamplingParams(max_new_tokens=2 * NEW_TOKENS, ignore_eos=True, logprobs=2))
+    eng.step()  # the prefill
+    for _ in range(2):  # the first decode steps capture their graphs (a capture synchronizes)
+        eng.step()
+    counts = _syncs_per_step(eng, 8)
+    assert len(counts) >= 4 and counts == [1] * len(counts), counts
+    reqs = list(eng.running)
+    while eng.has_work:
+        eng.step()
+    assert reqs and all(len(r.output_logprobs) == len(r.output_ids) for r in reqs)
