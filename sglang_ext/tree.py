@@ -27,6 +27,7 @@ Layout (per request, what SGLang's build_tree_kernel_efficient produces, QLEN_ON
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -319,10 +320,14 @@ def node_parents(
     unlinked [N] bool). A node whose parent was not selected (only possible with exact score ties)
     hangs off the root, as SGLang's kernel does for retrieval, and is unlinked (never verified).
     """
+    return link_selected(top_scores_index, _flat_parents(parent_list, top_scores_index, topk))
+
+
+def _flat_parents(parent_list: torch.Tensor, top_scores_index: torch.Tensor, topk: int) -> torch.Tensor:
+    """Each selected candidate's parent's flat score index (-1: the root), from TreeSearch's parent_list."""
     pt = top_scores_index // topk
     # parent_list[0] is -1 (the root), so step-0 nodes (pt == 0) map to the root directly
-    parent_flat = parent_list[pt] if parent_list.numel() else torch.full_like(pt, -1)
-    return link_selected(top_scores_index, parent_flat)
+    return parent_list[pt] if parent_list.numel() else torch.full_like(pt, -1)
 
 
 def link_selected(selected: torch.Tensor, parent_flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -339,6 +344,37 @@ def link_selected(selected: torch.Tensor, parent_flat: torch.Tensor) -> tuple[to
     return torch.cat([root, parents]), torch.cat([orphan.new_zeros(1), orphan])
 
 
+def trees_from_candidates(
+    roots: torch.Tensor,  # [b] each request's root token
+    selected: torch.Tensor,  # [b, M] the selected candidates' flat indices, sorted (parents first)
+    tokens: torch.Tensor,  # [b, M] their tokens
+    scores: torch.Tensor,  # [b, M] their scores (path probabilities)
+    parent_flat: Callable[[int, torch.Tensor], torch.Tensor],  # (request, its selected [m]) -> parents' flat indices
+    seq_lens: list[int],
+    keep: torch.Tensor | None = None,  # [b, M] bool: the nodes to verify (None: all)
+    drop: bool | None = None,
+) -> list[TokenTree]:
+    """A search's selected candidates as one TokenTree per request (batch_index for retrieve_index).
+    Nodes outside `keep` are left out when `drop` (default: on the CPU: fewer verify rows), else kept
+    unlinked, never verified (on a device, leaving them out would make the tree's size data-dependent:
+    a host read per request; the extra rows cost a GPU nothing)."""
+    drop = selected.device.type == "cpu" if drop is None else drop
+    trees = []
+    for b in range(roots.numel()):
+        sel, tok, sc = selected[b], tokens[b], scores[b]
+        if keep is not None and drop:
+            sel, tok, sc = sel[keep[b]], tok[keep[b]], sc[keep[b]]
+        parents, unlinked = link_selected(sel, parent_flat(b, sel))
+        if keep is not None and not drop:
+            unlinked = unlinked | torch.cat([keep.new_zeros(1), ~keep[b]])
+        node_tokens = torch.cat([to_device(roots[b : b + 1].long(), tok.device), tok.long()])
+        node_scores = torch.cat([sc.new_ones(1), sc.float()])
+        trees.append(
+            tree_from_parents(node_tokens, parents, seq_lens[b], batch_index=b, unlinked=unlinked, scores=node_scores)
+        )
+    return trees
+
+
 def build_trees(
     root_tokens: torch.Tensor,
     search: TreeSearch,
@@ -347,28 +383,17 @@ def build_trees(
     min_prob: float = 0.0,
     drop: bool | None = None,
 ) -> list[TokenTree]:
-    """Turn a finished search into one TokenTree per request (batch_index used for retrieve_index).
-    min_prob > 0: only a request's nodes whose score (path probability) reaches it are verified; a
-    node's score never exceeds its parent's, so they form a tree. drop (default: on the CPU) leaves
-    the others out (fewer verify rows); else they stay in the tree, unlinked, as on a device, where
-    leaving them out would make the tree's size data-dependent (a host read per request) and the
-    extra rows cost a GPU nothing."""
+    """Turn a finished search into one TokenTree per request. min_prob > 0: only a request's nodes whose
+    score (path probability) reaches it are verified (a node's score never exceeds its parent's, so they
+    form a tree); the others are dropped or unlinked as trees_from_candidates says."""
     parent_list, top, draft = search.organize(num_draft_tokens)
     scores = torch.gather(search.flat_scores(), 1, top)
     keep = scores >= min_prob if min_prob > 0 else None
-    drop = top.device.type == "cpu" if drop is None else drop
-    trees = []
-    for b in range(root_tokens.numel()):
-        top_b, draft_b, score_b = top[b], draft[b], scores[b]
-        if keep is not None and drop:
-            top_b, draft_b, score_b = top_b[keep[b]], draft_b[keep[b]], score_b[keep[b]]
-        parents, unlinked = node_parents(parent_list[b], top_b, search.topk)
-        if keep is not None and not drop:
-            unlinked = unlinked | torch.cat([keep.new_zeros(1), ~keep[b]])
-        tokens = torch.cat([to_device(root_tokens[b : b + 1].long(), draft_b.device), draft_b])
-        score_b = torch.cat([score_b.new_ones(1), score_b.float()])
-        trees.append(tree_from_parents(tokens, parents, seq_lens[b], batch_index=b, unlinked=unlinked, scores=score_b))
-    return trees
+
+    def parents(b: int, sel: torch.Tensor) -> torch.Tensor:
+        return _flat_parents(parent_list[b], sel, search.topk)
+
+    return trees_from_candidates(root_tokens, top, draft, scores, parents, seq_lens, keep, drop)
 
 
 def full_mask(trees: list[TokenTree], seq_lens: list[int]) -> torch.Tensor:

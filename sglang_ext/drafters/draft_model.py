@@ -78,14 +78,15 @@ class DraftModelDrafter:
         root_logits = self._extend(batch)
         b = len(batch)
         prefixes = [self.slots[d.rid] for d in batch]
-        paths = [FrontierPaths.start(b, root_logits.device)]  # each frontier node's path (on the device)
+        paths = FrontierPaths.start(b, root_logits.device)  # each frontier node's path (on the device)
         temp: list[torch.Tensor] = []
 
         def step_fn(tokens: torch.Tensor, parent_beam: torch.Tensor | None) -> torch.Tensor:
+            nonlocal paths
             kk = tokens.shape[1]
             new = self.kv.alloc(b * kk)
             temp.append(new)
-            paths[0] = p = paths[0].advance(new, parent_beam)
+            paths = p = paths.advance(new, parent_beam)
             # every node of this step is at depth len(temp)
             pos = torch.tensor([d.seq_len + len(temp) for d in batch]).repeat_interleave(kk)
             static = self._static_step(tokens.reshape(-1), pos, new, prefixes, p) if self.step_graphs else None

@@ -30,7 +30,7 @@ from ..device import to_device
 from ..models.checkpoint import CheckpointError, check_fits, has_config
 from ..models.llama import LlamaModel, rms_norm
 from ..models.medusa import MedusaHeads, load_medusa
-from ..tree import TokenTree, TreeShape, link_selected, tree_from_parents
+from ..tree import TokenTree, TreeShape, trees_from_candidates
 from .base import SHIPPED_DIR, DrafterError, DraftInput, TargetCapture
 from .search import Finite
 
@@ -120,8 +120,7 @@ def head_trees(
     (k + k^2 + ... + k^D of them, depth-major: node m of depth t+1 is child m % k of node m // k of
     depth t) is scored at once, and the num_draft_tokens-1 best are the tree (a child never outscores
     its parent, so they are closed under parents up to exact ties, whose orphans stay unverified).
-    Nodes below min_prob (or of probability 0) are left out when `drop` (default: on the CPU), else
-    kept unlinked (build_trees' rule)."""
+    Nodes below min_prob (or of probability 0) are left out or kept unlinked (trees_from_candidates)."""
     b, depth, k = top_p.shape
     dev = top_p.device
     scores, tokens, parents = [], [], []
@@ -139,18 +138,4 @@ def head_trees(
     top = torch.topk(flat_s, min(num_draft_tokens - 1, flat_s.shape[1]), dim=-1).indices.sort(dim=-1).values
     node_s, node_t = torch.gather(flat_s, 1, top), torch.gather(flat_t, 1, top)
     keep = (node_s >= min_prob) & (node_s > 0)
-    drop = dev.type == "cpu" if drop is None else drop
-    trees = []
-    for i in range(b):
-        sel, tok, sc = top[i], node_t[i], node_s[i]
-        if drop:
-            sel, tok, sc = sel[keep[i]], tok[keep[i]], sc[keep[i]]
-        par, unlinked = link_selected(sel, flat_p[sel])
-        if not drop:
-            unlinked = unlinked | torch.cat([keep.new_zeros(1), ~keep[i]])
-        tree_tokens = torch.cat([roots[i : i + 1].long(), tok.long()])
-        tree_scores = torch.cat([sc.new_ones(1), sc.float()])
-        trees.append(
-            tree_from_parents(tree_tokens, par, seq_lens[i], batch_index=i, unlinked=unlinked, scores=tree_scores)
-        )
-    return trees
+    return trees_from_candidates(roots, top, node_t, node_s, lambda b, sel: flat_p[sel], seq_lens, keep, drop)

@@ -340,8 +340,10 @@ class _TreePaths:
         """plans=False: passes carry only the plans' specs (a static pass builds its own)."""
         self.d, self.batch, self.plans = drafter, batch, plans
         self.sts = [drafter.reqs[x.rid] for x in batch]
-        start = FrontierPaths.start(len(batch), drafter.target.device)
-        self.sa_paths, self.tli_paths = start, start  # per pass the same nodes: one slot of each kind
+        # each node's path over the SA slots; its TLI slots were handed out alongside, pass for pass, so
+        # the same mask reads them
+        self.paths = FrontierPaths.start(len(batch), drafter.target.device)
+        self.tli_slots = torch.zeros(len(batch), 0, dtype=torch.long)  # [b, E], as paths.slots
         self.passes = 0
         self.temps: list[tuple[KVPool, torch.Tensor]] = []
 
@@ -354,12 +356,13 @@ class _TreePaths:
         tgt_new = d.tli_kv.alloc(b * kk) if d.tli_layers else torch.zeros(b * kk, dtype=torch.long)
         if d.tli_layers:
             self.temps.append((d.tli_kv, tgt_new))
-        self.sa_paths = self.sa_paths.advance(sa_new, parent)
-        self.tli_paths = self.tli_paths.advance(tgt_new, parent)
+        self.paths = self.paths.advance(sa_new, parent)
+        if d.tli_layers:
+            self.tli_slots = torch.cat([self.tli_slots, tgt_new.view(b, kk)], 1)
         # every node of this pass is at depth `passes` (the roots' pass: 0)
         pos = torch.tensor([x.seq_len + self.passes for x in self.batch]).repeat_interleave(kk)
         self.passes += 1
-        sa = self.sa_paths
+        sa = self.paths
         sa_seen = sa.seen if d.cfg.sa_tree_attention == "ancestors" else sa.own()
         # per request: its verified prefix gathered once for all its frontier nodes
         sts = self.sts
@@ -368,7 +371,7 @@ class _TreePaths:
             "ca": ([st.mem_slots for st in sts], sa.slots[:, :0], sa_seen[:, :, :0]),
         }
         if d.tli_layers:
-            specs["tli"] = ([st.target_slots for st in sts], self.tli_paths.slots, self.tli_paths.seen)
+            specs["tli"] = ([st.target_slots for st in sts], self.tli_slots, sa.seen)
         plans = {n: plan_frontier(*spec) for n, spec in specs.items()} if self.plans else {"sa": None, "ca": None}
         return PassSlots(pos, sa_new, tgt_new, **_plan_fields(plans), specs=specs)
 

@@ -98,6 +98,20 @@ class OneCopy:
         return out
 
 
+def _run_counting_copies(eng: Engine, copy: OneCopy, arrive=None) -> None:
+    """Step the engine until it is idle: exactly one copy per step that emits tokens, none otherwise;
+    arrive() (if given) adds a request before step 2."""
+    steps = 0
+    while eng.has_work:
+        if steps == 2 and arrive is not None:
+            arrive()
+        before = copy.calls
+        events = eng.step()
+        steps += 1
+        assert copy.calls - before == (1 if any(e.new_tokens for e in events) else 0), steps
+        assert steps < 40
+
+
 PARAMS = [
     SamplingParams(max_new_tokens=6, logprobs=2),
     SamplingParams(max_new_tokens=6, temperature=0.8, top_p=0.9, seed=3),
@@ -128,15 +142,8 @@ def test_an_engine_step_makes_one_device_to_host_copy(monkeypatch, drafted):
         eng = Engine(Target(model, None, None), drafter, config, on_fallback=lambda r, why: fallbacks.append(why))
         prompts = [list(range(10, 10 + n)) for n in (9, 30, 5)]  # 30 > prefill_tokens: chunked
         reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, PARAMS)]
-        steps = 0
-        while eng.has_work:
-            if steps == 2:  # an arrival while the others decode: prefilled in their forward
-                reqs.append(eng.add_request(list(range(40, 52)), PARAMS[3]))
-            before = copy.calls
-            events = eng.step()
-            steps += 1
-            assert copy.calls - before == (1 if any(e.new_tokens for e in events) else 0), steps
-            assert steps < 40
+        # an arrival at step 2, while the others decode: prefilled in their forward
+        _run_counting_copies(eng, copy, lambda: reqs.append(eng.add_request(list(range(40, 52)), PARAMS[3])))
     errors = [(r.rid, r.error) for r in reqs if r.finish_reason == "error"]
     assert not errors, f"a stage read the device or mixed devices: {errors}"
     assert all(r.finish_reason == "length" and len(r.output_ids) == 6 for r in reqs)
@@ -189,13 +196,7 @@ def test_an_engine_step_with_a_model_drafter_makes_one_copy(monkeypatch, kind):
     config = EngineConfig(kv_slots=4096, prefill_tokens=24, tree=TreeShape(3, 2, 6), adaptive=False, cuda_graphs=False)
     eng = Engine(Target(model, None, None), drafter, config, on_fallback=lambda r, why: fallbacks.append(why))
     reqs = [eng.add_request(list(range(10, 10 + n)), sp) for n, sp in zip((9, 30, 5), PARAMS[:3])]
-    steps = 0
-    while eng.has_work:
-        before = copy.calls
-        events = eng.step()
-        steps += 1
-        assert copy.calls - before == (1 if any(e.new_tokens for e in events) else 0), steps
-        assert steps < 40
+    _run_counting_copies(eng, copy)
     errors = [(r.rid, r.error) for r in reqs if r.finish_reason == "error"]
     assert not errors and not fallbacks, (errors, fallbacks)
     assert all(len(r.output_ids) == 6 for r in reqs)
