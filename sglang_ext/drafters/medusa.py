@@ -8,8 +8,9 @@ K small heads per request drafts the whole tree.
 
 Tree. Head d's top-k (d = 0..depth-1) are the candidates at depth d+1 under every node of depth d;
 a node's score is the product of its path's head probabilities. The tree is the num_draft_tokens-1
-best nodes by score, found best-first from the root (a node enters only after its parent, so the set
-is closed under parents; a child never outscores its parent), within TreeShape's depth (at most K),
+best nodes by score (a child never outscores its parent, so they are closed under parents: what a
+best-first walk from the root takes), chosen on the device from all candidates scored at once
+(head_trees; nothing read back), within TreeShape's depth (at most K),
 topk (children per node) and min_prob (no node of lower score). This is our dynamic search with
 Medusa's independence assumption; the paper's fixed sparse tree is the same rule applied offline to
 accuracies measured on a calibration set, while the per-step search adapts to how confident the
