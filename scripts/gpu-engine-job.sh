@@ -18,6 +18,7 @@
 #   here:      scripts/gpu-engine-job.sh prepare            # stage/engine/{c1,c2}; prints the budget
 #   here:      scripts/gpu-engine-job.sh hide-drafters      # drafters/ out of the tree and the index
 #   device 1:  bash scripts/gpu-engine-job.sh stage         # carry: stage/engine/c1
+#              (STAGE_TESTS="tests/..." runs those files' `pytest -m gpu` there, STAGE_TESTS_S at most)
 #   device 2:  bash scripts/gpu-engine-job.sh run           # carry: stage/engine/c2; timeout_s 600; at once
 #   here:      scripts/gpu-engine-job.sh restore-drafters   # drafters/ back (git status as before)
 #   here:      scripts/gpu-engine-job.sh collect FILES_AT   # results.json, table.md, job.log, pytest.log
@@ -132,11 +133,20 @@ restore-drafters)
   git reset -q -- drafters
   git diff --quiet -- drafters && echo "drafters/ restored" || { echo "drafters/ differs from the index" >&2; exit 1; }
   ;;
-stage) # device, command 1: keep the first half outside the repo copy
+stage) # device, command 1: keep the first half outside the repo copy; then the GPU tests that need no
+  # real weights (STAGE_TESTS, bounded by STAGE_TESTS_S seconds), so command 2's deadline goes to the job
   mkdir -p $MACHINE_STAGE
   cp $S/c1/payload.tar.0 $MACHINE_STAGE/
   ls -l $MACHINE_STAGE
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || true
+  if [ -n "${STAGE_TESTS:-}" ]; then
+    log=${OUT:-runs/gpu-engine-out}/stage-pytest.log
+    mkdir -p "$(dirname "$log")"
+    # shellcheck disable=SC2086
+    PYTHONPATH="$PWD" PYTHONUNBUFFERED=1 timeout "${STAGE_TESTS_S:-90}" $PY -m pytest -q -p no:cacheprovider \
+      -m gpu $STAGE_TESTS >"$log" 2>&1 || echo "stage tests: rc $?"
+    tail -5 "$log"
+  fi
   ;;
 run) # device, command 2
   out=${OUT:-runs/gpu-engine-out}
@@ -160,7 +170,7 @@ collect) # here: FILES_AT of the run command
   cat results/gpu-engine/table.md
   ;;
 *)
-  sed -n 2,29p "$0"
+  sed -n 2,30p "$0"
   exit 2
   ;;
 esac

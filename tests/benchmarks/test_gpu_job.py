@@ -62,7 +62,8 @@ def test_smoke_job_end_to_end(tmp_path):
     done = _python("from entrypoints.gpu_job import main\nsys.exit(main(sys.argv[1:]))", *args)
     assert done.returncode == 0, done.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
-    assert {"device", "torch", "commit", "identity", "bs1", "sweep", "gpu_tests", "bars", "deadline"} <= set(res)
+    assert {"device", "torch", "commit", "profile", "identity", "bs1", "sweep", "throughput"} <= set(res)
+    assert {"gpu_tests", "bars", "deadline"} <= set(res)
     assert res["smoke"] and res["device"] == "cpu" and "partial" not in res
     assert not [k for k, v in res.items() if isinstance(v, dict) and set(v) == {"error"}], "a section failed"
 
@@ -102,6 +103,17 @@ def test_smoke_job_end_to_end(tmp_path):
     best = sweep["best_drafter"]["method"]
     assert rows == {(m, a, b) for m, a in (("vanilla", False), (best, False), (best, True)) for b in (1, 2)}
     assert all(r["identical"] == r["prompts"] for r in sweep["identity"]) and len(sweep["identity"]) == 4
+
+    prof = {r["method"]: r for r in res["profile"]["rows"]}
+    assert set(prof) == {"vanilla", "ngram"}  # the shipped EAGLE-3 does not load here: the first drafter loaded
+    for r in prof.values():
+        assert not r.get("error") and r["step_ms_median"] > 0 and r["profiled_steps"] == 3, r
+        assert r["top_self_cpu"] and r["kernel_launches_per_step"] == 0 and not r["replayed_graph"]  # (a CPU)
+    assert prof["vanilla"]["tokens_per_step"] == 1.0 and prof["ngram"]["tokens_per_step"] >= 1.0
+    assert "## vanilla" in (out / "profile.txt").read_text()
+    thr = res["throughput"]["rows"]
+    assert [r["batch_size"] for r in thr] == [2, 4] and all(r["new_tokens"] == 8 * r["batch_size"] for r in thr)
+    assert all(r["tokens_per_s"] > 0 for r in thr)
 
     assert "deselected" in res["gpu_tests"]["summary"]
     bars = res["bars"]
