@@ -266,7 +266,8 @@ def smoke_suffix_corpus(c: GpuJobConfig, prompts: list[list[int]]) -> str:
 
 
 def load_methods(c: GpuJobConfig, target, device: str, prompts: list[list[int]]) -> list[JobMethod]:
-    """Every drafter of c.methods, built once on this target; one that cannot be built is kept,
+    """Every drafter of c.methods, built once on this target to see that it loads (each engine of the
+    run then builds its own: a drafter binds to its engine's KV pool); one that cannot be built is kept,
     marked skipped with the reason (the smoke target does not fit the shipped EAGLE-3 / MoA heads)."""
     from sglang_ext.tree import TreeShape
 
@@ -320,7 +321,8 @@ def identity_section(c: GpuJobConfig, target, methods: list[JobMethod], prompts,
             row = {"method": m.label, "tree": m.tree.label, "batch_size": bs, "prompts": len(prompts), "error": None}
             fallbacks: list[str] = []
             try:
-                outs = generate_outputs(target, m.drafter, m.tree, prompts, sp, bs, fallbacks)
+                drafter = bench_drafter(m.source, target) if m.drafter is not None else None  # one per engine
+                outs = generate_outputs(target, drafter, m.tree, prompts, sp, bs, fallbacks)
             except Exception as e:  # noqa: BLE001 - reported in the row
                 rows.append({**row, "error": f"{type(e).__name__}: {e}"})
                 continue
@@ -572,13 +574,14 @@ def profile_section(c: GpuJobConfig, target, methods: list[JobMethod], prompts: 
 
     loaded = [m for m in methods if not m.skipped]
     chosen = [m for m in loaded if m.label in c.profile_methods] or loaded[:1]
-    runs = [("vanilla", None, TreeShape.chain(1))] + [(m.label, m.drafter, m.tree) for m in chosen]
+    runs = [("vanilla", None, TreeShape.chain(1))] + [(m.label, m.source, m.tree) for m in chosen]
     rows, last = [], 0.0
-    for label, drafter, tree in runs:
+    for label, source, tree in runs:
         if not deadline.allows(f"profile {label}", 2.0 * last + tests_reserve(c)):
             break
         t0 = time.perf_counter()
         try:
+            drafter = bench_drafter(source, target) if source else None  # its own, as each engine's is
             rows.append({**profile_steps(target, drafter, tree, prompts[0]), "method": label})
         except Exception as e:  # noqa: BLE001 - reported in the row
             rows.append({"method": label, "tree": tree.label, "error": f"{type(e).__name__}: {e}"})

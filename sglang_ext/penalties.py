@@ -57,7 +57,8 @@ def penalize(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor,
     counts = counts.expand_as(x)
     if params.repetition_penalty != 1.0:
         seen = counts > 0
-        seen[:, to_device(torch.tensor(prompt_ids, dtype=torch.long), x.device)] = True
+        # (index_fill_, not `seen[:, ids] = True`: that copies the Python scalar up and waits on a GPU)
+        seen.index_fill_(1, to_device(torch.tensor(prompt_ids, dtype=torch.long), x.device), True)
         penalized = torch.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty)
         x = torch.where(seen, penalized, x)
     if params.frequency_penalty:

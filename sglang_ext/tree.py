@@ -194,9 +194,8 @@ def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
     n = parents.numel()
     ar = torch.arange(n, device=parents.device)
     up = torch.where(parents >= 0, parents, ar)  # the root is its own parent
-    mask = torch.zeros(n, n, dtype=torch.bool, device=parents.device)
-    mask[ar, ar] = True
-    mask[ar, up] = True
+    # (eye + scatter_ of a scalar: `mask[ar, up] = True` copies the Python scalar up and waits on a GPU)
+    mask = torch.eye(n, dtype=torch.bool, device=parents.device).scatter_(1, up[:, None], True)
     jump = up[up]
     for _ in range(max(n - 1, 1).bit_length()):
         mask = mask | mask[jump]

@@ -185,8 +185,8 @@ def tree_lists(tree: TokenTree) -> tuple[torch.Tensor, torch.Tensor]:
     n = tree.num_nodes
     nxt, sib = tree.retrieve_next_token, tree.retrieve_next_sibling
     listed = torch.zeros(n + 1, dtype=torch.bool, device=nxt.device)
-    listed[torch.where(nxt >= 0, nxt, n)] = True
-    listed[torch.where(sib >= 0, sib, n)] = True
+    # (index_fill_: `listed[idx] = True` copies the Python scalar up and waits on a GPU)
+    listed.index_fill_(0, torch.where(nxt >= 0, nxt, n), True).index_fill_(0, torch.where(sib >= 0, sib, n), True)
     listed = listed[:n]
     owner = torch.where(listed, tree.parents, -1)
     ar = torch.arange(n, device=nxt.device)

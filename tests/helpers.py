@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from sglang_ext.models import LlamaConfig, LlamaModel, Target
@@ -172,3 +174,57 @@ def generate_in_groups(engine, prompts: list[list[int]], bs: int, max_new_tokens
         outs += [r.output_ids for r in reqs]
         accepted += sum(r.stats.accepted_tokens for r in reqs)
     return outs, accepted
+
+
+class HostWait(AssertionError):
+    """An op that makes a CUDA host wait for the device though it reads no value (see HostWaits)."""
+
+
+class HostWaits:
+    """A dispatch mode (enter it inside FakeTensorMode) that raises HostWait at the ops a CUDA host waits
+    on although fake tensors see no read: a host -> device copy that is not queued (non_blocking False:
+    CUDA copies from pageable memory and synchronizes), a host index tensor for a device tensor
+    (indexing copies it up that way), and a host value written by index_put (`t[idx] = 1` wraps the
+    Python scalar in a host tensor and copies it up). Each was a synchronizing call on a real GPU.
+    Device means anything but the CPU (fake CUDA, meta). `.raised` keeps every message (the engine turns
+    a stage's exception into a request fault, so a test asserts on this list)."""
+
+    INDEX_OPS = ("index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index", "_unsafe_index_put")
+
+    def __new__(cls):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_flatten
+
+        class Mode(TorchDispatchMode):
+            raised: list[str]
+
+            def wait(self, msg: str):
+                import traceback
+
+                ours = [
+                    f for f in traceback.extract_stack() if "/sglang_ext/" in f.filename or "/serving/" in f.filename
+                ]
+                if ours:
+                    msg += f" at {Path(ours[-1].filename).name}:{ours[-1].lineno}"
+                self.raised.append(msg)
+                raise HostWait(msg)
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                name = func.overloadpacket.__name__
+                tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+                host = [t for t in tensors if t.device.type == "cpu"]
+                device = [t for t in tensors if t.device.type != "cpu"]
+                if name in cls.INDEX_OPS and device and host:
+                    self.wait(f"{func}: host tensors {[tuple(t.shape) for t in host]} index or fill a device one")
+                if name == "_to_copy" and host and str(kwargs.get("device", "cpu")) != "cpu":
+                    if not kwargs.get("non_blocking", False):
+                        self.wait(f"{func}: a blocking host -> device copy of {tuple(args[0].shape)}")
+                if name == "copy_" and args[0].device.type != "cpu" and args[1].device.type == "cpu":
+                    if not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False)):
+                        self.wait(f"{func}: a blocking host -> device copy of {tuple(args[1].shape)}")
+                return func(*args, **kwargs)
+
+        mode = Mode()
+        mode.raised = []
+        return mode

@@ -41,6 +41,9 @@ def _tree_attention_kernel(
     kv_indices,
     custom_mask,
     mask_indptr,
+    kv_lens,  # PADDED: [B] columns each request reads (the rest of its kv_per columns are padding)
+    q_per,  # PADDED: rows per request
+    kv_per,  # PADDED: columns per request (kv_indices [B, kv_per], custom_mask [B, q_per, kv_per])
     stride_qt,
     stride_qh,
     stride_kt,
@@ -57,15 +60,25 @@ def _tree_attention_kernel(
     BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr,  # compute in fp32 (the interpreter cannot do bf16 arithmetic)
     IEEE_DOT: tl.constexpr,  # fp32 operands: exact dots instead of tf32
+    PADDED: tl.constexpr,  # the static layout (fixed shapes, lengths on the device) instead of the ragged one
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     m_block = tl.program_id(2)
-    q_start = tl.load(qo_indptr + b)
-    q_len = tl.load(qo_indptr + b + 1) - q_start
-    kv_start = tl.load(kv_indptr + b)
-    kv_len = tl.load(kv_indptr + b + 1) - kv_start
-    mask_start = tl.load(mask_indptr + b)
+    if PADDED:
+        q_start = b * q_per
+        q_len = q_per
+        kv_start = b * kv_per
+        kv_len = tl.load(kv_lens + b)
+        mask_start = b * q_per * kv_per
+        mask_stride = kv_per
+    else:
+        q_start = tl.load(qo_indptr + b)
+        q_len = tl.load(qo_indptr + b + 1) - q_start
+        kv_start = tl.load(kv_indptr + b)
+        kv_len = tl.load(kv_indptr + b + 1) - kv_start
+        mask_start = tl.load(mask_indptr + b)
+        mask_stride = kv_len
     kv_head = h // GROUP
 
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -97,7 +110,7 @@ def _tree_attention_kernel(
         else:
             s = tl.dot(q, tl.trans(k))
         allowed = tl.load(
-            custom_mask + mask_start + offs_m[:, None] * kv_len + offs_n[None, :],
+            custom_mask + mask_start + offs_m[:, None] * mask_stride + offs_n[None, :],
             mask=m_ok[:, None] & n_ok[None, :],
             other=0,
         )
@@ -147,20 +160,54 @@ def tree_attention_triton(
         sizes = plan.qo_indptr.diff() * plan.kv_indptr.diff()
         mask_indptr = torch.cat([sizes.new_zeros(1), sizes.cumsum(0)])
 
+    grid = (plan.batch_size, num_q_heads, triton.cdiv(plan.max_q_len, BLOCK_M))  # max_q_len: host ints
+    ragged = (plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.custom_mask, mask_indptr, plan.kv_indptr, 0, 0)
+    _launch(grid, q, k_pool, v_pool, out, ragged, scale, padded=False)
+    return out
+
+
+def tree_attention_static(
+    q: torch.Tensor,  # [B*Q, Hq, D] request-major: rows b*Q .. b*Q+Q-1 are request b's (padding included)
+    k_pool: torch.Tensor,  # [S, Hkv, D]
+    v_pool: torch.Tensor,  # [S, Hkv, D]
+    slots: torch.Tensor,  # [B, K] int64: request b's columns (its first kv_len[b] are read, the rest is padding)
+    allowed: torch.Tensor,  # [B, Q, K] bool: row j of request b reads column c
+    kv_len: torch.Tensor,  # [B] int64
+    scale: float,
+) -> torch.Tensor:  # [B*Q, Hq, D]
+    """The same kernel over a padded batch of fixed shape whose lengths live on the device (a CUDA
+    graph's static buffers). A real row whose columns are in the ragged plan's order ([committed
+    prefix | its own rows], padding after them) streams the same blocks in the same order as there,
+    so it gets the ragged call's result bit for bit: a graph replay equals the eager forward."""
+    b, q_per, kv_per = allowed.shape
+    num_q_heads, num_kv_heads = q.shape[1], k_pool.shape[1]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"q heads ({num_q_heads}) must be a multiple of kv heads ({num_kv_heads})")
+    if q.shape[0] != b * q_per or tuple(slots.shape) != (b, kv_per) or tuple(kv_len.shape) != (b,):
+        raise ValueError(f"static batch: q {tuple(q.shape)}, slots {tuple(slots.shape)}, allowed {(b, q_per, kv_per)}")
+    q, k_pool, v_pool = (_last_dim_contiguous(x) for x in (q, k_pool, v_pool))
+    out = torch.empty_like(q)
+    if q.shape[0] == 0:
+        return out
+    grid = (b, num_q_heads, triton.cdiv(q_per, BLOCK_M))
+    flat = slots.contiguous().view(-1)
+    padded = (flat, flat, flat, allowed.contiguous().view(-1), flat, kv_len, q_per, kv_per)
+    _launch(grid, q, k_pool, v_pool, out, padded, scale, padded=True)
+    return out
+
+
+def _launch(grid, q, k_pool, v_pool, out, layout: tuple, scale: float, padded: bool) -> None:
+    """layout: (qo_indptr, kv_indptr, kv_indices, custom_mask, mask_indptr, kv_lens, q_per, kv_per)."""
     # NOTE: CPU tensors only run under TRITON_INTERPRET=1, whose tl.dot multiplies bf16 bit patterns
     # (numpy has no bf16; triton-lang/triton#11584), so there the kernel computes in fp32.
-    upcast = device.type == "cpu" and q.dtype == torch.bfloat16
-    grid = (plan.batch_size, num_q_heads, triton.cdiv(plan.max_q_len, BLOCK_M))  # max_q_len: host ints
+    upcast = q.device.type == "cpu" and q.dtype == torch.bfloat16
+    head_dim = q.shape[2]
     _tree_attention_kernel[grid](
         q,
         k_pool,
         v_pool,
         out,
-        plan.qo_indptr,
-        plan.kv_indptr,
-        plan.kv_indices,
-        plan.custom_mask,
-        mask_indptr,
+        *layout,
         q.stride(0),
         q.stride(1),
         k_pool.stride(0),
@@ -170,12 +217,12 @@ def tree_attention_triton(
         out.stride(0),
         out.stride(1),
         scale,
-        GROUP=num_q_heads // num_kv_heads,
+        GROUP=q.shape[1] // k_pool.shape[1],
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=BLOCK_M,
         BLOCK_N=BLOCK_N,
         UPCAST=upcast,
         IEEE_DOT=upcast or q.dtype == torch.float32,
+        PADDED=padded,
     )
-    return out

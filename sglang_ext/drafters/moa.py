@@ -152,10 +152,12 @@ class MoADrafter:
     def commit(self, rid: int, capture: TargetCapture) -> None:
         if capture.kv is None:
             raise DrafterError("MoA needs the target KV pool in TargetCapture.kv")
-        if self.tli_kv is None:
+        if self.tli_kv is not capture.kv:
+            # a new pool (another engine, or an engine's reset after a fault rebuilt its pool) binds the
+            # drafter once no live request reads the old one; its step graphs are recaptured for it
+            if self.tli_kv is not None and set(self.reqs) != {rid}:
+                raise DrafterError("MoA drafter bound to a different target KV pool (its requests are live)")
             self.tli_kv = capture.kv
-        elif self.tli_kv is not capture.kv:
-            raise DrafterError("MoA drafter bound to a different target KV pool")
         if capture.slots.numel():
             # NOTE: deferred to the next propose, where all pending tokens of the batch go through
             # LSA in one call: when adaptive speculation is off for many steps, commits cost nothing
@@ -285,7 +287,7 @@ class MoADrafter:
                 self.parts,
                 self.kv,
                 paths,
-                torch.tensor([d.token_ids[-1] for d in batch]),
+                to_device(torch.tensor([d.token_ids[-1] for d in batch]), self.target.device),
                 lambda root_logits, step_fn: search_tree(root_logits, step_fn, shape, batch),
                 full,
                 logits=lambda h: self._to_logits(h, full),

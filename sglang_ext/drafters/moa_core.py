@@ -27,7 +27,7 @@ import torch
 
 from ..attention import AttentionFn
 from ..attention.plan import AttentionPlan
-from ..device import to_device
+from ..device import upload
 from ..kernels import linear
 from ..models.moa import MoAPieces, stack_layer_kv
 from .search import StepFn, scatter_to_vocab
@@ -112,14 +112,16 @@ def draft_pass(parts: MoAParts, kv: DraftKV, tokens: torch.Tensor, at: PassSlots
     Writes the nodes' SA K/V at at.sa_slots and (TLI layers) their target K/V at at.tli_slots."""
     d = parts.draft
     x = parts.embed[tokens]
-    rope = d.rope(to_device(at.positions, x.device), x.dtype)  # one cos/sin for SA and CA, where x is
-    q, k, v = d.sa_qkv(x, at.positions, rope)
-    kv.sa_k[at.sa_slots], kv.sa_v[at.sa_slots] = k.to(kv.sa_k.dtype), v.to(kv.sa_v.dtype)
+    # host-built rows go up in one queued copy (an index on the host makes a GPU host wait)
+    positions, sa_slots, tli_slots = upload([at.positions, at.sa_slots, at.tli_slots], x.device)
+    rope = d.rope(positions, x.dtype)  # one cos/sin for SA and CA, where x is
+    q, k, v = d.sa_qkv(x, positions, rope)
+    kv.sa_k[sa_slots], kv.sa_v[sa_slots] = k.to(kv.sa_k.dtype), v.to(kv.sa_v.dtype)
     x = d.sa_finish(parts.attention(q, kv.sa_k, kv.sa_v, at.sa_plan, d.scale), x)
-    q = d.ca_q(x, at.positions, rope)
+    q = d.ca_q(x, positions, rope)
     x = d.ca_finish(parts.attention(q, kv.ca_k, kv.ca_v, at.ca_plan, d.scale), x)
     for layer in parts.tli_layers:
-        x = layer(x, at.positions, at.tli_slots, at.tli_plan)
+        x = layer(x, positions, tli_slots, at.tli_plan)
     return parts.final_norm(x)
 
 

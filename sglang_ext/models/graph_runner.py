@@ -16,9 +16,12 @@ reads, so a step that runs in one is first put in a *static* form:
     tree_mask                    [B, Q, Q] node j sees node i; a padded row sees only itself
 
 and attention reads the K/V of [prefix | the request's own Q rows] through that table, masked on the
-device from prefix_len and tree_mask (`static_attention`: the torch reference's batched matmuls). A
-real row never sees a padded column (masked to -inf, weight exactly 0), so padding changes no real
-row's output; padded rows' outputs are dropped.
+device from prefix_len and tree_mask (`static_plan`; the columns in the eager plan's order, padding
+last). A real row never sees a padded column (masked to -inf, weight exactly 0), so padding changes no
+real row's output; padded rows' outputs are dropped. `static_attention` is, on CUDA, the eager Triton
+kernel in its padded form: a real row streams the same columns in the same blocks as eagerly, so a
+replayed graph gives the eager forward's bits (greedy tokens do not depend on graphs, batch or bucket);
+elsewhere the torch reference's batched matmuls.
 
 Host data goes into the bucket's static buffers in one copy per dtype before the replay; the replay's
 outputs are gathered to the real rows (a copy, so the next replay cannot overwrite what the caller kept).
@@ -57,19 +60,32 @@ MAX_ROWS = 1024  # B*Q above this runs eagerly (the padded attention scores woul
 
 @dataclass
 class StaticPlan:
-    """A padded batch's attention inputs, built on the device inside the graph (once per forward)."""
+    """A padded batch's attention inputs, built on the device inside the graph (once per forward). Each
+    request's columns are in the eager plan's order, [its committed prefix | its extra slots], padding
+    after them, so a kernel that streams a request's columns in order reads a real row's columns in
+    the same blocks as the eager forward does (tree_attention_static: bit for bit)."""
 
-    slots: torch.Tensor  # [B, K] int64: pool slots each request's rows read
-    hidden: torch.Tensor  # [B, Q, K] bool: True where a row must NOT read the column
+    slots: torch.Tensor  # [B, K] int64: pool slots of request b's columns (padding: slot 0)
+    allowed: torch.Tensor  # [B, Q, K] bool: row j of request b reads column c
+    kv_len: torch.Tensor  # [B] int64: the columns before request b's padding (prefix_len + E)
 
 
 def static_plan(prefix: torch.Tensor, prefix_len: torch.Tensor, extra: torch.Tensor, extra_mask: torch.Tensor):
     """prefix [B, P] slots every row of request b may read below prefix_len [B]; extra [B, E] slots read
-    under extra_mask [B, Q, E] (tree nodes). Device ops only, fixed shapes."""
-    b, q = extra_mask.shape[:2]
-    cols = torch.arange(prefix.shape[1], device=prefix.device)
-    seen_prefix = (cols[None, :] < prefix_len[:, None])[:, None, :].expand(b, q, -1)
-    return StaticPlan(torch.cat([prefix, extra], dim=1), ~torch.cat([seen_prefix, extra_mask], dim=2))
+    under extra_mask [B, Q, E] (tree nodes). Device ops only, fixed shapes (K = P + E columns)."""
+    b, q, e = extra_mask.shape
+    p = prefix.shape[1]
+    cols = torch.arange(p + e, device=prefix.device)
+    rel = cols[None, :] - prefix_len[:, None]  # [B, K]: column c is extra slot c - prefix_len when in [0, E)
+    in_prefix, in_extra = rel < 0, (rel >= 0) & (rel < e)
+    ei = rel.clamp(0, e - 1)
+    from_prefix = (
+        prefix.gather(1, cols.clamp(max=max(p - 1, 0))[None, :].expand(b, -1)) if p else prefix.new_zeros(b, e)
+    )
+    slots = torch.where(in_prefix, from_prefix, torch.where(in_extra, extra.gather(1, ei), 0))
+    seen_extra = extra_mask.gather(2, ei[:, None, :].expand(b, q, -1))
+    allowed = in_prefix[:, None, :] | (in_extra[:, None, :] & seen_extra)
+    return StaticPlan(slots, allowed, prefix_len + e)
 
 
 def static_attention(
@@ -79,8 +95,14 @@ def static_attention(
     plan: StaticPlan,
     scale: float,
 ) -> torch.Tensor:  # [B*Q, Hq, D]
-    """The torch reference's batched-matmul attention over a StaticPlan (same math, fixed shapes)."""
-    b, qm, k = plan.hidden.shape
+    """Attention over a StaticPlan: on CUDA the Triton tree kernel in its padded form (the eager
+    default there, so a replayed graph computes what the eager forward does); elsewhere the torch
+    reference's batched matmuls over the same plan (same math, summation order aside)."""
+    if q.is_cuda:
+        from ..attention.triton_tree import tree_attention_static
+
+        return tree_attention_static(q, k_pool, v_pool, plan.slots, plan.allowed, plan.kv_len, scale)
+    b, qm, k = plan.allowed.shape
     hq, d = q.shape[1], q.shape[2]
     hkv = k_pool.shape[1]
     rep = hq // hkv
@@ -88,7 +110,8 @@ def static_attention(
     kb = k_pool[plan.slots].transpose(1, 2)  # [B, Hkv, K, D]
     vb = v_pool[plan.slots].transpose(1, 2)
     s = torch.matmul(qb, kb.transpose(-1, -2)).float().mul_(scale)  # [B, Hkv, rep*Q, K]
-    s = s.view(b, hkv, rep, qm, k).masked_fill_(plan.hidden[:, None, None], float("-inf")).view(b, hkv, rep * qm, k)
+    hidden = ~plan.allowed[:, None, None]
+    s = s.view(b, hkv, rep, qm, k).masked_fill_(hidden, float("-inf")).view(b, hkv, rep * qm, k)
     p = s.softmax(-1).to(vb.dtype)
     out = torch.matmul(p, vb).view(b, hkv, rep, qm, -1).permute(0, 3, 1, 2, 4)
     return out.reshape(b * qm, hq, -1)
@@ -252,7 +275,7 @@ class GraphRunner:
     def _buffers(self, key: tuple[int, int, int]) -> dict:
         """A bucket's static inputs, holding an all-padding batch."""
         longs, mask = _host_inputs(key, [], [], [])
-        return {"longs": longs.to(self.model.device), "mask": mask.to(self.model.device)}
+        return {"longs": to_device(longs, self.model.device), "mask": to_device(mask, self.model.device)}
 
     def _forward(self, key: tuple[int, int, int], bufs: dict, kv: KVPool) -> ForwardOutput:
         """The captured function: views of the flat buffers, the static plan, the model's forward."""
@@ -376,16 +399,16 @@ class FrontierRunner:
                 seen = plans[name][2]
                 bufs["mask"][at : at + bb * qq * e].view(bb, qq, e)[:b, :q, : seen.shape[2]].copy_(seen)
                 at += bb * qq * e
-            bufs["ids"].view(bb, qq)[:b, :q].copy_(ids.view(b, q))
+            bufs["ids"].view(bb, qq)[:b, :q].copy_(to_device(ids, device).view(b, q))
             if feat is not None:
-                bufs["feat"].view(bb, qq, -1)[:b, :q].copy_(feat.view(b, q, -1))
+                bufs["feat"].view(bb, qq, -1)[:b, :q].copy_(to_device(feat, device).view(b, q, -1))
 
         def make() -> dict:
             empty = {n: torch.empty(0, dtype=torch.long) for n in names}
             host_longs, host_mask = _frontier_host(key, 0, 0, empty, {})
             bufs = {
-                "longs": host_longs.to(device),
-                "mask": host_mask.to(device),
+                "longs": to_device(host_longs, device),
+                "mask": to_device(host_mask, device),
                 "ids": torch.zeros(bb * qq, dtype=torch.long, device=device),
             }
             if feat is not None:

@@ -348,7 +348,9 @@ class MoADraft(MoAPieces, nn.Module):
 def stack_layer_kv(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
     """The LSA input of the tokens at `slots` (any shape S): [*S, L, 2*n_kv*D], K|V per KV head.
 
-    k_layers/v_layers: the target's per-layer pools [num_slots, n_kv, D] (keys as cached, after RoPE)."""
+    k_layers/v_layers: the target's per-layer pools [num_slots, n_kv, D] (keys as cached, after RoPE).
+    Host-built slots go up once (queued), not once per layer (an index on the host waits on a GPU)."""
+    slots = to_device(slots, k_layers[0].device)
     k = torch.stack([kl[slots] for kl in k_layers], dim=-3)  # [*S, L, n_kv, D]
     v = torch.stack([vl[slots] for vl in v_layers], dim=-3)
     return torch.cat([k, v], dim=-1).flatten(-2)

@@ -12,7 +12,9 @@ Triton vs the torch reference attention on CUDA in tests/sglang_ext/test_device_
 
 from __future__ import annotations
 
+import collections
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,10 +86,11 @@ def _graphs(eng: Engine) -> int:
     return sum(len(r.cache.entries) for r in runners if r is not None)
 
 
-def _syncs_per_step(eng: Engine, steps: int) -> list[int]:
+def _syncs_per_step(eng: Engine, steps: int) -> tuple[list[int], list[tuple[str, int]]]:
     """The synchronizing CUDA calls of each of `steps` engine steps (sync debug mode 'warn') that captured
-    no new graph (a capture synchronizes: a new context bucket can open a new one at any step)."""
-    counts = []
+    no new graph (a capture synchronizes: a new context bucket can open a new one at any step), and
+    where they were made (file:line of the Python call, most frequent first)."""
+    counts, sites = [], collections.Counter()
     for _ in range(steps):
         torch.cuda.synchronize()
         before = _graphs(eng)
@@ -99,8 +102,10 @@ def _syncs_per_step(eng: Engine, steps: int) -> list[int]:
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         if _graphs(eng) == before:
-            counts.append(sum("synchronizing" in str(w.message) for w in seen))
-    return counts
+            syncs = [w for w in seen if "synchronizing" in str(w.message)]
+            counts.append(len(syncs))
+            sites.update(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
+    return counts, sites.most_common(12)
 
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
@@ -118,8 +123,8 @@ def test_gpu_a_greedy_step_synchronizes_once(cuda_target, prompts, drafter, grap
     eng.step()  # the prefill
     for _ in range(2):  # the first decode steps capture their graphs (a capture synchronizes)
         eng.step()
-    counts = _syncs_per_step(eng, 8)
-    assert len(counts) >= 4 and counts == [1] * len(counts), counts
+    counts, sites = _syncs_per_step(eng, 8)
+    assert len(counts) >= 4 and counts == [1] * len(counts), (counts, sites)
     while eng.has_work:
         eng.step()
 
@@ -133,8 +138,8 @@ def test_gpu_output_logprobs_come_in_the_one_copy(cuda_target, prompts, drafter)
     eng.step()  # the prefill
     for _ in range(2):  # the first decode steps capture their graphs (a capture synchronizes)
         eng.step()
-    counts = _syncs_per_step(eng, 8)
-    assert len(counts) >= 4 and counts == [1] * len(counts), counts
+    counts, sites = _syncs_per_step(eng, 8)
+    assert len(counts) >= 4 and counts == [1] * len(counts), (counts, sites)
     reqs = list(eng.running)
     while eng.has_work:
         eng.step()

@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from helpers import smollm2_config
+from helpers import HostWaits, smollm2_config
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import serving.engine as engine_mod
@@ -143,8 +143,10 @@ def test_an_engine_step_makes_one_device_to_host_copy(monkeypatch, drafted):
         prompts = [list(range(10, 10 + n)) for n in (9, 30, 5)]  # 30 > prefill_tokens: chunked
         reqs = [eng.add_request(p, sp) for p, sp in zip(prompts, PARAMS)]
         # an arrival at step 2, while the others decode: prefilled in their forward
-        _run_counting_copies(eng, copy, lambda: reqs.append(eng.add_request(list(range(40, 52)), PARAMS[3])))
+        with HostWaits() as waits:  # (the requests' steps: loading the weights above copies them up)
+            _run_counting_copies(eng, copy, lambda: reqs.append(eng.add_request(list(range(40, 52)), PARAMS[3])))
     errors = [(r.rid, r.error) for r in reqs if r.finish_reason == "error"]
+    assert not waits.raised, waits.raised
     assert not errors, f"a stage read the device or mixed devices: {errors}"
     assert all(r.finish_reason == "length" and len(r.output_ids) == 6 for r in reqs)
     # (the OOV tree's flag reaches the host through the copy, which the stand-in answers with False;
@@ -159,12 +161,18 @@ def test_an_engine_step_makes_one_device_to_host_copy(monkeypatch, drafted):
         assert sum(r.stats.accepted_tokens for r in reqs) > 0
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "moa", "draft-model", "medusa", "lookahead"])
-def test_an_engine_step_with_a_model_drafter_makes_one_copy(monkeypatch, kind):
+@pytest.mark.parametrize(
+    "kind,static",
+    [("eagle3", False), ("eagle3", True), ("moa", False), ("moa", True), ("draft-model", False)]
+    + [("draft-model", True), ("medusa", False), ("lookahead", False)],
+)
+def test_an_engine_step_with_a_model_drafter_makes_one_copy(monkeypatch, kind, static):
     """The same with a real model drafter searching trees (EAGLE-3, MoA, the self-draft, Medusa's heads),
     all on the meta device (it stands for the GPU as fake CUDA does; the drafters' modules cannot be
     faked): the search, its paths and plans, the commit of each verify step add no read of their own.
-    Lookahead's commit reads the target's argmax at every node: it arrives in the same copy.
+    Lookahead's commit reads the target's argmax at every node: it arrives in the same copy. `static`: the
+    drafter's search steps take its step runner's static path (what a GPU replays as CUDA graphs, run
+    eagerly here): their host rows go up queued, never by a copy the host waits on.
     (A merged drafter reads its members' trees to merge them on the host: not covered, by design.)"""
     from sglang_ext.drafters import DraftModelDrafter
     from sglang_ext.drafters.eagle3 import Eagle3Drafter
@@ -192,11 +200,14 @@ def test_an_engine_step_with_a_model_drafter_makes_one_copy(monkeypatch, kind):
         drafter = LookaheadDrafter()
     else:
         drafter = DraftModelDrafter.self_draft(model, layers=[0, 3], num_slots=1024)
+    drafter.step_graphs = static  # (the engine sets it with a graph runner, which needs a CUDA device)
     fallbacks = []
     config = EngineConfig(kv_slots=4096, prefill_tokens=24, tree=TreeShape(3, 2, 6), adaptive=False, cuda_graphs=False)
     eng = Engine(Target(model, None, None), drafter, config, on_fallback=lambda r, why: fallbacks.append(why))
     reqs = [eng.add_request(list(range(10, 10 + n)), sp) for n, sp in zip((9, 30, 5), PARAMS[:3])]
-    _run_counting_copies(eng, copy)
+    with HostWaits() as waits:
+        _run_counting_copies(eng, copy)
+    assert not waits.raised, waits.raised
     errors = [(r.rid, r.error) for r in reqs if r.finish_reason == "error"]
     assert not errors and not fallbacks, (errors, fallbacks)
     assert all(len(r.output_ids) == 6 for r in reqs)

@@ -83,6 +83,50 @@ def _run_parity_cases() -> list[dict]:
     return results
 
 
+# (name, dtype, prefix lengths, tree sizes, padded requests, node bucket, context bucket)
+STATIC_CASES = [
+    ("fp32-decode-rows", "float32", [40, 7, 33], [1, 1, 1], 1, 1, 64),
+    ("fp32-trees", "float32", [0, 45, 70, 3], [5, 16, 9, 1], 0, 16, 128),
+    ("bf16-trees", "bfloat16", [20, 64, 31], [12, 3, 8], 1, 16, 64),
+]
+
+
+def _run_static_cases(device: str = "cpu") -> list[dict]:
+    """Per case, whether the padded (static) form of the kernel gives every real row exactly the ragged
+    form's output, with the graph runner's static_plan (on CPU: in the TRITON_INTERPRET=1 subprocess)."""
+    from sglang_ext.attention.triton_tree import tree_attention_static, tree_attention_triton
+    from sglang_ext.models.graph_runner import static_plan
+
+    results = []
+    for seed, (name, dtype_name, prefixes, sizes, pad_b, qb, pb) in enumerate(STATIC_CASES):
+        gen = torch.Generator().manual_seed(100 + seed)
+        dtype = getattr(torch, dtype_name)
+        num_slots = sum(prefixes) + sum(sizes) + 23
+        requests = random_tree_batch(prefixes, sizes, num_slots=num_slots, gen=gen)
+        plan = plan_attention([r[0] for r in requests], [r[1] for r in requests])
+        k_pool, v_pool = random_pools(num_slots, 3, 64, gen, dtype)
+        q = torch.randn(plan.num_queries, 9, 64, generator=gen).to(dtype)
+
+        b = len(requests) + pad_b  # padded requests: prefix_len 0, their rows see only themselves
+        prefix, prefix_len = torch.zeros(b, pb, dtype=torch.long), torch.zeros(b, dtype=torch.long)
+        extra, mask = torch.zeros(b, qb, dtype=torch.long), torch.eye(qb, dtype=torch.bool).repeat(b, 1, 1)
+        qs = torch.randn(b * qb, 9, 64, generator=gen).to(dtype)  # padded rows: noise
+        rows = []
+        for i, ((slots, _, tree), p_len, n) in enumerate(zip(requests, prefixes, sizes)):
+            prefix[i, :p_len], prefix_len[i], extra[i, :n] = slots[:p_len], p_len, slots[p_len:]
+            mask[i, :n, :n] = tree.tree_mask
+            rows += range(i * qb, i * qb + n)
+        qs[rows] = q
+        plan, k_pool, v_pool, q, qs = plan.on(device), k_pool.to(device), v_pool.to(device), q.to(device), qs.to(device)
+        ref = tree_attention_triton(q, k_pool, v_pool, plan, 0.125)
+        sp = static_plan(*(t.to(device) for t in (prefix, prefix_len, extra, mask)))
+        out = tree_attention_static(qs, k_pool, v_pool, sp.slots, sp.allowed, sp.kv_len, 0.125)
+        results.append(
+            {"name": name, "exact": torch.equal(out[rows], ref), "max_diff": (out[rows] - ref).abs().max().item()}
+        )
+    return results
+
+
 def _subprocess(args: list[str], env_extra: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(env_extra)
@@ -113,6 +157,30 @@ def test_triton_matches_torch_reference(triton_parity, case):
     assert r["max_diff"] <= r["tol"], r
 
 
+@pytest.fixture(scope="module")
+def triton_static() -> dict[str, dict]:
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton not installed")
+    proc = _subprocess(["triton-static"], {"TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {r["name"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+
+
+@pytest.mark.parametrize("case", [c[0] for c in STATIC_CASES])
+def test_triton_static_form_equals_the_ragged_call_bit_for_bit(triton_static, case):
+    """A CUDA graph's attention (padded batch, bucketed rows and columns, lengths on the device) gives
+    each real row exactly what the eager forward's ragged call gives it: graphs == eager."""
+    assert triton_static[case]["exact"], triton_static[case]
+
+
+@pytest.mark.gpu
+def test_gpu_triton_static_form_equals_the_ragged_call_bit_for_bit():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    results = _run_static_cases("cuda")
+    assert all(r["exact"] for r in results), results
+
+
 def test_triton_kernel_compiles_for_gpu():
     """The interpreter is lenient about types; also compile the kernel for sm_80 (no GPU needed)."""
     if importlib.util.find_spec("triton") is None:
@@ -137,7 +205,7 @@ def _compile_for_sm80() -> int:
     from sglang_ext.attention.triton_tree import _tree_attention_kernel as kernel
 
     ptrs = {name: "*bf16" for name in ("Q", "K", "V", "O")}
-    ptrs |= {name: "*i64" for name in ("qo_indptr", "kv_indptr", "kv_indices", "mask_indptr")}
+    ptrs |= {name: "*i64" for name in ("qo_indptr", "kv_indptr", "kv_indices", "mask_indptr", "kv_lens")}
     ptrs["custom_mask"] = "*i1"
     consts = {
         "GROUP": 3,
@@ -147,13 +215,16 @@ def _compile_for_sm80() -> int:
         "BLOCK_N": BLOCK_N,
         "UPCAST": False,
         "IEEE_DOT": False,
+        "PADDED": False,
     }
     signature = {}
     for name in kernel.arg_names:
         signature[name] = ptrs.get(name) or ("constexpr" if name in consts else "fp32" if name == "scale" else "i32")
-    src = ASTSource(kernel, signature, {(kernel.arg_names.index(n),): v for n, v in consts.items()})
     try:
-        triton.compile(src, target=GPUTarget("cuda", 80, 32))
+        for padded in (False, True):  # the ragged (eager) and the padded (CUDA graph) form
+            consts["PADDED"] = padded
+            src = ASTSource(kernel, signature, {(kernel.arg_names.index(n),): v for n, v in consts.items()})
+            triton.compile(src, target=GPUTarget("cuda", 80, 32))
     except (FileNotFoundError, RuntimeError) as e:
         if "ptxas" in str(e):  # toolchain missing here: nothing to say about the kernel
             print(f"ptxas unavailable: {e}")
@@ -304,7 +375,9 @@ if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: helpers
     if sys.argv[1:] == ["triton-parity"]:
         print(json.dumps(_run_parity_cases()))
+    elif sys.argv[1:] == ["triton-static"]:
+        print(json.dumps(_run_static_cases()))
     elif sys.argv[1:] == ["triton-compile"]:
         sys.exit(_compile_for_sm80())
     else:
-        sys.exit(f"usage: {sys.argv[0]} triton-parity | triton-compile")
+        sys.exit(f"usage: {sys.argv[0]} triton-parity | triton-static | triton-compile")

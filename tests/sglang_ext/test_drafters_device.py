@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_config, tiny_state
+from helpers import HostWaits, tiny_config, tiny_state
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from sglang_ext.attention import tree_attention_torch
@@ -143,7 +143,9 @@ def test_a_propose_reads_nothing_from_the_device(kind, shape, static):
         drafter.add_request(rid, _capture(drafter, model, kv, p, held[rid], 0))
     for _ in range(2):  # a propose, a commit of what was verified, and the next propose
         batch = [DraftInput(rid, p + [1], params, None) for rid, p in enumerate(prompts)]
-        trees = drafter.propose(batch, tree_shape)
+        with HostWaits() as waits:  # nor makes the host wait on a copy up (host indices, scalar writes)
+            trees = drafter.propose(batch, tree_shape)
+        assert not waits.raised, waits.raised
         assert len(trees) == 2
         for t in trees:
             assert t.draft_tokens.device.type == "meta" and t.tree_mask.device.type == "meta"

@@ -16,6 +16,7 @@ from serving.config import EngineConfig
 from serving.engine import Engine
 from sglang_ext.attention import FrontierPaths, causal_mask, plan_attention, plan_frontier, prefix_and_tree_mask
 from sglang_ext.drafters import DraftInput, make_drafter
+from sglang_ext.models.checkpoint import CheckpointError
 from sglang_ext.models.graph_runner import GraphRunner, bucket, context_buckets, static_attention, static_plan
 from sglang_ext.sampling import SamplingParams
 from sglang_ext.tree import TreeShape
@@ -240,7 +241,11 @@ def test_moa_static_draft_passes_propose_the_eager_trees(name, device, request):
     from the same state."""
     target = _target_on(device, request)
     config = EngineConfig(tree=TreeShape(3, 2, 6), cuda_graphs=False)
-    eng = Engine(target, make_drafter(name, target), config)
+    try:
+        drafter = make_drafter(name, target)
+    except CheckpointError as e:  # (a GPU job stages only some of the shipped heads)
+        pytest.skip(str(e))
+    eng = Engine(target, drafter, config)
     prompts = [target.encode_chat([{"role": "user", "content": t}]) for t in ("Name three rivers.", "Hi!", "7*8?")]
     reqs = [eng.add_request(p, SamplingParams(max_new_tokens=8)) for p in prompts]
     eng.step()  # prefill: each request's first token, the drafter's add_request
@@ -369,3 +374,53 @@ def test_cuda_graph_replay_equals_the_static_path_eagerly():
     torch.testing.assert_close(got.hidden, ref.hidden, atol=1e-4, rtol=1e-4)
     for l in (1, 15):
         torch.testing.assert_close(got.captured[l], ref.captured[l], atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def random_bf16_target():
+    """SmolLM2's shape with random weights in bf16 on CUDA: no staged files, and bf16 turns any
+    difference in a forward's arithmetic into changed tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from helpers import smollm2_config
+
+    from sglang_ext.models import Target
+    from sglang_ext.training.job import random_target
+
+    return Target(model=random_target(smollm2_config(), "cuda", dtype=torch.bfloat16), tokenizer=None, path=None)
+
+
+def _repetitive_prompts(vocab: int, n: int) -> list[list[int]]:
+    """Random 6-token phrases repeated (so lookup drafters find continuations), of different lengths."""
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, vocab, (6,), generator=g).tolist() * (3 + i) for i in range(n)]
+
+
+@gpu
+@pytest.mark.parametrize("bs", [1, 4])
+def test_bf16_graphs_equal_eager_and_drafters_equal_vanilla_exactly(random_bf16_target, bs):
+    """bf16 on CUDA, greedy: the same tokens with graphs replayed and eagerly, and with a lookup drafter
+    (verify trees of several rows) as with vanilla decoding (one row), with no tie excused: a graph's
+    attention is the eager kernel in its padded form, so a row's arithmetic never depends on the batch,
+    the bucket or the tree beside it."""
+    target = random_bf16_target
+    prompts = _repetitive_prompts(target.model.cfg.vocab_size, 4)
+    runs, drafted = {}, {}
+    for drafter, tree in ((None, None), ("ngram", TreeShape(6, 2, 12)), ("lookahead", TreeShape(3, 1, 4))):
+        for graphs in (True, False):
+            config = EngineConfig(tree=tree, cuda_graphs=graphs)
+            eng = Engine(target, make_drafter(drafter, target) if drafter else None, config)
+            reqs = [
+                r
+                for i in range(0, 4, bs)
+                for r in eng.generate(prompts[i : i + bs], SamplingParams(max_new_tokens=48, ignore_eos=True))
+            ]
+            runs[drafter, graphs] = [r.output_ids for r in reqs]
+            drafted[drafter, graphs] = sum(r.stats.draft_tokens for r in reqs)
+            assert not graphs or eng.graph_runner.runs > 0
+    ref = runs[None, False]
+    assert all(len(o) == 48 for o in ref)
+    assert drafted["ngram", True] > 0 and drafted["lookahead", True] > 0  # verify trees were checked
+    for key, outs in runs.items():
+        first = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), None) for o, r in zip(outs, ref)]
+        assert outs == ref, f"{key}: first differing token per prompt {first}"

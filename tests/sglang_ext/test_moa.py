@@ -259,6 +259,36 @@ def test_greedy_identity_tiny(tli, shape, bs):
     assert (drafter.mem.num_free, drafter.sa.num_free, eng.kv.num_free) == free and not drafter.reqs
 
 
+@pytest.mark.parametrize("tli", [0, 1])
+def test_one_drafter_serves_a_new_kv_pool_once_the_old_ones_requests_are_gone(tli):
+    """A second engine with the same drafter, and an engine whose reset rebuilt its KV pool (slots leaked
+    by a fault): the drafter binds the new pool and keeps drafting, greedy tokens unchanged; while a
+    request of the old pool is live, a request of another pool is refused (it would read the wrong K/V)."""
+    target, draft = tiny_pair(tli=tli, seed=4)
+    prompts, params = _prompts(2, 9), SamplingParams(max_new_tokens=16, ignore_eos=True)
+    ref = [r.output_ids for r in Engine(target, None).generate(prompts, params)]
+    drafter = MoADrafter(target.model, draft)
+    shape = TreeShape(3, 2, 6)
+    first, second = Engine(target, drafter, EngineConfig(tree=shape)), Engine(target, drafter, EngineConfig(tree=shape))
+    fallbacks = []
+    for eng in (first, second):
+        eng.on_fallback = lambda r, why: fallbacks.append(why)
+    for eng in (first, second, first):
+        reqs = eng.generate(prompts, params)
+        assert [r.output_ids for r in reqs] == ref and not fallbacks
+        assert sum(r.stats.draft_tokens for r in reqs) > 0
+    first.kv.alloc(3)  # slots no request holds: reset() rebuilds the pool
+    first.reset()
+    assert [r.output_ids for r in first.generate(prompts[:1], params)] == ref[:1]
+    assert drafter.tli_kv is first.kv
+
+    live = first.add_request(prompts[0], params)
+    first.step()  # its prefill: the drafter holds its state
+    assert second.generate(prompts[1:], params)[0].output_ids == ref[1]  # (vanilla decoding after the refusal)
+    assert fallbacks == ["DrafterError"]
+    first.abort(live)
+
+
 @pytest.mark.parametrize("shape", [TreeShape.chain(3), TreeShape(3, 2, 6)], ids=["sampled-chain", "tree"])
 def test_sampling_runs_and_drafts_stay_in_vocab(shape):
     target, draft = tiny_pair(tli=1, seed=4)
