@@ -1,4 +1,4 @@
-# Offline deploy checks (issue 7): Helm chart, Prometheus rules, Grafana dashboard, load-test script.
+# Offline deploy checks: Helm chart, Prometheus rules, Grafana dashboard, load-test script.
 # Included from the top-level Makefile (`include deploy/check.mk`), which defines `install` and VENV.
 VENV ?= .venv
 

@@ -1,4 +1,4 @@
-"""`python -m entrypoints.gpu_job`: the GPU engine job (benchmarks/gpu_job.py) from flags.
+"""`python -m entrypoints.gpu_job`: the GPU engine job (benchmarks/gpu_job/) from flags.
 
     python -m entrypoints.gpu_job --target-gguf /tmp/moa-target/SmolLM2-135M-Instruct.Q4_1.gguf --device cuda --out DIR
     python -m entrypoints.gpu_job --smoke --device cpu --out DIR      # a small random target: the CPU test suite

@@ -247,9 +247,9 @@ def vocab_counts(args, tokenizer, exs, vocab_size: int) -> torch.Tensor:
 
 
 def _device(args) -> str:
-    from sglang_ext.training.job import resolve_device
+    from sglang_ext.models import resolve_device
 
-    return str(resolve_device(args.device))
+    return resolve_device(args.device)
 
 
 def _log(msg: str) -> None:

@@ -7,7 +7,8 @@ import argparse
 import sys
 import traceback
 
-from sglang_ext.training.job import HEADS, JobConfig, run
+from sglang_ext.models import resolve_device
+from sglang_ext.training.job import HEADS, JobConfig, JobError, run
 
 
 def add_job_args(p: argparse.ArgumentParser) -> None:
@@ -50,11 +51,19 @@ def job_config(args: argparse.Namespace) -> JobConfig:
 
 
 def cmd_job(args: argparse.Namespace) -> int:
-    """A failed job prints its traceback (a GPU run's log is all there is) and exits 1."""
+    """Inputs the job cannot run (a bad --device, JobError) are one line and exit 2; a job that fails
+    while running prints its traceback (a GPU run's log is all there is) and exits 1."""
     try:
-        run(job_config(args))
-    except SystemExit:
-        raise
+        job = job_config(args)
+        resolve_device(job.device)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        run(job)
+    except JobError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except Exception:
         traceback.print_exc()
         return 1

@@ -1,5 +1,5 @@
 #!/bin/bash
-# The full benchmark behind docs/BENCHMARKS.md (issue 8). 1 torch thread per run (the machine has
+# The full benchmark behind docs/BENCHMARKS.md. 1 torch thread per run (the machine has
 # two cores; the other one stays free so runs don't fight over it). About 2 h in total here.
 set -ex
 cd "$(dirname "$0")/.."

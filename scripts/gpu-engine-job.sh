@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU engine job (benchmarks/gpu_job.py via python -m entrypoints.gpu_job) on a lent GPU machine:
+# The GPU engine job (benchmarks/gpu_job/ via python -m entrypoints.gpu_job) on a lent GPU machine:
 # greedy identity of every drafter on CUDA, bs-1 tok/s / tau per method with transformers `generate` on
 # the same GPU, the batch sweep 1/8/64 (vanilla, best drafter, adaptive) and `pytest -m gpu`, in one
 # command of <= 10 minutes (the job's own deadline: 8), results back as JSON.

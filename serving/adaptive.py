@@ -20,8 +20,8 @@ tree size and drafting seconds (per request, from any batch size) and a verify-c
 of the verify forward as a function of its rows, from every step). 'Off' needs no acceptance: one
 row and one token per request. Once every option has such a prior at this batch size, the choice is
 made by the priors alone: they rest on many steps of every batch size, where a bucket's
-own windows rest on single re-measurement steps whose acceptance swings with the content (at bs 4-64
-those single steps flipped the choice to a slower tree: 0.90-0.97x vanilla in real sweeps). A chain
+own windows rest on single re-measurement steps whose acceptance swings with the content (enough to flip
+the choice to a slower tree). A chain
 that runs also rates the shorter chains nested in it (their drafts are its first nodes), so their
 acceptance stays current without running them. An option the prior puts far behind is re-measured
 only rarely, within the exploration budget.
@@ -206,7 +206,7 @@ class AdaptiveSpeculation:
     ):
         self.options = shape_menu(shape, confident=confident_from is not None)
         # the confident (cut) option only from `confident_from` requests: at bs 1 a verify row costs a
-        # tenth of a step and the cut's lost tokens cost more than its saved rows (1.18-1.22x vs 1.26x)
+        # tenth of a step and the cut's lost tokens cost more than its saved rows
         self.min_batch = [1] * len(self.options)
         if len(self.options) > len(shape_menu(shape)):
             self.min_batch[-1] = confident_from
@@ -310,7 +310,7 @@ class AdaptiveSpeculation:
         NOTE: why ratios: the rate of an option re-measured every 32-512 steps comes from a window
         spanning thousands of steps, while the best's spans the last 32; the requests in the batch,
         their context lengths and the neighbours' load all drift in between (+-10-20 % at bs 4 here),
-        which flipped the choice towards trees that were 0.8x of off in fixed-tree runs."""
+        which flips the choice towards trees slower than no speculation."""
         rates = [self._rate(i, bucket, known, batch_size) for i in range(len(self.options))]
         ref = self.best.get(bucket)
         if ref is not None and self._stat(ref, bucket).n >= self.warmup:
@@ -390,8 +390,8 @@ class AdaptiveSpeculation:
     def _nearest_measured(self, bucket: str, batch_size: int) -> str | None:
         """This bucket, else a measured neighbour (half or double the batch), else None.
         NOTE: only a neighbour: from bs 16 to bs 64 the best tree changes (a verify step's cost grows
-        with the batch), and a sweep that jumped 16 -> 64 paid for bs 16's big tree until bs 64's own
-        measurements took over (0.89x vanilla in a 120-step run)."""
+        with the batch), and a sweep that jumps 16 -> 64 would pay for bs 16's big tree until bs 64's own
+        measurements take over."""
         if self._measured(bucket, batch_size):
             return bucket
 

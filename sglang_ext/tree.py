@@ -43,8 +43,8 @@ class TreeShape:
     # neural drafters' searched trees (top-k trees, greedy chains; not sampled chains): a node whose
     # path probability under the drafter (the product of its path's draft probabilities, the search's
     # score) is below this is not verified, and no step is drafted once every frontier node is below
-    # it. A verify row costs ~10-20 % of a decode on a CPU and a node of draft probability < 0.2 was
-    # accepted 6-11 % of the time (EAGLE-3, 2-core Xeon). Lookup drafters (ngram, suffix) estimate a node's
+    # it. A verify row costs a fraction of a decode on a CPU and a node of low draft probability is rarely
+    # accepted (docs/BENCHMARKS.md, "Tree shapes"). Lookup drafters (ngram, suffix) estimate a node's
     # probability as its share of their candidates x the confidence of the match behind them
     # (drafters/ngram.py: match_confidence). 0 = keep all.
     min_prob: float = 0.0

@@ -1,7 +1,7 @@
 """The import graph of the product packages. Dependencies run one way, each layer importing only the
 layers below it: `sglang_ext` (the speculative core) <- `serving` (engine, scheduler, backends, gateway,
 edge) <- `benchmarks` <- `entrypoints` (the `moa-serve` command line); and no two top-level modules
-import each other in a circle.
+import each other in a circle, nor do any two files.
 
 Imports are read with ast (nothing is executed), function-local imports included: a lazy import is still
 a dependency. A module's top-level module is its first two dotted parts (`serving.gateway.app` ->
@@ -57,6 +57,25 @@ def _graph() -> dict[str, set[str]]:
         for path in (ROOT / pkg).rglob("*.py"):
             src = _top(_module_name(path))
             graph[src].update(t for t in map(_top, _imports(path)) if t in known and t != src)
+    return graph
+
+
+def _file_graph() -> dict[str, set[str]]:
+    """module (one file) -> the modules it imports (each import resolved to the longest module name it
+    starts with: `from ..models.checkpoint import MOA` -> sglang_ext.models.checkpoint; a package's
+    __init__ is the package's name)."""
+    known = {_module_name(p) for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    graph: dict[str, set[str]] = {m: set() for m in known}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            src = _module_name(path)
+            for name in _imports(path):
+                parts = name.split(".")
+                hit = next(
+                    (".".join(parts[:k]) for k in range(len(parts), 0, -1) if ".".join(parts[:k]) in known), None
+                )
+                if hit is not None and hit != src:
+                    graph[src].add(hit)
     return graph
 
 
@@ -122,3 +141,11 @@ def test_layers_import_only_the_layers_below():
 
 def test_no_import_cycles_between_top_level_modules():
     assert _cycles(_graph()) == []
+
+
+def test_no_import_cycles_between_files():
+    """Inside a top-level module too (e.g. a plugin's registration and its worker): options and names go
+    below both, and imports run one way."""
+    graph = _file_graph()
+    assert "sglang_ext.sglang_plugin.options" in graph["sglang_ext.sglang_plugin.worker"]
+    assert _cycles(graph) == []

@@ -65,9 +65,13 @@ def _histogram(obj: dict) -> list[int] | None:
 
 class SGLangBackend:
     kind = "sglang"
+    READY_TTL = 1.0  # seconds a readiness answer is reused (probes and load balancers poll /ready often)
 
-    def __init__(self, config: UpstreamConfig, model_ids: list[str], drafter: str, telemetry: Telemetry):
+    def __init__(
+        self, config: UpstreamConfig, model_ids: list[str], drafter: str, telemetry: Telemetry, clock=time.monotonic
+    ):
         self.config, self.model_ids, self.drafter, self.telemetry = config, model_ids, drafter, telemetry
+        self.clock = clock  # () -> seconds; the readiness cache's (tests step it instead of sleeping)
         self._http: httpx.AsyncClient | None = None
         self._in_flight = 0
         self._tokens = 0  # streamed chunks since the last throughput tick
@@ -135,7 +139,7 @@ class SGLangBackend:
 
     async def not_ready_reason(self) -> str | None:
         t, reason = self._ready_cache
-        if time.monotonic() - t < 1.0:
+        if self.clock() - t < self.READY_TTL:
             return reason
         try:
             r = await self._client.get("/health", timeout=3.0)
@@ -144,7 +148,7 @@ class SGLangBackend:
             reason = None if r.status_code == 200 else f"upstream {self.config.url} answered {r.status_code}"
         except httpx.HTTPError as e:
             reason = f"upstream {self.config.url} unreachable: {type(e).__name__}"
-        self._ready_cache = (time.monotonic(), reason)
+        self._ready_cache = (self.clock(), reason)
         return reason
 
     async def _model(self) -> str:

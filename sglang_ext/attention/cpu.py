@@ -2,17 +2,13 @@
 few queries per request, the torch reference for everything else.
 
 The kernel reads the plan's ragged view (the pool in place, no gathered copies) and does a layer's
-attention in one call; the torch path spends ~0.35 ms per layer at batch 1 on ~12 small ops. Each
+attention in one call, where the torch path spends its time on a dozen small ops per layer. Each
 query row is computed alone in a fixed order, so a decode row and the same row inside a verify
 tree are bit-identical. Used when: the kernel is built, fp32, CPU, head dim 64 or 128, at most
-MAX_Q queries per request (longer blocks are prefill, where SDPA's tiling wins: measured 128
-queries x 400 keys, first version of the kernel 3.3 ms vs torch 2.5 ms), and no autograd. A batch
-with both (a prompt prefilled in the same forward as other requests' decode steps) is split: the
-kernel for the few-query requests, torch for the prompt blocks.
-
-Measured (2-core AMD EPYC, AVX2, 2 threads; `scripts/kernel-ab.py --attention`, same run): one
-SmolLM2 forward + lm_head over 400 cached tokens, 1 / 6 / 8 / 64 query rows: 39.6 / 48.2 / 61.0 /
-220 ms with the kernel, 49.3 / 61.1 / 76.0 / 256 ms with the torch path (1.16-1.27x).
+MAX_Q queries per request (longer blocks are prefill, where SDPA's tiling wins), and no autograd. A
+batch with both (a prompt prefilled in the same forward as other requests' decode steps) is split:
+the kernel for the few-query requests, torch for the prompt blocks. What it buys:
+`scripts/kernel-ab.py --attention` (docs/BENCHMARKS.md, "CPU kernels").
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 and attend with one batched call. No host reads: rows are selected by the plan's index tensors.
 
 Small query blocks (decode, tree verify: Q <= SMALL_Q) use plain batched matmuls with the query
-heads of each KV head folded into the query dim; on CPU that beats SDPA's flash kernel at every
-size we measured (bs 1: 1.2-2.6x per layer at kv 300-1000; bs 64: 3x), because the flash kernel
-tiles queries in blocks far larger than one token. Prefill (long Q) uses SDPA.
+heads of each KV head folded into the query dim; on CPU that beats SDPA's flash kernel for these
+sizes, because the flash kernel tiles queries in blocks far larger than one token. Prefill (long Q)
+uses SDPA.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Drafters behind one interface (base.Drafter), built by name from one registry.
 
 Each registry entry is a DrafterSpec: the factory that builds the drafter for a target, and the tree
-shape it drafts best with (default_tree reads it; the numbers are measured, docs/BENCHMARKS.md).
+shape it drafts best with (default_tree reads it; the numbers are measured, docs/BENCHMARKS.md). The
+checkpoints and corpora shipped per target are one table beside it (shipped.py: SHIPPED, shipped_path).
 """
 
 from __future__ import annotations
@@ -10,28 +11,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..models.checkpoint import EAGLE3, MEDUSA, MOA, SUFFIX_CORPUS, checkpoint_kind
+from ..models.checkpoint import EAGLE3, MEDUSA, MOA, SUFFIX_CORPUS, CheckpointError, checkpoint_kind
 from ..tree import TreeShape
 from .base import Drafter, DrafterError, DraftInput, TargetCapture
 from .draft_model import DraftModelDrafter
 from .ngram import NgramDrafter
+from .shipped import SHIPPED, shipped_path
 
 # the tree of a drafter without a tuned one (registered without a tree, or not in the registry)
 FALLBACK_TREE = TreeShape(6, 4, 24)
 
-# EAGLE-3 and MoA share one tree budget, so their numbers compare. On this CPU each verify row
-# costs ~1/8 of a decode and each draft step a head forward, so one draft step with two candidates
-# is fastest even with the GPU-trained heads (tau 2.1 at 6,4,24): EAGLE-3 1.02x vanilla at 1,2,3,0.1
-# against 0.98x at 2,2,4,0.1 and 0.34x at 6,4,24 (2-core Xeon, six eval sets, docs/BENCHMARKS.md).
-# min_prob 0.1: nodes of draft probability < 0.1 were accepted ~6 % of the time, not worth a
-# verify row here (docs/BENCHMARKS.md, "Tree shapes"). On a GPU a tree verify costs about a decode.
+# EAGLE-3 and MoA share one tree budget, so their numbers compare. On a CPU a verify row costs a fraction
+# of a decode and each draft step a head forward, so one draft step with two candidates is fastest with
+# the shipped heads, and nodes of draft probability < 0.1 are rarely accepted: not worth a verify row
+# (docs/BENCHMARKS.md, "Tree shapes"). On a GPU a tree verify costs about a decode: deeper trees there.
 EAGLE_LIKE_TREE = TreeShape(1, 2, 3, min_prob=0.1)
 
-# suffix: a 3-token chain. A chain beat 8,3,24; with the matmuls on the GGUF blocks a decode no
-# longer waits on memory, each verify row costs ~1/4 of a decode, and the 3-chain won over six
-# sets on a 2-core AMD EPYC: 1.37x vs 1.30x for the 5-chain in one run, 1.40x vs 1.37x / 1.27x
-# for the 2- / 4-chains in another; again on a 2-core Xeon once 5-8 row verifies got cheaper:
-# 1.21x vs 1.18x / 1.15x / 1.05x for the 4- / 5- / 7-chains
+# suffix: a 3-token chain: on a CPU each verify row costs ~1/4 of a decode, and the 3-chain beats longer
+# chains and trees over the six eval sets (docs/BENCHMARKS.md, "Tree shapes")
 SUFFIX_TREE = TreeShape(3, 1, 4)
 
 # medusa: one head forward drafts every depth (no draft step per level, unlike EAGLE-3 / MoA), so depth
@@ -152,10 +149,9 @@ def resolve_drafter(name: str | None, target) -> str | None:
     the target's answers is shipped for it (drafters/, SmolLM2), else n-gram. Other names unchanged."""
     if name != "auto":
         return name
-    suffix = _suffix()
     try:
-        suffix.shipped_corpus(target)
-    except suffix.CorpusError:
+        shipped_path(target, "suffix")
+    except CheckpointError:
         return "ngram"
     return "suffix"
 
@@ -200,6 +196,7 @@ __all__ = [
     "DraftModelDrafter",
     "FALLBACK_TREE",
     "NgramDrafter",
+    "SHIPPED",
     "TargetCapture",
     "available_drafters",
     "default_tree",
@@ -209,4 +206,5 @@ __all__ = [
     "merge_members",
     "register_drafter",
     "resolve_drafter",
+    "shipped_path",
 ]

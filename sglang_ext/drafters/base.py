@@ -23,7 +23,6 @@ drafter for it that step, as it does when speculation is off.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -31,8 +30,6 @@ import torch
 from ..models.kv_pool import KVPool
 from ..sampling import SamplingParams
 from ..tree import TokenTree, TreeShape
-
-SHIPPED_DIR = Path(__file__).resolve().parents[2] / "drafters"  # the repo's shipped drafters (model cards inside)
 
 
 class DrafterError(RuntimeError):

@@ -23,30 +23,21 @@ import torch
 from ..attention import FrontierPaths, causal_mask, plan_attention, plan_frontier, tree_attention_cpu
 from ..device import module_on, upload
 from ..kernels import attach_bf16_halves
-from ..models.checkpoint import CheckpointError, check_fits, has_config
+from ..models.checkpoint import check_fits
 from ..models.eagle3 import Eagle3Draft, load_eagle3
 from ..models.graph_runner import FrontierRunner, static_attention
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel
 from ..settings import settings
 from ..tree import TokenTree, TreeShape
-from .base import SHIPPED_DIR, DrafterError, DraftInput, TargetCapture
+from .base import DrafterError, DraftInput, TargetCapture
 from .search import scatter_to_vocab, search_tree
-
-SHIPPED = {"SmolLM2-135M-Instruct": SHIPPED_DIR / "smollm2-eagle3"}
+from .shipped import shipped_path
 
 
 def default_checkpoint(target) -> Path:
-    """$MOA_SERVE_EAGLE3 if set, else the drafter shipped in drafters/ for this target."""
-    env = settings().eagle3
-    if env is not None:
-        return env
-    ckpt = SHIPPED.get(Path(target.path).name)
-    if ckpt is None or not has_config(ckpt):
-        raise CheckpointError(
-            f"no shipped EAGLE-3 drafter for target {target.path}; train one (moa-serve train eagle3) and pass its path"
-        )
-    return ckpt
+    """$MOA_SERVE_EAGLE3 if set, else the EAGLE-3 head shipped in drafters/ for this target."""
+    return shipped_path(target, "eagle3", env=settings().eagle3)
 
 
 class _RequestState:

@@ -47,9 +47,8 @@ from ..tree import TokenTree, TreeShape
 from .base import DraftInput, TargetCapture
 from .ngram import trie_tree
 
-# NOTE: tuned modestly (SmolLM2-135M, 2-core CPU, 12 prompts of six eval sets, 64 tokens): tau 1.34 at
-# W=3, N=4 on a 3-chain; a longer window or side branches raised tau a little (1.45 at W=5 with one side
-# candidate, 5,2,9) but cost more rows than they saved (7 rows a step against 4)
+# NOTE: a short window and a chain: on a CPU a longer window or side branches raise tau a little but cost
+# more verify rows than they save (docs/BENCHMARKS.md, lookahead)
 DEFAULT_WINDOW, DEFAULT_NGRAM = 3, 4
 POOL_PER_KEY = 8  # n-grams kept per first token, most recent first (the paper's G is ~W)
 _SPEC = re.compile(r"lookahead(?:-w(\d+))?(?:-n(\d+))?")

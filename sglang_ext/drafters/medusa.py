@@ -28,24 +28,18 @@ from pathlib import Path
 import torch
 
 from ..device import to_device
-from ..models.checkpoint import CheckpointError, check_fits, has_config
+from ..models.checkpoint import check_fits
 from ..models.llama import LlamaModel, rms_norm
 from ..models.medusa import MedusaHeads, load_medusa
 from ..tree import TokenTree, TreeShape, trees_from_candidates
-from .base import SHIPPED_DIR, DrafterError, DraftInput, TargetCapture
+from .base import DrafterError, DraftInput, TargetCapture
 from .search import Finite
-
-SHIPPED = {"SmolLM2-135M-Instruct": SHIPPED_DIR / "smollm2-medusa"}
+from .shipped import shipped_path
 
 
 def default_checkpoint(target) -> Path:
     """The Medusa heads shipped in drafters/ for this target."""
-    ckpt = SHIPPED.get(Path(target.path).name)
-    if ckpt is None or not has_config(ckpt):
-        raise CheckpointError(
-            f"no shipped Medusa heads for target {target.path}; train them (moa-serve train medusa) and pass the path"
-        )
-    return ckpt
+    return shipped_path(target, "medusa")
 
 
 class MedusaDrafter:

@@ -29,7 +29,7 @@ import torch
 from ..attention import FrontierPaths, plan_frontier, tree_attention_cpu
 from ..device import module_on, to_device
 from ..kernels import attach_bf16_halves, attach_packed_rows
-from ..models.checkpoint import CheckpointError, check_fits, has_config
+from ..models.checkpoint import check_fits
 from ..models.graph_runner import FrontierRunner, static_attention, with_static_attention
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel, rms_norm
@@ -37,7 +37,7 @@ from ..models.moa import MoADraft, load_moa
 from ..sampling import greedy_tokens
 from ..settings import settings
 from ..tree import TokenTree, TreeShape
-from .base import SHIPPED_DIR, DrafterError, DraftInput, TargetCapture
+from .base import DrafterError, DraftInput, TargetCapture
 from .moa_core import (
     DraftKV,
     MoAParts,
@@ -50,27 +50,13 @@ from .moa_core import (
     lsa_memory,
 )
 from .search import search_tree
-
-SHIPPED = {"SmolLM2-135M-Instruct": {"moa-tli0": "smollm2-moa-tli0", "moa-tli1": "smollm2-moa-tli1"}}
-BEST = {"SmolLM2-135M-Instruct": "moa-tli1"}  # `--drafter moa`: the better shipped TLI (see docs/BENCHMARKS.md)
+from .shipped import shipped_path
 
 
 def shipped_checkpoint(target, name: str) -> Path:
-    """Checkpoint dir of a shipped MoA drafter ('moa', 'moa-tli0', 'moa-tli1'); $MOA_SERVE_MOA overrides 'moa'."""
-    env = settings().moa
-    if name == "moa" and env is not None:
-        return env
-    tname = Path(target.path).name
-    if name == "moa":
-        name = BEST.get(tname, "")
-    sub = SHIPPED.get(tname, {}).get(name)
-    ckpt = SHIPPED_DIR / sub if sub else None
-    if ckpt is None or not has_config(ckpt):
-        raise CheckpointError(
-            f"no shipped MoA drafter {name!r} for target {target.path}; train one (moa-serve train moa) and pass its "
-            "path"
-        )
-    return ckpt
+    """Checkpoint dir of a shipped MoA drafter ('moa': the better TLI, 'moa-tli0', 'moa-tli1');
+    $MOA_SERVE_MOA overrides 'moa'."""
+    return shipped_path(target, name, env=settings().moa if name == "moa" else None)
 
 
 class _RequestState:

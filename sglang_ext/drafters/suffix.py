@@ -23,14 +23,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ..models.checkpoint import CONFIG, SUFFIX_CORPUS, CheckpointError, has_config, read_config
+from ..models.checkpoint import CONFIG, SUFFIX_CORPUS, CheckpointError, read_config
 from ..settings import settings
 from ..tree import TokenTree, TreeShape
-from .base import SHIPPED_DIR, DraftInput, TargetCapture
+from .base import DraftInput, TargetCapture
 from .ngram import NgramDrafter, match_confidence, trie_tree
+from .shipped import shipped_path
 from .suffix_index import SuffixIndex
 
-SHIPPED = {"SmolLM2-135M-Instruct": "smollm2-suffix"}
 CORPUS_FILE = "corpus.npz"
 
 
@@ -82,14 +82,8 @@ def load_corpus(path: str | Path, vocab_size: int | None = None) -> tuple[list[n
 
 
 def shipped_corpus(target) -> Path:
-    sub = SHIPPED.get(Path(target.path).name)
-    path = SHIPPED_DIR / sub if sub else None
-    if path is None or not has_config(path):
-        raise CorpusError(
-            f"no shipped suffix corpus for target {target.path}; build one (moa-serve build-corpus) and pass "
-            "--drafter suffix:PATH"
-        )
-    return path
+    """The suffix corpus shipped in drafters/ for this target (CorpusError when none is)."""
+    return shipped_path(target, "suffix", error=CorpusError)
 
 
 class SuffixDrafter(NgramDrafter):

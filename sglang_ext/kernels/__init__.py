@@ -11,18 +11,12 @@ our AVX2 kernel (cpu_linear.cpp, built by setup.py at install) and everything el
 training, bf16, autograd, non-x86 machines) to F.linear. MOA_SERVE_CPU_KERNELS=0 turns both kernels
 off (same results up to fp32 rounding; used to measure what it buys).
 
-Measured on a 2-core AMD EPYC (AVX2), 2 threads, the linear layers of one SmolLM2
-forward (30 layers + lm_head), same run: 1 / 4 / 6 / 16 rows take 26 / 25 / 28 / 56 ms (an earlier
-blocking in groups of 3 rows: 26 / 31 / 34 / 56 ms); MKL 1.45-2.2x slower for 1-64 rows
-(scripts/kernel-ab.py; `--baseline REV` compares with the kernel of another commit). Reading the
-GGUF blocks instead (`linear_packed`, `--packed`): a whole forward + lm_head 1.39-1.51x faster for
-1-4 rows, 1.06-1.24x for 6-64 (two runs). On a 2-core Xeon with AVX-512: with the in-register
-dequantization extended to 8 rows, 5-8 rows another 1.2x; with the Q8_0
-lm_head and bf16 drafter weights in registers too, a forward + lm_head 1.03-1.14x for 1-16 rows;
-on CPUs with AVX-512, 3-16 rows run the same tiles two weight rows per register (same sums, half the
-FMAs): 6-16 rows another 1.12-1.21x (MOA_SERVE_AVX512=0 keeps the AVX2 tiles), and
-9-24 rows in one pass (the weights dequantized once, not once per pass of <= 8 rows or through a buffer):
-1.17-1.30x for 9-24 rows (docs/BENCHMARKS.md, "CPU kernels").
+Few rows are memory-bound: the kernel reads each weight once for all rows, from the GGUF's 4/8-bit blocks
+when they are attached (`linear_packed`: fewer bytes per weight), dequantized in registers. On CPUs with
+AVX-512, 3-16 rows run the same tiles two weight rows per register (same sums, half the FMAs;
+MOA_SERVE_AVX512=0 keeps the AVX2 tiles), and up to 24 rows go in one pass (the weights dequantized once).
+What each of these buys: scripts/kernel-ab.py (`--baseline REV` compares with another commit's kernel),
+docs/BENCHMARKS.md, "CPU kernels".
 """
 
 from __future__ import annotations
@@ -110,9 +104,8 @@ def __getattr__(name: str):
 def _kernel_rows() -> int:
     """Forwards of more rows than this go to F.linear (MKL). Up to it, the kernel computes every output
     as one fixed FMA chain, so decode and verify rows are bit-identical. Where the AVX-512 tiles run
-    (one pass up to 24 rows) MKL's AVX-512 sgemm is as fast from 25-32 rows (a whole forward 1.21x
-    faster on the kernel at 24 rows, 1.00x at 32, 0.67x at 128 on a 2-core Xeon); on AVX2-only CPUs
-    (a 2-core AMD EPYC) the kernel led up to 128.
+    (one pass up to 24 rows) MKL's AVX-512 sgemm catches up from 25-32 rows; on AVX2-only CPUs the
+    kernel leads up to 128 (docs/BENCHMARKS.md, "CPU kernels").
     MOA_SERVE_KERNEL_ROWS overrides (128: batch-invariant up to 128 rows)."""
     if not _ready:
         _init()

@@ -57,10 +57,9 @@ DTYPE_CHOICES = ("auto", "bfloat16", "float32")
 def cpu_has_fast_bf16() -> bool:
     """Whether bf16 is faster than fp32 on this CPU: only with AMX (bf16 tile matmuls).
 
-    NOTE: without bf16 hardware oneDNN emulates bf16 matmuls, ~8x slower than fp32 for prefill/verify
-    sized blocks (AMD EPYC, AVX2: 16 vs 128 GFLOPS at 256 rows). AVX512-BF16 alone is not enough either
-    (a Xeon without AMX): bf16 decode 29 tok/s against 35.5 for plain torch fp32, and a
-    drafter training step under bf16 autocast 1.3x slower than in fp32."""
+    NOTE: without bf16 hardware oneDNN emulates bf16 matmuls, several times slower than fp32; with
+    AVX512-BF16 but no AMX, bf16 decode and bf16-autocast training are still slower than fp32
+    (docs/BENCHMARKS.md, "CPU kernels")."""
     try:
         flags = next((l for l in open("/proc/cpuinfo") if l.startswith("flags")), "").split()
     except OSError:
@@ -71,9 +70,9 @@ def cpu_has_fast_bf16() -> bool:
 def auto_dtype(device: str = "cpu") -> torch.dtype:
     """bf16 on GPUs; on CPUs fp32 where our kernels run, else bf16 only with AMX.
 
-    NOTE: the kernels read the GGUF's 4/8-bit blocks: on a Xeon with AVX512-BF16 (no AMX), SmolLM2
-    bs-1 decode ran at 88 tok/s in fp32 on the kernels against 29 tok/s in bf16. Against
-    AMX bf16 they were never measured; fewer bytes per weight (Q4_1: 0.6 vs 2) should still win."""
+    NOTE: the kernels read the GGUF's 4/8-bit blocks, fewer bytes per weight than bf16 (Q4_1: 0.6 vs 2),
+    and beat bf16 on AVX512-BF16 CPUs (docs/BENCHMARKS.md, "CPU kernels"); against AMX bf16 they
+    have not been measured."""
     if device != "cpu":
         return torch.bfloat16
     if kernels.AVAILABLE:

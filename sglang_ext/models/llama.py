@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from .. import kernels
@@ -49,6 +50,35 @@ class PaddedOutput:
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+class RMSNorm(nn.Module):
+    """rms_norm as a module with its weight (the draft heads' norms, trained and loaded by name)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if _uses_norm_kernel(rows, self.weight):
+            # NOTE: drafting (fp32, no autograd): one call instead of six torch ops; a draft step of
+            # a few rows is mostly per-op overhead (the same formula; the mean's sum order differs)
+            return kernels.rms_norm(rows, self.weight, self.eps).view(x.shape)
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight.to(x.dtype)
+
+
+def _uses_norm_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """The layer-ops check for x (any leading dims, as rows) plus the norm's weight: fp32, and no
+    autograd through it either."""
+    return (
+        kernels.uses_layer_ops(x.reshape(-1, x.shape[-1]))
+        and w.dtype == torch.float32
+        and w.is_contiguous()
+        and not (torch.is_grad_enabled() and w.requires_grad)
+    )
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:

@@ -68,7 +68,12 @@ class LlamaConfig:
     def from_hf(cls, cfg: dict) -> "LlamaConfig":
         rope = cfg.get("rope_parameters") or {}
         theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        # (transformers 5 writes rope_parameters: the scaling and rope_theta in one dict)
+        scaling = cfg.get("rope_scaling") or (
+            {k: v for k, v in rope.items() if k != "rope_theta"}
+            if rope.get("rope_type", "default") != "default"
+            else None
+        )
         eos = cfg.get("eos_token_id", [])
         eos = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()
         heads = cfg["num_attention_heads"]
@@ -89,6 +94,29 @@ class LlamaConfig:
             attention_bias=cfg.get("attention_bias", cfg.get("model_type") == "qwen2"),
             eos_token_ids=eos,
         )
+
+    def to_hf(self) -> dict:
+        """A Hugging Face config.json for a Llama of this shape (from_hf reads it back unchanged)."""
+        hf = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "eos_token_id": list(self.eos_token_ids),
+        }
+        if self.rope_scaling is not None:
+            hf["rope_scaling"] = dict(self.rope_scaling)
+        return hf
 
 
 def cache_dir() -> Path:

@@ -50,9 +50,8 @@ from .checkpoint import (
     read_weights,
     save_weights,
 )
-from .eagle3 import RMSNorm
 from .kv_pool import KVPool
-from .llama import apply_rope, rope_inv_freq
+from .llama import RMSNorm, apply_rope, rope_inv_freq
 from .loader import LlamaConfig
 
 SA_MODES = ("self", "ancestors")

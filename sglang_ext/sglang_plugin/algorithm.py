@@ -40,19 +40,13 @@ from ..models.checkpoint import (
 )
 from ..models.loader import LlamaConfig
 from ..models.moa import MoAConfig
-from ..settings import SettingsError, settings
 from ..tree import TreeShape
+from .options import MoAServerArgsError, draft_attention, tli_override
 
 logger = logging.getLogger(__name__)
 
 NAME = "MOA"
-TLI_ENV = "MOA_SGLANG_TLI"
-DRAFT_ATTENTION_ENV = "MOA_SGLANG_DRAFT_ATTENTION"  # auto | flashinfer | triton | torch
 DEFAULT_STEPS, DEFAULT_TOPK, DEFAULT_DRAFT_TOKENS = 5, 4, 8  # SGLang's own choice for Llama targets
-
-
-class MoAServerArgsError(ValueError):
-    """A server-args combination the MoA algorithm cannot run."""
 
 
 def read_moa_checkpoint(path) -> MoAConfig:
@@ -81,25 +75,6 @@ def read_moa_checkpoint(path) -> MoAConfig:
     except CheckpointError as e:
         raise CheckpointError(f"{flag}: {e}") from e
     return cfg
-
-
-def tli_override(cfg: MoAConfig) -> int:
-    """The TLI the worker runs: $MOA_SGLANG_TLI when set (checked), else the checkpoint's."""
-    try:
-        tli = settings().sglang_tli
-    except SettingsError as e:
-        raise MoAServerArgsError(str(e)) from e
-    if tli is None:
-        return cfg.tli
-    if not 0 <= tli <= cfg.num_target_layers:
-        raise MoAServerArgsError(
-            f"{TLI_ENV}={tli} outside [0, {cfg.num_target_layers}] (the target has {cfg.num_target_layers} layers)"
-        )
-    if tli != cfg.tli:
-        logger.warning(
-            "MoA: running TLI=%d although the checkpoint was trained with tli=%d (%s)", tli, cfg.tli, TLI_ENV
-        )
-    return tli
 
 
 def tree_shape(steps, topk, num_draft_tokens) -> TreeShape:
@@ -168,12 +143,7 @@ def validate_moa_server_args(sa) -> None:
         raise MoAServerArgsError("MOA does not support PD disaggregation")
     if getattr(sa, "speculative_draft_model_quantization", None):
         raise MoAServerArgsError("MOA does not support --speculative-draft-model-quantization")
-    try:
-        backend = settings().draft_attention
-    except SettingsError as e:
-        raise MoAServerArgsError(str(e)) from e
-    if backend not in ("auto", "flashinfer", "triton", "torch"):
-        raise MoAServerArgsError(f"{DRAFT_ATTENTION_ENV}={backend!r}: choose auto, flashinfer, triton or torch")
+    draft_attention()  # (a value outside the one list is refused here, before SGLang starts)
     tree_shape(sa.speculative_num_steps, sa.speculative_eagle_topk, sa.speculative_num_draft_tokens)
     t = _target_config(sa.model_path)
     if t is not None:

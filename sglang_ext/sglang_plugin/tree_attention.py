@@ -19,14 +19,11 @@ import importlib.util
 import torch
 
 from ..attention import AttentionFn, select_backend
-from ..settings import settings
-from .algorithm import DRAFT_ATTENTION_ENV
-
-BACKENDS = ("flashinfer", "triton", "cpu", "torch")
+from .options import BACKENDS, DRAFT_ATTENTION_ENV, draft_attention
 
 
 def resolve_backend_name(device: torch.device | str, name: str | None = None) -> str:
-    name = name or settings().draft_attention
+    name = name or draft_attention()
     device = torch.device(device)
     if name == "auto":
         if device.type != "cuda":

@@ -38,10 +38,10 @@ from sglang.srt.speculative.spec_utils import get_plan_stream
 
 from ..models.checkpoint import check_fits
 from ..models.loader import LlamaConfig
-from .algorithm import tli_override
 from .draft_core import MoAPools, moa_commit, moa_draft
 from .hf_config import CA_KV_LAYER, SA_KV_LAYER
 from .layout import committed_after_extend, committed_after_verify
+from .options import tli_override
 from .tree_attention import select_tree_attention
 
 

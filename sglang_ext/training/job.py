@@ -64,16 +64,12 @@ class JobConfig:
     smoke: bool = False  # small random target, tiny batches, a few steps (CPU test)
 
 
+class JobError(ValueError):
+    """The job's inputs cannot run (unknown head, shards for another vocabulary, no parts to unpack)."""
+
+
 def _log(msg: str) -> None:
     print(f"[job {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device here")
-    return torch.device(name)
 
 
 def smoke_config(vocab_size: int):
@@ -175,7 +171,7 @@ def build_tasks(
     tasks = []
     for head in heads:
         if head not in HEADS:
-            raise SystemExit(f"unknown head {head!r}; choose from {HEADS}")
+            raise JobError(f"unknown head {head!r}; choose from {HEADS}")
         torch.manual_seed(seed)
         if init_from is not None:
             load = load_eagle3 if head == "eagle3" else load_moa
@@ -293,7 +289,7 @@ def unpack_outputs(parts_dir: Path, dest: Path) -> None:
     """The inverse of pack_outputs."""
     parts = sorted(Path(parts_dir).glob("heads.tar.part*"))
     if not parts:
-        raise SystemExit(f"no heads.tar.part* in {parts_dir}")
+        raise JobError(f"no heads.tar.part* in {parts_dir}")
     tar_path = dest / "heads.tar"
     dest.mkdir(parents=True, exist_ok=True)
     tar_path.write_bytes(b"".join(p.read_bytes() for p in parts))
@@ -303,16 +299,17 @@ def unpack_outputs(parts_dir: Path, dest: Path) -> None:
 
 
 def run(job: JobConfig) -> dict:
+    from ..models import resolve_device
     from .shards import read_manifest
 
     t0 = time.time()
     if job.smoke:
         job = _smoked(job)
-    device = resolve_device(job.device)
+    device = torch.device(resolve_device(job.device))  # (cuda without CUDA: a ValueError, before any weights)
     manifest = read_manifest(job.shards)
     target = smoke_target(manifest["vocab_size"], device, job.seed) if job.smoke else load_job_target(job, device)
     if target.cfg.vocab_size != manifest["vocab_size"]:
-        raise SystemExit(
+        raise JobError(
             f"shards were made for a vocab of {manifest['vocab_size']}, the target has {target.cfg.vocab_size}"
         )
     hot, batches, held_batches = _job_data(job, target)

@@ -117,19 +117,7 @@ def tiny_hf_model(layers=4):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     c = tiny_config(vocab=32, layers=layers)
-    hc = LlamaConfig(
-        vocab_size=c.vocab_size,
-        hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers,
-        num_attention_heads=c.num_heads,
-        num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim,
-        rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_theta,
-        max_position_embeddings=c.max_position,
-        tie_word_embeddings=False,
-    )
+    hc = LlamaConfig(**c.to_hf())
     model = LlamaForCausalLM(hc)
     model.load_state_dict(tiny_state(c), strict=True)
     return model.eval()

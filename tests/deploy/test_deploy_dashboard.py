@@ -11,7 +11,7 @@ from deploytools import DASHBOARD
 # Grafana's built-in interval variables, replaced by a duration so the expression parses.
 BUILTIN_DURATIONS = {"$__rate_interval": "1m", "$__interval": "1m", "$__range": "1h"}
 REQUIRED_VARIABLES = {"datasource", "namespace", "instance", "drafter"}
-# Issue 7's panel list, as words each panel title must contain.
+# The dashboard's panel list, as words each panel title must contain.
 REQUIRED_PANELS = [
     ("acceptance rate", "drafter"),
     ("acceptance length", "drafter"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -340,3 +341,20 @@ def test_rendered_rules_and_dashboard_match_sources(helm):
     (data,) = cm["data"].values()
     assert json.loads(data) == json.loads(DASHBOARD.read_text())
     assert data == DASHBOARD.read_text().rstrip("\n")
+
+
+@ALL_VALUES
+def test_gateway_command_and_env_are_what_moa_serve_takes(helm, values):
+    """The chart's gateway container runs `moa-serve serve` with flags the command line accepts (its own
+    parser reads them) and sets only MOA_* variables the settings know, with values they accept."""
+    from entrypoints.cli import build_parser
+    from sglang_ext import settings as settings_mod
+
+    c = container(one(helm.render_values(values), "Deployment", "-gateway"), "gateway")
+    assert c["command"] == ["moa-serve", "serve"]
+    args = build_parser().parse_args(["serve", *c["args"]])  # an unknown flag or bad value: SystemExit
+    assert args.backend == "sglang" and args.upstream and args.host == "0.0.0.0"
+    env = {k: e["value"] for k, e in env_of(c).items() if k.startswith("MOA_") and "value" in e}
+    documented = set(re.findall(r"\b(MOA_[A-Z0-9_]+)\b", settings_mod.__doc__))
+    assert env and set(env) <= documented, set(env) - documented
+    settings_mod.parse_settings(env)  # a value the settings refuse raises SettingsError

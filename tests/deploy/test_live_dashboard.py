@@ -1,4 +1,4 @@
-"""Issue 7, live: a real Prometheus (Debian `prometheus`) on 127.0.0.1 scrapes a live `moa-serve serve` every
+"""Live: a real Prometheus (Debian `prometheus`) on 127.0.0.1 scrapes a live `moa-serve serve` every
 second, with deploy/prometheus/rules.yaml loaded, after the gateway served real chat requests. Then every
 panel query of the Grafana dashboard must return data, and every recording rule must produce series.
 

@@ -1,4 +1,4 @@
-"""Issue 7, live: a bounded headless locust run of loadtest/chat.py (8 users, 20 s, a mix of chat, tool-call and
+"""Live: a bounded headless locust run of loadtest/chat.py (8 users, 20 s, a mix of chat, tool-call and
 predicted-output streams) against a live `moa-serve serve` (the session's gateway: SmolLM2 (auto dtype) + ngram on
 1 CPU thread, --max-running 4, API key)."""
 

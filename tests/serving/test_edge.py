@@ -272,8 +272,9 @@ def test_killed_client_frees_server_memory_after_ttl():
     free = service.kv.num_free
     head, _ = service.create([1, 2, 3, 4], "moa-tli0")
     assert service.kv.num_free < free
-    time.sleep(0.3)  # the client vanished: no more calls
-    assert service.reap() == 1 and service.kv.num_free == free and not service.sessions
+    (sess,) = service.sessions.values()  # the client vanished: no more calls
+    assert service.reap(now=sess.last_used + 0.15) == 0 and service.sessions  # (within the TTL)
+    assert service.reap(now=sess.last_used + 0.25) == 1 and service.kv.num_free == free and not service.sessions
 
 
 def test_frames_round_trip_and_int8_error_is_small():

@@ -5,9 +5,11 @@ queue overflow, drafter faults, engine failures.
 """
 
 import concurrent.futures as cf
+import itertools
 import json
 import logging
 import socket
+import threading
 import time
 
 import httpx
@@ -523,19 +525,39 @@ def test_api_keys(tiny, tmp_path):
 
 
 class SlowDrafter(NgramDrafter):
-    """n-gram drafter that sleeps in propose: requests stay in flight long enough to fill the queue."""
+    """n-gram drafter that sleeps in propose: a request stays in flight for a while (a client that gives up,
+    a step that fails mid-stream, a drain), whatever it is checked against."""
 
     def propose(self, batch, shape):
         time.sleep(0.05)
         return super().propose(batch, shape)
 
 
+class GatedDrafter(NgramDrafter):
+    """n-gram drafter whose propose waits for the test to open a gate: the requests it drafts for stay in
+    flight (none can finish) until then, however fast or slow the machine."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = threading.Event()
+
+    def propose(self, batch, shape):
+        assert self.gate.wait(timeout=120), "the test never opened the gate"
+        return super().propose(batch, shape)
+
+
 def test_queue_overflow_gets_429_with_retry_after(tiny):
-    srv, engine, telemetry = serve(tiny, SlowDrafter(), max_running=2, max_queue=2)
+    drafter = GatedDrafter()
+    srv, engine, telemetry = serve(tiny, drafter, max_running=2, max_queue=2)
     body = msg(max_tokens=24, ignore_eos=True)
     with srv, httpx.Client(base_url=srv.url, timeout=120) as c:
         with cf.ThreadPoolExecutor(8) as pool:
-            responses = list(pool.map(lambda _: c.post(CHAT, json=body), range(8)))
+            futures = [pool.submit(c.post, CHAT, json=body) for _ in range(8)]
+            # 2 running + 2 queued are held at the gate; the other 4 are answered while it is shut
+            early = [f.result() for f in itertools.islice(cf.as_completed(futures, timeout=60), 4)]
+            assert [r.status_code for r in early] == [429] * 4
+            drafter.gate.set()
+            responses = [f.result() for f in futures]
         codes = sorted(r.status_code for r in responses)
         assert codes == [200] * 4 + [429] * 4, codes
         for r in responses:

@@ -186,18 +186,29 @@ def upstream():
         yield fake
 
 
-def gateway(url: str, **cfg):
+class StepClock:
+    """A clock that moves only when a test moves it (the readiness cache's TTL without sleeping)."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def gateway(url: str, clock=time.monotonic, **cfg):
     metrics = Metrics()
     telemetry = Telemetry(metrics, "moa", "sglang")
-    backend = SGLangBackend(UpstreamConfig(url, **cfg), ["llama-8b"], "moa", telemetry)
+    backend = SGLangBackend(UpstreamConfig(url, **cfg), ["llama-8b"], "moa", telemetry, clock=clock)
     return ServerThread(create_app(backend, telemetry)), telemetry
 
 
 @pytest.fixture(scope="module")
 def gw(upstream):
-    srv, telemetry = gateway(upstream.url)
+    clock = StepClock()
+    srv, telemetry = gateway(upstream.url, clock=clock)
     with srv:
-        srv.telemetry = telemetry
+        srv.telemetry, srv.clock = telemetry, clock
         yield srv
 
 
@@ -427,12 +438,13 @@ def test_upstream_errors_and_readiness(gw, upstream):
         )
         assert c.get("/ready").status_code == 200
         upstream.healthy = False
-        time.sleep(1.1)  # readiness is cached for 1 s
+        assert c.get("/ready").status_code == 200  # the cached answer, within its TTL
+        gw.clock.now += SGLangBackend.READY_TTL + 0.1
         try:
             assert c.get("/ready").status_code == 503
         finally:
             upstream.healthy = True
-            time.sleep(1.1)
+            gw.clock.now += SGLangBackend.READY_TTL + 0.1
         assert c.get("/ready").status_code == 200
 
 

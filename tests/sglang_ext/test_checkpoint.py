@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import types
 from pathlib import Path
 
@@ -26,7 +27,9 @@ from sglang_ext.models.checkpoint import (
     save_weights,
 )
 from sglang_ext.models.eagle3 import Eagle3Config, Eagle3Draft, load_eagle3
+from sglang_ext.models.loader import LlamaConfig
 from sglang_ext.models.moa import MoAConfig, MoADraft, load_moa
+from sglang_ext.settings import DRAFT_ATTENTION, reload_settings, settings
 from sglang_ext.tree import TreeShape
 
 REPO = Path(__file__).resolve().parents[2]
@@ -110,18 +113,7 @@ def test_moa_fit_check_names_each_field_embedded(tmp_path, case):
 
 def _hf_target(out: Path, t) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    hf = dict(
-        architectures=["LlamaForCausalLM"],
-        model_type="llama",
-        vocab_size=t.vocab_size,
-        hidden_size=t.hidden_size,
-        intermediate_size=t.intermediate_size,
-        num_hidden_layers=t.num_layers,
-        num_attention_heads=t.num_heads,
-        num_key_value_heads=t.num_kv_heads,
-        head_dim=t.head_dim,
-    )
-    (out / "config.json").write_text(json.dumps(hf))
+    (out / "config.json").write_text(json.dumps(t.to_hf()))
     return out
 
 
@@ -141,9 +133,9 @@ def _server_args(draft: Path, target: Path):
 @pytest.fixture
 def plugin(monkeypatch):
     pytest.importorskip("sglang")
-    from sglang_ext.sglang_plugin import algorithm
+    from sglang_ext.sglang_plugin import algorithm, options
 
-    for env in (algorithm.TLI_ENV, algorithm.DRAFT_ATTENTION_ENV):
+    for env in (options.TLI_ENV, options.DRAFT_ATTENTION_ENV):
         monkeypatch.delenv(env, raising=False)
     return algorithm
 
@@ -171,6 +163,31 @@ def test_plugin_checkpoint_errors_name_the_flag(tmp_path, plugin):
         plugin.validate_moa_server_args(_server_args(tmp_path / "ck", target))
     with pytest.raises(plugin.MoAServerArgsError, match="needs --speculative-draft-model-path"):
         plugin.validate_moa_server_args(_server_args("", target))
+
+
+@pytest.mark.parametrize("value", DRAFT_ATTENTION)
+def test_every_draft_attention_value_passes_the_server_args_check_plugin(tmp_path, plugin, monkeypatch, value):
+    """One list of values (settings.DRAFT_ATTENTION): each passes SGLang's server-args hook and resolves
+    to a backend the draft passes have; another value is refused there, naming the variable."""
+    from sglang_ext.sglang_plugin.options import BACKENDS
+    from sglang_ext.sglang_plugin.tree_attention import resolve_backend_name
+
+    MoADraft(_moa_cfg()).save(tmp_path / "ck", dtype=torch.float32)
+    args = _server_args(tmp_path / "ck", _hf_target(tmp_path / "target", TARGET))
+    monkeypatch.setenv("MOA_SGLANG_DRAFT_ATTENTION", value)
+    reload_settings()
+    plugin.validate_moa_server_args(args)
+    assert resolve_backend_name("cpu") in BACKENDS and resolve_backend_name("cuda") in BACKENDS
+    monkeypatch.setenv("MOA_SGLANG_DRAFT_ATTENTION", "flash")
+    settings.cache_clear()  # (parsed at the next use: in the hook)
+    with pytest.raises(plugin.MoAServerArgsError, match="MOA_SGLANG_DRAFT_ATTENTION"):
+        plugin.validate_moa_server_args(args)
+
+
+def test_the_docs_list_the_draft_attention_values():
+    row = next(l for l in (REPO / "docs" / "SGLANG.md").read_text().splitlines() if "`MOA_SGLANG_DRAFT_ATTENTION`" in l)
+    listed = re.findall(r"`([a-z]+)`", row.split("|")[3])
+    assert sorted(set(listed)) == sorted(DRAFT_ATTENTION), row
 
 
 # EAGLE-3 (for a 6-layer target: aux layers 1, 2, 2; draft vocab 48)
@@ -272,3 +289,38 @@ def test_shipped_heads_load_for_their_target_shape():
     )
     assert load_eagle3(REPO / "drafters" / "smollm2-eagle3", smol).cfg.draft_vocab_size == 8192
     assert load_moa(REPO / "drafters" / "smollm2-moa-tli1", smol).cfg.tli == 1
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        tiny_config(),
+        tiny_config(vocab=64, layers=6, bias=True),
+        dataclasses.replace(
+            tiny_config(),
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            eos_token_ids=(2, 7),
+            tie_word_embeddings=True,
+        ),
+    ],
+    ids=["tiny", "bias", "llama3-rope"],
+)
+def test_llama_config_round_trips_through_a_hf_config(cfg, tmp_path):
+    """LlamaConfig.to_hf is the one writer of a target's config.json (the GPU job's smoke target, tests'
+    targets): what it writes, from_hf and transformers read back as the same model."""
+    from transformers import LlamaConfig as HFLlamaConfig
+
+    assert LlamaConfig.from_hf(json.loads(json.dumps(cfg.to_hf()))) == cfg
+    hf = HFLlamaConfig(**cfg.to_hf())
+    assert (hf.num_hidden_layers, hf.num_key_value_heads, hf.head_dim) == (
+        cfg.num_layers,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+    )
+    assert LlamaConfig.from_hf(hf.to_dict()) == cfg

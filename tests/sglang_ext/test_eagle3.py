@@ -337,7 +337,7 @@ def test_draft_norm_uses_the_kernel_when_drafting_and_torch_when_training():
     formula as the torch ops (only the mean's summation order differs); training keeps the torch
     ops, which autograd needs."""
     from sglang_ext import kernels
-    from sglang_ext.models.eagle3 import RMSNorm, _uses_norm_kernel
+    from sglang_ext.models.llama import RMSNorm, _uses_norm_kernel
 
     torch.manual_seed(0)
     norm = RMSNorm(64, 1e-5)

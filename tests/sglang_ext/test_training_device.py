@@ -238,3 +238,21 @@ def test_gpu_job_smoke_runs_end_to_end_on_cpu(tmp_path):
     ft = load_eagle3(tmp_path / "ft" / "heads" / "eagle3", target.cfg)
     assert torch.equal(ft.d2t, e3.d2t) and not torch.equal(ft.fc.weight, e3.fc.weight)
     assert json.loads((tmp_path / "ft" / "summary.json").read_text())["heads"] == ["eagle3", "moa-tli1"]
+
+
+def test_the_job_refuses_bad_inputs_in_one_line(tmp_path, capsys):
+    """A device that is not there and a head that does not exist: one line and exit 2, before any weights
+    are read (a failure while training keeps its traceback)."""
+    d, _, _ = _distill_dir(tmp_path, vocab=256, n=4)
+    pack(tmp_path / "shards", {"distill:d": distill_examples(d)}, vocab_size=256)
+    base = ["--shards", str(tmp_path / "shards"), "--out", str(tmp_path / "out"), "--smoke"]
+    if not torch.cuda.is_available():
+        assert train_job_main([*base, "--device", "cuda"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: device 'cuda'") and "\n" not in err and "Traceback" not in err
+    assert train_job_main([*base, "--device", "cpu", "--heads", "eagle3,hydra"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"error: unknown head 'hydra'; choose from {job_mod.HEADS}" and not any(
+        "Traceback" in l for l in err
+    )
+    assert not (tmp_path / "out" / "heads").exists()

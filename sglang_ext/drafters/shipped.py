@@ -1,0 +1,49 @@
+"""The drafters shipped in the repo's drafters/ folder, per target: one table and one lookup for every
+drafter family (the registry, EAGLE-3, MoA, Medusa and the suffix drafter all resolve through it).
+
+    shipped_path(target, "moa")   -> drafters/smollm2-moa-tli1   ('moa' is the better shipped TLI)
+    shipped_path(target, "eagle3", env=settings().eagle3)        ($MOA_SERVE_EAGLE3 first, when set)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..models.checkpoint import CheckpointError, has_config
+
+SHIPPED_DIR = Path(__file__).resolve().parents[2] / "drafters"  # the repo's shipped drafters (model cards inside)
+
+# target (its model directory's name) -> drafter name -> folder under drafters/
+SHIPPED: dict[str, dict[str, str]] = {
+    "SmolLM2-135M-Instruct": {
+        "eagle3": "smollm2-eagle3",
+        "moa-tli0": "smollm2-moa-tli0",
+        "moa-tli1": "smollm2-moa-tli1",
+        "medusa": "smollm2-medusa",
+        "suffix": "smollm2-suffix",
+    }
+}
+# a family's name -> the shipped variant it stands for (measured: docs/BENCHMARKS.md, trained drafters)
+BEST: dict[str, dict[str, str]] = {"SmolLM2-135M-Instruct": {"moa": "moa-tli1"}}
+# how to make one for another target
+MAKE = {
+    "eagle3": "train one (moa-serve train eagle3)",
+    "moa": "train one (moa-serve train moa)",
+    "medusa": "train them (moa-serve train medusa)",
+    "suffix": "build one (moa-serve build-corpus)",
+}
+
+
+def shipped_path(target, name: str, env: Path | None = None, error: type[Exception] = CheckpointError) -> Path:
+    """The folder of drafter `name` shipped for `target` (`env`, an override from the environment, when
+    set); `error` (a CheckpointError) naming what to do when none is shipped."""
+    if env is not None:
+        return env
+    tname = Path(target.path).name if target.path is not None else ""
+    real = BEST.get(tname, {}).get(name, name)
+    sub = SHIPPED.get(tname, {}).get(real)
+    path = SHIPPED_DIR / sub if sub else None
+    if path is None or not has_config(path):
+        make = MAKE.get(name.split("-")[0], "train one")
+        raise error(f"no shipped {name!r} drafter for target {target.path}; {make} and pass its path: --drafter DIR")
+    return path
