@@ -8,8 +8,10 @@ import torch
 from sglang_ext.settings import settings
 
 sys.path.insert(0, str(Path(__file__).parent))
-# MOA_TEST_THREADS=1 while a background job (e.g. training) holds a core: oversubscribed OpenMP is ~20x slower
-torch.set_num_threads(int(os.environ.get("MOA_TEST_THREADS", min(2, os.cpu_count() or 1))))
+# torch threads: the cores shared among the pytest-xdist workers (`make test` runs one per core), at most 2;
+# MOA_TEST_THREADS=1 while a background job (e.g. training) holds a core: oversubscribed OpenMP is much slower
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(int(os.environ.get("MOA_TEST_THREADS", max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))))
 
 
 @pytest.fixture(autouse=True)
