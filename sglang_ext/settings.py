@@ -22,7 +22,7 @@ CPU kernels (chosen once, on the kernels' first use):
     MOA_SERVE_CPU_KERNELS       0: no CPU kernels at all, torch ops everywhere (default 1)
     MOA_SERVE_PACKED_WEIGHTS    0: the kernels read the fp32 weights, not the GGUF blocks (default 1)
     MOA_SERVE_AVX512            0: the AVX2 tiles even where the CPU has AVX-512 (default 1)
-    MOA_SERVE_LAYER_OPS         0: torch ops for a decoder layer's norms, RoPE and SiLU (default 1)
+    MOA_SERVE_LAYER_OPS         0: torch ops for a decoder layer's norms, RoPE and SiLU (CPU and GPU; default 1)
     MOA_SERVE_KERNEL_ROWS       positive integer: forwards of more rows go to F.linear (default 24 where
                                 the AVX-512 tiles run, else 128)
 SGLang plugin:

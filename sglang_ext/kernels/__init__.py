@@ -209,6 +209,20 @@ def uses_layer_ops(x: torch.Tensor) -> bool:
     )
 
 
+def gpu_layer_ops_for(device: torch.device) -> bool:
+    """Whether a model on `device` runs its decoder layers on the Triton layer ops (triton_layer_ops.py):
+    a CUDA device with triton installed; MOA_SERVE_LAYER_OPS=0 keeps the torch ops."""
+    import importlib.util
+
+    has_triton = importlib.util.find_spec("triton") is not None
+    return torch.device(device).type == "cuda" and settings().layer_ops and has_triton
+
+
+def uses_gpu_layer_ops(x: torch.Tensor) -> bool:
+    """Whether hidden states x [T, H] fit the Triton layer ops: inference only (they have no backward)."""
+    return x.device.type == "cuda" and x.dim() == 2 and not (torch.is_grad_enabled() and x.requires_grad)
+
+
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, bias): x [.., K], w [N, K] -> [.., N]."""
     if not uses_kernel(x, w):

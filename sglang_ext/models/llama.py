@@ -169,6 +169,9 @@ class LlamaModel:
             and all(n % 8 == 0 for n in (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size))
         )
         self.scale = cfg.head_dim**-0.5
+        # decoder layers on the GPU's Triton layer ops (ten kernels a layer instead of ~30); off where Triton
+        # cannot run (fake CUDA tensors in tests set it off, as they set the torch attention)
+        self.gpu_layer_ops = kernels.gpu_layer_ops_for(self.device)
 
     def subset(self, layer_ids: list[int]) -> "LlamaModel":
         """A model made of some of this model's layers (weights shared, not copied), same embed/norm/head."""
@@ -197,10 +200,16 @@ class LlamaModel:
         kv_layer: int | None = None,
     ) -> torch.Tensor:
         c, lw = self.cfg, self.layers[i]
-        t = x.shape[0]
         li = i if kv_layer is None else kv_layer
         if kernels.uses_layer_ops(x) and kv.k[li].dtype == lw.qkv.dtype == torch.float32 and c.head_dim % 16 == 0:
             return self._layer_forward_ops(lw, x, rope, slots, plan, kv.k[li], kv.v[li])
+        if self.gpu_layer_ops and kernels.uses_gpu_layer_ops(x) and kv.k[li].dtype == x.dtype:
+            return self._layer_forward_fused(lw, x, rope, slots, plan, kv.k[li], kv.v[li])
+        return self._layer_forward_torch(lw, x, rope, slots, plan, kv, li)
+
+    def _layer_forward_torch(self, lw: LayerWeights, x, rope, slots, plan, kv: KVPool, li: int) -> torch.Tensor:
+        """layer_forward in torch ops (any device and dtype, autograd included)."""
+        c, t = self.cfg, x.shape[0]
         h = rms_norm(x, lw.input_norm, c.rms_norm_eps)
         qkv = linear(h, lw.qkv, lw.qkv_bias)
         nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
@@ -235,6 +244,21 @@ class LlamaModel:
         x, h = kernels.add_rms_norm(x, lin(a.reshape(x.shape[0], -1), lw.o), lw.post_norm, c.rms_norm_eps)
         return x + lin(kernels.silu_mul(lin(h, lw.gate_up)), lw.down)
 
+    def _layer_forward_fused(self, lw: LayerWeights, x, rope, slots, plan, k_pool, v_pool) -> torch.Tensor:
+        """layer_forward on a GPU's Triton layer ops (kernels/triton_layer_ops.py): the same computation
+        in ten kernels (two norms, RoPE + K/V store, SiLU * up, four matmuls, the attention, an add)."""
+        from ..kernels import triton_layer_ops as ops
+
+        c = self.cfg
+        cos, sin = rope
+        h = ops.rms_norm(x, lw.input_norm, c.rms_norm_eps)
+        qkv = linear(h, lw.qkv, lw.qkv_bias)
+        slots = to_device(slots, x.device)
+        q = ops.rope_store(qkv, cos[:, 0], sin[:, 0], k_pool, v_pool, slots, c.num_heads, c.num_kv_heads)
+        a = self.attention(q, k_pool, v_pool, plan, self.scale)
+        x, h = ops.add_rms_norm(x, linear(a.reshape(x.shape[0], -1), lw.o), lw.post_norm, c.rms_norm_eps)
+        return x + linear(ops.silu_mul(linear(h, lw.gate_up)), lw.down)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -267,6 +291,10 @@ class LlamaModel:
             if i in capture_layers:
                 captured[i] = x
         norm = kernels.rms_norm if kernels.uses_layer_ops(x) else rms_norm
+        if self.gpu_layer_ops and kernels.uses_gpu_layer_ops(x):
+            from ..kernels import triton_layer_ops
+
+            norm = triton_layer_ops.rms_norm
         return ForwardOutput(norm(x, self.norm, self.cfg.rms_norm_eps), captured)
 
     @torch.no_grad()  # not inference_mode: the outputs are training targets that autograd saves

@@ -133,7 +133,8 @@ def test_an_engine_step_makes_one_device_to_host_copy(monkeypatch, drafted):
         from sglang_ext.training import job as job_mod
 
         model = job_mod.random_target(cfg, "cuda")
-        model.attention = tree_attention_torch  # (the Triton kernel needs a real GPU)
+        model.attention = tree_attention_torch  # (the Triton kernels need a real GPU)
+        model.gpu_layer_ops = False
         drafter = DeviceChainDrafter("cuda", cfg.vocab_size) if drafted else None
         # (capturing a CUDA graph needs a real GPU: this proves the eager step; gpu tests cover replay)
         config = EngineConfig(

@@ -475,7 +475,8 @@ def test_a_verify_step_stays_on_the_device(monkeypatch):
     seq_lens = [37, 120, 5]
     with FakeTensorMode(allow_non_fake_inputs=True):
         target = job_mod.random_target(cfg, "cuda")
-        target.attention = tree_attention_torch
+        target.attention = tree_attention_torch  # (the Triton kernels need a real GPU)
+        target.gpu_layer_ops = False
         kv = target.new_kv_pool(512)
         trees = _device_trees(cfg.vocab_size, seq_lens, "cuda")
         for t in trees:
