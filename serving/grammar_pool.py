@@ -23,6 +23,7 @@ import json
 import logging
 import sys
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -108,10 +109,17 @@ class _Flight:
 
 
 class GrammarPool:
-    """grammars: the vocabulary to compile for (an embedded engine's); None to check and convert only."""
+    """grammars: the vocabulary to compile for (an embedded engine's); None to check and convert only.
+    on_result(result): each answer, by how it came (cached, or a worker job: compiled, refused, timeout,
+    cancelled, busy, failed)."""
 
-    def __init__(self, grammars: Grammars | None, config: GrammarConfig = GrammarConfig()):
-        self.grammars, self.config = grammars, config
+    def __init__(
+        self,
+        grammars: Grammars | None,
+        config: GrammarConfig = GrammarConfig(),
+        on_result: Callable[[str], None] | None = None,
+    ):
+        self.grammars, self.config, self.on_result = grammars, config, on_result
         self._slots: asyncio.Semaphore | None = None  # made on the event loop
         self._waiting = 0
         self._idle: list[_Worker] = []
@@ -135,6 +143,8 @@ class GrammarPool:
         key = hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()
         if (hit := self._cache.get(key)) is not None:
             self._cache.move_to_end(key)
+            if self.on_result is not None:
+                self.on_result("cached")
             return _result(hit[0])
         flight = self._flights.get(key)
         if flight is None or flight.task.cancelling():  # (a flight being ended serves no new waiter)
@@ -156,31 +166,48 @@ class GrammarPool:
             flight.task.exception()  # (retrieved: a flight whose waiters all left as it ended logs nothing)
 
     async def _run(self, key: str, job: dict, param: str) -> Prepared | _Refusal:
-        worker = await self._acquire()
+        """One flight: the job in a worker, its outcome cached and counted (on_result)."""
+        result = "failed"
         try:
-            reply = await worker.call(job, self.config.timeout_s)
-        except TimeoutError:
-            self._end(worker)
-            worker = None
-            budget = f"{self.config.timeout_s:g} s"
+            outcome = await asyncio.to_thread(self._outcome, await self._call(job))
+            result = "refused" if isinstance(outcome, _Refusal) else "compiled"
+            self._remember(key, outcome)
+            return outcome
+        except TimeoutError:  # NOTE: not cached: a compile that was slow under load may fit the budget later
+            result = "timeout"
             return _Refusal(
-                f"{param}: the grammar took longer than this server's compile budget of {budget}; simplify it",
+                f"{param}: the grammar took longer than this server's compile budget of {self.config.timeout_s:g} s; "
+                "simplify it",
                 param,
                 TOO_COMPLEX,
             )
+        except asyncio.CancelledError:
+            result = "cancelled"
+            raise
+        except APIError as e:
+            result = {400: "refused", 429: "busy"}.get(e.status, "failed")
+            raise
+        finally:
+            if self.on_result is not None:
+                self.on_result(result)
+
+    async def _call(self, job: dict) -> bytes:
+        """The answer of a free worker; the worker is ended when it is past the budget (TimeoutError), nobody
+        waits any more (cancelled), or it died (GrammarFault)."""
+        worker: _Worker | None = await self._acquire()
+        assert worker is not None
+        try:
+            return await worker.call(job, self.config.timeout_s)
         except (asyncio.IncompleteReadError, ConnectionError) as e:
             self._end(worker)
             worker = None
             raise GrammarFault("a grammar compile worker died") from e
-        except BaseException:  # cancelled: nobody waits for this work any more
+        except BaseException:
             self._end(worker)
             worker = None
             raise
         finally:
             self._release(worker)
-        outcome = await asyncio.to_thread(self._outcome, reply)
-        self._remember(key, outcome)
-        return outcome
 
     def _outcome(self, reply: bytes) -> Prepared | _Refusal:
         msg = json.loads(reply)

@@ -52,7 +52,7 @@ class EmbeddedBackend:
         self.max_context = min(engine.max_context - 1, self.scheduler.capacity())
         self.max_prompt_tokens = min(limits.max_prompt_tokens or self.max_context - 1, self.max_context - 1)
         self.token_strings = TokenStrings(self.target.tokenizer)
-        self.grammar_pool = GrammarPool(engine.grammars, limits.grammar)
+        self.grammar_pool = GrammarPool(engine.grammars, limits.grammar, telemetry.grammar_work)
 
     async def start(self) -> None:
         self.scheduler.start()

@@ -81,7 +81,8 @@ class SGLangBackend:
         self._aborted: set[httpx.Response] = set()  # those closed by abort_all (their requests end with a 503)
         self._closing: set[asyncio.Task] = set()
         self._aborting = False  # the drain deadline passed: no new upstream request
-        self.grammar_pool = GrammarPool(None, config.grammar)  # checks and converts; the upstream compiles
+        # grammars are checked and converted here; the upstream compiles them
+        self.grammar_pool = GrammarPool(None, config.grammar, telemetry.grammar_work)
 
     def tokenize(self, job: Job) -> list[int]:
         raise _no_tokenizer()

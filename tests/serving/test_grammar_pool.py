@@ -62,7 +62,8 @@ def accepts(compiled, text: str, tokenizer) -> bool:
 
 def test_compiled_grammars_and_refusals_come_from_the_cache(grammars):
     async def main():
-        pool = GrammarPool(grammars, GrammarConfig(workers=1))
+        results: list[str] = []
+        pool = GrammarPool(grammars, GrammarConfig(workers=1), results.append)
         try:
             ready = await pool.prepare(JSON_OBJECT, None)
             assert ready.spec == JSON_OBJECT and accepts(ready.compiled, '{"a": 1}', grammars._tokenizer)
@@ -77,6 +78,7 @@ def test_compiled_grammars_and_refusals_come_from_the_cache(grammars):
             with pytest.raises(APIError, match="matches no text"):
                 await pool.prepare(GrammarSpec("ebnf", "root ::= root"), None)
             assert workers(pool) == []
+            assert results == ["compiled", "refused", "cached", "cached"]
         finally:
             await pool.close()
 
@@ -106,7 +108,8 @@ def test_the_choices_of_a_request_share_one_compile_and_tools_become_the_call_gr
 
 def test_a_compile_past_its_budget_is_stopped_and_the_pool_serves_on(grammars):
     async def main():
-        pool = GrammarPool(grammars, GrammarConfig(workers=1, timeout_s=0.5, limits=WIDE))
+        results: list[str] = []
+        pool = GrammarPool(grammars, GrammarConfig(workers=1, timeout_s=0.5, limits=WIDE), results.append)
         try:
             await pool.prepare(JSON_OBJECT, None)  # a started worker: the budget does not include its start
             (worker,) = workers(pool)
@@ -117,6 +120,7 @@ def test_a_compile_past_its_budget_is_stopped_and_the_pool_serves_on(grammars):
             await reaped(pool)
             assert worker.proc.returncode == -signal.SIGKILL
             assert (await pool.prepare(GrammarSpec("regex", "[a-z]+"), None)).compiled is not None
+            assert results == ["compiled", "timeout", "compiled"]
         finally:
             await pool.close()
 
@@ -125,7 +129,8 @@ def test_a_compile_past_its_budget_is_stopped_and_the_pool_serves_on(grammars):
 
 def test_a_compile_nobody_waits_for_is_stopped(grammars):
     async def main():
-        pool = GrammarPool(grammars, GrammarConfig(workers=1, timeout_s=300, limits=WIDE))
+        results: list[str] = []
+        pool = GrammarPool(grammars, GrammarConfig(workers=1, timeout_s=300, limits=WIDE), results.append)
         try:
             waiters = [asyncio.ensure_future(pool.prepare(SLOW, None)) for _ in range(2)]
             await busy(pool)
@@ -139,7 +144,7 @@ def test_a_compile_nobody_waits_for_is_stopped(grammars):
                 await asyncio.sleep(0.01)
             await reaped(pool)
             assert worker.proc.returncode == -signal.SIGKILL
-            assert not pool._flights
+            assert not pool._flights and results == ["cancelled"]
         finally:
             await pool.close()
 
@@ -148,7 +153,9 @@ def test_a_compile_nobody_waits_for_is_stopped(grammars):
 
 def test_too_many_waiters_get_a_429_and_a_dead_worker_is_a_server_fault(grammars):
     async def main():
-        pool = GrammarPool(grammars, GrammarConfig(workers=1, timeout_s=300, max_waiting=0, limits=WIDE))
+        results: list[str] = []
+        config = GrammarConfig(workers=1, timeout_s=300, max_waiting=0, limits=WIDE)
+        pool = GrammarPool(grammars, config, results.append)
         try:
             slow = asyncio.ensure_future(pool.prepare(SLOW, None))
             await busy(pool)
@@ -159,6 +166,7 @@ def test_too_many_waiters_get_a_429_and_a_dead_worker_is_a_server_fault(grammars
             with pytest.raises(GrammarFault):
                 await slow
             assert (await pool.prepare(GrammarSpec("regex", "[0-9]+"), None)).compiled is not None
+            assert results == ["busy", "failed", "compiled"]
         finally:
             await pool.close()
 
