@@ -301,10 +301,12 @@ class GrammarPool:
         return self._info
 
     async def close(self) -> None:
-        """End every worker and the work in flight."""
-        for flight in list(self._flights.values()):
-            flight.task.cancel()
-        for worker in [*self._idle, *self._busy]:
+        """End the work in flight and every worker."""
+        flights = [f.task for f in self._flights.values()]
+        for task in flights:
+            task.cancel()  # (each ends its busy worker)
+        await asyncio.gather(*flights, return_exceptions=True)
+        for worker in self._idle:
             self._end(worker)
         self._idle.clear()
         await asyncio.gather(*self._ending, return_exceptions=True)

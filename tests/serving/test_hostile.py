@@ -940,8 +940,8 @@ def test_a_grammar_that_matches_no_text_is_the_clients_400(server, http, session
 def stalled(url: str, head: bytes) -> tuple[float, bytes]:
     """Send `head` (part of a request) and nothing more: (seconds until the server closed, what it sent)."""
     host, port = url.removeprefix("http://").split(":")
+    t = time.monotonic()  # (before the connection: the server's deadline starts after it)
     with socket.create_connection((host, int(port)), timeout=60) as s:
-        t = time.monotonic()
         s.sendall(head)
         got = b""
         while chunk := s.recv(65536):
