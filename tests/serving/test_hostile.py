@@ -487,30 +487,35 @@ STREAMS = [  # (path, body): greedy, long enough to run while the table is sent
 ]
 
 
-def run_stream(url: str, path: str, body: dict, started: threading.Event | None = None) -> tuple[list[int], str]:
-    """(token ids, finish_reason) of one streamed request; sets `started` at its first content."""
-    ids, finish = None, None
+def run_stream(url: str, path: str, body: dict, started: threading.Event | None = None):
+    """(token ids, finish_reason, the longest wait between two content events) of one streamed request; sets
+    `started` at its first content."""
+    ids, finish, last, gap = None, None, None, 0.0
     with httpx.stream("POST", url + path, json=body, timeout=300) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             for c in json.loads(line[6:])["choices"]:
-                if started is not None and (c.get("text") or c.get("delta", {}).get("content")):
-                    started.set()
+                if c.get("text") or c.get("delta", {}).get("content"):
+                    now = time.monotonic()
+                    gap = max(gap, now - last) if last is not None else gap
+                    last = now
+                    if started is not None:
+                        started.set()
                 ids = c.get("token_ids") or ids
                 finish = c.get("finish_reason") or finish
-    return ids, finish
+    return ids, finish, gap
 
 
 def test_hostile_table_gets_4xx_while_streams_run_unchanged(server, http, session):
     assert len(HOSTILE) >= 60
-    alone = [run_stream(server.url, path, body) for path, body in STREAMS]
+    alone = [run_stream(server.url, path, body)[:2] for path, body in STREAMS]
     results: list = [None] * len(STREAMS)
     started = [threading.Event() for _ in STREAMS]
 
     def worker(i: int) -> None:
-        results[i] = run_stream(server.url, *STREAMS[i], started[i])
+        results[i] = run_stream(server.url, *STREAMS[i], started[i])[:2]
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(STREAMS))]
     for t in threads:
@@ -545,32 +550,12 @@ def check_clean(server, http: httpx.Client) -> None:
 BESIDE = [STREAMS[0], STREAMS[2]]  # a chat and a completion, greedy
 
 
-def timed_stream(url: str, path: str, body: dict, started: threading.Event | None = None):
-    """(token ids, finish_reason, the longest wait between two content events) of one streamed request."""
-    ids, finish, last, gap = None, None, None, 0.0
-    with httpx.stream("POST", url + path, json=body, timeout=300) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            for c in json.loads(line[6:])["choices"]:
-                if c.get("text") or c.get("delta", {}).get("content"):
-                    now = time.monotonic()
-                    gap = max(gap, now - last) if last is not None else gap
-                    last = now
-                    if started is not None:
-                        started.set()
-                ids = c.get("token_ids") or ids
-                finish = c.get("finish_reason") or finish
-    return ids, finish, gap
-
-
 @pytest.fixture(scope="module")
 def alone(server):
     """Each stream alone, twice: ((token ids, finish_reason), the shorter of its two longest gaps)."""
     out = []
     for path, body in BESIDE:
-        runs = [timed_stream(server.url, path, body) for _ in range(2)]
+        runs = [run_stream(server.url, path, body) for _ in range(2)]
         assert runs[0][:2] == runs[1][:2] and runs[0][0]
         out.append((runs[0][:2], min(r[2] for r in runs)))
     return out
@@ -604,7 +589,7 @@ class Beside:
     def _stream(self, i: int, started: threading.Event) -> None:
         try:
             while True:
-                self.runs[i].append(timed_stream(self.url, *BESIDE[i], started))
+                self.runs[i].append(run_stream(self.url, *BESIDE[i], started))
                 if self.done.is_set():
                     return
         except BaseException as e:  # noqa: BLE001 - reported by check()
