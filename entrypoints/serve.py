@@ -8,13 +8,12 @@ import os
 import sys
 from pathlib import Path
 
-import uvicorn
-
 from entrypoints.flags import add_model_args, add_spec_args, engine_config
 from serving.gateway.app import DEFAULT_AUTH_EXEMPT, GatewayConfig, create_app
 from serving.gateway.auth import APIKeys
 from serving.gateway.schemas import Limits
-from serving.gateway.server import DrainingServer, build_edge, embedded_backend
+from serving.gateway.server import DrainingServer, build_edge, embedded_backend, uvicorn_config
+from serving.grammar_pool import GrammarConfig
 from serving.metrics import Metrics
 from sglang_ext.settings import settings
 
@@ -103,6 +102,30 @@ def _add_limit_args(s) -> None:
     )
     s.add_argument("--max-n", type=int, default=16, help="most choices per request (n x prompts)")
     s.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (413 above)")
+    s.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client has to send a request's head (else the connection is closed), then its body (else 408)",
+    )
+    s.add_argument(
+        "--max-connections",
+        type=int,
+        default=1000,
+        help="open connections at most; a request beyond them gets a 503 and its connection is closed",
+    )
+    s.add_argument(
+        "--grammar-workers",
+        type=int,
+        default=2,
+        help="processes compiling structured-output grammars (and checking tool schemas), one request at a time each",
+    )
+    s.add_argument(
+        "--grammar-timeout",
+        type=float,
+        default=10.0,
+        help="seconds one request's grammar may take to compile; beyond it the compile is stopped (400)",
+    )
 
 
 def _add_server_args(s) -> None:
@@ -135,6 +158,10 @@ def _served_name(args) -> str:
     return Path(args.model).name if os.sep in args.model else args.model
 
 
+def _grammar_config(args) -> GrammarConfig:
+    return GrammarConfig(workers=args.grammar_workers, timeout_s=args.grammar_timeout)
+
+
 def build_embedded(args, metrics: Metrics):
     """The embedded engine backend from CLI args (loads the model)."""
     from serving.engine import build_engine
@@ -153,6 +180,7 @@ def build_embedded(args, metrics: Metrics):
         max_tokens=args.max_tokens_limit,
         default_max_tokens=args.default_max_tokens,
         max_prompt_tokens=args.max_prompt_tokens,
+        grammar=_grammar_config(args),
     )
     return embedded_backend(engine, _served_name(args), engine.config.drafter or "none", metrics, **limits)
 
@@ -173,6 +201,7 @@ def build_sglang(args, metrics: Metrics, upstream: str):
         args.max_queue,
         args.upstream_timeout,
         settings().upstream_api_key,
+        _grammar_config(args),
     )
     return SGLangBackend(cfg, [_served_name(args)], args.drafter or "none", telemetry), telemetry
 
@@ -195,7 +224,13 @@ def cmd_serve(args) -> int:
         build_sglang(args, metrics, upstream) if upstream and kind == "sglang" else build_embedded(args, metrics)
     )
     config = GatewayConfig(
-        limits=Limits(max_n=args.max_n, max_tokens=args.max_tokens_limit, max_body_bytes=args.max_body_bytes),
+        limits=Limits(
+            max_n=args.max_n,
+            max_tokens=args.max_tokens_limit,
+            max_body_bytes=args.max_body_bytes,
+            body_timeout_s=args.body_timeout,
+            max_connections=args.max_connections,
+        ),
         api_keys=keys if keys.enabled else None,
         auth_exempt=tuple(p for p in args.auth_exempt.split(",") if p),
     )
@@ -213,13 +248,6 @@ def cmd_serve(args) -> int:
         file=sys.stderr,
         flush=True,
     )
-    cfg = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        access_log=not args.no_access_log,
-        timeout_graceful_shutdown=5,
-    )
+    cfg = uvicorn_config(app, args.host, args.port, log_level=args.log_level, access_log=not args.no_access_log)
     DrainingServer(cfg, app.state.gateway, backend, args.drain_timeout).run()
     return 0

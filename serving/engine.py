@@ -207,7 +207,8 @@ class Engine:
             drafter.step_graphs = True  # a drafter with a captured step replays it too
 
     # --- admission ----------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams) -> Request:
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, grammar: object | None = None) -> Request:
+        """grammar: params.grammar compiled elsewhere (the server's compile workers); None: compiled here."""
         if not prompt_ids:
             raise InvalidRequest("prompt is empty", "messages")
         vocab = self.model.cfg.vocab_size
@@ -221,7 +222,7 @@ class Engine:
         gen = None if params.greedy else params.generator(self.model.device)  # draws on the target's device
         req = Request(next(self._ids), list(prompt_ids), params, gen)
         if params.grammar is not None:
-            req.matcher = self.grammars.matcher(params.grammar)
+            req.matcher = self.grammars.matcher(params.grammar if grammar is None else grammar)
         if params.prediction:  # NOTE: behind the prompt's tail, so the prediction's first tokens can be drafted
             req.reference = req.prompt_ids[-PREDICTION_HEAD:] + list(params.prediction)
         self.waiting.append(req)

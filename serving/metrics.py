@@ -64,6 +64,15 @@ class Metrics:
             (*_LABELS, "reason"),
             registry=r,
         )
+        self.grammar_work = Counter(
+            "moa_grammar_work",
+            "Requests' grammar work (structured output, tool schemas) by result: cached, or a compile worker's "
+            "job that compiled, refused (the client's grammar: invalid, over a limit, matches no text), timeout "
+            "(past the compile budget: the worker was ended), cancelled (the client left: the worker was ended), "
+            "busy (too many waiting) or failed (a server fault)",
+            (*_LABELS, "result"),
+            registry=r,
+        )
         self.tool_calls = Counter(
             "moa_tool_calls", "Tool calls returned to clients (parsed from chat replies)", _LABELS, registry=r
         )

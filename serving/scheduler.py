@@ -77,9 +77,15 @@ class Handle:
     """One request's asyncio side. Created by `Scheduler.submit`, read with `await next()`."""
 
     def __init__(
-        self, scheduler: Scheduler, prompt_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop
+        self,
+        scheduler: Scheduler,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        loop: asyncio.AbstractEventLoop,
+        grammar: object | None = None,
     ):
         self.scheduler, self.prompt_ids, self.params, self.loop = scheduler, prompt_ids, params, loop
+        self.grammar = grammar  # params.grammar compiled (the engine thread never compiles one)
         self.reservation = len(prompt_ids) + params.max_new_tokens  # KV slots, one tree excluded
         self.req: Request | None = None  # engine thread only
         self.done = False  # a final delivery was queued (set on the engine thread)
@@ -144,11 +150,18 @@ class Scheduler:
         return self.engine.kv.num_slots - 1 - self._tree_nodes()
 
     def submit(
-        self, prompt_ids: list[int], params: SamplingParams, loop: asyncio.AbstractEventLoop | None = None
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        loop: asyncio.AbstractEventLoop | None = None,
+        grammar: object | None = None,
     ) -> Handle:
-        """Queue a request (thread-safe).
+        """Queue a request (thread-safe); grammar: params.grammar compiled, required with one (a compile in
+        the engine thread would hold every running request up).
         Raises QueueFull, SchedulerClosed, InvalidRequest (too big for the KV pool)."""
-        h = Handle(self, list(prompt_ids), params, loop or asyncio.get_running_loop())
+        if (params.grammar is None) != (grammar is None):
+            raise ValueError("a request with a grammar is submitted with its compiled form, and only then")
+        h = Handle(self, list(prompt_ids), params, loop or asyncio.get_running_loop(), grammar)
         if h.reservation > self.capacity():
             raise InvalidRequest(
                 f"prompt + max_tokens = {h.reservation} tokens exceeds this server's KV capacity of {self.capacity()} "
@@ -253,7 +266,7 @@ class Scheduler:
         posts = []
         for h in handles:
             try:
-                h.req = self.engine.add_request(h.prompt_ids, h.params)
+                h.req = self.engine.add_request(h.prompt_ids, h.params, h.grammar)
             except InvalidRequest as e:
                 posts.append(self._finish(h, Delivery([], error=str(e), invalid=True)))
                 continue

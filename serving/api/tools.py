@@ -11,6 +11,10 @@ chat messages and, when a call is required, a grammar:
                                          arguments match the function's JSON schema (xgrammar)
     output text              ──► content before the first <tool_call>, and the calls; finish_reason "tool_calls"
 
+parse_tools checks the request's shape on the event loop; `tool_grammar` (xgrammar work: every schema
+converted, and the call grammar built) runs where all grammar work runs, in a compile worker
+(serving/backends/grammar_pool.py), under the grammar limits and the compile budget.
+
 A reply whose <tool_call> blocks do not all parse as calls of the given functions is returned whole
 as content: nothing the model wrote is lost.
 """
@@ -23,9 +27,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from sglang_ext.grammar import GrammarSpec, error_reason
+from sglang_ext.grammar import GrammarLimits, GrammarSpec, check_limits, parse_grammar
 
-from .body import JSONError, load_json
+from .body import JSONError, load_field, load_json
 from .errors import APIError, invalid
 
 MAX_TOOLS = 128
@@ -71,12 +75,10 @@ class ToolCalling:
             '<tool_call>\n{"name": <function name>, "arguments": <arguments object>}\n</tool_call>'
         )
 
-    def grammar(self) -> GrammarSpec | None:
-        """The output grammar when a call is required (None for "auto": the model chooses)."""
-        if self.choice == "auto":
-            return None
-        chosen = [f for f in self.functions if self.choice in ("required", f.name)]
-        return GrammarSpec("ebnf", call_grammar(chosen, self.parallel))
+    def payload(self) -> dict:
+        """What tool_grammar needs, as JSON values (sent to a compile worker, and its cache key)."""
+        functions = [{"name": f.name, "parameters": f.parameters} for f in self.functions]
+        return {"functions": functions, "choice": self.choice, "parallel": self.parallel}
 
     def reader(self) -> ToolCallReader:
         return ToolCallReader(self.names, self.parallel)
@@ -117,17 +119,27 @@ def _function(tool: Any, i: int) -> Function:
     parameters = f.get("parameters", {"type": "object", "properties": {}})
     if not isinstance(parameters, dict):
         raise invalid(f"{param}.function.parameters must be a JSON schema object", f"{param}.function.parameters")
-    _check_schema(parameters, f"{param}.function.parameters")
     return Function(f["name"], description, parameters)
 
 
-def _check_schema(schema: dict, param: str) -> None:
-    import xgrammar as xgr
-
-    try:
-        xgr.Grammar.from_json_schema(json.dumps(schema))
-    except (RuntimeError, ValueError, TypeError) as e:
-        raise invalid(f"{param}: not a usable JSON schema: {error_reason(e)}", param) from None
+def tool_grammar(payload: dict, limits: GrammarLimits) -> GrammarSpec | None:
+    """Every function's schema checked (the grammar limits, each alone and all together, and xgrammar can
+    convert it); the call grammar when a call is required (None for "auto"). payload: ToolCalling.payload().
+    Grammar work: this runs in a compile worker."""
+    functions = [Function(f["name"], None, f["parameters"]) for f in payload["functions"]]
+    schemas = [
+        GrammarSpec("json_schema", json.dumps(f.parameters), f"tools[{i}].function.parameters")
+        for i, f in enumerate(functions)
+    ]
+    for spec in schemas:  # the limits first, each tool's then all together (cheap), then the conversions
+        check_limits(spec, limits)
+    check_limits(GrammarSpec("json_schema", json.dumps([f.parameters for f in functions]), "tools"), limits)
+    for spec in schemas:
+        parse_grammar(spec, None)
+    if payload["choice"] == "auto":
+        return None
+    chosen = [f for f in functions if payload["choice"] in ("required", f.name)]
+    return GrammarSpec("ebnf", call_grammar(chosen, payload["parallel"]), "tools")
 
 
 def _choice(tool_choice: Any, names: set[str]) -> str:
@@ -214,10 +226,7 @@ def assistant_calls(calls: list[Any], i: int) -> list[dict]:
             raise invalid(
                 f"{param} must be {{'id', 'type': 'function', 'function': {{'name': str, 'arguments': str}}}}", param
             )
-        try:
-            arguments = load_json(f["arguments"], f"{param}.function.arguments")
-        except JSONError as e:
-            raise invalid(f"{e}: it must be a JSON object (as text)", f"{param}.function.arguments") from None
+        arguments = load_field(f["arguments"], f"{param}.function.arguments", "it must be a JSON object (as text)")
         out.append({"name": f["name"], "arguments": arguments})
     return out
 

@@ -60,7 +60,9 @@ class Job:
     prompt: str | tuple[int, ...] | None = None  # completion: text or token ids
     params: GenParams = field(default_factory=GenParams)
     prompt_group: int = 0  # completions with a list of prompts: which prompt (usage counts each once)
-    tools: ToolCalling | None = None  # chat tool calling: the gateway reads calls out of the text (backends ignore it)
+    # chat tool calling: the gateway reads calls out of the text; a backend has its tools checked, and the call
+    # grammar built when a call is required, by its compile workers (serving/grammar_pool.py)
+    tools: ToolCalling | None = None
 
 
 @dataclass

@@ -6,12 +6,13 @@ import asyncio
 import difflib
 import logging
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from sglang_ext.sampling import InvalidRequest, SamplingParams, TokenLogprob
 
 from ..api.errors import APIError, invalid
 from ..engine import Engine
+from ..grammar_pool import GrammarConfig, GrammarFault, GrammarPool
 from ..scheduler import Delivery, Handle, QueueFull, Scheduler, SchedulerClosed, fault_message
 from .base import Chunk, Job, KVCacheUsage, SpecStats
 from .detok import IncrementalText, TokenStrings
@@ -27,6 +28,7 @@ class EmbeddedLimits:
     max_tokens: int = 2048  # largest max_tokens a request may ask for
     default_max_tokens: int = 512  # when a request gives none (KV is reserved for the worst case)
     max_prompt_tokens: int | None = None  # None: the model's context
+    grammar: GrammarConfig = GrammarConfig()  # structured output's compile workers, budget and limits
 
 
 class EmbeddedBackend:
@@ -50,11 +52,13 @@ class EmbeddedBackend:
         self.max_context = min(engine.max_context - 1, self.scheduler.capacity())
         self.max_prompt_tokens = min(limits.max_prompt_tokens or self.max_context - 1, self.max_context - 1)
         self.token_strings = TokenStrings(self.target.tokenizer)
+        self.grammar_pool = GrammarPool(engine.grammars, limits.grammar, telemetry.grammar_work)
 
     async def start(self) -> None:
         self.scheduler.start()
 
     async def close(self) -> None:
+        await self.grammar_pool.close()
         await asyncio.to_thread(self.scheduler.stop)
 
     async def not_ready_reason(self) -> str | None:
@@ -163,13 +167,8 @@ class EmbeddedBackend:
 
     async def generate(self, job: Job) -> AsyncGenerator[Chunk, None]:
         ids = self.prompt_ids(job)
-        params = self.sampling_params(job, len(ids))
-        if params.grammar is not None:  # a bad grammar is a 400 now; compiling (cached) off the event loop
-            try:
-                await asyncio.to_thread(self.engine.grammars.compile, params.grammar)
-            except InvalidRequest as e:
-                raise invalid(str(e), e.param) from e
-        handle = self._submit(ids, params)
+        params, grammar = await self._grammar(job, self.sampling_params(job, len(ids)))
+        handle = self._submit(ids, params, grammar)
         out = _Output(self, job, ids)
         try:
             while True:
@@ -196,9 +195,25 @@ class EmbeddedBackend:
         finally:
             handle.cancel()  # client gone / sibling failed / generator closed early: no-op once finished
 
-    def _submit(self, ids: list[int], params: SamplingParams) -> Handle:
+    async def _grammar(self, job: Job, params: SamplingParams) -> tuple[SamplingParams, object | None]:
+        """The request's grammar compiled by the compile workers (its client waits here, not the engine), and
+        its params with the grammar made from its tools when a call is required."""
         try:
-            return self.scheduler.submit(ids, params)
+            prepared = await self.grammar_pool.prepare(params.grammar, job.tools)
+        except GrammarFault as e:
+            raise self._fault("grammar") from e
+        if prepared is None:
+            return params, None
+        if prepared.spec != params.grammar:
+            try:
+                params = replace(params, grammar=prepared.spec)
+            except InvalidRequest as e:
+                raise invalid(str(e), e.param) from e
+        return params, prepared.compiled
+
+    def _submit(self, ids: list[int], params: SamplingParams, grammar: object | None) -> Handle:
+        try:
+            return self.scheduler.submit(ids, params, grammar=grammar)
         except QueueFull as e:
             busy = f"the server is busy ({self.limits.max_queue} requests queued); retry after {e.retry_after} s"
             raise APIError(429, busy, code="rate_limit_exceeded", headers={"Retry-After": str(e.retry_after)}) from e

@@ -22,6 +22,8 @@ import httpx
 from sglang_ext.grammar import JSON_OBJECT, GrammarSpec
 
 from ..api.errors import APIError
+from ..grammar_pool import GrammarConfig, GrammarFault, GrammarPool
+from ..scheduler import fault_message
 from .base import Chunk, Job, SpecStats
 from .detok import logprob_entry
 from .telemetry import Telemetry
@@ -39,6 +41,7 @@ class UpstreamConfig:
     max_queue: int = 256  # requests waiting for a connection before 429
     timeout_s: float = 600.0  # read timeout between upstream bytes
     api_key: str | None = None  # sent upstream as Bearer (SGLang --api-key)
+    grammar: GrammarConfig = GrammarConfig()  # grammars are checked (and tool-call grammars built) here
 
 
 def spec_from_payload(obj: dict) -> SpecStats | None:
@@ -82,6 +85,8 @@ class SGLangBackend:
         self._aborted: set[httpx.Response] = set()  # those closed by abort_all (their requests end with a 503)
         self._closing: set[asyncio.Task] = set()
         self._aborting = False  # the drain deadline passed: no new upstream request
+        # grammars are checked and converted here; the upstream compiles them
+        self.grammar_pool = GrammarPool(None, config.grammar, telemetry.grammar_work)
 
     def tokenize(self, job: Job) -> list[int]:
         raise _no_tokenizer()
@@ -109,6 +114,7 @@ class SGLangBackend:
         self._ticker = asyncio.create_task(self._tick())
 
     async def close(self) -> None:
+        await self.grammar_pool.close()
         if self._ticker:
             self._ticker.cancel()
         if self._http:
@@ -172,7 +178,17 @@ class SGLangBackend:
             self._tokens, last = 0, now
             self.telemetry.occupancy(*self.load())
 
-    async def _payload(self, job: Job) -> tuple[str, dict]:
+    async def _grammar(self, job: Job) -> GrammarSpec | None:
+        """The grammar sent upstream: the request's, checked against the limits, or the tool-call grammar."""
+        try:
+            prepared = await self.grammar_pool.prepare(job.params.grammar, job.tools)
+        except GrammarFault as e:
+            log.error("grammar work failed; the other requests carry on", exc_info=e)
+            self.telemetry.fault("grammar")
+            raise APIError(500, fault_message("grammar"), code="internal_error") from e
+        return None if prepared is None else prepared.spec
+
+    async def _payload(self, job: Job, grammar: GrammarSpec | None) -> tuple[str, dict]:
         p = job.params
         body: dict = {
             "model": await self._model(),
@@ -203,8 +219,8 @@ class SGLangBackend:
                 body[key] = value
         if p.logit_bias:
             body["logit_bias"] = {str(t): b for t, b in p.logit_bias}
-        if p.grammar is not None:
-            body.update(_grammar_fields(p.grammar))
+        if grammar is not None:
+            body.update(_grammar_fields(grammar))
         if job.messages is not None:
             if p.logprobs is not None:
                 body.update(logprobs=True, top_logprobs=p.logprobs)
@@ -227,7 +243,7 @@ class SGLangBackend:
             )
         if self._aborting:
             raise _aborted()
-        path, body = await self._payload(job)
+        path, body = await self._payload(job, await self._grammar(job))
         self._in_flight += 1
         r: httpx.Response | None = None
         try:

@@ -50,6 +50,9 @@ class Telemetry:
         """A request ended by an internal fault in stage `reason` (the others carried on, unless reason is "step")."""
         self.metrics.request_faults.labels(**self._lab, reason=reason).inc()
 
+    def grammar_work(self, result: str) -> None:
+        self.metrics.grammar_work.labels(**self._lab, result=result).inc()
+
     def tool_calls(self, n: int) -> None:
         self._tool_calls.inc(n)
 

@@ -105,7 +105,8 @@ class _Gateway:
     state: GatewayState
 
     async def body_of(self, request: Request) -> bytes:
-        return await read_body(request, self.config.limits.max_body_bytes, self.state.closed)
+        limits = self.config.limits
+        return await read_body(request, limits.max_body_bytes, self.state.closed, limits.body_timeout_s)
 
 
 def create_app(
@@ -126,6 +127,7 @@ def create_app(
     app = FastAPI(title="moa-serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gw.state
     app.state.backend = backend
+    app.state.limits = gw.config.limits  # (the server's settings: uvicorn_config)
     _install_error_handlers(app)
     if gw.config.api_keys is not None and gw.config.api_keys.enabled:
         app.add_middleware(_AuthMiddleware, keys=gw.config.api_keys, exempt=gw.config.auth_exempt)

@@ -26,7 +26,7 @@ from typing import Any
 from sglang_ext.grammar import GrammarSpec
 from sglang_ext.sampling import MAX_TOP_LOGPROBS
 
-from ..api.body import JSONError, load_json, load_object
+from ..api.body import load_field, load_object
 from ..api.errors import APIError, invalid
 from ..backends.base import Chunk, Job
 from .generation import CompletionFormat, Generation, _Choice
@@ -224,19 +224,17 @@ def _prompt_jobs(prompt, sp: dict[str, Any], limits: Limits, stream: bool, logpr
                 "json_schema cannot be combined with regex or ebnf: give one output constraint",
                 "sampling_params.json_schema",
             )
-        jobs = [replace(j, params=replace(j.params, grammar=GrammarSpec("json_schema", schema))) for j in jobs]
+        spec = GrammarSpec("json_schema", schema, "sampling_params.json_schema")
+        jobs = [replace(j, params=replace(j.params, grammar=spec)) for j in jobs]
     return jobs
 
 
 def _check_schema(schema) -> None:
-    """SGLang's json_schema: a JSON schema as a string (parsed as a body is: depth-limited)."""
+    """SGLang's json_schema: a JSON schema as a string (parsed as a body is: depth-limited, text only)."""
     param = "sampling_params.json_schema"
     if not isinstance(schema, str):
         raise invalid(f"{param} must be a JSON schema as a string", param)
-    try:
-        load_json(schema, param)
-    except JSONError as e:
-        raise invalid(f"{e}: it must be a JSON schema as a string", param) from None
+    load_field(schema, param, "it must be a JSON schema as a string")
 
 
 _BACK = {ours: f"sampling_params.{theirs}" for theirs, ours in _RENAMED.items()} | {"prompt": "text"}

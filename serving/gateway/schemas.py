@@ -38,6 +38,8 @@ class Limits:
     max_n: int = 16  # choices per request (n x prompts)
     max_tokens: int = 2048
     max_body_bytes: int = 1 << 20
+    body_timeout_s: float = 30.0  # a request's head, and then its body, must arrive within this (--body-timeout)
+    max_connections: int = 1000  # open connections; a new request beyond them gets uvicorn's 503 (--max-connections)
 
 
 class _Strict(BaseModel):
@@ -332,14 +334,12 @@ def chat_jobs(r: ChatCompletionRequest, limits: Limits) -> list[Job]:
     else:
         max_tokens, param = r.max_tokens, "max_tokens"
     params = replace(_params(r, max_tokens, param, limits, logprobs), prediction=_prediction(r.prediction))
-    if tools is not None and (call_grammar := tools.grammar()) is not None:
-        if params.grammar is not None:
-            raise invalid(
-                "a required tool call constrains the output already: tool_choice cannot be combined with "
-                f"{params.grammar.param}",
-                "tool_choice",
-            )
-        params = replace(params, grammar=call_grammar)
+    if tools is not None and tools.choice != "auto" and params.grammar is not None:
+        raise invalid(
+            "a required tool call constrains the output already: tool_choice cannot be combined with "
+            f"{params.grammar.param}",
+            "tool_choice",
+        )
     return _fan_out(
         r,
         params,

@@ -3,19 +3,27 @@
 SIGTERM (or the first Ctrl-C): /ready turns 503 and new completion requests get 503 + Retry-After
 while in-flight ones finish; the process exits as soon as none is left, or at the drain deadline
 (then the rest are aborted). A second signal exits at once.
+
+Slow clients: a request's head must arrive within --body-timeout of the connection opening (or of the
+first byte after a keep-alive response), else the connection is closed; its body then within the same
+time, else a 408 (serving/api/body.py). Open connections are capped at --max-connections (uvicorn's
+limit_concurrency: a request beyond it gets uvicorn's plain-text 503 and the connection is closed).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import signal
 import threading
 import time
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ..metrics import Metrics
 from .app import GatewayState
+from .schemas import Limits
 
 log = logging.getLogger("moa_serve.gateway")
 
@@ -39,6 +47,58 @@ def build_edge(target, names: str, ttl_s: float):
     drafters = {n: make_drafter(n, target) for n in names.split(",") if n}
     tok = (lambda msgs: target.encode_chat(msgs)) if target.tokenizer is not None else None
     return EdgeService(target, drafters, EdgeLimits(ttl_s=ttl_s)), tok
+
+
+class HeadTimeoutProtocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline for each request head. uvicorn itself times out only
+    idle keep-alive connections, so a client that connects and sends nothing, or sends its head a byte
+    at a time, would hold its connection (one of --max-connections) for ever."""
+
+    head_timeout_s = 30.0
+    _head_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if not self._awaiting_head():
+            self._stop_head_timer()
+        elif self._head_timer is None:  # the first bytes of the next request on a kept-alive connection
+            self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_head_timer()
+        super().connection_lost(exc)
+
+    def _awaiting_head(self) -> bool:
+        return self.cycle is None or self.cycle.response_complete
+
+    def _stop_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self._awaiting_head() and not self.transport.is_closing():
+            self.transport.close()
+
+
+def uvicorn_config(app, host: str, port: int, **kw) -> uvicorn.Config:
+    """uvicorn's settings for a gateway app: its connection cap and request head deadline (app.state.limits)."""
+    limits: Limits = getattr(app.state, "limits", Limits())
+    protocol = type("GatewayH11Protocol", (HeadTimeoutProtocol,), {"head_timeout_s": limits.body_timeout_s})
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=protocol,
+        limit_concurrency=limits.max_connections,
+        timeout_graceful_shutdown=5,
+        **kw,
+    )
 
 
 class DrainingServer(uvicorn.Server):
@@ -82,11 +142,7 @@ class ServerThread:
     """
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
-        self.server = uvicorn.Server(
-            uvicorn.Config(
-                app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5
-            )
-        )
+        self.server = uvicorn.Server(uvicorn_config(app, host, port, log_level=log_level, access_log=False))
         self._thread = threading.Thread(target=self.server.run, name="moa-uvicorn", daemon=True)
         self.host = host
 

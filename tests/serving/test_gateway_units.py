@@ -6,9 +6,11 @@ import time
 import pytest
 
 from serving.api.errors import APIError, _param
+from serving.api.tools import tool_grammar
 from serving.backends.detok import IncrementalText
 from serving.gateway.auth import APIKeys
 from serving.gateway.schemas import ChatCompletionRequest, CompletionRequest, Limits, chat_jobs, completion_jobs, parse
+from sglang_ext.grammar import GrammarLimits
 from sglang_ext.settings import reload_settings
 
 
@@ -102,8 +104,8 @@ def test_chat_jobs_n_seed_and_params():
 
 
 def test_chat_jobs_with_tools():
-    """Tools reach the job as its reader's set-up; a required call becomes the job's grammar; the
-    messages are rendered (tool results as user turns)."""
+    """Tools reach the job as its reader's set-up (the backend's compile workers turn a required call into
+    its grammar: tool_grammar); the messages are rendered (tool results as user turns)."""
     tools = [
         {
             "type": "function",
@@ -123,7 +125,10 @@ def test_chat_jobs_with_tools():
     assert [m["role"] for m in auto[0].messages] == ["system", "user", "assistant", "user"]
     assert auto[0].messages[2]["content"] == '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
     required = chat_jobs(_chat(tools=tools, tool_choice="required"), Limits())[0]
-    assert required.params.grammar.kind == "ebnf" and "call_json" in required.params.grammar.source
+    assert required.tools.choice == "required" and required.params.grammar is None
+    call = tool_grammar(required.tools.payload(), GrammarLimits())
+    assert (call.kind, call.param) == ("ebnf", "tools") and "call_json" in call.source
+    assert tool_grammar(auto[0].tools.payload(), GrammarLimits()) is None
     none = chat_jobs(_chat(messages=history, tools=tools, tool_choice="none"), Limits())[0]
     assert none.tools is None and none.messages[0]["role"] == "user"  # no tools block; the history still rendered
 

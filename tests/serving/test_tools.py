@@ -8,7 +8,18 @@ import pytest
 import xgrammar as xgr
 
 from serving.api.errors import APIError
-from serving.api.tools import CLOSE, OPEN, ToolCallReader, call_grammar, parse_tools, render_messages, split_output
+from serving.api.tools import (
+    CLOSE,
+    OPEN,
+    ToolCallReader,
+    call_grammar,
+    parse_tools,
+    render_messages,
+    split_output,
+    tool_grammar,
+)
+from sglang_ext.errors import InvalidRequest
+from sglang_ext.grammar import GrammarLimits
 
 WEATHER = {
     "type": "object",
@@ -16,6 +27,7 @@ WEATHER = {
     "required": ["city"],
     "additionalProperties": False,
 }
+LIMITS = GrammarLimits()
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Weather now", "parameters": WEATHER}},
     {"type": "function", "function": {"name": "ping"}},  # no parameters: takes {}
@@ -37,8 +49,8 @@ def test_parse_tools_and_choices():
     assert t.functions[1].parameters == {"type": "object", "properties": {}}
     assert setup("required", False).choice == "required" and not setup("required", False).parallel
     assert setup({"type": "function", "function": {"name": "ping"}}).choice == "ping"
-    assert t.grammar() is None  # auto: the model decides
-    assert setup("required").grammar().kind == "ebnf"
+    assert tool_grammar(t.payload(), LIMITS) is None  # auto: the model decides
+    assert tool_grammar(setup("required").payload(), LIMITS).kind == "ebnf"
 
 
 @pytest.mark.parametrize(
@@ -49,11 +61,6 @@ def test_parse_tools_and_choices():
         ([{"type": "function", "function": {"name": ""}}], None, "tools[0].function.name"),
         ([{"type": "function", "function": {"name": "a", "description": 3}}], None, "tools[0].function.description"),
         ([{"type": "function", "function": {"name": "a", "parameters": []}}], None, "tools[0].function.parameters"),
-        (
-            [{"type": "function", "function": {"name": "a", "parameters": {"type": "integer", "minimum": "x"}}}],
-            None,
-            "tools[0].function.parameters",
-        ),
         (TOOLS + TOOLS[:1], None, "tools"),
         ([TOOLS[1]] * 129, None, "tools"),
         (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
@@ -65,6 +72,34 @@ def test_bad_tools_name_their_parameter(tools, choice, param):
     with pytest.raises(APIError) as e:
         parse_tools(tools, choice, None)
     assert e.value.status == 400 and e.value.param == param, e.value.message
+
+
+@pytest.mark.parametrize(
+    "parameters, words",
+    [
+        ({"type": "integer", "minimum": "x"}, "invalid json schema"),
+        ({"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}, "matches no text"),
+        ({"enum": list(range(1001))}, "at most 1000"),
+    ],
+)
+def test_tool_schemas_are_checked_under_every_tool_choice(parameters, words):
+    """Schemas xgrammar cannot use, or that match no text, or over the grammar limits: a 400 naming the tool
+    under "auto" too (tool_grammar: the compile workers' part of tool calling)."""
+    tools = [TOOLS[1], {"type": "function", "function": {"name": "a", "parameters": parameters}}]
+    for choice in (None, "required"):
+        with pytest.raises(InvalidRequest, match=words) as e:
+            tool_grammar(parse_tools(tools, choice, None).payload(), LIMITS)
+        assert e.value.param == "tools[1].function.parameters"
+
+
+def test_tool_schemas_together_are_under_the_limits():
+    many = [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": {"enum": list(range(100))}}} for i in range(11)
+    ]
+    with pytest.raises(InvalidRequest, match="1100 enum") as e:
+        tool_grammar(parse_tools(many, "auto", None).payload(), LIMITS)
+    assert e.value.param == "tools" and e.value.code == "grammar_too_complex"
+    assert tool_grammar(parse_tools(many[:10], "auto", None).payload(), LIMITS) is None
 
 
 def test_render_messages_hermes_format():
