@@ -1,5 +1,5 @@
-"""`moa-serve serve`: flags -> a backend (embedded engine or upstream SGLang) -> the gateway app ->
-uvicorn with a graceful drain (serving/gateway/server.py)."""
+"""`moa-serve serve`: flags -> ServeOptions -> serving/gateway/server.py's build_gateway (a backend, the
+embedded engine or an upstream SGLang server, behind the gateway app) -> uvicorn with a graceful drain."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ import sys
 from pathlib import Path
 
 from entrypoints.flags import add_model_args, add_spec_args, engine_config
-from serving.gateway.app import DEFAULT_AUTH_EXEMPT, GatewayConfig, create_app
+from serving.backends.embedded import EmbeddedLimits
+from serving.backends.sglang import UpstreamConfig
+from serving.gateway.app import DEFAULT_AUTH_EXEMPT, GatewayConfig
 from serving.gateway.auth import APIKeys
 from serving.gateway.schemas import Limits
-from serving.gateway.server import DrainingServer, build_edge, embedded_backend, uvicorn_config
+from serving.gateway.server import DrainingServer, ServeOptions, build_gateway, uvicorn_config
 from serving.grammar_pool import GrammarConfig
-from serving.metrics import Metrics
-from sglang_ext.settings import settings
+from sglang_ext.settings import BACKENDS, settings
 
 
 def add_serve_parser(sub) -> None:
@@ -38,7 +39,7 @@ def add_serve_parser(sub) -> None:
 def _add_backend_args(s) -> None:
     s.add_argument(
         "--backend",
-        choices=["embedded", "sglang"],
+        choices=BACKENDS,
         default=None,
         help="embedded engine (default) or an upstream SGLang server [env MOA_SERVE_BACKEND]",
     )
@@ -162,68 +163,14 @@ def _grammar_config(args) -> GrammarConfig:
     return GrammarConfig(workers=args.grammar_workers, timeout_s=args.grammar_timeout)
 
 
-def build_embedded(args, metrics: Metrics):
-    """The embedded engine backend from CLI args (loads the model)."""
-    from serving.engine import build_engine
-
-    config = engine_config(
-        args,
-        kv_slots=args.kv_slots,
-        max_context=args.max_context,
-        adaptive=not args.no_adaptive,
-        prefill_tokens=args.prefill_tokens,
-    )  # a bad --tree fails before the model loads
-    engine = build_engine(config)
-    limits = dict(
-        max_running=args.max_running,
-        max_queue=args.max_queue,
-        max_tokens=args.max_tokens_limit,
-        default_max_tokens=args.default_max_tokens,
-        max_prompt_tokens=args.max_prompt_tokens,
-        grammar=_grammar_config(args),
-    )
-    return embedded_backend(engine, _served_name(args), engine.config.drafter or "none", metrics, **limits)
-
-
-def build_sglang(args, metrics: Metrics, upstream: str):
-    from serving.backends.sglang import SGLangBackend, UpstreamConfig
-    from serving.backends.telemetry import Telemetry
-
-    if not upstream.startswith(("http://", "https://")):
-        raise ValueError(f"--upstream must be an http(s) URL, got {upstream!r}")
-    if args.drafter == "auto":  # the upstream drafts; the label says so unless --drafter names it
-        args.drafter = "upstream"
-    telemetry = Telemetry(metrics, args.drafter or "none", "sglang")
-    cfg = UpstreamConfig(
-        upstream,
-        args.upstream_model,
-        args.max_running,
-        args.max_queue,
-        args.upstream_timeout,
-        settings().upstream_api_key,
-        _grammar_config(args),
-    )
-    return SGLangBackend(cfg, [_served_name(args)], args.drafter or "none", telemetry), telemetry
-
-
-def cmd_serve(args) -> int:
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    kind = args.backend or settings().backend or "embedded"
-    if kind not in ("embedded", "sglang"):
-        raise ValueError(f"backend must be 'embedded' or 'sglang', got {kind!r}")
+def serve_options(args) -> ServeOptions:
+    """The flags (and their MOA_SERVE_* defaults) as one ServeOptions; a bad combination is a ValueError."""
+    backend = args.backend or settings().backend or "embedded"  # (each source checked against settings.BACKENDS)
     upstream = args.upstream or settings().upstream
-    if kind == "sglang" and not upstream:
+    if backend == "sglang" and not upstream:
         raise ValueError("--backend sglang needs --upstream URL (or MOA_SERVE_UPSTREAM)")
     keys = APIKeys.from_env(args.api_keys_file)
-    metrics = Metrics()
-    backend, telemetry = (
-        build_sglang(args, metrics, upstream) if upstream and kind == "sglang" else build_embedded(args, metrics)
-    )
-    config = GatewayConfig(
+    gateway = GatewayConfig(
         limits=Limits(
             max_n=args.max_n,
             max_tokens=args.max_tokens_limit,
@@ -234,17 +181,52 @@ def cmd_serve(args) -> int:
         api_keys=keys if keys.enabled else None,
         auth_exempt=tuple(p for p in args.auth_exempt.split(",") if p),
     )
-    edge, edge_tok = None, None
-    if args.edge_drafters:
-        if kind != "embedded":
-            raise ValueError(
-                "--edge-drafters needs the embedded backend (the edge API runs the target in this process)"
-            )
-        edge, edge_tok = build_edge(backend.engine.target, args.edge_drafters, args.edge_ttl)
-    app = create_app(backend, telemetry, config, edge=edge, edge_tokenizer=edge_tok)
+    common = dict(
+        served_name=_served_name(args), gateway=gateway, edge_drafters=args.edge_drafters, edge_ttl_s=args.edge_ttl
+    )
+    if backend == "sglang":
+        # the upstream drafts: the label says so unless --drafter names it
+        label = "upstream" if args.drafter == "auto" else args.drafter or "none"
+        upstream_cfg = UpstreamConfig(
+            upstream,
+            args.upstream_model,
+            args.max_running,
+            args.max_queue,
+            args.upstream_timeout,
+            settings().upstream_api_key,
+            _grammar_config(args),
+        )
+        return ServeOptions(upstream=upstream_cfg, drafter_label=label, **common)
+    engine = engine_config(
+        args,
+        kv_slots=args.kv_slots,
+        max_context=args.max_context,
+        adaptive=not args.no_adaptive,
+        prefill_tokens=args.prefill_tokens,
+    )  # a bad --tree fails here, before the model loads
+    limits = EmbeddedLimits(
+        max_running=args.max_running,
+        max_queue=args.max_queue,
+        max_tokens=args.max_tokens_limit,
+        default_max_tokens=args.default_max_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        grammar=_grammar_config(args),
+    )
+    return ServeOptions(engine=engine, embedded=limits, **common)
+
+
+def cmd_serve(args) -> int:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    options = serve_options(args)
+    app, backend = build_gateway(options)
+    keys = options.gateway.api_keys
     print(
-        f"moa-serve: {kind} backend, model {backend.model_ids[0]!r}, drafter {backend.drafter!r}, "
-        f"API keys {'on' if keys.enabled else 'off'}, http://{args.host}:{args.port}",
+        f"moa-serve: {options.backend} backend, model {backend.model_ids[0]!r}, drafter {backend.drafter!r}, "
+        f"API keys {'on' if keys else 'off'}, http://{args.host}:{args.port}",
         file=sys.stderr,
         flush=True,
     )

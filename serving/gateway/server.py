@@ -1,5 +1,8 @@
 """`moa-serve serve`: build a backend, wrap it in the gateway app, run uvicorn with a graceful drain.
 
+    app, backend = build_gateway(ServeOptions(...))      # the one place a server is wired (the CLI fills options)
+    DrainingServer(uvicorn_config(app, host, port), app.state.gateway, backend, drain_timeout).run()
+
 SIGTERM (or the first Ctrl-C): /ready turns 503 and new completion requests get 503 + Retry-After
 while in-flight ones finish; the process exits as soon as none is left, or at the drain deadline
 (then the rest are aborted). A second signal exits at once.
@@ -17,21 +20,78 @@ import logging
 import signal
 import threading
 import time
+from dataclasses import dataclass, field, fields
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ..backends.embedded import EmbeddedLimits
+from ..backends.sglang import UpstreamConfig
+from ..config import EngineConfig
 from ..metrics import Metrics
-from .app import GatewayState
+from .app import GatewayConfig, GatewayState
 from .schemas import Limits
 
 log = logging.getLogger("moa_serve.gateway")
 
 
+@dataclass(frozen=True)
+class ServeOptions:
+    """Everything `moa-serve serve` wires together, one object (entrypoints/serve.py fills it from flags):
+    a backend (the embedded engine, or an upstream SGLang server) behind the gateway app, with its
+    limits, keys and the optional edge API."""
+
+    served_name: str  # the `model` clients use
+    engine: EngineConfig | None = None  # the embedded backend's engine (loaded by build_gateway)
+    embedded: EmbeddedLimits | None = None
+    upstream: UpstreamConfig | None = None  # the sglang backend (instead of engine)
+    drafter_label: str = "none"  # the sglang backend's drafter label (the embedded one is its engine's)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    edge_drafters: str | None = None  # embedded: comma list of drafters for /v1/edge/sessions
+    edge_ttl_s: float = 120.0
+
+    def __post_init__(self):
+        if (self.engine is None) == (self.upstream is None):
+            raise ValueError("serve: one backend, the embedded engine or an upstream server")
+        if self.upstream is not None and not self.upstream.url.startswith(("http://", "https://")):
+            raise ValueError(f"--upstream must be an http(s) URL, got {self.upstream.url!r}")
+        if self.edge_drafters and self.engine is None:
+            raise ValueError(
+                "--edge-drafters needs the embedded backend (the edge API runs the target in this process)"
+            )
+
+    @property
+    def backend(self) -> str:
+        return "embedded" if self.engine is not None else "sglang"
+
+
+def build_gateway(o: ServeOptions, metrics: Metrics | None = None):
+    """(app, backend) for the options: the embedded engine loaded (its model and drafter), or the upstream
+    client; the edge API beside the embedded one when asked."""
+    from ..backends.sglang import SGLangBackend
+    from ..backends.telemetry import Telemetry
+    from ..engine import build_engine
+    from .app import create_app
+
+    metrics = metrics or Metrics()
+    if o.engine is not None:
+        engine = build_engine(o.engine)
+        lim = o.embedded or EmbeddedLimits()
+        limits = {f.name: getattr(lim, f.name) for f in fields(lim)}
+        backend, telemetry = embedded_backend(engine, o.served_name, engine.config.drafter or "none", metrics, **limits)
+    else:
+        telemetry = Telemetry(metrics, o.drafter_label, "sglang")
+        backend = SGLangBackend(o.upstream, [o.served_name], o.drafter_label, telemetry)
+    edge, edge_tok = (
+        build_edge(backend.engine.target, o.edge_drafters, o.edge_ttl_s) if o.edge_drafters else (None, None)
+    )
+    return create_app(backend, telemetry, o.gateway, edge=edge, edge_tokenizer=edge_tok), backend
+
+
 def embedded_backend(engine, model_id: str, drafter: str, metrics: Metrics | None = None, **limits):
     """(EmbeddedBackend, Telemetry) around an existing Engine (also for tests and benchmarks);
     limits: EmbeddedLimits fields."""
-    from ..backends.embedded import EmbeddedBackend, EmbeddedLimits
+    from ..backends.embedded import EmbeddedBackend
     from ..backends.telemetry import Telemetry
 
     telemetry = Telemetry(metrics or Metrics(), drafter, "embedded")

@@ -245,3 +245,51 @@ def test_scheduler_admits_by_kv_reservation_and_delivers_everything():
     assert outs[:4] == [(20, "length")] * 4
     assert max(peak) == 2
     assert engine.kv.num_free == engine.kv.num_slots - 1
+
+
+def _serve_args(*flags: str):
+    from entrypoints.cli import build_parser
+
+    return build_parser().parse_args(["serve", *flags])
+
+
+@pytest.mark.parametrize(
+    "flags,env,message",
+    [
+        (["--backend", "sglang"], {}, "--backend sglang needs --upstream URL"),
+        (["--backend", "sglang", "--upstream", "ftp://x"], {}, "--upstream must be an http\\(s\\) URL"),
+        (
+            ["--edge-drafters", "eagle3"],
+            {"MOA_SERVE_BACKEND": "sglang", "MOA_SERVE_UPSTREAM": "http://u:1"},
+            "embedded",
+        ),
+        (["--tree", "0,1,1"], {}, "tree"),
+    ],
+    ids=["no-upstream", "bad-upstream", "edge-upstream", "bad-tree"],
+)
+def test_serve_options_refuse_a_bad_combination_before_any_model_loads(monkeypatch, flags, env, message):
+    """The serve flags become one ServeOptions (entrypoints/serve.py), the only place the backend is chosen;
+    each refusal is a ValueError (the CLI's one-line error) raised before build_gateway loads anything."""
+    from entrypoints.serve import serve_options
+
+    for var in ("MOA_SERVE_BACKEND", "MOA_SERVE_UPSTREAM"):
+        monkeypatch.delenv(var, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    reload_settings()
+    with pytest.raises(ValueError, match=message):
+        serve_options(_serve_args(*flags))
+
+
+def test_serve_options_pick_the_backend_from_flag_then_environment(monkeypatch):
+    from entrypoints.serve import serve_options
+
+    monkeypatch.setenv("MOA_SERVE_BACKEND", "sglang")
+    monkeypatch.setenv("MOA_SERVE_UPSTREAM", "http://sglang:30000")
+    reload_settings()
+    o = serve_options(_serve_args())
+    assert o.backend == "sglang" and o.upstream.url == "http://sglang:30000" and o.drafter_label == "upstream"
+    o = serve_options(_serve_args("--backend", "embedded", "--drafter", "ngram", "--kv-slots", "4096"))
+    assert o.backend == "embedded" and o.engine.drafter == "ngram" and o.engine.kv_slots == 4096 and o.upstream is None
+    with pytest.raises(SystemExit):  # the flag's choices are settings.BACKENDS
+        _serve_args("--backend", "vllm")
