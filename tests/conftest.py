@@ -14,6 +14,42 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(int(os.environ.get("MOA_TEST_THREADS", max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))))
 
 
+# the longest test files, longest first (per-file time of a full run): under pytest-xdist (`--dist loadfile`)
+# a file runs whole on one worker and the workers take files in collection order, so these start first and
+# the short files fill in around them instead of one long file running alone at the end
+LONGEST_FIRST = (
+    "serving/test_engine.py",
+    "sglang_ext/test_lookahead.py",
+    "serving/test_gateway.py",
+    "sglang_ext/test_merged.py",
+    "sglang_ext/test_sglang_parity.py",
+    "serving/test_hostile.py",
+    "sglang_ext/test_eagle3.py",
+    "sglang_ext/test_moa.py",
+    "sglang_ext/test_packed_weights.py",
+    "serving/test_gateway_errors.py",
+    "benchmarks/test_gpu_job.py",
+    "sglang_ext/test_suffix.py",
+    "serving/test_gateway_sigterm.py",
+    "deploy/test_live_loadtest.py",
+    "deploy/test_live_dashboard.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """LONGEST_FIRST's files first (the sort is stable: a file's tests stay together and in order)."""
+    tests = Path(__file__).parent
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def key(item) -> int:
+        try:
+            return rank.get(item.path.relative_to(tests).as_posix(), len(rank))
+        except ValueError:
+            return len(rank)
+
+    items.sort(key=key)
+
+
 @pytest.fixture(autouse=True)
 def _settings_per_test():
     """settings() reads MOA_* once per process: a test that changes them calls reload_settings(), and each
