@@ -154,7 +154,9 @@ def build_tasks(
         kind, tli = head_kind(head)
         torch.manual_seed(seed)
         source = _init_dir(init_from, head, len(heads)) if init_from is not None else None
-        draft = _load_head(kind, source, target, cfg) if source else _new_head(kind, tli, target, hot_ids, cfg, moa)
+        draft = (
+            _load_head(kind, tli, source, target, cfg) if source else _new_head(kind, tli, target, hot_ids, cfg, moa)
+        )
         tasks.append(_task(kind, target, draft, cfg, moa, seed))
     return tasks
 
@@ -167,21 +169,20 @@ def _init_dir(init_from: Path, head: str, n_heads: int) -> Path:
     raise TrainError(f"--init-from {init_from} has no {head}/ checkpoint")
 
 
-def _load_head(kind: str, source: Path, target, cfg: TrainConfig):
+def _load_head(kind: str, tli: int, source: Path, target, cfg: TrainConfig):
+    """A head to fine-tune: its checkpoint's weights and draft vocab (a MoA one of the head's TLI and memory)."""
     from ..models.eagle3 import load_eagle3
     from ..models.medusa import load_medusa
     from ..models.moa import load_moa
 
     load = {"eagle3": load_eagle3, "moa": load_moa, "medusa": load_medusa}[kind]
     draft = load(source, target.cfg)
-    if kind == "moa":
-        want = "last_hidden" if cfg.moa.no_lsa else "lsa"
-        tli = [head_kind(h)[1] for h in cfg.heads if h.startswith("moa")]
-        if draft.cfg.memory_source != want or (len(cfg.heads) == 1 and draft.cfg.tli != tli[0]):
-            raise TrainError(
-                f"--init-from {source} has TLI={draft.cfg.tli}, memory {draft.cfg.memory_source}; this run asks for "
-                f"TLI={tli[0]}, {want}"
-            )
+    memory = "last_hidden" if cfg.moa.no_lsa else "lsa"
+    if kind == "moa" and (draft.cfg.tli, draft.cfg.memory_source) != (tli, memory):
+        raise TrainError(
+            f"--init-from {source} has TLI={draft.cfg.tli}, memory {draft.cfg.memory_source}; this run asks for "
+            f"TLI={tli}, {memory}"
+        )
     return draft.to(target.device)
 
 

@@ -233,12 +233,13 @@ class Trainer:
         }
 
     def _set_rng_state(self, rng: dict) -> None:
-        torch.set_rng_state(rng["torch"])
+        """(generator states are host byte tensors, wherever the checkpoint was loaded to)"""
+        torch.set_rng_state(rng["torch"].cpu())
         if rng["cuda"] is not None and self.runner.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"], self.runner.device)
+            torch.cuda.set_rng_state(rng["cuda"].cpu(), self.runner.device)
         for t in self.tasks:
             if t.name in rng["tasks"]:
-                t.gen.set_state(rng["tasks"][t.name])
+                t.gen.set_state(rng["tasks"][t.name].cpu())
 
     def resume(self, source: str | Path | None = None) -> bool:
         """Continue from a checkpoint: `source` is a run directory (its `latest`) or a checkpoint directory
@@ -248,11 +249,10 @@ class Trainer:
             return False
         state = torch.load(path, map_location=self.runner.device, weights_only=False)
         modules, optims = state["module"], state["optimizer"]
-        if len(self.tasks) == 1:
+        if isinstance(modules, dict):  # the single-task layout
             modules, optims = [modules], [optims]
-        names = [t.name for t in self.tasks]
         if len(modules) != len(self.tasks):
-            raise ValueError(f"{path} holds {len(modules)} heads; this run trains {names}")
+            raise ValueError(f"{path} holds {len(modules)} heads; this run trains {[t.name for t in self.tasks]}")
         for t, o, m, os_ in zip(self.tasks, self.opts, modules, optims):
             t.module.load_state_dict(m)
             o.load_state_dict(os_)
