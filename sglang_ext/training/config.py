@@ -61,7 +61,8 @@ class TrainConfig:
     target_dtype: str = "auto"
     # data
     data: tuple[str, ...] = ()  # 'sharegpt', .json / .jsonl conversations, token shard directories
-    num_examples: int | None = None  # training examples at most (a seeded sample); None: every one
+    num_examples: int | None = None  # training examples at most (a seeded sample); None: every one (2000 per file
+    # of conversations, which are tokenised)
     max_examples: int | None = None  # the first this many examples (windows) of each source
     max_len: int = 1024
     tokens_per_batch: int = 4096  # padded tokens per global batch (split over the ranks)

@@ -1,9 +1,10 @@
 """A run's training examples, by source: conversations tokenised with the target's chat template, token
 shards read as they are, or (--smoke without data) synthetic answers.
 
-    sharegpt | *.json | *.jsonl      a seeded sample of num_examples conversations, tokenised (needs the
-                                     target's tokenizer) and cached in <out>/examples.pt, so a resumed run
-                                     trains on the very same examples even if the file has grown since
+    sharegpt | *.json | *.jsonl      a seeded sample of num_examples conversations (2000 when unset),
+                                     tokenised (needs the target's tokenizer) and cached in <out>/examples.pt,
+                                     so a resumed run trains on the very same examples even if the file has
+                                     grown since
     a shard directory                every window of max_len tokens of each source it holds
 
 Every source is cut to its first max_examples examples; sources named `distill:*` are the target's own
@@ -24,6 +25,7 @@ from .shards import MANIFEST, load_examples_by_source, read_manifest
 
 SMOKE_VOCAB = 49152  # SmolLM2's, when --smoke has no data to take it from
 EXAMPLES_CACHE = "examples.pt"
+CONVERSATIONS = 2000  # tokenised per conversation file when num_examples is unset
 
 
 def is_shards(source: str) -> bool:
@@ -55,7 +57,7 @@ def load_sources(cfg: TrainConfig, tokenizer, cache_dir: Path) -> dict[str, list
 
 def _conversations(cfg: TrainConfig, sources: list[str], tokenizer, cache_dir: Path) -> dict[str, list[Example]]:
     cache = cache_dir / EXAMPLES_CACHE
-    num = cfg.num_examples or 2000
+    num = cfg.num_examples or CONVERSATIONS
     key = {"sources": sources, "num_examples": num, "max_len": cfg.max_len, "seed": cfg.seed}
     raw = torch.load(cache, weights_only=True) if cache.is_file() else {}
     if raw.get("key") == key:
