@@ -6,14 +6,20 @@ produces; training on the target's own answers (self-distillation, as Medusa-2 a
 regenerate step do) aims the drafter at what it will actually be asked to predict.
 
 For each conversation, the first user turn (after an optional system prompt) goes through the
-embedded engine (continuous batching; greedy unless --temperature > 0) and the target's answer
-replaces the original. Output: SpecForge-style jsonl, one record per line, written as each answer
-finishes, so an interrupted run resumes where it stopped (`--resume` skips ids already written):
+embedded engine (continuous batching; greedy unless --temperature > 0), or with --base-url through a
+running server (ours, SGLang, vLLM: sglang_ext/training/regenerate.py; --concurrency requests in
+flight, failures retried with backoff), and the target's answer replaces the original. Output:
+SpecForge-style jsonl, one record per line, written as each answer finishes, so an interrupted run
+resumes where it stopped (`--resume` skips ids already written):
 
     {"id": "...", "conversations": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}],
-     "finish_reason": "stop" | "length"}
+     "finish_reason": "stop" | "length", "prompt_ids": [...], "output_ids": [...]}
 
-The shared eval prompts are excluded exactly as in training.
+prompt_ids are the chat template's rendering of the prompt, output_ids the answer's tokens as the target
+sampled them (re-tokenized with its tokenizer and chat template where a server returns text only).
+`--shards DIR` then packs every record of --out into the token shards the trainer reads (source
+`distill:<name of --out>`, the loss mask on the answers). The shared eval prompts are excluded exactly
+as in training.
 """
 
 from __future__ import annotations
@@ -56,6 +62,15 @@ def add_distill_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--resume", action="store_true", help="keep the records already in --out and skip their ids")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--shards", default=None, help="also pack every record of --out into token shards here")
+    r = p.add_argument_group("a running server (--base-url): the target's answers through its API")
+    r.add_argument("--base-url", default=None, help="e.g. http://127.0.0.1:8000 (ours, SGLang, vLLM, OpenAI-style)")
+    r.add_argument("--api-key", default=None, help="sent as a Bearer token")
+    r.add_argument("--api", default="auto", choices=["auto", "generate", "chat"], help="auto: /generate, else chat")
+    r.add_argument("--model-name", default=None, help="the served model's name for chat (default: its first)")
+    r.add_argument("--concurrency", type=int, default=8, help="requests in flight")
+    r.add_argument("--max-retries", type=int, default=6, help="tries after a failure that may pass, per prompt")
+    r.add_argument("--retry-backoff", type=float, default=1.0, help="seconds before the first retry (doubling)")
     p.set_defaults(handler=cmd_distill)
     return p
 
@@ -84,7 +99,6 @@ def distill(
     limit: int,
     batch_size: int,
     write,
-    progress=None,
 ) -> int:
     """Keep up to batch_size requests running; write(record) as each finishes. Returns records written."""
     running: dict[int, tuple[str, list[dict], object]] = {}
@@ -97,93 +111,159 @@ def distill(
                 break
             cid, messages, ids = item
             req = engine.add_request(ids, params)
-            running[req.rid] = (cid, messages, req)
+            running[req.rid] = (cid, messages, ids, req)
         if not running:
             break
         for ev in engine.step():
             r = ev.request
             if r.finished and r.rid in running:
-                cid, messages, _ = running.pop(r.rid)
+                cid, messages, ids, _ = running.pop(r.rid)
                 if r.finish_reason in ("stop", "length"):
-                    answer = decode(r.output_ids)
-                    write(
-                        {
-                            "id": cid,
-                            "conversations": messages + [{"role": "assistant", "content": answer}],
-                            "finish_reason": r.finish_reason,
-                        }
-                    )
+                    write(record(cid, messages, decode(r.output_ids), r.finish_reason, ids, list(r.output_ids)))
                     written += 1
-                    if progress:
-                        progress(len(r.output_ids))
-    for _, _, req in running.values():  # limit reached with requests in flight
+    for *_, req in running.values():  # limit reached with requests in flight
         engine.abort(req)
     return written
 
 
+def record(cid: str, messages: list[dict], answer: str, finish_reason: str, prompt_ids, output_ids) -> dict:
+    return {
+        "id": cid,
+        "conversations": messages + [{"role": "assistant", "content": answer}],
+        "finish_reason": finish_reason,
+        "prompt_ids": list(prompt_ids),
+        "output_ids": list(output_ids),
+    }
+
+
 def cmd_distill(args) -> int:
-    from serving.engine import build_engine
-    from sglang_ext.sampling import SamplingParams
     from sglang_ext.training.data import DataError
 
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     if out.exists() and not args.resume:
         raise SystemExit(f"{out} exists: pass --resume to continue it, or choose another --out")
-    done: set[str] = set()
-    if args.resume and out.is_file():
-        # iterate lines, not str.splitlines(): answers may hold U+2028 etc., which json.dumps leaves raw
-        with open(out, encoding="utf-8") as f:
-            done = {json.loads(line)["id"] for line in f if line.strip()}
+    done = _done_ids(out) if args.resume else set()
+    todo = args.num_conversations - len(done)
+    if todo <= 0:
+        print(f"{out}: already {len(done)} records", file=sys.stderr)
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            _remote(args, out, done, todo) if args.base_url else _embedded(args, out, done, todo)
+        except DataError as e:
+            raise SystemExit(str(e)) from None
+    if args.shards:
+        _pack(args, out)
+    return 0
+
+
+def _done_ids(out: Path) -> set[str]:
+    if not out.is_file():
+        return set()
+    # iterate lines, not str.splitlines(): answers may hold U+2028 etc., which json.dumps leaves raw
+    with open(out, encoding="utf-8") as f:
+        return {json.loads(line)["id"] for line in f if line.strip()}
+
+
+class _Writer:
+    """Appends records to --out as they come (one flushed line each) and shows progress."""
+
+    def __init__(self, out: Path, todo: int, show: bool):
+        self.f = open(out, "a", encoding="utf-8")
+        self.out, self.written, self.tokens, self.t0 = out, 0, 0, time.time()
+        self.bar = None
+        if show:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=todo, unit="conv", desc="distill")
+
+    def __call__(self, rec: dict) -> None:
+        self.f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        self.f.flush()
+        self.written += 1
+        self.tokens += len(rec["output_ids"])
+        if self.bar:
+            self.bar.update(1)
+            self.bar.set_postfix(tokens=self.tokens)
+
+    def close(self) -> None:
+        self.f.close()
+        if self.bar:
+            self.bar.close()
+        dt = time.time() - self.t0
+        print(
+            f"distill: {self.written} answers, {self.tokens} tokens in {dt:.0f}s "
+            f"({self.tokens / max(dt, 1e-9):.1f} tok/s) -> {self.out}",
+            file=sys.stderr,
+        )
+
+
+def _embedded(args, out: Path, done: set[str], todo: int) -> None:
+    """The answers of the embedded engine (continuous batching)."""
+    from serving.engine import build_engine
+    from sglang_ext.sampling import SamplingParams
+
     kv_slots = args.batch_size * (args.max_prompt_tokens + args.max_new_tokens + 64) + 1024
     engine = build_engine(engine_config(args, kv_slots=kv_slots, adaptive=True))  # adaptive only with a drafter
     target = engine.target
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
-    tok = target.tokenizer
-
-    def decode(ids: list[int]) -> str:
-        return tok.decode(ids, skip_special_tokens=True).strip()
-
+    prompts = prompts_from(args.data, target.encode_chat, args.max_prompt_tokens, done)
+    write = _Writer(out, todo, not args.no_progress)
     try:
-        prompts = prompts_from(args.data, target.encode_chat, args.max_prompt_tokens, done)
-    except DataError as e:
-        raise SystemExit(str(e)) from None
-    todo = args.num_conversations - len(done)
-    if todo <= 0:
-        print(f"{out}: already {len(done)} records", file=sys.stderr)
-        return 0
-    out.parent.mkdir(parents=True, exist_ok=True)
-    bar = None
-    if not args.no_progress:
-        from tqdm import tqdm
+        distill(engine, lambda ids: _decode(target.tokenizer, ids), prompts, params, todo, args.batch_size, write)
+    finally:
+        write.close()
 
-        bar = tqdm(total=todo, unit="conv", desc="distill")
-    tokens = [0]
 
-    def progress(n: int) -> None:
-        tokens[0] += n
-        if bar:
-            bar.update(1)
-            bar.set_postfix(tokens=tokens[0])
+def _decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True).strip()
 
-    t0 = time.time()
-    with open(out, "a", encoding="utf-8") as f:
 
-        def write(rec: dict) -> None:
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-            f.flush()
+def _remote(args, out: Path, done: set[str], todo: int) -> None:
+    """The answers of a running server; prompts it refuses (4xx) are reported one line each."""
+    from sglang_ext.models import Target
+    from sglang_ext.models.loader import load_tokenizer, resolve_target
+    from sglang_ext.training.regenerate import Prompt, RemoteConfig, RemoteTarget, ServerError, regenerate
 
-        try:
-            n = distill(engine, decode, prompts, params, todo, args.batch_size, write, progress)
-        except DataError as e:
-            raise SystemExit(str(e)) from None
-    if bar:
-        bar.close()
-    dt = time.time() - t0
+    path = resolve_target(args.model)
+    target = Target(model=None, tokenizer=load_tokenizer(path), path=path)  # the tokenizer and chat template only
+    cfg = RemoteConfig(
+        args.base_url, args.api_key, args.model_name, args.api, args.concurrency, args.max_retries, args.retry_backoff
+    )
+    params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p}
+    remote = RemoteTarget(cfg, params | {"seed": args.seed}, target.tokenizer)
+    prompts = (Prompt(*p) for p in prompts_from(args.data, target.encode_chat, args.max_prompt_tokens, done))
+    write, refused = _Writer(out, todo, not args.no_progress), 0
+    try:
+        for ans in regenerate(remote, prompts, todo):
+            if ans.refused is not None:
+                refused += 1
+                print(f"distill: prompt {ans.prompt.id} refused by the server: {ans.refused}", file=sys.stderr)
+                continue
+            answer = ans.text.strip() if ans.retokenized else _decode(target.tokenizer, ans.output_ids)
+            p = ans.prompt
+            write(record(p.id, p.messages, answer, ans.finish_reason, p.prompt_ids, ans.output_ids))
+    except ServerError as e:
+        raise ServerError(f"{e} ({write.written} answers written to {out}; rerun with --resume to continue)") from None
+    finally:
+        write.close()
+        remote.close()
+    if refused:
+        print(f"distill: {refused} prompts refused by the server (above); --resume retries them", file=sys.stderr)
+
+
+def _pack(args, out: Path) -> None:
+    """Every record of --out as token shards (source distill:<name>), the mask on the answers."""
+    from sglang_ext.models.loader import load_tokenizer, resolve_target
+    from sglang_ext.training.shards import pack, record_examples
+
+    tok = load_tokenizer(resolve_target(args.model))
+    name = f"distill:{out.stem}"
+    manifest = pack(args.shards, {name: record_examples(out)}, len(tok), meta={"target": args.model, "data": str(out)})
     print(
-        f"distill: {n} answers, {tokens[0]} tokens in {dt:.0f}s ({tokens[0] / max(dt, 1e-9):.1f} tok/s) -> {out}",
+        f"distill: {manifest['examples']} answers, {manifest['tokens']} tokens -> shards in {args.shards}",
         file=sys.stderr,
     )
-    return 0

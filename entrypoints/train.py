@@ -1,9 +1,13 @@
-"""`moa-serve train <type>`: shared argument set and the EAGLE-3 / MoA entry points.
+"""`moa-serve train <command>`: flags -> TrainConfig -> sglang_ext.training.job.run, the one driver.
 
     moa-serve train eagle3 --target smollm2 --data sharegpt --out runs/eagle3 [--resume]
     moa-serve train moa --tli 1 --target smollm2 --data sharegpt --out runs/moa-tli1 [--resume]
     moa-serve train medusa --data runs/shards-distill --out runs/medusa [--resume]
+    moa-serve train job --shards runs/shards --out runs/job       EAGLE-3, MoA TLI=0 and 1 on one target run
+    moa-serve train pack --data sharegpt --out runs/shards        token shards (what a GPU job carries)
+    torchrun --standalone --nproc-per-node N -m entrypoints.cli train ...      data parallel over N ranks
 
+Every training command takes the same flags (the run's TrainConfig) and differs in its head and defaults.
 Wiring (entrypoints/cli.py): `add_train_parser(sub)` in build_parser and `handlers["train"] = cmd_train`.
 Also runnable as `python -m entrypoints.train train eagle3 ...`.
 """
@@ -11,32 +15,111 @@ Also runnable as `python -m entrypoints.train train eagle3 ...`.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
+import traceback
 from pathlib import Path
 
-import torch
+from sglang_ext.models.loader import ModelLoadError
+from sglang_ext.training.config import (
+    HEADS,
+    Eagle3Options,
+    MedusaOptions,
+    MoAOptions,
+    TrainConfig,
+    TrainError,
+    config_fields,
+)
+
+# the defaults of one head trained alone (CPU-sized) and of the job (several heads on a GPU)
+HEAD_DEFAULTS = {"num_examples": 2000, "threads": 2}
+JOB_DEFAULTS = {
+    "tokens_per_batch": 32768,
+    "draft_vocab_size": 8192,
+    "lr": 1e-3,
+    "warmup_ratio": 0.03,
+    "log_every": 20,
+    "time_budget_min": 7.0,
+    "max_steps": 1_000_000,
+    "holdout": 0.005,
+    "distill_repeat": 3,
+    "keep_checkpoints": 1,
+    "no_progress": True,
+}
+SMOKE_OUT = "runs/smoke"
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", default="smollm2", help="'smollm2' or a local HF Llama/Qwen directory")
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """The flags of every training command: one TrainConfig field each."""
+    p.add_argument("--target", default="smollm2", help="'smollm2' or a local HF Llama / Qwen2 / Mistral directory")
+    p.add_argument("--target-gguf", default=None, help="a GGUF file of the target (converted once into --cache)")
+    p.add_argument("--cache", default="/tmp/moa-serve-job-cache", help="where --target-gguf is converted")
     p.add_argument(
         "--target-dtype",
         default="auto",
         choices=["auto", "bfloat16", "float32"],
-        help="dtype of the (frozen) target run (auto: as for serving: fp32 on CPUs with our kernels)",
+        help="dtype of the (frozen) target run (auto: as for serving: fp32 on CPUs with our kernels, bf16 on GPUs)",
+    )
+    _add_data_args(p)
+    _add_schedule_args(p)
+    _add_output_args(p)
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="where the target and the heads train (auto: CUDA when present; bf16 target and autocast there; under "
+        "torchrun each rank takes cuda:<local rank>)",
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument(
+        "--autocast",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="bf16 autocast around the heads (default: on GPUs and on CPUs with AMX, where it is faster)",
     )
     p.add_argument(
-        "--data",
-        action="append",
-        required=True,
-        help="'sharegpt', a .json/.jsonl file or a token shard directory (`moa-serve train pack`); repeatable",
+        "--init-from",
+        default=None,
+        help="start from these heads' weights and draft vocab (<dir>/<head>, or <dir> itself for one head): "
+        "fine-tuning, a fresh optimizer and LR schedule",
     )
-    p.add_argument("--out", required=True, help="output directory (checkpoints, logs, TensorBoard)")
-    p.add_argument("--num-examples", type=int, default=2000, help="conversations to train on (seeded sample)")
-    p.add_argument("--max-len", type=int, default=1024, help="tokens per conversation (longer ones are truncated)")
-    p.add_argument("--tokens-per-batch", type=int, default=4096, help="padded tokens per optimizer step")
+    p.add_argument(
+        "--smoke", action="store_true", help="small random target, tiny batches, a few steps (a CPU check of the run)"
+    )
+
+
+def _add_data_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--data",
+        "--shards",
+        dest="data",
+        action="append",
+        default=None,
+        help="'sharegpt', a .json/.jsonl conversation file or a token shard directory (`moa-serve train pack`); "
+        "repeatable",
+    )
+    p.add_argument(
+        "--num-examples", type=int, default=None, help="training examples at most (conversations tokenised per file)"
+    )
+    p.add_argument("--max-examples", type=int, default=None, help="at most this many examples (windows) per source")
+    p.add_argument("--max-len", type=int, default=1024, help="tokens per example (longer ones are cut)")
+    p.add_argument(
+        "--tokens-per-batch", type=int, default=4096, help="padded tokens per global batch (split over the ranks)"
+    )
+    p.add_argument("--draft-vocab-size", type=int, default=16384, help="target tokens the heads score (0: all)")
+    p.add_argument(
+        "--vocab-examples",
+        type=int,
+        default=0,
+        help="conversations whose assistant tokens pick the draft vocab (default: the training set)",
+    )
+    p.add_argument(
+        "--distill-repeat", type=int, default=1, help="the target's own answers (distill:* sources) per epoch"
+    )
+    p.add_argument("--holdout", type=float, default=0.0, help="fraction of each source held out and scored at the end")
+
+
+def _add_schedule_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps (overrides --epochs)")
     p.add_argument(
@@ -45,64 +128,72 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         default=None,
         help="end at this step while keeping the LR schedule of the full run (matched ablations)",
     )
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--warmup-ratio", type=float, default=0.015)
-    p.add_argument("--grad-clip", type=float, default=0.5)
-    p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument(
         "--time-budget-min",
         type=float,
         default=None,
         help="stop after this much training time; the LR schedule follows time (for shared machines)",
     )
-    p.add_argument("--save-every-min", type=float, default=5.0)
-    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument(
-        "--device",
-        default="auto",
-        choices=["auto", "cpu", "cuda"],
-        help="where the target and the draft train (auto: CUDA when present; bf16 target and autocast there)",
-    )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--resume", action="store_true", help="continue from <out>/latest")
-    p.add_argument(
-        "--init-from",
+        "--deadline-min",
+        type=float,
         default=None,
-        help=(
-            "start from this checkpoint's weights and draft vocab (fine-tuning, e.g. on `moa-serve distill` data); a "
-            "fresh optimizer and LR schedule"
-        ),
+        help="wall time of the whole run: training stops early enough to export and score by then",
     )
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--warmup-ratio", type=float, default=0.015)
+    p.add_argument("--grad-clip", type=float, default=0.5)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default=None, help=f"run directory (required; --smoke: {SMOKE_OUT})")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="DIR",
+        help="continue from the last checkpoint of DIR (a run or checkpoint directory; default --out): heads, "
+        "optimizer, LR schedule, data position, random states, tokens seen",
+    )
+    p.add_argument("--save-every-min", type=float, default=5.0, help="a checkpoint at least this often")
+    p.add_argument("--save-every-steps", type=int, default=None, help="also a checkpoint every this many steps")
+    p.add_argument("--keep-checkpoints", type=int, default=3, help="the newest this many are kept")
+    p.add_argument("--log-every", type=int, default=1, help="steps between metric reads (one host sync each)")
+    p.add_argument("--pack", default=None, help="also write heads.tar.partNN (<= 15 MiB each) here")
     p.add_argument(
         "--no-progress", action="store_true", help="no tqdm bar (metrics still go to metrics.jsonl/TensorBoard)"
     )
 
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:
-    t = subparsers.add_parser("train", help="train a drafter (eagle3) on conversations with the target run online")
+    t = subparsers.add_parser("train", help="train drafters (EAGLE-3, MoA, Medusa) with the target run online")
     kinds = t.add_subparsers(dest="draft_type", required=True)
     _add_eagle3_parser(kinds)
     _add_moa_parser(kinds)
     _add_medusa_parser(kinds)
+    add_job_parser(kinds)
     _add_pack_parser(kinds)
-    from entrypoints.train_job import add_job_args, cmd_job
-
-    j = kinds.add_parser("job", help="EAGLE-3 and MoA TLI 0/1 trained together on one target run (the GPU job)")
-    add_job_args(j)
-    j.set_defaults(train_fn=cmd_job)
     return t
+
+
+def add_job_parser(kinds) -> argparse.ArgumentParser:
+    j = kinds.add_parser("job", help="several heads (EAGLE-3, MoA TLI 0/1) trained together on one target run")
+    add_job_args(j)
+    return j
+
+
+def add_job_args(j: argparse.ArgumentParser) -> None:
+    add_run_args(j)
+    j.add_argument("--heads", default=",".join(HEADS), help="comma list of eagle3, medusa, moa-tli<N>")
+    j.set_defaults(**JOB_DEFAULTS, train_fn=cmd_run)
 
 
 def _add_eagle3_parser(kinds) -> None:
     e = kinds.add_parser("eagle3", help="EAGLE-3 draft head (SpecForge/SGLang checkpoint format)")
-    _add_common(e)
-    e.add_argument("--draft-vocab-size", type=int, default=16384)
-    e.add_argument(
-        "--vocab-examples",
-        type=int,
-        default=0,
-        help="conversations whose assistant tokens pick the draft vocab (default: the training set)",
-    )
+    add_run_args(e)
     e.add_argument(
         "--aux-layers", default=None, help="comma-separated target layers whose outputs are fused (default 1,L/2-1,L-4)"
     )
@@ -114,41 +205,28 @@ def _add_eagle3_parser(kinds) -> None:
         default=True,
         help="start lm_head/norm from the target's rows",
     )
-    e.set_defaults(train_fn=train_eagle3)
+    e.set_defaults(**HEAD_DEFAULTS, train_fn=cmd_run)
 
 
 def _add_moa_parser(kinds) -> None:
     m = kinds.add_parser("moa", help="Mixture-of-Attentions drafter (LSA + SA + CA, optional target-layer inference)")
-    _add_common(m)
+    add_run_args(m)
+    d = MoAOptions()
     m.add_argument("--tli", type=int, default=0, help="target layers run on the draft feature (0, 1, 3, ...)")
-    m.add_argument(
-        "--draft-vocab-size",
-        type=int,
-        default=16384,
-        help="rows of the target lm_head the drafter scores (0: full vocab)",
-    )
-    m.add_argument(
-        "--vocab-examples",
-        type=int,
-        default=0,
-        help="conversations whose assistant tokens pick the draft vocab (default: the training set)",
-    )
-    # NOTE: HEBO uses 0.1 / 1.0 for Llama-3-8B; SmolLM2's residual stream is large enough that its
-    # SmoothL1 term (~17 at init vs KL ~15) would swamp the KL, so our defaults weight the KL.
-    m.add_argument("--lambda-kl", type=float, default=1.0, help="weight of KL(target || draft) (HEBO: 0.1)")
-    m.add_argument("--lambda-feat", type=float, default=0.1, help="weight of the SmoothL1 feature term (HEBO: 1.0)")
-    m.add_argument("--min-gap", type=int, default=6, help="verification points every K in [min-gap, max-gap] tokens")
-    m.add_argument("--max-gap", type=int, default=14)
+    m.add_argument("--lambda-kl", type=float, default=d.lambda_kl, help="weight of KL(target || draft) (HEBO: 0.1)")
+    m.add_argument("--lambda-feat", type=float, default=d.lambda_feat, help="weight of the SmoothL1 feature term")
+    m.add_argument("--min-gap", type=int, default=d.min_gap, help="verification points every K in [min, max] tokens")
+    m.add_argument("--max-gap", type=int, default=d.max_gap)
     m.add_argument(
         "--staircase-ramp",
         type=float,
-        default=0.5,
+        default=d.staircase_ramp,
         help="fraction of training over which the SA staircase probability ramps up",
     )
     m.add_argument(
         "--staircase-max",
         type=float,
-        default=1.0,
+        default=d.staircase_max,
         help="final SA staircase probability (1: the drafter's SA sees only the verified prefix + itself)",
     )
     m.add_argument(
@@ -156,23 +234,17 @@ def _add_moa_parser(kinds) -> None:
         action="store_true",
         help="ablation: CA reads the target's last-layer output instead of LSA over all layers' K/V",
     )
-    m.set_defaults(train_fn=train_moa)
+    m.set_defaults(**HEAD_DEFAULTS, train_fn=cmd_run)
 
 
 def _add_medusa_parser(kinds) -> None:
     m = kinds.add_parser(
         "medusa", help="Medusa-1 heads over the target's last hidden state (the target's lm_head shared)"
     )
-    _add_common(m)
+    add_run_args(m)
     m.add_argument("--num-heads", type=int, default=4, help="heads (head k drafts tree depth k+1)")
-    m.add_argument(
-        "--draft-vocab-size",
-        type=int,
-        default=8192,
-        help="rows of the target lm_head the heads score (0: full vocab)",
-    )
     m.add_argument("--decay", type=float, default=0.8, help="head k's loss weight is decay**k (Medusa: 0.8)")
-    m.set_defaults(train_fn=train_medusa)
+    m.set_defaults(**HEAD_DEFAULTS, draft_vocab_size=8192, train_fn=cmd_run)
 
 
 def _add_pack_parser(kinds) -> None:
@@ -198,285 +270,51 @@ def cmd_train(args) -> int:
     return args.train_fn(args)
 
 
-# --- shared preparation -----------------------------------------------------------------------
-def prepare_examples(args, tokenizer):
-    """Tokenised examples, cached in <out>/examples.pt so a resumed run sees the same data."""
-    from sglang_ext.training.data import Example, build_examples, eval_prompts, open_conversations
-
-    cache = Path(args.out) / "examples.pt"
-    if args.resume and cache.is_file():
-        raw = torch.load(cache, weights_only=True)
-        return [Example(i, m) for i, m in zip(raw["input_ids"], raw["loss_mask"])]
-    exclude = eval_prompts()
-    shard_dirs = [src for src in args.data if (Path(src) / "manifest.json").is_file()]
-    convs = (c for src in args.data if src not in shard_dirs for c in open_conversations(src, exclude))
-    exs = (
-        build_examples(tokenizer, convs, args.num_examples, args.max_len, seed=args.seed)
-        if len(shard_dirs) < len(args.data)
-        else []
-    )
-    if shard_dirs:  # packed examples (eval prompts were left out when packing): a seeded sample of their windows
-        import random
-
-        from sglang_ext.training.shards import load_examples
-
-        packed = [e for d in shard_dirs for e in load_examples(d, args.max_len)]
-        random.Random(args.seed).shuffle(packed)
-        exs = (exs + packed)[: args.num_examples]
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"input_ids": [e.input_ids for e in exs], "loss_mask": [e.loss_mask for e in exs]}, cache)
-    return exs
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig of a training command's flags."""
+    given = vars(args)
+    fields = {k: given[k] for k in config_fields() if k in given}
+    fields["data"] = tuple(args.data or ())
+    fields["progress"] = not args.no_progress
+    fields["out"] = args.out or (SMOKE_OUT if args.smoke else None)
+    if fields["out"] is None:
+        raise TrainError("--out is required")
+    kind = args.draft_type
+    if kind == "job":
+        fields["heads"] = tuple(h for h in args.heads.split(",") if h)
+    elif kind == "moa":
+        fields["heads"] = (f"moa-tli{args.tli}",)
+        moa = {k: given[k] for k in MoAOptions.__dataclass_fields__}
+        fields["moa"] = MoAOptions(**moa)
+    elif kind == "eagle3":
+        fields["heads"] = ("eagle3",)
+        aux = tuple(int(x) for x in args.aux_layers.split(",")) if args.aux_layers else None
+        fields["eagle3"] = Eagle3Options(args.ttt_length, args.ttt_decay, aux, args.init_head_from_target)
+    else:
+        fields["heads"] = (kind,)
+        fields["medusa"] = MedusaOptions(args.num_heads, args.decay)
+    return TrainConfig(**fields)
 
 
-def vocab_counts(args, tokenizer, exs, vocab_size: int) -> torch.Tensor:
-    """Assistant-token frequencies over the training examples, or over a larger seeded sample
-    (--vocab-examples) so the draft vocab generalises beyond the conversations trained on."""
-    from sglang_ext.training.data import build_examples, eval_prompts, open_conversations, token_counts
+def cmd_run(args: argparse.Namespace) -> int:
+    """Inputs the run cannot use (bad flags, data, target, device) are one line and exit 2; a run that fails
+    while training prints its traceback (a GPU run's log is all there is) and exits 1."""
+    from sglang_ext.training.job import run
 
-    if args.vocab_examples <= len(exs):
-        return token_counts(exs, vocab_size)
-    cache = Path(args.out) / "vocab_counts.pt"
-    if cache.is_file():
-        return torch.load(cache, weights_only=True)
-    convs = (c for src in args.data for c in open_conversations(src, eval_prompts()))
-    counts = token_counts(
-        build_examples(tokenizer, convs, args.vocab_examples, args.max_len, seed=args.seed), vocab_size
-    )
-    torch.save(counts, cache)
-    return counts
-
-
-def _device(args) -> str:
-    from sglang_ext.models import resolve_device
-
-    return resolve_device(args.device)
+    prog = f"moa-serve train {args.draft_type}"
+    try:
+        run(train_config(args))
+    except (ValueError, FileNotFoundError, ModelLoadError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except Exception:
+        traceback.print_exc()
+        return 1
+    return 0
 
 
 def _log(msg: str) -> None:
     print(f"[train {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def train_eagle3(args) -> int:
-    from sglang_ext.models import load_target
-    from sglang_ext.models.eagle3 import Eagle3Config, Eagle3Draft, load_eagle3, vocab_from_counts
-    from sglang_ext.training.eagle3 import Eagle3Task
-
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    t0 = time.time()
-    target = load_target(args.target, dtype=args.target_dtype, device=_device(args))
-    exs = prepare_examples(args, target.tokenizer)
-    counts = vocab_counts(args, target.tokenizer, exs, target.cfg.vocab_size)
-    aux = tuple(int(x) for x in args.aux_layers.split(",")) if args.aux_layers else None
-    if args.init_from:
-        draft = load_eagle3(args.init_from, target.cfg)
-        cfg, hot = draft.cfg, draft.hot_ids
-    else:
-        cfg = Eagle3Config.for_target(target.cfg, args.draft_vocab_size, aux)
-        draft = Eagle3Draft(cfg)
-        hot = vocab_from_counts(counts, cfg.draft_vocab_size)
-        draft.set_vocab(hot)
-    coverage = float(counts[hot].sum()) / max(1, int(counts.sum()))
-    if args.init_head_from_target and not args.init_from:
-        with torch.no_grad():
-            draft.lm_head.weight.copy_(target.model.lm_head[hot].float())
-            draft.norm.weight.copy_(target.model.norm.float())
-    draft = draft.to(target.model.device)
-    meta = {
-        "type": "eagle3",
-        "init_from": args.init_from,
-        "ttt_length": args.ttt_length,
-        "ttt_decay": args.ttt_decay,
-        "draft_vocab_coverage": round(coverage, 5),
-    }
-    return _fit(
-        args,
-        target,
-        exs,
-        Eagle3Task(target.model, draft, args.ttt_length, args.ttt_decay),
-        meta,
-        f"draft vocab {cfg.draft_vocab_size} covers {coverage:.4f} of assistant tokens",
-        t0,
-    )
-
-
-def _fit(args, target, exs, task, meta_extra: dict, note: str, t0: float) -> int:
-    """Batches, Trainer, resume, fit, final export: the same for every draft type."""
-    from sglang_ext.training.data import make_batches
-    from sglang_ext.training.target import TargetRunner
-    from sglang_ext.training.trainer import OptimConfig, RunConfig, Trainer
-
-    batches = make_batches(exs, args.tokens_per_batch, args.seed)
-    steps = args.max_steps or max(1, int(args.epochs * len(batches)))
-    n_tok = sum(b.num_tokens for b in batches)
-    _log(
-        f"{len(exs)} conversations, {n_tok} tokens in {len(batches)} batches; {steps} steps; {note}; prep "
-        f"{time.time() - t0:.0f}s"
-    )
-    meta = {
-        **meta_extra,
-        "target": str(target.path),
-        "data": args.data,
-        "num_examples": len(exs),
-        "max_len": args.max_len,
-        "tokens_per_batch": args.tokens_per_batch,
-        "total_steps": steps,
-        "time_budget_min": args.time_budget_min,
-        "lr": args.lr,
-        "seed": args.seed,
-    }
-    runner = TargetRunner(target.model, max(args.tokens_per_batch, max(len(e.input_ids) for e in exs)))
-    optim = OptimConfig(
-        lr=args.lr, warmup_ratio=args.warmup_ratio, grad_clip=args.grad_clip, weight_decay=args.weight_decay
-    )
-    run = RunConfig(
-        args.out,
-        steps,
-        save_every_s=args.save_every_min * 60,
-        time_budget_s=args.time_budget_min * 60 if args.time_budget_min else None,
-        seed=args.seed,
-        progress_bar=not args.no_progress,
-        stop_step=args.stop_at_step,
-    )
-    trainer = Trainer(task, runner, batches, optim, run, meta)
-    if args.resume and trainer.resume():
-        _log(f"resumed at step {trainer.step}")
-    (Path(args.out) / "train_args.json").write_text(json.dumps(vars(args) | {"train_fn": None}, indent=2, default=str))
-    final = trainer.fit()
-    task.save(
-        Path(args.out) / "final",
-        extra_config={
-            "training": {
-                **meta,
-                "step": trainer.step,
-                "tokens_seen": trainer.tokens_seen,
-                "train_seconds": round(trainer.elapsed_s),
-            }
-        },
-    )
-    _log(
-        f"done: step {trainer.step}, loss {final.get('loss', float('nan')):.4f}, acc_0 "
-        f"{final.get('acc_0', float('nan')):.4f}; exported {Path(args.out) / 'final'}"
-    )
-    return 0
-
-
-def train_moa(args) -> int:
-    from sglang_ext.models import load_target
-    from sglang_ext.models.eagle3 import vocab_from_counts
-    from sglang_ext.models.moa import MoAConfig, MoADraft, load_moa
-    from sglang_ext.training.moa import MoATask
-
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    t0 = time.time()
-    target = load_target(args.target, dtype=args.target_dtype, device=_device(args))
-    if not 0 <= args.tli < target.cfg.num_layers:
-        raise SystemExit(f"--tli must be in [0, {target.cfg.num_layers - 1}]")
-    exs = prepare_examples(args, target.tokenizer)
-    # the SA mask the drafter runs at inference is the one training ends with
-    sa_mode = "self" if args.staircase_max >= 1.0 else "ancestors"
-    cfg = MoAConfig.for_target(
-        target.cfg,
-        tli=args.tli,
-        draft_vocab_size=args.draft_vocab_size,
-        sa_tree_attention=sa_mode,
-        memory_source="last_hidden" if args.no_lsa else "lsa",
-    )
-    if args.init_from:
-        draft = load_moa(args.init_from, target.cfg)
-        if (draft.cfg.tli, draft.cfg.memory_source) != (cfg.tli, cfg.memory_source):
-            raise SystemExit(
-                f"--init-from {args.init_from} has TLI={draft.cfg.tli}, memory {draft.cfg.memory_source}; this run "
-                f"asks for TLI={cfg.tli}, {cfg.memory_source}"
-            )
-        cfg = draft.cfg
-    else:
-        draft = MoADraft(cfg)
-    coverage = 1.0
-    if cfg.draft_vocab_size and args.init_from:
-        counts = vocab_counts(args, target.tokenizer, exs, target.cfg.vocab_size)
-        coverage = float(counts[draft.hot_ids].sum()) / max(1, int(counts.sum()))
-    elif cfg.draft_vocab_size:
-        counts = vocab_counts(args, target.tokenizer, exs, target.cfg.vocab_size)
-        hot = vocab_from_counts(counts, cfg.draft_vocab_size)
-        draft.set_vocab(hot)
-        coverage = float(counts[hot].sum()) / max(1, int(counts.sum()))
-    draft = draft.to(target.model.device)
-    task = MoATask(
-        target.model,
-        draft,
-        args.lambda_kl,
-        args.lambda_feat,
-        args.min_gap,
-        args.max_gap,
-        args.staircase_ramp,
-        args.staircase_max,
-        seed=args.seed,
-    )
-    meta = {
-        "type": "moa",
-        "init_from": args.init_from,
-        "tli": args.tli,
-        "memory_source": cfg.memory_source,
-        "lambda_kl": args.lambda_kl,
-        "lambda_feat": args.lambda_feat,
-        "gaps": [args.min_gap, args.max_gap],
-        "staircase_ramp": args.staircase_ramp,
-        "staircase_max": args.staircase_max,
-        "draft_vocab_coverage": round(coverage, 5),
-    }
-    n_params = sum(p.numel() for p in draft.parameters())
-    return _fit(
-        args,
-        target,
-        exs,
-        task,
-        meta,
-        f"MoA TLI={args.tli}, {n_params / 1e6:.1f}M trainable params, draft vocab covers {coverage:.4f}",
-        t0,
-    )
-
-
-def train_medusa(args) -> int:
-    from sglang_ext.models import load_target
-    from sglang_ext.models.eagle3 import vocab_from_counts
-    from sglang_ext.models.medusa import MedusaConfig, MedusaHeads, load_medusa
-    from sglang_ext.training.data import token_counts
-    from sglang_ext.training.medusa import MedusaTask
-
-    torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed)
-    t0 = time.time()
-    target = load_target(args.target, dtype=args.target_dtype, device=_device(args))
-    if args.num_heads < 1:
-        raise SystemExit("--num-heads must be >= 1")
-    exs = prepare_examples(args, target.tokenizer)
-    counts = token_counts(exs, target.cfg.vocab_size)
-    if args.init_from:
-        heads = load_medusa(args.init_from, target.cfg)
-    else:
-        heads = MedusaHeads(MedusaConfig.for_target(target.cfg, args.num_heads, args.draft_vocab_size))
-        heads.set_vocab(vocab_from_counts(counts, heads.cfg.draft_vocab_size))
-    coverage = float(counts[heads.hot_ids].sum()) / max(1, int(counts.sum()))
-    heads = heads.to(target.model.device)
-    meta = {
-        "type": "medusa",
-        "init_from": args.init_from,
-        "num_heads": heads.cfg.num_heads,
-        "decay": args.decay,
-        "draft_vocab_coverage": round(coverage, 5),
-    }
-    n_params = sum(p.numel() for p in heads.parameters())
-    return _fit(
-        args,
-        target,
-        exs,
-        MedusaTask(target.model, heads, args.decay),
-        meta,
-        f"Medusa, {heads.cfg.num_heads} heads, {n_params / 1e6:.2f}M params, draft vocab covers {coverage:.4f}",
-        t0,
-    )
 
 
 def pack_data(args) -> int:

@@ -14,6 +14,7 @@ from .loader import (
     DEFAULT_TARGET,
     LlamaConfig,
     ModelLoadError,
+    check_weights,
     load_config,
     load_packed_weights,
     load_state_dict,
@@ -117,9 +118,11 @@ def load_target(
     ('auto': see resolve_device); dtype 'auto': see auto_dtype (bf16 on a GPU)."""
     device = resolve_device(device)
     path = resolve_target(name_or_path)
+    cfg, state = load_config(path), load_state_dict(path)
+    check_weights(cfg, state, path)
     model = LlamaModel(
-        load_config(path),
-        load_state_dict(path),
+        cfg,
+        state,
         dtype=parse_dtype(dtype, device),
         device=device,
         packed=load_packed_weights(path),

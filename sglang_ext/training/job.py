@@ -1,71 +1,51 @@
-"""The drafter training job: EAGLE-3, MoA TLI=0 and MoA TLI=1 trained together on one GPU.
+"""The training driver: every `moa-serve train` command runs through `run(TrainConfig)`.
 
-    moa-serve train job --shards data/shards --target smollm2 --out runs/job --time-budget-min 7
-    moa-serve train job --shards data/shards --out runs/smoke --smoke      # CPU, seconds
-    python -m entrypoints.train_job ...      # the same, where only torch is installed (a GPU machine)
+    moa-serve train eagle3 --data sharegpt --out runs/eagle3                      one head
+    moa-serve train job --shards data/shards --out runs/job --time-budget-min 7    EAGLE-3, MoA TLI=0 and 1 together
+    moa-serve train job --smoke --device cpu                                       CPU, seconds (synthetic data)
+    torchrun --standalone --nproc-per-node 2 -m entrypoints.cli train job ...      data parallel over 2 ranks
+    python -m entrypoints.train_job ...      `train job` where only torch is installed (a GPU machine)
 
 Every head sees the same batches and the same target run (one target forward per step), so they
-are compared at equal training tokens. Data: token shards (`moa-serve train pack`); the target's own
-answers (sources named `distill:*`) are repeated `--distill-repeat` times per epoch, since what a
-drafter must predict is the target. The draft vocab (shared by the heads) is the most frequent tokens
-of those answers. A few batches are held out and scored at the end.
+are compared at equal training tokens. Data (sources.py): conversations tokenised with the target's
+chat template or token shards (`moa-serve train pack`); the target's own answers (sources named
+`distill:*`) are repeated `--distill-repeat` times per epoch, since what a drafter must predict is the
+target, and the draft vocab (shared by the heads) is their most frequent tokens. A fraction
+(--holdout) of each source is held out and scored at the end.
 
-Writes under --out: `heads/<name>/` (bf16 servable checkpoints, shards <= 15 MiB), `train/` (trainer
-checkpoints, metrics.jsonl, TensorBoard), `curves.json` (per head: step, tokens, loss, acc by draft
-step), `summary.json`. `--pack DIR` also bundles heads + curves + summary into `heads.tar.partNN`
-files of <= 15 MiB (what a GPU machine can send back). `--smoke` swaps the target for a small random
-one of the same family and runs a few steps: the very same code path, for the CPU test suite.
+Under torchrun every rank loads the target and forms the same global batches; each trains on its rows
+of them and the heads' gradients are summed (parallel.py): N ranks train as one would on the same
+global batch. Rank 0 alone logs, checkpoints, scores the held-out batches and writes the outputs.
+
+Writes under --out: `checkpoints/step_<n>/` and `latest` (--resume continues from them: weights,
+optimizers, schedule, data position, random states), `metrics.jsonl` and TensorBoard (`tb/`),
+`heads/<name>/` (bf16 servable checkpoints, shards <= 15 MiB), `curves.json` (per head: step, tokens,
+loss, acc by draft step) and `summary.json`. `--pack DIR` also bundles heads + curves + summary into
+`heads.tar.partNN` files of <= 15 MiB (what a GPU machine can send back). `--smoke` swaps the target
+for a small random one of the same family and runs a few steps: the very same code path, for the CPU
+test suite.
 """
 
 from __future__ import annotations
 
 import json
-import random
 import sys
 import tarfile
 import time
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
-HEADS = ("eagle3", "moa-tli0", "moa-tli1")
+from . import parallel
+from .config import HEADS, MoAOptions, TrainConfig, TrainError, head_kind
+
 PART_BYTES = 15 * 2**20
 EXPORT_RESERVE_S = 20.0
+HELD_OUT_BATCHES = 8
 
-
-@dataclass(frozen=True)
-class JobConfig:
-    """Everything the job needs (flags: entrypoints/train_job.py)."""
-
-    shards: str  # token shard directory (moa-serve train pack)
-    out: str
-    target: str = "smollm2"  # 'smollm2' or a local HF directory
-    target_gguf: str | None = None  # a GGUF file of the target (converted once into `cache`)
-    cache: str = "/tmp/moa-serve-job-cache"
-    pack: str | None = None  # also write heads.tar.partNN (<= 15 MiB each) here
-    heads: tuple[str, ...] = HEADS
-    init_from: str | None = None  # fine-tune: start each head from <dir>/<head> (its weights and draft vocab)
-    device: str = "auto"  # auto | cpu | cuda
-    time_budget_min: float = 7.0  # training time; the LR schedule follows it
-    deadline_min: float | None = None  # wall time of the whole job: training stops in time to export and score
-    max_steps: int = 1_000_000
-    tokens_per_batch: int = 32768
-    max_len: int = 1024
-    draft_vocab_size: int = 8192
-    distill_repeat: int = 3
-    max_examples: int | None = None  # at most this many examples (windows) per source
-    holdout: float = 0.005  # fraction of each source held out for the final scores
-    lr: float = 1e-3
-    warmup_ratio: float = 0.03
-    log_every: int = 20
-    seed: int = 0
-    smoke: bool = False  # small random target, tiny batches, a few steps (CPU test)
-
-
-class JobError(ValueError):
-    """The job's inputs cannot run (unknown head, shards for another vocabulary, no parts to unpack)."""
+__all__ = ["HEADS", "TrainConfig", "TrainError", "run"]
 
 
 def _log(msg: str) -> None:
@@ -133,109 +113,156 @@ def smoke_target(vocab_size: int, device: torch.device, seed: int = 0):
     )
 
 
-def load_job_target(job: JobConfig, device: torch.device):
-    """The target model: a GGUF file (converted once into --cache), a name/dir, or the smoke target."""
+def load_run_target(cfg: TrainConfig, device: torch.device, vocab_size: int | None):
+    """(model, tokenizer): a GGUF file (converted once into cfg.cache), a name / directory, or with --smoke
+    a random target of the data's vocab (no tokenizer)."""
     from ..models import load_target
     from ..models.checkpoint import has_config
     from ..models.loader import _convert_gguf
 
-    if job.target_gguf:
-        out = Path(job.cache) / Path(job.target_gguf).stem
+    if cfg.smoke:
+        if vocab_size is None:
+            raise TrainError("--smoke trains on token shards or synthetic data, not conversations (no tokenizer)")
+        return smoke_target(vocab_size, device, cfg.seed), None
+    path = cfg.target
+    if cfg.target_gguf:
+        out = Path(cfg.cache) / Path(cfg.target_gguf).stem
         if not has_config(out):
             out.parent.mkdir(parents=True, exist_ok=True)
-            _convert_gguf(Path(job.target_gguf), out)
-        return load_target(str(out), dtype="auto", device=str(device)).model
-    return load_target(job.target, dtype="auto", device=str(device)).model
-
-
-def draft_vocab(examples_by_source: dict[str, list], vocab_size: int, size: int) -> torch.Tensor:
-    """The `size` most frequent assistant tokens of the target's own answers (all sources if none)."""
-    from ..models.eagle3 import vocab_from_counts
-    from .data import token_counts
-
-    own = [e for name, exs in examples_by_source.items() if name.startswith("distill") for e in exs]
-    pool = own or [e for exs in examples_by_source.values() for e in exs]
-    return vocab_from_counts(token_counts(pool, vocab_size), min(size, vocab_size))
+            _convert_gguf(Path(cfg.target_gguf), out)
+        path = str(out)
+    target = load_target(path, dtype=cfg.target_dtype, device=str(device))
+    return target.model, target.tokenizer
 
 
 def build_tasks(
-    target, hot_ids: torch.Tensor, heads: tuple[str, ...], moa_loss: dict, seed: int = 0, init_from: Path | None = None
+    target,
+    hot_ids: torch.Tensor,
+    heads: tuple[str, ...],
+    moa_loss: dict | None = None,
+    seed: int = 0,
+    init_from: Path | None = None,
+    cfg: TrainConfig | None = None,
 ) -> list:
     """One task per head, all on the target's device, the draft vocab shared; with init_from, heads
-    start from the checkpoints `init_from/<head>` (fine-tuning: their own vocab and weights)."""
-    from ..models.eagle3 import Eagle3Config, Eagle3Draft, load_eagle3
-    from ..models.moa import MoAConfig, MoADraft, load_moa
-    from .eagle3 import Eagle3Task
-    from .moa import MoATask
-
+    start from the checkpoints `init_from/<head>` (or init_from itself for one head: fine-tuning, their
+    own vocab and weights). Head options come from cfg (moa_loss overrides MoA's loss weights and gaps)."""
+    cfg = cfg or TrainConfig(out="", heads=heads)
+    moa = replace(cfg.moa, **(moa_loss or {}))
     tasks = []
     for head in heads:
-        if head not in HEADS:
-            raise JobError(f"unknown head {head!r}; choose from {HEADS}")
+        kind, tli = head_kind(head)
         torch.manual_seed(seed)
-        if init_from is not None:
-            load = load_eagle3 if head == "eagle3" else load_moa
-            draft = load(init_from / head, target.cfg).to(target.device)
-            task = Eagle3Task(target, draft) if head == "eagle3" else MoATask(target, draft, seed=seed, **moa_loss)
-            tasks.append(task)
-            continue
-        with torch.device(target.device):  # made where they train: no host copy of every weight
-            if head == "eagle3":
-                draft = Eagle3Draft(Eagle3Config.for_target(target.cfg, hot_ids.numel()))
-            else:
-                draft = MoADraft(
-                    MoAConfig.for_target(
-                        target.cfg, tli=int(head.removeprefix("moa-tli")), draft_vocab_size=hot_ids.numel()
-                    )
-                )
-        draft.set_vocab(hot_ids.to(target.device))
-        if head == "eagle3":
-            with torch.no_grad():  # lm_head rows and final norm start from the target's
-                draft.lm_head.weight.copy_(target.lm_head[hot_ids.to(target.device)].float())
-                draft.norm.weight.copy_(target.norm.float())
-            tasks.append(Eagle3Task(target, draft))
-        else:
-            tasks.append(MoATask(target, draft, seed=seed, **moa_loss))
+        source = _init_dir(init_from, head, len(heads)) if init_from is not None else None
+        draft = (
+            _load_head(kind, tli, source, target, cfg) if source else _new_head(kind, tli, target, hot_ids, cfg, moa)
+        )
+        tasks.append(_task(kind, target, draft, cfg, moa, seed))
     return tasks
 
 
-def split_examples(examples_by_source: dict[str, list], distill_repeat: int, holdout: float, seed: int):
-    """-> training examples (the target's answers repeated), held-out examples (a seeded sample of each source)."""
-    rng = random.Random(seed)
-    train, held = [], []
-    for name, exs in examples_by_source.items():
-        exs = list(exs)
-        rng.shuffle(exs)
-        k = max(1, int(len(exs) * holdout)) if len(exs) > 1 else 0
-        held += exs[:k]
-        train += exs[k:] * (distill_repeat if name.startswith("distill") else 1)
-    return train, held
+def _init_dir(init_from: Path, head: str, n_heads: int) -> Path:
+    if (init_from / head / "config.json").is_file():
+        return init_from / head
+    if n_heads == 1:
+        return init_from
+    raise TrainError(f"--init-from {init_from} has no {head}/ checkpoint")
+
+
+def _load_head(kind: str, tli: int, source: Path, target, cfg: TrainConfig):
+    """A head to fine-tune: its checkpoint's weights and draft vocab (a MoA one of the head's TLI and memory)."""
+    from ..models.eagle3 import load_eagle3
+    from ..models.medusa import load_medusa
+    from ..models.moa import load_moa
+
+    load = {"eagle3": load_eagle3, "moa": load_moa, "medusa": load_medusa}[kind]
+    draft = load(source, target.cfg)
+    memory = "last_hidden" if cfg.moa.no_lsa else "lsa"
+    if kind == "moa" and (draft.cfg.tli, draft.cfg.memory_source) != (tli, memory):
+        raise TrainError(
+            f"--init-from {source} has TLI={draft.cfg.tli}, memory {draft.cfg.memory_source}; this run asks for "
+            f"TLI={tli}, {memory}"
+        )
+    return draft.to(target.device)
+
+
+def _new_head(kind: str, tli: int, target, hot_ids: torch.Tensor, cfg: TrainConfig, moa: MoAOptions):
+    """A freshly initialised head, made where it trains (no host copy of every weight)."""
+    from ..models.eagle3 import Eagle3Config, Eagle3Draft
+    from ..models.medusa import MedusaConfig, MedusaHeads
+    from ..models.moa import MoAConfig, MoADraft
+
+    hot = hot_ids.to(target.device)
+    with torch.device(target.device):
+        if kind == "eagle3":
+            draft = Eagle3Draft(Eagle3Config.for_target(target.cfg, hot.numel(), cfg.eagle3.aux_layers))
+        elif kind == "medusa":
+            draft = MedusaHeads(MedusaConfig.for_target(target.cfg, cfg.medusa.num_heads, hot.numel()))
+        else:
+            sa = "self" if moa.staircase_max >= 1.0 else "ancestors"  # inference runs the mask training ends with
+            memory = "last_hidden" if moa.no_lsa else "lsa"
+            vocab = hot.numel() if hot.numel() < target.cfg.vocab_size else 0
+            draft = MoADraft(MoAConfig.for_target(target.cfg, tli, vocab, sa, memory))
+    if draft.hot_ids.numel() == hot.numel():
+        draft.set_vocab(hot)
+    if kind == "eagle3" and cfg.eagle3.init_head_from_target:
+        with torch.no_grad():  # lm_head rows and final norm start from the target's
+            draft.lm_head.weight.copy_(target.lm_head[hot].float())
+            draft.norm.weight.copy_(target.norm.float())
+    return draft
+
+
+def _task(kind: str, target, draft, cfg: TrainConfig, moa: MoAOptions, seed: int):
+    from .eagle3 import Eagle3Task
+    from .medusa import MedusaTask
+    from .moa import MoATask
+
+    if kind == "eagle3":
+        return Eagle3Task(target, draft, cfg.eagle3.ttt_length, cfg.eagle3.decay)
+    if kind == "medusa":
+        return MedusaTask(target, draft, cfg.medusa.decay)
+    return MoATask(
+        target,
+        draft,
+        moa.lambda_kl,
+        moa.lambda_feat,
+        moa.min_gap,
+        moa.max_gap,
+        moa.staircase_ramp,
+        moa.staircase_max,
+        seed=seed,
+    )
 
 
 def preflight(trainer, batches) -> None:
-    """Each head's loss and backward once on the largest padded batch (no optimizer step): a head
-    that fails is dropped with its traceback, so one broken head cannot cost the others their run."""
-    big = max(batches, key=lambda b: (b.input_ids.numel(), b.input_ids.shape[1])).to(trainer.runner.device)
+    """Each head's loss and backward once on the largest global batch (this rank's part of it; no optimizer
+    step): a head that fails on any rank is dropped with its traceback on every rank, so one broken head
+    cannot cost the others their run."""
+    i = max(range(len(batches)), key=lambda j: (batches[j].input_ids.numel(), batches[j].input_ids.shape[1]))
+    big = trainer.batches[i]
     tout = trainer.runner.run(big, trainer.capture_layers, keep_kv=trainer.needs_kv)
-    keep = []
-    for task, opt in zip(trainer.tasks, trainer.opts):
+    ok = []
+    for task in trainer.tasks:
         try:
             task.loss(big, tout, 0.0)[0].backward()
-            keep.append((task, opt))
+            ok.append(True)
         except Exception:
             _log(f"head {task.name} failed its first step and is dropped:\n{traceback.format_exc()}")
+            ok.append(False)
         task.module.zero_grad(set_to_none=True)
-    if not keep:
+    ok = parallel.all_agree(trainer.world, ok, trainer.device)
+    if not any(ok):
         raise RuntimeError("every head failed its first step")
-    trainer.tasks, trainer.opts = [t for t, _ in keep], [o for _, o in keep]
+    trainer.tasks = [t for t, keep in zip(trainer.tasks, ok) if keep]
+    trainer.opts = [o for o, keep in zip(trainer.opts, ok) if keep]
     del tout
-    if trainer.runner.device.type == "cuda":
+    if trainer.device.type == "cuda" and trainer.world.main:
         torch.cuda.synchronize()
         _log(f"preflight: peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
 
 
 def evaluate(trainer, batches) -> dict[str, dict[str, float]]:
-    """Mean metrics of each head over held-out batches (no grad)."""
+    """Mean metrics of each head over held-out batches (no grad), to 8 significant digits."""
     sums: dict[str, dict[str, float]] = {t.name: {} for t in trainer.tasks}
     with torch.no_grad():
         for b in batches:
@@ -246,7 +273,7 @@ def evaluate(trainer, batches) -> dict[str, dict[str, float]]:
                 _, m = t.loss(b, tout, 1.0)
                 for k, v in m.items():
                     sums[t.name][k] = sums[t.name].get(k, 0.0) + float(v) / len(batches)
-    return {n: {k: round(v, 5) for k, v in m.items()} for n, m in sums.items()}
+    return {n: {k: float(f"{v:.8g}") for k, v in m.items()} for n, m in sums.items()}
 
 
 def curves(metrics_file: Path, heads: list[str]) -> dict[str, list[dict]]:
@@ -289,7 +316,7 @@ def unpack_outputs(parts_dir: Path, dest: Path) -> None:
     """The inverse of pack_outputs."""
     parts = sorted(Path(parts_dir).glob("heads.tar.part*"))
     if not parts:
-        raise JobError(f"no heads.tar.part* in {parts_dir}")
+        raise TrainError(f"no heads.tar.part* in {parts_dir}")
     tar_path = dest / "heads.tar"
     dest.mkdir(parents=True, exist_ok=True)
     tar_path.write_bytes(b"".join(p.read_bytes() for p in parts))
@@ -298,126 +325,195 @@ def unpack_outputs(parts_dir: Path, dest: Path) -> None:
     tar_path.unlink()
 
 
-def run(job: JobConfig) -> dict:
+def run(cfg: TrainConfig) -> dict:
+    """Train cfg's heads; under torchrun as one of several ranks. Returns the summary (rank 0's; {} on the others).
+    Inputs that cannot run are a TrainError (or DataError / ValueError) before any weights are read."""
     from ..models import resolve_device
-    from .shards import read_manifest
 
     t0 = time.time()
-    if job.smoke:
-        job = _smoked(job)
-    device = torch.device(resolve_device(job.device))  # (cuda without CUDA: a ValueError, before any weights)
-    manifest = read_manifest(job.shards)
-    target = smoke_target(manifest["vocab_size"], device, job.seed) if job.smoke else load_job_target(job, device)
-    if target.cfg.vocab_size != manifest["vocab_size"]:
-        raise JobError(
-            f"shards were made for a vocab of {manifest['vocab_size']}, the target has {target.cfg.vocab_size}"
-        )
-    hot, batches, held_batches = _job_data(job, target)
-    heads = tuple(job.heads)
-    init = Path(job.init_from) if job.init_from else None
-    tasks = build_tasks(
-        target, hot, heads, {"lambda_kl": 1.0, "lambda_feat": 0.1, "min_gap": 6, "max_gap": 14}, job.seed, init
-    )
-    out = Path(job.out)
-    trainer = _job_trainer(job, device, tasks, target, batches, _job_meta(job, manifest, hot, device), t0)
+    cfg = cfg.checked()
+    world = parallel.from_env()
+    device = torch.device(world.device(resolve_device(cfg.device)))  # (cuda without CUDA: a ValueError)
+    cfg = _smoked(cfg, device) if cfg.smoke else cfg
+    _check_out(cfg)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    parallel.start(world, device)
+    try:
+        return _run(cfg, world, device, t0)
+    finally:
+        parallel.stop()
+
+
+def _run(cfg: TrainConfig, world: parallel.World, device: torch.device, t0: float) -> dict:
+    from ..models.eagle3 import vocab_from_counts
+    from .data import make_batches
+    from .sources import data_vocab, load_sources, split_examples, vocab_counts
+
+    vocab = data_vocab(cfg)
+    target, tokenizer = load_run_target(cfg, device, vocab)
+    if vocab is not None and target.cfg.vocab_size != vocab:
+        raise TrainError(f"shards were made for a vocab of {vocab}, the target has {target.cfg.vocab_size}")
+    by_source = load_sources(cfg, tokenizer, _run_dir(cfg))
+    counts = vocab_counts(cfg, by_source, target.cfg.vocab_size, tokenizer)
+    size = min(cfg.draft_vocab_size or target.cfg.vocab_size, target.cfg.vocab_size)
+    hot = vocab_from_counts(counts, size)
+    coverage = float(counts[hot].sum()) / max(1, int(counts.sum()))
+    train, held = split_examples(by_source, cfg)
+    batches = make_batches(train, cfg.tokens_per_batch, cfg.seed)
+    held_batches = make_batches(held, cfg.tokens_per_batch, cfg.seed)[:HELD_OUT_BATCHES] if held else []
+    init = Path(cfg.init_from) if cfg.init_from else None
+    tasks = build_tasks(target, hot, cfg.heads, None, cfg.seed, init, cfg)
+    for t in tasks if cfg.autocast is not None else ():
+        t.autocast = cfg.autocast
+    meta = _meta(cfg, world, device, hot, coverage)
+    if world.main:
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.out) / "train_config.json").write_text(json.dumps(asdict(cfg), indent=1) + "\n")
+    trainer = _trainer(cfg, world, device, tasks, target, batches, meta, t0)
     n_tok = sum(b.num_tokens for b in batches)
-    _log(
-        f"{device}: {len(batches)} batches, {n_tok} tokens per epoch, heads {heads}, draft vocab {hot.numel()}, prep "
-        f"{time.time() - t0:.0f}s"
-    )
+    if world.main:
+        _log(
+            f"{device} x {world.size}: {len(batches)} batches, {n_tok} tokens per epoch, heads {cfg.heads}, draft "
+            f"vocab {hot.numel()} (covers {coverage:.4f}), {trainer.run_cfg.total_steps} steps, prep "
+            f"{time.time() - t0:.0f}s"
+        )
     t1 = time.time()
     final = trainer.fit()
-    train_s = time.time() - t1
-    heads = tuple(t.name for t in trainer.tasks)
-    trainer.export(out / "heads" if len(tasks) > 1 else out / "heads" / tasks[0].name)
-    held_scores = evaluate(trainer, held_batches) if held_batches else {}
-    summary = {
-        "device": _device_name(device),
-        "heads": list(heads),
-        "steps": trainer.step,
-        "tokens_seen": trainer.tokens_seen,
-        "train_seconds": round(train_s, 1),
-        "tokens_per_s": round(trainer.tokens_seen / max(train_s, 1e-9)),
-        "epoch_tokens": n_tok,
-        "final_train": {k: round(v, 5) for k, v in final.items()},
-        "held_out": held_scores,
-        "total_seconds": round(time.time() - t0, 1),
-    }
-    (out / "curves.json").write_text(json.dumps(curves(out / "train" / "metrics.jsonl", list(heads))) + "\n")
-    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    if job.pack:
-        pack_outputs(out, Path(job.pack))
-    _log(json.dumps(summary))
-    return summary
+    if not world.main:
+        return {}
+    return _finish(cfg, trainer, held_batches, final, n_tok, time.time() - t1, t0)
 
 
-def _smoked(job: JobConfig) -> JobConfig:
-    """--smoke: tiny batches and a few steps."""
+def _check_out(cfg: TrainConfig) -> None:
+    """A fresh run does not write into another run's directory (its checkpoints would mix with this one's); a
+    --smoke run starts over in its own."""
+    from .trainer import checkpoint_state
+
+    latest = Path(cfg.out) / "latest"
+    if cfg.resume is None and not cfg.smoke and latest.is_file():
+        raise TrainError(
+            f"{cfg.out} holds a run (latest: {latest.read_text().strip()}): pass --resume to continue it, or choose "
+            "another --out"
+        )
+    if cfg.resume and checkpoint_state(Path(cfg.resume)) is None:  # (resuming --out itself may start afresh)
+        raise TrainError(f"--resume {cfg.resume}: no checkpoint there (no latest, no trainer_state.pt)")
+
+
+def _run_dir(cfg: TrainConfig) -> Path:
+    """The directory of the run this one continues (its examples cache), else --out."""
+    if not cfg.resume:
+        return Path(cfg.out)
+    src = Path(cfg.resume)
+    return src.parent.parent if (src / "trainer_state.pt").is_file() else src
+
+
+def _smoked(cfg: TrainConfig, device: torch.device) -> TrainConfig:
+    """--smoke: tiny batches, a few steps, a tenth of each source held out; no time budget (the steps decide);
+    fp32 heads on a CPU (bf16 matmuls round differently per batch shape: runs on 1 and N ranks compare exactly)."""
     return replace(
-        job,
-        tokens_per_batch=min(job.tokens_per_batch, 512),
-        max_len=min(job.max_len, 64),
-        max_steps=min(job.max_steps, 3),
-        draft_vocab_size=min(job.draft_vocab_size, 256),
+        cfg,
+        autocast=False if device.type == "cpu" and cfg.autocast is None else cfg.autocast,
+        tokens_per_batch=min(cfg.tokens_per_batch, 512),
+        max_len=min(cfg.max_len, 64),
+        max_steps=min(cfg.max_steps or 3, 3),
+        draft_vocab_size=min(cfg.draft_vocab_size, 256),
         log_every=1,
-        max_examples=min(job.max_examples or 64, 64),
+        max_examples=min(cfg.max_examples or 64, 64),
+        holdout=max(cfg.holdout, 0.1),
+        time_budget_min=None,
+        deadline_min=None,
     )
 
 
-def _job_data(job: JobConfig, target) -> tuple[torch.Tensor, list, list]:
-    """-> (draft vocab [V_draft] target ids, training batches, held-out batches (at most 8))."""
-    from .data import make_batches
-    from .shards import load_examples_by_source
-
-    by_source = load_examples_by_source(job.shards, job.max_len, limit=job.max_examples)
-    hot = draft_vocab(by_source, target.cfg.vocab_size, job.draft_vocab_size)
-    train, held = split_examples(by_source, job.distill_repeat, job.holdout, job.seed)
-    batches = make_batches(train, job.tokens_per_batch, job.seed)
-    return hot, batches, make_batches(held, job.tokens_per_batch, job.seed)[:8]
-
-
-def _job_meta(job: JobConfig, manifest: dict, hot: torch.Tensor, device: torch.device) -> dict:
+def _meta(cfg: TrainConfig, world: parallel.World, device: torch.device, hot: torch.Tensor, coverage: float) -> dict:
     """What the trainer records with its checkpoints and metrics."""
     return {
-        "job": "moa-serve train job",
-        "shards": manifest.get("sources"),
-        "tokens_per_batch": job.tokens_per_batch,
-        "max_len": job.max_len,
-        "lr": job.lr,
-        "distill_repeat": job.distill_repeat,
+        "heads": list(cfg.heads),
+        "target": cfg.target_gguf or cfg.target,
+        "data": list(cfg.data),
+        "tokens_per_batch": cfg.tokens_per_batch,
+        "max_len": cfg.max_len,
+        "lr": cfg.lr,
+        "distill_repeat": cfg.distill_repeat,
         "draft_vocab_size": int(hot.numel()),
+        "draft_vocab_coverage": round(coverage, 5),
         "device": _device_name(device),
-        "time_budget_min": job.time_budget_min,
-        "smoke": bool(job.smoke),
-        "init_from": job.init_from,
+        "world_size": world.size,
+        "time_budget_min": cfg.time_budget_min,
+        "seed": cfg.seed,
+        "smoke": cfg.smoke,
+        "init_from": cfg.init_from,
     }
 
 
-def _job_trainer(job: JobConfig, device: torch.device, tasks, target, batches, meta: dict, t0: float):
-    """The Trainer of all heads, checked on a first batch (preflight); with --deadline-min its time budget
-    is what is left of the job's wall time (since t0), less a reserve for export and scoring."""
+def _trainer(cfg: TrainConfig, world, device: torch.device, tasks, target, batches, meta: dict, t0: float):
+    """The Trainer of all heads, checked on a first batch (preflight) and resumed when asked; with
+    --deadline-min its time budget is what is left of the run's wall time (since t0), less a reserve
+    for export and scoring (rank 0's reading, so every rank stops at the same step)."""
     from .target import TargetRunner
     from .trainer import OptimConfig, RunConfig, Trainer
 
     run_cfg = RunConfig(
-        str(Path(job.out) / "train"),
-        job.max_steps,
-        save_every_s=1e9,
-        keep_checkpoints=1,
-        log_every=job.log_every,
-        time_budget_s=job.time_budget_min * 60,
-        seed=job.seed,
-        progress_bar=False,
+        cfg.out,
+        cfg.max_steps or max(1, int(cfg.epochs * len(batches))),
+        save_every_s=cfg.save_every_min * 60,
+        keep_checkpoints=cfg.keep_checkpoints,
+        log_every=cfg.log_every,
+        time_budget_s=cfg.time_budget_min * 60 if cfg.time_budget_min else None,
+        seed=cfg.seed,
+        progress_bar=cfg.progress,
+        stop_step=cfg.stop_at_step,
+        save_every_steps=cfg.save_every_steps,
     )
-    runner = TargetRunner(
-        target, job.tokens_per_batch if device.type != "cpu" else max(job.tokens_per_batch, job.max_len)
+    # the CPU runs the batch's sequences unpadded: a whole example may exceed tokens_per_batch
+    runner = TargetRunner(target, max(cfg.tokens_per_batch, cfg.max_len if device.type == "cpu" else 0))
+    optim = OptimConfig(
+        lr=cfg.lr, warmup_ratio=cfg.warmup_ratio, grad_clip=cfg.grad_clip, weight_decay=cfg.weight_decay
     )
-    trainer = Trainer(tasks, runner, batches, OptimConfig(lr=job.lr, warmup_ratio=job.warmup_ratio), run_cfg, meta)
+    trainer = Trainer(tasks, runner, batches, optim, run_cfg, meta, world)
     preflight(trainer, batches)
-    if job.deadline_min:
-        left = job.deadline_min * 60 - (time.time() - t0) - EXPORT_RESERVE_S
-        trainer.run_cfg = replace(run_cfg, time_budget_s=max(1.0, min(run_cfg.time_budget_s, left)))
+    if cfg.deadline_min:
+        left = parallel.agree(world, cfg.deadline_min * 60 - (time.time() - t0) - EXPORT_RESERVE_S, device)
+        budget = min(run_cfg.time_budget_s or float("inf"), left)
+        trainer.run_cfg = replace(run_cfg, time_budget_s=max(1.0, budget))
+    if cfg.resume is not None:
+        _resume(cfg, trainer, world)
     return trainer
+
+
+def _resume(cfg: TrainConfig, trainer, world: parallel.World) -> None:
+    """Continue from --resume DIR (a run or a checkpoint directory; '' is --out, where a run without a
+    checkpoint yet starts from the beginning)."""
+    src = Path(cfg.resume or cfg.out)
+    if trainer.resume(src) and world.main:
+        _log(f"resumed at step {trainer.step} ({trainer.tokens_seen} tokens) from {src}")
+
+
+def _finish(cfg: TrainConfig, trainer, held_batches, final: dict, epoch_tokens: int, train_s: float, t0: float) -> dict:
+    """Rank 0: the servable heads, the held-out scores, curves.json, summary.json (and the parts with --pack)."""
+    out = Path(cfg.out)
+    heads = [t.name for t in trainer.tasks]
+    trainer.export(out / "heads" if len(heads) > 1 else out / "heads" / heads[0])
+    summary = {
+        "device": trainer.meta["device"],
+        "world_size": trainer.world.size,
+        "heads": heads,
+        "steps": trainer.step,
+        "tokens_seen": trainer.tokens_seen,
+        "train_seconds": round(train_s, 1),
+        "tokens_per_s": round(trainer.tokens_seen / max(train_s, 1e-9)),
+        "epoch_tokens": epoch_tokens,
+        "final_train": {k: round(v, 5) for k, v in final.items()},
+        "held_out": evaluate(trainer, held_batches) if held_batches else {},
+        "total_seconds": round(time.time() - t0, 1),
+    }
+    (out / "curves.json").write_text(json.dumps(curves(out / "metrics.jsonl", heads)) + "\n")
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    if cfg.pack:
+        pack_outputs(out, Path(cfg.pack))
+    _log(json.dumps(summary))
+    return summary
 
 
 def _device_name(device: torch.device) -> str:

@@ -63,12 +63,13 @@ class MedusaTask:
         with torch.autocast(self.target.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             z = self.heads.logits(tout.hidden.float(), self.lm_rows)  # [B, T, K, Vd]
         total, metrics = 0.0, {}
-        for k in range(self.heads.cfg.num_heads):
-            labels, counts = head_labels(batch, k)  # [B, T]
+        labelled = [head_labels(batch, k) for k in range(self.heads.cfg.num_heads)]  # per head [B, T] each
+        denoms = batch.total(torch.stack([c.sum() for _, c in labelled])).clamp(min=1)  # [K] over every rank
+        for k, (labels, counts) in enumerate(labelled):
             idx = self.to_draft[labels]  # [B, T] draft index, -1 outside the draft vocab
             zk = z[:, :, k].float()
             ce = F.cross_entropy(zk.flatten(0, 1), idx.clamp(min=0).flatten(), reduction="none").view_as(idx)
-            denom = counts.sum().clamp(min=1)
+            denom = denoms[k]
             head_loss = torch.where(counts & (idx >= 0), ce, 0.0).sum() / denom
             total = total + self.decay**k * head_loss
             with torch.no_grad():

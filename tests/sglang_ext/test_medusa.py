@@ -339,35 +339,35 @@ def test_short_training_run_lowers_the_loss_and_exports(tmp_path):
 def test_train_medusa_cli_parses(tmp_path):
     import argparse
 
-    from entrypoints.train import add_train_parser, train_medusa
+    from entrypoints.train import add_train_parser, train_config
 
     p = argparse.ArgumentParser()
     add_train_parser(p.add_subparsers(dest="command"))
-    args = p.parse_args(["train", "medusa", "--data", "x", "--out", str(tmp_path), "--num-heads", "3"])
-    assert (args.train_fn, args.num_heads, args.draft_vocab_size, args.decay) == (train_medusa, 3, 8192, 0.8)
+    cfg = train_config(p.parse_args(["train", "medusa", "--data", "x", "--out", str(tmp_path), "--num-heads", "3"]))
+    assert (cfg.heads, cfg.medusa.num_heads, cfg.draft_vocab_size, cfg.medusa.decay) == (("medusa",), 3, 8192, 0.8)
 
 
 def test_train_data_from_a_shard_directory(tmp_path):
     """--data DIR of `moa-serve train pack`: its examples cut into --max-len windows, a seeded sample of them."""
-    import argparse
-
     import numpy as np
 
-    from entrypoints.train import prepare_examples
+    from sglang_ext.training.config import TrainConfig
     from sglang_ext.training.shards import Packed, pack
+    from sglang_ext.training.sources import load_sources, split_examples
 
     g = np.random.default_rng(0)
     items = [Packed(g.integers(0, 50, 30), np.arange(30) >= 10) for _ in range(5)]
     pack(tmp_path / "shards", {"distill:x": iter(items)}, 64)
-    args = argparse.Namespace(
-        out=str(tmp_path / "run"), data=[str(tmp_path / "shards")], num_examples=7, max_len=12, seed=0, resume=False
-    )
-    exs = prepare_examples(args, tokenizer=None)  # shards need no tokenizer
-    assert len(exs) == 7 and all(len(e.input_ids) <= 12 and int(e.loss_mask.sum()) >= 2 for e in exs)
+    cfg = TrainConfig(out=str(tmp_path / "run"), data=(str(tmp_path / "shards"),), num_examples=7, max_len=12)
+
+    def examples():
+        return split_examples(load_sources(cfg, None, tmp_path / "run"), cfg)  # shards need no tokenizer
+
+    exs, held = examples()
+    assert len(exs) == 7 and not held and all(len(e.input_ids) <= 12 and int(e.loss_mask.sum()) >= 2 for e in exs)
     windows = {tuple(x.ids[s : s + 12].tolist()) for x in items for s in range(0, 30, 12)}
     assert {tuple(e.input_ids.tolist()) for e in exs} <= windows
-    args.resume = True  # a resumed run reads the same examples back
-    assert [e.input_ids.tolist() for e in prepare_examples(args, None)] == [e.input_ids.tolist() for e in exs]
+    assert [e.input_ids.tolist() for e in examples()[0]] == [e.input_ids.tolist() for e in exs]  # the same again
 
 
 # --- the engine: greedy identity and the sampled law -------------------------------------------

@@ -236,18 +236,22 @@ def test_resume_continues_exactly(tmp_path):
         assert torch.allclose(a, c, atol=1e-6), k
 
 
-def test_train_cli_parser_and_errors(tmp_path):
-    from entrypoints.train import add_train_parser
+def test_train_cli_parser_and_errors(tmp_path, capsys):
+    from entrypoints.train import add_train_parser, train_config
 
     parser = argparse.ArgumentParser()
     add_train_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["train", "eagle3", "--data", str(tmp_path / "x.jsonl"), "--out", str(tmp_path / "o")])
-    assert (
-        args.draft_type == "eagle3"
-        and args.ttt_length == 7
-        and args.draft_vocab_size == 16384
-        and args.device == "auto"
-    )
+    cfg = train_config(args)
+    assert cfg.heads == ("eagle3",) and cfg.eagle3.ttt_length == 7 and cfg.draft_vocab_size == 16384
+    assert cfg.device == "auto" and cfg.num_examples == 2000 and cfg.resume is None and cfg.threads == 2
+    moa = train_config(parser.parse_args(["train", "moa", "--tli", "1", "--data", "d", "--out", "o", "--resume"]))
+    assert moa.heads == ("moa-tli1",) and moa.resume == "" and moa.moa.lambda_kl == 1.0
+    job = train_config(parser.parse_args(["train", "job", "--shards", "s", "--out", "o", "--resume", "runs/a"]))
+    assert job.heads == ("eagle3", "moa-tli0", "moa-tli1") and job.data == ("s",) and job.resume == "runs/a"
+    assert job.tokens_per_batch == 32768 and job.holdout == 0.005 and not job.progress
     (tmp_path / "x.jsonl").write_text("")
-    with pytest.raises(DataError, match="empty"):
-        args.train_fn(args)
+    assert args.train_fn(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moa-serve train eagle3: error: training data") and err.endswith("is empty")
+    assert "\n" not in err
