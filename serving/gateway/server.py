@@ -147,8 +147,9 @@ class HeadTimeoutProtocol(H11Protocol):
 
 
 def uvicorn_config(app, host: str, port: int, **kw) -> uvicorn.Config:
-    """uvicorn's settings for a gateway app: its connection cap and request head deadline (app.state.limits)."""
-    limits: Limits = getattr(app.state, "limits", Limits())
+    """uvicorn's settings for a gateway app: its connection cap and request head deadline (app.state.limits;
+    the defaults for an app without them, e.g. the gateway inside a test's ASGI middleware)."""
+    limits: Limits = getattr(getattr(app, "state", None), "limits", None) or Limits()
     protocol = type("GatewayH11Protocol", (HeadTimeoutProtocol,), {"head_timeout_s": limits.body_timeout_s})
     return uvicorn.Config(
         app,
