@@ -9,6 +9,9 @@ Workloads (each user runs its turns one after another; users at once):
   drafters   the `system` workload, one user at a time, the cache on, per drafter (vanilla, EAGLE-3, MoA, ...):
              the TTFT of the requests that hit the cache, and their end-to-end time (the drafter's catch-up on the
              prompt included), interleaved with vanilla's in each repeat
+  catch-up   (--catch-up) what a drafter that rebuilt its state would pay: on the engine without the cache, the
+             first decode step after the system prompt's prefill (the drafter processes the whole prompt) against
+             the second, per drafter
 
     .venv/bin/python scripts/prefix-cache-bench.py --threads 2 --out results/prefix-cache.json
 """
@@ -27,10 +30,12 @@ import openai
 import torch
 
 from serving.config import EngineConfig
-from serving.engine import build_engine
+from serving.engine import Engine, build_engine
 from serving.gateway.app import create_app
 from serving.gateway.server import ServerThread, embedded_backend
+from sglang_ext.drafters import make_drafter
 from sglang_ext.models import load_target
+from sglang_ext.sampling import SamplingParams
 from sglang_ext.training.data import open_conversations
 
 MODEL = "smollm2"
@@ -100,13 +105,13 @@ async def conversation(client, system: str, questions: list[str], max_tokens: in
 
 
 async def run_users(url: str, system: str, conversations: list[list[str]], max_tokens: int, together: bool):
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1800)
-    t0 = time.perf_counter()
-    if together:
-        results = await asyncio.gather(*(conversation(client, system, q, max_tokens) for q in conversations))
-    else:
-        results = [await conversation(client, system, q, max_tokens) for q in conversations]
-    return [t for r in results for t in r], time.perf_counter() - t0
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=1800) as client:
+        t0 = time.perf_counter()
+        if together:
+            results = await asyncio.gather(*(conversation(client, system, q, max_tokens) for q in conversations))
+        else:
+            results = [await conversation(client, system, q, max_tokens) for q in conversations]
+        return [t for r in results for t in r], time.perf_counter() - t0
 
 
 def serve_and_run(target, config: EngineConfig, system, conversations, max_tokens, together):
@@ -114,6 +119,33 @@ def serve_and_run(target, config: EngineConfig, system, conversations, max_token
     backend, telemetry = embedded_backend(engine, MODEL, config.drafter or "none", max_tokens=max_tokens)
     with ServerThread(create_app(backend, telemetry)) as srv:
         return asyncio.run(run_users(srv.url, system, conversations, max_tokens, together))
+
+
+def catch_up(target, names: list[str], prompt: list[int], repeats: int) -> dict:
+    """Per drafter, the median first and second decode steps after a prefill of `prompt` (cache off)."""
+    out = {}
+    for name in names:
+        eng = Engine(target, make_drafter(name, target), EngineConfig(drafter=name, prefix_cache=False))
+        firsts, seconds = [], []
+        for _ in range(repeats + 1):  # (the first run warms up)
+            r = eng.add_request(prompt, SamplingParams(max_new_tokens=16, ignore_eos=True))
+            while not r.output_ids:  # the prefill (in chunks of prefill_tokens)
+                eng.step()
+            times = []
+            for _ in range(2):
+                t0 = time.perf_counter()
+                eng.step()
+                times.append(time.perf_counter() - t0)
+            eng.abort(r)
+            firsts.append(times[0])
+            seconds.append(times[1])
+        out[name] = {"first_decode_s": statistics.median(firsts[1:]), "second_decode_s": statistics.median(seconds[1:])}
+        print(
+            f"catch-up {name}: first decode step {out[name]['first_decode_s']:.3f} s, second "
+            f"{out[name]['second_decode_s']:.3f} s",
+            flush=True,
+        )
+    return out
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -152,6 +184,8 @@ def main() -> None:
     ap.add_argument("--system-tokens", type=int, default=1600)
     ap.add_argument("--drafters", default="none,eagle3,moa", help="the drafters workload's drafters ('' skips it)")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--catch-up", default="", help="drafters whose catch-up on the system prompt to measure")
+    ap.add_argument("--skip-serving", action="store_true", help="only the catch-up measurement")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -162,7 +196,10 @@ def main() -> None:
     questions = [c[: args.turns] for c in sharegpt_conversations(args.users * 2, args.turns, 120)[args.users :]]
     print(f"system prompt: {sys_len} tokens with the template; {args.users} users, {args.turns} turns")
     results: dict = {"args": vars(args), "system_prompt_tokens": sys_len, "runs": []}
-    for rep in range(args.repeats):
+    if args.catch_up:
+        prompt = target.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": "Hi!"}])
+        results["catch_up"] = catch_up(target, args.catch_up.split(","), prompt, args.repeats)
+    for rep in range(0 if args.skip_serving else args.repeats):
         for workload, sys_text, convs in (("sharegpt", "", chats), ("system", system, questions)):
             for cache in (True, False):
                 cfg = EngineConfig(drafter=args.drafter, adaptive=True, prefix_cache=cache, kv_slots=16384)
