@@ -97,7 +97,11 @@ def test_chat_shapes_usage_and_spec_stats(server, client):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert len({ch.id for ch in chunks}) == 1
     *content, usage = chunks
-    assert usage.choices == [] and usage.usage.model_dump() == full.usage.model_dump()
+    streamed, whole = usage.usage.model_dump(), full.usage.model_dump()
+    # the same prompt again: all but its last token came from the prefix cache
+    assert streamed.pop("prompt_tokens_details")["cached_tokens"] == full.usage.prompt_tokens - 1
+    whole.pop("prompt_tokens_details")
+    assert usage.choices == [] and streamed == whole
     assert SPEC_KEYS <= set(objs[-1]["meta_info"])
     assert "".join(ch.choices[0].delta.content or "" for ch in content) == full.choices[0].message.content
     assert [ch.choices[0].finish_reason for ch in content if ch.choices[0].finish_reason] == [
