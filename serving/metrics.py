@@ -79,13 +79,15 @@ class Metrics:
         )
         self.prefix_cache_query_tokens = Counter(
             "moa_prefix_cache_query_tokens",
-            "Prompt tokens looked up in the prefix cache (every prompt token of a request, when the cache is on)",
+            "Prompt tokens looked up in the prefix cache (every prompt token of a request, when the cache is on; "
+            "counted with the request's first token)",
             _LABELS,
             registry=r,
         )
         self.prefix_cache_hit_tokens = Counter(
             "moa_prefix_cache_hit_tokens",
-            "Prompt tokens found in the prefix cache: their K/V reused, not prefilled",
+            "Prompt tokens found in the prefix cache when the request's prefill started: their K/V reused, not "
+            "prefilled",
             _LABELS,
             registry=r,
         )

@@ -329,8 +329,6 @@ class Scheduler:
             h.cached = h.req.shared  # (read under the lock by the metrics thread's _reserved: one int)
             if self.telemetry:
                 self.telemetry.prompt_tokens.inc(len(h.prompt_ids))
-                if self.engine.prefix_cache is not None:
-                    self.telemetry.prefix_cache(len(h.prompt_ids), h.req.cached_tokens)
         self._post(posts)
 
     def _apply_aborts(self, handles: list[Handle]) -> None:
@@ -408,6 +406,10 @@ class Scheduler:
         if not self.telemetry:
             return
         self.telemetry.generated_tokens.inc(len(e.new_tokens))
+        r = e.request
+        if self.engine.prefix_cache is not None and e.new_tokens and len(r.output_ids) == len(e.new_tokens):
+            # its first token: the prompt was looked up when its prefill started (what usage reports)
+            self.telemetry.prefix_cache(len(r.prompt_ids), r.cached_tokens)
         if h is not None and e.request.stats.verify_steps > h._last_verify:
             h._last_verify = e.request.stats.verify_steps
             self.telemetry.verify_step(e.drafted, e.accepted)
