@@ -235,7 +235,7 @@ def test_no_slot_is_lost_under_eviction_aborts_faults_and_flushes(monkeypatch):
     eng = Engine(t, drafter, EngineConfig(**cfg))
     reference = Engine(t, None, EngineConfig(**cfg, prefix_cache=False))
     prefixes = [[rng.randrange(vocab) for _ in range(rng.randrange(20, 50))] for _ in range(4)]
-    step_fault, faulty_rids = {"armed": False}, set()
+    step_fault, faulty_roots = {"armed": False}, set()
     real_forward, real_greedy = t.model.forward, engine_mod.greedy_path
 
     def forward(*a, **kw):
@@ -245,7 +245,7 @@ def test_no_slot_is_lost_under_eviction_aborts_faults_and_flushes(monkeypatch):
         return real_forward(*a, **kw)
 
     def greedy_path(tree, tokens):
-        if int(tree.positions[0]) in faulty_rids:  # (keyed by the root's position: unique per request here)
+        if int(tree.positions[0]) in faulty_roots:  # (by the root's position: this step's request of that length)
             raise RuntimeError("injected verify fault")
         return real_greedy(tree, tokens)
 
@@ -259,19 +259,19 @@ def test_no_slot_is_lost_under_eviction_aborts_faults_and_flushes(monkeypatch):
     monkeypatch.setattr(t.model, "forward", forward)
     monkeypatch.setattr(engine_mod, "greedy_path", greedy_path)
     monkeypatch.setattr(PrefixCache, "evict", evict)
-    finished, resets = [], 0
-    live = []
+    finished, live, resets = [], [], 0
     for _ in range(400):
         while len(live) < 3:
             prompt = rng.choice(prefixes) + [rng.randrange(vocab) for _ in range(rng.randrange(1, 25))]
             live.append(eng.add_request(prompt, SamplingParams(max_new_tokens=rng.randrange(4, 30), ignore_eos=True)))
         roll = rng.random()
         if roll < 0.05:
-            eng.abort(live.pop(rng.randrange(len(live))))
+            finished.append(live.pop(rng.randrange(len(live))))
+            eng.abort(finished[-1])
         elif roll < 0.06:
             eng.flush_cache()
         elif roll < 0.09:
-            faulty_rids.add(len(rng.choice(live).token_ids) - 1)
+            faulty_roots.add(len(rng.choice(live).token_ids) - 1)
         elif roll < 0.1:
             step_fault["armed"] = True
         try:
@@ -279,7 +279,7 @@ def test_no_slot_is_lost_under_eviction_aborts_faults_and_flushes(monkeypatch):
         except RuntimeError:
             eng.reset()  # what the scheduler does after a step fault
             resets += 1
-        faulty_rids.clear()
+        faulty_roots.clear()
         acc = eng.slot_accounts()
         assert acc.lost == 0, acc
         own = sum(s.numel() - drafter.borrowed[rid] for rid, s in drafter.slots.items())
@@ -290,6 +290,7 @@ def test_no_slot_is_lost_under_eviction_aborts_faults_and_flushes(monkeypatch):
         eng.abort(r)
     print(f"{len(finished)} ended, {resets} resets, {sum(evictions)} tokens evicted")
     assert resets and sum(evictions) > 200 and eng.prefix_cache.tokens
+    assert any(r.error == "verify" for r in finished) and any(r.finish_reason == "abort" for r in finished)
     assert slots_whole(eng) and drafter_pools_whole(drafter)
     done = [r for r in finished if r.finish_reason == "length"]
     assert len(done) > 30 and sum(r.cached_tokens for r in done) > 100
