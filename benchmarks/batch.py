@@ -198,7 +198,8 @@ class _SweepEngines:
         e = self.engine
         if e is None or self.b != b or e.kv.num_slots < need:
             self.engine = None  # free the old pool first
-            config = EngineConfig(tree=self.tree, kv_slots=2 * need, adaptive=self.adaptive)
+            # (no prefix cache: the sweep repeats its prompts; benchmarks/bench.py engine_runner)
+            config = EngineConfig(tree=self.tree, kv_slots=2 * need, adaptive=self.adaptive, prefix_cache=False)
             e = self.engine_cls(
                 self.target, self.drafter, config, on_fallback=lambda r, why: self.fallbacks.append(why)
             )
@@ -577,7 +578,7 @@ def measure_gateway_overhead(
     res = OverheadResult(method, tree.label if method != "vanilla" else "-", False, requests, max_tokens)
     try:
         name = "none" if method == "vanilla" else method
-        config = EngineConfig(tree=tree)
+        config = EngineConfig(tree=tree, prefix_cache=False)  # (the same request again and again: no hits measured)
         direct = Engine(target, bench_drafter(method, target), config)
         served = Engine(target, bench_drafter(method, target), config)
         prompt = target.encode_chat(messages)

@@ -99,7 +99,10 @@ def engine_runner(target, method: str, tree, sp, on_fallback=None):
     from serving.config import EngineConfig
     from serving.engine import Engine
 
-    engine = Engine(target, bench_drafter(method, target), EngineConfig(tree=tree), on_fallback=on_fallback)
+    # NOTE: no prefix cache: a benchmark repeats its prompts, and measures prefill + decoding (docs/BENCHMARKS.md
+    # "Prefix cache" measures the cache)
+    config = EngineConfig(tree=tree, prefix_cache=False)
+    engine = Engine(target, bench_drafter(method, target), config, on_fallback=on_fallback)
 
     def run(prompt):
         r = engine.generate([prompt], sp)[0]

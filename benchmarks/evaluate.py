@@ -18,7 +18,7 @@ def evaluate(target, drafter, shape, prompts: list[list[int]], max_new_tokens: i
     from serving.engine import Engine
     from sglang_ext.sampling import SamplingParams
 
-    eng = Engine(target, drafter, EngineConfig(tree=shape))
+    eng = Engine(target, drafter, EngineConfig(tree=shape, prefix_cache=False))  # (acceptance only: no cache needed)
     steps = accepted = tokens = 0
     t0 = time.perf_counter()
     for p in prompts:

@@ -36,7 +36,7 @@ def _steady_engine(target, drafter, tree, prompt: list[int], max_new_tokens: int
     from sglang_ext.sampling import SamplingParams
 
     kv = len(prompt) + max_new_tokens + 4 * (tree.num_draft_tokens + 2) + 64
-    engine = Engine(target, drafter, EngineConfig(tree=tree, kv_slots=kv))
+    engine = Engine(target, drafter, EngineConfig(tree=tree, kv_slots=kv, prefix_cache=False))  # (repeated prompts)
     req = engine.add_request(prompt, SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True))
     while engine.waiting:
         engine.step()
@@ -123,7 +123,7 @@ def vanilla_throughput(target, prompts: list[list[int]], max_new_tokens: int, wa
     from sglang_ext.tree import TreeShape
 
     kv = sum(map(len, prompts)) + len(prompts) * (max_new_tokens + 2) + 64
-    engine = Engine(target, None, EngineConfig(tree=TreeShape.chain(1), kv_slots=kv))
+    engine = Engine(target, None, EngineConfig(tree=TreeShape.chain(1), kv_slots=kv, prefix_cache=False))
     engine.generate(prompts, SamplingParams(max_new_tokens=warmup_tokens, ignore_eos=True))  # graphs captured
     device = engine.model.device
     _sync(device)

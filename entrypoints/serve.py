@@ -3,6 +3,7 @@ embedded engine or an upstream SGLang server, behind the gateway app) -> uvicorn
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import sys
@@ -77,6 +78,21 @@ def _add_engine_args(s) -> None:
         ),
     )
     s.add_argument("--max-context", type=int, default=None, help="embedded: context limit (default: the model's)")
+    s.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help=(
+            "embedded: reuse the KV of prompt prefixes earlier requests of the same tenant (API key, cache_salt) "
+            "computed, evicted least recently used first when the KV pool needs room (default: on)"
+        ),
+    )
+    s.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=None,
+        help="embedded: most tokens the prefix cache keeps (default: as many as the KV pool has room for)",
+    )
     s.add_argument(
         "--edge-drafters",
         default=None,
@@ -203,6 +219,8 @@ def serve_options(args) -> ServeOptions:
         max_context=args.max_context,
         adaptive=not args.no_adaptive,
         prefill_tokens=args.prefill_tokens,
+        prefix_cache=args.prefix_cache,
+        prefix_cache_tokens=args.prefix_cache_tokens,
     )  # a bad --tree fails here, before the model loads
     limits = EmbeddedLimits(
         max_running=args.max_running,

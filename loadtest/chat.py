@@ -9,6 +9,8 @@ also reports, as request_type "METRIC" rows (response_time column = the value):
   itl_ms          each gap between consecutive content chunks
   e2e_ms          request start to the end of the stream ([DONE])
   output_tokens   completion tokens (usage.completion_tokens when the server sends it, else content chunks)
+  cached_tokens   prompt tokens the server took from its prefix cache (usage.prompt_tokens_details), when sent
+  ttft_ms (turn 1), ttft_ms (turn 2+)   the multiturn workload's TTFT of first turns, and of later ones
 
 Environment:
   MOA_LOADTEST_HOST         base URL when --host is not given (default http://127.0.0.1:8000)
@@ -30,8 +32,14 @@ Environment:
                                           as the predicted output (OpenAI `prediction`: "regenerate")
                               generate    "Question: <prompt>\nAnswer:" as raw text to SGLang's native POST
                                           /generate (stream; the text so far in each event; min_new_tokens 4)
+                              multiturn   one conversation per user, MOA_LOADTEST_TURNS turns long: each turn
+                                          sends the history (the system prompt, earlier questions and the
+                                          server's own answers) and a new question from MOA_LOADTEST_PROMPTS,
+                                          so a server with a prefix cache prefills only the new message
                             Each is its own request name ("/v1/chat/completions (tools)", ...) with the same
                             METRIC rows; a tool call's arrival counts as its first token.
+  MOA_LOADTEST_TURNS        multiturn: turns per conversation (default 4)
+  MOA_LOADTEST_SYSTEM_PROMPT  multiturn: a system prompt every conversation shares (text, or a file holding it)
 """
 
 from __future__ import annotations
@@ -87,7 +95,7 @@ MAX_TOKENS = int(os.environ.get("MOA_LOADTEST_MAX_TOKENS", "128"))
 TEMPERATURE = float(os.environ.get("MOA_LOADTEST_TEMPERATURE", "0.0"))
 API_KEY = os.environ.get("MOA_LOADTEST_API_KEY", "")
 THINK_TIME = float(os.environ.get("MOA_LOADTEST_THINK_TIME", "0"))
-WORKLOADS = ("chat", "tools", "prediction", "generate")
+WORKLOADS = ("chat", "tools", "prediction", "generate", "multiturn")
 TOOLS = [
     {
         "type": "function",
@@ -134,6 +142,18 @@ def parse_mix(text: str) -> dict[str, int]:
 
 
 MIX = parse_mix(os.environ.get("MOA_LOADTEST_MIX", "chat:1"))
+TURNS = int(os.environ.get("MOA_LOADTEST_TURNS", "4"))
+
+
+def system_prompt(source: str | None) -> str:
+    """MOA_LOADTEST_SYSTEM_PROMPT: the text, or the contents of the file it names."""
+    if not source:
+        return ""
+    path = Path(source)
+    return path.read_text(encoding="utf-8") if len(source) < 4096 and path.is_file() else source
+
+
+SYSTEM_PROMPT = system_prompt(os.environ.get("MOA_LOADTEST_SYSTEM_PROMPT"))
 TOOL_MAX_TOKENS = 128  # a call is ~30-60 tokens (one cut short comes back as text)
 
 
@@ -195,6 +215,20 @@ class ChatUser(HttpUser):
         if text:
             answers[prompt] = text
 
+    def multiturn(self) -> None:
+        """The next turn of this user's conversation (its history and a new question); after TURNS turns, a new
+        conversation. A failed turn starts a new one."""
+        history = self.__dict__.setdefault("conversation", [])
+        if len(history) >= 2 * TURNS:
+            history.clear()
+        question = {"role": "user", "content": random.choice(PROMPTS)}
+        system = [{"role": "system", "content": SYSTEM_PROMPT}] if SYSTEM_PROMPT else []
+        text = self._stream("multiturn", system + history + [question], turn=len(history) // 2 + 1)
+        if text is None:
+            history.clear()
+        else:
+            history += [question, {"role": "assistant", "content": text}]
+
     def generate(self) -> None:
         """SGLang's native API (the moa-serve gateway serves it too): cumulative text per event."""
         # raw text, no chat template: framed as Q/A, and min_new_tokens so an immediate EOS cannot end it empty
@@ -235,8 +269,9 @@ class ChatUser(HttpUser):
                 return
             self._report(start, token_times, completion)
 
-    def _stream(self, workload: str, messages: list[dict], **extra) -> str | None:
-        """One streamed chat completion; reports its METRIC rows; returns the content (None on failure)."""
+    def _stream(self, workload: str, messages: list[dict], turn: int | None = None, **extra) -> str | None:
+        """One streamed chat completion; reports its METRIC rows (turn: its turn in a conversation); returns the
+        content (None on failure)."""
         body = {
             "model": self.model,
             "messages": messages,
@@ -255,7 +290,7 @@ class ChatUser(HttpUser):
                 resp.failure(f"HTTP {resp.status_code}: {resp.text[:200]}")
                 return None
             try:
-                token_times, usage_tokens, text, calls, finish = self._read_stream(resp)
+                token_times, usage, text, calls, finish = self._read_stream(resp)
             except (ValueError, KeyError) as exc:  # malformed SSE / JSON or an error event
                 resp.failure(str(exc))
                 return None
@@ -265,15 +300,20 @@ class ChatUser(HttpUser):
             if not token_times:
                 resp.failure("stream ended without content")
                 return None
-            self._report(start, token_times, usage_tokens)
+            self._report(start, token_times, usage.get("completion_tokens"))
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            if cached is not None:
+                fire_metric("cached_tokens", cached)
+            if turn is not None:
+                fire_metric("ttft_ms (turn 1)" if turn == 1 else "ttft_ms (turn 2+)", (token_times[0] - start) * 1000)
             return text
 
     @staticmethod
-    def _read_stream(resp) -> tuple[list[float], int | None, str, int, str | None]:
-        """Arrival time of each chunk with content or tool calls, usage.completion_tokens if the server
-        sent it, the content, the number of tool calls and the finish_reason."""
+    def _read_stream(resp) -> tuple[list[float], dict, str, int, str | None]:
+        """Arrival time of each chunk with content or tool calls, the usage if the server sent it ({} if not),
+        the content, the number of tool calls and the finish_reason."""
         token_times: list[float] = []
-        usage_tokens = None
+        usage: dict = {}
         text, calls, finish = [], 0, None
         for raw in sse_lines(resp.raw):
             line = raw.decode("utf-8").rstrip("\r")
@@ -281,12 +321,12 @@ class ChatUser(HttpUser):
                 continue  # blank separators, SSE comments
             data = line[len("data:") :].strip()
             if data == "[DONE]":
-                return token_times, usage_tokens, "".join(text), calls, finish
+                return token_times, usage, "".join(text), calls, finish
             chunk = json.loads(data)
             if "error" in chunk:
                 raise ValueError(f"error event: {chunk['error'].get('message', chunk['error'])}")
             if chunk.get("usage"):
-                usage_tokens = chunk["usage"].get("completion_tokens")
+                usage = chunk["usage"]
             for choice in chunk.get("choices", []):
                 delta = choice.get("delta", {})
                 if delta.get("content") or delta.get("tool_calls"):

@@ -35,6 +35,9 @@ class EngineConfig:
     # decode / verify forwards at bucketed shapes replayed from CUDA graphs (sglang_ext/models/graph_runner.py);
     # effective on a CUDA device only, eager outside the buckets
     cuda_graphs: bool = True
+    # reuse the KV of prompt prefixes earlier requests of the same tenant computed (serving/prefix_cache.py)
+    prefix_cache: bool = True
+    prefix_cache_tokens: int | None = None  # most tokens the prefix cache keeps (None: what the KV pool has room for)
 
     def __post_init__(self):
         if isinstance(self.tree, str):
@@ -49,3 +52,5 @@ class EngineConfig:
             raise ValueError(f"kv_slots must be >= 1, got {self.kv_slots}")
         if self.prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be >= 1, got {self.prefill_tokens}")
+        if self.prefix_cache_tokens is not None and self.prefix_cache_tokens < 0:
+            raise ValueError(f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}")

@@ -11,6 +11,14 @@ Per request, the target KV holds every token except the last one (the root of th
     tokens:  p0 p1 p2 p3 | g0 g1 g2       (prompt | generated)
     slots:   s  s  s  s  | s  s  -        g2 is the root: the next verify forward computes its K/V
 
+Prefix cache (serving/prefix_cache.py): a request's prompt is matched against the tokens earlier requests of its
+tenant left in the cache; a hit of m tokens starts the request with the cache's slots for them (locked while it
+runs) and prefills only prompt[m:]. When a request ends, its tokens whose K/V was computed (the prompt and the
+accepted outputs: never a rejected draft's slots, which were freed at their verify) go into the cache, and the
+drafter keeps or drops its own state of them (drafters/base.py). The pool's free slots run out only after the
+cache's unlocked tokens are evicted, least recently used first. Slot accounts: free + cached + the requests' own
+== the pool (`slot_accounts`).
+
 Faults: what is computed for one request alone (its penalties, masks, verification, sampling, logprobs,
 grammar state) runs inside a `_stage`; a fault there fails that request alone (finish_reason "error",
 `Request.error` = the stage) and frees its KV, while the step's other requests carry on unchanged. A
@@ -60,6 +68,7 @@ from sglang_ext.verify import (
 
 from .adaptive import CONFIDENT_FROM_BATCH, AdaptiveSpeculation
 from .config import EngineConfig
+from .prefix_cache import PrefixCache
 
 PREDICTION_HEAD = 4  # prompt tokens before a predicted output in the drafter's reference (the assistant turn header)
 
@@ -124,6 +133,10 @@ class Request:
     stats: RequestStats = field(default_factory=RequestStats)
     t_arrival: float = field(default_factory=time.perf_counter)
     t_first_token: float | None = None
+    tenant: str = ""  # the prefix cache's namespace (API key, cache_salt): only its own tenant's prefixes are hit
+    cached_tokens: int = 0  # leading prompt tokens found in the prefix cache at admission (not prefilled)
+    shared: int = 0  # leading tokens whose slots are the prefix cache's (slots[:shared], locked while it runs)
+    cache_node: object | None = None  # the prefix cache's node where that shared path ends
 
     @property
     def token_ids(self) -> list[int]:
@@ -132,6 +145,31 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class SlotAccounts:
+    """Where the target pool's slots are: free, in the prefix cache (detached: flushed while a request still uses
+    them), or the requests' own. None is ever lost: `lost` is 0."""
+
+    capacity: int
+    free: int
+    cached: int
+    detached: int
+    held: int
+
+    @property
+    def lost(self) -> int:
+        return self.capacity - self.free - self.cached - self.detached - self.held
+
+
+@dataclass(frozen=True)
+class CacheFlush:
+    """What a flush did: tokens freed now, and tokens running requests still use (freed when they end)."""
+
+    freed: int
+    kept: int
+    running: int
 
 
 @dataclass
@@ -178,6 +216,7 @@ class Engine:
         self.grammars = Grammars(target.tokenizer, self.model.cfg.vocab_size, sorted(self.eos_ids))
         self.waiting: list[Request] = []
         self.running: list[Request] = []
+        self._in_step: list[Request] = []  # taken from `waiting` by this step: a failed step's reset releases them
         self._ids = itertools.count()
         self.on_fallback = on_fallback  # callback(request, reason) for metrics
         # per-step choice of tree shape / no speculation from measured throughput (serving default)
@@ -190,6 +229,8 @@ class Engine:
         )
         self.last_shape: TreeShape | None = self.tree if drafter is not None else None
         self.capture_layers = tuple(drafter.capture_layers) if drafter else ()
+        self.prefix_cache = PrefixCache(config.prefix_cache_tokens) if config.prefix_cache else None
+        self._prefix_hidden = self._hidden_store()
         self._drafter_commits = getattr(drafter, "needs_commit", True)
         # predicted outputs for drafters that do not search them (model drafters)
         self._prediction = (
@@ -206,9 +247,23 @@ class Engine:
         if self.graph_runner is not None and hasattr(drafter, "step_graphs"):
             drafter.step_graphs = True  # a drafter with a captured step replays it too
 
+    def _hidden_store(self) -> dict[int, torch.Tensor] | None:
+        """Per captured layer, a row for every slot of the pool, written with the slot's K/V at every forward: what a
+        drafter reading the captured layers gets for a hit's cached tokens (drafters/base.py). None without a prefix
+        cache, or for drafters that read only a request's last token (reads_prefix_hidden = False)."""
+        reads = getattr(self.drafter, "reads_prefix_hidden", True)
+        if self.prefix_cache is None or not self.capture_layers or not reads:
+            return None
+        m = self.model
+        shape = (self.kv.num_slots, m.cfg.hidden_size)
+        return {l: torch.zeros(shape, dtype=m.dtype, device=m.device) for l in self.capture_layers}
+
     # --- admission ----------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, grammar: object | None = None) -> Request:
-        """grammar: params.grammar compiled elsewhere (the server's compile workers); None: compiled here."""
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, grammar: object | None = None, tenant: str = ""
+    ) -> Request:
+        """grammar: params.grammar compiled elsewhere (the server's compile workers); None: compiled here.
+        tenant: the prefix cache's namespace (requests hit only their own tenant's prefixes)."""
         if not prompt_ids:
             raise InvalidRequest("prompt is empty", "messages")
         vocab = self.model.cfg.vocab_size
@@ -220,13 +275,59 @@ class Engine:
                 f"prompt has {len(prompt_ids)} tokens; the context limit is {self.max_context}", "messages"
             )
         gen = None if params.greedy else params.generator(self.model.device)  # draws on the target's device
-        req = Request(next(self._ids), list(prompt_ids), params, gen)
+        req = Request(next(self._ids), list(prompt_ids), params, gen, tenant=tenant)
+        self._use_cached_prefix(req)
         if params.grammar is not None:
             req.matcher = self.grammars.matcher(params.grammar if grammar is None else grammar)
         if params.prediction:  # NOTE: behind the prompt's tail, so the prediction's first tokens can be drafted
             req.reference = req.prompt_ids[-PREDICTION_HEAD:] + list(params.prediction)
         self.waiting.append(req)
         return req
+
+    def _cacheable(self, prompt_ids: list[int], params: SamplingParams) -> int:
+        """How much of a prompt may come from the prefix cache: all but its last token (whose logits give the first
+        output token), none when the request asks for prompt logprobs (the cached tokens' logits are not kept)."""
+        if self.prefix_cache is None or params.prompt_logprobs is not None:
+            return 0
+        return len(prompt_ids) - 1
+
+    def cached_prefix(self, prompt_ids: list[int], params: SamplingParams, tenant: str = "") -> tuple[int, int]:
+        """(prompt tokens a request would take from the prefix cache now, how many of those no running request
+        uses): the KV room admitting it takes is its prompt + outputs less the first, plus the second."""
+        n = self._cacheable(prompt_ids, params)
+        return self.prefix_cache.peek(tenant, prompt_ids[:n]) if n else (0, 0)
+
+    def _use_cached_prefix(self, r: Request) -> None:
+        """Start the request on the longest cached prefix of its prompt (locked until it ends); again when its
+        prefill starts (a request queued behind another with the same prompt then finds it cached)."""
+        n = self._cacheable(r.prompt_ids, r.params)
+        hit = self.prefix_cache.match(r.tenant, r.prompt_ids[:n]) if n else None
+        if hit is None or hit.length <= r.shared:
+            return
+        self.prefix_cache.lock(hit.node)
+        if r.cache_node is not None:
+            self._let_go(self.prefix_cache.unlock(r.cache_node))  # (a shorter hit: its slots are the cache's)
+        r.slots, r.prefilled, r.cache_node = hit.slots.clone(), hit.length, hit.node
+        r.cached_tokens = r.shared = hit.length
+
+    def _share(self, r: Request, end: int) -> None:
+        """Put the request's tokens [0, end) (their K/V in its slots) into the prefix cache while it runs, so that
+        requests arriving meanwhile hit them (after each prefilled chunk, and at its end): the cache takes the
+        tokens it did not hold; tokens another request cached meanwhile switch to the cache's slots (the request's
+        own copies freed: same tokens, same K/V). Its lock moves to the end of the path. A request whose path was
+        flushed keeps its slots to itself."""
+        cache = self.prefix_cache
+        if cache is None or end <= r.shared or (r.cache_node is not None and r.cache_node.detached):
+            return
+        key = r.token_ids[:end]
+        first = cache.insert(r.tenant, key, r.slots[:end])  # (>= shared: the path so far is the cache's, locked)
+        path = cache.match(r.tenant, key)
+        cache.lock(path.node)
+        if r.cache_node is not None:
+            cache.unlock(r.cache_node)  # (not detached: nothing freed)
+        self.kv.free(r.slots[r.shared : first])
+        r.slots = torch.cat([path.slots, r.slots[end:]])
+        r.shared, r.cache_node = end, path.node
 
     def abort(self, req: Request) -> None:
         """Stop a request now and free its KV (e.g. the client went away)."""
@@ -237,27 +338,108 @@ class Engine:
         self._release(req)
 
     def _release(self, req: Request) -> None:
+        """The request's hold on the pool ends: its computed tokens go into the prefix cache (the drafter keeping
+        its state of those the cache took, if it keeps any), the rest of its slots are freed."""
         if req in self.waiting:  # (a request that failed part-way through a chunked prefill)
             self.waiting.remove(req)
+        drafted = req in self.running and self.drafter is not None and req.drafting
         if req in self.running:
             self.running.remove(req)
-            if self.drafter is not None and req.drafting:
-                self._drafter_call(lambda: self.drafter.remove_request(req.rid), [req])
-        self.kv.free(req.slots)
+        taken = self._settle(req)
+        if drafted:
+            self._end_drafting(req, taken)
+        self.kv.free(req.slots[req.shared :])
         req.slots = torch.empty(0, dtype=torch.long)
+        if self.prefix_cache is not None:
+            self._let_go(self.prefix_cache.trim())
+
+    def _settle(self, r: Request) -> torch.Tensor | None:
+        """At the request's end, its computed tokens go into the prefix cache (slot i holds the K/V of
+        token_ids[i]; slots past the tokens, drafts accepted after a stop, are not cached), unless it failed, and
+        its lock goes. Returns, per token, its slot when the cache holds it, else -1: the drafter keeps its state
+        of those under them (also where the cache took them from another request: that fills the state a request
+        without any left, e.g. one drafted from its predicted output); None when its path was flushed (the cache
+        holds none of them for good). What it still owns: slots[shared:]."""
+        cache = self.prefix_cache
+        if cache is None:
+            return None
+        n = min(len(r.slots), len(r.token_ids))
+        flushed = r.cache_node is not None and r.cache_node.detached
+        if r.finish_reason != "error":
+            self._share(r, n)
+        taken = torch.full((n,), -1, dtype=torch.long)
+        taken[: r.shared] = r.slots[: r.shared]
+        node, r.cache_node = r.cache_node, None
+        if node is not None:
+            self._let_go(cache.unlock(node))  # (a flushed path's slots, once its last user ends)
+        return None if flushed else taken
+
+    def _end_drafting(self, r: Request, taken: torch.Tensor | None) -> None:
+        """The drafter forgets the request, keeping its state of the tokens the prefix cache holds (taken: per
+        token, the target slot, or -1) when it keeps state beside the cache."""
+        release = getattr(self.drafter, "release_request", None)
+        if release is not None and taken is not None and bool((taken >= 0).any()):
+            self._drafter_call(lambda: release(r.rid, taken), [r])
+        else:
+            self._drafter_call(lambda: self.drafter.remove_request(r.rid), [r])
+
+    def _let_go(self, slots: torch.Tensor) -> None:
+        """Slots the prefix cache let go (evicted, trimmed, flushed): the drafter drops what it kept under them, and
+        they are free."""
+        if not slots.numel():
+            return
+        drop = getattr(self.drafter, "drop_prefix", None)
+        if drop is not None:
+            try:
+                drop(slots)
+            except Exception:  # noqa: BLE001 - kept drafter state only drafts: never worth failing a step
+                log.exception("the drafter failed to drop its state of %d evicted prefix tokens", slots.numel())
+        self.kv.free(slots)
+
+    def _alloc(self, n: int) -> torch.Tensor:
+        """n slots of the pool, the prefix cache's least recently used unlocked tokens evicted when too few are free."""
+        short = n - self.kv.num_free
+        if short > 0 and self.prefix_cache is not None:
+            self._let_go(self.prefix_cache.evict(short))
+        return self.kv.alloc(n)
+
+    def flush_cache(self) -> CacheFlush:
+        """Empty the prefix cache: tokens no request uses are freed now; those in use leave the cache (no request
+        hits them again) and are freed when their last request ends."""
+        if self.prefix_cache is None:
+            return CacheFlush(0, 0, 0)
+        flushed = self.prefix_cache.flush()
+        self._let_go(flushed.slots)
+        users = sum(r.cache_node is not None for r in self.waiting + self.running)
+        return CacheFlush(flushed.slots.numel(), flushed.kept, users)
+
+    def slot_accounts(self) -> SlotAccounts:
+        """Where every slot of the pool is (between steps)."""
+        c = self.prefix_cache
+        held = sum(len(r.slots) - r.shared for r in self.waiting + self.running)
+        cached, detached = (c.tokens, c.detached) if c is not None else (0, 0)
+        return SlotAccounts(self.kv.num_slots - 1, self.kv.num_free, cached, detached, held)
 
     def reset(self) -> None:
         """Drop every request and leave the KV pool whole: after a fault no single request can be
-        blamed for, the engine starts again from a clean state (the caller fails the requests)."""
-        for r in self.waiting + self.running:
+        blamed for, the engine starts again from a clean state (the caller fails the requests; the
+        prefix cache starts empty too)."""
+        left = self.waiting + self.running
+        for r in left + [r for r in self._in_step if not any(r is x for x in left)]:
             if not r.finished:
                 r.finish_reason, r.error = "error", "step"
             self._release(r)
-        self.waiting, self.running = [], []
+        self.waiting, self.running, self._in_step = [], [], []
+        self.flush_cache()
         leaked = self.kv.num_slots - 1 - self.kv.num_free
-        if leaked:  # slots of a request that was in neither list when the step failed, or a bug
+        if leaked:  # slots no request or cache entry accounts for: a bug
             log.error("%d KV slots still held with no request left; the KV pool is rebuilt", leaked)
             self.kv = self.model.new_kv_pool(self.kv.num_slots)
+            if self.prefix_cache is not None:  # the cache's entries (detached ones too) were the old pool's
+                self.prefix_cache = PrefixCache(self.config.prefix_cache_tokens)
+                drop = getattr(self.drafter, "drop_prefix", None)
+                if drop is not None:  # and so was the drafter's state kept beside them
+                    drop(torch.arange(1, self.kv.num_slots))
 
     @property
     def has_work(self) -> bool:
@@ -266,6 +448,7 @@ class Engine:
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
         chunks = self._admit()
+        self._in_step = [r for r, _ in chunks]
         decoding = list(self.running)
         if self.mixed_prefill:
             events = self._forward_step(decoding, chunks) if decoding or chunks else []
@@ -276,6 +459,7 @@ class Engine:
         for e in events:
             if e.request.finished:
                 self._release(e.request)
+        self._in_step = []
         return events
 
     def _admit(self) -> list[tuple[Request, int]]:
@@ -288,6 +472,8 @@ class Engine:
         for r in self.waiting:
             if budget <= 0:
                 break
+            if r.prefilled == r.shared:  # nothing prefilled yet: the cache may hold more of its prompt by now
+                self._use_cached_prefix(r)
             end = min(len(r.prompt_ids), r.prefilled + budget)
             chunks.append((r, end))
             budget -= end - r.prefilled
@@ -315,7 +501,7 @@ class Engine:
         dev = self.model.device
         trees = trees_on(self._propose(reqs, shape), dev) if reqs else []
         t_drafted = time.perf_counter()
-        new_slots = [self.kv.alloc(t.num_nodes) for t in trees]
+        new_slots = [self._alloc(t.num_nodes) for t in trees]
         ids = [t.draft_tokens for t in trees]
         pos = [t.positions for t in trees]
         slots = list(new_slots)
@@ -323,7 +509,7 @@ class Engine:
         chunk_slots, chunk_masks = [], []
         try:
             for r, end in chunks:
-                s = self.kv.alloc(end - r.prefilled)
+                s = self._alloc(end - r.prefilled)
                 chunk_slots.append(s)
                 ids.append(torch.tensor(r.prompt_ids[r.prefilled : end]))
                 pos.append(torch.arange(r.prefilled, end))
@@ -350,6 +536,7 @@ class Engine:
                     self.kv,
                     self.capture_layers,
                 )
+            self._keep_hidden(slots, out.captured)
         except BaseException:
             for s in new_slots + chunk_slots:  # a failed forward must not leak the tree's slots or the chunks'
                 self.kv.free(s)
@@ -381,6 +568,24 @@ class Engine:
                 drafted=[e.drafted for e in events],
             )
         return events
+
+    def _keep_hidden(self, slots: list[torch.Tensor], captured: dict) -> None:
+        """The step's captured layers at their rows' slots (the hidden store beside the prefix cache; device ops)."""
+        if self._prefix_hidden is None:
+            return
+        at = to_device(torch.cat(slots), self.model.device)
+        for l, h in captured.items():
+            self._prefix_hidden[l][at] = h
+
+    def _cached_hidden(self, r: Request):
+        """cached_hidden(start) for a hit's drafter capture: the captured layers' rows of its cached tokens [start,
+        m) from the hidden store, gathered on the device when the drafter asks (a drafter that kept its own state of
+        them asks for few or none: gathering 1,500 rows of three layers costs ~10 ms on a CPU)."""
+        store, slots = self._prefix_hidden, r.slots[: r.cached_tokens]
+        if store is None or not r.cached_tokens:
+            return None
+        dev = self.model.device
+        return lambda start: {l: rows[to_device(slots[start:], dev)] for l, rows in store.items()}
 
     @staticmethod
     def _to_host(items: list) -> list:
@@ -431,6 +636,7 @@ class Engine:
         first_pos, n = r.prefilled, end - r.prefilled
         r.slots = torch.cat([r.slots, s])  # the chunk's slots are the request's from here on (freed with it)
         r.prefilled = end
+        self._share(r, end)  # (requests arriving while this one runs hit its prompt)
         if r.params.prompt_logprobs is not None and (m := min(end, len(r.prompt_ids) - 1) - first_pos) > 0:
             # chunk row j (position first + j) predicts prompt token first + j + 1; the last
             # prompt row predicts the first output token (sampled below), not a prompt token
@@ -450,7 +656,9 @@ class Engine:
         if self.drafter is not None:
             parts, r.prompt_captured = r.prompt_captured, []
             hidden = {l: torch.cat([p[l] for p in parts]) for l in captured} if parts else {}
-            cap = TargetCapture(r.prompt_ids, to_device(torch.arange(end), self.model.device), r.slots, hidden, self.kv)
+            positions = to_device(torch.arange(end), self.model.device)
+            cap = TargetCapture(r.prompt_ids, positions, r.slots, hidden, self.kv, cached=r.cached_tokens)
+            cap.cached_hidden = self._cached_hidden(r)
             self._drafter_call(lambda: self.drafter.add_request(r.rid, cap), [r])
         r.t_first_token = time.perf_counter()
         new = self._append(r, [tok])
@@ -518,7 +726,7 @@ class Engine:
         outside the vocabulary is caught on the device: _verify_trees.)"""
         trees: dict[int, TokenTree] = {}
         drafting = [r for r in reqs if r.drafting and self.drafter is not None and shape is not None]
-        inputs = [DraftInput(r.rid, r.token_ids, r.params, r.generator, r.reference) for r in drafting]
+        inputs = [DraftInput(r.rid, r.token_ids, r.params, r.generator, r.reference, r.tenant) for r in drafting]
         if self._prediction is not None and any(r.reference for r in drafting):
             trees.update(self._prediction.trees(inputs, shape))
             # the model drafts the rest (and catches up later on the tokens it did not draft)

@@ -3,6 +3,7 @@
 Acceptance rate   = rate(moa_accepted_tokens_total) / rate(moa_draft_tokens_total)
 Acceptance length = (rate(moa_accepted_tokens_total) + rate(moa_verify_steps_total)) / rate(moa_verify_steps_total)
                     (also moa_accept_length histogram: accepted + 1 per verify step)
+Prefix cache hit rate = rate(moa_prefix_cache_hit_tokens_total) / rate(moa_prefix_cache_query_tokens_total)
 """
 
 from __future__ import annotations
@@ -76,6 +77,20 @@ class Metrics:
         self.tool_calls = Counter(
             "moa_tool_calls", "Tool calls returned to clients (parsed from chat replies)", _LABELS, registry=r
         )
+        self.prefix_cache_query_tokens = Counter(
+            "moa_prefix_cache_query_tokens",
+            "Prompt tokens looked up in the prefix cache (every prompt token of a request, when the cache is on; "
+            "counted with the request's first token)",
+            _LABELS,
+            registry=r,
+        )
+        self.prefix_cache_hit_tokens = Counter(
+            "moa_prefix_cache_hit_tokens",
+            "Prompt tokens found in the prefix cache when the request's prefill started: their K/V reused, not "
+            "prefilled",
+            _LABELS,
+            registry=r,
+        )
         self.prediction_tokens = Counter(
             "moa_prediction_tokens",
             "Predicted-output tokens by whether they appeared in the output (accepted, rejected)",
@@ -117,18 +132,29 @@ class Metrics:
         self.running = Gauge("moa_running_requests", "Requests being decoded", _LABELS, registry=r)
         self.queued = Gauge("moa_queued_requests", "Requests waiting for admission", _LABELS, registry=r)
         self.kv_used = Gauge(
-            "moa_kv_cache_used_tokens", "Target KV cache slots holding tokens (embedded engine)", _LABELS, registry=r
+            "moa_kv_cache_used_tokens",
+            "Target KV cache slots holding tokens running requests use, cached prefixes they hit included; cached "
+            "tokens no request uses count as free (embedded engine)",
+            _LABELS,
+            registry=r,
         )
         self.kv_reserved = Gauge(
             "moa_kv_cache_reserved_tokens",
-            "Target KV cache slots reserved by admitted requests: prompt + max_tokens + one draft tree each (embedded "
-            "engine)",
+            "Target KV cache slots reserved by admitted requests: prompt + max_tokens + one draft tree each, less the "
+            "prompt tokens taken from the prefix cache, plus the cached prefixes they hit (embedded engine)",
             _LABELS,
             registry=r,
         )
         self.kv_capacity = Gauge(
             "moa_kv_cache_capacity_tokens",
             "Target KV cache slots the engine can hand out (embedded engine)",
+            _LABELS,
+            registry=r,
+        )
+        self.prefix_cache_tokens = Gauge(
+            "moa_prefix_cache_tokens",
+            "Tokens in the prefix cache (embedded engine); those no running request uses are evicted when the KV "
+            "cache needs room",
             _LABELS,
             registry=r,
         )

@@ -10,6 +10,10 @@
 
 A request is admitted only when its worst-case KV need (prompt + max_new_tokens + one tree) fits
 next to the worst-case needs of the requests already running, so a step never runs out of slots.
+With the engine's prefix cache, a request needs no room of its own for the prompt tokens it takes from
+the cache, and the cache's tokens no running request uses are room (the engine evicts them when it
+needs slots): what is not available is what the admitted requests may still need, plus the cached
+tokens they use (locked).
 
 Faults: one request's fault (while admitting it, in one of its engine stages, or delivering its
 tokens) fails that request alone, with an error naming the stage, counted in
@@ -27,6 +31,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from sglang_ext.sampling import InvalidRequest, SamplingParams
@@ -38,12 +43,16 @@ log = logging.getLogger("moa_serve.scheduler")
 
 @dataclass(frozen=True)
 class KVCacheUsage:
-    """Target KV cache slots (one per token): holding tokens now, reserved by admitted requests (each
-    reserves prompt + max_tokens + one draft tree, so admission never runs out mid-request), and the total."""
+    """Target KV cache slots (one per token): holding tokens requests use now (their own, and the cached
+    prefixes they hit), reserved by admitted requests (each reserves prompt + max_tokens + one draft tree,
+    less the prompt tokens it took from the prefix cache, so admission never runs out mid-request; the cached
+    tokens they use included), the total, and the tokens in the prefix cache (those no request uses are room:
+    not `used`, not `reserved`)."""
 
     used: int
     reserved: int
     capacity: int
+    cached: int = 0
 
 
 class QueueFull(Exception):
@@ -71,6 +80,7 @@ class Delivery:
     invalid: bool = False
     logprobs: list | None = None  # TokenLogprobs of `tokens`, when the request asked for them
     prompt_logprobs: list | None = None  # TokenLogprobs of prompt tokens 1.., with the first token, when asked
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache (not prefilled)
 
 
 class Handle:
@@ -83,10 +93,13 @@ class Handle:
         params: SamplingParams,
         loop: asyncio.AbstractEventLoop,
         grammar: object | None = None,
+        tenant: str = "",
     ):
         self.scheduler, self.prompt_ids, self.params, self.loop = scheduler, prompt_ids, params, loop
         self.grammar = grammar  # params.grammar compiled (the engine thread never compiles one)
+        self.tenant = tenant  # the prefix cache's namespace (engine.add_request)
         self.reservation = len(prompt_ids) + params.max_new_tokens  # KV slots, one tree excluded
+        self.cached = 0  # of those, tokens whose slots are the prefix cache's (set on the engine thread)
         self.req: Request | None = None  # engine thread only
         self.done = False  # a final delivery was queued (set on the engine thread)
         self.cancelled = False
@@ -109,6 +122,7 @@ class Scheduler:
         self._cond = threading.Condition()  # guards everything below except _by_rid
         self._pending: deque[Handle] = deque()
         self._aborts: list[Handle] = []
+        self._flushes: list[Future] = []  # prefix cache flushes asked for, run on the engine thread between steps
         self._active: set[Handle] = set()  # admitted (taken from pending), not finished
         self._finished_at: deque[float] = deque(maxlen=256)  # completion times, for Retry-After
         self._closing = False
@@ -140,10 +154,12 @@ class Scheduler:
 
     def kv_cache(self) -> KVCacheUsage:
         """Read at each /metrics scrape (not per engine step: nothing else reads it)."""
-        kv = self.engine.kv
+        kv, cache = self.engine.kv, self.engine.prefix_cache
         with self._cond:
             reserved = self._reserved()
-        return KVCacheUsage(used=kv.num_slots - 1 - kv.num_free, reserved=reserved, capacity=kv.num_slots - 1)
+        evictable, cached = (cache.evictable, cache.tokens) if cache is not None else (0, 0)
+        used = kv.num_slots - 1 - kv.num_free - evictable
+        return KVCacheUsage(used=used, reserved=reserved, capacity=kv.num_slots - 1, cached=cached)
 
     def capacity(self) -> int:
         """The most tokens (prompt + max_new_tokens) one request may reserve in the KV pool."""
@@ -155,13 +171,14 @@ class Scheduler:
         params: SamplingParams,
         loop: asyncio.AbstractEventLoop | None = None,
         grammar: object | None = None,
+        tenant: str = "",
     ) -> Handle:
         """Queue a request (thread-safe); grammar: params.grammar compiled, required with one (a compile in
-        the engine thread would hold every running request up).
+        the engine thread would hold every running request up); tenant: its prefix cache namespace.
         Raises QueueFull, SchedulerClosed, InvalidRequest (too big for the KV pool)."""
         if (params.grammar is None) != (grammar is None):
             raise ValueError("a request with a grammar is submitted with its compiled form, and only then")
-        h = Handle(self, list(prompt_ids), params, loop or asyncio.get_running_loop(), grammar)
+        h = Handle(self, list(prompt_ids), params, loop or asyncio.get_running_loop(), grammar, tenant)
         if h.reservation > self.capacity():
             raise InvalidRequest(
                 f"prompt + max_tokens = {h.reservation} tokens exceeds this server's KV capacity of {self.capacity()} "
@@ -191,6 +208,18 @@ class Scheduler:
             self._aborts.append(h)
             self._cond.notify()
 
+    def flush_cache(self) -> Future:
+        """Empty the engine's prefix cache, on the engine thread between steps (thread-safe): the Future's result
+        is the engine's CacheFlush (running requests keep what they use until they end)."""
+        done: Future = Future()
+        with self._cond:
+            if self._closing or self._thread is None or not self._thread.is_alive():
+                done.set_exception(SchedulerClosed("the engine is not running"))
+                return done
+            self._flushes.append(done)
+            self._cond.notify()
+        return done
+
     def abort_all(self) -> None:
         with self._cond:
             handles = list(self._pending) + list(self._active)
@@ -210,14 +239,21 @@ class Scheduler:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._pending or self._aborts or self._active or self._closing):
+                while not (self._pending or self._aborts or self._flushes or self._active or self._closing):
                     self._cond.wait()
                 if self._closing:
                     break
                 aborts, self._aborts = self._aborts, []
-                admit = self._take_admissible()
+                flushes, self._flushes = self._flushes, []
+            admit: list[Handle] = []
             try:
-                self._iterate(aborts, admit)
+                # NOTE: aborts (which hand tokens to the prefix cache, evicting past its cap) and flushes change
+                # what a queued request would hit: both go before the admission that counts on its hit
+                self._apply_aborts(aborts)
+                self._flush(flushes)
+                with self._cond:
+                    admit = self._take_admissible()
+                self._iterate(admit, bool(aborts or flushes))
             except Exception:  # noqa: BLE001 - the engine thread must survive anything
                 self.last_error = traceback.format_exc()
                 n = len(self._by_rid)
@@ -230,34 +266,49 @@ class Scheduler:
                 self.telemetry.occupancy(*self.load())
         self._shutdown()
 
-    def _iterate(self, aborts: list[Handle], admit: list[Handle]) -> None:
-        self._apply_aborts(aborts)
+    def _iterate(self, admit: list[Handle], acted: bool) -> None:
         self._admit(admit)
         if self.engine.has_work:
             self._step()
-        elif not (admit or aborts):
+        elif not (admit or acted):
             time.sleep(0.005)  # pending requests wait for KV reservations to free: do not spin
+
+    def _flush(self, flushes: list[Future]) -> None:
+        for done in flushes:
+            try:
+                done.set_result(self.engine.flush_cache())
+            except Exception as e:  # noqa: BLE001 - the caller hears of it; the engine thread carries on
+                done.set_exception(e)
 
     def _tree_nodes(self) -> int:
         return self.engine.tree.num_draft_tokens + 1
 
     def _reserved(self) -> int:
-        """KV slots the admitted requests may need at most (lock held)."""
+        """KV slots the admitted requests may need at most, the cached prefixes they use included (lock held)."""
         nodes = self._tree_nodes()
-        return sum(h.reservation + nodes for h in self._active)
+        cache = self.engine.prefix_cache
+        return sum(h.reservation - h.cached + nodes for h in self._active) + (cache.locked if cache else 0)
 
     def _take_admissible(self) -> list[Handle]:
-        """Pop pending requests (FIFO) while the running limit and the KV reservations allow (lock held).
+        """Pop pending requests (FIFO) while the running limit and the KV reservations allow (lock held; engine
+        thread: it reads the prefix cache).
 
         A request's worst case is reservation + one tree: at its last verify it holds prompt + outputs
-        and the slots of the tree being verified.
+        and the slots of the tree being verified. A prefix cache hit of m tokens, u of them used by no running
+        request, needs m fewer of its own and takes u from the evictable room. (Requests admitted together that
+        hit the same unused prefix each count it: never too little room.)
         """
         nodes = self._tree_nodes()
         free = self.engine.kv.num_slots - 1 - self._reserved()
         out = []
-        while self._pending and len(self._active) < self.max_running and self._pending[0].reservation + nodes <= free:
-            h = self._pending.popleft()
-            free -= h.reservation + nodes
+        while self._pending and len(self._active) < self.max_running:
+            h = self._pending[0]
+            hit, unlocked = self.engine.cached_prefix(h.prompt_ids, h.params, h.tenant)
+            need = h.reservation - hit + unlocked + nodes
+            if need > free:
+                break
+            self._pending.popleft()
+            free -= need
             self._active.add(h)
             out.append(h)
         return out
@@ -266,7 +317,7 @@ class Scheduler:
         posts = []
         for h in handles:
             try:
-                h.req = self.engine.add_request(h.prompt_ids, h.params, h.grammar)
+                h.req = self.engine.add_request(h.prompt_ids, h.params, h.grammar, h.tenant)
             except InvalidRequest as e:
                 posts.append(self._finish(h, Delivery([], error=str(e), invalid=True)))
                 continue
@@ -275,6 +326,7 @@ class Scheduler:
                 posts.append(self._fault(h, "prepare"))
                 continue
             self._by_rid[h.req.rid] = h
+            h.cached = h.req.shared  # (read under the lock by the metrics thread's _reserved: one int)
             if self.telemetry:
                 self.telemetry.prompt_tokens.inc(len(h.prompt_ids))
         self._post(posts)
@@ -294,6 +346,8 @@ class Scheduler:
         t0 = time.perf_counter()
         events = self.engine.step()  # an exception fails every request (_run), the thread keeps serving
         dt = time.perf_counter() - t0
+        for h in self._by_rid.values():  # prompt tokens the prefix cache took from a request need no room of its own
+            h.cached = h.req.shared
         posts, tokens = [], 0
         for e in events:
             h = self._by_rid.get(e.request.rid)
@@ -328,6 +382,7 @@ class Scheduler:
             st.accepted_tokens,
             logprobs=e.logprobs,
             prompt_logprobs=e.prompt_logprobs,
+            cached_tokens=r.cached_tokens,
         )
         if not r.finished:
             return h, d
@@ -351,6 +406,10 @@ class Scheduler:
         if not self.telemetry:
             return
         self.telemetry.generated_tokens.inc(len(e.new_tokens))
+        r = e.request
+        if self.engine.prefix_cache is not None and e.new_tokens and len(r.output_ids) == len(e.new_tokens):
+            # its first token: the prompt was looked up when its prefill started (what usage reports)
+            self.telemetry.prefix_cache(len(r.prompt_ids), r.cached_tokens)
         if h is not None and e.request.stats.verify_steps > h._last_verify:
             h._last_verify = e.request.stats.verify_steps
             self.telemetry.verify_step(e.drafted, e.accepted)
@@ -383,6 +442,9 @@ class Scheduler:
         with self._cond:
             left = list(self._pending) + list(self._active)
             self._pending.clear()
+            flushes, self._flushes = self._flushes, []
+        for done in flushes:
+            done.set_exception(SchedulerClosed("the engine stopped"))
         for h in left:
             if h.req is not None:
                 self.engine.abort(h.req)

@@ -228,3 +228,22 @@ class HostWaits:
         mode = Mode()
         mode.raised = []
         return mode
+
+
+def slots_whole(engine) -> bool:
+    """No request holds a slot of the engine's target KV pool and none is lost: every slot is free or in the
+    prefix cache (engine.slot_accounts)."""
+    a = engine.slot_accounts()
+    return a.held == 0 and a.detached == 0 and a.lost == 0
+
+
+def drafter_pools_whole(drafter) -> bool:
+    """No request holds a slot of a drafter's own pools: each is free or kept beside the prefix cache
+    (drafters/kept.py; members of a merged drafter each)."""
+    members = getattr(drafter, "members", None)
+    if members is not None:
+        return all(drafter_pools_whole(m) for m in members)
+    kept = getattr(drafter, "kept", None)
+    if kept is None:
+        return not getattr(drafter, "reqs", None)
+    return all(p.num_free + len(kept) == p.num_slots - 1 for p in kept.pools)

@@ -19,7 +19,10 @@ def generate_outputs(target, drafter, tree, prompts: list[list[int]], sp, bs: in
 
     kv = sum(map(len, prompts)) + len(prompts) * (sp.max_new_tokens + tree.num_draft_tokens + 2) + 64
     engine = Engine(
-        target, drafter, EngineConfig(tree=tree, kv_slots=kv), on_fallback=lambda r, why: fallbacks.append(why)
+        target,
+        drafter,
+        EngineConfig(tree=tree, kv_slots=kv, prefix_cache=False),  # (repeated prompts: benchmarks/bench.py)
+        on_fallback=lambda r, why: fallbacks.append(why),
     )
     outs: list[list[int]] = []
     for i in range(0, len(prompts), bs):

@@ -63,6 +63,9 @@ class Job:
     # chat tool calling: the gateway reads calls out of the text; a backend has its tools checked, and the call
     # grammar built when a call is required, by its compile workers (serving/grammar_pool.py)
     tools: ToolCalling | None = None
+    # the prefix cache's (and the suffix drafter's online corpus's) namespace: a digest of the API key and the
+    # request's cache_salt (gateway/auth.py: tenant_key); "" shared by every request with neither
+    tenant: str = ""
 
 
 @dataclass
@@ -117,6 +120,7 @@ class Chunk:
     prediction_tokens: tuple[int, int] | None = (
         None  # with a prediction, on the last chunk: (accepted, rejected) prediction tokens
     )
+    cached_tokens: int | None = None  # on the last chunk: prompt tokens taken from the prefix cache, when known
 
 
 class Backend(Protocol):
@@ -155,6 +159,10 @@ class Backend(Protocol):
 
     def kv_cache(self) -> KVCacheUsage | None:
         """The target KV cache's slots, when this process holds it (an upstream reports its own)."""
+        ...
+
+    async def flush_cache(self) -> tuple[bool, str]:
+        """Empty the prefix cache (SGLang's /flush_cache): (success, what was done)."""
         ...
 
 

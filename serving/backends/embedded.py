@@ -73,6 +73,23 @@ class EmbeddedBackend:
     def kv_cache(self) -> KVCacheUsage:
         return self.scheduler.kv_cache()
 
+    async def flush_cache(self) -> tuple[bool, str]:
+        """Empty the engine's prefix cache between two steps. Requests running keep the cached prefixes they use
+        until they end (then those are freed too); no request is disturbed either way."""
+        if self.engine.prefix_cache is None:
+            return True, "the prefix cache is off (--no-prefix-cache): nothing to flush"
+        try:
+            done = await asyncio.wrap_future(self.scheduler.flush_cache())
+        except SchedulerClosed as e:
+            raise APIError(503, str(e), code="service_unavailable") from e
+        message = f"Cache flushed: {done.freed} cached tokens freed."
+        if done.kept:
+            message += (
+                f" {done.kept} cached tokens in use by {done.running} running requests left the cache and are freed "
+                "when those requests end."
+            )
+        return True, message
+
     # --- one choice ---------------------------------------------------------------------------
     def tokenize(self, job: Job) -> list[int]:
         if job.messages is not None:
@@ -168,7 +185,7 @@ class EmbeddedBackend:
     async def generate(self, job: Job) -> AsyncGenerator[Chunk, None]:
         ids = self.prompt_ids(job)
         params, grammar = await self._grammar(job, self.sampling_params(job, len(ids)))
-        handle = self._submit(ids, params, grammar)
+        handle = self._submit(ids, params, grammar, job.tenant)
         out = _Output(self, job, ids)
         try:
             while True:
@@ -211,9 +228,9 @@ class EmbeddedBackend:
                 raise invalid(str(e), e.param) from e
         return params, prepared.compiled
 
-    def _submit(self, ids: list[int], params: SamplingParams, grammar: object | None) -> Handle:
+    def _submit(self, ids: list[int], params: SamplingParams, grammar: object | None, tenant: str) -> Handle:
         try:
-            return self.scheduler.submit(ids, params, grammar=grammar)
+            return self.scheduler.submit(ids, params, grammar=grammar, tenant=tenant)
         except QueueFull as e:
             busy = f"the server is busy ({self.limits.max_queue} requests queued); retry after {e.retry_after} s"
             raise APIError(429, busy, code="rate_limit_exceeded", headers={"Retry-After": str(e.retry_after)}) from e
@@ -255,6 +272,7 @@ class _Output:
                 completion_tokens=0,
                 spec=SpecStats(),
                 token_ids=[],
+                cached_tokens=d.cached_tokens,
                 logprobs=lps,
                 prompt_token_logprobs=_with_first(ids, d.prompt_logprobs),
             ), False
@@ -273,6 +291,7 @@ class _Output:
         self.echo = ""
         if finish:
             chunk.prompt_tokens, chunk.completion_tokens = len(ids), self.produced
+            chunk.cached_tokens = d.cached_tokens
             chunk.spec = SpecStats(d.verify_steps, d.draft_tokens, d.accepted_tokens)
             chunk.token_ids = list(self.text.ids)
         return chunk, stopped

@@ -6,6 +6,8 @@ the request). Speculative stats come from SGLang's `sglext.spec_tokens_details` 
 `return_spec_tokens_details`, SGLang >= 0.5) or a `meta_info` object (older servers, other gateways).
 Stop strings, tokenization and prompt limits are the upstream's job. At the drain deadline `abort_all`
 closes the open upstream streams: their clients get an OpenAI-shaped 503 error event, then `[DONE]`.
+The upstream's radix cache is kept per tenant as ours is: a request's tenant (its API key and cache_salt,
+digested) goes upstream as SGLang's `cache_salt`; /flush_cache is the upstream's.
 """
 
 from __future__ import annotations
@@ -99,6 +101,14 @@ class SGLangBackend:
 
     def kv_cache(self) -> None:
         return None  # SGLang exports its own (sglang:token_usage)
+
+    async def flush_cache(self) -> tuple[bool, str]:
+        """The upstream's /flush_cache (SGLang refuses while it has requests: its message says so)."""
+        try:
+            r = await self._client.post("/flush_cache", timeout=30.0)
+        except httpx.HTTPError as e:
+            raise APIError(502, f"upstream /flush_cache failed: {type(e).__name__}", code="upstream_error") from e
+        return r.status_code == 200, f"upstream: {r.text.strip()[:500]}"
 
     async def start(self) -> None:
         headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
@@ -221,6 +231,8 @@ class SGLangBackend:
             body["logit_bias"] = {str(t): b for t, b in p.logit_bias}
         if grammar is not None:
             body.update(_grammar_fields(grammar))
+        if job.tenant:
+            body["cache_salt"] = job.tenant
         if job.messages is not None:
             if p.logprobs is not None:
                 body.update(logprobs=True, top_logprobs=p.logprobs)
@@ -311,6 +323,8 @@ class SGLangBackend:
         if finish is None:
             raise APIError(502, "upstream stream ended without a finish_reason", code="upstream_error")
         final = Chunk("", 0, finish, usage.get("prompt_tokens"), usage.get("completion_tokens"), spec)
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        final.cached_tokens = cached if isinstance(cached, int) else None
         self._account(final, hist)
         yield final
 
@@ -318,6 +332,8 @@ class SGLangBackend:
         t = self.telemetry
         t.prompt_tokens.inc(final.prompt_tokens or 0)
         t.generated_tokens.inc(final.completion_tokens or 0)
+        if final.cached_tokens is not None and final.prompt_tokens:
+            t.prefix_cache(final.prompt_tokens, final.cached_tokens)
         if final.spec:
             t.spec_totals(final.spec.verify_steps, final.spec.draft_tokens, final.spec.accepted_tokens, hist)
 

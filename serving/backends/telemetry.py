@@ -35,6 +35,8 @@ class Telemetry:
         self.queued = m.queued.labels(**lab)
         self._requests = {s: m.requests.labels(**lab, status=s) for s in REQUEST_STATUSES}
         self._tool_calls = m.tool_calls.labels(**lab)
+        self._prefix_query = m.prefix_cache_query_tokens.labels(**lab)
+        self._prefix_hit = m.prefix_cache_hit_tokens.labels(**lab)
         self._prediction = {r: m.prediction_tokens.labels(**lab, result=r) for r in ("accepted", "rejected")}
         self._tput = {str(b): m.tokens_per_s.labels(**lab, batch_bucket=str(b)) for b in BATCH_BUCKETS}
         self._window: dict[str, deque] = {b: deque() for b in self._tput}  # bucket -> (t_end, tokens, seconds)
@@ -55,6 +57,11 @@ class Telemetry:
 
     def tool_calls(self, n: int) -> None:
         self._tool_calls.inc(n)
+
+    def prefix_cache(self, prompt_tokens: int, hit_tokens: int) -> None:
+        """One request's prompt looked up in the prefix cache: how many of its tokens were found there."""
+        self._prefix_query.inc(prompt_tokens)
+        self._prefix_hit.inc(hit_tokens)
 
     def prediction(self, accepted: int, rejected: int) -> None:
         self._prediction["accepted"].inc(accepted)
@@ -125,5 +132,6 @@ class Telemetry:
                 (m.kv_used, usage.used),
                 (m.kv_reserved, usage.reserved),
                 (m.kv_capacity, usage.capacity),
+                (m.prefix_cache_tokens, usage.cached),
             ):
                 gauge.labels(**self._lab).set(value)

@@ -13,7 +13,7 @@ import importlib.metadata
 import logging
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,7 +26,7 @@ from ..api.body import ClientGone, read_body, shutting_down
 from ..api.errors import APIError, from_validation_errors
 from ..backends.base import Backend
 from ..backends.telemetry import Telemetry
-from .auth import APIKeys
+from .auth import APIKeys, key_id, tenant_key
 from .generation import ChatFormat, CompletionFormat, Generation
 from .native import NativeGeneration, generate_jobs, model_info, server_info
 from .schemas import (
@@ -188,11 +188,11 @@ def _add_generation_routes(app: FastAPI, gw: _Gateway) -> None:
     @app.post("/generate")
     async def generate(request: Request):
         """SGLang's native API (gateway/native.py)."""
-        return await _completion(gw, request, lambda body: _native_request(gw, body))
+        return await _completion(gw, request, lambda body, key: _native_request(gw, body, key))
 
 
 async def _completion(gw: _Gateway, request: Request, build):
-    """Run one generation request; build(body) -> (Generation, stream?) parses and validates it.
+    """Run one generation request; build(body, api key id) -> (Generation, stream?) parses and validates it.
     Counted once in moa_requests_total by how it ended, and in flight from its whole body on."""
     state, telemetry = gw.state, gw.telemetry
     entered = handed_off = False
@@ -204,7 +204,7 @@ async def _completion(gw: _Gateway, request: Request, build):
             raise shutting_down()
         state.enter()
         entered = True
-        gen, stream = build(body)
+        gen, stream = build(body, getattr(request.state, "api_key_id", ""))
         if not stream:
             return JSONResponse(await _collect(request, gen, telemetry))
         await _open(request, gen)
@@ -228,16 +228,17 @@ async def _completion(gw: _Gateway, request: Request, build):
 
 
 def _openai_request(gw: _Gateway, schema, make_jobs, fmt):
-    """build(body) for an OpenAI completion endpoint: its schema, job builder and response format."""
+    """build(body, api key id) for an OpenAI completion endpoint: its schema, job builder and response format."""
 
-    def build(body: bytes) -> tuple[Generation, bool]:
+    def build(body: bytes, api_key_id: str) -> tuple[Generation, bool]:
         req = parse(schema, body)
         _check_model(req.model, gw.backend)
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
+        tenant = tenant_key(api_key_id, req.cache_salt)
         gen = Generation(
             gw.backend,
             gw.telemetry,
-            make_jobs(req, gw.config.limits),
+            [replace(j, tenant=tenant) for j in make_jobs(req, gw.config.limits)],
             req.model or gw.backend.model_ids[0],
             fmt,
             include_usage,
@@ -248,14 +249,14 @@ def _openai_request(gw: _Gateway, schema, make_jobs, fmt):
     return build
 
 
-def _native_request(gw: _Gateway, body: bytes) -> tuple[Generation, bool]:
+def _native_request(gw: _Gateway, body: bytes, api_key_id: str) -> tuple[Generation, bool]:
     if gw.backend.kind != "embedded":  # an upstream SGLang serves /generate itself, with its own output ids
         raise APIError(
             400,
             "/generate is served by the upstream SGLang server with --backend sglang: call its /generate",
             code="unsupported_parameter",
         )
-    jobs, batched, stream, logprobs = generate_jobs(body, gw.config.limits)
+    jobs, batched, stream, logprobs = generate_jobs(body, gw.config.limits, api_key_id)
     return NativeGeneration(gw.backend, gw.telemetry, jobs, batched, logprobs), stream
 
 
@@ -273,7 +274,10 @@ def _add_native_info_routes(app: FastAPI, gw: _Gateway) -> None:
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache():
-        return {"success": True, "message": "nothing to flush: this server keeps no prefix cache between requests"}
+        """SGLang's: empties the prefix cache (the embedded engine's, or the upstream's); requests running keep what
+        they use until they end, and the message says so."""
+        success, message = await gw.backend.flush_cache()
+        return {"success": success, "message": message}
 
 
 def _add_token_routes(app: FastAPI, gw: _Gateway) -> None:
@@ -403,6 +407,7 @@ class _AuthMiddleware:
                 headers={"WWW-Authenticate": "Bearer"},
             )
             return await err.response()(scope, receive, send)
+        scope.setdefault("state", {})["api_key_id"] = key_id(auth)  # (request.state: the tenant's first half)
         return await self.app(scope, receive, send)
 
 

@@ -3,10 +3,15 @@
 Keys come from MOA_SERVE_API_KEYS (comma list) and/or a file (one key per line, '#' comments),
 e.g. a mounted Kubernetes Secret. The file is re-read when it changes (checked at most every
 few seconds), so rotating the Secret needs no restart. No keys configured = no authentication.
+
+Tenants: a cache hit is faster than a miss, so a shared prefix cache tells one client what another
+sent. Each request's prefix cache (and suffix corpus) namespace is its tenant: a digest of the API key
+it authenticated with (when keys are configured) and its `cache_salt` (tenant_key).
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 import threading
@@ -25,6 +30,21 @@ def parse_keys(text: str, sep: str = "\n") -> list[str]:
         if k and not k.startswith("#"):
             keys.append(k)
     return keys
+
+
+def key_id(authorization: str) -> str:
+    """A stable name for the key of an authenticated request's `Authorization: Bearer <key>` (a digest: the key
+    itself is not kept beside the request)."""
+    return hashlib.sha256(authorization.partition(" ")[2].strip().encode()).hexdigest()[:32]
+
+
+def tenant_key(api_key_id: str, cache_salt: str | None) -> str:
+    """A request's tenant: "" with neither an API key nor a cache_salt (one namespace for all such requests),
+    else a digest of both (a key's requests with different salts, or one salt under different keys, never
+    share)."""
+    if not api_key_id and cache_salt is None:
+        return ""
+    return hashlib.sha256(f"{api_key_id}\0{cache_salt or ''}".encode()).hexdigest()[:32]
 
 
 class APIKeys:

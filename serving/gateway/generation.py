@@ -331,6 +331,13 @@ class Generation:
         completion = sum(c.final.completion_tokens or 0 for c in self.choices if c.final)
         p = sum(prompt.values())
         usage: dict = {"prompt_tokens": p, "completion_tokens": completion, "total_tokens": p + completion}
+        cached: dict[int, int] = {}  # per prompt: the fewest tokens any of its choices took from the prefix cache
+        for c in self.choices:
+            if c.final and c.final.cached_tokens is not None:
+                g = c.job.prompt_group
+                cached[g] = min(cached.get(g, c.final.cached_tokens), c.final.cached_tokens)
+        if cached:
+            usage["prompt_tokens_details"] = {"cached_tokens": sum(cached.values())}
         predicted = [c.final.prediction_tokens for c in self.choices if c.final and c.final.prediction_tokens]
         if predicted:
             usage["completion_tokens_details"] = {

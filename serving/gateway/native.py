@@ -29,6 +29,7 @@ from sglang_ext.sampling import MAX_TOP_LOGPROBS
 from ..api.body import load_field, load_object
 from ..api.errors import APIError, invalid
 from ..backends.base import Chunk, Job
+from .auth import tenant_key
 from .generation import CompletionFormat, Generation, _Choice
 from .schemas import CompletionRequest, Limits, completion_jobs, parse
 
@@ -80,6 +81,7 @@ _TOP_LEVEL = {
     "top_logprobs_num",
     "return_text_in_logprobs",
     "logprob_start_len",
+    "cache_salt",
 }
 _TOP_LEVEL_OFF = {
     "token_ids_logprob",
@@ -112,8 +114,9 @@ class Logprobs:
     prompt_from: int | None = None  # logprob_start_len when prompt logprobs are asked
 
 
-def generate_jobs(body: bytes, limits: Limits) -> tuple[list[Job], bool, bool, Logprobs]:
-    """(jobs, whether the answer is a list, stream, how logprobs are reported) of a /generate body."""
+def generate_jobs(body: bytes, limits: Limits, api_key_id: str = "") -> tuple[list[Job], bool, bool, Logprobs]:
+    """(jobs, whether the answer is a list, stream, how logprobs are reported) of a /generate body; api_key_id:
+    the key it authenticated with, for the jobs' tenant (with its cache_salt)."""
     req = load_object(body)
     for key, value in req.items():
         if key in _TOP_LEVEL or (key in _TOP_LEVEL_OFF and value in (None, False, 0, [], {}, "")):
@@ -132,8 +135,9 @@ def generate_jobs(body: bytes, limits: Limits) -> tuple[list[Job], bool, bool, L
             f"sampling_params must be an object, or a list of one object per prompt ({len(prompts)})", "sampling_params"
         )
     jobs: list[Job] = []
+    salt = req.get("cache_salt")
     for g, (p, params) in enumerate(zip(prompts, per_prompt)):
-        for job in _prompt_jobs(p, params, limits, stream, logprobs):
+        for job in _prompt_jobs(p, params, limits, stream, logprobs, salt):
             # /generate never echoes (max_new_tokens 0 borrows completions' echo-only path to pass validation)
             params_g = replace(
                 job.params,
@@ -141,7 +145,8 @@ def generate_jobs(body: bytes, limits: Limits) -> tuple[list[Job], bool, bool, L
                 prompt_logprobs=report.prompt_from is not None,
                 logprob_start_len=report.prompt_from,
             )
-            jobs.append(replace(job, index=len(jobs), prompt_group=g, params=params_g))
+            tenant = tenant_key(api_key_id, salt)  # (salt checked by _prompt_jobs)
+            jobs.append(replace(job, index=len(jobs), prompt_group=g, params=params_g, tenant=tenant))
     if len(jobs) > limits.max_n:
         raise invalid(
             f"at most {limits.max_n} generations per request (prompts x n), got {len(jobs)}", "sampling_params.n"
@@ -188,12 +193,15 @@ def _ids(x) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
-def _prompt_jobs(prompt, sp: dict[str, Any], limits: Limits, stream: bool, logprobs: int | None) -> list[Job]:
+def _prompt_jobs(
+    prompt, sp: dict[str, Any], limits: Limits, stream: bool, logprobs: int | None, cache_salt=None
+) -> list[Job]:
     fields: dict[str, Any] = {
         "prompt": prompt,
         "stream": stream,
         "max_tokens": SGLANG_DEFAULT_MAX_NEW_TOKENS,
         "logprobs": logprobs,
+        "cache_salt": cache_salt,  # (checked as on /v1/completions)
     }
     for key, value in sp.items():
         if key in _RENAMED:
@@ -313,6 +321,7 @@ class NativeGeneration(Generation):
                 else {"type": final.finish_reason, "matched": None}
             )
             meta["prompt_tokens"] = final.prompt_tokens
+            meta["cached_tokens"] = final.cached_tokens or 0
             meta["completion_tokens"] = final.completion_tokens if final.completion_tokens is not None else len(ids)
             meta["e2e_latency"] = round(time.monotonic() - self.t0, 6)
             if final.spec is not None and final.spec.verify_steps:

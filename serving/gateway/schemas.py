@@ -29,6 +29,9 @@ MAX_STOP_TOKEN_IDS = 64
 # vocabulary checks [0, vocab) (an upstream checks its own)
 MAX_TOKEN_ID = 2**31 - 1
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
+MAX_CACHE_SALT_CHARS = 256
+# vLLM's cache_salt: requests hit only prefixes cached by requests with the same salt (and API key)
+CacheSalt = Annotated[str, Field(min_length=1, max_length=MAX_CACHE_SALT_CHARS)]
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,7 @@ class _Common(_Strict):
     )  # EOS and stop_token_ids are banned until the output holds this many tokens
     stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     return_token_ids: bool | None = None  # completion token ids in the last chunk of each choice
+    cache_salt: CacheSalt | None = None  # the prefix cache's namespace within the API key's (vLLM)
 
 
 class ChatCompletionRequest(_Common):

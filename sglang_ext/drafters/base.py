@@ -18,12 +18,25 @@ root-only tree, which the engine verifies as a plain decode step). A drafter tha
 predicted output (DraftInput.reference) itself says `reads_reference = True`; for the others the engine
 drafts such a request from its prediction where it matches (drafters/prediction.py), and skips the
 drafter for it that step, as it does when speculation is off.
+
+Prefix cache. A request whose prompt starts with tokens the engine's prefix cache holds prefills only the rest;
+its add_request capture says how many leading tokens came from the cache (`TargetCapture.cached`: their K/V was
+computed by an earlier request); its `hidden` has rows for the tokens computed now (from `cached` on), and
+`cached_hidden(start)` gives the captured layers' rows of cached tokens [start, cached): the engine keeps them
+beside its cache, unless the drafter reads only a request's last token's (`reads_prefix_hidden = False`). A
+drafter with state of its own over the prefix either rebuilds it from the capture (the default) or keeps it
+beside the target's cache, keyed by the target's slot of each token (drafters/kept.py):
+
+    release_request(rid, taken)  instead of remove_request when the request ends and the cache holds some of its
+                                 tokens (taken[i]: the target slot of token i, or -1): keep your state of those
+                                 (where none is kept under that slot yet), free the rest
+    drop_prefix(slots)           the cache let these target slots go: free what is kept under them
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -43,12 +56,18 @@ class TargetCapture:
     token_ids: list[int]
     positions: torch.Tensor  # [a] int64
     slots: torch.Tensor  # [a] int64, the tokens' slots in the target KV pool
-    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [a, H] output of that target layer
+    # layer -> [a - cached, H] output of that target layer, for the tokens computed now
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
     kv: "KVPool | None" = None  # the target's KV pool (read-only for drafters; MoA reads every layer's K/V at `slots`)
     # verify only, for drafters with `wants_tree_argmax`: the target's argmax (raw logits) at every node of
     # the verified tree, in the TokenTree's node order; host values (the engine copies them with the
     # step's accepted tokens, in its one copy)
     tree_argmax: torch.Tensor | None = None  # [num_nodes] int64
+    # add_request only: leading tokens whose K/V came from the engine's prefix cache (computed for an earlier request)
+    cached: int = 0
+    # cached_hidden(start) -> layer -> [cached - start, H]: the captured layers of cached tokens [start, cached),
+    # kept by the engine beside its prefix cache (None when it keeps none)
+    cached_hidden: Callable[[int], dict[int, torch.Tensor]] | None = None
 
 
 @dataclass
@@ -60,6 +79,9 @@ class DraftInput:
     # a predicted output (OpenAI's `prediction`), behind the prompt's last tokens so its start can be
     # matched too; lookup drafters search it, others may ignore it (it never changes the output)
     reference: list[int] = field(default_factory=list)
+    # the request's tenant (its API key and cache_salt; "" by default): state learned from one tenant's requests
+    # (the suffix drafter's corpus of answers) drafts only that tenant's
+    tenant: str = ""
 
     @property
     def seq_len(self) -> int:

@@ -3,7 +3,9 @@
 By default a LayerSkip-style self-draft: the target's first layers plus its last layers (the
 middle is skipped), with the target's own embedding, final norm and lm_head; weights are shared
 with the target, not copied. The drafter keeps its own KV cache; tokens are added to it lazily
-(at the next propose) once verified, so rejected drafts never enter it.
+(at the next propose) once verified, so rejected drafts never enter it. Its K/V of a token depends only on the
+tokens up to it: it is kept beside the engine's prefix cache under the token's target slot (drafters/kept.py), and
+a hit processes only its new tokens.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from ..models.graph_runner import FrontierRunner, with_static_attention
 from ..models.llama import LlamaModel
 from ..tree import TokenTree, TreeShape
 from .base import DraftInput, TargetCapture
+from .kept import KeptState, keep_or_free
 from .search import search_tree
 
 
@@ -32,6 +35,8 @@ class DraftModelDrafter:
         self.model = model
         self.kv = model.new_kv_pool(num_slots)
         self.slots: dict[int, torch.Tensor] = {}  # draft-KV slots of the tokens already processed
+        self.borrowed: dict[int, int] = {}  # leading tokens whose slots were adopted from the kept state
+        self.kept = KeptState((self.kv,))  # K/V of prefix-cached tokens, by target slot
         # search steps at bucketed static shapes (CUDA graphs on CUDA); the engine turns this on with its
         # cuda_graphs setting
         self.step_graphs = False
@@ -44,13 +49,24 @@ class DraftModelDrafter:
         return cls(target.subset(layers or default_self_draft_layers(len(target.layers))), num_slots)
 
     def add_request(self, rid: int, capture: TargetCapture) -> None:
-        self.slots[rid] = torch.empty(0, dtype=torch.long)
+        (self.slots[rid],) = self.kept.adopt(capture.slots[: capture.cached])
+        self.borrowed[rid] = self.slots[rid].numel()
 
     def commit(self, rid: int, capture: TargetCapture) -> None:
         pass
 
     def remove_request(self, rid: int) -> None:
-        self.kv.free(self.slots.pop(rid, torch.empty(0, dtype=torch.long)))
+        self.kv.free(self.slots.pop(rid, torch.empty(0, dtype=torch.long))[self.borrowed.pop(rid, 0) :])
+
+    def release_request(self, rid: int, taken: torch.Tensor) -> None:
+        """The request ended; taken[i]: the target slot where the prefix cache holds its token i, or -1. The K/V of
+        the tokens it processed that the cache holds is kept under their slots."""
+        own, borrowed = self.slots.pop(rid, None), self.borrowed.pop(rid, 0)
+        if own is not None:
+            keep_or_free(self.kept, [own], borrowed, taken)
+
+    def drop_prefix(self, slots: torch.Tensor) -> None:
+        self.kept.drop(slots)
 
     def _extend(self, batch: list[DraftInput]) -> torch.Tensor:
         """Run the drafter over each request's not-yet-processed tokens; return logits after each root [b, V]."""

@@ -11,11 +11,17 @@ pre-norm output of the parent node (as EAGLE-3 does at inference and in training
 Cache. Verified pairs are processed lazily at the next propose (the root token is known only
 then), so the draft KV only ever holds verified pairs; the tree's speculative K/V is freed after
 every propose, i.e. the cache is rolled back to the accepted path by construction.
+
+Prefix cache. The draft KV of pair s depends on tokens 0..s+1, so it is kept beside the engine's prefix cache
+under the target's slot of token s+1 (drafters/kept.py): a hit on m tokens adopts pairs 0..m-2 and processes
+only the pairs from m-1 on, the first from token m-1's features (the engine keeps the target layers' outputs of
+cached tokens: TargetCapture.cached_hidden).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,6 +37,7 @@ from ..models.llama import LlamaModel
 from ..settings import settings
 from ..tree import TokenTree, TreeShape
 from .base import DrafterError, DraftInput, TargetCapture
+from .kept import KeptState, keep_or_free
 from .search import scatter_to_vocab, search_tree
 from .shipped import shipped_path
 
@@ -44,6 +51,7 @@ class _RequestState:
     def __init__(self):
         self.slots = torch.empty(0, dtype=torch.long)  # draft KV of processed pairs
         self.pending: list[torch.Tensor] = []  # [m, H] fused target features of unprocessed pairs
+        self.borrowed = 0  # leading pairs adopted from the kept state (never freed by the request)
 
 
 class Eagle3Drafter:
@@ -58,6 +66,7 @@ class Eagle3Drafter:
             attach_bf16_halves(self.draft)  # a bf16 checkpoint: its matmuls read half the bytes, same sums
         self.capture_layers = tuple(c.aux_layers)
         self.kv = KVPool(1, num_slots, c.num_kv_heads, c.head_dim, target.dtype, target.device)
+        self.kept = KeptState((self.kv,))  # pairs of prefix-cached tokens, under their input token's target slot
         self.hot_ids = self.draft.hot_ids
         self.scale = c.head_dim**-0.5
         self.reqs: dict[int, _RequestState] = {}
@@ -73,7 +82,15 @@ class Eagle3Drafter:
 
     # --- lifecycle ----------------------------------------------------------------------------
     def add_request(self, rid: int, capture: TargetCapture) -> None:
-        self.reqs[rid] = _RequestState()
+        st = self.reqs[rid] = _RequestState()
+        if capture.cached:  # pair s is kept under token s + 1's slot: pairs 0..cached-2 may be kept
+            (st.slots,) = self.kept.adopt(capture.slots[1 : capture.cached])
+            st.borrowed = st.slots.numel()
+            # the pairs from `borrowed` on need the features of cached tokens borrowed..cached-1 (one, when all kept)
+            if capture.cached_hidden is None:
+                raise DrafterError("a prefix cache hit without the captured layers of its cached tokens")
+            older = capture.cached_hidden(st.borrowed)
+            capture = replace(capture, hidden={l: torch.cat([older[l], h]) for l, h in capture.hidden.items()})
         self.commit(rid, capture)
 
     @torch.inference_mode()
@@ -94,7 +111,17 @@ class Eagle3Drafter:
     def remove_request(self, rid: int) -> None:
         st = self.reqs.pop(rid, None)
         if st is not None:
-            self.kv.free(st.slots)
+            self.kv.free(st.slots[st.borrowed :])
+
+    def release_request(self, rid: int, taken: torch.Tensor) -> None:
+        """The request ended; taken[i]: the target slot where the prefix cache holds its token i, or -1. A processed
+        pair is kept under its input token's slot (pair s: token s + 1's) when the cache holds that token."""
+        st = self.reqs.pop(rid, None)
+        if st is not None:
+            keep_or_free(self.kept, [st.slots], st.borrowed, taken[1:])
+
+    def drop_prefix(self, slots: torch.Tensor) -> None:
+        self.kept.drop(slots)
 
     # --- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()

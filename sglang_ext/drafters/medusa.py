@@ -51,6 +51,7 @@ class MedusaDrafter:
         self.heads = heads.to(target.device, torch.float32).eval()
         self.last_layer = target.cfg.num_layers - 1
         self.capture_layers = (self.last_layer,)  # its output, through the target's final norm = h_u
+        self.reads_prefix_hidden = False  # the last token's row only: never a prefix-cached one (drafters/base.py)
         self.hot_ids = self.heads.hot_ids
         self.lm_rows = target.lm_head[self.hot_ids.to(target.lm_head.device)].float()  # [Vd, H]
         self.last: dict[int, torch.Tensor] = {}  # rid -> [H] h_u of the last verified token

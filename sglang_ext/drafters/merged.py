@@ -58,8 +58,10 @@ member; depth never exceeds the shape's.
 
 Lifecycle: add_request / commit / remove_request go to every member (commit: the same TargetCapture, its
 tree_argmax re-indexed to each member's own tree for members that want it); capture_layers = union;
-wants_tree_argmax / reads_reference = any member's. needs_commit is True even for lookup-only merges:
-the merge reads the accepted path at commit for its per-drafter statistics (a few host ops per step).
+wants_tree_argmax / reads_reference / reads_prefix_hidden = any member's; release_request / drop_prefix (the
+prefix cache, drafters/base.py) go to the members that keep state beside it, the others are removed.
+needs_commit is True even for lookup-only merges: the merge reads the accepted path at commit for its
+per-drafter statistics (a few host ops per step).
 
 Adaptive speculation: a MemberShape (a TreeShape naming some members) makes only those members draft the
 step; serving/adaptive.py offers each member alone beside the merge and measures which pays.
@@ -298,6 +300,7 @@ class MergedDrafter:
         self.capture_layers = tuple(sorted({layer for m in members for layer in m.capture_layers}))
         self.wants_tree_argmax = any(getattr(m, "wants_tree_argmax", False) for m in members)
         self.reads_reference = any(getattr(m, "reads_reference", False) for m in members)
+        self.reads_prefix_hidden = any(getattr(m, "reads_prefix_hidden", True) for m in members if m.capture_layers)
         self.stats = MergeStats([0] * len(members), [0] * len(members))
         self._pending: dict[int, _Proposal] = {}
 
@@ -309,6 +312,21 @@ class MergedDrafter:
         self._pending.pop(rid, None)
         for m in self.members:
             m.remove_request(rid)
+
+    def release_request(self, rid: int, taken: torch.Tensor) -> None:
+        self._pending.pop(rid, None)
+        for m in self.members:
+            release = getattr(m, "release_request", None)
+            if release is None:
+                m.remove_request(rid)
+            else:
+                release(rid, taken)
+
+    def drop_prefix(self, slots: torch.Tensor) -> None:
+        for m in self.members:
+            drop = getattr(m, "drop_prefix", None)
+            if drop is not None:
+                drop(slots)
 
     def member_stats(self) -> dict:
         """{member: {proposed, accepted, accept_rate}}: draft nodes verified and accepted, per member."""

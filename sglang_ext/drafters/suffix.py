@@ -13,12 +13,15 @@ into one trie weighted by their empirical probability:
 A corpus match no longer than the request's own match counts half: the request is the better
 evidence. Proposals are deterministic, so verification stays lossless under sampling. The online
 corpus makes one request's outputs shape another's *drafts* (never its output, but its speed: a
-timing channel between tenants); turn it off with `online=False` / MOA_SERVE_SUFFIX_ONLINE=0.
+timing channel), so it is kept per tenant (DraftInput.tenant: the API key and cache_salt, as the
+engine's prefix cache is): a request drafts from its own tenant's answers only. Turn it off with
+`online=False` / MOA_SERVE_SUFFIX_ONLINE=0.
 """
 
 from __future__ import annotations
 
 import json
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -86,6 +89,27 @@ def shipped_corpus(target) -> Path:
     return shipped_path(target, "suffix", error=CorpusError)
 
 
+class OnlineCorpus:
+    """One tenant's online corpus: its documents and their index (rebuilt after ~25 % growth: amortised)."""
+
+    def __init__(self, key_len: int):
+        self.key_len = key_len
+        self.docs: deque[list[int]] = deque()
+        self.tokens = 0
+        self.index: SuffixIndex | None = None
+        self._indexed = 0  # tokens in the index
+
+    def add(self, doc: list[int]) -> None:
+        self.docs.append(doc)
+        self.tokens += len(doc)
+        if self.tokens > 1.25 * self._indexed:
+            self.index = SuffixIndex(list(self.docs), key_len=self.key_len)
+            self._indexed = self.tokens
+
+    def drop_oldest(self) -> None:
+        self.tokens -= len(self.docs.popleft())
+
+
 class SuffixDrafter(NgramDrafter):
     name = "suffix"
 
@@ -105,12 +129,11 @@ class SuffixDrafter(NgramDrafter):
         self.max_match, self.min_corpus_match, self.max_samples = max_match, min_corpus_match, max_samples
         self.seed = SuffixIndex(seed_docs or [], key_len=max_match)
         self.online, self.max_online_tokens = online, max_online_tokens
-        self.online_docs: list[list[int]] = []
-        self._online_tokens = 0  # tokens in online_docs
-        self.online_index: SuffixIndex | None = None
-        self._indexed_tokens = 0  # online tokens in online_index
+        self.corpora: dict[str, OnlineCorpus] = {}  # tenant -> its online corpus
+        self._order: deque[str] = deque()  # the tenant of each online document, oldest first (the cap drops it)
+        self._online_tokens = 0  # tokens in all online corpora
         self._prompt_len: dict[int, int] = {}
-        self._last_seq: dict[int, list[int]] = {}
+        self._last_seq: dict[int, tuple[str, list[int]]] = {}  # rid -> (tenant, sequence at its last propose)
 
     @classmethod
     def from_target(cls, target, path: str | Path | None = None, **kw) -> "SuffixDrafter":
@@ -125,33 +148,46 @@ class SuffixDrafter(NgramDrafter):
         self._prompt_len[rid] = len(capture.token_ids)
 
     def remove_request(self, rid: int) -> None:
-        seq, n_prompt = self._last_seq.pop(rid, None), self._prompt_len.pop(rid, None)
+        (tenant, seq), n_prompt = self._last_seq.pop(rid, ("", None)), self._prompt_len.pop(rid, None)
         if self.online and seq is not None and n_prompt is not None and len(seq) > n_prompt:
-            self.add_output(seq[n_prompt:])
+            self.add_output(seq[n_prompt:], tenant)
 
-    def add_output(self, tokens: list[int]) -> None:
-        """Add a generated output to the online corpus (re-indexed after ~25 % growth, oldest dropped past the cap)."""
-        self.online_docs.append(list(tokens))
+    def add_output(self, tokens: list[int], tenant: str = "") -> None:
+        """Add a generated output to its tenant's online corpus (the oldest documents of all tenants dropped past
+        the cap)."""
+        if tenant not in self.corpora:
+            self.corpora[tenant] = OnlineCorpus(self.max_match)
+        self.corpora[tenant].add(list(tokens))
+        self._order.append(tenant)
         self._online_tokens += len(tokens)
-        while self._online_tokens > self.max_online_tokens and len(self.online_docs) > 1:
-            self._online_tokens -= len(self.online_docs.pop(0))
-        if self._online_tokens > 1.25 * self._indexed_tokens:  # amortised: each rebuild follows >= 25 % growth
-            self.online_index = SuffixIndex(self.online_docs, key_len=self.max_match)
-            self._indexed_tokens = self._online_tokens
+        while self._online_tokens > self.max_online_tokens and len(self._order) > 1:
+            oldest = self._order.popleft()
+            corpus = self.corpora[oldest]
+            self._online_tokens -= len(corpus.docs[0])
+            corpus.drop_oldest()
+            if not corpus.docs:  # (a tenant whose documents all went keeps no corpus)
+                del self.corpora[oldest]
+
+    @property
+    def online_docs(self) -> list[list[int]]:
+        """Every tenant's online documents."""
+        return [d for c in self.corpora.values() for d in c.docs]
 
     def propose(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree]:
         for d in batch:
-            self._last_seq[d.rid] = d.token_ids
+            self._last_seq[d.rid] = (d.tenant, d.token_ids)
         return [self._tree(d, shape) for d in batch]
 
     def candidates(
-        self, ctx: list[int], depth: int, reference: list[int] = ()
+        self, ctx: list[int], depth: int, reference: list[int] = (), tenant: str = ""
     ) -> tuple[int, list[tuple[list[int], float]]]:
         """(length of the request's own longest match, weighted continuations of up to `depth` tokens
-        from the request itself (and its predicted output) and the corpora): what a tree is built from."""
+        from the request itself (and its predicted output), the seed corpus and its tenant's online corpus):
+        what a tree is built from."""
         own_len, own = self.longest_match(ctx, depth, reference)
         weighted = [(c, 1.0 / len(own) + 1e-3 / (rank + 1)) for rank, c in enumerate(own)]  # ties: most recent
-        for index in (self.seed, self.online_index):
+        online = self.corpora.get(tenant)
+        for index in (self.seed, online.index if online is not None else None):
             if index is None or not len(index):
                 continue
             m = index.lookup(ctx, depth, self.max_match, self.min_corpus_match, self.max_samples)
@@ -161,7 +197,7 @@ class SuffixDrafter(NgramDrafter):
         return own_len, weighted
 
     def _tree(self, d: DraftInput, shape: TreeShape) -> TokenTree:
-        own_len, weighted = self.candidates(d.token_ids, shape.depth, d.reference)
+        own_len, weighted = self.candidates(d.token_ids, shape.depth, d.reference, d.tenant)
         # the request's own match sets the confidence: a long corpus match alone predicted acceptance
         # no better than a short one (scripts/lookup-acceptance.py; docs/BENCHMARKS.md, "Tree shapes")
         return trie_tree(d.token_ids[-1], d.seq_len, weighted, shape, self.min_share, match_confidence(own_len))

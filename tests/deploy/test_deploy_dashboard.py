@@ -23,6 +23,7 @@ REQUIRED_PANELS = [
     ("end-to-end latency",),
     ("running", "queued"),
     ("error rate",),
+    ("prefix cache", "hit rate"),
 ]
 
 

@@ -47,13 +47,21 @@ class OpenAIStreamHandler(BaseHTTPRequestHandler):
         if self._authorized():
             self._json(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
+    def expected(self, req: dict) -> bool:
+        return (req["model"], req["messages"], req["max_tokens"], req["stream"]) == (
+            MODEL,
+            [{"role": "user", "content": PROMPT}],
+            MAX_TOKENS,
+            True,
+        )
+
     def do_POST(self):
         req = json.loads(self.rfile.read(int(self.headers["content-length"])))
         if not self._authorized():
             return
-        want = (MODEL, [{"role": "user", "content": PROMPT}], MAX_TOKENS, True)
-        if (req["model"], req["messages"], req["max_tokens"], req["stream"]) != want:
+        if not self.expected(req):
             return self._json(400, {"error": {"message": f"unexpected request {req}", "type": "invalid_request_error"}})
+        self.prompt_messages = len(req["messages"])
         self.send_response(200)
         self.send_header("content-type", "text/event-stream")
         if self.chunked:
@@ -77,7 +85,12 @@ class OpenAIStreamHandler(BaseHTTPRequestHandler):
                     "object": "chat.completion.chunk",
                     "model": MODEL,
                     "choices": [],
-                    "usage": {"prompt_tokens": 2, "completion_tokens": MAX_TOKENS, "total_tokens": MAX_TOKENS + 2},
+                    "usage": {
+                        "prompt_tokens": 2,
+                        "completion_tokens": MAX_TOKENS,
+                        "total_tokens": MAX_TOKENS + 2,
+                        "prompt_tokens_details": {"cached_tokens": self.prompt_messages},
+                    },
                 }
             )
             self._chunk(b"data: [DONE]\n\n")
@@ -155,6 +168,66 @@ def test_headless_locust_records_stream_metrics(stream_server, tmp_path):
     # The server spaces tokens 10 ms apart: the client must see those gaps, not 0 (tokens merged by buffering).
     assert float(metric["itl_ms"]["Median Response Time"]) >= 8
     assert float(metric["e2e_ms"]["Average Response Time"]) >= MAX_TOKENS * 10
+
+
+ANSWER = "".join(f"w{i} " for i in range(MAX_TOKENS))  # what the stand-in streams
+
+
+class MultiTurnHandler(OpenAIStreamHandler):
+    """Accepts a conversation: the system prompt, then turns of the prompt and this server's own answer, then the
+    prompt; records each request's message count."""
+
+    counts: list[int] = []
+
+    def expected(self, req: dict) -> bool:
+        msgs = req["messages"]
+        turns = [{"role": "user", "content": PROMPT}, {"role": "assistant", "content": ANSWER}]
+        ok = msgs[0] == {"role": "system", "content": "be brief"} and all(
+            m == turns[i % 2] for i, m in enumerate(msgs[1:])
+        )
+        self.counts.append(len(msgs))
+        return ok and len(msgs) % 2 == 0 and (req["model"], req["max_tokens"]) == (MODEL, MAX_TOKENS)
+
+
+def test_multiturn_conversations_carry_their_history(tmp_path):
+    """The multiturn workload sends each user's history (system prompt, questions, the server's answers) and a new
+    question, TURNS turns per conversation, and reports TTFT by turn and the server's cached tokens."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), MultiTurnHandler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(PROMPT + "\n")
+    env = {
+        **os.environ,
+        "MOA_LOADTEST_HOST": f"http://127.0.0.1:{server.server_address[1]}",
+        "MOA_LOADTEST_API_KEY": API_KEY,
+        "MOA_LOADTEST_MAX_TOKENS": str(MAX_TOKENS),
+        "MOA_LOADTEST_PROMPTS": str(prompts),
+        "MOA_LOADTEST_MIX": "multiturn",
+        "MOA_LOADTEST_TURNS": "3",
+        "MOA_LOADTEST_SYSTEM_PROMPT": "be brief",
+    }
+    env.pop("MOA_LOADTEST_MODEL", None)
+    try:
+        proc = subprocess.run(
+            [find_tool("locust"), "-f", str(ROOT / "loadtest" / "chat.py"), "--headless", "-u", "2", "-r", "2"]
+            + ["-t", "3s", "--csv", str(tmp_path / "run"), "--only-summary", "--exit-code-on-error", "1"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+            cwd=tmp_path,
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(open(tmp_path / "run_stats.csv"))}
+    assert int(rows[("", "Aggregated")]["Failure Count"]) == 0
+    assert int(rows[("POST", "/v1/chat/completions (multiturn)")]["Request Count"]) > 6
+    assert set(MultiTurnHandler.counts) == {2, 4, 6}  # turns 1-3, then a new conversation
+    for name in ("ttft_ms (turn 1)", "ttft_ms (turn 2+)", "cached_tokens"):
+        assert int(rows[("METRIC", name)]["Request Count"]) > 0, name
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
-"""Live: a bounded headless locust run of loadtest/chat.py (8 users, 20 s, a mix of chat, tool-call and
-predicted-output streams) against a live `moa-serve serve` (the session's gateway: SmolLM2 (auto dtype) + ngram on
-1 CPU thread, --max-running 4, API key)."""
+"""Live: a bounded headless locust run of loadtest/chat.py (8 users, 20 s, a mix of chat, tool-call,
+predicted-output and multi-turn streams) against a live `moa-serve serve` (the session's gateway: SmolLM2 (auto
+dtype) + ngram on 1 CPU thread, --max-running 4, API key)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ from deploytools import ROOT
 from liveprocs import API_KEY
 
 USERS, RUN_TIME, MAX_TOKENS = 8, "20s", 32
-MIX = "chat:2,tools:1,prediction:1,generate:1"
+MIX = "chat:2,tools:1,prediction:1,generate:1,multiturn:1"
 NAMES = (
     "/v1/chat/completions (stream)",
     "/v1/chat/completions (tools)",
     "/v1/chat/completions (prediction)",
     "/generate (stream)",
+    "/v1/chat/completions (multiturn)",
 )
 MT_BENCH = ROOT.parent / "shared" / "data" / "eval" / "mt_bench.jsonl"
 
@@ -89,6 +90,8 @@ def test_locust_against_live_gateway(locust, live_gateway, tmp_path):
     assert int(metric["itl_ms"]["Request Count"]) > 0
     assert 0 < float(metric["output_tokens"]["Average Response Time"]) <= max(MAX_TOKENS, 128)  # tools: 128 at least
     assert 0 < float(metric["ttft_ms"]["Median Response Time"]) <= float(metric["e2e_ms"]["Median Response Time"])
+    # the chat template's system prompt is every chat's: later requests find it in the prefix cache
+    assert float(rows[("METRIC", "cached_tokens")]["Max Response Time"]) > 0
 
     # The gateway counted the same requests, all ok. Locust writes run_stats.csv before the streams that end
     # in the --stop-timeout phase are counted (its printed summary has them), so the CSV can miss up to one

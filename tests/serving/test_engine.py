@@ -6,7 +6,14 @@ from dataclasses import replace
 
 import pytest
 import torch
-from helpers import compare_to_reference, reference_greedy, reference_logprobs, tiny_target
+from helpers import (
+    compare_to_reference,
+    drafter_pools_whole,
+    reference_greedy,
+    reference_logprobs,
+    slots_whole,
+    tiny_target,
+)
 
 from serving.config import EngineConfig
 from serving.engine import Engine
@@ -89,7 +96,7 @@ def test_greedy_identity(smollm2_fp32, eval_prompts, vanilla_outputs, drafter, s
             r.output_ids for r in eng.generate(eval_prompts[i : i + bs], SamplingParams(max_new_tokens=NEW_TOKENS))
         ]
     _check_identity(smollm2_fp32, eval_prompts, vanilla_outputs, outs, f"{drafter}/{shape}/bs{bs}")
-    assert eng.kv.num_free == eng.kv.num_slots - 1, "KV slots leaked"
+    assert slots_whole(eng), "KV slots leaked"
 
 
 def test_vanilla_batching_identity(smollm2_fp32, eval_prompts, vanilla_outputs):
@@ -101,14 +108,18 @@ def test_vanilla_batching_identity(smollm2_fp32, eval_prompts, vanilla_outputs):
 
 def test_abort_frees_kv_and_drafter_state(smollm2_fp32, eval_prompts):
     eng = Engine(smollm2_fp32, make_drafter("draft-model", smollm2_fp32), EngineConfig(tree=TreeShape(3, 2, 6)))
-    free0, dfree0 = eng.kv.num_free, eng.drafter.kv.num_free
     reqs = [eng.add_request(p, SamplingParams(max_new_tokens=50)) for p in eval_prompts[:3]]
     eng.step()
     eng.step()
     for r in reqs:
         eng.abort(r)
-    assert eng.kv.num_free == free0 and eng.drafter.kv.num_free == dfree0 and not eng.has_work
+    # every slot is free or cached (with the drafter's state of the cached tokens kept beside it)
+    assert slots_whole(eng) and drafter_pools_whole(eng.drafter) and not eng.has_work and not eng.drafter.slots
     assert all(r.finish_reason == "abort" for r in reqs)
+    cached = eng.prefix_cache.tokens
+    eng.flush_cache()
+    d = eng.drafter.kv
+    assert cached > 0 and eng.kv.num_free == eng.kv.num_slots - 1 and d.num_free == d.num_slots - 1
 
 
 class _ExplodingDrafter:
@@ -169,9 +180,9 @@ def test_arrivals_prefilled_in_the_decode_forward(smollm2_fp32, eval_prompts, va
         return torch.cat([c.positions for c in caps]), {l: torch.cat([c.hidden[l] for c in caps]) for l in (1, 14)}
 
     prompts, sp = eval_prompts[:6], SamplingParams(max_new_tokens=NEW_TOKENS)
-    eng = Engine(
-        smollm2_fp32, Recording(), EngineConfig(tree=TreeShape.chain(3), mixed_prefill=mixed, prefill_tokens=chunk)
-    )
+    # (no prefix cache: every prompt token's features come from this engine's own forwards, as in a lone run)
+    config = EngineConfig(tree=TreeShape.chain(3), mixed_prefill=mixed, prefill_tokens=chunk, prefix_cache=False)
+    eng = Engine(smollm2_fp32, Recording(), config)
     reqs, fused_steps = [], 0
 
     def step():
@@ -186,12 +197,12 @@ def test_arrivals_prefilled_in_the_decode_forward(smollm2_fp32, eval_prompts, va
             step()
     while eng.has_work:
         step()
-    assert fused_steps >= 4 and eng.kv.num_free == eng.kv.num_slots - 1
+    assert fused_steps >= 4 and slots_whole(eng)
     if chunk < 2048:
         assert max(len(p) for p in prompts) > 3 * chunk  # some prompts really took several steps
     _check_identity(smollm2_fp32, prompts, vanilla_outputs[:6], [r.output_ids for r in reqs], "staggered arrivals")
     for r, p in zip(reqs, prompts):
-        alone = Engine(smollm2_fp32, Recording(), EngineConfig(tree=TreeShape.chain(3)))
+        alone = Engine(smollm2_fp32, Recording(), EngineConfig(tree=TreeShape.chain(3), prefix_cache=False))
         ref = alone.generate([p], sp)[0]
         if ref.output_ids != r.output_ids:
             continue  # a numerical tie (checked above): the accepted tokens differ from there on
@@ -215,7 +226,8 @@ def test_abort_during_a_chunked_prefill_frees_its_kv(smollm2_fp32, eval_prompts)
     assert r.prefilled == 16 and len(r.slots) == 16 and eng.kv.num_free == free0 - 16
     eng.abort(r)
     assert (
-        eng.kv.num_free == free0
+        slots_whole(eng)
+        and eng.prefix_cache.tokens == 16  # the prefilled chunks' K/V stays, for a request with the same prompt
         and eng.drafter.kv.num_free == dfree0
         and not eng.has_work
         and r.finish_reason == "abort"
@@ -404,7 +416,7 @@ def test_greedy_penalties_equal_plain_decoding(smollm2_fp32, eval_prompts, penal
     assert 28 not in reqs[2].output_ids  # a -100 bias keeps a token out
     if drafter:
         assert sum(r.stats.accepted_tokens for r in reqs) > 0
-    assert eng.kv.num_free == eng.kv.num_slots - 1
+    assert slots_whole(eng)
 
 
 def test_penalties_change_the_output(smollm2_fp32, eval_prompts, penalized_reference):
@@ -454,7 +466,7 @@ def test_greedy_min_tokens_equal_plain_decoding(smollm2_fp32, min_tokens_referen
     _assert_plain_decoding(reqs, refs)
     for r, sp in zip(reqs, params):
         assert len(r.output_ids) >= sp.min_tokens
-    assert eng.kv.num_free == eng.kv.num_slots - 1
+    assert slots_whole(eng)
 
 
 def test_min_tokens_change_the_output(smollm2_fp32, min_tokens_reference):
@@ -612,4 +624,4 @@ def test_greedy_structured_output_equals_plain_decoding(smollm2_fp32, structured
         json.loads(cat)
     if drafter:
         assert sum(r.stats.accepted_tokens for r in reqs) > 0
-    assert eng.kv.num_free == eng.kv.num_slots - 1
+    assert slots_whole(eng)

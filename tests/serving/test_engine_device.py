@@ -12,7 +12,9 @@ stage or the step raise, and the test fails; so does a second copy per step.
 Covered: prefill (whole and chunked) with first tokens, arrivals in the decode forward, greedy,
 seeded and unseeded sampling, penalties + min_tokens, root-only and drafted trees (a test drafter
 that drafts on the device without reading it, with an out-of-vocabulary token in one tree), the
-drafter's commit, output logprobs (computed on the device, they come in the same copy). Not covered
+drafter's commit, output logprobs (computed on the device, they come in the same copy), prefix cache
+hits (follow-up requests on the first ones' prompts and outputs: the cached tokens' captured layers
+gathered on the device, model drafters adopting the state they kept beside the cache). Not covered
 here (a copy of their own, documented in the engine): prompt logprobs and grammar masks.
 """
 
@@ -45,10 +47,12 @@ class DeviceChainDrafter:
     name, capture_layers = "device-chain", (3,)
 
     def __init__(self, device: str, vocab: int):
-        self.device, self.vocab, self.proposals, self.commits = device, vocab, 0, []
+        self.device, self.vocab, self.proposals, self.commits, self.cached_rows = device, vocab, 0, [], []
 
     def add_request(self, rid, capture):
         self.commits.append(capture)
+        if capture.cached:  # a prefix cache hit: the cached tokens' captured rows, gathered on the device too
+            self.cached_rows.append((capture, capture.cached_hidden(0)))
 
     def propose(self, batch, shape):
         self.proposals += 1
@@ -96,6 +100,13 @@ class OneCopy:
                 self.logprobs += 1
             out.append(res)
         return out
+
+
+def _follow_ups(eng: Engine, reqs: list, params: list) -> list:
+    """Requests continuing each finished one (its prompt, its output, three more tokens): prefix cache hits."""
+    follow = [eng.add_request(r.prompt_ids + r.output_ids + [7, 8, 9], sp) for r, sp in zip(reqs, params)]
+    assert all(r.cached_tokens >= len(old.prompt_ids) for r, old in zip(follow, reqs))
+    return follow
 
 
 def _run_counting_copies(eng: Engine, copy: OneCopy, arrive=None) -> None:
@@ -146,10 +157,18 @@ def test_an_engine_step_makes_one_device_to_host_copy(monkeypatch, drafted):
         # an arrival at step 2, while the others decode: prefilled in their forward
         with HostWaits() as waits:  # (the requests' steps: loading the weights above copies them up)
             _run_counting_copies(eng, copy, lambda: reqs.append(eng.add_request(list(range(40, 52)), PARAMS[3])))
+            reqs += _follow_ups(eng, reqs, PARAMS)
+            _run_counting_copies(eng, copy)
     errors = [(r.rid, r.error) for r in reqs if r.finish_reason == "error"]
     assert not waits.raised, waits.raised
     assert not errors, f"a stage read the device or mixed devices: {errors}"
     assert all(r.finish_reason == "length" and len(r.output_ids) == 6 for r in reqs)
+    if drafted:  # a hit's capture: rows of the captured layer for the tokens computed now, and for the cached ones
+        assert len(drafter.cached_rows) >= 4 and all(
+            c.hidden[3].shape[0] == len(c.token_ids) - c.cached and rows[3].shape[0] == c.cached
+            for c, rows in drafter.cached_rows
+        )
+        assert all(rows[3].device.type == "cuda" for _, rows in drafter.cached_rows)
     # (the OOV tree's flag reaches the host through the copy, which the stand-in answers with False;
     # tests/serving/test_gateway_errors.py checks that fallback with real values)
     assert not fallbacks
@@ -202,14 +221,21 @@ def test_an_engine_step_with_a_model_drafter_makes_one_copy(monkeypatch, kind, s
     else:
         drafter = DraftModelDrafter.self_draft(model, layers=[0, 3], num_slots=1024)
     drafter.step_graphs = static  # (the engine sets it with a graph runner, which needs a CUDA device)
+    adopted = []  # tokens of state each add_request adopted from what the drafter kept beside the prefix cache
+    if hasattr(drafter, "kept"):
+        real_adopt = drafter.kept.adopt
+        drafter.kept.adopt = lambda keys: (got := real_adopt(keys), adopted.append(got[0].numel()))[0]
     fallbacks = []
     config = EngineConfig(kv_slots=4096, prefill_tokens=24, tree=TreeShape(3, 2, 6), adaptive=False, cuda_graphs=False)
     eng = Engine(Target(model, None, None), drafter, config, on_fallback=lambda r, why: fallbacks.append(why))
     reqs = [eng.add_request(list(range(10, 10 + n)), sp) for n, sp in zip((9, 30, 5), PARAMS[:3])]
     with HostWaits() as waits:
         _run_counting_copies(eng, copy)
+        reqs += _follow_ups(eng, reqs, PARAMS[:3])
+        _run_counting_copies(eng, copy)
     assert not waits.raised, waits.raised
     errors = [(r.rid, r.error) for r in reqs if r.finish_reason == "error"]
     assert not errors and not fallbacks, (errors, fallbacks)
     assert all(len(r.output_ids) == 6 for r in reqs)
     assert sum(r.stats.accepted_tokens for r in reqs) > 0  # drafted trees were verified (the stand-in accepts one)
+    assert sum(adopted) > 0 or not hasattr(drafter, "kept")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_target
+from helpers import slots_whole, tiny_target
 
 import serving.engine as engine_mod
 from serving.config import EngineConfig
@@ -107,7 +107,7 @@ def test_a_fault_fails_one_request_and_the_others_run_unchanged(target, fault_fr
         if i != FAULTY:
             assert r.finish_reason == "length" and r.error is None
             assert r.output_ids == fault_free[i], f"request {i} changed after request {FAULTY}'s fault"
-    assert engine.kv.num_free == engine.kv.num_slots - 1 and not engine.waiting and not engine.running
+    assert slots_whole(engine) and not engine.waiting and not engine.running
 
 
 def test_step_fault_then_reset_leaves_a_whole_kv_pool(target, fault_free):
@@ -119,12 +119,12 @@ def test_step_fault_then_reset_leaves_a_whole_kv_pool(target, fault_free):
     leaked = engine.kv.alloc(7)  # slots no request holds: what a fault mid-step could leave behind
     assert leaked.numel() == 7
     engine.reset()
-    assert engine.kv.num_free == engine.kv.num_slots - 1 and not engine.has_work
+    assert slots_whole(engine) and not engine.has_work
     again = [engine.add_request(p, params(i)) for i, p in enumerate(prompts())]  # and it serves as before
     while engine.has_work:
         engine.step()
     assert [r.output_ids for r in again] == fault_free
-    assert engine.kv.num_free == engine.kv.num_slots - 1
+    assert slots_whole(engine)
 
 
 # --- through the gateway: the faulty request gets an OpenAI-shaped error, the fault is counted ----------
@@ -182,7 +182,7 @@ def test_gateway_fails_the_faulty_request_alone_and_counts_it(monkeypatch):
     assert all(c.finish_reason == "length" for c in together)
     assert 'moa_request_faults_total{backend="embedded",drafter="ngram",reason="penalty"} 1.0' in metrics
     assert telemetry._requests["error"]._value.get() == 1
-    assert engine.kv.num_free == engine.kv.num_slots - 1
+    assert slots_whole(engine)
 
 
 class PoisonedEagle3:
@@ -232,4 +232,4 @@ def test_non_finite_draft_logits_fall_back_with_the_targets_tokens(target, shape
         engine.step()
     assert [r.output_ids for r in reqs] == ref
     assert why == ["invalid_draft", "invalid_draft"] and not any(r.drafting for r in reqs)
-    assert engine.kv.num_free == engine.kv.num_slots - 1
+    assert slots_whole(engine)

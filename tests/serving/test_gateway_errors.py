@@ -15,7 +15,7 @@ import time
 import httpx
 import openai
 import pytest
-from helpers import compare_to_reference, tiny_config, tiny_state
+from helpers import compare_to_reference, slots_whole, tiny_config, tiny_state
 
 from serving.config import EngineConfig
 from serving.engine import Engine
@@ -97,6 +97,18 @@ BAD_REQUESTS = [
     ("array body", "POST", CHAT, "[1, 2]", 400, None, "invalid_json"),
     ("missing messages", "POST", CHAT, {"model": MODEL}, 400, "messages", "missing_required_parameter"),
     ("empty messages", "POST", CHAT, {**msg(), "messages": []}, 400, "messages", None),
+    ("cache_salt not a string", "POST", CHAT, msg(cache_salt=123), 400, "cache_salt", "invalid_value"),
+    ("cache_salt too long", "POST", CHAT, msg(cache_salt="s" * 257), 400, "cache_salt", "invalid_value"),
+    ("cache_salt empty", "POST", CHAT, msg(cache_salt=""), 400, "cache_salt", "invalid_value"),
+    (
+        "completions cache_salt a list",
+        "POST",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "hi", "cache_salt": ["a"]},
+        400,
+        "cache_salt",
+        "invalid_value",
+    ),
     (
         "bad role",
         "POST",
@@ -455,7 +467,7 @@ BAD_REQUESTS = [
 
 def test_bad_requests_get_openai_errors_and_server_keeps_answering(server):
     assert len(BAD_REQUESTS) >= 20
-    free0 = server.engine.kv.num_free
+    assert slots_whole(server.engine)
     invalid0 = server.telemetry._requests["invalid"]._value.get()
     posted = 0
     with httpx.Client(base_url=server.url, timeout=30) as c:
@@ -470,7 +482,7 @@ def test_bad_requests_get_openai_errors_and_server_keeps_answering(server):
         ok = c.post(CHAT, json=msg())
         assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] is not None
         assert c.get("/health").json() == {"status": "ok"}
-    assert server.engine.kv.num_free == free0
+    assert slots_whole(server.engine)  # (the good request's tokens may stay in the prefix cache)
     assert server.telemetry._requests["invalid"]._value.get() - invalid0 == posted
 
 
@@ -568,7 +580,7 @@ def test_queue_overflow_gets_429_with_retry_after(tiny):
                 assert r.json()["usage"]["completion_tokens"] == 24
         assert c.post(CHAT, json=msg()).status_code == 200  # capacity is back
     assert telemetry._requests["rejected"]._value.get() == 4
-    assert engine.kv.num_free == engine.kv.num_slots - 1
+    assert slots_whole(engine)
 
 
 class FaultyDrafter(NgramDrafter):
@@ -612,7 +624,7 @@ def test_drafter_fault_falls_back_with_correct_output(tiny, mode, reason):
         assert o["choices"][0]["message"]["content"] == tiny.decode(got)
     assert fallbacks._value.get() == 3
     assert f'moa_drafter_fallbacks_total{{backend="embedded",drafter="faulty",reason="{reason}"}} 3.0' in metrics_text
-    assert engine.kv.num_free == engine.kv.num_slots - 1
+    assert slots_whole(engine)
 
 
 def test_engine_step_failure_is_a_500_and_the_server_recovers(tiny):
@@ -631,7 +643,7 @@ def test_engine_step_failure_is_a_500_and_the_server_recovers(tiny):
         assert_error_shape(c.post(CHAT, json=msg(max_tokens=8)), 500, code="internal_error")
         assert c.post(CHAT, json=msg(max_tokens=8)).status_code == 200
     assert telemetry._requests["error"]._value.get() == 1
-    assert engine.kv.num_free == engine.kv.num_slots - 1
+    assert slots_whole(engine)
 
 
 def test_unexpected_exception_is_an_openai_500(tiny, monkeypatch):
@@ -657,7 +669,7 @@ def test_non_streaming_client_timeout_aborts_the_request(tiny):
         deadline = time.monotonic() + 10
         while sched.load() != (0, 0) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert sched.load() == (0, 0) and engine.kv.num_free == engine.kv.num_slots - 1
+        assert sched.load() == (0, 0) and slots_whole(engine)
     assert telemetry._requests["aborted"]._value.get() == 1
 
 
@@ -690,7 +702,7 @@ def test_engine_failure_mid_stream_is_an_error_event(tiny):
             model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
         ).choices
     assert telemetry._requests["error"]._value.get() == 1
-    assert engine.kv.num_free == engine.kv.num_slots - 1
+    assert slots_whole(engine)
 
 
 def test_drain_deadline_aborts_what_is_left_and_exits(tiny):
@@ -724,7 +736,7 @@ def test_drain_deadline_aborts_what_is_left_and_exits(tiny):
     assert_error_shape(r, 503, code="service_unavailable")
     thread.join(20)
     assert not thread.is_alive() and time.monotonic() - t0 < 10
-    assert engine.kv.num_free == engine.kv.num_slots - 1
+    assert slots_whole(engine)
 
 
 def _partial_upload(port: int, sent: bytes = b'{"model": "tiny", ') -> socket.socket:

@@ -215,6 +215,9 @@ def test_generate_stop_and_json_schema(http):
         ({"text": "a", "return_logprob": "yes"}, "return_logprob"),
         ({"text": "a", "image_data": "http://x/y.png"}, "image_data"),
         ({"text": "a", "stream": "yes"}, "stream"),
+        ({"text": "a", "cache_salt": 5}, "cache_salt"),
+        ({"text": "a", "cache_salt": "s" * 257}, "cache_salt"),
+        ({"text": "a", "cache_salt": ""}, "cache_salt"),
     ],
 )
 def test_generate_bad_requests(http, body, param):
@@ -306,3 +309,6 @@ def test_generate_max_new_tokens_0_is_prefill_only(http, smollm2_fp32):
         and out["meta_info"]["prompt_tokens"] == len(smollm2_fp32.encode(PROMPT))
     )
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    # what SGLang clients send it for: the prompt is now cached, and a request starting with it prefills the rest
+    again = http.post("/generate", json={"text": PROMPT + " Go on.", "sampling_params": greedy(2)}).json()
+    assert again["meta_info"]["cached_tokens"] >= len(smollm2_fp32.encode(PROMPT)) - 2  # (the last token may merge)

@@ -21,7 +21,7 @@ import openai
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from serving.backends.sglang import SGLangBackend, UpstreamConfig
@@ -51,6 +51,7 @@ class FakeSGLang:
     def __init__(self):
         self.requests: list[dict] = []
         self.disconnects = 0
+        self.flushes = 0
         self.healthy = True
         app = self.app = FastAPI()
 
@@ -69,6 +70,11 @@ class FakeSGLang:
         @app.post("/v1/completions")
         async def completions(request: Request):
             return await self.generate(await request.json(), chat=False)
+
+        @app.post("/flush_cache")
+        async def flush_cache():  # (SGLang's answer when it flushed)
+            self.flushes += 1
+            return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details.\n")
 
     async def generate(self, body: dict, chat: bool):
         self.requests.append(body)
@@ -167,9 +173,8 @@ class FakeSGLang:
                     yield chunk(choices=[choice(w if i == 0 or finish == "stop" else " " + w, i=i)])
                 yield chunk(choices=[choice(finish=finish)])
                 yield chunk(choices=[], sglext={"spec_tokens_details": SPEC})
-                yield chunk(
-                    choices=[], usage={"prompt_tokens": 7, "completion_tokens": n_tok, "total_tokens": 7 + n_tok}
-                )
+                usage = {"prompt_tokens": 7, "completion_tokens": n_tok, "total_tokens": 7 + n_tok}
+                yield chunk(choices=[], usage={**usage, "prompt_tokens_details": {"cached_tokens": 3}})
                 yield "data: [DONE]\n\n"
             except asyncio.CancelledError:
                 self.disconnects += 1
@@ -268,6 +273,26 @@ def test_chat_through_upstream(gw, upstream):
 
     comp = client.completions.create(model="llama-8b", prompt="once", max_tokens=3)
     assert comp.choices[0].text == expected(3) and upstream.requests[-1]["prompt"] == "once"
+
+
+def test_tenant_goes_upstream_as_cache_salt_and_flush_cache_is_the_upstreams(gw, upstream):
+    """SGLang keys its radix cache by cache_salt: a request's tenant (its cache_salt, with the API key when
+    keys are configured) goes upstream as one, so tenants share no cached prefix there either; the upstream's
+    cached tokens come back in usage and the prefix cache counters."""
+    from serving.gateway.auth import tenant_key
+
+    client = openai.OpenAI(base_url=gw.url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "hi"}]
+    out = client.chat.completions.create(model="llama-8b", messages=messages, max_tokens=2)
+    assert "cache_salt" not in upstream.requests[-1] and out.usage.prompt_tokens_details.cached_tokens == 3
+    client.completions.create(model="llama-8b", prompt="hi", max_tokens=2, extra_body={"cache_salt": "s1"})
+    assert upstream.requests[-1]["cache_salt"] == tenant_key("", "s1") != "s1"  # a digest, not the salt itself
+    hits = gw.telemetry._prefix_hit._value.get()
+    assert hits >= 6 and gw.telemetry._prefix_query._value.get() >= 14
+    flushes = upstream.flushes
+    r = httpx.post(gw.url + "/flush_cache")
+    assert r.status_code == 200 and r.json()["success"] and "Cache flushed" in r.json()["message"]
+    assert upstream.flushes == flushes + 1
 
 
 def test_logprobs_pass_through_from_upstream(gw, upstream):

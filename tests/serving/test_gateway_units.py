@@ -4,6 +4,7 @@ API keys, error params."""
 import time
 
 import pytest
+from helpers import slots_whole
 
 from serving.api.errors import APIError, _param
 from serving.api.tools import tool_grammar
@@ -244,7 +245,7 @@ def test_scheduler_admits_by_kv_reservation_and_delivers_everything():
         sched.stop()
     assert outs[:4] == [(20, "length")] * 4
     assert max(peak) == 2
-    assert engine.kv.num_free == engine.kv.num_slots - 1
+    assert slots_whole(engine)
 
 
 def _serve_args(*flags: str):
@@ -264,8 +265,9 @@ def _serve_args(*flags: str):
             "embedded",
         ),
         (["--tree", "0,1,1"], {}, "tree"),
+        (["--prefix-cache-tokens", "-1"], {}, "prefix_cache_tokens"),
     ],
-    ids=["no-upstream", "bad-upstream", "edge-upstream", "bad-tree"],
+    ids=["no-upstream", "bad-upstream", "edge-upstream", "bad-tree", "bad-prefix-cache-size"],
 )
 def test_serve_options_refuse_a_bad_combination_before_any_model_loads(monkeypatch, flags, env, message):
     """The serve flags become one ServeOptions (entrypoints/serve.py), the only place the backend is chosen;
@@ -291,5 +293,8 @@ def test_serve_options_pick_the_backend_from_flag_then_environment(monkeypatch):
     assert o.backend == "sglang" and o.upstream.url == "http://sglang:30000" and o.drafter_label == "upstream"
     o = serve_options(_serve_args("--backend", "embedded", "--drafter", "ngram", "--kv-slots", "4096"))
     assert o.backend == "embedded" and o.engine.drafter == "ngram" and o.engine.kv_slots == 4096 and o.upstream is None
+    assert o.engine.prefix_cache and o.engine.prefix_cache_tokens is None  # the prefix cache is on by default
+    o = serve_options(_serve_args("--backend", "embedded", "--no-prefix-cache", "--prefix-cache-tokens", "2048"))
+    assert not o.engine.prefix_cache and o.engine.prefix_cache_tokens == 2048
     with pytest.raises(SystemExit):  # the flag's choices are settings.BACKENDS
         _serve_args("--backend", "vllm")

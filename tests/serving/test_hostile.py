@@ -21,7 +21,7 @@ import time
 import httpx
 import openai
 import pytest
-from helpers import tiny_target
+from helpers import slots_whole, tiny_target
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -543,7 +543,7 @@ def check_clean(server, http: httpx.Client) -> None:
     assert "moa_request_faults_total{" not in text, [ln for ln in text.splitlines() if "fault" in ln]
     r = http.post(CHAT, json=chat(temperature=0))
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]
-    assert server.engine.kv.num_free == server.engine.kv.num_slots - 1
+    assert slots_whole(server.engine)
 
 
 # --- attacks on everyone: each class beside two greedy streams and a /health probe -----------------------

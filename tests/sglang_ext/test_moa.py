@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import compare_to_reference, tiny_config, tiny_state
+from helpers import compare_to_reference, drafter_pools_whole, slots_whole, tiny_config, tiny_state
 
 from serving.config import EngineConfig
 from serving.engine import Engine
@@ -250,13 +250,12 @@ def test_greedy_identity_tiny(tli, shape, bs):
     ref = [r.output_ids for r in Engine(target, None).generate(prompts, params)]
     drafter = MoADrafter(target.model, draft)
     eng = Engine(target, drafter, EngineConfig(tree=shape))
-    free = (drafter.mem.num_free, drafter.sa.num_free, eng.kv.num_free)
     outs = []
     for i in range(0, len(prompts), bs):
         outs += [r.output_ids for r in eng.generate(prompts[i : i + bs], params)]
     verdicts = [compare_to_reference(target.model, p, r, o) for p, r, o in zip(prompts, ref, outs)]
     assert "bug" not in verdicts, verdicts
-    assert (drafter.mem.num_free, drafter.sa.num_free, eng.kv.num_free) == free and not drafter.reqs
+    assert slots_whole(eng) and drafter_pools_whole(drafter) and not drafter.reqs
 
 
 @pytest.mark.parametrize("tli", [0, 1])
