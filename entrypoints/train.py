@@ -187,7 +187,14 @@ def add_job_parser(kinds) -> argparse.ArgumentParser:
 
 def add_job_args(j: argparse.ArgumentParser) -> None:
     add_run_args(j)
-    j.add_argument("--heads", default=",".join(HEADS), help="comma list of eagle3, medusa, moa-tli<N>")
+    j.add_argument(
+        "--heads",
+        default=",".join(HEADS),
+        help=(
+            "comma list of eagle3, medusa, moa-tli<N>; a head may carry its own options, <head>@key=value[@...] "
+            "(e.g. moa-tli1@lambda_feat=0.3@lr=3e-4): recipe variants on the same batches"
+        ),
+    )
     j.set_defaults(**JOB_DEFAULTS, train_fn=cmd_run)
 
 
@@ -233,6 +240,15 @@ def _add_moa_parser(kinds) -> None:
         "--no-lsa",
         action="store_true",
         help="ablation: CA reads the target's last-layer output instead of LSA over all layers' K/V",
+    )
+    m.add_argument(
+        "--position-decay",
+        type=float,
+        default=d.position_decay,
+        help="a row at draft depth d weighs this**d in the loss (1: every depth alike)",
+    )
+    m.add_argument(
+        "--sa-layers", type=int, default=d.sa_layers, help="self-attention layers (ablation: the drafter serves 1)"
     )
     m.set_defaults(**HEAD_DEFAULTS, train_fn=cmd_run)
 

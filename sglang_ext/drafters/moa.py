@@ -82,6 +82,8 @@ class MoADrafter:
         ingest_remote() and the TLI layers keep their own copy of the last N layers' K/V."""
         c = draft.cfg
         check_fits(c, target.cfg)
+        if c.sa_layers != 1:
+            raise DrafterError(f"{name}: the drafter runs 1 SA layer; the checkpoint has {c.sa_layers} (an ablation)")
         self.name = name
         self.target = target
         self.draft = module_on(draft, target.device, target.dtype).eval()  # beside the target

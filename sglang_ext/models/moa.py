@@ -84,6 +84,7 @@ class MoAConfig:
     draft_vocab_size: int = 0  # 0: the full target vocab
     sa_tree_attention: str = "self"
     memory_source: str = "lsa"  # "last_hidden": ablation without LSA, CA reads the target's last-layer output
+    sa_layers: int = 1  # SA decoder layers (more than 1: a training ablation; the drafters serve 1)
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -98,6 +99,7 @@ class MoAConfig:
         draft_vocab_size: int = 0,
         sa_tree_attention: str = "self",
         memory_source: str = "lsa",
+        sa_layers: int = 1,
     ) -> "MoAConfig":
         """SA/CA mirror one target layer's attention shape; LSA heads of the target's head size."""
         w = 2 * t.num_kv_heads * t.head_dim
@@ -123,6 +125,7 @@ class MoAConfig:
             draft_vocab_size=draft_vocab_size if 0 < draft_vocab_size < t.vocab_size else 0,
             sa_tree_attention=sa_tree_attention,
             memory_source=memory_source,
+            sa_layers=sa_layers,
         ).validated()
 
     def validated(self) -> "MoAConfig":
@@ -130,6 +133,8 @@ class MoAConfig:
             raise CheckpointError(f"tli={self.tli} outside [0, {self.num_target_layers}]")
         if self.sa_tree_attention not in SA_MODES:
             raise CheckpointError(f"sa_tree_attention must be one of {SA_MODES}, got {self.sa_tree_attention!r}")
+        if self.sa_layers < 1:
+            raise CheckpointError(f"sa_layers must be >= 1, got {self.sa_layers}")
         if self.memory_source not in MEMORY_SOURCES:
             raise CheckpointError(f"memory_source must be one of {MEMORY_SOURCES}, got {self.memory_source!r}")
         if (
@@ -316,6 +321,13 @@ class MoADraft(MoAPieces, nn.Module):
         self.cross_attention = _Layer(
             h, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cross=True
         )
+        # the training ablation's further SA layers (run after self_attention), made last: the other blocks
+        # start as those of a one-layer head of the same seed
+        if cfg.sa_layers > 1:
+            self.more_self_attention = nn.ModuleList(
+                _Layer(h, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+                for _ in range(cfg.sa_layers - 1)
+            )
         vd = cfg.draft_vocab_size or cfg.vocab_size
         self.register_buffer("hot_ids", torch.arange(vd, dtype=torch.long))
         # NOTE: plain attributes, not buffers, so module.to(bfloat16) keeps RoPE frequencies in fp32
@@ -360,7 +372,7 @@ def stack_pool_kv(kv: KVPool, slots: torch.Tensor) -> torch.Tensor:
 
 
 # --- reading checkpoints ----------------------------------------------------------------------
-GROUPS = ("layer_self_attention.", "Ekv2E.", "self_attention.", "cross_attention.")
+GROUPS = ("layer_self_attention.", "Ekv2E.", "self_attention.", "cross_attention.", "more_self_attention.")
 WRAPPER_PREFIXES = ("module.", "model.", "draft_model.", "draft.")
 
 

@@ -120,6 +120,10 @@ def validate_moa_server_args(sa) -> None:
             f"MOA runs LSA checkpoints only; {sa.speculative_draft_model_path} has "
             f"memory_source={cfg.memory_source!r} (an ablation for the embedded engine)"
         )
+    if cfg.sa_layers != 1:
+        raise MoAServerArgsError(
+            f"MOA runs 1 SA layer; {sa.speculative_draft_model_path} has sa_layers={cfg.sa_layers} (an ablation)"
+        )
     tli_override(cfg)
     for flag, value in (("--tp-size", sa.tp_size), ("--pp-size", sa.pp_size), ("--dp-size", sa.dp_size)):
         if value not in (None, 1):

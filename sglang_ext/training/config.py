@@ -4,12 +4,15 @@ Every `moa-serve train` command fills it from its flags (entrypoints/train.py): 
 `train moa --tli N` and `train medusa` train one head, `train job` several on the same batches; they
 differ only in defaults.
 
-Heads are named `eagle3`, `medusa` and `moa-tli<N>` (MoA running N target layers on its feature).
+Heads are named `eagle3`, `medusa` and `moa-tli<N>` (MoA running N target layers on its feature). A head
+name may carry a variant, `<head>@key=value[@key=value...]`: that head's own options (a field of its
+kind's options below, or `lr`) over the run's, so one job trains recipe variants on the same batches and
+the same target run (`train job --heads moa-tli1,moa-tli1@lambda_feat=0.3,moa-tli1@lr=3e-4`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 HEADS = ("eagle3", "moa-tli0", "moa-tli1")  # the job's heads: one target run trains all three
 
@@ -37,6 +40,8 @@ class MoAOptions:
     staircase_ramp: float = 0.5  # fraction of training over which the SA staircase probability ramps up
     staircase_max: float = 1.0  # its final value (1: the drafter's SA sees only the verified prefix + itself)
     no_lsa: bool = False  # ablation: CA reads the target's last-layer output instead of LSA over all layers' K/V
+    position_decay: float = 1.0  # a row at draft depth d (gap d + 1 to its verification point) weighs decay**d
+    sa_layers: int = 1  # self-attention layers over the token embeddings (the drafter serves 1)
 
 
 @dataclass(frozen=True)
@@ -98,7 +103,7 @@ class TrainConfig:
     def checked(self) -> "TrainConfig":
         """self, or a TrainError naming the first field that cannot run."""
         for h in self.heads:
-            head_kind(h)
+            head_options(h, self)
         if not self.heads:
             raise TrainError("no heads to train")
         if len(set(self.heads)) != len(self.heads):
@@ -118,13 +123,59 @@ class TrainConfig:
 
 
 def head_kind(name: str) -> tuple[str, int]:
-    """('eagle3' | 'medusa' | 'moa', TLI) of a head name, or a TrainError."""
-    if name in ("eagle3", "medusa"):
-        return name, 0
-    tli = name.removeprefix("moa-tli")
-    if name.startswith("moa-tli") and tli.isdigit():
+    """('eagle3' | 'medusa' | 'moa', TLI) of a head name (its variant aside), or a TrainError."""
+    base = name.split("@", 1)[0]
+    if base in ("eagle3", "medusa"):
+        return base, 0
+    tli = base.removeprefix("moa-tli")
+    if base.startswith("moa-tli") and tli.isdigit():
         return "moa", int(tli)
-    raise TrainError(f"unknown head {name!r}; choose from eagle3, medusa, moa-tli<N> (e.g. {', '.join(HEADS)})")
+    raise TrainError(f"unknown head {base!r}; choose from eagle3, medusa, moa-tli<N> (e.g. {', '.join(HEADS)})")
+
+
+HeadOptions = Eagle3Options | MoAOptions | MedusaOptions
+
+
+def head_options(name: str, cfg: TrainConfig) -> tuple[HeadOptions, float | None]:
+    """(options, learning rate) of one head: the run's options with the head's variant `@key=value...` over
+    them, and the variant's learning rate (None: the run's)."""
+    kind, _ = head_kind(name)
+    opts: HeadOptions = {"eagle3": cfg.eagle3, "moa": cfg.moa, "medusa": cfg.medusa}[kind]
+    lr = None
+    known = {f.name: f for f in fields(opts)}
+    changes = {}
+    for item in name.split("@")[1:]:
+        key, eq, text = item.partition("=")
+        if not eq or not text:
+            raise TrainError(f"head {name!r}: a variant is @key=value, got {item!r}")
+        if key == "lr":
+            lr = _parse(name, key, text, 0.0)
+            if lr <= 0:
+                raise TrainError(f"head {name!r}: lr must be > 0")
+        elif key in known and key != "aux_layers":
+            changes[key] = _parse(name, key, text, getattr(opts, key))
+        else:
+            allowed = sorted(k for k in known if k != "aux_layers") + ["lr"]
+            raise TrainError(f"head {name!r}: {kind} has no option {key!r} (options: {', '.join(allowed)})")
+    opts = replace(opts, **changes)
+    if isinstance(opts, MoAOptions):
+        if not 1 <= opts.min_gap <= opts.max_gap:
+            raise TrainError(f"head {name!r}: need 1 <= min_gap <= max_gap, got {opts.min_gap}, {opts.max_gap}")
+        if opts.sa_layers < 1 or not 0.0 < opts.position_decay <= 1.0:
+            raise TrainError(f"head {name!r}: need sa_layers >= 1 and 0 < position_decay <= 1")
+    return opts, lr
+
+
+def _parse(name: str, key: str, text: str, like):
+    """text as the type of `like` (bool, int or float)."""
+    try:
+        if isinstance(like, bool):
+            if text.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(text)
+            return text.lower() in ("true", "1")
+        return type(like)(text) if isinstance(like, (int, float)) else float(text)
+    except ValueError:
+        raise TrainError(f"head {name!r}: {key}={text!r} is not a {type(like).__name__}") from None
 
 
 def config_fields() -> set[str]:

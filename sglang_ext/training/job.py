@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from . import parallel
-from .config import HEADS, MoAOptions, TrainConfig, TrainError, head_kind
+from .config import HEADS, TrainConfig, TrainError, head_kind, head_options
 
 PART_BYTES = 15 * 2**20
 EXPORT_RESERVE_S = 20.0
@@ -146,47 +146,74 @@ def build_tasks(
 ) -> list:
     """One task per head, all on the target's device, the draft vocab shared; with init_from, heads
     start from the checkpoints `init_from/<head>` (or init_from itself for one head: fine-tuning, their
-    own vocab and weights). Head options come from cfg (moa_loss overrides MoA's loss weights and gaps)."""
+    own vocab and weights). Head options come from cfg and the head's variant (config.head_options);
+    moa_loss overrides the run's MoA options under them."""
     cfg = cfg or TrainConfig(out="", heads=heads)
-    moa = replace(cfg.moa, **(moa_loss or {}))
+    if moa_loss:
+        cfg = replace(cfg, moa=replace(cfg.moa, **moa_loss))
     tasks = []
     for head in heads:
         kind, tli = head_kind(head)
+        opts, lr = head_options(head, cfg)
         torch.manual_seed(seed)
         source = _init_dir(init_from, head, len(heads)) if init_from is not None else None
-        draft = (
-            _load_head(kind, tli, source, target, cfg) if source else _new_head(kind, tli, target, hot_ids, cfg, moa)
-        )
-        tasks.append(_task(kind, target, draft, cfg, moa, seed))
+        draft = _load_head(kind, tli, source, target, opts) if source else _new_head(kind, tli, target, hot_ids, opts)
+        task = _task(kind, target, draft, opts, seed)
+        task.name, task.lr = head, lr
+        tasks.append(task)
     return tasks
 
 
 def _init_dir(init_from: Path, head: str, n_heads: int) -> Path:
-    if (init_from / head / "config.json").is_file():
-        return init_from / head
+    """The checkpoint a head starts from: <init_from>/<head>, else (a variant) <init_from>/<its base head>,
+    else init_from itself when it is the only head."""
+    for name in (head, head.split("@", 1)[0]):
+        if (init_from / name / "config.json").is_file():
+            return init_from / name
     if n_heads == 1:
         return init_from
     raise TrainError(f"--init-from {init_from} has no {head}/ checkpoint")
 
 
-def _load_head(kind: str, tli: int, source: Path, target, cfg: TrainConfig):
-    """A head to fine-tune: its checkpoint's weights and draft vocab (a MoA one of the head's TLI and memory)."""
+def _load_head(kind: str, tli: int, source: Path, target, opts):
+    """A head to fine-tune: its checkpoint's weights and draft vocab (a MoA one of the head's TLI, memory and
+    SA layers)."""
     from ..models.eagle3 import load_eagle3
     from ..models.medusa import load_medusa
     from ..models.moa import load_moa
 
     load = {"eagle3": load_eagle3, "moa": load_moa, "medusa": load_medusa}[kind]
     draft = load(source, target.cfg)
-    memory = "last_hidden" if cfg.moa.no_lsa else "lsa"
-    if kind == "moa" and (draft.cfg.tli, draft.cfg.memory_source) != (tli, memory):
-        raise TrainError(
-            f"--init-from {source} has TLI={draft.cfg.tli}, memory {draft.cfg.memory_source}; this run asks for "
-            f"TLI={tli}, {memory}"
-        )
+    if kind == "moa" and opts.sa_layers > draft.cfg.sa_layers:
+        draft = grow_sa_layers(draft, opts.sa_layers)
+    if kind == "moa":
+        want = (tli, "last_hidden" if opts.no_lsa else "lsa", opts.sa_layers)
+        have = (draft.cfg.tli, draft.cfg.memory_source, draft.cfg.sa_layers)
+        if have != want:
+            raise TrainError(
+                f"--init-from {source} has TLI={have[0]}, memory {have[1]}, {have[2]} SA layer(s); this run asks for "
+                f"TLI={want[0]}, memory {want[1]}, {want[2]} SA layer(s)"
+            )
     return draft.to(target.device)
 
 
-def _new_head(kind: str, tli: int, target, hot_ids: torch.Tensor, cfg: TrainConfig, moa: MoAOptions):
+def grow_sa_layers(draft, n: int):
+    """A MoA head with n SA layers whose first ones are draft's: the added layers start as identities
+    (their attention output and MLP down projections zero, so each adds nothing to its residual stream),
+    so the grown head computes exactly what draft did and training adds the capacity from there."""
+    from ..models.moa import MoADraft
+
+    grown = MoADraft(replace(draft.cfg, sa_layers=n)).to(draft.hot_ids.device)
+    missing, unexpected = grown.load_state_dict(draft.state_dict(), strict=False)
+    assert not unexpected and all(k.startswith("more_self_attention.") for k in missing), (missing, unexpected)
+    with torch.no_grad():
+        for layer in grown.more_self_attention[draft.cfg.sa_layers - 1 :]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return grown
+
+
+def _new_head(kind: str, tli: int, target, hot_ids: torch.Tensor, opts):
     """A freshly initialised head, made where it trains (no host copy of every weight)."""
     from ..models.eagle3 import Eagle3Config, Eagle3Draft
     from ..models.medusa import MedusaConfig, MedusaHeads
@@ -195,42 +222,43 @@ def _new_head(kind: str, tli: int, target, hot_ids: torch.Tensor, cfg: TrainConf
     hot = hot_ids.to(target.device)
     with torch.device(target.device):
         if kind == "eagle3":
-            draft = Eagle3Draft(Eagle3Config.for_target(target.cfg, hot.numel(), cfg.eagle3.aux_layers))
+            draft = Eagle3Draft(Eagle3Config.for_target(target.cfg, hot.numel(), opts.aux_layers))
         elif kind == "medusa":
-            draft = MedusaHeads(MedusaConfig.for_target(target.cfg, cfg.medusa.num_heads, hot.numel()))
+            draft = MedusaHeads(MedusaConfig.for_target(target.cfg, opts.num_heads, hot.numel()))
         else:
-            sa = "self" if moa.staircase_max >= 1.0 else "ancestors"  # inference runs the mask training ends with
-            memory = "last_hidden" if moa.no_lsa else "lsa"
+            sa = "self" if opts.staircase_max >= 1.0 else "ancestors"  # inference runs the mask training ends with
+            memory = "last_hidden" if opts.no_lsa else "lsa"
             vocab = hot.numel() if hot.numel() < target.cfg.vocab_size else 0
-            draft = MoADraft(MoAConfig.for_target(target.cfg, tli, vocab, sa, memory))
+            draft = MoADraft(MoAConfig.for_target(target.cfg, tli, vocab, sa, memory, opts.sa_layers))
     if draft.hot_ids.numel() == hot.numel():
         draft.set_vocab(hot)
-    if kind == "eagle3" and cfg.eagle3.init_head_from_target:
+    if kind == "eagle3" and opts.init_head_from_target:
         with torch.no_grad():  # lm_head rows and final norm start from the target's
             draft.lm_head.weight.copy_(target.lm_head[hot].float())
             draft.norm.weight.copy_(target.norm.float())
     return draft
 
 
-def _task(kind: str, target, draft, cfg: TrainConfig, moa: MoAOptions, seed: int):
+def _task(kind: str, target, draft, opts, seed: int):
     from .eagle3 import Eagle3Task
     from .medusa import MedusaTask
     from .moa import MoATask
 
     if kind == "eagle3":
-        return Eagle3Task(target, draft, cfg.eagle3.ttt_length, cfg.eagle3.decay)
+        return Eagle3Task(target, draft, opts.ttt_length, opts.decay)
     if kind == "medusa":
-        return MedusaTask(target, draft, cfg.medusa.decay)
+        return MedusaTask(target, draft, opts.decay)
     return MoATask(
         target,
         draft,
-        moa.lambda_kl,
-        moa.lambda_feat,
-        moa.min_gap,
-        moa.max_gap,
-        moa.staircase_ramp,
-        moa.staircase_max,
+        opts.lambda_kl,
+        opts.lambda_feat,
+        opts.min_gap,
+        opts.max_gap,
+        opts.staircase_ramp,
+        opts.staircase_max,
         seed=seed,
+        position_decay=opts.position_decay,
     )
 
 

@@ -17,7 +17,10 @@ and rows v(i)+1..i play the root and the draft nodes of one draft-verify cycle
 Loss (HEBO): lambda_kl * KL(p_target || q_draft) over the draft vocab + lambda_feat * SmoothL1
 between the CA output and the target's hidden state entering layer L-N (for TLI > 0 averaged with
 SmoothL1 between the final draft hidden state and the target's last-layer output). Rows count
-where the next token is an assistant token and the target's argmax is in the draft vocab.
+where the next token is an assistant token and the target's argmax is in the draft vocab; with
+position_decay < 1 a row at draft depth d = i - v(i) - 1 weighs position_decay**d (EAGLE's decay over
+draft steps), so the root and the first nodes, which every accepted token passes through, count most.
+With sa_layers > 1 (an ablation) the SA layers run in turn under the same mask.
 Row accuracy is reported per gap i - v(i) = 1.. (acc_0 = root rows, acc_1 = depth-1 rows, ...).
 """
 
@@ -136,9 +139,13 @@ class MoATask:
         staircase_max: float = 1.0,
         seed: int = 0,
         autocast: bool | None = None,
+        position_decay: float = 1.0,
     ):
         if not 1 <= min_gap <= max_gap:
             raise ValueError(f"need 1 <= min_gap <= max_gap, got {min_gap}, {max_gap}")
+        if not 0.0 < position_decay <= 1.0:
+            raise ValueError(f"need 0 < position_decay <= 1, got {position_decay}")
+        self.position_decay = position_decay
         self.target, self.draft = target, draft
         self.name = f"moa-tli{draft.cfg.tli}"
         self.lambda_kl, self.lambda_feat = lambda_kl, lambda_feat
@@ -184,7 +191,12 @@ class MoATask:
             memory = d.lsa(stack_layer_kv(tout.k, tout.v, tout.slots.reshape(-1))).view(b, t, -1)
         embeds = self.target.embed[ids]
         q, k, vv = d.sa_qkv(embeds, pos)
-        x = d.sa_finish(_attend(q, k, vv, sa_mask(v, stair), d.scale), embeds)
+        mask = sa_mask(v, stair)
+        x = d.sa_finish(_attend(q, k, vv, mask, d.scale), embeds)
+        for layer in getattr(d, "more_self_attention", ()):
+            q, k, vv = layer.qkv(x)
+            cos, sin = d.rope(pos, q.dtype)
+            x = layer.finish(_attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), vv, mask, d.scale), x)
         ck, cv = d.ca_kv(memory, pos)
         feat = d.ca_finish(_attend(d.ca_q(x, pos), ck, cv, ca_mask(v), d.scale), x)
         x = feat
@@ -208,14 +220,19 @@ class MoATask:
             gap = torch.arange(v.shape[1], device=v.device)[None, :] - v
             sel = [(gap == g) & w for g in range(1, 8)]  # rows at draft depth g - 1
             n, *n_sel = batch.total(torch.stack([w.sum(), *(s.sum() for s in sel)])).clamp(min=1)
+            rw = None  # uniform: each counted row weighs 1 / n
+            if self.position_decay < 1.0:  # [B, T] row weights, summing to 1 over the global batch
+                rw = torch.where(w, self.position_decay ** (gap - 1).clamp(min=0).float(), 0.0)
+                rw = rw / batch.total(rw.sum()).clamp(min=1e-9)
         z = F.linear(
             rms_norm(hidden, self.target.norm.to(hidden.dtype), self.target.cfg.rms_norm_eps), head.to(hidden.dtype)
         ).float()
         logq = torch.log_softmax(z, dim=-1)
-        kl = torch.where(w, (p * (torch.log(p.clamp_min(1e-20)) - logq)).sum(-1), 0.0).sum() / n
-        feat_loss = _row_smooth_l1(feat, tout.captured[self.feature_layer], w, n)
+        kl = _row_mean((p * (torch.log(p.clamp_min(1e-20)) - logq)).sum(-1), w, n, rw)
+        feat_loss = _row_smooth_l1(feat, tout.captured[self.feature_layer], w, n, rw)
         if self.tli_layers:
-            feat_loss = 0.5 * (feat_loss + _row_smooth_l1(hidden, tout.captured[len(self.target.layers) - 1], w, n))
+            last = tout.captured[len(self.target.layers) - 1]
+            feat_loss = 0.5 * (feat_loss + _row_smooth_l1(hidden, last, w, n, rw))
         loss = self.lambda_kl * kl + self.lambda_feat * feat_loss
         metrics = {"loss": loss.detach(), "kl": kl.detach(), "feat": feat_loss.detach()}
         with torch.no_grad():
@@ -237,7 +254,14 @@ def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
     return x.pin_memory().to(device, non_blocking=True)
 
 
-def _row_smooth_l1(x: torch.Tensor, target: torch.Tensor, w: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """SmoothL1 averaged over the elements of the rows where w [B, T] holds (n of them)."""
-    per_row = F.smooth_l1_loss(x.float(), target.float(), reduction="none").mean(-1)
-    return torch.where(w, per_row, 0.0).sum() / n
+def _row_mean(per_row: torch.Tensor, w: torch.Tensor, n: torch.Tensor, rw: torch.Tensor | None) -> torch.Tensor:
+    """per_row [B, T] averaged over the rows where w [B, T] holds: n of them in the global batch, or with
+    the row weights rw [B, T] (summing to 1 over the global batch)."""
+    if rw is None:
+        return torch.where(w, per_row, 0.0).sum() / n
+    return torch.where(w, rw * per_row, 0.0).sum()
+
+
+def _row_smooth_l1(x, target, w, n, rw) -> torch.Tensor:
+    """SmoothL1 over each row's elements, then _row_mean."""
+    return _row_mean(F.smooth_l1_loss(x.float(), target.float(), reduction="none").mean(-1), w, n, rw)

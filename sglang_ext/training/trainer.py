@@ -2,7 +2,8 @@
 
 A model type is a *task* object:
 
-    task.name                        "eagle3", "moa-tli1", ...
+    task.name                        "eagle3", "moa-tli1", "moa-tli1@lambda_feat=0.3", ...
+    task.lr                          optional: this task's peak learning rate (default OptimConfig.lr)
     task.module                      nn.Module with the trainable parameters
     task.capture_layers              target layers whose outputs the task reads
     task.needs_kv                    whether it reads the target's K/V (MoA)
@@ -285,12 +286,12 @@ class Trainer:
         on the device and are the global batch's."""
         tout = self.runner.run(batch, self.capture_layers, keep_kv=self.needs_kv)
         progress = self.progress
-        lr = self.optim_cfg.lr * lr_factor(progress, self.optim_cfg.warmup_ratio, self.optim_cfg.min_lr_ratio)
-        out: dict[str, torch.Tensor | float] = {"lr": lr}
+        factor = lr_factor(progress, self.optim_cfg.warmup_ratio, self.optim_cfg.min_lr_ratio)
+        out: dict[str, torch.Tensor | float] = {"lr": self.optim_cfg.lr * factor}
         for task, opt in zip(self.tasks, self.opts):
             task.module.train()
             for g in opt.param_groups:
-                g["lr"] = lr
+                g["lr"] = (getattr(task, "lr", None) or self.optim_cfg.lr) * factor
             loss, metrics = self._loss_fn(task)(batch, tout, progress)
             if batch.part is not None:  # each rank's metrics are its share of the global batch's
                 metrics = dict(zip(metrics, batch.total(torch.stack(list(metrics.values())))))
