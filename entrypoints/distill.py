@@ -8,15 +8,18 @@ regenerate step do) aims the drafter at what it will actually be asked to predic
 For each conversation, the first user turn (after an optional system prompt) goes through the
 embedded engine (continuous batching; greedy unless --temperature > 0), or with --base-url through a
 running server (ours, SGLang, vLLM: sglang_ext/training/regenerate.py; --concurrency requests in
-flight, failures retried with backoff), and the target's answer replaces the original. Output:
-SpecForge-style jsonl, one record per line, written as each answer finishes, so an interrupted run
-resumes where it stopped (`--resume` skips ids already written):
+flight, failures retried with backoff), and the target's answer replaces the original. `--turns N`
+answers the first N user turns (0: all), each later turn after the target's own earlier answers;
+`--samples K` (with --temperature > 0) answers each conversation K times, seeds --seed .. --seed+K-1
+(sglang_ext/training/dialogues.py). Output: SpecForge-style jsonl, one record per answer, written as it
+finishes, so an interrupted run resumes where it stopped (`--resume` asks only the turns not yet written):
 
     {"id": "...", "conversations": [{"role": "user", "content": ...}, {"role": "assistant", "content": ...}],
-     "finish_reason": "stop" | "length", "prompt_ids": [...], "output_ids": [...]}
+     "finish_reason": "stop" | "length", "prompt_ids": [...], "output_ids": [...], "sample": 0, "turn": 1}
 
-prompt_ids are the chat template's rendering of the prompt, output_ids the answer's tokens as the target
-sampled them (re-tokenized with its tokenizer and chat template where a server returns text only).
+prompt_ids are the chat template's rendering of the prompt (a later turn's holds the earlier turns),
+output_ids the answer's tokens as the target sampled them (re-tokenized with its tokenizer and chat
+template where a server returns text only).
 `--shards DIR` then packs every record of --out into the token shards the trainer reads (source
 `distill:<name of --out>`, the loss mask on the answers). The shared eval prompts are excluded exactly
 as in training.
@@ -28,8 +31,8 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -45,8 +48,17 @@ def add_distill_parser(sub) -> argparse.ArgumentParser:
         "--data", default="sharegpt", help="'sharegpt' or a .json/.jsonl conversation file (prompts are taken from it)"
     )
     p.add_argument("--out", required=True, help="output .jsonl (appended to with --resume)")
-    p.add_argument("--num-conversations", type=int, default=1000)
-    p.add_argument("--max-prompt-tokens", type=int, default=768, help="skip conversations whose prompt is longer")
+    p.add_argument("--num-conversations", type=int, default=1000, help="conversations answered (resumed ones included)")
+    p.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=768,
+        help="skip conversations whose first prompt is longer; a dialogue ends at a turn whose prompt is longer",
+    )
+    p.add_argument("--turns", type=int, default=1, help="user turns answered per conversation (0: every one)")
+    p.add_argument(
+        "--samples", type=int, default=1, help="answers per conversation (needs --temperature > 0), seeds --seed + k"
+    )
     p.add_argument("--max-new-tokens", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=32, help="requests decoded together (continuous batching)")
     p.add_argument(
@@ -60,7 +72,7 @@ def add_distill_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--resume", action="store_true", help="keep the records already in --out and skip their ids")
+    p.add_argument("--resume", action="store_true", help="keep the records already in --out and ask only the rest")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--shards", default=None, help="also pack every record of --out into token shards here")
     r = p.add_argument_group("a running server (--base-url): the target's answers through its API")
@@ -75,64 +87,56 @@ def add_distill_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def prompts_from(
-    source: str, tokenizer_encode, max_prompt_tokens: int, skip_ids: set[str]
-) -> Iterator[tuple[str, list[dict], list[int]]]:
-    """(id, prompt messages, prompt token ids) for each usable conversation, eval prompts excluded."""
+def turn_queue(source: str, encode, args, done: dict | None = None):
+    """The turns to answer (sglang_ext.training.dialogues.TurnQueue), eval prompts excluded."""
     from sglang_ext.training.data import eval_prompts, open_conversations
+    from sglang_ext.training.dialogues import TurnQueue
 
-    for conv in open_conversations(source, eval_prompts()):
-        if conv.id in skip_ids:
-            continue
-        first_user = next(i for i, m in enumerate(conv.messages) if m["role"] == "user")
-        messages = conv.messages[: first_user + 1]
-        ids = tokenizer_encode(messages)
-        if len(ids) <= max_prompt_tokens:
-            yield conv.id, messages, ids
+    return TurnQueue(
+        open_conversations(source, eval_prompts()),
+        encode,
+        args.max_prompt_tokens,
+        args.num_conversations,
+        turns=args.turns,
+        samples=args.samples,
+        seed=args.seed,
+        done=done,
+    )
 
 
-def distill(
-    engine,
-    decode,
-    prompts: Iterator[tuple[str, list[dict], list[int]]],
-    params,
-    limit: int,
-    batch_size: int,
-    write,
-) -> int:
-    """Keep up to batch_size requests running; write(record) as each finishes. Returns records written."""
-    running: dict[int, tuple[str, list[dict], object]] = {}
-    written, exhausted = 0, False
-    while written < limit:
-        while not exhausted and len(running) < batch_size and written + len(running) < limit:
-            item = next(prompts, None)
-            if item is None:
-                exhausted = True
-                break
-            cid, messages, ids = item
-            req = engine.add_request(ids, params)
-            running[req.rid] = (cid, messages, ids, req)
+def distill(engine, decode, queue, params, batch_size: int, write) -> int:
+    """Keep up to batch_size turns running; write(record) as each finishes, then queue its dialogue's next
+    turn. Returns the records written."""
+    running: dict[int, tuple[object, object]] = {}
+    written = 0
+    while True:
+        while len(running) < batch_size and (turn := queue.pop()) is not None:
+            sp = params if turn.seed is None else replace(params, seed=turn.seed)
+            req = engine.add_request(turn.prompt_ids, sp)
+            running[req.rid] = (turn, req)
         if not running:
-            break
+            return written
         for ev in engine.step():
             r = ev.request
             if r.finished and r.rid in running:
-                cid, messages, ids, _ = running.pop(r.rid)
+                turn, _ = running.pop(r.rid)
                 if r.finish_reason in ("stop", "length"):
-                    write(record(cid, messages, decode(r.output_ids), r.finish_reason, ids, list(r.output_ids)))
+                    text = decode(r.output_ids)
+                    write(record(turn, text, r.finish_reason, list(r.output_ids)))
                     written += 1
-    for *_, req in running.values():  # limit reached with requests in flight
-        engine.abort(req)
-    return written
+                    queue.answered(turn, text)
 
 
-def record(cid: str, messages: list[dict], answer: str, finish_reason: str, prompt_ids, output_ids) -> dict:
+def record(turn, answer: str, finish_reason: str, output_ids) -> dict:
+    """The record of one answered turn (a dialogues.Turn or anything with its fields)."""
     return {
-        "id": cid,
-        "conversations": messages + [{"role": "assistant", "content": answer}],
+        "id": turn.id,
+        "conversations": list(turn.messages) + [{"role": "assistant", "content": answer}],
         "finish_reason": finish_reason,
-        "prompt_ids": list(prompt_ids),
+        "prompt_ids": list(turn.prompt_ids),
         "output_ids": list(output_ids),
+        "sample": turn.dialogue.sample,
+        "turn": turn.turn,
     }
 
 
@@ -143,40 +147,43 @@ def cmd_distill(args) -> int:
     out = Path(args.out)
     if out.exists() and not args.resume:
         raise SystemExit(f"{out} exists: pass --resume to continue it, or choose another --out")
-    done = _done_ids(out) if args.resume else set()
-    todo = args.num_conversations - len(done)
-    if todo <= 0:
-        print(f"{out}: already {len(done)} records", file=sys.stderr)
-    else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            _remote(args, out, done, todo) if args.base_url else _embedded(args, out, done, todo)
-        except DataError as e:
-            raise SystemExit(str(e)) from None
+    if args.turns < 0 or args.samples < 1 or args.num_conversations < 1:
+        raise SystemExit("--turns must be >= 0, --samples and --num-conversations >= 1")
+    if args.samples > 1 and args.temperature <= 0:
+        raise SystemExit("--samples > 1 needs --temperature > 0 (greedy answers would all be the same)")
+    done = _done(out) if args.resume else {}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        _remote(args, out, done) if args.base_url else _embedded(args, out, done)
+    except DataError as e:
+        raise SystemExit(str(e)) from None
     if args.shards:
         _pack(args, out)
     return 0
 
 
-def _done_ids(out: Path) -> set[str]:
+def _done(out: Path) -> dict:
+    """The records already in --out, by (id, sample, turn)."""
+    from sglang_ext.training.dialogues import record_key
+
     if not out.is_file():
-        return set()
+        return {}
     # iterate lines, not str.splitlines(): answers may hold U+2028 etc., which json.dumps leaves raw
     with open(out, encoding="utf-8") as f:
-        return {json.loads(line)["id"] for line in f if line.strip()}
+        return {record_key(rec): rec for rec in (json.loads(line) for line in f if line.strip())}
 
 
 class _Writer:
     """Appends records to --out as they come (one flushed line each) and shows progress."""
 
-    def __init__(self, out: Path, todo: int, show: bool):
+    def __init__(self, out: Path, todo: int | None, show: bool):
         self.f = open(out, "a", encoding="utf-8")
         self.out, self.written, self.tokens, self.t0 = out, 0, 0, time.time()
         self.bar = None
         if show:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=todo, unit="conv", desc="distill")
+            self.bar = tqdm(total=todo, unit="answer", desc="distill")
 
     def __call__(self, rec: dict) -> None:
         self.f.write(json.dumps(rec, ensure_ascii=False) + "\n")
@@ -199,7 +206,7 @@ class _Writer:
         )
 
 
-def _embedded(args, out: Path, done: set[str], todo: int) -> None:
+def _embedded(args, out: Path, done: dict) -> None:
     """The answers of the embedded engine (continuous batching)."""
     from serving.engine import build_engine
     from sglang_ext.sampling import SamplingParams
@@ -210,23 +217,28 @@ def _embedded(args, out: Path, done: set[str], todo: int) -> None:
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
-    prompts = prompts_from(args.data, target.encode_chat, args.max_prompt_tokens, done)
-    write = _Writer(out, todo, not args.no_progress)
+    queue = turn_queue(args.data, target.encode_chat, args, done)
+    write = _Writer(out, _todo(args, done), not args.no_progress)
     try:
-        distill(engine, lambda ids: _decode(target.tokenizer, ids), prompts, params, todo, args.batch_size, write)
+        distill(engine, lambda ids: _decode(target.tokenizer, ids), queue, params, args.batch_size, write)
     finally:
         write.close()
+
+
+def _todo(args, done: dict) -> int | None:
+    """Answers still to come when every conversation has its turns (a bound: dialogues may end earlier)."""
+    return None if args.turns != 1 else max(0, args.num_conversations * args.samples - len(done))
 
 
 def _decode(tokenizer, ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=True).strip()
 
 
-def _remote(args, out: Path, done: set[str], todo: int) -> None:
+def _remote(args, out: Path, done: dict) -> None:
     """The answers of a running server; prompts it refuses (4xx) are reported one line each."""
     from sglang_ext.models import Target
     from sglang_ext.models.loader import load_tokenizer, resolve_target
-    from sglang_ext.training.regenerate import Prompt, RemoteConfig, RemoteTarget, ServerError, regenerate
+    from sglang_ext.training.regenerate import RemoteConfig, RemoteTarget, ServerError, regenerate
 
     path = resolve_target(args.model)
     target = Target(model=None, tokenizer=load_tokenizer(path), path=path)  # the tokenizer and chat template only
@@ -235,17 +247,17 @@ def _remote(args, out: Path, done: set[str], todo: int) -> None:
     )
     params = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p}
     remote = RemoteTarget(cfg, params | {"seed": args.seed}, target.tokenizer)
-    prompts = (Prompt(*p) for p in prompts_from(args.data, target.encode_chat, args.max_prompt_tokens, done))
-    write, refused = _Writer(out, todo, not args.no_progress), 0
+    queue = turn_queue(args.data, target.encode_chat, args, done)
+    write, refused = _Writer(out, _todo(args, done), not args.no_progress), 0
     try:
-        for ans in regenerate(remote, prompts, todo):
+        for ans in regenerate(remote, queue):
             if ans.refused is not None:
                 refused += 1
                 print(f"distill: prompt {ans.prompt.id} refused by the server: {ans.refused}", file=sys.stderr)
                 continue
             answer = ans.text.strip() if ans.retokenized else _decode(target.tokenizer, ans.output_ids)
-            p = ans.prompt
-            write(record(p.id, p.messages, answer, ans.finish_reason, p.prompt_ids, ans.output_ids))
+            write(record(ans.prompt, answer, ans.finish_reason, ans.output_ids))
+            queue.answered(ans.prompt, answer)
     except ServerError as e:
         raise ServerError(f"{e} ({write.written} answers written to {out}; rerun with --resume to continue)") from None
     finally:

@@ -20,7 +20,7 @@ import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator, Protocol
 
 RETRY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
 
@@ -51,11 +51,13 @@ class RemoteConfig:
         return self.base_url.rstrip("/").removesuffix("/v1")
 
 
-@dataclass
-class Prompt:
+class Prompt(Protocol):
+    """What a server is asked (a dialogues.Turn)."""
+
     id: str
     messages: list[dict]  # [{"role", "content"}], ending with the user turn
     prompt_ids: list[int]  # the chat template's rendering, ending with the assistant header
+    seed: int | None  # its sampling seed (None: the run's)
 
 
 @dataclass
@@ -138,8 +140,9 @@ class RemoteTarget:
     def _generate(self, prompt: Prompt) -> Answer | None:
         p = self.params
         sp = {"max_new_tokens": p["max_new_tokens"], "temperature": p["temperature"], "top_p": p["top_p"]}
-        if p["temperature"] > 0 and p.get("seed") is not None:
-            sp["sampling_seed"] = p["seed"]
+        seed = _seed(prompt, p)
+        if p["temperature"] > 0 and seed is not None:
+            sp["sampling_seed"] = seed
         status, body = self._post("/generate", {"input_ids": prompt.prompt_ids, "sampling_params": sp})
         if status == 404 and self.api == "auto":
             return None
@@ -158,8 +161,9 @@ class RemoteTarget:
             "temperature": p["temperature"],
             "top_p": p["top_p"],
         }
-        if p["temperature"] > 0 and p.get("seed") is not None:
-            body["seed"] = p["seed"]
+        seed = _seed(prompt, p)
+        if p["temperature"] > 0 and seed is not None:
+            body["seed"] = seed
         status, out = self._post("/v1/chat/completions", body)
         if status != 200:
             return Answer(prompt, refused=f"HTTP {status}: {_message(out)}")
@@ -183,6 +187,12 @@ class RemoteTarget:
                 except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
                     raise ServerError(f"{self.cfg.root}: cannot list its models ({e}); pass the model name") from None
             return self._model
+
+
+def _seed(prompt, params: dict) -> int | None:
+    """The prompt's own seed (a dialogue's sample), else the run's."""
+    seed = getattr(prompt, "seed", None)
+    return params.get("seed") if seed is None else seed
 
 
 def _message(body) -> str:
@@ -209,19 +219,17 @@ def retokenize(tokenizer, prompt: Prompt, text: str, finish_reason: str) -> list
     return ids[len(prompt.prompt_ids) :]
 
 
-def regenerate(remote: RemoteTarget, prompts: Iterable[Prompt], limit: int) -> Iterator[Answer]:
-    """Answers (refused ones included) as they finish, at most `limit` answered, concurrency requests in
-    flight. A ServerError stops new requests, lets the ones in flight finish (their answers are still
-    yielded) and is raised after them."""
-    it = iter(prompts)
-    answered, failure = 0, None
+def regenerate(remote: RemoteTarget, queue) -> Iterator[Answer]:
+    """Answers (refused ones included) as they finish, `concurrency` requests in flight. queue.pop() gives
+    the next prompt (a dialogues.Turn; None: none ready yet); the caller reports each answer back
+    (queue.answered) before taking the next, so a dialogue's following turn can start. A ServerError
+    stops new requests, lets the ones in flight finish (their answers are still yielded) and is raised
+    after them."""
+    failure = None
     with ThreadPoolExecutor(remote.cfg.concurrency, thread_name_prefix="regenerate") as pool:
         running = set()
         while True:
-            while failure is None and len(running) < remote.cfg.concurrency and answered + len(running) < limit:
-                p = next(it, None)
-                if p is None:
-                    break
+            while failure is None and len(running) < remote.cfg.concurrency and (p := queue.pop()) is not None:
                 running.add(pool.submit(remote.answer, p))
             if not running:
                 break
@@ -232,7 +240,6 @@ def regenerate(remote: RemoteTarget, prompts: Iterable[Prompt], limit: int) -> I
                 except ServerError as e:
                     failure = failure or e
                     continue
-                answered += ans.refused is None
                 yield ans
     if failure is not None:
         raise failure

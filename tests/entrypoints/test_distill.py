@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from entrypoints.cli import main as cli_main
-from entrypoints.distill import distill, prompts_from
+from entrypoints.distill import distill
 from serving.config import EngineConfig
 from serving.engine import Engine
 from sglang_ext.sampling import SamplingParams
 from sglang_ext.training.data import encode_conversation, open_conversations
+from sglang_ext.training.dialogues import TurnQueue
 
 QUESTIONS = [
     "Name three primary colors.",
@@ -22,22 +23,23 @@ QUESTIONS = [
 ]
 
 
-def _conversations(path, n=None):
+def _conversations(path, n=None, follow_up=None):
     with open(path, "w") as f:
         for i, q in enumerate(QUESTIONS[:n]):
-            f.write(
-                json.dumps(
-                    {
-                        "id": f"q{i}",
-                        "conversations": [
-                            {"role": "user", "content": q},
-                            {"role": "assistant", "content": "an answer not written by the target"},
-                        ],
-                    }
-                )
-                + "\n"
-            )
+            turns = [
+                {"role": "user", "content": q},
+                {"role": "assistant", "content": "an answer not written by the target"},
+            ]
+            if follow_up:
+                turns += [{"role": "user", "content": follow_up}, {"role": "assistant", "content": "nor this one"}]
+            f.write(json.dumps({"id": f"q{i}", "conversations": turns}) + "\n")
     return path
+
+
+def _alone(target, messages, params):
+    """The target's own answer to one prompt, decoded alone."""
+    r = Engine(target, None, EngineConfig(kv_slots=1024)).generate([target.encode_chat(messages)], params)[0]
+    return target.tokenizer.decode(r.output_ids, skip_special_tokens=True).strip(), r
 
 
 def test_distilled_answers_are_the_targets_own_greedy_answers(tmp_path, smollm2_fp32):
@@ -48,9 +50,8 @@ def test_distilled_answers_are_the_targets_own_greedy_answers(tmp_path, smollm2_
     n = distill(
         engine,
         lambda ids: target.tokenizer.decode(ids, skip_special_tokens=True).strip(),
-        prompts_from(str(src), target.encode_chat, 512, set()),
+        TurnQueue(open_conversations(str(src)), target.encode_chat, 512, conversations=3),
         SamplingParams(max_new_tokens=12),
-        limit=3,
         batch_size=2,
         write=records.append,
     )
@@ -98,6 +99,46 @@ def test_distill_cli_resumes_and_refuses_to_overwrite(tmp_path):
     assert cli_main(base + ["--num-conversations", "3", "--resume"]) == 0
     ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
     assert len(ids) == 3 and len(set(ids)) == 3
+
+
+def _read(out):
+    with open(out, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_later_turns_and_samples_are_the_targets_own(tmp_path, smollm2_fp32):
+    """--turns 2: turn 2 is asked after the target's own turn-1 answer; --samples 2 at T 0.8: seeds s, s+1;
+    --resume after a stop between the turns asks only turn 2, after the recorded answer."""
+    target = smollm2_fp32
+    src = _conversations(tmp_path / "convs.jsonl", n=2, follow_up="Now say it in French.")
+    out = tmp_path / "d.jsonl"
+    base = ["distill", "--data", str(src), "--out", str(out), "--max-new-tokens", "6", "--batch-size", "3"]
+    base += ["--threads", "1", "--no-progress", "--num-conversations", "2"]
+    assert cli_main(base) == 0  # turn 1 only, greedy
+    assert cli_main(base + ["--turns", "2", "--resume"]) == 0
+    recs = {(r["id"], r["turn"]): r for r in _read(out)}
+    assert sorted(recs) == [("q0", 1), ("q0", 2), ("q1", 1), ("q1", 2)]
+    for cid in ("q0", "q1"):
+        first, second = recs[(cid, 1)], recs[(cid, 2)]
+        ctx = first["conversations"] + [{"role": "user", "content": "Now say it in French."}]
+        assert second["conversations"][:-1] == ctx and second["prompt_ids"] == target.encode_chat(ctx)
+        text, alone = _alone(target, ctx, SamplingParams(max_new_tokens=6))
+        assert second["conversations"][-1]["content"] == text and second["output_ids"] == list(alone.output_ids)
+    sampled = tmp_path / "s.jsonl"
+    args = ["--out", str(sampled), "--samples", "2", "--temperature", "0.8", "--seed", "5", "--num-conversations", "1"]
+    assert cli_main(base[:3] + args + base[5:-2]) == 0
+    recs = _read(sampled)
+    assert [(r["id"], r["sample"], r["turn"]) for r in recs] in (
+        [("q0", 0, 1), ("q0", 1, 1)],
+        [("q0", 1, 1), ("q0", 0, 1)],
+    )
+    for r in recs:
+        _, alone = _alone(
+            target, r["conversations"][:1], SamplingParams(max_new_tokens=6, temperature=0.8, seed=5 + r["sample"])
+        )
+        assert r["output_ids"] == list(alone.output_ids)
+    with pytest.raises(SystemExit, match="--samples > 1 needs --temperature > 0"):
+        cli_main(base[:3] + ["--out", str(tmp_path / "g.jsonl"), "--samples", "2"])
 
 
 def test_distill_resumes_after_an_answer_holding_a_unicode_line_separator(tmp_path):

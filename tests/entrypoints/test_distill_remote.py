@@ -14,6 +14,7 @@ from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.gateway.app import create_app
 from serving.gateway.server import ServerThread, embedded_backend
+from sglang_ext.sampling import SamplingParams
 from sglang_ext.training.shards import load_examples_by_source
 
 QUESTIONS = [
@@ -185,3 +186,25 @@ def test_without_generate_the_chat_api_answers_and_the_text_is_retokenized(gatew
         if rendered is not None:
             assert rec["prompt_ids"] + rec["output_ids"] == tok.encode(rendered, add_special_tokens=False)
         assert tok.decode(rec["output_ids"], skip_special_tokens=True).strip() == msgs[1]["content"]
+
+
+def test_later_turns_and_samples_through_the_gateway(gateway, flaky, smollm2_fp32, tmp_path):
+    """--turns 2 --samples 2 through a server: each turn 2 after its own dialogue's first answer, every
+    sample sent with its own seed (the server's answers to the same prompt and seed are reproducible)."""
+    src = tmp_path / "two.jsonl"
+    turns = [{"role": "user", "content": QUESTIONS[1]}, {"role": "assistant", "content": "x"}]
+    turns += [{"role": "user", "content": "And 8 times 9?"}, {"role": "assistant", "content": "y"}]
+    src.write_text(json.dumps({"id": "m", "conversations": turns}) + "\n")
+    args = ["distill", "--base-url", gateway.url, "--data", str(src), "--out", str(tmp_path / "d.jsonl")]
+    args += ["--max-new-tokens", "6", "--turns", "2", "--samples", "2", "--temperature", "0.9", "--seed", "3"]
+    assert cli_main(args + ["--no-progress", "--retry-backoff", "0.01"]) == 0
+    with open(tmp_path / "d.jsonl", encoding="utf-8") as f:
+        recs = {(r["sample"], r["turn"]): r for r in map(json.loads, f)}
+    assert sorted(recs) == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    for s in (0, 1):
+        ctx = recs[(s, 1)]["conversations"] + [{"role": "user", "content": "And 8 times 9?"}]
+        assert recs[(s, 2)]["prompt_ids"] == smollm2_fp32.encode_chat(ctx)
+    engine = Engine(smollm2_fp32, None, EngineConfig(kv_slots=1024))
+    for (s, _), r in recs.items():
+        params = SamplingParams(max_new_tokens=6, temperature=0.9, seed=3 + s)
+        assert r["output_ids"] == list(engine.generate([r["prompt_ids"]], params)[0].output_ids)
