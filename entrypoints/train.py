@@ -80,8 +80,8 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--init-from",
         default=None,
-        help="start from these heads' weights and draft vocab (<dir>/<head>, or <dir> itself for one head): "
-        "fine-tuning, a fresh optimizer and LR schedule",
+        help="start from these heads' weights and draft vocab (<dir>/<head>, or <dir> itself for one head; 'shipped': "
+        "the drafters shipped for the target): fine-tuning, a fresh optimizer and LR schedule",
     )
     p.add_argument(
         "--smoke", action="store_true", help="small random target, tiny batches, a few steps (a CPU check of the run)"

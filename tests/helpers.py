@@ -109,9 +109,10 @@ def compare_to_reference(
 def reference_greedy(
     model: LlamaModel, prompt: list[int], params, n: int, grammars=None, stop_ids=()
 ) -> tuple[list[int], list[float]]:
-    """Up to n greedy tokens under params' penalties, min_tokens and grammar (compiled by `grammars`), each from one
-    plain causal fp32 forward over the whole sequence so far, ending at a stop id; with the gap between
-    the two largest allowed logits at each step (ties)."""
+    """Up to n greedy tokens under params' penalties, min_tokens and grammar (compiled by `grammars`), ending at
+    a stop id, with the gap between the two largest allowed logits at each step (ties). Plain decoding with
+    none of the engine's machinery: the prompt prefilled once into a KV pool of its own, then one causal fp32
+    forward per token."""
     from sglang_ext.attention import causal_mask, plan_attention
     from sglang_ext.grammar import apply_bitmask, tree_bitmask
     from sglang_ext.penalties import output_counts, penalize
@@ -120,13 +121,11 @@ def reference_greedy(
     matcher = grammars.matcher(params.grammar) if params.grammar is not None else None
     out: list[int] = []
     gaps: list[float] = []
+    kv = model.new_kv_pool(len(prompt) + n + 1)
+    slots = kv.alloc(len(prompt))
+    plan = plan_attention([slots], [causal_mask(len(prompt), 0)])
+    h = model.forward(torch.tensor(prompt), torch.arange(len(prompt)), slots, plan, kv).hidden
     for _ in range(n):
-        ids = prompt + out
-        kv = model.new_kv_pool(len(ids) + 1)
-        s = kv.alloc(len(ids))
-        h = model.forward(
-            torch.tensor(ids), torch.arange(len(ids)), s, plan_attention([s], [causal_mask(len(ids), 0)]), kv
-        ).hidden
         row = penalize(model.logits(h[-1:]), params, output_counts(out, model.cfg.vocab_size), prompt)
         if len(out) < params.min_tokens:  # no stop before min_tokens
             row[:, sorted(set(stop_ids) | set(params.stop_token_ids))] = float("-inf")
@@ -137,8 +136,12 @@ def reference_greedy(
         gaps.append(float(top.values[0] - top.values[1]))
         if matcher is not None:
             assert matcher.accept_token(out[-1])
-        if out[-1] in stop_ids or out[-1] in params.stop_token_ids:
+        if out[-1] in stop_ids or out[-1] in params.stop_token_ids or len(out) == n:
             break
+        new = kv.alloc(1)
+        slots = torch.cat([slots, new])
+        plan = plan_attention([slots], [causal_mask(1, len(slots) - 1)])
+        h = model.forward(torch.tensor(out[-1:]), torch.tensor([len(slots) - 1]), new, plan, kv).hidden
     return out, gaps
 
 

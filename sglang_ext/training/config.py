@@ -58,7 +58,7 @@ class TrainConfig:
     eagle3: Eagle3Options = field(default_factory=Eagle3Options)
     moa: MoAOptions = field(default_factory=MoAOptions)
     medusa: MedusaOptions = field(default_factory=MedusaOptions)
-    init_from: str | None = None  # fine-tune: start from <dir>/<head> (or <dir> itself for one head)
+    init_from: str | None = None  # fine-tune: start from <dir>/<head> (or <dir> itself for one head; "shipped")
     # target
     target: str = "smollm2"  # 'smollm2' or a local HF Llama / Qwen2 / Mistral directory
     target_gguf: str | None = None  # a GGUF file of the target (converted once into `cache`)

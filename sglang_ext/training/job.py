@@ -114,8 +114,8 @@ def smoke_target(vocab_size: int, device: torch.device, seed: int = 0):
 
 
 def load_run_target(cfg: TrainConfig, device: torch.device, vocab_size: int | None):
-    """(model, tokenizer): a GGUF file (converted once into cfg.cache), a name / directory, or with --smoke
-    a random target of the data's vocab (no tokenizer)."""
+    """(model, tokenizer, path): a GGUF file (converted once into cfg.cache), a name / directory, or with --smoke
+    a random target of the data's vocab (no tokenizer, no path)."""
     from ..models import load_target
     from ..models.checkpoint import has_config
     from ..models.loader import _convert_gguf
@@ -123,7 +123,7 @@ def load_run_target(cfg: TrainConfig, device: torch.device, vocab_size: int | No
     if cfg.smoke:
         if vocab_size is None:
             raise TrainError("--smoke trains on token shards or synthetic data, not conversations (no tokenizer)")
-        return smoke_target(vocab_size, device, cfg.seed), None
+        return smoke_target(vocab_size, device, cfg.seed), None, None
     path = cfg.target
     if cfg.target_gguf:
         out = Path(cfg.cache) / Path(cfg.target_gguf).stem
@@ -132,7 +132,20 @@ def load_run_target(cfg: TrainConfig, device: torch.device, vocab_size: int | No
             _convert_gguf(Path(cfg.target_gguf), out)
         path = str(out)
     target = load_target(path, dtype=cfg.target_dtype, device=str(device))
-    return target.model, target.tokenizer
+    return target.model, target.tokenizer, target.path
+
+
+def shipped_init(heads: tuple[str, ...], target_path) -> dict[str, Path]:
+    """--init-from shipped: each head starts from the drafter shipped for the target (a variant from its base
+    head's), or a TrainError naming the head that has none."""
+    from types import SimpleNamespace
+
+    from ..drafters.shipped import shipped_path
+
+    if target_path is None:
+        raise TrainError("--init-from shipped needs a real target (no shipped heads for --smoke's random one)")
+    target = SimpleNamespace(path=target_path)
+    return {h: shipped_path(target, h.split("@", 1)[0], error=TrainError) for h in heads}
 
 
 def build_tasks(
@@ -141,12 +154,12 @@ def build_tasks(
     heads: tuple[str, ...],
     moa_loss: dict | None = None,
     seed: int = 0,
-    init_from: Path | None = None,
+    init_from: Path | dict[str, Path] | None = None,
     cfg: TrainConfig | None = None,
 ) -> list:
     """One task per head, all on the target's device, the draft vocab shared; with init_from, heads
-    start from the checkpoints `init_from/<head>` (or init_from itself for one head: fine-tuning, their
-    own vocab and weights). Head options come from cfg and the head's variant (config.head_options);
+    start from the checkpoints `init_from/<head>` (or init_from itself for one head; or init_from[head]:
+    fine-tuning, their own vocab and weights). Head options come from cfg and the head's variant (config.head_options);
     moa_loss overrides the run's MoA options under them."""
     cfg = cfg or TrainConfig(out="", heads=heads)
     if moa_loss:
@@ -156,7 +169,13 @@ def build_tasks(
         kind, tli = head_kind(head)
         opts, lr = head_options(head, cfg)
         torch.manual_seed(seed)
-        source = _init_dir(init_from, head, len(heads)) if init_from is not None else None
+        source = (
+            init_from[head]
+            if isinstance(init_from, dict)
+            else _init_dir(init_from, head, len(heads))
+            if init_from is not None
+            else None
+        )
         draft = _load_head(kind, tli, source, target, opts) if source else _new_head(kind, tli, target, hot_ids, opts)
         task = _task(kind, target, draft, opts, seed)
         task.name, task.lr = head, lr
@@ -379,7 +398,7 @@ def _run(cfg: TrainConfig, world: parallel.World, device: torch.device, t0: floa
     from .sources import data_vocab, load_sources, split_examples, vocab_counts
 
     vocab = data_vocab(cfg)
-    target, tokenizer = load_run_target(cfg, device, vocab)
+    target, tokenizer, target_path = load_run_target(cfg, device, vocab)
     if vocab is not None and target.cfg.vocab_size != vocab:
         raise TrainError(f"shards were made for a vocab of {vocab}, the target has {target.cfg.vocab_size}")
     by_source = load_sources(cfg, tokenizer, _run_dir(cfg))
@@ -390,7 +409,10 @@ def _run(cfg: TrainConfig, world: parallel.World, device: torch.device, t0: floa
     train, held = split_examples(by_source, cfg)
     batches = make_batches(train, cfg.tokens_per_batch, cfg.seed)
     held_batches = make_batches(held, cfg.tokens_per_batch, cfg.seed)[:HELD_OUT_BATCHES] if held else []
-    init = Path(cfg.init_from) if cfg.init_from else None
+    if cfg.init_from == "shipped":
+        init = shipped_init(cfg.heads, target_path)
+    else:
+        init = Path(cfg.init_from) if cfg.init_from else None
     tasks = build_tasks(target, hot, cfg.heads, None, cfg.seed, init, cfg)
     for t in tasks if cfg.autocast is not None else ():
         t.autocast = cfg.autocast

@@ -174,3 +174,19 @@ def test_a_grown_head_starts_exactly_where_its_checkpoint_was(tmp_path):
     loss = moa_mod.MoATask(target, two, min_gap=3, max_gap=5).loss(batch, tout, 0.5)[0]
     loss.backward()
     assert two.more_self_attention[0].self_attn.o_proj.weight.grad.abs().sum() > 0  # and it can learn
+
+
+def test_init_from_shipped_maps_each_head_to_the_targets_shipped_drafter():
+    from sglang_ext.drafters.shipped import SHIPPED_DIR
+
+    path = "/models/SmolLM2-135M-Instruct"
+    got = job_mod.shipped_init(("eagle3", "moa-tli1@sa_layers=2", "moa-tli0"), path)
+    assert got == {
+        "eagle3": SHIPPED_DIR / "smollm2-eagle3",
+        "moa-tli1@sa_layers=2": SHIPPED_DIR / "smollm2-moa-tli1",
+        "moa-tli0": SHIPPED_DIR / "smollm2-moa-tli0",
+    }
+    with pytest.raises(TrainError, match="no shipped 'moa-tli3' drafter"):
+        job_mod.shipped_init(("moa-tli3",), path)
+    with pytest.raises(TrainError, match="needs a real target"):
+        job_mod.shipped_init(("eagle3",), None)
