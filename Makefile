@@ -4,7 +4,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 # pytest-xdist workers: one per core; a test file runs whole on one worker (its module fixtures, e.g. a
-# server or a loaded model, are built once), and each worker's tests use the cores left to it
+# server or a loaded model, are built once), and each worker's tests use the cores left to it. Files start
+# in collection order (tests/conftest.py puts the longest first), not xdist's order by test count
 PYTEST_WORKERS ?= $(shell nproc)
 SERVE_DRAFTER ?= auto
 
@@ -24,7 +25,7 @@ lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
 test: install lint deploy-tools
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-slow: install
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)

@@ -14,25 +14,33 @@ _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(int(os.environ.get("MOA_TEST_THREADS", max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))))
 
 
-# the longest test files, longest first (per-file time of a full run): under pytest-xdist (`--dist loadfile`)
-# a file runs whole on one worker and the workers take files in collection order, so these start first and
-# the short files fill in around them instead of one long file running alone at the end
+# the longest test files, longest first (per-file time of a full run): under pytest-xdist (`--dist loadfile
+# --no-loadscope-reorder`, as `make test` runs it) a file runs whole on one worker and the workers take files in
+# collection order, so these start first and the short files fill in around them instead of one long file
+# running alone at the end
 LONGEST_FIRST = (
     "serving/test_engine.py",
-    "sglang_ext/test_lookahead.py",
-    "serving/test_gateway.py",
     "sglang_ext/test_merged.py",
-    "sglang_ext/test_sglang_parity.py",
+    "benchmarks/test_bench.py",
+    "serving/test_gateway.py",
+    "serving/test_engine_prefix_cache.py",
     "serving/test_hostile.py",
-    "sglang_ext/test_eagle3.py",
-    "sglang_ext/test_moa.py",
     "sglang_ext/test_packed_weights.py",
-    "serving/test_gateway_errors.py",
+    "deploy/test_live_loadtest.py",
+    "sglang_ext/test_sglang_parity.py",
+    "sglang_ext/test_lookahead.py",
     "benchmarks/test_gpu_job.py",
+    "sglang_ext/test_medusa.py",
+    "entrypoints/test_train.py",
+    "sglang_ext/test_eagle3.py",
+    "entrypoints/test_distill_remote.py",
+    "deploy/test_live_dashboard.py",
+    "sglang_ext/test_training_parallel.py",
+    "serving/test_gateway_prefix_cache.py",
+    "sglang_ext/test_moa.py",
+    "serving/test_gateway_errors.py",
     "sglang_ext/test_suffix.py",
     "serving/test_gateway_sigterm.py",
-    "deploy/test_live_loadtest.py",
-    "deploy/test_live_dashboard.py",
 )
 
 

@@ -149,3 +149,11 @@ def test_no_import_cycles_between_files():
     graph = _file_graph()
     assert "sglang_ext.sglang_plugin.options" in graph["sglang_ext.sglang_plugin.worker"]
     assert _cycles(graph) == []
+
+
+def test_the_longest_first_test_files_exist():
+    """conftest's LONGEST_FIRST orders the xdist run; a renamed file would silently drop out of it."""
+    from conftest import LONGEST_FIRST
+
+    tests = Path(__file__).parent
+    assert [f for f in LONGEST_FIRST if not (tests / f).is_file()] == []

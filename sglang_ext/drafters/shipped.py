@@ -7,6 +7,7 @@ drafter family (the registry, EAGLE-3, MoA, Medusa and the suffix drafter all re
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from ..models.checkpoint import CheckpointError, has_config
@@ -34,12 +35,21 @@ MAKE = {
 }
 
 
+# a GGUF converted once (`--target-gguf`) lives in a directory named after the file: SmolLM2-135M-Instruct.Q4_1
+_GGUF_SUFFIX = re.compile(r"\.(Q\d\w*|IQ\d\w*|F16|F32|BF16)$", re.IGNORECASE)
+
+
+def target_name(path) -> str:
+    """The name the tables know a target by: its directory's name, without a GGUF quantization suffix."""
+    return _GGUF_SUFFIX.sub("", Path(path).name) if path is not None else ""
+
+
 def shipped_path(target, name: str, env: Path | None = None, error: type[Exception] = CheckpointError) -> Path:
     """The folder of drafter `name` shipped for `target` (`env`, an override from the environment, when
     set); `error` (a CheckpointError) naming what to do when none is shipped."""
     if env is not None:
         return env
-    tname = Path(target.path).name if target.path is not None else ""
+    tname = target_name(target.path)
     real = BEST.get(tname, {}).get(name, name)
     sub = SHIPPED.get(tname, {}).get(real)
     path = SHIPPED_DIR / sub if sub else None

@@ -186,6 +186,8 @@ def test_init_from_shipped_maps_each_head_to_the_targets_shipped_drafter():
         "moa-tli1@sa_layers=2": SHIPPED_DIR / "smollm2-moa-tli1",
         "moa-tli0": SHIPPED_DIR / "smollm2-moa-tli0",
     }
+    # the GPU job's target: the GGUF converted into <cache>/<file stem>
+    assert job_mod.shipped_init(("eagle3",), "/tmp/cache/SmolLM2-135M-Instruct.Q4_1") == {"eagle3": got["eagle3"]}
     with pytest.raises(TrainError, match="no shipped 'moa-tli3' drafter"):
         job_mod.shipped_init(("moa-tli3",), path)
     with pytest.raises(TrainError, match="needs a real target"):
