@@ -138,3 +138,10 @@ def test_engine_job_script_parses_and_prints_its_sequence():
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     assert usage.returncode == 2 and "device 2:  bash scripts/gpu-engine-job.sh run" in usage.stdout
+
+
+def test_train_job_script_parses_and_prints_its_sequence():
+    script = REPO / "scripts" / "gpu-train-job.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    assert usage.returncode == 2 and "device N:  bash scripts/gpu-train-job.sh run" in usage.stdout
