@@ -40,6 +40,8 @@ def test_bench_quick_end_to_end(tmp_path):
             "ngram;nope",
             "--dtype",
             "float32",
+            "--max-new-tokens",
+            "8",
             "--out",
             str(out),
         ]
