@@ -169,18 +169,19 @@ def build_tasks(
         kind, tli = head_kind(head)
         opts, lr = head_options(head, cfg)
         torch.manual_seed(seed)
-        source = (
-            init_from[head]
-            if isinstance(init_from, dict)
-            else _init_dir(init_from, head, len(heads))
-            if init_from is not None
-            else None
-        )
+        source = _init_source(init_from, head, len(heads))
         draft = _load_head(kind, tli, source, target, opts) if source else _new_head(kind, tli, target, hot_ids, opts)
         task = _task(kind, target, draft, opts, seed)
         task.name, task.lr = head, lr
         tasks.append(task)
     return tasks
+
+
+def _init_source(init_from: Path | dict[str, Path] | None, head: str, n_heads: int) -> Path | None:
+    """The checkpoint a head starts from: None (a fresh head), init_from[head], or one found under a directory."""
+    if init_from is None or isinstance(init_from, dict):
+        return None if init_from is None else init_from[head]
+    return _init_dir(init_from, head, n_heads)
 
 
 def _init_dir(init_from: Path, head: str, n_heads: int) -> Path:

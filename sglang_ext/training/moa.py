@@ -193,9 +193,10 @@ class MoATask:
         q, k, vv = d.sa_qkv(embeds, pos)
         mask = sa_mask(v, stair)
         x = d.sa_finish(_attend(q, k, vv, mask, d.scale), embeds)
+        rope = None  # cos/sin of the positions, made once for the extra SA layers
         for layer in getattr(d, "more_self_attention", ()):
             q, k, vv = layer.qkv(x)
-            cos, sin = d.rope(pos, q.dtype)
+            cos, sin = rope = rope or d.rope(pos, q.dtype)
             x = layer.finish(_attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), vv, mask, d.scale), x)
         ck, cv = d.ca_kv(memory, pos)
         feat = d.ca_finish(_attend(d.ca_q(x, pos), ck, cv, ca_mask(v), d.scale), x)
