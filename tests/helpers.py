@@ -250,3 +250,87 @@ def drafter_pools_whole(drafter) -> bool:
     if kept is None:
         return not getattr(drafter, "reqs", None)
     return all(p.num_free + len(kept) == p.num_slots - 1 for p in kept.pools)
+
+
+def _chain_with_siblings(chain: int, vocab: int, g: torch.Generator):
+    """A verify tree: a chain of `chain` nodes, each with a sibling placed after it (a drafted
+    alternative), as ids [N], depth [N], ancestor-or-self mask [N, N] and the chain's rows."""
+    parent, on_chain, last = [], [], -1
+    for _ in range(chain):
+        on_chain.append(len(parent))
+        parent.append(last)
+        parent.append(last)  # the sibling: same parent, never on the chain
+        last = on_chain[-1]
+    n = len(parent)
+    mask = torch.eye(n, dtype=torch.bool)
+    depth = torch.zeros(n, dtype=torch.long)
+    for j in range(n):
+        i = parent[j]
+        while i >= 0:
+            mask[j, i] = True
+            depth[j] += 1
+            i = parent[i]
+    return torch.randint(3, vocab, (n,), generator=g), depth, mask, on_chain
+
+
+def tree_rows_against_decodes(model, path: str, n_prompt: int = 300) -> list[tuple]:
+    """Per chain position of a verify tree, where its row first differs from decoding its token alone
+    (empty: bit for bit everywhere). path: graphs / static-eager (the GraphRunner) / ragged-eager."""
+    from sglang_ext.attention import causal_mask, plan_attention, prefix_and_tree_mask
+    from sglang_ext.models.graph_runner import GraphRunner
+
+    layers = tuple(range(len(model.layers)))
+    g = torch.Generator().manual_seed(11)
+    dev = model.device
+    prompt = torch.randint(3, model.cfg.vocab_size, (n_prompt,), generator=g)
+    ids, depth, tree_mask, chain = _chain_with_siblings(8, model.cfg.vocab_size, g)
+    prompt_slots = torch.arange(1, n_prompt + 1)
+    pools = []
+    for _ in range(2):
+        kv = model.new_kv_pool(2048)
+        plan = plan_attention([prompt_slots.to(dev)], [causal_mask(n_prompt, 0, dev)], device=dev)
+        model.forward(prompt.to(dev), torch.arange(n_prompt, device=dev), prompt_slots.to(dev), plan, kv)
+        pools.append(kv)
+    runner = GraphRunner(model, capture_layers=layers, graphs=path == "graphs")
+
+    def forward(kv, tok, pos, slots, prefix, mask):  # -> ([T, H] hidden, {layer: [T, H]})
+        if path == "ragged-eager":
+            cols = torch.cat([prefix, slots]).to(dev)
+            plan = plan_attention([cols], [prefix_and_tree_mask(mask, prefix.numel()).to(dev)], device=dev)
+            out = model.forward(tok.to(dev), pos.to(dev), slots.to(dev), plan, kv, layers)
+        else:
+            out = runner.run([tok], [pos], [slots], [prefix], [mask], kv)
+        return out.hidden, out.captured
+
+    decoded = []  # the chain decoded one token per step, each committed before the next
+    for k, row in enumerate(chain):
+        slot = torch.tensor([n_prompt + 1 + k])
+        prefix = torch.arange(1, n_prompt + 1 + k)
+        decoded.append(
+            forward(
+                pools[0],
+                ids[row : row + 1],
+                depth[row : row + 1] + n_prompt,
+                slot,
+                prefix,
+                torch.eye(1, dtype=torch.bool),
+            )
+        )
+    tree_slots = torch.arange(1000, 1000 + ids.numel())
+    hidden, captured = forward(pools[1], ids, depth + n_prompt, tree_slots, prompt_slots, tree_mask)
+    diffs = []
+    for k, row in enumerate(chain):
+        h1, c1 = decoded[k]
+        for li in layers:
+            if not torch.equal(c1[li][0], captured[li][row]):
+                diffs.append((k, li, (c1[li][0].float() - captured[li][row].float()).abs().max().item()))
+                break
+        else:
+            if not torch.equal(h1[0], hidden[row]):
+                diffs.append((k, "final norm", None))
+        for li in layers:  # the K/V the tree row wrote is what the decode step committed
+            same = torch.equal(pools[0].k[li][n_prompt + 1 + k], pools[1].k[li][1000 + row])
+            if not same or not torch.equal(pools[0].v[li][n_prompt + 1 + k], pools[1].v[li][1000 + row]):
+                diffs.append((k, f"kv of layer {li}", None))
+                break
+    return diffs

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -76,6 +77,7 @@ class AttentionPlan:
     k_lens: tuple[int, ...] | None = None
     _splits: dict = field(default_factory=dict, repr=False, compare=False)  # split_by_queries, per max_q
     _moved: dict = field(default_factory=dict, repr=False, compare=False)  # on(), per device
+    _row_streams: Any = field(default=None, repr=False, compare=False)  # triton_tree's, once per plan
 
     @property
     def batch_size(self) -> int:

@@ -44,6 +44,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -68,6 +69,13 @@ class StaticPlan:
     slots: torch.Tensor  # [B, K] int64: pool slots of request b's columns (padding: slot 0)
     allowed: torch.Tensor  # [B, Q, K] bool: row j of request b reads column c
     kv_len: torch.Tensor  # [B] int64: the columns before request b's padding (prefix_len + E)
+
+    @cached_property
+    def streams(self):
+        """Each row's visible columns in order (the Triton kernel's input), once per forward."""
+        from ..attention.triton_tree import row_streams_padded
+
+        return row_streams_padded(self.allowed)
 
 
 def static_plan(prefix: torch.Tensor, prefix_len: torch.Tensor, extra: torch.Tensor, extra_mask: torch.Tensor):
@@ -101,7 +109,7 @@ def static_attention(
     if q.is_cuda:
         from ..attention.triton_tree import tree_attention_static
 
-        return tree_attention_static(q, k_pool, v_pool, plan.slots, plan.allowed, plan.kv_len, scale)
+        return tree_attention_static(q, k_pool, v_pool, plan.slots, plan.allowed, plan.kv_len, scale, plan.streams)
     b, qm, k = plan.allowed.shape
     hq, d = q.shape[1], q.shape[2]
     hkv = k_pool.shape[1]

@@ -173,6 +173,32 @@ def test_triton_static_form_equals_the_ragged_call_bit_for_bit(triton_static, ca
     assert triton_static[case]["exact"], triton_static[case]
 
 
+def _run_tree_rows_case() -> list:
+    """In the TRITON_INTERPRET=1 subprocess: a verify tree's rows against decoding their tokens alone,
+    every layer, through the Triton kernel (fp32 target of a few layers)."""
+    from helpers import tiny_config, tiny_state, tree_rows_against_decodes
+
+    from sglang_ext.attention.triton_tree import tree_attention_triton
+    from sglang_ext.models import LlamaModel
+
+    cfg = tiny_config(vocab=300, hidden=64, layers=3, heads=4, kv_heads=2)
+    model = LlamaModel(cfg, tiny_state(cfg, 1), attention=tree_attention_triton)
+    return tree_rows_against_decodes(model, "ragged-eager", n_prompt=90)
+
+
+def test_triton_a_tree_row_equals_its_decode_bit_for_bit():
+    """The kernel's half of lossless greedy decoding: a tree node's row (ancestors interleaved with
+    siblings it must not see) computes what decoding its token alone computes, bit for bit, at every
+    layer. A kernel that sums masked columns as zeros in their tree positions fails this (the CPU
+    backend's blocked attention does, within 5e-6)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton not installed")
+    proc = _subprocess(["triton-tree-rows"], {"TRITON_INTERPRET": "1"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    diffs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert diffs == [], f"(chain position, first differing layer, max |diff|): {diffs}"
+
+
 @pytest.mark.gpu
 def test_gpu_triton_static_form_equals_the_ragged_call_bit_for_bit():
     if not torch.cuda.is_available():
@@ -201,30 +227,18 @@ def _compile_for_sm80() -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from sglang_ext.attention.triton_tree import BLOCK_M, BLOCK_N
-    from sglang_ext.attention.triton_tree import _tree_attention_kernel as kernel
+    from sglang_ext.attention.triton_tree import BLOCK_N
+    from sglang_ext.attention.triton_tree import _row_attention_kernel as kernel
 
     ptrs = {name: "*bf16" for name in ("Q", "K", "V", "O")}
-    ptrs |= {name: "*i64" for name in ("qo_indptr", "kv_indptr", "kv_indices", "mask_indptr", "kv_lens")}
-    ptrs["custom_mask"] = "*i1"
-    consts = {
-        "GROUP": 3,
-        "HEAD_DIM": 64,
-        "BLOCK_D": 64,
-        "BLOCK_M": BLOCK_M,
-        "BLOCK_N": BLOCK_N,
-        "UPCAST": False,
-        "IEEE_DOT": False,
-        "PADDED": False,
-    }
+    ptrs |= {name: "*i64" for name in ("kv_indices", "cols", "seg_start", "kv_start", "count")}
+    consts = {"GROUP": 3, "HEAD_DIM": 64, "BLOCK_D": 64, "BLOCK_N": BLOCK_N}
     signature = {}
     for name in kernel.arg_names:
         signature[name] = ptrs.get(name) or ("constexpr" if name in consts else "fp32" if name == "scale" else "i32")
-    try:
-        for padded in (False, True):  # the ragged (eager) and the padded (CUDA graph) form
-            consts["PADDED"] = padded
-            src = ASTSource(kernel, signature, {(kernel.arg_names.index(n),): v for n, v in consts.items()})
-            triton.compile(src, target=GPUTarget("cuda", 80, 32))
+    try:  # one kernel for the ragged (eager) and the padded (CUDA graph) form
+        src = ASTSource(kernel, signature, {(kernel.arg_names.index(n),): v for n, v in consts.items()})
+        triton.compile(src, target=GPUTarget("cuda", 80, 32))
     except (FileNotFoundError, RuntimeError) as e:
         if "ptxas" in str(e):  # toolchain missing here: nothing to say about the kernel
             print(f"ptxas unavailable: {e}")
@@ -377,7 +391,9 @@ if __name__ == "__main__":
         print(json.dumps(_run_parity_cases()))
     elif sys.argv[1:] == ["triton-static"]:
         print(json.dumps(_run_static_cases()))
+    elif sys.argv[1:] == ["triton-tree-rows"]:
+        print(json.dumps(_run_tree_rows_case()))
     elif sys.argv[1:] == ["triton-compile"]:
         sys.exit(_compile_for_sm80())
     else:
-        sys.exit(f"usage: {sys.argv[0]} triton-parity | triton-static | triton-compile")
+        sys.exit(f"usage: {sys.argv[0]} triton-parity | triton-static | triton-tree-rows | triton-compile")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import compare_to_reference, slots_whole, tiny_target
+from helpers import compare_to_reference, slots_whole, tiny_target, tree_rows_against_decodes
 
 from serving.config import EngineConfig
 from serving.engine import Engine
@@ -425,3 +425,13 @@ def test_bf16_graphs_equal_eager_and_drafters_equal_vanilla_exactly(random_bf16_
     for key, outs in runs.items():
         first = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), None) for o, r in zip(outs, ref)]
         assert outs == ref, f"{key}: first differing token per prompt {first}"
+
+
+@gpu
+@pytest.mark.parametrize("path", ["graphs", "static-eager", "ragged-eager"])
+def test_bf16_a_tree_row_equals_its_decode_bit_for_bit(random_bf16_target, path):
+    """The lossless contract at its root: a verify tree's row (its K/V and hidden state at every layer)
+    is bit for bit what decoding that token alone after the same committed tokens computes, in bf16 on
+    CUDA. Token-level identity tests only see a difference that flips an argmax; this sees any."""
+    diffs = tree_rows_against_decodes(random_bf16_target.model, path)
+    assert not diffs, f"(chain position, first differing layer, max |diff|): {diffs}"
