@@ -102,7 +102,8 @@ def _syncs_per_step(eng: Engine, steps: int) -> tuple[list[int], list[tuple[str,
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         if _graphs(eng) == before:
-            syncs = [w for w in seen if "synchronizing" in str(w.message)]
+            # (not torch's one-time "prototype feature ... synchronizing operations" notice of the mode itself)
+            syncs = [w for w in seen if "called a synchronizing CUDA operation" in str(w.message)]
             counts.append(len(syncs))
             sites.update(f"{Path(w.filename).name}:{w.lineno}" for w in syncs)
     return counts, sites.most_common(12)
