@@ -1,0 +1,230 @@
+"""A CPU proxy for a drafted step's host cost on a GPU: the torch ops one steady-state engine step
+dispatches outside graph replays.
+
+    python -m benchmarks.step_ops [--drafters eagle3,moa] [--batch 1,4] [--tree 6,4,24] [--layers 4]
+
+On a GPU a small step is host-bound: every op dispatched outside a CUDA graph costs the host a few
+microseconds (a launch when it computes on the device, a queued copy when it moves host data up, pure
+host work otherwise), while a graph replay costs one launch whatever it holds. Off a GPU the same code
+runs; here the target and the drafter live on the meta device (it stands for the GPU: shapes only, no
+values, no compute), the runners take their static paths eagerly (what a GPU captures and replays), and
+a dispatch mode counts every op per step, split into
+
+    graph    ops of a runner's captured function (GraphCache.run's fn): one replay each on a GPU
+    device   other ops computing on the device: one kernel launch each on a GPU
+    view     other view ops (no launch, still host dispatch)
+    upload   host -> device copies
+    host     ops on host tensors (slot ids, positions, masks built on the host)
+
+The step's one device-to-host copy (verify.to_host) is stood in for (meta tensors hold no values): it
+accepts each drafted tree's first draft and a bonus token, so the drafter's commit runs as in serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from collections import Counter
+from dataclasses import replace
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+KINDS = ("graph", "device", "view", "upload", "host")
+
+
+class StepOps(TorchDispatchMode):
+    """Counts dispatched ops by kind (see the module docstring) and, outside graphs, by op name."""
+
+    def __init__(self, where: bool = False):
+        """where: also count the ops outside graphs by the innermost project function that issued them."""
+        super().__init__()
+        self.kinds: Counter = Counter()
+        self.names: Counter = Counter()
+        self.sites: Counter = Counter()
+        self.where = where
+        self.in_graph = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if self.in_graph:
+            self.kinds["graph"] += 1
+            return out
+        tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+        on_device = [t for t in tensors if t.device.type != "cpu"]
+        on_host = [t for t in tensors if t.device.type == "cpu"]
+        if on_device and on_host and name in ("_to_copy", "copy_"):
+            kind = "upload"
+        elif func.is_view:
+            kind = "view"
+        elif on_device:
+            kind = "device"
+        else:
+            kind = "host"
+        self.kinds[kind] += 1
+        if kind != "view":
+            self.names[name] += 1
+        if self.where:
+            self.sites[_site()] += 1
+        return out
+
+
+def _site() -> str:
+    """file:function of the innermost frame in sglang_ext/ or serving/."""
+    import traceback
+
+    for f in reversed(traceback.extract_stack()):
+        if "/sglang_ext/" in f.filename or "/serving/" in f.filename:
+            return f"{f.filename.split('/')[-1]}:{f.name}"
+    return "?"
+
+
+@contextlib.contextmanager
+def counting_graphs(mode: StepOps):
+    """GraphCache.run's captured function counts as 'graph' while it runs."""
+    from sglang_ext.models import graph_runner
+
+    real = graph_runner.GraphCache.run
+
+    def run(self, key, make_buffers, fill, fn):
+        def marked(bufs):
+            mode.in_graph += 1
+            try:
+                return fn(bufs)
+            finally:
+                mode.in_graph -= 1
+
+        return real(self, key, make_buffers, fill, marked)
+
+    graph_runner.GraphCache.run = run
+    try:
+        yield
+    finally:
+        graph_runner.GraphCache.run = real
+
+
+def _smollm2_config():
+    """SmolLM2-135M's shape (random weights: only shapes matter on the meta device)."""
+    from sglang_ext.models.loader import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        rope_scaling=None,
+        max_position=8192,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        eos_token_ids=(2,),
+    )
+
+
+def _stand_in_copy(paths):
+    """verify.to_host for meta tensors: each drafted tree's first draft node accepted, then a bonus."""
+    from sglang_ext.verify import VerifyResult
+
+    return [VerifyResult([0, 1], [5, 11]) if p.nodes.numel() > 1 else VerifyResult([0], [11]) for p in paths]
+
+
+def _drafter(kind: str, model, cfg):
+    from sglang_ext.drafters.eagle3 import Eagle3Drafter
+    from sglang_ext.drafters.moa import MoADrafter
+    from sglang_ext.models.eagle3 import Eagle3Config, Eagle3Draft
+    from sglang_ext.models.moa import MoAConfig, MoADraft
+
+    if kind == "eagle3":
+        return Eagle3Drafter(model, Eagle3Draft(Eagle3Config.for_target(cfg, 2048)), num_slots=4096)
+    if kind == "moa":
+        return MoADrafter(model, MoADraft(MoAConfig.for_target(cfg, tli=1, draft_vocab_size=2048)), num_slots=4096)
+    raise ValueError(f"unknown drafter {kind!r}")
+
+
+def count_step_ops(
+    kind: str | None, batch: int, tree: str = "6,4,24", layers: int = 4, steps: int = 3, where: bool = False
+) -> dict:
+    """Ops per steady-state engine step (the mean over `steps` steps after two warm ones) of `batch`
+    requests decoding with drafter `kind` (None: vanilla) at SmolLM2's widths with `layers` layers."""
+    import serving.engine as engine_mod
+    from serving.config import EngineConfig
+    from serving.engine import Engine
+    from sglang_ext.attention import tree_attention_torch
+    from sglang_ext.models import Target
+    from sglang_ext.models.graph_runner import GraphRunner
+    from sglang_ext.sampling import SamplingParams
+    from sglang_ext.training.job import random_target
+    from sglang_ext.tree import TreeShape
+
+    cfg = replace(_smollm2_config(), num_layers=layers)
+    model = random_target(cfg, "meta")
+    model.attention = tree_attention_torch
+    drafter = _drafter(kind, model, cfg) if kind else None
+    shape = TreeShape.parse(tree)
+    config = EngineConfig(kv_slots=8192, tree=shape, adaptive=False, cuda_graphs=False, prefix_cache=False)
+    real_copy = engine_mod.to_host
+    engine_mod.to_host = _stand_in_copy
+    try:
+        eng = Engine(Target(model, None, None), drafter, config)
+        # the runners' static paths, run eagerly (a GPU captures and replays them)
+        eng.graph_runner = GraphRunner(eng.model, eng.capture_layers, graphs=False)
+        if drafter is not None:
+            drafter.step_graphs = True
+        params = SamplingParams(max_new_tokens=10_000, ignore_eos=True)
+        for i in range(batch):
+            eng.add_request(list(range(10 + i, 40 + i)), params)
+        for _ in range(3):  # prefill, then two steps: every bucket's buffers made
+            eng.step()
+        mode = StepOps(where)
+        with counting_graphs(mode), mode:
+            for _ in range(steps):
+                eng.step()
+    finally:
+        engine_mod.to_host = real_copy
+    per_step = {k: mode.kinds[k] / steps for k in KINDS}
+    per_step["outside"] = sum(v for k, v in per_step.items() if k != "graph")
+    top = {n: c / steps for n, c in mode.names.most_common(15)}
+    sites = {n: c / steps for n, c in mode.sites.most_common(25)}
+    return {
+        "drafter": kind or "vanilla",
+        "batch": batch,
+        "tree": tree,
+        "per_step": per_step,
+        "top_ops": top,
+        "sites": sites,
+    }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--drafters", default="vanilla,eagle3,moa")
+    p.add_argument("--batch", default="1,4")
+    p.add_argument("--tree", default="6,4,24")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--where", action="store_true", help="also list the functions issuing the ops outside graphs")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    a = p.parse_args(argv)
+    for kind in a.drafters.split(","):
+        for bs in (int(x) for x in a.batch.split(",")):
+            r = count_step_ops(None if kind == "vanilla" else kind, bs, a.tree, a.layers, where=a.where)
+            if a.json:
+                print(json.dumps(r))
+                continue
+            s = r["per_step"]
+            cols = " ".join(f"{k} {s[k]:6.1f}" for k in (*KINDS, "outside"))
+            print(f"{r['drafter']:8s} bs {bs}: {cols}")
+            print("    top outside:", ", ".join(f"{n} {c:g}" for n, c in r["top_ops"].items()))
+            if a.where:
+                print("    where:", ", ".join(f"{n} {c:g}" for n, c in r["sites"].items()))
+
+
+if __name__ == "__main__":
+    main()
