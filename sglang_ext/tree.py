@@ -27,7 +27,6 @@ Layout (per request, what SGLang's build_tree_kernel_efficient produces, QLEN_ON
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -348,7 +347,7 @@ def trees_from_candidates(
     selected: torch.Tensor,  # [b, M] the selected candidates' flat indices, sorted (parents first)
     tokens: torch.Tensor,  # [b, M] their tokens
     scores: torch.Tensor,  # [b, M] their scores (path probabilities)
-    parent_flat: Callable[[int, torch.Tensor], torch.Tensor],  # (request, its selected [m]) -> parents' flat indices
+    parent_flat: torch.Tensor,  # [b, M] their parents' flat indices (-1: the root)
     seq_lens: list[int],
     keep: torch.Tensor | None = None,  # [b, M] bool: the nodes to verify (None: all)
     drop: bool | None = None,
@@ -356,22 +355,103 @@ def trees_from_candidates(
     """A search's selected candidates as one TokenTree per request (batch_index for retrieve_index).
     Nodes outside `keep` are left out when `drop` (default: on the CPU: fewer verify rows), else kept
     unlinked, never verified (on a device, leaving them out would make the tree's size data-dependent:
-    a host read per request; the extra rows cost a GPU nothing)."""
+    a host read per request; the extra rows cost a GPU nothing). Without dropping, every tree has M + 1
+    nodes and the batch's trees are built at once (tree_batch: a few ops for the batch, not per request)."""
     drop = selected.device.type == "cpu" if drop is None else drop
+    if keep is None or not drop:
+        lens = to_device(torch.tensor(seq_lens, dtype=torch.long), selected.device)
+        return unpack_trees(*tree_batch(roots, selected, tokens, scores, parent_flat, lens, keep))
     trees = []
     for b in range(roots.numel()):
-        sel, tok, sc = selected[b], tokens[b], scores[b]
-        if keep is not None and drop:
-            sel, tok, sc = sel[keep[b]], tok[keep[b]], sc[keep[b]]
-        parents, unlinked = link_selected(sel, parent_flat(b, sel))
-        if keep is not None and not drop:
-            unlinked = unlinked | torch.cat([keep.new_zeros(1), ~keep[b]])
+        sel, tok, sc, pf = selected[b], tokens[b], scores[b], parent_flat[b]
+        sel, tok, sc, pf = sel[keep[b]], tok[keep[b]], sc[keep[b]], pf[keep[b]]
+        parents, unlinked = link_selected(sel, pf)
         node_tokens = torch.cat([to_device(roots[b : b + 1].long(), tok.device), tok.long()])
         node_scores = torch.cat([sc.new_ones(1), sc.float()])
         trees.append(
             tree_from_parents(node_tokens, parents, seq_lens[b], batch_index=b, unlinked=unlinked, scores=node_scores)
         )
     return trees
+
+
+# rows of tree_batch's packed int64 output, per request: TokenTree's [N] int64 fields
+TREE_LONGS = ("draft_tokens", "parents", "positions", "retrieve_index", "retrieve_next_token", "retrieve_next_sibling")
+
+
+def tree_batch(
+    roots: torch.Tensor,  # [b] each request's root token
+    selected: torch.Tensor,  # [b, M] the selected candidates' flat indices, sorted (parents first)
+    tokens: torch.Tensor,  # [b, M] their tokens
+    scores: torch.Tensor,  # [b, M] their scores
+    parent_flat: torch.Tensor,  # [b, M] their parents' flat indices (-1: the root)
+    seq_lens: torch.Tensor,  # [b] int64, on selected's device
+    keep: torch.Tensor | None = None,  # [b, M] bool: the nodes to verify; the others stay unlinked
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The batch's trees of N = M + 1 nodes (root first) packed: longs [b, 6, N] (TREE_LONGS, in that
+    order), tree_mask [b, N, N] bool, scores [b, N] float. Device ops over the whole batch at fixed
+    shapes, nothing read: the same values as link_selected + tree_from_parents per request (which a
+    captured draft search needs: its graph has the batch's shape, not a request's)."""
+    b, m = selected.shape
+    n, dev = m + 1, selected.device
+    pos = torch.searchsorted(selected, parent_flat)
+    found = (parent_flat >= 0) & (pos < m)
+    found &= selected.gather(1, pos.clamp(max=max(m - 1, 0))) == parent_flat
+    orphan = (~found) & (parent_flat >= 0)
+    if keep is not None:
+        orphan = orphan | ~keep
+    parents = torch.cat([parent_flat.new_full((b, 1), -1), torch.where(found, pos + 1, 0)], 1)  # [b, N]
+    linked = torch.cat([orphan.new_ones(b, 1), ~orphan], 1)
+    mask = _ancestor_masks(parents)
+    first, sibling = _child_lists(parents, linked)
+    ar = torch.arange(n, dtype=torch.long, device=dev)
+    longs = torch.stack(
+        [
+            torch.cat([roots.long().view(b, 1), tokens.long()], 1),
+            parents,
+            mask.sum(2) - 1 + seq_lens[:, None],  # seq_len + depth
+            ar[None, :] + n * torch.arange(b, dtype=torch.long, device=dev)[:, None],
+            first,
+            sibling,
+        ],
+        1,
+    )
+    return longs, mask, torch.cat([scores.new_ones(b, 1), scores], 1).float()
+
+
+def unpack_trees(
+    longs: torch.Tensor, mask: torch.Tensor, scores: torch.Tensor, finite: torch.Tensor | None = None
+) -> list[TokenTree]:
+    """tree_batch's output (longs [b, 6, N], tree_mask [b, N, N], scores [b, N]) as one TokenTree per
+    request, each a view of its rows."""
+    trees = []
+    for row, m, sc in zip(longs.unbind(0), mask.unbind(0), scores.unbind(0)):
+        fields_ = dict(zip(TREE_LONGS, row.unbind(0)))
+        trees.append(TokenTree(tree_mask=m, scores=sc, finite=finite, **fields_))
+    return trees
+
+
+def _ancestor_masks(parents: torch.Tensor) -> torch.Tensor:
+    """ancestor_mask for a batch: parents [b, N] -> [b, N, N]."""
+    b, n = parents.shape
+    ar = torch.arange(n, device=parents.device)
+    up = torch.where(parents >= 0, parents, ar)
+    mask = torch.eye(n, dtype=torch.bool, device=parents.device).repeat(b, 1, 1).scatter_(2, up[..., None], True)
+    jump = up.gather(1, up)
+    for _ in range(max(n - 1, 1).bit_length()):
+        mask = mask | mask.gather(1, jump[..., None].expand(b, n, n))
+        jump = jump.gather(1, jump)
+    return mask
+
+
+def _child_lists(parents: torch.Tensor, linked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """child_lists for a batch: parents [b, N], linked [b, N] bool -> (first child [b, N], next sibling [b, N])."""
+    n = parents.shape[1]
+    ar = torch.arange(n, device=parents.device)
+    child = (parents[:, None, :] == ar[None, :, None]) & linked[:, None, :]  # [b, parent, child]
+    first = torch.where(child, ar, n).amin(2)
+    later = (parents[:, None, :] == parents[:, :, None]) & (ar[None, :] > ar[:, None]) & linked[:, None, :]
+    sibling = torch.where(later, ar, n).amin(2)
+    return torch.where(first < n, first, -1), torch.where((sibling < n) & linked, sibling, -1)
 
 
 def build_trees(
@@ -385,14 +465,21 @@ def build_trees(
     """Turn a finished search into one TokenTree per request. min_prob > 0: only a request's nodes whose
     score (path probability) reaches it are verified (a node's score never exceeds its parent's, so they
     form a tree); the others are dropped or unlinked as trees_from_candidates says."""
+    top, draft, scores, parent_flat = search_candidates(search, num_draft_tokens)
+    keep = scores >= min_prob if min_prob > 0 else None
+    return trees_from_candidates(root_tokens, top, draft, scores, parent_flat, seq_lens, keep, drop)
+
+
+def search_candidates(
+    search: TreeSearch, num_draft_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A finished search's selected candidates, each [b, M]: flat indices (sorted), tokens, scores and
+    their parents' flat indices (-1: the root)."""
     parent_list, top, draft = search.organize(num_draft_tokens)
     scores = torch.gather(search.flat_scores(), 1, top)
-    keep = scores >= min_prob if min_prob > 0 else None
-
-    def parents(b: int, sel: torch.Tensor) -> torch.Tensor:
-        return _flat_parents(parent_list[b], sel, search.topk)
-
-    return trees_from_candidates(root_tokens, top, draft, scores, parents, seq_lens, keep, drop)
+    pt = top // search.topk  # parent_list[:, 0] is -1 (the root): step-0 nodes map to it directly
+    parent_flat = parent_list.gather(1, pt) if parent_list.numel() else torch.full_like(pt, -1)
+    return top, draft, scores, parent_flat
 
 
 def full_mask(trees: list[TokenTree], seq_lens: list[int]) -> torch.Tensor:

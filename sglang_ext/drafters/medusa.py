@@ -134,4 +134,4 @@ def head_trees(
     top = torch.topk(flat_s, min(num_draft_tokens - 1, flat_s.shape[1]), dim=-1).indices.sort(dim=-1).values
     node_s, node_t = torch.gather(flat_s, 1, top), torch.gather(flat_t, 1, top)
     keep = (node_s >= min_prob) & (node_s > 0)
-    return trees_from_candidates(roots, top, node_t, node_s, lambda b, sel: flat_p[sel], seq_lens, keep, drop)
+    return trees_from_candidates(roots, top, node_t, node_s, flat_p[top], seq_lens, keep, drop)

@@ -136,6 +136,37 @@ def test_tree_layout_equals_the_host_loop():
             assert torch.equal(tree.retrieve_index, torch.arange(n) + 2 * n)
 
 
+def test_a_batch_of_trees_equals_each_request_built_alone():
+    """tree_batch (the whole batch at once, as a captured search builds it) gives link_selected +
+    tree_from_parents per request: random candidate sets with orphans (a parent not selected) and
+    nodes outside `keep` (unlinked)."""
+    from sglang_ext.tree import link_selected, tree_batch, unpack_trees
+
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(60):
+        b, s = int(torch.randint(1, 5, (), generator=gen)), int(torch.randint(2, 40, (), generator=gen))
+        m = int(torch.randint(1, s + 1, (), generator=gen))
+        flat_parent = torch.tensor([-1 if i == 0 else int(torch.randint(-1, i, (), generator=gen)) for i in range(s)])
+        selected = torch.stack([torch.randperm(s, generator=gen)[:m].sort().values for _ in range(b)])
+        tokens, scores = torch.randint(0, 50, (b, m), generator=gen), torch.rand(b, m, generator=gen)
+        keep = torch.rand(b, m, generator=gen) > 0.2
+        roots, lens = torch.randint(0, 50, (b,), generator=gen), torch.randint(1, 30, (b,), generator=gen)
+        for k in (None, keep):
+            got = unpack_trees(*tree_batch(roots, selected, tokens, scores, flat_parent[selected], lens, k))
+            for i, t in enumerate(got):
+                parents, unlinked = link_selected(selected[i], flat_parent[selected[i]])
+                if k is not None:
+                    unlinked = unlinked | torch.cat([torch.zeros(1, dtype=torch.bool), ~k[i]])
+                want = tree_from_parents(
+                    torch.cat([roots[i : i + 1], tokens[i]]), parents, int(lens[i]), batch_index=i, unlinked=unlinked
+                )
+                for name in ("draft_tokens", "parents", "positions", "tree_mask", "retrieve_index"):
+                    assert torch.equal(getattr(t, name), getattr(want, name)), (trial, name)
+                for name in ("retrieve_next_token", "retrieve_next_sibling"):
+                    assert torch.equal(getattr(t, name), getattr(want, name)), (trial, name)
+                assert torch.equal(t.scores, torch.cat([torch.ones(1), scores[i]]))
+
+
 def _agreeing_targets(trees, gen, vocab):
     """[bs, N] target tokens: at each node, usually one of its children's tokens, else a random one."""
     rows = []
