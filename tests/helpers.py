@@ -233,6 +233,13 @@ class HostWaits:
         return mode
 
 
+def static_runs(drafter) -> int:
+    """Runs a drafter's static paths took: its step runner's (one per search step) and its search
+    runner's (one per whole search)."""
+    runners = (getattr(drafter, "_steps", None), getattr(drafter, "_search", None))
+    return sum(r.runs for r in runners if r is not None)
+
+
 def slots_whole(engine) -> bool:
     """No request holds a slot of the engine's target KV pool and none is lost: every slot is free or in the
     prefix cache (engine.slot_accounts)."""

@@ -14,7 +14,15 @@ from typing import Callable
 import torch
 
 from .cpu import tree_attention_cpu
-from .plan import AttentionPlan, FrontierPaths, causal_mask, plan_attention, plan_frontier, prefix_and_tree_mask
+from .plan import (
+    AttentionPlan,
+    FrontierPaths,
+    advance_seen,
+    causal_mask,
+    plan_attention,
+    plan_frontier,
+    prefix_and_tree_mask,
+)
 from .torch_ref import tree_attention_torch
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, AttentionPlan, float], torch.Tensor]
@@ -40,6 +48,7 @@ __all__ = [
     "AttentionFn",
     "AttentionPlan",
     "FrontierPaths",
+    "advance_seen",
     "causal_mask",
     "plan_attention",
     "plan_frontier",

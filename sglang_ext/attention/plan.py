@@ -301,22 +301,31 @@ class FrontierPaths:
     def advance(self, new: torch.Tensor, parent: torch.Tensor | None) -> "FrontierPaths":
         """After a pass: new [b*kk] the slots its nodes wrote (request-major); parent [b, kk] each node's
         index among the previous frontier's nodes (None: all children of the one row there)."""
-        b, e = self.slots.shape[0], self.slots.shape[1]
+        b = self.slots.shape[0]
         kk = new.numel() // b
-        dev = self.seen.device
-        if parent is None:
-            rows = self.seen[:, :1].expand(b, kk, e)
-        else:
-            index = to_device(parent.long(), dev)[..., None].expand(b, kk, e)
-            rows = torch.gather(self.seen, 1, index)
-        own = torch.eye(kk, dtype=torch.bool, device=dev).expand(b, kk, kk)
-        return FrontierPaths(torch.cat([self.slots, new.view(b, kk).long()], 1), torch.cat([rows, own], 2), kk)
+        parent = None if parent is None else to_device(parent.long(), self.seen.device)
+        return FrontierPaths(
+            torch.cat([self.slots, new.view(b, kk).long()], 1), advance_seen(self.seen, parent, kk), kk
+        )
 
     def own(self) -> torch.Tensor:
         """[b, q, E] each node's own column only (a pass whose nodes see themselves, not their ancestors)."""
         b, q, e = self.seen.shape
         own = torch.eye(q, dtype=torch.bool, device=self.seen.device).expand(b, q, q)
         return torch.cat([own.new_zeros(b, q, e - q), own], 2)
+
+
+def advance_seen(seen: torch.Tensor, parent: torch.Tensor | None, kk: int) -> torch.Tensor:
+    """FrontierPaths' masks after a pass of kk nodes per request: seen [b, q, E] of the previous
+    frontier, parent [b, kk] each new node's index in it on seen's device (None: all children of row
+    0) -> [b, kk, E + kk], each node its parent's row plus its own new column. Device ops only."""
+    b, _, e = seen.shape
+    if parent is None:
+        rows = seen[:, :1].expand(b, kk, e)
+    else:
+        rows = torch.gather(seen, 1, parent[..., None].expand(b, kk, e))
+    own = torch.eye(kk, dtype=torch.bool, device=seen.device).expand(b, kk, kk)
+    return torch.cat([rows, own], 2)
 
 
 def plan_frontier(

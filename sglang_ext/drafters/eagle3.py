@@ -26,19 +26,19 @@ from pathlib import Path
 
 import torch
 
-from ..attention import FrontierPaths, causal_mask, plan_attention, plan_frontier, tree_attention_cpu
+from ..attention import FrontierPaths, advance_seen, causal_mask, plan_attention, plan_frontier, tree_attention_cpu
 from ..device import module_on, upload
 from ..kernels import attach_bf16_halves
 from ..models.checkpoint import check_fits
 from ..models.eagle3 import Eagle3Draft, load_eagle3
-from ..models.graph_runner import FrontierRunner, static_attention
+from ..models.graph_runner import FrontierRunner, SearchBuffers, SearchRunner, static_attention, static_plan
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel
 from ..settings import settings
-from ..tree import TokenTree, TreeShape
+from ..tree import TokenTree, TreeShape, search_candidates, tree_batch, unpack_trees
 from .base import DrafterError, DraftInput, TargetCapture
 from .kept import KeptState, keep_or_free
-from .search import scatter_to_vocab, search_tree
+from .search import Finite, scatter_to_vocab, search_tree, top_k_search
 from .shipped import shipped_path
 
 
@@ -74,6 +74,7 @@ class Eagle3Drafter:
         # its cuda_graphs setting. Deterministic searches only: sampled chains need full-vocab logits.
         self.step_graphs = False
         self._steps: FrontierRunner | None = None
+        self._search: SearchRunner | None = None  # the whole search in one static function (one graph)
 
     @classmethod
     def from_target(cls, target, path: str | os.PathLike | None = None) -> "Eagle3Drafter":
@@ -134,6 +135,12 @@ class Eagle3Drafter:
         to_logits = self._full_logits if full else (lambda out: self.draft.logits(out).float())
         to_target = (lambda ids: ids) if full else (lambda ids: self.hot_ids[ids])
         prefixes = [self.reqs[d.rid].slots for d in batch]
+        # the whole search as one graph replay; on the CPU with min_prob the eager search stops early and
+        # drops the nodes below it (trees of other sizes than a static search's), so it runs step by step
+        if self.step_graphs and not full and (not shape.min_prob or root_out.device.type != "cpu"):
+            trees = self._static_search(batch, shape, root_out, prefixes)
+            if trees is not None:
+                return trees
         # the search in flight: the frontier's pre-norm outputs [b, q, H] and each node's path (device)
         state = {"out": root_out[:, None], "paths": FrontierPaths.start(b, root_out.device)}
         temp: list[torch.Tensor] = []
@@ -222,6 +229,74 @@ class Eagle3Drafter:
             self._steps = FrontierRunner(step, self.target.device, self.target.cfg.max_position)
         rows = {"positions": pos, "slots": slots}
         return self._steps.run(ids, feat, rows, {"draft": (prefixes, paths.slots, paths.seen)}, (self.kv,))
+
+    def _static_search(
+        self, batch: list[DraftInput], shape: TreeShape, root_out: torch.Tensor, prefixes: list[torch.Tensor]
+    ) -> list[TokenTree] | None:
+        """The deterministic search's trees from the search runner (root_out [b, H]: each root pair's
+        output), the same trees as the step-by-step search; None when no bucket fits. Every step's
+        temporary slots are handed out at once ([b, (depth-1)*k], request-major, step after step) and
+        freed after the search is queued (later work on the device runs after it)."""
+        if self._search is None:
+            self._search = SearchRunner(self.target.device, self.target.cfg.max_position)
+        b, k = len(batch), shape.topk
+        if self._search.bucket_of(b, {"draft": max(p.numel() for p in prefixes)}) is None:
+            return None
+        temp = self.kv.alloc(b * (shape.depth - 1) * k)
+        try:
+            rows = {
+                "root": torch.tensor([[d.token_ids[-1], d.seq_len] for d in batch]),  # [b, 2]
+                "slots": temp.view(b, -1),
+            }
+            out = self._search.run(
+                shape,
+                lambda bufs: self._search_fn(bufs, shape),
+                rows,
+                {"draft": prefixes},
+                {"out": root_out},
+                (self.kv,),
+            )
+        finally:
+            self.kv.free(temp)
+        longs, mask, scores, finite = out
+        return unpack_trees(longs, mask, scores, finite.all())
+
+    def _search_fn(self, bufs: SearchBuffers, shape: TreeShape) -> tuple[torch.Tensor, ...]:
+        """The captured search over a padded batch of B requests: the root's top-k, depth - 1 frontier
+        steps (each node's path mask grown on the device, its K/V written at its temporary slot), the
+        trees packed (tree_batch) with target ids. Outputs: longs [B, 6, N], tree_mask [B, N, N],
+        scores [B, N], finite [B] bool (the request's draft logits all finite)."""
+        root_out = bufs.inputs["out"]  # [B, H]
+        bb, h = root_out.shape
+        prefix, prefix_len = bufs.prefixes["draft"]
+        roots, seq_lens = bufs.rows["root"].unbind(1)
+        temp = bufs.rows["slots"]  # [B, (depth-1)*k]
+        state = {"out": root_out[:, None], "seen": torch.zeros(bb, 1, 0, dtype=torch.bool, device=root_out.device)}
+
+        def step_fn(tokens: torch.Tensor, parent_beam: torch.Tensor | None) -> torch.Tensor:
+            kk, out = tokens.shape[1], state["out"]
+            if parent_beam is None:  # the root's children
+                feat = out.expand(bb, kk, h)
+            else:
+                feat = torch.gather(out, 1, parent_beam[..., None].expand(bb, kk, h))
+            seen = advance_seen(state["seen"], parent_beam, kk)  # [B, kk, E]: the step's nodes are the last kk
+            e = seen.shape[2]
+            # every node of this step is at depth e // kk: pair position seq_len - 1 + depth
+            pos = (seq_lens - 1 + e // kk)[:, None].expand(bb, kk).reshape(-1)
+            plan = static_plan(prefix, prefix_len, temp[:, :e], seen)
+            ids = self.hot_ids[tokens.reshape(-1)]
+            out = self._layer(
+                ids, feat.reshape(bb * kk, h), pos, temp[:, e - kk : e].reshape(-1), plan, static_attention
+            )
+            state["out"], state["seen"] = out.view(bb, kk, h), seen
+            return self.draft.logits(out).float().view(bb, kk, -1)
+
+        finite = Finite(per_request=True)
+        search = top_k_search(self.draft.logits(root_out).float(), step_fn, shape.topk, shape.depth, 0.0, finite)
+        top, draft, scores, parent_flat = search_candidates(search, shape.num_draft_tokens)
+        keep = scores >= shape.min_prob if shape.min_prob > 0 else None
+        trees = tree_batch(roots, top, self.hot_ids[draft], scores, parent_flat, seq_lens, keep)
+        return (*trees, finite.flag)
 
     def _full_logits(self, out: torch.Tensor) -> torch.Tensor:
         return scatter_to_vocab(self.draft.logits(out).float(), self.hot_ids, self.draft.cfg.vocab_size)

@@ -50,11 +50,14 @@ class Finite:
     other; the flag rides on the trees (TokenTree.finite) into the engine's one copy per step, which
     then drops the drafter for those requests."""
 
-    def __init__(self):
+    def __init__(self, per_request: bool = False):
+        """per_request: the flag is [b] bool, request i's logits (rows [b, ...]) all finite (a search
+        over a padded batch keeps its padding out of the real requests' flag)."""
         self.flag: torch.Tensor | None = None
+        self.per_request = per_request
 
     def check(self, logits: torch.Tensor) -> None:
-        ok = torch.isfinite(logits).all()
+        ok = torch.isfinite(logits).flatten(1).all(1) if self.per_request else torch.isfinite(logits).all()
         self.flag = ok if self.flag is None else self.flag & ok
 
 

@@ -1,5 +1,6 @@
-"""CUDA graphs for the target's decode / verify forward (`GraphRunner`) and for a drafter's search
-step (`FrontierRunner`: EAGLE-3, MoA, the draft model) at bucketed shapes, as SGLang's
+"""CUDA graphs for the target's decode / verify forward (`GraphRunner`), for a drafter's search step
+(`FrontierRunner`: EAGLE-3, MoA, the draft model) and for a drafter's whole search (`SearchRunner`) at
+bucketed shapes, as SGLang's
 cuda_graph_runner and eagle_draft_cuda_graph_runner do, with the same static padded path run eagerly
 off CUDA.
 
@@ -31,6 +32,11 @@ attention.plan_frontier's description of each of the step's attentions (per requ
 slots and its temporary slots, on the host; per node which temporary slots are on its path, on the
 device) and pads it the same way.
 
+A drafter's whole deterministic search can go further (`SearchRunner`, as SGLang's
+eagle_draft_cuda_graph_runner): every draft step, the top-k search, each node's path mask (grown on the
+device from the search's parent choices) and the trees' tensors in one function per bucket, so a
+propose is one replay plus a few copies; every step's temporary slots are handed out up front.
+
 Off CUDA (or with graphs off) the runners run the same static path eagerly, which is how their
 padding, bucketing and buffer logic is tested on the CPU. Graphs are captured lazily, one per bucket
 on its first use (a warmup on a side stream, then the capture into one memory pool per runner, shared
@@ -43,7 +49,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -467,3 +473,130 @@ def _frontier_host(key, b: int, q: int, rows: dict, plans: dict) -> tuple[torch.
         longs += [prefix.view(-1), prefix_len, extra.view(-1)]
         masks.append(mask.view(-1))
     return torch.cat(longs), torch.cat(masks)
+
+
+@dataclass
+class SearchBuffers:
+    """A search bucket's static inputs as its captured function sees them: B requests, the real ones
+    first, then padding."""
+
+    rows: dict[str, torch.Tensor]  # name -> [B, n] int64 per-request host values (padding: 0)
+    prefixes: dict[str, tuple[torch.Tensor, torch.Tensor]]  # name -> (prefix [B, P] slots, prefix_len [B])
+    inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B, ...] device inputs
+    real: torch.Tensor | None = None  # [B] bool: a real request, not padding
+
+
+# search(buffers) -> outputs, each [B, ...]
+SearchFn = Callable[[SearchBuffers], tuple[torch.Tensor, ...]]
+
+
+class SearchRunner:
+    """A drafter's whole tree search (every draft step, the top-k search, each node's path, the trees'
+    tensors) as one static function per bucket, as SGLang's eagle_draft_cuda_graph_runner captures
+    its draft: one CUDA graph replay per propose on CUDA with graphs on, else the same function run
+    eagerly on the same buffers.
+
+        bucket (B, ((name, P), ...), the caller's key): B requests (batch padded up); per plan the
+        requests' committed slots prefix [B, P] + prefix_len [B] (as the target's); per-request int64
+        rows [B, n] (root tokens, lengths, every step's temporary slots: padding 0, so a padded
+        request writes and reads the scratch slot 0 only); device inputs [B, ...]; real [B] bool
+
+    A step's host values go up in one copy (one int64 buffer), each device input in one device copy;
+    the outputs come back as copies of the real requests' rows (the next replay overwrites the graph's).
+    The caller's function decides what a padded request computes; it must stay finite and apart."""
+
+    def __init__(
+        self,
+        device: torch.device | str,
+        max_context: int,
+        graphs: bool = True,
+        batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
+    ):
+        self.batch_buckets = tuple(batch_buckets)
+        self.context = context_buckets(max_context)
+        self.cache = GraphCache(torch.device(device), graphs)
+        self._pools: tuple = ()
+        self.runs = 0
+
+    def bucket_of(self, b: int, prefix_lens: dict[str, int]):
+        """The bucket of b requests whose longest committed prefix per plan is prefix_lens[name]; None
+        when none fits."""
+        bb = bucket(b, self.batch_buckets)
+        plans = tuple((n, bucket(p, self.context)) for n, p in prefix_lens.items())
+        if b < 1 or bb is None or any(p is None for _, p in plans):
+            return None
+        return bb, plans
+
+    def run(
+        self,
+        key,  # what else shapes the function (a tree shape): one graph per (bucket, key)
+        search: SearchFn,
+        rows: dict[str, torch.Tensor],  # name -> [b, n] int64 on the host
+        prefixes: dict[str, list[torch.Tensor]],  # name -> per request its committed slots [P_i] (host)
+        inputs: dict[str, torch.Tensor],  # name -> [b, ...] on the device
+        pools: tuple,  # the KV pools the search writes and reads (graphs bake their addresses in)
+    ) -> tuple[torch.Tensor, ...] | None:
+        """search's outputs for the b real requests, or None when no bucket fits (the caller searches
+        step by step)."""
+        b = next(iter(rows.values())).shape[0]
+        bk = self.bucket_of(b, {n: max(p.numel() for p in pre) for n, pre in prefixes.items()})
+        if bk is None:
+            return None
+        if len(pools) != len(self._pools) or any(a is not c for a, c in zip(pools, self._pools)):
+            self.cache.clear()
+            self._pools = tuple(pools)
+        self.runs += 1
+        widths = tuple((n, r.shape[1]) for n, r in rows.items())
+        specs = tuple((n, tuple(x.shape[1:]), x.dtype) for n, x in inputs.items())
+        device = self.cache.device
+        host = _search_host(bk, widths, b, rows, prefixes)
+
+        def make() -> dict:
+            bufs = {"longs": to_device(_search_host(bk, widths, 0, {}, {}), device)}
+            for n, shape, dtype in specs:
+                bufs[n] = torch.zeros(bk[0], *shape, dtype=dtype, device=device)
+            return bufs
+
+        def fill(bufs: dict) -> None:
+            _fill_flat(bufs["longs"], host)
+            for n, x in inputs.items():
+                bufs[n][:b].copy_(x)
+
+        def static(bufs: dict) -> tuple[torch.Tensor, ...]:
+            bb, plans = bk
+            sizes = [bb * w for _, w in widths] + [x for _, p in plans for x in (bb * p, bb)] + [bb]
+            longs = bufs["longs"].split(sizes)
+            view = SearchBuffers(
+                {n: t.view(bb, w) for (n, w), t in zip(widths, longs)},
+                {
+                    n: (longs[len(widths) + 2 * i].view(bb, p), longs[len(widths) + 2 * i + 1])
+                    for i, (n, p) in enumerate(plans)
+                },
+                {n: bufs[n] for n, _, _ in specs},
+                longs[-1] > 0,
+            )
+            return tuple(search(view))
+
+        out = self.cache.run((bk, widths, specs, key), make, fill, static)
+        return tuple(o[:b].clone() for o in out)
+
+
+def _search_host(bk, widths, b: int, rows: dict, prefixes: dict) -> torch.Tensor:
+    """Host side of a search bucket, one int64 tensor: [each row [B*n] | per plan: prefix [B*P],
+    prefix_len [B] | real [B]], the first b requests' values filled in, the rest 0."""
+    bb, plans = bk
+    parts = []
+    for name, w in widths:
+        grid = torch.zeros(bb, w, dtype=torch.long)
+        if b:
+            grid[:b] = rows[name]
+        parts.append(grid.view(-1))
+    for name, p in plans:
+        prefix, prefix_len = torch.zeros(bb, p, dtype=torch.long), torch.zeros(bb, dtype=torch.long)
+        for i, pre in enumerate(prefixes.get(name, ()) if b else ()):
+            prefix[i, : pre.numel()] = pre
+            prefix_len[i] = pre.numel()
+        parts += [prefix.view(-1), prefix_len]
+    real = torch.zeros(bb, dtype=torch.long)
+    real[:b] = 1
+    return torch.cat(parts + [real])

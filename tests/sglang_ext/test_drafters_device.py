@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import HostWaits, tiny_config, tiny_state
+from helpers import HostWaits, static_runs, tiny_config, tiny_state
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from sglang_ext.attention import tree_attention_torch
@@ -159,6 +159,6 @@ def test_a_propose_reads_nothing_from_the_device(kind, shape, static):
     if (
         static and kind != "medusa" and (shape != "sampled-chain" or kind == "draft-model")
     ):  # (others' sampled chains: full vocab, eager)
-        assert drafter._steps is not None and drafter._steps.runs > 0
+        assert static_runs(drafter) > 0
     for rid in held:
         drafter.remove_request(rid)

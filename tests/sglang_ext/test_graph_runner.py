@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import compare_to_reference, slots_whole, tiny_target, tree_rows_against_decodes
+from helpers import compare_to_reference, slots_whole, static_runs, tiny_target, tree_rows_against_decodes
 
 from serving.config import EngineConfig
 from serving.engine import Engine
@@ -263,6 +263,41 @@ def test_moa_static_draft_passes_propose_the_eager_trees(name, device, request):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tree", ["3,2,6", "6,4,24", "4,1,5"])
+def test_eagle3_static_search_proposes_the_eager_trees(tree, device, request):
+    """The EAGLE-3 drafter's whole search through its SearchRunner (3 requests padded to 4; one function
+    for every step, the paths and the trees, captured and replayed on CUDA) proposes the trees of its
+    step-by-step eager search: two engines serving the same requests, every TokenTree field of every
+    proposal compared."""
+    target = _target_on(device, request)
+    shape = TreeShape.parse(tree)
+    prompts = [target.encode_chat([{"role": "user", "content": t}]) for t in ("Name three rivers.", "Hi!", "7*8?")]
+    proposals = ([], [])
+    drafters = []
+    for static in (False, True):
+        d = make_drafter("eagle3", target)
+        d.step_graphs = static
+        propose = d.propose
+        d.propose = lambda batch, shape, propose=propose, out=proposals[static]: (
+            out.append(propose(batch, shape)) or out[-1]
+        )
+        eng = Engine(target, d, EngineConfig(tree=shape, cuda_graphs=False))
+        eng.generate(prompts, SamplingParams(max_new_tokens=8))
+        drafters.append(d)
+    assert len(proposals[0]) == len(proposals[1]) >= 2  # (on CUDA: the capture, then replays)
+    fields = ("draft_tokens", "parents", "positions", "tree_mask", "retrieve_index", "retrieve_next_token")
+    for eager, static in zip(*proposals):
+        for a, b in zip(eager, static):
+            for name in (*fields, "retrieve_next_sibling"):
+                assert torch.equal(getattr(a, name), getattr(b, name)), name
+            torch.testing.assert_close(a.scores, b.scores)
+            assert bool(a.finite) and bool(b.finite)
+    d = drafters[1]
+    assert d._search.runs == len(proposals[1]) and d._steps is None and d._search.cache.graphs == (device == "cuda")
+    assert d.kv.num_free == drafters[0].kv.num_free  # temporary slots freed
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_draft_model_static_steps_propose_the_eager_trees(device, request):
     """The self-draft model's search steps through its FrontierRunner (3 requests padded to 4; captured
     and replayed on CUDA) propose the trees of its eager steps: two drafters fed the same requests."""
@@ -316,7 +351,7 @@ def test_engine_tokens_with_the_static_path_equal_eager(smollm2_fp32, eval_promp
     assert "bug" not in verdicts, verdicts
     assert eng.graph_runner.runs > 0
     if drafter:
-        assert eng.drafter._steps.runs > 0
+        assert static_runs(eng.drafter) > 0
     if bs == 4 and drafter is None:  # contexts over the buckets (every prompt is longer than 8 tokens): all eager
         small = engine({"context": (8,)})
         assert _outputs(small, prompts, bs, n) == ref and small.graph_runner.runs == 0
