@@ -234,13 +234,14 @@ def test_eagle3_frontier_step_static_equals_eager(b, kk, depth, device, request)
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tree", ["3,2,6", "6,4,24"])
 @pytest.mark.parametrize("name", ["moa", "moa-tli0"])
-def test_moa_static_draft_passes_propose_the_eager_trees(name, device, request):
-    """The MoA drafter's passes through its FrontierRunner (3 requests: batch padded to 4; SA, CA and TLI
-    plans in static form; captured and replayed on CUDA) propose the trees its eager passes propose,
-    from the same state."""
+def test_moa_static_draft_passes_propose_the_eager_trees(name, tree, device, request):
+    """The MoA drafter's whole search through its SearchRunner (3 requests: batch padded to 4; every pass
+    with SA, CA and TLI plans in static form; captured and replayed on CUDA) proposes the trees its eager
+    passes propose, from the same state."""
     target = _target_on(device, request)
-    config = EngineConfig(tree=TreeShape(3, 2, 6), cuda_graphs=False)
+    config = EngineConfig(tree=TreeShape.parse(tree), cuda_graphs=False)
     try:
         drafter = make_drafter(name, target)
     except CheckpointError as e:  # (a GPU job stages only some of the shipped heads)
@@ -251,15 +252,24 @@ def test_moa_static_draft_passes_propose_the_eager_trees(name, device, request):
     eng.step()  # prefill: each request's first token, the drafter's add_request
     batch = [DraftInput(r.rid, r.token_ids, r.params, r.generator, r.reference) for r in reqs]
     d = eng.drafter
-    eager = d.propose(batch, TreeShape(3, 2, 6))  # (ingests the prompts: their SA / memory slots)
+    eager = d.propose(batch, TreeShape.parse(tree))  # (ingests the prompts: their SA / memory slots)
     free = (d.sa.num_free, eng.kv.num_free)
     d.step_graphs = True
     for _ in range(2):  # on CUDA: the captures, then replays
-        static = d.propose(batch, TreeShape(3, 2, 6))
-    assert d._steps.runs == 6 and d._steps.cache.graphs == (device == "cuda")  # roots' pass + 2 search steps, twice
+        static = d.propose(batch, TreeShape.parse(tree))
+    # the roots' pass and both search steps in one static search, twice
+    assert d._search.runs == 2 and d._steps is None and d._search.cache.graphs == (device == "cuda")
     assert (d.sa.num_free, eng.kv.num_free) == free  # temporary slots freed either way
     for a, b in zip(eager, static):
-        assert torch.equal(a.draft_tokens, b.draft_tokens) and torch.equal(a.parents, b.parents)
+        for name in (
+            "draft_tokens",
+            "parents",
+            "positions",
+            "tree_mask",
+            "retrieve_next_token",
+            "retrieve_next_sibling",
+        ):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
 @pytest.mark.parametrize("device", DEVICES)
