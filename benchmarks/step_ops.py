@@ -191,7 +191,8 @@ def count_step_ops(
         engine_mod.to_host = real_copy
     per_step = {k: mode.kinds[k] / steps for k in KINDS}
     per_step["outside"] = sum(v for k, v in per_step.items() if k != "graph")
-    top = {n: c / steps for n, c in mode.names.most_common(15)}
+    ops = {n: c / steps for n, c in mode.names.most_common()}  # outside graphs, views aside
+    top = dict(list(ops.items())[:15])
     sites = {n: c / steps for n, c in mode.sites.most_common(25)}
     return {
         "drafter": kind or "vanilla",
@@ -199,6 +200,7 @@ def count_step_ops(
         "tree": tree,
         "per_step": per_step,
         "top_ops": top,
+        "ops": ops,
         "sites": sites,
     }
 
