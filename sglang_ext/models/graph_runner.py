@@ -1,8 +1,7 @@
 """CUDA graphs for the target's decode / verify forward (`GraphRunner`), for a drafter's search step
 (`FrontierRunner`: EAGLE-3, MoA, the draft model) and for a drafter's whole search (`SearchRunner`) at
-bucketed shapes, as SGLang's
-cuda_graph_runner and eagle_draft_cuda_graph_runner do, with the same static padded path run eagerly
-off CUDA.
+bucketed shapes, as SGLang's cuda_graph_runner and eagle_draft_cuda_graph_runner do, with the same
+static padded path run eagerly off CUDA.
 
 Why: on a GPU a small step is host-bound (one launch per op, ~300 per SmolLM2 forward); one graph
 replay launches them all at once. A graph replays fixed shapes and fixed buffer addresses with no host
