@@ -280,7 +280,7 @@ def _chain_with_siblings(chain: int, vocab: int, g: torch.Generator):
     return torch.randint(3, vocab, (n,), generator=g), depth, mask, on_chain
 
 
-def tree_rows_against_decodes(model, path: str, n_prompt: int = 300) -> list[tuple]:
+def tree_rows_against_decodes(model, path: str, n_prompt: int = 300, chain: int = 8) -> list[tuple]:
     """Per chain position of a verify tree, where its row first differs from decoding its token alone
     (empty: bit for bit everywhere). path: graphs / static-eager (the GraphRunner) / ragged-eager."""
     from sglang_ext.attention import causal_mask, plan_attention, prefix_and_tree_mask
@@ -290,7 +290,7 @@ def tree_rows_against_decodes(model, path: str, n_prompt: int = 300) -> list[tup
     g = torch.Generator().manual_seed(11)
     dev = model.device
     prompt = torch.randint(3, model.cfg.vocab_size, (n_prompt,), generator=g)
-    ids, depth, tree_mask, chain = _chain_with_siblings(8, model.cfg.vocab_size, g)
+    ids, depth, tree_mask, chain_rows = _chain_with_siblings(chain, model.cfg.vocab_size, g)
     prompt_slots = torch.arange(1, n_prompt + 1)
     pools = []
     for _ in range(2):
@@ -310,7 +310,7 @@ def tree_rows_against_decodes(model, path: str, n_prompt: int = 300) -> list[tup
         return out.hidden, out.captured
 
     decoded = []  # the chain decoded one token per step, each committed before the next
-    for k, row in enumerate(chain):
+    for k, row in enumerate(chain_rows):
         slot = torch.tensor([n_prompt + 1 + k])
         prefix = torch.arange(1, n_prompt + 1 + k)
         decoded.append(
@@ -326,7 +326,7 @@ def tree_rows_against_decodes(model, path: str, n_prompt: int = 300) -> list[tup
     tree_slots = torch.arange(1000, 1000 + ids.numel())
     hidden, captured = forward(pools[1], ids, depth + n_prompt, tree_slots, prompt_slots, tree_mask)
     diffs = []
-    for k, row in enumerate(chain):
+    for k, row in enumerate(chain_rows):
         h1, c1 = decoded[k]
         for li in layers:
             if not torch.equal(c1[li][0], captured[li][row]):

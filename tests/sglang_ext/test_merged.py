@@ -321,17 +321,27 @@ def _merged_law(merge, budget):
     b1 = int(P1.argmax())
     points = _tree([9, b1, int(P2[b1].argmax())], [-1, 0, 1], [1, 0.9, 0.8])
     counts = torch.zeros(V, V, dtype=torch.float64)
+    merged = {}  # the members' draws -> (merged tree, the target's rows): a merge is a function of them
     for _ in range(VERIFY_SAMPLES):
-        chains = []
+        draws = []
         for q1, q2 in ((QA1, QA2), (QC1, QC2)):
             x1 = _draw(q1, g)
-            x2 = _draw(q2[x1], g)
-            chains.append(_tree([9, x1, x2], [-1, 0, 1], probs=torch.stack([q1, q1, q2[x1]]).float()))
-        tree = merge(chains + [points], [1, 2, 4], budget, SEQ)[0]
-        toks, depth = tree.draft_tokens.tolist(), (tree.positions - SEQ).tolist()
-        # the target after each node: P1 at the root, P2[x] after a depth-1 node x (deeper: not recorded)
-        rows = torch.stack([P2[toks[i]] if depth[i] == 1 else P1 for i in range(tree.num_nodes)])
-        res = sampling_verify(tree, rows.float(), g)
+            draws.append((x1, _draw(q2[x1], g)))
+        key = tuple(draws)
+        if key not in merged:
+            chains = [
+                _tree([9, x1, x2], [-1, 0, 1], probs=torch.stack([q1, q1, q2[x1]]).float())
+                for (x1, x2), (q1, q2) in zip(draws, ((QA1, QA2), (QC1, QC2)))
+            ]
+            tree = merge(chains + [points], [1, 2, 4], budget, SEQ)[0]
+            toks, depth = tree.draft_tokens.tolist(), (tree.positions - SEQ).tolist()
+            # the target after each node: P1 at the root, P2[x] after a depth-1 node x (deeper: not recorded)
+            merged[key] = (
+                tree,
+                torch.stack([P2[toks[i]] if depth[i] == 1 else P1 for i in range(tree.num_nodes)]).float(),
+            )
+        tree, rows = merged[key]
+        res = sampling_verify(tree, rows, g)
         t1 = res.tokens[0]
         t2 = res.tokens[1] if len(res.tokens) > 1 else _draw(P2[t1], g)
         counts[t1, t2] += 1
