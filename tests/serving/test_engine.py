@@ -90,8 +90,9 @@ def _check_identity(target, prompts, ref, outs, label):
 def test_greedy_identity(smollm2_fp32, eval_prompts, vanilla_outputs, drafter, shape, bs):
     assert len(eval_prompts) >= 20
     # NOTE: the self-draft drafts with the target itself (a target forward per draft token; greedy drafts are
-    # all accepted): every third prompt, each eval set among them, covers its plumbing at a third of the cost
-    picked = range(0, len(eval_prompts), 3 if drafter == "draft-model" else 1)
+    # all accepted): every third prompt, each eval set among them, covers its plumbing at a third of the cost.
+    # Batches of 4 check what batching adds (padding, requests finishing apart) on every other prompt.
+    picked = range(0, len(eval_prompts), 3 if drafter == "draft-model" else 2 if bs > 1 else 1)
     prompts, vanilla = [eval_prompts[i] for i in picked], [vanilla_outputs[i] for i in picked]
     eng = Engine(smollm2_fp32, make_drafter(drafter, smollm2_fp32), EngineConfig(tree=SHAPES[shape]))
     outs = []

@@ -1,5 +1,7 @@
 """GGUF block weights (Q4_1 / Q8_0) read by the CPU kernel: the same numbers as the fp32 weights, bit for bit."""
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -229,13 +231,14 @@ def test_blocks_attach_to_inference_tensors_too():
         assert torch.equal(kernels.linear(x, w), torch.ops.moa_cpu.linear_small(x, w))
 
 
-def test_a_second_converter_keeps_the_finished_cache_and_leaves_no_temp_files(tmp_path):
+def test_a_second_converter_keeps_the_finished_cache_and_leaves_no_temp_files(tmp_path, smollm2_fp32):
     """Two processes converting the default target at once (a server and a trainer on a fresh
-    machine): each writes its own temp dir, the later one finds the cache complete and steps aside."""
+    machine): each writes its own temp dir, the later one finds the cache complete and steps aside.
+    The winner's cache is the session's converted target (this converter's output), copied."""
     from sglang_ext.models.loader import _convert_gguf
 
     out = tmp_path / "SmolLM2-135M-Instruct"
-    _convert_gguf(smollm2_gguf_path(), out)
+    shutil.copytree(smollm2_fp32.path, out, ignore=shutil.ignore_patterns(PACKED_FILE))
     first = (out / "model.safetensors").stat().st_mtime_ns
     _convert_gguf(smollm2_gguf_path(), out)  # the loser of the race
     assert (out / "model.safetensors").stat().st_mtime_ns == first and (out / "config.json").is_file()
