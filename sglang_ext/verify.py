@@ -42,6 +42,7 @@ random numbers up front (sampling_verify draws per trial): the same law, other s
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -277,21 +278,41 @@ def greedy_path(tree: TokenTree, target_argmax: torch.Tensor) -> AcceptedPath:
     return _target_path(tree, target_argmax.reshape(-1).long())
 
 
-def greedy_paths(trees: list[TokenTree], target_argmax: torch.Tensor, vocab: int | None = None) -> list[AcceptedPath]:
+def greedy_paths(
+    trees: list[TokenTree],
+    target_argmax: torch.Tensor,  # [R] the target's argmax at every row of the trees (and maybe others)
+    vocab: int | None = None,
+    starts: list[int] | None = None,
+) -> list[AcceptedPath]:
     """greedy_path for each of a batch's trees, in a fixed number of device ops for the whole batch: the
     trees are packed [B, W] (W their largest size, padding past each tree's nodes), and every request's
-    path and bonus come from ops over that. target_argmax [R]: the target's argmax at every tree row, the
-    trees' rows one after another in order (R = their sizes' sum). vocab: when given, each drafted tree's
-    path (more than the root) carries draft_invalid: a token outside [0, vocab) or non-finite draft logits
+    path and bonus come from ops over that. Tree b's rows are target_argmax[starts[b] : starts[b] + n_b]
+    (default: the trees' rows one after another). vocab: when given, each drafted tree's path (more than
+    the root) carries draft_invalid: a token outside [0, vocab) or non-finite draft logits
     (TokenTree.finite). Each path is a view of the batch's rows, as long as its tree (as greedy_path's)."""
     sizes = [t.num_nodes for t in trees]
+    if starts is None:
+        starts = list(itertools.accumulate(sizes, initial=0))[:-1]
     b, w = len(trees), max(sizes)
     dev = target_argmax.device
+    if w == 1:  # root-only trees (plain decode steps): each path is the root, its token the target's there
+        if starts == list(range(starts[0], starts[0] + b)):
+            tokens = target_argmax[starts[0] : starts[0] + b]
+        else:
+            tokens = target_argmax[to_device(torch.tensor(starts), dev)]
+        tokens = tokens.view(b, 1)
+        return [AcceptedPath(z, x) for z, x in zip(torch.zeros_like(tokens).unbind(0), tokens.unbind(0))]
     fields_ = [(t.draft_tokens, t.parents, t.positions, t.retrieve_next_token, t.retrieve_next_sibling) for t in trees]
-    # one flat int64 tensor: every tree's fields, then the argmax rows, then the padding values -1 and 0
-    flat = torch.cat([f.long() for fs in fields_ for f in fs] + [target_argmax.long(), torch.arange(-1, 1, device=dev)])
-    idx = _pack_index(sizes, w, flat.numel() - 2)
-    tokens, parents, positions, nxt, sib, target = flat[to_device(idx, dev)].unbind(1)  # each [B, W]
+    if sizes == [w] * b and starts == list(range(starts[0], starts[0] + b * w, w)):  # (one search's trees)
+        # no padding: every tree's fields one after another are the packed rows, as are the argmax rows
+        tokens, parents, positions, nxt, sib = torch.cat([f for fs in fields_ for f in fs]).view(b, 5, w).unbind(1)
+        target = target_argmax[starts[0] : starts[0] + b * w].view(b, w)
+    else:
+        # one flat int64 tensor (TokenTree's fields are int64): every tree's fields, then the argmax rows,
+        # then the padding values -1 and 0; one gather packs it
+        flat = torch.cat([f for fs in fields_ for f in fs] + [target_argmax, torch.arange(-1, 1, device=dev)])
+        idx = _pack_index(sizes, starts, w, flat.numel() - 2)
+        tokens, parents, positions, nxt, sib, target = flat[to_device(idx, dev)].unbind(1)  # each [B, W]
     nodes = _greedy_nodes(tokens, parents, positions, nxt, sib, target)
     after = torch.cat([nodes[:, 1:], nodes.new_full((b, 1), -1)], 1)  # [B, W] the next node on the path
     out = torch.where(after >= 0, tokens.gather(1, after.clamp(min=0)), target.gather(1, nodes.clamp(min=0)))
@@ -299,10 +320,12 @@ def greedy_paths(trees: list[TokenTree], target_argmax: torch.Tensor, vocab: int
     invalid = [None] * b
     if vocab is not None and w > 1:
         bad = ((tokens < 0) | (tokens >= vocab)).any(1)  # (padding holds 0: a valid token)
-        finite = [t.finite for t in trees]
-        if any(f is not None for f in finite):
+        finite = [t.finite for t in trees]  # each [] bool or None
+        if all(f is finite[0] for f in finite) and finite[0] is not None:  # one search's trees share theirs
+            bad = bad | ~finite[0]
+        elif any(f is not None for f in finite):
             yes = torch.ones((), dtype=torch.bool, device=dev)
-            bad = bad | ~torch.stack([yes if f is None else f.reshape(()) for f in finite])
+            bad = bad | ~torch.stack([yes if f is None else f for f in finite])
         invalid = [None if n == 1 else v for n, v in zip(sizes, bad.unbind(0))]
     paths = []
     for n, row_nodes, row_tokens, inv in zip(sizes, nodes.unbind(0), out.unbind(0), invalid):
@@ -312,13 +335,13 @@ def greedy_paths(trees: list[TokenTree], target_argmax: torch.Tensor, vocab: int
     return paths
 
 
-def _pack_index(sizes: list[int], w: int, pad: int) -> torch.Tensor:
+def _pack_index(sizes: list[int], starts: list[int], w: int, pad: int) -> torch.Tensor:
     """[B, 6, W] int64 on the host: where greedy_paths' packed rows read its flat tensor. Rows 0-4: tree
-    b's fields (5 * n_b values from its offset, field after field); row 5: its argmax rows (after every
-    tree's fields); past n_b: `pad` (-1) for every row but the tokens', which read pad + 1 (0)."""
+    b's fields (5 * n_b values from its offset, field after field); row 5: its argmax rows (the argmax
+    follows every tree's fields); past n_b: `pad` (-1) for every row but the tokens', which read pad + 1 (0)."""
     n = torch.tensor(sizes, dtype=torch.long)  # [B]
     field_at = (5 * n).cumsum(0) - 5 * n  # [B] where tree b's fields start
-    row_at = n.cumsum(0) - n + 5 * n.sum()  # [B] where tree b's argmax rows start
+    row_at = torch.tensor(starts, dtype=torch.long) + 5 * n.sum()  # [B] where tree b's argmax rows start
     at = torch.cat([field_at[:, None] + torch.arange(5) * n[:, None], row_at[:, None]], 1)  # [B, 6]
     ar = torch.arange(w)
     fill = torch.tensor([pad + 1] + [pad] * 5, dtype=torch.long)

@@ -382,6 +382,7 @@ def test_greedy_paths_on_a_search_batch_views():
         ),
         torch.tensor(True),
     )
+    searched = len(trees)
     trees += [chain_tree(1, [2, 3, 1], 12), root_tree(2, 40)]
     for trial in range(20):
         targets = [torch.randint(0, vocab, (t.num_nodes,), generator=g) for t in trees]
@@ -391,3 +392,10 @@ def test_greedy_paths_on_a_search_batch_views():
                 for t in trees
             ]
         assert to_host(greedy_paths(trees, torch.cat(targets), vocab)) == _one_by_one(trees, targets, vocab)
+        # the search's trees alone (one size, rows one after another: packed without padding), and some
+        # of them with their rows elsewhere (starts)
+        expect = _one_by_one(trees[:searched], targets[:searched], vocab)
+        assert to_host(greedy_paths(trees[:searched], torch.cat(targets[:searched]), vocab)) == expect
+        rows = torch.cat([torch.zeros(3, dtype=torch.long)] + [x for t in targets[:searched] for x in (t, t)])
+        starts = [3 + (m + 1) * (2 * b + 1) for b in range(searched)]  # each tree's second copy
+        assert to_host(greedy_paths(trees[:searched], rows, vocab, starts)) == expect
