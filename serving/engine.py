@@ -61,6 +61,7 @@ from sglang_ext.verify import (
     VerifyResult,
     coupled_path,
     greedy_path,
+    greedy_paths,
     path_logprobs,
     sampling_path,
     to_host,
@@ -741,23 +742,51 @@ class Engine:
         """Each request's accepted path on its rows of the logits, on the device (or the RequestFault of
         its verification). A drafted tree's path carries whether the tree was a faulty drafter's (a token
         outside the vocabulary, never accepted; non-finite draft logits): the request falls back to
-        vanilla decoding after the step's copy."""
-        out, start, vocab = [], 0, self.model.cfg.vocab_size
+        vanilla decoding after the step's copy.
+        Greedy requests whose rows are the raw logits (no penalties, min_tokens or grammar) are verified
+        together (verify.greedy_paths: a fixed number of device ops for the step, not ~100 per request);
+        the others one by one (_verify). A subclass's own _verify sees every request."""
+        vocab = self.model.cfg.vocab_size
+        starts = list(itertools.accumulate([t.num_nodes for t in trees], initial=0))
         wants_argmax = getattr(self.drafter, "wants_tree_argmax", False)
-        for r, t in zip(reqs, trees):
-            n = t.num_nodes
+        together = [i for i, r in enumerate(reqs) if self._plain_greedy(r)] if self._batches_greedy() else []
+        argmax = None  # [R] the target's argmax at every tree row, when some request reads it
+        if together or (wants_argmax and any(r.drafting for r in reqs)):
+            argmax = greedy_tokens(logits[: starts[-1]])
+        paths: dict[int, AcceptedPath] = {}
+        if together:
             try:
-                path = self._verify(r, t, logits[start : start + n])
-            except RequestFault as f:
-                path = f
-            if n > 1 and isinstance(path, AcceptedPath):
-                invalid = ((t.draft_tokens < 0) | (t.draft_tokens >= vocab)).any()
-                path.draft_invalid = invalid if t.finite is None else invalid | ~t.finite
+                found = greedy_paths([trees[i] for i in together], argmax, vocab, [starts[i] for i in together])
+                paths = dict(zip(together, found))
+            except Exception:  # noqa: BLE001 - then each request alone, in its own stage: a fault fails its request only
+                log.warning("batched greedy verification failed; verifying request by request", exc_info=True)
+        out = []
+        for i, (r, t) in enumerate(zip(reqs, trees)):
+            start, n = starts[i], t.num_nodes
+            path = paths.get(i)
+            if path is None:
+                try:
+                    path = self._verify(r, t, logits[start : start + n])
+                except RequestFault as f:
+                    path = f
+                if n > 1 and isinstance(path, AcceptedPath):
+                    invalid = ((t.draft_tokens < 0) | (t.draft_tokens >= vocab)).any()
+                    path.draft_invalid = invalid if t.finite is None else invalid | ~t.finite
             if wants_argmax and r.drafting and isinstance(path, AcceptedPath):  # (its commit reads it: same copy)
-                path.tree_argmax = greedy_tokens(logits[start : start + n])
-            out.append(self._with_logprobs(r, path, logits[start : start + n]))
-            start += n
+                path.tree_argmax = argmax[start : start + n]
+            if r.params.logprobs is not None:
+                path = self._with_logprobs(r, path, logits[start : start + n])
+            out.append(path)
         return out
+
+    def _plain_greedy(self, r: Request) -> bool:
+        """Whether the request verifies greedily on the raw logits (verify.greedy_paths may take it)."""
+        return r.params.greedy and not self._context_dependent(r)
+
+    def _batches_greedy(self) -> bool:
+        """Whether plain greedy requests may be verified together: only with the engine's own _verify (a
+        subclass that verifies its own way gets every request)."""
+        return type(self)._verify is Engine._verify
 
     def _accept(
         self,

@@ -42,10 +42,12 @@ random numbers up front (sampling_verify draws per trial): the same law, other s
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
+from .device import to_device
 from .sampling import TokenLogprob, draw, position_gumbel, seeded_sample
 from .tree import TokenTree
 
@@ -274,6 +276,108 @@ def verify_tree_greedy(
 def greedy_path(tree: TokenTree, target_argmax: torch.Tensor) -> AcceptedPath:
     """One request on the device. target_argmax [N]: the target's argmax at each node."""
     return _target_path(tree, target_argmax.reshape(-1).long())
+
+
+def greedy_paths(
+    trees: list[TokenTree],
+    target_argmax: torch.Tensor,  # [R] the target's argmax at every row of the trees (and maybe others)
+    vocab: int | None = None,
+    starts: list[int] | None = None,
+) -> list[AcceptedPath]:
+    """greedy_path for each of a batch's trees, in a fixed number of device ops for the whole batch: the
+    trees are packed [B, W] (W their largest size, padding past each tree's nodes), and every request's
+    path and bonus come from ops over that. Tree b's rows are target_argmax[starts[b] : starts[b] + n_b]
+    (default: the trees' rows one after another). vocab: when given, each drafted tree's path (more than
+    the root) carries draft_invalid: a token outside [0, vocab) or non-finite draft logits
+    (TokenTree.finite). Each path is a view of the batch's rows, as long as its tree (as greedy_path's)."""
+    sizes = [t.num_nodes for t in trees]
+    if starts is None:
+        starts = list(itertools.accumulate(sizes, initial=0))[:-1]
+    b, w = len(trees), max(sizes)
+    dev = target_argmax.device
+    if w == 1:  # root-only trees (plain decode steps): each path is the root, its token the target's there
+        if starts == list(range(starts[0], starts[0] + b)):
+            tokens = target_argmax[starts[0] : starts[0] + b]
+        else:
+            tokens = target_argmax[to_device(torch.tensor(starts), dev)]
+        tokens = tokens.view(b, 1)
+        return [AcceptedPath(z, x) for z, x in zip(torch.zeros_like(tokens).unbind(0), tokens.unbind(0))]
+    fields_ = [(t.draft_tokens, t.parents, t.positions, t.retrieve_next_token, t.retrieve_next_sibling) for t in trees]
+    if sizes == [w] * b and starts == list(range(starts[0], starts[0] + b * w, w)):  # (one search's trees)
+        # no padding: every tree's fields one after another are the packed rows, as are the argmax rows
+        tokens, parents, positions, nxt, sib = torch.cat([f for fs in fields_ for f in fs]).view(b, 5, w).unbind(1)
+        target = target_argmax[starts[0] : starts[0] + b * w].view(b, w)
+    else:
+        # one flat int64 tensor (TokenTree's fields are int64): every tree's fields, then the argmax rows,
+        # then the padding values -1 and 0; one gather packs it
+        flat = torch.cat([f for fs in fields_ for f in fs] + [target_argmax, torch.arange(-1, 1, device=dev)])
+        idx = _pack_index(sizes, starts, w, flat.numel() - 2)
+        tokens, parents, positions, nxt, sib, target = flat[to_device(idx, dev)].unbind(1)  # each [B, W]
+    nodes = _greedy_nodes(tokens, parents, positions, nxt, sib, target)
+    after = torch.cat([nodes[:, 1:], nodes.new_full((b, 1), -1)], 1)  # [B, W] the next node on the path
+    out = torch.where(after >= 0, tokens.gather(1, after.clamp(min=0)), target.gather(1, nodes.clamp(min=0)))
+    out = torch.where(nodes >= 0, out, -1)
+    invalid = [None] * b
+    if vocab is not None and w > 1:
+        bad = ((tokens < 0) | (tokens >= vocab)).any(1)  # (padding holds 0: a valid token)
+        finite = [t.finite for t in trees]  # each [] bool or None
+        if all(f is finite[0] for f in finite) and finite[0] is not None:  # one search's trees share theirs
+            bad = bad | ~finite[0]
+        elif any(f is not None for f in finite):
+            yes = torch.ones((), dtype=torch.bool, device=dev)
+            bad = bad | ~torch.stack([yes if f is None else f for f in finite])
+        invalid = [None if n == 1 else v for n, v in zip(sizes, bad.unbind(0))]
+    paths = []
+    for n, row_nodes, row_tokens, inv in zip(sizes, nodes.unbind(0), out.unbind(0), invalid):
+        if n < w:
+            row_nodes, row_tokens = row_nodes[:n], row_tokens[:n]
+        paths.append(AcceptedPath(row_nodes, row_tokens, inv))
+    return paths
+
+
+def _pack_index(sizes: list[int], starts: list[int], w: int, pad: int) -> torch.Tensor:
+    """[B, 6, W] int64 on the host: where greedy_paths' packed rows read its flat tensor. Rows 0-4: tree
+    b's fields (5 * n_b values from its offset, field after field); row 5: its argmax rows (the argmax
+    follows every tree's fields); past n_b: `pad` (-1) for every row but the tokens', which read pad + 1 (0)."""
+    n = torch.tensor(sizes, dtype=torch.long)  # [B]
+    field_at = (5 * n).cumsum(0) - 5 * n  # [B] where tree b's fields start
+    row_at = torch.tensor(starts, dtype=torch.long) + 5 * n.sum()  # [B] where tree b's argmax rows start
+    at = torch.cat([field_at[:, None] + torch.arange(5) * n[:, None], row_at[:, None]], 1)  # [B, 6]
+    ar = torch.arange(w)
+    fill = torch.tensor([pad + 1] + [pad] * 5, dtype=torch.long)
+    return torch.where(ar < n[:, None, None], at[:, :, None] + ar, fill[:, None])
+
+
+def _greedy_nodes(
+    tokens: torch.Tensor,  # [B, W] node tokens (padding: 0)
+    parents: torch.Tensor,  # [B, W] (-1: the root, padding)
+    positions: torch.Tensor,  # [B, W] seq_len + depth
+    nxt: torch.Tensor,  # [B, W] retrieve_next_token (padding: -1)
+    sib: torch.Tensor,  # [B, W] retrieve_next_sibling (padding: -1)
+    target: torch.Tensor,  # [B, W] the target's argmax at each node
+) -> torch.Tensor:
+    """[B, W] each tree's greedy path (node indices by depth, root first, -1 after it), as _target_path
+    gives it tree by tree. Rules: a node is tried when it is in some child list (linked), under its
+    parent (tree_lists); it passes when its token is the target's at its parent; each node's choice is
+    its first passing child in list order, which is index order (tree_lists); a node is on the path when
+    it and each of its ancestors is its parent's choice (path_in_tree: there by the ancestor mask, here
+    by following parents with pointer doubling, log W rounds)."""
+    b, w = tokens.shape
+    ar = torch.arange(w, device=tokens.device).expand(b, w)
+    listed = torch.zeros(b, w + 1, dtype=torch.bool, device=tokens.device)
+    listed.scatter_(1, torch.where(nxt >= 0, nxt, w), True).scatter_(1, torch.where(sib >= 0, sib, w), True)
+    listed = listed[:, :w]
+    ok = listed & (parents >= 0) & (tokens == target.gather(1, parents.clamp(min=0)))
+    key = torch.where(ok, ar, w)
+    best = key.new_full((b, w + 1), w).scatter_reduce(1, torch.where(ok, parents, w), key, "amin")[:, :w]
+    choice = torch.where(best < w, best, -1)  # [B, W] each node's first passing child, -1 if none
+    on = (choice.gather(1, parents.clamp(min=0)) == ar) | (ar == 0)  # [B, W] its parent's choice (the root: on)
+    up = torch.where(parents >= 0, parents, ar)
+    for _ in range(max(w - 1, 0).bit_length()):  # on covers distances 0 .. 2^k - 1 up the parents
+        on = on & on.gather(1, up)
+        up = up.gather(1, up)
+    depth = positions - positions[:, :1]
+    return ar.new_full((b, w + 1), -1).scatter_(1, torch.where(on, depth, w), ar)[:, :w]
 
 
 def greedy_verify(tree: TokenTree, target_argmax: torch.Tensor) -> VerifyResult:

@@ -236,7 +236,7 @@ def test_no_slot_is_lost_under_eviction_aborts_faults_and_flushes(monkeypatch):
     reference = Engine(t, None, EngineConfig(**cfg, prefix_cache=False))
     prefixes = [[rng.randrange(vocab) for _ in range(rng.randrange(20, 50))] for _ in range(4)]
     step_fault, faulty_roots = {"armed": False}, set()
-    real_forward, real_greedy = t.model.forward, engine_mod.greedy_path
+    real_forward, real_greedy, real_together = t.model.forward, engine_mod.greedy_path, engine_mod.greedy_paths
 
     def forward(*a, **kw):
         if step_fault["armed"]:
@@ -249,6 +249,13 @@ def test_no_slot_is_lost_under_eviction_aborts_faults_and_flushes(monkeypatch):
             raise RuntimeError("injected verify fault")
         return real_greedy(tree, tokens)
 
+    def greedy_paths(trees, *a, **kw):
+        # a fault in the batch's verification: the engine verifies each request alone, and greedy_path
+        # above fails the faulty one
+        if any(int(tree.positions[0]) in faulty_roots for tree in trees):
+            raise RuntimeError("injected verify fault")
+        return real_together(trees, *a, **kw)
+
     evictions, real_evict = [], PrefixCache.evict
 
     def evict(cache, n):
@@ -258,6 +265,7 @@ def test_no_slot_is_lost_under_eviction_aborts_faults_and_flushes(monkeypatch):
 
     monkeypatch.setattr(t.model, "forward", forward)
     monkeypatch.setattr(engine_mod, "greedy_path", greedy_path)
+    monkeypatch.setattr(engine_mod, "greedy_paths", greedy_paths)
     monkeypatch.setattr(PrefixCache, "evict", evict)
     finished, live, resets = [], [], 0
     for _ in range(400):

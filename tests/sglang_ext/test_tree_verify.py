@@ -1,11 +1,29 @@
 """Token-tree layout and verification on hand-built examples."""
 
+import random
+
 import pytest
 import torch
 
 from sglang_ext.sampling import InvalidRequest, SamplingParams, logits_to_probs, position_gumbel, seeded_sample
-from sglang_ext.tree import TreeSearch, TreeShape, build_trees, chain_tree, tree_from_parents
-from sglang_ext.verify import coupled_verify, greedy_verify, sampling_verify
+from sglang_ext.tree import (
+    TreeSearch,
+    TreeShape,
+    build_trees,
+    chain_tree,
+    root_tree,
+    tree_batch,
+    tree_from_parents,
+    unpack_trees,
+)
+from sglang_ext.verify import (
+    coupled_verify,
+    greedy_path,
+    greedy_paths,
+    greedy_verify,
+    sampling_verify,
+    to_host,
+)
 
 #        0 (root, token 10)
 #       / \
@@ -290,3 +308,94 @@ def _path(parents: list[int], node: int) -> list[int]:
         out.append(node)
         node = parents[node]
     return out[::-1]
+
+
+# --- greedy verification of a whole batch at once --------------------------------------------------
+
+
+def _random_tree(rng: random.Random, vocab: int):
+    """A tree of 1-12 nodes from tree_from_parents (some nodes unlinked, some tokens outside the vocab),
+    and the argmax rows that accept all of it along first children, none of it, or at random."""
+    n = rng.randrange(1, 13)
+    parents = [-1] + [rng.randrange(i) for i in range(1, n)]
+    tokens = [rng.randrange(vocab + 1 if rng.random() < 0.1 else vocab) for _ in range(n)]
+    unlinked = {i for i in range(1, n) if rng.random() < 0.1}
+    tree = tree_from_parents(torch.tensor(tokens), torch.tensor(parents), rng.randrange(50), unlinked=unlinked)
+    kind = rng.choice(["all", "none", "random"])
+    if kind == "random":
+        target = [rng.randrange(vocab) for _ in range(n)]
+    elif kind == "none":
+        target = [vocab - 1] * n  # (tokens below are drawn from 0..vocab-2 for these)
+        tokens = [min(x, vocab - 2) for x in tokens]
+        tree = tree_from_parents(torch.tensor(tokens), torch.tensor(parents), rng.randrange(50), unlinked=unlinked)
+    else:  # each node's first linked child holds the target's token there: the walk goes to a leaf
+        nxt = tree.retrieve_next_token.tolist()
+        target = [tokens[c] if c >= 0 else rng.randrange(vocab) for c in nxt]
+    if rng.random() < 0.3:
+        tree.finite = torch.tensor(rng.random() < 0.8)
+    return tree, torch.tensor(target)
+
+
+def _one_by_one(trees, targets, vocab):
+    """greedy_path per request, draft_invalid as the engine sets it (drafted trees only)."""
+    paths = []
+    for t, target in zip(trees, targets):
+        path = greedy_path(t, target)
+        if t.num_nodes > 1:
+            invalid = ((t.draft_tokens < 0) | (t.draft_tokens >= vocab)).any()
+            path.draft_invalid = invalid if t.finite is None else invalid | ~t.finite
+        paths.append(path)
+    return to_host(paths)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_greedy_paths_equal_greedy_path_per_request(seed):
+    rng, vocab = random.Random(seed), 6
+    trees, targets = zip(*[_random_tree(rng, vocab) for _ in range(rng.randrange(1, 9))])
+    if rng.random() < 0.5:  # requests with no draft: root-only trees (a plain decode step)
+        k = rng.randrange(len(trees) + 1)
+        trees = trees[:k] + (root_tree(3, 17),) + trees[k:]
+        targets = targets[:k] + (torch.tensor([rng.randrange(vocab)]),) + targets[k:]
+    batched = to_host(greedy_paths(list(trees), torch.cat(targets), vocab))
+    assert batched == _one_by_one(trees, targets, vocab)
+    assert [p.nodes.numel() for p in greedy_paths(list(trees), torch.cat(targets))] == [t.num_nodes for t in trees]
+
+
+def test_greedy_paths_on_a_search_batch_views():
+    """Trees that are views of one packed batch (tree_batch), some nodes left unverified (keep), beside a
+    lookup's tree of another size and a root-only tree."""
+    g = torch.Generator().manual_seed(0)
+    b, m, vocab = 5, 9, 4
+    selected = torch.stack([torch.randperm(20, generator=g)[:m].sort().values for _ in range(b)])
+    parent_flat = torch.where(selected < 4, -1, selected // 2)  # some parents not selected: orphans
+    tokens = torch.randint(0, vocab, (b, m), generator=g)
+    keep = torch.rand(b, m, generator=g) > 0.2
+    trees = unpack_trees(
+        *tree_batch(
+            torch.randint(0, vocab, (b,), generator=g),
+            selected,
+            tokens,
+            torch.rand(b, m, generator=g),
+            parent_flat,
+            torch.arange(b) + 30,
+            keep,
+        ),
+        torch.tensor(True),
+    )
+    searched = len(trees)
+    trees += [chain_tree(1, [2, 3, 1], 12), root_tree(2, 40)]
+    for trial in range(20):
+        targets = [torch.randint(0, vocab, (t.num_nodes,), generator=g) for t in trees]
+        if trial % 4 == 0:  # every tree accepted along its first children
+            targets = [
+                torch.where(t.retrieve_next_token >= 0, t.draft_tokens[t.retrieve_next_token.clamp(min=0)], 0)
+                for t in trees
+            ]
+        assert to_host(greedy_paths(trees, torch.cat(targets), vocab)) == _one_by_one(trees, targets, vocab)
+        # the search's trees alone (one size, rows one after another: packed without padding), and some
+        # of them with their rows elsewhere (starts)
+        expect = _one_by_one(trees[:searched], targets[:searched], vocab)
+        assert to_host(greedy_paths(trees[:searched], torch.cat(targets[:searched]), vocab)) == expect
+        rows = torch.cat([torch.zeros(3, dtype=torch.long)] + [x for t in targets[:searched] for x in (t, t)])
+        starts = [3 + (m + 1) * (2 * b + 1) for b in range(searched)]  # each tree's second copy
+        assert to_host(greedy_paths(trees[:searched], rows, vocab, starts)) == expect
