@@ -32,8 +32,10 @@ sys.meta_path.insert(0, Absent())
 """
 
 
-def _python(code: str, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+def _python(code: str, *args: str, timeout: int = 240, eval_dir=None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "MOA_SERVE_CPU_KERNELS": "0"}
+    if eval_dir is not None:
+        env["MOA_SERVE_EVAL_DIR"] = str(eval_dir)
     return subprocess.run(
         [sys.executable, "-c", BLOCKER + code, *args],
         cwd=REPO,
@@ -57,9 +59,13 @@ def test_smoke_job_end_to_end(tmp_path):
     """Random target of SmolLM2's family, 2 eval sets, 8 new tokens, bs 1 and 2: every section in the
     JSON, greedy identity holds, the shipped heads are skipped with the reason, the headline numbers filled in."""
     out = tmp_path / "job"
+    evals = tmp_path / "eval"  # two sets of the EAGLE format here (../shared may be absent: both would be builtin)
+    evals.mkdir()
+    for name, turn in (("mt_bench", "Write a haiku about the sea."), ("gsm8k", "What is 12 times 7? Show the steps.")):
+        (evals / f"{name}.jsonl").write_text(json.dumps({"turns": [turn]}) + "\n" + json.dumps({"turns": [turn * 2]}))
     args = ["--smoke", "--device", "cpu", "--out", str(out), "--eval-sets", "mt_bench,gsm8k"]
     args += ["--gpu-tests", "tests/test_layout.py"]  # the pytest step's code path: a file without GPU tests
-    done = _python("from entrypoints.gpu_job import main\nsys.exit(main(sys.argv[1:]))", *args)
+    done = _python("from entrypoints.gpu_job import main\nsys.exit(main(sys.argv[1:]))", *args, eval_dir=evals)
     assert done.returncode == 0, done.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
     assert {"device", "torch", "commit", "profile", "identity", "bs1", "sweep", "throughput"} <= set(res)

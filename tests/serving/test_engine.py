@@ -202,7 +202,7 @@ def test_arrivals_prefilled_in_the_decode_forward(smollm2_fp32, eval_prompts, va
         step()
     assert fused_steps >= 4 and slots_whole(eng)
     if chunk < 2048:
-        assert max(len(p) for p in prompts) > 3 * chunk  # some prompts really took several steps
+        assert max(len(p) for p in prompts) > 2 * chunk  # some prompts really took three steps or more
     _check_identity(smollm2_fp32, prompts, vanilla_outputs[:6], [r.output_ids for r in reqs], "staggered arrivals")
     for r, p in zip(reqs, prompts):
         alone = Engine(smollm2_fp32, Recording(), EngineConfig(tree=TreeShape.chain(3), prefix_cache=False))
