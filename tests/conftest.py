@@ -11,7 +11,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 # torch threads: the cores shared among the pytest-xdist workers (`make test` runs one per core), at most 2;
 # MOA_TEST_THREADS=1 while a background job (e.g. training) holds a core: oversubscribed OpenMP is much slower
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(int(os.environ.get("MOA_TEST_THREADS", max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))))
+_THREADS = int(os.environ.get("MOA_TEST_THREADS", max(1, min(2, (os.cpu_count() or 1) // _WORKERS))))
+torch.set_num_threads(_THREADS)
+# the processes tests start (servers, jobs, torchrun ranks) get the same share: OpenMP's default (every core)
+# beside a busy sibling worker spins, several times slower (the smoke GPU job: 8 s alone, 44 s under xdist)
+os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
 
 
 # the longest test files, longest first (per-file time of a full run): under pytest-xdist (`--dist loadfile
@@ -20,27 +24,27 @@ torch.set_num_threads(int(os.environ.get("MOA_TEST_THREADS", max(1, min(2, (os.c
 # running alone at the end
 LONGEST_FIRST = (
     "serving/test_engine.py",
-    "sglang_ext/test_merged.py",
-    "benchmarks/test_bench.py",
-    "serving/test_gateway.py",
     "serving/test_engine_prefix_cache.py",
+    "sglang_ext/test_merged.py",
+    "serving/test_gateway.py",
+    "sglang_ext/test_distribution.py",
+    "sglang_ext/test_moa.py",
     "serving/test_hostile.py",
-    "sglang_ext/test_packed_weights.py",
+    "benchmarks/test_gpu_job.py",
+    "sglang_ext/test_attention.py",
+    "sglang_ext/test_lookahead.py",
+    "sglang_ext/test_medusa.py",
+    "sglang_ext/test_graph_runner.py",
     "deploy/test_live_loadtest.py",
     "sglang_ext/test_sglang_parity.py",
-    "sglang_ext/test_lookahead.py",
-    "benchmarks/test_gpu_job.py",
-    "sglang_ext/test_medusa.py",
-    "entrypoints/test_train.py",
-    "sglang_ext/test_eagle3.py",
     "entrypoints/test_distill_remote.py",
-    "deploy/test_live_dashboard.py",
-    "sglang_ext/test_training_parallel.py",
-    "serving/test_gateway_prefix_cache.py",
-    "sglang_ext/test_moa.py",
-    "serving/test_gateway_errors.py",
-    "sglang_ext/test_suffix.py",
-    "serving/test_gateway_sigterm.py",
+    "sglang_ext/test_packed_weights.py",
+    "sglang_ext/test_targets.py",
+    "entrypoints/test_train.py",
+    "sglang_ext/test_training_device.py",
+    "benchmarks/test_bench.py",
+    "serving/test_engine_device.py",
+    "serving/test_grammar_pool.py",
 )
 
 
