@@ -73,8 +73,8 @@ def _run_parity_cases() -> list[dict]:
         dtype = getattr(torch, dtype_name)
         requests = random_tree_batch(prefixes, sizes, num_slots=sum(prefixes) + sum(sizes) + 23, gen=gen)
         plan = plan_attention([r[0] for r in requests], [r[1] for r in requests])
-        k_pool, v_pool = random_pools(sum(prefixes) + sum(sizes) + 23, 3, head_dim, gen, dtype)
-        q = torch.randn(plan.num_queries, 9, head_dim, generator=gen).to(dtype)
+        k_pool, v_pool = random_pools(sum(prefixes) + sum(sizes) + 23, 2, head_dim, gen, dtype)
+        q = torch.randn(plan.num_queries, 6, head_dim, generator=gen).to(dtype)  # GQA: 3 q heads per kv head
         scale = head_dim**-0.5
         out = tree_attention_triton(q, k_pool, v_pool, plan, scale)
         ref = tree_attention_torch(q, k_pool, v_pool, plan, scale)
@@ -104,13 +104,13 @@ def _run_static_cases(device: str = "cpu") -> list[dict]:
         num_slots = sum(prefixes) + sum(sizes) + 23
         requests = random_tree_batch(prefixes, sizes, num_slots=num_slots, gen=gen)
         plan = plan_attention([r[0] for r in requests], [r[1] for r in requests])
-        k_pool, v_pool = random_pools(num_slots, 3, 64, gen, dtype)
-        q = torch.randn(plan.num_queries, 9, 64, generator=gen).to(dtype)
+        k_pool, v_pool = random_pools(num_slots, 2, 64, gen, dtype)
+        q = torch.randn(plan.num_queries, 6, 64, generator=gen).to(dtype)
 
         b = len(requests) + pad_b  # padded requests: prefix_len 0, their rows see only themselves
         prefix, prefix_len = torch.zeros(b, pb, dtype=torch.long), torch.zeros(b, dtype=torch.long)
         extra, mask = torch.zeros(b, qb, dtype=torch.long), torch.eye(qb, dtype=torch.bool).repeat(b, 1, 1)
-        qs = torch.randn(b * qb, 9, 64, generator=gen).to(dtype)  # padded rows: noise
+        qs = torch.randn(b * qb, 6, 64, generator=gen).to(dtype)  # padded rows: noise
         rows = []
         for i, ((slots, _, tree), p_len, n) in enumerate(zip(requests, prefixes, sizes)):
             prefix[i, :p_len], prefix_len[i], extra[i, :n] = slots[:p_len], p_len, slots[p_len:]
@@ -143,12 +143,18 @@ def _subprocess(args: list[str], env_extra: dict[str, str], timeout: float = 120
 
 
 @pytest.fixture(scope="module")
-def triton_parity() -> dict[str, dict]:
+def interpreted() -> dict:
+    """The kernel's checks under TRITON_INTERPRET=1, in one subprocess (one import of torch and triton)."""
     if importlib.util.find_spec("triton") is None:  # find_spec of a top-level name does not import it
         pytest.skip("triton not installed")
-    proc = _subprocess(["triton-parity"], {"TRITON_INTERPRET": "1"})
+    proc = _subprocess(["triton-interpret"], {"TRITON_INTERPRET": "1"}, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return {r["name"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def triton_parity(interpreted) -> dict[str, dict]:
+    return {r["name"]: r for r in interpreted["parity"]}
 
 
 @pytest.mark.parametrize("case", [c[0] for c in PARITY_CASES])
@@ -158,12 +164,8 @@ def test_triton_matches_torch_reference(triton_parity, case):
 
 
 @pytest.fixture(scope="module")
-def triton_static() -> dict[str, dict]:
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton not installed")
-    proc = _subprocess(["triton-static"], {"TRITON_INTERPRET": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return {r["name"]: r for r in json.loads(proc.stdout.strip().splitlines()[-1])}
+def triton_static(interpreted) -> dict[str, dict]:
+    return {r["name"]: r for r in interpreted["static"]}
 
 
 @pytest.mark.parametrize("case", [c[0] for c in STATIC_CASES])
@@ -187,16 +189,12 @@ def _run_tree_rows_case() -> list:
     return tree_rows_against_decodes(model, "ragged-eager", n_prompt=60, chain=6)
 
 
-def test_triton_a_tree_row_equals_its_decode_bit_for_bit():
+def test_triton_a_tree_row_equals_its_decode_bit_for_bit(interpreted):
     """The kernel's half of lossless greedy decoding: a tree node's row (ancestors interleaved with
     siblings it must not see) computes what decoding its token alone computes, bit for bit, at every
     layer. A kernel that sums masked columns as zeros in their tree positions fails this (the CPU
     backend's blocked attention does, within 5e-6)."""
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("triton not installed")
-    proc = _subprocess(["triton-tree-rows"], {"TRITON_INTERPRET": "1"}, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    diffs = json.loads(proc.stdout.strip().splitlines()[-1])
+    diffs = interpreted["tree_rows"]
     assert diffs == [], f"(chain position, first differing layer, max |diff|): {diffs}"
 
 
@@ -388,7 +386,10 @@ def test_frontier_plan_equals_one_plan_per_node():
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: helpers
-    if sys.argv[1:] == ["triton-parity"]:
+    if sys.argv[1:] == ["triton-interpret"]:
+        checks = {"parity": _run_parity_cases(), "static": _run_static_cases(), "tree_rows": _run_tree_rows_case()}
+        print(json.dumps(checks))
+    elif sys.argv[1:] == ["triton-parity"]:
         print(json.dumps(_run_parity_cases()))
     elif sys.argv[1:] == ["triton-static"]:
         print(json.dumps(_run_static_cases()))
@@ -397,4 +398,5 @@ if __name__ == "__main__":
     elif sys.argv[1:] == ["triton-compile"]:
         sys.exit(_compile_for_sm80())
     else:
-        sys.exit(f"usage: {sys.argv[0]} triton-parity | triton-static | triton-tree-rows | triton-compile")
+        modes = "triton-interpret | triton-parity | triton-static | triton-tree-rows | triton-compile"
+        sys.exit(f"usage: {sys.argv[0]} {modes}")

@@ -398,9 +398,9 @@ def test_greedy_identity(smollm2_fp32, prompts, vanilla_outputs, name, shape, bs
 
 def test_tau_of_the_merge_is_at_least_its_best_members_at_the_same_budget(smollm2_fp32, eval_prompts):
     """suffix+eagle3 against suffix and eagle3 alone, all at the merge's default tree (3,2,6,0.1): the
-    same node budget. One prompt per eval set, 32 tokens."""
+    same node budget. One prompt per eval set, 24 tokens."""
     shape = default_tree("suffix+eagle3")
-    sp = SamplingParams(max_new_tokens=32)
+    sp = SamplingParams(max_new_tokens=24)
     tau = {}
     for name in ["suffix", "eagle3", "suffix+eagle3"]:
         eng = Engine(smollm2_fp32, make_drafter(name, smollm2_fp32), EngineConfig(tree=shape))
