@@ -11,11 +11,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 # torch threads: the cores shared among the pytest-xdist workers (`make test` runs one per core), at most 2;
 # MOA_TEST_THREADS=1 while a background job (e.g. training) holds a core: oversubscribed OpenMP is much slower
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-_THREADS = int(os.environ.get("MOA_TEST_THREADS", max(1, min(2, (os.cpu_count() or 1) // _WORKERS))))
-torch.set_num_threads(_THREADS)
-# the processes tests start (servers, jobs, torchrun ranks) get the same share: OpenMP's default (every core)
-# beside a busy sibling worker spins, several times slower (the smoke GPU job: 8 s alone, 44 s under xdist)
-os.environ.setdefault("OMP_NUM_THREADS", str(_THREADS))
+torch.set_num_threads(int(os.environ.get("MOA_TEST_THREADS", max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))))
 
 
 # the longest test files, longest first (per-file time of a full run): under pytest-xdist (`--dist loadfile
