@@ -107,28 +107,6 @@ def counting_graphs(mode: StepOps):
         graph_runner.GraphCache.run = real
 
 
-def _smollm2_config():
-    """SmolLM2-135M's shape (random weights: only shapes matter on the meta device)."""
-    from sglang_ext.models.loader import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_layers=30,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        rms_norm_eps=1e-5,
-        rope_theta=100000.0,
-        rope_scaling=None,
-        max_position=8192,
-        tie_word_embeddings=True,
-        attention_bias=False,
-        eos_token_ids=(2,),
-    )
-
-
 def _stand_in_copy(paths):
     """verify.to_host for meta tensors: each drafted tree's first draft node accepted, then a bonus."""
     from sglang_ext.verify import VerifyResult
@@ -161,10 +139,10 @@ def count_step_ops(
     from sglang_ext.models import Target
     from sglang_ext.models.graph_runner import GraphRunner
     from sglang_ext.sampling import SamplingParams
-    from sglang_ext.training.job import random_target
+    from sglang_ext.training.job import random_target, smollm2_config
     from sglang_ext.tree import TreeShape
 
-    cfg = replace(_smollm2_config(), num_layers=layers)
+    cfg = replace(smollm2_config(), num_layers=layers)
     model = random_target(cfg, "meta")
     model.attention = tree_attention_torch
     drafter = _drafter(kind, model, cfg) if kind else None

@@ -147,24 +147,9 @@ def reference_greedy(
 
 def smollm2_config():
     """SmolLM2-135M's LlamaConfig (random-weight targets of the real shape)."""
-    from sglang_ext.models.loader import LlamaConfig
+    from sglang_ext.training.job import smollm2_config as config
 
-    return LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_layers=30,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        rms_norm_eps=1e-5,
-        rope_theta=100000.0,
-        rope_scaling=None,
-        max_position=8192,
-        tie_word_embeddings=True,
-        attention_bias=False,
-        eos_token_ids=(2,),
-    )
+    return config()
 
 
 def generate_in_groups(engine, prompts: list[list[int]], bs: int, max_new_tokens: int) -> tuple[list[list[int]], int]:

@@ -74,6 +74,28 @@ def smoke_config(vocab_size: int):
     )
 
 
+def smollm2_config():
+    """SmolLM2-135M's shape (random-weight targets of the real size: GPU checks, the step-cost proxy)."""
+    from ..models.loader import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_layers=30,
+        num_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        rms_norm_eps=1e-5,
+        rope_theta=100000.0,
+        rope_scaling=None,
+        max_position=8192,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        eos_token_ids=(2,),
+    )
+
+
 def random_target(cfg, device: torch.device | str, dtype: torch.dtype = torch.float32, seed: int = 0):
     """A Llama of cfg's shape with random weights (tied embeddings, no biases)."""
     from ..models.llama import LlamaModel
