@@ -44,6 +44,7 @@ from sglang_ext.drafters.prediction import PredictionLookup
 from sglang_ext.grammar import Grammars, apply_bitmask, tree_bitmask
 from sglang_ext.models import Target, load_target, resolve_device
 from sglang_ext.models.graph_runner import GraphRunner
+from sglang_ext.models.kv_pool import zeroed_buffers
 from sglang_ext.penalties import ban_early_stops, penalize_tree
 from sglang_ext.sampling import (
     InvalidRequest,
@@ -257,7 +258,7 @@ class Engine:
             return None
         m = self.model
         shape = (self.kv.num_slots, m.cfg.hidden_size)
-        return {l: torch.zeros(shape, dtype=m.dtype, device=m.device) for l in self.capture_layers}
+        return dict(zip(self.capture_layers, zeroed_buffers(len(self.capture_layers), shape, m.dtype, m.device)))
 
     # --- admission ----------------------------------------------------------------------------
     def add_request(

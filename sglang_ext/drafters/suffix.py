@@ -84,6 +84,26 @@ def load_corpus(path: str | Path, vocab_size: int | None = None) -> tuple[list[n
     return [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])], meta
 
 
+MAX_MATCH = 8  # the longest context tail a corpus lookup matches (the index's key length)
+_INDEXES: dict[tuple, tuple[tuple[int, int], SuffixIndex]] = {}  # key -> (file stamp, index)
+
+
+def corpus_index(path: str | Path, vocab_size: int | None, key_len: int) -> SuffixIndex:
+    """The suffix index of the corpus at `path`, built once per process for the file as it is (path, size and
+    modification time): building sorts every suffix of the corpus (~1 s for the shipped one), and an index is
+    read only, so every drafter made from the same corpus shares it."""
+    path = Path(path)
+    try:
+        st = (path / CORPUS_FILE).stat()
+    except OSError as e:
+        raise CorpusError(f"{path}: not a suffix corpus ({CONFIG} + {CORPUS_FILE}): {e}") from None
+    key, stamp = (str(path.resolve()), vocab_size, key_len), (st.st_size, st.st_mtime_ns)
+    if key not in _INDEXES or _INDEXES[key][0] != stamp:  # (a corpus rewritten in place replaces its index)
+        docs, _ = load_corpus(path, vocab_size)
+        _INDEXES[key] = (stamp, SuffixIndex(docs, key_len=key_len))
+    return _INDEXES[key][1]
+
+
 def shipped_corpus(target) -> Path:
     """The suffix corpus shipped in drafters/ for this target (CorpusError when none is)."""
     return shipped_path(target, "suffix", error=CorpusError)
@@ -115,8 +135,8 @@ class SuffixDrafter(NgramDrafter):
 
     def __init__(
         self,
-        seed_docs: list | None = None,
-        max_match: int = 8,
+        seed_docs: list | SuffixIndex | None = None,
+        max_match: int = MAX_MATCH,
         min_corpus_match: int = 1,
         max_samples: int = 64,
         online: bool = True,
@@ -127,7 +147,13 @@ class SuffixDrafter(NgramDrafter):
         super().__init__(**ngram_kw)
         self.min_share = min_share  # leave out nodes with less than this share of the evidence
         self.max_match, self.min_corpus_match, self.max_samples = max_match, min_corpus_match, max_samples
-        self.seed = SuffixIndex(seed_docs or [], key_len=max_match)
+        # seed_docs: documents, or a built index of them (read only here: drafters may share one)
+        if isinstance(seed_docs, SuffixIndex):
+            if seed_docs.key_len != max_match:
+                raise ValueError(f"a seed index of key_len {seed_docs.key_len} for max_match {max_match}")
+            self.seed = seed_docs
+        else:
+            self.seed = SuffixIndex(seed_docs or [], key_len=max_match)
         self.online, self.max_online_tokens = online, max_online_tokens
         self.corpora: dict[str, OnlineCorpus] = {}  # tenant -> its online corpus
         self._order: deque[str] = deque()  # the tenant of each online document, oldest first (the cap drops it)
@@ -139,9 +165,9 @@ class SuffixDrafter(NgramDrafter):
     def from_target(cls, target, path: str | Path | None = None, **kw) -> "SuffixDrafter":
         """The shipped corpus for `target` (or the one at `path`);
         MOA_SERVE_SUFFIX_ONLINE=0 turns off online learning."""
-        docs, _ = load_corpus(path or shipped_corpus(target), target.cfg.vocab_size)
         kw.setdefault("online", settings().suffix_online)
-        return cls(docs, **kw)
+        index = corpus_index(path or shipped_corpus(target), target.cfg.vocab_size, kw.get("max_match", MAX_MATCH))
+        return cls(index, **kw)
 
     # -- request lifecycle: remember each request's sequence so its output can join the online corpus
     def add_request(self, rid: int, capture: TargetCapture) -> None:

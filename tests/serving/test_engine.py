@@ -484,11 +484,10 @@ def test_min_tokens_change_the_output(smollm2_fp32, min_tokens_reference):
 PRIME = "Write a Python function that checks whether a number is prime, with a docstring"
 
 
-@pytest.mark.parametrize("drafter,shape", [("suffix", "chain"), ("suffix", "tree"), ("ngram", "tree")])
-def test_predicted_outputs_are_drafted_and_lossless(smollm2_fp32, drafter, shape):
-    """A predicted output (here: the answer to a close variant of the prompt, not in the prompt) is
-    drafted from, which raises tau, and never changes the output, right or wrong (bs 4: one request
-    with a wrong prediction, one without)."""
+@pytest.fixture(scope="module")
+def predicted(smollm2_fp32):
+    """(prompt, params, vanilla outputs) of the predicted-output tests: three requests on one prompt, one predicted
+    by the answer to a close variant of it, one without a prediction, one with a wrong prediction."""
     first = (
         Engine(smollm2_fp32, None)
         .generate(
@@ -503,10 +502,19 @@ def test_predicted_outputs_are_drafted_and_lossless(smollm2_fp32, drafter, shape
         SamplingParams(max_new_tokens=96),
         SamplingParams(max_new_tokens=96, prediction=tuple(other)),
     ]
-    vanilla = Engine(smollm2_fp32, None).generate([prompt] * 3, params)
+    vanilla = [r.output_ids for r in Engine(smollm2_fp32, None).generate([prompt] * 3, params)]
+    return prompt, params, vanilla
+
+
+@pytest.mark.parametrize("drafter,shape", [("suffix", "chain"), ("suffix", "tree"), ("ngram", "tree")])
+def test_predicted_outputs_are_drafted_and_lossless(smollm2_fp32, predicted, drafter, shape):
+    """A predicted output (here: the answer to a close variant of the prompt, not in the prompt) is
+    drafted from, which raises tau, and never changes the output, right or wrong (bs 4: one request
+    with a wrong prediction, one without)."""
+    prompt, params, vanilla = predicted
     eng, reqs = _generate_in_batches(smollm2_fp32, drafter, shape, [prompt] * 3, params, 4)
     for r, v in zip(reqs, vanilla):
-        assert compare_to_reference(smollm2_fp32.model, prompt, v.output_ids, r.output_ids) != "bug"
+        assert compare_to_reference(smollm2_fp32.model, prompt, v, r.output_ids) != "bug"
     assert reqs[0].stats.accept_length > reqs[1].stats.accept_length + 0.2, [r.stats.accept_length for r in reqs]
     with pytest.raises(InvalidRequest) as e:
         eng.add_request(prompt, SamplingParams(prediction=(smollm2_fp32.cfg.vocab_size,)))
@@ -514,25 +522,11 @@ def test_predicted_outputs_are_drafted_and_lossless(smollm2_fp32, drafter, shape
 
 
 @pytest.mark.parametrize("drafter", ["eagle3", "moa-tli1"])
-def test_model_drafters_draft_from_predicted_outputs(smollm2_fp32, drafter):
+def test_model_drafters_draft_from_predicted_outputs(smollm2_fp32, predicted, drafter):
     """A model drafter's requests with a prediction draft from it where their tail matches it (a chain
     of the step's budget), and from the model elsewhere; the model drafter catches up on the tokens it
     did not draft for (no fallback), and outputs stay those of plain decoding."""
-    first = (
-        Engine(smollm2_fp32, None)
-        .generate(
-            [smollm2_fp32.encode_chat([{"role": "user", "content": PRIME + "."}])], SamplingParams(max_new_tokens=96)
-        )[0]
-        .output_ids
-    )
-    prompt = smollm2_fp32.encode_chat([{"role": "user", "content": PRIME + " and type hints."}])
-    other = smollm2_fp32.encode("The quick brown fox jumps over the lazy dog. " * 4)
-    params = [
-        SamplingParams(max_new_tokens=96, prediction=tuple(first)),
-        SamplingParams(max_new_tokens=96),
-        SamplingParams(max_new_tokens=96, prediction=tuple(other)),
-    ]
-    vanilla = Engine(smollm2_fp32, None).generate([prompt] * 3, params)
+    prompt, params, vanilla = predicted
     eng = Engine(smollm2_fp32, make_drafter(drafter, smollm2_fp32), EngineConfig(tree=SHAPES["tree"]))
     fallbacks = []
     eng.on_fallback = lambda r, reason: fallbacks.append(reason)
@@ -542,7 +536,7 @@ def test_model_drafters_draft_from_predicted_outputs(smollm2_fp32, drafter):
     reqs = eng.generate([prompt] * 3, params)
     assert not fallbacks
     for r, v in zip(reqs, vanilla):
-        assert compare_to_reference(smollm2_fp32.model, prompt, v.output_ids, r.output_ids) != "bug"
+        assert compare_to_reference(smollm2_fp32.model, prompt, v, r.output_ids) != "bug"
     from_prediction = [rid for found in lookups for rid in found]
     # the right prediction on many steps, not all (the model drafted the others); the wrong one only where
     # its head (the prompt's last tokens, in front of every prediction) matched, at the start
@@ -555,13 +549,9 @@ def test_model_drafters_draft_from_predicted_outputs(smollm2_fp32, drafter):
     )
 
 
-@pytest.mark.parametrize(
-    "drafter,shape",
-    [("suffix", "chain"), ("suffix", "tree"), ("eagle3", "tree"), ("eagle3", "chain"), ("moa-tli1", "tree")],
-)
-def test_seeded_sampling_reproduces_plain_decoding(smollm2_fp32, drafter, shape):
-    """A seeded sampled request's text is plain seeded decoding's, token for token, whatever drafts it
-    (lookup or model, trees or sampled chains) and whoever shares its batch (an unseeded request too)."""
+@pytest.fixture(scope="module")
+def seeded(smollm2_fp32):
+    """(prompts, params, plain seeded decoding of the first two): two seeded sampled requests and an unseeded one."""
     prompts = [
         smollm2_fp32.encode_chat([{"role": "user", "content": q}])
         for q in ("Write a haiku about rivers.", "List four fruits.", "Tell me a story.")
@@ -572,6 +562,17 @@ def test_seeded_sampling_reproduces_plain_decoding(smollm2_fp32, drafter, shape)
         SamplingParams(max_new_tokens=40, temperature=0.8),
     ]
     plain = [Engine(smollm2_fp32, None).generate([p], [sp])[0].output_ids for p, sp in zip(prompts[:2], params[:2])]
+    return prompts, params, plain
+
+
+@pytest.mark.parametrize(
+    "drafter,shape",
+    [("suffix", "chain"), ("suffix", "tree"), ("eagle3", "tree"), ("eagle3", "chain"), ("moa-tli1", "tree")],
+)
+def test_seeded_sampling_reproduces_plain_decoding(smollm2_fp32, seeded, drafter, shape):
+    """A seeded sampled request's text is plain seeded decoding's, token for token, whatever drafts it
+    (lookup or model, trees or sampled chains) and whoever shares its batch (an unseeded request too)."""
+    prompts, params, plain = seeded
     eng = Engine(smollm2_fp32, make_drafter(drafter, smollm2_fp32), EngineConfig(tree=SHAPES[shape]))
     together = eng.generate(prompts, params)
     assert [r.output_ids for r in together[:2]] == plain

@@ -113,10 +113,9 @@ def test_greedy_multi_turn_equals_the_cache_off_engine(smollm2_fp32, conversatio
     assert slots_whole(eng) and drafter_pools_whole(eng.drafter)
 
 
-@pytest.mark.parametrize("drafter", ["suffix", "eagle3", "moa-tli1"])
-def test_seeded_sampling_with_the_cache_is_plain_seeded_decoding(smollm2_fp32, drafter):
-    """Seeded sampled requests (first turns, then second turns hitting them) give exactly the tokens of plain
-    seeded decoding without a cache."""
+@pytest.fixture(scope="module")
+def seeded_turns(smollm2_fp32):
+    """(params, first turns, second turns, plain seeded decoding of each without a cache): three seeded requests."""
     t = smollm2_fp32
     firsts = [chat(t, q) for q in QUESTIONS[:3]]
     params = [SamplingParams(max_new_tokens=20, temperature=0.9, top_p=0.95, seed=5 + i) for i in range(3)]
@@ -126,6 +125,15 @@ def test_seeded_sampling_with_the_cache_is_plain_seeded_decoding(smollm2_fp32, d
         chat(t, q, t.tokenizer.decode(o, skip_special_tokens=True), FOLLOW_UP) for q, o in zip(QUESTIONS, want_first)
     ]
     want_second = [plain.generate([p], [sp])[0].output_ids for p, sp in zip(seconds, params)]
+    return params, firsts, seconds, want_first, want_second
+
+
+@pytest.mark.parametrize("drafter", ["suffix", "eagle3", "moa-tli1"])
+def test_seeded_sampling_with_the_cache_is_plain_seeded_decoding(smollm2_fp32, seeded_turns, drafter):
+    """Seeded sampled requests (first turns, then second turns hitting them) give exactly the tokens of plain
+    seeded decoding without a cache."""
+    t = smollm2_fp32
+    params, firsts, seconds, want_first, want_second = seeded_turns
     eng = Engine(t, make_drafter(drafter, t), EngineConfig(drafter=drafter))
     got_first = [r.output_ids for r in eng.generate(firsts, params)]
     second = eng.generate(seconds, params)

@@ -284,6 +284,20 @@ def test_penalty_rows_equal_the_host_code():
         assert torch.equal(banned, want), trial
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_pools_buffers_are_zero_separate_and_aligned(dtype):
+    """The host pool's layers share one lazily zeroed allocation: each is zero, its own memory, cache-line
+    aligned, and a write to one reaches no other."""
+    pool = KVPool(3, 100, 3, 8, dtype)
+    bufs = pool.k + pool.v
+    assert len(bufs) == 6 and all(b.shape == (100, 3, 8) and b.dtype == dtype for b in bufs)
+    assert all(b.is_contiguous() and b.data_ptr() % 64 == 0 and not b.any() for b in bufs)
+    for i, b in enumerate(bufs):
+        b[torch.tensor([1, 99])] = i + 1.0
+    for i, b in enumerate(bufs):
+        assert b[1].eq(i + 1).all() and b[99].eq(i + 1).all() and b[2:99].eq(0).all() and b[0].eq(0).all()
+
+
 def test_kv_compaction_moves_the_accepted_path_to_the_front():
     pool = KVPool(2, 64, 3, 8, torch.float32)
     for layer in range(2):

@@ -3,6 +3,7 @@
 Greedy identity with the real SmolLM2 runs in test_engine.py (parametrized over drafters)."""
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -200,6 +201,27 @@ def test_corpus_round_trip_and_errors(tmp_path):
     (tmp_path / "c" / "corpus.npz").write_bytes(b"garbage")
     with pytest.raises(CorpusError, match="not a suffix corpus"):
         load_corpus(tmp_path / "c")
+
+
+def test_drafters_of_one_corpus_share_its_index_until_the_corpus_changes(tmp_path):
+    """An index is read only: drafters made from the same corpus file share one (built once); a corpus rewritten
+    in place gets a new one, and a drafter refuses an index built for another match length."""
+    from types import SimpleNamespace
+
+    from sglang_ext.drafters.suffix_index import SuffixIndex
+
+    target = SimpleNamespace(cfg=SimpleNamespace(vocab_size=100))
+    save_corpus(tmp_path / "c", [[1, 2, 3, 4], [5, 6]], {"vocab_size": 100})
+    a, b = (SuffixDrafter.from_target(target, tmp_path / "c") for _ in range(2))
+    assert a.seed is b.seed and a.seed.lookup([2, 3], 1).continuations == [[4]]
+    os.utime(tmp_path / "c" / "corpus.npz", ns=(1, 1))  # the same file with another stamp: rebuilt
+    c = SuffixDrafter.from_target(target, tmp_path / "c")
+    assert c.seed is not a.seed and c.seed.lookup([2, 3], 1).continuations == [[4]]
+    save_corpus(tmp_path / "c", [[2, 3, 9]], {"vocab_size": 100})
+    assert SuffixDrafter.from_target(target, tmp_path / "c").seed.lookup([2, 3], 1).continuations == [[9]]
+    assert SuffixDrafter.from_target(target, tmp_path / "c", max_match=4).seed.key_len == 4
+    with pytest.raises(ValueError, match="key_len 8 for max_match 3"):
+        SuffixDrafter(SuffixIndex([[1, 2]]), max_match=3)
 
 
 def test_shipped_corpus_loads_for_smollm2(smollm2_fp32, monkeypatch):
