@@ -167,6 +167,18 @@ def causal_mask(q_len: int, prefix_len: int, device: torch.device | str = "cpu")
     return torch.cat([torch.ones(q_len, prefix_len, dtype=torch.bool, device=device), new], dim=1)
 
 
+def causal_masks(q_lens: list[int], prefix_lens: list[int]) -> torch.Tensor:
+    """[sum Q_b * (P_b + Q_b)] bool on the host: each request's causal_mask(Q_b, P_b), flat and
+    concatenated (plan_flat's layout), in a fixed number of ops whatever the batch: row j of request b
+    sees columns 0 .. P_b + j of its P_b + Q_b."""
+    if len(q_lens) == 1:
+        return causal_mask(q_lens[0], prefix_lens[0]).view(-1)
+    width = torch.tensor([p + q for q, p in zip(q_lens, prefix_lens) for _ in range(q)])  # [rows]
+    limit = torch.tensor([p + j for q, p in zip(q_lens, prefix_lens) for j in range(q)])  # [rows]
+    cols = torch.arange(max(p + q for q, p in zip(q_lens, prefix_lens)))
+    return (cols[None, :] <= limit[:, None])[cols[None, :] < width[:, None]]
+
+
 def prefix_and_tree_mask(tree_mask: torch.Tensor, prefix_len: int) -> torch.Tensor:
     """[N, prefix_len + N] on tree_mask's device: tree nodes see the whole prefix and their ancestors
     (tree_mask [N, N])."""
@@ -200,20 +212,47 @@ def _group_index(starts: list[int], q_lens: list[int]) -> list[torch.Tensor]:
     return [q_index, q_valid, valid_at]
 
 
+def _gather_index(k_starts: list[int], k_lens: list[int], mask_starts: list[int], q_lens: list[int], pad: int):
+    """Host part of a batch-wide padded group, from Python ints: slot_at [G, Kmax] (request g's column
+    k at kv position k_starts[g] + k; padding -> `pad`, the pad slot's position), row_at [G, Qmax] (where
+    query row j of request g starts in the flat mask: mask_starts[g] + j * k_lens[g]) and k_len [G]."""
+    ar_k = torch.arange(max(k_lens))
+    k_len = torch.tensor(k_lens)
+    slot_at = torch.where(ar_k[None, :] < k_len[:, None], torch.tensor(k_starts)[:, None] + ar_k[None, :], pad)
+    row_at = torch.tensor(mask_starts)[:, None] + torch.arange(max(q_lens))[None, :] * k_len[:, None]
+    return [slot_at, row_at, k_len]
+
+
+def _padded_batch(
+    q_index: torch.Tensor,  # [G, Qmax] int64
+    q_valid: torch.Tensor,  # [G, Qmax] bool
+    valid_at: torch.Tensor,  # [2, rows] int64
+    slot_at: torch.Tensor,  # [G, Kmax] int64, into kv_ext
+    row_at: torch.Tensor,  # [G, Qmax] int64, into mask_ext
+    k_len: torch.Tensor,  # [G] int64
+    kv_ext: torch.Tensor,  # [sum K_b + 1] int64: the plan's kv_indices, then the pad slot 0
+    mask_ext: torch.Tensor,  # [sum Q_b*K_b + 1] bool: the plan's custom_mask, then False
+) -> PaddedGroup:
+    """One group gathered from the flat slots and mask in a fixed number of device ops, whatever its
+    size: cell (g, j, k) of the mask is mask_ext[row_at[g, j] + k] inside request g's Q x K block and
+    the trailing False outside it."""
+    ar_k = torch.arange(slot_at.shape[1], device=slot_at.device)
+    inside = q_valid[:, :, None] & (ar_k[None, :] < k_len[:, None])[:, None, :]
+    mask = mask_ext[torch.where(inside, row_at[:, :, None] + ar_k, mask_ext.shape[0] - 1)]
+    # NOTE: padded query rows must see something, or softmax over an empty row gives NaN.
+    mask[:, :, 0] |= ~q_valid
+    return PaddedGroup(q_index, q_valid, kv_ext[slot_at], mask[:, None], valid_at)
+
+
 def _padded(
     q_index: torch.Tensor,
     q_valid: torch.Tensor,
     valid_at: torch.Tensor,
     kv_slots: list[torch.Tensor],
     masks: list[torch.Tensor],
-    host_masks: list[torch.Tensor],
 ) -> PaddedGroup:
-    """One group, on the device of its (already placed) index tensors, slots and masks; host_masks: the
-    caller's masks, read on the host only where they live there (skipping an all-True mask)."""
-    if len(masks) == 1:
-        m = host_masks[0]
-        mask = None if m.device.type == "cpu" and bool(m.all()) else masks[0][None, None]
-        return PaddedGroup(q_index, q_valid, kv_slots[0].long()[None], mask, valid_at)
+    """One group, request by request (a prompt block's group: few requests, each a big block, where a
+    batch-wide gather index would be [G, Qmax, Kmax] int64), on the device of its index tensors."""
     q_max, k_max = q_index.shape[1], max(m.shape[1] for m in masks)
     dev = q_index.device
     slots = torch.zeros(len(masks), k_max, dtype=torch.long, device=dev)
@@ -247,27 +286,96 @@ def plan_attention(
     Built on `device` (default: the slots' device); see the module docstring."""
     if len(kv_slots) != len(masks) or not masks:
         raise ValueError("plan_attention needs one mask per request and at least one request")
-    device = torch.device(device) if device is not None else kv_slots[0].device
     q_lens = [m.shape[0] for m in masks]
     k_lens = [m.shape[1] for m in masks]
     for s, k in zip(kv_slots, k_lens):
         if s.numel() != k:
             raise ValueError(f"mask has {k} kv columns but {s.numel()} slots were given")
+
+    def all_visible(b: int) -> bool:  # (read on the host only where the mask lives there)
+        return masks[b].device.type == "cpu" and bool(masks[b].all())
+
+    return _plan(kv_slots, [m.reshape(-1) for m in masks], q_lens, k_lens, waste, device, all_visible)
+
+
+def plan_flat(
+    kv_slots: list[torch.Tensor],
+    custom_mask: torch.Tensor,
+    q_lens: list[int],
+    waste: float = PAD_WASTE,
+    device: torch.device | str | None = None,
+) -> AttentionPlan:
+    """plan_attention with the masks given flat: custom_mask [sum Q_b*K_b] bool, request b's
+    [Q_b, K_b] block row-major at cumsum Q*K (K_b = kv_slots[b].numel()), as a batch-wide mask
+    builder (causal_masks) makes it, with no tensor per request."""
+    if len(kv_slots) != len(q_lens) or not q_lens:
+        raise ValueError("plan_flat needs one query count per request and at least one request")
+    k_lens = [s.numel() for s in kv_slots]
+    m0 = _cumsum([q * k for q, k in zip(q_lens, k_lens)])
+    if custom_mask.numel() != m0[-1]:
+        raise ValueError(f"flat mask of {custom_mask.numel()} cells for {m0[-1]} (sum Q_b * K_b)")
+
+    def all_visible(b: int) -> bool:
+        return custom_mask.device.type == "cpu" and bool(custom_mask[m0[b] : m0[b + 1]].all())
+
+    return _plan(kv_slots, [custom_mask.reshape(-1)], q_lens, k_lens, waste, device, all_visible)
+
+
+def _plan(
+    kv_slots: list[torch.Tensor],
+    mask_parts: list[torch.Tensor],
+    q_lens: list[int],
+    k_lens: list[int],
+    waste: float,
+    device: torch.device | str | None,
+    all_visible,
+) -> AttentionPlan:
+    """The plan from the requests' slots and their masks' flat parts (concatenated: the flat mask).
+    Every index comes from the lengths (Python ints) on the host, in one upload with the slots and
+    the mask; a group of few-query requests is gathered from the flat slots and mask in a fixed number
+    of ops (_padded_batch), a group of one request is a view, a prompt blocks' group goes request by
+    request (_padded)."""
+    device = torch.device(device) if device is not None else kv_slots[0].device
+    n_kv = sum(k_lens)
     q0, k0, m0 = _cumsum(q_lens), _cumsum(k_lens), _cumsum([q * k for q, k in zip(q_lens, k_lens)])
     buckets = _buckets(q_lens, k_lens, waste)
     host = [torch.tensor(q0), torch.tensor(k0), torch.tensor(m0)]
+    at = []  # per group: where its host tensors start in `host`, and how it is built
     for g in buckets:
+        kind = "one" if len(g) == 1 else "batch" if max(q_lens[i] for i in g) <= LONG_Q else "loop"
+        at.append((len(host), kind))
         host += _group_index([q0[i] for i in g], [q_lens[i] for i in g])
-    kv_indices = torch.cat(kv_slots).long()
-    custom_mask = torch.cat([m.reshape(-1) for m in masks]).bool()
-    placed = upload(host + [kv_indices, custom_mask], device)
-    kv_indices, custom_mask = placed[-2:]
-    slots = [kv_indices[k0[b] : k0[b + 1]] for b in range(len(masks))]
-    dev_masks = [custom_mask[m0[b] : m0[b + 1]].view(q_lens[b], k_lens[b]) for b in range(len(masks))]
-    groups = [
-        _padded(*placed[3 + 3 * j : 6 + 3 * j], [slots[i] for i in g], [dev_masks[i] for i in g], [masks[i] for i in g])
-        for j, g in enumerate(buckets)
-    ]
+        if kind == "batch":
+            ks, ms = [k0[i] for i in g], [m0[i] for i in g]
+            host += _gather_index(ks, [k_lens[i] for i in g], ms, [q_lens[i] for i in g], n_kv)
+    # a batch-wide group's padding gathers a trailing pad slot (0) and a trailing False
+    pad = any(kind == "batch" for _, kind in at)
+    if pad:
+        kv_slots = [*kv_slots, kv_slots[0].new_zeros(1)]
+        mask_parts = [*mask_parts, torch.zeros(1, dtype=torch.bool, device=mask_parts[0].device)]
+    kv_ext = (torch.cat(kv_slots) if len(kv_slots) > 1 else kv_slots[0]).long()
+    mask_ext = (torch.cat(mask_parts) if len(mask_parts) > 1 else mask_parts[0]).bool()
+    placed = upload(host + [kv_ext, mask_ext], device)
+    kv_ext, mask_ext = placed[-2:]
+    kv_indices, custom_mask = (kv_ext[:-1], mask_ext[:-1]) if pad else (kv_ext, mask_ext)
+
+    def slots_of(b: int) -> torch.Tensor:
+        return kv_indices[k0[b] : k0[b + 1]]
+
+    def mask_of(b: int) -> torch.Tensor:
+        return custom_mask[m0[b] : m0[b + 1]].view(q_lens[b], k_lens[b])
+
+    groups = []
+    for g, (j, kind) in zip(buckets, at):
+        index = placed[j : j + 3]
+        if kind == "one":
+            b = g[0]
+            mask = None if all_visible(b) else mask_of(b)[None, None]
+            groups.append(PaddedGroup(index[0], index[1], slots_of(b)[None], mask, index[2]))
+        elif kind == "batch":
+            groups.append(_padded_batch(*index, *placed[j + 3 : j + 6], kv_ext, mask_ext))
+        else:
+            groups.append(_padded(*index, [slots_of(b) for b in g], [mask_of(b) for b in g]))
     qo_indptr, kv_indptr, mask_indptr = placed[:3]
     return AttentionPlan(
         qo_indptr, kv_indptr, kv_indices, custom_mask, groups, mask_indptr, tuple(q_lens), tuple(k_lens)

@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
+from itertools import accumulate
 from pathlib import Path
 
 import torch
 
-from ..attention import FrontierPaths, advance_seen, causal_mask, plan_attention, plan_frontier, tree_attention_cpu
+from ..attention import FrontierPaths, advance_seen, causal_masks, plan_flat, plan_frontier, tree_attention_cpu
 from ..device import module_on, upload
 from ..kernels import attach_bf16_halves
 from ..models.checkpoint import check_fits
@@ -50,7 +51,9 @@ def default_checkpoint(target) -> Path:
 class _RequestState:
     def __init__(self):
         self.slots = torch.empty(0, dtype=torch.long)  # draft KV of processed pairs
-        self.pending: list[torch.Tensor] = []  # [m, H] fused target features of unprocessed pairs
+        # unprocessed pairs' features, in order: the target's captured layers {layer: [m, Ht]} of verified
+        # tokens (fused at the next propose, the whole batch's in one call), or fused [m, H] (an edge client's)
+        self.pending: list[dict[int, torch.Tensor] | torch.Tensor] = []
         self.borrowed = 0  # leading pairs adopted from the kept state (never freed by the request)
 
 
@@ -96,7 +99,12 @@ class Eagle3Drafter:
 
     @torch.inference_mode()
     def commit(self, rid: int, capture: TargetCapture) -> None:
-        self.reqs[rid].pending.append(self.context(capture.hidden))
+        # NOTE: the features are fused at the next propose, every request's in one call (one fc per
+        # step, not one per request); a capture without the draft's layers fails here, on its request
+        missing = [l for l in self.capture_layers if l not in capture.hidden]
+        if missing:
+            raise DrafterError(f"target capture lacks layers {missing}")
+        self.reqs[rid].pending.append({l: capture.hidden[l] for l in self.capture_layers})
 
     def context(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
         """Fused features [n, H] of newly verified tokens (also what an edge server sends a client)."""
@@ -178,30 +186,38 @@ class Eagle3Drafter:
         return trees
 
     def _extend(self, batch: list[DraftInput]) -> torch.Tensor:
-        """Process every request's pending verified pairs; return the root pair's output [b, H]."""
-        ids, feats, pos, new_slots, kv_lists, masks, last = [], [], [], [], [], [], []
-        for d in batch:
-            st = self.reqs[d.rid]
-            done = st.slots.numel()
-            aux = torch.cat(st.pending) if st.pending else None
-            if aux is None or done + aux.shape[0] != d.seq_len:
+        """Process every request's pending verified pairs; return the root pair's output [b, H]. The
+        batch's pairs go through one fuse, one slot allocation, one mask and one layer pass."""
+        sts = [self.reqs[d.rid] for d in batch]
+        done = [st.slots.numel() for st in sts]
+        m = [sum(_rows(p) for p in st.pending) for st in sts]
+        for d, st, n, k in zip(batch, sts, done, m):
+            if not st.pending or n + k != d.seq_len:
                 raise DrafterError(
-                    f"request {d.rid}: draft state out of sync ({done} pairs + pending vs {d.seq_len} verified tokens)"
+                    f"request {d.rid}: draft state out of sync ({n} pairs + pending vs {d.seq_len} verified tokens)"
                 )
-            m = aux.shape[0]
-            s = self.kv.alloc(m)
+        fused = self._pending_features([p for st in sts for p in st.pending])  # [sum m, H]
+        new = self.kv.alloc(sum(m))
+        for st, s in zip(sts, new.split(m)):
             st.slots, st.pending = torch.cat([st.slots, s]), []
-            ids += d.token_ids[done + 1 : done + 1 + m]
-            feats.append(aux)
-            pos.append(torch.arange(done, done + m))
-            new_slots.append(s)
-            kv_lists.append(st.slots)
-            masks.append(causal_mask(m, done))
-            last.append(sum(x.numel() for x in new_slots) - 1)
-        fused = torch.cat(feats)
+        ids = [t for d, n, k in zip(batch, done, m) for t in d.token_ids[n + 1 : n + 1 + k]]
+        pos = torch.tensor([j for n, k in zip(done, m) for j in range(n, n + k)])
+        last = [x - 1 for x in accumulate(m)]  # each request's last pair: its root
         ids, last = upload([torch.tensor(ids), torch.tensor(last)], fused.device)  # (host values: one copy)
-        out = self._layer(ids, fused, torch.cat(pos), torch.cat(new_slots), plan_attention(kv_lists, masks))
-        return out[last]
+        plan = plan_flat([st.slots for st in sts], causal_masks(m, done), m)
+        return self._layer(ids, fused, pos, new, plan)[last]
+
+    def _pending_features(self, items: list) -> torch.Tensor:
+        """Fused features [sum m, H] of pending items in order: the captured ones fused in one call."""
+        raw = [p for p in items if isinstance(p, dict)]
+        if not raw:
+            return torch.cat(items)
+        hidden = {l: raw[0][l] if len(raw) == 1 else torch.cat([h[l] for h in raw]) for l in self.capture_layers}
+        fused = self.context(hidden)
+        if len(raw) == len(items):
+            return fused
+        pieces = iter(fused.split([_rows(h) for h in raw]))
+        return torch.cat([next(pieces) if isinstance(p, dict) else p for p in items])
 
     def _layer(
         self,
@@ -300,3 +316,8 @@ class Eagle3Drafter:
 
     def _full_logits(self, out: torch.Tensor) -> torch.Tensor:
         return scatter_to_vocab(self.draft.logits(out).float(), self.hot_ids, self.draft.cfg.vocab_size)
+
+
+def _rows(pending: dict[int, torch.Tensor] | torch.Tensor) -> int:
+    """Pairs in a pending item (captured layers or fused features)."""
+    return next(iter(pending.values())).shape[0] if isinstance(pending, dict) else pending.shape[0]

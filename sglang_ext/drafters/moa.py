@@ -181,21 +181,21 @@ class MoADrafter:
             self.reqs[rid].pending.append(capture)
 
     def _flush(self, batch: list[DraftInput]) -> None:
-        """Ingest every pending verified token of these requests (one LSA call for the batch)."""
-        todo = [(self.reqs[d.rid], c) for d in batch for c in self.reqs[d.rid].pending]
-        if not todo:
+        """Ingest every pending verified token of these requests: one LSA call, one SA commit and one
+        write per pool for the batch."""
+        sts = [self.reqs[d.rid] for d in batch]
+        caps = [c for st in sts for c in st.pending]
+        if not caps:
             return
-        caps = [c for _, c in todo]
         hidden = {l: torch.cat([c.hidden[l] for c in caps]) for l in self.capture_layers}
         positions = torch.cat([c.positions for c in caps])
-        k, v = self.context(caps[0].kv, torch.cat([c.slots for c in caps]), positions, hidden)
-        start = 0
-        for st, c in todo:
-            n = c.slots.numel()
-            self._ingest(st, c.token_ids, c.positions, k[start : start + n], v[start : start + n], c.slots)
-            start += n
-        for d in batch:
-            self.reqs[d.rid].pending = []
+        target_slots = torch.cat([c.slots for c in caps])
+        k, v = self.context(caps[0].kv, target_slots, positions, hidden)
+        tokens = [t for c in caps for t in c.token_ids]
+        sizes = [sum(c.slots.numel() for c in st.pending) for st in sts]
+        self._ingest(sts, sizes, tokens, positions, k, v, target_slots)
+        for st in sts:
+            st.pending = []
 
     def context(self, kv: KVPool, slots: torch.Tensor, positions: torch.Tensor, hidden: dict | None = None):
         """CA keys/values of newly verified tokens: LSA over their K/V at every target layer (or,
@@ -208,17 +208,28 @@ class MoADrafter:
         return commit_ca(self.draft, memory, positions)
 
     def _ingest(
-        self, st: _RequestState, token_ids: list[int], positions: torch.Tensor, ca_k, ca_v, target_slots: torch.Tensor
+        self,
+        sts: list[_RequestState],
+        sizes: list[int],  # new tokens per request, in order
+        token_ids: list[int],  # [n] every request's new tokens, request after request
+        positions: torch.Tensor,  # [n]
+        ca_k: torch.Tensor,  # [n, kv_heads, D]
+        ca_v: torch.Tensor,
+        target_slots: torch.Tensor,  # [n] the tokens' target slots
     ) -> None:
+        """Store newly verified tokens' CA K/V and commit their SA K/V: one allocation, one SA commit
+        and one write per pool for all of them; then each request's slot lists grow by its share."""
         n = len(token_ids)
         mem = self.mem.alloc(n)
         self.mem.write(0, mem, ca_k, ca_v)
         k, v = commit_sa(self.draft, self.target.embed, to_device(torch.as_tensor(token_ids), ca_k.device), positions)
         sa = self.sa.alloc(n)
         self.sa.write(0, sa, k, v)
-        st.mem_slots = torch.cat([st.mem_slots, mem])
-        st.sa_slots = torch.cat([st.sa_slots, sa])
-        st.target_slots = torch.cat([st.target_slots, target_slots])
+        shares = [(x,) if len(sts) == 1 else x.split(sizes) for x in (mem, sa, target_slots)]
+        for st, m, s, t in zip(sts, *shares):
+            st.mem_slots = torch.cat([st.mem_slots, m])
+            st.sa_slots = torch.cat([st.sa_slots, s])
+            st.target_slots = torch.cat([st.target_slots, t])
 
     @torch.inference_mode()
     def ingest_remote(
@@ -238,7 +249,7 @@ class MoADrafter:
                 self.tli_kv.write(j, slots, tli_k[j].to(dt), tli_v[j].to(dt))
         else:
             slots = torch.zeros(n, dtype=torch.long)  # TLI=0 reads no target K/V
-        self._ingest(st, token_ids, positions, ca_k.to(dt), ca_v.to(dt), slots)
+        self._ingest([st], [n], token_ids, positions, ca_k.to(dt), ca_v.to(dt), slots)
 
     @torch.inference_mode()
     def offline_next(self, rid: int, token_ids: list[int]) -> int:

@@ -459,16 +459,13 @@ def _frontier_host(key, b: int, q: int, rows: dict, plans: dict) -> tuple[torch.
             grid[:b, :q] = torch.as_tensor(vals, dtype=torch.long).view(b, q)
         longs.append(grid.view(-1))
     for name, p, e in plan_keys:
-        prefix, prefix_len = torch.zeros(bb, p, dtype=torch.long), torch.zeros(bb, dtype=torch.long)
+        prefix, prefix_len = padded_prefixes(plans[name][0] if name in plans else [], bb, p)
         extra, mask = torch.zeros(bb, e, dtype=torch.long), torch.zeros(bb, qq, e, dtype=torch.bool)
         mask[:, :, 0] = True
         mask[:b, :q, 0] = False
         if name in plans:
-            prefixes, slots, _ = plans[name]
+            slots = plans[name][1]
             extra[:b, : slots.shape[1]] = slots
-            for i, pre in enumerate(prefixes):
-                prefix[i, : pre.numel()] = pre
-                prefix_len[i] = pre.numel()
         longs += [prefix.view(-1), prefix_len, extra.view(-1)]
         masks.append(mask.view(-1))
     return torch.cat(longs), torch.cat(masks)
@@ -591,11 +588,21 @@ def _search_host(bk, widths, b: int, rows: dict, prefixes: dict) -> torch.Tensor
             grid[:b] = rows[name]
         parts.append(grid.view(-1))
     for name, p in plans:
-        prefix, prefix_len = torch.zeros(bb, p, dtype=torch.long), torch.zeros(bb, dtype=torch.long)
-        for i, pre in enumerate(prefixes.get(name, ()) if b else ()):
-            prefix[i, : pre.numel()] = pre
-            prefix_len[i] = pre.numel()
+        prefix, prefix_len = padded_prefixes(prefixes.get(name, []) if b else [], bb, p)
         parts += [prefix.view(-1), prefix_len]
     real = torch.zeros(bb, dtype=torch.long)
     real[:b] = 1
     return torch.cat(parts + [real])
+
+
+def padded_prefixes(prefixes: list[torch.Tensor], bb: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per request its committed slots [P_i] (host) -> prefix [bb, p] int64 (request i's slots at the
+    start of row i, padding slot 0) and prefix_len [bb] (P_i; 0 for the padded rows), on the host in a
+    fixed number of ops whatever the batch: the cells below each row's length, row-major, take the
+    concatenated slots in one masked assignment."""
+    prefix_len = torch.tensor([t.numel() for t in prefixes] + [0] * (bb - len(prefixes)), dtype=torch.long)
+    prefix = torch.zeros(bb, p, dtype=torch.long)
+    if prefixes:
+        flat = torch.cat(prefixes) if len(prefixes) > 1 else prefixes[0]
+        prefix[torch.arange(p) < prefix_len[:, None]] = flat.long()
+    return prefix, prefix_len

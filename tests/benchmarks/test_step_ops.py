@@ -20,3 +20,46 @@ def test_a_drafted_steps_search_runs_inside_one_graph(kind):
 def test_the_proxy_counts_a_vanilla_step():
     s = count_step_ops(None, 1, "6,4,24", steps=2)["per_step"]
     assert s["graph"] > 0 and 0 < s["outside"] < 150 and s["upload"] >= 1
+
+
+# A drafted step at bs 16 (tree 6,4,24): ops per site of the attention plans, the drafters' commits
+# (EAGLE-3's fuse and layer pass, MoA's LSA and SA commit) and the search's host packing, as counted
+# with one op per step for them, not one per request (a little room above); every other site of theirs
+# stays under OTHER. A per-request op back in any of them adds 16 to its site's count.
+OWN = ("plan.py:", "graph_runner.py:_search_host", "graph_runner.py:padded_prefixes", "eagle3.py:", "moa.py:")
+OTHER = 12
+BS16 = {
+    "eagle3": (
+        1010,
+        {
+            "eagle3.py:_extend": 28,  # (each request's slot list grows: one cat per request)
+            "plan.py:_gather_index": 22,
+            "plan.py:_padded_batch": 20,
+            "plan.py:_plan": 16,
+            "plan.py:_group_index": 16,
+            "plan.py:causal_masks": 14,
+            "graph_runner.py:_search_host": 13,
+        },
+    ),
+    "moa": (
+        925,
+        {
+            "moa.py:_ingest": 52,  # (each request's three slot lists grow: three cats per request)
+            "graph_runner.py:padded_prefixes": 30,
+            "moa.py:_rope": 22,
+            "graph_runner.py:_search_host": 18,
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "moa"])
+def test_a_drafted_steps_plans_commits_and_search_packing_cost_ops_per_step_not_per_request(kind):
+    r = count_step_ops(kind, 16, "6,4,24", layers=2, steps=1, where=True)
+    outside, bounds = BS16[kind]
+    assert r["per_step"]["outside"] <= outside, r["sites"]
+    own = {s: c for s, c in r["sites"].items() if s.startswith(OWN)}
+    over = {s: c for s, c in own.items() if c > bounds.get(s, OTHER)}
+    assert not over, own
+    # MoA's SA commit: one RoPE for the batch's verified tokens (and the search's own, in its graph)
+    assert r["sites"].get("llama.py:apply_rope", 0) <= (38 if kind == "moa" else 16), r["sites"]

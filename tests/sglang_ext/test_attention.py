@@ -400,3 +400,51 @@ if __name__ == "__main__":
     else:
         modes = "triton-interpret | triton-parity | triton-static | triton-tree-rows | triton-compile"
         sys.exit(f"usage: {sys.argv[0]} {modes}")
+
+
+def _random_requests(q_lens: list[int], k_extra: list[int], seed: int):
+    """Per request its slots [K] and a random mask [Q, K] (K = Q + extra)."""
+    gen = torch.Generator().manual_seed(seed)
+    k_lens = [q + e for q, e in zip(q_lens, k_extra)]
+    slots = [torch.randint(1, 500, (k,), generator=gen) for k in k_lens]
+    masks = [torch.rand(q, k, generator=gen) < 0.6 for q, k in zip(q_lens, k_lens)]
+    return slots, masks
+
+
+@pytest.mark.parametrize("waste", [float("inf"), 1.5])  # one group of the batch; groups by kv length
+def test_a_batch_wide_padded_group_equals_the_request_by_request_one(waste):
+    """A group of few-query requests is gathered from the flat slots and mask in a fixed number of
+    ops; it equals the group padded request by request (slots, mask, query rows)."""
+    from sglang_ext.attention.plan import _buckets, _padded
+
+    slots, masks = _random_requests([1, 3, 25, 2, 1, 6], [40, 0, 30, 90, 7, 61], seed=0)
+    q_lens, k_lens = [m.shape[0] for m in masks], [m.shape[1] for m in masks]
+    plan = plan_attention(slots, masks, waste)
+    buckets = _buckets(q_lens, k_lens, waste)
+    assert len(plan.groups) == len(buckets) and any(len(g) > 1 for g in buckets)
+    for grp, idx in zip(plan.groups, buckets):
+        ref = _padded(grp.q_index, grp.q_valid, grp.valid_at, [slots[i] for i in idx], [masks[i] for i in idx])
+        for name in ("q_index", "q_valid", "kv_slots", "mask", "valid_at"):
+            assert torch.equal(getattr(grp, name), getattr(ref, name)), name
+
+
+def test_causal_masks_and_plan_flat_equal_the_per_request_masks_and_plan():
+    """The batch's causal masks built flat (no tensor per request) and a plan over them equal each
+    request's causal_mask and plan_attention over those."""
+    from sglang_ext.attention import causal_masks, plan_flat
+
+    q_lens, prefixes = [2, 1, 4, 3], [5, 0, 9, 40]
+    for qs, ps in ((q_lens, prefixes), (q_lens[:1], prefixes[:1])):
+        per_request = [causal_mask(q, p) for q, p in zip(qs, ps)]
+        flat = causal_masks(qs, ps)
+        assert torch.equal(flat, torch.cat([m.reshape(-1) for m in per_request]))
+        slots = [torch.arange(100 * i, 100 * i + q + p) for i, (q, p) in enumerate(zip(qs, ps))]
+        a, b = plan_attention(slots, per_request), plan_flat(slots, flat, qs)
+        for name in ("qo_indptr", "kv_indptr", "kv_indices", "custom_mask", "mask_indptr", "q_lens", "k_lens"):
+            assert torch.equal(torch.as_tensor(getattr(a, name)), torch.as_tensor(getattr(b, name))), name
+        for ga, gb in zip(a.groups, b.groups, strict=True):
+            for name in ("q_index", "q_valid", "kv_slots", "mask", "valid_at"):
+                x, y = getattr(ga, name), getattr(gb, name)
+                assert (x is None and y is None) or torch.equal(x, y), name
+    with pytest.raises(ValueError):
+        plan_flat(slots, flat[:-1], qs)

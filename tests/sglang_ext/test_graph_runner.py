@@ -480,3 +480,18 @@ def test_bf16_a_tree_row_equals_its_decode_bit_for_bit(random_bf16_target, path)
     CUDA. Token-level identity tests only see a difference that flips an argmax; this sees any."""
     diffs = tree_rows_against_decodes(random_bf16_target.model, path)
     assert not diffs, f"(chain position, first differing layer, max |diff|): {diffs}"
+
+
+def test_padded_prefixes_equal_the_request_by_request_fill():
+    """The runners' prefix table in one masked assignment equals it filled request by request."""
+    from sglang_ext.models.graph_runner import padded_prefixes
+
+    gen = torch.Generator().manual_seed(0)
+    for lens in ([5, 0, 17, 1], [32], []):
+        prefixes = [torch.randint(1, 1000, (n,), generator=gen) for n in lens]
+        prefix, prefix_len = padded_prefixes(prefixes, 8, 32)
+        ref = torch.zeros(8, 32, dtype=torch.long)
+        for i, p in enumerate(prefixes):
+            ref[i, : p.numel()] = p
+        assert torch.equal(prefix, ref)
+        assert prefix_len.tolist() == lens + [0] * (8 - len(lens))

@@ -403,3 +403,45 @@ def test_moa_draft_math_has_one_home():
     storage = [root / "drafters" / "moa.py", *sorted((root / "sglang_plugin").rglob("*.py"))]
     hits = [f"{p.name}: {line.strip()}" for p in storage for line in p.read_text().splitlines() if math.search(line)]
     assert not hits, hits
+
+
+@pytest.mark.parametrize("tli", [0, 1])
+def test_a_batch_flush_leaves_each_request_the_state_it_gets_alone(tli):
+    """The batch's verified tokens go through one LSA, one SA commit and one write per pool; each
+    request's slot lists and memory / SA K/V equal what it gets flushed alone."""
+    from sglang_ext.drafters.base import TargetCapture
+
+    target, draft = tiny_pair(tli=tli, seed=4)
+    together, alone = MoADrafter(target.model, draft), MoADrafter(target.model, draft)
+    kv = target.model.new_kv_pool(128)
+    g = torch.Generator().manual_seed(0)
+    for k, v in zip(kv.k, kv.v):
+        k.copy_(torch.randn(k.shape, generator=g))
+        v.copy_(torch.randn(v.shape, generator=g))
+    tokens = _prompts(3, 1)
+    slots = iter(range(1, 128))
+
+    def capture(ids, start):
+        n = len(ids)
+        return TargetCapture(ids, torch.arange(start, start + n), torch.tensor([next(slots) for _ in ids]), {}, kv)
+
+    for rid, ids in enumerate(tokens):
+        cap = capture(ids, 0)
+        together.add_request(rid, cap)
+        alone.add_request(rid, cap)
+    for _ in range(2):  # the prompts, then two verified tokens each
+        batch = [DraftInput(rid, ids + [7], SamplingParams(), None) for rid, ids in enumerate(tokens)]
+        together._flush(batch)
+        for d in batch:
+            alone._flush([d])
+            a, b = together.reqs[d.rid], alone.reqs[d.rid]
+            assert torch.equal(a.target_slots, b.target_slots) and not a.pending
+            for pool, x, y in ((together.mem, a.mem_slots, b.mem_slots), (together.sa, a.sa_slots, b.sa_slots)):
+                other = alone.mem if pool is together.mem else alone.sa
+                torch.testing.assert_close(pool.k[0][x], other.k[0][y], rtol=0, atol=1e-6)
+                torch.testing.assert_close(pool.v[0][x], other.v[0][y], rtol=0, atol=1e-6)
+        for rid, ids in enumerate(tokens):
+            cap = capture([7, 8], len(ids))
+            together.commit(rid, cap)
+            alone.commit(rid, cap)
+            tokens[rid] = ids + [7, 8]
