@@ -130,7 +130,7 @@ def _drafter(kind: str, model, cfg):
 def count_step_ops(
     kind: str | None, batch: int, tree: str = "6,4,24", layers: int = 4, steps: int = 3, where: bool = False
 ) -> dict:
-    """Ops per steady-state engine step (the mean over `steps` steps after two warm ones) of `batch`
+    """Ops per steady-state engine step (the mean over `steps` steps after the prefill and two warm steps) of `batch`
     requests decoding with drafter `kind` (None: vanilla) at SmolLM2's widths with `layers` layers."""
     import serving.engine as engine_mod
     from serving.config import EngineConfig
@@ -159,7 +159,9 @@ def count_step_ops(
         params = SamplingParams(max_new_tokens=10_000, ignore_eos=True)
         for i in range(batch):
             eng.add_request(list(range(10 + i, 40 + i)), params)
-        for _ in range(3):  # prefill, then two steps: every bucket's buffers made
+        while eng.waiting:  # prefill (in chunks of the engine's prefill budget)
+            eng.step()
+        for _ in range(2):  # two steps: every bucket's buffers made
             eng.step()
         mode = StepOps(where)
         with counting_graphs(mode), mode:

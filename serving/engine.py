@@ -31,9 +31,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
@@ -56,7 +54,7 @@ from sglang_ext.sampling import (
     seeded_token,
     token_logprobs,
 )
-from sglang_ext.tree import TokenTree, TreeShape, root_tree, trees_on
+from sglang_ext.tree import TokenTree, TreeShape, root_tree, root_trees, trees_on
 from sglang_ext.verify import (
     AcceptedPath,
     VerifyResult,
@@ -71,119 +69,31 @@ from sglang_ext.verify import (
 from .adaptive import CONFIDENT_FROM_BATCH, AdaptiveSpeculation
 from .config import EngineConfig
 from .prefix_cache import PrefixCache
+from .request import (  # (the request's data: callers import them from the engine too)
+    CacheFlush,
+    Request,
+    RequestFault,
+    RequestStats,
+    SlotAccounts,
+    StepEvent,
+    _path_nodes,
+    _stage,
+)
+
+__all__ = [
+    "CacheFlush",
+    "Engine",
+    "Request",
+    "RequestFault",
+    "RequestStats",
+    "SlotAccounts",
+    "StepEvent",
+    "build_engine",
+]
 
 PREDICTION_HEAD = 4  # prompt tokens before a predicted output in the drafter's reference (the assistant turn header)
 
 log = logging.getLogger("moa_serve.engine")
-
-
-class RequestFault(Exception):
-    """A fault while computing something for one request alone; `reason` names the stage."""
-
-    def __init__(self, reason: str):
-        super().__init__(f"fault in stage {reason!r}")
-        self.reason = reason
-
-
-@contextmanager
-def _stage(reason: str) -> Iterator[None]:
-    """Any exception inside becomes a RequestFault(reason) (an inner stage's fault keeps its own reason)."""
-    try:
-        yield
-    except RequestFault:
-        raise
-    except Exception as e:
-        raise RequestFault(reason) from e
-
-
-@dataclass
-class RequestStats:
-    verify_steps: int = 0
-    draft_tokens: int = 0  # tree nodes proposed (root excluded)
-    accepted_tokens: int = 0  # draft tokens accepted (bonus excluded)
-    accepted_by_depth: list[int] = field(default_factory=list)  # accepts at draft position i
-
-    @property
-    def accept_length(self) -> float:
-        """tau: mean (accepted + 1) per verify step."""
-        return (self.accepted_tokens + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
-
-
-@dataclass
-class Request:
-    rid: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    generator: torch.Generator | None
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[TokenLogprob] = field(
-        default_factory=list
-    )  # one per output token when params.logprobs is set
-    prompt_logprobs: list[TokenLogprob] = field(
-        default_factory=list
-    )  # prompt tokens 1.. when params.prompt_logprobs is set
-    slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
-    prefilled: int = 0  # prompt tokens whose K/V the target holds (a long prompt is prefilled over several steps)
-    prompt_captured: list = field(default_factory=list)  # the target's captured layers for the chunks so far
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    error: str | None = None  # with finish_reason "error": the stage whose fault ended this request alone
-    drafting: bool = True  # False after a drafter failure: vanilla decoding from then on
-    matcher: object | None = None  # the grammar's state after the output so far (structured output)
-    reference: list[int] = field(
-        default_factory=list
-    )  # the prompt's last tokens + its predicted output, for the drafter
-    stats: RequestStats = field(default_factory=RequestStats)
-    t_arrival: float = field(default_factory=time.perf_counter)
-    t_first_token: float | None = None
-    tenant: str = ""  # the prefix cache's namespace (API key, cache_salt): only its own tenant's prefixes are hit
-    cached_tokens: int = 0  # leading prompt tokens found in the prefix cache at admission (not prefilled)
-    shared: int = 0  # leading tokens whose slots are the prefix cache's (slots[:shared], locked while it runs)
-    cache_node: object | None = None  # the prefix cache's node where that shared path ends
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass(frozen=True)
-class SlotAccounts:
-    """Where the target pool's slots are: free, in the prefix cache (detached: flushed while a request still uses
-    them), or the requests' own. None is ever lost: `lost` is 0."""
-
-    capacity: int
-    free: int
-    cached: int
-    detached: int
-    held: int
-
-    @property
-    def lost(self) -> int:
-        return self.capacity - self.free - self.cached - self.detached - self.held
-
-
-@dataclass(frozen=True)
-class CacheFlush:
-    """What a flush did: tokens freed now, and tokens running requests still use (freed when they end)."""
-
-    freed: int
-    kept: int
-    running: int
-
-
-@dataclass
-class StepEvent:
-    """What one step did for one request: the tokens it appended (already truncated at stop/length)."""
-
-    request: Request
-    new_tokens: list[int]
-    accepted: int  # draft tokens accepted in this step (0 for prefill or vanilla)
-    drafted: int  # draft tokens proposed in this step
-    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
-    prompt_logprobs: list[TokenLogprob] | None = None  # with the first token, when the request asked for them
 
 
 class Engine:
@@ -400,10 +310,19 @@ class Engine:
 
     def _alloc(self, n: int) -> torch.Tensor:
         """n slots of the pool, the prefix cache's least recently used unlocked tokens evicted when too few are free."""
+        self._room(n)
+        return self.kv.alloc(n)
+
+    def _alloc_split(self, sizes: list[int]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Slots for every tree of a step in one alloc (as _alloc): (all [sum(sizes)] int64, one view per tree)."""
+        self._room(sum(sizes))
+        return self.kv.alloc_split(sizes)
+
+    def _room(self, n: int) -> None:
+        """Evict the prefix cache's least recently used unlocked tokens until n slots are free (or none is left)."""
         short = n - self.kv.num_free
         if short > 0 and self.prefix_cache is not None:
             self._let_go(self.prefix_cache.evict(short))
-        return self.kv.alloc(n)
 
     def flush_cache(self) -> CacheFlush:
         """Empty the prefix cache: tokens no request uses are freed now; those in use leave the cache (no request
@@ -503,11 +422,13 @@ class Engine:
         dev = self.model.device
         trees = trees_on(self._propose(reqs, shape), dev) if reqs else []
         t_drafted = time.perf_counter()
-        new_slots = [self._alloc(t.num_nodes) for t in trees]
+        sizes = [t.num_nodes for t in trees]
+        # every tree's slots in one alloc, tree after tree (tree_slots [T] int64 host ids; new_slots: views)
+        tree_slots, new_slots = self._alloc_split(sizes) if trees else (torch.empty(0, dtype=torch.long), ())
         ids = [t.draft_tokens for t in trees]
         pos = [t.positions for t in trees]
         slots = list(new_slots)
-        tree_rows = sum(t.num_nodes for t in trees)
+        tree_rows = sum(sizes)
         chunk_slots, chunk_masks = [], []
         try:
             for r, end in chunks:
@@ -518,15 +439,18 @@ class Engine:
                 slots.append(s)
                 chunk_masks.append(causal_mask(end - r.prefilled, r.prefilled))
             # NOTE: a faulty drafter's token outside the vocabulary must not index past the embedding (on
-            # a GPU, a device-side assert); verification never accepts it (_verify_trees flags it)
+            # a GPU, a device-side assert); verification never accepts it (_verify_trees flags it). The
+            # graph runner clamps inside its replay.
             top = self.model.cfg.vocab_size - 1
             g = self.graph_runner
-            if g is not None and not chunks and g.can_run([t.num_nodes for t in trees], [len(r.slots) for r in reqs]):
-                ids = [x.clamp(0, top) for x in ids]
+            if g is not None and not chunks and g.can_run(sizes, [len(r.slots) for r in reqs]):
                 out = g.run(ids, pos, slots, [r.slots for r in reqs], [t.tree_mask for t in trees], self.kv)
             else:
                 masks = [prefix_and_tree_mask(t.tree_mask, len(r.slots)) for r, t in zip(reqs, trees)] + chunk_masks
-                kv_lists = [torch.cat([r.slots, s]) for r, s in zip(reqs + [r for r, _ in chunks], slots)]
+                # each request's [committed | new] slots: one cat for the batch, a view per request
+                owners = reqs + [r for r, _ in chunks]
+                kv_all = torch.cat([x for r, s in zip(owners, slots) for x in (r.slots, s)])
+                kv_lists = kv_all.split([len(r.slots) + len(s) for r, s in zip(owners, slots)])
                 k = len(ids)
                 placed = upload(ids + pos + masks, dev)  # the prompts' ids and masks: one copy per dtype
                 ids, pos, masks = placed[:k], placed[k : 2 * k], placed[2 * k :]
@@ -540,7 +464,7 @@ class Engine:
                 )
             self._keep_hidden(slots, out.captured)
         except BaseException:
-            for s in new_slots + chunk_slots:  # a failed forward must not leak the tree's slots or the chunks'
+            for s in [tree_slots, *chunk_slots]:  # a failed forward must not leak the trees' slots or the chunks'
                 self.kv.free(s)
             raise
         # one lm_head matmul for the step: every tree row, and the last row of each prompt done now
@@ -555,7 +479,7 @@ class Engine:
         paths = self._verify_trees(reqs, trees, logits)
         firsts = self._first_tokens(chunks, logits[tree_rows:])
         results = self._to_host(paths + firsts)  # the step's one device-to-host copy
-        events = self._accept(reqs, trees, new_slots, out.captured, logits, results[: len(reqs)])
+        events = self._accept(reqs, trees, tree_slots, out.captured, logits, results[: len(reqs)])
         events += self._prefilled(chunks, chunk_slots, logits[tree_rows:], out, tree_rows, results[len(reqs) :])
         if option is not None and not chunks:
             # NOTE: steps with a prompt in the forward are not measured: their seconds are not the trees'
@@ -670,17 +594,39 @@ class Engine:
     def _first_tokens(self, chunks: list[tuple[Request, int]], logits: torch.Tensor) -> list:
         """Per chunk, on the device: a prompt done now gets its first token (an AcceptedPath, as a root-only
         tree's; logits: one row per such prompt, in order), or the RequestFault of that; others None."""
+        done = [r for r, end in chunks if end == len(r.prompt_ids)]
+        together = self._greedy_firsts(done, logits)
         out, rows = [], iter(range(logits.shape[0]))
         for r, end in chunks:
             if end < len(r.prompt_ids):
                 out.append(None)
                 continue
             row = next(rows)
+            if row in together:
+                out.append(together[row])
+                continue
             try:
                 out.append(self._with_logprobs(r, self._sample(logits[row], r), logits[row][None]))
             except RequestFault as f:
                 out.append(f)
         return out
+
+    def _greedy_firsts(self, done: list[Request], logits: torch.Tensor) -> dict[int, AcceptedPath]:
+        """The first tokens of the plain greedy requests among `done` (logits: one row each, in order) by row,
+        from one argmax over the rows (a fixed number of device ops, not a few per request); only with the
+        engine's own _sample, and for requests that asked for no logprobs (the others go one by one)."""
+        if type(self)._sample is not Engine._sample:
+            return {}
+        rows = [i for i, r in enumerate(done) if self._plain_greedy(r) and r.params.logprobs is None]
+        if not rows:
+            return {}
+        try:
+            toks = greedy_tokens(logits).view(-1, 1)  # [D, 1] (every row's: one op, whoever needs it)
+            nodes, toks = torch.zeros_like(toks).unbind(0), toks.unbind(0)
+            return {i: AcceptedPath(nodes[i], toks[i]) for i in rows}
+        except Exception:  # noqa: BLE001 - then each request alone, in its own stage: a fault fails its request only
+            log.warning("batched first tokens failed; sampling request by request", exc_info=True)
+            return {}
 
     def _sample(self, logits: torch.Tensor, r: Request) -> AcceptedPath:
         """The first output token from the prompt's last row [V], on its device (no host read)."""
@@ -736,8 +682,12 @@ class Engine:
         if drafting:
             proposed = self._drafter_call(lambda: self.drafter.propose(inputs, shape), drafting)
             if proposed is not None:
-                trees.update((r.rid, t) for r, t in zip(drafting, proposed))
-        return [trees.get(r.rid) or root_tree(r.output_ids[-1], len(r.slots)) for r in reqs]
+                trees.update((r.rid, t) for r, t in zip(drafting, proposed) if t is not None)
+        # the others' root-only trees all at once, on the target's device
+        plain = [r for r in reqs if r.rid not in trees]
+        roots = root_trees([r.output_ids[-1] for r in plain], [len(r.slots) for r in plain], self.model.device)
+        trees.update((r.rid, t) for r, t in zip(plain, roots))
+        return [trees[r.rid] for r in reqs]
 
     def _verify_trees(self, reqs: list[Request], trees: list[TokenTree], logits: torch.Tensor) -> list:
         """Each request's accepted path on its rows of the logits, on the device (or the RequestFault of
@@ -793,57 +743,109 @@ class Engine:
         self,
         reqs: list[Request],
         trees: list[TokenTree],
-        new_slots: list[torch.Tensor],
-        captured: dict,
-        logits: torch.Tensor,
+        tree_slots: torch.Tensor,  # [T] int64 host ids: every tree's slots, tree after tree
+        captured: dict,  # layer -> [R, H] the forward's captured rows (the trees' first, in the same order)
+        logits: torch.Tensor,  # [R', V] the trees' rows first
         results: list,
     ) -> list[StepEvent]:
         """After the step's copy (results: per request, a VerifyResult or the RequestFault of its
         verification): keep the accepted nodes' KV, free the rest. A fault fails that request alone
-        (its tree's slots freed with it)."""
-        events, start = [], 0
-        for r, t, s, res in zip(reqs, trees, new_slots, results):
-            n = t.num_nodes
-            rows = logits[start : start + n]
+        (its tree's slots freed with it).
+        Batch-wide, in a fixed number of ops for the step: the accepted nodes' slots come out of
+        tree_slots in one index op (compaction by index: each path's slots join its request in path
+        order; host slot ids, no copy on the device), every other slot goes back in one free, and the
+        requests' grown slot lists are one cat, each request's a view of it (never written in place)."""
+        sizes = [t.num_nodes for t in trees]
+        starts = list(itertools.accumulate(sizes, initial=0))
+        paths: list[list[int] | RequestFault] = []  # per request: its accepted nodes, or its fault
+        keep_at, drop_at = [], []  # flat indices into tree_slots
+        for start, n, res in zip(starts, sizes, results):
             try:
                 if isinstance(res, RequestFault):
                     raise res
                 with _stage("verify"):
-                    # compaction by index: the path's slots join the request in path order (host slot ids,
-                    # no copy, no device read); list indices keep the shapes known on the host
-                    keep = s[res.accepted_nodes]
-                    rejected = s[sorted(set(range(n)) - set(res.accepted_nodes))]
+                    nodes = _path_nodes(res.accepted_nodes, n)
             except RequestFault as f:
-                self.kv.free(s)
-                events.append(self._fail(r, f))
-            else:
-                if res.draft_invalid:
-                    self._fallback([r], "invalid_draft")
-                self.kv.free(rejected)
-                r.slots = torch.cat([r.slots, keep])
-                tree_captured = {l: h[start : start + n] for l, h in captured.items()}
-                events.append(self._advance(r, t, res, keep, rows, tree_captured))
-            start += n
+                paths.append(f)
+                drop_at += range(start, start + n)
+                continue
+            paths.append(nodes)
+            keep_at += [start + x for x in nodes]
+            if len(nodes) < n:
+                on = set(nodes)
+                drop_at += [start + x for x in range(n) if x not in on]
+        # [K] the paths' slots, request after request (every slot in order, as plain decode keeps: no op)
+        every = len(keep_at) == len(tree_slots) and keep_at == list(range(len(keep_at)))
+        kept = tree_slots if every else tree_slots[torch.tensor(keep_at, dtype=torch.long)]
+        if drop_at:
+            self.kv.free(tree_slots[torch.tensor(drop_at, dtype=torch.long)])
+        ok = [i for i, p in enumerate(paths) if not isinstance(p, RequestFault)]
+        keeps = dict(zip(ok, kept.split([len(paths[i]) for i in ok]))) if ok else {}
+        if ok:
+            grown = torch.cat([x for i in ok for x in (reqs[i].slots, keeps[i])])
+            lens = [len(reqs[i].slots) + len(paths[i]) for i in ok]
+            for i, s in zip(ok, grown.split(lens)):
+                reqs[i].slots = s
+        commits = self._commit_inputs(reqs, trees, results, paths, starts, captured)
+        events = []
+        for i, (r, t, res, path) in enumerate(zip(reqs, trees, results, paths)):
+            if isinstance(path, RequestFault):
+                events.append(self._fail(r, path))
+                continue
+            if res.draft_invalid:
+                self._fallback([r], "invalid_draft")
+            rows = [starts[i] + x for x in path]  # the path's rows of the step's logits
+            events.append(self._advance(r, t, res, keeps[i], logits, rows, commits.get(i)))
         return events
 
+    def _commit_inputs(
+        self, reqs: list[Request], trees: list[TokenTree], results: list, paths: list, starts: list[int], captured: dict
+    ) -> dict[int, tuple[torch.Tensor, dict]]:
+        """For each request (by index) whose drafter commits this step: its accepted nodes' positions [k] and
+        captured rows {layer: [k, H]} on the device, gathered for all of them at once (one index copied up,
+        one index op per layer, then views per request). A drafter commits for a request that drafts and whose
+        tree was valid (an invalid one's request falls back to vanilla decoding first)."""
+        if self.drafter is None or not self._drafter_commits:
+            return {}
+        who = [
+            i
+            for i, (r, res, p) in enumerate(zip(reqs, results, paths))
+            if r.drafting and not isinstance(p, RequestFault) and not res.draft_invalid
+        ]
+        if not who:
+            return {}
+        dev = self.model.device
+        sizes = [len(paths[i]) for i in who]
+        at = to_device(torch.tensor([starts[i] + x for i in who for x in paths[i]], dtype=torch.long), dev)
+        positions = torch.cat([t.positions for t in trees])[at].split(sizes)  # the nodes' positions, as the forward's
+        hidden = {l: h[at].split(sizes) for l, h in captured.items()}
+        return {i: (positions[j], {l: rows[j] for l, rows in hidden.items()}) for j, i in enumerate(who)}
+
     def _advance(
-        self, r: Request, t: TokenTree, res: VerifyResult, keep: torch.Tensor, rows: torch.Tensor, captured: dict
+        self,
+        r: Request,
+        t: TokenTree,
+        res: VerifyResult,
+        keep: torch.Tensor,
+        logits: torch.Tensor,
+        rows: list[int],
+        commit: tuple[torch.Tensor, dict] | None,
     ) -> StepEvent:
         """After a verify: stats, the drafter's commit, then the accepted tokens (keep: the accepted
-        nodes' slots; rows, captured: the tree's logits and captured layers)."""
+        nodes' slots; rows: their rows of the step's logits, in path order; commit: their positions and
+        captured rows when the drafter commits, from _commit_inputs)."""
         n = t.num_nodes
         self._record(r, res, n - 1)
-        if self.drafter is not None and r.drafting and self._drafter_commits:
-            nodes = to_device(torch.tensor(res.accepted_nodes), rows.device)  # (an upload: host -> device)
-            hidden = {l: h[nodes] for l, h in captured.items()}
+        if commit is not None:
+            positions, hidden = commit
             argmax = None if res.tree_argmax is None else torch.tensor(res.tree_argmax)  # (host values)
             tokens = [r.token_ids[-1]] + res.tokens[:-1]  # the root, then the accepted drafts: host values
-            cap = TargetCapture(tokens, t.positions[nodes], keep, hidden, self.kv, argmax)
+            cap = TargetCapture(tokens, positions, keep, hidden, self.kv, argmax)
             self._drafter_call(lambda: self.drafter.commit(r.rid, cap), [r])
         try:
             new = self._append(r, res.tokens)
             # token i of the accepted path came from the target's logits at accepted node i
-            lps = self._logprobs(r, rows, res.accepted_nodes, new, res.logprobs)
+            lps = self._logprobs(r, logits, rows, new, res.logprobs)
             return StepEvent(r, new, res.num_accepted, n - 1, lps)
         except RequestFault as f:
             return self._fail(r, f)

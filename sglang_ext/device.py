@@ -33,7 +33,8 @@ def to_device(x: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 
 def upload(tensors: list[torch.Tensor | None], device: torch.device | str) -> list[torch.Tensor | None]:
     """The tensors on `device`: those elsewhere packed into one buffer per dtype and copied once (None
-    stays None)."""
+    stays None). A few ops per dtype plus one view per tensor of more than one dimension (the flat
+    buffer's split gives the 1-D ones as they are)."""
     device = torch.device(device)
     out = list(tensors)
     by_dtype: dict[torch.dtype, list[int]] = {}
@@ -41,13 +42,16 @@ def upload(tensors: list[torch.Tensor | None], device: torch.device | str) -> li
         if t is not None and not same_device(t.device, device):
             by_dtype.setdefault(t.dtype, []).append(i)
     for idx in by_dtype.values():
-        flat = to_device(torch.cat([tensors[i].reshape(-1) for i in idx]), device)
-        at = 0
-        for i in idx:
-            n = tensors[i].numel()
-            out[i] = flat[at : at + n].view(tensors[i].shape)
-            at += n
+        flat = to_device(torch.cat([_flat(tensors[i]) for i in idx]), device)
+        parts = flat.split([tensors[i].numel() for i in idx])
+        for i, part in zip(idx, parts):
+            out[i] = part if tensors[i].dim() == 1 else part.view(tensors[i].shape)
     return out
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """t as 1-D (itself when it is; a view otherwise, a copy when it is not contiguous)."""
+    return t if t.dim() == 1 else t.reshape(-1)
 
 
 def module_on(module: torch.nn.Module, device: torch.device | str, dtype: torch.dtype) -> torch.nn.Module:

@@ -223,6 +223,20 @@ def root_tree(token: int, seq_len: int, device: torch.device | str = "cpu") -> T
     return TokenTree(tokens, none, none + 1 + seq_len, mask, none + 1, none.clone(), none.clone())
 
 
+def root_trees(tokens: list[int], seq_lens: list[int], device: torch.device | str = "cpu") -> list[TokenTree]:
+    """root_tree for a batch (every non-drafting request of a step) in a fixed number of ops: the tokens,
+    positions and the constants -1 and 0 go up in one copy and every tree's fields are views of it. The
+    fields every root-only tree shares (parents, retrieve lists: -1; retrieve_index: 0; the mask: the node
+    sees itself) are one tensor each for the batch (trees are never written in place)."""
+    b = len(tokens)
+    if not b:
+        return []
+    vals = to_device(torch.tensor([*tokens, *seq_lens, -1, 0], dtype=torch.long), device)
+    toks, pos, none, zero = vals.split([b, b, 1, 1])
+    mask = torch.ones(1, 1, dtype=torch.bool, device=vals.device)
+    return [TokenTree(t, none, p, mask, zero, none, none) for t, p in zip(toks.split(1), pos.split(1))]
+
+
 def trees_on(trees: list[TokenTree], device: torch.device | str) -> list[TokenTree]:
     """The trees with every tensor on `device`: a tree already there is returned as is; the others'
     tensors (host-built lookup trees, root-only trees) go up in one copy per dtype for all of them."""
@@ -423,11 +437,16 @@ def unpack_trees(
 ) -> list[TokenTree]:
     """tree_batch's output (longs [b, 6, N], tree_mask [b, N, N], scores [b, N]) as one TokenTree per
     request, each a view of its rows."""
-    trees = []
-    for row, m, sc in zip(longs.unbind(0), mask.unbind(0), scores.unbind(0)):
-        fields_ = dict(zip(TREE_LONGS, row.unbind(0)))
-        trees.append(TokenTree(tree_mask=m, scores=sc, finite=finite, **fields_))
-    return trees
+    b = longs.shape[0]
+    if not b:
+        return []
+    # one unbind per field over the batch (not one per request): field f of request i is cols[f][i]
+    cols = [f.unbind(0) for f in longs.unbind(1)]
+    masks, rows = mask.unbind(0), scores.unbind(0)
+    return [
+        TokenTree(tree_mask=masks[i], scores=rows[i], finite=finite, **{n: c[i] for n, c in zip(TREE_LONGS, cols)})
+        for i in range(b)
+    ]
 
 
 def _ancestor_masks(parents: torch.Tensor) -> torch.Tensor:

@@ -95,29 +95,33 @@ def path_logprobs(path: AcceptedPath, logits: torch.Tensor, k: int) -> None:
 
 
 def to_host(paths: list[AcceptedPath]) -> list[VerifyResult]:
-    """Every request's path in one device-to-host copy (the only host read of a verify step)."""
+    """Every request's path in one device-to-host copy (the only host read of a verify step). Layout of the
+    int64 copy: per path its nodes, tokens, [tree_argmax], [logprob ids]; then every path's draft_invalid
+    flag, stacked (two ops for the batch, not two per drafted path)."""
     if not paths:
         return []
     parts, floats = [], []
+    flags = [p.draft_invalid for p in paths if p.draft_invalid is not None]  # each [] bool
     for p in paths:
         parts += [p.nodes, p.tokens]
-        parts += [] if p.draft_invalid is None else [p.draft_invalid.reshape(1).long()]
         parts += [] if p.tree_argmax is None else [p.tree_argmax.long()]
         if p.logprobs is not None:
             parts.append(p.logprobs[2].reshape(-1))
             floats += [p.logprobs[0], p.logprobs[1].reshape(-1)]
+    if flags:
+        parts.append(torch.stack([f if f.dim() == 0 else f.reshape(()) for f in flags]).long())
     if floats:  # two dtypes: both copies queued, one wait
         flat, flat_f = (t.tolist() for t in _download([torch.cat(parts), torch.cat(floats)]))
     else:
         flat, flat_f = torch.cat(parts).tolist(), []
     out, at, at_f = [], 0, 0
+    invalid_flags = iter(flat[len(flat) - len(flags) :])
     for p in paths:
         n = p.nodes.numel()
         nodes, tokens = flat[at : at + n], flat[at + n : at + 2 * n]
         k = n - nodes.count(-1)
         at += 2 * n
-        invalid = p.draft_invalid is not None and bool(flat[at])
-        at += p.draft_invalid is not None
+        invalid = p.draft_invalid is not None and bool(next(invalid_flags))
         argmax = None
         if p.tree_argmax is not None:
             argmax, at = flat[at : at + p.tree_argmax.numel()], at + p.tree_argmax.numel()

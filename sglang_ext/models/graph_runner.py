@@ -47,9 +47,10 @@ runs the eager forward.
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 import torch
@@ -270,7 +271,8 @@ class GraphRunner:
         self.runs += 1
         b, q, p = key
         device = self.model.device
-        rows = to_device(torch.cat([torch.arange(i * q, i * q + n) for i, n in enumerate(q_lens)]), device)
+        # the real rows of the flat [B*Q] buffers, request after request (host ints: one copy up)
+        rows = to_device(torch.tensor(_real_rows(q_lens, q), dtype=torch.long), device)
         # tokens, positions and masks built on the device (a drafter's trees) are placed there, never read back
         host = all(t.device.type == "cpu" for t in (*ids, *positions, *tree_masks))
         args = (ids, positions, tree_masks) if host else (None, None, None)
@@ -295,18 +297,47 @@ class GraphRunner:
         b, q, p = key
         ids, pos, slots, prefix, prefix_len = bufs["longs"].split([b * q, b * q, b * q, b * p, b])
         plan = static_plan(prefix.view(b, p), prefix_len, slots.view(b, q), bufs["mask"])
+        # NOTE: a faulty drafter's token outside the vocabulary must not index past the embedding (on a GPU,
+        # a device-side assert); clamped here, inside the replay, it costs no launch of its own (verification
+        # never accepts such a token)
+        ids = ids.clamp(0, self.model.cfg.vocab_size - 1)
         return self._static_model.forward(ids, pos, slots, plan, kv, self.capture_layers)
+
+
+def _real_rows(q_lens: list[int], q: int, base: int = 0) -> list[int]:
+    """The flat rows base + b*Q + j (j < q_lens[b]) the requests' rows fill in a bucket of Q rows per request."""
+    return list(itertools.chain.from_iterable(range(base + i * q, base + i * q + n) for i, n in enumerate(q_lens)))
 
 
 def _place(bufs: dict, key, rows: torch.Tensor, ids, positions, tree_masks) -> None:
     """Tokens, positions and tree masks (per request, wherever they are) into a bucket's buffers on
-    their device by device copies: rows [T] the flat rows they fill (see _host_inputs' layout)."""
+    their device by device copies, a fixed number of ops for the batch: rows [T] the flat rows they fill
+    (see _host_inputs' layout)."""
     b, q, _ = key
     device = bufs["longs"].device
-    bufs["longs"][: b * q][rows] = torch.cat([to_device(t, device) for t in ids])
-    bufs["longs"][b * q : 2 * b * q][rows] = torch.cat([to_device(t, device) for t in positions])
-    for i, m in enumerate(tree_masks):
-        bufs["mask"][i, : m.shape[0], : m.shape[0]] = to_device(m, device)
+    vals = torch.cat([to_device(t, device) for t in (*ids, *positions)])  # [2T]: every id, then every position
+    bufs["longs"][torch.cat([rows, rows + b * q])] = vals
+    _masks_into(bufs["mask"], tree_masks)
+
+
+def _masks_into(dst: torch.Tensor, masks: list[torch.Tensor]) -> None:
+    """Request i's tree mask [n_i, n_i] into dst[i, :n_i, :n_i] (dst [B, Q, Q] bool, holding padding: each
+    row sees itself). A one-node tree's mask is that padding already (its node sees itself): left as it is.
+    Masks of one size (a search's trees) go in with one copy; mixed sizes one copy per mask."""
+    at = [i for i, m in enumerate(masks) if m.shape[0] > 1]
+    if not at:
+        return
+    n = masks[at[0]].shape[0]
+    if any(masks[i].shape[0] != n for i in at):
+        for i in at:
+            k = masks[i].shape[0]
+            dst[i, :k, :k] = to_device(masks[i], dst.device)
+        return
+    stacked = torch.stack([to_device(masks[i], dst.device) for i in at])  # [len(at), n, n]
+    if at == list(range(at[0], at[0] + len(at))):
+        dst[at[0] : at[0] + len(at), :n, :n] = stacked
+    else:
+        dst[to_device(torch.tensor(at, dtype=torch.long), dst.device), :n, :n] = stacked
 
 
 def _host_inputs(
@@ -314,19 +345,35 @@ def _host_inputs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The host side of a bucket's buffers: one int64 tensor [ids | positions | out_slots | prefix |
     prefix_len] and the tree mask [B, Q, Q], padding as the module docstring says; ids, positions and
-    tree_masks None: left as padding (the caller places them on the device)."""
+    tree_masks None: left as padding (the caller places them on the device). A fixed number of host ops
+    for the batch: the bucket's padding cloned, the rows' values and prefix lengths in one scatter at
+    host-computed indices, the prefixes in one boolean-mask scatter."""
     b, q, p = key
-    tok, pos, slot = (torch.zeros(b, q, dtype=torch.long) for _ in range(3))
-    prefix = torch.zeros(b, p, dtype=torch.long)
-    prefix_len = torch.zeros(b, dtype=torch.long)
-    mask = torch.eye(q, dtype=torch.bool).repeat(b, 1, 1)  # padded rows see only themselves
-    for i, (n, s, pre) in enumerate(zip(q_lens, out_slots, prefixes)):
-        slot[i, :n] = s
-        prefix[i, : pre.numel()] = pre
-        prefix_len[i] = pre.numel()
-        if ids is not None:
-            tok[i, :n], pos[i, :n], mask[i, :n, :n] = ids[i], positions[i], tree_masks[i]
-    return torch.cat([tok.view(-1), pos.view(-1), slot.view(-1), prefix.view(-1), prefix_len]), mask
+    n = len(q_lens)
+    pad_mask, cols = _padding(q, p)
+    longs, mask = torch.zeros(3 * b * q + b * p + b, dtype=torch.long), pad_mask.expand(b, q, q).clone()
+    if not n:
+        return longs, mask
+    vals = [*ids, *positions, *out_slots] if ids is not None else list(out_slots)
+    first = 3 - len(vals) // n  # the first grid filled: 0 (ids) or 2 (out_slots)
+    pre_lens = [t.numel() for t in prefixes]
+    at = [x for k in range(first, 3) for x in _real_rows(q_lens, q, k * b * q)]  # grid k's real rows
+    at += range(3 * b * q + b * p, 3 * b * q + b * p + n)  # prefix_len's first n
+    longs[torch.tensor(at, dtype=torch.long)] = torch.cat([*vals, torch.tensor(pre_lens, dtype=torch.long)])
+    if sum(pre_lens):
+        prefix = longs[3 * b * q : 3 * b * q + b * p].view(b, p)
+        within = cols < torch.tensor([[x] for x in pre_lens], dtype=torch.long)  # [n, P] request i's columns
+        (prefix if n == b else prefix[:n])[within] = torch.cat(list(prefixes)) if n > 1 else prefixes[0]
+    if tree_masks is not None:
+        _masks_into(mask, list(tree_masks))
+    return longs, mask
+
+
+@lru_cache(maxsize=64)
+def _padding(q: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's padding tree mask [Q, Q] (each row sees itself) and prefix columns arange(P), for a
+    bucket's host inputs: templates, never written (callers copy)."""
+    return torch.eye(q, dtype=torch.bool), torch.arange(p)
 
 
 # step(ids [R], feat [R, H] | None, rows {name: [R] int64}, plans {name: StaticPlan}) -> tensors [R, ...]

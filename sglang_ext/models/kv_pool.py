@@ -46,28 +46,37 @@ class KVPool:
         kv = zeroed_buffers(2 * num_layers, shape, dtype, device)
         self.k, self.v = kv[:num_layers], kv[num_layers:]
         self.num_slots = num_slots
-        # free-slot stack: _free[:_top] are free
-        self._free = torch.arange(num_slots - 1, 0, -1, dtype=torch.long)
-        self._top = num_slots - 1
+        # free-slot stack, top first: _free[_head:] are free, _free[_head] is handed out next. Freed slots go
+        # back on top in their order, so the next alloc of their count returns them as they were freed.
+        self._free = torch.arange(1, num_slots, dtype=torch.long)
+        self._head = 0
 
     @property
     def num_free(self) -> int:
-        return self._top
+        return self._free.numel() - self._head
 
     def alloc(self, n: int) -> torch.Tensor:
-        if n > self._top:
-            raise OutOfSlots(f"KV pool exhausted: need {n} slots, {self._top} free of {self.num_slots - 1}")
-        self._top -= n
-        return self._free[self._top : self._top + n].flip(0).clone()
+        """n free slots [n] int64 (host ids; two host ops whatever n)."""
+        if n > self.num_free:
+            raise OutOfSlots(f"KV pool exhausted: need {n} slots, {self.num_free} free of {self.num_slots - 1}")
+        self._head += n
+        return self._free[self._head - n : self._head].clone()
+
+    def alloc_split(self, sizes: list[int]) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Slots for several owners at once: (all of them [sum(sizes)] int64, one view of it per size, in
+        order). The same slots as one alloc per size in that order, in a fixed number of host ops."""
+        flat = self.alloc(sum(sizes))
+        return flat, flat.split(list(sizes))
 
     def free(self, slots: torch.Tensor) -> None:
+        """Slots (any shape, int64 host ids) back on top of the stack."""
         n = slots.numel()
         if n == 0:
             return
-        if self._top + n > self.num_slots - 1:
+        if n > self._head:
             raise RuntimeError("KV pool double free")
-        self._free[self._top : self._top + n] = slots.reshape(-1).flip(0)
-        self._top += n
+        self._head -= n
+        self._free[self._head : self._head + n] = slots if slots.dim() == 1 else slots.reshape(-1)
 
     @property
     def device(self) -> torch.device:

@@ -1,7 +1,9 @@
 """The host-cost proxy (benchmarks/step_ops.py): ops a steady-state engine step dispatches outside graph
 replays, on the meta device. A model drafter's whole search is one static function (one graph replay on
 a GPU), so a drafted step dispatches a few hundred ops outside graphs, not the ~1,000-1,400 of a search
-run step by step (EAGLE-3 and MoA at tree 6,4,24, one request)."""
+run step by step (EAGLE-3 and MoA at tree 6,4,24, one request). The engine's own per-request work (root
+trees, KV slots, graph inputs, compaction, the drafter's captures) is batch-wide: a plain decode step
+costs the same ops at any batch, and a drafted one gains only what its drafter adds per request."""
 
 import pytest
 
@@ -12,25 +14,32 @@ from benchmarks.step_ops import count_step_ops
 def test_a_drafted_steps_search_runs_inside_one_graph(kind):
     r = count_step_ops(kind, 1, "6,4,24", steps=2)
     s = r["per_step"]
-    assert s["graph"] > 0 and s["outside"] < 500, r
+    assert s["graph"] > 0 and s["outside"] < 400, r
     # nothing of the search's steps, paths or trees runs outside: no top-k, no path masks grown
     assert "topk" not in r["ops"] and "searchsorted" not in r["ops"], r["top_ops"]
 
 
 def test_the_proxy_counts_a_vanilla_step():
     s = count_step_ops(None, 1, "6,4,24", steps=2)["per_step"]
-    assert s["graph"] > 0 and 0 < s["outside"] < 150 and s["upload"] >= 1
+    assert s["graph"] > 0 and 0 < s["outside"] < 50 and s["upload"] >= 1
 
 
-# A drafted step at bs 16 (tree 6,4,24): ops per site of the attention plans, the drafters' commits
-# (EAGLE-3's fuse and layer pass, MoA's LSA and SA commit) and the search's host packing, as counted
-# with one op per step for them, not one per request (a little room above); every other site of theirs
-# stays under OTHER. A per-request op back in any of them adds 16 to its site's count.
+def test_a_plain_decode_step_costs_the_same_ops_at_any_batch():
+    """16 requests (prefilled in one step: the measured steps are plain decode) cost what one does, up to
+    a couple of ops: no op per request outside the graph."""
+    s = count_step_ops(None, 16, "6,4,24", steps=1)["per_step"]
+    assert s["graph"] > 0 and s["outside"] < 50, s
+
+
+# A drafted step at bs 16 (tree 6,4,24): the total leaves no room for one more op per request (16), and per
+# site the attention plans, the drafters' commits (EAGLE-3's fuse and layer pass, MoA's LSA and SA commit)
+# and the search's host packing cost one op per step, not one per request (a little room above); every other
+# site of theirs stays under OTHER. A per-request op back in any of them adds 16 to its site's count.
 OWN = ("plan.py:", "graph_runner.py:_search_host", "graph_runner.py:padded_prefixes", "eagle3.py:", "moa.py:")
 OTHER = 12
 BS16 = {
     "eagle3": (
-        1010,
+        440,
         {
             "eagle3.py:_extend": 28,  # (each request's slot list grows: one cat per request)
             "plan.py:_gather_index": 22,
@@ -42,7 +51,7 @@ BS16 = {
         },
     ),
     "moa": (
-        925,
+        430,
         {
             "moa.py:_ingest": 52,  # (each request's three slot lists grow: three cats per request)
             "graph_runner.py:padded_prefixes": 30,

@@ -265,6 +265,62 @@ def test_commits_only_reach_drafters_that_need_them():
     assert [r.output_ids for r in reqs] == ref and Counting.commits == sum(r.stats.verify_steps for r in reqs) > 0
 
 
+def _tiny_eagle3(t):
+    from sglang_ext.drafters.eagle3 import Eagle3Drafter
+    from sglang_ext.models.eagle3 import Eagle3Config, Eagle3Draft
+
+    return Eagle3Drafter(t.model, Eagle3Draft(Eagle3Config.for_target(t.model.cfg, 32, aux_layers=(0, 1, 1))))
+
+
+def test_a_steps_commits_gathered_at_once_equal_each_requests_rows():
+    """The drafter's captures for every committing request of a step, gathered in one index op per layer,
+    are each request's accepted rows as its own tree's slice gives them (positions, captured layers)."""
+
+    class Checked(Engine):
+        checked = 0
+
+        def _commit_inputs(self, reqs, trees, results, paths, starts, captured):
+            got = super()._commit_inputs(reqs, trees, results, paths, starts, captured)
+            for i, (positions, hidden) in got.items():
+                nodes, n = torch.tensor(paths[i]), trees[i].num_nodes
+                assert torch.equal(positions, trees[i].positions[nodes])
+                for l, h in captured.items():
+                    assert torch.equal(hidden[l], h[starts[i] : starts[i] + n][nodes])
+                Checked.checked += 1
+            return got
+
+    t = tiny_target(seed=3, vocab=32, layers=2)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 32, (n,), generator=g).tolist() for n in (5, 9, 7)]
+    sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    ref = [r.output_ids for r in Engine(t, None).generate(prompts, sp)]
+    eng = Checked(t, _tiny_eagle3(t), EngineConfig(tree=TreeShape(2, 2, 4), adaptive=False))
+    assert [r.output_ids for r in eng.generate(prompts, sp)] == ref
+    assert Checked.checked > 3 and slots_whole(eng)
+
+
+def test_a_path_outside_its_tree_fails_its_request_alone():
+    """A verifier's path with a node outside its tree (indexing its slots would fail) fails that request
+    in stage "verify"; the step's other requests keep their slots and tokens, and no slot is lost."""
+    from sglang_ext.verify import VerifyResult
+
+    class OffTree(Engine):
+        def _verify(self, r, tree, logits):
+            path = super()._verify(r, tree, logits)
+            if r.rid == 1 and len(r.output_ids) > 3:
+                return VerifyResult([0, tree.num_nodes], [1, 2])
+            return path
+
+    t = tiny_target(seed=3, vocab=32, layers=2)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5, 6], [7, 8, 9, 7]]
+    sp = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    ref = [r.output_ids for r in Engine(t, None).generate(prompts, sp)]
+    eng = OffTree(t, make_drafter("ngram", t), EngineConfig(tree=TreeShape.chain(3)))
+    reqs = eng.generate(prompts, sp)
+    assert reqs[1].finish_reason == "error" and reqs[1].error == "verify"
+    assert [reqs[0].output_ids, reqs[2].output_ids] == [ref[0], ref[2]] and slots_whole(eng)
+
+
 def test_bad_input_clear_errors_and_engine_keeps_working(smollm2_fp32, eval_prompts, vanilla_outputs):
     eng = Engine(
         smollm2_fp32, make_drafter("ngram", smollm2_fp32), EngineConfig(tree=TreeShape.chain(3), max_context=512)

@@ -167,6 +167,39 @@ def test_a_batch_of_trees_equals_each_request_built_alone():
                 assert torch.equal(t.scores, torch.cat([torch.ones(1), scores[i]]))
 
 
+def test_root_trees_at_once_equal_each_built_alone():
+    """root_trees (every plain decode request of a step in a fixed number of ops) gives root_tree's
+    layout per request, on the CPU and on (fake) CUDA."""
+    from sglang_ext.tree import root_trees
+
+    tokens, lens = [5, 0, 49151, 7], [30, 1, 12, 4096]
+    assert root_trees([], [], "cpu") == []
+    for t, tok, n in zip(root_trees(tokens, lens), tokens, lens):
+        want = root_tree(tok, n)
+        for name in ("draft_tokens", "parents", "positions", "tree_mask", "retrieve_index"):
+            assert torch.equal(getattr(t, name), getattr(want, name)), name
+        for name in ("retrieve_next_token", "retrieve_next_sibling"):
+            assert torch.equal(getattr(t, name), getattr(want, name)), name
+        assert t.num_nodes == 1 and t.draft_probs is None and t.scores is None and t.finite is None
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        on = root_trees(tokens, lens, "cuda")
+        assert all(_on("cuda", t.draft_tokens, t.positions, t.tree_mask, t.parents) for t in on)
+
+
+def test_upload_packs_each_dtype_once_and_keeps_shapes():
+    from sglang_ext.device import upload
+
+    host = [torch.arange(5), None, torch.ones(2, 3, dtype=torch.bool), torch.tensor(7), torch.arange(6).view(3, 2).t()]
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        placed = upload(host, "cuda")
+        assert placed[1] is None and _on("cuda", *[p for p in placed if p is not None])
+        assert [tuple(p.shape) for p in placed if p is not None] == [(5,), (2, 3), (), (2, 3)]
+    got = upload(host, "meta")
+    assert [p.shape for p in got if p is not None] == [h.shape for h in host if h is not None]
+    same = upload(host, "cpu")  # already there: as they are
+    assert all(a is b for a, b in zip(same, host))
+
+
 def _agreeing_targets(trees, gen, vocab):
     """[bs, N] target tokens: at each node, usually one of its children's tokens, else a random one."""
     rows = []

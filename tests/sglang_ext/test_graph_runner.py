@@ -136,6 +136,47 @@ def test_inputs_placed_on_the_device_fill_the_buffers_as_host_packing_does():
     assert torch.equal(bufs["longs"], packed[0]) and torch.equal(bufs["mask"], packed[1])
 
 
+def _host_inputs_loop(key, q_lens, out_slots, prefixes, ids=None, positions=None, tree_masks=None):
+    """_host_inputs request by request (the reference its batch-wide scatters must equal)."""
+    b, q, p = key
+    tok, pos, slot = (torch.zeros(b, q, dtype=torch.long) for _ in range(3))
+    prefix, prefix_len = torch.zeros(b, p, dtype=torch.long), torch.zeros(b, dtype=torch.long)
+    mask = torch.eye(q, dtype=torch.bool).repeat(b, 1, 1)
+    for i, (n, s, pre) in enumerate(zip(q_lens, out_slots, prefixes)):
+        slot[i, :n], prefix[i, : pre.numel()], prefix_len[i] = s, pre, pre.numel()
+        if ids is not None:
+            tok[i, :n], pos[i, :n], mask[i, :n, :n] = ids[i], positions[i], tree_masks[i]
+    return torch.cat([tok.view(-1), pos.view(-1), slot.view(-1), prefix.view(-1), prefix_len]), mask
+
+
+@pytest.mark.parametrize("sizes", [[3, 1, 6], [1, 1, 1, 1], [5, 5], [4, 1, 4], [1, 4, 4, 1, 2], [2], [2] * 8])
+def test_host_inputs_scatter_the_batch_as_a_loop_per_request_does(sizes):
+    """The bucket's host inputs in a fixed number of ops (one scatter per kind) equal the per-request loop,
+    for trees of one size, of mixed sizes, root-only ones, empty prefixes; and placed on the device (_place)."""
+    from sglang_ext.models.graph_runner import _host_inputs, _place, _real_rows
+
+    g = torch.Generator().manual_seed(len(sizes))
+    key = (8, 8, 16)
+    ids = [torch.randint(0, 50, (n,), generator=g) for n in sizes]
+    pos = [torch.arange(n) + 7 * i for i, n in enumerate(sizes)]
+    slots = [torch.randint(1, 99, (n,), generator=g) for n in sizes]
+    prefixes = [torch.randint(1, 99, (int(torch.randint(0, 17, (), generator=g)),), generator=g) for _ in sizes]
+    prefixes[0] = torch.empty(0, dtype=torch.long)
+    masks = [_tree_mask([-1] + [int(torch.randint(0, j, (), generator=g)) for j in range(1, n)]) for n in sizes]
+    for args in ((), (ids, pos, masks)):
+        got, want = (
+            _host_inputs(key, sizes, slots, prefixes, *args),
+            _host_inputs_loop(key, sizes, slots, prefixes, *args),
+        )
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), args
+    longs, mask = _host_inputs(key, sizes, slots, prefixes)
+    bufs = {"longs": longs.clone(), "mask": mask.clone()}
+    _place(bufs, key, torch.tensor(_real_rows(sizes, key[1])), ids, pos, masks)
+    want = _host_inputs_loop(key, sizes, slots, prefixes, ids, pos, masks)
+    assert torch.equal(bufs["longs"], want[0]) and torch.equal(bufs["mask"], want[1])
+    assert torch.equal(_host_inputs(key, [], [], [])[0], _host_inputs_loop(key, [], [], [])[0])
+
+
 def test_static_attention_masks_padding_and_keeps_rows_apart():
     """static_attention against a dense softmax per request: prefix columns past prefix_len and tree
     columns outside the mask get no weight."""
