@@ -29,9 +29,13 @@ def zeroed_buffers(n: int, shape: tuple[int, ...], dtype: torch.dtype, device="c
     if device.type != "cpu" or n == 0:
         return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n)]
     size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    raw = torch.from_numpy(np.zeros(n * size + 64, dtype=np.uint8))
-    at = -raw.data_ptr() % 64  # cache-line aligned, as torch's own host allocations
-    return list(raw[at : at + n * size].view(dtype).view(n, *shape).unbind(0))
+    raw = np.zeros(n * size + 64, dtype=np.uint8)
+    at = -raw.ctypes.data % 64  # cache-line aligned, as torch's own host allocations
+    # one tensor per buffer over its own slice, detached: not a view to autograd, as torch.zeros' tensors are not
+    # (a pool made under no_grad may be written in grad mode, e.g. a drafter's own pool in training)
+    return [
+        torch.from_numpy(raw[at + i * size : at + (i + 1) * size]).view(dtype).view(shape).detach() for i in range(n)
+    ]
 
 
 class OutOfSlots(RuntimeError):

@@ -329,6 +329,14 @@ def test_a_pools_buffers_are_zero_separate_and_aligned(dtype):
         b[torch.tensor([1, 99])] = i + 1.0
     for i, b in enumerate(bufs):
         assert b[1].eq(i + 1).all() and b[99].eq(i + 1).all() and b[2:99].eq(0).all() and b[0].eq(0).all()
+    # as torch.zeros' tensors: a pool made under no_grad takes values that require grad, layer after layer
+    with torch.no_grad():
+        pool = KVPool(2, 8, 1, 4, torch.float32)
+    w = torch.ones(1, 1, 4, requires_grad=True)
+    for layer in range(2):
+        pool.write(layer, torch.tensor([3]), w * (layer + 1), w)
+    (pool.k[0].sum() + pool.k[1].sum()).backward()
+    assert w.grad.eq(3).all()
 
 
 def test_kv_compaction_moves_the_accepted_path_to_the_front():
