@@ -20,7 +20,7 @@ cache's unlocked tokens are evicted, least recently used first. Slot accounts: f
 == the pool (`slot_accounts`).
 
 Faults: what is computed for one request alone (its penalties, masks, verification, sampling, logprobs,
-grammar state) runs inside a `_stage`; a fault there fails that request alone (finish_reason "error",
+grammar state) runs inside a `stage`; a fault there fails that request alone (finish_reason "error",
 `Request.error` = the stage) and frees its KV, while the step's other requests carry on unchanged. A
 fault outside every stage (the batched forward, the step's bookkeeping) fails the step; the caller
 (the scheduler) then fails every request and calls `reset()`.
@@ -76,8 +76,8 @@ from .request import (  # (the request's data: callers import them from the engi
     RequestStats,
     SlotAccounts,
     StepEvent,
-    _path_nodes,
-    _stage,
+    path_nodes,
+    stage,
 )
 
 __all__ = [
@@ -566,7 +566,7 @@ class Engine:
         if r.params.prompt_logprobs is not None and (m := min(end, len(r.prompt_ids) - 1) - first_pos) > 0:
             # chunk row j (position first + j) predicts prompt token first + j + 1; the last
             # prompt row predicts the first output token (sampled below), not a prompt token
-            with _stage("logprobs"):
+            with stage("logprobs"):
                 rows = self.model.logits(out.hidden[start : start + m], fp32=False)
                 tokens = r.prompt_ids[first_pos + 1 : first_pos + 1 + m]
                 r.prompt_logprobs += token_logprobs(rows, tokens, r.params.prompt_logprobs)  # (a copy of its own)
@@ -632,7 +632,7 @@ class Engine:
         """The first output token from the prompt's last row [V], on its device (no host read)."""
         if self._context_dependent(r):  # the first token: a root-only tree, no path
             logits = self._constrained(r, logits[None], root_tree(0, 0, logits.device))[0]
-        with _stage("sample"):
+        with stage("sample"):
             if r.params.greedy:
                 tok = greedy_tokens(logits)
             elif r.params.seed is not None:
@@ -763,8 +763,8 @@ class Engine:
             try:
                 if isinstance(res, RequestFault):
                     raise res
-                with _stage("verify"):
-                    nodes = _path_nodes(res.accepted_nodes, n)
+                with stage("verify"):
+                    nodes = path_nodes(res.accepted_nodes, n)
             except RequestFault as f:
                 paths.append(f)
                 drop_at += range(start, start + n)
@@ -858,7 +858,7 @@ class Engine:
         if r.params.logprobs is None or not isinstance(path, AcceptedPath):
             return path
         try:
-            with _stage("logprobs"):
+            with stage("logprobs"):
                 path_logprobs(path, logits, r.params.logprobs)
         except RequestFault as f:
             return f
@@ -872,7 +872,7 @@ class Engine:
         that returned host results)."""
         if r.params.logprobs is None:
             return None
-        with _stage("logprobs"):
+        with stage("logprobs"):
             lps = (
                 copied[: len(new)]
                 if copied is not None
@@ -891,13 +891,13 @@ class Engine:
         device ops; the grammar's bitmask is built by xgrammar on the host from the tree's tokens (a
         copy of its own, for requests with a grammar only)."""
         if r.params.penalized:
-            with _stage("penalty"):
+            with stage("penalty"):
                 logits = penalize_tree(logits, r.params, r.prompt_ids, r.output_ids, tree)
         if len(r.output_ids) < r.params.min_tokens:
-            with _stage("mask"):
+            with stage("mask"):
                 logits = ban_early_stops(logits, tree, len(r.output_ids), r.params.min_tokens, self._stop_ids(r))
         if r.matcher is not None:  # after the penalties: a masked token stays impossible
-            with _stage("mask"):
+            with stage("mask"):
                 logits = apply_bitmask(logits, tree_bitmask(r.matcher, tree, logits.shape[-1]))
         return logits
 
@@ -906,7 +906,7 @@ class Engine:
         (A subclass may verify on the host and return a VerifyResult; the step's copy passes it through.)"""
         if self._context_dependent(r):
             logits = self._constrained(r, logits, tree)
-        with _stage("verify"):
+        with stage("verify"):
             if r.params.greedy:
                 return greedy_path(tree, greedy_tokens(logits))
             probs = logits_to_probs(logits, r.params)
@@ -945,7 +945,7 @@ class Engine:
                 break
         r.output_ids += out
         if r.matcher is not None:
-            with _stage("grammar"):
+            with stage("grammar"):
                 left = not all(r.matcher.accept_token(tok) for tok in out)
             if left:  # cannot happen (the mask allowed only matching tokens): end this request alone
                 raise RequestFault("grammar")

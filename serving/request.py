@@ -1,6 +1,6 @@
 """A request's state in the engine (Request, its stats), what a step did for it (StepEvent), where the target
 pool's slots are (SlotAccounts, CacheFlush), and a fault blamed on one request alone (RequestFault, raised
-inside a `_stage`): the data the engine (serving/engine.py) works on and hands out."""
+inside a `stage`): the data the engine (serving/engine.py) works on and hands out."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class RequestFault(Exception):
 
 
 @contextmanager
-def _stage(reason: str) -> Iterator[None]:
+def stage(reason: str) -> Iterator[None]:
     """Any exception inside becomes a RequestFault(reason) (an inner stage's fault keeps its own reason)."""
     try:
         yield
@@ -33,7 +33,7 @@ def _stage(reason: str) -> Iterator[None]:
         raise RequestFault(reason) from e
 
 
-def _path_nodes(nodes: list[int], n: int) -> list[int]:
+def path_nodes(nodes: list[int], n: int) -> list[int]:
     """An accepted path's node indices as indices into its tree's n nodes (a negative one counts from the end,
     as indexing does); an index outside the tree raises, as indexing with it would."""
     out = [int(x) for x in nodes]

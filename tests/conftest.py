@@ -12,6 +12,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 # MOA_TEST_THREADS=1 while a background job (e.g. training) holds a core: oversubscribed OpenMP is much slower
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(int(os.environ.get("MOA_TEST_THREADS", max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))))
+# the processes tests start (servers, CLIs, torchrun's ranks, interpreted kernels) get one OpenMP thread: beside
+# the workers, which use every core, a default-sized pool in each of them oversubscribes the cores
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
 
 
 # the longest test files, longest first (per-file time of a full run): under pytest-xdist (`--dist loadfile

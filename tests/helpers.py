@@ -326,3 +326,23 @@ def tree_rows_against_decodes(model, path: str, n_prompt: int = 300, chain: int 
                 diffs.append((k, f"kv of layer {li}", None))
                 break
     return diffs
+
+
+def together_and_alone(together, alone, tokens: list[list[int]], capture, check, rounds: int = 2) -> None:
+    """Two drafters fed the same requests (rid = index in `tokens`): each round `check(batch)` compares the
+    batched call on `together` with per-request calls on `alone`, then both commit the same two verified
+    tokens per request. `capture(ids, start)` -> the TargetCapture of `ids` at positions start..."""
+    from sglang_ext.drafters.base import DraftInput
+    from sglang_ext.sampling import SamplingParams
+
+    for rid, ids in enumerate(tokens):
+        cap = capture(ids, 0)
+        together.add_request(rid, cap)
+        alone.add_request(rid, cap)
+    for _ in range(rounds):  # the prompts, then two verified tokens each
+        check([DraftInput(rid, ids + [7], SamplingParams(), None) for rid, ids in enumerate(tokens)])
+        for rid, ids in enumerate(tokens):
+            cap = capture([7, 8], len(ids))
+            together.commit(rid, cap)
+            alone.commit(rid, cap)
+            tokens[rid] = ids + [7, 8]

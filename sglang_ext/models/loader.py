@@ -303,7 +303,25 @@ def check_weights(cfg: LlamaConfig, state: dict[str, torch.Tensor], model_dir: P
         )
 
 
+# tokenizer classes that are transformers' tokenizers-backed base class itself (AutoTokenizer resolves them to it)
+_BASE_TOKENIZER_CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast"}
+
+
 def load_tokenizer(model_dir: Path):
+    """The checkpoint's tokenizer, as AutoTokenizer loads it. A tokenizer.json whose config names the base
+    class loads through that class directly: AutoTokenizer would resolve the same class, but only after
+    importing transformers' model configs (and, through them, torchvision): ~2 s of every process start."""
+    model_dir = Path(model_dir)
+    config = model_dir / "tokenizer_config.json"
+    if (model_dir / "tokenizer.json").is_file() and config.is_file():
+        try:
+            named = json.loads(config.read_text()).get("tokenizer_class")
+        except (OSError, ValueError):
+            named = None
+        if named in _BASE_TOKENIZER_CLASSES:
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(model_dir)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(model_dir)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import compare_to_reference, drafter_pools_whole, tiny_config, tiny_state
+from helpers import compare_to_reference, drafter_pools_whole, tiny_config, tiny_state, together_and_alone
 from safetensors.torch import load_file, save_file
 
 from serving.config import EngineConfig
@@ -359,33 +359,25 @@ def test_draft_norm_uses_the_kernel_when_drafting_and_torch_when_training():
 def test_a_batch_extend_leaves_each_request_the_state_it_gets_alone():
     """The batch's pending pairs go through one fuse, one allocation, one flat causal mask and one
     layer pass; each request's draft K/V and root output equal what it gets extended alone."""
-    from sglang_ext.drafters.base import DraftInput, TargetCapture
+    from sglang_ext.drafters.base import TargetCapture
 
     target, draft = tiny_pair(seed=1)
     together, alone = Eagle3Drafter(target.model, draft), Eagle3Drafter(target.model, draft)
     g = torch.Generator().manual_seed(0)
     h = target.model.cfg.hidden_size
-    tokens = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 3)]
 
     def capture(ids, start):
         n = len(ids)
         hidden = {l: torch.randn(n, h, generator=g) for l in together.capture_layers}
         return TargetCapture(ids, torch.arange(start, start + n), torch.arange(start, start + n), hidden)
 
-    for rid, ids in enumerate(tokens):
-        cap = capture(ids, 0)
-        together.add_request(rid, cap)
-        alone.add_request(rid, cap)
-    for _ in range(2):  # the prompts, then two verified tokens each
-        batch = [DraftInput(rid, ids + [7], SamplingParams(), None) for rid, ids in enumerate(tokens)]
+    def check(batch):
         out = together._extend(batch)
         for i, d in enumerate(batch):
             torch.testing.assert_close(out[i], alone._extend([d])[0], rtol=0, atol=1e-6)
             a, b = together.reqs[d.rid].slots, alone.reqs[d.rid].slots
             torch.testing.assert_close(together.kv.k[0][a], alone.kv.k[0][b], rtol=0, atol=1e-6)
             torch.testing.assert_close(together.kv.v[0][a], alone.kv.v[0][b], rtol=0, atol=1e-6)
-        for rid, ids in enumerate(tokens):
-            cap = capture([7, 8], len(ids))
-            together.commit(rid, cap)
-            alone.commit(rid, cap)
-            tokens[rid] = ids + [7, 8]
+
+    tokens = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 3)]
+    together_and_alone(together, alone, tokens, capture, check)

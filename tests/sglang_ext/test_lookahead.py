@@ -150,7 +150,7 @@ def test_engine_fills_tree_argmax_only_for_drafters_that_want_it():
 
 @pytest.fixture(scope="module")
 def prompts(eval_prompts):
-    """Every other eval prompt (two of each set): the engine's identity tests run all of them for the
+    """Every other eval prompt (two of each set): the engine's identity tests cover all of them for the
     engine-side paths; these cover the lookahead drafter's own."""
     return eval_prompts[::2]
 
@@ -164,6 +164,8 @@ def vanilla_outputs(smollm2_fp32, prompts):
 @pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
 @pytest.mark.parametrize("bs", [1, 4])
 def test_greedy_identity(smollm2_fp32, prompts, vanilla_outputs, shape, bs):
+    half = slice(1, None, 2) if bs == 1 else slice(0, None, 2)  # each prompt once per shape: alone or batched
+    prompts, vanilla_outputs = prompts[half], vanilla_outputs[half]
     eng = Engine(smollm2_fp32, make_drafter("lookahead", smollm2_fp32), EngineConfig(tree=SHAPES[shape]))
     outs, steps = generate_in_groups(eng, prompts, bs, NEW_TOKENS)
     verdicts = [compare_to_reference(smollm2_fp32.model, p, r, o) for p, r, o in zip(prompts, vanilla_outputs, outs)]

@@ -385,6 +385,8 @@ def vanilla_outputs(smollm2_fp32, prompts):
 @pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
 @pytest.mark.parametrize("bs", [1, 4])
 def test_greedy_identity_with_the_shipped_heads(smollm2_fp32, prompts, vanilla_outputs, shape, bs):
+    half = slice(1, None, 2) if bs == 1 else slice(0, None, 2)  # each prompt once per shape: alone or batched
+    prompts, vanilla_outputs = prompts[half], vanilla_outputs[half]
     eng = Engine(smollm2_fp32, make_drafter("medusa", smollm2_fp32), EngineConfig(tree=SHAPES[shape]))
     outs, accepted = generate_in_groups(eng, prompts, bs, NEW_TOKENS)
     verdicts = [compare_to_reference(smollm2_fp32.model, p, r, o) for p, r, o in zip(prompts, vanilla_outputs, outs)]

@@ -383,6 +383,8 @@ def vanilla_outputs(smollm2_fp32, prompts):
 @pytest.mark.parametrize("shape", GREEDY_SHAPES, ids=list(GREEDY_SHAPES))
 @pytest.mark.parametrize("bs", [1, 4])
 def test_greedy_identity(smollm2_fp32, prompts, vanilla_outputs, name, shape, bs):
+    half = slice(1, None, 2) if bs == 1 else slice(0, None, 2)  # each prompt once per shape: alone or batched
+    prompts, vanilla_outputs = prompts[half], vanilla_outputs[half]
     drafter = make_drafter(name, smollm2_fp32)
     eng = Engine(smollm2_fp32, drafter, EngineConfig(tree=GREEDY_SHAPES[shape]))
     outs = []

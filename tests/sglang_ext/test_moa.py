@@ -7,7 +7,14 @@ import json
 
 import pytest
 import torch
-from helpers import compare_to_reference, drafter_pools_whole, slots_whole, tiny_config, tiny_state
+from helpers import (
+    compare_to_reference,
+    drafter_pools_whole,
+    slots_whole,
+    tiny_config,
+    tiny_state,
+    together_and_alone,
+)
 
 from serving.config import EngineConfig
 from serving.engine import Engine
@@ -425,12 +432,7 @@ def test_a_batch_flush_leaves_each_request_the_state_it_gets_alone(tli):
         n = len(ids)
         return TargetCapture(ids, torch.arange(start, start + n), torch.tensor([next(slots) for _ in ids]), {}, kv)
 
-    for rid, ids in enumerate(tokens):
-        cap = capture(ids, 0)
-        together.add_request(rid, cap)
-        alone.add_request(rid, cap)
-    for _ in range(2):  # the prompts, then two verified tokens each
-        batch = [DraftInput(rid, ids + [7], SamplingParams(), None) for rid, ids in enumerate(tokens)]
+    def check(batch):
         together._flush(batch)
         for d in batch:
             alone._flush([d])
@@ -440,8 +442,5 @@ def test_a_batch_flush_leaves_each_request_the_state_it_gets_alone(tli):
                 other = alone.mem if pool is together.mem else alone.sa
                 torch.testing.assert_close(pool.k[0][x], other.k[0][y], rtol=0, atol=1e-6)
                 torch.testing.assert_close(pool.v[0][x], other.v[0][y], rtol=0, atol=1e-6)
-        for rid, ids in enumerate(tokens):
-            cap = capture([7, 8], len(ids))
-            together.commit(rid, cap)
-            alone.commit(rid, cap)
-            tokens[rid] = ids + [7, 8]
+
+    together_and_alone(together, alone, tokens, capture, check)

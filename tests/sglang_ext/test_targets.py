@@ -139,3 +139,44 @@ def test_an_unsupported_architecture_is_one_line(tmp_path, capsys):
         err == f"moa-serve train eagle3: error: unsupported model_type 'gemma' in {tmp_path}; supported: llama, "
         "qwen2, mistral"
     )
+
+
+def test_load_tokenizer_is_autotokenizers_tokenizer_without_its_imports(tmp_path):
+    """The shipped tokenizer (config naming the tokenizers-backed base class) loads as AutoTokenizer loads it:
+    same class, ids, chat template and text, and a fresh process does so without importing transformers' model
+    configs or torchvision. A config naming another class still goes through AutoTokenizer."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from sglang_ext.models.loader import load_tokenizer
+
+    src = resolve_target("smollm2")
+    ours, auto = load_tokenizer(src), AutoTokenizer.from_pretrained(src)
+    assert type(ours) is type(auto)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hé <b>you</b> 😀\n\n  x"}]
+    assert ours.apply_chat_template(chat, add_generation_prompt=True) == auto.apply_chat_template(
+        chat, add_generation_prompt=True
+    )
+    text = "Hello <|im_end|> wörld\n\n bar 😀"
+    assert ours.encode(text) == auto.encode(text) and ours.decode(ours.encode(text)) == text
+    assert (ours.eos_token_id, ours.pad_token_id, ours.all_special_ids) == (
+        auto.eos_token_id,
+        auto.pad_token_id,
+        auto.all_special_ids,
+    )
+    probe = (
+        "import sys; from sglang_ext.models.loader import load_tokenizer, resolve_target; "
+        "load_tokenizer(resolve_target('smollm2')); "
+        "print(sorted(m for m in sys.modules if m == 'torchvision' or m.startswith('transformers.models.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+    for f in TOKENIZER_FILES:
+        if (src / f).is_file():
+            shutil.copy(src / f, tmp_path / f)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config | {"tokenizer_class": "GPT2Tokenizer"}))
+    assert type(load_tokenizer(tmp_path)) is type(AutoTokenizer.from_pretrained(tmp_path))
