@@ -65,9 +65,14 @@ def pytest_collection_modifyitems(session, config, items):
 @pytest.fixture(autouse=True)
 def _settings_per_test():
     """settings() reads MOA_* once per process: a test that changes them calls reload_settings(), and each
-    test ends by dropping the cached Settings (after monkeypatch restored the environment)."""
+    test ends by dropping the cached Settings (after monkeypatch restored the environment). It also gives
+    back the worker's torch threads: a command run in-process (`moa-serve distill --threads 2`) sets them
+    for the process, and two threads on a worker beside the other worker's oversubscribe the cores."""
+    threads = torch.get_num_threads()
     yield
     settings.cache_clear()
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

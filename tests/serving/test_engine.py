@@ -90,9 +90,9 @@ def _check_identity(target, prompts, ref, outs, label):
 def test_greedy_identity(smollm2_fp32, eval_prompts, vanilla_outputs, drafter, shape, bs):
     assert len(eval_prompts) >= 20
     # bs 1 takes the odd prompts and batches of 4 (padding, requests finishing apart) the even ones: each prompt
-    # (4 per eval set, in order) is checked once per drafter and shape. The self-draft drafts with the target
-    # itself (a target forward per draft token; greedy drafts are all accepted): fewer prompts cover its
-    # plumbing, every eval set among them (every 4th from 1 at bs 1, every 3rd at bs 4).
+    # (4 per eval set, in order) is checked once per drafter and shape. The self-draft drafts with a subset of
+    # the target's layers (a forward of those per draft depth): fewer prompts cover its plumbing, every eval
+    # set among them (every 4th from 1 at bs 1, every 3rd at bs 4).
     if bs == 1:
         picked = range(1, len(eval_prompts), 4 if drafter == "draft-model" else 2)
     else:
