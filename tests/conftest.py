@@ -12,6 +12,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 # MOA_TEST_THREADS=1 while a background job (e.g. training) holds a core: oversubscribed OpenMP is much slower
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(int(os.environ.get("MOA_TEST_THREADS", max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))))
+# ...and they stay the harness's: a command run in-process (`moa-serve distill` sets --threads 2, a training job
+# its config's threads) would set two threads on a worker beside the other worker, oversubscribing the cores
+# for that test and every later one on the worker. (--threads itself is exercised by the subprocess tests.)
+torch.set_num_threads = lambda n: None
 # the processes tests start (servers, CLIs, torchrun's ranks, interpreted kernels) get one OpenMP thread: beside
 # the workers, which use every core, a default-sized pool in each of them oversubscribes the cores
 for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -65,14 +69,9 @@ def pytest_collection_modifyitems(session, config, items):
 @pytest.fixture(autouse=True)
 def _settings_per_test():
     """settings() reads MOA_* once per process: a test that changes them calls reload_settings(), and each
-    test ends by dropping the cached Settings (after monkeypatch restored the environment). It also gives
-    back the worker's torch threads: a command run in-process (`moa-serve distill --threads 2`) sets them
-    for the process, and two threads on a worker beside the other worker's oversubscribe the cores."""
-    threads = torch.get_num_threads()
+    test ends by dropping the cached Settings (after monkeypatch restored the environment)."""
     yield
     settings.cache_clear()
-    if torch.get_num_threads() != threads:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
