@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 from helpers import (
+    alone_or_batched,
     compare_to_reference,
     drafter_pools_whole,
     reference_greedy,
@@ -96,7 +97,7 @@ def test_greedy_identity(smollm2_fp32, eval_prompts, vanilla_outputs, drafter, s
     if drafter == "draft-model":
         picked = range(1 if bs == 1 else 5, len(eval_prompts), 8)
     else:
-        picked = range(1 if bs == 1 else 0, len(eval_prompts), 2)
+        picked = range(len(eval_prompts))[alone_or_batched(bs)]
     prompts, vanilla = [eval_prompts[i] for i in picked], [vanilla_outputs[i] for i in picked]
     eng = Engine(smollm2_fp32, make_drafter(drafter, smollm2_fp32), EngineConfig(tree=SHAPES[shape]))
     outs = []

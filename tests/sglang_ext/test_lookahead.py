@@ -3,7 +3,7 @@ trajectories; the engine's tree_argmax; greedy identity on the real SmolLM2; the
 
 import pytest
 import torch
-from helpers import compare_to_reference, generate_in_groups, slots_whole, tiny_target
+from helpers import alone_or_batched, compare_to_reference, generate_in_groups, slots_whole, tiny_target
 from test_distribution import PROMPT, SAMPLES, chi2_pvalue, exact_joint_t2_t3
 
 from serving.config import EngineConfig
@@ -164,7 +164,7 @@ def vanilla_outputs(smollm2_fp32, prompts):
 @pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
 @pytest.mark.parametrize("bs", [1, 4])
 def test_greedy_identity(smollm2_fp32, prompts, vanilla_outputs, shape, bs):
-    half = slice(1, None, 2) if bs == 1 else slice(0, None, 2)  # each prompt once per shape: alone or batched
+    half = alone_or_batched(bs)
     prompts, vanilla_outputs = prompts[half], vanilla_outputs[half]
     eng = Engine(smollm2_fp32, make_drafter("lookahead", smollm2_fp32), EngineConfig(tree=SHAPES[shape]))
     outs, steps = generate_in_groups(eng, prompts, bs, NEW_TOKENS)

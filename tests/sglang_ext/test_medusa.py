@@ -10,7 +10,15 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import compare_to_reference, generate_in_groups, slots_whole, tiny_config, tiny_state, tiny_target
+from helpers import (
+    alone_or_batched,
+    compare_to_reference,
+    generate_in_groups,
+    slots_whole,
+    tiny_config,
+    tiny_state,
+    tiny_target,
+)
 from test_distribution import PROMPT, SAMPLES, chi2_pvalue, exact_joint_t2_t3
 
 from serving.config import EngineConfig
@@ -385,7 +393,7 @@ def vanilla_outputs(smollm2_fp32, prompts):
 @pytest.mark.parametrize("shape", SHAPES, ids=list(SHAPES))
 @pytest.mark.parametrize("bs", [1, 4])
 def test_greedy_identity_with_the_shipped_heads(smollm2_fp32, prompts, vanilla_outputs, shape, bs):
-    half = slice(1, None, 2) if bs == 1 else slice(0, None, 2)  # each prompt once per shape: alone or batched
+    half = alone_or_batched(bs)
     prompts, vanilla_outputs = prompts[half], vanilla_outputs[half]
     eng = Engine(smollm2_fp32, make_drafter("medusa", smollm2_fp32), EngineConfig(tree=SHAPES[shape]))
     outs, accepted = generate_in_groups(eng, prompts, bs, NEW_TOKENS)

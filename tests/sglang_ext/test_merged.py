@@ -12,7 +12,7 @@ import random
 
 import pytest
 import torch
-from helpers import compare_to_reference, slots_whole, tiny_target
+from helpers import alone_or_batched, compare_to_reference, slots_whole, tiny_target
 from test_distribution import PROMPT, SAMPLES, chi2_pvalue, exact_joint_t2_t3
 
 from serving.config import EngineConfig
@@ -383,7 +383,7 @@ def vanilla_outputs(smollm2_fp32, prompts):
 @pytest.mark.parametrize("shape", GREEDY_SHAPES, ids=list(GREEDY_SHAPES))
 @pytest.mark.parametrize("bs", [1, 4])
 def test_greedy_identity(smollm2_fp32, prompts, vanilla_outputs, name, shape, bs):
-    half = slice(1, None, 2) if bs == 1 else slice(0, None, 2)  # each prompt once per shape: alone or batched
+    half = alone_or_batched(bs)
     prompts, vanilla_outputs = prompts[half], vanilla_outputs[half]
     drafter = make_drafter(name, smollm2_fp32)
     eng = Engine(smollm2_fp32, drafter, EngineConfig(tree=GREEDY_SHAPES[shape]))
