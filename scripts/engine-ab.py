@@ -21,7 +21,7 @@ import json
 from dataclasses import replace
 
 import serving.engine as engine_module
-from benchmarks.batch import engine_batch_runner, run_batch_sweep
+from moa_serve.benchmarks.batch import engine_batch_runner, run_batch_sweep
 from serving.adaptive import AdaptiveSpeculation
 from serving.config import EngineConfig
 from sglang_ext.evalsets import EVAL_SETS, load_eval_set

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU engine job (benchmarks/gpu_job/ via python -m entrypoints.gpu_job) on a lent GPU machine:
+# The GPU engine job (moa_serve/benchmarks/gpu_job/ via python -m moa_serve.entrypoints.gpu_job) on a lent GPU machine:
 # greedy identity of every drafter on CUDA, bs-1 tok/s / tau per method with transformers `generate` on
 # the same GPU, the batch sweep 1/8/64 (vanilla, best drafter, adaptive) and `pytest -m gpu`, in one
 # command of <= 10 minutes (the job's own deadline: 8), results back as JSON.
@@ -24,7 +24,7 @@
 #   here:      scripts/gpu-engine-job.sh collect FILES_AT   # results.json, table.md, job.log, pytest.log
 #                                                           #   -> results/gpu-engine/; then give_back
 # SMOKE=1 makes `run` first run the job's --smoke on the GPU (~30 s); DEADLINE_MIN (default 8) and
-# JOB_ARGS (more flags of python -m entrypoints.gpu_job) change the run; DEVICE=cpu runs `run` here.
+# JOB_ARGS (more flags of python -m moa_serve.entrypoints.gpu_job) change the run; DEVICE=cpu runs `run` here.
 # Commit nothing between hide-drafters and restore-drafters.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -157,11 +157,11 @@ run) # device, command 2
   export PYTHONPATH="$PWD:/tmp/moa-pylib" PYTHONUNBUFFERED=1 MOA_SERVE_EVAL_DIR="$PWD/$S/c2/eval"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
   if [ -n "${SMOKE:-}" ]; then
-    $PY -m entrypoints.gpu_job --smoke --device "${DEVICE:-cuda}" --out /tmp/moa-gpu-smoke --eval-sets mt_bench \
+    $PY -m moa_serve.entrypoints.gpu_job --smoke --device "${DEVICE:-cuda}" --out /tmp/moa-gpu-smoke --eval-sets mt_bench \
       --gpu-tests none 2>&1 | tail -25
   fi
   # shellcheck disable=SC2086
-  $PY -m entrypoints.gpu_job --target-gguf /tmp/moa-target/$GGUF_NAME --device "${DEVICE:-cuda}" --out "$out" \
+  $PY -m moa_serve.entrypoints.gpu_job --target-gguf /tmp/moa-target/$GGUF_NAME --device "${DEVICE:-cuda}" --out "$out" \
     --deadline-min "${DEADLINE_MIN:-8}" --commit "$(cat $S/c2/commit)" ${JOB_ARGS:-} 2>&1 | tee "$out/job.log"
   ;;
 collect) # here: FILES_AT of the run command

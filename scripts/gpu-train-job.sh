@@ -38,7 +38,7 @@ prepare() {
   if [ "$(cat $engine/gguf.sha256 2>/dev/null)" = "$sha" ]; then cp $engine/target.gguf.xz $S/payload/; else xz -9e -T2 -c "$gguf" >$S/payload/target.gguf.xz; fi
   echo "$sha" >$S/payload/gguf.sha256
   shards=${SHARDS:-runs/shards}
-  [ -f "$shards/manifest.json" ] || $HERE_PY -m entrypoints.cli train pack --data sharegpt --data ../shared/data/distill --out "$shards"
+  [ -f "$shards/manifest.json" ] || $HERE_PY -m moa_serve.entrypoints.cli train pack --data sharegpt --data ../shared/data/distill --out "$shards"
   tar -cf $S/payload/shards.tar -C "$shards" .
   for h in ${INIT_HEADS:-}; do cp -rL "drafters/smollm2-$h" "$S/payload/init/$h"; done
   $HERE_PY -m pip download -q --no-deps -d $S/payload gguf==0.19.0
@@ -129,11 +129,11 @@ run) # device, command N
   device=${DEVICE:-cuda}
   init=()
   [ -n "$(ls -A $MACHINE_STAGE/p/init 2>/dev/null)" ] && init=(--init-from $MACHINE_STAGE/p/init)
-  [ -n "${SKIP_SMOKE:-}" ] || $PY -m entrypoints.train_job --shards $MACHINE_STAGE/shards --out /tmp/moa-smoke --smoke \
+  [ -n "${SKIP_SMOKE:-}" ] || $PY -m moa_serve.entrypoints.train_job --shards $MACHINE_STAGE/shards --out /tmp/moa-smoke --smoke \
     --device "$device" 2>&1 | tail -3
   [ -z "${SMOKE_ONLY:-}" ] || exit 0
   # shellcheck disable=SC2086
-  $PY -m entrypoints.train_job --shards $MACHINE_STAGE/shards --target-gguf /tmp/moa-target/$GGUF_NAME --out /tmp/moa-job \
+  $PY -m moa_serve.entrypoints.train_job --shards $MACHINE_STAGE/shards --target-gguf /tmp/moa-target/$GGUF_NAME --out /tmp/moa-job \
     --pack "$out" --device "$device" --time-budget-min "${TIME_BUDGET_MIN:-6.5}" --deadline-min "${DEADLINE_MIN:-8.2}" \
     "${init[@]}" ${JOB_ARGS:-} 2>&1 | tee "$out/job.log"
   cp /tmp/moa-job/summary.json "$out/summary.json"

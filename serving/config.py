@@ -4,7 +4,7 @@
     engine = build_engine(config)             # serving/engine.py: loads the target, builds the drafter
     engine = Engine(target, drafter, config)  # or around a target and drafter built elsewhere (tests)
 
-The command line turns its flags into an EngineConfig at its edge (entrypoints/flags.py: engine_config);
+The command line turns its flags into an EngineConfig at its edge (moa_serve/entrypoints/flags.py: engine_config);
 nothing below it reads argparse. build_engine lives beside Engine in serving/engine.py: Engine reads
 its settings from an EngineConfig, so this module cannot import the engine back (no import cycles
 between modules, tests/test_layout.py).

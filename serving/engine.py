@@ -93,7 +93,7 @@ __all__ = [
 
 PREDICTION_HEAD = 4  # prompt tokens before a predicted output in the drafter's reference (the assistant turn header)
 
-log = logging.getLogger("moa_serve.engine")
+log = logging.getLogger(__name__)
 
 
 class Engine:

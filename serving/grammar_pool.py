@@ -35,7 +35,7 @@ from .api.errors import APIError
 from .api.tools import ToolCalling
 from .grammar_worker import HEADER, encode_frame
 
-log = logging.getLogger("moa_serve.grammar")
+log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parent.parent  # the directory holding the `serving` package
 MAX_CACHE_ENTRIES = 4096

@@ -38,7 +38,7 @@ from sglang_ext.sampling import InvalidRequest, SamplingParams
 
 from .engine import Engine, Request, StepEvent
 
-log = logging.getLogger("moa_serve.scheduler")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import torch
 from .errors import InvalidRequest
 from .tree import TokenTree
 
-log = logging.getLogger("moa_serve.grammar")
+log = logging.getLogger(__name__)
 
 KINDS = ("json_schema", "regex", "ebnf")
 _PARAMS = {"json_schema": "response_format", "regex": "regex", "ebnf": "ebnf"}  # each kind's API parameter

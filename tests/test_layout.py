@@ -1,11 +1,12 @@
 """The import graph of the product packages. Dependencies run one way, each layer importing only the
 layers below it: `sglang_ext` (the speculative core) <- `serving` (engine, scheduler, backends, gateway,
-edge) <- `benchmarks` <- `entrypoints` (the `moa-serve` command line); and no two top-level modules
-import each other in a circle, nor do any two files.
+edge) <- `moa_serve.benchmarks` <- `moa_serve.entrypoints` (the `moa-serve` command line); and no two
+top-level modules import each other in a circle, nor do any two files.
 
 Imports are read with ast (nothing is executed), function-local imports included: a lazy import is still
-a dependency. A module's top-level module is its first two dotted parts (`serving.gateway.app` ->
-`serving.gateway`, `sglang_ext.training.distill` -> `sglang_ext.training`; a plain file such as
+a dependency. A module's top-level module is its layer and one dotted part more (`serving.gateway.app` ->
+`serving.gateway`, `sglang_ext.training.distill` -> `sglang_ext.training`,
+`moa_serve.benchmarks.gpu_job.sections` -> `moa_serve.benchmarks.gpu_job`; a plain file such as
 `serving/engine.py` is `serving.engine`).
 """
 
@@ -15,7 +16,16 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("sglang_ext", "serving", "benchmarks", "entrypoints")  # lowest layer first
+PACKAGES = ("sglang_ext", "serving", "moa_serve.benchmarks", "moa_serve.entrypoints")  # lowest layer first
+
+
+def _layer(module: str) -> str | None:
+    """The layer (an entry of PACKAGES) a dotted module name belongs to, or None."""
+    return next((p for p in PACKAGES if module == p or module.startswith(p + ".")), None)
+
+
+def _files(pkg: str):
+    return (ROOT / pkg.replace(".", "/")).rglob("*.py")
 
 
 def _module_name(path: Path) -> str:
@@ -42,19 +52,20 @@ def _imports(path: Path) -> set[str]:
                 prefix = node.module or ""
             out.add(prefix)
             out.update(f"{prefix}.{a.name}" for a in node.names)  # `from pkg import module`
-    return {m for m in out if m.split(".")[0] in PACKAGES}
+    return {m for m in out if _layer(m) is not None}
 
 
 def _top(module: str) -> str:
-    return ".".join(module.split(".")[:2])
+    depth = len(_layer(module).split(".")) + 1
+    return ".".join(module.split(".")[:depth])
 
 
 def _graph() -> dict[str, set[str]]:
     """top-level module -> the top-level modules it imports (itself excluded)."""
-    known = {_top(_module_name(p)) for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    known = {_top(_module_name(p)) for pkg in PACKAGES for p in _files(pkg)}
     graph: dict[str, set[str]] = {m: set() for m in known}
     for pkg in PACKAGES:
-        for path in (ROOT / pkg).rglob("*.py"):
+        for path in _files(pkg):
             src = _top(_module_name(path))
             graph[src].update(t for t in map(_top, _imports(path)) if t in known and t != src)
     return graph
@@ -64,10 +75,10 @@ def _file_graph() -> dict[str, set[str]]:
     """module (one file) -> the modules it imports (each import resolved to the longest module name it
     starts with: `from ..models.checkpoint import MOA` -> sglang_ext.models.checkpoint; a package's
     __init__ is the package's name)."""
-    known = {_module_name(p) for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    known = {_module_name(p) for pkg in PACKAGES for p in _files(pkg)}
     graph: dict[str, set[str]] = {m: set() for m in known}
     for pkg in PACKAGES:
-        for path in (ROOT / pkg).rglob("*.py"):
+        for path in _files(pkg):
             src = _module_name(path)
             for name in _imports(path):
                 parts = name.split(".")
@@ -121,9 +132,9 @@ def _upward_imports() -> list[str]:
         {
             f"{path.relative_to(ROOT)} imports {_top(m)}"
             for pkg in PACKAGES
-            for path in (ROOT / pkg).rglob("*.py")
+            for path in _files(pkg)
             for m in _imports(path)
-            if rank[m.split(".")[0]] > rank[pkg]
+            if rank[_layer(m)] > rank[pkg]
         }
     )
 

@@ -18,7 +18,7 @@ from .base import Chunk, Job, KVCacheUsage, SpecStats
 from .detok import IncrementalText, TokenStrings
 from .telemetry import Telemetry
 
-log = logging.getLogger("moa_serve.embedded")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from .telemetry import Telemetry
 
 _FINISH = {"stop": "stop", "length": "length", "eos": "stop"}
 
-log = logging.getLogger("moa_serve.sglang")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

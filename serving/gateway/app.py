@@ -41,7 +41,7 @@ from .schemas import (
     tokenize_jobs,
 )
 
-log = logging.getLogger("moa_serve.gateway")
+log = logging.getLogger(__name__)
 
 try:
     VERSION = importlib.metadata.version("moa-serve")

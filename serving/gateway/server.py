@@ -32,12 +32,12 @@ from ..metrics import Metrics
 from .app import GatewayConfig, GatewayState
 from .schemas import Limits
 
-log = logging.getLogger("moa_serve.gateway")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ServeOptions:
-    """Everything `moa-serve serve` wires together, one object (entrypoints/serve.py fills it from flags):
+    """Everything `moa-serve serve` wires together, one object (moa_serve/entrypoints/serve.py fills it from flags):
     a backend (the embedded engine, or an upstream SGLang server) behind the gateway app, with its
     limits, keys and the optional edge API."""
 

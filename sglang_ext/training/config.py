@@ -1,6 +1,6 @@
 """The one configuration of a training run (job.run): heads, target, data, schedule, device, output.
 
-Every `moa-serve train` command fills it from its flags (entrypoints/train.py): `train eagle3`,
+Every `moa-serve train` command fills it from its flags (moa_serve/entrypoints/train.py): `train eagle3`,
 `train moa --tli N` and `train medusa` train one head, `train job` several on the same batches; they
 differ only in defaults.
 

@@ -3,8 +3,8 @@
     moa-serve train eagle3 --data sharegpt --out runs/eagle3                      one head
     moa-serve train job --shards data/shards --out runs/job --time-budget-min 7    EAGLE-3, MoA TLI=0 and 1 together
     moa-serve train job --smoke --device cpu                                       CPU, seconds (synthetic data)
-    torchrun --standalone --nproc-per-node 2 -m entrypoints.cli train job ...      data parallel over 2 ranks
-    python -m entrypoints.train_job ...      `train job` where only torch is installed (a GPU machine)
+    torchrun --standalone --nproc-per-node 2 -m moa_serve.entrypoints.cli train job ...      data parallel over 2 ranks
+    python -m moa_serve.entrypoints.train_job ...      `train job` where only torch is installed (a GPU machine)
 
 Every head sees the same batches and the same target run (one target forward per step), so they
 are compared at equal training tokens. Data (sources.py): conversations tokenised with the target's

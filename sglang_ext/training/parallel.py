@@ -1,7 +1,8 @@
 """Data parallel training over torch.distributed: what `torchrun` starts, one process per device.
 
-    torchrun --standalone --nproc-per-node 2 -m entrypoints.cli train job ...      (one machine)
-    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:PORT -m entrypoints.cli train ...
+    torchrun --standalone --nproc-per-node 2 -m moa_serve.entrypoints.cli train job ...      (one machine)
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:PORT \
+        -m moa_serve.entrypoints.cli train ...
 
 Every rank loads the frozen target and the heads, forms the same global batches (so a run's data and
 schedule do not depend on the number of ranks) and trains on its rows of each (data.Part); the heads'

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.ablation import chain_tau, main, rows
-from entrypoints.train import main as train_main
+from moa_serve.benchmarks.ablation import chain_tau, main, rows
+from moa_serve.entrypoints.train import main as train_main
 
 
 def test_chain_tau():
@@ -30,5 +30,5 @@ def test_the_table_of_a_variant_job(tmp_path, capsys):
     assert md[0].startswith("| head | acc d0") and len(md) == 2 + 3 and "| moa-tli1@position_decay=0.7 |" in md[3]
     assert main([str(out), "--baseline", "eagle3"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("benchmarks.ablation: error: baseline 'eagle3' is not one of") and "\n" not in err
+    assert err.startswith("moa_serve.benchmarks.ablation: error: baseline 'eagle3' is not one of") and "\n" not in err
     assert main([str(tmp_path / "none")]) == 2

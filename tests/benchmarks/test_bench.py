@@ -2,8 +2,8 @@
 
 import json
 
-from benchmarks.bench import MethodResult, markdown_table
-from entrypoints.cli import main
+from moa_serve.benchmarks.bench import MethodResult, markdown_table
+from moa_serve.entrypoints.cli import main
 from sglang_ext.tree import TreeShape
 
 
@@ -56,7 +56,14 @@ def test_bench_quick_end_to_end(tmp_path):
 
 # --- batch sweep and gateway overhead -------------------------------------------------------------
 
-from benchmarks.batch import BatchResult, BatchRun, batch_grid_table, batch_rows_table, run_batch_sweep, speedup  # noqa: E402
+from moa_serve.benchmarks.batch import (  # noqa: E402
+    BatchResult,
+    BatchRun,
+    batch_grid_table,
+    batch_rows_table,
+    run_batch_sweep,
+    speedup,
+)
 
 
 def test_batch_speedup_is_against_same_batch_size_vanilla():
@@ -124,7 +131,7 @@ def test_batch_sweep_failure_at_one_batch_size_is_a_row():
 
 
 def test_sweep_serves_a_prompt_queue_b_at_a_time():
-    from benchmarks.batch import sweep_prompts
+    from moa_serve.benchmarks.batch import sweep_prompts
 
     prompts = [[i] for i in range(5)]
     assert sweep_prompts(prompts, 1, 3) == [[0], [1], [2]]
@@ -160,7 +167,7 @@ def test_sweep_interleaves_stepped_runners_step_by_step():
             return res
 
         def run(queue, max_new=4, concurrency=None):
-            from benchmarks.batch import drive
+            from moa_serve.benchmarks.batch import drive
 
             return drive(steps(queue, max_new, concurrency))
 
@@ -181,7 +188,7 @@ def test_sweep_interleaves_stepped_runners_step_by_step():
 
 def test_engine_runner_keeps_b_requests_running(smollm2_fp32):
     """Continuous batching in the sweep: never more than b running, refilled until the queue is served."""
-    from benchmarks.batch import engine_batch_runner
+    from moa_serve.benchmarks.batch import engine_batch_runner
 
     prompts = [smollm2_fp32.encode_chat([{"role": "user", "content": f"Count to {n}."}]) for n in range(5)]
     run = engine_batch_runner(smollm2_fp32, "vanilla", TreeShape.chain(1), 6, False, {})
@@ -193,7 +200,7 @@ def test_engine_runner_keeps_b_requests_running(smollm2_fp32):
     alone = run(prompts[:1], 6)
     assert alone.outputs[0] == res.outputs[0]  # batching does not change outputs (greedy, fp32)
     # stepped (as an interleaved sweep runs it): the same outputs, its own time counted
-    from benchmarks.batch import interleave
+    from moa_serve.benchmarks.batch import interleave
 
     spec = engine_batch_runner(smollm2_fp32, "ngram", TreeShape(3, 1, 4), 6, True, {})
     a, b = interleave([run.steps(prompts, 6, 2), spec.steps(prompts, 6, 2)])
@@ -255,7 +262,7 @@ def test_bench_batch_sweep_and_gateway_overhead_quick(tmp_path):
 
 
 def test_tau_per_eval_set_plot(tmp_path):
-    from benchmarks.bench import MethodResult, plot_tau_by_set
+    from moa_serve.benchmarks.bench import MethodResult, plot_tau_by_set
 
     rows = [
         MethodResult("vanilla", "mt_bench", "-", tokens=10, seconds=1.0),
@@ -269,7 +276,7 @@ def test_tau_per_eval_set_plot(tmp_path):
 
 
 def test_bench_turns_online_learning_off_inside_a_merged_drafter(smollm2_fp32):
-    from benchmarks.bench import bench_drafter
+    from moa_serve.benchmarks.bench import bench_drafter
 
     drafter = bench_drafter("suffix+ngram", smollm2_fp32)
     assert drafter.name == "suffix+ngram" and drafter.members[0].online is False

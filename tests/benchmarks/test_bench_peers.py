@@ -6,7 +6,7 @@ import json
 import pytest
 from helpers import tiny_config, tiny_state
 
-from benchmarks.bench import (
+from moa_serve.benchmarks.bench import (
     MethodResult,
     acceptance_by_position,
     acceptance_table,
@@ -16,7 +16,7 @@ from benchmarks.bench import (
     pooled_acceptance,
     run_interleaved,
 )
-from benchmarks.peers import (
+from moa_serve.benchmarks.peers import (
     PeerStats,
     PeerUnavailable,
     hf_runner,
@@ -164,7 +164,7 @@ def test_layer_ranges():
 
 def test_llama_cpp_peer_on_the_target_gguf():
     pytest.importorskip("llama_cpp", reason="optional peer: `make bench-peers` builds llama-cpp-python")
-    from benchmarks.peers import llama_cpp_runner
+    from moa_serve.benchmarks.peers import llama_cpp_runner
 
     try:
         gguf = target_gguf("smollm2")
@@ -184,7 +184,7 @@ def test_llama_cpp_peer_on_the_target_gguf():
 
 @pytest.mark.slow
 def test_bench_quick_with_peers_and_sampling(tmp_path):
-    from entrypoints.cli import main
+    from moa_serve.entrypoints.cli import main
 
     out = tmp_path / "bench"
     rc = main(

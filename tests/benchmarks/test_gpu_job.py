@@ -1,5 +1,5 @@
-"""The GPU engine job (benchmarks/gpu_job/, python -m entrypoints.gpu_job) on CPU: its --smoke run end to
-end, in a process where the packages a lent GPU machine lacks cannot be imported (fastapi, uvicorn,
+"""The GPU engine job (moa_serve/benchmarks/gpu_job/, python -m moa_serve.entrypoints.gpu_job) on CPU: its --smoke
+run end to end, in a process where the packages a lent GPU machine lacks cannot be imported (fastapi, uvicorn,
 xgrammar, sglang, gguf, ...; ../shared/notes/gpu.md) and our C++ kernels are off, as there."""
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def _python(code: str, *args: str, timeout: int = 240, eval_dir=None) -> subproc
 
 def test_job_modules_import_without_what_the_gpu_machine_lacks():
     done = _python(
-        "import benchmarks.gpu_job, entrypoints.gpu_job, serving.engine, benchmarks.batch, benchmarks.peers\n"
+        "import moa_serve.benchmarks.gpu_job, moa_serve.entrypoints.gpu_job, serving.engine\n"
+        "import moa_serve.benchmarks.batch, moa_serve.benchmarks.peers\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ABSENT))"
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -65,7 +66,9 @@ def test_smoke_job_end_to_end(tmp_path):
         (evals / f"{name}.jsonl").write_text(json.dumps({"turns": [turn]}) + "\n" + json.dumps({"turns": [turn * 2]}))
     args = ["--smoke", "--device", "cpu", "--out", str(out), "--eval-sets", "mt_bench,gsm8k"]
     args += ["--gpu-tests", "tests/test_layout.py"]  # the pytest step's code path: a file without GPU tests
-    done = _python("from entrypoints.gpu_job import main\nsys.exit(main(sys.argv[1:]))", *args, eval_dir=evals)
+    done = _python(
+        "from moa_serve.entrypoints.gpu_job import main\nsys.exit(main(sys.argv[1:]))", *args, eval_dir=evals
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
     assert {"device", "torch", "commit", "profile", "identity", "bs1", "sweep", "throughput"} <= set(res)

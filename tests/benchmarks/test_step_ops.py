@@ -1,4 +1,4 @@
-"""The host-cost proxy (benchmarks/step_ops.py): ops a steady-state engine step dispatches outside graph
+"""The host-cost proxy (moa_serve/benchmarks/step_ops.py): ops a steady-state engine step dispatches outside graph
 replays, on the meta device. A model drafter's whole search is one static function (one graph replay on
 a GPU), so a drafted step dispatches a few hundred ops outside graphs, not the ~1,000-1,400 of a search
 run step by step (EAGLE-3 and MoA at tree 6,4,24, one request). The engine's own per-request work (root
@@ -7,7 +7,7 @@ costs the same ops at any batch, and a drafted one gains only what its drafter a
 
 import pytest
 
-from benchmarks.step_ops import count_step_ops
+from moa_serve.benchmarks.step_ops import count_step_ops
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "moa"])

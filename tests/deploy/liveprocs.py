@@ -112,7 +112,7 @@ class Gateway(LiveProcess):
         for var in ("MOA_SERVE_BACKEND", "MOA_SERVE_UPSTREAM", "MOA_SERVE_API_KEYS"):
             env.pop(var, None)
         script = Path(sys.executable).parent / "moa-serve"  # the console script; the module when not installed
-        cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "entrypoints.cli"]
+        cmd = [str(script)] if script.is_file() else [sys.executable, "-m", "moa_serve.entrypoints.cli"]
         argv = [
             *cmd,
             "serve",

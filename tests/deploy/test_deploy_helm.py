@@ -347,7 +347,7 @@ def test_rendered_rules_and_dashboard_match_sources(helm):
 def test_gateway_command_and_env_are_what_moa_serve_takes(helm, values):
     """The chart's gateway container runs `moa-serve serve` with flags the command line accepts (its own
     parser reads them) and sets only MOA_* variables the settings know, with values they accept."""
-    from entrypoints.cli import build_parser
+    from moa_serve.entrypoints.cli import build_parser
     from sglang_ext import settings as settings_mod
 
     c = container(one(helm.render_values(values), "Deployment", "-gateway"), "gateway")

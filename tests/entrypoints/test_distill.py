@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from entrypoints.cli import main as cli_main
-from entrypoints.distill import distill
+from moa_serve.entrypoints.cli import main as cli_main
+from moa_serve.entrypoints.distill import distill
 from serving.config import EngineConfig
 from serving.engine import Engine
 from sglang_ext.sampling import SamplingParams

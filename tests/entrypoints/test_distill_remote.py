@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from entrypoints.cli import main as cli_main
+from moa_serve.entrypoints.cli import main as cli_main
 from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.gateway.app import create_app

@@ -6,7 +6,7 @@ import json
 import pytest
 
 import serving.engine as engine_mod
-from entrypoints.cli import main
+from moa_serve.entrypoints.cli import main
 from sglang_ext.evalsets import load_eval_set
 
 

@@ -6,7 +6,7 @@ import json
 
 from helpers import compare_to_reference
 
-from entrypoints.cli import main as cli_main
+from moa_serve.entrypoints.cli import main as cli_main
 from sglang_ext.drafters import default_tree
 from sglang_ext.evalsets import load_eval_set
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from entrypoints.cli import main as cli_main
+from moa_serve.entrypoints.cli import main as cli_main
 from sglang_ext.models.checkpoint import read_weights
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,9 +45,9 @@ def _run(cmd: list[str], cwd: Path) -> subprocess.CompletedProcess:
 def test_torchrun_two_ranks_run_the_smoke_job_as_one_process(tmp_path):
     clone = _fresh_clone(tmp_path / "clone")
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    two = _run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "entrypoints.cli", *SMOKE], clone)
+    two = _run([torchrun, "--standalone", "--nproc-per-node", "2", "-m", "moa_serve.entrypoints.cli", *SMOKE], clone)
     assert two.returncode == 0, two.stderr[-3000:]
-    one = _run([sys.executable, "-m", "entrypoints.cli", *SMOKE, "--out", str(tmp_path / "one")], clone)
+    one = _run([sys.executable, "-m", "moa_serve.entrypoints.cli", *SMOKE, "--out", str(tmp_path / "one")], clone)
     assert one.returncode == 0, one.stderr[-3000:]
     s2 = json.loads((clone / "runs" / "smoke" / "summary.json").read_text())  # --smoke's default --out
     s1 = json.loads((tmp_path / "one" / "summary.json").read_text())

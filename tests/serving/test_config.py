@@ -10,8 +10,8 @@ import torch
 from helpers import tiny_target
 
 import serving.engine as engine_mod
-from entrypoints.cli import build_parser, main
-from entrypoints.flags import engine_config, sampling_params
+from moa_serve.entrypoints.cli import build_parser, main
+from moa_serve.entrypoints.flags import engine_config, sampling_params
 from serving.config import EngineConfig
 from serving.engine import Engine, build_engine
 from sglang_ext.drafters import _REGISTRY as REGISTRY

@@ -11,7 +11,7 @@ import pytest
 import torch
 from helpers import compare_to_reference, tiny_config, tiny_state
 
-from benchmarks.netem import PROFILES, LinkProxy
+from moa_serve.benchmarks.netem import PROFILES, LinkProxy
 from serving.edge.client import EdgeClient, collect
 from serving.edge.protocol import pack, unpack
 from serving.edge.service import EdgeLimits, EdgeService
@@ -160,7 +160,7 @@ class _CharTokenizer:
 
 def test_cli_edge_json_against_the_server(setup, monkeypatch, capsys):
     """`moa-serve edge --json`: one JSON object like generate's, the greedy output, the drafter's default tree."""
-    from entrypoints.cli import main
+    from moa_serve.entrypoints.cli import main
 
     target, drafts, service, srv = setup
     local = Target(model=target.model, tokenizer=_CharTokenizer(), path=None)
@@ -293,7 +293,7 @@ def test_namespace_host_link_cut_and_restore():
     import subprocess
     import sys
 
-    from benchmarks.netem import NamespaceHost, namespaces_available
+    from moa_serve.benchmarks.netem import NamespaceHost, namespaces_available
 
     reason = namespaces_available()
     if reason:
@@ -335,7 +335,7 @@ def test_link_delay_runs_from_each_chunks_arrival():
     import socket
     import threading
 
-    from benchmarks.netem import Profile
+    from moa_serve.benchmarks.netem import Profile
 
     echo = socket.create_server(("127.0.0.1", 0))
 

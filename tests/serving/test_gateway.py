@@ -204,7 +204,7 @@ def test_greedy_text_equals_cli_generate(server, client):
     prompt = "Give two tips for sleeping well."
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     script = Path(sys.executable).parent / "moa-serve"
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "entrypoints.cli"]
+    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "moa_serve.entrypoints.cli"]
     cli = subprocess.run(
         [
             *cmd,

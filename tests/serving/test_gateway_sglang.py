@@ -550,7 +550,7 @@ def test_cli_env_selects_the_sglang_backend(upstream, tmp_path):
         [
             sys.executable,
             "-m",
-            "entrypoints.cli",
+            "moa_serve.entrypoints.cli",
             "serve",
             "--port",
             str(port),

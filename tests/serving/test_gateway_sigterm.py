@@ -58,7 +58,7 @@ def test_sigterm_drains_in_flight_requests(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "entrypoints.cli",
+        "moa_serve.entrypoints.cli",
         "serve",
         "--port",
         str(port),

@@ -249,7 +249,7 @@ def test_scheduler_admits_by_kv_reservation_and_delivers_everything():
 
 
 def _serve_args(*flags: str):
-    from entrypoints.cli import build_parser
+    from moa_serve.entrypoints.cli import build_parser
 
     return build_parser().parse_args(["serve", *flags])
 
@@ -270,9 +270,9 @@ def _serve_args(*flags: str):
     ids=["no-upstream", "bad-upstream", "edge-upstream", "bad-tree", "bad-prefix-cache-size"],
 )
 def test_serve_options_refuse_a_bad_combination_before_any_model_loads(monkeypatch, flags, env, message):
-    """The serve flags become one ServeOptions (entrypoints/serve.py), the only place the backend is chosen;
+    """The serve flags become one ServeOptions (moa_serve/entrypoints/serve.py), the only place the backend is chosen;
     each refusal is a ValueError (the CLI's one-line error) raised before build_gateway loads anything."""
-    from entrypoints.serve import serve_options
+    from moa_serve.entrypoints.serve import serve_options
 
     for var in ("MOA_SERVE_BACKEND", "MOA_SERVE_UPSTREAM"):
         monkeypatch.delenv(var, raising=False)
@@ -284,7 +284,7 @@ def test_serve_options_refuse_a_bad_combination_before_any_model_loads(monkeypat
 
 
 def test_serve_options_pick_the_backend_from_flag_then_environment(monkeypatch):
-    from entrypoints.serve import serve_options
+    from moa_serve.entrypoints.serve import serve_options
 
     monkeypatch.setenv("MOA_SERVE_BACKEND", "sglang")
     monkeypatch.setenv("MOA_SERVE_UPSTREAM", "http://sglang:30000")

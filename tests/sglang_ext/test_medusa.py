@@ -347,7 +347,7 @@ def test_short_training_run_lowers_the_loss_and_exports(tmp_path):
 def test_train_medusa_cli_parses(tmp_path):
     import argparse
 
-    from entrypoints.train import add_train_parser, train_config
+    from moa_serve.entrypoints.train import add_train_parser, train_config
 
     p = argparse.ArgumentParser()
     add_train_parser(p.add_subparsers(dest="command"))

@@ -15,7 +15,7 @@ import pytest
 from sglang_ext.settings import Settings, SettingsError, parse_settings, reload_settings, settings
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("sglang_ext", "serving", "benchmarks", "entrypoints")
+PACKAGES = ("sglang_ext", "serving", "moa_serve")
 PREFIXES = ("MOA_SERVE_", "MOA_SGLANG_")
 
 
@@ -141,7 +141,7 @@ def test_no_module_reads_settings_at_import():
     (the SGLang plugin is left out: it imports SGLang, and reads its settings only in functions)."""
     script = (
         "import importlib, pkgutil\n"
-        "for pkg in ('sglang_ext', 'serving', 'benchmarks', 'entrypoints'):\n"
+        "for pkg in ('sglang_ext', 'serving', 'moa_serve'):\n"
         "    for m in pkgutil.walk_packages(importlib.import_module(pkg).__path__, pkg + '.'):\n"
         "        if not m.name.startswith(('sglang_ext.sglang_plugin', 'sglang_ext.kernels._')):\n"
         "            importlib.import_module(m.name)\n"

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from benchmarks.bench import bench_drafter
+from moa_serve.benchmarks.bench import bench_drafter
 from sglang_ext.drafters import make_drafter
 from sglang_ext.drafters.base import DraftInput, TargetCapture
 from sglang_ext.drafters.ngram import FULL_CONFIDENCE_MATCH, match_confidence, trie_tree
@@ -263,7 +263,7 @@ def test_build_corpus_cli(tmp_path, smollm2_fp32):
     data.write_text("".join(json.dumps(r) + "\n" for r in recs))
     out = tmp_path / "corpus"
     res = subprocess.run(
-        [sys.executable, "-m", "entrypoints.cli", "build-corpus", "--data", str(data), "--out", str(out)],
+        [sys.executable, "-m", "moa_serve.entrypoints.cli", "build-corpus", "--data", str(data), "--out", str(out)],
         capture_output=True,
         text=True,
     )
@@ -279,7 +279,16 @@ def test_build_corpus_cli(tmp_path, smollm2_fp32):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     res = subprocess.run(
-        [sys.executable, "-m", "entrypoints.cli", "build-corpus", "--data", str(empty), "--out", str(tmp_path / "x")],
+        [
+            sys.executable,
+            "-m",
+            "moa_serve.entrypoints.cli",
+            "build-corpus",
+            "--data",
+            str(empty),
+            "--out",
+            str(tmp_path / "x"),
+        ],
         capture_output=True,
         text=True,
     )

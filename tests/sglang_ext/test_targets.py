@@ -18,7 +18,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from entrypoints.cli import main as cli_main
+from moa_serve.entrypoints.cli import main as cli_main
 from sglang_ext.attention import causal_mask, plan_attention
 from sglang_ext.models import ModelLoadError, load_target
 from sglang_ext.models.checkpoint import INDEX

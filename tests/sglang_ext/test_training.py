@@ -237,7 +237,7 @@ def test_resume_continues_exactly(tmp_path):
 
 
 def test_train_cli_parser_and_errors(tmp_path, capsys):
-    from entrypoints.train import add_train_parser, train_config
+    from moa_serve.entrypoints.train import add_train_parser, train_config
 
     parser = argparse.ArgumentParser()
     add_train_parser(parser.add_subparsers(dest="command"))

@@ -13,7 +13,7 @@ import torch
 from helpers import smollm2_config, tiny_config, tiny_state
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
-from entrypoints.train_job import main as train_job_main
+from moa_serve.entrypoints.train_job import main as train_job_main
 from sglang_ext.models import LlamaModel
 from sglang_ext.models.checkpoint import INDEX, read_weights, save_weights, weight_files
 from sglang_ext.training import job as job_mod

@@ -8,7 +8,7 @@ import pytest
 import torch
 from helpers import tiny_config, tiny_state
 
-from entrypoints.train import main as train_main
+from moa_serve.entrypoints.train import main as train_main
 from sglang_ext.drafters.base import DrafterError
 from sglang_ext.drafters.moa import MoADrafter
 from sglang_ext.models import LlamaModel

@@ -1,7 +1,7 @@
 """The table of a recipe-variant job (`moa-serve train job --heads moa-tli1,moa-tli1@lambda_feat=0.3,...`):
 every head was trained on the same batches, so their held-out scores compare at equal tokens.
 
-    python -m benchmarks.ablation runs/ablation [--baseline moa-tli1] [--depth 6]
+    python -m moa_serve.benchmarks.ablation runs/ablation [--baseline moa-tli1] [--depth 6]
 
 Per head: held-out top-1 agreement with the target at draft depth 0..6 (MoA: rows 1..7 tokens after
 their verification point; EAGLE-3: training-time-test steps), the chain acceptance it implies,
@@ -64,7 +64,7 @@ def markdown(table: list[dict], depth: int = 6) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.ablation", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m moa_serve.benchmarks.ablation", description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", type=Path)
     p.add_argument("--baseline", default=None, help="the head others are compared to (default: the run's first)")
     p.add_argument("--depth", type=int, default=6, help="chain length of the tau estimate")
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         table = rows(args.run_dir, args.baseline, args.depth)
     except (AblationError, json.JSONDecodeError, KeyError) as e:
-        print(f"benchmarks.ablation: error: {e}", file=sys.stderr)
+        print(f"moa_serve.benchmarks.ablation: error: {e}", file=sys.stderr)
         return 2
     print(markdown(table, args.depth))
     return 0

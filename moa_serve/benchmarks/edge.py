@@ -1,4 +1,4 @@
-"""`moa-serve edge-bench` (entrypoints/edge.py parses its flags): client–server decoding over emulated links.
+"""`moa-serve edge-bench` (moa_serve/entrypoints/edge.py parses its flags): client–server decoding over emulated links.
 
 It puts the server on its own host (a network namespace joined by a veth pair, tbf for
 the bandwidth) and the client here behind a LinkProxy with the profile's delay/jitter/loss
@@ -129,7 +129,7 @@ def run_edge_bench(s: EdgeBenchSettings) -> list[dict]:
     """Every profile's rows (see the module docstring); also written to s.out/edge.json."""
     import torch
 
-    from benchmarks.netem import PROFILES, namespaces_available
+    from moa_serve.benchmarks.netem import PROFILES, namespaces_available
     from serving.edge.client import local_drafter
     from sglang_ext.evalsets import load_eval_set
     from sglang_ext.models import load_target
@@ -163,7 +163,7 @@ def _server_command(s: EdgeBenchSettings, host: str, drafters: list[str]) -> lis
     return [
         sys.executable,
         "-m",
-        "entrypoints.cli",
+        "moa_serve.entrypoints.cli",
         "serve",
         "--host",
         host,
@@ -183,7 +183,7 @@ def _server_command(s: EdgeBenchSettings, host: str, drafters: list[str]) -> lis
 
 def _profile_rows(s: EdgeBenchSettings, prof, target, local: dict, prompts: list, trees: dict, out: Path) -> list[dict]:
     """One profile: the server in its own namespace, every prompt through the api and each edge method."""
-    from benchmarks.netem import LinkProxy, NamespaceHost
+    from moa_serve.benchmarks.netem import LinkProxy, NamespaceHost
 
     rows: list[dict] = []
     with NamespaceHost(1, prof.rate_mbit) as host:

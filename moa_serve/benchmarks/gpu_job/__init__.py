@@ -6,12 +6,12 @@
 Sections, each measured in this one run (machines are noisy, so every ratio is against a row of the same run):
   profile    one request's steady-state step, vanilla and EAGLE-3 (else the first drafter loaded): median
              step time, top ops by self CPU / device time, kernel and graph launches, copies and syncs
-             per step (probes.py, benchmarks/step_profile.py)
+             per step (probes.py, moa_serve/benchmarks/step_profile.py)
   identity   every drafter's greedy tokens against vanilla's on the device, at batch sizes 1 and 4 (sections.py)
   bs1        tok/s, tau and draft tokens per step per method at batch size 1, methods and the transformers
-             `generate` peer (on the same device) interleaved prompt by prompt (benchmarks/bench.py)
+             `generate` peer (on the same device) interleaved prompt by prompt (moa_serve/benchmarks/bench.py)
   sweep      batch sizes 1 / 8 / 64: vanilla, the best drafter of bs1, and that drafter with adaptive
-             speculation, interleaved step by step (benchmarks/batch.py); outputs checked against vanilla's
+             speculation, interleaved step by step (moa_serve/benchmarks/batch.py); outputs checked against vanilla's
   throughput vanilla decoding of a static batch at batch sizes 64 and 256 (EOS ignored): aggregate tok/s,
              what a distillation run on the device gets (probes.py)
   gpu_tests  `pytest -m gpu` in a subprocess, its summary line (probes.py)

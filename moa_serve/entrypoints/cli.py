@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from entrypoints.flags import (
+from moa_serve.entrypoints.flags import (
     add_generation_args,
     add_model_args,
     add_spec_args,
@@ -27,21 +27,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_spec_args(g)
     add_generation_args(g)
 
-    from entrypoints.bench import add_bench_parser
-    from entrypoints.serve import add_serve_parser
+    from moa_serve.entrypoints.bench import add_bench_parser
+    from moa_serve.entrypoints.serve import add_serve_parser
 
     add_bench_parser(sub)
     add_serve_parser(sub)
-    from entrypoints.train import add_train_parser
+    from moa_serve.entrypoints.train import add_train_parser
 
     add_train_parser(sub)
-    from entrypoints.distill import add_distill_parser
+    from moa_serve.entrypoints.distill import add_distill_parser
 
     add_distill_parser(sub)
-    from entrypoints.corpus import add_corpus_parser
+    from moa_serve.entrypoints.corpus import add_corpus_parser
 
     add_corpus_parser(sub)
-    from entrypoints.edge import add_edge_parsers
+    from moa_serve.entrypoints.edge import add_edge_parsers
 
     add_edge_parsers(sub)
     return parser
@@ -85,13 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handlers = {"generate": cmd_generate}
-    from entrypoints.bench import cmd_bench
+    from moa_serve.entrypoints.bench import cmd_bench
 
     handlers["bench"] = cmd_bench
-    from entrypoints.serve import cmd_serve
+    from moa_serve.entrypoints.serve import cmd_serve
 
     handlers["serve"] = cmd_serve
-    from entrypoints.train import cmd_train
+    from moa_serve.entrypoints.train import cmd_train
 
     handlers["train"] = cmd_train
     try:

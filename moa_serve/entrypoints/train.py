@@ -5,11 +5,11 @@
     moa-serve train medusa --data runs/shards-distill --out runs/medusa [--resume]
     moa-serve train job --shards runs/shards --out runs/job       EAGLE-3, MoA TLI=0 and 1 on one target run
     moa-serve train pack --data sharegpt --out runs/shards        token shards (what a GPU job carries)
-    torchrun --standalone --nproc-per-node N -m entrypoints.cli train ...      data parallel over N ranks
+    torchrun --standalone --nproc-per-node N -m moa_serve.entrypoints.cli train ...      data parallel over N ranks
 
 Every training command takes the same flags (the run's TrainConfig) and differs in its head and defaults.
-Wiring (entrypoints/cli.py): `add_train_parser(sub)` in build_parser and `handlers["train"] = cmd_train`.
-Also runnable as `python -m entrypoints.train train eagle3 ...`.
+Wiring (moa_serve/entrypoints/cli.py): `add_train_parser(sub)` in build_parser and `handlers["train"] = cmd_train`.
+Also runnable as `python -m moa_serve.entrypoints.train train eagle3 ...`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Acceptance length (tau) of a trained drafter checkpoint on the shared eval sets, greedy, bs=1.
 
-    python -m entrypoints.evaluate --drafter eagle3 --ckpt runs/x/final \
+    python -m moa_serve.entrypoints.evaluate --drafter eagle3 --ckpt runs/x/final \
         --trees 6,1,7 6,4,24 6,8,48 --sets mt_bench,gsm8k --num-prompts 10 --max-new-tokens 128
 
 Prompts: the first user turn ("turns"[0]) of each record, in the target's chat template. Prints a

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from entrypoints.flags import add_model_args, engine_config
+from moa_serve.entrypoints.flags import add_model_args, engine_config
 
 
 def add_distill_parser(sub) -> argparse.ArgumentParser:

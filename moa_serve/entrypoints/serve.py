@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from entrypoints.flags import add_model_args, add_spec_args, engine_config
+from moa_serve.entrypoints.flags import add_model_args, add_spec_args, engine_config
 from serving.backends.embedded import EmbeddedLimits
 from serving.backends.sglang import UpstreamConfig
 from serving.gateway.app import DEFAULT_AUTH_EXEMPT, GatewayConfig

@@ -7,7 +7,14 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 
-from benchmarks.bench import MethodResult, add_runner, bench_drafter, engine_runner, markdown_table, run_interleaved
+from moa_serve.benchmarks.bench import (
+    MethodResult,
+    add_runner,
+    bench_drafter,
+    engine_runner,
+    markdown_table,
+    run_interleaved,
+)
 
 from .config import Deadline, GpuJobConfig, JobMethod, log, tests_reserve
 
@@ -21,7 +28,7 @@ def generate_outputs(target, drafter, tree, prompts: list[list[int]], sp, bs: in
     engine = Engine(
         target,
         drafter,
-        EngineConfig(tree=tree, kv_slots=kv, prefix_cache=False),  # (repeated prompts: benchmarks/bench.py)
+        EngineConfig(tree=tree, kv_slots=kv, prefix_cache=False),  # (repeated prompts: moa_serve/benchmarks/bench.py)
         on_fallback=lambda r, why: fallbacks.append(why),
     )
     outs: list[list[int]] = []
@@ -76,7 +83,7 @@ def _eos_ids(target) -> list[int]:
 def _set_runners(target, methods: list[JobMethod], set_name: str, sp, hf_cache: dict, fallbacks: dict) -> dict:
     """The runners of one eval set: vanilla, each drafter (skipped ones as rows with the reason) and
     transformers `generate` on the target's device and dtype."""
-    from benchmarks import peers
+    from moa_serve.benchmarks import peers
     from sglang_ext.tree import TreeShape
 
     runners: dict = {}
@@ -188,7 +195,7 @@ def best_drafter(pooled: list[dict], methods: list[JobMethod]) -> JobMethod | No
 
 def _recorded(run, outputs: dict[int, list[list[int]]], max_new: int):
     """engine_batch_runner's runner, keeping each full-length run's outputs by batch size (in queue order)."""
-    from benchmarks.batch import drive
+    from moa_serve.benchmarks.batch import drive
 
     def steps(prompts, max_new_tokens: int = max_new, concurrency: int | None = None):
         res = yield from run.steps(prompts, max_new_tokens, concurrency)
@@ -206,7 +213,7 @@ def _recorded(run, outputs: dict[int, list[list[int]]], max_new: int):
 def _sweep_entries(target, best: JobMethod | None, max_new: int, sp) -> list[tuple]:
     """(label, tree text, adaptive, runner or the exception that building it raised, its outputs by bs).
     Each entry builds its own drafter: two engines stepping one drafter in turn would mix requests."""
-    from benchmarks.batch import engine_batch_runner
+    from moa_serve.benchmarks.batch import engine_batch_runner
     from sglang_ext.tree import TreeShape
 
     plan = [("vanilla", "vanilla", TreeShape.chain(1), False)]
@@ -240,7 +247,7 @@ def sweep_section(
     """Vanilla, the best drafter and the best drafter with adaptive speculation at each batch size, one
     batch size at a time (so the deadline can stop between them); runners are built once, so the
     adaptive policy carries what it learned from one batch size to the next, as in a server."""
-    from benchmarks.batch import batch_grid_table, batch_json, run_batch_sweep
+    from moa_serve.benchmarks.batch import batch_grid_table, batch_json, run_batch_sweep
 
     entries = _sweep_entries(target, best, c.max_new_tokens, sp)
     methods = [(label, tree, adaptive, _built(run)) for label, tree, adaptive, run, _ in entries]

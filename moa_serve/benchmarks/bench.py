@@ -4,7 +4,7 @@ Every speed figure is a ratio to the vanilla row measured in the same run (machi
 tau = mean (accepted + 1) per verify step, pooled over all verify steps of a method.
 Acceptance by draft position i = the fraction of a method's verify steps whose draft token at depth i
 was accepted (so it falls with i; position 1 is the chance the first draft token is right).
-Peers (transformers, llama.cpp) run interleaved with our methods: benchmarks/peers.py.
+Peers (transformers, llama.cpp) run interleaved with our methods: moa_serve/benchmarks/peers.py.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def engine_runner(target, method: str, tree, sp, on_fallback=None):
 def add_runner(runners: dict, res: MethodResult, make) -> None:
     """Build a method's runner; one that cannot be built is kept as a row with the reason (a peer that
     is not available here: "skipped: why"), never dropped."""
-    from benchmarks.peers import PeerUnavailable
+    from moa_serve.benchmarks.peers import PeerUnavailable
 
     try:
         runners[f"{res.method} {res.tree}"] = (res, make())

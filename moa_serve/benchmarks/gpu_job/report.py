@@ -91,7 +91,7 @@ def header(c: GpuJobConfig, target, device: str) -> dict:
 
     gpu = device != "cpu"
     return {
-        "job": "benchmarks.gpu_job",
+        "job": "moa_serve.benchmarks.gpu_job",
         "smoke": c.smoke,
         "device": torch.cuda.get_device_name(device) if gpu else "cpu",
         "gpu_memory_gib": round(torch.cuda.get_device_properties(device).total_memory / 2**30, 1) if gpu else None,

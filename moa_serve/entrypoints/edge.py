@@ -1,13 +1,13 @@
 """`moa-serve edge` (one generation from an edge client: draft here, verify on a moa-serve server)
-and `moa-serve edge-bench` (benchmarks/edge.py)."""
+and `moa-serve edge-bench` (moa_serve/benchmarks/edge.py)."""
 
 from __future__ import annotations
 
 import sys
 import time
 
-from benchmarks.edge import EdgeBenchSettings, edge_table, run_edge_bench
-from entrypoints.flags import (
+from moa_serve.benchmarks.edge import EdgeBenchSettings, edge_table, run_edge_bench
+from moa_serve.entrypoints.flags import (
     add_generation_args,
     add_model_args,
     add_spec_args,

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-from benchmarks.bench import SpecRates, add_counts
+from moa_serve.benchmarks.bench import SpecRates, add_counts
 
 
 @dataclass
@@ -198,7 +198,7 @@ class _SweepEngines:
         e = self.engine
         if e is None or self.b != b or e.kv.num_slots < need:
             self.engine = None  # free the old pool first
-            # (no prefix cache: the sweep repeats its prompts; benchmarks/bench.py engine_runner)
+            # (no prefix cache: the sweep repeats its prompts; moa_serve/benchmarks/bench.py engine_runner)
             config = EngineConfig(tree=self.tree, kv_slots=2 * need, adaptive=self.adaptive, prefix_cache=False)
             e = self.engine_cls(
                 self.target, self.drafter, config, on_fallback=lambda r, why: self.fallbacks.append(why)
@@ -222,7 +222,7 @@ def engine_batch_runner(
     sampling: a SamplingParams whose temperature / top-p / seed every request uses (default greedy).
     One engine per batch size, one adaptive policy across them (_SweepEngines). The drafter is built
     once per method and reused. The engine class is looked up when the runner is built."""
-    from benchmarks.bench import bench_drafter
+    from moa_serve.benchmarks.bench import bench_drafter
     from serving.engine import Engine
     from sglang_ext.sampling import SamplingParams
 
@@ -568,7 +568,7 @@ def measure_gateway_overhead(
     different trees from timing noise, and then the two paths no longer do the same work."""
     import httpx
 
-    from benchmarks.bench import bench_drafter
+    from moa_serve.benchmarks.bench import bench_drafter
     from serving.config import EngineConfig
     from serving.engine import Engine
     from serving.gateway.app import create_app

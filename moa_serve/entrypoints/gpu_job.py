@@ -1,7 +1,8 @@
-"""`python -m entrypoints.gpu_job`: the GPU engine job (benchmarks/gpu_job/) from flags.
+"""`python -m moa_serve.entrypoints.gpu_job`: the GPU engine job (moa_serve/benchmarks/gpu_job/) from flags.
 
-    python -m entrypoints.gpu_job --target-gguf /tmp/moa-target/SmolLM2-135M-Instruct.Q4_1.gguf --device cuda --out DIR
-    python -m entrypoints.gpu_job --smoke --device cpu --out DIR      # a small random target: the CPU test suite
+    python -m moa_serve.entrypoints.gpu_job --target-gguf /tmp/moa-target/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --device cuda --out DIR
+    python -m moa_serve.entrypoints.gpu_job --smoke --device cpu --out DIR   # a small random target: the CPU suite
 
 Imports only what a lent GPU machine has (torch, transformers, numpy, pytest; see ../shared/notes/gpu.md);
 scripts/gpu-engine-job.sh stages the target and runs it there. Writes DIR/results.json and DIR/table.md.
@@ -13,7 +14,7 @@ import argparse
 import sys
 import traceback
 
-from benchmarks.gpu_job import DEFAULT_METHODS, GpuJobConfig, run_job
+from moa_serve.benchmarks.gpu_job import DEFAULT_METHODS, GpuJobConfig, run_job
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -29,7 +30,7 @@ def _list(text: str, sep: str = ",") -> tuple[str, ...]:
 
 def parser() -> argparse.ArgumentParser:
     d = GpuJobConfig(out="")
-    p = argparse.ArgumentParser(prog="python -m entrypoints.gpu_job", description="the GPU engine job")
+    p = argparse.ArgumentParser(prog="python -m moa_serve.entrypoints.gpu_job", description="the GPU engine job")
     p.add_argument("--out", required=True, help="directory for results.json, table.md, pytest.log")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--target-gguf", default=None, help="the target's GGUF (converted once into --cache; needs gguf)")
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         traceback.print_exc()
         return 1
-    from benchmarks.gpu_job import markdown
+    from moa_serve.benchmarks.gpu_job import markdown
 
     print(markdown(payload))
     return 0

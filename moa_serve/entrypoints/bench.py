@@ -1,5 +1,5 @@
 """`moa-serve bench`: vanilla vs each drafter (and peers) on the same prompts, in one run
-(benchmarks/bench.py, benchmarks/batch.py)."""
+(moa_serve/benchmarks/bench.py, moa_serve/benchmarks/batch.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench import (
+from moa_serve.benchmarks.bench import (
     MethodResult,
     acceptance_table,
     add_runner,
@@ -25,7 +25,7 @@ from benchmarks.bench import (
     pooled_acceptance,
     run_interleaved,
 )
-from entrypoints.flags import add_model_args
+from moa_serve.entrypoints.flags import add_model_args
 
 
 def add_bench_parser(sub) -> None:
@@ -176,7 +176,7 @@ def _methods(args) -> list[str]:
 
 
 def _peers(args) -> list[str]:
-    from benchmarks import peers as peer_lib
+    from moa_serve.benchmarks import peers as peer_lib
 
     spec = args.peers if args.peers is not None else "hf-generate" if args.quick else "all"
     return list(
@@ -247,8 +247,8 @@ def _per_prompt_rows(args, target, methods: list[str], peers: list[str], sp):
 
 
 def _add_peers(add, peers: list[str], args, target, sp, prompts: list[list[int]], hf_cache: dict) -> None:
-    """add(label, tree text, make_runner) for each peer (benchmarks/peers.py)."""
-    from benchmarks import peers as peer_lib
+    """add(label, tree text, make_runner) for each peer (moa_serve/benchmarks/peers.py)."""
+    from moa_serve.benchmarks import peers as peer_lib
     from sglang_ext.drafters.draft_model import default_self_draft_layers
 
     eos = getattr(target.tokenizer, "eos_token_id", None)
@@ -307,7 +307,7 @@ def _run_set(runners: dict, prompts: list[list[int]], name: str) -> list[MethodR
 
 
 def _batch_sweep(args, target, methods: list[str], sp, sizes: list[int], mixed: list[list[int]]):
-    from benchmarks.batch import engine_batch_runner, run_batch_sweep
+    from moa_serve.benchmarks.batch import engine_batch_runner, run_batch_sweep
     from sglang_ext.tree import TreeShape
 
     cache: dict = {}
@@ -342,7 +342,7 @@ def _batch_sweep(args, target, methods: list[str], sp, sizes: list[int], mixed: 
 
 
 def _gateway_overhead(args, target, methods: list[str]):
-    from benchmarks.batch import measure_gateway_overhead
+    from moa_serve.benchmarks.batch import measure_gateway_overhead
     from sglang_ext.tree import TreeShape
 
     om = args.overhead_method or (methods[0].partition(":")[0] if methods else "vanilla")
@@ -363,7 +363,7 @@ def _gateway_overhead(args, target, methods: list[str]):
 
 def _write_results(args, target, sp, results, sweep, overhead, sizes: list[int], n_mixed: int) -> None:
     """results.json, table.md (printed too) and the --report markdown."""
-    from benchmarks import peers as peer_lib
+    from moa_serve.benchmarks import peers as peer_lib
 
     command = (
         "moa-serve " + " ".join(shlex.quote(a) for a in sys.argv[1:])
@@ -387,7 +387,7 @@ def _write_results(args, target, sp, results, sweep, overhead, sizes: list[int],
     if sweep:
         sections.append(_sweep_section(args, sweep, sizes, n_mixed, payload, out, sampling))
     if overhead:
-        from benchmarks.batch import overhead_json, overhead_table
+        from moa_serve.benchmarks.batch import overhead_json, overhead_table
 
         payload["gateway_overhead"] = overhead_json(overhead)
         sections.append(
@@ -437,7 +437,7 @@ def _acceptance_section(results, payload: dict, out: Path, sampling: str) -> lis
 
 
 def _sweep_section(args, sweep, sizes: list[int], n_mixed: int, payload: dict, out: Path, sampling: str) -> str:
-    from benchmarks.batch import batch_grid_table, batch_json, batch_rows_table, plot_throughput
+    from moa_serve.benchmarks.batch import batch_grid_table, batch_json, batch_rows_table, plot_throughput
 
     payload["batch_sweep"] = {
         "batch_sizes": sizes,

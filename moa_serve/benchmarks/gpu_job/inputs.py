@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench import bench_drafter
+from moa_serve.benchmarks.bench import bench_drafter
 
 from .config import GPU_TREES, SMOKE_PROMPT_TOKENS, SMOKE_VOCAB, GpuJobConfig, JobMethod, log
 

@@ -1,7 +1,7 @@
 """A CPU proxy for a drafted step's host cost on a GPU: the torch ops one steady-state engine step
 dispatches outside graph replays.
 
-    python -m benchmarks.step_ops [--drafters eagle3,moa] [--batch 1,4] [--tree 6,4,24] [--layers 4]
+    python -m moa_serve.benchmarks.step_ops [--drafters eagle3,moa] [--batch 1,4] [--tree 6,4,24] [--layers 4]
 
 On a GPU a small step is host-bound: every op dispatched outside a CUDA graph costs the host a few
 microseconds (a launch when it computes on the device, a queued copy when it moves host data up, pure

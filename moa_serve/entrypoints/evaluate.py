@@ -1,4 +1,5 @@
-"""`python -m entrypoints.evaluate`: tau of a drafter checkpoint on the eval sets (benchmarks/evaluate.py)."""
+"""`python -m moa_serve.entrypoints.evaluate`: tau of a drafter checkpoint on the eval sets
+(moa_serve/benchmarks/evaluate.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 
 import torch
 
-from benchmarks.evaluate import evaluate
+from moa_serve.benchmarks.evaluate import evaluate
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
     from sglang_ext.models import load_target
     from sglang_ext.tree import TreeShape
 
-    ap = argparse.ArgumentParser(prog="python -m entrypoints.evaluate")
+    ap = argparse.ArgumentParser(prog="python -m moa_serve.entrypoints.evaluate")
     ap.add_argument("--target", default="smollm2")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     ap.add_argument("--drafter", default="eagle3")

@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.bench import bench_drafter
+from moa_serve.benchmarks.bench import bench_drafter
 
 from .config import REPO, Deadline, GpuJobConfig, JobMethod, log, tests_reserve
 
@@ -18,7 +18,7 @@ from .config import REPO, Deadline, GpuJobConfig, JobMethod, log, tests_reserve
 def profile_section(c: GpuJobConfig, target, methods: list[JobMethod], prompts: list[list[int]], deadline) -> dict:
     """Vanilla's and one drafter's steady-state step (c.profile_methods, else the first drafter loaded)
     on the first prompt; profile.txt gets the rows as text."""
-    from benchmarks.step_profile import profile_steps
+    from moa_serve.benchmarks.step_profile import profile_steps
     from sglang_ext.tree import TreeShape
 
     loaded = [m for m in methods if not m.skipped]
@@ -63,7 +63,7 @@ def profile_text(row: dict) -> str:
 
 def throughput_section(c: GpuJobConfig, target, prompts: list[list[int]], deadline) -> dict:
     """Vanilla decoding of c.throughput_batch_sizes prompts at once (the mixed prompts, repeated)."""
-    from benchmarks.step_profile import vanilla_throughput
+    from moa_serve.benchmarks.step_profile import vanilla_throughput
 
     rows, last, last_bs = [], 0.0, 1
     for b in c.throughput_batch_sizes:

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 DEFAULT_METHODS = ("ngram", "suffix", "lookahead", "eagle3", "moa", "medusa", "suffix+eagle3")
 # On a GPU a verify of tens of tree nodes costs about one decode (../shared/notes/gpu.md), so drafters
 # draft deeper and wider trees there than their registry defaults, which are tuned for a 2-core CPU.
