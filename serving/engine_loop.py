@@ -63,8 +63,8 @@ class QueueFull(Exception):
         self.retry_after = retry_after
 
 
-class SchedulerClosed(Exception):
-    """The scheduler stopped (shutdown) and takes no new requests."""
+class EngineLoopClosed(Exception):
+    """The engine loop stopped (shutdown) and takes no new requests."""
 
 
 @dataclass
@@ -84,18 +84,18 @@ class Delivery:
 
 
 class Handle:
-    """One request's asyncio side. Created by `Scheduler.submit`, read with `await next()`."""
+    """One request's asyncio side. Created by `EngineLoop.submit`, read with `await next()`."""
 
     def __init__(
         self,
-        scheduler: Scheduler,
+        engine_loop: EngineLoop,
         prompt_ids: list[int],
         params: SamplingParams,
         loop: asyncio.AbstractEventLoop,
         grammar: object | None = None,
         tenant: str = "",
     ):
-        self.scheduler, self.prompt_ids, self.params, self.loop = scheduler, prompt_ids, params, loop
+        self.engine_loop, self.prompt_ids, self.params, self.loop = engine_loop, prompt_ids, params, loop
         self.grammar = grammar  # params.grammar compiled (the engine thread never compiles one)
         self.tenant = tenant  # the prefix cache's namespace (engine.add_request)
         self.reservation = len(prompt_ids) + params.max_new_tokens  # KV slots, one tree excluded
@@ -111,10 +111,10 @@ class Handle:
 
     def cancel(self) -> None:
         """Abort (idempotent; a no-op once finished). Safe from any thread."""
-        self.scheduler.abort(self)
+        self.engine_loop.abort(self)
 
 
-class Scheduler:
+class EngineLoop:
     def __init__(self, engine: Engine, *, max_running: int = 64, max_queue: int = 256, telemetry=None):
         if max_running < 1 or max_queue < 0:
             raise ValueError("max_running must be >= 1 and max_queue >= 0")
@@ -175,7 +175,7 @@ class Scheduler:
     ) -> Handle:
         """Queue a request (thread-safe); grammar: params.grammar compiled, required with one (a compile in
         the engine thread would hold every running request up); tenant: its prefix cache namespace.
-        Raises QueueFull, SchedulerClosed, InvalidRequest (too big for the KV pool)."""
+        Raises QueueFull, EngineLoopClosed, InvalidRequest (too big for the KV pool)."""
         if (params.grammar is None) != (grammar is None):
             raise ValueError("a request with a grammar is submitted with its compiled form, and only then")
         h = Handle(self, list(prompt_ids), params, loop or asyncio.get_running_loop(), grammar, tenant)
@@ -187,7 +187,7 @@ class Scheduler:
             )
         with self._cond:
             if self._closing or self._thread is None or not self._thread.is_alive():
-                raise SchedulerClosed("the engine is not running")
+                raise EngineLoopClosed("the engine is not running")
             # pending may hold max_queue requests beyond the free running slots
             if len(self._pending) >= self.max_queue + max(0, self.max_running - len(self._active)):
                 raise QueueFull(self._retry_after())
@@ -214,7 +214,7 @@ class Scheduler:
         done: Future = Future()
         with self._cond:
             if self._closing or self._thread is None or not self._thread.is_alive():
-                done.set_exception(SchedulerClosed("the engine is not running"))
+                done.set_exception(EngineLoopClosed("the engine is not running"))
                 return done
             self._flushes.append(done)
             self._cond.notify()
@@ -444,7 +444,7 @@ class Scheduler:
             self._pending.clear()
             flushes, self._flushes = self._flushes, []
         for done in flushes:
-            done.set_exception(SchedulerClosed("the engine stopped"))
+            done.set_exception(EngineLoopClosed("the engine stopped"))
         for h in left:
             if h.req is not None:
                 self.engine.abort(h.req)

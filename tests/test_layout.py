@@ -142,7 +142,7 @@ def _upward_imports() -> list[str]:
 def test_graph_helpers_find_a_cycle_and_resolve_relative_imports(tmp_path):
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
-    assert "serving.engine" in _imports(ROOT / "serving" / "scheduler.py")  # `from .engine import ...`
+    assert "serving.engine" in _imports(ROOT / "serving" / "engine_loop.py")  # `from .engine import ...`
     assert "serving.api.errors" in _imports(ROOT / "serving" / "gateway" / "app.py")  # `from ..api.errors ...`
 
 

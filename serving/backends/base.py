@@ -20,7 +20,7 @@ from sglang_ext.grammar import GrammarSpec
 
 from ..api.errors import APIError
 from ..api.tools import ToolCalling
-from ..scheduler import KVCacheUsage
+from ..engine_loop import KVCacheUsage
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The embedded backend: our speculative Engine in this process, driven by the Scheduler's thread."""
+"""The embedded backend: our speculative Engine in this process, driven by the EngineLoop's thread."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from sglang_ext.sampling import InvalidRequest, SamplingParams, TokenLogprob
 
 from ..api.errors import APIError, invalid
 from ..engine import Engine
+from ..engine_loop import Delivery, EngineLoop, EngineLoopClosed, Handle, QueueFull, fault_message
 from ..grammar_pool import GrammarConfig, GrammarFault, GrammarPool
-from ..scheduler import Delivery, Handle, QueueFull, Scheduler, SchedulerClosed, fault_message
 from .base import Chunk, Job, KVCacheUsage, SpecStats
 from .detok import IncrementalText, TokenStrings
 from .telemetry import Telemetry
@@ -45,33 +45,33 @@ class EmbeddedBackend:
         self.engine, self.target, self.model_ids, self.drafter = engine, engine.target, model_ids, drafter
         self.limits, self.telemetry = limits, telemetry
         engine.on_fallback = lambda req, reason: telemetry.fallback(reason)
-        self.scheduler = Scheduler(
+        self.engine_loop = EngineLoop(
             engine, max_running=limits.max_running, max_queue=limits.max_queue, telemetry=telemetry
         )
         # tokens (prompt + output) one request may hold: the model's context, or less if the KV pool is smaller
-        self.max_context = min(engine.max_context - 1, self.scheduler.capacity())
+        self.max_context = min(engine.max_context - 1, self.engine_loop.capacity())
         self.max_prompt_tokens = min(limits.max_prompt_tokens or self.max_context - 1, self.max_context - 1)
         self.token_strings = TokenStrings(self.target.tokenizer)
         self.grammar_pool = GrammarPool(engine.grammars, limits.grammar, telemetry.grammar_work)
 
     async def start(self) -> None:
-        self.scheduler.start()
+        self.engine_loop.start()
 
     async def close(self) -> None:
         await self.grammar_pool.close()
-        await asyncio.to_thread(self.scheduler.stop)
+        await asyncio.to_thread(self.engine_loop.stop)
 
     async def not_ready_reason(self) -> str | None:
-        return None if self.scheduler.alive else "the engine thread is not running"
+        return None if self.engine_loop.alive else "the engine thread is not running"
 
     def load(self) -> tuple[int, int]:
-        return self.scheduler.load()
+        return self.engine_loop.load()
 
     def abort_all(self) -> None:
-        self.scheduler.abort_all()
+        self.engine_loop.abort_all()
 
     def kv_cache(self) -> KVCacheUsage:
-        return self.scheduler.kv_cache()
+        return self.engine_loop.kv_cache()
 
     async def flush_cache(self) -> tuple[bool, str]:
         """Empty the engine's prefix cache between two steps. Requests running keep the cached prefixes they use
@@ -79,8 +79,8 @@ class EmbeddedBackend:
         if self.engine.prefix_cache is None:
             return True, "the prefix cache is off (--no-prefix-cache): nothing to flush"
         try:
-            done = await asyncio.wrap_future(self.scheduler.flush_cache())
-        except SchedulerClosed as e:
+            done = await asyncio.wrap_future(self.engine_loop.flush_cache())
+        except EngineLoopClosed as e:
             raise APIError(503, str(e), code="service_unavailable") from e
         message = f"Cache flushed: {done.freed} cached tokens freed."
         if done.kept:
@@ -230,11 +230,11 @@ class EmbeddedBackend:
 
     def _submit(self, ids: list[int], params: SamplingParams, grammar: object | None, tenant: str) -> Handle:
         try:
-            return self.scheduler.submit(ids, params, grammar=grammar, tenant=tenant)
+            return self.engine_loop.submit(ids, params, grammar=grammar, tenant=tenant)
         except QueueFull as e:
             busy = f"the server is busy ({self.limits.max_queue} requests queued); retry after {e.retry_after} s"
             raise APIError(429, busy, code="rate_limit_exceeded", headers={"Retry-After": str(e.retry_after)}) from e
-        except SchedulerClosed as e:
+        except EngineLoopClosed as e:
             raise APIError(503, str(e), code="service_unavailable", headers={"Retry-After": "5"}) from e
         except InvalidRequest as e:
             raise invalid(str(e), e.param) from e

@@ -24,8 +24,8 @@ import httpx
 from sglang_ext.grammar import JSON_OBJECT, GrammarSpec
 
 from ..api.errors import APIError
+from ..engine_loop import fault_message
 from ..grammar_pool import GrammarConfig, GrammarFault, GrammarPool
-from ..scheduler import fault_message
 from .base import Chunk, Job, SpecStats
 from .detok import logprob_entry
 from .telemetry import Telemetry

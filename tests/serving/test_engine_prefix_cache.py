@@ -296,7 +296,7 @@ def test_no_slot_is_lost_under_eviction_aborts_faults_and_flushes(monkeypatch):
         try:
             eng.step()
         except RuntimeError:
-            eng.reset()  # what the scheduler does after a step fault
+            eng.reset()  # what the engine loop does after a step fault
             resets += 1
         faulty_roots.clear()
         acc = eng.slot_accounts()
@@ -328,7 +328,7 @@ def test_admission_counts_a_cached_prefix_once_and_unused_cached_tokens_as_room(
     room: a request bigger than the free slots (a full cache) is admitted at once, the cache evicted for it."""
     import asyncio
 
-    from serving.scheduler import Scheduler
+    from serving.engine_loop import EngineLoop
 
     t = tiny_target(seed=4, vocab=64, hidden=32, layers=2)
     tree = TreeShape(3, 2, 6)
@@ -340,13 +340,13 @@ def test_admission_counts_a_cached_prefix_once_and_unused_cached_tokens_as_room(
         return real_step()
 
     eng.step = step
-    sched = Scheduler(eng, max_running=8, max_queue=8)
-    sched.start()
+    engine_loop = EngineLoop(eng, max_running=8, max_queue=8)
+    engine_loop.start()
     prefix, sp = [i % 60 + 1 for i in range(200)], SamplingParams(max_new_tokens=30, ignore_eos=True)
     assert 2 * (len(prefix) + 10 + 30 + tree.num_draft_tokens + 1) > eng.kv.num_slots - 1  # no room for both alone
 
     async def run(prompts):
-        handles = [sched.submit(p, sp) for p in prompts]
+        handles = [engine_loop.submit(p, sp) for p in prompts]
         outs = []
         for h in handles:
             while not (d := await h.next()).finish_reason:
@@ -361,9 +361,9 @@ def test_admission_counts_a_cached_prefix_once_and_unused_cached_tokens_as_room(
         assert max(peak) == 2 and eng.prefix_cache.tokens > 200
         filler = [[61 + i % 3] * 150 for i in range(2)]  # unrelated prompts: the cache fills the pool
         assert asyncio.run(run(filler)) == ["length"] * 2 and eng.kv.num_free < 150
-        usage = sched.kv_cache()
+        usage = engine_loop.kv_cache()
         assert usage.used == usage.reserved == 0 and usage.cached == eng.prefix_cache.tokens
         assert asyncio.run(run([[63] * 300])) == ["length"]  # 330 slots: the cache made room
     finally:
-        sched.stop()
+        engine_loop.stop()
     assert slots_whole(eng)

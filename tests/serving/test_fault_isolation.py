@@ -1,4 +1,4 @@
-"""One request's fault fails that request alone: the engine (per stage), the scheduler, and the gateway.
+"""One request's fault fails that request alone: the engine (per stage), the engine loop, and the gateway.
 
 A fault is injected into one request of a batch (a penalty, mask, verification or logprob function that
 raises for that request only); the other requests must produce exactly the tokens of a fault-free run,

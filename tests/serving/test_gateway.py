@@ -788,8 +788,8 @@ def test_32_concurrent_streams_equal_each_alone(server, client, smollm2_fp32):
 
 
 def test_50_dropped_streams_free_their_kv(server):
-    engine, sched = server.engine, server.backend.scheduler
-    assert slots_whole(engine) and sched.load() == (0, 0)
+    engine, engine_loop = server.engine, server.backend.engine_loop
+    assert slots_whole(engine) and engine_loop.load() == (0, 0)
     aborted0 = server.telemetry._requests["aborted"]._value.get()
 
     async def open_and_drop(c, i):
@@ -812,9 +812,9 @@ def test_50_dropped_streams_free_their_kv(server):
 
     asyncio.run(main())
     deadline = time.monotonic() + 60
-    while (not slots_whole(engine) or sched.load() != (0, 0)) and time.monotonic() < deadline:
+    while (not slots_whole(engine) or engine_loop.load() != (0, 0)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert slots_whole(engine) and sched.load() == (0, 0) and not engine.has_work
+    assert slots_whole(engine) and engine_loop.load() == (0, 0) and not engine.has_work
     assert server.telemetry._requests["aborted"]._value.get() - aborted0 == 50
     _, values = _scrape(server.url)  # and the KV gauges say so
     assert (values["moa_kv_cache_used_tokens"], values["moa_kv_cache_reserved_tokens"]) == (0, 0)

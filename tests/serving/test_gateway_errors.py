@@ -662,14 +662,14 @@ def test_unexpected_exception_is_an_openai_500(tiny, monkeypatch):
 
 def test_non_streaming_client_timeout_aborts_the_request(tiny):
     srv, engine, telemetry = serve(tiny, SlowDrafter())
-    sched = srv.server.config.app.state.backend.scheduler
+    engine_loop = srv.server.config.app.state.backend.engine_loop
     with srv:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(srv.url + CHAT, json=msg(max_tokens=200, ignore_eos=True), timeout=0.5)
         deadline = time.monotonic() + 10
-        while sched.load() != (0, 0) and time.monotonic() < deadline:
+        while engine_loop.load() != (0, 0) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert sched.load() == (0, 0) and slots_whole(engine)
+        assert engine_loop.load() == (0, 0) and slots_whole(engine)
     assert telemetry._requests["aborted"]._value.get() == 1
 
 

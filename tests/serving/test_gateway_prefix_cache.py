@@ -140,7 +140,7 @@ def test_flush_cache_under_load_loses_no_request(server):
     engine, alice = server.engine, client(server, KEYS[0])
     questions = [f"Tell me one fact about {p}." for p in ("Venus", "Jupiter", "Saturn", "Neptune")]
     expected = [ask(alice, q).choices[0].message.content for q in questions]  # (and cached: hits below)
-    sched, held, release = server.backend.scheduler, threading.Event(), threading.Event()
+    engine_loop, held, release = server.backend.engine_loop, threading.Event(), threading.Event()
     real_step = engine.step
 
     def step_then_hold():
@@ -148,7 +148,7 @@ def test_flush_cache_under_load_loses_no_request(server):
         # after which all four still run: the flush asked for meanwhile runs right after it, between two steps,
         # with every request mid-flight, however fast the machine is (the timeouts only stop a hang)
         deadline = time.monotonic() + 300
-        while not held.is_set() and sum(sched.load()) < len(questions) and time.monotonic() < deadline:
+        while not held.is_set() and sum(engine_loop.load()) < len(questions) and time.monotonic() < deadline:
             time.sleep(0.01)
         events = real_step()
         if not held.is_set() and len(engine.running) == len(questions):
@@ -172,7 +172,7 @@ def test_flush_cache_under_load_loses_no_request(server):
         assert held.wait(timeout=300)
         threads.append(threading.Thread(target=flush))
         threads[-1].start()
-        while not sched._flushes and threads[-1].is_alive():
+        while not engine_loop._flushes and threads[-1].is_alive():
             time.sleep(0.01)
     finally:
         release.set()

@@ -195,7 +195,7 @@ def test_api_keys_env_file_and_reload(tmp_path, monkeypatch):
         APIKeys(file=tmp_path / "missing")
 
 
-def test_scheduler_admits_by_kv_reservation_and_delivers_everything():
+def test_engine_loop_admits_by_kv_reservation_and_delivers_everything():
     """Only as many requests run as their worst-case KV fits; the rest wait; all finish; no slot leaks."""
     import asyncio
 
@@ -203,7 +203,7 @@ def test_scheduler_admits_by_kv_reservation_and_delivers_everything():
 
     from serving.config import EngineConfig
     from serving.engine import Engine
-    from serving.scheduler import QueueFull, Scheduler
+    from serving.engine_loop import EngineLoop, QueueFull
     from sglang_ext.drafters import NgramDrafter
     from sglang_ext.sampling import SamplingParams
     from sglang_ext.tree import TreeShape
@@ -218,15 +218,15 @@ def test_scheduler_admits_by_kv_reservation_and_delivers_everything():
         return real_step()
 
     engine.step = step
-    sched = Scheduler(engine, max_running=8, max_queue=0)
-    sched.start()
+    engine_loop = EngineLoop(engine, max_running=8, max_queue=0)
+    engine_loop.start()
 
     async def run():
         params = SamplingParams(max_new_tokens=20, ignore_eos=True)
-        handles = [sched.submit([i % 8] * 10, params) for i in range(4)]
+        handles = [engine_loop.submit([i % 8] * 10, params) for i in range(4)]
         with pytest.raises(QueueFull):  # max_queue=0: only free running slots (8) may be pending or active
             for _ in range(5):
-                sched.submit([1] * 10, params)
+                engine_loop.submit([1] * 10, params)
         outs = []
         for h in handles:
             toks = []
@@ -241,8 +241,8 @@ def test_scheduler_admits_by_kv_reservation_and_delivers_everything():
     try:
         outs = asyncio.run(run())
     finally:
-        sched.abort_all()
-        sched.stop()
+        engine_loop.abort_all()
+        engine_loop.stop()
     assert outs[:4] == [(20, "length")] * 4
     assert max(peak) == 2
     assert slots_whole(engine)
