@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from sglang_ext.sampling import InvalidRequest, SamplingParams
 
 from .engine import Engine, Request, StepEvent
+from .scheduler import WaitingQueue
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ class EngineLoop:
             raise ValueError("max_running must be >= 1 and max_queue >= 0")
         self.engine, self.max_running, self.max_queue, self.telemetry = engine, max_running, max_queue, telemetry
         self._cond = threading.Condition()  # guards everything below except _by_rid
-        self._pending: deque[Handle] = deque()
+        self._pending: WaitingQueue[Handle] = WaitingQueue(self._need)  # submitted, not admitted yet
         self._aborts: list[Handle] = []
         self._flushes: list[Future] = []  # prefix cache flushes asked for, run on the engine thread between steps
         self._active: set[Handle] = set()  # admitted (taken from pending), not finished
@@ -191,7 +192,7 @@ class EngineLoop:
             # pending may hold max_queue requests beyond the free running slots
             if len(self._pending) >= self.max_queue + max(0, self.max_running - len(self._active)):
                 raise QueueFull(self._retry_after())
-            self._pending.append(h)
+            self._pending.push(h)
             self._cond.notify()
         return h
 
@@ -298,20 +299,15 @@ class EngineLoop:
         request, needs m fewer of its own and takes u from the evictable room. (Requests admitted together that
         hit the same unused prefix each count it: never too little room.)
         """
-        nodes = self._tree_nodes()
         free = self.engine.kv.num_slots - 1 - self._reserved()
-        out = []
-        while self._pending and len(self._active) < self.max_running:
-            h = self._pending[0]
-            hit, unlocked = self.engine.cached_prefix(h.prompt_ids, h.params, h.tenant)
-            need = h.reservation - hit + unlocked + nodes
-            if need > free:
-                break
-            self._pending.popleft()
-            free -= need
-            self._active.add(h)
-            out.append(h)
+        out = self._pending.admit(free, self.max_running - len(self._active))
+        self._active.update(out)
         return out
+
+    def _need(self, h: Handle) -> int:
+        """The KV room admitting a request takes now (engine thread): _take_admissible."""
+        hit, unlocked = self.engine.cached_prefix(h.prompt_ids, h.params, h.tenant)
+        return h.reservation - hit + unlocked + self._tree_nodes()
 
     def _admit(self, handles: list[Handle]) -> None:
         posts = []

@@ -1,9 +1,10 @@
 """A request's state in the engine (Request, its stats), what a step did for it (StepEvent), where the target
 pool's slots are (SlotAccounts, CacheFlush), and a fault blamed on one request alone (RequestFault, raised
-inside a `stage`): the data the engine (serving/engine.py) works on and hands out."""
+inside a `stage`; `fail` ends the request): the data the engine's parts (serving/engine.py) work on and hand out."""
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 
 from sglang_ext.sampling import SamplingParams, TokenLogprob
+
+log = logging.getLogger(__name__)
 
 
 class RequestFault(Exception):
@@ -130,3 +133,12 @@ class StepEvent:
     drafted: int  # draft tokens proposed in this step
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
     prompt_logprobs: list[TokenLogprob] | None = None  # with the first token, when the request asked for them
+
+
+def fail(r: Request, fault: RequestFault) -> StepEvent:
+    """End one request after a fault in its own stage (finish_reason "error", `error` = the stage); the step's
+    other requests carry on."""
+    cause = fault.__cause__ or fault
+    log.error("request %d failed in stage %r; the other requests carry on", r.rid, fault.reason, exc_info=cause)
+    r.finish_reason, r.error = "error", fault.reason
+    return StepEvent(r, [], 0, 0)

@@ -56,7 +56,7 @@ def test_distilled_answers_are_the_targets_own_greedy_answers(tmp_path, smollm2_
         write=records.append,
     )
     assert n == 3 and [r["id"] for r in sorted(records, key=lambda r: r["id"])] == ["q0", "q1", "q2"]
-    assert engine.running == [] and engine.waiting == []  # nothing left in flight
+    assert not engine.running and not engine.waiting  # nothing left in flight
     for rec in records:
         user = rec["conversations"][0]
         alone = Engine(target, None, EngineConfig(kv_slots=1024)).generate(

@@ -18,6 +18,8 @@ from helpers import (
 
 from serving.config import EngineConfig
 from serving.engine import Engine
+from serving.sampler import Sampler
+from serving.spec_worker import SpecWorker
 from sglang_ext.attention import causal_mask, plan_attention
 from sglang_ext.drafters import make_drafter
 from sglang_ext.grammar import JSON_OBJECT, GrammarSpec
@@ -281,18 +283,21 @@ def test_a_steps_commits_gathered_at_once_equal_each_requests_rows():
     """The drafter's captures for every committing request of a step, gathered in one index op per layer,
     are each request's accepted rows as its own tree's slice gives them (positions, captured layers)."""
 
-    class Checked(Engine):
+    class CheckedWorker(SpecWorker):
         checked = 0
 
-        def _commit_inputs(self, reqs, trees, results, paths, starts, captured):
-            got = super()._commit_inputs(reqs, trees, results, paths, starts, captured)
+        def commit_inputs(self, reqs, trees, results, paths, starts, captured):
+            got = super().commit_inputs(reqs, trees, results, paths, starts, captured)
             for i, (positions, hidden) in got.items():
                 nodes, n = torch.tensor(paths[i]), trees[i].num_nodes
                 assert torch.equal(positions, trees[i].positions[nodes])
                 for l, h in captured.items():
                     assert torch.equal(hidden[l], h[starts[i] : starts[i] + n][nodes])
-                Checked.checked += 1
+                CheckedWorker.checked += 1
             return got
+
+    class Checked(Engine):
+        spec_worker_class = CheckedWorker
 
     t = tiny_target(seed=3, vocab=32, layers=2)
     g = torch.Generator().manual_seed(0)
@@ -301,7 +306,7 @@ def test_a_steps_commits_gathered_at_once_equal_each_requests_rows():
     ref = [r.output_ids for r in Engine(t, None).generate(prompts, sp)]
     eng = Checked(t, _tiny_eagle3(t), EngineConfig(tree=TreeShape(2, 2, 4), adaptive=False))
     assert [r.output_ids for r in eng.generate(prompts, sp)] == ref
-    assert Checked.checked > 3 and slots_whole(eng)
+    assert CheckedWorker.checked > 3 and slots_whole(eng)
 
 
 def test_a_path_outside_its_tree_fails_its_request_alone():
@@ -309,12 +314,15 @@ def test_a_path_outside_its_tree_fails_its_request_alone():
     in stage "verify"; the step's other requests keep their slots and tokens, and no slot is lost."""
     from sglang_ext.verify import VerifyResult
 
-    class OffTree(Engine):
-        def _verify(self, r, tree, logits):
-            path = super()._verify(r, tree, logits)
+    class OffTreeSampler(Sampler):
+        def verify(self, r, tree, logits, shape):
+            path = super().verify(r, tree, logits, shape)
             if r.rid == 1 and len(r.output_ids) > 3:
                 return VerifyResult([0, tree.num_nodes], [1, 2])
             return path
+
+    class OffTree(Engine):
+        sampler_class = OffTreeSampler
 
     t = tiny_target(seed=3, vocab=32, layers=2)
     prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5, 6], [7, 8, 9, 7]]
@@ -592,8 +600,8 @@ def test_model_drafters_draft_from_predicted_outputs(smollm2_fp32, predicted, dr
     fallbacks = []
     eng.on_fallback = lambda r, reason: fallbacks.append(reason)
     lookups = []
-    trees = eng._prediction.trees
-    eng._prediction.trees = lambda batch, shape: lookups.append(trees(batch, shape)) or lookups[-1]
+    trees = eng.spec.prediction.trees
+    eng.spec.prediction.trees = lambda batch, shape: lookups.append(trees(batch, shape)) or lookups[-1]
     reqs = eng.generate([prompt] * 3, params)
     assert not fallbacks
     for r, v in zip(reqs, vanilla):
@@ -606,7 +614,7 @@ def test_model_drafters_draft_from_predicted_outputs(smollm2_fp32, predicted, dr
     assert reqs[0].stats.accept_length > reqs[1].stats.accept_length + 0.3, [r.stats.accept_length for r in reqs]
     assert (
         make_drafter("suffix", smollm2_fp32).reads_reference
-        and Engine(smollm2_fp32, make_drafter("ngram", smollm2_fp32))._prediction is None
+        and Engine(smollm2_fp32, make_drafter("ngram", smollm2_fp32)).spec.prediction is None
     )
 
 

@@ -82,7 +82,7 @@ def test_gpu_greedy_identity(cuda_target, prompts, vanilla, drafter, bs):
 
 def _graphs(eng: Engine) -> int:
     """CUDA graphs captured so far by the engine's runner and its drafter's step and search runners."""
-    runners = [eng.graph_runner, getattr(eng.drafter, "_steps", None), getattr(eng.drafter, "_search", None)]
+    runners = [eng.runner.graph_runner, getattr(eng.drafter, "_steps", None), getattr(eng.drafter, "_search", None)]
     return sum(len(r.cache.entries) for r in runners if r is not None)
 
 

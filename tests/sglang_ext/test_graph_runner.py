@@ -388,9 +388,9 @@ def test_engine_tokens_with_the_static_path_equal_eager(smollm2_fp32, eval_promp
 
     def engine(runner_kw=None):
         eng = Engine(smollm2_fp32, make_drafter(drafter, smollm2_fp32) if drafter else None, config)
-        assert eng.graph_runner is None  # graphs are a CUDA feature: off on the CPU whatever the config
+        assert eng.runner.graph_runner is None  # graphs are a CUDA feature: off on the CPU whatever the config
         if runner_kw is not None:
-            eng.graph_runner = GraphRunner(eng.model, eng.capture_layers, graphs=False, **runner_kw)
+            eng.runner.graph_runner = GraphRunner(eng.model, eng.capture_layers, graphs=False, **runner_kw)
             if drafter:
                 eng.drafter.step_graphs = True  # its frontier steps on the static path too
         return eng
@@ -400,12 +400,12 @@ def test_engine_tokens_with_the_static_path_equal_eager(smollm2_fp32, eval_promp
     outs = _outputs(eng, prompts, bs, n)
     verdicts = [compare_to_reference(smollm2_fp32.model, p, r, o) for p, r, o in zip(prompts, ref, outs)]
     assert "bug" not in verdicts, verdicts
-    assert eng.graph_runner.runs > 0
+    assert eng.runner.graph_runner.runs > 0
     if drafter:
         assert static_runs(eng.drafter) > 0
     if bs == 4 and drafter is None:  # contexts over the buckets (every prompt is longer than 8 tokens): all eager
         small = engine({"context": (8,)})
-        assert _outputs(small, prompts, bs, n) == ref and small.graph_runner.runs == 0
+        assert _outputs(small, prompts, bs, n) == ref and small.runner.graph_runner.runs == 0
 
 
 # --- on CUDA: captured graphs replayed --------------------------------------------------------------
@@ -431,13 +431,13 @@ def test_cuda_graph_replay_equals_eager_tokens(drafter, bs):
     def outputs(graphs: bool):
         config = EngineConfig(device="cuda", cuda_graphs=graphs, tree=TreeShape(3, 2, 6) if drafter else None)
         eng = Engine(target, make_drafter(drafter, target) if drafter else None, config)
-        assert (eng.graph_runner is not None) == graphs
+        assert (eng.runner.graph_runner is not None) == graphs
         return _outputs(eng, prompts, bs, 24), eng
 
     ref, _ = outputs(False)
     got, eng = outputs(True)
-    assert eng.graph_runner.graphs and eng.graph_runner.runs > 0
-    assert any(graph is not None for _, graph, _ in eng.graph_runner.cache.entries.values())
+    assert eng.runner.graph_runner.graphs and eng.runner.graph_runner.runs > 0
+    assert any(graph is not None for _, graph, _ in eng.runner.graph_runner.cache.entries.values())
     verdicts = [compare_to_reference(target.model, p, r, o) for p, r, o in zip(prompts, ref, got)]
     assert "bug" not in verdicts, verdicts
 
@@ -472,7 +472,7 @@ def random_bf16_target():
     from helpers import smollm2_config
 
     from sglang_ext.models import Target
-    from sglang_ext.training.job import random_target
+    from sglang_ext.models.synthetic import random_target
 
     return Target(model=random_target(smollm2_config(), "cuda", dtype=torch.bfloat16), tokenizer=None, path=None)
 
@@ -504,7 +504,7 @@ def test_bf16_graphs_equal_eager_and_drafters_equal_vanilla_exactly(random_bf16_
             ]
             runs[drafter, graphs] = [r.output_ids for r in reqs]
             drafted[drafter, graphs] = sum(r.stats.draft_tokens for r in reqs)
-            assert not graphs or eng.graph_runner.runs > 0
+            assert not graphs or eng.runner.graph_runner.runs > 0
     ref = runs[None, False]
     assert all(len(o) == 48 for o in ref)
     assert drafted["ngram", True] > 0 and drafted["lookahead", True] > 0  # verify trees were checked
@@ -525,7 +525,7 @@ def test_bf16_a_tree_row_equals_its_decode_bit_for_bit(random_bf16_target, path)
 
 def test_padded_prefixes_equal_the_request_by_request_fill():
     """The runners' prefix table in one masked assignment equals it filled request by request."""
-    from sglang_ext.models.graph_runner import padded_prefixes
+    from sglang_ext.models.draft_graphs import padded_prefixes
 
     gen = torch.Generator().manual_seed(0)
     for lens in ([5, 0, 17, 1], [32], []):

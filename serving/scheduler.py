@@ -1,0 +1,154 @@
+"""The scheduler: which requests a step runs, and how (nano-vllm's and SGLang's scheduler, vLLM's core/sched).
+
+    add ──► waiting (a WaitingQueue: prompts not prefilled yet)
+              │  each step: prompt chunks within the prefill budget (chunked prefill); a prompt done leaves
+              ▼
+            running (decoding: one tree each per step) ──► finished: removed (the engine frees their KV)
+
+Batch formation: by default one forward per step holds the running requests' trees and the arrivals' prompt
+chunks side by side (mixed prefill: the prompt rows share the pass over the weights with the decode rows, and
+arrivals one or two at a time, what speculation's uneven finishing gives, cost no more than arrivals in a
+group); without it, the chunks get a forward of their own before the decode one.
+
+The waiting queue is one object with a small interface (push, pop_next, remove, len, iteration in serving
+order, and `admit`: the admission check), so another order (a per-tenant fair queue) drops in. The engine loop
+(serving/engine_loop.py) keeps its admission queue in one too, its cost an arrival's KV need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
+
+from .request import Request
+
+T = TypeVar("T")
+
+
+class WaitingQueue(Generic[T]):
+    """Items waiting their turn, served first in, first out. A fair queue keeps this interface: iteration and
+    pop_next give the serving order, and `admit` is the admission check (which items go now)."""
+
+    def __init__(self, cost: Callable[[T], int] = lambda item: 0):
+        self._items: list[T] = []
+        self.cost = cost  # what admitting an item takes (the engine loop's: its KV need)
+
+    def push(self, item: T) -> None:
+        self._items.append(item)
+
+    def peek(self) -> T:
+        return self._items[0]
+
+    def pop_next(self) -> T:
+        return self._items.pop(0)
+
+    def remove(self, item: T) -> bool:
+        """Take the item out wherever it waits (an abort); False when it is not here."""
+        for i, x in enumerate(self._items):
+            if x is item:
+                del self._items[i]
+                return True
+        return False
+
+    def admit(self, room: int, limit: int) -> list[T]:
+        """Pop items in serving order while each one's cost fits the room left by those before it, at most
+        `limit` of them; the first that does not fit stops the admission (no overtaking)."""
+        out: list[T] = []
+        while self._items and len(out) < limit:
+            need = self.cost(self._items[0])
+            if need > room:
+                break
+            room -= need
+            out.append(self._items.pop(0))
+        return out
+
+    def clear(self) -> list[T]:
+        items, self._items = self._items, []
+        return items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(list(self._items))
+
+    def __contains__(self, item: object) -> bool:
+        return any(x is item for x in self._items)
+
+
+Batch = tuple[list[Request], list[tuple[Request, int]]]  # (decoding requests, prompt chunks (request, end))
+
+
+class Scheduler:
+    """The engine's waiting and running requests and each step's batches. prefill_tokens: prompt tokens
+    prefilled per step at most (longer prompts in chunks); mixed_prefill: chunks share the decode forward."""
+
+    def __init__(self, prefill_tokens: int, mixed_prefill: bool = True):
+        self.prefill_tokens, self.mixed_prefill = prefill_tokens, mixed_prefill
+        self.waiting: WaitingQueue[Request] = WaitingQueue()
+        self.running: list[Request] = []
+        self.in_step: list[Request] = []  # taken from `waiting` by this step: a failed step's reset releases them
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def requests(self) -> list[Request]:
+        """Every request the engine holds between steps: waiting, then running."""
+        return list(self.waiting) + self.running
+
+    def add(self, r: Request) -> None:
+        self.waiting.push(r)
+
+    def schedule(self, match_prefix: Callable[[Request], None]) -> list[Batch]:
+        """This step's forwards: (decoding requests, prompt chunks) each. match_prefix(r): the KV manager looks
+        the prompt of a request about to start its prefill up in the prefix cache again."""
+        chunks = self._prefill_chunks(match_prefix)
+        self.in_step = [r for r, _ in chunks]
+        decoding = list(self.running)
+        if self.mixed_prefill:
+            return [(decoding, chunks)] if decoding or chunks else []
+        return ([([], chunks)] if chunks else []) + ([(decoding, [])] if decoding else [])
+
+    def _prefill_chunks(self, match_prefix: Callable[[Request], None]) -> list[tuple[Request, int]]:
+        """The prompt chunks this step prefills: (request, end) for prompt tokens [r.prefilled, end).
+        NOTE: at most prefill_tokens prompt tokens per step; a prompt that does not fit is split
+        (chunked prefill), so one long prompt holds the running requests' next tokens up for one
+        chunk's time, not its whole prefill. A request whose prompt is done leaves the queue; the one
+        split stays at its head."""
+        chunks, budget = [], self.prefill_tokens
+        for r in self.waiting:
+            if budget <= 0:
+                break
+            if r.prefilled == r.shared:  # nothing prefilled yet: the cache may hold more of its prompt by now
+                match_prefix(r)
+            end = min(len(r.prompt_ids), r.prefilled + budget)
+            chunks.append((r, end))
+            budget -= end - r.prefilled
+        for _ in range(sum(end == len(r.prompt_ids) for r, end in chunks)):
+            self.waiting.pop_next()
+        return chunks
+
+    def start_decoding(self, r: Request) -> None:
+        """The request's prompt is prefilled and its first token out: it decodes from the next step on."""
+        self.running.append(r)
+
+    def remove(self, r: Request) -> bool:
+        """Take the request out of the waiting and running lists; whether it was running."""
+        self.waiting.remove(r)
+        if r in self.running:
+            self.running.remove(r)
+            return True
+        return False
+
+    def end_step(self) -> None:
+        self.in_step = []
+
+    def held(self) -> list[Request]:
+        """Every request held: waiting, running, and those a failed step took from waiting."""
+        left = self.requests()
+        return left + [r for r in self.in_step if not any(r is x for x in left)]
+
+    def clear(self) -> None:
+        self.waiting.clear()
+        self.running, self.in_step = [], []
