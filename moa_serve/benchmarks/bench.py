@@ -84,12 +84,10 @@ def bench_drafter(method: str, target):
     """make_drafter, with online learning off: a benchmark repeats its prompts (warm-up, repeats),
     so a drafter that learns from served outputs would be scored on answers it has already seen."""
     from sglang_ext.drafters import make_drafter
-    from sglang_ext.drafters.suffix import SuffixDrafter
 
     drafter = make_drafter("none" if method == "vanilla" else method, target)
-    for d in getattr(drafter, "members", [drafter]):  # a merged drafter's members too
-        if isinstance(d, SuffixDrafter):
-            d.online = False
+    if drafter is not None:
+        drafter.stop_learning()  # (a merged drafter's members too)
     return drafter
 
 

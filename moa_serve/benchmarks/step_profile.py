@@ -94,7 +94,7 @@ def profile_steps(
     device_us = sum(_self_device_us(e) for e in events)
     engine.abort(req)
     return {
-        "method": getattr(drafter, "name", None) or "vanilla",
+        "method": drafter.name if drafter is not None else "vanilla",
         "tree": "-" if drafter is None else tree.label,
         "prompt_tokens": len(prompt),
         "step_ms_median": 1e3 * statistics.median(times),

@@ -68,7 +68,7 @@ def cmd_generate(args) -> int:
             "verify_steps": st.verify_steps,
             "tokens_per_s": round(len(req.output_ids) / dt, 3),
         }
-        if hasattr(engine.drafter, "member_stats"):  # a merged drafter: draft / accepted tokens per member
+        if engine.drafter is not None and engine.drafter.member_names:  # merged: draft / accepted tokens per member
             stats["members"] = engine.drafter.member_stats()
         print(generation_json(text, req.output_ids, req.finish_reason, stats, cfg.drafter, cfg.tree))
     else:

@@ -23,9 +23,7 @@ from dataclasses import dataclass, field
 import httpx
 import torch
 
-from sglang_ext.drafters.base import DrafterError, DraftInput
-from sglang_ext.drafters.eagle3 import Eagle3Drafter
-from sglang_ext.drafters.moa import MoADrafter
+from sglang_ext.drafters.base import Drafter, DrafterError, DraftInput
 from sglang_ext.sampling import SamplingParams
 from sglang_ext.tree import TreeShape
 
@@ -86,7 +84,7 @@ class EdgeClient:
     def __init__(
         self,
         server: str,
-        drafter,
+        drafter: Drafter,
         drafter_name: str,
         shape: TreeShape = TreeShape(1, 2, 3),
         dtype: str = "fp16",
@@ -96,10 +94,13 @@ class EdgeClient:
         backoff_s: tuple[float, float] = (0.25, 4.0),
         eos_ids: tuple[int, ...] = (),
     ):
-        if not isinstance(drafter, (MoADrafter, Eagle3Drafter)):
-            raise TypeError("edge clients run a MoA or EAGLE-3 drafter")
-        if isinstance(drafter, MoADrafter) and not drafter.remote:
-            raise ValueError("build the MoA drafter with remote=True (its TLI layers keep their own K/V)")
+        if drafter is None or not drafter.edge:
+            raise TypeError("edge clients run a drafter with an edge context (MoA or EAGLE-3)")
+        if not drafter.edge_client_ready:
+            raise ValueError(
+                "build the drafter for an edge client (drafter.for_edge_client(): MoA with remote=True, its TLI layers "
+                "keeping their own K/V)"
+            )
         if resync not in ("verify", "keep"):
             raise ValueError("resync must be 'verify' or 'keep'")
         self.drafter, self.drafter_name, self.shape, self.dtype = drafter, drafter_name, shape, dtype
@@ -130,11 +131,7 @@ class EdgeClient:
         return unpack(resp.content)
 
     def _ingest(self, rid: int, tokens: list[int], start: int, ctx: dict) -> None:
-        pos = torch.arange(start, start + len(tokens))
-        if isinstance(self.drafter, Eagle3Drafter):
-            self.drafter.ingest_remote(rid, ctx["features"])
-        else:
-            self.drafter.ingest_remote(rid, tokens, pos, ctx["ca_k"], ctx["ca_v"], ctx.get("tli_k"), ctx.get("tli_v"))
+        self.drafter.ingest_context(rid, tokens, torch.arange(start, start + len(tokens)), ctx)
 
     # --- generation ---------------------------------------------------------------------------
     def generate(
@@ -281,7 +278,7 @@ class EdgeClient:
 
     @property
     def can_draft_offline(self) -> bool:
-        return isinstance(self.drafter, MoADrafter)
+        return self.drafter.drafts_offline
 
     def drafter_offline(self, rid: int, token_ids: list[int]) -> int:
         self.stats.offline_tokens += 1
@@ -326,14 +323,12 @@ def local_drafter(target, name: str):
     from sglang_ext.drafters import make_drafter
 
     d = make_drafter(name, target)
-    if isinstance(d, MoADrafter):
-        d = MoADrafter(target.model, d.draft, name=d.name, remote=True)
-    return d
+    return d.for_edge_client() if d is not None else None
 
 
 def unsupported_settings(params: SamplingParams) -> list[str]:
     """The SamplingParams fields an edge generation cannot honour (empty: it can). The server
-    verifies greedily (service.py: greedy_verify) and the client stops at EOS and the token budget
+    verifies greedily (service.py: greedy_path) and the client stops at EOS and the token budget
     only, so sampling, penalties, min_tokens and structured output would be silently dropped."""
     defaults = SamplingParams()
     out = [] if params.greedy else ["temperature"]

@@ -57,12 +57,12 @@ def install_edge_routes(app: FastAPI, service: EdgeService, read_body: BodyReade
                 raise invalid(f"messages could not be formatted with the model's chat template: {e}", "messages") from e
         else:
             prompt = int_list(body, "prompt_token_ids")
-        drafter = body.get("drafter") or next(iter(service.drafters))
+        name = body.get("drafter") or next(iter(service.drafters))  # (a name: the service holds the drafters)
         dtype = body.get("dtype", "fp16")
-        if not isinstance(drafter, str) or not isinstance(dtype, str):
+        if not isinstance(name, str) or not isinstance(dtype, str):
             raise invalid("drafter and dtype must be strings", "drafter")
         try:
-            header, tensors = await asyncio.to_thread(service.create, prompt, drafter, dtype)
+            header, tensors = await asyncio.to_thread(service.create, prompt, name, dtype)
         except EdgeError as e:
             raise APIError(e.status, e.message, param=e.param, code=e.code) from e
         header["prompt_token_ids"] = prompt

@@ -1,7 +1,9 @@
 """Server side of edge decoding: one session per client generation.
 
-A session holds the verified prefix's K/V in the service's own KV pool and the root (the last
-token the target produced, not yet run through it). Each call is one target forward:
+A session holds the verified prefix's K/V in the service's own KV pool (a KVManager, as the engine's, without
+a prefix cache) and the root (the last token the target produced, not yet run through it). Each call is one
+target forward on a ModelRunner, as the engine's steps are, and greedy verification is the engine's
+(verify.greedy_path, then to_host):
 
     create(prompt)              prefill -> root; context of the prompt tokens
     verify(seq_len, tree)       forward root + draft nodes on the cached prefix; greedy accept;
@@ -10,8 +12,8 @@ token the target produced, not yet run through it). Each call is one target forw
     verify(..., mode="sync")    a chain the client generated offline, verified (resync policy "verify")
     verify(..., mode="keep")    such a chain kept as is (resync policy "keep")
 
-"Context" is exactly what the client's drafter needs for the kept tokens: MoA -> CA keys/values
-(2*n_kv*D per token: smaller than the LSA output H, far smaller than all layers' K/V) plus, for
+"Context" is exactly what the client's drafter needs for the kept tokens (Drafter.edge_context): MoA -> CA
+keys/values (2*n_kv*D per token: smaller than the LSA output H, far smaller than all layers' K/V) plus, for
 TLI=N, the target's K/V of the last N layers; EAGLE-3 -> fused features fc(low|mid|high) (H).
 
 Exactly-once: a client whose response was lost resends from its own seq_len; the session keeps
@@ -27,13 +29,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sglang_ext.attention import causal_mask, plan_attention, prefix_and_tree_mask
-from sglang_ext.drafters.eagle3 import Eagle3Drafter
-from sglang_ext.drafters.moa import MoADrafter
+from sglang_ext.attention import causal_mask, prefix_and_tree_mask
+from sglang_ext.drafters import Drafter
 from sglang_ext.models.kv_pool import OutOfSlots
 from sglang_ext.tree import tree_from_parents
-from sglang_ext.verify import greedy_verify
+from sglang_ext.verify import greedy_path, to_host
 
+from ..kv_manager import KVManager
+from ..model_runner import ModelRunner
 from .protocol import DTYPES
 
 
@@ -71,20 +74,27 @@ class Session:
 
 
 class EdgeService:
-    def __init__(self, target, drafters: dict[str, object], limits: EdgeLimits | None = None):
-        """drafters: name -> a MoADrafter/Eagle3Drafter for `target` (the server computes their context)."""
+    def __init__(self, target, drafters: dict[str, Drafter], limits: EdgeLimits | None = None):
+        """drafters: name -> a drafter for `target` with an edge context (Drafter.edge: MoA, EAGLE-3); the server
+        computes their context."""
         for name, d in drafters.items():
-            if not isinstance(d, (MoADrafter, Eagle3Drafter)):
+            if d is None or not d.edge:
                 raise ValueError(f"edge drafter {name!r}: only MoA and EAGLE-3 drafters have a client-side context")
         self.target, self.model = target, target.model
         self.drafters = drafters
         self.limits = limits or EdgeLimits()
-        self.kv = self.model.new_kv_pool(self.limits.kv_slots)
-        self.capture = tuple(sorted({l for d in drafters.values() for l in d.capture_layers}))
+        self.kv_manager = KVManager(self.model, self.limits.kv_slots)
+        capture = tuple(sorted({l for d in drafters.values() for l in d.capture_layers}))
+        self.runner = ModelRunner(self.model, self.kv_manager, capture)
         self.sessions: dict[str, Session] = {}
         self._forward_lock = threading.Lock()  # one forward at a time on this pool
         self._table_lock = threading.Lock()
         self.eos_ids = set(self.model.cfg.eos_token_ids)
+
+    @property
+    def kv(self):
+        """The service's KV pool."""
+        return self.kv_manager.pool
 
     # --- sessions -----------------------------------------------------------------------------
     def create(self, prompt_ids: list[int], drafter: str, dtype: str = "fp16") -> tuple[dict, dict[str, torch.Tensor]]:
@@ -122,16 +132,10 @@ class EdgeService:
                 n = len(prompt_ids)
                 slots = self._alloc(n)
                 pos = torch.arange(n)
-                out = self.model.forward(
-                    torch.tensor(prompt_ids),
-                    pos,
-                    slots,
-                    plan_attention([slots], [causal_mask(n, 0)]),
-                    self.kv,
-                    self.capture,
-                )
+                none = torch.empty(0, dtype=torch.long)
+                out = self.runner.forward_rows([torch.tensor(prompt_ids)], [pos], [slots], [none], [causal_mask(n, 0)])
                 sess.slots, sess.tokens = slots, list(prompt_ids)
-                sess.root = int(self.model.logits(out.hidden[-1:]).argmax(-1)[0])
+                sess.root = int(self.runner.logits(out.hidden[-1:], fp32=True).argmax(-1)[0])
                 ctx = self._context(sess, slots, pos, out.captured, torch.arange(n))
         except BaseException:
             self.close(sess.id)
@@ -178,22 +182,20 @@ class EdgeService:
             with self._forward_lock:
                 new = self._alloc(n)
                 try:
-                    plan = plan_attention(
-                        [torch.cat([sess.slots, new])], [prefix_and_tree_mask(tree.tree_mask, sess.seq_len)]
-                    )
-                    out = self.model.forward(tree.draft_tokens, tree.positions, new, plan, self.kv, self.capture)
-                    argmax = self.model.logits(out.hidden).argmax(-1)
+                    mask = prefix_and_tree_mask(tree.tree_mask, sess.seq_len)
+                    out = self.runner.forward_rows([tree.draft_tokens], [tree.positions], [new], [sess.slots], [mask])
+                    argmax = self.runner.logits(out.hidden, fp32=True).argmax(-1)
                     if mode == "keep":
                         nodes, res_tokens = list(range(n)), tokens[1:] + [int(argmax[-1])]
                     else:
-                        res = greedy_verify(tree, argmax)
+                        res = to_host([greedy_path(tree, argmax)])[0]
                         nodes, res_tokens = res.accepted_nodes, res.tokens
                     keep = new[nodes]
                     rejected = torch.ones(n, dtype=torch.bool)
                     rejected[nodes] = False
-                    self.kv.free(new[rejected])
+                    self.kv_manager.free(new[rejected])
                 except BaseException:
-                    self.kv.free(new)
+                    self.kv_manager.free(new)
                     raise
                 sess.prev = (sess.seq_len, sess.root)
                 sess.slots = torch.cat([sess.slots, keep])
@@ -209,7 +211,7 @@ class EdgeService:
         if sess is None:
             return False
         with sess.lock:
-            self.kv.free(sess.slots)
+            self.kv_manager.free(sess.slots)
             sess.slots = torch.empty(0, dtype=torch.long)
         return True
 
@@ -240,7 +242,7 @@ class EdgeService:
         if seq_len == sess.seq_len:
             return
         if sess.prev is not None and seq_len == sess.prev[0]:
-            self.kv.free(sess.slots[seq_len:])
+            self.kv_manager.free(sess.slots[seq_len:])
             sess.slots, sess.tokens, sess.root = sess.slots[:seq_len], sess.tokens[:seq_len], sess.prev[1]
             sess.prev = None
             return
@@ -253,7 +255,7 @@ class EdgeService:
 
     def _alloc(self, n: int) -> torch.Tensor:
         try:
-            return self.kv.alloc(n)
+            return self.kv_manager.alloc(n)
         except OutOfSlots as e:
             raise EdgeError(429, f"edge KV pool is full ({e}); retry later", "rate_limit_exceeded") from e
 
@@ -266,12 +268,5 @@ class EdgeService:
     def _context(
         self, sess: Session, slots: torch.Tensor, positions: torch.Tensor, captured: dict, rows: torch.Tensor
     ) -> dict[str, torch.Tensor]:
-        d = self.drafters[sess.drafter]
-        if isinstance(d, Eagle3Drafter):
-            return {"features": d.context({l: h[rows] for l, h in captured.items()})}
-        k, v = d.context(self.kv, slots, positions, {l: h[rows] for l, h in captured.items()})
-        ctx = {"ca_k": k, "ca_v": v}
-        if d.tli_layers:
-            ctx["tli_k"] = torch.stack([self.kv.k[l][slots] for l in d.tli_layers])
-            ctx["tli_v"] = torch.stack([self.kv.v[l][slots] for l in d.tli_layers])
-        return ctx
+        hidden = {l: h[rows] for l, h in captured.items()}
+        return self.drafters[sess.drafter].edge_context(self.kv, slots, positions, hidden)

@@ -31,12 +31,23 @@ beside the target's cache, keyed by the target's slot of each token (drafters/ke
                                  tokens (taken[i]: the target slot of token i, or -1): keep your state of those
                                  (where none is kept under that slot yet), free the rest
     drop_prefix(slots)           the cache let these target slots go: free what is kept under them
+(such a drafter says `keeps_prefix_state = True`).
+
+Capabilities are declared on the drafter type (`Drafter`'s class attributes, overridden by the drafters that
+have them), never probed: the engine and the edge code read them as plain attributes, and a drafter that
+needs none of them inherits the defaults (as SGLang's BaseSpecWorker gives no-op hooks). Besides those above:
+`captures_steps` (its draft steps can replay captured graphs: the engine sets `step_graphs` with a graph
+runner), `member_names` and `member_stats()` (a merged drafter's members), `stop_learning()` (a drafter that
+learns from served outputs stops), and edge decoding (serving/edge):
+`edge` (the server computes a client-side context of verified tokens: `edge_context`, which the client's copy,
+`for_edge_client()`, takes in with `ingest_context`) and `drafts_offline` (`offline_next`: the client keeps
+drafting while the server is out of reach).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, runtime_checkable
+from typing import Callable
 
 import torch
 
@@ -89,15 +100,71 @@ class DraftInput:
         return len(self.token_ids) - 1
 
 
-@runtime_checkable
-class Drafter(Protocol):
-    name: str
-    capture_layers: tuple[int, ...]  # target layers whose outputs the drafter needs in TargetCapture
+class Drafter:
+    """The interface: the four lifecycle calls every drafter implements, and the capabilities a drafter declares by
+    overriding these class attributes (module docstring); the defaults are a drafter that needs none of them, and
+    the optional hooks do nothing or fall back to the lifecycle calls."""
 
-    def add_request(self, rid: int, capture: TargetCapture) -> None: ...
+    name: str = ""
+    capture_layers: tuple[int, ...] = ()  # target layers whose outputs the drafter needs in TargetCapture
+    needs_commit: bool = True  # False: commit() is a no-op (the engine builds no verify-step TargetCapture)
+    wants_tree_argmax: bool = False  # commit's TargetCapture carries the target's argmax at every tree node
+    reads_reference: bool = False  # searches DraftInput.reference itself (else the engine drafts from it)
+    reads_prefix_hidden: bool = True  # reads the captured layers of prefix-cached tokens (cached_hidden)
+    keeps_prefix_state: bool = False  # keeps its state beside the prefix cache (release_request, drop_prefix)
+    captures_steps: bool = False  # its draft steps can replay captured graphs (then `step_graphs` turns them on)
+    step_graphs: bool = False
+    member_names: tuple[str, ...] = ()  # a merged drafter's members (adaptive speculation offers each alone)
+    edge: bool = False  # serves edge decoding: edge_context on the server, ingest_context on the client
+    edge_client_ready: bool = False  # this object can run on an edge client (for_edge_client() makes one)
+    drafts_offline: bool = False  # an edge client's drafter drafts on while the server is out of reach
 
-    def propose(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree]: ...
+    def add_request(self, rid: int, capture: TargetCapture) -> None:
+        raise NotImplementedError
 
-    def commit(self, rid: int, capture: TargetCapture) -> None: ...
+    def propose(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree]:
+        raise NotImplementedError
 
-    def remove_request(self, rid: int) -> None: ...
+    def commit(self, rid: int, capture: TargetCapture) -> None:
+        raise NotImplementedError
+
+    def remove_request(self, rid: int) -> None:
+        raise NotImplementedError
+
+    # --- beside the prefix cache (keeps_prefix_state) ------------------------------------------------
+    def release_request(self, rid: int, taken: torch.Tensor) -> None:
+        """The request ended while the prefix cache holds some of its tokens (taken[i]: token i's target slot, or
+        -1): a drafter that keeps no state beside the cache just forgets the request."""
+        self.remove_request(rid)
+
+    def drop_prefix(self, slots: torch.Tensor) -> None:
+        """The prefix cache let these target slots go: nothing kept under them by default."""
+
+    def stop_learning(self) -> None:
+        """Stop learning from served outputs (a benchmark repeats its prompts: a drafter that learned their
+        answers would be scored on what it has seen); nothing to stop by default."""
+
+    # --- a merged drafter's members -----------------------------------------------------------------
+    def member_stats(self) -> dict:
+        """{member: {proposed, accepted, accept_rate}} for a merged drafter; empty for the others."""
+        return {}
+
+    # --- edge decoding (serving/edge) ---------------------------------------------------------------
+    def edge_context(
+        self, kv: KVPool, slots: torch.Tensor, positions: torch.Tensor, hidden: dict[int, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Server side: what the client's drafter needs of newly verified tokens (their target slots in kv,
+        positions [n], the captured layers' rows [n, H]), by name, for the wire."""
+        raise DrafterError(f"{self.name or type(self).__name__}: no edge context")
+
+    def for_edge_client(self) -> "Drafter":
+        """The drafter an edge client runs (the target elsewhere): this one, unless it must be built otherwise."""
+        return self
+
+    def ingest_context(self, rid: int, tokens: list[int], positions: torch.Tensor, ctx: dict) -> None:
+        """Client side: the server's edge_context of verified tokens `tokens` at `positions`."""
+        raise DrafterError(f"{self.name or type(self).__name__}: no edge context")
+
+    def offline_next(self, rid: int, token_ids: list[int]) -> int:
+        """Client side, offline (drafts_offline): the next token after token_ids, drafted alone."""
+        raise DrafterError(f"{self.name or type(self).__name__}: does not draft offline")

@@ -14,10 +14,11 @@ import torch
 
 from ..attention import FrontierPaths, causal_mask, plan_attention, plan_frontier
 from ..device import upload
-from ..models.graph_runner import FrontierRunner, with_static_attention
+from ..models.draft_graphs import FrontierRunner
+from ..models.graph_runner import with_static_attention
 from ..models.llama import LlamaModel
 from ..tree import TokenTree, TreeShape
-from .base import DraftInput, TargetCapture
+from .base import Drafter, DraftInput, TargetCapture
 from .kept import KeptState, keep_or_free
 from .search import search_tree
 
@@ -27,9 +28,10 @@ def default_self_draft_layers(num_layers: int) -> list[int]:
     return list(range(first)) + list(range(num_layers - 2, num_layers))
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     name = "draft-model"
-    capture_layers: tuple[int, ...] = ()
+    keeps_prefix_state = True  # the K/V of prefix-cached tokens, by target slot (release_request, drop_prefix)
+    captures_steps = True
 
     def __init__(self, model: LlamaModel, num_slots: int = 16384):
         self.model = model

@@ -31,13 +31,14 @@ from ..attention import FrontierPaths, advance_seen, causal_masks, plan_flat, pl
 from ..device import module_on, upload
 from ..kernels import attach_bf16_halves
 from ..models.checkpoint import check_fits
+from ..models.draft_graphs import FrontierRunner, SearchBuffers, SearchRunner
 from ..models.eagle3 import Eagle3Draft, load_eagle3
-from ..models.graph_runner import FrontierRunner, SearchBuffers, SearchRunner, static_attention, static_plan
+from ..models.graph_runner import static_attention, static_plan
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel
 from ..settings import settings
 from ..tree import TokenTree, TreeShape, search_candidates, tree_batch, unpack_trees
-from .base import DrafterError, DraftInput, TargetCapture
+from .base import Drafter, DrafterError, DraftInput, TargetCapture
 from .kept import KeptState, keep_or_free
 from .search import Finite, scatter_to_vocab, search_tree, top_k_search
 from .shipped import shipped_path
@@ -57,8 +58,11 @@ class _RequestState:
         self.borrowed = 0  # leading pairs adopted from the kept state (never freed by the request)
 
 
-class Eagle3Drafter:
+class Eagle3Drafter(Drafter):
     name = "eagle3"
+    keeps_prefix_state = True  # processed pairs of prefix-cached tokens, by target slot
+    captures_steps = True
+    edge = edge_client_ready = True  # an edge client gets the fused features of verified tokens
 
     def __init__(self, target: LlamaModel, draft: Eagle3Draft, num_slots: int = 32768):
         c = draft.cfg
@@ -112,6 +116,12 @@ class Eagle3Drafter:
         if missing:
             raise DrafterError(f"target capture lacks layers {missing}")
         return self.draft.fuse(torch.cat([hidden[l] for l in self.capture_layers], dim=-1).to(self.target.dtype))
+
+    def edge_context(self, kv, slots, positions, hidden: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"features": self.context(hidden)}
+
+    def ingest_context(self, rid: int, tokens: list[int], positions: torch.Tensor, ctx: dict) -> None:
+        self.ingest_remote(rid, ctx["features"])
 
     def ingest_remote(self, rid: int, fused: torch.Tensor) -> None:
         """Edge client: fused features of verified tokens, computed by the server."""

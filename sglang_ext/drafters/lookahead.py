@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..tree import TokenTree, TreeShape
-from .base import DraftInput, TargetCapture
+from .base import Drafter, DraftInput, TargetCapture
 from .ngram import trie_tree
 
 # NOTE: a short window and a chain: on a CPU a longer window or side branches raise tau a little but cost
@@ -138,9 +138,8 @@ class _State:
     pending: _Proposal | None = None  # the tree proposed this step, until its commit
 
 
-class LookaheadDrafter:
+class LookaheadDrafter(Drafter):
     name = "lookahead"
-    capture_layers: tuple[int, ...] = ()
     wants_tree_argmax = True  # the Jacobi update reads the target's argmax at every node (TargetCapture)
 
     def __init__(self, window: int = DEFAULT_WINDOW, ngram: int = DEFAULT_NGRAM, pool_per_key: int = POOL_PER_KEY):

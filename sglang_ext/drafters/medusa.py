@@ -32,7 +32,7 @@ from ..models.checkpoint import check_fits
 from ..models.llama import LlamaModel, rms_norm
 from ..models.medusa import MedusaHeads, load_medusa
 from ..tree import TokenTree, TreeShape, trees_from_candidates
-from .base import DrafterError, DraftInput, TargetCapture
+from .base import Drafter, DrafterError, DraftInput, TargetCapture
 from .search import Finite
 from .shipped import shipped_path
 
@@ -42,7 +42,7 @@ def default_checkpoint(target) -> Path:
     return shipped_path(target, "medusa")
 
 
-class MedusaDrafter:
+class MedusaDrafter(Drafter):
     name = "medusa"
 
     def __init__(self, target: LlamaModel, heads: MedusaHeads):

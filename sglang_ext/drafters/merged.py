@@ -20,7 +20,7 @@ copy per dtype for the step, the merge's one read, and the merged tree goes back
 - greedy verification needs nothing more (verify.py: the child equal to the target's argmax); siblings
   hold distinct tokens (a trie), so the accepted path is unique.
 
-Sampling (SpecInfer's multi-step speculative sampling; verify.sampling_verify tries a node's children in
+Sampling (SpecInfer's multi-step speculative sampling; verify.sampling_path tries a node's children in
 index order, each with its draft_probs row). Facts the rule rests on (r: the parent's residual when the
 child is tried, u: the verifier's uniform for that trial, drawn after drafting):
   (a) a point-mass trial (accept x with r(x), else zero r(x) and renormalise) leaves the emitted token
@@ -283,7 +283,7 @@ class _Proposal:
     where: dict[int, list[int]]  # member index -> its tree's node -> merged node (-1: cut)
 
 
-class MergedDrafter:
+class MergedDrafter(Drafter):
     """Members' trees merged into one per request (module docstring)."""
 
     needs_commit = True  # the accepted path feeds MergeStats (and members that need it)
@@ -298,9 +298,10 @@ class MergedDrafter:
         self.members, self.member_names = list(members), tuple(names)
         self.name = SEPARATOR.join(names)
         self.capture_layers = tuple(sorted({layer for m in members for layer in m.capture_layers}))
-        self.wants_tree_argmax = any(getattr(m, "wants_tree_argmax", False) for m in members)
-        self.reads_reference = any(getattr(m, "reads_reference", False) for m in members)
-        self.reads_prefix_hidden = any(getattr(m, "reads_prefix_hidden", True) for m in members if m.capture_layers)
+        self.wants_tree_argmax = any(m.wants_tree_argmax for m in members)
+        self.reads_reference = any(m.reads_reference for m in members)
+        self.reads_prefix_hidden = any(m.reads_prefix_hidden for m in members if m.capture_layers)
+        self.keeps_prefix_state = any(m.keeps_prefix_state for m in members)
         self.stats = MergeStats([0] * len(members), [0] * len(members))
         self._pending: dict[int, _Proposal] = {}
 
@@ -316,17 +317,15 @@ class MergedDrafter:
     def release_request(self, rid: int, taken: torch.Tensor) -> None:
         self._pending.pop(rid, None)
         for m in self.members:
-            release = getattr(m, "release_request", None)
-            if release is None:
-                m.remove_request(rid)
-            else:
-                release(rid, taken)
+            m.release_request(rid, taken)
 
     def drop_prefix(self, slots: torch.Tensor) -> None:
         for m in self.members:
-            drop = getattr(m, "drop_prefix", None)
-            if drop is not None:
-                drop(slots)
+            m.drop_prefix(slots)
+
+    def stop_learning(self) -> None:
+        for m in self.members:
+            m.stop_learning()
 
     def member_stats(self) -> dict:
         """{member: {proposed, accepted, accept_rate}}: draft nodes verified and accepted, per member."""
@@ -380,10 +379,10 @@ class MergedDrafter:
         if argmax is not None and (prop is None or argmax.numel() != len(prop.tokens)):
             argmax = None
         for i, m in enumerate(self.members):
-            if not getattr(m, "needs_commit", True):
+            if not m.needs_commit:
                 continue
             own = None
-            if argmax is not None and getattr(m, "wants_tree_argmax", False) and i in prop.where:
+            if argmax is not None and m.wants_tree_argmax and i in prop.where:
                 nodes = prop.where[i]
                 if min(nodes) >= 0:  # every node of the member's tree was kept: its argmaxes are known
                     own = argmax[torch.tensor(nodes)]

@@ -34,21 +34,15 @@ from ..attention import FrontierPaths, advance_seen, plan_frontier, tree_attenti
 from ..device import module_on, to_device
 from ..kernels import attach_bf16_halves, attach_packed_rows
 from ..models.checkpoint import check_fits
-from ..models.graph_runner import (
-    FrontierRunner,
-    SearchBuffers,
-    SearchRunner,
-    static_attention,
-    static_plan,
-    with_static_attention,
-)
+from ..models.draft_graphs import FrontierRunner, SearchBuffers, SearchRunner
+from ..models.graph_runner import static_attention, static_plan, with_static_attention
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel, rms_norm
 from ..models.moa import MoADraft, load_moa
 from ..sampling import greedy_tokens
 from ..settings import settings
 from ..tree import TokenTree, TreeShape, search_candidates, tree_batch, unpack_trees
-from .base import DrafterError, DraftInput, TargetCapture
+from .base import Drafter, DrafterError, DraftInput, TargetCapture
 from .kept import KeptState, keep_or_free
 from .moa_core import (
     DraftKV,
@@ -81,7 +75,11 @@ class _RequestState:
         self.borrowed = 0  # leading tokens whose memory and SA K/V were adopted from the kept state
 
 
-class MoADrafter:
+class MoADrafter(Drafter):
+    keeps_prefix_state = True  # memory and SA K/V of prefix-cached tokens, by target slot
+    captures_steps = True
+    edge = drafts_offline = True  # an edge client gets CA K/V (+ the TLI layers' K/V); drafts on offline
+
     def __init__(
         self, target: LlamaModel, draft: MoADraft, num_slots: int = 32768, name: str = "moa", remote: bool = False
     ):
@@ -230,6 +228,25 @@ class MoADrafter:
             st.mem_slots = torch.cat([st.mem_slots, m])
             st.sa_slots = torch.cat([st.sa_slots, s])
             st.target_slots = torch.cat([st.target_slots, t])
+
+    @property
+    def edge_client_ready(self) -> bool:
+        return self.remote  # the TLI layers keep their own copy of the target's K/V
+
+    def for_edge_client(self) -> "MoADrafter":
+        return self if self.remote else MoADrafter(self.target, self.draft, name=self.name, remote=True)
+
+    def edge_context(self, kv: KVPool, slots, positions, hidden: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """CA K/V of the verified tokens and, for TLI > 0, their K/V at the TLI layers [N, n, kv, D]."""
+        k, v = self.context(kv, slots, positions, hidden)
+        ctx = {"ca_k": k, "ca_v": v}
+        if self.tli_layers:
+            ctx["tli_k"] = torch.stack([kv.k[l][slots] for l in self.tli_layers])
+            ctx["tli_v"] = torch.stack([kv.v[l][slots] for l in self.tli_layers])
+        return ctx
+
+    def ingest_context(self, rid: int, tokens: list[int], positions: torch.Tensor, ctx: dict) -> None:
+        self.ingest_remote(rid, tokens, positions, ctx["ca_k"], ctx["ca_v"], ctx.get("tli_k"), ctx.get("tli_v"))
 
     @torch.inference_mode()
     def ingest_remote(

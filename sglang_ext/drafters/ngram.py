@@ -15,7 +15,7 @@ import math
 import torch
 
 from ..tree import TokenTree, TreeShape, tree_from_parents
-from .base import DraftInput, TargetCapture
+from .base import Drafter, DraftInput, TargetCapture
 
 # NOTE: a lookup's candidates are only as good as the match behind them: teacher-forced on greedy
 # SmolLM2 outputs, suffix-drafter nodes after a 0-1 token match in the request itself were accepted
@@ -29,9 +29,8 @@ def match_confidence(match_len: int) -> float:
     return min(1.0, match_len / FULL_CONFIDENCE_MATCH)
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     name = "ngram"
-    capture_layers: tuple[int, ...] = ()
     needs_commit = False  # reads token ids only (DraftInput); commit() is a no-op
     reads_reference = True  # searches DraftInput.reference (a predicted output) itself
 

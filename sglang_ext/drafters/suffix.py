@@ -161,6 +161,9 @@ class SuffixDrafter(NgramDrafter):
         self._prompt_len: dict[int, int] = {}
         self._last_seq: dict[int, tuple[str, list[int]]] = {}  # rid -> (tenant, sequence at its last propose)
 
+    def stop_learning(self) -> None:
+        self.online = False
+
     @classmethod
     def from_target(cls, target, path: str | Path | None = None, **kw) -> "SuffixDrafter":
         """The shipped corpus for `target` (or the one at `path`);

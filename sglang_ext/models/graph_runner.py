@@ -1,7 +1,6 @@
-"""CUDA graphs for the target's decode / verify forward (`GraphRunner`), for a drafter's search step
-(`FrontierRunner`: EAGLE-3, MoA, the draft model) and for a drafter's whole search (`SearchRunner`) at
-bucketed shapes, as SGLang's cuda_graph_runner and eagle_draft_cuda_graph_runner do, with the same
-static padded path run eagerly off CUDA.
+"""CUDA graphs for the target's decode / verify forward (`GraphRunner`) at bucketed shapes, as SGLang's
+cuda_graph_runner does, with the same static padded path run eagerly off CUDA; the buckets, the static plan and
+attention, and the graph cache the drafters' runners (models/draft_graphs.py) share.
 
 Why: on a GPU a small step is host-bound (one launch per op, ~300 per SmolLM2 forward); one graph
 replay launches them all at once. A graph replays fixed shapes and fixed buffer addresses with no host
@@ -26,15 +25,8 @@ elsewhere the torch reference's batched matmuls.
 Host data goes into the bucket's static buffers in one copy per dtype before the replay; the replay's
 outputs are gathered to the real rows (a copy, so the next replay cannot overwrite what the caller kept).
 
-A drafter's step is the same idea with one row per frontier node: `FrontierRunner` takes
-attention.plan_frontier's description of each of the step's attentions (per request its committed
-slots and its temporary slots, on the host; per node which temporary slots are on its path, on the
-device) and pads it the same way.
-
-A drafter's whole deterministic search can go further (`SearchRunner`, as SGLang's
-eagle_draft_cuda_graph_runner): every draft step, the top-k search, each node's path mask (grown on the
-device from the search's parent choices) and the trees' tensors in one function per bucket, so a
-propose is one replay plus a few copies; every step's temporary slots are handed out up front.
+A drafter's step and its whole search are the same idea (models/draft_graphs.py: FrontierRunner,
+SearchRunner).
 
 Off CUDA (or with graphs off) the runners run the same static path eagerly, which is how their
 padding, bucketing and buffer logic is tested on the CPU. Graphs are captured lazily, one per bucket
@@ -49,7 +41,7 @@ from __future__ import annotations
 import copy
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Any
 
@@ -193,7 +185,7 @@ class GraphCache:
         return graph, out
 
 
-def _fill_flat(buf: torch.Tensor, host: torch.Tensor) -> None:
+def fill_flat(buf: torch.Tensor, host: torch.Tensor) -> None:
     """buf (a static device buffer) <- host, queued (pinned) when buf is on a GPU."""
     buf.copy_(to_device(host, buf.device), non_blocking=True)
 
@@ -279,8 +271,8 @@ class GraphRunner:
         longs, mask = _host_inputs(key, q_lens, out_slots, prefixes, *args)
 
         def fill(bufs: dict) -> None:
-            _fill_flat(bufs["longs"], longs)
-            _fill_flat(bufs["mask"], mask)
+            fill_flat(bufs["longs"], longs)
+            fill_flat(bufs["mask"], mask)
             if not host:
                 _place(bufs, key, rows, ids, positions, tree_masks)
 
@@ -377,279 +369,3 @@ def _padding(q: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # step(ids [R], feat [R, H] | None, rows {name: [R] int64}, plans {name: StaticPlan}) -> tensors [R, ...]
-StepFn = Callable[..., tuple[torch.Tensor, ...]]
-# a frontier plan's description, as attention.plan_frontier takes it: per request its committed slots
-# [P_i] (host), the request's temporary slots [b, E] (host), and which of them each node reads
-# [b, q, E] bool (on the device: the search's choices, never read here)
-FrontierSpec = tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]
-
-
-class FrontierRunner:
-    """A drafter's frontier step at bucketed static shapes: b requests x q tree nodes, one row each
-    (request-major), each row reading, in one or more KV pools, its request's committed slots and the
-    temporary slots of its own path (attention.plan_frontier's batch, one per pool), in static form
-
-        bucket (B, Q, ((name, P, E), ...)): node j of request i at row i*Q + j; per plan: prefix [B, P] +
-        prefix_len [B] as for the target, extra [B, E] the request's temporary slots and extra_mask
-        [B, Q, E] which of them node j reads (copied on the device from the spec's `seen`); per-row
-        int64 inputs (positions, write slots) padded with 0 (padded rows write and read slot 0 only)
-
-    step(ids, feat, rows, plans) is the drafter's pass with `static_attention` and its logits; it is
-    captured per bucket on CUDA with graphs on, else run eagerly on the same buffers."""
-
-    def __init__(
-        self,
-        step: StepFn,
-        device: torch.device | str,
-        max_context: int,
-        graphs: bool = True,
-        batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
-        node_buckets: tuple[int, ...] = NODE_BUCKETS,
-        max_rows: int = MAX_ROWS,
-    ):
-        self.step = step
-        self.batch_buckets, self.node_buckets = tuple(batch_buckets), tuple(node_buckets)
-        self.context = context_buckets(max_context)
-        self.max_rows = max_rows
-        self.cache = GraphCache(torch.device(device), graphs)
-        self._pools: tuple = ()
-        self.runs = 0
-
-    def bucket_of(self, b: int, q: int, lens: dict[str, tuple[int, int]]):
-        """The bucket of b requests x q nodes with, per plan, (longest prefix, temporary slots per
-        request); None when none fits."""
-        bb, qq = bucket(b, self.batch_buckets), bucket(q, self.node_buckets)
-        plans = tuple((n, bucket(p, self.context), bucket(max(e, 1), self.node_buckets)) for n, (p, e) in lens.items())
-        if b < 1 or q < 1 or bb is None or qq is None or bb * qq > self.max_rows:
-            return None
-        if any(p is None or e is None for _, p, e in plans):
-            return None
-        return bb, qq, plans
-
-    def run(
-        self,
-        ids: torch.Tensor,  # [b*q] token ids (on the device: the search's tokens, never read here)
-        feat: torch.Tensor | None,  # [b*q, H] the rows' input features, if the step takes any
-        rows: dict[str, torch.Tensor],  # name -> [b*q] int64 host values per row (positions, write slots)
-        plans: dict[str, FrontierSpec],  # name -> (prefixes, extra, seen) of one pool's attention
-        pools: tuple,  # the KV pools the step writes and reads (graphs bake their addresses in)
-    ) -> tuple[torch.Tensor, ...] | None:
-        """step's outputs for the b*q real rows (copies: the next replay overwrites the graph's), or None
-        when the batch fits no bucket (the caller runs its eager step)."""
-        b = len(next(iter(plans.values()))[0])
-        q = ids.numel() // b if b else 0
-        lens = {n: (max(p.numel() for p in pre), extra.shape[1]) for n, (pre, extra, _) in plans.items()}
-        key = self.bucket_of(b, q, lens) if b else None
-        if key is None or any(tuple(seen.shape[:2]) != (b, q) for _, _, seen in plans.values()):
-            return None
-        if len(pools) != len(self._pools) or any(a is not c for a, c in zip(pools, self._pools)):
-            self.cache.clear()
-            self._pools = tuple(pools)
-        self.runs += 1
-        bb, qq, plan_keys = key
-        longs, mask = _frontier_host(key, b, q, rows, plans)
-        names = tuple(rows)
-        device = self.cache.device
-
-        def fill(bufs: dict) -> None:
-            _fill_flat(bufs["longs"], longs)
-            _fill_flat(bufs["mask"], mask)
-            at = 0
-            for name, _, e in plan_keys:  # each node's path, where the search put it
-                seen = plans[name][2]
-                bufs["mask"][at : at + bb * qq * e].view(bb, qq, e)[:b, :q, : seen.shape[2]].copy_(seen)
-                at += bb * qq * e
-            bufs["ids"].view(bb, qq)[:b, :q].copy_(to_device(ids, device).view(b, q))
-            if feat is not None:
-                bufs["feat"].view(bb, qq, -1)[:b, :q].copy_(to_device(feat, device).view(b, q, -1))
-
-        def make() -> dict:
-            empty = {n: torch.empty(0, dtype=torch.long) for n in names}
-            host_longs, host_mask = _frontier_host(key, 0, 0, empty, {})
-            bufs = {
-                "longs": to_device(host_longs, device),
-                "mask": to_device(host_mask, device),
-                "ids": torch.zeros(bb * qq, dtype=torch.long, device=device),
-            }
-            if feat is not None:
-                bufs["feat"] = torch.zeros(bb * qq, feat.shape[-1], dtype=feat.dtype, device=device)
-            return bufs
-
-        out = self.cache.run((key, names, feat is not None), make, fill, lambda bufs: self._step(key, names, bufs))
-        n = b * q
-        return tuple(o.view(bb, qq, *o.shape[1:])[:b, :q].reshape(n, *o.shape[1:]).clone() for o in out)
-
-    def _step(self, key, names: tuple[str, ...], bufs: dict) -> tuple[torch.Tensor, ...]:
-        """The captured function: the buffers' views, the static plans, the drafter's step."""
-        bb, qq, plan_keys = key
-        sizes = [bb * qq] * len(names) + [x for _, p, e in plan_keys for x in (bb * p, bb, bb * e)]
-        longs = bufs["longs"].split(sizes)
-        masks = bufs["mask"].split([bb * qq * e for _, _, e in plan_keys])
-        rows = dict(zip(names, longs))
-        plans = {}
-        for i, (n, p, e) in enumerate(plan_keys):
-            prefix, prefix_len, extra = longs[len(names) + 3 * i : len(names) + 3 * i + 3]
-            plans[n] = static_plan(prefix.view(bb, p), prefix_len, extra.view(bb, e), masks[i].view(bb, qq, e))
-        return tuple(self.step(bufs["ids"], bufs.get("feat"), rows, plans))
-
-
-def _frontier_host(key, b: int, q: int, rows: dict, plans: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """Host side of a frontier bucket: one int64 tensor [each row input [B*Q] | per plan: prefix [B*P],
-    prefix_len [B], extra [B*E]] and one bool tensor [per plan: extra_mask [B*Q*E]], the real rows'
-    masks left False (run() copies each node's path in on the device). A padded row (padded request or
-    node) reads extra column 0, so its softmax is never over nothing."""
-    bb, qq, plan_keys = key
-    longs, masks = [], []
-    for vals in rows.values():
-        grid = torch.zeros(bb, qq, dtype=torch.long)
-        if b:
-            grid[:b, :q] = torch.as_tensor(vals, dtype=torch.long).view(b, q)
-        longs.append(grid.view(-1))
-    for name, p, e in plan_keys:
-        prefix, prefix_len = padded_prefixes(plans[name][0] if name in plans else [], bb, p)
-        extra, mask = torch.zeros(bb, e, dtype=torch.long), torch.zeros(bb, qq, e, dtype=torch.bool)
-        mask[:, :, 0] = True
-        mask[:b, :q, 0] = False
-        if name in plans:
-            slots = plans[name][1]
-            extra[:b, : slots.shape[1]] = slots
-        longs += [prefix.view(-1), prefix_len, extra.view(-1)]
-        masks.append(mask.view(-1))
-    return torch.cat(longs), torch.cat(masks)
-
-
-@dataclass
-class SearchBuffers:
-    """A search bucket's static inputs as its captured function sees them: B requests, the real ones
-    first, then padding."""
-
-    rows: dict[str, torch.Tensor]  # name -> [B, n] int64 per-request host values (padding: 0)
-    prefixes: dict[str, tuple[torch.Tensor, torch.Tensor]]  # name -> (prefix [B, P] slots, prefix_len [B])
-    inputs: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [B, ...] device inputs
-    real: torch.Tensor | None = None  # [B] bool: a real request, not padding
-
-
-# search(buffers) -> outputs, each [B, ...]
-SearchFn = Callable[[SearchBuffers], tuple[torch.Tensor, ...]]
-
-
-class SearchRunner:
-    """A drafter's whole tree search (every draft step, the top-k search, each node's path, the trees'
-    tensors) as one static function per bucket, as SGLang's eagle_draft_cuda_graph_runner captures
-    its draft: one CUDA graph replay per propose on CUDA with graphs on, else the same function run
-    eagerly on the same buffers.
-
-        bucket (B, ((name, P), ...), the caller's key): B requests (batch padded up); per plan the
-        requests' committed slots prefix [B, P] + prefix_len [B] (as the target's); per-request int64
-        rows [B, n] (root tokens, lengths, every step's temporary slots: padding 0, so a padded
-        request writes and reads the scratch slot 0 only); device inputs [B, ...]; real [B] bool
-
-    A step's host values go up in one copy (one int64 buffer), each device input in one device copy;
-    the outputs come back as copies of the real requests' rows (the next replay overwrites the graph's).
-    The caller's function decides what a padded request computes; it must stay finite and apart."""
-
-    def __init__(
-        self,
-        device: torch.device | str,
-        max_context: int,
-        graphs: bool = True,
-        batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
-    ):
-        self.batch_buckets = tuple(batch_buckets)
-        self.context = context_buckets(max_context)
-        self.cache = GraphCache(torch.device(device), graphs)
-        self._pools: tuple = ()
-        self.runs = 0
-
-    def bucket_of(self, b: int, prefix_lens: dict[str, int]):
-        """The bucket of b requests whose longest committed prefix per plan is prefix_lens[name]; None
-        when none fits."""
-        bb = bucket(b, self.batch_buckets)
-        plans = tuple((n, bucket(p, self.context)) for n, p in prefix_lens.items())
-        if b < 1 or bb is None or any(p is None for _, p in plans):
-            return None
-        return bb, plans
-
-    def run(
-        self,
-        key,  # what else shapes the function (a tree shape): one graph per (bucket, key)
-        search: SearchFn,
-        rows: dict[str, torch.Tensor],  # name -> [b, n] int64 on the host
-        prefixes: dict[str, list[torch.Tensor]],  # name -> per request its committed slots [P_i] (host)
-        inputs: dict[str, torch.Tensor],  # name -> [b, ...] on the device
-        pools: tuple,  # the KV pools the search writes and reads (graphs bake their addresses in)
-    ) -> tuple[torch.Tensor, ...] | None:
-        """search's outputs for the b real requests, or None when no bucket fits (the caller searches
-        step by step)."""
-        b = next(iter(rows.values())).shape[0]
-        bk = self.bucket_of(b, {n: max(p.numel() for p in pre) for n, pre in prefixes.items()})
-        if bk is None:
-            return None
-        if len(pools) != len(self._pools) or any(a is not c for a, c in zip(pools, self._pools)):
-            self.cache.clear()
-            self._pools = tuple(pools)
-        self.runs += 1
-        widths = tuple((n, r.shape[1]) for n, r in rows.items())
-        specs = tuple((n, tuple(x.shape[1:]), x.dtype) for n, x in inputs.items())
-        device = self.cache.device
-        host = _search_host(bk, widths, b, rows, prefixes)
-
-        def make() -> dict:
-            bufs = {"longs": to_device(_search_host(bk, widths, 0, {}, {}), device)}
-            for n, shape, dtype in specs:
-                bufs[n] = torch.zeros(bk[0], *shape, dtype=dtype, device=device)
-            return bufs
-
-        def fill(bufs: dict) -> None:
-            _fill_flat(bufs["longs"], host)
-            for n, x in inputs.items():
-                bufs[n][:b].copy_(x)
-
-        def static(bufs: dict) -> tuple[torch.Tensor, ...]:
-            bb, plans = bk
-            sizes = [bb * w for _, w in widths] + [x for _, p in plans for x in (bb * p, bb)] + [bb]
-            longs = bufs["longs"].split(sizes)
-            view = SearchBuffers(
-                {n: t.view(bb, w) for (n, w), t in zip(widths, longs)},
-                {
-                    n: (longs[len(widths) + 2 * i].view(bb, p), longs[len(widths) + 2 * i + 1])
-                    for i, (n, p) in enumerate(plans)
-                },
-                {n: bufs[n] for n, _, _ in specs},
-                longs[-1] > 0,
-            )
-            return tuple(search(view))
-
-        out = self.cache.run((bk, widths, specs, key), make, fill, static)
-        return tuple(o[:b].clone() for o in out)
-
-
-def _search_host(bk, widths, b: int, rows: dict, prefixes: dict) -> torch.Tensor:
-    """Host side of a search bucket, one int64 tensor: [each row [B*n] | per plan: prefix [B*P],
-    prefix_len [B] | real [B]], the first b requests' values filled in, the rest 0."""
-    bb, plans = bk
-    parts = []
-    for name, w in widths:
-        grid = torch.zeros(bb, w, dtype=torch.long)
-        if b:
-            grid[:b] = rows[name]
-        parts.append(grid.view(-1))
-    for name, p in plans:
-        prefix, prefix_len = padded_prefixes(prefixes.get(name, []) if b else [], bb, p)
-        parts += [prefix.view(-1), prefix_len]
-    real = torch.zeros(bb, dtype=torch.long)
-    real[:b] = 1
-    return torch.cat(parts + [real])
-
-
-def padded_prefixes(prefixes: list[torch.Tensor], bb: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per request its committed slots [P_i] (host) -> prefix [bb, p] int64 (request i's slots at the
-    start of row i, padding slot 0) and prefix_len [bb] (P_i; 0 for the padded rows), on the host in a
-    fixed number of ops whatever the batch: the cells below each row's length, row-major, take the
-    concatenated slots in one masked assignment."""
-    prefix_len = torch.tensor([t.numel() for t in prefixes] + [0] * (bb - len(prefixes)), dtype=torch.long)
-    prefix = torch.zeros(bb, p, dtype=torch.long)
-    if prefixes:
-        flat = torch.cat(prefixes) if len(prefixes) > 1 else prefixes[0]
-        prefix[torch.arange(p) < prefix_len[:, None]] = flat.long()
-    return prefix, prefix_len

@@ -35,7 +35,7 @@ def test_a_plain_decode_step_costs_the_same_ops_at_any_batch():
 # site the attention plans, the drafters' commits (EAGLE-3's fuse and layer pass, MoA's LSA and SA commit)
 # and the search's host packing cost one op per step, not one per request (a little room above); every other
 # site of theirs stays under OTHER. A per-request op back in any of them adds 16 to its site's count.
-OWN = ("plan.py:", "graph_runner.py:_search_host", "graph_runner.py:padded_prefixes", "eagle3.py:", "moa.py:")
+OWN = ("plan.py:", "draft_graphs.py:_search_host", "draft_graphs.py:padded_prefixes", "eagle3.py:", "moa.py:")
 OTHER = 12
 BS16 = {
     "eagle3": (
@@ -47,16 +47,16 @@ BS16 = {
             "plan.py:_plan": 16,
             "plan.py:_group_index": 16,
             "plan.py:causal_masks": 14,
-            "graph_runner.py:_search_host": 13,
+            "draft_graphs.py:_search_host": 13,
         },
     ),
     "moa": (
         430,
         {
             "moa.py:_ingest": 52,  # (each request's three slot lists grow: three cats per request)
-            "graph_runner.py:padded_prefixes": 30,
+            "draft_graphs.py:padded_prefixes": 30,
             "moa.py:_rope": 22,
-            "graph_runner.py:_search_host": 18,
+            "draft_graphs.py:_search_host": 18,
         },
     ),
 }
