@@ -169,8 +169,8 @@ def tree_from_parents(
         linked = torch.ones(n, dtype=torch.bool, device=dev)
         if unlinked:
             linked[to_device(torch.tensor(sorted(unlinked), dtype=torch.long), dev)] = False
-    mask = ancestor_mask(parents)
-    next_token, next_sibling = child_lists(parents, linked)
+    mask = ancestor_masks(parents[None])[0]
+    next_token, next_sibling = (x[0] for x in child_lists(parents[None], linked[None]))
     return TokenTree(
         draft_tokens=tokens.long(),
         parents=parents,
@@ -182,36 +182,6 @@ def tree_from_parents(
         draft_probs=draft_probs,
         scores=scores,
     )
-
-
-def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
-    """[N] parents (-1 for the root, parents[i] < i) -> [N, N] bool, row i = i and its ancestors.
-
-    Pointer doubling: row i starts as {i, parent(i)} and jump(i) = its grandparent; each round adds
-    the row of jump(i) and squares the jump, so after r rounds row i holds the ancestors up to
-    distance 2^(r+1) - 1: log2(N) rounds, no host read."""
-    n = parents.numel()
-    ar = torch.arange(n, device=parents.device)
-    up = torch.where(parents >= 0, parents, ar)  # the root is its own parent
-    # (eye + scatter_ of a scalar: `mask[ar, up] = True` copies the Python scalar up and waits on a GPU)
-    mask = torch.eye(n, dtype=torch.bool, device=parents.device).scatter_(1, up[:, None], True)
-    jump = up[up]
-    for _ in range(max(n - 1, 1).bit_length()):
-        mask = mask | mask[jump]
-        jump = jump[jump]
-    return mask
-
-
-def child_lists(parents: torch.Tensor, linked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """SGLang's retrieve lists from parents [N] and linked [N] bool (the nodes verification may reach):
-    (first child [N], next sibling [N]), children in index order, -1 where there is none."""
-    n = parents.numel()
-    ar = torch.arange(n, device=parents.device)
-    child = (parents[None, :] == ar[:, None]) & linked[None, :]  # [parent, child]
-    first = torch.where(child, ar[None, :], n).amin(1)
-    later = (parents[None, :] == parents[:, None]) & (ar[None, :] > ar[:, None]) & linked[None, :]  # [i, sibling]
-    sibling = torch.where(later, ar[None, :], n).amin(1)
-    return torch.where(first < n, first, -1), torch.where((sibling < n) & linked, sibling, -1)
 
 
 def root_tree(token: int, seq_len: int, device: torch.device | str = "cpu") -> TokenTree:
@@ -415,8 +385,8 @@ def tree_batch(
         orphan = orphan | ~keep
     parents = torch.cat([parent_flat.new_full((b, 1), -1), torch.where(found, pos + 1, 0)], 1)  # [b, N]
     linked = torch.cat([orphan.new_ones(b, 1), ~orphan], 1)
-    mask = _ancestor_masks(parents)
-    first, sibling = _child_lists(parents, linked)
+    mask = ancestor_masks(parents)
+    first, sibling = child_lists(parents, linked)
     ar = torch.arange(n, dtype=torch.long, device=dev)
     longs = torch.stack(
         [
@@ -449,11 +419,16 @@ def unpack_trees(
     ]
 
 
-def _ancestor_masks(parents: torch.Tensor) -> torch.Tensor:
-    """ancestor_mask for a batch: parents [b, N] -> [b, N, N]."""
+def ancestor_masks(parents: torch.Tensor) -> torch.Tensor:
+    """[b, N] parents (-1 for the root, parents[i] < i) -> [b, N, N] bool, row i = i and its ancestors.
+
+    Pointer doubling: row i starts as {i, parent(i)} and jump(i) = its grandparent; each round adds
+    the row of jump(i) and squares the jump, so after r rounds row i holds the ancestors up to
+    distance 2^(r+1) - 1: log2(N) rounds, no host read."""
     b, n = parents.shape
     ar = torch.arange(n, device=parents.device)
-    up = torch.where(parents >= 0, parents, ar)
+    up = torch.where(parents >= 0, parents, ar)  # the root is its own parent
+    # (eye + scatter_ of a scalar: `mask[ar, up] = True` copies the Python scalar up and waits on a GPU)
     mask = torch.eye(n, dtype=torch.bool, device=parents.device).repeat(b, 1, 1).scatter_(2, up[..., None], True)
     jump = up.gather(1, up)
     for _ in range(max(n - 1, 1).bit_length()):
@@ -462,8 +437,9 @@ def _ancestor_masks(parents: torch.Tensor) -> torch.Tensor:
     return mask
 
 
-def _child_lists(parents: torch.Tensor, linked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """child_lists for a batch: parents [b, N], linked [b, N] bool -> (first child [b, N], next sibling [b, N])."""
+def child_lists(parents: torch.Tensor, linked: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang's retrieve lists from parents [b, N] and linked [b, N] bool (the nodes verification may reach):
+    (first child [b, N], next sibling [b, N]), children in index order, -1 where there is none."""
     n = parents.shape[1]
     ar = torch.arange(n, device=parents.device)
     child = (parents[:, None, :] == ar[None, :, None]) & linked[:, None, :]  # [b, parent, child]

@@ -22,22 +22,19 @@ Each trial is a standard rejection-sampling step whose output law is exactly the
 the emitted token is distributed as the target's p; by induction over depth, the whole output is.
 For a chain drafted by sampling from q this is Leviathan et al.'s speculative sampling.
 
-Seeded sampling (coupled_verify): when a request has a seed, the target's token at each node is its
+Seeded sampling (coupled_path): when a request has a seed, the target's token at each node is its
 seeded sample (sampling.seeded_sample: Gumbel-max with noise keyed by (seed, position)), and the
 walk accepts the child holding that token, as greedy verification does with the argmax. The output
 is then plain seeded decoding's, token for token, whatever was drafted. For point-mass proposals
 (lookup drafters, top-k trees) the chance that some child is accepted is the same as above (the sum
 of p over the children); for sampled chains it is lower (sum of p*q instead of sum of min(p, q)).
 
-Two forms of each:
-- on the device (greedy_path, sampling_path, coupled_path, verify_tree_greedy): tensors in, an
-  AcceptedPath of tensors out, no host read (no .item(), .tolist(), boolean-mask gather or nonzero);
-  `to_host` then copies every request's path in one read, the step's only one.
-- on the host (greedy_verify, sampling_verify, coupled_verify): a VerifyResult of Python lists. The
-  sampling and seeded ones take a function node -> probabilities and visit only the accepted path and
-  one more node, which on a CPU saves the transform of the other rows (top-p over a 49k vocab).
-greedy_path / coupled_path give the host forms' results on the same device. sampling_path draws its
-random numbers up front (sampling_verify draws per trial): the same law, other samples for a seed.
+One form of each, on the device (greedy_path and, for a batch, greedy_paths; sampling_path; coupled_path):
+tensors in, an AcceptedPath of tensors out, no host read (no .item(), .tolist(), boolean-mask gather or
+nonzero); `to_host` then copies every request's path in one read, the step's only one. The rules' plainest
+form, host loops over one tree, are the tests' oracles (tests/oracles.py): greedy_path / coupled_path give
+their results on the same device; sampling_path draws its random numbers up front (the oracle draws per
+trial): the same law, other samples for a seed.
 """
 
 from __future__ import annotations
@@ -48,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from .device import to_device
-from .sampling import TokenLogprob, draw, position_gumbel, seeded_sample
+from .sampling import TokenLogprob, draw, position_gumbel
 from .tree import TokenTree
 
 
@@ -163,31 +160,11 @@ def _download(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 # value is read back to the host, and the loops run a count known on the host (log N, the depth).
 
 
-def sibling_lists(
-    next_token: torch.Tensor,  # [..., N] first child of each node, -1 if none
-    next_sibling: torch.Tensor,  # [..., N] next sibling, -1 if last
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(owner [..., N]: the node whose child list holds each node, -1 for none (the root, unlinked
-    nodes); rank [..., N]: its place in that list, 0 first). List ranking by pointer doubling."""
-    n = next_token.shape[-1]
-    ar = torch.arange(n, device=next_token.device).expand_as(next_token)
-    wide = next_token.shape[:-1] + (n + 1,)  # column n: where the -1 entries land
-    prev = next_token.new_full(wide, -1).scatter_(-1, torch.where(next_sibling >= 0, next_sibling, n), ar)[..., :n]
-    owner_of_head = next_token.new_full(wide, -1).scatter_(-1, torch.where(next_token >= 0, next_token, n), ar)
-    rank = (prev >= 0).long()
-    head = torch.where(prev >= 0, prev, ar)
-    for _ in range(max(n - 1, 1).bit_length()):
-        back = prev.clamp(min=0)
-        rank = rank + torch.where(prev >= 0, rank.gather(-1, back), 0)
-        prev = torch.where(prev >= 0, prev.gather(-1, back), -1)
-        head = head.gather(-1, head)
-    return owner_of_head[..., :n].gather(-1, head), rank
-
-
 def tree_lists(tree: TokenTree) -> tuple[torch.Tensor, torch.Tensor]:
-    """sibling_lists for a TokenTree in fewer ops: its lists hold the linked children of each node in
-    index order (tree_from_parents builds them so), so owner = parent for a node in some list and
-    rank = its linked elder siblings."""
+    """(owner [N]: the node whose child list holds each node, -1 for none (the root, unlinked nodes); rank [N]:
+    its place in that list, 0 first), for a TokenTree: its lists hold the linked children of each node in
+    index order (tree_from_parents builds them so), so owner = parent for a node in some list and rank = its
+    linked elder siblings. (The general list ranking, for any lists: tests/oracles.py sibling_lists.)"""
     n = tree.num_nodes
     nxt, sib = tree.retrieve_next_token, tree.retrieve_next_sibling
     listed = torch.zeros(n + 1, dtype=torch.bool, device=nxt.device)
@@ -211,20 +188,10 @@ def first_passing_child(owner: torch.Tensor, rank: torch.Tensor, ok: torch.Tenso
     return torch.where(best < none, best % n, -1)
 
 
-def walk(choice: torch.Tensor, steps: int) -> torch.Tensor:
-    """[..., N] choice -> [..., steps] the path from the root (node 0) following it, -1 after its end."""
-    cur = choice.new_zeros(choice.shape[:-1] + (1,))
-    path = [cur]
-    for _ in range(steps - 1):
-        cur = torch.where(cur >= 0, choice.gather(-1, cur.clamp(min=0)), -1)
-        path.append(cur)
-    return torch.cat(path, -1)
-
-
 def path_in_tree(tree: TokenTree, choice: torch.Tensor) -> torch.Tensor:
-    """walk(choice, N) for a TokenTree in a fixed number of ops (no loop over the depth): a node is on
-    the path when it and each of its ancestors below the root are their parent's choice, and the path
-    lists those nodes by depth. [N] choice -> [N] nodes, -1 after the path."""
+    """The path from the root following `choice`, for a TokenTree in a fixed number of ops (no loop over the
+    depth): a node is on the path when it and each of its ancestors below the root are their parent's choice,
+    and the path lists those nodes by depth. [N] choice -> [N] nodes, -1 after the path."""
     n = tree.num_nodes
     ar = torch.arange(n, device=choice.device)
     chosen = (choice[tree.parents.clamp(min=0)] == ar) | (ar == 0)
@@ -248,33 +215,6 @@ def _target_path(tree: TokenTree, target: torch.Tensor) -> AcceptedPath:
     owner, rank = tree_lists(tree)
     ok = tree.draft_tokens == target[owner.clamp(min=0)]
     return _accepted(tree, path_in_tree(tree, first_passing_child(owner, rank, ok)), target)
-
-
-def verify_tree_greedy(
-    candidates: torch.Tensor,  # [bs, N] node tokens (root first)
-    retrieve_index: torch.Tensor,  # [bs, N]
-    retrieve_next_token: torch.Tensor,  # [bs, N]
-    retrieve_next_sibling: torch.Tensor,  # [bs, N]
-    target_predict: torch.Tensor,  # [bs, N] target argmax at each node
-    num_speculative_tokens: int,  # max accepted nodes incl. root (SGLang: steps + 1)
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """SGLang's greedy tree verification, same outputs, on the inputs' device without host reads.
-
-    Returns predicts [bs*N] (target token written at accepted nodes and the last one, else 0),
-    accept_index [bs, num_speculative_tokens] (flat node ids, -1 padded), accept_token_num [bs].
-    """
-    bs, n = candidates.shape
-    flat_target = target_predict.reshape(-1).long()
-    target = flat_target[retrieve_index]  # [bs, N] the target's token at each node
-    owner, rank = sibling_lists(retrieve_next_token, retrieve_next_sibling)
-    ok = candidates == target.gather(1, owner.clamp(min=0))  # a child passes if it is its parent's argmax
-    path = walk(first_passing_child(owner, rank, ok), num_speculative_tokens)  # [bs, M] local nodes
-    on = path >= 0
-    flat = retrieve_index.gather(1, path.clamp(min=0))
-    accept_index = torch.where(on, flat, -1)
-    predicts = flat_target.new_zeros(bs * n + 1)  # slot bs*n: where the padding's writes go
-    predicts.scatter_(0, torch.where(on, flat, bs * n).reshape(-1), flat_target[flat].reshape(-1))
-    return predicts[:-1], accept_index, on.sum(1) - 1
 
 
 def greedy_path(tree: TokenTree, target_argmax: torch.Tensor) -> AcceptedPath:
@@ -384,18 +324,13 @@ def _greedy_nodes(
     return ar.new_full((b, w + 1), -1).scatter_(1, torch.where(on, depth, w), ar)[:, :w]
 
 
-def greedy_verify(tree: TokenTree, target_argmax: torch.Tensor) -> VerifyResult:
-    """One request. target_argmax [N]: the target's argmax at each node."""
-    return to_host([greedy_path(tree, target_argmax)])[0]
-
-
 def coupled_path(
     tree: TokenTree, target_probs: torch.Tensor, seed: int, seq_len: int, max_depth: int | None = None
 ) -> AcceptedPath:
     """One seeded request on the device (see the module docstring). target_probs [N, V]: the target's
     processed distribution at each node; seq_len: the root's position (tree.positions[0], known on
     the host); max_depth: a bound on the tree's depth (default N - 1), so the noise is drawn for that
-    many positions only. The same tokens as coupled_verify on the same kind of device."""
+    many positions only."""
     n, vocab = target_probs.shape
     depth = tree.positions - tree.positions[0]
     d = n - 1 if max_depth is None else min(max_depth, n - 1)
@@ -405,71 +340,16 @@ def coupled_path(
     return _target_path(tree, (target_probs.log() + noise[depth.clamp(max=d)]).argmax(-1))
 
 
-def coupled_verify(tree: TokenTree, target_probs, seed: int) -> VerifyResult:
-    """One seeded request (see the module docstring). target_probs: a function node -> [V] (only
-    the accepted path and one more node are visited)."""
-    nodes, tokens, node = [0], [], 0
-    while True:
-        target = seeded_sample(target_probs(node), seed, int(tree.positions[node]) + 1)
-        child = int(tree.retrieve_next_token[node])
-        while child != -1 and int(tree.draft_tokens[child]) != target:
-            child = int(tree.retrieve_next_sibling[child])
-        tokens.append(target)
-        if child == -1:
-            return VerifyResult(nodes, tokens)
-        nodes.append(child)
-        node = child
-
-
-def sampling_verify(tree: TokenTree, target_probs, generator: torch.Generator | None) -> VerifyResult:
-    """One request. target_probs: [N, V] tensor of the target's processed distribution at each node,
-    or a function node -> [V] (the walk visits only the accepted path and one more node, so the
-    engine computes probabilities for those alone: top-p over a 49k vocab is not free on CPU)."""
-    probs_at = target_probs if callable(target_probs) else target_probs.__getitem__
-    nodes = [0]
-    tokens: list[int] = []
-    node = 0
-    while True:
-        base = probs_at(node)
-        p = base.double().clone()
-        child = int(tree.retrieve_next_token[node])
-        accepted = -1
-        while child != -1:
-            x = int(tree.draft_tokens[child])
-            q = None if tree.draft_probs is None else tree.draft_probs[child].double()
-            qx = 1.0 if q is None else float(q[x])
-            u = torch.rand((), generator=generator, dtype=torch.float64)
-            if qx > 0 and u * qx < p[x]:  # u < p(x)/q(x), division-free
-                accepted = child
-                break
-            if q is None:
-                p[x] = 0.0
-            else:
-                p = (p - q).clamp_(min=0.0)
-            total = p.sum()
-            if total <= 0:  # p was covered by q exactly: the residual is undefined, fall back to p
-                p = base.double().clone()
-            else:
-                p /= total
-            child = int(tree.retrieve_next_sibling[child])
-        if accepted == -1:
-            tokens.append(int(torch.multinomial(p.float(), 1, generator=generator)))
-            return VerifyResult(nodes, tokens)
-        nodes.append(accepted)
-        tokens.append(int(tree.draft_tokens[accepted]))
-        node = accepted
-
-
 # --- speculative sampling on the device ------------------------------------------------------------
 
 
 def sampling_path(
     tree: TokenTree, target_probs: torch.Tensor, generator: torch.Generator | None, max_children: int | None = None
 ) -> AcceptedPath:
-    """One request on the device: sampling_verify's law (multi-step speculative sampling, module
-    docstring) with every random number drawn up front, on target_probs' device: u [N] (node c's trial
-    uses u[c]) and one exponential race over the vocab for the bonus. So the samples for a seed differ
-    from sampling_verify's (which draws per trial), the law does not (tests/sglang_ext/test_device_step.py: chi2).
+    """One request on the device: multi-step speculative sampling (module docstring) with every random
+    number drawn up front, on target_probs' device: u [N] (node c's trial uses u[c]) and one exponential
+    race over the vocab for the bonus. So the samples for a seed differ from the oracle's (which draws per
+    trial), the law does not (tests/sglang_ext/test_device_step.py: chi2).
     target_probs [N, V]: the target's processed distribution at each node; max_children: the most
     children a node has, when known (a chain: 1; default N - 1): the rounds of sampled proposals.
     A root-only tree (a plain decode step) draws its bonus alone: torch.multinomial's draw of p.
@@ -500,7 +380,7 @@ def sampling_path(
 def point_mass_trials(
     p: torch.Tensor,  # [N, V] float64 target distribution at each node
     x: torch.Tensor,  # [N] node tokens
-    owner: torch.Tensor,  # [N] (sibling_lists)
+    owner: torch.Tensor,  # [N] (tree_lists)
     rank: torch.Tensor,  # [N]
     u: torch.Tensor,  # [N] float64 uniforms
 ):
@@ -514,7 +394,7 @@ def point_mass_trials(
     dup = (earlier & (x[None, :] == x[:, None])).any(1)  # an earlier sibling held the same token
     mass = torch.where(earlier & ~dup[None, :], px[None, :], 0.0).sum(1)
     left = 1.0 - mass
-    # NOTE: left <= 0 (the earlier siblings held all of p, up to rounding): sampling_verify falls back to p
+    # NOTE: left <= 0 (the earlier siblings held all of p, up to rounding): fall back to p, as the oracle does
     before = torch.where(dup, 0.0, torch.where(left > 0, px / left.clamp(min=1e-300), px))
     ok = u < before
 
@@ -532,7 +412,7 @@ def sampled_trials(
     p: torch.Tensor,  # [N, V] float64 target distribution at each node
     q: torch.Tensor,  # [N, V] float64 proposal each node's token was drawn from (row 0 unused)
     x: torch.Tensor,  # [N] node tokens
-    owner: torch.Tensor,  # [N] (sibling_lists)
+    owner: torch.Tensor,  # [N] (tree_lists)
     rank: torch.Tensor,  # [N]
     u: torch.Tensor,  # [N] float64 uniforms
     rounds: int,  # >= the most children any node has

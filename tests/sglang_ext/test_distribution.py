@@ -16,10 +16,12 @@ from dataclasses import replace
 import pytest
 import torch
 from helpers import tiny_config, tiny_state, tiny_target
+from oracles import sampling_verify
 from scipy.stats import chisquare
 
 from serving.config import EngineConfig
 from serving.engine import Engine
+from serving.sampler import Sampler
 from sglang_ext.attention import causal_mask, plan_attention, tree_attention_torch
 from sglang_ext.drafters import DraftModelDrafter
 from sglang_ext.grammar import Grammars, GrammarSpec, apply_bitmask, tree_bitmask
@@ -27,7 +29,7 @@ from sglang_ext.models import LlamaModel, Target
 from sglang_ext.penalties import output_counts, penalize
 from sglang_ext.sampling import SamplingParams, logits_to_probs
 from sglang_ext.tree import TreeShape, chain_tree
-from sglang_ext.verify import VerifyResult, sampling_verify
+from sglang_ext.verify import VerifyResult
 
 PROMPT = [1, 5, 2, 7]
 SAMPLES = 2000
@@ -71,10 +73,10 @@ def exact_joint_t2_t3(model, params):
     return torch.einsum("a,ab,abc->bc", p1.double(), p2.double(), p3.double())
 
 
-class AcceptEverything(Engine):
+class AcceptEverythingSampler(Sampler):
     """Broken on purpose: accepts the first-child path without looking at the target."""
 
-    def _verify(self, r, tree, logits):
+    def verify(self, r, tree, logits, shape):
         nodes = [0]
         while int(tree.retrieve_next_token[nodes[-1]]) != -1:
             nodes.append(int(tree.retrieve_next_token[nodes[-1]]))
@@ -83,41 +85,57 @@ class AcceptEverything(Engine):
         return VerifyResult(nodes, [int(tree.draft_tokens[i]) for i in nodes[1:]] + [bonus])
 
 
-class CommittedOutputPenalties(Engine):
+class CommittedOutputPenaltiesSampler(Sampler):
     """Broken on purpose: every tree node is penalised with the committed output only."""
 
-    def _verify(self, r, tree, logits):
+    def verify(self, r, tree, logits, shape):
         logits = penalize(logits, r.params, output_counts(r.output_ids, logits.shape[-1]), r.prompt_ids)
         return sampling_verify(tree, lambda node: logits_to_probs(logits[node], r.params), r.generator)
 
 
-class CommittedOutputGrammar(Engine):
+class CommittedOutputGrammarSampler(Sampler):
     """Broken on purpose: every tree node is masked with the committed output's grammar state."""
 
-    def _verify(self, r, tree, logits):
+    def verify(self, r, tree, logits, shape):
         logits = apply_bitmask(
             logits, tree_bitmask(r.matcher, chain_tree(0, [], 0), logits.shape[-1]).expand(tree.num_nodes, -1)
         )
         return sampling_verify(tree, lambda node: logits_to_probs(logits[node], r.params), r.generator)
 
-    def _append(self, r, tokens):
+    def append(self, r, tokens):
         matcher, r.matcher = r.matcher, None  # the wrong mask lets tokens through that the matcher refuses
-        out = super()._append(r, tokens)
+        out = super().append(r, tokens)
         r.matcher = matcher
         for t in out:
             matcher.accept_token(t)
         return out
 
 
-class RootOnlyMinTokens(Engine):
+class RootOnlyMinTokensSampler(Sampler):
     """Broken on purpose: only the root's row is kept from stopping (by the committed output's length);
     deeper rows, whose tokens are also among the first min_tokens, are not."""
 
-    def _verify(self, r, tree, logits):
+    def verify(self, r, tree, logits, shape):
         if len(r.output_ids) < r.params.min_tokens:
             logits = logits.clone()
             logits[0, list(r.params.stop_token_ids)] = float("-inf")
         return sampling_verify(tree, lambda node: logits_to_probs(logits[node], r.params), r.generator)
+
+
+class AcceptEverything(Engine):
+    sampler_class = AcceptEverythingSampler
+
+
+class CommittedOutputPenalties(Engine):
+    sampler_class = CommittedOutputPenaltiesSampler
+
+
+class CommittedOutputGrammar(Engine):
+    sampler_class = CommittedOutputGrammarSampler
+
+
+class RootOnlyMinTokens(Engine):
+    sampler_class = RootOnlyMinTokensSampler
 
 
 def sample_t2_t3(engine_cls, target, shape, params, seeded=True):

@@ -187,7 +187,7 @@ def test_accepts_drafts_on_a_repetitive_prompt(smollm2_fp32):
 
 @pytest.mark.parametrize("shape", [TreeShape.chain(3), TreeShape(2, 2, 5)], ids=["chain", "tree"])
 def test_sampling_keeps_the_target_law(shape):
-    """Unseeded sampling (sampling_verify, each request its own generator) of the 2nd and 3rd tokens."""
+    """Unseeded sampling (speculative sampling, each request its own generator) of the 2nd and 3rd tokens."""
     target = tiny_target(seed=3)
     params = SamplingParams(temperature=0.7, max_new_tokens=3)
     eng = Engine(target, LookaheadDrafter(window=2, ngram=2), EngineConfig(tree=shape, kv_slots=SAMPLES * 16))

@@ -411,7 +411,7 @@ def test_registry_entry(smollm2_fp32):
 
 @pytest.mark.parametrize("shape", [TreeShape.chain(3), TreeShape(2, 3, 6)], ids=["chain", "tree"])
 def test_sampling_keeps_the_target_law(shape):
-    """Unseeded sampling (sampling_verify, each request its own generator) of the 2nd and 3rd tokens;
+    """Unseeded sampling (speculative sampling, each request its own generator) of the 2nd and 3rd tokens;
     the heads are near their init (the target's own next-token prediction) with random blocks; their
     top-k proposals are point masses. This tiny target accepts some drafts and rejects others."""
     target = tiny_target(seed=0)

@@ -13,6 +13,7 @@ import random
 import pytest
 import torch
 from helpers import alone_or_batched, compare_to_reference, slots_whole, tiny_target
+from oracles import sampling_verify
 from test_distribution import PROMPT, SAMPLES, chi2_pvalue, exact_joint_t2_t3
 
 from serving.config import EngineConfig
@@ -24,7 +25,6 @@ from sglang_ext.drafters.merged import MemberShape, MergedDrafter, Trie, merge_t
 from sglang_ext.drafters.ngram import trie_tree
 from sglang_ext.sampling import SamplingParams
 from sglang_ext.tree import TreeShape, tree_from_parents
-from sglang_ext.verify import sampling_verify
 
 SEQ = 10  # the root's position in the hand-built trees
 

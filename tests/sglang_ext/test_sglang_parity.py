@@ -2,7 +2,8 @@
 
 Oracle: `sglang.kernels.ops.speculative.spec_tree` — `sgl_build_tree_kernel_triton` (FULL_MASK and
 QLEN_ONLY) and `verify_tree_greedy_triton`, the kernels SGLang runs on XPU. Ours: `TreeSearch` ->
-`build_trees` (+ `full_mask`) and `verify_tree_greedy`.
+`build_trees` (+ `full_mask`) and `verify_tree_greedy` (tests/oracles.py, SGLang's signature over our layout; the
+product's greedy_paths equals it: test_device_step.py).
 
     this process (pytest)                          subprocess: TRITON_INTERPRET=1 python this_file.py
     ---------------------                          --------------------------------------------------
@@ -32,9 +33,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from oracles import verify_tree_greedy
 
 from sglang_ext.tree import TokenTree, TreeSearch, build_trees, full_mask
-from sglang_ext.verify import verify_tree_greedy
 
 REPO = Path(__file__).resolve().parents[2]
 VOCAB = 48

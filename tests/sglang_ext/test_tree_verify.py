@@ -4,6 +4,7 @@ import random
 
 import pytest
 import torch
+from oracles import coupled_verify, greedy_verify, sampling_verify
 
 from sglang_ext.sampling import InvalidRequest, SamplingParams, logits_to_probs, position_gumbel, seeded_sample
 from sglang_ext.tree import (
@@ -16,14 +17,7 @@ from sglang_ext.tree import (
     tree_from_parents,
     unpack_trees,
 )
-from sglang_ext.verify import (
-    coupled_verify,
-    greedy_path,
-    greedy_paths,
-    greedy_verify,
-    sampling_verify,
-    to_host,
-)
+from sglang_ext.verify import greedy_path, greedy_paths, to_host
 
 #        0 (root, token 10)
 #       / \
