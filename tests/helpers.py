@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from sglang_ext.models import LlamaConfig, LlamaModel, Target
+from sglang_ext.models.synthetic import random_state
 
 
 def tiny_config(vocab=8, hidden=32, layers=3, heads=4, kv_heads=2, bias=False) -> LlamaConfig:
@@ -29,33 +30,9 @@ def tiny_config(vocab=8, hidden=32, layers=3, heads=4, kv_heads=2, bias=False) -
 
 
 def tiny_state(cfg: LlamaConfig, seed=0, std=0.5) -> dict[str, torch.Tensor]:
-    """Random weights in HF naming; std large enough that next-token distributions are peaked."""
-    g = torch.Generator().manual_seed(seed)
-    h, d, i = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-
-    def r(*shape, s=std):
-        return torch.randn(*shape, generator=g) * s
-
-    st = {
-        "model.embed_tokens.weight": r(cfg.vocab_size, h, s=1.0),
-        "model.norm.weight": torch.ones(h),
-        "lm_head.weight": r(cfg.vocab_size, h, s=1.0),
-    }
-    for l in range(cfg.num_layers):
-        p = f"model.layers.{l}."
-        st[p + "self_attn.q_proj.weight"] = r(cfg.num_heads * d, h, s=std / h**0.5 * 4)
-        st[p + "self_attn.k_proj.weight"] = r(cfg.num_kv_heads * d, h, s=std / h**0.5 * 4)
-        st[p + "self_attn.v_proj.weight"] = r(cfg.num_kv_heads * d, h, s=std / h**0.5 * 4)
-        st[p + "self_attn.o_proj.weight"] = r(h, cfg.num_heads * d, s=std / h**0.5 * 4)
-        st[p + "mlp.gate_proj.weight"] = r(i, h, s=std / h**0.5 * 4)
-        st[p + "mlp.up_proj.weight"] = r(i, h, s=std / h**0.5 * 4)
-        st[p + "mlp.down_proj.weight"] = r(h, i, s=std / i**0.5 * 4)
-        st[p + "input_layernorm.weight"] = torch.ones(h)
-        st[p + "post_attention_layernorm.weight"] = torch.ones(h)
-        if cfg.attention_bias:
-            for n, w in (("q", cfg.num_heads), ("k", cfg.num_kv_heads), ("v", cfg.num_kv_heads)):
-                st[p + f"self_attn.{n}_proj.bias"] = r(w * d, s=0.1)
-    return st
+    """Random weights in HF naming (sglang_ext.models.synthetic); std large enough that next-token distributions
+    are peaked: projections N(0, (4 std)^2 / fan_in)."""
+    return random_state(cfg, seed, gain=4 * std)
 
 
 def tiny_target(seed=0, **kw) -> Target:
@@ -147,7 +124,7 @@ def reference_greedy(
 
 def smollm2_config():
     """SmolLM2-135M's LlamaConfig (random-weight targets of the real shape)."""
-    from sglang_ext.training.job import smollm2_config as config
+    from sglang_ext.models.synthetic import smollm2_config as config
 
     return config()
 

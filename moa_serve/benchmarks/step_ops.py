@@ -138,8 +138,8 @@ def count_step_ops(
     from sglang_ext.attention import tree_attention_torch
     from sglang_ext.models import Target
     from sglang_ext.models.graph_runner import GraphRunner
+    from sglang_ext.models.synthetic import random_target, smollm2_config
     from sglang_ext.sampling import SamplingParams
-    from sglang_ext.training.job import random_target, smollm2_config
     from sglang_ext.tree import TreeShape
 
     cfg = replace(smollm2_config(), num_layers=layers)
@@ -153,7 +153,7 @@ def count_step_ops(
     try:
         eng = Engine(Target(model, None, None), drafter, config)
         # the runners' static paths, run eagerly (a GPU captures and replays them)
-        eng.graph_runner = GraphRunner(eng.model, eng.capture_layers, graphs=False)
+        eng.runner.graph_runner = GraphRunner(eng.model, eng.capture_layers, graphs=False)
         if drafter is not None:
             drafter.step_graphs = True
         params = SamplingParams(max_new_tokens=10_000, ignore_eos=True)

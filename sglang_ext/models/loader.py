@@ -138,7 +138,7 @@ def smollm2_gguf_path() -> Path:
     raise ModelLoadError(f"{_SMOLLM2_GGUF} not found in package {_SMOLLM2_DIST}")
 
 
-def _convert_gguf(gguf: Path, out: Path) -> None:
+def convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize a GGUF once into a plain HF directory (config, safetensors, tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -206,7 +206,7 @@ def write_packed_weights(gguf: Path, model_dir: Path) -> None:
         kinds[name] = t.tensor_type.name
     fd, name = tempfile.mkstemp(prefix=PACKED_FILE + ".", suffix=".tmp", dir=model_dir)
     os.close(fd)
-    tmp = Path(name)  # per process, as in _convert_gguf
+    tmp = Path(name)  # per process, as in convert_gguf
     save_file(blocks, tmp, metadata=kinds)
     tmp.replace(model_dir / PACKED_FILE)  # atomic: a half-written file never looks complete
 
@@ -229,7 +229,7 @@ def resolve_target(name_or_path: str | os.PathLike = DEFAULT_TARGET) -> Path:
         out = cache_dir() / "SmolLM2-135M-Instruct"
         if not has_config(out):
             out.parent.mkdir(parents=True, exist_ok=True)
-            _convert_gguf(smollm2_gguf_path(), out)
+            convert_gguf(smollm2_gguf_path(), out)
         if not (out / PACKED_FILE).exists():  # also for caches converted before the packed kernel
             write_packed_weights(smollm2_gguf_path(), out)
         return out

@@ -52,84 +52,10 @@ def _log(msg: str) -> None:
     print(f"[job {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def smoke_config(vocab_size: int):
-    """SmolLM2's family (tied embeddings, GQA) at a fraction of its size, with the data's vocab."""
-    from ..models.loader import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        max_position=2048,
-        tie_word_embeddings=True,
-        attention_bias=False,
-        eos_token_ids=(2,),
-    )
-
-
-def smollm2_config():
-    """SmolLM2-135M's shape (random-weight targets of the real size: GPU checks, the step-cost proxy)."""
-    from ..models.loader import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=49152,
-        hidden_size=576,
-        intermediate_size=1536,
-        num_layers=30,
-        num_heads=9,
-        num_kv_heads=3,
-        head_dim=64,
-        rms_norm_eps=1e-5,
-        rope_theta=100000.0,
-        rope_scaling=None,
-        max_position=8192,
-        tie_word_embeddings=True,
-        attention_bias=False,
-        eos_token_ids=(2,),
-    )
-
-
-def random_target(cfg, device: torch.device | str, dtype: torch.dtype = torch.float32, seed: int = 0):
-    """A Llama of cfg's shape with random weights (tied embeddings, no biases)."""
-    from ..models.llama import LlamaModel
-
-    g = torch.Generator().manual_seed(seed)
-    h, q, kv, inter = (
-        cfg.hidden_size,
-        cfg.num_heads * cfg.head_dim,
-        cfg.num_kv_heads * cfg.head_dim,
-        cfg.intermediate_size,
-    )
-    shapes = {
-        "self_attn.q_proj": (q, h),
-        "self_attn.k_proj": (kv, h),
-        "self_attn.v_proj": (kv, h),
-        "self_attn.o_proj": (h, q),
-        "mlp.gate_proj": (inter, h),
-        "mlp.up_proj": (inter, h),
-        "mlp.down_proj": (h, inter),
-    }
-    state = {
-        "model.embed_tokens.weight": torch.randn(cfg.vocab_size, h, generator=g),
-        "model.norm.weight": torch.ones(h),
-    }
-    for i in range(cfg.num_layers):
-        for name, shape in shapes.items():
-            state[f"model.layers.{i}.{name}.weight"] = torch.randn(*shape, generator=g) / shape[1] ** 0.5
-        state[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(h)
-        state[f"model.layers.{i}.post_attention_layernorm.weight"] = torch.ones(h)
-    return LlamaModel(cfg, state, dtype=dtype, device=device)
-
-
 def smoke_target(vocab_size: int, device: torch.device, seed: int = 0):
-    """The --smoke target: bf16 on an accelerator, as the real run."""
+    """The --smoke target (models/synthetic.py): bf16 on an accelerator, as the real run."""
+    from ..models.synthetic import random_target, smoke_config
+
     return random_target(
         smoke_config(vocab_size), device, torch.bfloat16 if device.type != "cpu" else torch.float32, seed
     )
@@ -140,7 +66,7 @@ def load_run_target(cfg: TrainConfig, device: torch.device, vocab_size: int | No
     a random target of the data's vocab (no tokenizer, no path)."""
     from ..models import load_target
     from ..models.checkpoint import has_config
-    from ..models.loader import _convert_gguf
+    from ..models.loader import convert_gguf
 
     if cfg.smoke:
         if vocab_size is None:
@@ -151,7 +77,7 @@ def load_run_target(cfg: TrainConfig, device: torch.device, vocab_size: int | No
         out = Path(cfg.cache) / Path(cfg.target_gguf).stem
         if not has_config(out):
             out.parent.mkdir(parents=True, exist_ok=True)
-            _convert_gguf(Path(cfg.target_gguf), out)
+            convert_gguf(Path(cfg.target_gguf), out)
         path = str(out)
     target = load_target(path, dtype=cfg.target_dtype, device=str(device))
     return target.model, target.tokenizer, target.path

@@ -141,9 +141,9 @@ def test_an_engine_step_makes_one_device_to_host_copy(monkeypatch, drafted):
     fallbacks = []
     cfg = replace(smollm2_config(), num_layers=4)  # SmolLM2's widths and vocabulary, fewer layers
     with FakeTensorMode(allow_non_fake_inputs=True):
-        from sglang_ext.training import job as job_mod
+        from sglang_ext.models import synthetic
 
-        model = job_mod.random_target(cfg, "cuda")
+        model = synthetic.random_target(cfg, "cuda")
         model.attention = tree_attention_torch  # (the Triton kernels need a real GPU)
         model.gpu_layer_ops = False
         drafter = DeviceChainDrafter("cuda", cfg.vocab_size) if drafted else None
@@ -199,16 +199,16 @@ def test_an_engine_step_with_a_model_drafter_makes_one_copy(monkeypatch, kind, s
     from sglang_ext.drafters.lookahead import LookaheadDrafter
     from sglang_ext.drafters.medusa import MedusaDrafter
     from sglang_ext.drafters.moa import MoADrafter
+    from sglang_ext.models import synthetic
     from sglang_ext.models.eagle3 import Eagle3Config, Eagle3Draft
     from sglang_ext.models.medusa import MedusaConfig, MedusaHeads
     from sglang_ext.models.moa import MoAConfig, MoADraft
-    from sglang_ext.training import job as job_mod
 
     monkeypatch.setattr(sampling, "device_generator", lambda seed, device="cpu": None)
     copy = OneCopy("meta")
     monkeypatch.setattr(engine_mod, "to_host", copy)
     cfg = replace(smollm2_config(), num_layers=4)
-    model = job_mod.random_target(cfg, "meta")
+    model = synthetic.random_target(cfg, "meta")
     model.attention = tree_attention_torch
     if kind == "eagle3":
         drafter = Eagle3Drafter(model, Eagle3Draft(Eagle3Config.for_target(cfg, 2048)), num_slots=1024)

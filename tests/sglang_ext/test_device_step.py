@@ -9,17 +9,19 @@ KV compaction; only the step's one copy of the accepted paths to the host is ref
 On real CPU tensors the device-path functions give the host code's results (its loops are copied
 below as references): the same tree layouts, greedy and seeded paths, penalty rows and multinomial's
 draws. Speculative sampling on the device draws its random numbers in another order (all up front),
-so its samples for a seed differ from sampling_verify's: a chi-square test checks its law, and the
-same test must fail without the residual's renormalization. The `gpu` tests run these on CUDA.
+so its samples for a seed differ from the oracle's (tests/oracles.py sampling_verify): a chi-square test
+checks its law, and the same test must fail without the residual's renormalization. The `gpu` tests run these on CUDA.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import oracles
 import pytest
 import torch
 from helpers import smollm2_config
+from oracles import coupled_verify, verify_tree_greedy
 from test_distribution import chi2_pvalue
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
@@ -34,11 +36,9 @@ from sglang_ext.tree import TreeSearch, build_trees, chain_tree, root_tree, tree
 from sglang_ext.verify import (
     AcceptedPath,
     coupled_path,
-    coupled_verify,
     greedy_path,
     sampling_path,
     to_host,
-    verify_tree_greedy,
 )
 
 cuda = pytest.mark.gpu
@@ -268,12 +268,12 @@ def test_tree_shortcuts_equal_the_general_list_walk():
     for trial in range(100):
         n = int(torch.randint(1, 30, (), generator=gen))
         tree = random_tree(n, gen, unlinked={i for i in range(1, n) if torch.rand((), generator=gen) < 0.2})
-        owner, rank = verify_mod.sibling_lists(tree.retrieve_next_token, tree.retrieve_next_sibling)
+        owner, rank = oracles.sibling_lists(tree.retrieve_next_token, tree.retrieve_next_sibling)
         t_owner, t_rank = verify_mod.tree_lists(tree)
         listed = owner >= 0
         assert torch.equal(owner, t_owner) and torch.equal(rank[listed], t_rank[listed]), trial
         choice = verify_mod.first_passing_child(owner, rank, torch.rand(n, generator=gen) < 0.5)
-        assert torch.equal(verify_mod.path_in_tree(tree, choice), verify_mod.walk(choice, n)), trial
+        assert torch.equal(verify_mod.path_in_tree(tree, choice), oracles.walk(choice, n)), trial
 
 
 def test_coupled_path_equals_coupled_verify():
@@ -553,14 +553,14 @@ def _verify_requests(logits: torch.Tensor, trees, seq_lens: list[int]):
 def test_a_verify_step_stays_on_the_device(monkeypatch):
     """SmolLM2's shape, random weights, three requests: trees, plan, forward, logits, penalties, probs,
     verification and KV compaction on fake CUDA tensors; the paths' copy to the host is the one read."""
-    from sglang_ext.training import job as job_mod
+    from sglang_ext.models import synthetic
 
     cfg = smollm2_config()
     # NOTE: a CUDA generator needs a CUDA runtime; fake tensors take a CPU one (a real GPU would refuse it)
     monkeypatch.setattr(sampling, "device_generator", lambda seed, device="cpu": torch.Generator().manual_seed(seed))
     seq_lens = [37, 120, 5]
     with FakeTensorMode(allow_non_fake_inputs=True):
-        target = job_mod.random_target(cfg, "cuda")
+        target = synthetic.random_target(cfg, "cuda")
         target.attention = tree_attention_torch  # (the Triton kernels need a real GPU)
         target.gpu_layer_ops = False
         kv = target.new_kv_pool(512)

@@ -189,7 +189,7 @@ def test_gpu_fused_layer_equals_the_torch_layer():
     from helpers import smollm2_config
 
     from sglang_ext.attention import causal_mask, plan_attention
-    from sglang_ext.training.job import random_target
+    from sglang_ext.models.synthetic import random_target
 
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.1)):
         model = random_target(smollm2_config(), "cuda", dtype=dtype)

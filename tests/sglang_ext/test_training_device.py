@@ -14,7 +14,7 @@ from helpers import smollm2_config, tiny_config, tiny_state
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 from moa_serve.entrypoints.train_job import main as train_job_main
-from sglang_ext.models import LlamaModel
+from sglang_ext.models import LlamaModel, synthetic
 from sglang_ext.models.checkpoint import INDEX, read_weights, save_weights, weight_files
 from sglang_ext.training import job as job_mod
 from sglang_ext.training import moa as moa_mod
@@ -64,7 +64,7 @@ def test_a_training_step_of_every_head_is_device_clean_and_sync_free(monkeypatch
     monkeypatch.setattr(moa_mod, "_to_device", lambda x, device: x.to(device))  # pinned staging needs a CUDA runtime
     with FakeTensorMode(allow_non_fake_inputs=True):
         # NOTE: fp32: autocast needs a real CUDA runtime (bf16 under autocast: the next test, on the CPU)
-        target = job_mod.random_target(cfg, "cuda")
+        target = synthetic.random_target(cfg, "cuda")
         tasks = job_mod.build_tasks(
             target, hot, job_mod.HEADS, {"lambda_kl": 1.0, "lambda_feat": 0.1, "min_gap": 6, "max_gap": 14}
         )

