@@ -8,12 +8,22 @@ from collections import deque
 
 from ..metrics import BATCH_BUCKETS, Metrics, batch_bucket
 
+
+def _total(counter) -> float:
+    """A counter child's value, read as a scrape reads it (its `_total` sample)."""
+    return next(s.value for m in counter.collect() for s in m.samples if s.name.endswith("_total"))
+
+
 REQUEST_STATUSES = ("ok", "error", "aborted", "rejected", "invalid")
 THROUGHPUT_WINDOW_S = 10.0
 
 
 class Telemetry:
     """Thread-safe (prometheus_client children are); used by the engine thread and the event loop."""
+
+    def spec_counts(self) -> tuple[float, float]:
+        """(verify steps, accepted draft tokens) counted since start, as the counters export them."""
+        return _total(self.verify_steps), _total(self.accepted_tokens)
 
     def __init__(self, metrics: Metrics, drafter: str, backend: str):
         self.metrics = metrics

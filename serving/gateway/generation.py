@@ -116,7 +116,7 @@ class CompletionFormat:
 
 
 @dataclass
-class _Choice:
+class Choice:
     job: Job
     stream: AsyncGenerator[Chunk, None]
     parts: list[str] = field(default_factory=list)
@@ -145,7 +145,7 @@ class Generation:
         self.created = int(time.time())
         self.t0 = time.monotonic()
         self.choices = [
-            _Choice(
+            Choice(
                 j,
                 backend.generate(j),
                 t_last=self.t0,
@@ -184,7 +184,7 @@ class Generation:
             except Exception:  # noqa: BLE001 - closing must not fail the response; the stream already ended
                 pass
 
-    async def _next(self, c: _Choice) -> Chunk:
+    async def _next(self, c: Choice) -> Chunk:
         try:
             chunk = await anext(c.stream)
         except StopAsyncIteration:
@@ -192,7 +192,7 @@ class Generation:
         self._observe(c, chunk)
         return chunk
 
-    def _observe(self, c: _Choice, chunk: Chunk) -> None:
+    def _observe(self, c: Choice, chunk: Chunk) -> None:
         now = time.monotonic()
         if chunk.tokens:
             self.telemetry.tokens_out(not c.seen_token, now - c.t_last, chunk.tokens)
@@ -219,11 +219,11 @@ class Generation:
         )
         self.completed = True
 
-    async def _drain(self, c: _Choice) -> None:
+    async def _drain(self, c: Choice) -> None:
         while c.final is None:
             await self._next(c)
 
-    def _final_choice(self, c: _Choice) -> dict:
+    def _final_choice(self, c: Choice) -> dict:
         assert c.final is not None
         text = "".join(c.parts)
         if c.job.tools is None:
@@ -286,7 +286,7 @@ class Generation:
         if self.include_usage:
             yield self._sse([], usage=self._usage(), meta_info=self._meta())
 
-    async def _pump(self, c: _Choice, queue: asyncio.Queue) -> None:
+    async def _pump(self, c: Choice, queue: asyncio.Queue) -> None:
         try:
             while c.final is None:
                 chunk = await self._next(c)
@@ -296,7 +296,7 @@ class Generation:
         except Exception as e:  # noqa: BLE001 - handed to the response, which reports it in-stream
             queue.put_nowait((c, e))
 
-    def _chunk_events(self, c: _Choice, chunk: Chunk):
+    def _chunk_events(self, c: Choice, chunk: Chunk):
         # a chunk's logprobs are its tokens'; its text may lag them (held back: a split character, a
         # possible stop string), so an event may carry logprobs without text
         logprobs = chunk.logprobs if c.logprobs is not None and chunk.logprobs else None

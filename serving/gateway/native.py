@@ -30,7 +30,7 @@ from ..api.body import load_field, load_object
 from ..api.errors import APIError, invalid
 from ..backends.base import Chunk, Job
 from .auth import tenant_key
-from .generation import CompletionFormat, Generation, _Choice
+from .generation import Choice, CompletionFormat, Generation
 from .schemas import CompletionRequest, Limits, completion_jobs, parse
 
 SGLANG_DEFAULT_MAX_NEW_TOKENS = (
@@ -275,7 +275,7 @@ class NativeGeneration(Generation):
         except APIError as e:  # the backend's checks name OpenAI fields: name the /generate ones
             raise _renamed(e, isinstance(self.choices[0].job.prompt, tuple)) from None
 
-    def _observe(self, c: _Choice, chunk: Chunk) -> None:
+    def _observe(self, c: Choice, chunk: Chunk) -> None:
         super()._observe(c, chunk)
         self.ids[c.job.index] += chunk.ids or ()
         self.lps[c.job.index] += chunk.token_logprobs or ()
@@ -293,16 +293,16 @@ class NativeGeneration(Generation):
     def _tail(self):
         return ()
 
-    def _chunk_events(self, c: _Choice, chunk: Chunk):
+    def _chunk_events(self, c: Choice, chunk: Chunk):
         yield self._event(c)
 
-    def _event(self, c: _Choice) -> str:
+    def _event(self, c: Choice) -> str:
         out = self._out(c)
         if self.batched:
             out["index"] = c.job.index
         return f"data: {json.dumps(out, ensure_ascii=False)}\n\n"
 
-    def _out(self, c: _Choice) -> dict:
+    def _out(self, c: Choice) -> dict:
         """The text and ids so far, with SGLang's meta_info (its finish_reason object once finished)."""
         final = c.final
         ids = final.token_ids if final is not None and final.token_ids is not None else self.ids[c.job.index]
@@ -364,7 +364,7 @@ def model_info(backend) -> dict:
 
 def server_info(backend, telemetry, version: str) -> dict:
     """A few of SGLang's /server_info fields, from our counters: the mean acceptance length since start."""
-    steps, accepted = telemetry.verify_steps._value.get(), telemetry.accepted_tokens._value.get()
+    steps, accepted = telemetry.spec_counts()
     kv = backend.kv_cache()
     return {
         "version": f"moa-serve {version}",

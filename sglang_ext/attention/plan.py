@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -77,7 +77,7 @@ class AttentionPlan:
     k_lens: tuple[int, ...] | None = None
     _splits: dict = field(default_factory=dict, repr=False, compare=False)  # split_by_queries, per max_q
     _moved: dict = field(default_factory=dict, repr=False, compare=False)  # on(), per device
-    _row_streams: Any = field(default=None, repr=False, compare=False)  # triton_tree's, once per plan
+    _derived: dict = field(default_factory=dict, repr=False, compare=False)  # derived(), per key
 
     @property
     def batch_size(self) -> int:
@@ -105,6 +105,13 @@ class AttentionPlan:
         if device not in self._moved:
             self._moved[device] = _moved(self, device)
         return self._moved[device]
+
+    def derived(self, key: str, build: Callable[[], Any]) -> Any:
+        """What an attention backend derives from the plan (its index arrays), built once per plan and kept for
+        the other layers: build() the first time `key` is asked for."""
+        if key not in self._derived:
+            self._derived[key] = build()
+        return self._derived[key]
 
     def split_by_queries(self, max_q: int) -> PlanSplit | None:
         """The requests with at most max_q queries and the others as two plans, with the flat query rows

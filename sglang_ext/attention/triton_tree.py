@@ -168,9 +168,7 @@ def tree_attention_triton(
         return out
 
     plan = plan.on(q.device)  # a plan built elsewhere moves once (cached for the other layers)
-    if plan._row_streams is None:  # once per plan, not once per layer
-        plan._row_streams = row_streams_ragged(plan, num_tokens)
-    streams = plan._row_streams
+    streams = plan.derived("triton_row_streams", lambda: row_streams_ragged(plan, num_tokens))  # once per plan
     _launch(q, k_pool, v_pool, out, plan.kv_indices, streams, scale)
     return out
 

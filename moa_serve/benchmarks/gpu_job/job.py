@@ -11,7 +11,7 @@ import torch
 from .config import Deadline, GpuJobConfig, log, smoke_sizes
 from .inputs import job_prompts, load_job_target, load_methods, round_robin
 from .probes import gpu_tests_section, profile_section, throughput_section
-from .report import _finite, header, headline, markdown
+from .report import header, headline, json_safe, markdown
 from .sections import best_drafter, bs1_section, identity_section, sweep_section
 
 
@@ -29,7 +29,7 @@ def _section(payload: dict, name: str, fn, out: Path) -> None:
         payload[name] = {"error": f"{type(e).__name__}: {e}"}
     payload.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t0, 1)
     log(f"{name} done in {time.perf_counter() - t0:.0f} s")
-    (out / "results.json").write_text(json.dumps(_finite({**payload, "partial": True}), indent=1) + "\n")
+    (out / "results.json").write_text(json.dumps(json_safe({**payload, "partial": True}), indent=1) + "\n")
 
 
 def measure(c: GpuJobConfig, device: str, deadline: Deadline) -> dict:
@@ -73,7 +73,7 @@ def run_job(c: GpuJobConfig) -> dict:
     payload["headline"] = headline(payload)
     payload["seconds"] = time.perf_counter() - deadline.t0
     payload["deadline"] = {"seconds": deadline.seconds, "stopped": deadline.stopped}
-    payload = _finite(payload)
+    payload = json_safe(payload)
     (out / "results.json").write_text(json.dumps(payload, indent=1) + "\n")
     (out / "table.md").write_text(markdown(payload))
     return payload

@@ -58,14 +58,14 @@ def identity_summary(payload: dict, bs1_drafters: list[dict]) -> dict:
     }
 
 
-def _finite(x):
+def json_safe(x):
     """JSON without NaN / Infinity (not JSON): None instead."""
     if isinstance(x, float):
         return x if math.isfinite(x) else None
     if isinstance(x, dict):
-        return {str(k): _finite(v) for k, v in x.items()}
+        return {str(k): json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
+        return [json_safe(v) for v in x]
     return x
 
 
