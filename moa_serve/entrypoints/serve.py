@@ -10,14 +10,15 @@ import sys
 from pathlib import Path
 
 from moa_serve.entrypoints.flags import add_model_args, add_spec_args, engine_config
+from serving.backends.base import Admission
 from serving.backends.embedded import EmbeddedLimits
 from serving.backends.sglang import UpstreamConfig
 from serving.gateway.app import DEFAULT_AUTH_EXEMPT, GatewayConfig
 from serving.gateway.auth import APIKeys
 from serving.gateway.schemas import Limits
 from serving.gateway.server import DrainingServer, ServeOptions, build_gateway, uvicorn_config
+from serving.gateway.settings import BACKENDS, gateway_settings
 from serving.grammar_pool import GrammarConfig
-from sglang_ext.settings import BACKENDS, settings
 
 
 def add_serve_parser(sub) -> None:
@@ -181,8 +182,8 @@ def _grammar_config(args) -> GrammarConfig:
 
 def serve_options(args) -> ServeOptions:
     """The flags (and their MOA_SERVE_* defaults) as one ServeOptions; a bad combination is a ValueError."""
-    backend = args.backend or settings().backend or "embedded"  # (each source checked against settings.BACKENDS)
-    upstream = args.upstream or settings().upstream
+    backend = args.backend or gateway_settings().backend or "embedded"  # (each source checked against BACKENDS)
+    upstream = args.upstream or gateway_settings().upstream
     if backend == "sglang" and not upstream:
         raise ValueError("--backend sglang needs --upstream URL (or MOA_SERVE_UPSTREAM)")
     keys = APIKeys.from_env(args.api_keys_file)
@@ -198,7 +199,11 @@ def serve_options(args) -> ServeOptions:
         auth_exempt=tuple(p for p in args.auth_exempt.split(",") if p),
     )
     common = dict(
-        served_name=_served_name(args), gateway=gateway, edge_drafters=args.edge_drafters, edge_ttl_s=args.edge_ttl
+        served_name=_served_name(args),
+        gateway=gateway,
+        admission=Admission(args.max_running, args.max_queue),
+        edge_drafters=args.edge_drafters,
+        edge_ttl_s=args.edge_ttl,
     )
     if backend == "sglang":
         # the upstream drafts: the label says so unless --drafter names it
@@ -206,11 +211,9 @@ def serve_options(args) -> ServeOptions:
         upstream_cfg = UpstreamConfig(
             upstream,
             args.upstream_model,
-            args.max_running,
-            args.max_queue,
-            args.upstream_timeout,
-            settings().upstream_api_key,
-            _grammar_config(args),
+            timeout_s=args.upstream_timeout,
+            api_key=gateway_settings().upstream_api_key,
+            grammar=_grammar_config(args),
         )
         return ServeOptions(upstream=upstream_cfg, drafter_label=label, **common)
     engine = engine_config(
@@ -223,9 +226,6 @@ def serve_options(args) -> ServeOptions:
         prefix_cache_tokens=args.prefix_cache_tokens,
     )  # a bad --tree fails here, before the model loads
     limits = EmbeddedLimits(
-        max_running=args.max_running,
-        max_queue=args.max_queue,
-        max_tokens=args.max_tokens_limit,
         default_max_tokens=args.default_max_tokens,
         max_prompt_tokens=args.max_prompt_tokens,
         grammar=_grammar_config(args),

@@ -24,6 +24,16 @@ from ..engine_loop import KVCacheUsage
 
 
 @dataclass(frozen=True)
+class Admission:
+    """How many requests a backend runs at once, and how many more may wait before new ones get 429 + Retry-After
+    (--max-running, --max-queue): one pair for either backend (the embedded engine's loop, or the upstream's
+    connections)."""
+
+    max_running: int = 64
+    max_queue: int = 256
+
+
+@dataclass(frozen=True)
 class GenParams:
     """Sampling and stopping for one choice (already validated by the gateway schemas)."""
 

@@ -14,7 +14,7 @@ from ..api.errors import APIError, invalid
 from ..engine import Engine
 from ..engine_loop import Delivery, EngineLoop, EngineLoopClosed, Handle, QueueFull, fault_message
 from ..grammar_pool import GrammarConfig, GrammarFault, GrammarPool
-from .base import Chunk, Job, KVCacheUsage, SpecStats
+from .base import Admission, Chunk, Job, KVCacheUsage, SpecStats
 from .detok import IncrementalText, TokenStrings
 from .telemetry import Telemetry
 
@@ -23,9 +23,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EmbeddedLimits:
-    max_running: int = 64
-    max_queue: int = 256
-    max_tokens: int = 2048  # largest max_tokens a request may ask for
+    """The embedded backend's own limits (admission: base.Admission; a request's max_tokens: the gateway's Limits)."""
+
     default_max_tokens: int = 512  # when a request gives none (KV is reserved for the worst case)
     max_prompt_tokens: int | None = None  # None: the model's context
     grammar: GrammarConfig = GrammarConfig()  # structured output's compile workers, budget and limits
@@ -41,12 +40,13 @@ class EmbeddedBackend:
         drafter: str,
         telemetry: Telemetry,
         limits: EmbeddedLimits = EmbeddedLimits(),
+        admission: Admission | None = None,
     ):
         self.engine, self.target, self.model_ids, self.drafter = engine, engine.target, model_ids, drafter
-        self.limits, self.telemetry = limits, telemetry
+        self.limits, self.admission, self.telemetry = limits, admission or Admission(), telemetry
         engine.on_fallback = lambda req, reason: telemetry.fallback(reason)
         self.engine_loop = EngineLoop(
-            engine, max_running=limits.max_running, max_queue=limits.max_queue, telemetry=telemetry
+            engine, max_running=self.admission.max_running, max_queue=self.admission.max_queue, telemetry=telemetry
         )
         # tokens (prompt + output) one request may hold: the model's context, or less if the KV pool is smaller
         self.max_context = min(engine.max_context - 1, self.engine_loop.capacity())
@@ -173,7 +173,7 @@ class EmbeddedBackend:
             raise invalid(str(e), e.param) from e
         return params
 
-    def _echo_logprobs(self, ids: list[int], prompt_logprobs: list | None) -> list[dict] | None:
+    def echo_logprobs(self, ids: list[int], prompt_logprobs: list | None) -> list[dict] | None:
         """An echoed prompt's logprobs entries: the first token has none (no context), as in OpenAI's API."""
         if prompt_logprobs is None:
             return None
@@ -232,7 +232,7 @@ class EmbeddedBackend:
         try:
             return self.engine_loop.submit(ids, params, grammar=grammar, tenant=tenant)
         except QueueFull as e:
-            busy = f"the server is busy ({self.limits.max_queue} requests queued); retry after {e.retry_after} s"
+            busy = f"the server is busy ({self.admission.max_queue} requests queued); retry after {e.retry_after} s"
             raise APIError(429, busy, code="rate_limit_exceeded", headers={"Retry-After": str(e.retry_after)}) from e
         except EngineLoopClosed as e:
             raise APIError(503, str(e), code="service_unavailable", headers={"Retry-After": "5"}) from e
@@ -263,7 +263,7 @@ class _Output:
         """The Chunk of one delivery, and whether a stop string ended the text there."""
         ids, echo = self.ids, self.job.params.echo
         if self.job.params.max_tokens == 0:  # echo only: the prompt (and its logprobs); the sampled token is dropped
-            lps = self.backend._echo_logprobs(ids, d.prompt_logprobs) if echo else None
+            lps = self.backend.echo_logprobs(ids, d.prompt_logprobs) if echo else None
             return Chunk(
                 self.echo,
                 0,
@@ -286,7 +286,7 @@ class _Output:
             chunk.token_logprobs = d.logprobs[:keep]
             chunk.logprobs = self.backend.token_strings.entries(chunk.token_logprobs)
             if d.prompt_logprobs is not None and echo:
-                chunk.logprobs = self.backend._echo_logprobs(ids, d.prompt_logprobs) + chunk.logprobs
+                chunk.logprobs = self.backend.echo_logprobs(ids, d.prompt_logprobs) + chunk.logprobs
         chunk.prompt_token_logprobs = _with_first(ids, d.prompt_logprobs)
         self.echo = ""
         if finish:

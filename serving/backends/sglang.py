@@ -26,7 +26,7 @@ from sglang_ext.grammar import JSON_OBJECT, GrammarSpec
 from ..api.errors import APIError
 from ..engine_loop import fault_message
 from ..grammar_pool import GrammarConfig, GrammarFault, GrammarPool
-from .base import Chunk, Job, SpecStats
+from .base import Admission, Chunk, Job, SpecStats
 from .detok import logprob_entry
 from .telemetry import Telemetry
 
@@ -39,8 +39,6 @@ log = logging.getLogger(__name__)
 class UpstreamConfig:
     url: str
     model: str | None = None  # name sent upstream; default: the first id of the upstream's /v1/models
-    max_running: int = 64  # concurrent upstream requests (HTTP connections)
-    max_queue: int = 256  # requests waiting for a connection before 429
     timeout_s: float = 600.0  # read timeout between upstream bytes
     api_key: str | None = None  # sent upstream as Bearer (SGLang --api-key)
     grammar: GrammarConfig = GrammarConfig()  # grammars are checked (and tool-call grammars built) here
@@ -73,9 +71,16 @@ class SGLangBackend:
     READY_TTL = 1.0  # seconds a readiness answer is reused (probes and load balancers poll /ready often)
 
     def __init__(
-        self, config: UpstreamConfig, model_ids: list[str], drafter: str, telemetry: Telemetry, clock=time.monotonic
+        self,
+        config: UpstreamConfig,
+        model_ids: list[str],
+        drafter: str,
+        telemetry: Telemetry,
+        admission: Admission | None = None,  # max_running: concurrent upstream requests (HTTP connections)
+        clock=time.monotonic,
     ):
         self.config, self.model_ids, self.drafter, self.telemetry = config, model_ids, drafter, telemetry
+        self.admission = admission or Admission()
         self.clock = clock  # () -> seconds; the readiness cache's (tests step it instead of sleeping)
         self._http: httpx.AsyncClient | None = None
         self._in_flight = 0
@@ -117,7 +122,7 @@ class SGLangBackend:
             headers=headers,
             timeout=httpx.Timeout(connect=5.0, read=self.config.timeout_s, write=30.0, pool=None),
             limits=httpx.Limits(
-                max_connections=self.config.max_running, max_keepalive_connections=self.config.max_running
+                max_connections=self.admission.max_running, max_keepalive_connections=self.admission.max_running
             ),
             trust_env=False,  # in-cluster traffic must not go through an HTTP(S)_PROXY from the environment
         )
@@ -137,7 +142,7 @@ class SGLangBackend:
         return self._http
 
     def load(self) -> tuple[int, int]:
-        running = min(self._in_flight, self.config.max_running)
+        running = min(self._in_flight, self.admission.max_running)
         return running, self._in_flight - running
 
     def abort_all(self) -> None:
@@ -249,7 +254,7 @@ class SGLangBackend:
         }
 
     async def generate(self, job: Job) -> AsyncGenerator[Chunk, None]:
-        if self._in_flight >= self.config.max_running + self.config.max_queue:
+        if self._in_flight >= self.admission.max_running + self.admission.max_queue:
             raise APIError(
                 429, "the server is busy; retry later", code="rate_limit_exceeded", headers={"Retry-After": "1"}
             )

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, fields
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ..backends.base import Admission
 from ..backends.embedded import EmbeddedLimits
 from ..backends.sglang import UpstreamConfig
 from ..config import EngineConfig
@@ -45,6 +46,7 @@ class ServeOptions:
     engine: EngineConfig | None = None  # the embedded backend's engine (loaded by build_gateway)
     embedded: EmbeddedLimits | None = None
     upstream: UpstreamConfig | None = None  # the sglang backend (instead of engine)
+    admission: Admission = field(default_factory=Admission)  # either backend's
     drafter_label: str = "none"  # the sglang backend's drafter label (the embedded one is its engine's)
     gateway: GatewayConfig = field(default_factory=GatewayConfig)
     edge_drafters: str | None = None  # embedded: comma list of drafters for /v1/edge/sessions
@@ -78,24 +80,27 @@ def build_gateway(o: ServeOptions, metrics: Metrics | None = None):
         engine = build_engine(o.engine)
         lim = o.embedded or EmbeddedLimits()
         limits = {f.name: getattr(lim, f.name) for f in fields(lim)}
-        backend, telemetry = embedded_backend(engine, o.served_name, engine.config.drafter or "none", metrics, **limits)
+        name = engine.config.drafter or "none"
+        backend, telemetry = embedded_backend(engine, o.served_name, name, metrics, o.admission, **limits)
     else:
         telemetry = Telemetry(metrics, o.drafter_label, "sglang")
-        backend = SGLangBackend(o.upstream, [o.served_name], o.drafter_label, telemetry)
+        backend = SGLangBackend(o.upstream, [o.served_name], o.drafter_label, telemetry, o.admission)
     edge, edge_tok = (
         build_edge(backend.engine.target, o.edge_drafters, o.edge_ttl_s) if o.edge_drafters else (None, None)
     )
     return create_app(backend, telemetry, o.gateway, edge=edge, edge_tokenizer=edge_tok), backend
 
 
-def embedded_backend(engine, model_id: str, drafter: str, metrics: Metrics | None = None, **limits):
+def embedded_backend(
+    engine, model_id: str, drafter: str, metrics: Metrics | None = None, admission: Admission | None = None, **limits
+):
     """(EmbeddedBackend, Telemetry) around an existing Engine (also for tests and benchmarks);
     limits: EmbeddedLimits fields."""
     from ..backends.embedded import EmbeddedBackend
     from ..backends.telemetry import Telemetry
 
     telemetry = Telemetry(metrics or Metrics(), drafter, "embedded")
-    return EmbeddedBackend(engine, [model_id], drafter, telemetry, EmbeddedLimits(**limits)), telemetry
+    return EmbeddedBackend(engine, [model_id], drafter, telemetry, EmbeddedLimits(**limits), admission), telemetry
 
 
 def build_edge(target, names: str, ttl_s: float):

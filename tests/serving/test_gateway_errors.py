@@ -17,6 +17,7 @@ import openai
 import pytest
 from helpers import compare_to_reference, slots_whole, tiny_config, tiny_state
 
+from serving.backends.base import Admission
 from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.gateway.app import GatewayConfig, create_app
@@ -55,9 +56,7 @@ def serve(
     engine = Engine(
         target, drafter if drafter is not None else NgramDrafter(), EngineConfig(tree=TREE, kv_slots=kv_slots)
     )
-    backend, telemetry = embedded_backend(
-        engine, MODEL, drafter_name, max_running=max_running, max_queue=max_queue, max_tokens=limits.max_tokens
-    )
+    backend, telemetry = embedded_backend(engine, MODEL, drafter_name, admission=Admission(max_running, max_queue))
     app = create_app(backend, telemetry, GatewayConfig(limits=limits, api_keys=keys))
     return ServerThread(app), engine, telemetry
 

@@ -193,7 +193,7 @@ def test_flush_cache_under_load_loses_no_request(server):
 def test_cached_tokens_nobody_uses_are_room_for_admission(smollm2_fp32):
     """A pool the cache has filled admits a request at once (evicting), never queues or refuses it."""
     engine = Engine(smollm2_fp32, None, EngineConfig(kv_slots=400))
-    backend, telemetry = embedded_backend(engine, MODEL, "none", max_tokens=64, max_prompt_tokens=300)
+    backend, telemetry = embedded_backend(engine, MODEL, "none", max_prompt_tokens=300)
     with ServerThread(create_app(backend, telemetry)) as srv:
         srv.engine, srv.backend = engine, backend
         c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=300)
