@@ -1,17 +1,11 @@
-"""The MOA_* environment variables, read and checked in one place.
+"""The core's MOA_* environment variables, read and checked in one place (the gateway's own, API keys and the
+upstream backend, are serving/gateway/settings.py's, parsed with the readers here).
 
 `settings()` parses os.environ on first use and returns the same frozen `Settings` for the rest of the
 process; `reload_settings()` parses it again (tests that change the environment). No module reads these
 variables at import time. A bad value raises SettingsError (a ValueError) naming the variable. An empty
 value counts as unset. Switches take 1/0 (also true/false, yes/no, on/off).
 
-Serving (gateway and CLI):
-    MOA_SERVE_API_KEYS          comma list of API keys the gateway accepts (Authorization: Bearer)
-    MOA_SERVE_API_KEYS_FILE     file of API keys, one a line, '#' comments; re-read when it changes
-    MOA_SERVE_API_KEY           the key `moa-serve bench edge` sends (default of its --api-key)
-    MOA_SERVE_BACKEND           embedded | sglang: the default of `moa-serve serve --backend`
-    MOA_SERVE_UPSTREAM          upstream SGLang base URL for the sglang backend (default of --upstream)
-    MOA_SERVE_UPSTREAM_API_KEY  key the gateway sends to the upstream SGLang server
 Models and drafters:
     MOA_SERVE_CACHE             where converted GGUF targets are cached (default ~/.cache/moa-serve)
     MOA_SERVE_EAGLE3            EAGLE-3 checkpoint dir used instead of the shipped one
@@ -39,7 +33,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BACKENDS = ("embedded", "sglang")
 DRAFT_ATTENTION = ("auto", "flashinfer", "triton", "cpu", "torch")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -56,12 +49,6 @@ def _default_cache_dir() -> Path:
 class Settings:
     """One typed field per variable (see the module docstring); None = unset."""
 
-    api_keys: tuple[str, ...] = ()
-    api_keys_file: Path | None = None
-    api_key: str | None = None
-    backend: str | None = None
-    upstream: str | None = None
-    upstream_api_key: str | None = None
     cache_dir: Path = field(default_factory=_default_cache_dir)
     eagle3: Path | None = None
     moa: Path | None = None
@@ -76,13 +63,13 @@ class Settings:
     draft_attention: str = "auto"
 
 
-def _text(env: Mapping[str, str], name: str) -> str | None:
+def env_text(env: Mapping[str, str], name: str) -> str | None:
     value = env.get(name, "").strip()
     return value or None
 
 
-def _switch(env: Mapping[str, str], name: str, default: bool) -> bool:
-    value = _text(env, name)
+def env_switch(env: Mapping[str, str], name: str, default: bool) -> bool:
+    value = env_text(env, name)
     if value is None:
         return default
     if value.lower() in _TRUE:
@@ -92,13 +79,13 @@ def _switch(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise SettingsError(f"{name}={value!r}: use 1 or 0")
 
 
-def _path(env: Mapping[str, str], name: str) -> Path | None:
-    value = _text(env, name)
+def env_path(env: Mapping[str, str], name: str) -> Path | None:
+    value = env_text(env, name)
     return Path(value).expanduser() if value is not None else None
 
 
-def _int(env: Mapping[str, str], name: str, least: int, what: str) -> int | None:
-    value = _text(env, name)
+def env_int(env: Mapping[str, str], name: str, least: int, what: str) -> int | None:
+    value = env_text(env, name)
     if value is None:
         return None
     if not value.isdigit() or int(value) < least:
@@ -106,8 +93,8 @@ def _int(env: Mapping[str, str], name: str, least: int, what: str) -> int | None
     return int(value)
 
 
-def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str | None:
-    value = _text(env, name)
+def env_choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str | None:
+    value = env_text(env, name)
     if value is not None and value not in choices:
         raise SettingsError(f"{name}={value!r}: choose {', '.join(choices)}")
     return value
@@ -115,26 +102,19 @@ def _choice(env: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str 
 
 def parse_settings(env: Mapping[str, str]) -> Settings:
     """The Settings an environment gives; SettingsError names the first bad variable."""
-    keys = tuple(k.strip() for k in env.get("MOA_SERVE_API_KEYS", "").split(","))
     return Settings(
-        api_keys=tuple(k for k in keys if k and not k.startswith("#")),
-        api_keys_file=_path(env, "MOA_SERVE_API_KEYS_FILE"),
-        api_key=_text(env, "MOA_SERVE_API_KEY"),
-        backend=_choice(env, "MOA_SERVE_BACKEND", BACKENDS),
-        upstream=_text(env, "MOA_SERVE_UPSTREAM"),
-        upstream_api_key=_text(env, "MOA_SERVE_UPSTREAM_API_KEY"),
-        cache_dir=_path(env, "MOA_SERVE_CACHE") or _default_cache_dir(),
-        eagle3=_path(env, "MOA_SERVE_EAGLE3"),
-        moa=_path(env, "MOA_SERVE_MOA"),
-        suffix_online=_switch(env, "MOA_SERVE_SUFFIX_ONLINE", True),
-        eval_dir=_path(env, "MOA_SERVE_EVAL_DIR"),
-        cpu_kernels=_switch(env, "MOA_SERVE_CPU_KERNELS", True),
-        packed_weights=_switch(env, "MOA_SERVE_PACKED_WEIGHTS", True),
-        avx512=_switch(env, "MOA_SERVE_AVX512", True),
-        layer_ops=_switch(env, "MOA_SERVE_LAYER_OPS", True),
-        kernel_rows=_int(env, "MOA_SERVE_KERNEL_ROWS", 1, "a positive integer"),
-        sglang_tli=_int(env, "MOA_SGLANG_TLI", 0, "an integer >= 0 (a target layer)"),
-        draft_attention=_choice(env, "MOA_SGLANG_DRAFT_ATTENTION", DRAFT_ATTENTION) or "auto",
+        cache_dir=env_path(env, "MOA_SERVE_CACHE") or _default_cache_dir(),
+        eagle3=env_path(env, "MOA_SERVE_EAGLE3"),
+        moa=env_path(env, "MOA_SERVE_MOA"),
+        suffix_online=env_switch(env, "MOA_SERVE_SUFFIX_ONLINE", True),
+        eval_dir=env_path(env, "MOA_SERVE_EVAL_DIR"),
+        cpu_kernels=env_switch(env, "MOA_SERVE_CPU_KERNELS", True),
+        packed_weights=env_switch(env, "MOA_SERVE_PACKED_WEIGHTS", True),
+        avx512=env_switch(env, "MOA_SERVE_AVX512", True),
+        layer_ops=env_switch(env, "MOA_SERVE_LAYER_OPS", True),
+        kernel_rows=env_int(env, "MOA_SERVE_KERNEL_ROWS", 1, "a positive integer"),
+        sglang_tli=env_int(env, "MOA_SGLANG_TLI", 0, "an integer >= 0 (a target layer)"),
+        draft_attention=env_choice(env, "MOA_SGLANG_DRAFT_ATTENTION", DRAFT_ATTENTION) or "auto",
     )
 
 

@@ -15,7 +15,7 @@ from moa_serve.entrypoints.flags import (
     generation_json,
     sampling_params,
 )
-from sglang_ext.settings import settings
+from serving.gateway.settings import gateway_settings
 
 WIRE_DTYPES = ["fp32", "bf16", "fp16", "int8"]
 # the sampling flags of each SamplingParams field the edge protocol cannot honour
@@ -104,7 +104,7 @@ def cmd_edge(args) -> int:
         config.drafter,
         tree,
         args.wire_dtype,
-        args.api_key or settings().api_key,
+        args.api_key or gateway_settings().api_key,
         args.timeout,
         args.resync,
         eos_ids=tuple(target.cfg.eos_token_ids),

@@ -18,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from sglang_ext.settings import settings
+from .settings import gateway_settings
 
 RELOAD_CHECK_S = 5.0
 
@@ -64,7 +64,7 @@ class APIKeys:
 
     @classmethod
     def from_env(cls, file: str | None = None) -> APIKeys:
-        s = settings()
+        s = gateway_settings()
         return cls(list(s.api_keys), file or s.api_keys_file)
 
     @property

@@ -11,8 +11,8 @@ from serving.api.tools import tool_grammar
 from serving.backends.detok import IncrementalText
 from serving.gateway.auth import APIKeys
 from serving.gateway.schemas import ChatCompletionRequest, CompletionRequest, Limits, chat_jobs, completion_jobs, parse
+from serving.gateway.settings import reload_gateway_settings
 from sglang_ext.grammar import GrammarLimits
-from sglang_ext.settings import reload_settings
 
 
 def chars(ids):
@@ -174,7 +174,7 @@ def test_api_keys_env_file_and_reload(tmp_path, monkeypatch):
     f = tmp_path / "keys"
     f.write_text("# comment\nfile-key-1\n\n  file-key-2  \n")
     monkeypatch.setenv("MOA_SERVE_API_KEYS", "env-a, env-b")
-    reload_settings()
+    reload_gateway_settings()
     keys = APIKeys.from_env(str(f))
     assert keys.enabled
     for k in ("env-a", "env-b", "file-key-1", "file-key-2"):
@@ -189,7 +189,7 @@ def test_api_keys_env_file_and_reload(tmp_path, monkeypatch):
     assert keys.check("Bearer rotated") and not keys.check("Bearer file-key-1")
     monkeypatch.delenv("MOA_SERVE_API_KEYS")
     monkeypatch.delenv("MOA_SERVE_API_KEYS_FILE", raising=False)
-    reload_settings()
+    reload_gateway_settings()
     assert not APIKeys.from_env().enabled
     with pytest.raises(FileNotFoundError):
         APIKeys(file=tmp_path / "missing")
@@ -278,7 +278,7 @@ def test_serve_options_refuse_a_bad_combination_before_any_model_loads(monkeypat
         monkeypatch.delenv(var, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    reload_settings()
+    reload_gateway_settings()
     with pytest.raises(ValueError, match=message):
         serve_options(_serve_args(*flags))
 
@@ -288,7 +288,7 @@ def test_serve_options_pick_the_backend_from_flag_then_environment(monkeypatch):
 
     monkeypatch.setenv("MOA_SERVE_BACKEND", "sglang")
     monkeypatch.setenv("MOA_SERVE_UPSTREAM", "http://sglang:30000")
-    reload_settings()
+    reload_gateway_settings()
     o = serve_options(_serve_args())
     assert o.backend == "sglang" and o.upstream.url == "http://sglang:30000" and o.drafter_label == "upstream"
     o = serve_options(_serve_args("--backend", "embedded", "--drafter", "ngram", "--kv-slots", "4096"))

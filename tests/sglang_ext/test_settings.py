@@ -1,5 +1,6 @@
-"""sglang_ext/settings.py: every MOA_* variable parsed into one frozen Settings, bad values named, reload,
-and no other product module reading MOA_* from the environment."""
+"""sglang_ext/settings.py and serving/gateway/settings.py: every MOA_* variable parsed into one frozen Settings (the
+core's) or GatewaySettings (API keys, the backend and its upstream), bad values named, reload, and no other product
+module reading MOA_* from the environment."""
 
 from __future__ import annotations
 
@@ -12,6 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from serving.gateway.settings import (
+    GatewaySettings,
+    gateway_settings,
+    parse_gateway_settings,
+    reload_gateway_settings,
+)
 from sglang_ext.settings import Settings, SettingsError, parse_settings, reload_settings, settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,16 +27,20 @@ PREFIXES = ("MOA_SERVE_", "MOA_SGLANG_")
 
 
 def test_defaults():
+    g = parse_gateway_settings({})
+    assert g == GatewaySettings()
+    assert g.api_keys == () and g.api_keys_file is None and g.api_key is None
+    assert g.backend is None and g.upstream is None and g.upstream_api_key is None
     s = parse_settings({})
     assert s == Settings()
-    assert s.api_keys == () and s.api_keys_file is None and s.api_key is None
-    assert s.backend is None and s.upstream is None and s.upstream_api_key is None
     assert s.cache_dir == Path.home() / ".cache" / "moa-serve"
     assert s.eagle3 is None and s.moa is None and s.eval_dir is None
     assert s.suffix_online and s.cpu_kernels and s.packed_weights and s.avx512 and s.layer_ops
     assert s.kernel_rows is None and s.sglang_tli is None and s.draft_attention == "auto"
     with pytest.raises(dataclasses.FrozenInstanceError):
-        s.backend = "sglang"
+        g.backend = "sglang"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.draft_attention = "torch"
 
 
 def test_each_variable_parsed(tmp_path):
@@ -53,16 +64,17 @@ def test_each_variable_parsed(tmp_path):
         "MOA_SGLANG_TLI": "0",
         "MOA_SGLANG_DRAFT_ATTENTION": "triton",
     }
-    s = parse_settings(env)
-    assert s.api_keys == ("k1", "k2")
-    assert s.api_keys_file == tmp_path / "keys" and s.api_key == "client-key"
-    assert (s.backend, s.upstream, s.upstream_api_key) == ("sglang", "http://sglang:30000", "up-key")
+    g, s = parse_gateway_settings(env), parse_settings(env)
+    assert g.api_keys == ("k1", "k2")
+    assert g.api_keys_file == tmp_path / "keys" and g.api_key == "client-key"
+    assert (g.backend, g.upstream, g.upstream_api_key) == ("sglang", "http://sglang:30000", "up-key")
     assert s.cache_dir == tmp_path / "cache" and s.eagle3 == tmp_path / "e3" and s.moa == tmp_path / "moa"
     assert s.eval_dir == tmp_path / "eval"
     assert not (s.suffix_online or s.cpu_kernels or s.packed_weights or s.avx512 or s.layer_ops)
     assert (s.kernel_rows, s.sglang_tli, s.draft_attention) == (128, 0, "triton")
-    assert len(env) == len(dataclasses.fields(Settings)), "one field per variable"
-    assert parse_settings({"MOA_SERVE_SUFFIX_ONLINE": "1", "MOA_SERVE_BACKEND": ""}) == Settings()  # empty = unset
+    assert len(env) == len(dataclasses.fields(Settings)) + len(dataclasses.fields(GatewaySettings)), "a field each"
+    assert parse_settings({"MOA_SERVE_SUFFIX_ONLINE": "1"}) == Settings()
+    assert parse_gateway_settings({"MOA_SERVE_BACKEND": ""}) == GatewaySettings()  # empty = unset
 
 
 @pytest.mark.parametrize(
@@ -81,19 +93,30 @@ def test_each_variable_parsed(tmp_path):
     ],
 )
 def test_bad_value_names_the_variable(name, value):
+    parse = parse_gateway_settings if name == "MOA_SERVE_BACKEND" else parse_settings
     with pytest.raises(SettingsError, match=f"{name}={value!r}"):
-        parse_settings({name: value})
+        parse({name: value})
 
 
 def test_reload_picks_up_a_change(monkeypatch):
     monkeypatch.delenv("MOA_SERVE_BACKEND", raising=False)
-    assert reload_settings().backend is None
+    assert reload_gateway_settings().backend is None
     monkeypatch.setenv("MOA_SERVE_BACKEND", "sglang")
-    assert settings().backend is None  # read once, until reloaded
-    assert reload_settings().backend == "sglang" and settings() is settings()
+    assert gateway_settings().backend is None  # read once, until reloaded
+    assert reload_gateway_settings().backend == "sglang" and gateway_settings() is gateway_settings()
     monkeypatch.setenv("MOA_SERVE_BACKEND", "bogus")
     with pytest.raises(ValueError, match="MOA_SERVE_BACKEND"):
+        reload_gateway_settings()
+    monkeypatch.delenv("MOA_SGLANG_DRAFT_ATTENTION", raising=False)
+    assert reload_settings().draft_attention == "auto"
+    monkeypatch.setenv("MOA_SGLANG_DRAFT_ATTENTION", "torch")
+    assert settings().draft_attention == "auto"  # read once, until reloaded
+    assert reload_settings().draft_attention == "torch" and settings() is settings()
+    monkeypatch.setenv("MOA_SGLANG_DRAFT_ATTENTION", "cuda")
+    with pytest.raises(ValueError, match="MOA_SGLANG_DRAFT_ATTENTION"):
         reload_settings()
+    monkeypatch.delenv("MOA_SGLANG_DRAFT_ATTENTION")
+    reload_settings()
 
 
 def _env_key(node: ast.AST, constants: dict[str, str]) -> str | None:
@@ -119,7 +142,7 @@ def test_only_settings_reads_moa_variables():
     offenders = []
     for pkg in PACKAGES:
         for path in sorted((ROOT / pkg).rglob("*.py")):
-            if path == ROOT / "sglang_ext" / "settings.py":
+            if path in (ROOT / "sglang_ext" / "settings.py", ROOT / "serving" / "gateway" / "settings.py"):
                 continue
             tree = ast.parse(path.read_text(), str(path))
             constants = {
@@ -133,7 +156,7 @@ def test_only_settings_reads_moa_variables():
                 key = _env_key(node, constants)
                 if key is not None and key.startswith(PREFIXES):
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} reads {key}")
-    assert not offenders, "read MOA_* through sglang_ext.settings:\n" + "\n".join(offenders)
+    assert not offenders, "read MOA_* through the settings modules:\n" + "\n".join(offenders)
 
 
 def test_no_module_reads_settings_at_import():
