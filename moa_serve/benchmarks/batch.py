@@ -1,5 +1,5 @@
-"""`moa-serve bench --batch-sizes ...` and `--gateway-overhead`: throughput vs batch size, and the
-cost of the HTTP gateway over calling the engine directly.
+"""`moa-serve bench --batch-sizes ...`: throughput vs batch size (the gateway's own cost, `--gateway-overhead`:
+overhead.py).
 
 Batch sweep: for each batch size B, every method (vanilla, then each drafter) serves the same queue
 of prompts (sweep_prompts: at least 2B) through the Engine with B requests running at a time, a
@@ -18,7 +18,6 @@ count once touched); memory the allocator keeps after an earlier, bigger row is 
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from dataclasses import dataclass, field, replace
@@ -429,7 +428,8 @@ def speedup(row: BatchResult, results: list[BatchResult], steady: bool = False) 
     return row.tokens_per_s / v.tokens_per_s
 
 
-def _fmt(x: float | None, spec: str = ".2f") -> str:
+def fmt(x: float | None, spec: str = ".2f") -> str:
+    """A table cell: the number, or - when there is none (None, NaN)."""
     return "-" if x is None or x != x else format(x, spec)
 
 
@@ -448,12 +448,12 @@ def batch_rows_table(results: list[BatchResult]) -> str:
         s, sf = speedup(r, results), speedup(r, results, steady=True)
         spec = r.method != "vanilla"
         lines.append(
-            f"| {r.batch_size} | {r.method} | {r.tree} | {ad} | {_fmt(r.tau) if spec else '-'} "
-            f"| {_fmt(r.draft_per_step, '.1f') if spec else '-'} "
-            f"| {_fmt(r.tokens_per_s, '.1f')} | {_fmt(s) + '×' if s is not None else 'n/a'} "
-            f"| {_fmt(r.full_tokens_per_s, '.1f')} | {_fmt(sf) + '×' if sf is not None else 'n/a'} "
-            f"| {_fmt(r.decode_tokens_per_s, '.1f')} | {_fmt(r.mean_batch, '.1f')} | {r.fallbacks} "
-            f"| {_fmt(r.peak_rss_mb, '.0f')} | {_fmt(r.rss_rise_mb, '.0f')} |"
+            f"| {r.batch_size} | {r.method} | {r.tree} | {ad} | {fmt(r.tau) if spec else '-'} "
+            f"| {fmt(r.draft_per_step, '.1f') if spec else '-'} "
+            f"| {fmt(r.tokens_per_s, '.1f')} | {fmt(s) + '×' if s is not None else 'n/a'} "
+            f"| {fmt(r.full_tokens_per_s, '.1f')} | {fmt(sf) + '×' if sf is not None else 'n/a'} "
+            f"| {fmt(r.decode_tokens_per_s, '.1f')} | {fmt(r.mean_batch, '.1f')} | {r.fallbacks} "
+            f"| {fmt(r.peak_rss_mb, '.0f')} | {fmt(r.rss_rise_mb, '.0f')} |"
         )
     return "\n".join(lines)
 
@@ -474,7 +474,7 @@ def batch_grid_table(results: list[BatchResult], steady: bool = False) -> str:
                 cells.append("failed")
             else:
                 s, rate = speedup(r, results, steady), r.full_tokens_per_s if steady else r.tokens_per_s
-                cells.append(f"{rate:.1f} ({_fmt(s)}×)" if s is not None else f"{rate:.1f}")
+                cells.append(f"{rate:.1f} ({fmt(s)}×)" if s is not None else f"{rate:.1f}")
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -527,124 +527,3 @@ def plot_throughput(results: list[BatchResult], path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-# --- gateway overhead ---------------------------------------------------------------------------
-
-
-@dataclass
-class OverheadResult:
-    method: str
-    tree: str
-    adaptive: bool
-    requests: int = 0
-    max_tokens: int = 0
-    engine_ms: list[float] = field(default_factory=list, repr=False)
-    http_ms: list[float] = field(default_factory=list, repr=False)
-    same_tokens: bool | None = None  # the HTTP completion's token ids equal the direct engine's
-    error: str | None = None
-
-    @property
-    def engine_p50(self) -> float | None:
-        return statistics.median(self.engine_ms) if self.engine_ms else None
-
-    @property
-    def http_p50(self) -> float | None:
-        return statistics.median(self.http_ms) if self.http_ms else None
-
-    @property
-    def overhead_p50(self) -> float | None:
-        return None if self.engine_p50 is None or self.http_p50 is None else self.http_p50 - self.engine_p50
-
-
-def measure_gateway_overhead(
-    target, method: str, tree, adaptive: bool, messages: list[dict], max_tokens: int, requests: int, warmup: int = 2
-) -> OverheadResult:
-    """p50 latency of one short greedy chat request (fixed length: ignore_eos) (a) through Engine.generate
-    and (b) through the real gateway over HTTP on 127.0.0.1 (uvicorn in a thread of this process, an
-    Engine with the same drafter and tree). Calls alternate a, b, a, b ... so drift hits both.
-
-    Adaptive speculation is off for both engines whatever `adaptive` says: two policies can settle on
-    different trees from timing noise, and then the two paths no longer do the same work."""
-    import httpx
-
-    from moa_serve.benchmarks.bench import bench_drafter
-    from serving.config import EngineConfig
-    from serving.engine import Engine
-    from serving.gateway.app import create_app
-    from serving.gateway.server import ServerThread, embedded_backend
-    from sglang_ext.sampling import SamplingParams
-
-    res = OverheadResult(method, tree.label if method != "vanilla" else "-", False, requests, max_tokens)
-    try:
-        name = "none" if method == "vanilla" else method
-        config = EngineConfig(tree=tree, prefix_cache=False)  # (the same request again and again: no hits measured)
-        direct = Engine(target, bench_drafter(method, target), config)
-        served = Engine(target, bench_drafter(method, target), config)
-        prompt = target.encode_chat(messages)
-        sp = SamplingParams(max_new_tokens=max_tokens, ignore_eos=True)
-        body = {
-            "model": "bench",
-            "messages": messages,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "return_token_ids": True,
-        }
-        backend, telemetry = embedded_backend(served, "bench", name)
-        with ServerThread(create_app(backend, telemetry)) as srv, httpx.Client(base_url=srv.url, timeout=600) as client:
-            http_ids = None
-            for i in range(warmup + requests):
-                t0 = time.perf_counter()
-                out = direct.generate([prompt], sp)[0].output_ids
-                t1 = time.perf_counter()
-                r = client.post("/v1/chat/completions", json=body)
-                t2 = time.perf_counter()
-                r.raise_for_status()
-                http_ids = r.json()["choices"][0].get("token_ids", http_ids)
-                if i >= warmup:
-                    res.engine_ms.append((t1 - t0) * 1e3)
-                    res.http_ms.append((t2 - t1) * 1e3)
-            res.same_tokens = None if http_ids is None else http_ids == out
-    except Exception as e:  # noqa: BLE001 - reported in the table
-        res.error = f"{type(e).__name__}: {e}"
-    return res
-
-
-def overhead_table(rows: list[OverheadResult]) -> str:
-    lines = [
-        "| method | tree (d,k,n) | adaptive | requests | new tokens | engine direct p50 (ms) | gateway HTTP p50 (ms) "
-        "| overhead p50 (ms) | same tokens |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        ad = "yes" if r.adaptive else "no"
-        if r.error:
-            lines.append(f"| {r.method} | {r.tree} | {ad} | failed: {r.error} | | | | | |")
-            continue
-        same = "-" if r.same_tokens is None else ("yes" if r.same_tokens else "no")
-        lines.append(
-            f"| {r.method} | {r.tree} | {ad} | {r.requests} | {r.max_tokens} | {_fmt(r.engine_p50, '.1f')} "
-            f"| {_fmt(r.http_p50, '.1f')} | {_fmt(r.overhead_p50, '.1f')} | {same} |"
-        )
-    return "\n".join(lines)
-
-
-def overhead_json(rows: list[OverheadResult]) -> list[dict]:
-    return [
-        {
-            "method": r.method,
-            "tree": r.tree,
-            "adaptive": r.adaptive,
-            "requests": r.requests,
-            "max_tokens": r.max_tokens,
-            "engine_p50_ms": r.engine_p50,
-            "http_p50_ms": r.http_p50,
-            "overhead_p50_ms": r.overhead_p50,
-            "engine_ms": r.engine_ms,
-            "http_ms": r.http_ms,
-            "same_tokens": r.same_tokens,
-            "error": r.error,
-        }
-        for r in rows
-    ]

@@ -342,7 +342,7 @@ def _batch_sweep(args, target, methods: list[str], sp, sizes: list[int], mixed: 
 
 
 def _gateway_overhead(args, target, methods: list[str]):
-    from moa_serve.benchmarks.batch import measure_gateway_overhead
+    from moa_serve.benchmarks.overhead import measure_gateway_overhead
     from sglang_ext.tree import TreeShape
 
     om = args.overhead_method or (methods[0].partition(":")[0] if methods else "vanilla")
@@ -387,7 +387,7 @@ def _write_results(args, target, sp, results, sweep, overhead, sizes: list[int],
     if sweep:
         sections.append(_sweep_section(args, sweep, sizes, n_mixed, payload, out, sampling))
     if overhead:
-        from moa_serve.benchmarks.batch import overhead_json, overhead_table
+        from moa_serve.benchmarks.overhead import overhead_json, overhead_table
 
         payload["gateway_overhead"] = overhead_json(overhead)
         sections.append(
