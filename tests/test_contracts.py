@@ -4,7 +4,8 @@
   (getattr / hasattr / isinstance on a drafter, or on any object for a name the Drafter type declares); a
   capability is a declared attribute of drafters/base.py's Drafter, read as one;
 - module-private names stay private: no module imports a `_name` from another module;
-- the engine is its roles (docs/ARCHITECTURE.md): each in its module, serving/engine.py short, no product file long.
+- the engine is its roles (docs/ARCHITECTURE.md): each in its module, serving/engine.py short, no product file long;
+- the results page stays a page.
 """
 
 from __future__ import annotations
@@ -102,3 +103,8 @@ def test_no_long_product_files():
     lines = {p.relative_to(ROOT): len(p.read_text().splitlines()) for p in _product_files()}
     assert lines[Path("serving/engine.py")] <= 400
     assert {str(p): n for p, n in lines.items() if n > 600} == {}
+
+
+def test_the_results_page_keeps_the_latest_result_per_axis_only():
+    """docs/BENCHMARKS.md: the latest measurement of each axis (older ones live in its git history)."""
+    assert len((ROOT / "docs" / "BENCHMARKS.md").read_text().splitlines()) <= 400
