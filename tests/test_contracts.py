@@ -21,8 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = ("sglang_ext", "serving", "moa_serve")
 DRAFTERS = ROOT / "sglang_ext" / "drafters"
 PROBES = ("getattr", "hasattr", "isinstance")
-# the names the Drafter type declares (capabilities, hooks): asking any object for one is asking a drafter
-DECLARED = {n for n in vars(Drafter) if not n.startswith("_")} | {"capture_layers"}
+# the names the Drafter type declares (capabilities, hooks): asking any object for one is asking a drafter (`name`
+# aside: every kind of object has one)
+DECLARED = {n for n in vars(Drafter) if not n.startswith("_")} - {"name"}
 
 
 def _product_files(root: Path = ROOT):
