@@ -15,7 +15,8 @@ import pytest
 import torch
 from helpers import compare_to_reference, drafter_pools_whole, slots_whole, tiny_target
 
-import serving.engine as engine_mod
+import serving.sampler as sampler_mod
+import serving.spec_worker as spec_worker_mod
 from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.prefix_cache import PrefixCache
@@ -247,7 +248,7 @@ def test_no_slot_is_lost_under_eviction_aborts_faults_and_flushes(monkeypatch):
     reference = Engine(t, None, EngineConfig(**cfg, prefix_cache=False))
     prefixes = [[rng.randrange(vocab) for _ in range(rng.randrange(20, 50))] for _ in range(4)]
     step_fault, faulty_roots = {"armed": False}, set()
-    real_forward, real_greedy, real_together = t.model.forward, engine_mod.greedy_path, engine_mod.greedy_paths
+    real_forward, real_greedy, real_together = t.model.forward, sampler_mod.greedy_path, spec_worker_mod.greedy_paths
 
     def forward(*a, **kw):
         if step_fault["armed"]:
@@ -275,8 +276,8 @@ def test_no_slot_is_lost_under_eviction_aborts_faults_and_flushes(monkeypatch):
         return freed
 
     monkeypatch.setattr(t.model, "forward", forward)
-    monkeypatch.setattr(engine_mod, "greedy_path", greedy_path)
-    monkeypatch.setattr(engine_mod, "greedy_paths", greedy_paths)
+    monkeypatch.setattr(sampler_mod, "greedy_path", greedy_path)
+    monkeypatch.setattr(spec_worker_mod, "greedy_paths", greedy_paths)
     monkeypatch.setattr(PrefixCache, "evict", evict)
     finished, live, resets = [], [], 0
     for _ in range(400):

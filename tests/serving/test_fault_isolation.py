@@ -13,6 +13,7 @@ import torch
 from helpers import slots_whole, tiny_target
 
 import serving.engine as engine_mod
+import serving.sampler as sampler_mod
 from serving.config import EngineConfig
 from serving.engine import Engine
 from sglang_ext.drafters import NgramDrafter
@@ -56,9 +57,9 @@ def run(target, prefill_tokens: int = 8) -> tuple[list, Engine]:
     return reqs, engine
 
 
-def faulty_call(name: str, is_faulty, after: int):
-    """The engine's `name`, raising for the faulty request from its `after`-th call on."""
-    real, calls = getattr(engine_mod, name), {"n": 0}
+def faulty_call(module, name: str, is_faulty, after: int):
+    """The engine's `name` (as `module` calls it), raising for the faulty request from its `after`-th call on."""
+    real, calls = getattr(module, name), {"n": 0}
 
     def wrapper(*args, **kw):
         if is_faulty(*args, **kw):
@@ -80,11 +81,11 @@ def in_faulty_prompt(tokens: list[int]) -> bool:
 
 
 INJECTIONS = {
-    # stage: (engine function, does this call belong to the faulty request?)
-    "penalty": ("penalize_tree", lambda logits, params, prompt_ids, *a: prompt_ids == FAULTY_PROMPT),
-    "mask": ("ban_early_stops", lambda logits, tree, output_len, min_tokens, stops: min_tokens == 5),
-    "logprobs": ("token_logprobs", lambda logits, tokens, k: k == 1 and in_faulty_prompt(tokens)),
-    "verify": ("greedy_path", lambda tree, tokens: int(tree.positions[0]) >= len(FAULTY_PROMPT)),
+    # stage: (the engine's module that calls it, function, does this call belong to the faulty request?)
+    "penalty": (sampler_mod, "penalize_tree", lambda logits, params, prompt_ids, *a: prompt_ids == FAULTY_PROMPT),
+    "mask": (sampler_mod, "ban_early_stops", lambda logits, tree, output_len, min_tokens, stops: min_tokens == 5),
+    "logprobs": (engine_mod, "token_logprobs", lambda logits, tokens, k: k == 1 and in_faulty_prompt(tokens)),
+    "verify": (sampler_mod, "greedy_path", lambda tree, tokens: int(tree.positions[0]) >= len(FAULTY_PROMPT)),
 }
 
 
@@ -98,8 +99,8 @@ def fault_free(target):
 @pytest.mark.parametrize("after", [0, 2], ids=["first-call", "later-call"])
 @pytest.mark.parametrize("stage", sorted(INJECTIONS))
 def test_a_fault_fails_one_request_and_the_others_run_unchanged(target, fault_free, monkeypatch, stage, after):
-    name, is_faulty = INJECTIONS[stage]
-    monkeypatch.setattr(engine_mod, name, faulty_call(name, is_faulty, after))
+    module, name, is_faulty = INJECTIONS[stage]
+    monkeypatch.setattr(module, name, faulty_call(module, name, is_faulty, after))
     reqs, engine = run(target)
     bad = reqs[FAULTY]
     assert bad.finish_reason == "error" and bad.error == stage
@@ -161,9 +162,9 @@ def test_gateway_fails_the_faulty_request_alone_and_counts_it(monkeypatch):
         alone = [ask(t) for t in topics]
         faulty_prompt = tiny.encode_chat([{"role": "user", "content": "poison"}])
         monkeypatch.setattr(
-            engine_mod,
+            sampler_mod,
             "penalize_tree",
-            faulty_call("penalize_tree", lambda l, p, prompt_ids, *a: prompt_ids == faulty_prompt, 1),
+            faulty_call(sampler_mod, "penalize_tree", lambda l, p, prompt_ids, *a: prompt_ids == faulty_prompt, 1),
         )
 
         def poisoned():
