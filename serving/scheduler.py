@@ -36,9 +36,6 @@ class WaitingQueue(Generic[T]):
     def push(self, item: T) -> None:
         self._items.append(item)
 
-    def peek(self) -> T:
-        return self._items[0]
-
     def pop_next(self) -> T:
         return self._items.pop(0)
 

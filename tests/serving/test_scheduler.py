@@ -1,0 +1,53 @@
+"""serving/scheduler.py alone (no model): the waiting queue's interface, chunked prefill within the budget, and
+each step's batches with and without mixed prefill."""
+
+from __future__ import annotations
+
+from serving.request import Request
+from serving.scheduler import Scheduler, WaitingQueue
+from sglang_ext.sampling import SamplingParams
+
+
+def _req(rid: int, n: int) -> Request:
+    return Request(rid, list(range(1, n + 1)), SamplingParams(max_new_tokens=4), None)
+
+
+def test_waiting_queue_serves_in_order_removes_anywhere_and_admits_while_the_room_lasts():
+    q: WaitingQueue[str] = WaitingQueue(cost=len)
+    for item in ("aa", "b", "cccc", "dd"):
+        q.push(item)
+    assert len(q) == 4 and list(q) == ["aa", "b", "cccc", "dd"] and "b" in q
+    assert q.remove("b") and not q.remove("b") and "b" not in q
+    assert q.admit(room=5, limit=8) == ["aa"]  # "cccc" does not fit the 3 left: it stops the admission (no overtaking)
+    assert q.admit(room=10, limit=1) == ["cccc"]  # at most `limit`
+    assert q.pop_next() == "dd" and not q and q.admit(10, 8) == []
+
+
+def test_prompts_are_prefilled_in_chunks_within_the_budget():
+    s = Scheduler(prefill_tokens=8)
+    a, b, c = _req(0, 5), _req(1, 6), _req(2, 3)
+    for r in (a, b, c):
+        s.add(r)
+    looked_up = []
+    ((decoding, chunks),) = s.schedule(looked_up.append)
+    assert decoding == [] and chunks == [(a, 5), (b, 3)]  # 5 + 3 tokens: b is split, c waits
+    assert looked_up == [a, b] and list(s.waiting) == [b, c] and s.in_step == [a, b]
+    b.prefilled = 3
+    s.start_decoding(a)
+    ((decoding, chunks),) = s.schedule(looked_up.append)
+    assert decoding == [a] and chunks == [(b, 6), (c, 3)] and not s.waiting
+    assert looked_up == [a, b, c]  # b's prefill had started: not looked up again
+
+
+def test_without_mixed_prefill_the_chunks_get_a_forward_of_their_own():
+    s = Scheduler(prefill_tokens=64, mixed_prefill=False)
+    a, b = _req(0, 4), _req(1, 4)
+    s.add(a)
+    s.schedule(lambda r: None)
+    s.start_decoding(a)
+    s.add(b)
+    assert s.schedule(lambda r: None) == [([], [(b, 4)]), ([a], [])]
+    assert s.held() == [a, b]  # b: taken from waiting by this step
+    assert s.remove(a) and not s.remove(b)
+    s.end_step()
+    assert s.held() == [] and not s.has_work
