@@ -31,7 +31,7 @@ from dataclasses import replace
 
 import torch
 
-from sglang_ext.drafters import Drafter, default_tree, make_drafter, resolve_drafter
+from sglang_ext.drafters import Drafter, default_tree, make_drafter, require_drafter, resolve_drafter
 from sglang_ext.grammar import Grammars
 from sglang_ext.models import Target, load_target, resolve_device
 from sglang_ext.sampling import InvalidRequest, SamplingParams, token_logprobs
@@ -88,6 +88,7 @@ class Engine:
         self, target: Target, drafter: Drafter | None = None, config: EngineConfig | None = None, on_fallback=None
     ):
         config = config or EngineConfig()
+        drafter = require_drafter(drafter) if drafter is not None else None
         if config.tree is None:
             config = replace(config, tree=default_tree(drafter.name if drafter is not None else None))
         self.config, self.tree = config, config.tree

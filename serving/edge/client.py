@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import httpx
 import torch
 
-from sglang_ext.drafters.base import Drafter, DrafterError, DraftInput
+from sglang_ext.drafters.base import Drafter, DrafterError, DraftInput, require_drafter
 from sglang_ext.sampling import SamplingParams
 from sglang_ext.tree import TreeShape
 
@@ -94,7 +94,7 @@ class EdgeClient:
         backoff_s: tuple[float, float] = (0.25, 4.0),
         eos_ids: tuple[int, ...] = (),
     ):
-        if drafter is None or not drafter.edge:
+        if drafter is None or not require_drafter(drafter).edge:
             raise TypeError("edge clients run a drafter with an edge context (MoA or EAGLE-3)")
         if not drafter.edge_client_ready:
             raise ValueError(

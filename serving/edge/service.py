@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sglang_ext.attention import causal_mask, prefix_and_tree_mask
-from sglang_ext.drafters import Drafter
+from sglang_ext.drafters import Drafter, require_drafter
 from sglang_ext.models.kv_pool import OutOfSlots
 from sglang_ext.tree import tree_from_parents
 from sglang_ext.verify import greedy_path, to_host
@@ -78,7 +78,7 @@ class EdgeService:
         """drafters: name -> a drafter for `target` with an edge context (Drafter.edge: MoA, EAGLE-3); the server
         computes their context."""
         for name, d in drafters.items():
-            if d is None or not d.edge:
+            if d is None or not require_drafter(d).edge:
                 raise ValueError(f"edge drafter {name!r}: only MoA and EAGLE-3 drafters have a client-side context")
         self.target, self.model = target, target.model
         self.drafters = drafters

@@ -13,7 +13,7 @@ from typing import Callable
 
 from ..models.checkpoint import EAGLE3, MEDUSA, MOA, SUFFIX_CORPUS, CheckpointError, checkpoint_kind
 from ..tree import TreeShape
-from .base import Drafter, DrafterError, DraftInput, TargetCapture
+from .base import Drafter, DrafterError, DraftInput, TargetCapture, require_drafter
 from .draft_model import DraftModelDrafter
 from .ngram import NgramDrafter
 from .shipped import SHIPPED, shipped_path
@@ -205,6 +205,7 @@ __all__ = [
     "make_drafter",
     "merge_members",
     "register_drafter",
+    "require_drafter",
     "resolve_drafter",
     "shipped_path",
 ]

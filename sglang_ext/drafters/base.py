@@ -100,6 +100,13 @@ class DraftInput:
         return len(self.token_ids) - 1
 
 
+def require_drafter(obj: object) -> "Drafter":
+    """obj, when it is a Drafter (the capabilities the engine reads are declared there); else a TypeError naming it."""
+    if not isinstance(obj, Drafter):
+        raise TypeError(f"{type(obj).__name__} is not a drafter: subclass sglang_ext.drafters.Drafter")
+    return obj
+
+
 class Drafter:
     """The interface: the four lifecycle calls every drafter implements, and the capabilities a drafter declares by
     overriding these class attributes (module docstring); the defaults are a drafter that needs none of them, and

@@ -21,7 +21,7 @@ from serving.engine import Engine
 from serving.sampler import Sampler
 from serving.spec_worker import SpecWorker
 from sglang_ext.attention import causal_mask, plan_attention
-from sglang_ext.drafters import make_drafter
+from sglang_ext.drafters import Drafter, make_drafter
 from sglang_ext.grammar import JSON_OBJECT, GrammarSpec
 from sglang_ext.sampling import InvalidRequest, SamplingParams
 from sglang_ext.tree import TreeShape
@@ -132,7 +132,7 @@ def test_abort_frees_kv_and_drafter_state(smollm2_fp32, eval_prompts):
     assert cached > 0 and eng.kv.num_free == eng.kv.num_slots - 1 and d.num_free == d.num_slots - 1
 
 
-class _ExplodingDrafter:
+class _ExplodingDrafter(Drafter):
     name, capture_layers = "boom", ()
 
     def add_request(self, rid, capture):

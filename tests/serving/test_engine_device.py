@@ -31,6 +31,7 @@ from serving.config import EngineConfig
 from serving.engine import Engine
 from sglang_ext import sampling
 from sglang_ext.attention import tree_attention_torch
+from sglang_ext.drafters import Drafter
 from sglang_ext.models import Target
 from sglang_ext.sampling import SamplingParams, TokenLogprob
 from sglang_ext.tree import TreeShape, chain_tree
@@ -40,7 +41,7 @@ DRAFT = [5, 9]  # the test drafter's chain after every root
 OOV_EVERY = 3  # every 3rd propose drafts a token outside the vocabulary for its first request
 
 
-class DeviceChainDrafter:
+class DeviceChainDrafter(Drafter):
     """Drafts DRAFT after every root, built on the target's device from host ints (no device read);
     records where the commits' tensors live."""
 

@@ -51,3 +51,16 @@ def test_without_mixed_prefill_the_chunks_get_a_forward_of_their_own():
     assert s.remove(a) and not s.remove(b)
     s.end_step()
     assert s.held() == [] and not s.has_work
+
+
+def test_an_object_that_is_not_a_drafter_is_refused_by_name():
+    import pytest
+    from helpers import tiny_target
+
+    from serving.engine import Engine
+
+    class DuckDrafter:  # every lifecycle call, but not the Drafter type (whose capabilities the engine reads)
+        name, capture_layers = "duck", ()
+
+    with pytest.raises(TypeError, match="DuckDrafter is not a drafter: subclass sglang_ext.drafters.Drafter"):
+        Engine(tiny_target(), DuckDrafter())
