@@ -235,12 +235,12 @@ def test_a_second_converter_keeps_the_finished_cache_and_leaves_no_temp_files(tm
     """Two processes converting the default target at once (a server and a trainer on a fresh
     machine): each writes its own temp dir, the later one finds the cache complete and steps aside.
     The winner's cache is the session's converted target (this converter's output), copied."""
-    from sglang_ext.models.loader import _convert_gguf
+    from sglang_ext.models.loader import convert_gguf
 
     out = tmp_path / "SmolLM2-135M-Instruct"
     shutil.copytree(smollm2_fp32.path, out, ignore=shutil.ignore_patterns(PACKED_FILE))
     first = (out / "model.safetensors").stat().st_mtime_ns
-    _convert_gguf(smollm2_gguf_path(), out)  # the loser of the race
+    convert_gguf(smollm2_gguf_path(), out)  # the loser of the race
     assert (out / "model.safetensors").stat().st_mtime_ns == first and (out / "config.json").is_file()
     write_packed_weights(smollm2_gguf_path(), out)
     write_packed_weights(smollm2_gguf_path(), out)

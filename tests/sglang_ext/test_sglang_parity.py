@@ -33,7 +33,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracles import verify_tree_greedy
 
 from sglang_ext.tree import TokenTree, TreeSearch, build_trees, full_mask
 
@@ -134,6 +133,8 @@ def stack(trees: list[TokenTree], field: str) -> torch.Tensor:
 
 def make_inputs(case: Case) -> tuple[dict, dict]:
     """(what SGLang's kernels get, what ours produce) for one case."""
+    from oracles import verify_tree_greedy  # (this process: the subprocess has tests/ on its path only later)
+
     gen = torch.Generator().manual_seed(case.seed)
     search = draft_search(case, gen)
     parent_list, top_scores_index, draft = search.organize(case.num_draft_tokens)
