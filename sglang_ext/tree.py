@@ -426,13 +426,15 @@ def ancestor_masks(parents: torch.Tensor) -> torch.Tensor:
     the row of jump(i) and squares the jump, so after r rounds row i holds the ancestors up to
     distance 2^(r+1) - 1: log2(N) rounds, no host read."""
     b, n = parents.shape
-    ar = torch.arange(n, device=parents.device)
+    dev = parents.device
+    ar = torch.arange(n, device=dev)
     up = torch.where(parents >= 0, parents, ar)  # the root is its own parent
-    # (eye + scatter_ of a scalar: `mask[ar, up] = True` copies the Python scalar up and waits on a GPU)
-    mask = torch.eye(n, dtype=torch.bool, device=parents.device).repeat(b, 1, 1).scatter_(2, up[..., None], True)
+    # (eye + scatter of a scalar: `mask[ar, up] = True` copies the Python scalar up and waits on a GPU)
+    mask = torch.eye(n, dtype=torch.bool, device=dev).expand(b, n, n).scatter(2, up[..., None], True)
     jump = up.gather(1, up)
+    rows = torch.arange(b, device=dev)[:, None]
     for _ in range(max(n - 1, 1).bit_length()):
-        mask = mask | mask.gather(1, jump[..., None].expand(b, n, n))
+        mask = mask | mask[rows, jump]
         jump = jump.gather(1, jump)
     return mask
 
