@@ -102,12 +102,13 @@ def fresh_venv(path: Path, layer: tuple[Path, list] | None = None) -> Path:
 
 
 def pip_install(python: Path, *args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 300):
-    """`pip install` into the venv of `python`, offline from the wheelhouse (its output on failure)."""
+    """`pip install` into the venv of `python`, offline from the wheelhouse. --no-compile: the modules a test
+    imports are compiled when imported, not the thousands it never does (transformers alone: ~10 s here)."""
     if not WHEELHOUSE.is_dir():
         raise AssertionError(f"no wheelhouse at {WHEELHOUSE}: run `make install` (scripts/wheelhouse.py)")
     cmd = [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-index", "--find-links"]
     return subprocess.run(
-        [*cmd, str(WHEELHOUSE), "--no-cache-dir", "--disable-pip-version-check", *args],
+        [*cmd, str(WHEELHOUSE), "--no-cache-dir", "--no-compile", "--disable-pip-version-check", *args],
         cwd=cwd,
         env=env,
         capture_output=True,

@@ -2,7 +2,8 @@
 `serve` extra into a fresh venv (tests/freshvenv.py: torch, and what torch requires, pre-installed as a user
 has it; everything else by pip from the wheel's own metadata, offline, at the lock's versions; no Makefile, no
 requirements file), then: `moa-serve serve` answers an OpenAI chat request with the best shipped drafter (the
-drafters travel inside the wheel), every subcommand's --help exits 0, and a command whose extra is not
+drafters travel inside the wheel) on a first start (the GGUF target converted into an empty cache: what needs
+transformers' own optional dependencies), every subcommand's --help exits 0, and a command whose extra is not
 installed says which one to install.
 
 The wheel is built with MOA_SERVE_CPU_KERNEL=0 (setup.py): compiling the optional CPU kernel takes minutes on
@@ -121,7 +122,7 @@ def test_serve_answers_a_chat_request_with_the_shipped_drafter(venv, tmp_path):
     with open(log, "w") as f:
         proc = subprocess.Popen(
             [str(venv / "moa-serve"), *args, "--max-running", "2", "--no-access-log"],
-            env=clean_env(PATH=str(venv)),
+            env=clean_env(PATH=str(venv), MOA_SERVE_CACHE=str(tmp_path / "cache")),  # a user's first start
             stdout=f,
             stderr=subprocess.STDOUT,
         )
