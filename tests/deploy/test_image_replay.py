@@ -271,14 +271,15 @@ def job_head(image, helm, tmp_path_factory):
         def run():  # the Job's container: its command, its environment, in the image
             return subprocess.run(job["command"], env=job["env"], capture_output=True, text=True, timeout=600)
 
+        # (a rescheduled pod runs the same script again: its two steps' --resume is checked where each is tested,
+        # tests/entrypoints/test_distill_remote.py and test_train.py; here it would cost another two-rank run)
         first = run()
         assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-5000:]
         out = cache / "drafters" / job["env"]["RUN_NAME"]
         head = out / "run" / "heads" / "moa-tli1"
         assert f"servable head: {head}" in first.stdout
         summary = json.loads((out / "run" / "summary.json").read_text())
-        again = run()  # the pod rescheduled: the same container again
-    return {"head": head, "target": target, "out": out, "first": first, "summary": summary, "again": again}
+    return {"head": head, "target": target, "out": out, "first": first, "summary": summary}
 
 
 def test_the_training_job_runs_distill_and_two_ranks(job_head):
@@ -287,17 +288,6 @@ def test_the_training_job_runs_distill_and_two_ranks(job_head):
     assert len(records) == len(CONVERSATIONS) and all(r["output_ids"] for r in records)
     assert summary["world_size"] == 2 and summary["steps"] == 2
     assert (out / "run" / "latest").is_file() and (job_head["head"] / "config.json").is_file()
-
-
-def test_a_rescheduled_job_resumes(job_head):
-    """The same container again (a rescheduled pod): distill finds every answer written and asks nothing,
-    train resumes from its last checkpoint, and nothing is trained twice."""
-    again, out = job_head["again"], job_head["out"]
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-5000:]
-    assert "resumed at step 2" in again.stderr
-    records = (out / "data" / "answers.jsonl").read_text().splitlines()
-    assert len(records) == len(CONVERSATIONS)
-    assert json.loads((out / "run" / "summary.json").read_text())["steps"] == job_head["summary"]["steps"] == 2
 
 
 @pytest.fixture(scope="module")
