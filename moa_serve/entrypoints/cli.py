@@ -147,8 +147,9 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "handler", None):
             return args.handler(args)
         return handlers[args.command](args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        # every library error is a clear message, not a traceback
+    except (ValueError, FileNotFoundError, RuntimeError, ImportError) as e:
+        # every library error is a clear message, not a traceback (a missing package too: require_extra names
+        # the extra of a declared one)
         print(f"moa-serve {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -11,9 +11,14 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moa_serve.entrypoints.flags import add_model_args, add_spec_args, engine_config
 from sglang_ext.settings import BACKENDS, settings
+
+if TYPE_CHECKING:
+    from serving.gateway.server import ServeOptions
+    from serving.grammar_pool import GrammarConfig
 
 
 def add_serve_parser(sub) -> None:
@@ -171,13 +176,13 @@ def _served_name(args) -> str:
     return Path(args.model).name if os.sep in args.model else args.model
 
 
-def _grammar_config(args):
+def _grammar_config(args) -> GrammarConfig:
     from serving.grammar_pool import GrammarConfig
 
     return GrammarConfig(workers=args.grammar_workers, timeout_s=args.grammar_timeout)
 
 
-def serve_options(args):
+def serve_options(args) -> ServeOptions:
     """The flags (and their MOA_SERVE_* defaults) as one ServeOptions; a bad combination is a ValueError."""
     from serving.backends.embedded import EmbeddedLimits
     from serving.backends.sglang import UpstreamConfig
