@@ -1,5 +1,8 @@
 """`moa-serve serve`: flags -> ServeOptions -> serving/gateway/server.py's build_gateway (a backend, the
-embedded engine or an upstream SGLang server, behind the gateway app) -> uvicorn with a graceful drain."""
+embedded engine or an upstream SGLang server, behind the gateway app) -> uvicorn with a graceful drain.
+
+The parser needs only the core package (every subcommand's --help builds it); the gateway, which needs the
+`serve` extra (fastapi, uvicorn, ...), is imported when the command runs."""
 
 from __future__ import annotations
 
@@ -8,16 +11,14 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moa_serve.entrypoints.flags import add_model_args, add_spec_args, engine_config
-from serving.backends.embedded import EmbeddedLimits
-from serving.backends.sglang import UpstreamConfig
-from serving.gateway.app import DEFAULT_AUTH_EXEMPT, GatewayConfig
-from serving.gateway.auth import APIKeys
-from serving.gateway.schemas import Limits
-from serving.gateway.server import DrainingServer, ServeOptions, build_gateway, uvicorn_config
-from serving.grammar_pool import GrammarConfig
 from sglang_ext.settings import BACKENDS, settings
+
+if TYPE_CHECKING:
+    from serving.gateway.server import ServeOptions
+    from serving.grammar_pool import GrammarConfig
 
 
 def add_serve_parser(sub) -> None:
@@ -156,8 +157,8 @@ def _add_server_args(s) -> None:
     )
     s.add_argument(
         "--auth-exempt",
-        default=",".join(DEFAULT_AUTH_EXEMPT),
-        help="comma list of paths served without an API key ('' = none)",
+        default=None,
+        help="comma list of paths served without an API key ('' = none; default: /health, /ready, /metrics)",
     )
     s.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish after SIGTERM"
@@ -176,11 +177,20 @@ def _served_name(args) -> str:
 
 
 def _grammar_config(args) -> GrammarConfig:
+    from serving.grammar_pool import GrammarConfig
+
     return GrammarConfig(workers=args.grammar_workers, timeout_s=args.grammar_timeout)
 
 
 def serve_options(args) -> ServeOptions:
     """The flags (and their MOA_SERVE_* defaults) as one ServeOptions; a bad combination is a ValueError."""
+    from serving.backends.embedded import EmbeddedLimits
+    from serving.backends.sglang import UpstreamConfig
+    from serving.gateway.app import DEFAULT_AUTH_EXEMPT, GatewayConfig
+    from serving.gateway.auth import APIKeys
+    from serving.gateway.schemas import Limits
+    from serving.gateway.server import ServeOptions
+
     backend = args.backend or settings().backend or "embedded"  # (each source checked against settings.BACKENDS)
     upstream = args.upstream or settings().upstream
     if backend == "sglang" and not upstream:
@@ -195,7 +205,9 @@ def serve_options(args) -> ServeOptions:
             max_connections=args.max_connections,
         ),
         api_keys=keys if keys.enabled else None,
-        auth_exempt=tuple(p for p in args.auth_exempt.split(",") if p),
+        auth_exempt=DEFAULT_AUTH_EXEMPT
+        if args.auth_exempt is None
+        else tuple(p for p in args.auth_exempt.split(",") if p),
     )
     common = dict(
         served_name=_served_name(args), gateway=gateway, edge_drafters=args.edge_drafters, edge_ttl_s=args.edge_ttl
@@ -234,6 +246,8 @@ def serve_options(args) -> ServeOptions:
 
 
 def cmd_serve(args) -> int:
+    from serving.gateway.server import DrainingServer, build_gateway, uvicorn_config
+
     if args.threads:
         import torch
 
