@@ -76,7 +76,7 @@ def test_a_flooding_tenant_cannot_crowd_out_a_steady_one(served):
     """A keeps 12 requests in flight, B sends one at a time: B never gets a 429, each of B's requests is admitted
     before every A request that was queued when it arrived, A's excess gets 429 + Retry-After, and every answer
     equals the same request alone (greedy). Alone, A is queued and refused as one queue always was."""
-    body_a, body_b = chat("Count from 1 to 30, separated by commas.", 8), chat("Name a color.", 4)
+    body_a, body_b = chat("Count from 1 to 30, separated by commas.", 5), chat("Name a color.", 3)
     alone_a, alone_b = text(post(served, KEYS[0], body_a)), text(post(served, KEYS[1], body_b))
     b_responses: list[httpx.Response] = []
     with AdmissionLog() as log:
