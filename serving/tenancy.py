@@ -26,7 +26,7 @@ FairQueue: the requests waiting for the engine (or the upstream), one FIFO per t
 Guaranteed share: while `max_running` requests run, a tenant running fewer than its share of them
 (max_running x weight / the weights of the tenants with requests queued or running, rounded down) is still
 admitted: running requests are never preempted, so this is how a newcomer gets a slot without waiting for a
-flooding tenant's requests to end. The running count then exceeds max_running until those end (at most
+flooding tenant's requests to end. The running count then exceeds max_running until those end (never beyond
 2 x max_running); no tenant at or over its share is admitted until it is back under.
 
 Pure bookkeeping (no engine, no I/O but a debug log of each admission event): the caller holds its own lock
@@ -342,6 +342,8 @@ class FairQueue(Generic[T]):
 
     def _next(self, max_running: int) -> _Entry | None:
         full = len(self._running) >= max_running
+        if len(self._running) >= 2 * max_running:  # shares are recomputed as tenants come and go: a hard bound
+            return None
         if full:
             active = [s for s in self._tenants.values() if s.queue or s.running]
             weights = sum(s.tenant.weight for s in active)

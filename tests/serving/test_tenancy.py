@@ -218,6 +218,22 @@ def test_guaranteed_share_admits_a_newcomer_past_a_full_batch():
     assert q.peek(4) == "a5"  # A and B tie at the same virtual time: the tenant running fewer (A 1, B 2)
 
 
+def test_guaranteed_shares_never_run_more_than_twice_max_running():
+    """Tenants arriving one after another each get their share of a full batch at the time; however the shares
+    change, no more than 2 x max_running run."""
+    q = FairQueue()
+    names = [Tenant(f"t{i}", weight=100.0 if i else 1.0) for i in range(6)]
+    for i in range(4):
+        q.push(f"t0-{i}", names[0], 10, limit=100)
+    drain(q, max_running=4, done_each=False)
+    for t in names[1:]:
+        for i in range(4):
+            q.push(f"{t.name}-{i}", t, 10, limit=100)
+        drain(q, max_running=4, done_each=False)
+        assert q.running <= 8
+    assert q.running == 8
+
+
 def test_guaranteed_share_of_a_lone_tenant_is_the_whole_batch():
     q = FairQueue()
     for i in range(6):
