@@ -294,10 +294,7 @@ class SGLangBackend:
 
     async def _admit(self, job: Job):
         """Wait for this request's turn in front of the upstream (429 when its tenant's share of the queue is full)."""
-        if job.params.max_tokens is not None and job.params.max_tokens > 0:
-            out = job.params.max_tokens
-        else:
-            out = self.config.default_max_tokens
+        out = self.config.default_max_tokens if job.params.max_tokens is None else job.params.max_tokens
         try:
             return await self.admission.enter(job.owner, _prompt_estimate(job) + out)
         except Refused as e:
