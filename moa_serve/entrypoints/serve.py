@@ -106,14 +106,30 @@ def _add_engine_args(s) -> None:
 
 
 def _add_limit_args(s) -> None:
-    s.add_argument("--max-running", type=int, default=64, help="requests decoded together (continuous batching)")
-    s.add_argument("--max-queue", type=int, default=256, help="requests waiting for admission before 429")
+    s.add_argument(
+        "--max-running",
+        type=int,
+        default=64,
+        help=(
+            "requests decoded together (continuous batching; sglang: upstream requests at once); a tenant running "
+            "fewer than its share of them is let in beyond it"
+        ),
+    )
+    s.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="requests waiting for admission; when full, the tenant with the longest queue for its weight gets the 429",
+    )
     s.add_argument("--max-tokens-limit", type=int, default=2048, help="largest max_tokens a request may ask for")
     s.add_argument(
         "--default-max-tokens",
         type=int,
         default=512,
-        help="embedded: max_tokens when a request sets none (KV is reserved for prompt + max_tokens)",
+        help=(
+            "embedded: max_tokens when a request sets none (KV is reserved for prompt + max_tokens); sglang: the "
+            "admission cost of such a request"
+        ),
     )
     s.add_argument(
         "--max-prompt-tokens", type=int, default=None, help="embedded: longest prompt accepted (default: the context)"
@@ -151,8 +167,9 @@ def _add_server_args(s) -> None:
         "--api-keys-file",
         default=None,
         help=(
-            "file with one API key per line [env MOA_SERVE_API_KEYS_FILE; keys also from env MOA_SERVE_API_KEYS, "
-            "comma list]"
+            "file with one API key per line, optionally naming its tenant, weight and limits ('sk-... tenant=team-a "
+            "weight=2 max_running=8 max_queued=16 tokens_per_minute=100000') [env MOA_SERVE_API_KEYS_FILE; keys "
+            "also from env MOA_SERVE_API_KEYS, comma list]"
         ),
     )
     s.add_argument(
@@ -223,6 +240,7 @@ def serve_options(args) -> ServeOptions:
             args.upstream_timeout,
             settings().upstream_api_key,
             _grammar_config(args),
+            default_max_tokens=args.default_max_tokens,
         )
         return ServeOptions(upstream=upstream_cfg, drafter_label=label, **common)
     engine = engine_config(

@@ -91,6 +91,7 @@ def test_schema_rejects_bad_values(helm):
         (("--set", "sglang.gpus=0"), "sglang.gpus"),
         (("--set", "gateway.replicas=3"), "Additional property replicas"),
         (("--set", "autoscaling.mode=vpa"), "autoscaling.mode"),
+        (("--set", "gateway.admission.maxRunning=0"), "gateway.admission.maxRunning"),
     ]:
         proc = helm.template(*args)
         assert proc.returncode != 0 and message in proc.stderr, (args, proc.stderr)
@@ -213,6 +214,15 @@ def test_api_keys_come_from_the_existing_secret(helm):
 
     default = container(one(helm.render_values("default"), "Deployment", "-gateway"), "gateway")
     assert "MOA_SERVE_API_KEYS_FILE" not in env_of(default)
+
+
+def test_gateway_admission_limits(helm):
+    """gateway.admission sets the gateway's fair admission in front of SGLang (--max-running, --max-queue)."""
+    default = container(one(helm.render_values("default"), "Deployment", "-gateway"), "gateway")
+    assert "--max-running=64" in default["args"] and "--max-queue=256" in default["args"]
+    objs = helm.render("--set", "gateway.admission.maxRunning=8", "--set", "gateway.admission.maxQueue=0")
+    args = container(one(objs, "Deployment", "-gateway"), "gateway")["args"]
+    assert "--max-running=8" in args and "--max-queue=0" in args
 
 
 def test_ingress_requires_api_keys(helm):
