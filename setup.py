@@ -1,18 +1,46 @@
 """Builds the optional CPU kernels (sglang_ext/kernels/cpu_linear.cpp, cpu_attention.cpp, cpu_layer_ops.cpp)
-next to the Python sources.
+next to the Python sources, and puts the shipped drafters (drafters/) into the wheel.
 
 Everything else is declared in pyproject.toml. The kernel needs x86-64 (AVX2 + FMA) and torch's
 headers at build time (`pip install --no-build-isolation -e .` after torch); where either is
-missing the package installs without it and the model falls back to torch's matmul.
+missing, or MOA_SERVE_CPU_KERNEL=0 (the GPU image, which never runs it), the package installs
+without it and the model falls back to torch's matmul.
+
+A wheel carries drafters/ as sglang_ext/drafters/packaged/ (sglang_ext/drafters/shipped.py looks there
+first, then in the source tree's drafters/): an installed package serves with the shipped drafters.
 """
 
+import os
 import platform
+import shutil
 import sys
+from pathlib import Path
 
 from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
+
+SHIPPED_SRC = Path(__file__).resolve().parent / "drafters"
+SHIPPED_PKG = ("sglang_ext", "drafters", "packaged")  # where a wheel holds them (shipped.py: PACKAGED_DIR)
+
+
+class BuildWithDrafters(build_py):
+    """build_py, then drafters/ copied into the build tree (an editable install reads the source tree's)."""
+
+    def run(self):
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        if not SHIPPED_SRC.is_dir():  # a wheel without them would serve without its drafters: refuse
+            raise SystemExit(f"setup.py: {SHIPPED_SRC} is missing (the shipped drafters go into the wheel)")
+        dest = Path(self.build_lib, *SHIPPED_PKG)
+        shutil.rmtree(dest, ignore_errors=True)
+        shutil.copytree(SHIPPED_SRC, dest)
 
 
 def cpu_kernel_extensions() -> list[Extension]:
+    if os.environ.get("MOA_SERVE_CPU_KERNEL", "1") == "0":
+        print("setup.py: MOA_SERVE_CPU_KERNEL=0; building without the CPU kernel", file=sys.stderr)
+        return []
     if platform.machine() not in ("x86_64", "AMD64") or sys.platform != "linux":
         return []
     try:
@@ -52,4 +80,4 @@ def cpu_kernel_extensions() -> list[Extension]:
 
 
 if __name__ == "__main__":  # setuptools runs this file as __main__; scripts/kernel-ab.py imports the extension
-    setup(ext_modules=cpu_kernel_extensions())
+    setup(ext_modules=cpu_kernel_extensions(), cmdclass={"build_py": BuildWithDrafters})

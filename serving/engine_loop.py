@@ -2,11 +2,16 @@
 
     event loop (gateway)                 engine thread (owns Engine; nothing else touches it)
     ────────────────────                 ───────────────────────────────────────────────────
-    submit(ids, params) ──► pending ──►  admit while running < max_running and KV fits
+    submit(ids, params) ──► pending ──►  admit the fair next while running < max_running (or its tenant runs
+          │   (FairQueue, per tenant)    fewer than its share of them) and KV fits
           │   (full: QueueFull → 429)    engine.step()  (one forward: arrivals prefill, the rest draft/verify)
           │                              per request: Delivery(tokens, finish, stats)
     handle.next() ◄── call_soon_threadsafe ◄──┘  (one callback per step per event loop)
     handle.cancel() ──► aborts ──────►  engine.abort(req): KV freed before the next step
+
+The pending queue is a FairQueue (serving/tenancy.py): one FIFO per tenant (API key), the next request from the
+tenant furthest below its weighted share of tokens, a full queue making room for a tenant with a shorter one (the
+newest request of the longest is refused: 429).
 
 A request is admitted only when its worst-case KV need (prompt + max_new_tokens + one tree) fits
 next to the worst-case needs of the requests already running, so a step never runs out of slots.
@@ -25,11 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import threading
 import time
 import traceback
-from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -37,7 +40,7 @@ from dataclasses import dataclass
 from sglang_ext.sampling import InvalidRequest, SamplingParams
 
 from .engine import Engine, Request, StepEvent
-from .scheduler import WaitingQueue
+from .tenancy import DEFAULT_TENANT, FairQueue, Refused, Tenant, pushed_out
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +60,11 @@ class KVCacheUsage:
 
 
 class QueueFull(Exception):
-    """The admission queue is full; retry after `retry_after` seconds."""
+    """The admission queue is full for this request's tenant (or its tokens per minute are spent); retry after
+    `retry_after` seconds."""
 
-    def __init__(self, retry_after: int):
-        super().__init__(f"the server is at capacity; retry after {retry_after} s")
+    def __init__(self, retry_after: int, message: str | None = None):
+        super().__init__(message or f"the server is at capacity; retry after {retry_after} s")
         self.retry_after = retry_after
 
 
@@ -73,7 +77,7 @@ class Delivery:
     """What one engine step did for one request, as seen by the event loop."""
 
     tokens: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "rejected" (pushed out of the queue)
     verify_steps: int = 0  # totals so far
     draft_tokens: int = 0
     accepted_tokens: int = 0
@@ -82,6 +86,7 @@ class Delivery:
     logprobs: list | None = None  # TokenLogprobs of `tokens`, when the request asked for them
     prompt_logprobs: list | None = None  # TokenLogprobs of prompt tokens 1.., with the first token, when asked
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache (not prefilled)
+    retry_after: int | None = None  # "rejected": seconds (Retry-After)
 
 
 class Handle:
@@ -95,10 +100,12 @@ class Handle:
         loop: asyncio.AbstractEventLoop,
         grammar: object | None = None,
         tenant: str = "",
+        owner: Tenant = DEFAULT_TENANT,
     ):
         self.engine_loop, self.prompt_ids, self.params, self.loop = engine_loop, prompt_ids, params, loop
         self.grammar = grammar  # params.grammar compiled (the engine thread never compiles one)
         self.tenant = tenant  # the prefix cache's namespace (engine.add_request)
+        self.owner = owner  # the API key's tenant: its place in the fair queue
         self.reservation = len(prompt_ids) + params.max_new_tokens  # KV slots, one tree excluded
         self.cached = 0  # of those, tokens whose slots are the prefix cache's (set on the engine thread)
         self.req: Request | None = None  # engine thread only
@@ -121,11 +128,10 @@ class EngineLoop:
             raise ValueError("max_running must be >= 1 and max_queue >= 0")
         self.engine, self.max_running, self.max_queue, self.telemetry = engine, max_running, max_queue, telemetry
         self._cond = threading.Condition()  # guards everything below except _by_rid
-        self._pending: WaitingQueue[Handle] = WaitingQueue(self._need)  # submitted, not admitted yet
+        self._pending: FairQueue[Handle] = FairQueue(telemetry.tenants if telemetry else None)  # not admitted yet
         self._aborts: list[Handle] = []
         self._flushes: list[Future] = []  # prefix cache flushes asked for, run on the engine thread between steps
         self._active: set[Handle] = set()  # admitted (taken from pending), not finished
-        self._finished_at: deque[float] = deque(maxlen=256)  # completion times, for Retry-After
         self._closing = False
         self._by_rid: dict[int, Handle] = {}  # engine thread only
         self._thread: threading.Thread | None = None
@@ -173,13 +179,15 @@ class EngineLoop:
         loop: asyncio.AbstractEventLoop | None = None,
         grammar: object | None = None,
         tenant: str = "",
+        owner: Tenant = DEFAULT_TENANT,
     ) -> Handle:
         """Queue a request (thread-safe); grammar: params.grammar compiled, required with one (a compile in
-        the engine thread would hold every running request up); tenant: its prefix cache namespace.
-        Raises QueueFull, EngineLoopClosed, InvalidRequest (too big for the KV pool)."""
+        the engine thread would hold every running request up); tenant: its prefix cache namespace; owner: its
+        API key's tenant (fair admission). Raises QueueFull, EngineLoopClosed, InvalidRequest (too big for the KV
+        pool, or for its tenant's tokens per minute)."""
         if (params.grammar is None) != (grammar is None):
             raise ValueError("a request with a grammar is submitted with its compiled form, and only then")
-        h = Handle(self, list(prompt_ids), params, loop or asyncio.get_running_loop(), grammar, tenant)
+        h = Handle(self, list(prompt_ids), params, loop or asyncio.get_running_loop(), grammar, tenant, owner)
         if h.reservation > self.capacity():
             raise InvalidRequest(
                 f"prompt + max_tokens = {h.reservation} tokens exceeds this server's KV capacity of {self.capacity()} "
@@ -190,10 +198,19 @@ class EngineLoop:
             if self._closing or self._thread is None or not self._thread.is_alive():
                 raise EngineLoopClosed("the engine is not running")
             # pending may hold max_queue requests beyond the free running slots
-            if len(self._pending) >= self.max_queue + max(0, self.max_running - len(self._active)):
-                raise QueueFull(self._retry_after())
-            self._pending.push(h)
+            limit = self.max_queue + max(0, self.max_running - len(self._active))
+            try:
+                out = self._pending.push(h, owner, h.reservation, limit)
+            except Refused as e:
+                if e.reason == "too_large":
+                    raise InvalidRequest(str(e), "max_tokens") from e
+                raise QueueFull(e.retry_after or 1, str(e)) from e
             self._cond.notify()
+            retry = self._pending.retry_after()
+        # pushed out to make room for a tenant with a shorter queue (a 429 as if refused on arrival)
+        self._post(
+            [self._finish(o, Delivery([], "rejected", error=str(pushed_out(retry)), retry_after=retry)) for o in out]
+        )
         return h
 
     def abort(self, h: Handle) -> None:
@@ -202,8 +219,7 @@ class EngineLoop:
             if h.done or h.cancelled:
                 return
             h.cancelled = True
-            if h in self._pending:  # never reached the engine
-                self._pending.remove(h)
+            if self._pending.remove(h):  # never reached the engine
                 self._post([self._finish(h, Delivery([], "abort"))])
                 return
             self._aborts.append(h)
@@ -226,15 +242,6 @@ class EngineLoop:
             handles = list(self._pending) + list(self._active)
         for h in handles:
             self.abort(h)
-
-    def _retry_after(self) -> int:
-        """Seconds until a queue slot is likely free: queue length / recent completion rate."""
-        now = time.monotonic()
-        recent = [t for t in self._finished_at if t > now - 60]
-        if len(recent) < 2:
-            return 1
-        rate = len(recent) / max(now - recent[0], 1e-3)
-        return max(1, min(60, math.ceil(len(self._pending) / rate)))
 
     # --- engine thread ----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -291,8 +298,9 @@ class EngineLoop:
         return sum(h.reservation - h.cached + nodes for h in self._active) + (cache.locked if cache else 0)
 
     def _take_admissible(self) -> list[Handle]:
-        """Pop pending requests (FIFO) while the running limit and the KV reservations allow (lock held; engine
-        thread: it reads the prefix cache).
+        """Pop pending requests (the fair queue's next) while the running limit and the KV reservations allow
+        (lock held; engine thread: it reads the prefix cache). A request that does not fit stops admission: the
+        ones after it wait too, so a long request is not passed over for ever.
 
         A request's worst case is reservation + one tree: at its last verify it holds prompt + outputs
         and the slots of the tree being verified. A prefix cache hit of m tokens, u of them used by no running
@@ -300,8 +308,15 @@ class EngineLoop:
         hit the same unused prefix each count it: never too little room.)
         """
         free = self.engine.kv.num_slots - 1 - self._reserved()
-        out = self._pending.admit(free, self.max_running - len(self._active))
-        self._active.update(out)
+        out = []
+        while (h := self._pending.peek(self.max_running)) is not None:
+            need = self._need(h)
+            if need > free:
+                break
+            self._pending.pop(h)
+            free -= need
+            self._active.add(h)
+            out.append(h)
         return out
 
     def _need(self, h: Handle) -> int:
@@ -414,7 +429,7 @@ class EngineLoop:
         with self._cond:
             h.done = True
             self._active.discard(h)
-            self._finished_at.append(time.monotonic())
+            self._pending.done(h, len(h.prompt_ids), len(h.req.output_ids) if h.req is not None else 0)
         return h, d
 
     def _fail_all(self, message: str, admitting: Sequence[Handle] = ()) -> None:

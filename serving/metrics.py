@@ -1,4 +1,6 @@
-"""Prometheus metrics. Names are `moa_*` (no colons: promtool rejects them); labels drafter/backend.
+"""Prometheus metrics. Names are `moa_*` (no colons: promtool rejects them); labels drafter/backend, and `tenant`
+on the moa_tenant_* families: a tenant's name from the API-keys file (serving/tenancy.py), never a key, so
+their series are bounded by the file ("default" without keys).
 
 Acceptance rate   = rate(moa_accepted_tokens_total) / rate(moa_draft_tokens_total)
 Acceptance length = (rate(moa_accepted_tokens_total) + rate(moa_verify_steps_total)) / rate(moa_verify_steps_total)
@@ -32,6 +34,7 @@ class Metrics:
         self._add_counters(r)
         self._add_histograms(r)
         self._add_gauges(r)
+        self._add_tenant_metrics(r)
 
     def _add_counters(self, r: CollectorRegistry) -> None:
         """Requests, tokens, verify steps, fallbacks and faults."""
@@ -162,5 +165,42 @@ class Metrics:
             "moa_throughput_tokens_per_second",
             "Recent generated tokens/s by batch-size bucket",
             (*_LABELS, "batch_bucket"),
+            registry=r,
+        )
+
+    def _add_tenant_metrics(self, r: CollectorRegistry) -> None:
+        """Per tenant: requests, tokens, refusals and time in the admission queue."""
+        by_tenant = (*_LABELS, "tenant")
+        self.tenant_requests = Counter(
+            "moa_tenant_requests",
+            "Finished requests per tenant by status (ok, error, aborted, rejected, invalid), as moa_requests_total",
+            (*by_tenant, "status"),
+            registry=r,
+        )
+        self.tenant_prompt_tokens = Counter(
+            "moa_tenant_prompt_tokens",
+            "Prompt tokens of a tenant's admitted requests, counted when each ends",
+            by_tenant,
+            registry=r,
+        )
+        self.tenant_generated_tokens = Counter(
+            "moa_tenant_generated_tokens",
+            "Tokens generated for a tenant's requests, counted when each ends",
+            by_tenant,
+            registry=r,
+        )
+        self.tenant_rejections = Counter(
+            "moa_tenant_rejections",
+            "A tenant's requests refused with a 429 by reason: queue (its share of a full queue or its max_queued; "
+            "also a queued request pushed out by a tenant with a shorter queue) or tokens_per_minute; too_large: "
+            "one request over its tokens_per_minute (a 400)",
+            (*by_tenant, "reason"),
+            registry=r,
+        )
+        self.tenant_queue_time = Histogram(
+            "moa_tenant_queue_time_seconds",
+            "Time a tenant's admitted requests waited in the admission queue",
+            by_tenant,
+            buckets=_LAT,
             registry=r,
         )

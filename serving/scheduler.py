@@ -11,8 +11,9 @@ arrivals one or two at a time, what speculation's uneven finishing gives, cost n
 group); without it, the chunks get a forward of their own before the decode one.
 
 The waiting queue is one object with a small interface (push, pop_next, remove, len, iteration in serving
-order, and `admit`: the admission check), so another order (a per-tenant fair queue) drops in. The engine loop
-(serving/engine_loop.py) keeps its admission queue in one too, its cost an arrival's KV need.
+order), so another order drops in. Which requests reach the engine at all, and in which order between tenants, is
+decided before it: the engine loop's admission queue (serving/engine_loop.py) is a per-tenant fair queue
+(serving/tenancy.py's FairQueue).
 """
 
 from __future__ import annotations
@@ -26,12 +27,10 @@ T = TypeVar("T")
 
 
 class WaitingQueue(Generic[T]):
-    """Items waiting their turn, served first in, first out. A fair queue keeps this interface: iteration and
-    pop_next give the serving order, and `admit` is the admission check (which items go now)."""
+    """Items waiting their turn, served first in, first out (iteration and pop_next give the serving order)."""
 
-    def __init__(self, cost: Callable[[T], int] = lambda item: 0):
+    def __init__(self):
         self._items: list[T] = []
-        self.cost = cost  # what admitting an item takes (the engine loop's: its KV need)
 
     def push(self, item: T) -> None:
         self._items.append(item)
@@ -46,18 +45,6 @@ class WaitingQueue(Generic[T]):
                 del self._items[i]
                 return True
         return False
-
-    def admit(self, room: int, limit: int) -> list[T]:
-        """Pop items in serving order while each one's cost fits the room left by those before it, at most
-        `limit` of them; the first that does not fit stops the admission (no overtaking)."""
-        out: list[T] = []
-        while self._items and len(out) < limit:
-            need = self.cost(self._items[0])
-            if need > room:
-                break
-            room -= need
-            out.append(self._items.pop(0))
-        return out
 
     def clear(self) -> list[T]:
         items, self._items = self._items, []

@@ -1,9 +1,15 @@
-"""Shared test helpers: a tiny random Llama (seconds, no files) and the numerical-tie rule."""
+"""Shared test helpers: a tiny random Llama (seconds, no files), the numerical-tie rule, and two tenants' clients
+with the admission queue's log (the noisy-neighbour tests)."""
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import torch
 
 from sglang_ext.models import LlamaConfig, LlamaModel, Target
@@ -329,3 +335,93 @@ def alone_or_batched(bs: int) -> slice:
     """The prompts an identity test at batch size bs takes: the odd ones alone, the even ones batched, so each
     prompt is checked once per drafter and shape."""
     return slice(1, None, 2) if bs == 1 else slice(0, None, 2)
+
+
+class AdmissionLog(logging.Handler):
+    """The admission queue's events (serving/tenancy.py's debug log: (event, tenant, seq), in the order they
+    happened, under the queue's lock) and every `serving` log line, while in a `with` block."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.events: list[tuple[str, str, int]] = []
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if hasattr(record, "admission"):
+            self.events.append(record.admission)
+        self.lines.append(record.getMessage())
+
+    def __enter__(self) -> AdmissionLog:
+        self._serving = logging.getLogger("serving")
+        self._level = self._serving.level
+        self._serving.setLevel(logging.DEBUG)
+        self._serving.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._serving.removeHandler(self)
+        self._serving.setLevel(self._level)
+
+    def queued_at_arrivals(self, tenant: str) -> list[tuple[int, set[int]]]:
+        """For each request of `tenant` queued: (its seq, the seqs of other tenants' requests queued at that
+        moment: queued before it, and not yet admitted, pushed out or removed)."""
+        waiting: set[int] = set()
+        out = []
+        for event, who, seq in self.events:
+            if event == "queued":
+                if who == tenant:
+                    out.append((seq, set(waiting)))
+                else:
+                    waiting.add(seq)
+            elif event in ("admitted", "pushed out", "removed"):
+                waiting.discard(seq)
+        return out
+
+    def admitted_before(self, seq: int) -> list[int]:
+        """The seqs admitted before request `seq` was (all admitted ones when it never was)."""
+        out = []
+        for event, _, s in self.events:
+            if event == "admitted":
+                if s == seq:
+                    return out
+                out.append(s)
+        return out
+
+
+@dataclass
+class Flood:
+    """What a flooding tenant's clients got: each response's (status, Retry-After, body)."""
+
+    results: list = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+    threads: list = field(default_factory=list)
+
+    def statuses(self) -> list[int]:
+        return [r[0] for r in list(self.results)]
+
+
+def flood(url: str, path: str, body: dict, key: str, clients: int, backoff_s: float = 0.2) -> Flood:
+    """`clients` threads each sending `body` again and again with `key` until flood.stop is set, every response
+    kept (a 429 is sent again after backoff_s: a client honouring Retry-After would wait longer)."""
+    f = Flood()
+
+    def client():
+        with httpx.Client(base_url=url, timeout=300, headers={"Authorization": f"Bearer {key}"}) as c:
+            while not f.stop.is_set():
+                r = c.post(path, json=body)
+                f.results.append((r.status_code, r.headers.get("retry-after"), r.json()))
+                if r.status_code == 429:
+                    f.stop.wait(backoff_s)
+
+    f.threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    for t in f.threads:
+        t.start()
+    return f
+
+
+def wait_for(what: str, condition, timeout: float = 120.0) -> None:
+    """Poll `condition` until it holds (a wait, not a timing assertion: the deadline only ends a hung test)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)

@@ -109,6 +109,12 @@ app.kubernetes.io/part-of: moa-serve
 {{- if and $scaled $sharedRWO }}
 {{- fail "several SGLang replicas cannot share one ReadWriteOnce model-cache PVC: use sglang.kind=StatefulSet, a ReadWriteMany claim, modelCache.pvc.existingClaim or modelCache.type=hostPath" }}
 {{- end }}
+{{- if and $v.training.enabled (eq $v.modelCache.type "emptyDir") }}
+{{- fail "training.enabled writes the drafter onto the model cache the servers read: modelCache.type must be pvc or hostPath" }}
+{{- end }}
+{{- if and $v.training.enabled (eq $v.modelCache.type "pvc") (not $v.modelCache.pvc.existingClaim) (eq $v.sglang.kind "StatefulSet") }}
+{{- fail "training.enabled needs one model cache shared with the servers: a StatefulSet's per-pod claims are not; set modelCache.pvc.existingClaim" }}
+{{- end }}
 {{- if gt ($v.sglang.tensorParallelSize | default $v.sglang.gpus | int) ($v.sglang.gpus | int) }}
 {{- fail "sglang.tensorParallelSize must not exceed sglang.gpus" }}
 {{- end }}

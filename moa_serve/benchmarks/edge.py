@@ -21,8 +21,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import httpx
-
 
 @dataclass(frozen=True)
 class EdgeBenchSettings:
@@ -43,6 +41,8 @@ class EdgeBenchSettings:
 
 
 def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    import httpx  # (the `bench` extra's; `moa-serve edge-bench --help` builds its flags without it)
+
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -58,6 +58,8 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
 
 def _api_run(url: str, prompt: str, max_tokens: int) -> dict:
     """Stream one chat completion; tokens/s over the whole request (as a user sees it)."""
+    import httpx
+
     t0 = time.perf_counter()
     n, first = 0, None
     body = {

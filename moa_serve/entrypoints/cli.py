@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import importlib.util
 import sys
 import time
 
@@ -14,6 +16,52 @@ from moa_serve.entrypoints.flags import (
     generation_json,
     sampling_params,
 )
+
+# The extra (pyproject.toml [project.optional-dependencies]) a command needs to run, beyond the core package.
+# Every command's --help needs only the core: the modules that build the parser import no extra's package.
+COMMAND_EXTRAS = {
+    "serve": "serve",
+    "edge": "serve",
+    "train": "train",
+    "distill": "train",
+    "bench": "bench",
+    "edge-bench": "bench",
+}
+
+
+def missing_extra(extra: str) -> list[str]:
+    """The import names of the packages that `extra` declares (as installed: the package's own metadata) and
+    that are not importable; [] when all are, or when the package runs from a source tree without metadata."""
+    from packaging.requirements import Requirement
+
+    try:
+        declared = [Requirement(r) for r in importlib.metadata.requires("moa-serve") or []]
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    missing = []
+    for req in declared:
+        if req.marker is None or not req.marker.evaluate({"extra": extra}):
+            continue
+        if req.name == "moa-serve":  # all = moa-serve[serve,...]: the extras it names
+            missing += [m for e in sorted(req.extras) for m in missing_extra(e)]
+            continue
+        module = req.name.lower().replace("-", "_")  # each declared distribution's import name
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ImportError:
+            found = False
+        if not found:
+            missing.append(module)
+    return missing
+
+
+def require_extra(command: str) -> None:
+    extra = COMMAND_EXTRAS.get(command)
+    missing = missing_extra(extra) if extra else []
+    if missing:
+        raise RuntimeError(
+            f"needs the {extra!r} extra (not installed: {', '.join(missing)}): pip install 'moa-serve[{extra}]'"
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,11 +143,13 @@ def main(argv: list[str] | None = None) -> int:
 
     handlers["train"] = cmd_train
     try:
+        require_extra(args.command)
         if getattr(args, "handler", None):
             return args.handler(args)
         return handlers[args.command](args)
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        # every library error is a clear message, not a traceback
+    except (ValueError, FileNotFoundError, RuntimeError, ImportError) as e:
+        # every library error is a clear message, not a traceback (a missing package too: require_extra names
+        # the extra of a declared one)
         print(f"moa-serve {args.command}: error: {e}", file=sys.stderr)
         return 2
 

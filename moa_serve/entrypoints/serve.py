@@ -1,5 +1,8 @@
 """`moa-serve serve`: flags -> ServeOptions -> serving/gateway/server.py's build_gateway (a backend, the
-embedded engine or an upstream SGLang server, behind the gateway app) -> uvicorn with a graceful drain."""
+embedded engine or an upstream SGLang server, behind the gateway app) -> uvicorn with a graceful drain.
+
+The parser needs only the core package (every subcommand's --help builds it); the gateway, which needs the
+`serve` extra (fastapi, uvicorn, ...), is imported when the command runs."""
 
 from __future__ import annotations
 
@@ -8,17 +11,14 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from moa_serve.entrypoints.flags import add_model_args, add_spec_args, engine_config
-from serving.backends.base import Admission
-from serving.backends.embedded import EmbeddedLimits
-from serving.backends.sglang import UpstreamConfig
-from serving.gateway.app import DEFAULT_AUTH_EXEMPT, GatewayConfig
-from serving.gateway.auth import APIKeys
-from serving.gateway.schemas import Limits
-from serving.gateway.server import DrainingServer, ServeOptions, build_gateway, uvicorn_config
 from serving.gateway.settings import BACKENDS, gateway_settings
-from serving.grammar_pool import GrammarConfig
+
+if TYPE_CHECKING:
+    from serving.gateway.server import ServeOptions
+    from serving.grammar_pool import GrammarConfig
 
 
 def add_serve_parser(sub) -> None:
@@ -106,14 +106,30 @@ def _add_engine_args(s) -> None:
 
 
 def _add_limit_args(s) -> None:
-    s.add_argument("--max-running", type=int, default=64, help="requests decoded together (continuous batching)")
-    s.add_argument("--max-queue", type=int, default=256, help="requests waiting for admission before 429")
+    s.add_argument(
+        "--max-running",
+        type=int,
+        default=64,
+        help=(
+            "requests decoded together (continuous batching; sglang: upstream requests at once); a tenant running "
+            "fewer than its share of them is let in beyond it"
+        ),
+    )
+    s.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="requests waiting for admission; when full, the tenant with the longest queue for its weight gets the 429",
+    )
     s.add_argument("--max-tokens-limit", type=int, default=2048, help="largest max_tokens a request may ask for")
     s.add_argument(
         "--default-max-tokens",
         type=int,
         default=512,
-        help="embedded: max_tokens when a request sets none (KV is reserved for prompt + max_tokens)",
+        help=(
+            "embedded: max_tokens when a request sets none (KV is reserved for prompt + max_tokens); sglang: the "
+            "admission cost of such a request"
+        ),
     )
     s.add_argument(
         "--max-prompt-tokens", type=int, default=None, help="embedded: longest prompt accepted (default: the context)"
@@ -151,14 +167,15 @@ def _add_server_args(s) -> None:
         "--api-keys-file",
         default=None,
         help=(
-            "file with one API key per line [env MOA_SERVE_API_KEYS_FILE; keys also from env MOA_SERVE_API_KEYS, "
-            "comma list]"
+            "file with one API key per line, optionally naming its tenant, weight and limits ('sk-... tenant=team-a "
+            "weight=2 max_running=8 max_queued=16 tokens_per_minute=100000') [env MOA_SERVE_API_KEYS_FILE; keys "
+            "also from env MOA_SERVE_API_KEYS, comma list]"
         ),
     )
     s.add_argument(
         "--auth-exempt",
-        default=",".join(DEFAULT_AUTH_EXEMPT),
-        help="comma list of paths served without an API key ('' = none)",
+        default=None,
+        help="comma list of paths served without an API key ('' = none; default: /health, /ready, /metrics)",
     )
     s.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get to finish after SIGTERM"
@@ -177,11 +194,21 @@ def _served_name(args) -> str:
 
 
 def _grammar_config(args) -> GrammarConfig:
+    from serving.grammar_pool import GrammarConfig
+
     return GrammarConfig(workers=args.grammar_workers, timeout_s=args.grammar_timeout)
 
 
 def serve_options(args) -> ServeOptions:
     """The flags (and their MOA_SERVE_* defaults) as one ServeOptions; a bad combination is a ValueError."""
+    from serving.backends.base import Admission
+    from serving.backends.embedded import EmbeddedLimits
+    from serving.backends.sglang import UpstreamConfig
+    from serving.gateway.app import DEFAULT_AUTH_EXEMPT, GatewayConfig
+    from serving.gateway.auth import APIKeys
+    from serving.gateway.schemas import Limits
+    from serving.gateway.server import ServeOptions
+
     backend = args.backend or gateway_settings().backend or "embedded"  # (each source checked against BACKENDS)
     upstream = args.upstream or gateway_settings().upstream
     if backend == "sglang" and not upstream:
@@ -196,7 +223,9 @@ def serve_options(args) -> ServeOptions:
             max_connections=args.max_connections,
         ),
         api_keys=keys if keys.enabled else None,
-        auth_exempt=tuple(p for p in args.auth_exempt.split(",") if p),
+        auth_exempt=DEFAULT_AUTH_EXEMPT
+        if args.auth_exempt is None
+        else tuple(p for p in args.auth_exempt.split(",") if p),
     )
     common = dict(
         served_name=_served_name(args),
@@ -214,6 +243,7 @@ def serve_options(args) -> ServeOptions:
             timeout_s=args.upstream_timeout,
             api_key=gateway_settings().upstream_api_key,
             grammar=_grammar_config(args),
+            default_max_tokens=args.default_max_tokens,
         )
         return ServeOptions(upstream=upstream_cfg, drafter_label=label, **common)
     engine = engine_config(
@@ -234,6 +264,8 @@ def serve_options(args) -> ServeOptions:
 
 
 def cmd_serve(args) -> int:
+    from serving.gateway.server import DrainingServer, build_gateway, uvicorn_config
+
     if args.threads:
         import torch
 

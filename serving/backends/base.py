@@ -21,6 +21,7 @@ from sglang_ext.grammar import GrammarSpec
 from ..api.errors import APIError
 from ..api.tools import ToolCalling
 from ..engine_loop import KVCacheUsage
+from ..tenancy import DEFAULT_TENANT, Tenant
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,8 @@ class Job:
     # the prefix cache's (and the suffix drafter's online corpus's) namespace: a digest of the API key and the
     # request's cache_salt (gateway/auth.py: tenant_key); "" shared by every request with neither
     tenant: str = ""
+    # whose request this is (its API key's tenant): fair admission's queue, shares and limits, per-tenant metrics
+    owner: Tenant = DEFAULT_TENANT
 
 
 @dataclass

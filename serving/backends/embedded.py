@@ -185,11 +185,13 @@ class EmbeddedBackend:
     async def generate(self, job: Job) -> AsyncGenerator[Chunk, None]:
         ids = self.prompt_ids(job)
         params, grammar = await self._grammar(job, self.sampling_params(job, len(ids)))
-        handle = self._submit(ids, params, grammar, job.tenant)
+        handle = self._submit(ids, params, grammar, job)
         out = _Output(self, job, ids)
         try:
             while True:
                 d = await handle.next()
+                if d.finish_reason == "rejected":  # pushed out of the queue by a tenant with a shorter one
+                    raise _busy(d.error, d.retry_after or 1)
                 if d.error:
                     raise invalid(d.error, None) if d.invalid else APIError(500, d.error, code="internal_error")
                 if d.finish_reason == "abort":
@@ -228,12 +230,11 @@ class EmbeddedBackend:
                 raise invalid(str(e), e.param) from e
         return params, prepared.compiled
 
-    def _submit(self, ids: list[int], params: SamplingParams, grammar: object | None, tenant: str) -> Handle:
+    def _submit(self, ids: list[int], params: SamplingParams, grammar: object | None, job: Job) -> Handle:
         try:
-            return self.engine_loop.submit(ids, params, grammar=grammar, tenant=tenant)
+            return self.engine_loop.submit(ids, params, grammar=grammar, tenant=job.tenant, owner=job.owner)
         except QueueFull as e:
-            busy = f"the server is busy ({self.admission.max_queue} requests queued); retry after {e.retry_after} s"
-            raise APIError(429, busy, code="rate_limit_exceeded", headers={"Retry-After": str(e.retry_after)}) from e
+            raise _busy(str(e), e.retry_after) from e
         except EngineLoopClosed as e:
             raise APIError(503, str(e), code="service_unavailable", headers={"Retry-After": "5"}) from e
         except InvalidRequest as e:
@@ -295,6 +296,10 @@ class _Output:
             chunk.spec = SpecStats(d.verify_steps, d.draft_tokens, d.accepted_tokens)
             chunk.token_ids = list(self.text.ids)
         return chunk, stopped
+
+
+def _busy(message: str, retry_after: int) -> APIError:
+    return APIError(429, message, code="rate_limit_exceeded", headers={"Retry-After": str(retry_after)})
 
 
 def _with_first(ids: list[int], prompt_logprobs: list | None) -> list | None:

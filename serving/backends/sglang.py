@@ -8,6 +8,11 @@ Stop strings, tokenization and prompt limits are the upstream's job. At the drai
 closes the open upstream streams: their clients get an OpenAI-shaped 503 error event, then `[DONE]`.
 The upstream's radix cache is kept per tenant as ours is: a request's tenant (its API key and cache_salt,
 digested) goes upstream as SGLang's `cache_salt`; /flush_cache is the upstream's.
+
+The gateway holds the line in front of the upstream with the embedded engine's fair admission
+(serving/tenancy.py): at most `max_running` upstream requests at once (more only while a tenant under its
+share is let in), the rest in a FairQueue of `max_queue`, each tenant's turn by the tokens it may use (prompt
+characters / 4, as OpenAI estimates for its limits, + max_tokens), settled to the upstream's usage at the end.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from sglang_ext.grammar import JSON_OBJECT, GrammarSpec
 from ..api.errors import APIError
 from ..engine_loop import fault_message
 from ..grammar_pool import GrammarConfig, GrammarFault, GrammarPool
+from ..tenancy import AsyncAdmission, Refused
 from .base import Admission, Chunk, Job, SpecStats
 from .detok import logprob_entry
 from .telemetry import Telemetry
@@ -42,6 +48,7 @@ class UpstreamConfig:
     timeout_s: float = 600.0  # read timeout between upstream bytes
     api_key: str | None = None  # sent upstream as Bearer (SGLang --api-key)
     grammar: GrammarConfig = GrammarConfig()  # grammars are checked (and tool-call grammars built) here
+    default_max_tokens: int = 512  # the admission cost of a request without max_tokens (the upstream applies its own)
 
 
 def spec_from_payload(obj: dict) -> SpecStats | None:
@@ -80,7 +87,8 @@ class SGLangBackend:
         clock=time.monotonic,
     ):
         self.config, self.model_ids, self.drafter, self.telemetry = config, model_ids, drafter, telemetry
-        self.admission = admission or Admission()
+        limits = admission or Admission()
+        self.max_running = limits.max_running
         self.clock = clock  # () -> seconds; the readiness cache's (tests step it instead of sleeping)
         self._http: httpx.AsyncClient | None = None
         self._in_flight = 0
@@ -94,6 +102,7 @@ class SGLangBackend:
         self._aborting = False  # the drain deadline passed: no new upstream request
         # grammars are checked and converted here; the upstream compiles them
         self.grammar_pool = GrammarPool(None, config.grammar, telemetry.grammar_work)
+        self.admission = AsyncAdmission(limits.max_running, limits.max_queue, telemetry.tenants)
 
     def tokenize(self, job: Job) -> list[int]:
         raise _no_tokenizer()
@@ -121,8 +130,8 @@ class SGLangBackend:
             base_url=self.config.url.rstrip("/"),
             headers=headers,
             timeout=httpx.Timeout(connect=5.0, read=self.config.timeout_s, write=30.0, pool=None),
-            limits=httpx.Limits(
-                max_connections=self.admission.max_running, max_keepalive_connections=self.admission.max_running
+            limits=httpx.Limits(  # (admission lets up to 2 x max_running through: see serving/tenancy.py)
+                max_connections=2 * self.max_running, max_keepalive_connections=self.max_running
             ),
             trust_env=False,  # in-cluster traffic must not go through an HTTP(S)_PROXY from the environment
         )
@@ -142,8 +151,7 @@ class SGLangBackend:
         return self._http
 
     def load(self) -> tuple[int, int]:
-        running = min(self._in_flight, self.admission.max_running)
-        return running, self._in_flight - running
+        return self.admission.load()
 
     def abort_all(self) -> None:
         """Close every open upstream stream (drain deadline passed; called on the event loop thread).
@@ -151,6 +159,7 @@ class SGLangBackend:
         The pending reads end at once; each request then fails with a 503 (an in-stream error event),
         and closing the upstream connection makes SGLang abort the request."""
         self._aborting = True
+        self.admission.abort_waiting(_aborted)
         loop = asyncio.get_running_loop()
         for r in self._open - self._aborted:
             self._aborted.add(r)
@@ -254,15 +263,13 @@ class SGLangBackend:
         }
 
     async def generate(self, job: Job) -> AsyncGenerator[Chunk, None]:
-        if self._in_flight >= self.admission.max_running + self.admission.max_queue:
-            raise APIError(
-                429, "the server is busy; retry later", code="rate_limit_exceeded", headers={"Retry-After": "1"}
-            )
         if self._aborting:
             raise _aborted()
         path, body = await self._payload(job, await self._grammar(job))
+        ticket = await self._admit(job)
         self._in_flight += 1
         r: httpx.Response | None = None
+        final: Chunk | None = None
         try:
             async with self._client.stream("POST", path, json=body) as r:
                 self._open.add(r)
@@ -272,6 +279,7 @@ class SGLangBackend:
                 if r.status_code != 200:
                     raise await _upstream_error(r)
                 async for chunk in self._chunks(r, job.messages is not None):
+                    final = chunk if chunk.finish_reason else final
                     yield chunk
         except Exception as e:
             if r is not None and r in self._aborted:  # the stream ended or failed because abort_all closed it
@@ -281,9 +289,25 @@ class SGLangBackend:
             raise self._failure(e) from e
         finally:
             self._in_flight -= 1
+            if final is None or final.prompt_tokens is None:
+                self.admission.leave(ticket)  # (tokens unknown: the estimate stands)
+            else:
+                self.admission.leave(ticket, final.prompt_tokens, final.completion_tokens or 0)
             if r is not None:
                 self._open.discard(r)
                 self._aborted.discard(r)
+
+    async def _admit(self, job: Job):
+        """Wait for this request's turn in front of the upstream (429 when its tenant's share of the queue is full)."""
+        out = self.config.default_max_tokens if job.params.max_tokens is None else job.params.max_tokens
+        try:
+            return await self.admission.enter(job.owner, _prompt_estimate(job) + out)
+        except Refused as e:
+            if e.reason == "too_large":
+                raise APIError(400, str(e), param="max_tokens", code="invalid_value") from e
+            raise APIError(
+                429, str(e), code="rate_limit_exceeded", headers={"Retry-After": str(e.retry_after or 1)}
+            ) from e
 
     def _failure(self, e: Exception) -> APIError:
         """An upstream failure (not an abort) -> this request's error."""
@@ -341,6 +365,17 @@ class SGLangBackend:
             t.prefix_cache(final.prompt_tokens, final.cached_tokens)
         if final.spec:
             t.spec_totals(final.spec.verify_steps, final.spec.draft_tokens, final.spec.accepted_tokens, hist)
+
+
+def _prompt_estimate(job: Job) -> int:
+    """Prompt tokens, estimated (the gateway holds no tokenizer): 4 characters a token, as OpenAI's rate limits
+    estimate; token ids as given."""
+    if job.messages is not None:
+        chars = sum(len(m.get("content") or "") if isinstance(m.get("content"), str) else 0 for m in job.messages)
+        return -(-chars // 4) + 4 * len(job.messages)  # (a few template tokens per message)
+    if isinstance(job.prompt, str):
+        return -(-len(job.prompt) // 4)
+    return len(job.prompt or ())
 
 
 def _logprob_entries(obj: dict | None, chat: bool) -> list[dict] | None:

@@ -51,9 +51,12 @@ class Telemetry:
         self._tput = {str(b): m.tokens_per_s.labels(**lab, batch_bucket=str(b)) for b in BATCH_BUCKETS}
         self._window: dict[str, deque] = {b: deque() for b in self._tput}  # bucket -> (t_end, tokens, seconds)
         self._lock = threading.Lock()
+        self.tenants = TenantTelemetry(metrics, lab)
 
-    def request(self, status: str) -> None:
+    def request(self, status: str, tenant: str | None = None) -> None:
         self._requests[status].inc()
+        if tenant is not None:
+            self.tenants.request(tenant, status)
 
     def fallback(self, reason: str) -> None:
         self.metrics.drafter_fallbacks.labels(**self._lab, reason=reason).inc()
@@ -145,3 +148,24 @@ class Telemetry:
                 (m.prefix_cache_tokens, usage.cached),
             ):
                 gauge.labels(**self._lab).set(value)
+
+
+class TenantTelemetry:
+    """The moa_tenant_* metrics, labelled by tenant name (the admission queue's observer: serving/tenancy.py)."""
+
+    def __init__(self, metrics: Metrics, lab: dict):
+        self.metrics, self._lab = metrics, lab
+
+    def request(self, tenant: str, status: str) -> None:
+        self.metrics.tenant_requests.labels(**self._lab, tenant=tenant, status=status).inc()
+
+    def admitted(self, tenant: str, waited_s: float) -> None:
+        self.metrics.tenant_queue_time.labels(**self._lab, tenant=tenant).observe(waited_s)
+
+    def refused(self, tenant: str, reason: str) -> None:
+        self.metrics.tenant_rejections.labels(**self._lab, tenant=tenant, reason=reason).inc()
+
+    def finished(self, tenant: str, prompt_tokens: int, completion_tokens: int) -> None:
+        m = self.metrics
+        m.tenant_prompt_tokens.labels(**self._lab, tenant=tenant).inc(prompt_tokens)
+        m.tenant_generated_tokens.labels(**self._lab, tenant=tenant).inc(completion_tokens)

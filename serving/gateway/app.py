@@ -14,6 +14,7 @@ import logging
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
+from urllib.parse import parse_qsl
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,6 +27,7 @@ from ..api.body import ClientGone, read_body, shutting_down
 from ..api.errors import APIError, from_validation_errors
 from ..backends.base import Backend
 from ..backends.telemetry import Telemetry
+from ..tenancy import DEFAULT_TENANT, Tenant
 from .auth import APIKeys, key_id, tenant_key
 from .generation import ChatFormat, CompletionFormat, Generation
 from .native import NativeGeneration, generate_jobs, model_info, server_info
@@ -188,13 +190,14 @@ def _add_generation_routes(app: FastAPI, gw: _Gateway) -> None:
     @app.post("/generate")
     async def generate(request: Request):
         """SGLang's native API (gateway/native.py)."""
-        return await _completion(gw, request, lambda body, key: _native_request(gw, body, key))
+        return await _completion(gw, request, lambda body, key, owner: _native_request(gw, body, key, owner))
 
 
 async def _completion(gw: _Gateway, request: Request, build):
-    """Run one generation request; build(body, api key id) -> (Generation, stream?) parses and validates it.
-    Counted once in moa_requests_total by how it ended, and in flight from its whole body on."""
+    """Run one generation request; build(body, api key id, tenant) -> (Generation, stream?) parses and validates
+    it. Counted once in moa_requests_total (and per tenant) by how it ended, and in flight from its whole body on."""
     state, telemetry = gw.state, gw.telemetry
+    owner: Tenant = getattr(request.state, "tenant", DEFAULT_TENANT)
     entered = handed_off = False
     try:
         if state.draining:
@@ -204,22 +207,22 @@ async def _completion(gw: _Gateway, request: Request, build):
             raise shutting_down()
         state.enter()
         entered = True
-        gen, stream = build(body, getattr(request.state, "api_key_id", ""))
+        gen, stream = build(body, getattr(request.state, "api_key_id", ""), owner)
         if not stream:
-            return JSONResponse(await _collect(request, gen, telemetry))
+            return JSONResponse(await _collect(request, gen, telemetry, owner.name))
         await _open(request, gen)
         handed_off = True
-        return SSEResponse(gen.stream(), on_close=lambda: _close_stream(gen, telemetry, state))
+        return SSEResponse(gen.stream(), on_close=lambda: _close_stream(gen, telemetry, state, owner.name))
     except APIError as e:
-        telemetry.request(_status_of(e))
+        telemetry.request(_status_of(e), owner.name)
         if e.status >= 500 and e.code != "service_unavailable":  # (a drain logs its own rejections)
             log.warning("request failed: %s %s", e.status, e.message)
         raise
     except ClientGone:
-        telemetry.request("aborted")
+        telemetry.request("aborted", owner.name)
         return Response(status_code=499)
     except Exception as e:
-        telemetry.request("error")
+        telemetry.request("error", owner.name)
         log.exception("unexpected error in %s", request.url.path)
         raise APIError(500, "internal server error", code="internal_error") from e
     finally:
@@ -228,9 +231,10 @@ async def _completion(gw: _Gateway, request: Request, build):
 
 
 def _openai_request(gw: _Gateway, schema, make_jobs, fmt):
-    """build(body, api key id) for an OpenAI completion endpoint: its schema, job builder and response format."""
+    """build(body, api key id, tenant) for an OpenAI completion endpoint: its schema, job builder and response
+    format."""
 
-    def build(body: bytes, api_key_id: str) -> tuple[Generation, bool]:
+    def build(body: bytes, api_key_id: str, owner: Tenant) -> tuple[Generation, bool]:
         req = parse(schema, body)
         _check_model(req.model, gw.backend)
         include_usage = bool(req.stream and req.stream_options and req.stream_options.include_usage)
@@ -238,7 +242,7 @@ def _openai_request(gw: _Gateway, schema, make_jobs, fmt):
         gen = Generation(
             gw.backend,
             gw.telemetry,
-            [replace(j, tenant=tenant) for j in make_jobs(req, gw.config.limits)],
+            [replace(j, tenant=tenant, owner=owner) for j in make_jobs(req, gw.config.limits)],
             req.model or gw.backend.model_ids[0],
             fmt,
             include_usage,
@@ -249,7 +253,7 @@ def _openai_request(gw: _Gateway, schema, make_jobs, fmt):
     return build
 
 
-def _native_request(gw: _Gateway, body: bytes, api_key_id: str) -> tuple[Generation, bool]:
+def _native_request(gw: _Gateway, body: bytes, api_key_id: str, owner: Tenant) -> tuple[Generation, bool]:
     if gw.backend.kind != "embedded":  # an upstream SGLang serves /generate itself, with its own output ids
         raise APIError(
             400,
@@ -257,6 +261,7 @@ def _native_request(gw: _Gateway, body: bytes, api_key_id: str) -> tuple[Generat
             code="unsupported_parameter",
         )
     jobs, batched, stream, logprobs = generate_jobs(body, gw.config.limits, api_key_id)
+    jobs = [replace(j, owner=owner) for j in jobs]
     return NativeGeneration(gw.backend, gw.telemetry, jobs, batched, logprobs), stream
 
 
@@ -311,13 +316,13 @@ def _add_token_routes(app: FastAPI, gw: _Gateway) -> None:
         return {"text": texts if batched else texts[0]}
 
 
-async def _collect(request: Request, gen: Generation, telemetry: Telemetry) -> dict | list:
+async def _collect(request: Request, gen: Generation, telemetry: Telemetry, tenant: str) -> dict | list:
     """A non-streamed response's body (the generation closed whatever happens)."""
     try:
         result = await _race_disconnect(request, gen.collect())
     finally:
         await gen.close()
-    _finished(telemetry, gen)
+    _finished(telemetry, gen, tenant)
     return result
 
 
@@ -330,22 +335,22 @@ async def _open(request: Request, gen: Generation) -> None:
         raise
 
 
-def _finished(telemetry: Telemetry, gen: Generation) -> None:
+def _finished(telemetry: Telemetry, gen: Generation, tenant: str) -> None:
     telemetry.e2e.observe(time.monotonic() - gen.t0)
-    telemetry.request("ok")
+    telemetry.request("ok", tenant)
 
 
-async def _close_stream(gen: Generation, telemetry: Telemetry, state: GatewayState) -> None:
+async def _close_stream(gen: Generation, telemetry: Telemetry, state: GatewayState, tenant: str) -> None:
     try:
         await gen.close()
     finally:
         state.leave()
     if gen.completed:
-        _finished(telemetry, gen)
+        _finished(telemetry, gen, tenant)
     elif gen.failed is not None:
-        telemetry.request(_status_of(gen.failed))
+        telemetry.request(_status_of(gen.failed), tenant)
     else:
-        telemetry.request("aborted")
+        telemetry.request("aborted", tenant)
 
 
 def _status_of(e: APIError) -> str:
@@ -388,8 +393,15 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
+# where else clients put API keys (x-api-key: Anthropic's and others'; api-key: Azure OpenAI's; query parameters)
+_OTHER_KEY_HEADERS = (b"x-api-key", b"api-key")
+_KEY_QUERY_PARAMS = ("api_key", "api-key", "key", "access_token")
+
+
 class _AuthMiddleware:
-    """Bearer API keys for every path except the exempt ones (pure ASGI: streaming is untouched)."""
+    """Bearer API keys for every path except the exempt ones (pure ASGI: streaming is untouched). A request
+    carries exactly one key: two Authorization headers, or one beside a key in x-api-key / api-key / the query
+    string, is a 400 (which one would count is the kind of ambiguity a proxy and this server could read apart)."""
 
     def __init__(self, app, keys: APIKeys, exempt: tuple[str, ...]):
         self.app, self.keys, self.exempt = app, keys, set(exempt)
@@ -397,9 +409,13 @@ class _AuthMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in self.exempt:
             return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        auth = headers.get(b"authorization", b"").decode("latin-1")
-        if not self.keys.check(auth):
+        headers = scope.get("headers") or []
+        auths = [v.decode("latin-1") for k, v in headers if k == b"authorization"]
+        ambiguity = _ambiguity(auths, headers, scope.get("query_string") or b"")
+        if ambiguity:
+            return await APIError(400, ambiguity, code="ambiguous_api_key").response()(scope, receive, send)
+        tenant = self.keys.tenant_of(auths[0] if auths else None)
+        if tenant is None:
             err = APIError(
                 401,
                 "Invalid or missing API key. Send 'Authorization: Bearer <key>'.",
@@ -407,8 +423,24 @@ class _AuthMiddleware:
                 headers={"WWW-Authenticate": "Bearer"},
             )
             return await err.response()(scope, receive, send)
-        scope.setdefault("state", {})["api_key_id"] = key_id(auth)  # (request.state: the tenant's first half)
+        state = scope.setdefault("state", {})
+        state["api_key_id"] = key_id(auths[0])  # (request.state: the prefix cache namespace's first half)
+        state["tenant"] = tenant  # fair admission, per-tenant metrics
         return await self.app(scope, receive, send)
+
+
+def _ambiguity(auths: list[str], headers, query: bytes) -> str | None:
+    """Why a request's API key is ambiguous, or None (the messages name places, never a key)."""
+    if len(auths) > 1:
+        return f"send one Authorization header; this request has {len(auths)}"
+    if not auths:
+        return None
+    others = [k.decode() for k, _ in headers if k in _OTHER_KEY_HEADERS]
+    params = {name for name, _ in parse_qsl(query.decode("latin-1"), keep_blank_values=True)}
+    others += [f"the query parameter {p!r}" for p in _KEY_QUERY_PARAMS if p in params]
+    if others:
+        return f"send the API key in the Authorization header only; this request also has one in {others[0]}"
+    return None
 
 
 def _install_error_handlers(app: FastAPI) -> None:

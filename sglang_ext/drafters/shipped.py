@@ -1,5 +1,6 @@
-"""The drafters shipped in the repo's drafters/ folder, per target: one table and one lookup for every
-drafter family (the registry, EAGLE-3, MoA, Medusa and the suffix drafter all resolve through it).
+"""The drafters shipped in the repo's drafters/ folder (in a wheel: sglang_ext/drafters/packaged/), per target:
+one table and one lookup for every drafter family (the registry, EAGLE-3, MoA, Medusa and the suffix drafter all
+resolve through it).
 
     shipped_path(target, "moa")   -> drafters/smollm2-moa-tli1   ('moa' is the better shipped TLI)
     shipped_path(target, "eagle3", env=settings().eagle3)        ($MOA_SERVE_EAGLE3 first, when set)
@@ -12,7 +13,10 @@ from pathlib import Path
 
 from ..models.checkpoint import CheckpointError, has_config
 
-SHIPPED_DIR = Path(__file__).resolve().parents[2] / "drafters"  # the repo's shipped drafters (model cards inside)
+# the shipped drafters (model cards inside): an installed wheel carries them in this package (setup.py puts
+# the repo's drafters/ there); a source tree or an editable install reads the repo's drafters/
+PACKAGED_DIR = Path(__file__).resolve().parent / "packaged"
+SHIPPED_DIR = PACKAGED_DIR if PACKAGED_DIR.is_dir() else Path(__file__).resolve().parents[2] / "drafters"
 
 # target (its model directory's name) -> drafter name -> folder under drafters/
 SHIPPED: dict[str, dict[str, str]] = {

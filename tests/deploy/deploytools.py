@@ -22,6 +22,8 @@ VALUES_FILES = {
     "default": None,
     "h100-production": CHART / "ci" / "h100-production.yaml",
     "multi-replica-autoscale-monitoring": CHART / "ci" / "multi-replica-autoscale-monitoring.yaml",
+    "moa-trained": CHART / "ci" / "moa-trained.yaml",
+    "moa-training-job": CHART / "ci" / "moa-training-job.yaml",
 }
 INSTALL_HINT = "run scripts/install-deploy-tools.sh"
 

@@ -24,6 +24,10 @@ REQUIRED_PANELS = [
     ("running", "queued"),
     ("error rate",),
     ("prefix cache", "hit rate"),
+    ("requests/s", "tenant"),
+    ("tokens/s", "tenant"),
+    ("rejections", "tenant"),
+    ("queue time", "tenant"),
 ]
 
 

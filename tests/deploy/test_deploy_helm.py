@@ -12,8 +12,16 @@ from deploytools import CHART, DASHBOARD, RULES, VALUES_FILES, find_tool
 
 H100 = "NVIDIA-H100-80GB-HBM3"
 # API groups whose schemas ship with kubernetes-validate; CRDs (monitoring.coreos.com, keda.sh) are checked below.
-CORE_GROUPS = {"v1", "apps", "policy", "autoscaling", "networking.k8s.io", "rbac.authorization.k8s.io"}
-EXPECTED_GPUS = {"default": 1, "h100-production": 4, "multi-replica-autoscale-monitoring": 1}
+CORE_GROUPS = {"v1", "apps", "batch", "policy", "autoscaling", "networking.k8s.io", "rbac.authorization.k8s.io"}
+EXPECTED_GPUS = {
+    "default": 1,
+    "h100-production": 4,
+    "multi-replica-autoscale-monitoring": 1,
+    "moa-trained": 1,
+    "moa-training-job": 1,
+}
+# the values files that set runtimeClassName: nvidia (the others leave the cluster's default)
+NVIDIA_RUNTIME = {"h100-production", "multi-replica-autoscale-monitoring"}
 ALL_VALUES = pytest.mark.parametrize("values", list(VALUES_FILES))
 
 
@@ -45,7 +53,7 @@ def env_of(c: dict) -> dict:
 
 def pod_specs(objs):
     for o in objs:
-        if o["kind"] in ("Deployment", "StatefulSet"):
+        if o["kind"] in ("Deployment", "StatefulSet", "Job"):
             yield o["metadata"]["name"], o["spec"]["template"]["spec"]
 
 
@@ -83,6 +91,7 @@ def test_schema_rejects_bad_values(helm):
         (("--set", "sglang.gpus=0"), "sglang.gpus"),
         (("--set", "gateway.replicas=3"), "Additional property replicas"),
         (("--set", "autoscaling.mode=vpa"), "autoscaling.mode"),
+        (("--set", "gateway.admission.maxRunning=0"), "gateway.admission.maxRunning"),
     ]:
         proc = helm.template(*args)
         assert proc.returncode != 0 and message in proc.stderr, (args, proc.stderr)
@@ -104,7 +113,7 @@ def test_sglang_gpus_and_h100_scheduling(helm, values):
     assert {"name": "dshm", "mountPath": "/dev/shm"} in container({"spec": {"template": {"spec": pod}}}, "sglang")[
         "volumeMounts"
     ]
-    assert pod.get("runtimeClassName") == (None if values == "default" else "nvidia")
+    assert pod.get("runtimeClassName") == ("nvidia" if values in NVIDIA_RUNTIME else None)
 
 
 def test_production_affinity_and_tensor_parallel(helm):
@@ -131,19 +140,29 @@ def test_sglang_probes_on_health(helm, values):
 
 
 def test_sglang_speculative_args(helm):
-    args = container(sglang(helm.render_values("default")), "sglang")["args"]
+    """The default: the public EAGLE-3 head for the default target, both downloaded onto the cache by the init
+    step; helm/ci/moa-trained.yaml: MoA from the training Job's head."""
     c = container(sglang(helm.render_values("default")), "sglang")
-    assert {"name": "MOA_SGLANG_TLI", "value": "1"} in c["env"]  # the plugin's TLI setting
     for want in (
-        "--speculative-algorithm=MOA",
+        "--model-path=/models/meta-llama/Llama-3.1-8B-Instruct",
+        "--served-model-name=meta-llama/Llama-3.1-8B-Instruct",
+        "--speculative-algorithm=EAGLE3",
+        "--speculative-draft-model-path=/models/lmsys/sglang-EAGLE3-LLaMA3.1-Instruct-8B",
         "--speculative-num-steps=5",
         "--speculative-eagle-topk=4",
         "--speculative-num-draft-tokens=8",
         "--enable-metrics",
         "--port=30000",
-        "--speculative-draft-model-path=/models/drafters/moa-llama-3.1-8b-instruct-tli1",
     ):
-        assert want in args, want
+        assert want in c["args"], want
+    assert "MOA_SGLANG_TLI" not in env_of(c)
+    moa = container(sglang(helm.render_values("moa-trained")), "sglang")
+    assert {"name": "MOA_SGLANG_TLI", "value": "1"} in moa["env"]  # the plugin's TLI setting
+    assert "--speculative-algorithm=MOA" in moa["args"]
+    assert (
+        "--speculative-draft-model-path=/models/drafters/moa-llama-3.1-8b-instruct-tli1/run/heads/moa-tli1"
+        in (moa["args"])
+    )
     vanilla = container(sglang(helm.render_values("default", "--set", "drafter.algorithm=NONE")), "sglang")["args"]
     assert not any(a.startswith("--speculative") or a.startswith("--moa") for a in vanilla)
 
@@ -197,6 +216,15 @@ def test_api_keys_come_from_the_existing_secret(helm):
     assert "MOA_SERVE_API_KEYS_FILE" not in env_of(default)
 
 
+def test_gateway_admission_limits(helm):
+    """gateway.admission sets the gateway's fair admission in front of SGLang (--max-running, --max-queue)."""
+    default = container(one(helm.render_values("default"), "Deployment", "-gateway"), "gateway")
+    assert "--max-running=64" in default["args"] and "--max-queue=256" in default["args"]
+    objs = helm.render("--set", "gateway.admission.maxRunning=8", "--set", "gateway.admission.maxQueue=0")
+    args = container(one(objs, "Deployment", "-gateway"), "gateway")["args"]
+    assert "--max-running=8" in args and "--max-queue=0" in args
+
+
 def test_ingress_requires_api_keys(helm):
     proc = helm.template("--set", "gateway.ingress.enabled=true")
     assert proc.returncode != 0 and "gateway.apiKeys.existingSecret" in proc.stderr
@@ -247,6 +275,7 @@ def test_pod_disruption_budgets_select_their_pods(helm, values):
 # --- optional parts: off by default, on in the multi-replica file -----------------------------------------
 
 OPTIONAL_KINDS = (
+    "Job",
     "Ingress",
     "HorizontalPodAutoscaler",
     "ScaledObject",
@@ -358,3 +387,97 @@ def test_gateway_command_and_env_are_what_moa_serve_takes(helm, values):
     documented = set(re.findall(r"\b(MOA_[A-Z0-9_]+)\b", settings_mod.__doc__))
     assert env and set(env) <= documented, set(env) - documented
     settings_mod.parse_settings(env)  # a value the settings refuse raises SettingsError
+
+
+# --- weights: every one a release loads is downloaded or trained --------------------------------------------
+
+
+def _job(objs) -> tuple[dict, dict]:
+    """The training Job's container and its environment (name -> value)."""
+    c = container(one(objs, "Job", "-training"), "training")
+    return c, {e["name"]: e["value"] for e in c["env"] if "value" in e}
+
+
+def _job_commands(c: dict, env: dict) -> dict[str, list[str]]:
+    """The Job script's `moa-serve distill` and `torchrun` command lines, variables substituted, split as sh would."""
+    import shlex
+
+    script = re.sub(r"\\\n\s*", " ", c["command"][2])
+    (out,) = re.findall(r'^out="(.+)"$', script, re.M)
+    values = env | {"out": out.replace("$MODEL_CACHE", env["MODEL_CACHE"]).replace("$RUN_NAME", env["RUN_NAME"])}
+    lines = {}
+    for line in script.splitlines():
+        words = shlex.split(re.sub(r"\$(\w+)", lambda m: values[m.group(1)], line.strip()))
+        if words[:2] == ["moa-serve", "distill"] or words[:1] == ["torchrun"]:
+            lines[words[0]] = words
+    return lines
+
+
+@ALL_VALUES
+def test_every_weight_a_release_loads_is_downloaded_or_trained(helm, values):
+    """The target and the drafter each are a repo id that the init step downloads to the path the server loads,
+    or the servable head that this release's training Job writes onto the cache (the same head kind)."""
+    objs = helm.render_values(values)
+    pod = sglang(objs)["spec"]["template"]["spec"]
+    flags = dict(a.split("=", 1) for a in container(sglang(objs), "sglang")["args"] if "=" in a)
+    init = [c for c in pod.get("initContainers", []) if c["name"] == "fetch-weights"]
+    downloaded = {env_of(init[0])[k]["value"] for k in ("TARGET_MODEL", "DRAFT_MODEL")} - {""} if init else set()
+    for flag in ("--model-path", "--speculative-draft-model-path"):
+        if flag not in flags:
+            continue
+        path = flags[flag]
+        assert path.startswith("/models/"), f"{values}: {flag} {path} is not on the model cache"
+        if path.removeprefix("/models/") in downloaded:
+            assert env_of(init[0])["MODEL_CACHE"]["value"] == "/models"
+            continue
+        c, env = _job(helm.render_values(values, "--set", "training.enabled=true"))
+        (head,) = re.findall(r"servable head: \$out/run/heads/([\w.-]+)", c["command"][2])
+        written = f"{env['MODEL_CACHE']}/drafters/{env['RUN_NAME']}/run/heads/{head}"
+        assert path == written, f"{values}: {flag} {path}: neither downloaded by the init step nor the Job's {written}"
+        algorithm = flags["--speculative-algorithm"]
+        assert (algorithm, head) in (
+            ("EAGLE3", "eagle3"),
+            ("MOA", f"moa-tli{env_of(container(sglang(objs), 'sglang'))['MOA_SGLANG_TLI']['value']}"),
+        )
+
+
+def test_the_training_job(helm):
+    from moa_serve.entrypoints.cli import build_parser
+
+    objs = helm.render_values("moa-training-job")
+    job = one(objs, "Job", "-training")
+    pod = job["spec"]["template"]["spec"]
+    c, env = _job(objs)
+    assert job["spec"]["backoffLimit"] == 6 and pod["restartPolicy"] == "OnFailure"
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == c["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert env["GPUS"] == "8" and env["BASE_URL"] == "http://moa-moa-serve-sglang:30000"
+    assert env["TARGET"] == "/models/meta-llama/Llama-3.1-8B-Instruct" and env["HF_HUB_OFFLINE"] == "1"
+    assert pod["nodeSelector"]["nvidia.com/gpu.product"] == H100
+    (cache,) = [v for v in pod["volumes"] if v["name"] == "model-cache"]
+    (served,) = [v for v in sglang(objs)["spec"]["template"]["spec"]["volumes"] if v["name"] == "model-cache"]
+    assert cache == served, "the Job writes where the servers read"
+    lines = _job_commands(c, env)
+    distill, torchrun = lines["moa-serve"], lines["torchrun"]
+    assert distill[distill.index("--base-url") + 1] == env["BASE_URL"] and "--resume" in distill
+    assert torchrun[:4] == ["torchrun", "--standalone", "--nproc-per-node", "8"]
+    train = torchrun[torchrun.index("moa_serve.entrypoints.cli") + 1 :]
+    assert train[:4] == ["train", "moa", "--tli", "1"] and "--resume" in train and "--epochs=2" in train
+    for argv in (distill[1:], train):  # flags `moa-serve` takes (its own parser; a bad one is SystemExit)
+        build_parser().parse_args(argv)
+    # the router in front: answers through it; an EAGLE-3 head: `train eagle3`
+    routed = _job(helm.render_values("multi-replica-autoscale-monitoring", "--set", "training.enabled=true"))[1]
+    assert routed["BASE_URL"] == "http://moa-moa-serve-router:30000"
+    c3, env3 = _job(helm.render_values("moa-training-job", "--set", "training.head=eagle3"))
+    assert _job_commands(c3, env3)["torchrun"][6:8] == ["train", "eagle3"]
+
+
+def test_the_training_job_needs_the_servers_cache(helm):
+    for args, message in [
+        (("--set", "modelCache.type=emptyDir"), "modelCache.type must be pvc or hostPath"),
+        (("--set", "sglang.kind=StatefulSet"), "modelCache.pvc.existingClaim"),
+        (("--set", "training.head=medusa"), "training.head"),
+    ]:
+        proc = helm.template("--set", "training.enabled=true", *args)
+        assert proc.returncode != 0 and message in proc.stderr, (args, proc.stderr)
+    shared = ("--set", "sglang.kind=StatefulSet", "--set", "modelCache.pvc.existingClaim=models")
+    assert helm.template("--set", "training.enabled=true", *shared).returncode == 0

@@ -259,3 +259,104 @@ def test_a_bad_workload_mix_is_a_clear_error(mix, message, tmp_path):
         cwd=tmp_path,
     )
     assert proc.returncode != 0 and f"MOA_LOADTEST_MIX: {message}" in proc.stderr, proc.stderr[-2000:]
+
+
+class TwoTenantsHandler(BaseHTTPRequestHandler):
+    """Two keys: the flood's requests alternate between a 429 (Retry-After: 1) and a stream, the steady key's always
+    stream; any other key is a 401. Records which key each request carried."""
+
+    protocol_version = "HTTP/1.1"
+    keys = ("sk-flood", "sk-steady")
+    seen: list[str] = []
+
+    def log_message(self, *args):
+        pass
+
+    def _json(self, status: int, body: dict, headers: dict | None = None) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        for k, v in {"content-type": "application/json", "content-length": str(len(data)), **(headers or {})}.items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _key(self) -> str | None:
+        key = (self.headers.get("authorization") or "").removeprefix("Bearer ")
+        if key in self.keys:
+            return key
+        self._json(401, {"error": {"message": "bad key", "type": "auth", "param": None, "code": None}})
+        return None
+
+    def do_GET(self):
+        if self._key():
+            self._json(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["content-length"]))
+        key = self._key()
+        if key is None:
+            return
+        self.seen.append(key)
+        if key == self.keys[0] and self.seen.count(key) % 2 == 1:
+            error = {"message": "busy", "type": "rate_limit_error", "param": None, "code": "rate_limit_exceeded"}
+            return self._json(429, {"error": error}, {"retry-after": "1"})
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("transfer-encoding", "chunked")
+        self.end_headers()
+        try:
+            for i in range(3):
+                time.sleep(0.01)
+                chunk = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": f"w{i}"}}]}
+                data = f"data: {json.dumps(chunk)}\n\n".encode()
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(b"data: [DONE]\n\n"), b"data: [DONE]\n\n"))
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+
+def test_noisy_neighbour_scenario_reports_each_tenants_ttft_and_rejections(tmp_path):
+    """loadtest/tenants.py under headless locust: the steady tenant alone, then beside the flood; each tenant's TTFT
+    by phase and its 429s (waited out, not failures), in the CSV and the summary JSON."""
+    TwoTenantsHandler.seen = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), TwoTenantsHandler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    env = {
+        **os.environ,
+        "MOA_LOADTEST_FLOOD_KEY": "sk-flood",
+        "MOA_LOADTEST_STEADY_KEY": "sk-steady",
+        "MOA_LOADTEST_ALONE_S": "2",
+        "MOA_LOADTEST_FLOOD_S": "3",
+        "MOA_LOADTEST_FLOOD_USERS": "3",
+        "MOA_LOADTEST_STEADY_WAIT": "0.1",
+        "MOA_LOADTEST_SUMMARY": str(tmp_path / "summary.json"),
+    }
+    env.pop("MOA_LOADTEST_MODEL", None)
+    try:
+        proc = subprocess.run(
+            [find_tool("locust"), "-f", str(ROOT / "loadtest" / "tenants.py"), "--headless"]
+            + ["--host", f"http://127.0.0.1:{server.server_address[1]}", "--csv", str(tmp_path / "run")]
+            + ["--only-summary", "--exit-code-on-error", "1"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+            cwd=tmp_path,
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    steady, flood = summary["steady"], summary["flood"]
+    assert steady["alone"]["count"] > 0 and steady["flood"]["count"] > 0 and steady["rejected"] == 0
+    assert flood["flood"]["count"] > 0 and flood["rejected"] > 0
+    assert 0 < steady["alone"]["p50"] <= steady["alone"]["p95"] <= steady["alone"]["max"]
+    rows = {(r["Type"], r["Name"]): r for r in csv.DictReader(open(tmp_path / "run_stats.csv"))}
+    assert int(rows[("", "Aggregated")]["Failure Count"]) == 0
+    for name in ("ttft_ms steady (alone)", "ttft_ms steady (flood)", "ttft_ms flood", "rejected flood"):
+        assert int(rows[("METRIC", name)]["Request Count"]) > 0, name
+    assert ("METRIC", "rejected steady") not in rows
+    assert float(rows[("METRIC", "rejected flood")]["Average Response Time"]) == 1000  # its Retry-After, in ms
+    assert TwoTenantsHandler.seen.index("sk-flood") > TwoTenantsHandler.seen.index("sk-steady")  # alone, then flood

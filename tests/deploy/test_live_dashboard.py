@@ -31,6 +31,12 @@ EXEMPT = {
         "(serving/engine.py _fallback); no request parameter makes the ngram drafter fail, and serving/ is "
         "not changed to inject one",
     ),
+    "Rejections/s by tenant [A]": (
+        "moa_tenant_rejections_total",
+        "a series per `reason` appears only when a tenant is refused (a full queue, a max_queued or "
+        "tokens_per_minute limit); the burst below stays within the queue and the keys file sets no limits "
+        "(tests/serving/test_gateway_tenants.py and test_gateway_errors.py check these series)",
+    ),
 }
 
 BURST = [  # repetitive prompts: the ngram drafter finds matches, so draft and accepted tokens are > 0

@@ -8,6 +8,7 @@ import concurrent.futures as cf
 import itertools
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -533,6 +534,51 @@ def test_api_keys(tiny, tmp_path):
         assert ok.models.list().data[0].id == MODEL
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=srv.url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_a_keys_tenant_limits_tokens_per_minute(tiny, tmp_path):
+    """A key's tokens_per_minute counts prompt + max_tokens of its requests in the last minute (settled to what
+    they used): over it a 429 with Retry-After; one request over it alone a 400 naming max_tokens; another key's
+    requests are not refused because of it."""
+    f = tmp_path / "keys"
+    f.write_text("sk-metered tenant=metered tokens_per_minute=300\nsk-free\n")
+    srv, _, telemetry = serve(tiny, keys=APIKeys(file=f))
+    body = msg(max_tokens=100, ignore_eos=True)  # ~110 tokens with the prompt
+    with srv, httpx.Client(base_url=srv.url, timeout=60) as c:
+        metered, free = ({"authorization": f"Bearer {k}"} for k in ("sk-metered", "sk-free"))
+        assert [c.post(CHAT, json=body, headers=metered).status_code for _ in range(2)] == [200, 200]
+        r = c.post(CHAT, json=body, headers=metered)
+        err = assert_error_shape(r, 429, code="rate_limit_exceeded")
+        assert 1 <= int(r.headers["retry-after"]) <= 60 and "tokens per minute" in err["message"]
+        err = assert_error_shape(c.post(CHAT, json=msg(max_tokens=400), headers=metered), 400, param="max_tokens")
+        assert "300 tokens per minute" in err["message"]
+        assert [c.post(CHAT, json=body, headers=free).status_code for _ in range(3)] == [200] * 3
+        metrics = c.get("/metrics").text
+    assert 'reason="tokens_per_minute",tenant="metered"} 1.0' in metrics
+    assert 'reason="too_large",tenant="metered"} 1.0' in metrics
+    assert 'status="ok",tenant="key2"} 3.0' in metrics  # sk-free: the second key, unnamed
+    assert "sk-metered" not in metrics and "sk-free" not in metrics
+
+
+def test_a_bad_keys_file_is_a_one_line_error_and_a_bad_reload_keeps_the_keys(tmp_path, capsys, caplog, monkeypatch):
+    from moa_serve.entrypoints.cli import main
+
+    f = tmp_path / "keys"
+    f.write_text("sk-good-1\nsk-good-2 tenant=team weight=two\n")
+    assert main(["serve", "--api-keys-file", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"API keys file {f} line 2: weight must be a number > 0, got 'two'" in err
+    assert "sk-good" not in err
+    f.write_text("sk-good-1\n")
+    keys = APIKeys(file=f)
+    assert keys.tenant_of("Bearer sk-good-1").name == "key1"
+    f.write_text("sk-good-1\nsk-good-1 tenant=again\n")  # a rotation gone wrong: the last good keys stay
+    os.utime(f, (time.time() + 5, time.time() + 5))
+    monkeypatch.setattr("serving.gateway.auth.RELOAD_CHECK_S", 0.0)
+    with caplog.at_level(logging.ERROR, logger="serving.gateway.auth"):
+        assert keys.check("Bearer sk-good-1")
+    assert "line 2: the same key as line 1; keeping the keys read before" in caplog.text
+    assert "sk-good" not in caplog.text
 
 
 class SlowDrafter(NgramDrafter):

@@ -22,11 +22,13 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from helpers import AdmissionLog, flood, wait_for
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from serving.backends.sglang import SGLangBackend, UpstreamConfig
 from serving.backends.telemetry import Telemetry
-from serving.gateway.app import create_app
+from serving.gateway.app import GatewayConfig, create_app
+from serving.gateway.auth import APIKeys
 from serving.gateway.server import DrainingServer, ServerThread
 from serving.metrics import Metrics
 
@@ -53,6 +55,8 @@ class FakeSGLang:
         self.disconnects = 0
         self.flushes = 0
         self.healthy = True
+        self.gate = threading.Event()  # prompt "gated": streams once the test sets it
+        self.gate.set()
         app = self.app = FastAPI()
 
         @app.get("/health")
@@ -161,6 +165,8 @@ class FakeSGLang:
 
         async def events():
             try:
+                while prompt == "gated" and not self.gate.is_set():
+                    await asyncio.sleep(0.01)
                 if chat:
                     yield chunk(
                         choices=[{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
@@ -201,11 +207,11 @@ class StepClock:
         return self.now
 
 
-def gateway(url: str, clock=time.monotonic, **cfg):
+def gateway(url: str, clock=time.monotonic, keys: APIKeys | None = None, **cfg):
     metrics = Metrics()
     telemetry = Telemetry(metrics, "moa", "sglang")
     backend = SGLangBackend(UpstreamConfig(url, **cfg), ["llama-8b"], "moa", telemetry, clock=clock)
-    return ServerThread(create_app(backend, telemetry)), telemetry
+    return ServerThread(create_app(backend, telemetry, GatewayConfig(api_keys=keys))), telemetry
 
 
 @pytest.fixture(scope="module")
@@ -634,3 +640,64 @@ def test_drain_deadline_aborts_upstream_streams_with_an_openai_error(upstream):
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def test_the_same_fair_admission_guards_the_upstream(upstream, tmp_path):
+    """The embedded engine's Must-show through --backend sglang: a plain keys file (two tenants of equal weight),
+    at most 4 upstream requests and 4 waiting; A keeps 12 in flight, B sends one at a time. B gets no 429 and each
+    of its requests goes upstream before every A request waiting when it arrived; A's excess gets 429 +
+    Retry-After; answers are the upstream's. Order from the admission queue's log, not from timing: the upstream
+    holds A's first requests until the test opens its gate."""
+    keys = ("sk-upstream-a-7d1e", "sk-upstream-b-c40f")
+    (tmp_path / "keys").write_text("\n".join(keys) + "\n")
+    srv, telemetry = gateway(upstream.url, keys=APIKeys(file=tmp_path / "keys"), max_running=4, max_queue=4)
+    backend = srv.server.config.app.state.backend
+    body_a = {"model": "llama-8b", "messages": [{"role": "user", "content": "gated"}], "max_tokens": 3}
+    body_b = {"model": "llama-8b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    b_responses = []
+
+    def post_b():
+        r = httpx.post(srv.url + "/v1/chat/completions", json=body_b, headers={"Authorization": f"Bearer {keys[1]}"})
+        b_responses.append(r)
+
+    with srv, AdmissionLog() as log:
+        upstream.gate.clear()
+        fa = flood(srv.url, "/v1/chat/completions", body_a, keys[0], clients=12)
+        try:
+            wait_for("A's 4 upstream and 4 waiting", lambda: backend.load() == (4, 4))
+            wait_for("A's excess refused", lambda: fa.statuses().count(429) >= 4)
+            first_b = threading.Thread(target=post_b)
+            first_b.start()
+            wait_for(
+                "B's request queued (or answered)",
+                lambda: ("queued", "key2") in [e[:2] for e in log.events] or b_responses,
+            )
+            upstream.gate.set()
+            first_b.join(60)
+            for _ in range(2):
+                wait_for("A's queue refilled", lambda: backend.load()[1] >= 3)
+                post_b()
+        finally:
+            upstream.gate.set()
+            fa.stop.set()
+            for t in fa.threads:
+                t.join(60)
+        metrics = httpx.get(srv.url + "/metrics").text
+
+    assert [r.status_code for r in b_responses] == [200] * 3, [r.text for r in b_responses]
+    assert all(r.json()["choices"][0]["message"]["content"] == expected(2) for r in b_responses)
+    assert {s for s, _, _ in fa.results} <= {200, 429}
+    assert all(b["choices"][0]["message"]["content"] == expected(3) for s, _, b in fa.results if s == 200)
+    refused = [(retry, b) for s, retry, b in fa.results if s == 429]
+    assert len(refused) >= 4 and all(
+        int(retry) >= 1 and b["error"]["code"] == "rate_limit_exceeded" for retry, b in refused
+    )
+    arrivals = log.queued_at_arrivals("key2")
+    assert len(arrivals) == 3 and arrivals[0][1], "B's first request found A's queue full"
+    for seq, a_waiting in arrivals:
+        assert not a_waiting & set(log.admitted_before(seq)), f"an A request queued before B's #{seq} went first"
+    assert 'moa_tenant_rejections_total{backend="sglang",drafter="moa",reason="queue",tenant="key1"}' in metrics
+    assert 'moa_tenant_requests_total{backend="sglang",drafter="moa",status="ok",tenant="key2"} 3.0' in metrics
+    for secret in keys:
+        assert secret not in metrics and not [line for line in log.lines if secret in line]
+    assert backend.load() == (0, 0)

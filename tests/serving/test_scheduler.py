@@ -12,15 +12,14 @@ def _req(rid: int, n: int) -> Request:
     return Request(rid, list(range(1, n + 1)), SamplingParams(max_new_tokens=4), None)
 
 
-def test_waiting_queue_serves_in_order_removes_anywhere_and_admits_while_the_room_lasts():
-    q: WaitingQueue[str] = WaitingQueue(cost=len)
+def test_waiting_queue_serves_in_order_and_removes_anywhere():
+    q: WaitingQueue[str] = WaitingQueue()
     for item in ("aa", "b", "cccc", "dd"):
         q.push(item)
     assert len(q) == 4 and list(q) == ["aa", "b", "cccc", "dd"] and "b" in q
     assert q.remove("b") and not q.remove("b") and "b" not in q
-    assert q.admit(room=5, limit=8) == ["aa"]  # "cccc" does not fit the 3 left: it stops the admission (no overtaking)
-    assert q.admit(room=10, limit=1) == ["cccc"]  # at most `limit`
-    assert q.pop_next() == "dd" and not q and q.admit(10, 8) == []
+    assert q.pop_next() == "aa" and q.pop_next() == "cccc"
+    assert q.clear() == ["dd"] and not q
 
 
 def test_prompts_are_prefilled_in_chunks_within_the_budget():
