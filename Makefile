@@ -13,7 +13,7 @@ SERVE_DRAFTER ?= auto
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml setup.py sglang_ext/kernels/cpu_linear.cpp sglang_ext/kernels/cpu_attention.cpp sglang_ext/kernels/cpu_layer_ops.cpp sglang_ext/kernels/avx2_math.h
+$(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml setup.py $(wildcard sglang_ext/kernels/*.cpp sglang_ext/kernels/*.h)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt

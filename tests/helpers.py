@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
 
 from sglang_ext.models import LlamaConfig, LlamaModel, Target
 
@@ -352,3 +355,24 @@ def alone_or_batched(bs: int) -> slice:
     """The prompts an identity test at batch size bs takes: the odd ones alone, the even ones batched, so each
     prompt is checked once per drafter and shape."""
     return slice(1, None, 2) if bs == 1 else slice(0, None, 2)
+
+
+# --- GGUF blocks ---------------------------------------------------------------------------------
+
+BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
+GGML = {"Q4_1": GGMLQuantizationType.Q4_1, "Q8_0": GGMLQuantizationType.Q8_0}
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int) -> torch.Tensor:
+    """Valid random blocks: finite fp16 scale (and min), random quants."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n, k // 32, BLOCK_BYTES[kind]), dtype=np.uint8)
+    blocks[:, :, 0:2] = rng.uniform(0.001, 0.05, size=(n, k // 32)).astype(np.float16)[..., None].view(np.uint8)
+    if kind == "Q4_1":
+        blocks[:, :, 2:4] = rng.uniform(-0.4, 0.0, size=(n, k // 32)).astype(np.float16)[..., None].view(np.uint8)
+    return torch.from_numpy(blocks.reshape(n, -1))
+
+
+def gguf_dequant(kind: str, blocks: torch.Tensor) -> torch.Tensor:
+    """gguf's own numpy dequantizer: what the converter wrote as the fp32 weights."""
+    return torch.from_numpy(dequantize(blocks.numpy(), GGML[kind]).reshape(blocks.shape[0], -1).astype(np.float32))

@@ -3,7 +3,8 @@
 the bf16 halves of a bf16 drafter checkpoint run in fp32: attach_bf16_halves);
 the `tree_attention` op (cpu_attention.cpp) backs the "cpu" attention backend (sglang_ext/attention/cpu.py);
 the layer glue ops (cpu_layer_ops.cpp) do a decoder layer's norms, RoPE + K/V store and SiLU in one
-call each (models/llama.py, when uses_layer_ops).
+call each (models/llama.py, when uses_layer_ops); the `q8` dtype's decoder stack (cpu_q8.cpp: integer dot
+products of the GGUF blocks with 8-bit activations, the whole forward in one call) is built by q8_stack.
 
 `linear(x, w)` sends fp32 inputs with at most SMALL_ROWS rows (decode, tree verify, draft steps; 128, or
 24 on AVX-512 CPUs, see _kernel_rows) to
@@ -91,6 +92,47 @@ def _init() -> None:
     rope_store = ops.rope_store if layer_ops else None
     silu_mul = ops.silu_mul if layer_ops else None
     _ready = True
+
+
+def q8_unavailable() -> str | None:
+    """Why the q8 decoder stack (cpu_q8.cpp) cannot run here, or None when it can."""
+    if not _ready:
+        _init()
+    if not AVAILABLE:
+        return f"the CPU kernels are unavailable ({UNAVAILABLE})"
+    ops = torch.ops.moa_cpu
+    if not hasattr(ops, "q8_supported"):
+        return "the CPU kernels were built without the q8 stack (rebuild: pip install -e .)"
+    if not ops.q8_supported():
+        return "this CPU lacks AVX-512 VNNI"
+    return None
+
+
+def q8_stack(cfg, layers, norm: torch.Tensor, lm_head: torch.Tensor):
+    """The q8 decoder stack (a torch.classes.moa_cpu.Q8Stack) of a Llama-family model: `layers` (models/llama.py
+    LayerWeights, whose fused weights carry their GGUF blocks: attach_packed), the final norm and the head's
+    blocks. Raises ValueError naming what is missing."""
+    why = q8_unavailable()
+    if why is not None:
+        raise ValueError(f"dtype q8: {why}")
+
+    def blocks(w: torch.Tensor, name: str) -> tuple[torch.Tensor, int]:
+        p = getattr(w, "moa_packed", None)
+        if p is None or p[0] not in (PACKED_KIND_IDS["Q4_1"], PACKED_KIND_IDS["Q8_0"]):
+            raise ValueError(
+                f"dtype q8 needs the Q4_1/Q8_0 GGUF blocks of every layer weight and of the head; {name} has none"
+            )
+        return p[1], p[0]
+
+    stack = torch.classes.moa_cpu.Q8Stack(
+        cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps
+    )
+    for i, lw in enumerate(layers):
+        qkv, o = blocks(lw.qkv, f"layer {i} qkv"), blocks(lw.o, f"layer {i} o")
+        gate_up, down = blocks(lw.gate_up, f"layer {i} gate_up"), blocks(lw.down, f"layer {i} down")
+        stack.add_layer(lw.input_norm, *qkv, lw.qkv_bias, *o, lw.post_norm, *gate_up, *down)
+    stack.set_head(norm, *blocks(lm_head, "the head"))
+    return stack
 
 
 def __getattr__(name: str):

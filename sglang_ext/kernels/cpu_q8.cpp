@@ -1,0 +1,601 @@
+// The `q8` dtype's decoder stack: matmuls as integer dot products of the GGUF weight blocks (Q4_1 layers,
+// Q8_0 head) with activations quantised to 8 bits per block of 32, and a whole forward (every layer, its
+// glue and its attention) in one call. x86-64 with AVX-512 VNNI.
+//
+// Why: a bs-1 step of a small target is bound by instructions, not bytes, when each weight is dequantised to
+// fp32 and multiplied with fp32 FMAs (~30 instructions per 32 weights and row), and ~300 op calls per step
+// (four matmuls, five glue ops and the attention per layer, each a torch op and an OpenMP region) add ~2 ms.
+// Here a block of 32 weights of 16 rows is 8 VNNI instructions per row, so a step streams its weight bytes at
+// close to memory speed, and the step is one OpenMP region with a barrier between phases.
+//
+// Numbers: activation row x (fp32) -> per block of 32 values d = max|x| / 127, q = round(x / d) (int8),
+// s = sum(q). Weight row w: GGUF blocks, Q4_1 (w = d_w * n + m_w, n in 0..15) or Q8_0 (w = d_w * n, n int8).
+// A block's product is exact in int32 (sum of n * q), then per block, in block order:
+//   acc = fma(d_w * d_x, float(sum n q), acc);  acc = fma(m_w, d_x * float(s), acc)   (Q4_1)
+//   acc = fma(d_w * d_x, float(sum n q), acc)                                          (Q8_0)
+// Every output is that fixed sequence for its row whatever the other rows, the tile or the thread: a tree row
+// is bit-identical to the decode of its token alone (batch invariance), at every batch size.
+//
+// Layout (repacked once at load): GROUP = 16 weight rows interleaved, so one 16-lane register holds a value of
+// each row. Per group and block of 32 weights: Q4_1 320 bytes = 4 x 64 bytes (for the 16 rows in turn, bytes
+// 4c..4c+3 of the row's 16 nibble bytes: low nibbles are weights 4c..4c+3, high nibbles 16+4c..16+4c+3), then
+// 16 fp16 d and 16 fp16 m; Q8_0 544 bytes = 8 x 64 bytes (16 rows x weights 4c..4c+3, stored as n + 128 so
+// VNNI's unsigned x signed product applies; the block sum subtracts 128 * s), then 16 fp16 d. One broadcast of
+// 4 activation bytes and one dpbusd give 4 products for each of the 16 rows.
+//
+// The forward keeps the residual stream, norms, RoPE, attention, SiLU and the K/V pool in fp32 (the pool is
+// what the drafters read), with the glue and attention row routines of the fp32 path (layer_rows.h,
+// attention_rows.h). Phases per layer, each split over the threads, a barrier after each: RMSNorm + quantise;
+// qkv + RoPE + K/V store (by head); attention + quantise (by request, kv head, query head, rows); o + residual;
+// RMSNorm + quantise; gate/up + SiLU * up + quantise (by 32 features); down + residual.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <omp.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include "attention_rows.h"
+#include "layer_rows.h"
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+#define MOA_VNNI __attribute__((target("avx512f,avx512dq,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+
+constexpr int64_t QK = 32;     // values per block (GGUF weights, q8 activations)
+constexpr int64_t GROUP = 16;  // interleaved weight rows
+constexpr int64_t TILE = 8;    // activation rows per pass over a group's unpacked block
+constexpr int64_t KIND_Q4_1 = 0, KIND_Q8_0 = 1;  // kernels/__init__.py PACKED_KIND_IDS
+constexpr int64_t SRC_BYTES[2] = {20, 34};       // GGUF bytes per block
+constexpr int64_t GROUP_BYTES[2] = {320, 544};   // repacked bytes per group and block
+
+bool vnni_supported() {
+  static const bool yes = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return yes;
+}
+
+// --- activations --------------------------------------------------------------------------------
+
+// T rows of K values as 8-bit blocks: row t's values q + t*K, its per-block d and s at t*K/32.
+struct Q8Rows {
+  at::Tensor qt, dt, st;
+  int8_t* q = nullptr;
+  float* d = nullptr;
+  int32_t* s = nullptr;
+  int64_t K = 0;
+
+  Q8Rows() = default;
+  Q8Rows(int64_t T, int64_t K_) : K(K_) {
+    qt = at::empty({T, K}, at::kChar);
+    dt = at::empty({T, K / QK}, at::kFloat);
+    st = at::empty({T, K / QK}, at::kInt);
+    q = qt.data_ptr<int8_t>();
+    d = dt.data_ptr<float>();
+    s = st.data_ptr<int32_t>();
+  }
+};
+
+// One block of 32 values: d = max|x| / 127, q = round-to-nearest-even(x * 127 / max|x|), s = sum(q). A block
+// holding a NaN or an infinity gets d = NaN, so the non-finite value reaches every output it feeds.
+MOA_VNNI inline void quantize_block(const float* x, int8_t* q, float* d, int32_t* s) {
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const __m512 inf = _mm512_set1_ps(INFINITY);
+  const __mmask16 bad = _mm512_cmp_ps_mask(_mm512_abs_ps(a), inf, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(_mm512_abs_ps(b), inf, _CMP_NLT_UQ);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const float id = amax > 0.0f && !bad ? 127.0f / amax : 0.0f;
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id)));
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(id)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
+  *d = bad ? NAN : amax / 127.0f;
+  *s = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+}
+
+MOA_VNNI inline void quantize_row(const float* x, const Q8Rows& out, int64_t t) {
+  const int64_t nb = out.K / QK;
+  for (int64_t b = 0; b < nb; ++b) quantize_block(x + b * QK, out.q + t * out.K + b * QK, out.d + t * nb + b, out.s + t * nb + b);
+}
+
+// --- weights ------------------------------------------------------------------------------------
+
+// A weight matrix [N, K] repacked from its GGUF blocks into groups of 16 rows (rows past N are zeros).
+struct PackedMat {
+  at::Tensor data;  // uint8 [groups, K / 32 * GROUP_BYTES[kind]]
+  int64_t kind = 0, N = 0, K = 0, groups = 0;
+
+  const uint8_t* group(int64_t g) const { return data.data_ptr<uint8_t>() + g * (K / QK) * GROUP_BYTES[kind]; }
+};
+
+PackedMat repack(const at::Tensor& blocks, int64_t kind, int64_t K) {
+  TORCH_CHECK(kind == KIND_Q4_1 || kind == KIND_Q8_0, "q8: weight blocks must be Q4_1 (0) or Q8_0 (1), got kind ", kind);
+  TORCH_CHECK(K % QK == 0 && K > 0, "q8: K must be a positive multiple of 32, got ", K);
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.size(1) == K / QK * SRC_BYTES[kind],
+              "q8: blocks must be uint8 [N, K / 32 * ", SRC_BYTES[kind], "] for K = ", K);
+  const at::Tensor src = blocks.contiguous();
+  PackedMat m;
+  m.kind = kind, m.N = src.size(0), m.K = K, m.groups = (m.N + GROUP - 1) / GROUP;
+  const int64_t nb = K / QK, gb = GROUP_BYTES[kind], sb = SRC_BYTES[kind];
+  m.data = at::zeros({m.groups, nb * gb}, at::kByte);
+  const uint8_t* sp = src.data_ptr<uint8_t>();
+  uint8_t* dp = m.data.data_ptr<uint8_t>();
+  for (int64_t n = 0; n < m.N; ++n) {
+    const int64_t g = n / GROUP, r = n % GROUP;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* s = sp + n * nb * sb + b * sb;
+      uint8_t* blk = dp + (g * nb + b) * gb;
+      if (kind == KIND_Q4_1) {  // d, m (fp16), 16 nibble bytes
+        for (int c = 0; c < 4; ++c) std::memcpy(blk + 64 * c + 4 * r, s + 4 + 4 * c, 4);
+        std::memcpy(blk + 256 + 2 * r, s, 2);
+        std::memcpy(blk + 288 + 2 * r, s + 2, 2);
+      } else {  // d (fp16), 32 int8
+        for (int c = 0; c < 8; ++c)
+          for (int j = 0; j < 4; ++j) blk[64 * c + 4 * r + j] = static_cast<uint8_t>(static_cast<int8_t>(s[2 + 4 * c + j]) + 128);
+        std::memcpy(blk + 512 + 2 * r, s, 2);
+      }
+    }
+  }
+  return m;
+}
+
+inline int32_t load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// acc[r] = the 16 outputs of group w for activation rows t0 .. t0 + R - 1 (the sequence in the header).
+template <int R>
+MOA_VNNI __attribute__((always_inline)) inline void q4_1_tile(const uint8_t* w, const Q8Rows& x, int64_t t0, __m512 (&acc)[R]) {
+  const int64_t nb = x.K / QK;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w += GROUP_BYTES[KIND_Q4_1]) {
+    __m512i lo[4], hi[4];
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_loadu_si512(w + 64 * c);
+      lo[c] = _mm512_and_si512(v, low);
+      hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    }
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 256)));
+    const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 288)));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xb = x.q + (t0 + r) * x.K + b * QK;
+      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[0], _mm512_set1_epi32(load4(xb)));
+      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), hi[0], _mm512_set1_epi32(load4(xb + 16)));
+#pragma GCC unroll 3
+      for (int c = 1; c < 4; ++c) {
+        s0 = _mm512_dpbusd_epi32(s0, lo[c], _mm512_set1_epi32(load4(xb + 4 * c)));
+        s1 = _mm512_dpbusd_epi32(s1, hi[c], _mm512_set1_epi32(load4(xb + 16 + 4 * c)));
+      }
+      const float dx = x.d[(t0 + r) * nb + b];
+      const float sx = dx * static_cast<float>(x.s[(t0 + r) * nb + b]);
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), acc[r]);
+      acc[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx), acc[r]);
+    }
+  }
+}
+
+template <int R>
+MOA_VNNI __attribute__((always_inline)) inline void q8_0_tile(const uint8_t* w, const Q8Rows& x, int64_t t0, __m512 (&acc)[R]) {
+  const int64_t nb = x.K / QK;
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, w += GROUP_BYTES[KIND_Q8_0]) {
+    __m512i v[8];
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) v[c] = _mm512_loadu_si512(w + 64 * c);
+    const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 512)));
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xb = x.q + (t0 + r) * x.K + b * QK;
+      __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[0], _mm512_set1_epi32(load4(xb)));
+      __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), v[4], _mm512_set1_epi32(load4(xb + 16)));
+#pragma GCC unroll 3
+      for (int c = 1; c < 4; ++c) {
+        s0 = _mm512_dpbusd_epi32(s0, v[c], _mm512_set1_epi32(load4(xb + 4 * c)));
+        s1 = _mm512_dpbusd_epi32(s1, v[4 + c], _mm512_set1_epi32(load4(xb + 16 + 4 * c)));
+      }
+      const int32_t offset = 128 * x.s[(t0 + r) * nb + b];  // the weights are stored as n + 128
+      const __m512i sum = _mm512_sub_epi32(_mm512_add_epi32(s0, s1), _mm512_set1_epi32(offset));
+      const float dx = x.d[(t0 + r) * nb + b];
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dw, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(sum), acc[r]);
+    }
+  }
+}
+
+// y[t, 16g + i] = (res ? res[t, 16g + i] : 0) + (W x_t)[16g + i] for every row t < T (outputs past N are not stored)
+template <int R>
+MOA_VNNI inline void group_rows(const PackedMat& W, int64_t g, const Q8Rows& x, int64_t t0, float* y, int64_t ldy, const float* res, int64_t ldr) {
+  __m512 acc[R];
+  if (W.kind == KIND_Q4_1)
+    q4_1_tile<R>(W.group(g), x, t0, acc);
+  else
+    q8_0_tile<R>(W.group(g), x, t0, acc);
+  const int64_t n0 = g * GROUP;
+  const __mmask16 keep = W.N - n0 >= GROUP ? __mmask16(0xFFFF) : __mmask16((1u << (W.N - n0)) - 1);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    __m512 v = acc[r];
+    if (res) v = _mm512_add_ps(_mm512_maskz_loadu_ps(keep, res + (t0 + r) * ldr + n0), v);
+    _mm512_mask_storeu_ps(y + (t0 + r) * ldy + n0, keep, v);
+  }
+}
+
+template <int R = 1, class F>
+inline void with_tile_rows(int64_t rows, F&& f) {
+  if constexpr (R < TILE) {
+    if (rows == R) return f.template operator()<R>();
+    return with_tile_rows<R + 1>(rows, f);
+  } else {
+    f.template operator()<TILE>();
+  }
+}
+
+MOA_VNNI void gemm_group(const PackedMat& W, int64_t g, const Q8Rows& x, int64_t T, float* y, int64_t ldy, const float* res = nullptr,
+                         int64_t ldr = 0) {
+  for (int64_t t0 = 0; t0 < T; t0 += TILE)
+    with_tile_rows(std::min(TILE, T - t0), [&]<int R>() { group_rows<R>(W, g, x, t0, y, ldy, res, ldr); });
+}
+
+// --- the stack ----------------------------------------------------------------------------------
+
+struct Layer {
+  at::Tensor in_norm, post_norm, qkv_bias;  // fp32; qkv_bias undefined when the model has none
+  PackedMat qkv, o, gate_up, down;
+};
+
+// One forward's buffers (made per call: the stack is shared by every caller, e.g. a drafter's TLI layers).
+struct Buffers {
+  int64_t T;
+  at::Tensor x, h, qkv, q, a, gu, m;  // fp32: residual [T, H], normed [T, H], [T, Nqkv], [T, Hq * D], [T, Hq * D], [T, 2I], [T, I]
+  Q8Rows hq, aq, mq;                  // the quantised inputs of qkv / gate_up (hq), o (aq), down (mq)
+};
+
+struct AttnTask {
+  int64_t g, h, row0, rows;  // kv head, query head within it, rows [row0, row0 + rows)
+};
+
+class Q8Stack : public torch::CustomClassHolder {
+ public:
+  Q8Stack(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter, double eps)
+      : H(hidden), Hq(heads), Hkv(kv_heads), D(head_dim), I(inter), eps(static_cast<float>(eps)) {
+    TORCH_CHECK(vnni_supported(), "q8: this CPU lacks AVX-512 VNNI (F/DQ/BW/VL/VNNI)");
+    TORCH_CHECK(H % QK == 0 && I % QK == 0 && (D == 64 || D == 128) && Hq % Hkv == 0 && Hq * D % QK == 0,
+                "q8: needs hidden and intermediate sizes multiples of 32, head_dim 64 or 128, heads a multiple of kv heads");
+    Nqkv = (Hq + 2 * Hkv) * D;
+  }
+
+  void add_layer(const at::Tensor& in_norm, const at::Tensor& qkv, int64_t qkv_kind, const c10::optional<at::Tensor>& qkv_bias,
+                 const at::Tensor& o, int64_t o_kind, const at::Tensor& post_norm, const at::Tensor& gate_up, int64_t gate_up_kind,
+                 const at::Tensor& down, int64_t down_kind) {
+    Layer l;
+    l.in_norm = norm_weight(in_norm, H);
+    l.post_norm = norm_weight(post_norm, H);
+    if (qkv_bias.has_value()) {
+      TORCH_CHECK(qkv_bias->numel() == Nqkv, "q8: qkv bias must have ", Nqkv, " values");
+      l.qkv_bias = qkv_bias->to(at::kFloat).contiguous();
+    }
+    l.qkv = checked(repack(qkv, qkv_kind, H), Nqkv, "qkv");
+    l.o = checked(repack(o, o_kind, Hq * D), H, "o");
+    l.gate_up = checked(repack(gate_up, gate_up_kind, H), 2 * I, "gate_up");
+    l.down = checked(repack(down, down_kind, I), H, "down");
+    TORCH_CHECK(I % GROUP == 0, "q8: intermediate size must be a multiple of 16");
+    layers.push_back(std::move(l));
+  }
+
+  void set_head(const at::Tensor& final_norm, const at::Tensor& head, int64_t kind) {
+    norm = norm_weight(final_norm, H);
+    lm_head = repack(head, kind, H);
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
+
+  // The decoder stack over x [T, H] (fp32 embeddings): layers `ids` (indices into this stack) in order,
+  // layer ids[i] reading and writing k_pools[i] / v_pools[i] [slots, Hkv, D] (row t's K/V at slots[t]);
+  // attention per the plan (at most what tree_attention takes). Returns [final-normed hidden, the outputs of
+  // the layers at positions `capture` of ids, in that order].
+  std::vector<at::Tensor> forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots,
+                                  const std::vector<at::Tensor>& k_pools, const std::vector<at::Tensor>& v_pools, const std::vector<int64_t>& ids,
+                                  const at::Tensor& qo_indptr, const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
+                                  const at::Tensor& custom_mask, double scale, const std::vector<int64_t>& capture) {
+    const int64_t T = check_rows(x, cos, sin, slots);
+    TORCH_CHECK(k_pools.size() == ids.size() && v_pools.size() == ids.size(), "q8 forward: one k and one v pool per layer");
+    for (size_t i = 0; i < ids.size(); ++i) {
+      TORCH_CHECK(ids[i] >= 0 && ids[i] < num_layers(), "q8 forward: layer ", ids[i], " outside the stack");
+      check_pool(k_pools[i], v_pools[i], slots);
+    }
+    std::vector<bool> keep(ids.size(), false);
+    for (int64_t c : capture) {
+      TORCH_CHECK(c >= 0 && c < static_cast<int64_t>(ids.size()), "q8 forward: capture position ", c, " outside the layers");
+      keep[c] = true;
+    }
+    const moa_attention::RowPlan rp = moa_attention::plan_rows(qo_indptr, kv_indptr, kv_indices, custom_mask, T,
+                                                               k_pools.empty() ? 0 : k_pools[0].size(0), "q8 forward");
+    const std::vector<AttnTask> tasks = attention_tasks(rp);
+    Buffers buf = buffers(T);
+    buf.x.copy_(x);
+    std::vector<at::Tensor> captured(ids.size());
+    for (size_t i = 0; i < ids.size(); ++i)
+      if (keep[i]) captured[i] = at::empty({T, H}, x.options());
+    at::Tensor out = at::empty({T, H}, x.options());
+    const float sc = static_cast<float>(scale);
+#pragma omp parallel num_threads(threads(T))
+    {
+      for (size_t i = 0; i < ids.size(); ++i) {
+        const Layer& l = layers[ids[i]];
+        norm_quantize(buf, l.in_norm);
+        qkv_rope_store(buf, l, cos, sin, slots, k_pools[i], v_pools[i]);
+        attention(buf, tasks, rp, k_pools[i], v_pools[i], sc);
+        out_ffn(buf, l);
+        if (keep[i]) {
+#pragma omp for schedule(static)
+          for (int64_t t = 0; t < T; ++t) std::memcpy(captured[i].data_ptr<float>() + t * H, buf.x.data_ptr<float>() + t * H, H * sizeof(float));
+        }
+      }
+      final_norm(buf, out);
+    }
+    std::vector<at::Tensor> result{out};
+    for (int64_t c : capture) result.push_back(captured[c]);
+    return result;
+  }
+
+  // One layer's first half (the per-layer path: prompt blocks, drafters' TLI layers): RMSNorm, quantise, qkv,
+  // RoPE, K/V store into the pools at slots. Returns q [T, Hq, D] for the attention.
+  at::Tensor layer_qkv(const at::Tensor& x, int64_t layer, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
+                       const at::Tensor& v_pool, const at::Tensor& slots) {
+    const int64_t T = check_rows(x, cos, sin, slots);
+    TORCH_CHECK(layer >= 0 && layer < num_layers(), "q8 layer_qkv: layer ", layer, " outside the stack");
+    check_pool(k_pool, v_pool, slots);
+    Buffers buf = buffers(T);
+    buf.x.copy_(x);
+#pragma omp parallel num_threads(threads(T))
+    {
+      norm_quantize(buf, layers[layer].in_norm);
+      qkv_rope_store(buf, layers[layer], cos, sin, slots, k_pool, v_pool);
+    }
+    return buf.q.view({T, Hq, D});
+  }
+
+  // The layer's second half: x [T, H] (the residual stream) and the attention output a [T, Hq * D] -> x + o(a),
+  // then + down(SiLU(gate) * up) of its RMSNorm. Bit-identical to what forward computes for the same rows.
+  at::Tensor layer_out(const at::Tensor& x, const at::Tensor& a, int64_t layer) {
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == H, "q8 layer_out: x must be fp32 [T, ", H, "]");
+    const int64_t T = x.size(0);
+    TORCH_CHECK(a.device().is_cpu() && a.scalar_type() == at::kFloat && a.numel() == T * Hq * D, "q8 layer_out: a must be fp32 [T, ", Hq * D, "]");
+    TORCH_CHECK(layer >= 0 && layer < num_layers(), "q8 layer_out: layer ", layer, " outside the stack");
+    Buffers buf = buffers(T);
+    buf.x.copy_(x);
+    const at::Tensor ac = a.reshape({T, Hq * D}).contiguous();
+#pragma omp parallel num_threads(threads(T))
+    {
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < T; ++t) quantize_row(ac.data_ptr<float>() + t * Hq * D, buf.aq, t);
+      out_ffn(buf, layers[layer]);
+    }
+    return buf.x;
+  }
+
+  // logits [T, V] of final-normed hidden states h [T, H]
+  at::Tensor logits(const at::Tensor& h) {
+    TORCH_CHECK(lm_head.data.defined(), "q8 logits: no head set");
+    return matmul_of(h, lm_head, "q8 logits");
+  }
+
+  // x [T, K] times one of a layer's weights (which: 0 qkv, 1 o, 2 gate_up, 3 down), quantised as forward does
+  at::Tensor matmul(const at::Tensor& x, int64_t layer, int64_t which) {
+    TORCH_CHECK(layer >= 0 && layer < num_layers() && which >= 0 && which < 4, "q8 matmul: no such layer or weight");
+    const Layer& l = layers[layer];
+    const PackedMat* w[4] = {&l.qkv, &l.o, &l.gate_up, &l.down};
+    return matmul_of(x, *w[which], "q8 matmul");
+  }
+
+ private:
+  int64_t H, Hq, Hkv, D, I, Nqkv;
+  float eps;
+  std::vector<Layer> layers;
+  at::Tensor norm;
+  PackedMat lm_head;
+
+  static at::Tensor norm_weight(const at::Tensor& w, int64_t n) {
+    TORCH_CHECK(w.numel() == n, "q8: norm weight must have ", n, " values");
+    return w.to(at::kFloat).contiguous().clone();
+  }
+
+  static PackedMat checked(PackedMat m, int64_t N, const char* name) {
+    TORCH_CHECK(m.N == N, "q8: ", name, " has ", m.N, " rows, expected ", N);
+    return m;
+  }
+
+  static int threads(int64_t) { return at::get_num_threads(); }
+
+  int64_t check_rows(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots) const {
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == H, "q8: x must be fp32 [T, ", H, "] on the CPU");
+    const int64_t T = x.size(0);
+    for (const at::Tensor* t : {&cos, &sin})
+      TORCH_CHECK(t->scalar_type() == at::kFloat && t->dim() == 2 && t->size(0) == T && t->size(1) == D && t->stride(1) == 1,
+                  "q8: cos/sin must be fp32 [T, head_dim] with contiguous rows");
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.numel() == T && slots.is_contiguous(), "q8: slots must be int64 [T]");
+    return T;
+  }
+
+  void check_pool(const at::Tensor& k, const at::Tensor& v, const at::Tensor& slots) const {
+    TORCH_CHECK(k.is_contiguous() && v.is_contiguous() && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k.dim() == 3 &&
+                    k.size(1) == Hkv && k.size(2) == D && v.sizes() == k.sizes(),
+                "q8: pools must be contiguous fp32 [slots, ", Hkv, ", ", D, "]");
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    for (int64_t t = 0; t < slots.numel(); ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < k.size(0), "q8: slot ", sl[t], " outside the pool [0, ", k.size(0), ")");
+  }
+
+  Buffers buffers(int64_t T) const {
+    Buffers b;
+    b.T = T;
+    const auto f = at::TensorOptions().dtype(at::kFloat);
+    b.x = at::empty({T, H}, f);
+    b.h = at::empty({T, H}, f);
+    b.qkv = at::empty({T, Nqkv}, f);
+    b.q = at::empty({T, Hq * D}, f);
+    b.a = at::empty({T, Hq * D}, f);
+    b.gu = at::empty({T, 2 * I}, f);
+    b.m = at::empty({T, I}, f);
+    b.hq = Q8Rows(T, H);
+    b.aq = Q8Rows(T, Hq * D);
+    b.mq = Q8Rows(T, I);
+    return b;
+  }
+
+  // tasks: (kv head, query head, block of <= 8 rows of one request); results do not depend on the split
+  std::vector<AttnTask> attention_tasks(const moa_attention::RowPlan& rp) const {
+    std::vector<AttnTask> tasks;
+    const int64_t rep = Hq / Hkv;
+    const int64_t* qo = rp.qo.data_ptr<int64_t>();
+    for (int64_t b = 0; b < rp.requests; ++b)
+      for (int64_t r0 = qo[b]; r0 < qo[b + 1]; r0 += 8)
+        for (int64_t g = 0; g < Hkv; ++g)
+          for (int64_t h = 0; h < rep; ++h) tasks.push_back({g, h, r0, std::min<int64_t>(8, qo[b + 1] - r0)});
+    return tasks;
+  }
+
+  at::Tensor matmul_of(const at::Tensor& x, const PackedMat& W, const char* op) const {
+    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == W.K, op, ": x must be fp32 [T, ", W.K, "]");
+    const int64_t T = x.size(0);
+    const at::Tensor xc = x.contiguous();
+    Q8Rows xq(T, W.K);
+    at::Tensor y = at::empty({T, W.N}, x.options());
+#pragma omp parallel num_threads(threads(T))
+    {
+#pragma omp for schedule(static)
+      for (int64_t t = 0; t < T; ++t) quantize_row(xc.data_ptr<float>() + t * W.K, xq, t);
+#pragma omp for schedule(dynamic, 4)
+      for (int64_t g = 0; g < W.groups; ++g) gemm_group(W, g, xq, T, y.data_ptr<float>(), W.N);
+    }
+    return y;
+  }
+
+  // --- phases (inside a parallel region; each ends at its worksharing loop's barrier) ---
+
+  void norm_quantize(Buffers& b, const at::Tensor& w) const {
+    const float* x = b.x.data_ptr<float>();
+    float* h = b.h.data_ptr<float>();
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < b.T; ++t) {
+      moa_layer::norm_row(x + t * H, w.data_ptr<float>(), h + t * H, H, eps);
+      quantize_row(h + t * H, b.hq, t);
+    }
+  }
+
+  // by head: the head's qkv groups for every row, then its RoPE (q into b.q, k into the pool) or v's store
+  void qkv_rope_store(Buffers& b, const Layer& l, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& k_pool,
+                      const at::Tensor& v_pool) const {
+    const int64_t T = b.T, per_head = D / GROUP, kv_row = Hkv * D;
+    float* qkv = b.qkv.data_ptr<float>();
+    const float* bias = l.qkv_bias.defined() ? l.qkv_bias.data_ptr<float>() : nullptr;
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+    const int64_t cs = cos.stride(0), ss = sin.stride(0);
+    float *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>(), *q = b.q.data_ptr<float>();
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < Hq + 2 * Hkv; ++u) {
+      for (int64_t g = u * per_head; g < (u + 1) * per_head; ++g) gemm_group(l.qkv, g, b.hq, T, qkv, Nqkv);
+      for (int64_t t = 0; t < T; ++t) {
+        float* row = qkv + t * Nqkv + u * D;
+        if (bias)
+          for (int64_t i = 0; i < D; ++i) row[i] = row[i] + bias[u * D + i];
+        if (u < Hq)
+          moa_layer::rope_head(row, cp + t * cs, sp + t * ss, q + t * Hq * D + u * D, D);
+        else if (u < Hq + Hkv)
+          moa_layer::rope_head(row, cp + t * cs, sp + t * ss, kp + sl[t] * kv_row + (u - Hq) * D, D);
+        else
+          std::memcpy(vp + sl[t] * kv_row + (u - Hq - Hkv) * D, row, D * sizeof(float));
+      }
+    }
+  }
+
+  void attention(Buffers& b, const std::vector<AttnTask>& tasks, const moa_attention::RowPlan& rp, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                 float scale) const {
+    const int64_t rep = Hq / Hkv, ks = k_pool.stride(0), vs = v_pool.stride(0), kh = k_pool.stride(1), vh = v_pool.stride(1);
+    const float *q = b.q.data_ptr<float>(), *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>();
+    float* a = b.a.data_ptr<float>();
+    auto attend = D == 64 ? moa_attention::attend_task<64> : moa_attention::attend_task<128>;
+    const int64_t n = static_cast<int64_t>(tasks.size());
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) {
+      const AttnTask& tk = tasks[i];
+      const int64_t head = tk.g * rep + tk.h;
+      attend(q + (tk.row0 * Hq + head) * D, Hq * D, kp + tk.g * kh, vp + tk.g * vh, ks, vs, rp.row_ptr.data() + tk.row0, rp.row_keys.data(), tk.rows,
+             1, scale, a + tk.row0 * Hq * D + head * D, Hq * D);
+      const int64_t nb = Hq * D / QK;
+      for (int64_t t = tk.row0; t < tk.row0 + tk.rows; ++t)
+        for (int64_t blk = head * D / QK; blk < (head + 1) * D / QK; ++blk)
+          quantize_block(a + t * Hq * D + blk * QK, b.aq.q + t * Hq * D + blk * QK, b.aq.d + t * nb + blk, b.aq.s + t * nb + blk);
+    }
+  }
+
+  // x += o(aq); then RMSNorm + quantise; gate/up + SiLU * up + quantise by 32 features; x += down(mq)
+  void out_ffn(Buffers& b, const Layer& l) const {
+    const int64_t T = b.T;
+    float* x = b.x.data_ptr<float>();
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t g = 0; g < l.o.groups; ++g) gemm_group(l.o, g, b.aq, T, x, H, x, H);
+    norm_quantize(b, l.post_norm);
+    float *gu = b.gu.data_ptr<float>(), *m = b.m.data_ptr<float>();
+    const int64_t nb = I / QK, up = I / GROUP;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < nb; ++u) {
+      for (int64_t g : {2 * u, 2 * u + 1, up + 2 * u, up + 2 * u + 1}) gemm_group(l.gate_up, g, b.hq, T, gu, 2 * I);
+      for (int64_t t = 0; t < T; ++t) {
+        float* mt = m + t * I + u * QK;
+        moa_layer::silu_mul_row(gu + t * 2 * I + u * QK, gu + t * 2 * I + I + u * QK, mt, QK);
+        quantize_block(mt, b.mq.q + t * I + u * QK, b.mq.d + t * nb + u, b.mq.s + t * nb + u);
+      }
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t g = 0; g < l.down.groups; ++g) gemm_group(l.down, g, b.mq, T, x, H, x, H);
+  }
+
+  void final_norm(Buffers& b, at::Tensor& out) const {
+    const float* x = b.x.data_ptr<float>();
+    float* y = out.data_ptr<float>();
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < b.T; ++t) moa_layer::norm_row(x + t * H, norm.data_ptr<float>(), y + t * H, H, eps);
+  }
+};
+
+// For tests: x [T, K] fp32 -> (q int8 [T, K], d fp32 [T, K / 32], s int32 [T, K / 32]) as the stack quantises it
+std::tuple<at::Tensor, at::Tensor, at::Tensor> q8_quantize(const at::Tensor& x) {
+  TORCH_CHECK(vnni_supported(), "q8: this CPU lacks AVX-512 VNNI");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) % QK == 0, "q8_quantize: x must be fp32 [T, K], K % 32 == 0");
+  const at::Tensor xc = x.contiguous();
+  Q8Rows out(x.size(0), x.size(1));
+  for (int64_t t = 0; t < x.size(0); ++t) quantize_row(xc.data_ptr<float>() + t * x.size(1), out, t);
+  return {out.qt, out.dt, out.st};
+}
+
+bool q8_supported() { return vnni_supported(); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(moa_cpu, m) {
+  m.def("q8_supported() -> bool", &q8_supported);
+  m.def("q8_quantize(Tensor x) -> (Tensor, Tensor, Tensor)");
+  m.class_<Q8Stack>("Q8Stack")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double>())
+      .def("add_layer", &Q8Stack::add_layer)
+      .def("set_head", &Q8Stack::set_head)
+      .def("num_layers", &Q8Stack::num_layers)
+      .def("forward", &Q8Stack::forward)
+      .def("layer_qkv", &Q8Stack::layer_qkv)
+      .def("layer_out", &Q8Stack::layer_out)
+      .def("logits", &Q8Stack::logits)
+      .def("matmul", &Q8Stack::matmul);
+}
+TORCH_LIBRARY_IMPL(moa_cpu, CPU, m) { m.impl("q8_quantize", &q8_quantize); }
