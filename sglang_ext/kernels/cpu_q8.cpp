@@ -150,6 +150,18 @@ inline int32_t load4(const int8_t* p) {
   return v;
 }
 
+// The weights are read once per step and there are more of them than the L3 holds: prefetched a few blocks ahead
+// as non-temporal, so that streaming them does not evict what is reused from step to step (the K/V pool, the
+// activations, the norms).
+constexpr int64_t PREFETCH_BLOCKS = 4;
+
+template <int64_t KIND>
+MOA_VNNI __attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* w) {
+  const uint8_t* p = w + PREFETCH_BLOCKS * GROUP_BYTES[KIND];
+#pragma GCC unroll 9
+  for (int64_t line = 0; line < GROUP_BYTES[KIND]; line += 64) _mm_prefetch(reinterpret_cast<const char*>(p + line), _MM_HINT_NTA);
+}
+
 // acc[r] = the 16 outputs of group w for activation rows t0 .. t0 + R - 1 (the sequence in the header).
 template <int R>
 MOA_VNNI __attribute__((always_inline)) inline void q4_1_tile(const uint8_t* w, const Q8Rows& x, int64_t t0, __m512 (&acc)[R]) {
@@ -158,6 +170,7 @@ MOA_VNNI __attribute__((always_inline)) inline void q4_1_tile(const uint8_t* w, 
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += GROUP_BYTES[KIND_Q4_1]) {
+    prefetch_ahead<KIND_Q4_1>(w);
     __m512i lo[4], hi[4];
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
@@ -191,6 +204,7 @@ MOA_VNNI __attribute__((always_inline)) inline void q8_0_tile(const uint8_t* w, 
 #pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, w += GROUP_BYTES[KIND_Q8_0]) {
+    prefetch_ahead<KIND_Q8_0>(w);
     __m512i v[8];
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) v[c] = _mm512_loadu_si512(w + 64 * c);
@@ -247,6 +261,94 @@ MOA_VNNI void gemm_group(const PackedMat& W, int64_t g, const Q8Rows& x, int64_t
     with_tile_rows(std::min(TILE, T - t0), [&]<int R>() { group_rows<R>(W, g, x, t0, y, ldy, res, ldr); });
 }
 
+// --- attention ----------------------------------------------------------------------------------
+
+// The stack's attention (fp32, 16 lanes): one query row and H <= 3 query heads of one kv head, reading each key's
+// and value's row once for the H heads. Per head: scores over the row's keys in kv order (each a dot product over
+// d as 16-lane FMAs, folded to 8 lanes, then one fixed transposing sum per 8 keys), max, exp, sum in 8-lane
+// order, then sum_j p_j v_j / sum. A head's numbers do not depend on which heads or rows share its task.
+MOA_VNNI inline __m256 fold16(__m512 v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
+
+// lane l = the sum of a[l]'s 8 lanes, in an order fixed per lane
+MOA_VNNI inline __m256 sum_lanes8(const __m256 (&a)[8]) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+template <int D, int H>
+MOA_VNNI void attend_heads(const float* q, const float* kb, const float* vb, int64_t ks, int64_t vs, const int64_t* keys, int64_t n, float scale,
+                           float* out, float* sc, int64_t stride) {
+  constexpr int DC = D / 16;
+  for (int64_t j = 0; j < n; j += 8) {
+    __m512 acc[H][8];
+#pragma GCC unroll 8
+    for (int l = 0; l < 8; ++l) {
+      const float* k = kb + keys[j + l < n ? j + l : j] * ks;  // a short last group repeats its first key
+      __m512 kv[DC];
+#pragma GCC unroll 8
+      for (int c = 0; c < DC; ++c) kv[c] = _mm512_loadu_ps(k + 16 * c);
+#pragma GCC unroll 3
+      for (int h = 0; h < H; ++h) {
+        acc[h][l] = _mm512_mul_ps(_mm512_loadu_ps(q + h * D), kv[0]);
+#pragma GCC unroll 8
+        for (int c = 1; c < DC; ++c) acc[h][l] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + 16 * c), kv[c], acc[h][l]);
+      }
+    }
+#pragma GCC unroll 3
+    for (int h = 0; h < H; ++h) {
+      __m256 f[8];
+#pragma GCC unroll 8
+      for (int l = 0; l < 8; ++l) f[l] = fold16(acc[h][l]);
+      _mm256_storeu_ps(sc + h * stride + j, _mm256_mul_ps(sum_lanes8(f), _mm256_set1_ps(scale)));
+    }
+  }
+  float inv[H];
+  for (int h = 0; h < H; ++h) inv[h] = n == 0 ? 0.0f : moa_attention::exp_scores(sc + h * stride, n);
+  __m512 o[H][DC];
+#pragma GCC unroll 3
+  for (int h = 0; h < H; ++h)
+#pragma GCC unroll 8
+    for (int c = 0; c < DC; ++c) o[h][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    const float* v = vb + keys[j] * vs;
+    __m512 vv[DC];
+#pragma GCC unroll 8
+    for (int c = 0; c < DC; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
+#pragma GCC unroll 3
+    for (int h = 0; h < H; ++h) {
+      const __m512 p = _mm512_set1_ps(sc[h * stride + j]);
+#pragma GCC unroll 8
+      for (int c = 0; c < DC; ++c) o[h][c] = _mm512_fmadd_ps(p, vv[c], o[h][c]);
+    }
+  }
+  // a row that sees nothing gets zeros
+#pragma GCC unroll 3
+  for (int h = 0; h < H; ++h)
+#pragma GCC unroll 8
+    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(out + h * D + 16 * c, _mm512_mul_ps(o[h][c], _mm512_set1_ps(inv[h])));
+}
+
+// Row t's rep query heads of kv head g (q and out rows [heads, D]), in groups of <= 3 heads.
+template <int D>
+MOA_VNNI void attend_row(const float* q, const float* kb, const float* vb, int64_t ks, int64_t vs, const int64_t* keys, int64_t n, int64_t rep,
+                         float scale, float* out, std::vector<float>& sc) {
+  const int64_t stride = n + 16;  // room for a last group of 8 and exp_scores' padding to 8
+  sc.resize(3 * stride);
+  for (int64_t h = 0; h < rep; h += 3) {
+    const int64_t m = std::min<int64_t>(3, rep - h);
+    const float* qh = q + h * D;
+    float* oh = out + h * D;
+    if (m == 3)
+      attend_heads<D, 3>(qh, kb, vb, ks, vs, keys, n, scale, oh, sc.data(), stride);
+    else if (m == 2)
+      attend_heads<D, 2>(qh, kb, vb, ks, vs, keys, n, scale, oh, sc.data(), stride);
+    else
+      attend_heads<D, 1>(qh, kb, vb, ks, vs, keys, n, scale, oh, sc.data(), stride);
+  }
+}
+
 // --- the stack ----------------------------------------------------------------------------------
 
 struct Layer {
@@ -262,7 +364,7 @@ struct Buffers {
 };
 
 struct AttnTask {
-  int64_t g, h, row0, rows;  // kv head, query head within it, rows [row0, row0 + rows)
+  int64_t row, g;  // query row, kv head (all its query heads)
 };
 
 class Q8Stack : public torch::CustomClassHolder {
@@ -321,7 +423,7 @@ class Q8Stack : public torch::CustomClassHolder {
     }
     const moa_attention::RowPlan rp = moa_attention::plan_rows(qo_indptr, kv_indptr, kv_indices, custom_mask, T,
                                                                k_pools.empty() ? 0 : k_pools[0].size(0), "q8 forward");
-    const std::vector<AttnTask> tasks = attention_tasks(rp);
+    const std::vector<AttnTask> tasks = attention_tasks(T);
     Buffers buf = buffers(T);
     buf.x.copy_(x);
     std::vector<at::Tensor> captured(ids.size());
@@ -364,6 +466,27 @@ class Q8Stack : public torch::CustomClassHolder {
       qkv_rope_store(buf, layers[layer], cos, sin, slots, k_pool, v_pool);
     }
     return buf.q.view({T, Hq, D});
+  }
+
+  // The stack's attention for the layer-by-layer path: q [T, Hq, D] (layer_qkv's) over the pools per the plan
+  // -> [T, Hq * D], what forward computes for the same rows.
+  at::Tensor attention_of(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& qo_indptr,
+                          const at::Tensor& kv_indptr, const at::Tensor& kv_indices, const at::Tensor& custom_mask, double scale) {
+    TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat && q.dim() == 3 && q.size(1) == Hq && q.size(2) == D,
+                "q8 attention: q must be fp32 [T, ", Hq, ", ", D, "]");
+    const int64_t T = q.size(0);
+    TORCH_CHECK(k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat &&
+                    k_pool.dim() == 3 && k_pool.size(1) == Hkv && k_pool.size(2) == D && v_pool.sizes() == k_pool.sizes(),
+                "q8 attention: pools must be contiguous fp32 [slots, ", Hkv, ", ", D, "]");
+    const moa_attention::RowPlan rp = moa_attention::plan_rows(qo_indptr, kv_indptr, kv_indices, custom_mask, T, k_pool.size(0), "q8 attention");
+    Buffers buf;
+    buf.T = T;
+    buf.q = q.reshape({T, Hq * D}).contiguous();
+    buf.a = at::empty({T, Hq * D}, q.options());
+    const std::vector<AttnTask> tasks = attention_tasks(T);
+#pragma omp parallel num_threads(threads(T))
+    attention(buf, tasks, rp, k_pool, v_pool, static_cast<float>(scale), false);
+    return buf.a;
   }
 
   // The layer's second half: x [T, H] (the residual stream) and the attention output a [T, Hq * D] -> x + o(a),
@@ -453,15 +576,11 @@ class Q8Stack : public torch::CustomClassHolder {
     return b;
   }
 
-  // tasks: (kv head, query head, block of <= 8 rows of one request); results do not depend on the split
-  std::vector<AttnTask> attention_tasks(const moa_attention::RowPlan& rp) const {
+  // tasks: (row, kv head); results do not depend on the split
+  std::vector<AttnTask> attention_tasks(int64_t T) const {
     std::vector<AttnTask> tasks;
-    const int64_t rep = Hq / Hkv;
-    const int64_t* qo = rp.qo.data_ptr<int64_t>();
-    for (int64_t b = 0; b < rp.requests; ++b)
-      for (int64_t r0 = qo[b]; r0 < qo[b + 1]; r0 += 8)
-        for (int64_t g = 0; g < Hkv; ++g)
-          for (int64_t h = 0; h < rep; ++h) tasks.push_back({g, h, r0, std::min<int64_t>(8, qo[b + 1] - r0)});
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t g = 0; g < Hkv; ++g) tasks.push_back({t, g});
     return tasks;
   }
 
@@ -520,22 +639,23 @@ class Q8Stack : public torch::CustomClassHolder {
     }
   }
 
+  // each task's heads into b.a, then quantised into b.aq when `quantise`
   void attention(Buffers& b, const std::vector<AttnTask>& tasks, const moa_attention::RowPlan& rp, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                 float scale) const {
+                 float scale, bool quantise = true) const {
     const int64_t rep = Hq / Hkv, ks = k_pool.stride(0), vs = v_pool.stride(0), kh = k_pool.stride(1), vh = v_pool.stride(1);
     const float *q = b.q.data_ptr<float>(), *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>();
     float* a = b.a.data_ptr<float>();
-    auto attend = D == 64 ? moa_attention::attend_task<64> : moa_attention::attend_task<128>;
-    const int64_t n = static_cast<int64_t>(tasks.size());
+    const auto attend = D == 64 ? attend_row<64> : attend_row<128>;
+    const int64_t n_tasks = static_cast<int64_t>(tasks.size()), nb = Hq * D / QK;
+    static thread_local std::vector<float> scores;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = 0; i < n_tasks; ++i) {
       const AttnTask& tk = tasks[i];
-      const int64_t head = tk.g * rep + tk.h;
-      attend(q + (tk.row0 * Hq + head) * D, Hq * D, kp + tk.g * kh, vp + tk.g * vh, ks, vs, rp.row_ptr.data() + tk.row0, rp.row_keys.data(), tk.rows,
-             1, scale, a + tk.row0 * Hq * D + head * D, Hq * D);
-      const int64_t nb = Hq * D / QK;
-      for (int64_t t = tk.row0; t < tk.row0 + tk.rows; ++t)
-        for (int64_t blk = head * D / QK; blk < (head + 1) * D / QK; ++blk)
+      const int64_t t = tk.row, off = t * Hq * D + tk.g * rep * D;
+      const int64_t* keys = rp.row_keys.data() + rp.row_ptr[t];
+      attend(q + off, kp + tk.g * kh, vp + tk.g * vh, ks, vs, keys, rp.row_ptr[t + 1] - rp.row_ptr[t], rep, scale, a + off, scores);
+      if (quantise)
+        for (int64_t blk = tk.g * rep * D / QK; blk < (tk.g + 1) * rep * D / QK; ++blk)
           quantize_block(a + t * Hq * D + blk * QK, b.aq.q + t * Hq * D + blk * QK, b.aq.d + t * nb + blk, b.aq.s + t * nb + blk);
     }
   }
@@ -594,6 +714,7 @@ TORCH_LIBRARY_FRAGMENT(moa_cpu, m) {
       .def("num_layers", &Q8Stack::num_layers)
       .def("forward", &Q8Stack::forward)
       .def("layer_qkv", &Q8Stack::layer_qkv)
+      .def("attention", &Q8Stack::attention_of)
       .def("layer_out", &Q8Stack::layer_out)
       .def("logits", &Q8Stack::logits)
       .def("matmul", &Q8Stack::matmul);

@@ -271,8 +271,8 @@ class LlamaModel:
         sid = self.stack_ids[i]
         x = x.contiguous()
         q = self.q8.layer_qkv(x, sid, cos[:, 0], sin[:, 0], k_pool, v_pool, slots.contiguous())
-        if self.attention is tree_attention_cpu:  # the kernel for every row, prompt blocks too (see _forward_q8)
-            a = kernels.tree_attention(
+        if self.attention is tree_attention_cpu:  # the stack's attention for every row, prompt blocks too
+            a = self.q8.attention(
                 q, k_pool, v_pool, plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.custom_mask, self.scale
             )
         else:

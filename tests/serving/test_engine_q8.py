@@ -32,11 +32,18 @@ def vanilla(smollm2_q8, prompts):
 @pytest.mark.parametrize("drafter", DRAFTERS)
 def test_every_drafter_is_vanilla_at_q8(smollm2_q8, prompts, vanilla, drafter):
     """At its default tree: two prompts alone, two in one batch (requests finishing apart), each equal to
-    vanilla's output (vanilla itself decoded all four in one batch)."""
-    eng = Engine(smollm2_q8, make_drafter(drafter, smollm2_q8), EngineConfig(tree=default_tree(drafter)))
+    vanilla's output (vanilla itself decoded all four in one batch), with no request falling back to vanilla."""
+    fallbacks = []
+    eng = Engine(
+        smollm2_q8,
+        make_drafter(drafter, smollm2_q8),
+        EngineConfig(tree=default_tree(drafter)),
+        on_fallback=lambda req, reason: fallbacks.append(reason),
+    )
     sp = SamplingParams(max_new_tokens=NEW_TOKENS)
     alone = [eng.generate([p], sp)[0].output_ids for p in prompts[1::2]]
     batched = [r.output_ids for r in eng.generate(prompts[0::2], sp)]
+    assert fallbacks == [], f"{drafter} fell back to vanilla: {fallbacks}"
     assert alone == vanilla[1::2], drafter
     assert batched == vanilla[0::2], drafter
     assert slots_whole(eng), "KV slots leaked"
