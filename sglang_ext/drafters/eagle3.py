@@ -29,7 +29,7 @@ import torch
 
 from ..attention import FrontierPaths, advance_seen, causal_masks, plan_flat, plan_frontier, tree_attention_cpu
 from ..device import module_on, upload
-from ..kernels import attach_bf16_halves
+from ..kernels import attach_bf16_halves, attach_q8
 from ..models.checkpoint import check_fits
 from ..models.eagle3 import Eagle3Draft, load_eagle3
 from ..models.graph_runner import FrontierRunner, SearchBuffers, SearchRunner, static_attention, static_plan
@@ -67,6 +67,8 @@ class Eagle3Drafter:
         self.draft = module_on(draft, target.device, target.dtype).eval()  # beside the target
         if target.device.type == "cpu":  # (the CPU kernels' weights; a GPU runs the checkpoint's dtype)
             attach_bf16_halves(self.draft)  # a bf16 checkpoint: its matmuls read half the bytes, same sums
+            if target.q8 is not None:  # beside a q8 target, on its kernels (a quarter of the bf16 bytes)
+                attach_q8(self.draft)
         self.capture_layers = tuple(c.aux_layers)
         self.kv = KVPool(1, num_slots, c.num_kv_heads, c.head_dim, target.dtype, target.device)
         self.kept = KeptState((self.kv,))  # pairs of prefix-cached tokens, under their input token's target slot

@@ -208,6 +208,38 @@ def attach_bf16_halves(module: torch.nn.Module) -> int:
     return n
 
 
+def attach_q8(module: torch.nn.Module) -> int:
+    """For each fp32 Linear weight of `module` (K % 32 == 0), let `linear` run it on the q8 kernels: the weight
+    as Q8_0 blocks (8 bits per weight, an fp16 scale per 32) times 8-bit activations, as the q8 target's own
+    matmuls (a drafter beside a q8 target: a quarter of its bf16 bytes, integer dot products). Its outputs
+    move by the rounding of both; a drafter only proposes, so what is served stays the target's. Returns how
+    many weights were attached (0 where q8 cannot run)."""
+    if q8_unavailable() is not None:
+        return 0
+    n = 0
+    for m in module.modules():
+        if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32 and m.in_features % 32 == 0:
+            w = m.weight
+            w.moa_q8 = (_q8_matrix(torch.ops.moa_cpu.q8_0_blocks(w.detach()), "Q8_0", w.shape[1]), _version(w))
+            n += 1
+    return n
+
+
+def attach_q8_rows(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> bool:
+    """dst holds src[rows] (the draft-vocab rows of a q8 target's head): let `linear` run those rows of src's
+    GGUF blocks on the q8 kernels. Returns whether it did (src has Q4_1/Q8_0 blocks and q8 runs here)."""
+    p = getattr(src, "moa_packed", None)
+    if q8_unavailable() is not None or p is None or p[0] not in (PACKED_KIND_IDS["Q4_1"], PACKED_KIND_IDS["Q8_0"]):
+        return False
+    kind = "Q4_1" if p[0] == PACKED_KIND_IDS["Q4_1"] else "Q8_0"
+    dst.moa_q8 = (_q8_matrix(p[1][rows].contiguous(), kind, src.shape[1]), _version(dst))
+    return True
+
+
+def _q8_matrix(blocks: torch.Tensor, kind: str, k: int):
+    return torch.classes.moa_cpu.Q8Matrix(blocks, PACKED_KIND_IDS[kind], k)
+
+
 def _version(w: torch.Tensor) -> int | None:
     """w's in-place update counter (inference tensors keep none)."""
     return None if w.is_inference() else w._version
@@ -232,6 +264,15 @@ def uses_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
         and w.dtype == torch.float32
         and x.device.type == "cpu"
         and w.shape[1] % 8 == 0
+        and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+    )
+
+
+def _q8_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """x may go to w's q8 matrix (attach_q8): fp32 on the CPU, no autograd through either, rows of any count."""
+    return (
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
         and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
     )
 
@@ -267,6 +308,10 @@ def uses_gpu_layer_ops(x: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, bias): x [.., K], w [N, K] -> [.., N]."""
+    q8 = getattr(w, "moa_q8", None)
+    if q8 is not None and q8[1] == _version(w) and _q8_fits(x, w):
+        y = q8[0].forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], w.shape[0])
+        return y if bias is None else y + bias
     if not uses_kernel(x, w):
         return F.linear(x, w, bias)
     packed = _packed(w)

@@ -40,6 +40,7 @@
 #include "attention_rows.h"
 #include "layer_rows.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -349,6 +350,61 @@ MOA_VNNI void attend_row(const float* q, const float* kb, const float* vb, int64
   }
 }
 
+// x [T, K] times W: the rows quantised, then the groups split over the threads
+at::Tensor matmul_of(const at::Tensor& x, const PackedMat& W, const char* op) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == W.K, op, ": x must be fp32 [T, ", W.K, "]");
+  const int64_t T = x.size(0);
+  const at::Tensor xc = x.contiguous();
+  Q8Rows xq(T, W.K);
+  at::Tensor y = at::empty({T, W.N}, x.options());
+#pragma omp parallel num_threads(at::get_num_threads())
+  {
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < T; ++t) quantize_row(xc.data_ptr<float>() + t * W.K, xq, t);
+#pragma omp for schedule(dynamic, 4)
+    for (int64_t g = 0; g < W.groups; ++g) gemm_group(W, g, xq, T, y.data_ptr<float>(), W.N);
+  }
+  return y;
+}
+
+// An fp32 weight [N, K] as GGUF Q8_0 blocks (uint8 [N, K / 32 * 34]): per 32 weights d = max|w| / 127 (fp16),
+// n = round(w / d) in int8 (a drafter's matmuls on the q8 stack's kernels)
+at::Tensor q8_0_blocks(const at::Tensor& w) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 2 && w.size(1) % QK == 0, "q8_0_blocks: w must be fp32 [N, K], K % 32 == 0");
+  const at::Tensor wc = w.contiguous();
+  const int64_t N = wc.size(0), nb = wc.size(1) / QK;
+  at::Tensor out = at::empty({N, nb * SRC_BYTES[KIND_Q8_0]}, at::kByte);
+  const float* wp = wc.data_ptr<float>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* x = wp + (n * nb + b) * QK;
+      uint8_t* blk = op + (n * nb + b) * SRC_BYTES[KIND_Q8_0];
+      float amax = 0.0f;
+      for (int64_t i = 0; i < QK; ++i) amax = std::max(amax, std::fabs(x[i]));
+      const uint16_t dh = _cvtss_sh(amax / 127.0f, _MM_FROUND_TO_NEAREST_INT);
+      const float d = _cvtsh_ss(dh);
+      std::memcpy(blk, &dh, 2);
+      for (int64_t i = 0; i < QK; ++i)
+        blk[2 + i] = static_cast<uint8_t>(static_cast<int8_t>(d > 0.0f ? std::clamp(std::nearbyint(x[i] / d), -127.0f, 127.0f) : 0.0f));
+    }
+  return out;
+}
+
+// One weight matrix on the q8 kernels (a drafter's Linear, the draft-vocab rows of the target's head)
+class Q8Matrix : public torch::CustomClassHolder {
+ public:
+  Q8Matrix(const at::Tensor& blocks, int64_t kind, int64_t K) {
+    TORCH_CHECK(vnni_supported(), "q8: this CPU lacks AVX-512 VNNI");
+    w = repack(blocks, kind, K);
+  }
+  at::Tensor forward(const at::Tensor& x) const { return matmul_of(x, w, "q8 matrix"); }
+  int64_t rows() const { return w.N; }
+
+ private:
+  PackedMat w;
+};
+
 // --- the stack ----------------------------------------------------------------------------------
 
 struct Layer {
@@ -584,21 +640,6 @@ class Q8Stack : public torch::CustomClassHolder {
     return tasks;
   }
 
-  at::Tensor matmul_of(const at::Tensor& x, const PackedMat& W, const char* op) const {
-    TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == W.K, op, ": x must be fp32 [T, ", W.K, "]");
-    const int64_t T = x.size(0);
-    const at::Tensor xc = x.contiguous();
-    Q8Rows xq(T, W.K);
-    at::Tensor y = at::empty({T, W.N}, x.options());
-#pragma omp parallel num_threads(threads(T))
-    {
-#pragma omp for schedule(static)
-      for (int64_t t = 0; t < T; ++t) quantize_row(xc.data_ptr<float>() + t * W.K, xq, t);
-#pragma omp for schedule(dynamic, 4)
-      for (int64_t g = 0; g < W.groups; ++g) gemm_group(W, g, xq, T, y.data_ptr<float>(), W.N);
-    }
-    return y;
-  }
 
   // --- phases (inside a parallel region; each ends at its worksharing loop's barrier) ---
 
@@ -707,6 +748,11 @@ bool q8_supported() { return vnni_supported(); }
 TORCH_LIBRARY_FRAGMENT(moa_cpu, m) {
   m.def("q8_supported() -> bool", &q8_supported);
   m.def("q8_quantize(Tensor x) -> (Tensor, Tensor, Tensor)");
+  m.def("q8_0_blocks(Tensor w) -> Tensor");
+  m.class_<Q8Matrix>("Q8Matrix")
+      .def(torch::init<at::Tensor, int64_t, int64_t>())
+      .def("forward", &Q8Matrix::forward)
+      .def("rows", &Q8Matrix::rows);
   m.class_<Q8Stack>("Q8Stack")
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double>())
       .def("add_layer", &Q8Stack::add_layer)
@@ -719,4 +765,7 @@ TORCH_LIBRARY_FRAGMENT(moa_cpu, m) {
       .def("logits", &Q8Stack::logits)
       .def("matmul", &Q8Stack::matmul);
 }
-TORCH_LIBRARY_IMPL(moa_cpu, CPU, m) { m.impl("q8_quantize", &q8_quantize); }
+TORCH_LIBRARY_IMPL(moa_cpu, CPU, m) {
+  m.impl("q8_quantize", &q8_quantize);
+  m.impl("q8_0_blocks", &q8_0_blocks);
+}

@@ -190,3 +190,32 @@ def test_stack_rejects_bad_input_clearly():
     plan = plan_attention([torch.tensor([1])], [prefix_and_tree_mask(torch.ones(1, 1, dtype=torch.bool), 0)])
     with pytest.raises(RuntimeError, match="outside the pool"):
         model.forward(torch.tensor([1]), torch.tensor([0]), torch.tensor([9]), plan, kv)
+
+
+def test_a_drafters_linears_on_the_q8_kernels():
+    """attach_q8: a Linear's weight as Q8_0 blocks (per 32: d = max|w| / 127 in fp16, n = round(w / d)) times the
+    8-bit input, any row count; an in-place update (training) makes `linear` read the weight itself again, and
+    so does autograd. attach_q8_rows: rows of a target's head blocks, as the full head computes them."""
+    g = torch.Generator().manual_seed(5)
+    lin = torch.nn.Linear(96, 40, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(40, 96, generator=g) * 0.1)
+    assert kernels.attach_q8(lin) == 1
+    blocks = torch.ops.moa_cpu.q8_0_blocks(lin.weight.detach()).view(40, 3, 34)
+    d = blocks[..., :2].contiguous().view(torch.float16).float()  # [40, 3, 1]
+    w8 = (blocks[..., 2:].contiguous().view(torch.int8).double() * d.double()).view(40, 96)
+    assert (w8 - lin.weight.detach().double()).abs().max() <= d.max() / 2 + 1e-7
+    x = torch.randn(30, 96, generator=g)
+    with torch.no_grad():
+        y = kernels.linear(x, lin.weight, lin.bias)
+        ref = _dequantized_input(x) @ w8.T + lin.bias.double()
+        assert torch.allclose(y.double(), ref, rtol=1e-5, atol=1e-5)
+        assert torch.equal(kernels.linear(x[7:9], lin.weight, lin.bias), y[7:9])
+        lin.weight.add_(1.0)
+        assert torch.equal(kernels.linear(x, lin.weight, lin.bias), torch.nn.functional.linear(x, lin.weight, lin.bias))
+    model = tiny_q8()
+    rows = torch.tensor([3, 39, 0, 17])
+    head = model.lm_head[rows].contiguous()
+    assert kernels.attach_q8_rows(head, model.lm_head, rows)
+    h = torch.randn(5, 128, generator=g)
+    assert torch.equal(kernels.linear(h, head), model.q8.logits(h)[:, rows])
