@@ -39,11 +39,10 @@ serve: install
 bench: install
 	$(VENV)/bin/moa-serve bench
 
-# Optional llama.cpp peer for `moa-serve bench` (not in requirements.txt: it compiles for ~20 min).
-# The default native build segfaults on this VM; these flags build a portable AVX2/AVX-512 one.
-LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+# Optional llama.cpp peer for `moa-serve bench` (not in requirements.txt: a build compiles for ~20 min on one core):
+# built for this CPU (GGML_NATIVE), or where that build crashes a portable one (scripts/build-llama-cpp.py)
 bench-peers: install
-	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=1 $(PY) -m pip install llama-cpp-python==0.3.36
+	$(PY) scripts/build-llama-cpp.py
 
 clean:
 	rm -rf $(VENV) results

@@ -41,6 +41,8 @@
 #include "layer_rows.h"
 
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -264,10 +266,15 @@ MOA_VNNI void gemm_group(const PackedMat& W, int64_t g, const Q8Rows& x, int64_t
 
 // --- attention ----------------------------------------------------------------------------------
 
-// The stack's attention (fp32, 16 lanes): one query row and H <= 3 query heads of one kv head, reading each key's
-// and value's row once for the H heads. Per head: scores over the row's keys in kv order (each a dot product over
-// d as 16-lane FMAs, folded to 8 lanes, then one fixed transposing sum per 8 keys), max, exp, sum in 8-lane
-// order, then sum_j p_j v_j / sum. A head's numbers do not depend on which heads or rows share its task.
+// The stack's attention (fp32, 16 lanes). A row's keys (its slots in kv order) are cut into chunks of CHUNK keys
+// at fixed places (key 0, CHUNK, 2 CHUNK, ...). Per chunk and query head: scores (a dot product over d as 16-lane
+// FMAs, folded to 8 lanes, one fixed transposing sum per 8 keys), the chunk's max m, p = exp(s - m), l = sum p in
+// 8-lane order, o = sum_j p_j v_j in key order. The chunks then merge in chunk order: M = max m_c,
+// w_c = exp(m_c - M), out = (sum_c w_c o_c) / (sum_c w_c l_c). A row's numbers depend only on its keys, never on
+// which thread computes a chunk or what else is in the batch; the chunks let two threads share one row (decode).
+// A chunk reads each key's and value's row once for the query heads of a kv head (up to 3 at a time).
+constexpr int64_t CHUNK = 128;
+
 MOA_VNNI inline __m256 fold16(__m512 v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
 
 // lane l = the sum of a[l]'s 8 lanes, in an order fixed per lane
@@ -278,40 +285,61 @@ MOA_VNNI inline __m256 sum_lanes8(const __m256 (&a)[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
+// scores[0:n] -> exp(scores - max) in place (8 lanes at a time; lanes past n are zeroed); m = max, l = sum
+inline void exp_chunk(float* scores, int64_t n, float* m, float* l) {
+  const int64_t padded = (n + 7) & ~int64_t(7);
+  for (int64_t j = n; j < padded; ++j) scores[j] = -INFINITY;
+  __m256 mx = _mm256_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < padded; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(scores + j));
+  const float top = moa_attention::hmax(mx);
+  const __m256 mv = _mm256_set1_ps(top);
+  __m256 sum = _mm256_setzero_ps();
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t j = 0; j < padded; j += 8) {
+    __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + j), mv));
+    p = _mm256_and_ps(p, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - j)), lane)));
+    _mm256_storeu_ps(scores + j, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  *m = top;
+  *l = hsum(sum);
+}
+
+// One chunk of n keys (1 <= n <= CHUNK) for H <= 3 query heads q [H, D] of one kv head: m, l [H], o [H, D]
 template <int D, int H>
-MOA_VNNI void attend_heads(const float* q, const float* kb, const float* vb, int64_t ks, int64_t vs, const int64_t* keys, int64_t n, float scale,
-                           float* out, float* sc, int64_t stride) {
+MOA_VNNI void chunk_heads(const float* q, const float* kb, const float* vb, int64_t ks, int64_t vs, const int64_t* keys, int64_t n, float scale,
+                          float* m, float* l, float* o, float* sc) {
   constexpr int DC = D / 16;
+  constexpr int64_t STRIDE = CHUNK + 16;
   for (int64_t j = 0; j < n; j += 8) {
     __m512 acc[H][8];
 #pragma GCC unroll 8
-    for (int l = 0; l < 8; ++l) {
-      const float* k = kb + keys[j + l < n ? j + l : j] * ks;  // a short last group repeats its first key
+    for (int i = 0; i < 8; ++i) {
+      const float* k = kb + keys[j + i < n ? j + i : j] * ks;  // a short last group repeats its first key
       __m512 kv[DC];
 #pragma GCC unroll 8
       for (int c = 0; c < DC; ++c) kv[c] = _mm512_loadu_ps(k + 16 * c);
 #pragma GCC unroll 3
       for (int h = 0; h < H; ++h) {
-        acc[h][l] = _mm512_mul_ps(_mm512_loadu_ps(q + h * D), kv[0]);
+        acc[h][i] = _mm512_mul_ps(_mm512_loadu_ps(q + h * D), kv[0]);
 #pragma GCC unroll 8
-        for (int c = 1; c < DC; ++c) acc[h][l] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + 16 * c), kv[c], acc[h][l]);
+        for (int c = 1; c < DC; ++c) acc[h][i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + h * D + 16 * c), kv[c], acc[h][i]);
       }
     }
 #pragma GCC unroll 3
     for (int h = 0; h < H; ++h) {
       __m256 f[8];
 #pragma GCC unroll 8
-      for (int l = 0; l < 8; ++l) f[l] = fold16(acc[h][l]);
-      _mm256_storeu_ps(sc + h * stride + j, _mm256_mul_ps(sum_lanes8(f), _mm256_set1_ps(scale)));
+      for (int i = 0; i < 8; ++i) f[i] = fold16(acc[h][i]);
+      _mm256_storeu_ps(sc + h * STRIDE + j, _mm256_mul_ps(sum_lanes8(f), _mm256_set1_ps(scale)));
     }
   }
-  float inv[H];
-  for (int h = 0; h < H; ++h) inv[h] = n == 0 ? 0.0f : moa_attention::exp_scores(sc + h * stride, n);
-  __m512 o[H][DC];
+  for (int h = 0; h < H; ++h) exp_chunk(sc + h * STRIDE, n, m + h, l + h);
+  __m512 acc[H][DC];
 #pragma GCC unroll 3
   for (int h = 0; h < H; ++h)
 #pragma GCC unroll 8
-    for (int c = 0; c < DC; ++c) o[h][c] = _mm512_setzero_ps();
+    for (int c = 0; c < DC; ++c) acc[h][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < n; ++j) {
     const float* v = vb + keys[j] * vs;
     __m512 vv[DC];
@@ -319,34 +347,63 @@ MOA_VNNI void attend_heads(const float* q, const float* kb, const float* vb, int
     for (int c = 0; c < DC; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
 #pragma GCC unroll 3
     for (int h = 0; h < H; ++h) {
-      const __m512 p = _mm512_set1_ps(sc[h * stride + j]);
+      const __m512 p = _mm512_set1_ps(sc[h * STRIDE + j]);
 #pragma GCC unroll 8
-      for (int c = 0; c < DC; ++c) o[h][c] = _mm512_fmadd_ps(p, vv[c], o[h][c]);
+      for (int c = 0; c < DC; ++c) acc[h][c] = _mm512_fmadd_ps(p, vv[c], acc[h][c]);
     }
   }
-  // a row that sees nothing gets zeros
 #pragma GCC unroll 3
   for (int h = 0; h < H; ++h)
 #pragma GCC unroll 8
-    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(out + h * D + 16 * c, _mm512_mul_ps(o[h][c], _mm512_set1_ps(inv[h])));
+    for (int c = 0; c < DC; ++c) _mm512_storeu_ps(o + h * D + 16 * c, acc[h][c]);
 }
 
-// Row t's rep query heads of kv head g (q and out rows [heads, D]), in groups of <= 3 heads.
+// Where a row's attention state goes: per chunk and query head, m, l and o [D]
+struct Partials {
+  float *m, *l, *o;  // [chunks, Hq], [chunks, Hq], [chunks, Hq, D]
+};
+
+struct AttnGeometry {
+  const float *kp, *vp;
+  int64_t ks, vs, kh, vh, Hq, Hkv, D;
+  float scale;
+};
+
+// Chunk c of a row (its keys from keys[0]) for every query head: into p's chunk c
 template <int D>
-MOA_VNNI void attend_row(const float* q, const float* kb, const float* vb, int64_t ks, int64_t vs, const int64_t* keys, int64_t n, int64_t rep,
-                         float scale, float* out, std::vector<float>& sc) {
-  const int64_t stride = n + 16;  // room for a last group of 8 and exp_scores' padding to 8
-  sc.resize(3 * stride);
-  for (int64_t h = 0; h < rep; h += 3) {
-    const int64_t m = std::min<int64_t>(3, rep - h);
-    const float* qh = q + h * D;
-    float* oh = out + h * D;
-    if (m == 3)
-      attend_heads<D, 3>(qh, kb, vb, ks, vs, keys, n, scale, oh, sc.data(), stride);
-    else if (m == 2)
-      attend_heads<D, 2>(qh, kb, vb, ks, vs, keys, n, scale, oh, sc.data(), stride);
-    else
-      attend_heads<D, 1>(qh, kb, vb, ks, vs, keys, n, scale, oh, sc.data(), stride);
+MOA_VNNI void attend_chunk(const AttnGeometry& a, const float* q, const int64_t* keys, int64_t n, int64_t c, const Partials& p) {
+  alignas(64) float sc[3 * (CHUNK + 16)];
+  const int64_t j0 = c * CHUNK, len = std::min(CHUNK, n - j0), rep = a.Hq / a.Hkv;
+  for (int64_t g = 0; g < a.Hkv; ++g)
+    for (int64_t h = g * rep; h < (g + 1) * rep; h += 3) {
+      const int64_t m = std::min<int64_t>(3, (g + 1) * rep - h);
+      const float *kb = a.kp + g * a.kh, *vb = a.vp + g * a.vh;
+      float *pm = p.m + c * a.Hq + h, *pl = p.l + c * a.Hq + h, *po = p.o + (c * a.Hq + h) * D;
+      if (m == 3)
+        chunk_heads<D, 3>(q + h * D, kb, vb, a.ks, a.vs, keys + j0, len, a.scale, pm, pl, po, sc);
+      else if (m == 2)
+        chunk_heads<D, 2>(q + h * D, kb, vb, a.ks, a.vs, keys + j0, len, a.scale, pm, pl, po, sc);
+      else
+        chunk_heads<D, 1>(q + h * D, kb, vb, a.ks, a.vs, keys + j0, len, a.scale, pm, pl, po, sc);
+    }
+}
+
+// A row's chunks merged in chunk order into out [Hq, D] (zeros for a row that sees nothing)
+MOA_VNNI void merge_chunks(const Partials& p, int64_t chunks, int64_t Hq, int64_t D, float* out) {
+  for (int64_t h = 0; h < Hq; ++h) {
+    float top = -INFINITY;
+    for (int64_t c = 0; c < chunks; ++c) top = std::max(top, p.m[c * Hq + h]);
+    float l = 0.0f;
+    for (int64_t i = 0; i < D; i += 16) {
+      __m512 o = _mm512_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c) {
+        const float w = std::exp(p.m[c * Hq + h] - top);
+        if (i == 0) l += w * p.l[c * Hq + h];
+        o = _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(p.o + (c * Hq + h) * D + i), o);
+      }
+      if (i == 0) l = chunks == 0 ? 0.0f : 1.0f / l;
+      _mm512_storeu_ps(out + h * D + i, _mm512_mul_ps(o, _mm512_set1_ps(l)));
+    }
   }
 }
 
@@ -412,15 +469,42 @@ struct Layer {
   PackedMat qkv, o, gate_up, down;
 };
 
+// Where a forward's time goes (Q8Stack.set_profile): thread 0 adds the time since its last mark to a phase's
+// total after each phase's closing barrier, so a phase's time includes its wait for the slowest thread.
+enum Phase { SETUP, NORM_IN, QKV, ATTENTION, O_PROJ, NORM_POST, GATE_UP, DOWN, FINAL, PHASES };
+
+struct PhaseClock {
+  std::array<double, PHASES> ms{};
+  std::chrono::steady_clock::time_point last;
+  void start() { last = std::chrono::steady_clock::now(); }
+  void mark(Phase p) {
+    if (omp_get_thread_num() != 0) return;
+    const auto now = std::chrono::steady_clock::now();
+    ms[p] += std::chrono::duration<double, std::milli>(now - last).count();
+    last = now;
+  }
+};
+
 // One forward's buffers (made per call: the stack is shared by every caller, e.g. a drafter's TLI layers).
 struct Buffers {
   int64_t T;
   at::Tensor x, h, qkv, q, a, gu, m;  // fp32: residual [T, H], normed [T, H], [T, Nqkv], [T, Hq * D], [T, Hq * D], [T, 2I], [T, I]
   Q8Rows hq, aq, mq;                  // the quantised inputs of qkv / gate_up (hq), o (aq), down (mq)
+  PhaseClock* clock = nullptr;        // set while profiling
+  void mark(Phase p) {
+    if (clock) clock->mark(p);
+  }
 };
 
-struct AttnTask {
-  int64_t row, g;  // query row, kv head (all its query heads)
+// The attention of a batch: (row, chunk) tasks into partials, then a merge per row (decode and small verify
+// steps: two threads share a row's chunks); or, with enough rows for every thread, one task per row (its chunks
+// and merge in the task). The same numbers either way.
+struct AttnWork {
+  std::vector<int64_t> chunk0;    // row t's chunks are chunk0[t] .. chunk0[t + 1] - 1 of the partials
+  std::vector<int64_t> task_row;  // per (row, chunk) task
+  std::vector<int64_t> task_chunk;
+  bool by_row = false;
+  at::Tensor m, l, o;             // partials of every chunk (by_row: unused)
 };
 
 class Q8Stack : public torch::CustomClassHolder {
@@ -458,6 +542,17 @@ class Q8Stack : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
 
+  // Profiling of forward (one caller at a time): on/off, and the ms per phase since the last read (then reset):
+  // setup (checks, the plan's rows, buffers), and summed over the layers: norm + quantise, qkv + RoPE + K/V store,
+  // attention + quantise, o + residual, norm + quantise, gate/up + SiLU + quantise, down + residual; then the
+  // captures and the final norm. Each phase includes its barrier.
+  void set_profile(bool on) { profiling = on; }
+  std::vector<double> profile() {
+    std::vector<double> out(clock.ms.begin(), clock.ms.end());
+    clock.ms.fill(0.0);
+    return out;
+  }
+
   // The decoder stack over x [T, H] (fp32 embeddings): layers `ids` (indices into this stack) in order,
   // layer ids[i] reading and writing k_pools[i] / v_pools[i] [slots, Hkv, D] (row t's K/V at slots[t]);
   // attention per the plan (at most what tree_attention takes). Returns [final-normed hidden, the outputs of
@@ -466,6 +561,7 @@ class Q8Stack : public torch::CustomClassHolder {
                                   const std::vector<at::Tensor>& k_pools, const std::vector<at::Tensor>& v_pools, const std::vector<int64_t>& ids,
                                   const at::Tensor& qo_indptr, const at::Tensor& kv_indptr, const at::Tensor& kv_indices,
                                   const at::Tensor& custom_mask, double scale, const std::vector<int64_t>& capture) {
+    if (profiling) clock.start();
     const int64_t T = check_rows(x, cos, sin, slots);
     TORCH_CHECK(k_pools.size() == ids.size() && v_pools.size() == ids.size(), "q8 forward: one k and one v pool per layer");
     for (size_t i = 0; i < ids.size(); ++i) {
@@ -479,7 +575,7 @@ class Q8Stack : public torch::CustomClassHolder {
     }
     const moa_attention::RowPlan rp = moa_attention::plan_rows(qo_indptr, kv_indptr, kv_indices, custom_mask, T,
                                                                k_pools.empty() ? 0 : k_pools[0].size(0), "q8 forward");
-    const std::vector<AttnTask> tasks = attention_tasks(T);
+    AttnWork work = attention_work(rp, T, threads(T));
     Buffers buf = buffers(T);
     buf.x.copy_(x);
     std::vector<at::Tensor> captured(ids.size());
@@ -487,13 +583,18 @@ class Q8Stack : public torch::CustomClassHolder {
       if (keep[i]) captured[i] = at::empty({T, H}, x.options());
     at::Tensor out = at::empty({T, H}, x.options());
     const float sc = static_cast<float>(scale);
+    if (profiling) buf.clock = &clock;
+    buf.mark(SETUP);
 #pragma omp parallel num_threads(threads(T))
     {
       for (size_t i = 0; i < ids.size(); ++i) {
         const Layer& l = layers[ids[i]];
         norm_quantize(buf, l.in_norm);
+        buf.mark(NORM_IN);
         qkv_rope_store(buf, l, cos, sin, slots, k_pools[i], v_pools[i]);
-        attention(buf, tasks, rp, k_pools[i], v_pools[i], sc);
+        buf.mark(QKV);
+        attention(buf, work, rp, k_pools[i], v_pools[i], sc);
+        buf.mark(ATTENTION);
         out_ffn(buf, l);
         if (keep[i]) {
 #pragma omp for schedule(static)
@@ -501,6 +602,7 @@ class Q8Stack : public torch::CustomClassHolder {
         }
       }
       final_norm(buf, out);
+      buf.mark(FINAL);
     }
     std::vector<at::Tensor> result{out};
     for (int64_t c : capture) result.push_back(captured[c]);
@@ -539,9 +641,9 @@ class Q8Stack : public torch::CustomClassHolder {
     buf.T = T;
     buf.q = q.reshape({T, Hq * D}).contiguous();
     buf.a = at::empty({T, Hq * D}, q.options());
-    const std::vector<AttnTask> tasks = attention_tasks(T);
+    AttnWork work = attention_work(rp, T, threads(T));
 #pragma omp parallel num_threads(threads(T))
-    attention(buf, tasks, rp, k_pool, v_pool, static_cast<float>(scale), false);
+    attention(buf, work, rp, k_pool, v_pool, static_cast<float>(scale), false);
     return buf.a;
   }
 
@@ -581,6 +683,8 @@ class Q8Stack : public torch::CustomClassHolder {
  private:
   int64_t H, Hq, Hkv, D, I, Nqkv;
   float eps;
+  bool profiling = false;
+  PhaseClock clock;
   std::vector<Layer> layers;
   at::Tensor norm;
   PackedMat lm_head;
@@ -632,14 +736,21 @@ class Q8Stack : public torch::CustomClassHolder {
     return b;
   }
 
-  // tasks: (row, kv head); results do not depend on the split
-  std::vector<AttnTask> attention_tasks(int64_t T) const {
-    std::vector<AttnTask> tasks;
+  // The batch's attention work (see AttnWork): by rows when there are at least two rows per thread
+  AttnWork attention_work(const moa_attention::RowPlan& rp, int64_t T, int nthreads) const {
+    AttnWork w;
+    w.chunk0.assign(T + 1, 0);
+    for (int64_t t = 0; t < T; ++t) w.chunk0[t + 1] = w.chunk0[t] + (rp.row_ptr[t + 1] - rp.row_ptr[t] + CHUNK - 1) / CHUNK;
+    w.by_row = T >= 2 * nthreads;
+    if (w.by_row) return w;
     for (int64_t t = 0; t < T; ++t)
-      for (int64_t g = 0; g < Hkv; ++g) tasks.push_back({t, g});
-    return tasks;
+      for (int64_t c = 0; c < w.chunk0[t + 1] - w.chunk0[t]; ++c) w.task_row.push_back(t), w.task_chunk.push_back(c);
+    const int64_t chunks = w.chunk0[T];
+    w.m = at::empty({chunks, Hq}, at::kFloat);
+    w.l = at::empty({chunks, Hq}, at::kFloat);
+    w.o = at::empty({chunks, Hq, D}, at::kFloat);
+    return w;
   }
-
 
   // --- phases (inside a parallel region; each ends at its worksharing loop's barrier) ---
 
@@ -680,24 +791,46 @@ class Q8Stack : public torch::CustomClassHolder {
     }
   }
 
-  // each task's heads into b.a, then quantised into b.aq when `quantise`
-  void attention(Buffers& b, const std::vector<AttnTask>& tasks, const moa_attention::RowPlan& rp, const at::Tensor& k_pool, const at::Tensor& v_pool,
-                 float scale, bool quantise = true) const {
-    const int64_t rep = Hq / Hkv, ks = k_pool.stride(0), vs = v_pool.stride(0), kh = k_pool.stride(1), vh = v_pool.stride(1);
-    const float *q = b.q.data_ptr<float>(), *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>();
+  // every row's attention into b.a, then quantised into b.aq when `quantise`
+  void attention(Buffers& b, AttnWork& w, const moa_attention::RowPlan& rp, const at::Tensor& k_pool, const at::Tensor& v_pool, float scale,
+                 bool quantise = true) const {
+    const AttnGeometry geo{k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), k_pool.stride(0), v_pool.stride(0), k_pool.stride(1), v_pool.stride(1),
+                           Hq, Hkv, D, scale};
+    const float* q = b.q.data_ptr<float>();
     float* a = b.a.data_ptr<float>();
-    const auto attend = D == 64 ? attend_row<64> : attend_row<128>;
-    const int64_t n_tasks = static_cast<int64_t>(tasks.size()), nb = Hq * D / QK;
-    static thread_local std::vector<float> scores;
+    const auto chunk = D == 64 ? attend_chunk<64> : attend_chunk<128>;
+    const auto keys_of = [&](int64_t t) { return rp.row_keys.data() + rp.row_ptr[t]; };
+    const auto finish = [&](int64_t t, const Partials& p) {
+      merge_chunks(p, w.chunk0[t + 1] - w.chunk0[t], Hq, D, a + t * Hq * D);
+      const int64_t nb = Hq * D / QK;
+      if (quantise)
+        for (int64_t blk = 0; blk < nb; ++blk)
+          quantize_block(a + t * Hq * D + blk * QK, b.aq.q + t * Hq * D + blk * QK, b.aq.d + t * nb + blk, b.aq.s + t * nb + blk);
+    };
+    if (w.by_row) {
+      static thread_local std::vector<float> part;
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t t = 0; t < b.T; ++t) {
+        const int64_t chunks = w.chunk0[t + 1] - w.chunk0[t], n = rp.row_ptr[t + 1] - rp.row_ptr[t];
+        part.resize(chunks * Hq * (D + 2));
+        const Partials p{part.data(), part.data() + chunks * Hq, part.data() + 2 * chunks * Hq};
+        for (int64_t c = 0; c < chunks; ++c) chunk(geo, q + t * Hq * D, keys_of(t), n, c, p);
+        finish(t, p);
+      }
+      return;
+    }
+    const int64_t n_tasks = static_cast<int64_t>(w.task_row.size());
+    float *pm = w.m.data_ptr<float>(), *pl = w.l.data_ptr<float>(), *po = w.o.data_ptr<float>();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_tasks; ++i) {
-      const AttnTask& tk = tasks[i];
-      const int64_t t = tk.row, off = t * Hq * D + tk.g * rep * D;
-      const int64_t* keys = rp.row_keys.data() + rp.row_ptr[t];
-      attend(q + off, kp + tk.g * kh, vp + tk.g * vh, ks, vs, keys, rp.row_ptr[t + 1] - rp.row_ptr[t], rep, scale, a + off, scores);
-      if (quantise)
-        for (int64_t blk = tk.g * rep * D / QK; blk < (tk.g + 1) * rep * D / QK; ++blk)
-          quantize_block(a + t * Hq * D + blk * QK, b.aq.q + t * Hq * D + blk * QK, b.aq.d + t * nb + blk, b.aq.s + t * nb + blk);
+      const int64_t t = w.task_row[i], c0 = w.chunk0[t];
+      const Partials p{pm + c0 * Hq, pl + c0 * Hq, po + c0 * Hq * D};
+      chunk(geo, q + t * Hq * D, keys_of(t), rp.row_ptr[t + 1] - rp.row_ptr[t], w.task_chunk[i], p);
+    }
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < b.T; ++t) {
+      const int64_t c0 = w.chunk0[t];
+      finish(t, Partials{pm + c0 * Hq, pl + c0 * Hq, po + c0 * Hq * D});
     }
   }
 
@@ -707,7 +840,9 @@ class Q8Stack : public torch::CustomClassHolder {
     float* x = b.x.data_ptr<float>();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t g = 0; g < l.o.groups; ++g) gemm_group(l.o, g, b.aq, T, x, H, x, H);
+    b.mark(O_PROJ);
     norm_quantize(b, l.post_norm);
+    b.mark(NORM_POST);
     float *gu = b.gu.data_ptr<float>(), *m = b.m.data_ptr<float>();
     const int64_t nb = I / QK, up = I / GROUP;
 #pragma omp for schedule(dynamic, 1)
@@ -719,8 +854,10 @@ class Q8Stack : public torch::CustomClassHolder {
         quantize_block(mt, b.mq.q + t * I + u * QK, b.mq.d + t * nb + u, b.mq.s + t * nb + u);
       }
     }
+    b.mark(GATE_UP);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t g = 0; g < l.down.groups; ++g) gemm_group(l.down, g, b.mq, T, x, H, x, H);
+    b.mark(DOWN);
   }
 
   void final_norm(Buffers& b, at::Tensor& out) const {
@@ -758,6 +895,8 @@ TORCH_LIBRARY_FRAGMENT(moa_cpu, m) {
       .def("add_layer", &Q8Stack::add_layer)
       .def("set_head", &Q8Stack::set_head)
       .def("num_layers", &Q8Stack::num_layers)
+      .def("set_profile", &Q8Stack::set_profile)
+      .def("profile", &Q8Stack::profile)
       .def("forward", &Q8Stack::forward)
       .def("layer_qkv", &Q8Stack::layer_qkv)
       .def("attention", &Q8Stack::attention_of)
