@@ -225,6 +225,33 @@ def attach_q8(module: torch.nn.Module) -> int:
     return n
 
 
+def q8_eagle3_layer(draft):
+    """An EAGLE-3 draft's midlayer (models/eagle3.py Eagle3Draft) on the q8 stack: its weights as Q8_0 blocks
+    (q/k/v fused, gate/up fused), the layer in one call (Q8Stack.draft_layer, layer 0); None where q8 cannot run."""
+    if q8_unavailable() is not None:
+        return None
+    c, lay = draft.cfg, draft.midlayer
+    a, mlp = lay.self_attn, lay.mlp
+
+    def blocks(*ws: torch.nn.Linear) -> tuple[torch.Tensor, int]:
+        w = torch.cat([m.weight.detach().float() for m in ws])
+        return torch.ops.moa_cpu.q8_0_blocks(w), PACKED_KIND_IDS["Q8_0"]
+
+    stack = torch.classes.moa_cpu.Q8Stack(
+        c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps
+    )
+    stack.add_eagle3_layer(
+        lay.input_layernorm.weight.detach(),
+        lay.hidden_norm.weight.detach(),
+        *blocks(a.q_proj, a.k_proj, a.v_proj),
+        *blocks(a.o_proj),
+        lay.post_attention_layernorm.weight.detach(),
+        *blocks(mlp.gate_proj, mlp.up_proj),
+        *blocks(mlp.down_proj),
+    )
+    return stack
+
+
 def attach_q8_rows(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> bool:
     """dst holds src[rows] (the draft-vocab rows of a q8 target's head): let `linear` run those rows of src's
     GGUF blocks on the q8 kernels. Returns whether it did (src has Q4_1/Q8_0 blocks and q8 runs here)."""

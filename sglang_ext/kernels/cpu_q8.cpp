@@ -464,8 +464,10 @@ class Q8Matrix : public torch::CustomClassHolder {
 
 // --- the stack ----------------------------------------------------------------------------------
 
+// A decoder layer: qkv reads RMSNorm(x) (in_norm), or for an EAGLE-3 draft layer [RMSNorm(embedding) (in_norm),
+// RMSNorm(x) (in_norm2)] (qkv.K = 2H); the residual stream is x either way.
 struct Layer {
-  at::Tensor in_norm, post_norm, qkv_bias;  // fp32; qkv_bias undefined when the model has none
+  at::Tensor in_norm, in_norm2, post_norm, qkv_bias;  // fp32; in_norm2 / qkv_bias undefined when unused
   PackedMat qkv, o, gate_up, down;
 };
 
@@ -488,21 +490,25 @@ struct PhaseClock {
 // One forward's buffers (made per call: the stack is shared by every caller, e.g. a drafter's TLI layers).
 struct Buffers {
   int64_t T;
-  at::Tensor x, h, qkv, q, a, gu, m;  // fp32: residual [T, H], normed [T, H], [T, Nqkv], [T, Hq * D], [T, Hq * D], [T, 2I], [T, I]
-  Q8Rows hq, aq, mq;                  // the quantised inputs of qkv / gate_up (hq), o (aq), down (mq)
+  // fp32: residual [T, H], qkv's input [T, K], normed [T, H], [T, Nqkv], [T, Hq * D], [T, Hq * D], [T, 2I], [T, I]
+  at::Tensor x, hin, h, qkv, q, a, gu, m;
+  Q8Rows xq, hq, aq, mq;  // the quantised inputs of qkv (xq), gate_up (hq), o (aq), down (mq)
   PhaseClock* clock = nullptr;        // set while profiling
   void mark(Phase p) {
     if (clock) clock->mark(p);
   }
 };
 
-// The attention of a batch: (row, chunk) tasks into partials, then a merge per row (decode and small verify
-// steps: two threads share a row's chunks); or, with enough rows for every thread, one task per row (its chunks
-// and merge in the task). The same numbers either way.
+// The attention of a batch: (rows of a request, chunk) tasks into partials, then a merge per row (decode and
+// verify steps: threads share a row's chunks, and a tree's rows read each chunk of their common prefix once, from
+// L1/L2 after the first row); or, with enough rows for every thread, one task per row (its chunks and merge in
+// the task: prompt blocks). The same numbers either way.
 struct AttnWork {
-  std::vector<int64_t> chunk0;    // row t's chunks are chunk0[t] .. chunk0[t + 1] - 1 of the partials
-  std::vector<int64_t> task_row;  // per (row, chunk) task
-  std::vector<int64_t> task_chunk;
+  std::vector<int64_t> chunk0;  // row t's chunks are chunk0[t] .. chunk0[t + 1] - 1 of the partials
+  struct Task {
+    int64_t row0, rows, chunk;  // chunk `chunk` of rows [row0, row0 + rows) of one request (those that have it)
+  };
+  std::vector<Task> tasks;
   bool by_row = false;
   at::Tensor m, l, o;             // partials of every chunk (by_row: unused)
 };
@@ -535,6 +541,49 @@ class Q8Stack : public torch::CustomClassHolder {
     layers.push_back(std::move(l));
   }
 
+  // An EAGLE-3 draft layer (midlayer): qkv [Nqkv, 2H] over [RMSNorm(embedding) | RMSNorm(feature)] (in_norm,
+  // hidden_norm), the rest a decoder layer's, its residual the feature. Returns its index (run by draft_layer).
+  int64_t add_eagle3_layer(const at::Tensor& in_norm, const at::Tensor& hidden_norm, const at::Tensor& qkv, int64_t qkv_kind, const at::Tensor& o,
+                           int64_t o_kind, const at::Tensor& post_norm, const at::Tensor& gate_up, int64_t gate_up_kind, const at::Tensor& down,
+                           int64_t down_kind) {
+    Layer l;
+    l.in_norm = norm_weight(in_norm, H);
+    l.in_norm2 = norm_weight(hidden_norm, H);
+    l.post_norm = norm_weight(post_norm, H);
+    l.qkv = checked(repack(qkv, qkv_kind, 2 * H), Nqkv, "qkv");
+    l.o = checked(repack(o, o_kind, Hq * D), H, "o");
+    l.gate_up = checked(repack(gate_up, gate_up_kind, H), 2 * I, "gate_up");
+    l.down = checked(repack(down, down_kind, I), H, "down");
+    TORCH_CHECK(I % GROUP == 0, "q8: intermediate size must be a multiple of 16");
+    layers.push_back(std::move(l));
+    return num_layers() - 1;
+  }
+
+  // An EAGLE-3 draft layer over T rows: embeddings and features [T, H], RoPE cos/sin [T, D]; writes the rows'
+  // K/V to the pools at slots, attends per the plan; returns the pre-norm outputs [T, H] (Eagle3Draft.finish's).
+  at::Tensor draft_layer(const at::Tensor& embeds, const at::Tensor& feat, int64_t layer, const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& slots, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& qo_indptr,
+                         const at::Tensor& kv_indptr, const at::Tensor& kv_indices, const at::Tensor& custom_mask, double scale) {
+    const int64_t T = check_rows(feat, cos, sin, slots);
+    TORCH_CHECK(layer >= 0 && layer < num_layers() && layers[layer].in_norm2.defined(), "q8 draft_layer: layer ", layer, " is no EAGLE-3 layer");
+    TORCH_CHECK(embeds.scalar_type() == at::kFloat && embeds.dim() == 2 && embeds.size(0) == T && embeds.size(1) == H, "q8 draft_layer: embeds must be fp32 [T, ", H, "]");
+    check_pool(k_pool, v_pool, slots);
+    const moa_attention::RowPlan rp = moa_attention::plan_rows(qo_indptr, kv_indptr, kv_indices, custom_mask, T, k_pool.size(0), "q8 draft_layer");
+    AttnWork work = attention_work(rp, T, threads(T));
+    Buffers buf = buffers(T, 2 * H);
+    buf.x.copy_(feat);
+    const at::Tensor e = embeds.contiguous();
+    const Layer& l = layers[layer];
+#pragma omp parallel num_threads(threads(T))
+    {
+      norm_quantize_in(buf, l, e.data_ptr<float>());
+      qkv_rope_store(buf, l, cos, sin, slots, k_pool, v_pool);
+      attention(buf, work, rp, k_pool, v_pool, static_cast<float>(scale));
+      out_ffn(buf, l);
+    }
+    return buf.x;
+  }
+
   void set_head(const at::Tensor& final_norm, const at::Tensor& head, int64_t kind) {
     norm = norm_weight(final_norm, H);
     lm_head = repack(head, kind, H);
@@ -565,7 +614,7 @@ class Q8Stack : public torch::CustomClassHolder {
     const int64_t T = check_rows(x, cos, sin, slots);
     TORCH_CHECK(k_pools.size() == ids.size() && v_pools.size() == ids.size(), "q8 forward: one k and one v pool per layer");
     for (size_t i = 0; i < ids.size(); ++i) {
-      TORCH_CHECK(ids[i] >= 0 && ids[i] < num_layers(), "q8 forward: layer ", ids[i], " outside the stack");
+      TORCH_CHECK(ids[i] >= 0 && ids[i] < num_layers() && !layers[ids[i]].in_norm2.defined(), "q8 forward: no decoder layer ", ids[i]);
       check_pool(k_pools[i], v_pools[i], slots);
     }
     std::vector<bool> keep(ids.size(), false);
@@ -589,7 +638,7 @@ class Q8Stack : public torch::CustomClassHolder {
     {
       for (size_t i = 0; i < ids.size(); ++i) {
         const Layer& l = layers[ids[i]];
-        norm_quantize(buf, l.in_norm);
+        norm_quantize_in(buf, l);
         buf.mark(NORM_IN);
         qkv_rope_store(buf, l, cos, sin, slots, k_pools[i], v_pools[i]);
         buf.mark(QKV);
@@ -614,13 +663,13 @@ class Q8Stack : public torch::CustomClassHolder {
   at::Tensor layer_qkv(const at::Tensor& x, int64_t layer, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
                        const at::Tensor& v_pool, const at::Tensor& slots) {
     const int64_t T = check_rows(x, cos, sin, slots);
-    TORCH_CHECK(layer >= 0 && layer < num_layers(), "q8 layer_qkv: layer ", layer, " outside the stack");
+    TORCH_CHECK(layer >= 0 && layer < num_layers() && !layers[layer].in_norm2.defined(), "q8 layer_qkv: no decoder layer ", layer);
     check_pool(k_pool, v_pool, slots);
     Buffers buf = buffers(T);
     buf.x.copy_(x);
 #pragma omp parallel num_threads(threads(T))
     {
-      norm_quantize(buf, layers[layer].in_norm);
+      norm_quantize_in(buf, layers[layer]);
       qkv_rope_store(buf, layers[layer], cos, sin, slots, k_pool, v_pool);
     }
     return buf.q.view({T, Hq, D});
@@ -719,11 +768,14 @@ class Q8Stack : public torch::CustomClassHolder {
     for (int64_t t = 0; t < slots.numel(); ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < k.size(0), "q8: slot ", sl[t], " outside the pool [0, ", k.size(0), ")");
   }
 
-  Buffers buffers(int64_t T) const {
+  Buffers buffers(int64_t T, int64_t in_width = 0) const {
     Buffers b;
     b.T = T;
+    in_width = in_width ? in_width : H;
     const auto f = at::TensorOptions().dtype(at::kFloat);
     b.x = at::empty({T, H}, f);
+    b.hin = at::empty({T, in_width}, f);
+    b.xq = Q8Rows(T, in_width);
     b.h = at::empty({T, H}, f);
     b.qkv = at::empty({T, Nqkv}, f);
     b.q = at::empty({T, Hq * D}, f);
@@ -743,8 +795,14 @@ class Q8Stack : public torch::CustomClassHolder {
     for (int64_t t = 0; t < T; ++t) w.chunk0[t + 1] = w.chunk0[t] + (rp.row_ptr[t + 1] - rp.row_ptr[t] + CHUNK - 1) / CHUNK;
     w.by_row = T >= 2 * nthreads;
     if (w.by_row) return w;
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t c = 0; c < w.chunk0[t + 1] - w.chunk0[t]; ++c) w.task_row.push_back(t), w.task_chunk.push_back(c);
+    const int64_t* qo = rp.qo.data_ptr<int64_t>();
+    for (int64_t b = 0; b < rp.requests; ++b)
+      for (int64_t r0 = qo[b]; r0 < qo[b + 1]; r0 += 16) {
+        const int64_t rows = std::min<int64_t>(16, qo[b + 1] - r0);
+        int64_t most = 0;
+        for (int64_t t = r0; t < r0 + rows; ++t) most = std::max(most, w.chunk0[t + 1] - w.chunk0[t]);
+        for (int64_t c = 0; c < most; ++c) w.tasks.push_back({r0, rows, c});
+      }
     const int64_t chunks = w.chunk0[T];
     w.m = at::empty({chunks, Hq}, at::kFloat);
     w.l = at::empty({chunks, Hq}, at::kFloat);
@@ -753,6 +811,23 @@ class Q8Stack : public torch::CustomClassHolder {
   }
 
   // --- phases (inside a parallel region; each ends at its worksharing loop's barrier) ---
+
+  // qkv's input: RMSNorm(x), or [RMSNorm(embeds), RMSNorm(x)] for an EAGLE-3 layer (embeds [T, H])
+  void norm_quantize_in(Buffers& b, const Layer& l, const float* embeds = nullptr) const {
+    const float* x = b.x.data_ptr<float>();
+    float* h = b.hin.data_ptr<float>();
+    const int64_t K = b.xq.K;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < b.T; ++t) {
+      if (embeds) {
+        moa_layer::norm_row(embeds + t * H, l.in_norm.data_ptr<float>(), h + t * K, H, eps);
+        moa_layer::norm_row(x + t * H, l.in_norm2.data_ptr<float>(), h + t * K + H, H, eps);
+      } else {
+        moa_layer::norm_row(x + t * H, l.in_norm.data_ptr<float>(), h + t * K, H, eps);
+      }
+      quantize_row(h + t * K, b.xq, t);
+    }
+  }
 
   void norm_quantize(Buffers& b, const at::Tensor& w) const {
     const float* x = b.x.data_ptr<float>();
@@ -776,7 +851,7 @@ class Q8Stack : public torch::CustomClassHolder {
     float *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>(), *q = b.q.data_ptr<float>();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < Hq + 2 * Hkv; ++u) {
-      for (int64_t g = u * per_head; g < (u + 1) * per_head; ++g) gemm_group(l.qkv, g, b.hq, T, qkv, Nqkv);
+      for (int64_t g = u * per_head; g < (u + 1) * per_head; ++g) gemm_group(l.qkv, g, b.xq, T, qkv, Nqkv);
       for (int64_t t = 0; t < T; ++t) {
         float* row = qkv + t * Nqkv + u * D;
         if (bias)
@@ -819,13 +894,17 @@ class Q8Stack : public torch::CustomClassHolder {
       }
       return;
     }
-    const int64_t n_tasks = static_cast<int64_t>(w.task_row.size());
+    const int64_t n_tasks = static_cast<int64_t>(w.tasks.size());
     float *pm = w.m.data_ptr<float>(), *pl = w.l.data_ptr<float>(), *po = w.o.data_ptr<float>();
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n_tasks; ++i) {
-      const int64_t t = w.task_row[i], c0 = w.chunk0[t];
-      const Partials p{pm + c0 * Hq, pl + c0 * Hq, po + c0 * Hq * D};
-      chunk(geo, q + t * Hq * D, keys_of(t), rp.row_ptr[t + 1] - rp.row_ptr[t], w.task_chunk[i], p);
+      const AttnWork::Task& tk = w.tasks[i];
+      for (int64_t t = tk.row0; t < tk.row0 + tk.rows; ++t) {
+        const int64_t c0 = w.chunk0[t];
+        if (tk.chunk >= w.chunk0[t + 1] - c0) continue;
+        const Partials p{pm + c0 * Hq, pl + c0 * Hq, po + c0 * Hq * D};
+        chunk(geo, q + t * Hq * D, keys_of(t), rp.row_ptr[t + 1] - rp.row_ptr[t], tk.chunk, p);
+      }
     }
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < b.T; ++t) {
@@ -893,6 +972,8 @@ TORCH_LIBRARY_FRAGMENT(moa_cpu, m) {
   m.class_<Q8Stack>("Q8Stack")
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double>())
       .def("add_layer", &Q8Stack::add_layer)
+      .def("add_eagle3_layer", &Q8Stack::add_eagle3_layer)
+      .def("draft_layer", &Q8Stack::draft_layer)
       .def("set_head", &Q8Stack::set_head)
       .def("num_layers", &Q8Stack::num_layers)
       .def("set_profile", &Q8Stack::set_profile)

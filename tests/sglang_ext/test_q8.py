@@ -219,3 +219,26 @@ def test_a_drafters_linears_on_the_q8_kernels():
     assert kernels.attach_q8_rows(head, model.lm_head, rows)
     h = torch.randn(5, 128, generator=g)
     assert torch.equal(kernels.linear(h, head), model.q8.logits(h)[:, rows])
+
+
+def test_eagle3_draft_layer_in_one_call_is_the_modules_layer(smollm2_q8):
+    """Beside a q8 target, EAGLE-3's draft layer runs as one call (Q8Stack.draft_layer): the module's own layer
+    on the same Q8_0 weights (q/k/v and gate/up fused) and 8-bit inputs, up to the attention's summation order."""
+    from sglang_ext.attention import causal_masks, plan_flat
+    from sglang_ext.drafters import make_drafter
+
+    d = make_drafter("eagle3", smollm2_q8)
+    assert d.q8_layer is not None
+    g = torch.Generator().manual_seed(6)
+    n = 40
+    ids, feat = torch.randint(3, 49152, (n,), generator=g), torch.randn(n, 576, generator=g)
+    outs = []
+    for one_call in (True, False):  # (inference mode, as propose runs: the module's Linears on their Q8_0 blocks)
+        layer, d.q8_layer = d.q8_layer, d.q8_layer if one_call else None
+        slots = d.kv.alloc(n)
+        plan = plan_flat([slots], causal_masks([n], [0]), [n])
+        with torch.inference_mode():
+            outs.append(d._layer(ids, feat, torch.arange(n), slots, plan))
+        d.q8_layer = layer
+        d.kv.free(slots)
+    assert torch.allclose(outs[0], outs[1], rtol=1e-4, atol=1e-4 * outs[1].abs().max().item())
