@@ -374,6 +374,14 @@ template <int D>
 MOA_VNNI void attend_chunk(const AttnGeometry& a, const float* q, const int64_t* keys, int64_t n, int64_t c, const Partials& p) {
   alignas(64) float sc[3 * (CHUNK + 16)];
   const int64_t j0 = c * CHUNK, len = std::min(CHUNK, n - j0), rep = a.Hq / a.Hkv;
+  // each kv head reads its part of every key's and value's row: the whole rows are asked for first, in key
+  // order, so that they stream in while the first head computes and the later heads find them cached
+  const int64_t row_bytes = a.Hkv * a.kh * static_cast<int64_t>(sizeof(float));
+  for (int64_t j = j0; j < j0 + len; ++j)
+    for (int64_t b = 0; b < row_bytes; b += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(a.kp + keys[j] * a.ks) + b, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(a.vp + keys[j] * a.vs) + b, _MM_HINT_T1);
+    }
   for (int64_t g = 0; g < a.Hkv; ++g)
     for (int64_t h = g * rep; h < (g + 1) * rep; h += 3) {
       const int64_t m = std::min<int64_t>(3, (g + 1) * rep - h);
