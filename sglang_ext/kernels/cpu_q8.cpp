@@ -24,10 +24,12 @@
 // 4 activation bytes and one dpbusd give 4 products for each of the 16 rows.
 //
 // The forward keeps the residual stream, norms, RoPE, attention, SiLU and the K/V pool in fp32 (the pool is
-// what the drafters read), with the glue and attention row routines of the fp32 path (layer_rows.h,
-// attention_rows.h). Phases per layer, each split over the threads, a barrier after each: RMSNorm + quantise;
-// qkv + RoPE + K/V store (by head); attention + quantise (by request, kv head, query head, rows); o + residual;
-// RMSNorm + quantise; gate/up + SiLU * up + quantise (by 32 features); down + residual.
+// what the drafters read), with the glue row routines of the fp32 path (layer_rows.h) and its own attention (16
+// lanes, keys in fixed chunks: see "attention" below). Phases per layer, each split over the threads, a barrier
+// after each: RMSNorm + quantise; qkv + RoPE + K/V store (by head); attention (by a request's rows and chunks of
+// keys, then a merge + quantise per row); o + residual; RMSNorm + quantise; gate/up + SiLU * up + quantise (by 32
+// features); down + residual. Beside it: a weight on these kernels alone (Q8Matrix: a drafter's Linear), and an
+// EAGLE-3 draft layer in one call (Q8Stack.draft_layer).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
