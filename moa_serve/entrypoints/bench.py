@@ -373,10 +373,13 @@ def _write_results(args, target, sp, results, sweep, overhead, sizes: list[int],
     sampling = peer_lib.sampling_label(sp)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    llama_cpp = (
+        peer_lib.llama_cpp_build() if any(r.method.startswith("llama.cpp") and not r.error for r in results) else None
+    )
     payload = {
         "command": command,
-        "machine": machine_description(),
-        "dtype": str(target.model.dtype).removeprefix("torch."),
+        "machine": machine_description() + (f"; llama.cpp {llama_cpp}" if llama_cpp else ""),
+        "dtype": target.model.dtype_name,
         "max_new_tokens": args.max_new_tokens,
         "sampling": {"temperature": sp.temperature, "top_p": sp.top_p, "seed": sp.seed, "label": sampling},
         "results": [_result_json(r) for r in results],

@@ -31,7 +31,10 @@ def add_model_args(p: argparse.ArgumentParser, model_help: str | None = None) ->
         "--dtype",
         default="auto",
         choices=list(DTYPE_CHOICES),
-        help="weights/activations dtype (auto: fp32 on CPUs with our kernels, else bf16 with AMX or on a GPU)",
+        help=(
+            "weights/activations dtype (auto: q8 on CPUs with AVX-512 VNNI and a GGUF target: the matmuls on 8-bit "
+            "activations, as llama.cpp; else fp32 on CPUs with our kernels, bf16 with AMX or on a GPU)"
+        ),
     )
     p.add_argument(
         "--device",

@@ -23,9 +23,8 @@ import threading
 import time
 from pathlib import Path
 
-from .settings import gateway_settings
-
 from ..tenancy import Tenant, TenantsFileError, parse_keys
+from .settings import gateway_settings
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ import torch
 
 from ..attention import FrontierPaths, advance_seen, causal_masks, plan_flat, plan_frontier, tree_attention_cpu
 from ..device import module_on, upload
-from ..kernels import attach_bf16_halves
+from ..kernels import attach_bf16_halves, attach_q8, q8_eagle3_layer
 from ..models.checkpoint import check_fits
 from ..models.draft_graphs import FrontierRunner, SearchBuffers, SearchRunner
 from ..models.eagle3 import Eagle3Draft, load_eagle3
@@ -71,6 +71,11 @@ class Eagle3Drafter(Drafter):
         self.draft = module_on(draft, target.device, target.dtype).eval()  # beside the target
         if target.device.type == "cpu":  # (the CPU kernels' weights; a GPU runs the checkpoint's dtype)
             attach_bf16_halves(self.draft)  # a bf16 checkpoint: its matmuls read half the bytes, same sums
+        # beside a q8 target: the matmuls on its kernels (a quarter of the bf16 bytes), the layer in one call
+        self.q8_layer = None
+        if target.device.type == "cpu" and target.q8 is not None:
+            attach_q8(self.draft)
+            self.q8_layer = q8_eagle3_layer(self.draft)
         self.capture_layers = tuple(c.aux_layers)
         self.kv = KVPool(1, num_slots, c.num_kv_heads, c.head_dim, target.dtype, target.device)
         self.kept = KeptState((self.kv,))  # pairs of prefix-cached tokens, under their input token's target slot
@@ -239,6 +244,12 @@ class Eagle3Drafter(Drafter):
         attention=tree_attention_cpu,
     ) -> torch.Tensor:
         """Draft layer over flat rows; writes their K/V to `slots`; returns pre-norm outputs [n, H]."""
+        if self.q8_layer is not None and attention is tree_attention_cpu:
+            cos, sin = self.draft.rope(positions, torch.float32)
+            kv = (self.kv.k[0], self.kv.v[0])
+            p = (plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.custom_mask)
+            x = (self.target.embed[ids], feat.contiguous())
+            return self.q8_layer.draft_layer(*x, 0, cos[:, 0], sin[:, 0], slots, *kv, *p, self.scale)
         q, k, v = self.draft.qkv(self.target.embed[ids], feat, positions)
         self.kv.write(0, slots, k, v)
         return self.draft.finish(attention(q, self.kv.k[0], self.kv.v[0], plan, self.scale), feat)

@@ -32,7 +32,7 @@ import torch
 
 from ..attention import FrontierPaths, advance_seen, plan_frontier, tree_attention_cpu
 from ..device import module_on, to_device
-from ..kernels import attach_bf16_halves, attach_packed_rows
+from ..kernels import attach_bf16_halves, attach_packed_rows, attach_q8, attach_q8_rows
 from ..models.checkpoint import check_fits
 from ..models.draft_graphs import FrontierRunner, SearchBuffers, SearchRunner
 from ..models.graph_runner import static_attention, static_plan, with_static_attention
@@ -94,6 +94,8 @@ class MoADrafter(Drafter):
         self.draft = module_on(draft, target.device, target.dtype).eval()  # beside the target
         if target.device.type == "cpu":  # (the CPU kernels' weights; a GPU runs the checkpoint's dtype)
             attach_bf16_halves(self.draft)  # a bf16 checkpoint: its matmuls read half the bytes, same sums
+            if target.q8 is not None:  # beside a q8 target, on its kernels (a quarter of the bf16 bytes)
+                attach_q8(self.draft)
         self.cfg = c
         self.mem = KVPool(1, num_slots, c.num_kv_heads, c.head_dim, target.dtype, target.device)
         self.sa = KVPool(1, num_slots, c.num_kv_heads, c.head_dim, target.dtype, target.device)
@@ -103,6 +105,8 @@ class MoADrafter(Drafter):
         attach_packed_rows(
             self.head, target.lm_head, self.hot_ids
         )  # and of its GGUF blocks: the same sums, ~1/4 the bytes
+        if target.q8 is not None:
+            attach_q8_rows(self.head, target.lm_head, self.hot_ids)  # those blocks on the q8 kernels
         self.tli_layers = list(range(len(target.layers) - c.tli, len(target.layers)))
         # MoA reads the target KV pool, not layer outputs (the no-LSA ablation reads the last layer's output)
         self.capture_layers: tuple[int, ...] = (len(target.layers) - 1,) if c.memory_source == "last_hidden" else ()

@@ -3,7 +3,8 @@
 the bf16 halves of a bf16 drafter checkpoint run in fp32: attach_bf16_halves);
 the `tree_attention` op (cpu_attention.cpp) backs the "cpu" attention backend (sglang_ext/attention/cpu.py);
 the layer glue ops (cpu_layer_ops.cpp) do a decoder layer's norms, RoPE + K/V store and SiLU in one
-call each (models/llama.py, when uses_layer_ops).
+call each (models/llama.py, when uses_layer_ops); the `q8` dtype's decoder stack (cpu_q8.cpp: integer dot
+products of the GGUF blocks with 8-bit activations, the whole forward in one call) is built by q8_stack.
 
 `linear(x, w)` sends fp32 inputs with at most SMALL_ROWS rows (decode, tree verify, draft steps; 128, or
 24 on AVX-512 CPUs, see _kernel_rows) to
@@ -93,6 +94,47 @@ def _init() -> None:
     _ready = True
 
 
+def q8_unavailable() -> str | None:
+    """Why the q8 decoder stack (cpu_q8.cpp) cannot run here, or None when it can."""
+    if not _ready:
+        _init()
+    if not AVAILABLE:
+        return f"the CPU kernels are unavailable ({UNAVAILABLE})"
+    ops = torch.ops.moa_cpu
+    if not hasattr(ops, "q8_supported"):
+        return "the CPU kernels were built without the q8 stack (rebuild: pip install -e .)"
+    if not ops.q8_supported():
+        return "this CPU lacks AVX-512 VNNI"
+    return None
+
+
+def q8_stack(cfg, layers, norm: torch.Tensor, lm_head: torch.Tensor):
+    """The q8 decoder stack (a torch.classes.moa_cpu.Q8Stack) of a Llama-family model: `layers` (models/llama.py
+    LayerWeights, whose fused weights carry their GGUF blocks: attach_packed), the final norm and the head's
+    blocks. Raises ValueError naming what is missing."""
+    why = q8_unavailable()
+    if why is not None:
+        raise ValueError(f"dtype q8: {why}")
+
+    def blocks(w: torch.Tensor, name: str) -> tuple[torch.Tensor, int]:
+        p = getattr(w, "moa_packed", None)
+        if p is None or p[0] not in (PACKED_KIND_IDS["Q4_1"], PACKED_KIND_IDS["Q8_0"]):
+            raise ValueError(
+                f"dtype q8 needs the Q4_1/Q8_0 GGUF blocks of every layer weight and of the head; {name} has none"
+            )
+        return p[1], p[0]
+
+    stack = torch.classes.moa_cpu.Q8Stack(
+        cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps
+    )
+    for i, lw in enumerate(layers):
+        qkv, o = blocks(lw.qkv, f"layer {i} qkv"), blocks(lw.o, f"layer {i} o")
+        gate_up, down = blocks(lw.gate_up, f"layer {i} gate_up"), blocks(lw.down, f"layer {i} down")
+        stack.add_layer(lw.input_norm, *qkv, lw.qkv_bias, *o, lw.post_norm, *gate_up, *down)
+    stack.set_head(norm, *blocks(lm_head, "the head"))
+    return stack
+
+
 def __getattr__(name: str):
     """The kernel globals, set on first access (PEP 562: called only for names not set yet)."""
     if name in _LAZY and not _ready:
@@ -166,6 +208,65 @@ def attach_bf16_halves(module: torch.nn.Module) -> int:
     return n
 
 
+def attach_q8(module: torch.nn.Module) -> int:
+    """For each fp32 Linear weight of `module` (K % 32 == 0), let `linear` run it on the q8 kernels: the weight
+    as Q8_0 blocks (8 bits per weight, an fp16 scale per 32) times 8-bit activations, as the q8 target's own
+    matmuls (a drafter beside a q8 target: a quarter of its bf16 bytes, integer dot products). Its outputs
+    move by the rounding of both; a drafter only proposes, so what is served stays the target's. Returns how
+    many weights were attached (0 where q8 cannot run)."""
+    if q8_unavailable() is not None:
+        return 0
+    n = 0
+    for m in module.modules():
+        if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32 and m.in_features % 32 == 0:
+            w = m.weight
+            w.moa_q8 = (_q8_matrix(torch.ops.moa_cpu.q8_0_blocks(w.detach()), "Q8_0", w.shape[1]), _version(w))
+            n += 1
+    return n
+
+
+def q8_eagle3_layer(draft):
+    """An EAGLE-3 draft's midlayer (models/eagle3.py Eagle3Draft) on the q8 stack: its weights as Q8_0 blocks
+    (q/k/v fused, gate/up fused), the layer in one call (Q8Stack.draft_layer, layer 0); None where q8 cannot run."""
+    if q8_unavailable() is not None:
+        return None
+    c, lay = draft.cfg, draft.midlayer
+    a, mlp = lay.self_attn, lay.mlp
+
+    def blocks(*ws: torch.nn.Linear) -> tuple[torch.Tensor, int]:
+        w = torch.cat([m.weight.detach().float() for m in ws])
+        return torch.ops.moa_cpu.q8_0_blocks(w), PACKED_KIND_IDS["Q8_0"]
+
+    stack = torch.classes.moa_cpu.Q8Stack(
+        c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps
+    )
+    stack.add_eagle3_layer(
+        lay.input_layernorm.weight.detach(),
+        lay.hidden_norm.weight.detach(),
+        *blocks(a.q_proj, a.k_proj, a.v_proj),
+        *blocks(a.o_proj),
+        lay.post_attention_layernorm.weight.detach(),
+        *blocks(mlp.gate_proj, mlp.up_proj),
+        *blocks(mlp.down_proj),
+    )
+    return stack
+
+
+def attach_q8_rows(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> bool:
+    """dst holds src[rows] (the draft-vocab rows of a q8 target's head): let `linear` run those rows of src's
+    GGUF blocks on the q8 kernels. Returns whether it did (src has Q4_1/Q8_0 blocks and q8 runs here)."""
+    p = getattr(src, "moa_packed", None)
+    if q8_unavailable() is not None or p is None or p[0] not in (PACKED_KIND_IDS["Q4_1"], PACKED_KIND_IDS["Q8_0"]):
+        return False
+    kind = "Q4_1" if p[0] == PACKED_KIND_IDS["Q4_1"] else "Q8_0"
+    dst.moa_q8 = (_q8_matrix(p[1][rows].contiguous(), kind, src.shape[1]), _version(dst))
+    return True
+
+
+def _q8_matrix(blocks: torch.Tensor, kind: str, k: int):
+    return torch.classes.moa_cpu.Q8Matrix(blocks, PACKED_KIND_IDS[kind], k)
+
+
 def _version(w: torch.Tensor) -> int | None:
     """w's in-place update counter (inference tensors keep none)."""
     return None if w.is_inference() else w._version
@@ -190,6 +291,15 @@ def uses_kernel(x: torch.Tensor, w: torch.Tensor) -> bool:
         and w.dtype == torch.float32
         and x.device.type == "cpu"
         and w.shape[1] % 8 == 0
+        and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+    )
+
+
+def _q8_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """x may go to w's q8 matrix (attach_q8): fp32 on the CPU, no autograd through either, rows of any count."""
+    return (
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
         and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
     )
 
@@ -225,6 +335,10 @@ def uses_gpu_layer_ops(x: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, bias): x [.., K], w [N, K] -> [.., N]."""
+    q8 = getattr(w, "moa_q8", None)
+    if q8 is not None and q8[1] == _version(w) and _q8_fits(x, w):
+        y = q8[0].forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], w.shape[0])
+        return y if bias is None else y + bias
     if not uses_kernel(x, w):
         return F.linear(x, w, bias)
     packed = _packed(w)

@@ -16,7 +16,7 @@
 
 #include <immintrin.h>
 
-#include "avx2_math.h"
+#include "layer_rows.h"
 
 #include <algorithm>
 #include <cmath>
@@ -24,24 +24,13 @@
 
 namespace {
 
+using namespace moa_layer;
+
 constexpr int64_t GRAIN = 16;  // rows per task: a decode row is ~1 us of work, not worth a thread
 
 void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, name, ": fp32 CPU tensors only");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, name, ": expects a [rows, features] tensor with contiguous rows");
-}
-
-// y = x * rsqrt(mean(x^2) + eps) * w over one row of n floats (n % 8 == 0)
-inline void norm_row(const float* x, const float* w, float* y, int64_t n, float eps) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    acc = _mm256_fmadd_ps(v, v, acc);
-  }
-  const float r = 1.0f / std::sqrt(hsum(acc) / static_cast<float>(n) + eps);
-  const __m256 rv = _mm256_set1_ps(r);
-  for (int64_t i = 0; i < n; i += 8)
-    _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), rv), _mm256_loadu_ps(w + i)));
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -81,17 +70,6 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {s, y};
 }
 
-// out = x * cos + rotate_half(x) * sin for one head (HF convention: halves duplicated in cos/sin)
-inline void rope_head(const float* x, const float* c, const float* s, float* out, int64_t d) {
-  const int64_t h = d / 2;
-  for (int64_t i = 0; i < h; i += 8) {
-    const __m256 lo = _mm256_loadu_ps(x + i), hi = _mm256_loadu_ps(x + h + i);
-    // rounding as torch's x * cos + rot * sin: two products, then one add
-    _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_mul_ps(lo, _mm256_loadu_ps(c + i)), _mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), hi), _mm256_loadu_ps(s + i))));
-    _mm256_storeu_ps(out + h + i, _mm256_add_ps(_mm256_mul_ps(hi, _mm256_loadu_ps(c + h + i)), _mm256_mul_ps(lo, _mm256_loadu_ps(s + h + i))));
-  }
-}
-
 // qkv [T, (Hq + 2 Hkv) D] -> RoPE'd q [T, Hq, D]; RoPE'd k and v are written to the pools' rows `slots`
 at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_pool, at::Tensor v_pool, const at::Tensor& slots,
                       int64_t num_heads, int64_t num_kv_heads) {
@@ -123,19 +101,6 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
     }
   });
   return q;
-}
-
-// silu(g) * u = g * sigmoid(g) * u, with e = exp(-|g|) <= 1 so nothing overflows:
-// sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) for g < 0. n % 8 == 0 (checked by the caller).
-inline void silu_mul_row(const float* g, const float* u, float* out, int64_t n) {
-  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
-  for (int64_t i = 0; i < n; i += 8) {
-    const __m256 gv = _mm256_loadu_ps(g + i);
-    const __m256 e = exp_nonpositive(_mm256_or_ps(gv, sign));  // exp(-|g|)
-    const __m256 num = _mm256_blendv_ps(one, e, gv);  // sign bit of g selects e
-    const __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, e));
-    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
-  }
 }
 
 at::Tensor silu_mul(const at::Tensor& gu) {

@@ -51,8 +51,15 @@ class Target:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-DTYPE_CHOICES = ("auto", "bfloat16", "float32")
+# q8: fp32 tensors (residual stream, norms, attention, K/V pool), the matmuls on 8-bit activations (wants_q8)
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "q8": torch.float32,
+}
+DTYPE_CHOICES = ("auto", "q8", "bfloat16", "float32")
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -79,6 +86,38 @@ def auto_dtype(device: str = "cpu") -> torch.dtype:
     if kernels.AVAILABLE:
         return torch.float32
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def q8_blocks_complete(cfg: LlamaConfig, packed: dict[str, tuple[str, torch.Tensor]]) -> bool:
+    """Whether every layer weight and the head have GGUF blocks the q8 stack reads (Q4_1 or Q8_0, one
+    kind per fused weight)."""
+
+    def kinds(*names: str) -> set[str]:
+        return {packed[n][0] if n in packed else "" for n in names}
+
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    fused = [kinds(head)]
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        fused += [
+            kinds(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")),
+            kinds(p + "self_attn.o_proj.weight"),
+            kinds(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+            kinds(p + "mlp.down_proj.weight"),
+        ]
+    return all(len(k) == 1 and k <= {"Q4_1", "Q8_0"} for k in fused)
+
+
+def wants_q8(dtype: str | torch.dtype, device: str, cfg: LlamaConfig, packed: dict) -> bool:
+    """dtype q8 asked for, or 'auto' on a CPU where the q8 stack runs (AVX-512 VNNI, kernels built) and the
+    target has the GGUF blocks it reads (the default target does).
+
+    NOTE: q8 quantises each matmul's input (8 bits per 32 values, as llama.cpp does), so its greedy text
+    may differ from float32's; every drafter is lossless against vanilla at either dtype. It reads the same
+    bytes as float32 on our kernels with far fewer instructions (docs/BENCHMARKS.md, "Where a CPU step goes")."""
+    if dtype == "q8":
+        return True
+    return dtype == "auto" and device == "cpu" and kernels.q8_unavailable() is None and q8_blocks_complete(cfg, packed)
 
 
 def parse_dtype(name: str | torch.dtype, device: str = "cpu") -> torch.dtype:
@@ -115,18 +154,14 @@ def load_target(
     name_or_path: str = DEFAULT_TARGET, dtype: str | torch.dtype = "float32", device: str = "cpu"
 ) -> Target:
     """The target model and tokenizer, its weights (and the KV pools it makes) on `device`
-    ('auto': see resolve_device); dtype 'auto': see auto_dtype (bf16 on a GPU)."""
+    ('auto': see resolve_device); dtype 'auto': q8 where wants_q8 says so, else see auto_dtype (bf16 on a GPU)."""
     device = resolve_device(device)
     path = resolve_target(name_or_path)
     cfg, state = load_config(path), load_state_dict(path)
     check_weights(cfg, state, path)
-    model = LlamaModel(
-        cfg,
-        state,
-        dtype=parse_dtype(dtype, device),
-        device=device,
-        packed=load_packed_weights(path),
-    )
+    packed = load_packed_weights(path)
+    q8 = wants_q8(dtype, device, cfg, packed)
+    model = LlamaModel(cfg, state, dtype=parse_dtype(dtype, device), device=device, packed=packed, q8=q8)
     return Target(model=model, tokenizer=load_tokenizer(path), path=path)
 
 
@@ -146,4 +181,6 @@ __all__ = [
     "auto_dtype",
     "cpu_has_fast_bf16",
     "DTYPE_CHOICES",
+    "q8_blocks_complete",
+    "wants_q8",
 ]

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from .. import kernels
 from ..attention import AttentionFn, AttentionPlan, select_backend
+from ..attention.cpu import tree_attention_cpu
 from ..device import to_device
 from ..kernels import attach_packed, linear
 from .kv_pool import KVPool
@@ -117,9 +118,13 @@ class LlamaModel:
         device="cpu",
         attention: AttentionFn | None = None,
         packed: dict[str, tuple[str, torch.Tensor]] | None = None,
+        q8: bool = False,
     ):
         """packed: GGUF blocks of some weights (loader.load_packed_weights); few-row fp32 matmuls on the
-        CPU read them instead of the fp32 weight (same results, 6x fewer bytes)."""
+        CPU read them instead of the fp32 weight (same results, 6x fewer bytes).
+        q8: the `q8` dtype (fp32 model, CPU, every layer weight and the head with GGUF blocks): the matmuls
+        are integer dot products of the blocks with activations quantised to 8 bits per 32 values, and a
+        decode or verify forward is one call (kernels/cpu_q8.cpp); ValueError where that cannot run."""
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         packed = packed or {}
         # the fastest correct backend for the device unless one is given (torch SDPA on CPU, Triton on CUDA)
@@ -172,12 +177,25 @@ class LlamaModel:
         # decoder layers on the GPU's Triton layer ops (ten kernels a layer instead of ~30); off where Triton
         # cannot run (fake CUDA tensors in tests set it off, as they set the torch attention)
         self.gpu_layer_ops = kernels.gpu_layer_ops_for(self.device)
+        # the q8 decoder stack and, per entry of self.layers, its layer in the stack (a subset keeps the indices)
+        self.q8 = None
+        if q8:
+            if self.device.type != "cpu" or dtype != torch.float32:
+                raise ValueError("dtype q8 runs on the CPU only")
+            self.q8 = kernels.q8_stack(cfg, self.layers, self.norm, self.lm_head)
+        self.stack_ids = list(range(len(self.layers)))
 
     def subset(self, layer_ids: list[int]) -> "LlamaModel":
         """A model made of some of this model's layers (weights shared, not copied), same embed/norm/head."""
         sub = copy.copy(self)
         sub.layers = [self.layers[i] for i in layer_ids]
+        sub.stack_ids = [self.stack_ids[i] for i in layer_ids]
         return sub
+
+    @property
+    def dtype_name(self) -> str:
+        """What --dtype names this model's numerics: q8, float32, bfloat16, ..."""
+        return "q8" if self.q8 is not None else str(self.dtype).removeprefix("torch.")
 
     # --- pieces -------------------------------------------------------------------------------
     def new_kv_pool(self, num_slots: int, num_layers: int | None = None) -> KVPool:
@@ -201,6 +219,8 @@ class LlamaModel:
     ) -> torch.Tensor:
         c, lw = self.cfg, self.layers[i]
         li = i if kv_layer is None else kv_layer
+        if self.q8 is not None:
+            return self._layer_forward_q8(i, x, rope, slots, plan, kv.k[li], kv.v[li])
         if kernels.uses_layer_ops(x) and kv.k[li].dtype == lw.qkv.dtype == torch.float32 and c.head_dim % 16 == 0:
             return self._layer_forward_ops(lw, x, rope, slots, plan, kv.k[li], kv.v[li])
         if self.gpu_layer_ops and kernels.uses_gpu_layer_ops(x) and kv.k[li].dtype == x.dtype:
@@ -244,6 +264,50 @@ class LlamaModel:
         x, h = kernels.add_rms_norm(x, lin(a.reshape(x.shape[0], -1), lw.o), lw.post_norm, c.rms_norm_eps)
         return x + lin(kernels.silu_mul(lin(h, lw.gate_up)), lw.down)
 
+    def _layer_forward_q8(self, i: int, x, rope, slots, plan, k_pool, v_pool) -> torch.Tensor:
+        """layer_forward on the q8 stack: norm, qkv, RoPE and the K/V store in one call, the attention, then
+        o, the residual, norm, SiLU MLP in another; the rows' bits are what the one-call forward gives them."""
+        cos, sin = rope
+        sid = self.stack_ids[i]
+        x = x.contiguous()
+        q = self.q8.layer_qkv(x, sid, cos[:, 0], sin[:, 0], k_pool, v_pool, slots.contiguous())
+        if self.attention is tree_attention_cpu:  # the stack's attention for every row, prompt blocks too
+            a = self.q8.attention(
+                q, k_pool, v_pool, plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.custom_mask, self.scale
+            )
+        else:
+            a = self.attention(q, k_pool, v_pool, plan, self.scale)
+        return self.q8.layer_out(x, a.reshape(x.shape[0], -1), sid)
+
+    def _forward_q8(self, x, rope, out_slots, plan, kv, capture_layers, layers, offset) -> ForwardOutput | None:
+        """The whole stack in one call on the CPU attention backend (None: another backend, the per-layer path).
+        Prompt blocks too: the attention kernel computes each row alone, so a row's bits depend on its token,
+        position and the K/V it sees, not on the batch, on chunked prefill or on the drafter. (q8 rounds every
+        matmul input to 8 bits, which turns the few-ulp differences of a batched torch attention into visibly
+        different logits; SDPA would prefill long prompts faster.)"""
+        if self.attention is not tree_attention_cpu:
+            return None
+        order = list(layers) if layers is not None else list(range(len(self.layers)))
+        kv_ids = [i - offset for i in order]
+        at = [p for p, i in enumerate(order) if i in capture_layers]
+        cos, sin = rope
+        out = self.q8.forward(
+            x.contiguous(),
+            cos[:, 0],
+            sin[:, 0],
+            out_slots.contiguous(),
+            [kv.k[i] for i in kv_ids],
+            [kv.v[i] for i in kv_ids],
+            [self.stack_ids[i] for i in order],
+            plan.qo_indptr,
+            plan.kv_indptr,
+            plan.kv_indices,
+            plan.custom_mask,
+            self.scale,
+            at,
+        )
+        return ForwardOutput(out[0], {order[p]: h for p, h in zip(at, out[1:])})
+
     def _layer_forward_fused(self, lw: LayerWeights, x, rope, slots, plan, k_pool, v_pool) -> torch.Tensor:
         """layer_forward on a GPU's Triton layer ops (kernels/triton_layer_ops.py): the same computation
         in ten kernels (two norms, RoPE + K/V store, SiLU * up, four matmuls, the attention, an add)."""
@@ -285,12 +349,16 @@ class LlamaModel:
         kv_layer_offset: int = 0,
     ) -> ForwardOutput:
         rope = self.rope(positions)
+        if self.q8 is not None:
+            out = self._forward_q8(x, rope, out_slots, plan, kv, capture_layers, layers, kv_layer_offset)
+            if out is not None:
+                return out
         captured = {}
         for i in layers if layers is not None else range(len(self.layers)):
             x = self.layer_forward(i, x, rope, out_slots, plan, kv, kv_layer=i - kv_layer_offset)
             if i in capture_layers:
                 captured[i] = x
-        norm = kernels.rms_norm if kernels.uses_layer_ops(x) else rms_norm
+        norm = kernels.rms_norm if kernels.uses_layer_ops(x) or self.q8 is not None else rms_norm
         if self.gpu_layer_ops and kernels.uses_gpu_layer_ops(x):
             from ..kernels import triton_layer_ops
 
@@ -340,5 +408,7 @@ class LlamaModel:
     def logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """fp32=False keeps the model dtype: argmax needs no upcast (exact), and the upcast of
         [nodes, vocab] logits is a visible share of a CPU verify step; samplers upcast themselves."""
+        if self.q8 is not None:
+            return self.q8.logits(hidden.reshape(-1, hidden.shape[-1])).view(*hidden.shape[:-1], -1)
         out = linear(hidden, self.lm_head)
         return out.float() if fp32 else out

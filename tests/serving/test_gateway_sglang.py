@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from helpers import AdmissionLog, flood, wait_for
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from serving.backends.base import Admission
 from serving.backends.sglang import SGLangBackend, UpstreamConfig
 from serving.backends.telemetry import Telemetry
 from serving.gateway.app import GatewayConfig, create_app
@@ -207,10 +208,10 @@ class StepClock:
         return self.now
 
 
-def gateway(url: str, clock=time.monotonic, keys: APIKeys | None = None, **cfg):
+def gateway(url: str, clock=time.monotonic, keys: APIKeys | None = None, admission: Admission | None = None, **cfg):
     metrics = Metrics()
     telemetry = Telemetry(metrics, "moa", "sglang")
-    backend = SGLangBackend(UpstreamConfig(url, **cfg), ["llama-8b"], "moa", telemetry, clock=clock)
+    backend = SGLangBackend(UpstreamConfig(url, **cfg), ["llama-8b"], "moa", telemetry, admission, clock=clock)
     return ServerThread(create_app(backend, telemetry, GatewayConfig(api_keys=keys))), telemetry
 
 
@@ -650,7 +651,7 @@ def test_the_same_fair_admission_guards_the_upstream(upstream, tmp_path):
     holds A's first requests until the test opens its gate."""
     keys = ("sk-upstream-a-7d1e", "sk-upstream-b-c40f")
     (tmp_path / "keys").write_text("\n".join(keys) + "\n")
-    srv, telemetry = gateway(upstream.url, keys=APIKeys(file=tmp_path / "keys"), max_running=4, max_queue=4)
+    srv, telemetry = gateway(upstream.url, keys=APIKeys(file=tmp_path / "keys"), admission=Admission(4, 4))
     backend = srv.server.config.app.state.backend
     body_a = {"model": "llama-8b", "messages": [{"role": "user", "content": "gated"}], "max_tokens": 3}
     body_b = {"model": "llama-8b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -13,6 +13,7 @@ import httpx
 import pytest
 from helpers import AdmissionLog, flood, slots_whole, wait_for
 
+from serving.backends.base import Admission
 from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.gateway.app import GatewayConfig, create_app
@@ -46,7 +47,7 @@ def served(smollm2_fp32, tmp_path_factory):
     keys.write_text("\n".join(KEYS) + "\n")
     drafter = GatedNgram()
     engine = Engine(smollm2_fp32, drafter, EngineConfig(tree=default_tree("ngram"), kv_slots=4096))
-    backend, telemetry = embedded_backend(engine, MODEL, "ngram", max_running=4, max_queue=4)
+    backend, telemetry = embedded_backend(engine, MODEL, "ngram", admission=Admission(4, 4))
     app = create_app(backend, telemetry, GatewayConfig(api_keys=APIKeys(file=keys)))
     with ServerThread(app) as srv:
         srv.backend, srv.drafter, srv.engine = backend, drafter, engine

@@ -2,11 +2,9 @@
 
 import shutil
 
-import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
+from helpers import gguf_dequant, random_blocks
 from safetensors.torch import save_file
 
 from sglang_ext import kernels
@@ -21,24 +19,6 @@ from sglang_ext.models.loader import (
 )
 
 pytestmark = pytest.mark.skipif(not kernels.AVAILABLE, reason=f"kernel unavailable: {kernels.UNAVAILABLE}")
-
-BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
-GGML = {"Q4_1": GGMLQuantizationType.Q4_1, "Q8_0": GGMLQuantizationType.Q8_0}
-
-
-def random_blocks(kind: str, n: int, k: int, seed: int) -> torch.Tensor:
-    """Valid random blocks: finite fp16 scale (and min), random quants."""
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(n, k // 32, BLOCK_BYTES[kind]), dtype=np.uint8)
-    blocks[:, :, 0:2] = rng.uniform(0.001, 0.05, size=(n, k // 32)).astype(np.float16)[..., None].view(np.uint8)
-    if kind == "Q4_1":
-        blocks[:, :, 2:4] = rng.uniform(-0.4, 0.0, size=(n, k // 32)).astype(np.float16)[..., None].view(np.uint8)
-    return torch.from_numpy(blocks.reshape(n, -1))
-
-
-def gguf_dequant(kind: str, blocks: torch.Tensor) -> torch.Tensor:
-    """gguf's own numpy dequantizer: what the converter wrote as the fp32 weights."""
-    return torch.from_numpy(dequantize(blocks.numpy(), GGML[kind]).reshape(blocks.shape[0], -1).astype(np.float32))
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
