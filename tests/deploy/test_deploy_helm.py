@@ -377,6 +377,7 @@ def test_gateway_command_and_env_are_what_moa_serve_takes(helm, values):
     """The chart's gateway container runs `moa-serve serve` with flags the command line accepts (its own
     parser reads them) and sets only MOA_* variables the settings know, with values they accept."""
     from moa_serve.entrypoints.cli import build_parser
+    from serving.gateway import settings as gateway_settings_mod
     from sglang_ext import settings as settings_mod
 
     c = container(one(helm.render_values(values), "Deployment", "-gateway"), "gateway")
@@ -384,9 +385,11 @@ def test_gateway_command_and_env_are_what_moa_serve_takes(helm, values):
     args = build_parser().parse_args(["serve", *c["args"]])  # an unknown flag or bad value: SystemExit
     assert args.backend == "sglang" and args.upstream and args.host == "0.0.0.0"
     env = {k: e["value"] for k, e in env_of(c).items() if k.startswith("MOA_") and "value" in e}
-    documented = set(re.findall(r"\b(MOA_[A-Z0-9_]+)\b", settings_mod.__doc__))
-    assert env and set(env) <= documented, set(env) - documented
-    settings_mod.parse_settings(env)  # a value the settings refuse raises SettingsError
+    # the core's variables and the gateway's, each documented (and parsed) by its own settings module
+    documented = {m: set(re.findall(r"\b(MOA_[A-Z0-9_]+)\b", m.__doc__)) for m in (settings_mod, gateway_settings_mod)}
+    assert env and set(env) <= set().union(*documented.values()), set(env) - set().union(*documented.values())
+    settings_mod.parse_settings({k: v for k, v in env.items() if k in documented[settings_mod]})  # else SettingsError
+    gateway_settings_mod.parse_gateway_settings({k: v for k, v in env.items() if k in documented[gateway_settings_mod]})
 
 
 # --- weights: every one a release loads is downloaded or trained --------------------------------------------

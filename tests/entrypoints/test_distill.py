@@ -113,7 +113,7 @@ def test_later_turns_and_samples_are_the_targets_own(tmp_path, smollm2_fp32):
     src = _conversations(tmp_path / "convs.jsonl", n=2, follow_up="Now say it in French.")
     out = tmp_path / "d.jsonl"
     base = ["distill", "--data", str(src), "--out", str(out), "--max-new-tokens", "6", "--batch-size", "3"]
-    base += ["--threads", "1", "--no-progress", "--num-conversations", "2"]
+    base += ["--dtype", "float32", "--threads", "1", "--no-progress", "--num-conversations", "2"]  # as the fixture
     assert cli_main(base) == 0  # turn 1 only, greedy
     assert cli_main(base + ["--turns", "2", "--resume"]) == 0
     recs = {(r["id"], r["turn"]): r for r in _read(out)}

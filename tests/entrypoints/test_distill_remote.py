@@ -80,7 +80,7 @@ def flaky(gateway):
 
 @pytest.fixture(scope="module")
 def generated(smollm2_fp32):
-    """`moa-serve generate --drafter none --chat --json` token ids of each question."""
+    """`moa-serve generate --drafter none --chat --json --dtype float32` token ids of each question."""
     import contextlib
     import io
 
@@ -88,6 +88,7 @@ def generated(smollm2_fp32):
     for i, q in enumerate(QUESTIONS):
         buf = io.StringIO()
         args = ["generate", "--prompt", q, "--chat", "--drafter", "none", "--json", "--max-new-tokens", str(NEW_TOKENS)]
+        args += ["--dtype", "float32"]  # the gateway's engine runs the fp32 target
         with contextlib.redirect_stdout(buf):
             assert cli_main(args) == 0
         out[f"q{i}"] = json.loads(buf.getvalue())["token_ids"]
