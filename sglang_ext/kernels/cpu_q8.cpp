@@ -28,8 +28,10 @@
 // lanes, keys in fixed chunks: see "attention" below). Phases per layer, each split over the threads, a barrier
 // after each: RMSNorm + quantise; qkv + RoPE + K/V store (by head); attention (by a request's rows and chunks of
 // keys, then a merge + quantise per row); o + residual; RMSNorm + quantise; gate/up + SiLU * up + quantise (by 32
-// features); down + residual. Beside it: a weight on these kernels alone (Q8Matrix: a drafter's Linear), and an
-// EAGLE-3 draft layer in one call (Q8Stack.draft_layer).
+// features); down + residual. Beside it: a weight on these kernels alone (Q8Matrix: a drafter's Linear), an
+// EAGLE-3 draft layer in one call (Q8Stack.draft_layer), and layers each with its own plan, pools and K/V rows in
+// one call (Q8Stack.forward_layers: MoA's draft pass, SA, a cross-attention CA and the target's TLI layers; its
+// LSA layer on a stack of its own, without a head norm).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
