@@ -374,11 +374,14 @@ def stack_layer_kv(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], s
 
 def _one_tensor(ts: list[torch.Tensor]) -> torch.Tensor | None:
     """ts as one tensor [len(ts), *shape] without a copy when they are contiguous tensors of one shape lying one
-    after another in one storage (kv_pool.zeroed_buffers' host pools), else None."""
+    after another in one storage (kv_pool.zeroed_buffers' host pools), else None (also for tensors autograd tracks:
+    a view of the first would not carry the others' history)."""
     t0 = ts[0]
     step, ptr = t0.numel(), t0.untyped_storage().data_ptr()
     for i, t in enumerate(ts):
         if not t.is_contiguous() or t.shape != t0.shape or t.dtype != t0.dtype or t.device != t0.device:
+            return None
+        if t.requires_grad:
             return None
         if t.untyped_storage().data_ptr() != ptr or t.storage_offset() != t0.storage_offset() + i * step:
             return None
