@@ -219,8 +219,11 @@ class Eagle3Drafter(Drafter):
         pos = torch.tensor([j for n, k in zip(done, m) for j in range(n, n + k)])
         last = [x - 1 for x in accumulate(m)]  # each request's last pair: its root
         ids, last = upload([torch.tensor(ids), torch.tensor(last)], fused.device)  # (host values: one copy)
-        plan = plan_flat([st.slots for st in sts], causal_masks(m, done), m)
-        return self._layer(ids, fused, pos, new, plan)[last]
+        slots, masks = [st.slots for st in sts], causal_masks(m, done)
+        if self.q8_layer is not None:  # the ragged fields the one-call layer reads, without plan_flat's buckets
+            qo, kv = torch.tensor([0, *accumulate(m)]), torch.tensor([0, *accumulate(s.numel() for s in slots)])
+            return self._layer(ids, fused, pos, new, (qo, kv, torch.cat(slots), masks))[last]
+        return self._layer(ids, fused, pos, new, plan_flat(slots, masks, m))[last]
 
     def _pending_features(self, items: list) -> torch.Tensor:
         """Fused features [sum m, H] of pending items in order: the captured ones fused in one call."""
@@ -243,11 +246,12 @@ class Eagle3Drafter(Drafter):
         plan,
         attention=tree_attention_cpu,
     ) -> torch.Tensor:
-        """Draft layer over flat rows; writes their K/V to `slots`; returns pre-norm outputs [n, H]."""
+        """Draft layer over flat rows; writes their K/V to `slots`; returns pre-norm outputs [n, H]. plan: an
+        AttentionPlan, or for the one-call layer its ragged fields (qo_indptr, kv_indptr, kv_indices, custom_mask)."""
         if self.q8_layer is not None and attention is tree_attention_cpu:
             cos, sin = self.draft.rope(positions, torch.float32)
             kv = (self.kv.k[0], self.kv.v[0])
-            p = (plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.custom_mask)
+            p = plan if isinstance(plan, tuple) else (plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.custom_mask)
             x = (self.target.embed[ids], feat.contiguous())
             return self.q8_layer.draft_layer(*x, 0, cos[:, 0], sin[:, 0], slots, *kv, *p, self.scale)
         q, k, v = self.draft.qkv(self.target.embed[ids], feat, positions)

@@ -32,13 +32,13 @@ import torch
 
 from ..attention import FrontierPaths, advance_seen, plan_frontier, tree_attention_cpu
 from ..device import module_on, to_device
-from ..kernels import attach_bf16_halves, attach_packed_rows, attach_q8, attach_q8_rows
+from ..kernels import attach_bf16_halves, attach_packed_rows, attach_q8, attach_q8_rows, q8_moa_stacks
 from ..models.checkpoint import check_fits
 from ..models.draft_graphs import FrontierRunner, SearchBuffers, SearchRunner
 from ..models.graph_runner import static_attention, static_plan, with_static_attention
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel, rms_norm
-from ..models.moa import MoADraft, load_moa
+from ..models.moa import MoADraft, load_moa, stack_layer_kv
 from ..sampling import greedy_tokens
 from ..settings import settings
 from ..tree import TokenTree, TreeShape, search_candidates, tree_batch, unpack_trees
@@ -55,7 +55,7 @@ from .moa_core import (
     draft_tree,
     lsa_memory,
 )
-from .search import Finite, search_tree, top_k_search
+from .search import Finite, scatter_to_vocab, search_tree, top_k_search
 from .shipped import shipped_path
 
 
@@ -108,6 +108,9 @@ class MoADrafter(Drafter):
         if target.q8 is not None:
             attach_q8_rows(self.head, target.lm_head, self.hot_ids)  # those blocks on the q8 kernels
         self.tli_layers = list(range(len(target.layers) - c.tli, len(target.layers)))
+        # beside a q8 target: the draft pass (SA, CA, the TLI layers, norm) in one native call, the LSA layer in
+        # another, the SA commit in a third (kernels.q8_moa_stacks); None: the pieces in torch ops
+        self.q8 = q8_moa_stacks(self.draft, target, self.tli_layers) if target.q8 is not None else None
         # MoA reads the target KV pool, not layer outputs (the no-LSA ablation reads the last layer's output)
         self.capture_layers: tuple[int, ...] = (len(target.layers) - 1,) if c.memory_source == "last_hidden" else ()
         self.remote = remote
@@ -205,7 +208,7 @@ class MoADrafter(Drafter):
         if self.capture_layers:
             memory = (hidden or {})[self.capture_layers[0]]
         else:
-            memory = lsa_memory(self.draft, kv.k, kv.v, slots)  # [n, H], the new tokens only
+            memory = self._lsa_q8(kv, slots) if self.q8 is not None else lsa_memory(self.draft, kv.k, kv.v, slots)
             self.lsa_rows += slots.numel()
         return commit_ca(self.draft, memory, positions)
 
@@ -224,14 +227,66 @@ class MoADrafter(Drafter):
         n = len(token_ids)
         mem = self.mem.alloc(n)
         self.mem.write(0, mem, ca_k, ca_v)
-        k, v = commit_sa(self.draft, self.target.embed, to_device(torch.as_tensor(token_ids), ca_k.device), positions)
+        ids = to_device(torch.as_tensor(token_ids), ca_k.device)
         sa = self.sa.alloc(n)
-        self.sa.write(0, sa, k, v)
+        if self.q8 is not None:  # the SA layer's norm, qkv, RoPE and K/V store in one call
+            cos, sin = self.target.rope(positions)
+            self.q8[0].layer_qkv(self.target.embed[ids], 0, cos[:, 0], sin[:, 0], self.sa.k[0], self.sa.v[0], sa)
+        else:
+            k, v = commit_sa(self.draft, self.target.embed, ids, positions)
+            self.sa.write(0, sa, k, v)
         shares = [(x,) if len(sts) == 1 else x.split(sizes) for x in (mem, sa, target_slots)]
         for st, m, s, t in zip(sts, *shares):
             st.mem_slots = torch.cat([st.mem_slots, m])
             st.sa_slots = torch.cat([st.sa_slots, s])
             st.target_slots = torch.cat([st.target_slots, t])
+
+    def _lsa_q8(self, kv: KVPool, slots: torch.Tensor) -> torch.Tensor:
+        """lsa_memory on the LSA stack: each token's L rows (its K|V at every target layer) attend to each other
+        (one plan entry per token, all visible), RoPE over the layer index; mean over L, Ekv2E -> memory [n, H]."""
+        x = stack_layer_kv(kv.k, kv.v, slots)  # [n, L, W]
+        n, layers, w = x.shape
+        rows = n * layers
+        lay = self.draft.layer_self_attention
+        cos, sin = self.draft._lsa_rope(layers, torch.float32, x.device)  # [L, 1, d]
+        cos, sin = cos[:, 0].repeat(n, 1), sin[:, 0].repeat(n, 1)
+        at = torch.arange(rows + 1)
+        pool = torch.empty(rows + 1, lay.kv_heads, lay.head_dim)  # scratch K/V: slot 1 + row (slot 0 unused)
+        plan = [at[::layers], at[::layers], at[1:], torch.ones(n * layers * layers, dtype=torch.bool)]
+        out = self.q8[1].forward_layers(
+            x.reshape(rows, w), cos, sin, [at[1:]], [pool], [torch.empty_like(pool)], [0], plan, lay.head_dim**-0.5, []
+        )[0]
+        return self.draft.Ekv2E(out.view(n, layers, w).mean(dim=1))
+
+    def _pass_q8(self, tokens: torch.Tensor, at: PassSlots, full: bool) -> torch.Tensor:
+        """draft_pass + draft_logits on the draft-pass stack: SA, CA and the TLI layers in one call, each with its
+        own plan, pools and K/V rows (CA writes none); then the head rows -> logits [n, Vd] (or [n, V] when full)."""
+        cos, sin = self.target.rope(at.positions)
+        sa, ca = _ragged(*at.specs["sa"]), _ragged(*at.specs["ca"])
+        layers = [(at.sa_slots, self.sa.k[0], self.sa.v[0], sa), (at.sa_slots, self.mem.k[0], self.mem.v[0], ca)]
+        if self.tli_layers:
+            tli = _ragged(*at.specs["tli"])
+        for li in self.tli_layers:
+            j = li - self.tli_offset
+            layers.append((at.tli_slots, self.tli_kv.k[j], self.tli_kv.v[j], tli))
+        slots, kp, vp, plans = zip(*layers)
+        zero = torch.zeros_like(at.sa_slots)  # (CA writes no K/V)
+        flat = [t for p in plans for t in p]
+        stack = self.q8[0]
+        h = stack.forward_layers(
+            self.target.embed[tokens],
+            cos[:, 0],
+            sin[:, 0],
+            [slots[0], zero, *slots[2:]],
+            list(kp),
+            list(vp),
+            list(range(len(layers))),
+            flat,
+            self.draft.scale,
+            [],
+        )[0]
+        logits = stack.logits(h)
+        return scatter_to_vocab(logits, self.hot_ids, self.cfg.vocab_size) if full else logits
 
     @property
     def edge_client_ready(self) -> bool:
@@ -349,7 +404,7 @@ class MoADrafter(Drafter):
             trees = self._static_search(batch, shape)
             if trees is not None:
                 return trees
-        paths = _TreePaths(self, batch, plans=not static)
+        paths = _TreePaths(self, batch, plans=not static and self.q8 is None)
         try:
             trees = draft_tree(
                 self.parts,
@@ -359,7 +414,7 @@ class MoADrafter(Drafter):
                 lambda root_logits, step_fn: search_tree(root_logits, step_fn, shape, batch),
                 full,
                 logits=lambda h: self._to_logits(h, full),
-                run_pass=self._static_pass if static else None,
+                run_pass=self._static_pass if static else self._native_pass(full),
             )
         finally:
             paths.free()  # speculative K/V is never kept
@@ -367,6 +422,10 @@ class MoADrafter(Drafter):
             for t in trees:
                 t.draft_tokens = torch.cat([t.draft_tokens[:1], self.hot_ids[t.draft_tokens[1:]]])
         return trees
+
+    def _native_pass(self, full: bool):
+        """The eager pass on the q8 stacks where they run (from the plans' specs: _ragged)."""
+        return None if self.q8 is None else (lambda tokens, at: self._pass_q8(tokens, at, full))
 
     def _to_logits(self, hidden: torch.Tensor, full: bool) -> torch.Tensor:
         return draft_logits(self.parts, hidden, full)
@@ -475,6 +534,18 @@ class MoADrafter(Drafter):
         keep = scores >= shape.min_prob if shape.min_prob > 0 else None
         trees = tree_batch(roots, top, self.hot_ids[draft], scores, parent_flat, seq_lens, keep)
         return (*trees, finite.flag)
+
+
+def _ragged(prefixes: list[torch.Tensor], extra: torch.Tensor, seen: torch.Tensor) -> list[torch.Tensor]:
+    """plan_frontier's attention as the ragged fields the q8 stack reads (qo_indptr, kv_indptr, kv_indices,
+    custom_mask), host tensors in a few ops: request b's q = seen.shape[1] nodes read its prefix and those of
+    its extra slots [E] that seen [b, q, E] marks."""
+    b, q, e = seen.shape
+    lens = [p.numel() + e for p in prefixes]
+    kv_indptr = torch.tensor([0, *lens]).cumsum(0)
+    indices = torch.cat([t for i, p in enumerate(prefixes) for t in (p.long(), extra[i].long())])
+    mask = torch.cat([torch.cat([seen.new_ones(q, p.numel()), seen[i]], 1).flatten() for i, p in enumerate(prefixes)])
+    return [torch.arange(0, b * q + 1, q), kv_indptr, indices, mask]
 
 
 def _plan_fields(plans: dict) -> dict:

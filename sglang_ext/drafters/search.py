@@ -68,12 +68,45 @@ def search_tree(
     finite = Finite()
     if shape.topk == 1 and any(not d.params.greedy for d in batch):
         trees = _sample_chains(root_logits, step_fn, shape, batch, finite)
+    elif shape.depth == 1 and shape.num_draft_tokens > shape.topk and root_logits.device.type == "cpu":
+        finite.check(root_logits)
+        trees = _root_children(root_logits, shape, batch)
     else:
         search = top_k_search(root_logits, step_fn, shape.topk, shape.depth, shape.min_prob, finite)
         roots = to_device(torch.tensor([d.token_ids[-1] for d in batch]), root_logits.device)
         trees = build_trees(roots, search, [d.seq_len for d in batch], shape.num_draft_tokens, shape.min_prob)
     for t in trees:
         t.finite = finite.flag
+    return trees
+
+
+def _root_children(root_logits: torch.Tensor, shape: TreeShape, batch: list[DraftInput]) -> list[TokenTree]:
+    """A one-level search on the CPU (the neural drafters' CPU default): each root's top-k children whose
+    probability reaches min_prob, in order of probability, written out from host lists. The same trees as
+    top_k_search + build_trees give when every candidate is selected (num_draft_tokens > topk), in a few
+    ops instead of the search's ~100 (a CPU step's ~0.6 ms)."""
+    top_p, top_ids = torch.softmax(root_logits.float(), dim=-1).topk(shape.topk, dim=-1)  # (as top_k_search)
+    probs, ids = top_p.tolist(), top_ids.tolist()
+    trees = []
+    for b, d in enumerate(batch):
+        kept = [j for j, p in enumerate(probs[b]) if p >= shape.min_prob] if shape.min_prob > 0 else range(shape.topk)
+        m = len(kept)
+        n = m + 1
+        mask = torch.eye(n, dtype=torch.bool)
+        mask[:, 0] = True
+        longs = torch.tensor(
+            [
+                [d.token_ids[-1], *(ids[b][j] for j in kept)],  # draft tokens (draft ids below the root)
+                [-1] + [0] * m,  # parents
+                [d.seq_len] + [d.seq_len + 1] * m,  # positions
+                [b * n + i for i in range(n)],  # retrieve_index
+                [1 if m else -1] + [-1] * m,  # retrieve_next_token
+                [-1] + [i + 1 if i < m else -1 for i in range(1, n)],  # retrieve_next_sibling
+            ],
+            dtype=torch.long,
+        )
+        scores = top_p[b, list(kept)] if m else top_p.new_zeros(0)
+        trees.append(TokenTree(*longs[:3], mask, *longs[3:], scores=torch.cat([scores.new_ones(1), scores])))
     return trees
 
 

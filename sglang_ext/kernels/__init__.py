@@ -252,6 +252,68 @@ def q8_eagle3_layer(draft):
     return stack
 
 
+def q8_moa_stacks(draft, target, tli_layers: list[int]):
+    """A MoA draft (models/moa.py MoADraft) beside a q8 target (models/llama.py LlamaModel) on q8 stacks: (pass, lsa).
+    `pass`: the draft pass in one call (Q8Stack.forward_layers): layer 0 SA, layer 1 CA (a cross layer), then the
+    target's TLI layers (their GGUF blocks), the target's final norm, and the draft-vocab rows of its head as the
+    stack's head (logits); `lsa`: the LSA layer alone (no head: forward_layers returns its output). The draft's
+    weights as Q8_0 blocks, as attach_q8 makes them. None where q8 cannot run here or the draft's layers do not have
+    the target's shape (its TLI layers could not share a stack)."""
+    c, t = draft.cfg, target.cfg
+    same = (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps) == (
+        t.hidden_size,
+        t.num_heads,
+        t.num_kv_heads,
+        t.head_dim,
+        t.intermediate_size,
+        t.rms_norm_eps,
+    )
+    head = getattr(target.lm_head, "moa_packed", None)
+    if q8_unavailable() is not None or target.q8 is None or not same or c.memory_source != "lsa" or head is None:
+        return None
+    q8_0 = PACKED_KIND_IDS["Q8_0"]
+
+    def blocks(*ws: torch.nn.Linear) -> tuple[torch.Tensor, int]:
+        return torch.ops.moa_cpu.q8_0_blocks(torch.cat([m.weight.detach().float() for m in ws])), q8_0
+
+    def norm(m) -> torch.Tensor:
+        return m.weight.detach().float()
+
+    def decoder(stack, lay) -> None:
+        a, mlp = lay.attn, lay.mlp
+        qkv, o, gu = blocks(a.q_proj, a.k_proj, a.v_proj), blocks(a.o_proj), blocks(mlp.gate_proj, mlp.up_proj)
+        stack.add_layer(
+            norm(lay.input_layernorm), *qkv, None, *o, norm(lay.post_attention_layernorm), *gu, *blocks(mlp.down_proj)
+        )
+
+    step = torch.classes.moa_cpu.Q8Stack(
+        c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps
+    )
+    decoder(step, draft.self_attention)
+    ca = draft.cross_attention
+    a, mlp = ca.attn, ca.mlp
+    step.add_cross_layer(
+        norm(ca.input_layernorm),
+        *blocks(a.q_proj),
+        *blocks(a.o_proj),
+        norm(ca.post_attention_layernorm),
+        *blocks(mlp.gate_proj, mlp.up_proj),
+        *blocks(mlp.down_proj),
+    )
+    for li in tli_layers:
+        lw = target.layers[li]
+        packed = [lw.qkv.moa_packed, lw.o.moa_packed, lw.gate_up.moa_packed, lw.down.moa_packed]
+        (qkv, qk), (o, ok), (gu, gk), (down, dk) = ((p[1], p[0]) for p in packed)
+        step.add_layer(lw.input_norm, qkv, qk, lw.qkv_bias, o, ok, lw.post_norm, gu, gk, down, dk)
+    step.set_head(target.norm, head[1][draft.hot_ids].contiguous(), head[0])
+    lay = draft.layer_self_attention
+    lsa = torch.classes.moa_cpu.Q8Stack(
+        c.lsa_hidden, lay.heads, lay.kv_heads, lay.head_dim, c.lsa_intermediate_size, c.rms_norm_eps
+    )
+    decoder(lsa, lay)
+    return step, lsa
+
+
 def attach_q8_rows(dst: torch.Tensor, src: torch.Tensor, rows: torch.Tensor) -> bool:
     """dst holds src[rows] (the draft-vocab rows of a q8 target's head): let `linear` run those rows of src's
     GGUF blocks on the q8 kernels. Returns whether it did (src has Q4_1/Q8_0 blocks and q8 runs here)."""

@@ -28,8 +28,10 @@
 // lanes, keys in fixed chunks: see "attention" below). Phases per layer, each split over the threads, a barrier
 // after each: RMSNorm + quantise; qkv + RoPE + K/V store (by head); attention (by a request's rows and chunks of
 // keys, then a merge + quantise per row); o + residual; RMSNorm + quantise; gate/up + SiLU * up + quantise (by 32
-// features); down + residual. Beside it: a weight on these kernels alone (Q8Matrix: a drafter's Linear), and an
-// EAGLE-3 draft layer in one call (Q8Stack.draft_layer).
+// features); down + residual. Beside it: a weight on these kernels alone (Q8Matrix: a drafter's Linear), an
+// EAGLE-3 draft layer in one call (Q8Stack.draft_layer), and layers each with its own plan, pools and K/V rows in
+// one call (Q8Stack.forward_layers: MoA's draft pass, SA, a cross-attention CA and the target's TLI layers; its
+// LSA layer on a stack of its own, without a head norm).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -475,10 +477,12 @@ class Q8Matrix : public torch::CustomClassHolder {
 // --- the stack ----------------------------------------------------------------------------------
 
 // A decoder layer: qkv reads RMSNorm(x) (in_norm), or for an EAGLE-3 draft layer [RMSNorm(embedding) (in_norm),
-// RMSNorm(x) (in_norm2)] (qkv.K = 2H); the residual stream is x either way.
+// RMSNorm(x) (in_norm2)] (qkv.K = 2H); the residual stream is x either way. A cross-attention layer (MoA's CA) has
+// q only (qkv holds Hq * D rows): its keys and values are already in the pools, and it writes none.
 struct Layer {
   at::Tensor in_norm, in_norm2, post_norm, qkv_bias;  // fp32; in_norm2 / qkv_bias undefined when unused
   PackedMat qkv, o, gate_up, down;
+  bool cross = false;
 };
 
 // Where a forward's time goes (Q8Stack.set_profile): thread 0 adds the time since its last mark to a phase's
@@ -569,6 +573,24 @@ class Q8Stack : public torch::CustomClassHolder {
     return num_layers() - 1;
   }
 
+  // A cross-attention layer (MoA's CA): q [Hq * D, H] over RMSNorm(x) (in_norm), attention over keys and values
+  // already in the pools, then o, the residual and the MLP of a decoder layer. Returns its index (run by
+  // forward_layers).
+  int64_t add_cross_layer(const at::Tensor& in_norm, const at::Tensor& q, int64_t q_kind, const at::Tensor& o, int64_t o_kind,
+                          const at::Tensor& post_norm, const at::Tensor& gate_up, int64_t gate_up_kind, const at::Tensor& down, int64_t down_kind) {
+    Layer l;
+    l.cross = true;
+    l.in_norm = norm_weight(in_norm, H);
+    l.post_norm = norm_weight(post_norm, H);
+    l.qkv = checked(repack(q, q_kind, H), Hq * D, "q");
+    l.o = checked(repack(o, o_kind, Hq * D), H, "o");
+    l.gate_up = checked(repack(gate_up, gate_up_kind, H), 2 * I, "gate_up");
+    l.down = checked(repack(down, down_kind, I), H, "down");
+    TORCH_CHECK(I % GROUP == 0, "q8: intermediate size must be a multiple of 16");
+    layers.push_back(std::move(l));
+    return num_layers() - 1;
+  }
+
   // An EAGLE-3 draft layer over T rows: embeddings and features [T, H], RoPE cos/sin [T, D]; writes the rows'
   // K/V to the pools at slots, attends per the plan; returns the pre-norm outputs [T, H] (Eagle3Draft.finish's).
   at::Tensor draft_layer(const at::Tensor& embeds, const at::Tensor& feat, int64_t layer, const at::Tensor& cos, const at::Tensor& sin,
@@ -599,6 +621,39 @@ class Q8Stack : public torch::CustomClassHolder {
     lm_head = repack(head, kind, H);
   }
 
+  // Layers `ids` in order over x [T, H], each with its own K/V rows, pools and attention plan: layer ids[i] writes
+  // row t's K/V at slots[i][t] of k_pools[i] / v_pools[i] (a cross layer writes none) and attends per plan
+  // plans[i] (qo_indptr, kv_indptr, kv_indices, custom_mask: 4 tensors each, flat). Returns [the final-normed
+  // hidden (x itself when no head norm is set), the outputs of the layers at positions `capture`]. Each layer
+  // computes what forward computes for it (a MoA draft pass: SA, CA and the target's TLI layers in one call;
+  // MoA's LSA layer over the layers' K/V of verified tokens).
+  std::vector<at::Tensor> forward_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& slots,
+                                         const std::vector<at::Tensor>& k_pools, const std::vector<at::Tensor>& v_pools,
+                                         const std::vector<int64_t>& ids, const std::vector<at::Tensor>& plans, double scale,
+                                         const std::vector<int64_t>& capture) {
+    if (profiling) clock.start();
+    const int64_t n = static_cast<int64_t>(ids.size());
+    TORCH_CHECK(n >= 1 && static_cast<int64_t>(slots.size()) == n && static_cast<int64_t>(k_pools.size()) == n &&
+                    static_cast<int64_t>(v_pools.size()) == n && static_cast<int64_t>(plans.size()) == 4 * n,
+                "q8 forward_layers: one slots tensor, k and v pool and plan (4 tensors) per layer");
+    const int64_t T = check_rows(x, cos, sin, slots[0]);
+    std::vector<moa_attention::RowPlan> rps;
+    std::vector<AttnWork> works;
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(ids[i] >= 0 && ids[i] < num_layers() && !layers[ids[i]].in_norm2.defined(), "q8 forward_layers: no decoder layer ", ids[i]);
+      check_rows(x, cos, sin, slots[i]);
+      check_pool(k_pools[i], v_pools[i], slots[i]);
+      rps.push_back(moa_attention::plan_rows(plans[4 * i], plans[4 * i + 1], plans[4 * i + 2], plans[4 * i + 3], T, k_pools[i].size(0),
+                                             "q8 forward_layers"));
+    }
+    std::vector<int64_t> plan_of(n);
+    for (int64_t i = 0; i < n; ++i) {
+      works.push_back(attention_work(rps[i], T, threads(T)));
+      plan_of[i] = i;
+    }
+    return run_layers(x, cos, sin, slots, k_pools, v_pools, ids, rps, works, plan_of, scale, capture);
+  }
+
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
 
   // Profiling of forward (one caller at a time): on/off, and the ms per phase since the last read (then reset):
@@ -627,45 +682,11 @@ class Q8Stack : public torch::CustomClassHolder {
       TORCH_CHECK(ids[i] >= 0 && ids[i] < num_layers() && !layers[ids[i]].in_norm2.defined(), "q8 forward: no decoder layer ", ids[i]);
       check_pool(k_pools[i], v_pools[i], slots);
     }
-    std::vector<bool> keep(ids.size(), false);
-    for (int64_t c : capture) {
-      TORCH_CHECK(c >= 0 && c < static_cast<int64_t>(ids.size()), "q8 forward: capture position ", c, " outside the layers");
-      keep[c] = true;
-    }
-    const moa_attention::RowPlan rp = moa_attention::plan_rows(qo_indptr, kv_indptr, kv_indices, custom_mask, T,
-                                                               k_pools.empty() ? 0 : k_pools[0].size(0), "q8 forward");
-    AttnWork work = attention_work(rp, T, threads(T));
-    Buffers buf = buffers(T);
-    buf.x.copy_(x);
-    std::vector<at::Tensor> captured(ids.size());
-    for (size_t i = 0; i < ids.size(); ++i)
-      if (keep[i]) captured[i] = at::empty({T, H}, x.options());
-    at::Tensor out = at::empty({T, H}, x.options());
-    const float sc = static_cast<float>(scale);
-    if (profiling) buf.clock = &clock;
-    buf.mark(SETUP);
-#pragma omp parallel num_threads(threads(T))
-    {
-      for (size_t i = 0; i < ids.size(); ++i) {
-        const Layer& l = layers[ids[i]];
-        norm_quantize_in(buf, l);
-        buf.mark(NORM_IN);
-        qkv_rope_store(buf, l, cos, sin, slots, k_pools[i], v_pools[i]);
-        buf.mark(QKV);
-        attention(buf, work, rp, k_pools[i], v_pools[i], sc);
-        buf.mark(ATTENTION);
-        out_ffn(buf, l);
-        if (keep[i]) {
-#pragma omp for schedule(static)
-          for (int64_t t = 0; t < T; ++t) std::memcpy(captured[i].data_ptr<float>() + t * H, buf.x.data_ptr<float>() + t * H, H * sizeof(float));
-        }
-      }
-      final_norm(buf, out);
-      buf.mark(FINAL);
-    }
-    std::vector<at::Tensor> result{out};
-    for (int64_t c : capture) result.push_back(captured[c]);
-    return result;
+    std::vector<moa_attention::RowPlan> rps{moa_attention::plan_rows(qo_indptr, kv_indptr, kv_indices, custom_mask, T,
+                                                                     k_pools.empty() ? 0 : k_pools[0].size(0), "q8 forward")};
+    std::vector<AttnWork> works{attention_work(rps[0], T, threads(T))};
+    return run_layers(x, cos, sin, std::vector<at::Tensor>(ids.size(), slots), k_pools, v_pools, ids, rps, works,
+                      std::vector<int64_t>(ids.size(), 0), scale, capture);
   }
 
   // One layer's first half (the per-layer path: prompt blocks, drafters' TLI layers): RMSNorm, quantise, qkv,
@@ -820,6 +841,50 @@ class Q8Stack : public torch::CustomClassHolder {
     return w;
   }
 
+  // forward's and forward_layers' body: layer ids[i] with row slots slots[i], pools i and plan rps[plan_of[i]]
+  std::vector<at::Tensor> run_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const std::vector<at::Tensor>& slots,
+                                     const std::vector<at::Tensor>& k_pools, const std::vector<at::Tensor>& v_pools, const std::vector<int64_t>& ids,
+                                     const std::vector<moa_attention::RowPlan>& rps, std::vector<AttnWork>& works, const std::vector<int64_t>& plan_of,
+                                     double scale, const std::vector<int64_t>& capture) {
+    const int64_t T = x.size(0);
+    std::vector<bool> keep(ids.size(), false);
+    for (int64_t c : capture) {
+      TORCH_CHECK(c >= 0 && c < static_cast<int64_t>(ids.size()), "q8 forward: capture position ", c, " outside the layers");
+      keep[c] = true;
+    }
+    Buffers buf = buffers(T);
+    buf.x.copy_(x);
+    std::vector<at::Tensor> captured(ids.size());
+    for (size_t i = 0; i < ids.size(); ++i)
+      if (keep[i]) captured[i] = at::empty({T, H}, x.options());
+    at::Tensor out = at::empty({T, H}, x.options());
+    const float sc = static_cast<float>(scale);
+    if (profiling) buf.clock = &clock;
+    buf.mark(SETUP);
+#pragma omp parallel num_threads(threads(T))
+    {
+      for (size_t i = 0; i < ids.size(); ++i) {
+        const Layer& l = layers[ids[i]];
+        norm_quantize_in(buf, l);
+        buf.mark(NORM_IN);
+        qkv_rope_store(buf, l, cos, sin, slots[i], k_pools[i], v_pools[i]);
+        buf.mark(QKV);
+        attention(buf, works[plan_of[i]], rps[plan_of[i]], k_pools[i], v_pools[i], sc);
+        buf.mark(ATTENTION);
+        out_ffn(buf, l);
+        if (keep[i]) {
+#pragma omp for schedule(static)
+          for (int64_t t = 0; t < T; ++t) std::memcpy(captured[i].data_ptr<float>() + t * H, buf.x.data_ptr<float>() + t * H, H * sizeof(float));
+        }
+      }
+      final_norm(buf, out);
+      buf.mark(FINAL);
+    }
+    std::vector<at::Tensor> result{out};
+    for (int64_t c : capture) result.push_back(captured[c]);
+    return result;
+  }
+
   // --- phases (inside a parallel region; each ends at its worksharing loop's barrier) ---
 
   // qkv's input: RMSNorm(x), or [RMSNorm(embeds), RMSNorm(x)] for an EAGLE-3 layer (embeds [T, H])
@@ -859,8 +924,9 @@ class Q8Stack : public torch::CustomClassHolder {
     const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
     const int64_t cs = cos.stride(0), ss = sin.stride(0);
     float *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>(), *q = b.q.data_ptr<float>();
+    const int64_t units = l.cross ? Hq : Hq + 2 * Hkv;  // a cross layer: q only
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < Hq + 2 * Hkv; ++u) {
+    for (int64_t u = 0; u < units; ++u) {
       for (int64_t g = u * per_head; g < (u + 1) * per_head; ++g) gemm_group(l.qkv, g, b.xq, T, qkv, Nqkv);
       for (int64_t t = 0; t < T; ++t) {
         float* row = qkv + t * Nqkv + u * D;
@@ -952,8 +1018,14 @@ class Q8Stack : public torch::CustomClassHolder {
   void final_norm(Buffers& b, at::Tensor& out) const {
     const float* x = b.x.data_ptr<float>();
     float* y = out.data_ptr<float>();
+    const float* w = norm.defined() ? norm.data_ptr<float>() : nullptr;
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < b.T; ++t) moa_layer::norm_row(x + t * H, norm.data_ptr<float>(), y + t * H, H, eps);
+    for (int64_t t = 0; t < b.T; ++t) {
+      if (w)
+        moa_layer::norm_row(x + t * H, w, y + t * H, H, eps);
+      else
+        std::memcpy(y + t * H, x + t * H, H * sizeof(float));
+    }
   }
 };
 
@@ -983,6 +1055,8 @@ TORCH_LIBRARY_FRAGMENT(moa_cpu, m) {
       .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double>())
       .def("add_layer", &Q8Stack::add_layer)
       .def("add_eagle3_layer", &Q8Stack::add_eagle3_layer)
+      .def("add_cross_layer", &Q8Stack::add_cross_layer)
+      .def("forward_layers", &Q8Stack::forward_layers)
       .def("draft_layer", &Q8Stack::draft_layer)
       .def("set_head", &Q8Stack::set_head)
       .def("num_layers", &Q8Stack::num_layers)

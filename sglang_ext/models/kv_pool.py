@@ -33,9 +33,9 @@ def zeroed_buffers(n: int, shape: tuple[int, ...], dtype: torch.dtype, device="c
     at = -raw.ctypes.data % 64  # cache-line aligned, as torch's own host allocations
     # one tensor per buffer over its own slice, detached: not a view to autograd, as torch.zeros' tensors are not
     # (a pool made under no_grad may be written in grad mode, e.g. a drafter's own pool in training)
-    return [
-        torch.from_numpy(raw[at + i * size : at + (i + 1) * size]).view(dtype).view(shape).detach() for i in range(n)
-    ]
+    # (views of one tensor, so that a reader of every layer's rows gathers them in one index op: models/moa.py)
+    whole = torch.from_numpy(raw[at : at + n * size]).view(dtype).view(n, *shape)
+    return [whole[i].detach() for i in range(n)]
 
 
 class OutOfSlots(RuntimeError):

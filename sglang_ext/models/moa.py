@@ -362,9 +362,30 @@ def stack_layer_kv(k_layers: list[torch.Tensor], v_layers: list[torch.Tensor], s
     k_layers/v_layers: the target's per-layer pools [num_slots, n_kv, D] (keys as cached, after RoPE).
     Host-built slots go up once (queued), not once per layer (an index on the host waits on a GPU)."""
     slots = to_device(slots, k_layers[0].device)
+    both = _one_tensor([*k_layers, *v_layers])
+    if both is not None:  # the layers are evenly spaced in one storage (a host pool): one index op
+        s = slots.dim()
+        x = both[:, slots].unflatten(0, (2, len(k_layers)))  # [2, L, *S, n_kv, D]
+        return x.permute(*range(2, 2 + s), 1, 2 + s, 0, 3 + s).flatten(-3)
     k = torch.stack([kl[slots] for kl in k_layers], dim=-3)  # [*S, L, n_kv, D]
     v = torch.stack([vl[slots] for vl in v_layers], dim=-3)
     return torch.cat([k, v], dim=-1).flatten(-2)
+
+
+def _one_tensor(ts: list[torch.Tensor]) -> torch.Tensor | None:
+    """ts as one tensor [len(ts), *shape] without a copy when they are contiguous tensors of one shape lying one
+    after another in one storage (kv_pool.zeroed_buffers' host pools), else None (also for tensors autograd tracks:
+    a view of the first would not carry the others' history)."""
+    t0 = ts[0]
+    step, ptr = t0.numel(), t0.untyped_storage().data_ptr()
+    for i, t in enumerate(ts):
+        if not t.is_contiguous() or t.shape != t0.shape or t.dtype != t0.dtype or t.device != t0.device:
+            return None
+        if t.requires_grad:
+            return None
+        if t.untyped_storage().data_ptr() != ptr or t.storage_offset() != t0.storage_offset() + i * step:
+            return None
+    return t0.as_strided((len(ts), *t0.shape), (step, *t0.stride()), t0.storage_offset())
 
 
 def stack_pool_kv(kv: KVPool, slots: torch.Tensor) -> torch.Tensor:

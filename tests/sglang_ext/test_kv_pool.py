@@ -41,3 +41,24 @@ def test_freed_slots_come_back_as_they_were_freed_and_one_free_equals_many():
         pool.free(torch.arange(1, 61))
     with pytest.raises(OutOfSlots):
         pool.alloc(pool.num_free + 1)
+
+
+def test_every_layers_rows_of_a_host_pool_in_one_index_op_are_the_layers_stacked():
+    """stack_layer_kv (MoA's LSA input) reads a host pool's layers, which lie one after another in one storage, as
+    one tensor: the same values as stacking them layer by layer, for slots of any shape; pools that are not laid
+    out so (separate tensors) take the layer-by-layer path."""
+    from sglang_ext.models.moa import _one_tensor, stack_layer_kv
+
+    pool = KVPool(5, 40, 3, 8, torch.float32)
+    g = torch.Generator().manual_seed(2)
+    for t in pool.k + pool.v:
+        t.copy_(torch.randn(t.shape, generator=g))
+    assert _one_tensor([*pool.k, *pool.v]) is not None
+    apart = ([t.clone() for t in pool.k], [t.clone() for t in pool.v])
+    assert _one_tensor([*apart[0], *apart[1]]) is None
+    for slots in (torch.tensor([5, 9, 2]), torch.tensor([[1, 2], [3, 4]]), torch.tensor(7)):
+        k = torch.stack([t[slots] for t in pool.k], dim=-3)
+        v = torch.stack([t[slots] for t in pool.v], dim=-3)
+        want = torch.cat([k, v], dim=-1).flatten(-2)  # [*S, L, K|V per kv head]
+        assert torch.equal(stack_layer_kv(pool.k, pool.v, slots), want)
+        assert torch.equal(stack_layer_kv(*apart, slots), want)

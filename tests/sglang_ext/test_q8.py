@@ -242,3 +242,58 @@ def test_eagle3_draft_layer_in_one_call_is_the_modules_layer(smollm2_q8):
         d.q8_layer = layer
         d.kv.free(slots)
     assert torch.allclose(outs[0], outs[1], rtol=1e-4, atol=1e-4 * outs[1].abs().max().item())
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
+    return bool((a - b).abs().max() <= tol * b.abs().max())
+
+
+def test_moa_on_q8_stacks_is_the_modules_math(smollm2_q8):
+    """Beside a q8 target, MoA's LSA layer, SA commit and draft pass (SA, CA, the TLI layer, norm, head rows) run as
+    native calls on q8 stacks (kernels.q8_moa_stacks): the module's math on the same Q8_0 weights and 8-bit inputs,
+    up to the norms' and attentions' summation order (8-bit inputs amplify it), the same argmax; a token's LSA memory
+    is bit for bit the same alone or in a batch."""
+    from sglang_ext.drafters import make_drafter
+    from sglang_ext.drafters.base import DraftInput
+    from sglang_ext.drafters.moa import _RequestState, _TreePaths
+    from sglang_ext.drafters.moa_core import commit_sa, draft_logits, draft_pass, lsa_memory
+    from sglang_ext.sampling import SamplingParams
+
+    d, m = make_drafter("moa", smollm2_q8), smollm2_q8.model
+    assert d.q8 is not None and d.tli_layers
+    g = torch.Generator().manual_seed(8)
+    kv = m.new_kv_pool(64)
+    for t in kv.k + kv.v:
+        t.copy_(torch.randn(t.shape, generator=g))
+    with torch.inference_mode():
+        slots = torch.tensor([5, 9, 2, 33, 17])
+        memory = d._lsa_q8(kv, slots)
+        assert _close(memory, lsa_memory(d.draft, kv.k, kv.v, slots), 2e-3)
+        assert torch.equal(d._lsa_q8(kv, slots[1:3]), memory[1:3])
+        # the SA commit: K/V of verified tokens' embeddings into the SA pool
+        ids, pos = torch.tensor([7, 300, 4100]), torch.tensor([0, 1, 2])
+        sa = d.sa.alloc(3)
+        cos, sin = m.rope(pos)
+        d.q8[0].layer_qkv(m.embed[ids], 0, cos[:, 0], sin[:, 0], d.sa.k[0], d.sa.v[0], sa)
+        k, v = commit_sa(d.draft, m.embed, ids, pos)
+        assert _close(d.sa.k[0][sa], k, 1e-3) and _close(d.sa.v[0][sa], v, 1e-3)
+        # a pass over 3 frontier nodes of a request with 20 verified tokens (random SA, memory and target K/V)
+        st = d.reqs[0] = _RequestState()
+        st.sa_slots, st.mem_slots, st.target_slots = d.sa.alloc(20), d.mem.alloc(20), torch.arange(30, 50)
+        for pool, s in ((d.sa, st.sa_slots), (d.mem, st.mem_slots)):
+            for t in (pool.k[0], pool.v[0]):
+                t[s] = torch.randn(20, *t.shape[1:], generator=g)
+        d.tli_kv = kv
+        paths = _TreePaths(d, [DraftInput(0, list(range(21)), SamplingParams(), None)])
+        try:
+            at = paths(torch.zeros(1, 3, dtype=torch.long))
+            tokens = torch.tensor([11, 2000, 30000])
+            native = d._pass_q8(tokens, at, False)
+            ref = draft_logits(d.parts, draft_pass(d.parts, d.kv, tokens, at))
+            assert native.shape == ref.shape == (3, d.hot_ids.numel())
+            assert _close(native, ref, 1e-2)
+            assert torch.equal(native.argmax(-1), ref.argmax(-1))
+        finally:
+            paths.free()
+            d.remove_request(0)
+            d.sa.free(sa)

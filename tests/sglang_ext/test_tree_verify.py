@@ -240,6 +240,35 @@ def test_search_stops_drafting_once_every_frontier_node_is_below_min_prob():
     assert len(calls) == 3 and tree.num_nodes == 10  # without min_prob: every step, N nodes
 
 
+@pytest.mark.parametrize("shape", ["1,2,3,0.1", "1,2,3", "1,3,4,0.2", "1,4,5,0.05", "1,1,2", "1,4,3,0.1"])
+def test_a_one_level_search_written_out_is_the_searched_trees(shape):
+    """search_tree's one-level CPU path (the neural drafters' CPU default) gives every field of the trees that
+    top_k_search + build_trees give (children kept, dropped by min_prob, or all dropped), request by request
+    (1,4,3: fewer nodes than candidates, the searched path)."""
+    from sglang_ext.drafters.base import DraftInput
+    from sglang_ext.drafters.search import search_tree, top_k_search
+
+    shape = TreeShape.parse(shape)
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 50, generator=gen) * torch.tensor([0.5, 1, 2, 4, 8, 30])[:, None]
+    logits[5, 3] = logits[5, 9] = 40.0  # a tie at the top
+    batch = [DraftInput(i, list(range(3 + i)), SamplingParams(), None) for i in range(6)]
+
+    def no_step(tokens, parent_beam):
+        raise AssertionError("a one-level search runs no draft step")
+
+    fast = search_tree(logits, no_step, shape, batch)
+    search = top_k_search(logits, no_step, shape.topk, shape.depth, shape.min_prob)
+    roots = torch.tensor([d.token_ids[-1] for d in batch])
+    ref = build_trees(roots, search, [d.seq_len for d in batch], shape.num_draft_tokens, shape.min_prob)
+    for a, b in zip(fast, ref):
+        for name in ("draft_tokens", "parents", "positions", "tree_mask", "retrieve_index", "retrieve_next_token"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        assert torch.equal(a.retrieve_next_sibling, b.retrieve_next_sibling)
+        assert torch.equal(a.scores, b.scores) and a.scores.dtype == b.scores.dtype
+        assert bool(a.finite)
+
+
 def test_tree_shape_min_prob_parses_labels_and_validates():
     s = TreeShape.parse("1,2,3,0.1")
     assert (s.depth, s.topk, s.num_draft_tokens, s.min_prob) == (1, 2, 3, 0.1) and s.label == "1,2,3,0.1"
