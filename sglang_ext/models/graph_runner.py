@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from .. import kernels
 from ..device import to_device
 from .kv_pool import KVPool
 from .llama import ForwardOutput, LlamaModel
@@ -104,7 +105,7 @@ def static_attention(
     """Attention over a StaticPlan: on CUDA the Triton tree kernel in its padded form (the eager
     default there, so a replayed graph computes what the eager forward does); elsewhere the torch
     reference's batched matmuls over the same plan (same math, summation order aside)."""
-    if q.is_cuda:
+    if kernels.on_gpu(q):
         from ..attention.triton_tree import tree_attention_static
 
         return tree_attention_static(q, k_pool, v_pool, plan.slots, plan.allowed, plan.kv_len, scale, plan.streams)
