@@ -55,7 +55,8 @@ from .llama import ForwardOutput, LlamaModel
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 NODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MIN_CONTEXT_BUCKET = 128  # context buckets: powers of two from this up to the model's context
-MAX_ROWS = 1024  # B*Q above this runs eagerly (the padded attention scores would be too large)
+MAX_ROWS = 2048  # B*Q above this runs eagerly: bs 64 with a verify tree of up to 32 nodes fits (off CUDA the
+# static torch attention holds B*Q x heads x K fp32 scores: ~300 MB at 2048 rows, 9 heads, a 4k context)
 
 
 @dataclass

@@ -85,3 +85,11 @@ def test_the_proxy_counts_a_steps_launches_inside_its_graphs():
     assert ops.get("_row_attention_kernel") == 2 and not {"empty", "view", "empty_like"} & set(ops), ops
     # the fused layer: norm + qkv + RoPE + K/V store, attention, o + residual, norm + gate-up + SiLU, down + residual
     assert kernels_per_layer(None, 1, layers=2) <= 6
+
+
+def test_a_drafted_step_at_bs_64_with_a_24_node_tree_verifies_inside_a_graph():
+    """64 requests x a 24-node tree (padded to 32 nodes: 2,048 rows) fit the target's graph buckets: the verify
+    forward's kernels are in a replay, none of them outside."""
+    r = count_step_ops("eagle3", 64, "6,4,24", layers=2, steps=1)
+    assert "_fused_linear_kernel" not in r["ops"] and "_row_attention_kernel" not in r["ops"], r["top_ops"]
+    assert r["kernel_ops"].get("_fused_linear_kernel", 0) >= 2 * 4, r["kernel_ops"]
