@@ -265,8 +265,10 @@ class GraphRunner:
         self.runs += 1
         b, q, p = key
         device = self.model.device
-        # the real rows of the flat [B*Q] buffers, request after request (host ints: one copy up)
-        rows = to_device(torch.tensor(_real_rows(q_lens, q), dtype=torch.long), device)
+        # the real rows of the flat [B*Q] buffers, request after request: with every request filling its Q rows
+        # (plain decode, a search's trees) the first T (slices: nothing to copy up), else host ints (one copy up)
+        dense = all(n == q for n in q_lens)
+        rows = None if dense else to_device(torch.tensor(_real_rows(q_lens, q), dtype=torch.long), device)
         # tokens, positions and masks built on the device (a drafter's trees) are placed there, never read back
         host = all(t.device.type == "cpu" for t in (*ids, *positions, *tree_masks))
         args = (ids, positions, tree_masks) if host else (None, None, None)
@@ -274,11 +276,15 @@ class GraphRunner:
 
         def fill(bufs: dict) -> None:
             fill_flat(bufs["longs"], longs)
-            fill_flat(bufs["mask"], mask)
+            if q > 1:  # (a one-node bucket's mask is its padding, made with the buffers: each row sees itself)
+                fill_flat(bufs["mask"], mask)
             if not host:
                 _place(bufs, key, rows, ids, positions, tree_masks)
 
         out = self.cache.run(key, lambda: self._buffers(key), fill, lambda bufs: self._forward(key, bufs, kv))
+        if dense:  # copies (the next replay overwrites the graph's outputs)
+            t = sum(q_lens)
+            return ForwardOutput(out.hidden[:t].clone(), {l: h[:t].clone() for l, h in out.captured.items()})
         return ForwardOutput(out.hidden[rows], {l: h[rows] for l, h in out.captured.items()})
 
     def _buffers(self, key: tuple[int, int, int]) -> dict:
@@ -303,14 +309,18 @@ def _real_rows(q_lens: list[int], q: int, base: int = 0) -> list[int]:
     return list(itertools.chain.from_iterable(range(base + i * q, base + i * q + n) for i, n in enumerate(q_lens)))
 
 
-def _place(bufs: dict, key, rows: torch.Tensor, ids, positions, tree_masks) -> None:
+def _place(bufs: dict, key, rows: torch.Tensor | None, ids, positions, tree_masks) -> None:
     """Tokens, positions and tree masks (per request, wherever they are) into a bucket's buffers on
     their device by device copies, a fixed number of ops for the batch: rows [T] the flat rows they fill
-    (see _host_inputs' layout)."""
+    (see _host_inputs' layout); None: the first T (every request fills its Q rows)."""
     b, q, _ = key
     device = bufs["longs"].device
     vals = torch.cat([to_device(t, device) for t in (*ids, *positions)])  # [2T]: every id, then every position
-    bufs["longs"][torch.cat([rows, rows + b * q])] = vals
+    if rows is None:
+        t = vals.numel() // 2
+        bufs["longs"][: 2 * b * q].view(2, b * q)[:, :t] = vals.view(2, t)
+    else:
+        bufs["longs"][torch.cat([rows, rows + b * q])] = vals
     _masks_into(bufs["mask"], tree_masks)
 
 
