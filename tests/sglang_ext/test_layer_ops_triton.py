@@ -276,6 +276,43 @@ def test_gpu_fused_layer_equals_the_torch_layer():
         fused = model._layer_forward_fused(model.layers[0], x, rope, slots, plan, kv_a.k[0], kv_a.v[0])
         torch_ops = model._layer_forward_torch(model.layers[0], x, rope, slots, plan, kv_b, 0)
         assert (fused.float() - torch_ops.float()).abs().max().item() < tol
+        kv_c = model.new_kv_pool(64)
+        unfused = model._layer_forward_unfused(model.layers[0], x, rope, slots, plan, kv_c.k[0], kv_c.v[0])
+        assert (fused.float() - unfused.float()).abs().max().item() < tol
+
+
+@pytest.mark.gpu
+def test_gpu_fused_matmuls_compute_each_row_alone():
+    """On CUDA in bf16 (tensor-core dots): each fused matmul's rows are the same bits computed one at a time
+    as in a batch of 40 (greedy identity needs a verify row to be its decode's arithmetic)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from helpers import smollm2_config
+
+    from sglang_ext.kernels import triton_layer_ops as ops
+    from sglang_ext.models.synthetic import random_target
+
+    c = smollm2_config()
+    model = random_target(c, "cuda", dtype=torch.bfloat16)
+    lw, n = model.layers[0], 40
+    x = torch.randn(n, c.hidden_size, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(n, c.num_heads * c.head_dim, device="cuda", dtype=torch.bfloat16)
+    rope = model.rope(torch.arange(n, device="cuda"))
+    cos, sin = rope[0][:, 0], rope[1][:, 0]
+    slots = torch.arange(1, n + 1, device="cuda")
+    pools = [model.new_kv_pool(64) for _ in range(2)]
+
+    def qkv(i: slice, kv) -> torch.Tensor:
+        w = (x[i], lw.input_norm, c.rms_norm_eps, lw.qkv, lw.qkv_bias, cos[i], sin[i], kv.k[0], kv.v[0], slots[i])
+        return ops.norm_qkv_rope_store(*w, c.num_heads, c.num_kv_heads)
+
+    alone = torch.cat([qkv(slice(j, j + 1), pools[0]) for j in range(n)])
+    assert torch.equal(alone, qkv(slice(0, n), pools[1])) and torch.equal(pools[0].k[0], pools[1].k[0])
+    for f in (
+        lambda i: ops.linear_residual(a[i], lw.o, x[i]),
+        lambda i: ops.norm_gate_up_silu(x[i], lw.post_norm, c.rms_norm_eps, lw.gate_up),
+    ):
+        assert torch.equal(torch.cat([f(slice(j, j + 1)) for j in range(n)]), f(slice(0, n)))
 
 
 if __name__ == "__main__":
