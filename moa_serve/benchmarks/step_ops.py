@@ -2,6 +2,7 @@
 dispatches outside graph replays.
 
     python -m moa_serve.benchmarks.step_ops [--drafters eagle3,moa] [--batch 1,4] [--tree 6,4,24] [--layers 4]
+                                            [--per-layer] [--json]
 
 On a GPU a small step is host-bound: every op dispatched outside a CUDA graph costs the host a few
 microseconds (a launch when it computes on the device, a queued copy when it moves host data up, pure
@@ -15,6 +16,13 @@ a dispatch mode counts every op per step, split into
     view     other view ops (no launch, still host dispatch)
     upload   host -> device copies
     host     ops on host tensors (slot ids, positions, masks built on the host)
+
+Beside them, `kernels`: the launches the step's graphs make on a GPU. The target takes its GPU layer path
+(the Triton layer ops, the static attention's Triton kernel) on the meta device while counting
+(kernels.gpu_stand_in); each Triton launch is counted instead of run, and each aten op inside a graph
+that computes (no view, no allocation: NO_LAUNCH) counts one launch (a cuBLAS GEMM, an elementwise
+kernel). Triton launches outside graphs count as `device` ops. `--per-layer` adds what one decoder
+layer costs: the kernels at 2 x --layers minus those at --layers, divided by --layers.
 
 The step's one device-to-host copy (verify.to_host) is stood in for (meta tensors hold no values): it
 accepts each drafted tree's first draft and a bonus token, so the drafter's commit runs as in serving.
@@ -33,6 +41,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 KINDS = ("graph", "device", "view", "upload", "host")
+# aten ops that launch no kernel: allocations (free inside a CUDA graph: its memory pool) and metadata
+NO_LAUNCH = frozenset(
+    "empty empty_like empty_strided new_empty new_empty_strided _unsafe_view detach alias lift_fresh".split()
+)
 
 
 class StepOps(TorchDispatchMode):
@@ -46,6 +58,18 @@ class StepOps(TorchDispatchMode):
         self.sites: Counter = Counter()
         self.where = where
         self.in_graph = 0
+        self.kernels = 0  # launches inside graphs: aten ops that compute (no view, no allocation), Triton kernels
+        self.kernel_names: Counter = Counter()
+
+    def triton_launch(self, name: str) -> None:
+        """A Triton kernel launched (counted by counting_triton, never run: meta tensors hold nothing)."""
+        if self.in_graph:
+            self.kinds["graph"] += 1
+            self.kernels += 1
+            self.kernel_names[name] += 1
+        else:
+            self.kinds["device"] += 1
+            self.names[name] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -53,6 +77,9 @@ class StepOps(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if self.in_graph:
             self.kinds["graph"] += 1
+            if not func.is_view and name not in NO_LAUNCH:
+                self.kernels += 1
+                self.kernel_names[name] += 1
             return out
         tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
         on_device = [t for t in tensors if t.device.type != "cpu"]
@@ -107,6 +134,30 @@ def counting_graphs(mode: StepOps):
         graph_runner.GraphCache.run = real
 
 
+@contextlib.contextmanager
+def counting_triton(mode: StepOps):
+    """Triton launches counted in `mode` instead of run, while meta tensors take the GPU's kernel paths
+    (kernels.gpu_stand_in): what a CUDA step launches, counted without a GPU."""
+    from triton.runtime.jit import JITFunction
+
+    from sglang_ext import kernels
+
+    real = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        if warmup or not any(isinstance(a, torch.Tensor) and a.is_meta for a in args):
+            return real(self, *args, grid=grid, warmup=warmup, **kwargs)
+        mode.triton_launch(self.fn.__name__)
+        return None
+
+    JITFunction.run = run
+    try:
+        with kernels.gpu_stand_in("meta"):
+            yield
+    finally:
+        JITFunction.run = real
+
+
 def _stand_in_copy(paths):
     """verify.to_host for meta tensors: each drafted tree's first draft node accepted, then a bonus."""
     from sglang_ext.verify import VerifyResult
@@ -145,6 +196,8 @@ def count_step_ops(
     cfg = replace(smollm2_config(), num_layers=layers)
     model = random_target(cfg, "meta")
     model.attention = tree_attention_torch
+    # the GPU's layer path (Triton layer ops) while counting: its launches are counted, not run
+    model.gpu_layer_ops = True
     drafter = _drafter(kind, model, cfg) if kind else None
     shape = TreeShape.parse(tree)
     config = EngineConfig(kv_slots=8192, tree=shape, adaptive=False, cuda_graphs=False, prefix_cache=False)
@@ -164,13 +217,14 @@ def count_step_ops(
         for _ in range(2):  # two steps: every bucket's buffers made
             eng.step()
         mode = StepOps(where)
-        with counting_graphs(mode), mode:
+        with counting_graphs(mode), counting_triton(mode), mode:
             for _ in range(steps):
                 eng.step()
     finally:
         engine_mod.to_host = real_copy
     per_step = {k: mode.kinds[k] / steps for k in KINDS}
     per_step["outside"] = sum(v for k, v in per_step.items() if k != "graph")
+    per_step["kernels"] = mode.kernels / steps
     ops = {n: c / steps for n, c in mode.names.most_common()}  # outside graphs, views aside
     top = dict(list(ops.items())[:15])
     sites = {n: c / steps for n, c in mode.sites.most_common(25)}
@@ -180,9 +234,16 @@ def count_step_ops(
         "tree": tree,
         "per_step": per_step,
         "top_ops": top,
+        "kernel_ops": {n: c / steps for n, c in mode.kernel_names.most_common()},
         "ops": ops,
         "sites": sites,
     }
+
+
+def kernels_per_layer(kind: str | None, batch: int, tree: str = "6,4,24", layers: int = 4) -> float:
+    """The launches one decoder layer adds to a step's graphs: (kernels at 2 x layers - at layers) / layers."""
+    k = [count_step_ops(kind, batch, tree, n, steps=1)["per_step"]["kernels"] for n in (layers, 2 * layers)]
+    return (k[1] - k[0]) / layers
 
 
 def main(argv=None) -> None:
@@ -192,17 +253,21 @@ def main(argv=None) -> None:
     p.add_argument("--tree", default="6,4,24")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--where", action="store_true", help="also list the functions issuing the ops outside graphs")
+    p.add_argument("--per-layer", action="store_true", help="also the kernels one decoder layer adds (2 more runs)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     a = p.parse_args(argv)
     for kind in a.drafters.split(","):
         for bs in (int(x) for x in a.batch.split(",")):
             r = count_step_ops(None if kind == "vanilla" else kind, bs, a.tree, a.layers, where=a.where)
+            if a.per_layer:
+                r["kernels_per_layer"] = kernels_per_layer(None if kind == "vanilla" else kind, bs, a.tree, a.layers)
             if a.json:
                 print(json.dumps(r))
                 continue
             s = r["per_step"]
-            cols = " ".join(f"{k} {s[k]:6.1f}" for k in (*KINDS, "outside"))
-            print(f"{r['drafter']:8s} bs {bs}: {cols}")
+            cols = " ".join(f"{k} {s[k]:6.1f}" for k in (*KINDS, "outside", "kernels"))
+            per_layer = f" ({r['kernels_per_layer']:g} a layer)" if a.per_layer else ""
+            print(f"{r['drafter']:8s} bs {bs}: {cols}{per_layer}")
             print("    top outside:", ", ".join(f"{n} {c:g}" for n, c in r["top_ops"].items()))
             if a.where:
                 print("    where:", ", ".join(f"{n} {c:g}" for n, c in r["sites"].items()))

@@ -22,6 +22,7 @@ docs/BENCHMARKS.md, "CPU kernels".
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -390,9 +391,30 @@ def gpu_layer_ops_for(device: torch.device) -> bool:
     return torch.device(device).type == "cuda" and settings().layer_ops and has_triton
 
 
+# Device types that take the GPU's kernel paths besides CUDA: "meta" while a benchmark counts the launches a
+# step would make on a GPU without one (moa_serve/benchmarks/step_ops.py: launches counted, never run)
+_GPU_STAND_INS: set[str] = set()
+
+
+@contextlib.contextmanager
+def gpu_stand_in(device_type: str = "meta"):
+    """While inside, tensors on `device_type` take the GPU's kernel paths (the Triton layer ops of a model
+    whose gpu_layer_ops is set, the static attention's Triton kernel): for counting launches only."""
+    _GPU_STAND_INS.add(device_type)
+    try:
+        yield
+    finally:
+        _GPU_STAND_INS.discard(device_type)
+
+
+def on_gpu(t: torch.Tensor) -> bool:
+    """Whether t takes the GPU's kernel paths: a CUDA tensor, or one on a stand-in (gpu_stand_in)."""
+    return t.device.type == "cuda" or t.device.type in _GPU_STAND_INS
+
+
 def uses_gpu_layer_ops(x: torch.Tensor) -> bool:
     """Whether hidden states x [T, H] fit the Triton layer ops: inference only (they have no backward)."""
-    return x.device.type == "cuda" and x.dim() == 2 and not (torch.is_grad_enabled() and x.requires_grad)
+    return on_gpu(x) and x.dim() == 2 and not (torch.is_grad_enabled() and x.requires_grad)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 
+from .. import kernels
 from ..device import to_device
 from .kv_pool import KVPool
 from .llama import ForwardOutput, LlamaModel
@@ -54,7 +55,8 @@ from .llama import ForwardOutput, LlamaModel
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 NODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 MIN_CONTEXT_BUCKET = 128  # context buckets: powers of two from this up to the model's context
-MAX_ROWS = 1024  # B*Q above this runs eagerly (the padded attention scores would be too large)
+MAX_ROWS = 2048  # B*Q above this runs eagerly: bs 64 with a verify tree of up to 32 nodes fits (off CUDA the
+# static torch attention holds B*Q x heads x K fp32 scores: ~300 MB at 2048 rows, 9 heads, a 4k context)
 
 
 @dataclass
@@ -104,7 +106,7 @@ def static_attention(
     """Attention over a StaticPlan: on CUDA the Triton tree kernel in its padded form (the eager
     default there, so a replayed graph computes what the eager forward does); elsewhere the torch
     reference's batched matmuls over the same plan (same math, summation order aside)."""
-    if q.is_cuda:
+    if kernels.on_gpu(q):
         from ..attention.triton_tree import tree_attention_static
 
         return tree_attention_static(q, k_pool, v_pool, plan.slots, plan.allowed, plan.kv_len, scale, plan.streams)
@@ -263,8 +265,10 @@ class GraphRunner:
         self.runs += 1
         b, q, p = key
         device = self.model.device
-        # the real rows of the flat [B*Q] buffers, request after request (host ints: one copy up)
-        rows = to_device(torch.tensor(_real_rows(q_lens, q), dtype=torch.long), device)
+        # the real rows of the flat [B*Q] buffers, request after request: with every request filling its Q rows
+        # (plain decode, a search's trees) the first T (slices: nothing to copy up), else host ints (one copy up)
+        dense = all(n == q for n in q_lens)
+        rows = None if dense else to_device(torch.tensor(_real_rows(q_lens, q), dtype=torch.long), device)
         # tokens, positions and masks built on the device (a drafter's trees) are placed there, never read back
         host = all(t.device.type == "cpu" for t in (*ids, *positions, *tree_masks))
         args = (ids, positions, tree_masks) if host else (None, None, None)
@@ -272,11 +276,15 @@ class GraphRunner:
 
         def fill(bufs: dict) -> None:
             fill_flat(bufs["longs"], longs)
-            fill_flat(bufs["mask"], mask)
+            if q > 1:  # (a one-node bucket's mask is its padding, made with the buffers: each row sees itself)
+                fill_flat(bufs["mask"], mask)
             if not host:
                 _place(bufs, key, rows, ids, positions, tree_masks)
 
         out = self.cache.run(key, lambda: self._buffers(key), fill, lambda bufs: self._forward(key, bufs, kv))
+        if dense:  # copies (the next replay overwrites the graph's outputs)
+            t = sum(q_lens)
+            return ForwardOutput(out.hidden[:t].clone(), {l: h[:t].clone() for l, h in out.captured.items()})
         return ForwardOutput(out.hidden[rows], {l: h[rows] for l, h in out.captured.items()})
 
     def _buffers(self, key: tuple[int, int, int]) -> dict:
@@ -301,14 +309,18 @@ def _real_rows(q_lens: list[int], q: int, base: int = 0) -> list[int]:
     return list(itertools.chain.from_iterable(range(base + i * q, base + i * q + n) for i, n in enumerate(q_lens)))
 
 
-def _place(bufs: dict, key, rows: torch.Tensor, ids, positions, tree_masks) -> None:
+def _place(bufs: dict, key, rows: torch.Tensor | None, ids, positions, tree_masks) -> None:
     """Tokens, positions and tree masks (per request, wherever they are) into a bucket's buffers on
     their device by device copies, a fixed number of ops for the batch: rows [T] the flat rows they fill
-    (see _host_inputs' layout)."""
+    (see _host_inputs' layout); None: the first T (every request fills its Q rows)."""
     b, q, _ = key
     device = bufs["longs"].device
     vals = torch.cat([to_device(t, device) for t in (*ids, *positions)])  # [2T]: every id, then every position
-    bufs["longs"][torch.cat([rows, rows + b * q])] = vals
+    if rows is None:
+        t = vals.numel() // 2
+        bufs["longs"][: 2 * b * q].view(2, b * q)[:, :t] = vals.view(2, t)
+    else:
+        bufs["longs"][torch.cat([rows, rows + b * q])] = vals
     _masks_into(bufs["mask"], tree_masks)
 
 

@@ -174,7 +174,7 @@ class LlamaModel:
             and all(n % 8 == 0 for n in (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.intermediate_size))
         )
         self.scale = cfg.head_dim**-0.5
-        # decoder layers on the GPU's Triton layer ops (ten kernels a layer instead of ~30); off where Triton
+        # decoder layers on the GPU's fused Triton kernels (five a layer instead of ~30); off where Triton
         # cannot run (fake CUDA tensors in tests set it off, as they set the torch attention)
         self.gpu_layer_ops = kernels.gpu_layer_ops_for(self.device)
         # the q8 decoder stack and, per entry of self.layers, its layer in the stack (a subset keeps the indices)
@@ -224,7 +224,10 @@ class LlamaModel:
         if kernels.uses_layer_ops(x) and kv.k[li].dtype == lw.qkv.dtype == torch.float32 and c.head_dim % 16 == 0:
             return self._layer_forward_ops(lw, x, rope, slots, plan, kv.k[li], kv.v[li])
         if self.gpu_layer_ops and kernels.uses_gpu_layer_ops(x) and kv.k[li].dtype == x.dtype:
-            return self._layer_forward_fused(lw, x, rope, slots, plan, kv.k[li], kv.v[li])
+            half = c.head_dim // 2  # the fused qkv kernel's tile is a half head: a power of two >= 16
+            fits = half >= 16 and not half & (half - 1)
+            layer = self._layer_forward_fused if fits else self._layer_forward_unfused
+            return layer(lw, x, rope, slots, plan, kv.k[li], kv.v[li])
         return self._layer_forward_torch(lw, x, rope, slots, plan, kv, li)
 
     def _layer_forward_torch(self, lw: LayerWeights, x, rope, slots, plan, kv: KVPool, li: int) -> torch.Tensor:
@@ -309,8 +312,26 @@ class LlamaModel:
         return ForwardOutput(out[0], {order[p]: h for p, h in zip(at, out[1:])})
 
     def _layer_forward_fused(self, lw: LayerWeights, x, rope, slots, plan, k_pool, v_pool) -> torch.Tensor:
-        """layer_forward on a GPU's Triton layer ops (kernels/triton_layer_ops.py): the same computation
-        in ten kernels (two norms, RoPE + K/V store, SiLU * up, four matmuls, the attention, an add)."""
+        """layer_forward on a GPU's fused Triton kernels (kernels/triton_layer_ops.py): the same computation
+        in five kernels: the input norm with the qkv matmul, RoPE and the K/V store; the attention; the
+        o matmul with the residual; the post norm with the gate-up matmul and SiLU * up; the down matmul
+        with the residual (`_layer_forward_unfused` is the same in ten, the tests' reference)."""
+        from ..kernels import triton_layer_ops as ops
+
+        c = self.cfg
+        cos, sin = rope
+        slots = to_device(slots, x.device)
+        q = ops.norm_qkv_rope_store(
+            x, lw.input_norm, c.rms_norm_eps, lw.qkv, lw.qkv_bias, cos[:, 0], sin[:, 0], k_pool, v_pool, slots,
+            c.num_heads, c.num_kv_heads,
+        )  # fmt: skip
+        a = self.attention(q, k_pool, v_pool, plan, self.scale)
+        x = ops.linear_residual(a.reshape(x.shape[0], -1), lw.o, x)
+        return ops.linear_residual(ops.norm_gate_up_silu(x, lw.post_norm, c.rms_norm_eps, lw.gate_up), lw.down, x)
+
+    def _layer_forward_unfused(self, lw: LayerWeights, x, rope, slots, plan, k_pool, v_pool) -> torch.Tensor:
+        """_layer_forward_fused in ten kernels (two norms, RoPE + K/V store, SiLU * up, four matmuls, the
+        attention, an add): the per-op Triton layer ops the fused kernels are tested against."""
         from ..kernels import triton_layer_ops as ops
 
         c = self.cfg

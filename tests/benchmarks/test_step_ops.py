@@ -72,3 +72,24 @@ def test_a_drafted_steps_plans_commits_and_search_packing_cost_ops_per_step_not_
     assert not over, own
     # MoA's SA commit: one RoPE for the batch's verified tokens (and the search's own, in its graph)
     assert r["sites"].get("llama.py:apply_rope", 0) <= (38 if kind == "moa" else 16), r["sites"]
+
+
+def test_the_proxy_counts_a_steps_launches_inside_its_graphs():
+    """The kernels a vanilla step's graph launches on a GPU: every decoder layer's Triton kernels and GEMMs
+    (the count grows with the layers), no view or allocation among them."""
+    from moa_serve.benchmarks.step_ops import kernels_per_layer
+
+    r = count_step_ops(None, 1, "6,4,24", layers=2, steps=1)
+    ops = r["kernel_ops"]
+    assert r["per_step"]["kernels"] == sum(ops.values()) and 0 < r["per_step"]["kernels"] < r["per_step"]["graph"]
+    assert ops.get("_row_attention_kernel") == 2 and not {"empty", "view", "empty_like"} & set(ops), ops
+    # the fused layer: norm + qkv + RoPE + K/V store, attention, o + residual, norm + gate-up + SiLU, down + residual
+    assert kernels_per_layer(None, 1, layers=2) <= 6
+
+
+def test_a_drafted_step_at_bs_64_with_a_24_node_tree_verifies_inside_a_graph():
+    """64 requests x a 24-node tree (padded to 32 nodes: 2,048 rows) fit the target's graph buckets: the verify
+    forward's kernels are in a replay, none of them outside."""
+    r = count_step_ops("eagle3", 64, "6,4,24", layers=2, steps=1)
+    assert "_fused_linear_kernel" not in r["ops"] and "_row_attention_kernel" not in r["ops"], r["top_ops"]
+    assert r["kernel_ops"].get("_fused_linear_kernel", 0) >= 2 * 4, r["kernel_ops"]

@@ -175,6 +175,13 @@ def test_host_inputs_scatter_the_batch_as_a_loop_per_request_does(sizes):
     want = _host_inputs_loop(key, sizes, slots, prefixes, ids, pos, masks)
     assert torch.equal(bufs["longs"], want[0]) and torch.equal(bufs["mask"], want[1])
     assert torch.equal(_host_inputs(key, [], [], [])[0], _host_inputs_loop(key, [], [], [])[0])
+    if all(n == sizes[0] for n in sizes):  # every request fills a bucket of its Q rows: placed by slices
+        key = (len(sizes) + 1, sizes[0], 16)
+        longs, mask = _host_inputs(key, sizes, slots, prefixes)
+        bufs = {"longs": longs.clone(), "mask": mask.clone()}
+        _place(bufs, key, None, ids, pos, masks)
+        want = _host_inputs_loop(key, sizes, slots, prefixes, ids, pos, masks)
+        assert torch.equal(bufs["longs"], want[0]) and torch.equal(bufs["mask"], want[1])
 
 
 def test_static_attention_masks_padding_and_keeps_rows_apart():
