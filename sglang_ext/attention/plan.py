@@ -462,3 +462,15 @@ def plan_frontier(
     slots = [torch.cat([prefix.long(), extra[i].long()]) for i, prefix in enumerate(prefixes)]
     masks = [torch.cat([seen.new_ones(q, prefix.numel()), seen[i]], 1) for i, prefix in enumerate(prefixes)]
     return plan_attention(slots, masks, device=device if device is not None else seen.device)
+
+
+def frontier_fields(prefixes: list[torch.Tensor], extra: torch.Tensor, seen: torch.Tensor) -> list[torch.Tensor]:
+    """plan_frontier's attention as the ragged fields a native stack reads (qo_indptr, kv_indptr, kv_indices,
+    custom_mask), host tensors in a few ops: request b's q = seen.shape[1] nodes read its prefix and those of
+    its extra slots [E] that seen [b, q, E] marks (the same arguments as plan_frontier)."""
+    b, q, e = seen.shape
+    lens = [p.numel() + e for p in prefixes]
+    kv_indptr = torch.tensor([0, *lens]).cumsum(0)
+    indices = torch.cat([t for i, p in enumerate(prefixes) for t in (p.long(), extra[i].long())])
+    mask = torch.cat([torch.cat([seen.new_ones(q, p.numel()), seen[i]], 1).flatten() for i, p in enumerate(prefixes)])
+    return [torch.arange(0, b * q + 1, q), kv_indptr, indices, mask]

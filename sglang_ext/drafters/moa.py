@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from ..attention import FrontierPaths, advance_seen, plan_frontier, tree_attention_cpu
+from ..attention import FrontierPaths, advance_seen, frontier_fields, plan_frontier, tree_attention_cpu
 from ..device import module_on, to_device
 from ..kernels import attach_bf16_halves, attach_packed_rows, attach_q8, attach_q8_rows, q8_moa_stacks
 from ..models.checkpoint import check_fits
@@ -262,10 +262,10 @@ class MoADrafter(Drafter):
         """draft_pass + draft_logits on the draft-pass stack: SA, CA and the TLI layers in one call, each with its
         own plan, pools and K/V rows (CA writes none); then the head rows -> logits [n, Vd] (or [n, V] when full)."""
         cos, sin = self.target.rope(at.positions)
-        sa, ca = _ragged(*at.specs["sa"]), _ragged(*at.specs["ca"])
+        sa, ca = frontier_fields(*at.specs["sa"]), frontier_fields(*at.specs["ca"])
         layers = [(at.sa_slots, self.sa.k[0], self.sa.v[0], sa), (at.sa_slots, self.mem.k[0], self.mem.v[0], ca)]
         if self.tli_layers:
-            tli = _ragged(*at.specs["tli"])
+            tli = frontier_fields(*at.specs["tli"])
         for li in self.tli_layers:
             j = li - self.tli_offset
             layers.append((at.tli_slots, self.tli_kv.k[j], self.tli_kv.v[j], tli))
@@ -534,18 +534,6 @@ class MoADrafter(Drafter):
         keep = scores >= shape.min_prob if shape.min_prob > 0 else None
         trees = tree_batch(roots, top, self.hot_ids[draft], scores, parent_flat, seq_lens, keep)
         return (*trees, finite.flag)
-
-
-def _ragged(prefixes: list[torch.Tensor], extra: torch.Tensor, seen: torch.Tensor) -> list[torch.Tensor]:
-    """plan_frontier's attention as the ragged fields the q8 stack reads (qo_indptr, kv_indptr, kv_indices,
-    custom_mask), host tensors in a few ops: request b's q = seen.shape[1] nodes read its prefix and those of
-    its extra slots [E] that seen [b, q, E] marks."""
-    b, q, e = seen.shape
-    lens = [p.numel() + e for p in prefixes]
-    kv_indptr = torch.tensor([0, *lens]).cumsum(0)
-    indices = torch.cat([t for i, p in enumerate(prefixes) for t in (p.long(), extra[i].long())])
-    mask = torch.cat([torch.cat([seen.new_ones(q, p.numel()), seen[i]], 1).flatten() for i, p in enumerate(prefixes)])
-    return [torch.arange(0, b * q + 1, q), kv_indptr, indices, mask]
 
 
 def _plan_fields(plans: dict) -> dict:
