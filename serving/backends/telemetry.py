@@ -156,6 +156,18 @@ class TenantTelemetry:
     def __init__(self, metrics: Metrics, lab: dict):
         self.metrics, self._lab = metrics, lab
 
+    def declare(self, tenants: list[str]) -> None:
+        """Every known tenant's series at 0 before its first request (as moa_requests_total's statuses): a
+        series born with its first burst already counted shows Prometheus no increase, so rate() and the
+        dashboard's per-tenant panels would stay empty for it."""
+        m = self.metrics
+        for t in tenants:
+            m.tenant_queue_time.labels(**self._lab, tenant=t)
+            m.tenant_prompt_tokens.labels(**self._lab, tenant=t)
+            m.tenant_generated_tokens.labels(**self._lab, tenant=t)
+            for status in REQUEST_STATUSES:
+                m.tenant_requests.labels(**self._lab, tenant=t, status=status)
+
     def request(self, tenant: str, status: str) -> None:
         self.metrics.tenant_requests.labels(**self._lab, tenant=tenant, status=status).inc()
 

@@ -163,6 +163,8 @@ def _add_status_routes(app: FastAPI, gw: _Gateway) -> None:
     async def metrics():
         gw.telemetry.occupancy(*backend.load())
         gw.telemetry.kv_cache(backend.kv_cache())
+        keys = gw.config.api_keys
+        gw.telemetry.tenants.declare(keys.tenant_names() if keys is not None else [DEFAULT_TENANT.name])
         return Response(generate_latest(gw.telemetry.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")

@@ -97,6 +97,10 @@ class APIKeys:
                     log.error("%s; keeping the keys read before", e)
         return self._static + self._file_keys
 
+    def tenant_names(self) -> list[str]:
+        """The tenants the configured keys name (each once, in file order)."""
+        return list(dict.fromkeys(t.name for _, t in self._keys()))
+
     def tenant_of(self, authorization: str | None) -> Tenant | None:
         """The tenant of the key `Authorization: Bearer <key>` carries, None when it carries no configured key.
         Every key is compared (no early exit)."""

@@ -198,3 +198,28 @@ def test_two_authorization_headers_or_a_second_place_for_the_key_is_a_400(served
         r = c.post(CHAT, json=body, headers={"x-api-key": KEYS[0]})  # a key only elsewhere: no key (401), as before
         assert r.status_code == 401
         assert c.get("/health", headers=cases[0]).status_code == 200  # the exempt paths read no key
+
+
+def test_every_known_tenant_has_its_series_at_zero_before_its_first_request(tmp_path):
+    """/metrics declares each keys-file tenant's series at 0 (a series born with its first burst already counted
+    shows Prometheus no increase: the per-tenant panels would stay empty)."""
+    from prometheus_client import generate_latest
+
+    from serving.backends.telemetry import Telemetry
+    from serving.metrics import Metrics
+
+    (tmp_path / "keys").write_text(
+        "sk-plain-7c1d0e\nsk-named-99ab01 tenant=team-a weight=2\nsk-named-99ab02 tenant=team-a\n"
+    )
+    keys = APIKeys(file=tmp_path / "keys")
+    assert keys.tenant_names() == ["key1", "team-a"]
+    telemetry = Telemetry(Metrics(), "ngram", "embedded")
+    telemetry.tenants.declare(keys.tenant_names())
+    text = generate_latest(telemetry.metrics.registry).decode()
+    for tenant in ("key1", "team-a"):
+        for family in ("moa_tenant_queue_time_seconds_count", "moa_tenant_prompt_tokens_total"):
+            (line,) = [x for x in text.splitlines() if x.startswith(family + "{") and f'tenant="{tenant}"' in x]
+            assert line.endswith(" 0.0"), line
+        assert (
+            f'moa_tenant_requests_total{{backend="embedded",drafter="ngram",status="ok",tenant="{tenant}"}} 0.0' in text
+        )
