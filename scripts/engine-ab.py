@@ -6,7 +6,9 @@ turn, one engine step each, so the machine's drift hits them alike. Prints each 
 Variants:
   vanilla, suffix           the serving engine (suffix: adaptive speculation, tree 3,1,4)
   vanilla-separate,         arrivals prefilled in a forward of their own before the decode forward
-  suffix-separate           (EngineConfig(mixed_prefill=False)): the engine before mixed prefill
+  suffix-separate           (EngineConfig(prefill="separate")): the engine before mixed prefill
+  vanilla-mixed,            arrivals' prompt rows in the decode forward (EngineConfig(prefill="mixed"));
+  suffix-mixed              the default ("first") gives arrivals a step of their own, one step in two at most
   suffix-nocut              adaptive speculation without the confident option (three options)
 
     MOA_SERVE_EVAL_DIR=../shared/data/eval .venv/bin/python scripts/engine-ab.py \\
@@ -33,7 +35,12 @@ Engine = engine_module.Engine
 
 class SeparatePrefill(Engine):
     def __init__(self, target, drafter=None, config=None, **k):
-        super().__init__(target, drafter, replace(config or EngineConfig(), mixed_prefill=False), **k)
+        super().__init__(target, drafter, replace(config or EngineConfig(), prefill="separate"), **k)
+
+
+class MixedPrefill(Engine):
+    def __init__(self, target, drafter=None, config=None, **k):
+        super().__init__(target, drafter, replace(config or EngineConfig(), prefill="mixed"), **k)
 
 
 class NoConfidentOption(Engine):
@@ -48,6 +55,8 @@ VARIANTS = {  # name -> (drafter method, engine class)
     "vanilla-separate": ("vanilla", SeparatePrefill),
     "suffix": ("suffix", Engine),
     "suffix-separate": ("suffix", SeparatePrefill),
+    "vanilla-mixed": ("vanilla", MixedPrefill),
+    "suffix-mixed": ("suffix", MixedPrefill),
     "suffix-nocut": ("suffix", NoConfidentOption),
 }
 

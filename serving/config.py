@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from sglang_ext.models import DEFAULT_TARGET, DEVICE_CHOICES, parse_dtype
 from sglang_ext.tree import TreeShape
 
+PREFILL_MODES = ("first", "mixed", "separate")  # serving/scheduler.py: how prompt chunks and decoding share steps
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -31,7 +33,9 @@ class EngineConfig:
     max_context: int | None = None  # context limit (None: the model's)
     adaptive: bool = False  # per-step tree / no speculation from measured throughput (the serving default)
     prefill_tokens: int = 512  # prompt tokens prefilled per step at most (longer prompts in chunks)
-    mixed_prefill: bool = True  # False: arrivals get a forward of their own before the decode forward
+    # how arrivals' prompt chunks and the running requests share steps: first | mixed | separate
+    # (serving/scheduler.py: "first" streams a new request's first token after its prefill alone)
+    prefill: str = "first"
     # decode / verify forwards at bucketed shapes replayed from CUDA graphs (sglang_ext/models/graph_runner.py);
     # effective on a CUDA device only, eager outside the buckets
     cuda_graphs: bool = True
@@ -52,5 +56,7 @@ class EngineConfig:
             raise ValueError(f"kv_slots must be >= 1, got {self.kv_slots}")
         if self.prefill_tokens < 1:
             raise ValueError(f"prefill_tokens must be >= 1, got {self.prefill_tokens}")
+        if self.prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {self.prefill!r}")
         if self.prefix_cache_tokens is not None and self.prefix_cache_tokens < 0:
             raise ValueError(f"prefix_cache_tokens must be >= 0, got {self.prefix_cache_tokens}")

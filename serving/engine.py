@@ -111,7 +111,7 @@ class Engine:
             keep_hidden=drafter is not None and drafter.reads_prefix_hidden,
             on_evict=drafter.drop_prefix if drafter is not None else None,
         )
-        self.scheduler = Scheduler(config.prefill_tokens, config.mixed_prefill)
+        self.scheduler = Scheduler(config.prefill_tokens, config.prefill)
         self.runner = ModelRunner(self.model, self.kv_manager, self.capture_layers, config.cuda_graphs)
         self.sampler = self.sampler_class(self.eos_ids, self.max_context, self.tree.depth)
         self.spec = self.spec_worker_class(
@@ -162,10 +162,16 @@ class Engine:
 
     # --- admission ----------------------------------------------------------------------------
     def add_request(
-        self, prompt_ids: list[int], params: SamplingParams, grammar: object | None = None, tenant: str = ""
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        grammar: object | None = None,
+        tenant: str = "",
+        share: str | None = None,
     ) -> Request:
         """grammar: params.grammar compiled elsewhere (the server's compile workers); None: compiled here.
-        tenant: the prefix cache's namespace (requests hit only their own tenant's prefixes)."""
+        tenant: the prefix cache's namespace (requests hit only their own tenant's prefixes); share: who the
+        request belongs to for the scheduler's fairness (its API key's tenant; None: `tenant`)."""
         if not prompt_ids:
             raise InvalidRequest("prompt is empty", "messages")
         vocab = self.model.cfg.vocab_size
@@ -177,7 +183,9 @@ class Engine:
                 f"prompt has {len(prompt_ids)} tokens; the context limit is {self.max_context}", "messages"
             )
         gen = None if params.greedy else params.generator(self.model.device)  # draws on the target's device
-        req = Request(next(self._ids), list(prompt_ids), params, gen, tenant=tenant)
+        req = Request(
+            next(self._ids), list(prompt_ids), params, gen, tenant=tenant, share=tenant if share is None else share
+        )
         self.kv_manager.match_prefix(req)
         if params.grammar is not None:
             req.matcher = self.grammars.matcher(params.grammar if grammar is None else grammar)

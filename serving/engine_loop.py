@@ -328,7 +328,7 @@ class EngineLoop:
         posts = []
         for h in handles:
             try:
-                h.req = self.engine.add_request(h.prompt_ids, h.params, h.grammar, h.tenant)
+                h.req = self.engine.add_request(h.prompt_ids, h.params, h.grammar, h.tenant, h.owner.name)
             except InvalidRequest as e:
                 posts.append(self._finish(h, Delivery([], error=str(e), invalid=True)))
                 continue

@@ -85,6 +85,7 @@ class Request:
     t_arrival: float = field(default_factory=time.perf_counter)
     t_first_token: float | None = None
     tenant: str = ""  # the prefix cache's namespace (API key, cache_salt): only its own tenant's prefixes are hit
+    share: str = ""  # who it belongs to for fair scheduling (its API key's tenant name; serving/scheduler.py)
     cached_tokens: int = 0  # leading prompt tokens found in the prefix cache at admission (not prefilled)
     shared: int = 0  # leading tokens whose slots are the prefix cache's (slots[:shared], locked while it runs)
     cache_node: object | None = None  # the prefix cache's node where that shared path ends

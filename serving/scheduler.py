@@ -5,10 +5,17 @@
               ▼
             running (decoding: one tree each per step) ──► finished: removed (the engine frees their KV)
 
-Batch formation: by default one forward per step holds the running requests' trees and the arrivals' prompt
-chunks side by side (mixed prefill: the prompt rows share the pass over the weights with the decode rows, and
-arrivals one or two at a time, what speculation's uneven finishing gives, cost no more than arrivals in a
-group); without it, the chunks get a forward of their own before the decode one.
+Batch formation (`prefill`, one of PREFILL_MODES):
+  first     (the default) a newcomer, a request whose tenant (Request.share) has nothing running, gets a step
+            of its own for its prompt, so its first token streams after its prefill alone, not after a forward
+            it shares with another tenant's trees (its time to first token under another tenant's load: the
+            step in progress + its own prefill); the step after such a step decodes, so decoding is held up one
+            step in two at most however fast newcomers come. Every other prompt rides in the decode forward
+            as in "mixed": with one tenant, "first" is "mixed".
+  mixed     one forward per step holds the running trees and the prompt chunks side by side (the prompt rows
+            share the pass over the weights with the decode rows, and arrivals one or two at a time, what
+            speculation's uneven finishing gives, cost no more than arrivals in a group)
+  separate  the chunks' forward, then the decode forward, in one step (both delivered when the step ends)
 
 The waiting queue is one object with a small interface (push, pop_next, remove, len, iteration in serving
 order), so another order drops in. Which requests reach the engine at all, and in which order between tenants, is
@@ -21,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Generic, TypeVar
 
+from .config import PREFILL_MODES
 from .request import Request
 
 T = TypeVar("T")
@@ -65,10 +73,14 @@ Batch = tuple[list[Request], list[tuple[Request, int]]]  # (decoding requests, p
 
 class Scheduler:
     """The engine's waiting and running requests and each step's batches. prefill_tokens: prompt tokens
-    prefilled per step at most (longer prompts in chunks); mixed_prefill: chunks share the decode forward."""
+    prefilled per step at most (longer prompts in chunks); prefill: how chunks and decoding share steps
+    (PREFILL_MODES, above)."""
 
-    def __init__(self, prefill_tokens: int, mixed_prefill: bool = True):
-        self.prefill_tokens, self.mixed_prefill = prefill_tokens, mixed_prefill
+    def __init__(self, prefill_tokens: int, prefill: str = "first"):
+        if prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill must be one of {', '.join(PREFILL_MODES)}, got {prefill!r}")
+        self.prefill_tokens, self.prefill = prefill_tokens, prefill
+        self._held_back = False  # prefill "first": the last step ran chunks alone while requests were decoding
         self.waiting: WaitingQueue[Request] = WaitingQueue()
         self.running: list[Request] = []
         self.in_step: list[Request] = []  # taken from `waiting` by this step: a failed step's reset releases them
@@ -87,21 +99,33 @@ class Scheduler:
     def schedule(self, match_prefix: Callable[[Request], None]) -> list[Batch]:
         """This step's forwards: (decoding requests, prompt chunks) each. match_prefix(r): the KV manager looks
         the prompt of a request about to start its prefill up in the prefix cache again."""
-        chunks = self._prefill_chunks(match_prefix)
-        self.in_step = [r for r, _ in chunks]
         decoding = list(self.running)
-        if self.mixed_prefill:
-            return [(decoding, chunks)] if decoding or chunks else []
-        return ([([], chunks)] if chunks else []) + ([(decoding, [])] if decoding else [])
+        if self.prefill == "first" and decoding and not self._held_back:
+            busy = {r.share for r in decoding}
+            newcomers = [r for r in self.waiting if r.share not in busy]
+            if newcomers:
+                self._held_back = True
+                chunks = self._prefill_chunks(match_prefix, newcomers)
+                self.in_step = [r for r, _ in chunks]
+                return [([], chunks)]
+        self._held_back = False
+        chunks = self._prefill_chunks(match_prefix, list(self.waiting))
+        self.in_step = [r for r, _ in chunks]
+        if self.prefill == "separate":
+            return ([([], chunks)] if chunks else []) + ([(decoding, [])] if decoding else [])
+        return [(decoding, chunks)] if decoding or chunks else []
 
-    def _prefill_chunks(self, match_prefix: Callable[[Request], None]) -> list[tuple[Request, int]]:
-        """The prompt chunks this step prefills: (request, end) for prompt tokens [r.prefilled, end).
+    def _prefill_chunks(
+        self, match_prefix: Callable[[Request], None], candidates: list[Request]
+    ) -> list[tuple[Request, int]]:
+        """The prompt chunks this step prefills from `candidates` (waiting requests in serving order): (request,
+        end) for prompt tokens [r.prefilled, end).
         NOTE: at most prefill_tokens prompt tokens per step; a prompt that does not fit is split
         (chunked prefill), so one long prompt holds the running requests' next tokens up for one
-        chunk's time, not its whole prefill. A request whose prompt is done leaves the queue; the one
-        split stays at its head."""
+        chunk's time, not its whole prefill. A request whose prompt is done leaves the queue; one split
+        stays in its place."""
         chunks, budget = [], self.prefill_tokens
-        for r in self.waiting:
+        for r in candidates:
             if budget <= 0:
                 break
             if r.prefilled == r.shared:  # nothing prefilled yet: the cache may hold more of its prompt by now
@@ -109,8 +133,9 @@ class Scheduler:
             end = min(len(r.prompt_ids), r.prefilled + budget)
             chunks.append((r, end))
             budget -= end - r.prefilled
-        for _ in range(sum(end == len(r.prompt_ids) for r, end in chunks)):
-            self.waiting.pop_next()
+        for r, end in chunks:
+            if end == len(r.prompt_ids):
+                self.waiting.remove(r)
         return chunks
 
     def start_decoding(self, r: Request) -> None:
@@ -136,3 +161,4 @@ class Scheduler:
     def clear(self) -> None:
         self.waiting.clear()
         self.running, self.in_step = [], []
+        self._held_back = False

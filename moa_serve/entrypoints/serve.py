@@ -60,6 +60,8 @@ def _add_backend_args(s) -> None:
 
 def _add_engine_args(s) -> None:
     """The embedded engine's settings (build_embedded passes them to engine_config) and its edge API."""
+    from serving.config import PREFILL_MODES
+
     s.add_argument(
         "--no-adaptive",
         action="store_true",
@@ -76,6 +78,17 @@ def _add_engine_args(s) -> None:
         help=(
             "embedded: prompt tokens prefilled per step at most; longer prompts are prefilled in chunks over several "
             "steps, next to the running requests' decode steps"
+        ),
+    )
+    s.add_argument(
+        "--prefill",
+        choices=PREFILL_MODES,
+        default="first",
+        help=(
+            "embedded: how arrivals' prompts share steps with the running requests: first (a step of their own, "
+            "at most one step in two, so a new request's first token does not wait for everyone's trees: the "
+            "lowest time to first token under load), mixed (in the running requests' forward: the most tokens "
+            "per second), separate (their own forward in the same step)"
         ),
     )
     s.add_argument("--max-context", type=int, default=None, help="embedded: context limit (default: the model's)")
@@ -252,6 +265,7 @@ def serve_options(args) -> ServeOptions:
         max_context=args.max_context,
         adaptive=not args.no_adaptive,
         prefill_tokens=args.prefill_tokens,
+        prefill=args.prefill,
         prefix_cache=args.prefix_cache,
         prefix_cache_tokens=args.prefix_cache_tokens,
     )  # a bad --tree fails here, before the model loads

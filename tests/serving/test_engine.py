@@ -161,12 +161,13 @@ def test_drafter_fault_falls_back_to_vanilla(smollm2_fp32, eval_prompts, vanilla
 
 
 @pytest.mark.parametrize(
-    "mixed,chunk", [(True, 2048), (False, 2048), (True, 16)], ids=["mixed", "separate", "mixed-chunked"]
+    "prefill,chunk", [("mixed", 2048), ("separate", 2048), ("first", 16)], ids=["mixed", "separate", "first-chunked"]
 )
-def test_arrivals_prefilled_in_the_decode_forward(smollm2_fp32, eval_prompts, vanilla_outputs, mixed, chunk):
+def test_arrivals_prefilled_beside_decoding(smollm2_fp32, eval_prompts, vanilla_outputs, prefill, chunk):
     """Requests that arrive while others decode are prefilled in the same forward as the others'
-    trees (or, mixed_prefill=False, in a forward of their own first; or in chunks of 16 prompt tokens
-    over several steps): every request's output is what it is alone (tie rule), and the drafter sees
+    trees (prefill "mixed"), in a forward of their own first ("separate"), or in a step of their own
+    one step in two, in chunks of 16 prompt tokens over several steps ("first", the default): every
+    request's output is what it is alone (tie rule), and the drafter sees
     the same target features for each token (prompt rows, chunk after chunk, and tree rows sliced apart
     correctly) as in a run alone."""
     from sglang_ext.drafters import NgramDrafter
@@ -191,23 +192,32 @@ def test_arrivals_prefilled_in_the_decode_forward(smollm2_fp32, eval_prompts, va
 
     prompts, sp = eval_prompts[:6], SamplingParams(max_new_tokens=NEW_TOKENS)
     # (no prefix cache: every prompt token's features come from this engine's own forwards, as in a lone run)
-    config = EngineConfig(tree=TreeShape.chain(3), mixed_prefill=mixed, prefill_tokens=chunk, prefix_cache=False)
+    config = EngineConfig(tree=TreeShape.chain(3), prefill=prefill, prefill_tokens=chunk, prefix_cache=False)
     eng = Engine(smollm2_fp32, Recording(), config)
-    reqs, fused_steps = [], 0
+    reqs, fused_steps, alone_steps = [], 0, 0
 
     def step():
-        nonlocal fused_steps
+        nonlocal fused_steps, alone_steps
+        decoding = len(eng.running)
         events = eng.step()
         # a step where a request got its first token next to others' decode steps
         fused_steps += any(len(e.request.output_ids) == len(e.new_tokens) for e in events) and len(events) > 1
+        # a step that held every decoding request back for prompt chunks
+        alone_steps += decoding > 0 and not any(len(e.request.output_ids) > len(e.new_tokens) for e in events)
+        return alone_steps
 
-    for p in prompts:  # a new request every second step, the earlier ones still decoding
-        reqs.append(eng.add_request(p, sp))
+    held_back = []
+    for i, p in enumerate(prompts):  # a new request every second step, the earlier ones still decoding
+        reqs.append(eng.add_request(p, sp, share=str(i)))  # (each its own tenant: "first" gives each a step)
         for _ in range(2):
-            step()
+            held_back.append(step())
     while eng.has_work:
-        step()
-    assert fused_steps >= 4 and slots_whole(eng)
+        held_back.append(step())
+    assert slots_whole(eng)
+    if prefill == "first":  # decoding is held back for chunks, but never two steps in a row
+        assert alone_steps >= 4 and all(b - a <= 1 for a, b in zip(held_back, held_back[2:]))
+    else:
+        assert fused_steps >= 4 and alone_steps == 0
     if chunk < 2048:
         assert max(len(p) for p in prompts) > 2 * chunk  # some prompts really took three steps or more
     _check_identity(smollm2_fp32, prompts, vanilla_outputs[:6], [r.output_ids for r in reqs], "staggered arrivals")

@@ -248,6 +248,66 @@ def test_engine_loop_admits_by_kv_reservation_and_delivers_everything():
     assert slots_whole(engine)
 
 
+def test_a_newcomer_tenants_first_token_comes_from_a_step_of_its_own():
+    """Through the engine loop: tenant b arrives while tenant a's requests decode; b's prompt is prefilled in a step
+    without a's trees (its owner's name reaches the scheduler), a's next step follows at once, and a request of a
+    tenant already running rides in a's forward."""
+    import asyncio
+
+    from helpers import tiny_target
+
+    from serving.config import EngineConfig
+    from serving.engine import Engine
+    from serving.engine_loop import EngineLoop
+    from serving.tenancy import Tenant
+    from sglang_ext.sampling import SamplingParams
+
+    engine = Engine(tiny_target(), None, EngineConfig(kv_slots=1024))
+    real_step, steps, late = engine.step, [], []
+    a, b = Tenant("a"), Tenant("b")
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+
+    def step():
+        events = real_step()
+        steps.append([(e.request.share, len(e.request.output_ids) == len(e.new_tokens)) for e in events])
+        if len(steps) == 3:  # (submitted from the engine thread between steps: a's requests are surely running)
+            late.append(engine_loop.submit([5] * 5, params, asyncio_loop, owner=b))
+            late.append(engine_loop.submit([6] * 7, params, asyncio_loop, owner=a))
+        return events
+
+    engine.step = step
+    engine_loop = EngineLoop(engine, max_running=8, max_queue=8)
+    engine_loop.start()
+    asyncio_loop = None
+
+    async def drain(h):
+        while not ((d := await h.next()).finish_reason or d.error):
+            pass
+        assert d.finish_reason == "length", d.error
+
+    async def run():
+        nonlocal asyncio_loop
+        asyncio_loop = asyncio.get_running_loop()
+        first = [engine_loop.submit([3 + i] * 6, params, owner=a) for i in range(2)]
+        for h in first:
+            await drain(h)
+        for h in late:
+            await drain(h)
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine_loop.abort_all()
+        engine_loop.stop()
+    assert len(late) == 2
+    b_first = next(i for i, s in enumerate(steps) if ("b", True) in s)
+    assert steps[b_first] == [("b", True)]  # b's prompt alone: a's two requests waited this one step
+    assert ("a", False) in steps[b_first + 1]  # and decoded in the next
+    a_late = next(i for i, s in enumerate(steps) if i > 0 and ("a", True) in s)
+    assert ("a", False) in steps[a_late]  # a's late request: prefilled beside a's running trees
+    assert slots_whole(engine)
+
+
 def _serve_args(*flags: str):
     from moa_serve.entrypoints.cli import build_parser
 
@@ -296,5 +356,7 @@ def test_serve_options_pick_the_backend_from_flag_then_environment(monkeypatch):
     assert o.engine.prefix_cache and o.engine.prefix_cache_tokens is None  # the prefix cache is on by default
     o = serve_options(_serve_args("--backend", "embedded", "--no-prefix-cache", "--prefix-cache-tokens", "2048"))
     assert not o.engine.prefix_cache and o.engine.prefix_cache_tokens == 2048
+    assert o.engine.prefill == "first"  # a newcomer tenant's prompt in a step of its own
+    assert serve_options(_serve_args("--backend", "embedded", "--prefill", "mixed")).engine.prefill == "mixed"
     with pytest.raises(SystemExit):  # the flag's choices are settings.BACKENDS
         _serve_args("--backend", "vllm")
