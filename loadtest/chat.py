@@ -38,6 +38,10 @@ Environment:
                                           so a server with a prefix cache prefills only the new message
                             Each is its own request name ("/v1/chat/completions (tools)", ...) with the same
                             METRIC rows; a tool call's arrival counts as its first token.
+  MOA_LOADTEST_ORDER        random (default: each request's workload drawn by the mix's weights) | cycle (each user
+                            goes through the mix in order, each workload its weight's times in a row, user i
+                            starting at place i: with as many users as the mix has places, every workload is
+                            sent in the users' first requests however few requests the run has time for)
   MOA_LOADTEST_TURNS        multiturn: turns per conversation (default 4)
   MOA_LOADTEST_SYSTEM_PROMPT  multiturn: a system prompt every conversation shares (text, or a file holding it)
 """
@@ -346,5 +350,24 @@ class ChatUser(HttpUser):
         fire_metric("output_tokens", usage_tokens if usage_tokens is not None else len(token_times))
 
 
+ORDER = os.environ.get("MOA_LOADTEST_ORDER", "random")
+if ORDER not in ("random", "cycle"):
+    raise ValueError(f"MOA_LOADTEST_ORDER: {ORDER!r} is neither random nor cycle")
+CYCLE = [name for name, weight in MIX.items() for _ in range(weight)]
+STARTED = {"users": 0}  # users started (cycle: where the next one starts)
+
+
+def next_in_cycle(user: ChatUser) -> None:
+    """MOA_LOADTEST_ORDER=cycle: the user's next workload, in the mix's order from the user's own start."""
+    if "place" not in user.__dict__:
+        user.place = STARTED["users"]
+        STARTED["users"] += 1
+    getattr(user, CYCLE[user.place % len(CYCLE)])()
+    user.place += 1
+
+
 # the mix's workloads as locust tasks with their weights (a workload of weight 0 is left out)
-ChatUser.tasks = {getattr(ChatUser, name): weight for name, weight in MIX.items() if weight > 0}
+if ORDER == "cycle":
+    ChatUser.tasks = [next_in_cycle]
+else:
+    ChatUser.tasks = {getattr(ChatUser, name): weight for name, weight in MIX.items() if weight > 0}

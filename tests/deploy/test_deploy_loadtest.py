@@ -237,9 +237,11 @@ def test_multiturn_conversations_carry_their_history(tmp_path):
         ("chat:x", "weight of 'chat' is not a whole number"),
         ("chat:0", "no workload with a positive weight"),
         ("tools:-1,chat", "weight of 'tools' is negative"),
+        ("chat ORDER=shuffled", "ORDER: 'shuffled' is neither random nor cycle"),
     ],
 )
 def test_a_bad_workload_mix_is_a_clear_error(mix, message, tmp_path):
+    mix, _, order = mix.partition(" ORDER=")
     proc = subprocess.run(
         [
             find_tool("locust"),
@@ -255,10 +257,11 @@ def test_a_bad_workload_mix_is_a_clear_error(mix, message, tmp_path):
         capture_output=True,
         text=True,
         timeout=60,
-        env={**os.environ, "MOA_LOADTEST_MIX": mix},
+        env={**os.environ, "MOA_LOADTEST_MIX": mix, **({"MOA_LOADTEST_ORDER": order} if order else {})},
         cwd=tmp_path,
     )
-    assert proc.returncode != 0 and f"MOA_LOADTEST_MIX: {message}" in proc.stderr, proc.stderr[-2000:]
+    expected = f"MOA_LOADTEST_{message}" if order else f"MOA_LOADTEST_MIX: {message}"
+    assert proc.returncode != 0 and expected in proc.stderr, proc.stderr[-2000:]
 
 
 class TwoTenantsHandler(BaseHTTPRequestHandler):
