@@ -70,13 +70,30 @@ class ModelRunner:
         sizes = [t.num_nodes for t in batch.trees]
         if g is not None and not batch.chunks and g.can_run(sizes, [len(r.slots) for r in reqs]):
             masks = [t.tree_mask for t in batch.trees]
-            out = g.run(ids, pos, slots, [r.slots for r in reqs], masks, self.kv.pool)
+            out = g.run(ids, pos, slots, [r.slots for r in reqs], masks, self.kv.pool, [r.rid for r in reqs])
         else:
             masks = [prefix_and_tree_mask(t.tree_mask, len(r.slots)) for r, t in zip(reqs, batch.trees)] + chunk_masks
             prefixes = [r.slots for r in reqs] + [r.slots for r, _ in batch.chunks]
             out = self.forward_rows(ids, pos, slots, prefixes, masks)
         self.kv.store_hidden(slots, out.captured)
         return out
+
+    def can_decode(self, reqs: list[Request]) -> bool:
+        """Whether a plain decode step of these requests (one row each) replays a graph (`decode`)."""
+        g = self.graph_runner
+        return g is not None and g.can_run([1] * len(reqs), [len(r.slots) for r in reqs])
+
+    def decode(self, reqs: list[Request], slots: torch.Tensor) -> torch.Tensor:
+        """A plain greedy decode step (slots [B] int64 host ids: each request's new slot): one row per request
+        reading its last output token, the logits and their argmax inside the graph -> [B] int64 greedy tokens
+        on the device (read them before the next forward)."""
+        tokens = [r.output_ids[-1] for r in reqs]
+        return self.graph_runner.decode([r.rid for r in reqs], tokens, slots, [r.slots for r in reqs], self.kv.pool)
+
+    def release(self, r: Request) -> None:
+        """The request ended: the graph runner's slot table forgets it."""
+        if self.graph_runner is not None:
+            self.graph_runner.forget(r.rid)
 
     def forward_rows(
         self,

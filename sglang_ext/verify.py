@@ -91,6 +91,11 @@ def path_logprobs(path: AcceptedPath, logits: torch.Tensor, k: int) -> None:
     path.logprobs = (chosen, vals, ids)
 
 
+def tokens_to_host(tokens: torch.Tensor) -> list[int]:
+    """A plain greedy decode step's one device-to-host copy: its tokens [B] (ModelRunner.decode)."""
+    return tokens.tolist()
+
+
 def to_host(paths: list[AcceptedPath]) -> list[VerifyResult]:
     """Every request's path in one device-to-host copy (the only host read of a verify step). Layout of the
     int64 copy: per path its nodes, tokens, [tree_argmax], [logprob ids]; then every path's draft_invalid

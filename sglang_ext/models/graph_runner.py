@@ -24,6 +24,10 @@ elsewhere the torch reference's batched matmuls.
 
 Host data goes into the bucket's static buffers in one copy per dtype before the replay; the replay's
 outputs are gathered to the real rows (a copy, so the next replay cannot overwrite what the caller kept).
+With request keys (the engine's steps), the prefixes are not in that copy: the runner keeps every request's
+slots in a table on the device (SGLang's req_to_token; models/slot_table.py) and the copy carries only what
+the table's rows lack, written by the graph before it reads them. A plain greedy decode step (`decode`)
+also takes its logits and their argmax inside the graph: one upload in, the tokens out.
 
 A drafter's step and its whole search are the same idea (models/draft_graphs.py: FrontierRunner,
 SearchRunner).
@@ -39,8 +43,7 @@ runs the eager forward.
 from __future__ import annotations
 
 import copy
-import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Any
@@ -49,8 +52,11 @@ import torch
 
 from .. import kernels
 from ..device import to_device
+from ..sampling import greedy_tokens
 from .kv_pool import KVPool
 from .llama import ForwardOutput, LlamaModel
+from .slot_table import SlotTable
+from .slot_table import real_rows as _real_rows
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 NODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -221,6 +227,7 @@ class GraphRunner:
         self.max_rows = max_rows
         self.cache = GraphCache(model.device, graphs)
         self._kv: KVPool | None = None
+        self._table: SlotTable | None = None  # the keyed requests' slots on the device (made on first use)
         self.runs = 0  # forwards this runner took (the rest of a caller's steps ran eagerly)
 
     @property
@@ -251,7 +258,11 @@ class GraphRunner:
         prefixes: list[torch.Tensor],  # per request [P_b] committed slots every row reads
         tree_masks: list[torch.Tensor],  # per request [n_b, n_b] bool: row j sees row i
         kv: KVPool,
+        keys: list[Hashable] | None = None,
     ) -> ForwardOutput:  # rows of all requests, flat, request-major (as model.forward's)
+        """keys: per request a key whose prefix only grows, by appending, while the runner knows it (a
+        decoding request's id; `forget` it when the request ends): the prefixes are then read from the
+        runner's slot table on the device (models/slot_table.py), and only what its rows lack goes up."""
         q_lens = [t.numel() for t in ids]
         key = self.bucket_of(q_lens, [p.numel() for p in prefixes])
         if key is None:
@@ -259,9 +270,7 @@ class GraphRunner:
         for n, t in zip(q_lens, tree_masks):
             if tuple(t.shape) != (n, n):
                 raise ValueError(f"tree mask of shape {tuple(t.shape)} for {n} rows")
-        if kv is not self._kv:  # graphs bake the pool's addresses in: a new pool needs new graphs
-            self.cache.clear()
-            self._kv = kv
+        self._use_pool(kv)
         self.runs += 1
         b, q, p = key
         device = self.model.device
@@ -272,7 +281,18 @@ class GraphRunner:
         # tokens, positions and masks built on the device (a drafter's trees) are placed there, never read back
         host = all(t.device.type == "cpu" for t in (*ids, *positions, *tree_masks))
         args = (ids, positions, tree_masks) if host else (None, None, None)
-        longs, mask = _host_inputs(key, q_lens, out_slots, prefixes, *args)
+        done = None
+        if keys is None:
+            longs, mask = _host_inputs(key, q_lens, out_slots, prefixes, *args)
+            fn = lambda bufs: self._forward(key, bufs, kv)  # noqa: E731
+        else:
+            key = (*key, "table")
+            vals = [*ids, *positions, *out_slots] if host else list(out_slots)
+            longs, done = self._keyed_inputs(key, keys, q_lens, prefixes, [], vals)
+            mask = _padding(q, 0)[0].expand(b, q, q).clone() if q > 1 else None
+            if host and q > 1:
+                _masks_into(mask, list(tree_masks))
+            fn = lambda bufs: self._forward_keyed(key, bufs, kv)  # noqa: E731
 
         def fill(bufs: dict) -> None:
             fill_flat(bufs["longs"], longs)
@@ -281,16 +301,84 @@ class GraphRunner:
             if not host:
                 _place(bufs, key, rows, ids, positions, tree_masks)
 
-        out = self.cache.run(key, lambda: self._buffers(key), fill, lambda bufs: self._forward(key, bufs, kv))
+        out = self.cache.run(key, lambda: self._buffers(key), fill, fn)
+        if done is not None:
+            done()
         if dense:  # copies (the next replay overwrites the graph's outputs)
             t = sum(q_lens)
             return ForwardOutput(out.hidden[:t].clone(), {l: h[:t].clone() for l, h in out.captured.items()})
         return ForwardOutput(out.hidden[rows], {l: h[rows] for l, h in out.captured.items()})
 
-    def _buffers(self, key: tuple[int, int, int]) -> dict:
-        """A bucket's static inputs, holding an all-padding batch."""
-        longs, mask = _host_inputs(key, [], [], [])
+    def decode(
+        self,
+        keys: list[Hashable],  # per request its key (see run)
+        tokens: list[int],  # per request the token its one row reads (the root)
+        out_slots: torch.Tensor,  # [B] int64 host ids: where each row's K/V is written
+        prefixes: list[torch.Tensor],  # per request [P_b] committed slots (the row's position is P_b)
+        kv: KVPool,
+    ) -> torch.Tensor:  # [B] int64 on the device: the greedy token after each row
+        """A plain greedy decode step, one row per request, with the logits and their argmax inside the
+        graph: the step's only inputs are one upload (tokens, positions, slots, and what the slot table's
+        rows lack). The result is a view of the graph's output: read it before the next run."""
+        n = len(keys)
+        key = self.bucket_of([1] * n, [p.numel() for p in prefixes])
+        if key is None:
+            raise ValueError(f"{n} decode rows after prefixes {[p.numel() for p in prefixes]} fit no graph bucket")
+        self._use_pool(kv)
+        self.runs += 1
+        key = (*key, "greedy")
+        front = [*tokens, *(p.numel() for p in prefixes)]
+        longs, done = self._keyed_inputs(key, keys, [1] * n, prefixes, front, [out_slots])
+        out = self.cache.run(
+            key,
+            lambda: self._buffers(key),
+            lambda bufs: fill_flat(bufs["longs"], longs),
+            lambda bufs: self._forward_keyed(key, bufs, kv),
+        )
+        done()
+        return out[1][:n]
+
+    def forget(self, key: Hashable) -> None:
+        """The request under `key` ended: its slot table row is free."""
+        if self._table is not None:
+            self._table.forget(key)
+
+    def _use_pool(self, kv: KVPool) -> None:
+        if kv is not self._kv:  # graphs bake the pool's addresses in: a new pool needs new graphs (and slots)
+            self.cache.clear()
+            self._kv = kv
+            self._table = None
+        if self._table is None:
+            rows = 2 * self.batch_buckets[-1] + 1
+            self._table = SlotTable(rows, self.context[-1] + 1, self.model.device)
+
+    def _keyed_inputs(self, key, keys, q_lens, prefixes, front, vals):
+        """(the keyed bucket's flat host inputs, done()): the pairs that do not fit the upload go into the
+        table now (outside the graph)."""
+        longs, overflow, done = self._table.inputs(key[:3], keys, q_lens, prefixes, front, vals)
+        if overflow is not None:
+            self._table.write(overflow)
+        return longs, done
+
+    def _buffers(self, key: tuple) -> dict:
+        """A bucket's static inputs, holding an all-padding batch (a keyed bucket's: see slot_table)."""
+        longs, mask = _host_inputs(key[:3], [], [], [])
+        if len(key) > 3:
+            b, q, _ = key[:3]
+            longs = torch.zeros(5 * b * q + 2 * b, dtype=torch.long)
         return {"longs": to_device(longs, self.model.device), "mask": to_device(mask, self.model.device)}
+
+    def _forward_keyed(self, key: tuple, bufs: dict, kv: KVPool):
+        """The captured function of a keyed bucket: the table's rows made whole and read, the static plan, the
+        model's forward; a "greedy" bucket's also the logits and their argmax -> (output, tokens [B*Q])."""
+        b, q, p = key[:3]
+        ids, pos, slots, prefix, prefix_len = self._table.read(bufs["longs"], key[:3])
+        plan = static_plan(prefix, prefix_len, slots.view(b, q), bufs["mask"])
+        ids = ids.clamp(0, self.model.cfg.vocab_size - 1)  # (see _forward)
+        out = self._static_model.forward(ids, pos, slots, plan, kv, self.capture_layers)
+        if key[3] != "greedy":
+            return out
+        return out, greedy_tokens(self.model.logits(out.hidden, fp32=False))
 
     def _forward(self, key: tuple[int, int, int], bufs: dict, kv: KVPool) -> ForwardOutput:
         """The captured function: views of the flat buffers, the static plan, the model's forward."""
@@ -304,16 +392,11 @@ class GraphRunner:
         return self._static_model.forward(ids, pos, slots, plan, kv, self.capture_layers)
 
 
-def _real_rows(q_lens: list[int], q: int, base: int = 0) -> list[int]:
-    """The flat rows base + b*Q + j (j < q_lens[b]) the requests' rows fill in a bucket of Q rows per request."""
-    return list(itertools.chain.from_iterable(range(base + i * q, base + i * q + n) for i, n in enumerate(q_lens)))
-
-
 def _place(bufs: dict, key, rows: torch.Tensor | None, ids, positions, tree_masks) -> None:
     """Tokens, positions and tree masks (per request, wherever they are) into a bucket's buffers on
     their device by device copies, a fixed number of ops for the batch: rows [T] the flat rows they fill
     (see _host_inputs' layout); None: the first T (every request fills its Q rows)."""
-    b, q, _ = key
+    b, q = key[0], key[1]
     device = bufs["longs"].device
     vals = torch.cat([to_device(t, device) for t in (*ids, *positions)])  # [2T]: every id, then every position
     if rows is None:
