@@ -264,7 +264,7 @@ class Engine:
             raise
         logits = self.runner.step_logits(out, batch)
         rows = batch.tree_rows
-        paths = self.spec.verify(reqs, trees, logits)
+        paths = self.spec.verify(reqs, trees, logits, batch.greedy)
         firsts = self.sampler.first_tokens(chunks, logits[rows:])
         results = self._to_host(paths + firsts)  # the step's one device-to-host copy
         events = self.spec.accept(reqs, trees, batch.tree_slots, out.captured, logits, results[: len(reqs)])

@@ -53,6 +53,8 @@ import torch
 from .. import kernels
 from ..device import to_device
 from ..sampling import greedy_tokens
+from ..tree import TokenTree
+from ..verify import GreedyRows, greedy_rows
 from .kv_pool import KVPool
 from .llama import ForwardOutput, LlamaModel
 from .slot_table import SlotTable
@@ -259,10 +261,13 @@ class GraphRunner:
         tree_masks: list[torch.Tensor],  # per request [n_b, n_b] bool: row j sees row i
         kv: KVPool,
         keys: list[Hashable] | None = None,
-    ) -> ForwardOutput:  # rows of all requests, flat, request-major (as model.forward's)
+        trees: list[TokenTree] | None = None,
+    ):  # ForwardOutput: rows of all requests, flat, request-major (as model.forward's); with trees, (it, GreedyRows)
         """keys: per request a key whose prefix only grows, by appending, while the runner knows it (a
         decoding request's id; `forget` it when the request ends): the prefixes are then read from the
-        runner's slot table on the device (models/slot_table.py), and only what its rows lack goes up."""
+        runner's slot table on the device (models/slot_table.py), and only what its rows lack goes up.
+        trees (with keys; the requests' trees, whose tokens and positions `ids` and `positions` are): the graph
+        also takes the logits, their argmax and each tree's greedy path (verify.GreedyRows)."""
         q_lens = [t.numel() for t in ids]
         key = self.bucket_of(q_lens, [p.numel() for p in prefixes])
         if key is None:
@@ -286,7 +291,7 @@ class GraphRunner:
             longs, mask = _host_inputs(key, q_lens, out_slots, prefixes, *args)
             fn = lambda bufs: self._forward(key, bufs, kv)  # noqa: E731
         else:
-            key = (*key, "table")
+            key = (*key, "table" if trees is None else "verify")
             vals = [*ids, *positions, *out_slots] if host else list(out_slots)
             longs, done = self._keyed_inputs(key, keys, q_lens, prefixes, [], vals)
             mask = _padding(q, 0)[0].expand(b, q, q).clone() if q > 1 else None
@@ -300,10 +305,14 @@ class GraphRunner:
                 fill_flat(bufs["mask"], mask)
             if not host:
                 _place(bufs, key, rows, ids, positions, tree_masks)
+            if trees is not None:
+                _place_trees(bufs["tree"], rows, trees)
 
         out = self.cache.run(key, lambda: self._buffers(key), fill, fn)
         if done is not None:
             done()
+        if trees is not None:
+            return self._greedy_out(out, rows, len(ids), sum(q_lens))
         if dense:  # copies (the next replay overwrites the graph's outputs)
             t = sum(q_lens)
             return ForwardOutput(out.hidden[:t].clone(), {l: h[:t].clone() for l, h in out.captured.items()})
@@ -363,22 +372,45 @@ class GraphRunner:
     def _buffers(self, key: tuple) -> dict:
         """A bucket's static inputs, holding an all-padding batch (a keyed bucket's: see slot_table)."""
         longs, mask = _host_inputs(key[:3], [], [], [])
+        dev = self.model.device
         if len(key) > 3:
             b, q, _ = key[:3]
             longs = torch.zeros(5 * b * q + 2 * b, dtype=torch.long)
-        return {"longs": to_device(longs, self.model.device), "mask": to_device(mask, self.model.device)}
+        bufs = {"longs": to_device(longs, dev), "mask": to_device(mask, dev)}
+        if key[-1] == "verify":  # the trees' parents, next-token and next-sibling lists [3, B*Q] (padding: -1)
+            bufs["tree"] = torch.full((3, key[0] * key[1]), -1, dtype=torch.long, device=dev)
+        return bufs
+
+    def _greedy_out(self, out, rows: torch.Tensor | None, n: int, t: int):
+        """A verify bucket's outputs at the real rows: (ForwardOutput, GreedyRows) (see run). The forward's rows
+        are copies (a drafter keeps captured rows past the step); GreedyRows' are views where they can be, read
+        within the step (the next replay overwrites them)."""
+        fwd, logits, argmax, nodes, tokens, bad = out
+        pick = (lambda x: x[:t]) if rows is None else (lambda x: x[rows])
+        keep = (lambda x: x[:t].clone()) if rows is None else pick
+        fwd = ForwardOutput(keep(fwd.hidden), {l: keep(h) for l, h in fwd.captured.items()})
+        return fwd, GreedyRows(pick(logits), pick(argmax), nodes[:n], tokens[:n], bad[:n])
 
     def _forward_keyed(self, key: tuple, bufs: dict, kv: KVPool):
         """The captured function of a keyed bucket: the table's rows made whole and read, the static plan, the
-        model's forward; a "greedy" bucket's also the logits and their argmax -> (output, tokens [B*Q])."""
+        model's forward; a "greedy" bucket's also the logits and their argmax -> (output, tokens [B*Q]); a
+        "verify" bucket's also each tree's greedy path -> (output, logits, argmax, nodes, tokens, bad)."""
         b, q, p = key[:3]
         ids, pos, slots, prefix, prefix_len = self._table.read(bufs["longs"], key[:3])
         plan = static_plan(prefix, prefix_len, slots.view(b, q), bufs["mask"])
+        tokens = ids.view(b, q)  # (the drafts as drafted: one outside the vocabulary is never accepted)
         ids = ids.clamp(0, self.model.cfg.vocab_size - 1)  # (see _forward)
         out = self._static_model.forward(ids, pos, slots, plan, kv, self.capture_layers)
-        if key[3] != "greedy":
+        if key[3] == "table":
             return out
-        return out, greedy_tokens(self.model.logits(out.hidden, fp32=False))
+        logits = self.model.logits(out.hidden, fp32=False)
+        argmax = greedy_tokens(logits)
+        if key[3] == "greedy":
+            return out, argmax
+        parents, nxt, sib = bufs["tree"].view(3, b, q).unbind(0)
+        nodes, path_tokens = greedy_rows(tokens, parents, pos.view(b, q), nxt, sib, argmax.view(b, q))
+        bad = ((tokens < 0) | (tokens >= self.model.cfg.vocab_size)).any(1)
+        return out, logits, argmax, nodes, path_tokens, bad
 
     def _forward(self, key: tuple[int, int, int], bufs: dict, kv: KVPool) -> ForwardOutput:
         """The captured function: views of the flat buffers, the static plan, the model's forward."""
@@ -405,6 +437,18 @@ def _place(bufs: dict, key, rows: torch.Tensor | None, ids, positions, tree_mask
     else:
         bufs["longs"][torch.cat([rows, rows + b * q])] = vals
     _masks_into(bufs["mask"], tree_masks)
+
+
+def _place_trees(dst: torch.Tensor, rows: torch.Tensor | None, trees: list[TokenTree]) -> None:
+    """The trees' parents, next-token and next-sibling lists into a verify bucket's buffer dst [3, B*Q] (rows:
+    as _place's) by device copies, a fixed number of ops for the batch."""
+    dev = dst.device
+    fields = (lambda t: t.parents, lambda t: t.retrieve_next_token, lambda t: t.retrieve_next_sibling)
+    vals = torch.cat([to_device(f(t), dev) for f in fields for t in trees]).view(3, -1)  # [3, T]
+    if rows is None:  # (every request fills its Q rows: nothing of an earlier step's trees is left in them)
+        dst[:, : vals.shape[1]] = vals
+    else:  # (a request's rows past its tree must hold padding, not an earlier step's larger tree)
+        dst.fill_(-1)[:, rows] = vals
 
 
 def _masks_into(dst: torch.Tensor, masks: list[torch.Tensor]) -> None:

@@ -98,3 +98,53 @@ def test_a_plain_decode_step_sends_only_its_roots():
             row = next(r for r in (1, 2) if table.table[r, 0] == prefix[0])
             assert longs[5].item() == row * 65 + len(prefix)  # the one pair: the root's cell
         prefix = torch.cat([prefix, new])
+
+
+def test_a_verify_steps_greedy_paths_in_the_graph_are_greedy_paths_on_the_eager_argmax():
+    """Trees of several sizes in one bucket (rows placed by index; a step after a larger tree leaves nothing
+    behind), drafts the target agrees with at depth 1, a draft outside the vocabulary: the graph's paths, argmax
+    and flags are greedy_paths' over the argmax of the same forward's logits."""
+    from sglang_ext.tree import tree_from_parents
+    from sglang_ext.verify import greedy_paths
+
+    model = tiny_target(vocab=64, hidden=64, heads=4, kv_heads=2).model
+    kv = model.new_kv_pool(1024)
+    g = torch.Generator().manual_seed(3)
+    prefixes = []
+    for n in (5, 12, 3):
+        s = kv.alloc(n)
+        ids = torch.randint(0, 64, (n,), generator=g)
+        model.forward(ids, torch.arange(n), s, plan_attention([s], [causal_mask(n, 0)]), kv)
+        prefixes.append(s)
+    runner, ref = GraphRunner(model, graphs=False), GraphRunner(model, graphs=False)
+    shapes = ([[-1, 0, 0], [-1], [-1, 0, 0, 1, 1, 3]], [[-1, 0, 1, 0, 2], [-1, 0], [-1, 0, 0]])
+    for step, parents in enumerate(shapes):
+        toks = [torch.randint(0, 64, (len(p),), generator=g) for p in parents]
+
+        def trees(toks=toks, parents=parents):
+            return [tree_from_parents(t, torch.tensor(p), len(x)) for t, p, x in zip(toks, parents, prefixes)]
+
+        def forward(r, ts, **kw):
+            slots = [kv.alloc(t.num_nodes) for t in ts]
+            args = ([t.draft_tokens for t in ts], [t.positions for t in ts], slots, prefixes)
+            out = r.run(*args, [t.tree_mask for t in ts], kv, **kw)
+            for s in slots:
+                kv.free(s)
+            return out
+
+        first = model.logits(forward(ref, trees()).hidden).argmax(-1).split([len(p) for p in parents])
+        for t, p, a in zip(toks, parents, first):  # each root's children: the target's token there, then others
+            t[[i for i, q in enumerate(p) if q == 0][:1]] = a[0]
+        toks[2][-1] = 64 + step  # (outside the vocabulary: never accepted, flagged)
+        out, greedy = forward(runner, trees(), keys=[10, 11, 12], trees=trees())
+        want = greedy_paths(trees(), model.logits(forward(ref, trees()).hidden).argmax(-1), 64)
+        got = greedy.paths(trees(), [0, 1, 2])
+        assert torch.equal(greedy.argmax, greedy.logits.argmax(-1))
+        for w, x in zip(want, got):
+            assert w.nodes.tolist() == x.nodes.tolist() and w.tokens.tolist() == x.tokens.tolist()
+            assert (w.draft_invalid is None) == (x.draft_invalid is None) and bool(w.draft_invalid) == bool(
+                x.draft_invalid
+            )
+        assert max(len([n for n in w.nodes.tolist() if n >= 0]) for w in want) >= 2  # a draft accepted somewhere
+        assert bool(got[2].draft_invalid) and not any(bool(x.draft_invalid) for x in got[:2])
+        assert torch.equal(greedy.paths(trees()[1:], [1, 2])[1].tokens, got[2].tokens)
