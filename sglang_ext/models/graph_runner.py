@@ -268,6 +268,8 @@ class GraphRunner:
         runner's slot table on the device (models/slot_table.py), and only what its rows lack goes up.
         trees (with keys; the requests' trees, whose tokens and positions `ids` and `positions` are): the graph
         also takes the logits, their argmax and each tree's greedy path (verify.GreedyRows)."""
+        if trees is not None and keys is None:
+            raise ValueError("greedy paths inside the graph (trees) need request keys")
         q_lens = [t.numel() for t in ids]
         key = self.bucket_of(q_lens, [p.numel() for p in prefixes])
         if key is None:
