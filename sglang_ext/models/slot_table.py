@@ -100,13 +100,13 @@ class SlotTable:
         src = torch.cat([torch.tensor(ints, dtype=torch.long), *vals, *(prefixes[i] for i in pend)])
         g = [0] * (5 * s + 2 * b)
         first = 3 - grid_n // max(sum(q_lens), 1)
-        rows_at = [x for k in range(first, 3) for x in real_rows(q_lens, q, k * s)]
-        g_rows = range(off_grid, off_grid + grid_n)
-        for x, y in zip(rows_at, g_rows):
-            g[x] = y
-        for j in range(n):
-            g[3 * s + j] = 1 + j
-            g[3 * s + b + j] = 1 + n + j
+        at_src = off_grid  # grid k's real rows read src from here on, request after request (slices: few host steps)
+        for k in range(first, 3):
+            for i, m in enumerate(q_lens):
+                g[k * s + i * q : k * s + i * q + m] = range(at_src, at_src + m)
+                at_src += m
+        g[3 * s : 3 * s + n] = range(1, 1 + n)
+        g[3 * s + b : 3 * s + b + n] = range(1 + n, 1 + 2 * n)
         pairs_at = list(range(head, head + n))  # the roots' cells in src
         pairs_src = [off_slots + st for st in starts]
         overflow = None
@@ -117,9 +117,8 @@ class SlotTable:
             idx = torch.tensor([*range(head + n, head + n + len(extra_at)), *extra_src], dtype=torch.long)
             overflow = src[idx].view(2, -1)
         pairs = 3 * s + 2 * b
-        for k, (x, y) in enumerate(zip(pairs_at, pairs_src)):
-            g[pairs + k] = x
-            g[pairs + s + k] = y
+        g[pairs : pairs + len(pairs_at)] = pairs_at
+        g[pairs + s : pairs + s + len(pairs_src)] = pairs_src
         longs = src[torch.tensor(g, dtype=torch.long)]
 
         def done() -> None:
