@@ -39,6 +39,7 @@ from sglang_ext.tree import TokenTree
 from sglang_ext.verify import AcceptedPath, to_host
 
 from .config import EngineConfig
+from .decode_step import decode_step, plain_decode
 from .kv_manager import KVManager
 from .model_runner import ForwardBatch, ModelRunner
 from .request import (  # (the request's data: callers import them from the engine too)
@@ -210,6 +211,7 @@ class Engine:
         its state of those the cache took, if it keeps any), the rest of its slots are freed. (A request that
         failed part-way through a chunked prefill is still waiting.)"""
         drafted = self.scheduler.remove(req) and self.drafter is not None and req.drafting
+        self.runner.release(req)
         taken = self.kv_manager.cache_finished_req(req)
         if drafted:
             self.spec.end(req, taken)
@@ -255,6 +257,8 @@ class Engine:
         reads nothing back; `to_host` then copies every request's result at once (the step's one
         device-to-host copy, output logprobs included when asked) and the bookkeeping after it is host
         work. Prompt logprobs and grammar masks (built by xgrammar on the host) add reads of their own."""
+        if not chunks and plain_decode(self, reqs):
+            return decode_step(self, reqs)
         t0 = time.perf_counter()
         option, shape = self.spec.choose_shape(len(reqs))
         t_propose = time.perf_counter()
@@ -268,7 +272,7 @@ class Engine:
             raise
         logits = self.runner.step_logits(out, batch)
         rows = batch.tree_rows
-        paths = self.spec.verify(reqs, trees, logits)
+        paths = self.spec.verify(reqs, trees, logits, batch.greedy)
         firsts = self.sampler.first_tokens(chunks, logits[rows:])
         results = self._to_host(paths + firsts)  # the step's one device-to-host copy
         events = self.spec.accept(reqs, trees, batch.tree_slots, out.captured, logits, results[: len(reqs)])

@@ -24,6 +24,7 @@ from sglang_ext.attention import causal_mask, plan_attention, prefix_and_tree_ma
 from sglang_ext.device import to_device, upload
 from sglang_ext.models.graph_runner import GraphRunner
 from sglang_ext.tree import TokenTree
+from sglang_ext.verify import GreedyRows
 
 from .kv_manager import KVManager
 from .request import Request
@@ -39,6 +40,8 @@ class ForwardBatch:
     node_slots: tuple[torch.Tensor, ...]  # per tree, its view of tree_slots [n_i]
     chunks: list[tuple[Request, int]]  # (request, end): its prompt tokens [r.prefilled, end) run now
     chunk_slots: list[torch.Tensor]  # per chunk, its tokens' new slots [end - r.prefilled] int64 host ids
+    # a replayed verify's logits, argmax and greedy paths, taken inside its graph (forward sets it; None: eager)
+    greedy: GreedyRows | None = None
 
     @property
     def tree_rows(self) -> int:
@@ -70,13 +73,31 @@ class ModelRunner:
         sizes = [t.num_nodes for t in batch.trees]
         if g is not None and not batch.chunks and g.can_run(sizes, [len(r.slots) for r in reqs]):
             masks = [t.tree_mask for t in batch.trees]
-            out = g.run(ids, pos, slots, [r.slots for r in reqs], masks, self.kv.pool)
+            keys = [r.rid for r in reqs]
+            out, batch.greedy = g.run(ids, pos, slots, [r.slots for r in reqs], masks, self.kv.pool, keys, batch.trees)
         else:
             masks = [prefix_and_tree_mask(t.tree_mask, len(r.slots)) for r, t in zip(reqs, batch.trees)] + chunk_masks
             prefixes = [r.slots for r in reqs] + [r.slots for r, _ in batch.chunks]
             out = self.forward_rows(ids, pos, slots, prefixes, masks)
         self.kv.store_hidden(slots, out.captured)
         return out
+
+    def can_decode(self, reqs: list[Request]) -> bool:
+        """Whether a plain decode step of these requests (one row each) replays a graph (`decode`)."""
+        g = self.graph_runner
+        return g is not None and g.can_run([1] * len(reqs), [len(r.slots) for r in reqs])
+
+    def decode(self, reqs: list[Request], slots: torch.Tensor) -> torch.Tensor:
+        """A plain greedy decode step (slots [B] int64 host ids: each request's new slot): one row per request
+        reading its last output token, the logits and their argmax inside the graph -> [B] int64 greedy tokens
+        on the device (read them before the next forward)."""
+        tokens = [r.output_ids[-1] for r in reqs]
+        return self.graph_runner.decode([r.rid for r in reqs], tokens, slots, [r.slots for r in reqs], self.kv.pool)
+
+    def release(self, r: Request) -> None:
+        """The request ended: the graph runner's slot table forgets it."""
+        if self.graph_runner is not None:
+            self.graph_runner.forget(r.rid)
 
     def forward_rows(
         self,
@@ -113,6 +134,8 @@ class ModelRunner:
     def step_logits(self, out, batch: ForwardBatch) -> torch.Tensor:
         """[T + D, V]: one lm_head matmul for the step: every tree row, and the last row of each prompt done now
         (D of them; none when only chunks of unfinished prompts ran: an empty [0, 0])."""
+        if batch.greedy is not None:  # (taken inside the verify's graph: no chunks there)
+            return batch.greedy.logits
         hidden, tree_rows = out.hidden, batch.tree_rows
         if batch.chunks:  # (not on plain decode steps)
             sizes = [end - r.prefilled for r, end in batch.chunks]

@@ -159,14 +159,15 @@ class SpecWorker:
         return trees_on([trees[r.rid] for r in reqs], self.model.device)
 
     # --- verify -----------------------------------------------------------------------------------
-    def verify(self, reqs: list[Request], trees: list[TokenTree], logits: torch.Tensor) -> list:
+    def verify(self, reqs: list[Request], trees: list[TokenTree], logits: torch.Tensor, greedy=None) -> list:
         """Each request's accepted path on its rows of the logits, on the device (or the RequestFault of
         its verification). A drafted tree's path carries whether the tree was a faulty drafter's (a token
         outside the vocabulary, never accepted; non-finite draft logits): the request falls back to
         vanilla decoding after the step's copy.
         Greedy requests whose rows are the raw logits (no penalties, min_tokens or grammar) are verified
         together (verify.greedy_paths: a fixed number of device ops for the step, not ~100 per request);
-        the others one by one (Sampler.verify). A sampler subclass's own verify sees every request."""
+        the others one by one (Sampler.verify). A sampler subclass's own verify sees every request.
+        greedy: the argmax and greedy paths a replayed verify took inside its graph (verify.GreedyRows), or None."""
         vocab = self.model.cfg.vocab_size
         starts = list(itertools.accumulate([t.num_nodes for t in trees], initial=0))
         wants_argmax = self.drafter is not None and self.drafter.wants_tree_argmax
@@ -174,11 +175,15 @@ class SpecWorker:
         together = [i for i, r in enumerate(reqs) if self.sampler.plain_greedy(r)] if batches else []
         argmax = None  # [R] the target's argmax at every tree row, when some request reads it
         if together or (wants_argmax and any(r.drafting for r in reqs)):
-            argmax = greedy_tokens(logits[: starts[-1]])
+            argmax = greedy_tokens(logits[: starts[-1]]) if greedy is None else greedy.argmax
         paths: dict[int, AcceptedPath] = {}
         if together:
             try:
-                found = greedy_paths([trees[i] for i in together], argmax, vocab, [starts[i] for i in together])
+                mine = [trees[i] for i in together]
+                if greedy is not None:
+                    found = greedy.paths(mine, together)
+                else:
+                    found = greedy_paths(mine, argmax, vocab, [starts[i] for i in together])
                 paths = dict(zip(together, found))
             except Exception:  # noqa: BLE001 - then each request alone, in its own stage: a fault fails its request only
                 log.warning("batched greedy verification failed; verifying request by request", exc_info=True)

@@ -91,6 +91,11 @@ def path_logprobs(path: AcceptedPath, logits: torch.Tensor, k: int) -> None:
     path.logprobs = (chosen, vals, ids)
 
 
+def tokens_to_host(tokens: torch.Tensor) -> list[int]:
+    """A plain greedy decode step's one device-to-host copy: its tokens [B] (ModelRunner.decode)."""
+    return tokens.tolist()
+
+
 def to_host(paths: list[AcceptedPath]) -> list[VerifyResult]:
     """Every request's path in one device-to-host copy (the only host read of a verify step). Layout of the
     int64 copy: per path its nodes, tokens, [tree_argmax], [logprob ids]; then every path's draft_invalid
@@ -257,26 +262,75 @@ def greedy_paths(
         flat = torch.cat([f for fs in fields_ for f in fs] + [target_argmax, torch.arange(-1, 1, device=dev)])
         idx = _pack_index(sizes, starts, w, flat.numel() - 2)
         tokens, parents, positions, nxt, sib, target = flat[to_device(idx, dev)].unbind(1)  # each [B, W]
+    nodes, out = greedy_rows(tokens, parents, positions, nxt, sib, target)
+    bad = ((tokens < 0) | (tokens >= vocab)).any(1) if vocab is not None and w > 1 else None
+    return paths_from_rows(trees, nodes, out, bad)
+
+
+def greedy_rows(
+    tokens: torch.Tensor,  # [B, W] packed trees (padding past each tree: token 0, parents / lists -1)
+    parents: torch.Tensor,
+    positions: torch.Tensor,
+    nxt: torch.Tensor,
+    sib: torch.Tensor,
+    target: torch.Tensor,  # [B, W] the target's argmax at each node
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(nodes [B, W]: each tree's greedy path, root first, -1 after it; tokens [B, W]: its accepted drafts
+    then the bonus, -1 after it): device ops of fixed shapes (a verify graph runs them)."""
+    b = tokens.shape[0]
     nodes = _greedy_nodes(tokens, parents, positions, nxt, sib, target)
     after = torch.cat([nodes[:, 1:], nodes.new_full((b, 1), -1)], 1)  # [B, W] the next node on the path
     out = torch.where(after >= 0, tokens.gather(1, after.clamp(min=0)), target.gather(1, nodes.clamp(min=0)))
-    out = torch.where(nodes >= 0, out, -1)
-    invalid = [None] * b
-    if vocab is not None and w > 1:
-        bad = ((tokens < 0) | (tokens >= vocab)).any(1)  # (padding holds 0: a valid token)
+    return nodes, torch.where(nodes >= 0, out, -1)
+
+
+def paths_from_rows(
+    trees: list[TokenTree], nodes: torch.Tensor, out: torch.Tensor, bad: torch.Tensor | None
+) -> list[AcceptedPath]:
+    """Each tree's AcceptedPath from greedy_rows' rows (row b: trees[b]; as wide as the largest tree or
+    wider): views, as long as its tree. bad [B] (a token outside the vocabulary) or None: not checked;
+    when given, each drafted tree's path carries draft_invalid (bad, or its drafter's non-finite logits)."""
+    sizes = [t.num_nodes for t in trees]
+    invalid = [None] * len(trees)
+    if bad is not None:
         finite = [t.finite for t in trees]  # each [] bool or None
         if all(f is finite[0] for f in finite) and finite[0] is not None:  # one search's trees share theirs
             bad = bad | ~finite[0]
         elif any(f is not None for f in finite):
-            yes = torch.ones((), dtype=torch.bool, device=dev)
+            yes = torch.ones((), dtype=torch.bool, device=bad.device)
             bad = bad | ~torch.stack([yes if f is None else f for f in finite])
         invalid = [None if n == 1 else v for n, v in zip(sizes, bad.unbind(0))]
+    w = max(sizes)
+    if nodes.shape[1] > w:  # (rows wider than every tree: two views, not two per tree)
+        nodes, out = nodes[:, :w], out[:, :w]
     paths = []
     for n, row_nodes, row_tokens, inv in zip(sizes, nodes.unbind(0), out.unbind(0), invalid):
         if n < w:
             row_nodes, row_tokens = row_nodes[:n], row_tokens[:n]
         paths.append(AcceptedPath(row_nodes, row_tokens, inv))
     return paths
+
+
+@dataclass
+class GreedyRows:
+    """A verify forward's greedy results, computed inside its graph (GraphRunner.run with trees): the
+    logits [T, V] and their argmax [T] at the trees' rows, and per request (row b: request b, W >= its
+    tree's size) greedy_rows' nodes and tokens [B, W] and whether its tree holds a token outside the
+    vocabulary [B]."""
+
+    logits: torch.Tensor
+    argmax: torch.Tensor
+    nodes: torch.Tensor
+    tokens: torch.Tensor
+    bad: torch.Tensor
+
+    def paths(self, trees: list[TokenTree], which: list[int]) -> list[AcceptedPath]:
+        """greedy_paths(trees, argmax, vocab) for the requests `which` (trees[k] is request which[k]'s)."""
+        nodes, out, bad = self.nodes, self.tokens, self.bad
+        if which != list(range(len(which))):
+            at = to_device(torch.tensor(which, dtype=torch.long), nodes.device)
+            nodes, out, bad = nodes[at], out[at], bad[at]
+        return paths_from_rows(trees, nodes, out, bad if max(t.num_nodes for t in trees) > 1 else None)
 
 
 def _pack_index(sizes: list[int], starts: list[int], w: int, pad: int) -> torch.Tensor:

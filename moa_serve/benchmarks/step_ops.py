@@ -24,8 +24,9 @@ that computes (no view, no allocation: NO_LAUNCH) counts one launch (a cuBLAS GE
 kernel). Triton launches outside graphs count as `device` ops. `--per-layer` adds what one decoder
 layer costs: the kernels at 2 x --layers minus those at --layers, divided by --layers.
 
-The step's one device-to-host copy (verify.to_host) is stood in for (meta tensors hold no values): it
-accepts each drafted tree's first draft and a bonus token, so the drafter's commit runs as in serving.
+The step's one device-to-host copy (verify.to_host; a plain decode step's verify.tokens_to_host) is stood in
+for (meta tensors hold no values): it accepts each drafted tree's first draft and a bonus token, so the
+drafter's commit runs as in serving.
 """
 
 from __future__ import annotations
@@ -183,6 +184,7 @@ def count_step_ops(
 ) -> dict:
     """Ops per steady-state engine step (the mean over `steps` steps after the prefill and two warm steps) of `batch`
     requests decoding with drafter `kind` (None: vanilla) at SmolLM2's widths with `layers` layers."""
+    import serving.decode_step as decode_mod
     import serving.engine as engine_mod
     from serving.config import EngineConfig
     from serving.engine import Engine
@@ -201,8 +203,9 @@ def count_step_ops(
     drafter = _drafter(kind, model, cfg) if kind else None
     shape = TreeShape.parse(tree)
     config = EngineConfig(kv_slots=8192, tree=shape, adaptive=False, cuda_graphs=False, prefix_cache=False)
-    real_copy = engine_mod.to_host
+    real_copy, real_tokens = engine_mod.to_host, decode_mod.tokens_to_host
     engine_mod.to_host = _stand_in_copy
+    decode_mod.tokens_to_host = lambda tokens: [11] * tokens.numel()  # (a plain decode step's copy)
     try:
         eng = Engine(Target(model, None, None), drafter, config)
         # the runners' static paths, run eagerly (a GPU captures and replays them)
@@ -221,7 +224,7 @@ def count_step_ops(
             for _ in range(steps):
                 eng.step()
     finally:
-        engine_mod.to_host = real_copy
+        engine_mod.to_host, decode_mod.tokens_to_host = real_copy, real_tokens
     per_step = {k: mode.kinds[k] / steps for k in KINDS}
     per_step["outside"] = sum(v for k, v in per_step.items() if k != "graph")
     per_step["kernels"] = mode.kernels / steps

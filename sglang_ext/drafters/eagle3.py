@@ -213,8 +213,10 @@ class Eagle3Drafter(Drafter):
                 )
         fused = self._pending_features([p for st in sts for p in st.pending])  # [sum m, H]
         new = self.kv.alloc(sum(m))
-        for st, s in zip(sts, new.split(m)):
-            st.slots, st.pending = torch.cat([st.slots, s]), []
+        # every request's slots grown in one cat, each request's a view of it (never written in place)
+        grown = torch.cat([x for st, s in zip(sts, new.split(m)) for x in (st.slots, s)])
+        for st, s in zip(sts, grown.split([n + k for n, k in zip(done, m)])):
+            st.slots, st.pending = s, []
         ids = [t for d, n, k in zip(batch, done, m) for t in d.token_ids[n + 1 : n + 1 + k]]
         pos = torch.tensor([j for n, k in zip(done, m) for j in range(n, n + k)])
         last = [x - 1 for x in accumulate(m)]  # each request's last pair: its root

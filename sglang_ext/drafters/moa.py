@@ -235,11 +235,13 @@ class MoADrafter(Drafter):
         else:
             k, v = commit_sa(self.draft, self.target.embed, ids, positions)
             self.sa.write(0, sa, k, v)
+        # the three slot lists of every request grown in one cat, each list a view of it (never written in place)
         shares = [(x,) if len(sts) == 1 else x.split(sizes) for x in (mem, sa, target_slots)]
-        for st, m, s, t in zip(sts, *shares):
-            st.mem_slots = torch.cat([st.mem_slots, m])
-            st.sa_slots = torch.cat([st.sa_slots, s])
-            st.target_slots = torch.cat([st.target_slots, t])
+        old = [(st.mem_slots, st.sa_slots, st.target_slots) for st in sts]
+        grown = torch.cat([x for lists, new in zip(old, zip(*shares)) for o, a in zip(lists, new) for x in (o, a)])
+        parts = iter(grown.split([o.numel() + k for lists, k in zip(old, sizes) for o in lists]))
+        for st in sts:
+            st.mem_slots, st.sa_slots, st.target_slots = next(parts), next(parts), next(parts)
 
     def _lsa_q8(self, kv: KVPool, slots: torch.Tensor) -> torch.Tensor:
         """lsa_memory on the LSA stack: each token's L rows (its K|V at every target layer) attend to each other

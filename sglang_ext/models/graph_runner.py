@@ -24,6 +24,10 @@ elsewhere the torch reference's batched matmuls.
 
 Host data goes into the bucket's static buffers in one copy per dtype before the replay; the replay's
 outputs are gathered to the real rows (a copy, so the next replay cannot overwrite what the caller kept).
+With request keys (the engine's steps), the prefixes are not in that copy: the runner keeps every request's
+slots in a table on the device (SGLang's req_to_token; models/slot_table.py) and the copy carries only what
+the table's rows lack, written by the graph before it reads them. A plain greedy decode step (`decode`)
+also takes its logits and their argmax inside the graph: one upload in, the tokens out.
 
 A drafter's step and its whole search are the same idea (models/draft_graphs.py: FrontierRunner,
 SearchRunner).
@@ -39,8 +43,7 @@ runs the eager forward.
 from __future__ import annotations
 
 import copy
-import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Any
@@ -49,8 +52,13 @@ import torch
 
 from .. import kernels
 from ..device import to_device
+from ..sampling import greedy_tokens
+from ..tree import TokenTree
+from ..verify import GreedyRows, greedy_rows
 from .kv_pool import KVPool
 from .llama import ForwardOutput, LlamaModel
+from .slot_table import SlotTable
+from .slot_table import real_rows as _real_rows
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 NODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -221,6 +229,7 @@ class GraphRunner:
         self.max_rows = max_rows
         self.cache = GraphCache(model.device, graphs)
         self._kv: KVPool | None = None
+        self._table: SlotTable | None = None  # the keyed requests' slots on the device (made on first use)
         self.runs = 0  # forwards this runner took (the rest of a caller's steps ran eagerly)
 
     @property
@@ -251,7 +260,16 @@ class GraphRunner:
         prefixes: list[torch.Tensor],  # per request [P_b] committed slots every row reads
         tree_masks: list[torch.Tensor],  # per request [n_b, n_b] bool: row j sees row i
         kv: KVPool,
-    ) -> ForwardOutput:  # rows of all requests, flat, request-major (as model.forward's)
+        keys: list[Hashable] | None = None,
+        trees: list[TokenTree] | None = None,
+    ):  # ForwardOutput: rows of all requests, flat, request-major (as model.forward's); with trees, (it, GreedyRows)
+        """keys: per request a key whose prefix only grows, by appending, while the runner knows it (a
+        decoding request's id; `forget` it when the request ends): the prefixes are then read from the
+        runner's slot table on the device (models/slot_table.py), and only what its rows lack goes up.
+        trees (with keys; the requests' trees, whose tokens and positions `ids` and `positions` are): the graph
+        also takes the logits, their argmax and each tree's greedy path (verify.GreedyRows)."""
+        if trees is not None and keys is None:
+            raise ValueError("greedy paths inside the graph (trees) need request keys")
         q_lens = [t.numel() for t in ids]
         key = self.bucket_of(q_lens, [p.numel() for p in prefixes])
         if key is None:
@@ -259,9 +277,7 @@ class GraphRunner:
         for n, t in zip(q_lens, tree_masks):
             if tuple(t.shape) != (n, n):
                 raise ValueError(f"tree mask of shape {tuple(t.shape)} for {n} rows")
-        if kv is not self._kv:  # graphs bake the pool's addresses in: a new pool needs new graphs
-            self.cache.clear()
-            self._kv = kv
+        self._use_pool(kv)
         self.runs += 1
         b, q, p = key
         device = self.model.device
@@ -272,7 +288,18 @@ class GraphRunner:
         # tokens, positions and masks built on the device (a drafter's trees) are placed there, never read back
         host = all(t.device.type == "cpu" for t in (*ids, *positions, *tree_masks))
         args = (ids, positions, tree_masks) if host else (None, None, None)
-        longs, mask = _host_inputs(key, q_lens, out_slots, prefixes, *args)
+        done = None
+        if keys is None:
+            longs, mask = _host_inputs(key, q_lens, out_slots, prefixes, *args)
+            fn = lambda bufs: self._forward(key, bufs, kv)  # noqa: E731
+        else:
+            key = (*key, "table" if trees is None else "verify")
+            vals = [*ids, *positions, *out_slots] if host else list(out_slots)
+            longs, done = self._keyed_inputs(key, keys, q_lens, prefixes, [], vals)
+            mask = _padding(q, 0)[0].expand(b, q, q).clone() if q > 1 else None
+            if host and q > 1:
+                _masks_into(mask, list(tree_masks))
+            fn = lambda bufs: self._forward_keyed(key, bufs, kv)  # noqa: E731
 
         def fill(bufs: dict) -> None:
             fill_flat(bufs["longs"], longs)
@@ -280,17 +307,112 @@ class GraphRunner:
                 fill_flat(bufs["mask"], mask)
             if not host:
                 _place(bufs, key, rows, ids, positions, tree_masks)
+            if trees is not None:
+                _place_trees(bufs["tree"], rows, trees)
 
-        out = self.cache.run(key, lambda: self._buffers(key), fill, lambda bufs: self._forward(key, bufs, kv))
+        out = self.cache.run(key, lambda: self._buffers(key), fill, fn)
+        if done is not None:
+            done()
+        if trees is not None:
+            return self._greedy_out(out, rows, len(ids), sum(q_lens))
         if dense:  # copies (the next replay overwrites the graph's outputs)
             t = sum(q_lens)
             return ForwardOutput(out.hidden[:t].clone(), {l: h[:t].clone() for l, h in out.captured.items()})
         return ForwardOutput(out.hidden[rows], {l: h[rows] for l, h in out.captured.items()})
 
-    def _buffers(self, key: tuple[int, int, int]) -> dict:
-        """A bucket's static inputs, holding an all-padding batch."""
-        longs, mask = _host_inputs(key, [], [], [])
-        return {"longs": to_device(longs, self.model.device), "mask": to_device(mask, self.model.device)}
+    def decode(
+        self,
+        keys: list[Hashable],  # per request its key (see run)
+        tokens: list[int],  # per request the token its one row reads (the root)
+        out_slots: torch.Tensor,  # [B] int64 host ids: where each row's K/V is written
+        prefixes: list[torch.Tensor],  # per request [P_b] committed slots (the row's position is P_b)
+        kv: KVPool,
+    ) -> torch.Tensor:  # [B] int64 on the device: the greedy token after each row
+        """A plain greedy decode step, one row per request, with the logits and their argmax inside the
+        graph: the step's only inputs are one upload (tokens, positions, slots, and what the slot table's
+        rows lack). The result is a view of the graph's output: read it before the next run."""
+        n = len(keys)
+        key = self.bucket_of([1] * n, [p.numel() for p in prefixes])
+        if key is None:
+            raise ValueError(f"{n} decode rows after prefixes {[p.numel() for p in prefixes]} fit no graph bucket")
+        self._use_pool(kv)
+        self.runs += 1
+        key = (*key, "greedy")
+        front = [*tokens, *(p.numel() for p in prefixes)]
+        longs, done = self._keyed_inputs(key, keys, [1] * n, prefixes, front, [out_slots])
+        out = self.cache.run(
+            key,
+            lambda: self._buffers(key),
+            lambda bufs: fill_flat(bufs["longs"], longs),
+            lambda bufs: self._forward_keyed(key, bufs, kv),
+        )
+        done()
+        return out[1][:n]
+
+    def forget(self, key: Hashable) -> None:
+        """The request under `key` ended: its slot table row is free."""
+        if self._table is not None:
+            self._table.forget(key)
+
+    def _use_pool(self, kv: KVPool) -> None:
+        if kv is not self._kv:  # graphs bake the pool's addresses in: a new pool needs new graphs (and slots)
+            self.cache.clear()
+            self._kv = kv
+            self._table = None
+        if self._table is None:
+            rows = 2 * self.batch_buckets[-1] + 1
+            self._table = SlotTable(rows, self.context[-1] + 1, self.model.device)
+
+    def _keyed_inputs(self, key, keys, q_lens, prefixes, front, vals):
+        """(the keyed bucket's flat host inputs, done()): the pairs that do not fit the upload go into the
+        table now (outside the graph)."""
+        longs, overflow, done = self._table.inputs(key[:3], keys, q_lens, prefixes, front, vals)
+        if overflow is not None:
+            self._table.write(overflow)
+        return longs, done
+
+    def _buffers(self, key: tuple) -> dict:
+        """A bucket's static inputs, holding an all-padding batch (a keyed bucket's: see slot_table)."""
+        longs, mask = _host_inputs(key[:3], [], [], [])
+        dev = self.model.device
+        if len(key) > 3:
+            b, q, _ = key[:3]
+            longs = torch.zeros(5 * b * q + 2 * b, dtype=torch.long)
+        bufs = {"longs": to_device(longs, dev), "mask": to_device(mask, dev)}
+        if key[-1] == "verify":  # the trees' parents, next-token and next-sibling lists [3, B*Q] (padding: -1)
+            bufs["tree"] = torch.full((3, key[0] * key[1]), -1, dtype=torch.long, device=dev)
+        return bufs
+
+    def _greedy_out(self, out, rows: torch.Tensor | None, n: int, t: int):
+        """A verify bucket's outputs at the real rows: (ForwardOutput, GreedyRows) (see run). The forward's rows
+        are copies (a drafter keeps captured rows past the step); GreedyRows' are views where they can be, read
+        within the step (the next replay overwrites them)."""
+        fwd, logits, argmax, nodes, tokens, bad = out
+        pick = (lambda x: x[:t]) if rows is None else (lambda x: x[rows])
+        keep = (lambda x: x[:t].clone()) if rows is None else pick
+        fwd = ForwardOutput(keep(fwd.hidden), {l: keep(h) for l, h in fwd.captured.items()})
+        return fwd, GreedyRows(pick(logits), pick(argmax), nodes[:n], tokens[:n], bad[:n])
+
+    def _forward_keyed(self, key: tuple, bufs: dict, kv: KVPool):
+        """The captured function of a keyed bucket: the table's rows made whole and read, the static plan, the
+        model's forward; a "greedy" bucket's also the logits and their argmax -> (output, tokens [B*Q]); a
+        "verify" bucket's also each tree's greedy path -> (output, logits, argmax, nodes, tokens, bad)."""
+        b, q, p = key[:3]
+        ids, pos, slots, prefix, prefix_len = self._table.read(bufs["longs"], key[:3])
+        plan = static_plan(prefix, prefix_len, slots.view(b, q), bufs["mask"])
+        tokens = ids.view(b, q)  # (the drafts as drafted: one outside the vocabulary is never accepted)
+        ids = ids.clamp(0, self.model.cfg.vocab_size - 1)  # (see _forward)
+        out = self._static_model.forward(ids, pos, slots, plan, kv, self.capture_layers)
+        if key[3] == "table":
+            return out
+        logits = self.model.logits(out.hidden, fp32=False)
+        argmax = greedy_tokens(logits)
+        if key[3] == "greedy":
+            return out, argmax
+        parents, nxt, sib = bufs["tree"].view(3, b, q).unbind(0)
+        nodes, path_tokens = greedy_rows(tokens, parents, pos.view(b, q), nxt, sib, argmax.view(b, q))
+        bad = ((tokens < 0) | (tokens >= self.model.cfg.vocab_size)).any(1)
+        return out, logits, argmax, nodes, path_tokens, bad
 
     def _forward(self, key: tuple[int, int, int], bufs: dict, kv: KVPool) -> ForwardOutput:
         """The captured function: views of the flat buffers, the static plan, the model's forward."""
@@ -304,16 +426,11 @@ class GraphRunner:
         return self._static_model.forward(ids, pos, slots, plan, kv, self.capture_layers)
 
 
-def _real_rows(q_lens: list[int], q: int, base: int = 0) -> list[int]:
-    """The flat rows base + b*Q + j (j < q_lens[b]) the requests' rows fill in a bucket of Q rows per request."""
-    return list(itertools.chain.from_iterable(range(base + i * q, base + i * q + n) for i, n in enumerate(q_lens)))
-
-
 def _place(bufs: dict, key, rows: torch.Tensor | None, ids, positions, tree_masks) -> None:
     """Tokens, positions and tree masks (per request, wherever they are) into a bucket's buffers on
     their device by device copies, a fixed number of ops for the batch: rows [T] the flat rows they fill
     (see _host_inputs' layout); None: the first T (every request fills its Q rows)."""
-    b, q, _ = key
+    b, q = key[0], key[1]
     device = bufs["longs"].device
     vals = torch.cat([to_device(t, device) for t in (*ids, *positions)])  # [2T]: every id, then every position
     if rows is None:
@@ -322,6 +439,18 @@ def _place(bufs: dict, key, rows: torch.Tensor | None, ids, positions, tree_mask
     else:
         bufs["longs"][torch.cat([rows, rows + b * q])] = vals
     _masks_into(bufs["mask"], tree_masks)
+
+
+def _place_trees(dst: torch.Tensor, rows: torch.Tensor | None, trees: list[TokenTree]) -> None:
+    """The trees' parents, next-token and next-sibling lists into a verify bucket's buffer dst [3, B*Q] (rows:
+    as _place's) by device copies, a fixed number of ops for the batch."""
+    dev = dst.device
+    fields = (lambda t: t.parents, lambda t: t.retrieve_next_token, lambda t: t.retrieve_next_sibling)
+    vals = torch.cat([to_device(f(t), dev) for f in fields for t in trees]).view(3, -1)  # [3, T]
+    if rows is None:  # (every request fills its Q rows: nothing of an earlier step's trees is left in them)
+        dst[:, : vals.shape[1]] = vals
+    else:  # (a request's rows past its tree must hold padding, not an earlier step's larger tree)
+        dst.fill_(-1)[:, rows] = vals
 
 
 def _masks_into(dst: torch.Tensor, masks: list[torch.Tensor]) -> None:

@@ -240,3 +240,46 @@ def test_an_engine_step_with_a_model_drafter_makes_one_copy(monkeypatch, kind, s
     assert all(len(r.output_ids) == 6 for r in reqs)
     assert sum(r.stats.accepted_tokens for r in reqs) > 0  # drafted trees were verified (the stand-in accepts one)
     assert sum(adopted) > 0 or not hasattr(drafter, "kept")
+
+
+@pytest.mark.parametrize("kind", [None, "eagle3"], ids=["vanilla", "eagle3"])
+def test_a_replayed_step_makes_one_copy_and_reads_its_prefixes_from_the_device(monkeypatch, kind):
+    """The target's steps on its graph runner's static path (what a GPU replays; run eagerly on the meta device):
+    a plain greedy decode step (the slot table, the logits and argmax in its graph) copies its tokens once, a
+    drafted one its greedy paths (taken in its graph) once; no host wait, every request to its length."""
+    import serving.decode_step as decode_mod
+    from sglang_ext.drafters.eagle3 import Eagle3Drafter
+    from sglang_ext.models import synthetic
+    from sglang_ext.models.eagle3 import Eagle3Config, Eagle3Draft
+    from sglang_ext.models.graph_runner import GraphRunner
+
+    copy, tokens = OneCopy("meta"), []
+    monkeypatch.setattr(engine_mod, "to_host", copy)
+
+    def tokens_to_host(t):
+        assert t.device.type == "meta" and t.dim() == 1
+        tokens.append(t.numel())
+        return [11] * t.numel()
+
+    monkeypatch.setattr(decode_mod, "tokens_to_host", tokens_to_host)
+    cfg = replace(smollm2_config(), num_layers=2)
+    model = synthetic.random_target(cfg, "meta")
+    model.attention = tree_attention_torch
+    drafter = Eagle3Drafter(model, Eagle3Draft(Eagle3Config.for_target(cfg, 2048)), num_slots=1024) if kind else None
+    config = EngineConfig(kv_slots=4096, prefill_tokens=24, tree=TreeShape(3, 2, 6), adaptive=False, cuda_graphs=False)
+    eng = Engine(Target(model, None, None), drafter, config)
+    eng.runner.graph_runner = GraphRunner(eng.model, eng.capture_layers, graphs=False)
+    if drafter is not None:
+        drafter.step_graphs = True
+    reqs = [eng.add_request(list(range(10, 10 + n)), SamplingParams(max_new_tokens=6)) for n in (9, 30, 5)]
+    with HostWaits() as waits:
+        steps = 0
+        while eng.has_work:
+            before = copy.calls + len(tokens)
+            events = eng.step()
+            assert copy.calls + len(tokens) - before == (1 if any(e.new_tokens for e in events) else 0)
+            steps += 1
+            assert steps < 40
+    assert not waits.raised, waits.raised
+    assert all(r.finish_reason == "length" and len(r.output_ids) == 6 for r in reqs), [r.error for r in reqs]
+    assert eng.runner.graph_runner.runs > 0 and (len(tokens) > 0) == (kind is None)
