@@ -1,5 +1,6 @@
 """Token-tree layout and verification on hand-built examples."""
 
+import itertools
 import random
 
 import pytest
@@ -17,7 +18,7 @@ from sglang_ext.tree import (
     tree_from_parents,
     unpack_trees,
 )
-from sglang_ext.verify import greedy_path, greedy_paths, to_host
+from sglang_ext.verify import greedy_path, greedy_paths, greedy_results, to_host
 
 #        0 (root, token 10)
 #       / \
@@ -381,6 +382,8 @@ def test_greedy_paths_equal_greedy_path_per_request(seed):
         targets = targets[:k] + (torch.tensor([rng.randrange(vocab)]),) + targets[k:]
     batched = to_host(greedy_paths(list(trees), torch.cat(targets), vocab))
     assert batched == _one_by_one(trees, targets, vocab)
+    starts = list(itertools.accumulate([t.num_nodes for t in trees], initial=0))[:-1]
+    assert greedy_results(list(trees), torch.cat(targets).tolist(), starts, vocab) == batched  # (the CPU's walk)
     assert [p.nodes.numel() for p in greedy_paths(list(trees), torch.cat(targets))] == [t.num_nodes for t in trees]
 
 
@@ -422,3 +425,4 @@ def test_greedy_paths_on_a_search_batch_views():
         rows = torch.cat([torch.zeros(3, dtype=torch.long)] + [x for t in targets[:searched] for x in (t, t)])
         starts = [3 + (m + 1) * (2 * b + 1) for b in range(searched)]  # each tree's second copy
         assert to_host(greedy_paths(trees[:searched], rows, vocab, starts)) == expect
+        assert greedy_results(trees[:searched], rows.tolist(), starts, vocab) == expect
