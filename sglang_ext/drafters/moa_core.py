@@ -75,6 +75,11 @@ class PassSlots:
     specs: dict | None = None
 
 
+def plan_fields(plans: dict) -> dict:
+    """PassSlots' plan fields from plans named as its specs ('sa', 'ca', and 'tli', absent for TLI 0)."""
+    return {"sa_plan": plans["sa"], "ca_plan": plans["ca"], "tli_plan": plans.get("tli")}
+
+
 # a storage's frontier: parent [b, kk] (each new node's parent among the previous pass's nodes;
 # zeros for the roots' pass) -> the PassSlots of the next pass
 Frontier = Callable[[torch.Tensor], PassSlots]
@@ -89,6 +94,32 @@ def lsa_memory(
     """LSA over the verified tokens' K/V at every target layer -> memory [n, H].
     target_k/target_v: the target's per-layer pools [num_slots, n_kv, D]; slots [n]."""
     return draft.lsa(stack_layer_kv(target_k, target_v, slots))
+
+
+# A request the adaptive policy kept from drafting for a while has its verified tokens queued (commits cost nothing
+# then); LSA over all of them at the next draft made each trial of the drafter cost O(tokens since it last drafted)
+# (~0.8 ms a token on one core), so a drafter that loses kept costing ~12 % while off. A catch-up gives memory to the
+# tokens of the last CATCH_UP_COMMITS commits only (a request's first, its prompt, always whole): CA never sees the
+# older queued tokens (SA and the TLI layers still do). Drafts after a long pause may be a little worse; what is
+# accepted is the target's either way. A drafting request has one commit queued at each propose: no holes.
+CATCH_UP_COMMITS = 8
+
+
+def catch_up(commits: list[list[int]], first: list[bool]) -> tuple[list[tuple[int, int]], torch.Tensor | None]:
+    """commits: per request, its queued commits' token counts, oldest first; first: per request, its first catch-up
+    (commit 0 is its prompt). -> (per request [a, b): its queued tokens, counted from its first queued, that get no
+    memory (a == b: none); [m] the rows of every queued token, request after request, that do, or None: all)."""
+    holes = []
+    for c, f in zip(commits, first):
+        lead = c[0] if f and c else 0
+        holes.append((lead, lead + sum(c[int(f) : max(int(f), len(c) - CATCH_UP_COMMITS)])))
+    if all(a == b for a, b in holes):
+        return holes, None
+    rows, at = [], 0
+    for n, (a, b) in zip((sum(c) for c in commits), holes):
+        rows += [*range(at, at + a), *range(at + b, at + n)]
+        at += n
+    return holes, torch.tensor(rows, dtype=torch.long)
 
 
 def commit_ca(draft: MoAPieces, memory: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
