@@ -75,8 +75,7 @@ class _RequestState:
         self.pending: list[TargetCapture] = []  # verified but not yet ingested (LSA runs at the next propose)
         self.offline: list[tuple[int, int]] = []  # (sa slot, tli slot) of root + tokens drafted while disconnected
         self.borrowed = 0  # leading tokens whose memory and SA K/V were adopted from the kept state
-        # queued tokens ingested once (the first: its prompt); its first token without memory (moa_core.catch_up)
-        self.caught_up, self.first_hole = False, None
+        self.first_hole: int | None = None  # its first verified token without memory (moa_core.catch_up)
 
 
 class MoADrafter(Drafter):
@@ -197,7 +196,7 @@ class MoADrafter(Drafter):
         positions = torch.cat([c.positions for c in caps])
         target_slots = torch.cat([c.slots for c in caps])
         sizes = [sum(c.slots.numel() for c in st.pending) for st in sts]
-        holes, keep = catch_up([[c.slots.numel() for c in st.pending] for st in sts], [not st.caught_up for st in sts])
+        holes, keep = catch_up([[c.slots.numel() for c in st.pending] for st in sts])
         if hidden:  # (memory from the captured layers, not LSA: every token's)
             holes, keep = [(0, 0)] * len(sts), None
         at = (target_slots, positions) if keep is None else (target_slots[keep], positions[keep])
@@ -205,7 +204,7 @@ class MoADrafter(Drafter):
         tokens = [t for c in caps for t in c.token_ids]
         self._ingest(sts, sizes, tokens, positions, k, v, target_slots, holes)
         for st in sts:
-            st.pending, st.caught_up = [], True
+            st.pending = []
 
     def context(self, kv: KVPool, slots: torch.Tensor, positions: torch.Tensor, hidden: dict | None = None):
         """CA keys/values of newly verified tokens: LSA over their K/V at every target layer (or,

@@ -97,28 +97,26 @@ def lsa_memory(
 
 
 # A request the adaptive policy kept from drafting for a while has its verified tokens queued (commits cost nothing
-# then); LSA over all of them at the next draft made each trial of the drafter cost O(tokens since it last drafted)
-# (~0.8 ms a token on one core), so a drafter that loses kept costing ~12 % while off. A catch-up gives memory to the
-# tokens of the last CATCH_UP_COMMITS commits only (a request's first, its prompt, always whole): CA never sees the
-# older queued tokens (SA and the TLI layers still do). Drafts after a long pause may be a little worse; what is
-# accepted is the target's either way. A drafting request has one commit queued at each propose: no holes.
+# then); LSA over all of them at the next draft made each trial of the drafter cost O(tokens since it last drafted,
+# its prompt's too when it never drafted: ~1/3 of its prefill), so a drafter that loses kept costing while off. A
+# catch-up gives memory to the tokens of the last CATCH_UP_COMMITS commits only (a request's prompt is its first
+# commit: whole when it drafts within that many steps of its prefill): CA never sees the older queued tokens (SA and
+# the TLI layers still do). Drafts after a long pause may be worse; what is accepted is the target's either way. A
+# request that drafts every step has one commit queued at each propose: no holes.
 CATCH_UP_COMMITS = 8
 
 
-def catch_up(commits: list[list[int]], first: list[bool]) -> tuple[list[tuple[int, int]], torch.Tensor | None]:
-    """commits: per request, its queued commits' token counts, oldest first; first: per request, its first catch-up
-    (commit 0 is its prompt). -> (per request [a, b): its queued tokens, counted from its first queued, that get no
-    memory (a == b: none); [m] the rows of every queued token, request after request, that do, or None: all)."""
-    holes = []
-    for c, f in zip(commits, first):
-        lead = c[0] if f and c else 0
-        holes.append((lead, lead + sum(c[int(f) : max(int(f), len(c) - CATCH_UP_COMMITS)])))
-    if all(a == b for a, b in holes):
+def catch_up(commits: list[list[int]]) -> tuple[list[tuple[int, int]], torch.Tensor | None]:
+    """commits: per request, its queued commits' token counts, oldest first. -> (per request [0, b): its leading
+    queued tokens that get no memory (b == 0: none); [m] the rows of every queued token, request after request,
+    that do, or None: all)."""
+    holes = [(0, sum(c[: max(0, len(c) - CATCH_UP_COMMITS)])) for c in commits]
+    if all(b == 0 for _, b in holes):
         return holes, None
     rows, at = [], 0
-    for n, (a, b) in zip((sum(c) for c in commits), holes):
-        rows += [*range(at, at + a), *range(at + b, at + n)]
-        at += n
+    for c, (_, b) in zip(commits, holes):
+        rows += range(at + b, at + sum(c))
+        at += sum(c)
     return holes, torch.tensor(rows, dtype=torch.long)
 
 

@@ -491,3 +491,25 @@ def test_a_catch_up_after_drafting_was_off_gives_memory_to_the_last_commits_only
     kept = len(drafter.kept)
     assert 0 < kept <= st.first_hole
     assert (drafter.mem.num_free + kept, drafter.sa.num_free + kept) == free
+
+
+def test_a_request_that_never_drafted_catches_up_on_its_last_commits_not_its_prompt():
+    """Off from a request's first decode step for 20 steps: its first draft gives memory to the last
+    CATCH_UP_COMMITS commits' tokens only (its prompt is a commit older than those: no LSA over it)."""
+    target, draft = tiny_pair(tli=0, seed=6)
+    drafter = MoADrafter(target.model, draft)
+    rows = []
+    lsa = drafter.draft.lsa
+    drafter.draft.lsa = lambda x: rows.append(x.shape[0]) or lsa(x)
+    eng = Engine(target, drafter, EngineConfig(tree=TreeShape(2, 2, 4)))
+    eng.policy = _Scripted(eng.tree, off=range(1, 21))
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    prompt = _prompts(1, 8)[0]
+    req = eng.add_request(prompt, params)
+    while eng.policy.calls < 21:
+        eng.step()
+    st = drafter.reqs[req.rid]
+    assert rows == [CATCH_UP_COMMITS] and st.first_hole == 0 and st.mem_slots.numel() == CATCH_UP_COMMITS
+    while not req.finished:
+        eng.step()
+    assert req.output_ids == Engine(target, None, EngineConfig()).generate([prompt], params)[0].output_ids
