@@ -7,7 +7,14 @@ import pytest
 import torch
 from oracles import coupled_verify, greedy_verify, sampling_verify
 
-from sglang_ext.sampling import InvalidRequest, SamplingParams, logits_to_probs, position_gumbel, seeded_sample
+from sglang_ext.sampling import (
+    InvalidRequest,
+    SamplingParams,
+    greedy_tokens,
+    logits_to_probs,
+    position_gumbel,
+    seeded_sample,
+)
 from sglang_ext.tree import (
     TreeSearch,
     TreeShape,
@@ -109,6 +116,23 @@ def test_logits_to_probs_top_p_top_k():
     p = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=1))
     assert p[0].tolist() == [1.0, 0.0, 0.0, 0.0]
     assert logits_to_probs(logits, SamplingParams()).argmax() == 0
+
+
+def test_greedy_tokens_is_torch_argmax_with_ties_infinities_and_nans():
+    """The CPU's argmax (numpy's) picks torch's index: the first of tied maxima, the first NaN, 1-D and strided rows,
+    bf16 (upcast first)."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        x = torch.randn(3, 40, generator=g)
+        x[torch.rand(3, 40, generator=g) < 0.15] = float("nan") if trial % 3 == 0 else 0.0
+        if trial % 5 == 0:
+            x[:, [7, 9]] = float("inf")
+        if trial % 7 == 0:
+            x[:] = -float("inf")
+        if trial % 2:
+            x = x.round()
+        for rows in (x, x[0], x[:, ::3], x.bfloat16()):
+            assert torch.equal(greedy_tokens(rows), rows.float().argmax(-1)), trial
 
 
 @pytest.mark.parametrize(
