@@ -26,7 +26,7 @@ from sglang_ext.drafters import Drafter, DraftInput, TargetCapture
 from sglang_ext.drafters.prediction import PredictionLookup
 from sglang_ext.sampling import greedy_tokens
 from sglang_ext.tree import TokenTree, TreeShape, root_trees, trees_on
-from sglang_ext.verify import AcceptedPath, VerifyResult, greedy_paths
+from sglang_ext.verify import AcceptedPath, VerifyResult, greedy_paths, greedy_results
 
 from .adaptive import CONFIDENT_FROM_BATCH, AdaptiveSpeculation
 from .kv_manager import KVManager
@@ -176,14 +176,21 @@ class SpecWorker:
         argmax = None  # [R] the target's argmax at every tree row, when some request reads it
         if together or (wants_argmax and any(r.drafting for r in reqs)):
             argmax = greedy_tokens(logits[: starts[-1]]) if greedy is None else greedy.argmax
-        paths: dict[int, AcceptedPath] = {}
+        # on the CPU the step's values are host values already: argmax read once, the walks on host lists
+        on_host = greedy is None and logits.device.type == "cpu" and argmax is not None
+        host = argmax.tolist() if on_host else None
+        if on_host:  # (the requests that ask for logprobs take their rows on the tensor path)
+            together = [i for i in together if reqs[i].params.logprobs is None]
+        paths: dict[int, AcceptedPath | VerifyResult] = {}
         if together:
             try:
-                mine = [trees[i] for i in together]
-                if greedy is not None:
-                    found = greedy.paths(mine, together)
+                picked, at = [trees[i] for i in together], [starts[i] for i in together]
+                if greedy is not None:  # (computed inside the verify graph)
+                    found = greedy.paths(picked, together)
+                elif on_host:
+                    found = greedy_results(picked, host, at, vocab)
                 else:
-                    found = greedy_paths(mine, argmax, vocab, [starts[i] for i in together])
+                    found = greedy_paths(picked, argmax, vocab, at)
                 paths = dict(zip(together, found))
             except Exception:  # noqa: BLE001 - then each request alone, in its own stage: a fault fails its request only
                 log.warning("batched greedy verification failed; verifying request by request", exc_info=True)
@@ -201,6 +208,8 @@ class SpecWorker:
                     path.draft_invalid = invalid if t.finite is None else invalid | ~t.finite
             if wants_argmax and r.drafting and isinstance(path, AcceptedPath):  # (its commit reads it: same copy)
                 path.tree_argmax = argmax[start : start + n]
+            elif wants_argmax and r.drafting and isinstance(path, VerifyResult) and host is not None:
+                path.tree_argmax = host[start : start + n]
             if r.params.logprobs is not None:
                 path = self.sampler.with_logprobs(r, path, logits[start : start + n])
             out.append(path)

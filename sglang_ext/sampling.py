@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from .errors import InvalidRequest  # noqa: F401 - re-exported: sampling.InvalidRequest is used across the tree
@@ -166,9 +167,14 @@ def device_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gen
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """argmax over the last dim (first index on ties). Upcasting is exact, and on CPU a bf16 argmax
-    is ~5x slower than upcast + fp32 argmax (1.4 vs 0.26 ms for 8 x 49k logits, one core)."""
-    return logits.float().argmax(-1)
+    """argmax over the last dim (first index on ties; a NaN counts as the largest, its first one). Upcasting is
+    exact, and on CPU a bf16 argmax is ~5x slower than upcast + fp32 argmax (1.4 vs 0.26 ms for 8 x 49k logits, one
+    core). On the CPU numpy's argmax (the same index) is ~10x faster than torch's: 11 vs 125 us for a verify's 3 x
+    49k rows, one core."""
+    x = logits.float()
+    if x.device.type == "cpu" and not x.requires_grad:
+        return torch.from_numpy(np.asarray(x.numpy().argmax(-1)))
+    return x.argmax(-1)
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

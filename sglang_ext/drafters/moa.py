@@ -6,20 +6,18 @@ Per request the drafter keeps three caches, all for verified tokens only:
     sa      SA keys/values of each verified token's embedding    (drafter pool, ingested once)
     target  the request's slots in the target KV pool            (read by the TLI layers, never written)
 
-commit() queues the tokens the target just verified (root + accepted nodes); the next propose()
-runs LSA once over all queued tokens of its batch, so LSA is never recomputed for the prefix and
-costs nothing while adaptive speculation is off. propose() runs the tree: every node (root included) is a query
-at its position; its SA sees the verified prefix plus itself (or its ancestors, per checkpoint),
-its CA sees all verified memory, and the TLI layers see the target's real KV for verified
-positions plus the node's ancestors' speculative KV, written to temporary target-pool slots that
-are freed before propose returns (the target's own cache is never written).
+commit() queues the tokens the target just verified (root + accepted nodes); the next propose() runs LSA once
+over the queued tokens of its batch (after drafting was off, the last few commits' only: moa_core.catch_up).
+propose() runs the tree: every node (root included) is a query at its position; its SA sees the verified prefix
+plus itself (or its ancestors, per checkpoint), its CA sees all verified memory, and the TLI layers see the
+target's real KV for verified positions plus the node's ancestors' speculative KV, written to temporary
+target-pool slots that are freed before propose returns (the target's own cache is never written).
 
 Prefix cache: the memory and SA K/V of a token depend only on the tokens up to it, so both are kept beside the
-engine's prefix cache under the token's target slot (drafters/kept.py); a hit adopts them for its cached tokens
-and runs LSA over the new tokens only (LSA over a 1,500-token prefix costs about a third of its prefill on a CPU).
+engine's prefix cache under its target slot (drafters/kept.py); a hit runs LSA over the new tokens only.
 
-The math (commit, the draft pass, logits, the tree driver) is moa_core's, shared with the SGLang
-plugin; this class is the embedded storage: per-request slot lists and temporary tree slots.
+The math (commit, the draft pass, logits, the tree driver) is moa_core's, shared with the SGLang plugin; this class
+is the embedded storage: per-request slot lists and temporary tree slots.
 """
 
 from __future__ import annotations
@@ -48,12 +46,14 @@ from .moa_core import (
     DraftKV,
     MoAParts,
     PassSlots,
+    catch_up,
     commit_ca,
     commit_sa,
     draft_logits,
     draft_pass,
     draft_tree,
     lsa_memory,
+    plan_fields,
 )
 from .search import Finite, scatter_to_vocab, search_tree, top_k_search
 from .shipped import shipped_path
@@ -73,6 +73,7 @@ class _RequestState:
         self.pending: list[TargetCapture] = []  # verified but not yet ingested (LSA runs at the next propose)
         self.offline: list[tuple[int, int]] = []  # (sa slot, tli slot) of root + tokens drafted while disconnected
         self.borrowed = 0  # leading tokens whose memory and SA K/V were adopted from the kept state
+        self.first_hole: int | None = None  # its first verified token without memory (moa_core.catch_up)
 
 
 class MoADrafter(Drafter):
@@ -102,9 +103,8 @@ class MoADrafter(Drafter):
         self.kept = KeptState((self.mem, self.sa))  # memory and SA K/V of prefix-cached tokens, by target slot
         self.hot_ids = self.draft.hot_ids
         self.head = target.lm_head[self.hot_ids].contiguous()  # draft-vocab rows of the target's lm_head
-        attach_packed_rows(
-            self.head, target.lm_head, self.hot_ids
-        )  # and of its GGUF blocks: the same sums, ~1/4 the bytes
+        # and of its GGUF blocks: the same sums, ~1/4 the bytes
+        attach_packed_rows(self.head, target.lm_head, self.hot_ids)
         if target.q8 is not None:
             attach_q8_rows(self.head, target.lm_head, self.hot_ids)  # those blocks on the q8 kernels
         self.tli_layers = list(range(len(target.layers) - c.tli, len(target.layers)))
@@ -118,7 +118,7 @@ class MoADrafter(Drafter):
         self.tli_kv: KVPool | None = target.new_kv_pool(num_slots, num_layers=max(1, c.tli)) if remote else None
         self.tli_offset = len(target.layers) - c.tli if remote else 0  # pool layer = target layer - offset
         self.reqs: dict[int, _RequestState] = {}
-        self.lsa_rows = 0  # tokens LSA has processed (each verified token exactly once)
+        self.lsa_rows = 0  # tokens LSA has processed (each verified token at most once)
         self.kv = DraftKV(self.sa.k[0], self.sa.v[0], self.mem.k[0], self.mem.v[0])
         self.parts = MoAParts(
             draft=self.draft,
@@ -180,14 +180,12 @@ class MoADrafter(Drafter):
                 raise DrafterError("MoA drafter bound to a different target KV pool (its requests are live)")
             self.tli_kv = capture.kv
         if capture.slots.numel():
-            # NOTE: deferred to the next propose, where all pending tokens of the batch go through
-            # LSA in one call: when adaptive speculation is off for many steps, commits cost nothing
-            # and each verified token is still processed exactly once.
+            # NOTE: deferred to the next propose, where the batch's queued tokens go through LSA in one call: while
+            # adaptive speculation is off, commits cost nothing, and a catch-up is bounded (moa_core.catch_up)
             self.reqs[rid].pending.append(capture)
 
     def _flush(self, batch: list[DraftInput]) -> None:
-        """Ingest every pending verified token of these requests: one LSA call, one SA commit and one
-        write per pool for the batch."""
+        """Ingest the queued verified tokens of these requests: one LSA call, one SA commit, one write per pool."""
         sts = [self.reqs[d.rid] for d in batch]
         caps = [c for st in sts for c in st.pending]
         if not caps:
@@ -195,10 +193,14 @@ class MoADrafter(Drafter):
         hidden = {l: torch.cat([c.hidden[l] for c in caps]) for l in self.capture_layers}
         positions = torch.cat([c.positions for c in caps])
         target_slots = torch.cat([c.slots for c in caps])
-        k, v = self.context(caps[0].kv, target_slots, positions, hidden)
-        tokens = [t for c in caps for t in c.token_ids]
         sizes = [sum(c.slots.numel() for c in st.pending) for st in sts]
-        self._ingest(sts, sizes, tokens, positions, k, v, target_slots)
+        holes, keep = catch_up([[c.slots.numel() for c in st.pending] for st in sts])
+        if hidden:  # (memory from the captured layers, not LSA: every token's)
+            holes, keep = [(0, 0)] * len(sts), None
+        at = (target_slots, positions) if keep is None else (target_slots[keep], positions[keep])
+        k, v = self.context(caps[0].kv, *at, hidden)
+        tokens = [t for c in caps for t in c.token_ids]
+        self._ingest(sts, sizes, tokens, positions, k, v, target_slots, holes)
         for st in sts:
             st.pending = []
 
@@ -221,11 +223,12 @@ class MoADrafter(Drafter):
         ca_k: torch.Tensor,  # [n, kv_heads, D]
         ca_v: torch.Tensor,
         target_slots: torch.Tensor,  # [n] the tokens' target slots
+        holes: list[tuple[int, int]] | None = None,  # per request, its tokens [a, b) without memory (CA K/V)
     ) -> None:
-        """Store newly verified tokens' CA K/V and commit their SA K/V: one allocation, one SA commit
-        and one write per pool for all of them; then each request's slot lists grow by its share."""
+        """Store newly verified tokens' CA K/V (ca_k / ca_v: every token's but the holes') and commit their SA K/V: one
+        allocation, one SA commit and one write per pool for all; each request's slot lists grow by its share."""
         n = len(token_ids)
-        mem = self.mem.alloc(n)
+        mem = self.mem.alloc(ca_k.shape[0])
         self.mem.write(0, mem, ca_k, ca_v)
         ids = to_device(torch.as_tensor(token_ids), ca_k.device)
         sa = self.sa.alloc(n)
@@ -235,11 +238,15 @@ class MoADrafter(Drafter):
         else:
             k, v = commit_sa(self.draft, self.target.embed, ids, positions)
             self.sa.write(0, sa, k, v)
+        holes = holes or [(0, 0)] * len(sts)
+        for st, (a, b) in zip(sts, holes):  # (memory is one slot per token up to the first hole)
+            if b > a and st.first_hole is None:
+                st.first_hole = st.mem_slots.numel() + a
         # the three slot lists of every request grown in one cat, each list a view of it (never written in place)
-        shares = [(x,) if len(sts) == 1 else x.split(sizes) for x in (mem, sa, target_slots)]
-        old = [(st.mem_slots, st.sa_slots, st.target_slots) for st in sts]
-        grown = torch.cat([x for lists, new in zip(old, zip(*shares)) for o, a in zip(lists, new) for x in (o, a)])
-        parts = iter(grown.split([o.numel() + k for lists, k in zip(old, sizes) for o in lists]))
+        got = [k - (b - a) for k, (a, b) in zip(sizes, holes)]  # memory slots: none for a catch-up's hole
+        new = zip(mem.split(got), sa.split(sizes), target_slots.split(sizes))
+        pairs = [(o, a) for st, add in zip(sts, new) for o, a in zip((st.mem_slots, st.sa_slots, st.target_slots), add)]
+        parts = iter(torch.cat([x for pair in pairs for x in pair]).split([o.numel() + a.numel() for o, a in pairs]))
         for st in sts:
             st.mem_slots, st.sa_slots, st.target_slots = next(parts), next(parts), next(parts)
 
@@ -383,7 +390,11 @@ class MoADrafter(Drafter):
             return
         self.drop_offline(rid)
         del self.reqs[rid]
-        keep_or_free(self.kept, [st.mem_slots, st.sa_slots], st.borrowed, taken)
+        h = st.first_hole  # (from there on, memory is not one slot per token: not kept)
+        keep_or_free(self.kept, [st.mem_slots[:h], st.sa_slots[:h]], st.borrowed, taken)
+        if h is not None:
+            self.mem.free(st.mem_slots[h:])
+            self.sa.free(st.sa_slots[h:])
 
     def drop_prefix(self, slots: torch.Tensor) -> None:
         self.kept.drop(slots)
@@ -439,7 +450,7 @@ class MoADrafter(Drafter):
             static = self._static_parts()
 
             def step(ids, feat, rows, plans):
-                slots = PassSlots(rows["positions"], rows["sa_slots"], rows["tli_slots"], **_plan_fields(plans))
+                slots = PassSlots(rows["positions"], rows["sa_slots"], rows["tli_slots"], **plan_fields(plans))
                 return (draft_logits(static, draft_pass(static, self.kv, ids, slots)),)
 
             self._steps = FrontierRunner(step, self.target.device, self.target.cfg.max_position)
@@ -448,7 +459,7 @@ class MoADrafter(Drafter):
         out = self._steps.run(tokens, None, rows, at.specs, pools)
         if out is not None:
             return out[0]
-        at = replace(at, **_plan_fields({n: plan_frontier(*spec) for n, spec in at.specs.items()}))
+        at = replace(at, **plan_fields({n: plan_frontier(*spec) for n, spec in at.specs.items()}))
         return self._to_logits(draft_pass(self.parts, self.kv, tokens, at), False)
 
     def _static_parts(self) -> MoAParts:
@@ -538,11 +549,6 @@ class MoADrafter(Drafter):
         return (*trees, finite.flag)
 
 
-def _plan_fields(plans: dict) -> dict:
-    """PassSlots' plan fields from plans named as _TreePaths' specs ('tli' absent: TLI 0)."""
-    return {"sa_plan": plans["sa"], "ca_plan": plans["ca"], "tli_plan": plans.get("tli")}
-
-
 class _TreePaths:
     """The embedded storage of one propose (moa_core's Frontier): each pass's nodes get temporary SA
     (and TLI) slots; a node sees its request's verified slot lists plus its path's temporary slots
@@ -586,7 +592,7 @@ class _TreePaths:
         if d.tli_layers:
             specs["tli"] = ([st.target_slots for st in sts], self.tli_slots, sa.seen)
         plans = {n: plan_frontier(*spec) for n, spec in specs.items()} if self.plans else {"sa": None, "ca": None}
-        return PassSlots(pos, sa_new, tgt_new, **_plan_fields(plans), specs=specs)
+        return PassSlots(pos, sa_new, tgt_new, **plan_fields(plans), specs=specs)
 
     def free(self) -> None:
         for pool, s in self.temps:

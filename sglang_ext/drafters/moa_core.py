@@ -75,6 +75,11 @@ class PassSlots:
     specs: dict | None = None
 
 
+def plan_fields(plans: dict) -> dict:
+    """PassSlots' plan fields from plans named as its specs ('sa', 'ca', and 'tli', absent for TLI 0)."""
+    return {"sa_plan": plans["sa"], "ca_plan": plans["ca"], "tli_plan": plans.get("tli")}
+
+
 # a storage's frontier: parent [b, kk] (each new node's parent among the previous pass's nodes;
 # zeros for the roots' pass) -> the PassSlots of the next pass
 Frontier = Callable[[torch.Tensor], PassSlots]
@@ -89,6 +94,30 @@ def lsa_memory(
     """LSA over the verified tokens' K/V at every target layer -> memory [n, H].
     target_k/target_v: the target's per-layer pools [num_slots, n_kv, D]; slots [n]."""
     return draft.lsa(stack_layer_kv(target_k, target_v, slots))
+
+
+# A request the adaptive policy kept from drafting for a while has its verified tokens queued (commits cost nothing
+# then); LSA over all of them at the next draft made each trial of the drafter cost O(tokens since it last drafted,
+# its prompt's too when it never drafted: ~1/3 of its prefill), so a drafter that loses kept costing while off. A
+# catch-up gives memory to the tokens of the last CATCH_UP_COMMITS commits only (a request's prompt is its first
+# commit: whole when it drafts within that many steps of its prefill): CA never sees the older queued tokens (SA and
+# the TLI layers still do). Drafts after a long pause may be worse; what is accepted is the target's either way. A
+# request that drafts every step has one commit queued at each propose: no holes.
+CATCH_UP_COMMITS = 8
+
+
+def catch_up(commits: list[list[int]]) -> tuple[list[tuple[int, int]], torch.Tensor | None]:
+    """commits: per request, its queued commits' token counts, oldest first. -> (per request [0, b): its leading
+    queued tokens that get no memory (b == 0: none); [m] the rows of every queued token, request after request,
+    that do, or None: all)."""
+    holes = [(0, sum(c[: max(0, len(c) - CATCH_UP_COMMITS)])) for c in commits]
+    if all(b == 0 for _, b in holes):
+        return holes, None
+    rows, at = [], 0
+    for c, (_, b) in zip(commits, holes):
+        rows += range(at + b, at + sum(c))
+        at += sum(c)
+    return holes, torch.tensor(rows, dtype=torch.long)
 
 
 def commit_ca(draft: MoAPieces, memory: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -248,7 +248,8 @@ def test_no_slot_is_lost_under_eviction_aborts_faults_and_flushes(monkeypatch):
     reference = Engine(t, None, EngineConfig(**cfg, prefix_cache=False))
     prefixes = [[rng.randrange(vocab) for _ in range(rng.randrange(20, 50))] for _ in range(4)]
     step_fault, faulty_roots = {"armed": False}, set()
-    real_forward, real_greedy, real_together = t.model.forward, sampler_mod.greedy_path, spec_worker_mod.greedy_paths
+    real_forward, real_greedy = t.model.forward, sampler_mod.greedy_path
+    real_together = {f: getattr(spec_worker_mod, f) for f in ("greedy_paths", "greedy_results")}
 
     def forward(*a, **kw):
         if step_fault["armed"]:
@@ -261,12 +262,15 @@ def test_no_slot_is_lost_under_eviction_aborts_faults_and_flushes(monkeypatch):
             raise RuntimeError("injected verify fault")
         return real_greedy(tree, tokens)
 
-    def greedy_paths(trees, *a, **kw):
-        # a fault in the batch's verification: the engine verifies each request alone, and greedy_path
-        # above fails the faulty one
-        if any(int(tree.positions[0]) in faulty_roots for tree in trees):
-            raise RuntimeError("injected verify fault")
-        return real_together(trees, *a, **kw)
+    def together(name):
+        def verify(trees, *a, **kw):
+            # a fault in the batch's verification (greedy_results on the CPU, greedy_paths on a device): the engine
+            # verifies each request alone, and greedy_path above fails the faulty one
+            if any(int(tree.positions[0]) in faulty_roots for tree in trees):
+                raise RuntimeError("injected verify fault")
+            return real_together[name](trees, *a, **kw)
+
+        return verify
 
     evictions, real_evict = [], PrefixCache.evict
 
@@ -277,7 +281,8 @@ def test_no_slot_is_lost_under_eviction_aborts_faults_and_flushes(monkeypatch):
 
     monkeypatch.setattr(t.model, "forward", forward)
     monkeypatch.setattr(sampler_mod, "greedy_path", greedy_path)
-    monkeypatch.setattr(spec_worker_mod, "greedy_paths", greedy_paths)
+    for name in real_together:
+        monkeypatch.setattr(spec_worker_mod, name, together(name))
     monkeypatch.setattr(PrefixCache, "evict", evict)
     finished, live, resets = [], [], 0
     for _ in range(400):

@@ -16,11 +16,13 @@ from helpers import (
     together_and_alone,
 )
 
+from serving.adaptive import AdaptiveSpeculation
 from serving.config import EngineConfig
 from serving.engine import Engine
 from sglang_ext.drafters import make_drafter
 from sglang_ext.drafters.base import DraftInput
 from sglang_ext.drafters.moa import MoADrafter
+from sglang_ext.drafters.moa_core import CATCH_UP_COMMITS
 from sglang_ext.models import LlamaModel, Target
 from sglang_ext.models.checkpoint import CheckpointError
 from sglang_ext.models.moa import MoAConfig, MoADraft, load_moa
@@ -444,3 +446,70 @@ def test_a_batch_flush_leaves_each_request_the_state_it_gets_alone(tli):
                 torch.testing.assert_close(pool.v[0][x], other.v[0][y], rtol=0, atol=1e-6)
 
     together_and_alone(together, alone, tokens, capture, check)
+
+
+class _Scripted(AdaptiveSpeculation):
+    """The adaptive policy with its choice scripted: off (option 0) at the decode steps in `off` (counted from 1),
+    the configured tree (option 1) at the others."""
+
+    def __init__(self, shape, off):
+        super().__init__(shape)
+        self.off, self.calls = off, 0
+
+    def choose(self, batch_size):
+        self.calls += 1
+        return 0 if self.calls in self.off else 1
+
+
+def test_a_catch_up_after_drafting_was_off_gives_memory_to_the_last_commits_only():
+    """Off for 20 steps (a commit of one token each), then drafting: LSA runs over the last CATCH_UP_COMMITS
+    commits' tokens, not all 20; the rest get no memory (CA never reads them), SA and TLI still see every token;
+    the output is vanilla's; at the end the request's tokens up to its first hole are kept beside the prefix cache
+    and every other slot of the drafter's pools goes back."""
+    target, draft = tiny_pair(tli=1, seed=5)
+    drafter = MoADrafter(target.model, draft)
+    rows = []
+    lsa = drafter.draft.lsa
+    drafter.draft.lsa = lambda x: rows.append(x.shape[0]) or lsa(x)
+    free = (drafter.mem.num_free, drafter.sa.num_free)
+    eng = Engine(target, drafter, EngineConfig(tree=TreeShape(2, 2, 4)))
+    eng.policy = _Scripted(eng.tree, off=range(2, 22))
+    prompt = _prompts(1, 7)[0]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    req = eng.add_request(prompt, params)
+    while eng.policy.calls < 22:
+        eng.step()
+    st = drafter.reqs[req.rid]
+    assert rows[:2] == [len(prompt), CATCH_UP_COMMITS]  # the prompt; then the last 8 of 21 commits (one token each)
+    queued = st.target_slots.numel() - len(prompt)  # tokens committed after the prompt, caught up at step 22
+    assert st.first_hole == len(prompt)
+    assert st.sa_slots.numel() == st.target_slots.numel() == st.mem_slots.numel() + queued - CATCH_UP_COMMITS
+    while not req.finished:
+        eng.step()
+    vanilla = Engine(target, None, EngineConfig()).generate([prompt], params)[0]
+    assert req.output_ids == vanilla.output_ids
+    kept = len(drafter.kept)
+    assert 0 < kept <= st.first_hole
+    assert (drafter.mem.num_free + kept, drafter.sa.num_free + kept) == free
+
+
+def test_a_request_that_never_drafted_catches_up_on_its_last_commits_not_its_prompt():
+    """Off from a request's first decode step for 20 steps: its first draft gives memory to the last
+    CATCH_UP_COMMITS commits' tokens only (its prompt is a commit older than those: no LSA over it)."""
+    target, draft = tiny_pair(tli=0, seed=6)
+    drafter = MoADrafter(target.model, draft)
+    rows = []
+    lsa = drafter.draft.lsa
+    drafter.draft.lsa = lambda x: rows.append(x.shape[0]) or lsa(x)
+    eng = Engine(target, drafter, EngineConfig(tree=TreeShape(2, 2, 4)))
+    eng.policy = _Scripted(eng.tree, off=range(1, 21))
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    prompt = _prompts(1, 8)[0]
+    req = eng.add_request(prompt, params)
+    while eng.policy.calls < 21:
+        eng.step()
+    st = drafter.reqs[req.rid]
+    assert rows == [CATCH_UP_COMMITS] and st.first_hole == 0 and st.mem_slots.numel() == CATCH_UP_COMMITS
+    while not req.finished:
+        eng.step()
+    assert req.output_ids == Engine(target, None, EngineConfig()).generate([prompt], params)[0].output_ids

@@ -1,12 +1,20 @@
 """Token-tree layout and verification on hand-built examples."""
 
+import itertools
 import random
 
 import pytest
 import torch
 from oracles import coupled_verify, greedy_verify, sampling_verify
 
-from sglang_ext.sampling import InvalidRequest, SamplingParams, logits_to_probs, position_gumbel, seeded_sample
+from sglang_ext.sampling import (
+    InvalidRequest,
+    SamplingParams,
+    greedy_tokens,
+    logits_to_probs,
+    position_gumbel,
+    seeded_sample,
+)
 from sglang_ext.tree import (
     TreeSearch,
     TreeShape,
@@ -17,7 +25,7 @@ from sglang_ext.tree import (
     tree_from_parents,
     unpack_trees,
 )
-from sglang_ext.verify import greedy_path, greedy_paths, to_host
+from sglang_ext.verify import greedy_path, greedy_paths, greedy_results, to_host
 
 #        0 (root, token 10)
 #       / \
@@ -108,6 +116,23 @@ def test_logits_to_probs_top_p_top_k():
     p = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=1))
     assert p[0].tolist() == [1.0, 0.0, 0.0, 0.0]
     assert logits_to_probs(logits, SamplingParams()).argmax() == 0
+
+
+def test_greedy_tokens_is_torch_argmax_with_ties_infinities_and_nans():
+    """The CPU's argmax (numpy's) picks torch's index: the first of tied maxima, the first NaN, 1-D and strided rows,
+    bf16 (upcast first)."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        x = torch.randn(3, 40, generator=g)
+        x[torch.rand(3, 40, generator=g) < 0.15] = float("nan") if trial % 3 == 0 else 0.0
+        if trial % 5 == 0:
+            x[:, [7, 9]] = float("inf")
+        if trial % 7 == 0:
+            x[:] = -float("inf")
+        if trial % 2:
+            x = x.round()
+        for rows in (x, x[0], x[:, ::3], x.bfloat16()):
+            assert torch.equal(greedy_tokens(rows), rows.float().argmax(-1)), trial
 
 
 @pytest.mark.parametrize(
@@ -381,6 +406,8 @@ def test_greedy_paths_equal_greedy_path_per_request(seed):
         targets = targets[:k] + (torch.tensor([rng.randrange(vocab)]),) + targets[k:]
     batched = to_host(greedy_paths(list(trees), torch.cat(targets), vocab))
     assert batched == _one_by_one(trees, targets, vocab)
+    starts = list(itertools.accumulate([t.num_nodes for t in trees], initial=0))[:-1]
+    assert greedy_results(list(trees), torch.cat(targets).tolist(), starts, vocab) == batched  # (the CPU's walk)
     assert [p.nodes.numel() for p in greedy_paths(list(trees), torch.cat(targets))] == [t.num_nodes for t in trees]
 
 
@@ -422,3 +449,4 @@ def test_greedy_paths_on_a_search_batch_views():
         rows = torch.cat([torch.zeros(3, dtype=torch.long)] + [x for t in targets[:searched] for x in (t, t)])
         starts = [3 + (m + 1) * (2 * b + 1) for b in range(searched)]  # each tree's second copy
         assert to_host(greedy_paths(trees[:searched], rows, vocab, starts)) == expect
+        assert greedy_results(trees[:searched], rows.tolist(), starts, vocab) == expect
