@@ -7,8 +7,7 @@ a fixed number of host ops for the batch (moa_serve/benchmarks/step_ops.py count
 
 from __future__ import annotations
 
-import torch
-
+from sglang_ext.device import grow
 from sglang_ext.verify import tokens_to_host
 
 from .request import Request, RequestFault, StepEvent, fail
@@ -19,7 +18,8 @@ from .spec_worker import SpecWorker
 def plain_decode(engine, reqs: list[Request]) -> bool:
     """Whether a step of these decoding requests (no prompt chunk) takes `decode_step`."""
     return (
-        engine.drafter is None
+        engine.runner.graph_runner is not None  # (first: on the CPU no step takes this path)
+        and engine.drafter is None
         and type(engine.sampler) is Sampler
         and type(engine.spec) is SpecWorker
         and all(engine.sampler.plain_greedy(r) and r.params.logprobs is None for r in reqs)
@@ -36,10 +36,8 @@ def decode_step(engine, reqs: list[Request]) -> list[StepEvent]:
     except BaseException:
         kv.free(slots)
         raise
-    lens = [len(r.slots) + 1 for r in reqs]
-    grown = torch.cat([x for r, s in zip(reqs, slots.split(1)) for x in (r.slots, s)])
     events = []
-    for r, s, tok in zip(reqs, grown.split(lens), tokens):
+    for r, s, tok in zip(reqs, grow([r.slots for r in reqs], list(slots.split(1))), tokens):
         r.slots = s
         r.stats.verify_steps += 1
         try:

@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from sglang_ext.device import to_device
+from sglang_ext.device import grow, to_device
 from sglang_ext.drafters import Drafter, DraftInput, TargetCapture
 from sglang_ext.drafters.prediction import PredictionLookup
 from sglang_ext.sampling import greedy_tokens
@@ -258,11 +258,8 @@ class SpecWorker:
             self.kv.free(tree_slots[torch.tensor(drop_at, dtype=torch.long)])
         ok = [i for i, p in enumerate(paths) if not isinstance(p, RequestFault)]
         keeps = dict(zip(ok, kept.split([len(paths[i]) for i in ok]))) if ok else {}
-        if ok:
-            grown = torch.cat([x for i in ok for x in (reqs[i].slots, keeps[i])])
-            lens = [len(reqs[i].slots) + len(paths[i]) for i in ok]
-            for i, s in zip(ok, grown.split(lens)):
-                reqs[i].slots = s
+        for i, s in zip(ok, grow([reqs[i].slots for i in ok], [keeps[i] for i in ok])):
+            reqs[i].slots = s
         commits = self.commit_inputs(reqs, trees, results, paths, starts, captured)
         events = []
         for i, (r, t, res, path) in enumerate(zip(reqs, trees, results, paths)):

@@ -49,6 +49,15 @@ def upload(tensors: list[torch.Tensor | None], device: torch.device | str) -> li
     return out
 
 
+def grow(olds: list[torch.Tensor], adds: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each 1-D olds[i] with adds[i] appended, the batch's lists in one cat: each result a view of it (so a list is
+    never written in place: a view another holder keeps stays as it was). Two ops for the batch, not one per list."""
+    if not olds:
+        return []
+    grown = torch.cat([x for o, a in zip(olds, adds) for x in (o, a)])
+    return list(grown.split([o.numel() + a.numel() for o, a in zip(olds, adds)]))
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """t as 1-D (itself when it is; a view otherwise, a copy when it is not contiguous)."""
     return t if t.dim() == 1 else t.reshape(-1)

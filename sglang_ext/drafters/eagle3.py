@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ..attention import FrontierPaths, advance_seen, causal_masks, plan_flat, plan_frontier, tree_attention_cpu
-from ..device import module_on, upload
+from ..device import grow, module_on, upload
 from ..kernels import attach_bf16_halves, attach_q8, q8_eagle3_layer
 from ..models.checkpoint import check_fits
 from ..models.draft_graphs import FrontierRunner, SearchBuffers, SearchRunner
@@ -213,9 +213,7 @@ class Eagle3Drafter(Drafter):
                 )
         fused = self._pending_features([p for st in sts for p in st.pending])  # [sum m, H]
         new = self.kv.alloc(sum(m))
-        # every request's slots grown in one cat, each request's a view of it (never written in place)
-        grown = torch.cat([x for st, s in zip(sts, new.split(m)) for x in (st.slots, s)])
-        for st, s in zip(sts, grown.split([n + k for n, k in zip(done, m)])):
+        for st, s in zip(sts, grow([st.slots for st in sts], list(new.split(m)))):
             st.slots, st.pending = s, []
         ids = [t for d, n, k in zip(batch, done, m) for t in d.token_ids[n + 1 : n + 1 + k]]
         pos = torch.tensor([j for n, k in zip(done, m) for j in range(n, n + k)])

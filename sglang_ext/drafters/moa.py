@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from ..attention import FrontierPaths, advance_seen, frontier_fields, plan_frontier, tree_attention_cpu
-from ..device import module_on, to_device
+from ..device import grow, module_on, to_device
 from ..kernels import attach_bf16_halves, attach_packed_rows, attach_q8, attach_q8_rows, q8_moa_stacks
 from ..models.checkpoint import check_fits
 from ..models.draft_graphs import FrontierRunner, SearchBuffers, SearchRunner
@@ -242,11 +242,9 @@ class MoADrafter(Drafter):
         for st, (a, b) in zip(sts, holes):  # (memory is one slot per token up to the first hole)
             if b > a and st.first_hole is None:
                 st.first_hole = st.mem_slots.numel() + a
-        # the three slot lists of every request grown in one cat, each list a view of it (never written in place)
         got = [k - (b - a) for k, (a, b) in zip(sizes, holes)]  # memory slots: none for a catch-up's hole
-        new = zip(mem.split(got), sa.split(sizes), target_slots.split(sizes))
-        pairs = [(o, a) for st, add in zip(sts, new) for o, a in zip((st.mem_slots, st.sa_slots, st.target_slots), add)]
-        parts = iter(torch.cat([x for pair in pairs for x in pair]).split([o.numel() + a.numel() for o, a in pairs]))
+        new = [x for add in zip(mem.split(got), sa.split(sizes), target_slots.split(sizes)) for x in add]
+        parts = iter(grow([x for st in sts for x in (st.mem_slots, st.sa_slots, st.target_slots)], new))
         for st in sts:
             st.mem_slots, st.sa_slots, st.target_slots = next(parts), next(parts), next(parts)
 

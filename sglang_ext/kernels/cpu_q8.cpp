@@ -537,6 +537,18 @@ class Q8Stack : public torch::CustomClassHolder {
     Nqkv = (Hq + 2 * Hkv) * D;
   }
 
+  // Every layer kind's tail: o [H, Hq * D], gate_up [2I, H], down [H, I] repacked and checked; the layer appended.
+  // Returns its index.
+  int64_t push_layer(Layer l, const at::Tensor& o, int64_t o_kind, const at::Tensor& gate_up, int64_t gate_up_kind,
+                     const at::Tensor& down, int64_t down_kind) {
+    l.o = checked(repack(o, o_kind, Hq * D), H, "o");
+    l.gate_up = checked(repack(gate_up, gate_up_kind, H), 2 * I, "gate_up");
+    l.down = checked(repack(down, down_kind, I), H, "down");
+    TORCH_CHECK(I % GROUP == 0, "q8: intermediate size must be a multiple of 16");
+    layers.push_back(std::move(l));
+    return num_layers() - 1;
+  }
+
   void add_layer(const at::Tensor& in_norm, const at::Tensor& qkv, int64_t qkv_kind, const c10::optional<at::Tensor>& qkv_bias,
                  const at::Tensor& o, int64_t o_kind, const at::Tensor& post_norm, const at::Tensor& gate_up, int64_t gate_up_kind,
                  const at::Tensor& down, int64_t down_kind) {
@@ -548,11 +560,7 @@ class Q8Stack : public torch::CustomClassHolder {
       l.qkv_bias = qkv_bias->to(at::kFloat).contiguous();
     }
     l.qkv = checked(repack(qkv, qkv_kind, H), Nqkv, "qkv");
-    l.o = checked(repack(o, o_kind, Hq * D), H, "o");
-    l.gate_up = checked(repack(gate_up, gate_up_kind, H), 2 * I, "gate_up");
-    l.down = checked(repack(down, down_kind, I), H, "down");
-    TORCH_CHECK(I % GROUP == 0, "q8: intermediate size must be a multiple of 16");
-    layers.push_back(std::move(l));
+    push_layer(std::move(l), o, o_kind, gate_up, gate_up_kind, down, down_kind);
   }
 
   // An EAGLE-3 draft layer (midlayer): qkv [Nqkv, 2H] over [RMSNorm(embedding) | RMSNorm(feature)] (in_norm,
@@ -565,12 +573,7 @@ class Q8Stack : public torch::CustomClassHolder {
     l.in_norm2 = norm_weight(hidden_norm, H);
     l.post_norm = norm_weight(post_norm, H);
     l.qkv = checked(repack(qkv, qkv_kind, 2 * H), Nqkv, "qkv");
-    l.o = checked(repack(o, o_kind, Hq * D), H, "o");
-    l.gate_up = checked(repack(gate_up, gate_up_kind, H), 2 * I, "gate_up");
-    l.down = checked(repack(down, down_kind, I), H, "down");
-    TORCH_CHECK(I % GROUP == 0, "q8: intermediate size must be a multiple of 16");
-    layers.push_back(std::move(l));
-    return num_layers() - 1;
+    return push_layer(std::move(l), o, o_kind, gate_up, gate_up_kind, down, down_kind);
   }
 
   // A cross-attention layer (MoA's CA): q [Hq * D, H] over RMSNorm(x) (in_norm), attention over keys and values
@@ -583,12 +586,7 @@ class Q8Stack : public torch::CustomClassHolder {
     l.in_norm = norm_weight(in_norm, H);
     l.post_norm = norm_weight(post_norm, H);
     l.qkv = checked(repack(q, q_kind, H), Hq * D, "q");
-    l.o = checked(repack(o, o_kind, Hq * D), H, "o");
-    l.gate_up = checked(repack(gate_up, gate_up_kind, H), 2 * I, "gate_up");
-    l.down = checked(repack(down, down_kind, I), H, "down");
-    TORCH_CHECK(I % GROUP == 0, "q8: intermediate size must be a multiple of 16");
-    layers.push_back(std::move(l));
-    return num_layers() - 1;
+    return push_layer(std::move(l), o, o_kind, gate_up, gate_up_kind, down, down_kind);
   }
 
   // An EAGLE-3 draft layer over T rows: embeddings and features [T, H], RoPE cos/sin [T, D]; writes the rows'

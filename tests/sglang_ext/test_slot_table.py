@@ -60,16 +60,23 @@ def test_the_rows_a_graph_reads_hold_every_requests_slots():
             slots[max(slots, default=0) + 100] = torch.randint(1, 10_000, (rng.randrange(1, 30),))
 
 
-def test_a_plain_decode_steps_argmax_in_the_graph_is_the_eager_logits_argmax():
+def _three_prefilled(pool: int, seed: int):
+    """A tiny model, its KV pool and three prompts (5, 12, 3 random tokens) prefilled: (model, kv, generator,
+    the prompts' slots)."""
     model = tiny_target(vocab=64, hidden=64, heads=4, kv_heads=2).model
-    kv = model.new_kv_pool(512)
-    g = torch.Generator().manual_seed(1)
+    kv = model.new_kv_pool(pool)
+    g = torch.Generator().manual_seed(seed)
     prefixes = []
     for n in (5, 12, 3):
         s = kv.alloc(n)
         ids = torch.randint(0, 64, (n,), generator=g)
         model.forward(ids, torch.arange(n), s, plan_attention([s], [causal_mask(n, 0)]), kv)
         prefixes.append(s)
+    return model, kv, g, prefixes
+
+
+def test_a_plain_decode_steps_argmax_in_the_graph_is_the_eager_logits_argmax():
+    model, kv, g, prefixes = _three_prefilled(pool=512, seed=1)
     runner, ref = GraphRunner(model, graphs=False), GraphRunner(model, graphs=False)
     for step in range(3):
         tokens = torch.randint(0, 64, (3,), generator=g).tolist()
@@ -107,15 +114,7 @@ def test_a_verify_steps_greedy_paths_in_the_graph_are_greedy_paths_on_the_eager_
     from sglang_ext.tree import tree_from_parents
     from sglang_ext.verify import greedy_paths
 
-    model = tiny_target(vocab=64, hidden=64, heads=4, kv_heads=2).model
-    kv = model.new_kv_pool(1024)
-    g = torch.Generator().manual_seed(3)
-    prefixes = []
-    for n in (5, 12, 3):
-        s = kv.alloc(n)
-        ids = torch.randint(0, 64, (n,), generator=g)
-        model.forward(ids, torch.arange(n), s, plan_attention([s], [causal_mask(n, 0)]), kv)
-        prefixes.append(s)
+    model, kv, g, prefixes = _three_prefilled(pool=1024, seed=3)
     runner, ref = GraphRunner(model, graphs=False), GraphRunner(model, graphs=False)
     shapes = ([[-1, 0, 0], [-1], [-1, 0, 0, 1, 1, 3]], [[-1, 0, 1, 0, 2], [-1, 0], [-1, 0, 0]])
     for step, parents in enumerate(shapes):
