@@ -20,7 +20,7 @@ from collections import defaultdict
 import torch
 
 # drafter methods timed on their own, where the drafter has them (the rest of propose is plans, search and glue)
-PARTS = ("_extend", "_pending_features", "_layer", "_flush", "context", "_lsa_q8", "_ingest", "_pass_q8")
+PARTS = ("_extend", "_pending_features", "_layer", "_flush", "context", "_commit_q8", "_ingest", "_pass_q8")
 
 
 def _timed(obj, name: str, acc: dict, label: str) -> None:

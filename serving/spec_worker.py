@@ -288,6 +288,9 @@ class SpecWorker:
         ]
         if not who:
             return {}
+        if not captured and all(trees[i].num_nodes == 1 for i in who):
+            # root-only trees (the policy kept drafting off): each commit is its root, at the tree's own position
+            return {i: (trees[i].positions, {}) for i in who}
         dev = self.model.device
         sizes = [len(paths[i]) for i in who]
         at = to_device(torch.tensor([starts[i] + x for i in who for x in paths[i]], dtype=torch.long), dev)

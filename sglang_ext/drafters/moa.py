@@ -36,7 +36,7 @@ from ..models.draft_graphs import FrontierRunner, SearchBuffers, SearchRunner
 from ..models.graph_runner import static_attention, static_plan, with_static_attention
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel, rms_norm
-from ..models.moa import MoADraft, load_moa, stack_layer_kv
+from ..models.moa import MoADraft, load_moa
 from ..sampling import greedy_tokens
 from ..settings import settings
 from ..tree import TokenTree, TreeShape, search_candidates, tree_batch, unpack_trees
@@ -208,11 +208,11 @@ class MoADrafter(Drafter):
         """CA keys/values of newly verified tokens: LSA over their K/V at every target layer (or,
         for the no-LSA ablation, their last-layer output). Also what an edge server sends a client."""
         if self.capture_layers:
-            memory = (hidden or {})[self.capture_layers[0]]
-        else:
-            memory = self._lsa_q8(kv, slots) if self.q8 is not None else lsa_memory(self.draft, kv.k, kv.v, slots)
-            self.lsa_rows += slots.numel()
-        return commit_ca(self.draft, memory, positions)
+            return commit_ca(self.draft, (hidden or {})[self.capture_layers[0]], positions)
+        self.lsa_rows += slots.numel()
+        if self.q8 is not None:
+            return self._commit_q8(kv, slots, positions)
+        return commit_ca(self.draft, lsa_memory(self.draft, kv.k, kv.v, slots), positions)
 
     def _ingest(
         self,
@@ -248,22 +248,15 @@ class MoADrafter(Drafter):
         for st in sts:
             st.mem_slots, st.sa_slots, st.target_slots = next(parts), next(parts), next(parts)
 
-    def _lsa_q8(self, kv: KVPool, slots: torch.Tensor) -> torch.Tensor:
-        """lsa_memory on the LSA stack: each token's L rows (its K|V at every target layer) attend to each other
-        (one plan entry per token, all visible), RoPE over the layer index; mean over L, Ekv2E -> memory [n, H]."""
-        x = stack_layer_kv(kv.k, kv.v, slots)  # [n, L, W]
-        n, layers, w = x.shape
-        rows = n * layers
-        lay = self.draft.layer_self_attention
-        cos, sin = self.draft._lsa_rope(layers, torch.float32, x.device)  # [L, 1, d]
-        cos, sin = cos[:, 0].repeat(n, 1), sin[:, 0].repeat(n, 1)
-        at = torch.arange(rows + 1)
-        pool = torch.empty(rows + 1, lay.kv_heads, lay.head_dim)  # scratch K/V: slot 1 + row (slot 0 unused)
-        plan = [at[::layers], at[::layers], at[1:], torch.ones(n * layers * layers, dtype=torch.bool)]
-        out = self.q8[1].forward_layers(
-            x.reshape(rows, w), cos, sin, [at[1:]], [pool], [torch.empty_like(pool)], [0], plan, lay.head_dim**-0.5, []
-        )[0]
-        return self.draft.Ekv2E(out.view(n, layers, w).mean(dim=1))
+    def _commit_q8(self, kv: KVPool, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """lsa_memory then commit_ca in one native call on the LSA stack (Q8Stack.lsa_commit): each token's L rows
+        (its K|V at every target layer, RoPE over the layer index) attend to each other; mean over L, Ekv2E, the CA
+        keys (RoPE at positions [n]) and values [n, kv_heads, D]."""
+        layers = len(kv.k)
+        lsa_cos, lsa_sin = self.draft._lsa_rope(layers, torch.float32, kv.k[0].device)  # [L, 1, d]
+        cos, sin = self.draft.rope(positions, torch.float32)  # [n, 1, D]
+        k, v = self.q8[1].lsa_commit(kv.k, kv.v, slots, lsa_cos[:, 0], lsa_sin[:, 0], cos[:, 0], sin[:, 0])
+        return k, v
 
     def _pass_q8(self, tokens: torch.Tensor, at: PassSlots, full: bool) -> torch.Tensor:
         """draft_pass + draft_logits on the draft-pass stack: SA, CA and the TLI layers in one call, each with its

@@ -257,7 +257,8 @@ def q8_moa_stacks(draft, target, tli_layers: list[int]):
     """A MoA draft (models/moa.py MoADraft) beside a q8 target (models/llama.py LlamaModel) on q8 stacks: (pass, lsa).
     `pass`: the draft pass in one call (Q8Stack.forward_layers): layer 0 SA, layer 1 CA (a cross layer), then the
     target's TLI layers (their GGUF blocks), the target's final norm, and the draft-vocab rows of its head as the
-    stack's head (logits); `lsa`: the LSA layer alone (no head: forward_layers returns its output). The draft's
+    stack's head (logits); `lsa`: the LSA layer (no head) with the commit's tail: Ekv2E and the CA keys/values of the
+    memory (Q8Stack.lsa_commit: a commit of verified tokens in one call). The draft's
     weights as Q8_0 blocks, as attach_q8 makes them. None where q8 cannot run here or the draft's layers do not have
     the target's shape (its TLI layers could not share a stack)."""
     c, t = draft.cfg, target.cfg
@@ -312,6 +313,8 @@ def q8_moa_stacks(draft, target, tli_layers: list[int]):
         c.lsa_hidden, lay.heads, lay.kv_heads, lay.head_dim, c.lsa_intermediate_size, c.rms_norm_eps
     )
     decoder(lsa, lay)
+    e, kv = draft.Ekv2E, blocks(a.k_proj, a.v_proj)
+    lsa.set_lsa_tail(*blocks(e), e.bias.detach().float(), norm(ca.kv_layernorm), *kv, ca.kv_heads, ca.head_dim)
     return step, lsa
 
 

@@ -654,6 +654,85 @@ class Q8Stack : public torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
 
+  // MoA's commit tail on its LSA stack (lsa_commit): memory = Ekv2E (mean over the layers of the LSA layer's output)
+  // + bias; the CA layer's keys and values of it: [k | v] = kv (RMSNorm(memory) by kv_norm), RoPE on k.
+  void set_lsa_tail(const at::Tensor& ekv2e_blocks, int64_t ekv2e_kind, const at::Tensor& ekv2e_bias, const at::Tensor& kv_norm,
+                    const at::Tensor& kv_blocks, int64_t kv_kind, int64_t kv_heads, int64_t head_dim) {
+    TORCH_CHECK(kv_heads > 0 && head_dim > 0 && head_dim % 16 == 0, "q8 set_lsa_tail: bad CA kv heads / head dim");
+    ekv2e = repack(ekv2e_blocks, ekv2e_kind, H);
+    const int64_t M = ekv2e.N;
+    TORCH_CHECK(M % QK == 0, "q8 set_lsa_tail: the memory width must be a multiple of 32");
+    memory_bias = norm_weight(ekv2e_bias, M);
+    kv_norm_w = norm_weight(kv_norm, M);
+    ca_kv = checked(repack(kv_blocks, kv_kind, M), 2 * kv_heads * head_dim, "the CA k|v");
+    ca_heads = kv_heads, ca_dim = head_dim;
+  }
+
+  // MoA's commit of n verified tokens in one call (the LSA stack, its tail set): token i's L rows are its K|V at
+  // every target layer (k_layers[l] / v_layers[l], fp32 [slots, Hkv_t, D_t] with 2 Hkv_t D_t == H, at slots[i];
+  // per KV head its key then its value, as models/moa.py stack_layer_kv),
+  // RoPE over the layer index (lsa_cos / lsa_sin [L, D]); the stack's one layer over them, each token's rows
+  // attending to each other; then the tail at the tokens' positions (cos / sin [n, D_ca]). Returns the CA
+  // [k, v], each [n, kv_heads, D_ca]: what MoAPieces.lsa then ca_kv compute, on the q8 kernels.
+  std::vector<at::Tensor> lsa_commit(const std::vector<at::Tensor>& k_layers, const std::vector<at::Tensor>& v_layers, const at::Tensor& slots,
+                                     const at::Tensor& lsa_cos, const at::Tensor& lsa_sin, const at::Tensor& cos, const at::Tensor& sin) {
+    TORCH_CHECK(ca_heads > 0 && num_layers() == 1, "q8 lsa_commit: the LSA stack (one layer, set_lsa_tail) only");
+    const int64_t L = static_cast<int64_t>(k_layers.size()), half = H / 2;
+    TORCH_CHECK(L >= 1 && static_cast<int64_t>(v_layers.size()) == L, "q8 lsa_commit: one k and one v pool per target layer");
+    TORCH_CHECK(slots.device().is_cpu() && slots.scalar_type() == at::kLong && slots.dim() == 1, "q8 lsa_commit: slots must be int64 [n]");
+    const int64_t n = slots.size(0), T = n * L, S = k_layers[0].size(0), heads_t = k_layers[0].size(1), dim_t = k_layers[0].size(2);
+    for (int64_t l = 0; l < L; ++l)
+      for (const at::Tensor* p : {&k_layers[l], &v_layers[l]})
+        TORCH_CHECK(p->device().is_cpu() && p->scalar_type() == at::kFloat && p->is_contiguous() && p->dim() == 3 && p->size(0) == S &&
+                        p->size(1) == heads_t && p->size(2) == dim_t && heads_t * dim_t == half,
+                    "q8 lsa_commit: target pools must be contiguous fp32 [slots, kv_heads, head_dim] with 2 kv_heads head_dim == ", H);
+    auto rope_rows = [](const at::Tensor& t, int64_t rows, int64_t d, const char* name) {
+      TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.dim() == 2 && t.size(0) == rows && t.size(1) == d,
+                  "q8 lsa_commit: ", name, " must be fp32 [", rows, ", ", d, "]");
+      return t.contiguous();
+    };
+    const at::Tensor lc = rope_rows(lsa_cos, L, D, "lsa_cos"), ls = rope_rows(lsa_sin, L, D, "lsa_sin");
+    const at::Tensor cc = rope_rows(cos, n, ca_dim, "cos"), cs = rope_rows(sin, n, ca_dim, "sin");
+    const at::Tensor sl = slots.contiguous();
+    const int64_t* sp = sl.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) TORCH_CHECK(sp[i] >= 0 && sp[i] < S, "q8 lsa_commit: slot ", sp[i], " outside the pools");
+    at::Tensor x = at::empty({T, H}, at::kFloat), rc = at::empty({T, D}, at::kFloat), rs = at::empty({T, D}, at::kFloat);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t l = 0; l < L; ++l) {
+        float* row = x.data_ptr<float>() + (i * L + l) * H;  // per KV head: its key, then its value
+        for (int64_t h = 0; h < heads_t; ++h) {
+          std::memcpy(row + 2 * h * dim_t, k_layers[l].data_ptr<float>() + sp[i] * half + h * dim_t, dim_t * sizeof(float));
+          std::memcpy(row + (2 * h + 1) * dim_t, v_layers[l].data_ptr<float>() + sp[i] * half + h * dim_t, dim_t * sizeof(float));
+        }
+        std::memcpy(rc.data_ptr<float>() + (i * L + l) * D, lc.data_ptr<float>() + l * D, D * sizeof(float));
+        std::memcpy(rs.data_ptr<float>() + (i * L + l) * D, ls.data_ptr<float>() + l * D, D * sizeof(float));
+      }
+    // the plan: token i's rows are its own request, every key visible; scratch K/V at slot 1 + row
+    const at::Tensor indptr = at::arange(0, T + 1, L, at::kLong), rows = at::arange(1, T + 1, at::kLong);
+    const at::Tensor pk = at::empty({T + 1, Hkv, D}, at::kFloat), pv = at::empty({T + 1, Hkv, D}, at::kFloat);
+    std::vector<moa_attention::RowPlan> rps{
+        moa_attention::plan_rows(indptr, indptr, rows, at::ones({n * L * L}, at::kBool), T, T + 1, "q8 lsa_commit")};
+    std::vector<AttnWork> works{attention_work(rps[0], T, threads(T))};
+    const at::Tensor out = run_layers(x, rc, rs, {rows}, {pk}, {pv}, {0}, rps, works, {0}, 1.0 / std::sqrt(static_cast<double>(D)), {})[0];
+    at::Tensor mean = out.view({n, L, H}).mean(1);
+    const at::Tensor memory = matmul_of(mean, ekv2e, "q8 lsa_commit").add_(memory_bias);
+    const int64_t M = ekv2e.N, kvw = ca_heads * ca_dim;
+    at::Tensor normed = at::empty({n, M}, at::kFloat);
+    for (int64_t i = 0; i < n; ++i)
+      moa_layer::norm_row(memory.data_ptr<float>() + i * M, kv_norm_w.data_ptr<float>(), normed.data_ptr<float>() + i * M, M, eps);
+    const at::Tensor kv = matmul_of(normed, ca_kv, "q8 lsa_commit");
+    at::Tensor k = at::empty({n, ca_heads, ca_dim}, at::kFloat), v = at::empty({n, ca_heads, ca_dim}, at::kFloat);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* row = kv.data_ptr<float>() + i * 2 * kvw;
+      for (int64_t h = 0; h < ca_heads; ++h)
+        moa_layer::rope_head(row + h * ca_dim, cc.data_ptr<float>() + i * ca_dim, cs.data_ptr<float>() + i * ca_dim,
+                             k.data_ptr<float>() + (i * ca_heads + h) * ca_dim, ca_dim);
+      std::memcpy(v.data_ptr<float>() + i * kvw, row + kvw, kvw * sizeof(float));
+    }
+    return {k, v};
+  }
+
+
   // Profiling of forward (one caller at a time): on/off, and the ms per phase since the last read (then reset):
   // setup (checks, the plan's rows, buffers), and summed over the layers: norm + quantise, qkv + RoPE + K/V store,
   // attention + quantise, o + residual, norm + quantise, gate/up + SiLU + quantise, down + residual; then the
@@ -766,6 +845,9 @@ class Q8Stack : public torch::CustomClassHolder {
   std::vector<Layer> layers;
   at::Tensor norm;
   PackedMat lm_head;
+  PackedMat ekv2e, ca_kv;  // MoA's LSA tail (set_lsa_tail)
+  at::Tensor memory_bias, kv_norm_w;
+  int64_t ca_heads = 0, ca_dim = 0;
 
   static at::Tensor norm_weight(const at::Tensor& w, int64_t n) {
     TORCH_CHECK(w.numel() == n, "q8: norm weight must have ", n, " values");
@@ -1058,6 +1140,8 @@ TORCH_LIBRARY_FRAGMENT(moa_cpu, m) {
       .def("draft_layer", &Q8Stack::draft_layer)
       .def("set_head", &Q8Stack::set_head)
       .def("num_layers", &Q8Stack::num_layers)
+      .def("set_lsa_tail", &Q8Stack::set_lsa_tail)
+      .def("lsa_commit", &Q8Stack::lsa_commit)
       .def("set_profile", &Q8Stack::set_profile)
       .def("profile", &Q8Stack::profile)
       .def("forward", &Q8Stack::forward)

@@ -249,14 +249,14 @@ def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
 
 
 def test_moa_on_q8_stacks_is_the_modules_math(smollm2_q8):
-    """Beside a q8 target, MoA's LSA layer, SA commit and draft pass (SA, CA, the TLI layer, norm, head rows) run as
-    native calls on q8 stacks (kernels.q8_moa_stacks): the module's math on the same Q8_0 weights and 8-bit inputs,
-    up to the norms' and attentions' summation order (8-bit inputs amplify it), the same argmax; a token's LSA memory
-    is bit for bit the same alone or in a batch."""
+    """Beside a q8 target, MoA's commit (LSA, Ekv2E, the CA keys/values), SA commit and draft pass (SA, CA, the TLI
+    layer, norm, head rows) run as native calls on q8 stacks (kernels.q8_moa_stacks): the module's math on the same
+    Q8_0 weights and 8-bit inputs, up to the norms' and attentions' summation order (8-bit inputs amplify it), the
+    same argmax; a token's CA keys/values are bit for bit the same alone or in a batch."""
     from sglang_ext.drafters import make_drafter
     from sglang_ext.drafters.base import DraftInput
     from sglang_ext.drafters.moa import _RequestState, _TreePaths
-    from sglang_ext.drafters.moa_core import commit_sa, draft_logits, draft_pass, lsa_memory
+    from sglang_ext.drafters.moa_core import commit_ca, commit_sa, draft_logits, draft_pass, lsa_memory
     from sglang_ext.sampling import SamplingParams
 
     d, m = make_drafter("moa", smollm2_q8), smollm2_q8.model
@@ -266,10 +266,12 @@ def test_moa_on_q8_stacks_is_the_modules_math(smollm2_q8):
     for t in kv.k + kv.v:
         t.copy_(torch.randn(t.shape, generator=g))
     with torch.inference_mode():
-        slots = torch.tensor([5, 9, 2, 33, 17])
-        memory = d._lsa_q8(kv, slots)
-        assert _close(memory, lsa_memory(d.draft, kv.k, kv.v, slots), 2e-3)
-        assert torch.equal(d._lsa_q8(kv, slots[1:3]), memory[1:3])
+        slots, positions = torch.tensor([5, 9, 2, 33, 17]), torch.tensor([0, 1, 2, 3, 40])
+        k, v = d._commit_q8(kv, slots, positions)  # LSA, Ekv2E and the CA keys/values in one call
+        want_k, want_v = commit_ca(d.draft, lsa_memory(d.draft, kv.k, kv.v, slots), positions)
+        assert _close(k, want_k, 3e-3) and _close(v, want_v, 3e-3)
+        k2, v2 = d._commit_q8(kv, slots[1:3], positions[1:3])
+        assert torch.equal(k2, k[1:3]) and torch.equal(v2, v[1:3])
         # the SA commit: K/V of verified tokens' embeddings into the SA pool
         ids, pos = torch.tensor([7, 300, 4100]), torch.tensor([0, 1, 2])
         sa = d.sa.alloc(3)
