@@ -288,9 +288,11 @@ class SpecWorker:
         ]
         if not who:
             return {}
-        if not captured and all(trees[i].num_nodes == 1 for i in who):
-            # root-only trees (the policy kept drafting off): each commit is its root, at the tree's own position
-            return {i: (trees[i].positions, {}) for i in who}
+        if all(trees[i].num_nodes == 1 for i in who) and [starts[i] for i in who] == list(range(len(who))):
+            # every tree root-only (the policy kept drafting off), every request committing: each commit is its
+            # tree's root, at the tree's position, and its captured rows are the forward's first rows in order
+            hidden = {l: h[: len(who)].split(1) for l, h in captured.items()}
+            return {i: (trees[i].positions, {l: rows[j] for l, rows in hidden.items()}) for j, i in enumerate(who)}
         dev = self.model.device
         sizes = [len(paths[i]) for i in who]
         at = to_device(torch.tensor([starts[i] + x for i in who for x in paths[i]], dtype=torch.long), dev)

@@ -1,5 +1,6 @@
 """The engine on the real SmolLM2 target (fp32): model correctness, greedy identity, KV accounting, bad input."""
 
+import itertools
 import json
 import re
 from dataclasses import replace
@@ -317,6 +318,14 @@ def test_a_steps_commits_gathered_at_once_equal_each_requests_rows():
     eng = Checked(t, _tiny_eagle3(t), EngineConfig(tree=TreeShape(2, 2, 4), adaptive=False))
     assert [r.output_ids for r in eng.generate(prompts, sp)] == ref
     assert CheckedWorker.checked > 3 and slots_whole(eng)
+    # steps the policy keeps drafting off (every tree root-only: the commits are the forward's first rows, no
+    # gather) between drafted ones
+    CheckedWorker.checked = 0
+    eng = Checked(t, _tiny_eagle3(t), EngineConfig(tree=TreeShape(2, 2, 4), adaptive=True))
+    turns = itertools.cycle([0, 0, 1])  # off, off, the tree
+    eng.spec.policy.choose = lambda n: next(turns)
+    assert [r.output_ids for r in eng.generate(prompts, sp)] == ref
+    assert CheckedWorker.checked > 6 and slots_whole(eng)
 
 
 def test_a_path_outside_its_tree_fails_its_request_alone():
