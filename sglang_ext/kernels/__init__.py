@@ -209,25 +209,47 @@ def attach_bf16_halves(module: torch.nn.Module) -> int:
     return n
 
 
-def attach_q8(module: torch.nn.Module) -> int:
+def q4_1_blocks(w: torch.Tensor) -> torch.Tensor:
+    """An fp32 weight [N, K] (K % 32 == 0) as GGUF Q4_1 blocks (uint8 [N, K / 32 * 20]): per 32 weights the scale d =
+    (max - min) / 15 and the offset m = min (fp16 each), then q = round((w - m) / d) in 0..15 (with the fp16 d and m,
+    so w ~ d q + m), weight j of a block in the low nibble of byte j, weight 16 + j in its high nibble."""
+    n, k = w.shape
+    if k % 32:
+        raise ValueError(f"q4_1_blocks: K must be a multiple of 32, got {k}")
+    b = w.detach().float().reshape(n, k // 32, 32)
+    lo = b.amin(-1)
+    d, m = ((b.amax(-1) - lo) / 15).half(), lo.half()
+    scale = d.float()[..., None]
+    q = ((b - m.float()[..., None]) / torch.where(scale > 0, scale, 1.0)).round().clamp(0, 15).to(torch.uint8)
+    q = torch.where(scale > 0, q, 0)
+    head = torch.stack([d, m], -1).view(torch.uint8)  # [n, k / 32, 4]: d then m, little-endian fp16
+    return torch.cat([head, q[..., :16] | (q[..., 16:] << 4)], -1).reshape(n, k // 32 * 20)
+
+
+def weight_blocks(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """An fp32 weight [N, K] as GGUF blocks of `kind` (Q8_0 or Q4_1) for the q8 kernels."""
+    return q4_1_blocks(w) if kind == "Q4_1" else torch.ops.moa_cpu.q8_0_blocks(w.detach().float())
+
+
+def attach_q8(module: torch.nn.Module, kind: str = "Q8_0") -> int:
     """For each fp32 Linear weight of `module` (K % 32 == 0), let `linear` run it on the q8 kernels: the weight
-    as Q8_0 blocks (8 bits per weight, an fp16 scale per 32) times 8-bit activations, as the q8 target's own
-    matmuls (a drafter beside a q8 target: a quarter of its bf16 bytes, integer dot products). Its outputs
-    move by the rounding of both; a drafter only proposes, so what is served stays the target's. Returns how
-    many weights were attached (0 where q8 cannot run)."""
+    as `kind` blocks (Q8_0: 8 bits per weight, an fp16 scale per 32; Q4_1: 4 bits, a scale and an offset per 32)
+    times 8-bit activations, as the q8 target's own matmuls (a drafter beside a q8 target: a quarter or less of
+    its bf16 bytes, integer dot products). Its outputs move by the rounding of both; a drafter only proposes, so
+    what is served stays the target's. Returns how many weights were attached (0 where q8 cannot run)."""
     if q8_unavailable() is not None:
         return 0
     n = 0
     for m in module.modules():
         if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float32 and m.in_features % 32 == 0:
             w = m.weight
-            w.moa_q8 = (_q8_matrix(torch.ops.moa_cpu.q8_0_blocks(w.detach()), "Q8_0", w.shape[1]), _version(w))
+            w.moa_q8 = (_q8_matrix(weight_blocks(w, kind), kind, w.shape[1]), _version(w))
             n += 1
     return n
 
 
-def q8_eagle3_layer(draft):
-    """An EAGLE-3 draft's midlayer (models/eagle3.py Eagle3Draft) on the q8 stack: its weights as Q8_0 blocks
+def q8_eagle3_layer(draft, kind: str = "Q8_0"):
+    """An EAGLE-3 draft's midlayer (models/eagle3.py Eagle3Draft) on the q8 stack: its weights as `kind` blocks
     (q/k/v fused, gate/up fused), the layer in one call (Q8Stack.draft_layer, layer 0); None where q8 cannot run."""
     if q8_unavailable() is not None:
         return None
@@ -235,8 +257,7 @@ def q8_eagle3_layer(draft):
     a, mlp = lay.self_attn, lay.mlp
 
     def blocks(*ws: torch.nn.Linear) -> tuple[torch.Tensor, int]:
-        w = torch.cat([m.weight.detach().float() for m in ws])
-        return torch.ops.moa_cpu.q8_0_blocks(w), PACKED_KIND_IDS["Q8_0"]
+        return weight_blocks(torch.cat([m.weight.detach().float() for m in ws]), kind), PACKED_KIND_IDS[kind]
 
     stack = torch.classes.moa_cpu.Q8Stack(
         c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps
@@ -253,12 +274,15 @@ def q8_eagle3_layer(draft):
     return stack
 
 
-def q8_moa_stacks(draft, target, tli_layers: list[int]):
+def q8_moa_stacks(draft, target, tli_layers: list[int], pass_kind: str = "Q4_1"):
     """A MoA draft (models/moa.py MoADraft) beside a q8 target (models/llama.py LlamaModel) on q8 stacks: (pass, lsa).
     `pass`: the draft pass in one call (Q8Stack.forward_layers): layer 0 SA, layer 1 CA (a cross layer), then the
     target's TLI layers (their GGUF blocks), the target's final norm, and the draft-vocab rows of its head as the
     stack's head (logits); `lsa`: the LSA layer (no head) with the commit's tail: Ekv2E and the CA keys/values of the
-    memory (Q8Stack.lsa_commit: a commit of verified tokens in one call). The draft's
+    memory (Q8Stack.lsa_commit: a commit of verified tokens in one call). The pass's own weights (SA, CA, the head's
+    draft-vocab rows) as `pass_kind` blocks: Q4_1 as the target's layers by default, since a pass of a few rows
+    streams them from memory every step (~35 % fewer bytes than Q8_0); the LSA's as Q8_0 (30 rows a token:
+    compute-bound, where unpacking 4-bit blocks would cost more than it saves). The draft's
     weights as Q8_0 blocks, as attach_q8 makes them. None where q8 cannot run here or the draft's layers do not have
     the target's shape (its TLI layers could not share a stack)."""
     c, t = draft.cfg, target.cfg
@@ -273,46 +297,47 @@ def q8_moa_stacks(draft, target, tli_layers: list[int]):
     head = getattr(target.lm_head, "moa_packed", None)
     if q8_unavailable() is not None or target.q8 is None or not same or c.memory_source != "lsa" or head is None:
         return None
-    q8_0 = PACKED_KIND_IDS["Q8_0"]
 
-    def blocks(*ws: torch.nn.Linear) -> tuple[torch.Tensor, int]:
-        return torch.ops.moa_cpu.q8_0_blocks(torch.cat([m.weight.detach().float() for m in ws])), q8_0
+    def blocks(*ws: torch.nn.Linear, kind: str = "Q8_0") -> tuple[torch.Tensor, int]:
+        return weight_blocks(torch.cat([m.weight.detach().float() for m in ws]), kind), PACKED_KIND_IDS[kind]
 
     def norm(m) -> torch.Tensor:
         return m.weight.detach().float()
 
-    def decoder(stack, lay) -> None:
+    def decoder(stack, lay, kind: str) -> None:
         a, mlp = lay.attn, lay.mlp
-        qkv, o, gu = blocks(a.q_proj, a.k_proj, a.v_proj), blocks(a.o_proj), blocks(mlp.gate_proj, mlp.up_proj)
-        stack.add_layer(
-            norm(lay.input_layernorm), *qkv, None, *o, norm(lay.post_attention_layernorm), *gu, *blocks(mlp.down_proj)
-        )
+        qkv, o = blocks(a.q_proj, a.k_proj, a.v_proj, kind=kind), blocks(a.o_proj, kind=kind)
+        gu, down = blocks(mlp.gate_proj, mlp.up_proj, kind=kind), blocks(mlp.down_proj, kind=kind)
+        stack.add_layer(norm(lay.input_layernorm), *qkv, None, *o, norm(lay.post_attention_layernorm), *gu, *down)
 
     step = torch.classes.moa_cpu.Q8Stack(
         c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps
     )
-    decoder(step, draft.self_attention)
+    decoder(step, draft.self_attention, pass_kind)
     ca = draft.cross_attention
     a, mlp = ca.attn, ca.mlp
     step.add_cross_layer(
         norm(ca.input_layernorm),
-        *blocks(a.q_proj),
-        *blocks(a.o_proj),
+        *blocks(a.q_proj, kind=pass_kind),
+        *blocks(a.o_proj, kind=pass_kind),
         norm(ca.post_attention_layernorm),
-        *blocks(mlp.gate_proj, mlp.up_proj),
-        *blocks(mlp.down_proj),
+        *blocks(mlp.gate_proj, mlp.up_proj, kind=pass_kind),
+        *blocks(mlp.down_proj, kind=pass_kind),
     )
     for li in tli_layers:
         lw = target.layers[li]
         packed = [lw.qkv.moa_packed, lw.o.moa_packed, lw.gate_up.moa_packed, lw.down.moa_packed]
         (qkv, qk), (o, ok), (gu, gk), (down, dk) = ((p[1], p[0]) for p in packed)
         step.add_layer(lw.input_norm, qkv, qk, lw.qkv_bias, o, ok, lw.post_norm, gu, gk, down, dk)
-    step.set_head(target.norm, head[1][draft.hot_ids].contiguous(), head[0])
+    if pass_kind == "Q4_1":
+        step.set_head(target.norm, q4_1_blocks(target.lm_head[draft.hot_ids].float()), PACKED_KIND_IDS["Q4_1"])
+    else:
+        step.set_head(target.norm, head[1][draft.hot_ids].contiguous(), head[0])
     lay = draft.layer_self_attention
     lsa = torch.classes.moa_cpu.Q8Stack(
         c.lsa_hidden, lay.heads, lay.kv_heads, lay.head_dim, c.lsa_intermediate_size, c.rms_norm_eps
     )
-    decoder(lsa, lay)
+    decoder(lsa, lay, "Q8_0")
     e, kv = draft.Ekv2E, blocks(a.k_proj, a.v_proj)
     lsa.set_lsa_tail(*blocks(e), e.bias.detach().float(), norm(ca.kv_layernorm), *kv, ca.kv_heads, ca.head_dim)
     return step, lsa

@@ -257,10 +257,13 @@ def test_moa_on_q8_stacks_is_the_modules_math(smollm2_q8):
     from sglang_ext.drafters.base import DraftInput
     from sglang_ext.drafters.moa import _RequestState, _TreePaths
     from sglang_ext.drafters.moa_core import commit_ca, commit_sa, draft_logits, draft_pass, lsa_memory
+    from sglang_ext.kernels import q8_moa_stacks
     from sglang_ext.sampling import SamplingParams
 
     d, m = make_drafter("moa", smollm2_q8), smollm2_q8.model
     assert d.q8 is not None and d.tli_layers
+    shipped = d.q8  # (the module's math: on the weights the modules' matmuls use, Q8_0)
+    d.q8 = (q8_moa_stacks(d.draft, m, d.tli_layers, pass_kind="Q8_0")[0], shipped[1])
     g = torch.Generator().manual_seed(8)
     kv = m.new_kv_pool(64)
     for t in kv.k + kv.v:
@@ -295,7 +298,28 @@ def test_moa_on_q8_stacks_is_the_modules_math(smollm2_q8):
             assert native.shape == ref.shape == (3, d.hot_ids.numel())
             assert _close(native, ref, 1e-2)
             assert torch.equal(native.argmax(-1), ref.argmax(-1))
+            d.q8 = shipped  # the pass's weights as Q4_1 blocks (the default): the same logits up to their rounding
+            assert _close(d._pass_q8(tokens, at, False), native, 0.1)
         finally:
             paths.free()
             d.remove_request(0)
             d.sa.free(sa)
+
+
+def test_q4_1_blocks_round_to_the_grid_and_run_on_the_kernels():
+    """kernels.q4_1_blocks: GGUF Q4_1 blocks of an fp32 weight (a drafter's pass weights), as gguf reads them: every
+    weight within half a step of its block's grid d q + m (a constant block exact); the q8 kernels multiply those."""
+    from sglang_ext.kernels import _q8_matrix, q4_1_blocks
+
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(48, 96, generator=g)
+    w[3, :32] = 0.5
+    blocks = q4_1_blocks(w)
+    grid = gguf_dequant("Q4_1", blocks)  # (the gguf package's reading of them)
+    d = blocks.reshape(48, 3, 20)[..., :2].contiguous().view(torch.float16).float()
+    assert bool(((grid - w).abs().reshape(48, 3, 32) <= d / 2 * (1 + 1e-3) + 1e-6).all())
+    assert torch.equal(grid[3, :32], w[3, :32])
+    x = torch.randn(5, 96, generator=g)
+    assert _close(_q8_matrix(blocks, "Q4_1", 96).forward(x), x @ grid.T, 1e-2)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        q4_1_blocks(torch.zeros(2, 40))
