@@ -205,9 +205,9 @@ class HostWaits:
 
 
 def static_runs(drafter) -> int:
-    """Runs a drafter's static paths took: its step runner's (one per search step) and its search
-    runner's (one per whole search)."""
-    runners = (getattr(drafter, "_steps", None), getattr(drafter, "_search", None))
+    """Runs a drafter's static paths took: its step runner's (one per search step), its search runner's (one per
+    whole search) and its extend runner's (one per draft-extend)."""
+    runners = (getattr(drafter, n, None) for n in ("_steps", "_search", "_extender"))
     return sum(r.runs for r in runners if r is not None)
 
 

@@ -31,7 +31,7 @@ from ..attention import FrontierPaths, advance_seen, causal_masks, plan_flat, pl
 from ..device import grow, module_on, upload
 from ..kernels import attach_bf16_halves, attach_q8, q8_eagle3_layer
 from ..models.checkpoint import check_fits
-from ..models.draft_graphs import FrontierRunner, SearchBuffers, SearchRunner
+from ..models.draft_graphs import ExtendRunner, FrontierRunner, SearchBuffers, SearchRunner, TablePrefixes
 from ..models.eagle3 import Eagle3Draft, load_eagle3
 from ..models.graph_runner import static_attention, static_plan
 from ..models.kv_pool import KVPool
@@ -87,6 +87,8 @@ class Eagle3Drafter(Drafter):
         self.step_graphs = False
         self._steps: FrontierRunner | None = None
         self._search: SearchRunner | None = None  # the whole search in one static function (one graph)
+        # the draft-extend of verified pairs (one graph), its requests' slots in a table on the device
+        self._extender: ExtendRunner | None = None
 
     @classmethod
     def from_target(cls, target, path: str | os.PathLike | None = None) -> "Eagle3Drafter":
@@ -133,6 +135,7 @@ class Eagle3Drafter(Drafter):
         self.reqs.setdefault(rid, _RequestState()).pending.append(fused.to(self.target.dtype))
 
     def remove_request(self, rid: int) -> None:
+        self._forget(rid)
         st = self.reqs.pop(rid, None)
         if st is not None:
             self.kv.free(st.slots[st.borrowed :])
@@ -140,12 +143,17 @@ class Eagle3Drafter(Drafter):
     def release_request(self, rid: int, taken: torch.Tensor) -> None:
         """The request ended; taken[i]: the target slot where the prefix cache holds its token i, or -1. A processed
         pair is kept under its input token's slot (pair s: token s + 1's) when the cache holds that token."""
+        self._forget(rid)
         st = self.reqs.pop(rid, None)
         if st is not None:
             keep_or_free(self.kept, [st.slots], st.borrowed, taken[1:])
 
     def drop_prefix(self, slots: torch.Tensor) -> None:
         self.kept.drop(slots)
+
+    def _forget(self, rid: int) -> None:
+        if self._extender is not None:
+            self._extender.forget(rid)
 
     # --- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -161,7 +169,9 @@ class Eagle3Drafter(Drafter):
         # the whole search as one graph replay; on the CPU with min_prob the eager search stops early and
         # drops the nodes below it (trees of other sizes than a static search's), so it runs step by step
         if self.step_graphs and not full and (not shape.min_prob or root_out.device.type != "cpu"):
-            trees = self._static_search(batch, shape, root_out, prefixes)
+            # (after a static extend the prefixes are read from its table on the device)
+            held = self._extender and self._extender.prefixes([d.rid for d in batch], [p.numel() for p in prefixes])
+            trees = self._static_search(batch, shape, root_out, prefixes, held)
             if trees is not None:
                 return trees
         # the search in flight: the frontier's pre-norm outputs [b, q, H] and each node's path (device)
@@ -211,10 +221,16 @@ class Eagle3Drafter(Drafter):
                 raise DrafterError(
                     f"request {d.rid}: draft state out of sync ({n} pairs + pending vs {d.seq_len} verified tokens)"
                 )
-        fused = self._pending_features([p for st in sts for p in st.pending])  # [sum m, H]
-        new = self.kv.alloc(sum(m))
-        for st, s in zip(sts, grow([st.slots for st in sts], list(new.split(m)))):
-            st.slots, st.pending = s, []
+        items = [p for st in sts for p in st.pending]
+        static = self.step_graphs and all(isinstance(p, dict) for p in items)  # (an edge client's fused ones: eager)
+        fused = None if static else self._pending_features(items)  # [sum m, H]
+        old = [st.slots for st in sts]
+        new = self._take_pending(sts, m)
+        if static:
+            out = self._static_extend(batch, done, m, old, new, items)
+            if out is not None:
+                return out
+            fused = self._pending_features(items)
         ids = [t for d, n, k in zip(batch, done, m) for t in d.token_ids[n + 1 : n + 1 + k]]
         pos = torch.tensor([j for n, k in zip(done, m) for j in range(n, n + k)])
         last = [x - 1 for x in accumulate(m)]  # each request's last pair: its root
@@ -224,6 +240,32 @@ class Eagle3Drafter(Drafter):
             qo, kv = torch.tensor([0, *accumulate(m)]), torch.tensor([0, *accumulate(s.numel() for s in slots)])
             return self._layer(ids, fused, pos, new, (qo, kv, torch.cat(slots), masks))[last]
         return self._layer(ids, fused, pos, new, plan_flat(slots, masks, m))[last]
+
+    def _take_pending(self, sts: list[_RequestState], m: list[int]) -> torch.Tensor:
+        """Slots for the requests' pending pairs (m[i] each), appended to their slot lists; [sum m] host ids."""
+        new = self.kv.alloc(sum(m))
+        for st, s in zip(sts, grow([st.slots for st in sts], list(new.split(m)))):
+            st.slots, st.pending = s, []
+        return new
+
+    def _static_extend(self, batch, done, m, old, new, items) -> torch.Tensor | None:
+        """The pending pairs through the extend runner (one graph; prefixes from its table on the device): each
+        request's root pair's output [b, H], or None when no bucket fits. old: the requests' slots before them."""
+        if self._extender is None:
+
+            def step(ids, feat, pos, slots, plan):
+                return (self._layer(ids, self.draft.fuse(feat), pos, slots, plan, static_attention),)
+
+            self._extender = ExtendRunner(step, self.target.device, self.target.cfg.max_position)
+        if self._extender.bucket_of(m, [s.numel() for s in old]) is None:
+            return None
+        raw = [torch.cat([h[l] for h in items]) if len(items) > 1 else items[0][l] for l in self.capture_layers]
+        feat = torch.cat(raw, dim=-1)  # [sum m, layers * Ht], as context() fuses them
+        ids = [t for d, n, k in zip(batch, done, m) for t in d.token_ids[n + 1 : n + 1 + k]]
+        pos = [j for n, k in zip(done, m) for j in range(n, n + k)]
+        feat = feat if feat.dtype == self.target.dtype else feat.to(self.target.dtype)
+        out = self._extender.run([d.rid for d in batch], ids, pos, new, m, old, feat, (self.kv,))
+        return out[0]
 
     def _pending_features(self, items: list) -> torch.Tensor:
         """Fused features [sum m, H] of pending items in order: the captured ones fused in one call."""
@@ -272,10 +314,16 @@ class Eagle3Drafter(Drafter):
         return self._steps.run(ids, feat, rows, {"draft": (prefixes, paths.slots, paths.seen)}, (self.kv,))
 
     def _static_search(
-        self, batch: list[DraftInput], shape: TreeShape, root_out: torch.Tensor, prefixes: list[torch.Tensor]
+        self,
+        batch: list[DraftInput],
+        shape: TreeShape,
+        root_out: torch.Tensor,
+        prefixes: list[torch.Tensor],
+        held: TablePrefixes | None = None,
     ) -> list[TokenTree] | None:
         """The deterministic search's trees from the search runner (root_out [b, H]: each root pair's
-        output), the same trees as the step-by-step search; None when no bucket fits. Every step's
+        output; held: where the extend's table holds the prefixes, else they go up packed), the same trees
+        as the step-by-step search; None when no bucket fits. Every step's
         temporary slots are handed out at once ([b, (depth-1)*k], request-major, step after step) and
         freed after the search is queued (later work on the device runs after it)."""
         if self._search is None:
@@ -293,7 +341,7 @@ class Eagle3Drafter(Drafter):
                 shape,
                 lambda bufs: self._search_fn(bufs, shape),
                 rows,
-                {"draft": prefixes},
+                {"draft": held or prefixes},
                 {"out": root_out},
                 (self.kv,),
             )

@@ -11,6 +11,11 @@ A drafter's whole deterministic search can go further (`SearchRunner`, as SGLang
 eagle_draft_cuda_graph_runner): every draft step, the top-k search, each node's path mask (grown on the
 device from the search's parent choices) and the trees' tensors in one function per bucket, so a
 propose is one replay plus a few copies; every step's temporary slots are handed out up front.
+
+A drafter's draft-extend (`ExtendRunner`, as SGLang's draft-extend graph): its pass over each request's newly
+verified tokens after its committed prefix, the prefixes read from a request-to-slot table on the device
+(models/slot_table.py) that the same graph extends by the new rows' slots, so the search after it reads its
+prefixes from the table too (`TablePrefixes`) instead of the host packing them.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from .graph_runner import (
     fill_flat,
     static_plan,
 )
+from .slot_table import SlotTable
 
 StepFn = Callable[..., tuple[torch.Tensor, ...]]
 # a frontier plan's description, as attention.plan_frontier takes it: per request its committed slots
@@ -173,6 +179,126 @@ def _frontier_host(key, b: int, q: int, rows: dict, plans: dict) -> tuple[torch.
     return torch.cat(longs), torch.cat(masks)
 
 
+@dataclass(frozen=True)
+class TablePrefixes:
+    """Requests' committed slots held on the device: rows[i] of `table` holds request i's first lens[i] slots."""
+
+    table: SlotTable
+    rows: list[int]
+    lens: list[int]
+
+
+# an ExtendRunner's step(ids [R], feat [R, F], positions [R], slots [R], plan StaticPlan) -> outputs [R, ...]
+ExtendFn = Callable[..., tuple[torch.Tensor, ...]]
+
+
+class ExtendRunner:
+    """A drafter's draft-extend at bucketed static shapes: b requests with q_lens[i] newly verified rows each,
+    causal among themselves, after their committed prefixes, which a SlotTable on the device holds (keyed by
+    request: only what its rows lack goes up, models/slot_table.py); the graph appends every row's slot to its
+    request's table row, so the table holds each request's extended prefix after it (`prefixes`).
+
+        bucket (B, Q, P): request i's rows at i*Q + j (padding: token 0, position 0, slot 0); the rows' input
+        features [T, F] packed at the front of a [B*Q, F] buffer, gathered on the device (request i's row j
+        reads packed row sum(q_lens[:i]) + j, counted from the non-zero slots; padding reads row 0)
+
+    run returns each request's last row of each of step's outputs (copies: the next replay overwrites them)."""
+
+    def __init__(
+        self,
+        step: ExtendFn,
+        device: torch.device | str,
+        max_context: int,
+        graphs: bool = True,
+        batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
+        node_buckets: tuple[int, ...] = NODE_BUCKETS,
+        max_rows: int = MAX_ROWS,
+    ):
+        self.step = step
+        self.batch_buckets, self.node_buckets = tuple(batch_buckets), tuple(node_buckets)
+        self.context = context_buckets(max_context)
+        self.max_rows = max_rows
+        self.cache = GraphCache(torch.device(device), graphs)
+        self.table = SlotTable(2 * self.batch_buckets[-1] + 1, self.context[-1] + 1, self.cache.device)
+        self._pools: tuple = ()
+        self.runs = 0
+
+    def bucket_of(self, q_lens: list[int], prefix_lens: list[int]) -> tuple[int, int, int] | None:
+        """The (B, Q, P) bucket of the batch, or None when it fits none (the caller runs its eager pass)."""
+        if not q_lens or min(q_lens) < 1:
+            return None
+        b, q = bucket(len(q_lens), self.batch_buckets), bucket(max(q_lens), self.node_buckets)
+        p = bucket(max(prefix_lens), self.context)
+        if b is None or q is None or p is None or b * q > self.max_rows:
+            return None
+        if max(n + k for n, k in zip(prefix_lens, q_lens)) > self.table.width:
+            return None
+        return b, q, p
+
+    def run(
+        self,
+        keys: list,  # per request its key (a request id: forget() it when the request ends)
+        ids: list[int],  # [T] the rows' tokens, request after request
+        positions: list[int],  # [T]
+        slots: torch.Tensor,  # [T] int64 host ids: where each row's K/V is written (kept: they join the prefix)
+        q_lens: list[int],  # rows per request
+        prefixes: list[torch.Tensor],  # per request [P_i] its committed slots before these rows (host)
+        feat: torch.Tensor,  # [T, F] the rows' input features (on the device)
+        pools: tuple,  # the KV pools the step writes and reads (graphs bake their addresses in)
+    ) -> tuple[torch.Tensor, ...] | None:
+        """step's outputs at each request's last row [b, ...], or None when no bucket fits."""
+        key = self.bucket_of(q_lens, [p.numel() for p in prefixes])
+        if key is None:
+            return None
+        if len(pools) != len(self._pools) or any(a is not c for a, c in zip(pools, self._pools)):
+            self.cache.clear()
+            self._pools = tuple(pools)
+        self.runs += 1
+        b, t = len(keys), feat.shape[0]
+        longs, overflow, done = self.table.inputs(key, keys, q_lens, prefixes, [*ids, *positions], [slots], True)
+        if overflow is not None:
+            self.table.write(overflow)
+        device = self.cache.device
+
+        def make() -> dict:
+            bb, q, _ = key
+            return {
+                "longs": torch.zeros(5 * bb * q + 2 * bb, dtype=torch.long, device=device),
+                "feat": torch.zeros(bb * q, feat.shape[1], dtype=feat.dtype, device=device),
+            }
+
+        def fill(bufs: dict) -> None:
+            fill_flat(bufs["longs"], longs)
+            bufs["feat"][:t].copy_(feat)
+
+        out = self.cache.run((key, feat.shape[1], feat.dtype), make, fill, lambda bufs: self._extend(key, bufs))
+        done()
+        return tuple(o[:b].clone() for o in out)
+
+    def prefixes(self, keys: list, lens: list[int]) -> "TablePrefixes | None":
+        """The requests' prefixes as the table holds them after a run (lens: their committed slots now), or None
+        when a row does not hold them."""
+        rows = self.table.rows_of(keys, lens)
+        return None if rows is None else TablePrefixes(self.table, rows, list(lens))
+
+    def forget(self, key) -> None:
+        self.table.forget(key)
+
+    def _extend(self, key: tuple[int, int, int], bufs: dict) -> tuple[torch.Tensor, ...]:
+        """The captured function: the table's rows made whole (and extended) and read, the rows' features
+        gathered, the causal static plan, the drafter's step; each request's last row."""
+        b, q, _ = key
+        ids, pos, slots, prefix, prefix_len = self.table.read(bufs["longs"], key, append=True)
+        real = (slots > 0).view(b, q)
+        n = real.sum(1)
+        ar = torch.arange(q, device=slots.device)
+        feat = bufs["feat"][torch.where(real, (n.cumsum(0) - n)[:, None] + ar, 0).view(-1)]
+        causal = (ar[None, :] <= ar[:, None]).expand(b, q, q)  # row j sees rows 0..j of its request
+        plan = static_plan(prefix, prefix_len, slots.view(b, q), causal)
+        last = (n - 1).clamp(min=0) + torch.arange(b, device=slots.device) * q
+        return tuple(o[last] for o in self.step(ids, feat, pos, slots, plan))
+
+
 @dataclass
 class SearchBuffers:
     """A search bucket's static inputs as its captured function sees them: B requests, the real ones
@@ -230,16 +356,22 @@ class SearchRunner:
         key,  # what else shapes the function (a tree shape): one graph per (bucket, key)
         search: SearchFn,
         rows: dict[str, torch.Tensor],  # name -> [b, n] int64 on the host
-        prefixes: dict[str, list[torch.Tensor]],  # name -> per request its committed slots [P_i] (host)
+        prefixes: dict[str, "list[torch.Tensor] | TablePrefixes"],  # name -> per request its committed slots [P_i]
+        # (host), or where a table on the device holds them (read there, nothing packed on the host)
         inputs: dict[str, torch.Tensor],  # name -> [b, ...] on the device
         pools: tuple,  # the KV pools the search writes and reads (graphs bake their addresses in)
     ) -> tuple[torch.Tensor, ...] | None:
         """search's outputs for the b real requests, or None when no bucket fits (the caller searches
         step by step)."""
         b = next(iter(rows.values())).shape[0]
-        bk = self.bucket_of(b, {n: max(p.numel() for p in pre) for n, pre in prefixes.items()})
+        lens = {
+            n: pre.lens if isinstance(pre, TablePrefixes) else [p.numel() for p in pre] for n, pre in prefixes.items()
+        }
+        bk = self.bucket_of(b, {n: max(x) for n, x in lens.items()})
         if bk is None:
             return None
+        tables = {n: pre.table for n, pre in prefixes.items() if isinstance(pre, TablePrefixes)}
+        pools = (*pools, *(t.table for t in tables.values()))
         if len(pools) != len(self._pools) or any(a is not c for a, c in zip(pools, self._pools)):
             self.cache.clear()
             self._pools = tuple(pools)
@@ -247,10 +379,10 @@ class SearchRunner:
         widths = tuple((n, r.shape[1]) for n, r in rows.items())
         specs = tuple((n, tuple(x.shape[1:]), x.dtype) for n, x in inputs.items())
         device = self.cache.device
-        host = _search_host(bk, widths, b, rows, prefixes)
+        host = _search_host(bk, widths, b, rows, prefixes, tuple(tables))
 
         def make() -> dict:
-            bufs = {"longs": to_device(_search_host(bk, widths, 0, {}, {}), device)}
+            bufs = {"longs": to_device(_search_host(bk, widths, 0, {}, {}, tuple(tables)), device)}
             for n, shape, dtype in specs:
                 bufs[n] = torch.zeros(bk[0], *shape, dtype=dtype, device=device)
             return bufs
@@ -262,26 +394,31 @@ class SearchRunner:
 
         def static(bufs: dict) -> tuple[torch.Tensor, ...]:
             bb, plans = bk
-            sizes = [bb * w for _, w in widths] + [x for _, p in plans for x in (bb * p, bb)] + [bb]
-            longs = bufs["longs"].split(sizes)
+            sizes = [bb * w for _, w in widths] + [bb if n in tables else bb * p for n, p in plans] + [bb] * len(plans)
+            longs = bufs["longs"].split(sizes + [bb])
+            k = len(widths)
+            found = {}
+            for i, (n, p) in enumerate(plans):
+                at, prefix_len = longs[k + i], longs[k + len(plans) + i]
+                # a table's plan: the requests' rows of it (padding: the scratch row 0, its columns masked)
+                prefix = tables[n].table[:, :p].index_select(0, at) if n in tables else at.view(bb, p)
+                found[n] = (prefix, prefix_len)
             view = SearchBuffers(
                 {n: t.view(bb, w) for (n, w), t in zip(widths, longs)},
-                {
-                    n: (longs[len(widths) + 2 * i].view(bb, p), longs[len(widths) + 2 * i + 1])
-                    for i, (n, p) in enumerate(plans)
-                },
+                found,
                 {n: bufs[n] for n, _, _ in specs},
                 longs[-1] > 0,
             )
             return tuple(search(view))
 
-        out = self.cache.run((bk, widths, specs, key), make, fill, static)
+        out = self.cache.run((bk, widths, specs, tuple(tables), key), make, fill, static)
         return tuple(o[:b].clone() for o in out)
 
 
-def _search_host(bk, widths, b: int, rows: dict, prefixes: dict) -> torch.Tensor:
-    """Host side of a search bucket, one int64 tensor: [each row [B*n] | per plan: prefix [B*P],
-    prefix_len [B] | real [B]], the first b requests' values filled in, the rest 0."""
+def _search_host(bk, widths, b: int, rows: dict, prefixes: dict, tables: tuple[str, ...] = ()) -> torch.Tensor:
+    """Host side of a search bucket, one int64 tensor: [each row [B*n] | per plan: prefix [B*P] (a table's
+    plan: its rows [B]) | per plan: prefix_len [B] | real [B]], the first b requests' values filled in, the rest
+    0. The table plans' ints and real go in as one tensor."""
     bb, plans = bk
     parts = []
     for name, w in widths:
@@ -289,12 +426,29 @@ def _search_host(bk, widths, b: int, rows: dict, prefixes: dict) -> torch.Tensor
         if b:
             grid[:b] = rows[name]
         parts.append(grid.view(-1))
+    pad = [0] * (bb - b)
+    lens, ints = [], []
     for name, p in plans:
-        prefix, prefix_len = padded_prefixes(prefixes.get(name, []) if b else [], bb, p)
-        parts += [prefix.view(-1), prefix_len]
-    real = torch.zeros(bb, dtype=torch.long)
-    real[:b] = 1
-    return torch.cat(parts + [real])
+        if name in tables:
+            pre = prefixes[name] if b else None
+            ints.append(len(parts))
+            parts.append([*pre.rows, *pad] if b else [0] * bb)
+            lens.append([*pre.lens, *pad] if b else [0] * bb)
+        else:
+            prefix, prefix_len = padded_prefixes(prefixes.get(name, []) if b else [], bb, p)
+            parts.append(prefix.view(-1))
+            lens.append(prefix_len)
+    for x in lens:
+        if isinstance(x, list):
+            ints.append(len(parts))
+        parts.append(x)
+    ints.append(len(parts))
+    parts.append([1] * b + pad)
+    # the plain ints (table rows, their lengths, real) in one tensor, split back into their places
+    flat = torch.tensor([v for i in ints for v in parts[i]], dtype=torch.long).split(bb)
+    for i, t in zip(ints, flat):
+        parts[i] = t
+    return torch.cat(parts)
 
 
 def padded_prefixes(prefixes: list[torch.Tensor], bb: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:

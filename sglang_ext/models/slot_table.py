@@ -16,6 +16,11 @@ The pairs go in a fixed-size region of the step's upload (B*Q pairs: a drafted s
 drafts fit); a step with more to send (the first step after a prefill) writes the rest to the table
 outside the graph first. Row 0 is scratch: padding requests read it (their columns are masked) and padding
 pairs write slot 0 into its first column.
+
+A step whose rows are all kept (`append`: a drafter's pass over newly verified tokens, its draft-extend) has
+the graph write every real row's slot at column prefix_len + j (row j of the request; padding rows, whose
+slot is 0, never handed out by a pool, write the scratch cell), so the row is whole after the step and a
+later graph of the same step (the drafter's search) reads the extended prefix from it (`rows_of`).
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ class SlotTable:
         prefixes: list[torch.Tensor],  # per request [P_b] int64 host ids: its committed slots
         front: list[int],  # host ints filling the grids' real rows first (ids, then positions), or []
         vals: list[torch.Tensor],  # host int64 tensors filling the grids' real rows after `front` (slots last)
+        append: bool = False,  # every real row's slot joins its request's row (read(append=True) writes them)
     ):
         """A keyed bucket's host inputs: one int64 tensor [ids | positions | out_slots (B*Q each) | rows [B] |
         prefix_len [B] | table index [S] | slot [S]] (S = B*Q; padding: 0), the pairs that did not fit in it
@@ -122,8 +128,8 @@ class SlotTable:
         longs = src[torch.tensor(g, dtype=torch.long)]
 
         def done() -> None:
-            for e, m in zip(entries, lens):
-                e[1] = m + 1
+            for e, m, k in zip(entries, lens, q_lens):
+                e[1] = m + (k if append else 1)
 
         return longs, overflow, done
 
@@ -132,14 +138,27 @@ class SlotTable:
         at, slots = to_device(pairs, self.table.device).unbind(0)
         self.table.view(-1)[at] = slots
 
-    def read(self, longs: torch.Tensor, bucket: tuple[int, int, int]):
+    def read(self, longs: torch.Tensor, bucket: tuple[int, int, int], append: bool = False):
         """Inside the graph: a keyed bucket's flat buffer -> (ids, positions, out_slots [B*Q], prefix [B, P],
-        prefix_len [B]), the pairs written into the table first."""
+        prefix_len [B]), the pairs written into the table first; append: then every real row's slot (slot > 0)
+        at its request's column prefix_len + j (see the module docstring)."""
         b, q, p = bucket
         s = b * q
         ids, pos, slots, rows, prefix_len, at, new = longs.split([s, s, s, b, b, s, s])
-        self.table.view(-1).index_put_((at,), new)
+        flat = self.table.view(-1)
+        flat.index_put_((at,), new)
+        if append:
+            cells = (rows * self.width + prefix_len)[:, None] + torch.arange(q, device=rows.device)
+            flat.index_put_((torch.where(slots.view(b, q) > 0, cells, 0).view(-1),), slots)
         return ids, pos, slots, self.table[:, :p].index_select(0, rows), prefix_len
+
+    def rows_of(self, keys: list[Hashable], lens: list[int]) -> list[int] | None:
+        """The rows of keys whose rows hold exactly their first lens[i] slots (after a step that appended them),
+        or None when one does not (the caller packs its prefixes on the host)."""
+        entries = [self._known.get(k) for k in keys]
+        if any(e is None or e[1] != n for e, n in zip(entries, lens)):
+            return None
+        return [e[0] for e in entries]
 
 
 def real_rows(q_lens: list[int], q: int, base: int = 0) -> list[int]:

@@ -282,6 +282,50 @@ def test_eagle3_frontier_step_static_equals_eager(b, kk, depth, device, request)
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_eagle3_static_extend_equals_eager(device, request):
+    """The EAGLE-3 drafter's draft-extend through its ExtendRunner (one graph: prefixes from its slot table on the
+    device, extended there by the new pairs' slots) == its eager extend: each request's root output, round after
+    round of verified tokens (1 to 5 per request); a first extend past the buckets (a 70-token prompt) runs
+    eagerly, and the next one sends the table what it lacks. After each static extend the table holds every
+    request's pairs, so the search reads its prefixes there."""
+    target = _target_on(device, request)
+    eager, static = make_drafter("eagle3", target), make_drafter("eagle3", target)
+    static.step_graphs = True
+    g = torch.Generator().manual_seed(5)
+    ht = target.cfg.hidden_size
+    params = SamplingParams(max_new_tokens=8)
+
+    def hidden(n):
+        return {l: torch.randn(n, ht, generator=g).to(device) for l in eager.capture_layers}
+
+    tokens = {rid: torch.randint(0, 1000, (n,), generator=g).tolist() for rid, n in ((7, 9), (8, 4), (9, 70))}
+    for rid, t in tokens.items():
+        cap = TargetCapture(t, torch.arange(len(t)), torch.arange(len(t)), hidden(len(t)))
+        for d in (eager, static):
+            d.add_request(rid, cap)
+    for step in range(4):
+        for t in tokens.values():
+            t.append(int(torch.randint(0, 1000, (1,), generator=g)))  # the root
+        batch = [DraftInput(rid, t, params, None, []) for rid, t in tokens.items()]
+        want, got = eager._extend(batch), static._extend(batch)  # (on CUDA: captured on a bucket's first use)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        lens = [static.reqs[rid].slots.numel() for rid in tokens]
+        held = static._extender.prefixes(list(tokens), lens)
+        assert (held is None) == (step == 0)  # (the first extend ran eagerly: the 70-token prompt)
+        if held is not None:
+            for row, rid, n in zip(held.rows, tokens, lens):
+                assert torch.equal(held.table.table[row, :n].cpu(), static.reqs[rid].slots)
+        for rid, t in tokens.items():  # 1 to 5 verified tokens each (the root and accepted drafts)
+            k = 1 + (rid + step) % 5
+            t += torch.randint(0, 1000, (k - 1,), generator=g).tolist()
+            cap = TargetCapture(t[-k:], torch.arange(len(t) - k, len(t)), torch.arange(k), hidden(k))
+            for d in (eager, static):
+                d.commit(rid, cap)
+    assert static._extender.runs == 3 and static._extender.cache.graphs == (device == "cuda")
+    assert eager._extender is None and eager.kv.num_free == static.kv.num_free
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tree", ["3,2,6", "6,4,24"])
 @pytest.mark.parametrize("name", ["moa", "moa-tli0"])
 def test_moa_static_draft_passes_propose_the_eager_trees(name, tree, device, request):
