@@ -31,7 +31,7 @@ from ..attention import FrontierPaths, advance_seen, causal_masks, plan_flat, pl
 from ..device import grow, module_on, upload
 from ..kernels import attach_bf16_halves, attach_q8, q8_eagle3_layer
 from ..models.checkpoint import check_fits
-from ..models.draft_graphs import ExtendRunner, FrontierRunner, SearchBuffers, SearchRunner, TablePrefixes
+from ..models.draft_graphs import ExtendRunner, FrontierRunner, SearchBuffers, SearchRunner
 from ..models.eagle3 import Eagle3Draft, load_eagle3
 from ..models.graph_runner import static_attention, static_plan
 from ..models.kv_pool import KVPool
@@ -152,8 +152,9 @@ class Eagle3Drafter(Drafter):
         self.kept.drop(slots)
 
     def _forget(self, rid: int) -> None:
-        if self._extender is not None:
-            self._extender.forget(rid)
+        for runner in (self._extender, self._search):
+            if runner is not None:
+                runner.forget(rid)
 
     # --- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -169,9 +170,7 @@ class Eagle3Drafter(Drafter):
         # the whole search as one graph replay; on the CPU with min_prob the eager search stops early and
         # drops the nodes below it (trees of other sizes than a static search's), so it runs step by step
         if self.step_graphs and not full and (not shape.min_prob or root_out.device.type != "cpu"):
-            # (after a static extend the prefixes are read from its table on the device)
-            held = self._extender and self._extender.prefixes([d.rid for d in batch], [p.numel() for p in prefixes])
-            trees = self._static_search(batch, shape, root_out, prefixes, held)
+            trees = self._static_search(batch, shape, root_out, prefixes)
             if trees is not None:
                 return trees
         # the search in flight: the frontier's pre-norm outputs [b, q, H] and each node's path (device)
@@ -319,11 +318,10 @@ class Eagle3Drafter(Drafter):
         shape: TreeShape,
         root_out: torch.Tensor,
         prefixes: list[torch.Tensor],
-        held: TablePrefixes | None = None,
     ) -> list[TokenTree] | None:
         """The deterministic search's trees from the search runner (root_out [b, H]: each root pair's
-        output; held: where the extend's table holds the prefixes, else they go up packed), the same trees
-        as the step-by-step search; None when no bucket fits. Every step's
+        output; the prefixes read from the draft-extend's slot table on the device, which a static extend left
+        whole), the same trees as the step-by-step search; None when no bucket fits. Every step's
         temporary slots are handed out at once ([b, (depth-1)*k], request-major, step after step) and
         freed after the search is queued (later work on the device runs after it)."""
         if self._search is None:
@@ -341,9 +339,11 @@ class Eagle3Drafter(Drafter):
                 shape,
                 lambda bufs: self._search_fn(bufs, shape),
                 rows,
-                {"draft": held or prefixes},
+                {"draft": prefixes},
                 {"out": root_out},
                 (self.kv,),
+                [d.rid for d in batch],
+                {"draft": self._extender.table} if self._extender is not None else None,
             )
         finally:
             self.kv.free(temp)

@@ -32,7 +32,7 @@ from ..attention import FrontierPaths, advance_seen, frontier_fields, plan_front
 from ..device import grow, module_on, to_device
 from ..kernels import attach_bf16_halves, attach_packed_rows, attach_q8, attach_q8_rows, q8_moa_stacks
 from ..models.checkpoint import check_fits
-from ..models.draft_graphs import FrontierRunner, SearchBuffers, SearchRunner
+from ..models.draft_graphs import FrontierRunner, RowRunner, SearchBuffers, SearchRunner
 from ..models.graph_runner import static_attention, static_plan, with_static_attention
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel, rms_norm
@@ -135,6 +135,7 @@ class MoADrafter(Drafter):
         self._steps: FrontierRunner | None = None
         self._search: SearchRunner | None = None  # the whole search in one static function (one graph)
         self._static: MoAParts | None = None  # the parts with static attention (what the runners run)
+        self._commits: RowRunner | None = None  # the queued tokens' LSA, CA and SA commits in one graph
 
     def _tli_layer(self, li: int, target: LlamaModel | None = None):
         """Target layer li over the draft feature: reads and writes the K/V of tli_kv (bound at the first
@@ -371,6 +372,7 @@ class MoADrafter(Drafter):
         st.offline = []
 
     def remove_request(self, rid: int) -> None:
+        self._forget_static(rid)
         self.drop_offline(rid)
         st = self.reqs.pop(rid, None)
         if st is not None:
@@ -386,6 +388,7 @@ class MoADrafter(Drafter):
         if st is None or self.remote:
             self.remove_request(rid)
             return
+        self._forget_static(rid)
         self.drop_offline(rid)
         del self.reqs[rid]
         h = st.first_hole  # (from there on, memory is not one slot per token: not kept)
@@ -400,7 +403,8 @@ class MoADrafter(Drafter):
     # --- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree]:
-        self._flush(batch)
+        if not (self.step_graphs and self._static_flush(batch)):
+            self._flush(batch)
         for d in batch:
             st = self.reqs[d.rid]
             if st.target_slots.numel() != d.seq_len:
@@ -470,6 +474,48 @@ class MoADrafter(Drafter):
             )
         return self._static
 
+    def _forget_static(self, rid: int) -> None:
+        """The request ended: its rows of the search's slot tables are free."""
+        if self._search is not None:
+            self._search.forget(rid)
+
+    def _static_flush(self, batch: list[DraftInput]) -> bool:
+        """_flush's work as one graph replay (the row runner: each queued token alone, its LSA memory, CA and SA
+        K/V); False, nothing done, where that does not apply (memory from captured layers, an edge client's own
+        pools, a catch-up's holes, more rows than the buckets), and _flush runs."""
+        sts = [self.reqs[d.rid] for d in batch]
+        commits = [[c.slots.numel() for c in st.pending] for st in sts]
+        sizes = [sum(c) for c in commits]
+        if self.capture_layers or self.remote or catch_up(commits)[1] is not None:
+            return False
+        if self._commits is None:
+            self._commits = RowRunner(self._commit_rows, 5, self.target.device)
+        t = sum(sizes)
+        if self._commits.bucket_of(t) is None:
+            return not t
+        caps = [c for st in sts for c in st.pending]
+        # token j of a request's queue is at position (its verified tokens so far) + j
+        pos = [st.target_slots.numel() + j for st, n in zip(sts, sizes) for j in range(n)]
+        ids = [x for c in caps for x in c.token_ids]
+        target_slots, mem, sa = torch.cat([c.slots for c in caps]), self.mem.alloc(t), self.sa.alloc(t)
+        self._commits.run([ids, pos], [target_slots, mem, sa], (self.sa, self.mem, self.tli_kv))
+        self.lsa_rows += t
+        new = [x for add in zip(mem.split(sizes), sa.split(sizes), target_slots.split(sizes)) for x in add]
+        parts = iter(grow([x for st in sts for x in (st.mem_slots, st.sa_slots, st.target_slots)], new))
+        for st in sts:
+            st.mem_slots, st.sa_slots, st.target_slots = next(parts), next(parts), next(parts)
+            st.pending = []
+        return True
+
+    def _commit_rows(self, ids, positions, target_slots, mem, sa) -> None:
+        """The row runner's function (each [R] int64 on the device; padding 0): the tokens' LSA memory over
+        their K/V at every target layer, its CA K/V stored at `mem`, their SA K/V at `sa`."""
+        kv = self.tli_kv
+        k, v = commit_ca(self.draft, lsa_memory(self.draft, kv.k, kv.v, target_slots), positions)
+        self.mem.k[0][mem], self.mem.v[0][mem] = k, v
+        k, v = commit_sa(self.draft, self.target.embed, ids, positions)
+        self.sa.k[0][sa], self.sa.v[0][sa] = k, v
+
     def _static_search(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree] | None:
         """The deterministic search's trees from the search runner (the roots' pass and every search
         step in one function), the same trees as the pass-by-pass search; None when no bucket fits.
@@ -491,7 +537,9 @@ class MoADrafter(Drafter):
             rows = {"root": torch.tensor([[d.token_ids[-1], d.seq_len] for d in batch])}  # [b, 2]
             rows.update(zip(("sa", "tli"), (s.view(b, width) for _, s in temps)))
             pools = (self.sa, self.mem, self.tli_kv)
-            out = self._search.run(shape, lambda bufs: self._search_fn(bufs, shape), rows, prefixes, {}, pools)
+            search = lambda bufs: self._search_fn(bufs, shape)  # noqa: E731
+            # (the prefixes from the runner's slot tables on the device: only what their rows lack goes up)
+            out = self._search.run(shape, search, rows, prefixes, {}, pools, [d.rid for d in batch])
         finally:
             for pool, s in temps:
                 pool.free(s)

@@ -14,14 +14,18 @@ propose is one replay plus a few copies; every step's temporary slots are handed
 
 A drafter's draft-extend (`ExtendRunner`, as SGLang's draft-extend graph): its pass over each request's newly
 verified tokens after its committed prefix, the prefixes read from a request-to-slot table on the device
-(models/slot_table.py) that the same graph extends by the new rows' slots, so the search after it reads its
-prefixes from the table too (`TablePrefixes`) instead of the host packing them.
+(models/slot_table.py) that the same graph extends by the new rows' slots, so the search after it (given the same
+table) reads its prefixes there instead of the host packing them.
+
+A drafter's commit of verified tokens that treats each token alone (MoA's LSA memory, CA and SA K/V: no attention
+across tokens) is one graph per row bucket (`RowRunner`): its int64 fields in one upload.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 
@@ -179,15 +183,6 @@ def _frontier_host(key, b: int, q: int, rows: dict, plans: dict) -> tuple[torch.
     return torch.cat(longs), torch.cat(masks)
 
 
-@dataclass(frozen=True)
-class TablePrefixes:
-    """Requests' committed slots held on the device: rows[i] of `table` holds request i's first lens[i] slots."""
-
-    table: SlotTable
-    rows: list[int]
-    lens: list[int]
-
-
 # an ExtendRunner's step(ids [R], feat [R, F], positions [R], slots [R], plan StaticPlan) -> outputs [R, ...]
 ExtendFn = Callable[..., tuple[torch.Tensor, ...]]
 
@@ -196,7 +191,7 @@ class ExtendRunner:
     """A drafter's draft-extend at bucketed static shapes: b requests with q_lens[i] newly verified rows each,
     causal among themselves, after their committed prefixes, which a SlotTable on the device holds (keyed by
     request: only what its rows lack goes up, models/slot_table.py); the graph appends every row's slot to its
-    request's table row, so the table holds each request's extended prefix after it (`prefixes`).
+    request's table row, so the table holds each request's extended prefix after it (a SearchRunner reads it).
 
         bucket (B, Q, P): request i's rows at i*Q + j (padding: token 0, position 0, slot 0); the rows' input
         features [T, F] packed at the front of a [B*Q, F] buffer, gathered on the device (request i's row j
@@ -219,9 +214,12 @@ class ExtendRunner:
         self.context = context_buckets(max_context)
         self.max_rows = max_rows
         self.cache = GraphCache(torch.device(device), graphs)
-        self.table = SlotTable(2 * self.batch_buckets[-1] + 1, self.context[-1] + 1, self.cache.device)
+        self.table = self._new_table()
         self._pools: tuple = ()
         self.runs = 0
+
+    def _new_table(self) -> SlotTable:
+        return SlotTable(2 * self.batch_buckets[-1] + 1, self.context[-1] + 1, self.cache.device)
 
     def bucket_of(self, q_lens: list[int], prefix_lens: list[int]) -> tuple[int, int, int] | None:
         """The (B, Q, P) bucket of the batch, or None when it fits none (the caller runs its eager pass)."""
@@ -252,6 +250,7 @@ class ExtendRunner:
             return None
         if len(pools) != len(self._pools) or any(a is not c for a, c in zip(pools, self._pools)):
             self.cache.clear()
+            self.table = self._new_table()  # (its rows hold another pool's slots)
             self._pools = tuple(pools)
         self.runs += 1
         b, t = len(keys), feat.shape[0]
@@ -275,12 +274,6 @@ class ExtendRunner:
         done()
         return tuple(o[:b].clone() for o in out)
 
-    def prefixes(self, keys: list, lens: list[int]) -> "TablePrefixes | None":
-        """The requests' prefixes as the table holds them after a run (lens: their committed slots now), or None
-        when a row does not hold them."""
-        rows = self.table.rows_of(keys, lens)
-        return None if rows is None else TablePrefixes(self.table, rows, list(lens))
-
     def forget(self, key) -> None:
         self.table.forget(key)
 
@@ -297,6 +290,58 @@ class ExtendRunner:
         plan = static_plan(prefix, prefix_len, slots.view(b, q), causal)
         last = (n - 1).clamp(min=0) + torch.arange(b, device=slots.device) * q
         return tuple(o[last] for o in self.step(ids, feat, pos, slots, plan))
+
+
+ROW_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+class RowRunner:
+    """fn(*fields) over R rows, each row alone, at a bucketed row count R: its int64 fields [F, R] (host values)
+    in one upload, padded with 0 (token 0, position 0, slot 0: a padded row reads and writes the scratch slot 0
+    only); captured per bucket on CUDA with graphs on, else run eagerly on the same buffer. fn's outputs are
+    its writes (into pools); it returns nothing the caller reads."""
+
+    def __init__(
+        self,
+        fn: Callable[..., None],
+        fields: int,
+        device: torch.device | str,
+        graphs: bool = True,
+        buckets: tuple[int, ...] = ROW_BUCKETS,
+    ):
+        self.fn, self.fields, self.buckets = fn, fields, tuple(buckets)
+        self.cache = GraphCache(torch.device(device), graphs)
+        self._pools: tuple = ()
+        self.runs = 0
+
+    def bucket_of(self, t: int) -> int | None:
+        return bucket(t, self.buckets) if t > 0 else None
+
+    def run(self, ints: list[list[int]], tensors: list[torch.Tensor], pools: tuple) -> bool:
+        """The fields: `ints` first (each [t] host ints), then `tensors` (each [t] int64 on the host); pools: what
+        fn writes and reads (graphs bake their addresses in). False (nothing run) when t fits no bucket."""
+        t = len(ints[0]) if ints else tensors[0].numel()
+        r = self.bucket_of(t)
+        if r is None:
+            return False
+        if len(pools) != len(self._pools) or any(a is not c for a, c in zip(pools, self._pools)):
+            self.cache.clear()
+            self._pools = tuple(pools)
+        self.runs += 1
+        pad = [0] * (r - t)
+        parts = [torch.tensor([x for f in ints for x in (*f, *pad)], dtype=torch.long)]
+        for x in tensors:
+            parts += [x, _zeros(r - t)] if r > t else [x]
+        host = torch.cat(parts)
+        f = self.fields
+
+        def make() -> dict:
+            return {"longs": torch.zeros(f * r, dtype=torch.long, device=self.cache.device)}
+
+        self.cache.run(
+            r, make, lambda bufs: fill_flat(bufs["longs"], host), lambda bufs: self.fn(*bufs["longs"].view(f, r))
+        )
+        return True
 
 
 @dataclass
@@ -325,9 +370,14 @@ class SearchRunner:
         rows [B, n] (root tokens, lengths, every step's temporary slots: padding 0, so a padded
         request writes and reads the scratch slot 0 only); device inputs [B, ...]; real [B] bool
 
-    A step's host values go up in one copy (one int64 buffer), each device input in one device copy;
-    the outputs come back as copies of the real requests' rows (the next replay overwrites the graph's).
-    The caller's function decides what a padded request computes; it must stay finite and apart."""
+    With request keys the prefixes are read from a slot table per plan on the device (models/slot_table.py;
+    the runner's own, or a caller's that another graph keeps whole, as EAGLE-3's draft-extend does): the
+    upload carries each request's row and what the rows lack (a fixed region of ROOM pairs per request),
+    not the prefixes. A step's host values go up in one copy (one int64 buffer), each device input in one
+    device copy; the outputs come back as copies of the real requests' rows (the next replay overwrites the
+    graph's). The caller's function decides what a padded request computes; it must stay finite and apart."""
+
+    ROOM = 8  # table pairs per request in a keyed step's upload (a verify step's accepted nodes fit)
 
     def __init__(
         self,
@@ -339,6 +389,7 @@ class SearchRunner:
         self.batch_buckets = tuple(batch_buckets)
         self.context = context_buckets(max_context)
         self.cache = GraphCache(torch.device(device), graphs)
+        self.tables: dict[str, SlotTable] = {}  # the keyed plans' own tables (made on first use)
         self._pools: tuple = ()
         self.runs = 0
 
@@ -351,40 +402,47 @@ class SearchRunner:
             return None
         return bb, plans
 
+    def forget(self, key) -> None:
+        """The request under `key` ended: its rows of the runner's own tables are free."""
+        for t in self.tables.values():
+            t.forget(key)
+
     def run(
         self,
         key,  # what else shapes the function (a tree shape): one graph per (bucket, key)
         search: SearchFn,
         rows: dict[str, torch.Tensor],  # name -> [b, n] int64 on the host
-        prefixes: dict[str, "list[torch.Tensor] | TablePrefixes"],  # name -> per request its committed slots [P_i]
-        # (host), or where a table on the device holds them (read there, nothing packed on the host)
+        prefixes: dict[str, list[torch.Tensor]],  # name -> per request its committed slots [P_i] (host)
         inputs: dict[str, torch.Tensor],  # name -> [b, ...] on the device
         pools: tuple,  # the KV pools the search writes and reads (graphs bake their addresses in)
+        keys: list | None = None,  # per request its key (a request id; forget() it when the request ends)
+        tables: dict[str, SlotTable] | None = None,  # with keys: a caller's table for a plan (else the runner's)
     ) -> tuple[torch.Tensor, ...] | None:
         """search's outputs for the b real requests, or None when no bucket fits (the caller searches
         step by step)."""
         b = next(iter(rows.values())).shape[0]
-        lens = {
-            n: pre.lens if isinstance(pre, TablePrefixes) else [p.numel() for p in pre] for n, pre in prefixes.items()
-        }
-        bk = self.bucket_of(b, {n: max(x) for n, x in lens.items()})
+        bk = self.bucket_of(b, {n: max(p.numel() for p in pre) for n, pre in prefixes.items()})
         if bk is None:
             return None
-        tables = {n: pre.table for n, pre in prefixes.items() if isinstance(pre, TablePrefixes)}
-        pools = (*pools, *(t.table for t in tables.values()))
         if len(pools) != len(self._pools) or any(a is not c for a, c in zip(pools, self._pools)):
             self.cache.clear()
+            self.tables = {}  # (their rows hold another pool's slots)
             self._pools = tuple(pools)
+        held = {n: (tables or {}).get(n) or self._table(n) for n in prefixes} if keys is not None else {}
         self.runs += 1
+        bb, plans = bk
+        room = bb * self.ROOM
         widths = tuple((n, r.shape[1]) for n, r in rows.items())
         specs = tuple((n, tuple(x.shape[1:]), x.dtype) for n, x in inputs.items())
         device = self.cache.device
-        host = _search_host(bk, widths, b, rows, prefixes, tuple(tables))
+        pairs = {n: t.pending(keys, prefixes[n], room) for n, t in held.items()}
+        host = _search_host(bk, widths, b, rows, prefixes, pairs, room)
 
         def make() -> dict:
-            bufs = {"longs": to_device(_search_host(bk, widths, 0, {}, {}, tuple(tables)), device)}
+            blank = {n: ([], [], None, None) for n in held}
+            bufs = {"longs": to_device(_search_host(bk, widths, 0, {}, {}, blank, room), device)}
             for n, shape, dtype in specs:
-                bufs[n] = torch.zeros(bk[0], *shape, dtype=dtype, device=device)
+                bufs[n] = torch.zeros(bb, *shape, dtype=dtype, device=device)
             return bufs
 
         def fill(bufs: dict) -> None:
@@ -392,63 +450,71 @@ class SearchRunner:
             for n, x in inputs.items():
                 bufs[n][:b].copy_(x)
 
-        def static(bufs: dict) -> tuple[torch.Tensor, ...]:
-            bb, plans = bk
-            sizes = [bb * w for _, w in widths] + [bb if n in tables else bb * p for n, p in plans] + [bb] * len(plans)
-            longs = bufs["longs"].split(sizes + [bb])
-            k = len(widths)
-            found = {}
-            for i, (n, p) in enumerate(plans):
-                at, prefix_len = longs[k + i], longs[k + len(plans) + i]
-                # a table's plan: the requests' rows of it (padding: the scratch row 0, its columns masked)
-                prefix = tables[n].table[:, :p].index_select(0, at) if n in tables else at.view(bb, p)
-                found[n] = (prefix, prefix_len)
-            view = SearchBuffers(
-                {n: t.view(bb, w) for (n, w), t in zip(widths, longs)},
-                found,
-                {n: bufs[n] for n, _, _ in specs},
-                longs[-1] > 0,
-            )
-            return tuple(search(view))
-
-        out = self.cache.run((bk, widths, specs, tuple(tables), key), make, fill, static)
+        out = self.cache.run(
+            (bk, widths, specs, tuple((n, id(t)) for n, t in held.items()), key),
+            make,
+            fill,
+            lambda bufs: self._static(bk, widths, specs, held, bufs, search),
+        )
+        for _, _, _, done in pairs.values():
+            done()
         return tuple(o[:b].clone() for o in out)
 
+    def _table(self, name: str) -> SlotTable:
+        if name not in self.tables:
+            self.tables[name] = SlotTable(2 * self.batch_buckets[-1] + 1, self.context[-1] + 1, self.cache.device)
+        return self.tables[name]
 
-def _search_host(bk, widths, b: int, rows: dict, prefixes: dict, tables: tuple[str, ...] = ()) -> torch.Tensor:
-    """Host side of a search bucket, one int64 tensor: [each row [B*n] | per plan: prefix [B*P] (a table's
-    plan: its rows [B]) | per plan: prefix_len [B] | real [B]], the first b requests' values filled in, the rest
-    0. The table plans' ints and real go in as one tensor."""
+    def _static(self, bk, widths, specs, held: dict, bufs: dict, search: SearchFn) -> tuple[torch.Tensor, ...]:
+        """The captured function: the upload's views (see _search_host), the tables' pairs written and their rows
+        read, the caller's search."""
+        bb, plans = bk
+        room, names = bb * self.ROOM, list(held)
+        packed = [(n, p) for n, p in plans if n not in held]
+        sizes = [*(x for _ in names for x in (bb, room)), *(bb for _ in plans), bb, *(room for _ in names)]
+        parts = iter(bufs["longs"].split(sizes + [bb * w for _, w in widths] + [bb * p for _, p in packed]))
+        table_rows = {n: (next(parts), next(parts)) for n in names}  # n -> (rows [B], the pairs' cells [room])
+        lens = {n: next(parts) for n, _ in plans}
+        real = next(parts) > 0
+        for n in names:  # the pairs the rows lack, then the rows read
+            held[n].table.view(-1).index_put_((table_rows[n][1],), next(parts))
+        grids = {n: next(parts).view(bb, w) for n, w in widths}
+        prefixes = {n: (next(parts).view(bb, p), lens[n]) for n, p in packed}
+        for n, p in plans:
+            if n in held:
+                prefixes[n] = (held[n].table[:, :p].index_select(0, table_rows[n][0]), lens[n])
+        return tuple(search(SearchBuffers(grids, prefixes, {n: bufs[n] for n, _, _ in specs}, real)))
+
+
+def _search_host(bk, widths, b: int, rows: dict, prefixes: dict, pairs: dict, room: int) -> torch.Tensor:
+    """Host side of a search bucket, one int64 tensor: [ints: per table plan (pairs: its rows [B], the pairs'
+    table indices [room]) | per plan prefix_len [B] | real [B] || tensors: per table plan its pairs' slots
+    [room] | each row [B*n] | per packed plan prefix [B*P]], the first b requests' values filled in, the
+    rest 0 (a table plan's padding requests read the scratch row 0). The ints go in as one tensor."""
     bb, plans = bk
-    parts = []
-    for name, w in widths:
-        grid = torch.zeros(bb, w, dtype=torch.long)
-        if b:
-            grid[:b] = rows[name]
-        parts.append(grid.view(-1))
     pad = [0] * (bb - b)
-    lens, ints = [], []
+    ints = []
+    for n in pairs:
+        r, at = pairs[n][0], pairs[n][1]
+        ints += [*r, *pad, *at, *([0] * (room - len(at)))]
+    ints += [x for n, _ in plans for x in ([p.numel() for p in prefixes[n]] if b else []) + pad]
+    ints += [1] * b + pad
+    tens = [torch.tensor(ints, dtype=torch.long)]
+    tens += [pairs[n][2] if b else torch.zeros(room, dtype=torch.long) for n in pairs]
+    for name, w in widths:
+        tens.append(rows[name].reshape(-1) if b else _zeros(0))
+        if b < bb:
+            tens.append(_zeros((bb - b) * w))
     for name, p in plans:
-        if name in tables:
-            pre = prefixes[name] if b else None
-            ints.append(len(parts))
-            parts.append([*pre.rows, *pad] if b else [0] * bb)
-            lens.append([*pre.lens, *pad] if b else [0] * bb)
-        else:
-            prefix, prefix_len = padded_prefixes(prefixes.get(name, []) if b else [], bb, p)
-            parts.append(prefix.view(-1))
-            lens.append(prefix_len)
-    for x in lens:
-        if isinstance(x, list):
-            ints.append(len(parts))
-        parts.append(x)
-    ints.append(len(parts))
-    parts.append([1] * b + pad)
-    # the plain ints (table rows, their lengths, real) in one tensor, split back into their places
-    flat = torch.tensor([v for i in ints for v in parts[i]], dtype=torch.long).split(bb)
-    for i, t in zip(ints, flat):
-        parts[i] = t
-    return torch.cat(parts)
+        if name not in pairs:
+            tens.append(padded_prefixes(prefixes.get(name, []) if b else [], bb, p)[0].view(-1))
+    return torch.cat(tens)
+
+
+@lru_cache(maxsize=64)
+def _zeros(n: int) -> torch.Tensor:
+    """n int64 zeros on the host (a padding template, never written)."""
+    return torch.zeros(n, dtype=torch.long)
 
 
 def padded_prefixes(prefixes: list[torch.Tensor], bb: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:

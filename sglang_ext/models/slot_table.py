@@ -20,7 +20,10 @@ pairs write slot 0 into its first column.
 A step whose rows are all kept (`append`: a drafter's pass over newly verified tokens, its draft-extend) has
 the graph write every real row's slot at column prefix_len + j (row j of the request; padding rows, whose
 slot is 0, never handed out by a pool, write the scratch cell), so the row is whole after the step and a
-later graph of the same step (the drafter's search) reads the extended prefix from it (`rows_of`).
+later graph of the same step (the drafter's search) reads the extended prefix from it.
+
+A graph that only reads the rows (a drafter's search: `pending`) gets what they lack as a fixed region of
+pairs in its upload, written before it reads them; nothing, when an appending step made them whole.
 """
 
 from __future__ import annotations
@@ -152,13 +155,34 @@ class SlotTable:
             flat.index_put_((torch.where(slots.view(b, q) > 0, cells, 0).view(-1),), slots)
         return ids, pos, slots, self.table[:, :p].index_select(0, rows), prefix_len
 
-    def rows_of(self, keys: list[Hashable], lens: list[int]) -> list[int] | None:
-        """The rows of keys whose rows hold exactly their first lens[i] slots (after a step that appended them),
-        or None when one does not (the caller packs its prefixes on the host)."""
-        entries = [self._known.get(k) for k in keys]
-        if any(e is None or e[1] != n for e, n in zip(entries, lens)):
-            return None
-        return [e[0] for e in entries]
+    def pending(self, keys: list[Hashable], prefixes: list[torch.Tensor], room: int):
+        """For a graph that writes `room` (table index, slot) pairs into the table before it reads the keys' rows:
+        (each key's row, the pairs' table indices [room] ints, their slots [room] int64 host tensor (padding: 0
+        into the scratch cell 0), done() to call once the graph ran). Pairs beyond `room` are written to the
+        table now, outside the graph. A fixed number of host ops for the batch: the prefixes' one cat, one
+        gather."""
+        lens = [t.numel() for t in prefixes]
+        entries = self._rows(keys, lens)
+        at, src, base = [], [], 0
+        for (row, synced), m in zip(entries, lens):
+            at += range(row * self.width + synced, row * self.width + m)
+            src += range(base + synced, base + m)
+            base += m
+        flat = torch.cat([*prefixes, _ZERO])  # (its last cell: the padding pairs' slot 0)
+        if len(at) > room:  # NOTE: outside the graph, before it: a search after a prefill or eager steps
+            over = torch.tensor([*at[room:], *src[room:]], dtype=torch.long).view(2, -1)
+            self.write(torch.stack([over[0], flat[over[1]]]))
+            at, src = at[:room], src[:room]
+        slots = flat[torch.tensor(src + [base] * (room - len(src)), dtype=torch.long)]
+
+        def done() -> None:
+            for e, m in zip(entries, lens):
+                e[1] = m
+
+        return [e[0] for e in entries], at + [0] * (room - len(at)), slots, done
+
+
+_ZERO = torch.zeros(1, dtype=torch.long)
 
 
 def real_rows(q_lens: list[int], q: int, base: int = 0) -> list[int]:

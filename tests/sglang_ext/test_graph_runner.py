@@ -309,12 +309,11 @@ def test_eagle3_static_extend_equals_eager(device, request):
         batch = [DraftInput(rid, t, params, None, []) for rid, t in tokens.items()]
         want, got = eager._extend(batch), static._extend(batch)  # (on CUDA: captured on a bucket's first use)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-        lens = [static.reqs[rid].slots.numel() for rid in tokens]
-        held = static._extender.prefixes(list(tokens), lens)
-        assert (held is None) == (step == 0)  # (the first extend ran eagerly: the 70-token prompt)
-        if held is not None:
-            for row, rid, n in zip(held.rows, tokens, lens):
-                assert torch.equal(held.table.table[row, :n].cpu(), static.reqs[rid].slots)
+        table, slots = static._extender.table, [static.reqs[rid].slots for rid in tokens]
+        rows, cells, _, _ = table.pending(list(tokens), slots, 8)  # what a search would send: nothing lacking
+        assert any(cells) == (step == 0)  # (the first extend ran eagerly: the 70-token prompt)
+        if step:
+            assert all(torch.equal(table.table[r, : x.numel()].cpu(), x) for r, x in zip(rows, slots))
         for rid, t in tokens.items():  # 1 to 5 verified tokens each (the root and accepted drafts)
             k = 1 + (rid + step) % 5
             t += torch.randint(0, 1000, (k - 1,), generator=g).tolist()
@@ -323,6 +322,54 @@ def test_eagle3_static_extend_equals_eager(device, request):
                 d.commit(rid, cap)
     assert static._extender.runs == 3 and static._extender.cache.graphs == (device == "cuda")
     assert eager._extender is None and eager.kv.num_free == static.kv.num_free
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_moa_static_commit_equals_eager(device, request):
+    """MoA's commit of queued verified tokens (their LSA memory, CA and SA K/V) through its RowRunner (one graph
+    per row bucket, each token alone) stores what its eager _flush stores: two drafters hear the same requests
+    and commits of an engine serving three prompts; at every propose the static one's pools hold, at its slots,
+    the eager one's K/V, and their slot lists are as long."""
+    target = _target_on(device, request)
+    eager, static = make_drafter("moa", target), make_drafter("moa", target)
+    static.step_graphs = True
+    adding, add, commit = [], eager.add_request, eager.commit
+
+    def hear(rid, cap, first=True):  # the static drafter hears what the eager one hears (add_request commits too)
+        if not adding:
+            (static.add_request if first else static.commit)(rid, cap)
+        adding.append(first)
+        try:
+            (add if first else commit)(rid, cap)
+        finally:
+            adding.pop()
+
+    eager.add_request, eager.commit = hear, lambda rid, cap: hear(rid, cap, False)
+    propose, checked = eager.propose, []
+
+    def compare(batch, shape):
+        assert static._static_flush(batch)
+        trees = propose(batch, shape)  # (the eager flush, then the search)
+        for d in batch:
+            a, b = eager.reqs[d.rid], static.reqs[d.rid]
+            assert torch.equal(a.target_slots, b.target_slots) and not b.pending
+            for pa, pb, x, y in (
+                (eager.mem, static.mem, a.mem_slots, b.mem_slots),
+                (eager.sa, static.sa, a.sa_slots, b.sa_slots),
+            ):
+                assert x.numel() == y.numel() == a.target_slots.numel()
+                torch.testing.assert_close(pb.k[0][y], pa.k[0][x], atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(pb.v[0][y], pa.v[0][x], atol=1e-4, rtol=1e-4)
+        checked.append(len(batch))
+        return trees
+
+    eager.propose = compare
+    prompts = [target.encode_chat([{"role": "user", "content": t}]) for t in ("Name three rivers.", "Hi!", "7*8?")]
+    Engine(target, eager, EngineConfig(tree=TreeShape.chain(1), adaptive=False, cuda_graphs=False)).generate(
+        prompts, SamplingParams(max_new_tokens=4)
+    )
+    assert len(checked) >= 2 and static._commits.runs == len(checked)
+    assert static._commits.cache.graphs == (device == "cuda")
 
 
 @pytest.mark.parametrize("device", DEVICES)

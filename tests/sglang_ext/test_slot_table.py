@@ -62,8 +62,9 @@ def test_the_rows_a_graph_reads_hold_every_requests_slots():
 
 def test_an_appending_step_leaves_each_row_holding_every_slot_of_its_request():
     """Steps that keep all their rows (a drafter's draft-extend: read(append=True)) between steps that keep only
-    their roots: after an appending step each request's row holds its prefix and all its new slots (rows_of finds
-    them; a later graph reads them there), and the next step of any kind reads whole rows."""
+    their roots, and reads that send what the rows lack (a drafter's search: `pending`, its pairs written as a graph
+    would, those beyond its room outside it): after an appending step or a read, each request's row holds its
+    prefix and all its new slots (a read after an appending step sends nothing)."""
     rng = random.Random(2)
     table = SlotTable(rows=4, width=65, device=torch.device("cpu"))
     slots = {k: torch.randint(1, 10_000, (rng.randrange(1, 12),)) for k in range(3)}
@@ -74,12 +75,12 @@ def test_an_appending_step_leaves_each_row_holding_every_slot_of_its_request():
         news = _step(table, (4, 4, 64), keys, q_lens, [slots[k] for k in keys], rng, append)
         for k, new in zip(keys, news):  # (every new slot kept: a root-only step's row lacks its accepted drafts)
             slots[k] = torch.cat([slots[k], new])
-        lens = [slots[k].numel() for k in keys]
-        rows = table.rows_of(keys, lens)
-        assert (rows is not None) == (append or max(q_lens) == 1)
-        if append:
-            assert all(torch.equal(table.table[r, :n], slots[k]) for r, n, k in zip(rows, lens, keys))
-        assert table.rows_of(keys, [n + 1 for n in lens]) is None  # (a row holding fewer slots: not found)
+        rows, cells, pairs, done = table.pending(keys, [slots[k] for k in keys], room=4)
+        lacking = sum(n - 1 for n in q_lens) if not append else 0
+        assert sum(c > 0 for c in cells) == min(lacking, 4) and len(cells) == pairs.numel() == 4
+        table.table.view(-1)[torch.tensor(cells)] = pairs  # (as the graph writes them)
+        done()
+        assert all(torch.equal(table.table[r, : slots[k].numel()], slots[k]) for r, k in zip(rows, keys))
 
 
 def _three_prefilled(pool: int, seed: int):
