@@ -332,7 +332,7 @@ class Eagle3Drafter(Drafter):
         temp = self.kv.alloc(b * (shape.depth - 1) * k)
         try:
             rows = {
-                "root": torch.tensor([[d.token_ids[-1], d.seq_len] for d in batch]),  # [b, 2]
+                "root": [[d.token_ids[-1], d.seq_len] for d in batch],  # [b, 2] (host ints)
                 "slots": temp.view(b, -1),
             }
             out = self._search.run(

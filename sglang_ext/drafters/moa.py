@@ -474,6 +474,11 @@ class MoADrafter(Drafter):
             )
         return self._static
 
+    def _search_runner(self) -> SearchRunner:
+        if self._search is None:
+            self._search = SearchRunner(self.target.device, self.target.cfg.max_position)
+        return self._search
+
     def _forget_static(self, rid: int) -> None:
         """The request ended: its rows of the search's slot tables are free."""
         if self._search is not None:
@@ -488,8 +493,9 @@ class MoADrafter(Drafter):
         sizes = [sum(c) for c in commits]
         if self.capture_layers or self.remote or catch_up(commits)[1] is not None:
             return False
+        names = ("sa", "ca", "tli")[: 3 if self.tli_layers else 2]  # the search's slot tables the graph appends to
         if self._commits is None:
-            self._commits = RowRunner(self._commit_rows, 5, self.target.device)
+            self._commits = RowRunner(self._commit_rows, 5 + len(names), self.target.device)
         t = sum(sizes)
         if self._commits.bucket_of(t) is None:
             return not t
@@ -497,8 +503,19 @@ class MoADrafter(Drafter):
         # token j of a request's queue is at position (its verified tokens so far) + j
         pos = [st.target_slots.numel() + j for st, n in zip(sts, sizes) for j in range(n)]
         ids = [x for c in caps for x in c.token_ids]
+        held = {
+            "sa": [st.sa_slots for st in sts],
+            "ca": [st.mem_slots for st in sts],
+            "tli": [st.target_slots for st in sts],
+        }
+        tables = [self._search_runner().table(n) for n in names]
+        rids = [d.rid for d in batch]
+        cells = [tb.appended(rids, [x.numel() for x in held[n]], sizes) for tb, n in zip(tables, names)]
         target_slots, mem, sa = torch.cat([c.slots for c in caps]), self.mem.alloc(t), self.sa.alloc(t)
-        self._commits.run([ids, pos], [target_slots, mem, sa], (self.sa, self.mem, self.tli_kv))
+        pools = (self.sa, self.mem, self.tli_kv, *(tb.table for tb in tables))
+        self._commits.run([ids, pos, *(c for c, _ in cells)], [target_slots, mem, sa], pools)
+        for _, done in cells:
+            done()
         self.lsa_rows += t
         new = [x for add in zip(mem.split(sizes), sa.split(sizes), target_slots.split(sizes)) for x in add]
         parts = iter(grow([x for st in sts for x in (st.mem_slots, st.sa_slots, st.target_slots)], new))
@@ -507,9 +524,13 @@ class MoADrafter(Drafter):
             st.pending = []
         return True
 
-    def _commit_rows(self, ids, positions, target_slots, mem, sa) -> None:
+    def _commit_rows(self, ids, positions, *cells_and_slots) -> None:
         """The row runner's function (each [R] int64 on the device; padding 0): the tokens' LSA memory over
-        their K/V at every target layer, its CA K/V stored at `mem`, their SA K/V at `sa`."""
+        their K/V at every target layer, its CA K/V stored at `mem`, their SA K/V at `sa`; their SA, memory
+        and target slots appended to the search's slot tables (at their cells)."""
+        *cells, target_slots, mem, sa = cells_and_slots
+        for name, slots, at in zip(("sa", "ca", "tli"), (sa, mem, target_slots), cells):
+            self._search.tables[name].table.view(-1).index_put_((at,), slots)
         kv = self.tli_kv
         k, v = commit_ca(self.draft, lsa_memory(self.draft, kv.k, kv.v, target_slots), positions)
         self.mem.k[0][mem], self.mem.v[0][mem] = k, v
@@ -521,8 +542,7 @@ class MoADrafter(Drafter):
         step in one function), the same trees as the pass-by-pass search; None when no bucket fits.
         Every pass's temporary SA (and TLI) slots are handed out at once ([b, 1 + (depth-1)*k],
         request-major: the root's, then step after step) and freed once the search is queued."""
-        if self._search is None:
-            self._search = SearchRunner(self.target.device, self.target.cfg.max_position)
+        self._search_runner()
         b, sts = len(batch), [self.reqs[d.rid] for d in batch]
         prefixes = {"sa": [st.sa_slots for st in sts], "ca": [st.mem_slots for st in sts]}
         if self.tli_layers:
@@ -534,7 +554,7 @@ class MoADrafter(Drafter):
         if self.tli_layers:
             temps.append((self.tli_kv, self.tli_kv.alloc(b * width)))
         try:
-            rows = {"root": torch.tensor([[d.token_ids[-1], d.seq_len] for d in batch])}  # [b, 2]
+            rows = {"root": [[d.token_ids[-1], d.seq_len] for d in batch]}  # [b, 2] (host ints)
             rows.update(zip(("sa", "tli"), (s.view(b, width) for _, s in temps)))
             pools = (self.sa, self.mem, self.tli_kv)
             search = lambda bufs: self._search_fn(bufs, shape)  # noqa: E731

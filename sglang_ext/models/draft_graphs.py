@@ -411,7 +411,7 @@ class SearchRunner:
         self,
         key,  # what else shapes the function (a tree shape): one graph per (bucket, key)
         search: SearchFn,
-        rows: dict[str, torch.Tensor],  # name -> [b, n] int64 on the host
+        rows: dict[str, "torch.Tensor | list[list[int]]"],  # name -> [b, n] int64 on the host (or host ints)
         prefixes: dict[str, list[torch.Tensor]],  # name -> per request its committed slots [P_i] (host)
         inputs: dict[str, torch.Tensor],  # name -> [b, ...] on the device
         pools: tuple,  # the KV pools the search writes and reads (graphs bake their addresses in)
@@ -420,7 +420,7 @@ class SearchRunner:
     ) -> tuple[torch.Tensor, ...] | None:
         """search's outputs for the b real requests, or None when no bucket fits (the caller searches
         step by step)."""
-        b = next(iter(rows.values())).shape[0]
+        b = len(next(iter(rows.values())))
         bk = self.bucket_of(b, {n: max(p.numel() for p in pre) for n, pre in prefixes.items()})
         if bk is None:
             return None
@@ -428,11 +428,11 @@ class SearchRunner:
             self.cache.clear()
             self.tables = {}  # (their rows hold another pool's slots)
             self._pools = tuple(pools)
-        held = {n: (tables or {}).get(n) or self._table(n) for n in prefixes} if keys is not None else {}
+        held = {n: (tables or {}).get(n) or self.table(n) for n in prefixes} if keys is not None else {}
         self.runs += 1
         bb, plans = bk
         room = bb * self.ROOM
-        widths = tuple((n, r.shape[1]) for n, r in rows.items())
+        widths = tuple((n, len(r[0]), isinstance(r, list)) for n, r in rows.items())  # (name, n, host ints)
         specs = tuple((n, tuple(x.shape[1:]), x.dtype) for n, x in inputs.items())
         device = self.cache.device
         pairs = {n: t.pending(keys, prefixes[n], room) for n, t in held.items()}
@@ -460,7 +460,8 @@ class SearchRunner:
             done()
         return tuple(o[:b].clone() for o in out)
 
-    def _table(self, name: str) -> SlotTable:
+    def table(self, name: str) -> SlotTable:
+        """The runner's own slot table for plan `name` (made on first use)."""
         if name not in self.tables:
             self.tables[name] = SlotTable(2 * self.batch_buckets[-1] + 1, self.context[-1] + 1, self.cache.device)
         return self.tables[name]
@@ -471,14 +472,18 @@ class SearchRunner:
         bb, plans = bk
         room, names = bb * self.ROOM, list(held)
         packed = [(n, p) for n, p in plans if n not in held]
-        sizes = [*(x for _ in names for x in (bb, room)), *(bb for _ in plans), bb, *(room for _ in names)]
-        parts = iter(bufs["longs"].split(sizes + [bb * w for _, w in widths] + [bb * p for _, p in packed]))
+        int_grids = [(n, w) for n, w, ints in widths if ints]
+        tensor_grids = [(n, w) for n, w, ints in widths if not ints]
+        sizes = [*(x for _ in names for x in (bb, room)), *(bb for _ in plans), bb, *(bb * w for _, w in int_grids)]
+        sizes += [*(room for _ in names), *(bb * w for _, w in tensor_grids), *(bb * p for _, p in packed)]
+        parts = iter(bufs["longs"].split(sizes))
         table_rows = {n: (next(parts), next(parts)) for n in names}  # n -> (rows [B], the pairs' cells [room])
         lens = {n: next(parts) for n, _ in plans}
         real = next(parts) > 0
+        grids = {n: next(parts).view(bb, w) for n, w in int_grids}
         for n in names:  # the pairs the rows lack, then the rows read
             held[n].table.view(-1).index_put_((table_rows[n][1],), next(parts))
-        grids = {n: next(parts).view(bb, w) for n, w in widths}
+        grids.update({n: next(parts).view(bb, w) for n, w in tensor_grids})
         prefixes = {n: (next(parts).view(bb, p), lens[n]) for n, p in packed}
         for n, p in plans:
             if n in held:
@@ -488,9 +493,10 @@ class SearchRunner:
 
 def _search_host(bk, widths, b: int, rows: dict, prefixes: dict, pairs: dict, room: int) -> torch.Tensor:
     """Host side of a search bucket, one int64 tensor: [ints: per table plan (pairs: its rows [B], the pairs'
-    table indices [room]) | per plan prefix_len [B] | real [B] || tensors: per table plan its pairs' slots
-    [room] | each row [B*n] | per packed plan prefix [B*P]], the first b requests' values filled in, the
-    rest 0 (a table plan's padding requests read the scratch row 0). The ints go in as one tensor."""
+    table indices [room]) | per plan prefix_len [B] | real [B] | each row given as host ints [B*n] || tensors:
+    per table plan its pairs' slots [room] | each row given as a tensor [B*n] | per packed plan prefix [B*P]],
+    the first b requests' values filled in, the rest 0 (a table plan's padding requests read the scratch row
+    0). The ints go in as one tensor."""
     bb, plans = bk
     pad = [0] * (bb - b)
     ints = []
@@ -499,12 +505,17 @@ def _search_host(bk, widths, b: int, rows: dict, prefixes: dict, pairs: dict, ro
         ints += [*r, *pad, *at, *([0] * (room - len(at)))]
     ints += [x for n, _ in plans for x in ([p.numel() for p in prefixes[n]] if b else []) + pad]
     ints += [1] * b + pad
+    for name, w, listed in widths:
+        if listed:
+            ints += [v for r in rows[name] for v in r] if b else []
+            ints += pad * w
     tens = [torch.tensor(ints, dtype=torch.long)]
-    tens += [pairs[n][2] if b else torch.zeros(room, dtype=torch.long) for n in pairs]
-    for name, w in widths:
-        tens.append(rows[name].reshape(-1) if b else _zeros(0))
-        if b < bb:
-            tens.append(_zeros((bb - b) * w))
+    tens += [pairs[n][2] if b else _zeros(room) for n in pairs]
+    for name, w, listed in widths:
+        if not listed:
+            tens.append(rows[name].reshape(-1) if b else _zeros(0))
+            if b < bb:
+                tens.append(_zeros((bb - b) * w))
     for name, p in plans:
         if name not in pairs:
             tens.append(padded_prefixes(prefixes.get(name, []) if b else [], bb, p)[0].view(-1))

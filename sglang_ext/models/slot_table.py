@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable
+from functools import lru_cache
 
 import torch
 
@@ -168,6 +169,8 @@ class SlotTable:
             at += range(row * self.width + synced, row * self.width + m)
             src += range(base + synced, base + m)
             base += m
+        if not at:  # (the rows hold every prefix: an appending graph ran since)
+            return [e[0] for e in entries], [0] * room, _padding(room), lambda: None
         flat = torch.cat([*prefixes, _ZERO])  # (its last cell: the padding pairs' slot 0)
         if len(at) > room:  # NOTE: outside the graph, before it: a search after a prefill or eager steps
             over = torch.tensor([*at[room:], *src[room:]], dtype=torch.long).view(2, -1)
@@ -181,8 +184,32 @@ class SlotTable:
 
         return [e[0] for e in entries], at + [0] * (room - len(at)), slots, done
 
+    def appended(self, keys: list[Hashable], lens: list[int], adds: list[int]):
+        """For a graph that appends adds[i] slots to key i's row (whose first lens[i] slots it may hold): (the
+        cells they go to [sum adds] ints, request after request; 0, the scratch cell, past the row's width; done()
+        to call once the graph wrote them). A row that held its first lens[i] slots then holds lens[i] + adds[i]."""
+        entries = self._rows(keys, lens)
+        cells = [
+            e[0] * self.width + j if j < self.width else 0
+            for e, n, k in zip(entries, lens, adds)
+            for j in range(n, n + k)
+        ]
+
+        def done() -> None:
+            for e, n, k in zip(entries, lens, adds):
+                if e[1] == n and n + k <= self.width:
+                    e[1] = n + k
+
+        return cells, done
+
 
 _ZERO = torch.zeros(1, dtype=torch.long)
+
+
+@lru_cache(maxsize=16)
+def _padding(n: int) -> torch.Tensor:
+    """n int64 zeros on the host (a padding template, never written)."""
+    return torch.zeros(n, dtype=torch.long)
 
 
 def real_rows(q_lens: list[int], q: int, base: int = 0) -> list[int]:

@@ -329,7 +329,8 @@ def test_moa_static_commit_equals_eager(device, request):
     """MoA's commit of queued verified tokens (their LSA memory, CA and SA K/V) through its RowRunner (one graph
     per row bucket, each token alone) stores what its eager _flush stores: two drafters hear the same requests
     and commits of an engine serving three prompts; at every propose the static one's pools hold, at its slots,
-    the eager one's K/V, and their slot lists are as long."""
+    the eager one's K/V, and their slot lists are as long. Its static search, reading the slot tables that graph
+    appended to, proposes the eager trees."""
     target = _target_on(device, request)
     eager, static = make_drafter("moa", target), make_drafter("moa", target)
     static.step_graphs = True
@@ -348,8 +349,10 @@ def test_moa_static_commit_equals_eager(device, request):
     propose, checked = eager.propose, []
 
     def compare(batch, shape):
-        assert static._static_flush(batch)
+        got = static.propose(batch, shape)  # (its static flush, then its static search, reading the slot tables)
         trees = propose(batch, shape)  # (the eager flush, then the search)
+        for x, y in zip(trees, got):
+            assert torch.equal(x.draft_tokens, y.draft_tokens) and torch.equal(x.parents, y.parents)
         for d in batch:
             a, b = eager.reqs[d.rid], static.reqs[d.rid]
             assert torch.equal(a.target_slots, b.target_slots) and not b.pending
@@ -365,10 +368,10 @@ def test_moa_static_commit_equals_eager(device, request):
 
     eager.propose = compare
     prompts = [target.encode_chat([{"role": "user", "content": t}]) for t in ("Name three rivers.", "Hi!", "7*8?")]
-    Engine(target, eager, EngineConfig(tree=TreeShape.chain(1), adaptive=False, cuda_graphs=False)).generate(
+    Engine(target, eager, EngineConfig(tree=TreeShape(2, 2, 3), adaptive=False, cuda_graphs=False)).generate(
         prompts, SamplingParams(max_new_tokens=4)
     )
-    assert len(checked) >= 2 and static._commits.runs == len(checked)
+    assert len(checked) >= 2 and static._commits.runs == static._search.runs == len(checked)
     assert static._commits.cache.graphs == (device == "cuda")
 
 

@@ -64,7 +64,8 @@ def test_an_appending_step_leaves_each_row_holding_every_slot_of_its_request():
     """Steps that keep all their rows (a drafter's draft-extend: read(append=True)) between steps that keep only
     their roots, and reads that send what the rows lack (a drafter's search: `pending`, its pairs written as a graph
     would, those beyond its room outside it): after an appending step or a read, each request's row holds its
-    prefix and all its new slots (a read after an appending step sends nothing)."""
+    prefix and all its new slots (a read after an appending step sends nothing), and so after slots appended at
+    the cells `appended` gives."""
     rng = random.Random(2)
     table = SlotTable(rows=4, width=65, device=torch.device("cpu"))
     slots = {k: torch.randint(1, 10_000, (rng.randrange(1, 12),)) for k in range(3)}
@@ -81,6 +82,15 @@ def test_an_appending_step_leaves_each_row_holding_every_slot_of_its_request():
         table.table.view(-1)[torch.tensor(cells)] = pairs  # (as the graph writes them)
         done()
         assert all(torch.equal(table.table[r, : slots[k].numel()], slots[k]) for r, k in zip(rows, keys))
+        # a graph appending slots it made (MoA's commit) at the cells `appended` gives: nothing lacking after it
+        adds = [rng.randrange(1, 4) for _ in keys]
+        cells, done = table.appended(keys, [slots[k].numel() for k in keys], adds)
+        new = torch.randint(1, 10_000, (sum(adds),))
+        table.table.view(-1)[torch.tensor(cells)] = new
+        done()
+        for k, x in zip(keys, new.split(adds)):
+            slots[k] = torch.cat([slots[k], x])
+        assert not any(table.pending(keys, [slots[k] for k in keys], room=4)[1])
 
 
 def _three_prefilled(pool: int, seed: int):
