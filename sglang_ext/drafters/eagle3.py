@@ -31,7 +31,7 @@ from ..attention import FrontierPaths, advance_seen, causal_masks, plan_flat, pl
 from ..device import grow, module_on, upload
 from ..kernels import attach_bf16_halves, attach_q8, q8_eagle3_layer
 from ..models.checkpoint import check_fits
-from ..models.draft_graphs import ExtendRunner, FrontierRunner, SearchBuffers, SearchRunner
+from ..models.draft_graphs import ExtendRunner, FrontierRunner, HeldSlots, SearchBuffers, SearchRunner
 from ..models.eagle3 import Eagle3Draft, load_eagle3
 from ..models.graph_runner import static_attention, static_plan
 from ..models.kv_pool import KVPool
@@ -87,6 +87,7 @@ class Eagle3Drafter(Drafter):
         self.step_graphs = False
         self._steps: FrontierRunner | None = None
         self._search: SearchRunner | None = None  # the whole search in one static function (one graph)
+        self._held: HeldSlots | None = None  # its temporary slots, held for good
         # the draft-extend of verified pairs (one graph), its requests' slots in a table on the device
         self._extender: ExtendRunner | None = None
 
@@ -322,44 +323,37 @@ class Eagle3Drafter(Drafter):
         """The deterministic search's trees from the search runner (root_out [b, H]: each root pair's
         output; the prefixes read from the draft-extend's slot table on the device, which a static extend left
         whole), the same trees as the step-by-step search; None when no bucket fits. Every step's
-        temporary slots are handed out at once ([b, (depth-1)*k], request-major, step after step) and
-        freed after the search is queued (later work on the device runs after it)."""
+        temporary slots are the search's held slots (HeldSlots: request i's row, step after step)."""
         if self._search is None:
             self._search = SearchRunner(self.target.device, self.target.cfg.max_position)
-        b, k = len(batch), shape.topk
+            self._held = HeldSlots(self.kv)
+        b = len(batch)
         if self._search.bucket_of(b, {"draft": max(p.numel() for p in prefixes)}) is None:
             return None
-        temp = self.kv.alloc(b * (shape.depth - 1) * k)
-        try:
-            rows = {
-                "root": [[d.token_ids[-1], d.seq_len] for d in batch],  # [b, 2] (host ints)
-                "slots": temp.view(b, -1),
-            }
-            out = self._search.run(
-                shape,
-                lambda bufs: self._search_fn(bufs, shape),
-                rows,
-                {"draft": prefixes},
-                {"out": root_out},
-                (self.kv,),
-                [d.rid for d in batch],
-                {"draft": self._extender.table} if self._extender is not None else None,
-            )
-        finally:
-            self.kv.free(temp)
+        held = self._held.take((shape.depth - 1) * shape.topk)
+        out = self._search.run(
+            shape,
+            lambda bufs: self._search_fn(bufs, shape, held),
+            {"root": [[d.token_ids[-1], d.seq_len] for d in batch]},  # [b, 2] (host ints)
+            {"draft": prefixes},
+            {"out": root_out},
+            (self.kv, held),
+            [d.rid for d in batch],
+            {"draft": self._extender.table} if self._extender is not None else None,
+        )
         longs, mask, scores, finite = out
         return unpack_trees(longs, mask, scores, finite.all())
 
-    def _search_fn(self, bufs: SearchBuffers, shape: TreeShape) -> tuple[torch.Tensor, ...]:
-        """The captured search over a padded batch of B requests: the root's top-k, depth - 1 frontier
-        steps (each node's path mask grown on the device, its K/V written at its temporary slot), the
+    def _search_fn(self, bufs: SearchBuffers, shape: TreeShape, held: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The captured search over a padded batch of B requests (held: the held slots' table): the root's top-k,
+        depth - 1 frontier steps (each node's path mask grown on the device, its K/V written at its held slot), the
         trees packed (tree_batch) with target ids. Outputs: longs [B, 6, N], tree_mask [B, N, N],
         scores [B, N], finite [B] bool (the request's draft logits all finite)."""
         root_out = bufs.inputs["out"]  # [B, H]
         bb, h = root_out.shape
         prefix, prefix_len = bufs.prefixes["draft"]
         roots, seq_lens = bufs.rows["root"].unbind(1)
-        temp = bufs.rows["slots"]  # [B, (depth-1)*k]
+        temp = held[:bb, : (shape.depth - 1) * shape.topk]  # [B, (depth-1)*k]
         state = {"out": root_out[:, None], "seen": torch.zeros(bb, 1, 0, dtype=torch.bool, device=root_out.device)}
 
         def step_fn(tokens: torch.Tensor, parent_beam: torch.Tensor | None) -> torch.Tensor:

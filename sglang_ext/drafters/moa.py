@@ -32,7 +32,7 @@ from ..attention import FrontierPaths, advance_seen, frontier_fields, plan_front
 from ..device import grow, module_on, to_device
 from ..kernels import attach_bf16_halves, attach_packed_rows, attach_q8, attach_q8_rows, q8_moa_stacks
 from ..models.checkpoint import check_fits
-from ..models.draft_graphs import FrontierRunner, RowRunner, SearchBuffers, SearchRunner
+from ..models.draft_graphs import FrontierRunner, HeldSlots, RowRunner, SearchBuffers, SearchRunner
 from ..models.graph_runner import static_attention, static_plan, with_static_attention
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel, rms_norm
@@ -134,6 +134,7 @@ class MoADrafter(Drafter):
         self.step_graphs = False
         self._steps: FrontierRunner | None = None
         self._search: SearchRunner | None = None  # the whole search in one static function (one graph)
+        self._held: HeldSlots | None = None  # its temporary SA slots, held for good
         self._static: MoAParts | None = None  # the parts with static attention (what the runners run)
         self._commits: RowRunner | None = None  # the queued tokens' LSA, CA and SA commits in one graph
 
@@ -477,6 +478,7 @@ class MoADrafter(Drafter):
     def _search_runner(self) -> SearchRunner:
         if self._search is None:
             self._search = SearchRunner(self.target.device, self.target.cfg.max_position)
+            self._held = HeldSlots(self.sa)  # its temporary SA slots, held for good
         return self._search
 
     def _forget_static(self, rid: int) -> None:
@@ -540,8 +542,9 @@ class MoADrafter(Drafter):
     def _static_search(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree] | None:
         """The deterministic search's trees from the search runner (the roots' pass and every search
         step in one function), the same trees as the pass-by-pass search; None when no bucket fits.
-        Every pass's temporary SA (and TLI) slots are handed out at once ([b, 1 + (depth-1)*k],
-        request-major: the root's, then step after step) and freed once the search is queued."""
+        Every pass's temporary SA slots are the search's held slots (HeldSlots: request i's row, the root's,
+        then step after step); its TLI slots (in the target's pool) are handed out at once ([b, 1 + (depth-1)*k],
+        in the same order) and freed once the search is queued."""
         self._search_runner()
         b, sts = len(batch), [self.reqs[d.rid] for d in batch]
         prefixes = {"sa": [st.sa_slots for st in sts], "ca": [st.mem_slots for st in sts]}
@@ -550,14 +553,13 @@ class MoADrafter(Drafter):
         if self._search.bucket_of(b, {n: max(p.numel() for p in pre) for n, pre in prefixes.items()}) is None:
             return None
         width = 1 + (shape.depth - 1) * shape.topk
-        temps = [(self.sa, self.sa.alloc(b * width))]
-        if self.tli_layers:
-            temps.append((self.tli_kv, self.tli_kv.alloc(b * width)))
+        held = self._held.take(width)
+        temps = [(self.tli_kv, self.tli_kv.alloc(b * width))] if self.tli_layers else []
         try:
             rows = {"root": [[d.token_ids[-1], d.seq_len] for d in batch]}  # [b, 2] (host ints)
-            rows.update(zip(("sa", "tli"), (s.view(b, width) for _, s in temps)))
-            pools = (self.sa, self.mem, self.tli_kv)
-            search = lambda bufs: self._search_fn(bufs, shape)  # noqa: E731
+            rows.update(("tli", s.view(b, width)) for _, s in temps)
+            pools = (self.sa, self.mem, self.tli_kv, held)
+            search = lambda bufs: self._search_fn(bufs, shape, held)  # noqa: E731
             # (the prefixes from the runner's slot tables on the device: only what their rows lack goes up)
             out = self._search.run(shape, search, rows, prefixes, {}, pools, [d.rid for d in batch])
         finally:
@@ -566,14 +568,14 @@ class MoADrafter(Drafter):
         longs, mask, scores, finite = out
         return unpack_trees(longs, mask, scores, finite.all())
 
-    def _search_fn(self, bufs: SearchBuffers, shape: TreeShape) -> tuple[torch.Tensor, ...]:
-        """The captured search over a padded batch of B requests: the roots' pass, depth - 1 search
-        steps (each node's path mask grown on the device; SA, CA and TLI plans in static form), the
-        trees packed (tree_batch) with target ids. Outputs as tree_batch's, then finite [B] bool."""
+    def _search_fn(self, bufs: SearchBuffers, shape: TreeShape, held: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The captured search over a padded batch of B requests (held: the held SA slots' table): the roots'
+        pass, depth - 1 search steps (each node's path mask grown on the device; SA, CA and TLI plans in static
+        form), the trees packed (tree_batch) with target ids. Outputs as tree_batch's, then finite [B] bool."""
         parts = self._static_parts()
         roots, seq_lens = bufs.rows["root"].unbind(1)
         bb, dev = roots.shape[0], roots.device
-        sa_temp = bufs.rows["sa"]  # [B, 1 + (depth-1)*k]
+        sa_temp = held[:bb, : 1 + (shape.depth - 1) * shape.topk]  # [B, 1 + (depth-1)*k]
         tli_temp = bufs.rows.get("tli", torch.zeros_like(sa_temp))
         state = {"seen": torch.zeros(bb, 1, 0, dtype=torch.bool, device=dev), "passes": 0}
         # CA reads the verified memory only: one padding column (slot 0), read by a padded request alone
