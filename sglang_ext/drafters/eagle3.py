@@ -327,10 +327,10 @@ class Eagle3Drafter(Drafter):
         if self._search is None:
             self._search = SearchRunner(self.target.device, self.target.cfg.max_position)
             self._held = HeldSlots(self.kv)
-        b = len(batch)
-        if self._search.bucket_of(b, {"draft": max(p.numel() for p in prefixes)}) is None:
+        bk = self._search.bucket_of(len(batch), {"draft": max(p.numel() for p in prefixes)})
+        if bk is None:
             return None
-        held = self._held.take((shape.depth - 1) * shape.topk)
+        held = self._held.take(bk[0], (shape.depth - 1) * shape.topk)
         out = self._search.run(
             shape,
             lambda bufs: self._search_fn(bufs, shape, held),

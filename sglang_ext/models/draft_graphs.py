@@ -297,22 +297,25 @@ ROW_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 
 class HeldSlots:
     """Slots of a drafter's own KV pool held for good for a search's temporary K/V (its tree nodes'), as a
-    [max batch, width] table on the device that its graphs read: no alloc, free or upload per step (SGLang
-    holds its draft tokens' slots the same way). A wider search takes a new table (the old slots go back):
-    pass `table` among the search's pools, so that graphs reading the old one are dropped."""
+    [batch, width] table on the device that its graphs read: no alloc, free or upload per step (SGLang holds
+    its draft tokens' slots the same way). A larger batch bucket or a wider search takes a new table (the old
+    slots go back): pass `table` among the search's pools, so that graphs reading the old one are dropped."""
 
-    def __init__(self, pool, max_batch: int = BATCH_BUCKETS[-1]):
-        self.pool, self.max_batch = pool, max_batch
+    def __init__(self, pool):
+        self.pool = pool
         self.host: torch.Tensor | None = None
-        self.table: torch.Tensor | None = None  # [max_batch, width] int64 on the pool's device
+        self.table: torch.Tensor | None = None  # [batch, width] int64 on the pool's device
 
-    def take(self, width: int) -> torch.Tensor:
-        """The table, at least `width` wide: request i's node j writes slot table[i, j]."""
-        if self.table is None or self.table.shape[1] < width:
-            new = self.pool.alloc(self.max_batch * width)
+    def take(self, batch: int, width: int) -> torch.Tensor:
+        """The table, at least [batch, width]: request i's node j writes slot table[i, j]."""
+        t = self.table
+        if t is None or t.shape[0] < batch or t.shape[1] < width:
+            rows, cols = max(batch, 0 if t is None else t.shape[0]), max(width, 0 if t is None else t.shape[1])
             if self.host is not None:
                 self.pool.free(self.host)
-            self.host, self.table = new, to_device(new, self.pool.device).view(self.max_batch, width)
+                self.host = self.table = None
+            self.host = self.pool.alloc(rows * cols)
+            self.table = to_device(self.host, self.pool.device).view(rows, cols)
         return self.table
 
 
