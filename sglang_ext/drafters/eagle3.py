@@ -160,17 +160,21 @@ class Eagle3Drafter(Drafter):
     # --- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree]:
-        root_out = self._extend(batch)  # [b, H]
-        b = len(batch)
         # NOTE: deterministic (top-k) search runs over the draft vocab and maps ids back at the end;
         # sampled chains need q over the target vocab for verification, so they get full-vocab logits.
         full = shape.topk == 1 and any(not d.params.greedy for d in batch)
+        # the whole search as one graph replay; on the CPU with min_prob the eager search stops early and
+        # drops the nodes below it (trees of other sizes than a static search's), so it runs step by step
+        searchable = self.step_graphs and not full and (not shape.min_prob or self.target.device.type != "cpu")
+        extended = self._extend(batch, shape if searchable else None)
+        if isinstance(extended, list):  # (the draft-extend and the whole search in one graph: the trees)
+            return extended
+        root_out = extended  # [b, H]
+        b = len(batch)
         to_logits = self._full_logits if full else (lambda out: self.draft.logits(out).float())
         to_target = (lambda ids: ids) if full else (lambda ids: self.hot_ids[ids])
         prefixes = [self.reqs[d.rid].slots for d in batch]
-        # the whole search as one graph replay; on the CPU with min_prob the eager search stops early and
-        # drops the nodes below it (trees of other sizes than a static search's), so it runs step by step
-        if self.step_graphs and not full and (not shape.min_prob or root_out.device.type != "cpu"):
+        if searchable:
             trees = self._static_search(batch, shape, root_out, prefixes)
             if trees is not None:
                 return trees
@@ -210,9 +214,10 @@ class Eagle3Drafter(Drafter):
                 t.draft_tokens = torch.cat([t.draft_tokens[:1], self.hot_ids[t.draft_tokens[1:]]])
         return trees
 
-    def _extend(self, batch: list[DraftInput]) -> torch.Tensor:
+    def _extend(self, batch: list[DraftInput], shape: TreeShape | None = None) -> torch.Tensor | list[TokenTree]:
         """Process every request's pending verified pairs; return the root pair's output [b, H]. The
-        batch's pairs go through one fuse, one slot allocation, one mask and one layer pass."""
+        batch's pairs go through one fuse, one slot allocation, one mask and one layer pass. shape (a static
+        search's): on the static path the search runs in the extend's graph, and its trees come back instead."""
         sts = [self.reqs[d.rid] for d in batch]
         done = [st.slots.numel() for st in sts]
         m = [sum(_rows(p) for p in st.pending) for st in sts]
@@ -227,7 +232,7 @@ class Eagle3Drafter(Drafter):
         old = [st.slots for st in sts]
         new = self._take_pending(sts, m)
         if static:
-            out = self._static_extend(batch, done, m, old, new, items)
+            out = self._static_extend(batch, done, m, old, new, items, shape)
             if out is not None:
                 return out
             fused = self._pending_features(items)
@@ -248,24 +253,43 @@ class Eagle3Drafter(Drafter):
             st.slots, st.pending = s, []
         return new
 
-    def _static_extend(self, batch, done, m, old, new, items) -> torch.Tensor | None:
+    def _static_extend(self, batch, done, m, old, new, items, shape=None) -> torch.Tensor | list[TokenTree] | None:
         """The pending pairs through the extend runner (one graph; prefixes from its table on the device): each
-        request's root pair's output [b, H], or None when no bucket fits. old: the requests' slots before them."""
+        request's root pair's output [b, H] (shape given: the search in the same graph, its trees), or None when
+        no bucket fits. old: the requests' slots before them."""
         if self._extender is None:
 
             def step(ids, feat, pos, slots, plan):
                 return (self._layer(ids, self.draft.fuse(feat), pos, slots, plan, static_attention),)
 
             self._extender = ExtendRunner(step, self.target.device, self.target.cfg.max_position)
-        if self._extender.bucket_of(m, [s.numel() for s in old]) is None:
+        bk = self._extender.bucket_of(m, [s.numel() for s in old])
+        if bk is None:
             return None
         raw = [torch.cat([h[l] for h in items]) if len(items) > 1 else items[0][l] for l in self.capture_layers]
         feat = torch.cat(raw, dim=-1)  # [sum m, layers * Ht], as context() fuses them
         ids = [t for d, n, k in zip(batch, done, m) for t in d.token_ids[n + 1 : n + 1 + k]]
         pos = [j for n, k in zip(done, m) for j in range(n, n + k)]
         feat = feat if feat.dtype == self.target.dtype else feat.to(self.target.dtype)
-        out = self._extender.run([d.rid for d in batch], ids, pos, new, m, old, feat, (self.kv,))
-        return out[0]
+        then = None
+        if shape is not None:  # the search after it, each root from its last pair (the request's last token)
+            held = self._held_slots().take(bk[0], (shape.depth - 1) * shape.topk)
+
+            def search(last, e):
+                bufs = SearchBuffers(
+                    {"root": torch.stack([e.last_ids, e.prefix_len], 1)},
+                    {"draft": (e.prefix, e.prefix_len)},
+                    {"out": last[0]},
+                    e.real,
+                )
+                return self._search_fn(bufs, shape, held)
+
+            then = (shape, search, (held,))
+        out = self._extender.run([d.rid for d in batch], ids, pos, new, m, old, feat, (self.kv,), then)
+        if then is None:
+            return out[0]
+        longs, mask, scores, finite = out
+        return unpack_trees(longs, mask, scores, finite.all())
 
     def _pending_features(self, items: list) -> torch.Tensor:
         """Fused features [sum m, H] of pending items in order: the captured ones fused in one call."""
@@ -326,11 +350,10 @@ class Eagle3Drafter(Drafter):
         temporary slots are the search's held slots (HeldSlots: request i's row, step after step)."""
         if self._search is None:
             self._search = SearchRunner(self.target.device, self.target.cfg.max_position)
-            self._held = HeldSlots(self.kv)
         bk = self._search.bucket_of(len(batch), {"draft": max(p.numel() for p in prefixes)})
         if bk is None:
             return None
-        held = self._held.take(bk[0], (shape.depth - 1) * shape.topk)
+        held = self._held_slots().take(bk[0], (shape.depth - 1) * shape.topk)
         out = self._search.run(
             shape,
             lambda bufs: self._search_fn(bufs, shape, held),
@@ -343,6 +366,11 @@ class Eagle3Drafter(Drafter):
         )
         longs, mask, scores, finite = out
         return unpack_trees(longs, mask, scores, finite.all())
+
+    def _held_slots(self) -> HeldSlots:
+        if self._held is None:
+            self._held = HeldSlots(self.kv)
+        return self._held
 
     def _search_fn(self, bufs: SearchBuffers, shape: TreeShape, held: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The captured search over a padded batch of B requests (held: the held slots' table): the root's top-k,

@@ -197,7 +197,9 @@ class ExtendRunner:
         features [T, F] packed at the front of a [B*Q, F] buffer, gathered on the device (request i's row j
         reads packed row sum(q_lens[:i]) + j, counted from the non-zero slots; padding reads row 0)
 
-    run returns each request's last row of each of step's outputs (copies: the next replay overwrites them)."""
+    run returns each request's last row of each of step's outputs (copies: the next replay overwrites them), or,
+    given a function to run after the extend in the same graph (`then`: a drafter's whole search over the
+    extended prefixes, as `Extended` describes them), that function's outputs."""
 
     def __init__(
         self,
@@ -216,20 +218,20 @@ class ExtendRunner:
         self.cache = GraphCache(torch.device(device), graphs)
         self.table = self._new_table()
         self._pools: tuple = ()
+        self._consts: dict = {}
         self.runs = 0
 
     def _new_table(self) -> SlotTable:
         return SlotTable(2 * self.batch_buckets[-1] + 1, self.context[-1] + 1, self.cache.device)
 
     def bucket_of(self, q_lens: list[int], prefix_lens: list[int]) -> tuple[int, int, int] | None:
-        """The (B, Q, P) bucket of the batch, or None when it fits none (the caller runs its eager pass)."""
+        """The (B, Q, P) bucket of the batch (P: the extended prefixes' columns), or None when it fits none (the
+        caller runs its eager pass)."""
         if not q_lens or min(q_lens) < 1:
             return None
         b, q = bucket(len(q_lens), self.batch_buckets), bucket(max(q_lens), self.node_buckets)
-        p = bucket(max(prefix_lens), self.context)
+        p = bucket(max(n + k for n, k in zip(prefix_lens, q_lens)), self.context)
         if b is None or q is None or p is None or b * q > self.max_rows:
-            return None
-        if max(n + k for n, k in zip(prefix_lens, q_lens)) > self.table.width:
             return None
         return b, q, p
 
@@ -243,8 +245,10 @@ class ExtendRunner:
         prefixes: list[torch.Tensor],  # per request [P_i] its committed slots before these rows (host)
         feat: torch.Tensor,  # [T, F] the rows' input features (on the device)
         pools: tuple,  # the KV pools the step writes and reads (graphs bake their addresses in)
+        then: tuple | None = None,  # (key, fn(last outputs, Extended) -> outputs [B, ...], the tensors fn reads)
     ) -> tuple[torch.Tensor, ...] | None:
-        """step's outputs at each request's last row [b, ...], or None when no bucket fits."""
+        """step's outputs at each request's last row [b, ...] (or then's fn's outputs [b, ...]), or None when no
+        bucket fits."""
         key = self.bucket_of(q_lens, [p.numel() for p in prefixes])
         if key is None:
             return None
@@ -252,6 +256,10 @@ class ExtendRunner:
             self.cache.clear()
             self.table = self._new_table()  # (its rows hold another pool's slots)
             self._pools = tuple(pools)
+        consts = then[2] if then else ()
+        if any(c is not self._consts.get(i) for i, c in enumerate(consts)):  # (then's graphs read older ones)
+            self.cache.clear()
+            self._consts = dict(enumerate(consts))
         self.runs += 1
         b, t = len(keys), feat.shape[0]
         longs, overflow, done = self.table.inputs(key, keys, q_lens, prefixes, [*ids, *positions], [slots], True)
@@ -270,16 +278,20 @@ class ExtendRunner:
             fill_flat(bufs["longs"], longs)
             bufs["feat"][:t].copy_(feat)
 
-        out = self.cache.run((key, feat.shape[1], feat.dtype), make, fill, lambda bufs: self._extend(key, bufs))
+        fn = then[1] if then else None
+        out = self.cache.run(
+            (key, feat.shape[1], feat.dtype, then and then[0]), make, fill, lambda bufs: self._extend(key, bufs, fn)
+        )
         done()
         return tuple(o[:b].clone() for o in out)
 
     def forget(self, key) -> None:
         self.table.forget(key)
 
-    def _extend(self, key: tuple[int, int, int], bufs: dict) -> tuple[torch.Tensor, ...]:
+    def _extend(self, key: tuple[int, int, int], bufs: dict, then=None) -> tuple[torch.Tensor, ...]:
         """The captured function: the table's rows made whole (and extended) and read, the rows' features
-        gathered, the causal static plan, the drafter's step; each request's last row."""
+        gathered, the causal static plan, the drafter's step; each request's last row (then: then(those,
+        Extended))."""
         b, q, _ = key
         ids, pos, slots, prefix, prefix_len = self.table.read(bufs["longs"], key, append=True)
         real = (slots > 0).view(b, q)
@@ -289,7 +301,19 @@ class ExtendRunner:
         causal = (ar[None, :] <= ar[:, None]).expand(b, q, q)  # row j sees rows 0..j of its request
         plan = static_plan(prefix, prefix_len, slots.view(b, q), causal)
         last = (n - 1).clamp(min=0) + torch.arange(b, device=slots.device) * q
-        return tuple(o[last] for o in self.step(ids, feat, pos, slots, plan))
+        out = tuple(o[last] for o in self.step(ids, feat, pos, slots, plan))
+        return out if then is None else tuple(then(out, Extended(ids[last], prefix, prefix_len + n, n > 0)))
+
+
+@dataclass
+class Extended:
+    """What an extend leaves for a function run after it in its graph, per padded request [B]: its last row's
+    token (the root, for EAGLE-3), its extended prefix [B, P] (the table's row) and length, whether it is real."""
+
+    last_ids: torch.Tensor
+    prefix: torch.Tensor
+    prefix_len: torch.Tensor
+    real: torch.Tensor
 
 
 ROW_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)

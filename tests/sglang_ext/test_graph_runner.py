@@ -284,16 +284,18 @@ def test_eagle3_frontier_step_static_equals_eager(b, kk, depth, device, request)
 @pytest.mark.parametrize("device", DEVICES)
 def test_eagle3_static_extend_equals_eager(device, request):
     """The EAGLE-3 drafter's draft-extend through its ExtendRunner (one graph: prefixes from its slot table on the
-    device, extended there by the new pairs' slots) == its eager extend: each request's root output, round after
-    round of verified tokens (1 to 5 per request); a first extend past the buckets (a 70-token prompt) runs
-    eagerly, and the next one sends the table what it lacks. After each static extend the table holds every
-    request's pairs, so the search reads its prefixes there."""
+    device, extended there by the new pairs' slots) == its eager extend, round after round of verified tokens (1
+    to 5 per request): odd rounds compare each request's root output (the extend alone, as before a sampled
+    chain), even rounds the trees of a whole propose (the extend and the search in one graph). The first round's
+    extend is past the buckets (a 70-token prompt): it runs eagerly and its search alone (the SearchRunner, sending
+    the prefixes the table lacks); the next extend sends the table what it lacks. After each static extend the
+    table holds every request's pairs, so the search reads its prefixes there."""
     target = _target_on(device, request)
     eager, static = make_drafter("eagle3", target), make_drafter("eagle3", target)
     static.step_graphs = True
     g = torch.Generator().manual_seed(5)
     ht = target.cfg.hidden_size
-    params = SamplingParams(max_new_tokens=8)
+    params, shape = SamplingParams(max_new_tokens=8), TreeShape(3, 2, 6)
 
     def hidden(n):
         return {l: torch.randn(n, ht, generator=g).to(device) for l in eager.capture_layers}
@@ -307,21 +309,24 @@ def test_eagle3_static_extend_equals_eager(device, request):
         for t in tokens.values():
             t.append(int(torch.randint(0, 1000, (1,), generator=g)))  # the root
         batch = [DraftInput(rid, t, params, None, []) for rid, t in tokens.items()]
-        want, got = eager._extend(batch), static._extend(batch)  # (on CUDA: captured on a bucket's first use)
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        if step % 2:  # (on CUDA: captured on a bucket's first use)
+            torch.testing.assert_close(static._extend(batch), eager._extend(batch), atol=1e-4, rtol=1e-4)
+        else:
+            for x, y in zip(eager.propose(batch, shape), static.propose(batch, shape)):
+                assert torch.equal(x.draft_tokens, y.draft_tokens) and torch.equal(x.parents, y.parents)
         table, slots = static._extender.table, [static.reqs[rid].slots for rid in tokens]
         rows, cells, _, _ = table.pending(list(tokens), slots, 8)  # what a search would send: nothing lacking
-        assert any(cells) == (step == 0)  # (the first extend ran eagerly: the 70-token prompt)
-        if step:
-            assert all(torch.equal(table.table[r, : x.numel()].cpu(), x) for r, x in zip(rows, slots))
+        assert not any(cells)  # (after the eager first extend, its search sent the table what it lacked)
+        assert all(torch.equal(table.table[r, : x.numel()].cpu(), x) for r, x in zip(rows, slots))
         for rid, t in tokens.items():  # 1 to 5 verified tokens each (the root and accepted drafts)
             k = 1 + (rid + step) % 5
             t += torch.randint(0, 1000, (k - 1,), generator=g).tolist()
             cap = TargetCapture(t[-k:], torch.arange(len(t) - k, len(t)), torch.arange(k), hidden(k))
             for d in (eager, static):
                 d.commit(rid, cap)
-    assert static._extender.runs == 3 and static._extender.cache.graphs == (device == "cuda")
-    assert eager._extender is None and eager.kv.num_free == static.kv.num_free
+    assert static._extender.runs == 3 and static._search.runs == 1
+    assert static._extender.cache.graphs == (device == "cuda")
+    assert eager._extender is None and eager.kv.num_free == static.kv.num_free + static._held.host.numel()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -418,10 +423,10 @@ def test_moa_static_draft_passes_propose_the_eager_trees(name, tree, device, req
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tree", ["3,2,6", "6,4,24", "4,1,5"])
 def test_eagle3_static_search_proposes_the_eager_trees(tree, device, request):
-    """The EAGLE-3 drafter's whole search through its SearchRunner (3 requests padded to 4; one function
-    for every step, the paths and the trees, captured and replayed on CUDA) proposes the trees of its
-    step-by-step eager search: two engines serving the same requests, every TokenTree field of every
-    proposal compared."""
+    """The EAGLE-3 drafter's draft-extend and whole search in one graph (its ExtendRunner with the search after
+    the extend; 3 requests padded to 4; captured and replayed on CUDA) proposes the trees of its eager extend and
+    step-by-step eager search: two engines serving the same requests, every TokenTree field of every proposal
+    compared."""
     target = _target_on(device, request)
     shape = TreeShape.parse(tree)
     prompts = [target.encode_chat([{"role": "user", "content": t}]) for t in ("Name three rivers.", "Hi!", "7*8?")]
@@ -446,7 +451,9 @@ def test_eagle3_static_search_proposes_the_eager_trees(tree, device, request):
             torch.testing.assert_close(a.scores, b.scores)
             assert bool(a.finite) and bool(b.finite)
     d = drafters[1]
-    assert d._search.runs == len(proposals[1]) and d._steps is None and d._search.cache.graphs == (device == "cuda")
+    # (the draft-extend and the whole search in one graph: the extend runner's)
+    assert d._extender.runs == len(proposals[1]) and d._search is None and d._steps is None
+    assert d._extender.cache.graphs == (device == "cuda")
     assert d.kv.num_free + d._held.host.numel() == drafters[0].kv.num_free  # temporary slots freed (or held)
 
 
