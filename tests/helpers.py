@@ -205,9 +205,9 @@ class HostWaits:
 
 
 def static_runs(drafter) -> int:
-    """Runs a drafter's static paths took: its step runner's (one per search step) and its search
-    runner's (one per whole search)."""
-    runners = (getattr(drafter, "_steps", None), getattr(drafter, "_search", None))
+    """Runs a drafter's static paths took: its step runner's (one per search step), its search runner's (one per
+    whole search) and its extend runner's (one per draft-extend)."""
+    runners = (getattr(drafter, n, None) for n in ("_steps", "_search", "_extender"))
     return sum(r.runs for r in runners if r is not None)
 
 
@@ -219,15 +219,20 @@ def slots_whole(engine) -> bool:
 
 
 def drafter_pools_whole(drafter) -> bool:
-    """No request holds a slot of a drafter's own pools: each is free or kept beside the prefix cache
-    (drafters/kept.py; members of a merged drafter each)."""
+    """No request holds a slot of a drafter's own pools: each is free, kept beside the prefix cache
+    (drafters/kept.py; members of a merged drafter each) or held by its static search."""
     members = getattr(drafter, "members", None)
     if members is not None:
         return all(drafter_pools_whole(m) for m in members)
     kept = getattr(drafter, "kept", None)
     if kept is None:
         return not getattr(drafter, "reqs", None)
-    return all(p.num_free + len(kept) == p.num_slots - 1 for p in kept.pools)
+    held = getattr(drafter, "_held", None)  # (a static search's temporary slots, held for good)
+
+    def held_in(p) -> int:
+        return held.host.numel() if held is not None and held.host is not None and held.pool is p else 0
+
+    return all(p.num_free + len(kept) + held_in(p) == p.num_slots - 1 for p in kept.pools)
 
 
 def _chain_with_siblings(chain: int, vocab: int, g: torch.Generator):

@@ -31,7 +31,7 @@ from ..attention import FrontierPaths, advance_seen, causal_masks, plan_flat, pl
 from ..device import grow, module_on, upload
 from ..kernels import attach_bf16_halves, attach_q8, q8_eagle3_layer
 from ..models.checkpoint import check_fits
-from ..models.draft_graphs import FrontierRunner, SearchBuffers, SearchRunner
+from ..models.draft_graphs import ExtendRunner, FrontierRunner, HeldSlots, SearchBuffers, SearchRunner
 from ..models.eagle3 import Eagle3Draft, load_eagle3
 from ..models.graph_runner import static_attention, static_plan
 from ..models.kv_pool import KVPool
@@ -90,6 +90,9 @@ class Eagle3Drafter(Drafter):
         self.step_graphs = False
         self._steps: FrontierRunner | None = None
         self._search: SearchRunner | None = None  # the whole search in one static function (one graph)
+        self._held: HeldSlots | None = None  # its temporary slots, held for good
+        # the draft-extend of verified pairs (one graph), its requests' slots in a table on the device
+        self._extender: ExtendRunner | None = None
 
     @classmethod
     def from_target(cls, target, path: str | os.PathLike | None = None) -> "Eagle3Drafter":
@@ -136,6 +139,7 @@ class Eagle3Drafter(Drafter):
         self.reqs.setdefault(rid, _RequestState()).pending.append(fused.to(self.target.dtype))
 
     def remove_request(self, rid: int) -> None:
+        self._forget(rid)
         st = self.reqs.pop(rid, None)
         if st is not None:
             self.kv.free(st.slots[st.borrowed :])
@@ -143,6 +147,7 @@ class Eagle3Drafter(Drafter):
     def release_request(self, rid: int, taken: torch.Tensor) -> None:
         """The request ended; taken[i]: the target slot where the prefix cache holds its token i, or -1. A processed
         pair is kept under its input token's slot (pair s: token s + 1's) when the cache holds that token."""
+        self._forget(rid)
         st = self.reqs.pop(rid, None)
         if st is not None:
             keep_or_free(self.kept, [st.slots], st.borrowed, taken[1:])
@@ -150,20 +155,29 @@ class Eagle3Drafter(Drafter):
     def drop_prefix(self, slots: torch.Tensor) -> None:
         self.kept.drop(slots)
 
+    def _forget(self, rid: int) -> None:
+        for runner in (self._extender, self._search):
+            if runner is not None:
+                runner.forget(rid)
+
     # --- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree]:
-        root_out = self._extend(batch)  # [b, H]
-        b = len(batch)
         # NOTE: deterministic (top-k) search runs over the draft vocab and maps ids back at the end;
         # sampled chains need q over the target vocab for verification, so they get full-vocab logits.
         full = shape.topk == 1 and any(not d.params.greedy for d in batch)
+        # the whole search as one graph replay; on the CPU with min_prob the eager search stops early and
+        # drops the nodes below it (trees of other sizes than a static search's), so it runs step by step
+        searchable = self.step_graphs and not full and (not shape.min_prob or self.target.device.type != "cpu")
+        extended = self._extend(batch, shape if searchable else None)
+        if isinstance(extended, list):  # (the draft-extend and the whole search in one graph: the trees)
+            return extended
+        root_out = extended  # [b, H]
+        b = len(batch)
         to_logits = self._full_logits if full else (lambda out: self.draft.logits(out).float())
         to_target = (lambda ids: ids) if full else (lambda ids: self.hot_ids[ids])
         prefixes = [self.reqs[d.rid].slots for d in batch]
-        # the whole search as one graph replay; on the CPU with min_prob the eager search stops early and
-        # drops the nodes below it (trees of other sizes than a static search's), so it runs step by step
-        if self.step_graphs and not full and (not shape.min_prob or root_out.device.type != "cpu"):
+        if searchable:
             trees = self._static_search(batch, shape, root_out, prefixes)
             if trees is not None:
                 return trees
@@ -203,9 +217,10 @@ class Eagle3Drafter(Drafter):
                 t.draft_tokens = torch.cat([t.draft_tokens[:1], self.hot_ids[t.draft_tokens[1:]]])
         return trees
 
-    def _extend(self, batch: list[DraftInput]) -> torch.Tensor:
+    def _extend(self, batch: list[DraftInput], shape: TreeShape | None = None) -> torch.Tensor | list[TokenTree]:
         """Process every request's pending verified pairs; return the root pair's output [b, H]. The
-        batch's pairs go through one fuse, one slot allocation, one mask and one layer pass."""
+        batch's pairs go through one fuse, one slot allocation, one mask and one layer pass. shape (a static
+        search's): on the static path the search runs in the extend's graph, and its trees come back instead."""
         sts = [self.reqs[d.rid] for d in batch]
         done = [st.slots.numel() for st in sts]
         m = [sum(_rows(p) for p in st.pending) for st in sts]
@@ -214,10 +229,16 @@ class Eagle3Drafter(Drafter):
                 raise DrafterError(
                     f"request {d.rid}: draft state out of sync ({n} pairs + pending vs {d.seq_len} verified tokens)"
                 )
-        fused = self._pending_features([p for st in sts for p in st.pending])  # [sum m, H]
-        new = self.kv.alloc(sum(m))
-        for st, s in zip(sts, grow([st.slots for st in sts], list(new.split(m)))):
-            st.slots, st.pending = s, []
+        items = [p for st in sts for p in st.pending]
+        static = self.step_graphs and all(isinstance(p, dict) for p in items)  # (an edge client's fused ones: eager)
+        fused = None if static else self._pending_features(items)  # [sum m, H]
+        old = [st.slots for st in sts]
+        new = self._take_pending(sts, m)
+        if static:
+            out = self._static_extend(batch, done, m, old, new, items, shape)
+            if out is not None:
+                return out
+            fused = self._pending_features(items)
         ids = [t for d, n, k in zip(batch, done, m) for t in d.token_ids[n + 1 : n + 1 + k]]
         pos = torch.tensor([j for n, k in zip(done, m) for j in range(n, n + k)])
         last = [x - 1 for x in accumulate(m)]  # each request's last pair: its root
@@ -227,6 +248,51 @@ class Eagle3Drafter(Drafter):
             qo, kv = torch.tensor([0, *accumulate(m)]), torch.tensor([0, *accumulate(s.numel() for s in slots)])
             return self._layer(ids, fused, pos, new, (qo, kv, torch.cat(slots), masks))[last]
         return self._layer(ids, fused, pos, new, plan_flat(slots, masks, m))[last]
+
+    def _take_pending(self, sts: list[_RequestState], m: list[int]) -> torch.Tensor:
+        """Slots for the requests' pending pairs (m[i] each), appended to their slot lists; [sum m] host ids."""
+        new = self.kv.alloc(sum(m))
+        for st, s in zip(sts, grow([st.slots for st in sts], list(new.split(m)))):
+            st.slots, st.pending = s, []
+        return new
+
+    def _static_extend(self, batch, done, m, old, new, items, shape=None) -> torch.Tensor | list[TokenTree] | None:
+        """The pending pairs through the extend runner (one graph; prefixes from its table on the device): each
+        request's root pair's output [b, H] (shape given: the search in the same graph, its trees), or None when
+        no bucket fits. old: the requests' slots before them."""
+        if self._extender is None:
+
+            def step(ids, feat, pos, slots, plan):
+                return (self._layer(ids, self.draft.fuse(feat), pos, slots, plan, static_attention),)
+
+            self._extender = ExtendRunner(step, self.target.device, self.target.cfg.max_position)
+        bk = self._extender.bucket_of(m, [s.numel() for s in old])
+        if bk is None:
+            return None
+        raw = [torch.cat([h[l] for h in items]) if len(items) > 1 else items[0][l] for l in self.capture_layers]
+        feat = torch.cat(raw, dim=-1)  # [sum m, layers * Ht], as context() fuses them
+        ids = [t for d, n, k in zip(batch, done, m) for t in d.token_ids[n + 1 : n + 1 + k]]
+        pos = [j for n, k in zip(done, m) for j in range(n, n + k)]
+        feat = feat if feat.dtype == self.target.dtype else feat.to(self.target.dtype)
+        then = None
+        if shape is not None:  # the search after it, each root from its last pair (the request's last token)
+            held = self._held_slots().take(bk[0], (shape.depth - 1) * shape.topk)
+
+            def search(last, e):
+                bufs = SearchBuffers(
+                    {"root": torch.stack([e.last_ids, e.prefix_len], 1)},
+                    {"draft": (e.prefix, e.prefix_len)},
+                    {"out": last[0]},
+                    e.real,
+                )
+                return self._search_fn(bufs, shape, held)
+
+            then = (shape, search, (held,))
+        out = self._extender.run([d.rid for d in batch], ids, pos, new, m, old, feat, (self.kv,), then)
+        if then is None:
+            return out[0]
+        longs, mask, scores, finite = out
+        return unpack_trees(longs, mask, scores, finite.all())
 
     def _pending_features(self, items: list) -> torch.Tensor:
         """Fused features [sum m, H] of pending items in order: the captured ones fused in one call."""
@@ -275,46 +341,50 @@ class Eagle3Drafter(Drafter):
         return self._steps.run(ids, feat, rows, {"draft": (prefixes, paths.slots, paths.seen)}, (self.kv,))
 
     def _static_search(
-        self, batch: list[DraftInput], shape: TreeShape, root_out: torch.Tensor, prefixes: list[torch.Tensor]
+        self,
+        batch: list[DraftInput],
+        shape: TreeShape,
+        root_out: torch.Tensor,
+        prefixes: list[torch.Tensor],
     ) -> list[TokenTree] | None:
         """The deterministic search's trees from the search runner (root_out [b, H]: each root pair's
-        output), the same trees as the step-by-step search; None when no bucket fits. Every step's
-        temporary slots are handed out at once ([b, (depth-1)*k], request-major, step after step) and
-        freed after the search is queued (later work on the device runs after it)."""
+        output; the prefixes read from the draft-extend's slot table on the device, which a static extend left
+        whole), the same trees as the step-by-step search; None when no bucket fits. Every step's
+        temporary slots are the search's held slots (HeldSlots: request i's row, step after step)."""
         if self._search is None:
             self._search = SearchRunner(self.target.device, self.target.cfg.max_position)
-        b, k = len(batch), shape.topk
-        if self._search.bucket_of(b, {"draft": max(p.numel() for p in prefixes)}) is None:
+        bk = self._search.bucket_of(len(batch), {"draft": max(p.numel() for p in prefixes)})
+        if bk is None:
             return None
-        temp = self.kv.alloc(b * (shape.depth - 1) * k)
-        try:
-            rows = {
-                "root": torch.tensor([[d.token_ids[-1], d.seq_len] for d in batch]),  # [b, 2]
-                "slots": temp.view(b, -1),
-            }
-            out = self._search.run(
-                shape,
-                lambda bufs: self._search_fn(bufs, shape),
-                rows,
-                {"draft": prefixes},
-                {"out": root_out},
-                (self.kv,),
-            )
-        finally:
-            self.kv.free(temp)
+        held = self._held_slots().take(bk[0], (shape.depth - 1) * shape.topk)
+        out = self._search.run(
+            shape,
+            lambda bufs: self._search_fn(bufs, shape, held),
+            {"root": [[d.token_ids[-1], d.seq_len] for d in batch]},  # [b, 2] (host ints)
+            {"draft": prefixes},
+            {"out": root_out},
+            (self.kv, held),
+            [d.rid for d in batch],
+            {"draft": self._extender.table} if self._extender is not None else None,
+        )
         longs, mask, scores, finite = out
         return unpack_trees(longs, mask, scores, finite.all())
 
-    def _search_fn(self, bufs: SearchBuffers, shape: TreeShape) -> tuple[torch.Tensor, ...]:
-        """The captured search over a padded batch of B requests: the root's top-k, depth - 1 frontier
-        steps (each node's path mask grown on the device, its K/V written at its temporary slot), the
+    def _held_slots(self) -> HeldSlots:
+        if self._held is None:
+            self._held = HeldSlots(self.kv)
+        return self._held
+
+    def _search_fn(self, bufs: SearchBuffers, shape: TreeShape, held: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The captured search over a padded batch of B requests (held: the held slots' table): the root's top-k,
+        depth - 1 frontier steps (each node's path mask grown on the device, its K/V written at its held slot), the
         trees packed (tree_batch) with target ids. Outputs: longs [B, 6, N], tree_mask [B, N, N],
         scores [B, N], finite [B] bool (the request's draft logits all finite)."""
         root_out = bufs.inputs["out"]  # [B, H]
         bb, h = root_out.shape
         prefix, prefix_len = bufs.prefixes["draft"]
         roots, seq_lens = bufs.rows["root"].unbind(1)
-        temp = bufs.rows["slots"]  # [B, (depth-1)*k]
+        temp = held[:bb, : (shape.depth - 1) * shape.topk]  # [B, (depth-1)*k]
         state = {"out": root_out[:, None], "seen": torch.zeros(bb, 1, 0, dtype=torch.bool, device=root_out.device)}
 
         def step_fn(tokens: torch.Tensor, parent_beam: torch.Tensor | None) -> torch.Tensor:

@@ -28,18 +28,17 @@ from pathlib import Path
 
 import torch
 
-from ..attention import FrontierPaths, advance_seen, frontier_fields, plan_frontier, tree_attention_cpu
+from ..attention import FrontierPaths, frontier_fields, plan_frontier, tree_attention_cpu
 from ..device import grow, module_on, to_device
 from ..kernels import attach_bf16_halves, attach_packed_rows, attach_q8, attach_q8_rows, q8_moa_stacks
 from ..models.checkpoint import check_fits
-from ..models.draft_graphs import FrontierRunner, SearchBuffers, SearchRunner
-from ..models.graph_runner import static_attention, static_plan, with_static_attention
+from ..models.draft_graphs import FrontierRunner, HeldSlots, RowRunner, SearchRunner
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel, rms_norm
 from ..models.moa import MoADraft, load_moa
 from ..sampling import greedy_tokens
 from ..settings import settings
-from ..tree import TokenTree, TreeShape, search_candidates, tree_batch, unpack_trees
+from ..tree import TokenTree, TreeShape
 from .base import Drafter, DrafterError, DraftInput, TargetCapture
 from .kept import KeptState, keep_or_free
 from .moa_core import (
@@ -55,7 +54,8 @@ from .moa_core import (
     lsa_memory,
     plan_fields,
 )
-from .search import Finite, scatter_to_vocab, search_tree, top_k_search
+from .moa_graphs import MoAGraphs
+from .search import scatter_to_vocab, search_tree
 from .shipped import shipped_path
 
 
@@ -76,7 +76,7 @@ class _RequestState:
         self.first_hole: int | None = None  # its first verified token without memory (moa_core.catch_up)
 
 
-class MoADrafter(Drafter):
+class MoADrafter(MoAGraphs, Drafter):
     keeps_prefix_state = True  # memory and SA K/V of prefix-cached tokens, by target slot
     captures_steps = True
     edge = drafts_offline = True  # an edge client gets CA K/V (+ the TLI layers' K/V); drafts on offline
@@ -134,7 +134,9 @@ class MoADrafter(Drafter):
         self.step_graphs = False
         self._steps: FrontierRunner | None = None
         self._search: SearchRunner | None = None  # the whole search in one static function (one graph)
+        self._held: HeldSlots | None = None  # its temporary SA slots, held for good
         self._static: MoAParts | None = None  # the parts with static attention (what the runners run)
+        self._commits: RowRunner | None = None  # the queued tokens' LSA, CA and SA commits in one graph
 
     def _tli_layer(self, li: int, target: LlamaModel | None = None):
         """Target layer li over the draft feature: reads and writes the K/V of tli_kv (bound at the first
@@ -364,6 +366,7 @@ class MoADrafter(Drafter):
         st.offline = []
 
     def remove_request(self, rid: int) -> None:
+        self._forget_static(rid)
         self.drop_offline(rid)
         st = self.reqs.pop(rid, None)
         if st is not None:
@@ -379,6 +382,7 @@ class MoADrafter(Drafter):
         if st is None or self.remote:
             self.remove_request(rid)
             return
+        self._forget_static(rid)
         self.drop_offline(rid)
         del self.reqs[rid]
         h = st.first_hole  # (from there on, memory is not one slot per token: not kept)
@@ -393,7 +397,8 @@ class MoADrafter(Drafter):
     # --- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree]:
-        self._flush(batch)
+        if not (self.step_graphs and self._static_flush(batch)):
+            self._flush(batch)
         for d in batch:
             st = self.reqs[d.rid]
             if st.target_slots.numel() != d.seq_len:
@@ -433,111 +438,6 @@ class MoADrafter(Drafter):
 
     def _to_logits(self, hidden: torch.Tensor, full: bool) -> torch.Tensor:
         return draft_logits(self.parts, hidden, full)
-
-    def _static_pass(self, tokens: torch.Tensor, at: PassSlots) -> torch.Tensor:
-        """A draft pass (draft-vocab logits [n, Vd]) from the step runner; the eager pass over planned
-        attention when no bucket fits."""
-        if self._steps is None:
-            static = self._static_parts()
-
-            def step(ids, feat, rows, plans):
-                slots = PassSlots(rows["positions"], rows["sa_slots"], rows["tli_slots"], **plan_fields(plans))
-                return (draft_logits(static, draft_pass(static, self.kv, ids, slots)),)
-
-            self._steps = FrontierRunner(step, self.target.device, self.target.cfg.max_position)
-        rows = {"positions": at.positions, "sa_slots": at.sa_slots, "tli_slots": at.tli_slots}
-        pools = (self.sa, self.mem, self.tli_kv)
-        out = self._steps.run(tokens, None, rows, at.specs, pools)
-        if out is not None:
-            return out[0]
-        at = replace(at, **plan_fields({n: plan_frontier(*spec) for n, spec in at.specs.items()}))
-        return self._to_logits(draft_pass(self.parts, self.kv, tokens, at), False)
-
-    def _static_parts(self) -> MoAParts:
-        """The draft's parts attending with static_attention (the target's TLI layers too)."""
-        if self._static is None:
-            self._static = replace(
-                self.parts,
-                attention=static_attention,
-                tli_layers=[self._tli_layer(li, with_static_attention(self.target)) for li in self.tli_layers],
-            )
-        return self._static
-
-    def _static_search(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree] | None:
-        """The deterministic search's trees from the search runner (the roots' pass and every search
-        step in one function), the same trees as the pass-by-pass search; None when no bucket fits.
-        Every pass's temporary SA (and TLI) slots are handed out at once ([b, 1 + (depth-1)*k],
-        request-major: the root's, then step after step) and freed once the search is queued."""
-        if self._search is None:
-            self._search = SearchRunner(self.target.device, self.target.cfg.max_position)
-        b, sts = len(batch), [self.reqs[d.rid] for d in batch]
-        prefixes = {"sa": [st.sa_slots for st in sts], "ca": [st.mem_slots for st in sts]}
-        if self.tli_layers:
-            prefixes["tli"] = [st.target_slots for st in sts]
-        if self._search.bucket_of(b, {n: max(p.numel() for p in pre) for n, pre in prefixes.items()}) is None:
-            return None
-        width = 1 + (shape.depth - 1) * shape.topk
-        temps = [(self.sa, self.sa.alloc(b * width))]
-        if self.tli_layers:
-            temps.append((self.tli_kv, self.tli_kv.alloc(b * width)))
-        try:
-            rows = {"root": torch.tensor([[d.token_ids[-1], d.seq_len] for d in batch])}  # [b, 2]
-            rows.update(zip(("sa", "tli"), (s.view(b, width) for _, s in temps)))
-            pools = (self.sa, self.mem, self.tli_kv)
-            out = self._search.run(shape, lambda bufs: self._search_fn(bufs, shape), rows, prefixes, {}, pools)
-        finally:
-            for pool, s in temps:
-                pool.free(s)
-        longs, mask, scores, finite = out
-        return unpack_trees(longs, mask, scores, finite.all())
-
-    def _search_fn(self, bufs: SearchBuffers, shape: TreeShape) -> tuple[torch.Tensor, ...]:
-        """The captured search over a padded batch of B requests: the roots' pass, depth - 1 search
-        steps (each node's path mask grown on the device; SA, CA and TLI plans in static form), the
-        trees packed (tree_batch) with target ids. Outputs as tree_batch's, then finite [B] bool."""
-        parts = self._static_parts()
-        roots, seq_lens = bufs.rows["root"].unbind(1)
-        bb, dev = roots.shape[0], roots.device
-        sa_temp = bufs.rows["sa"]  # [B, 1 + (depth-1)*k]
-        tli_temp = bufs.rows.get("tli", torch.zeros_like(sa_temp))
-        state = {"seen": torch.zeros(bb, 1, 0, dtype=torch.bool, device=dev), "passes": 0}
-        # CA reads the verified memory only: one padding column (slot 0), read by a padded request alone
-        ca_extra = torch.zeros(bb, 1, dtype=torch.long, device=dev)
-        padded = ~bufs.real[:, None, None]
-
-        def run(tokens: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
-            """tokens [B, kk] target ids; parent [B, kk] index into the previous pass's nodes -> [B, kk, Vd]."""
-            kk = tokens.shape[1]
-            seen = advance_seen(state["seen"], parent, kk)  # [B, kk, E]: the pass's nodes are the last kk
-            e = seen.shape[2]
-            own = torch.cat(
-                [seen.new_zeros(bb, kk, e - kk), torch.eye(kk, dtype=torch.bool, device=dev).expand(bb, kk, kk)], 2
-            )
-            sa_seen = seen if self.cfg.sa_tree_attention == "ancestors" else own
-            plans = {
-                "sa_plan": static_plan(*bufs.prefixes["sa"], sa_temp[:, :e], sa_seen),
-                "ca_plan": static_plan(*bufs.prefixes["ca"], ca_extra, padded.expand(bb, kk, 1)),
-                "tli_plan": static_plan(*bufs.prefixes["tli"], tli_temp[:, :e], seen) if self.tli_layers else None,
-            }
-            # every node of this pass is at depth `passes` (the roots' pass: 0)
-            pos = (seq_lens + state["passes"])[:, None].expand(bb, kk).reshape(-1)
-            slots = [t[:, e - kk : e].reshape(-1) for t in (sa_temp, tli_temp)]
-            h = draft_pass(parts, self.kv, tokens.reshape(-1), PassSlots(pos, *slots, **plans))
-            state["seen"], state["passes"] = seen, state["passes"] + 1
-            return draft_logits(parts, h).view(bb, kk, -1)
-
-        def step_fn(tokens: torch.Tensor, parent_beam: torch.Tensor | None) -> torch.Tensor:
-            parent = torch.zeros_like(tokens) if parent_beam is None else parent_beam
-            return run(self.hot_ids[tokens], parent)
-
-        first = roots[:, None]
-        finite = Finite(per_request=True)
-        root_logits = run(first, torch.zeros_like(first))[:, 0]
-        search = top_k_search(root_logits, step_fn, shape.topk, shape.depth, 0.0, finite)
-        top, draft, scores, parent_flat = search_candidates(search, shape.num_draft_tokens)
-        keep = scores >= shape.min_prob if shape.min_prob > 0 else None
-        trees = tree_batch(roots, top, self.hot_ids[draft], scores, parent_flat, seq_lens, keep)
-        return (*trees, finite.flag)
 
 
 class _TreePaths:

@@ -11,12 +11,21 @@ A drafter's whole deterministic search can go further (`SearchRunner`, as SGLang
 eagle_draft_cuda_graph_runner): every draft step, the top-k search, each node's path mask (grown on the
 device from the search's parent choices) and the trees' tensors in one function per bucket, so a
 propose is one replay plus a few copies; every step's temporary slots are handed out up front.
+
+A drafter's draft-extend (`ExtendRunner`, as SGLang's draft-extend graph): its pass over each request's newly
+verified tokens after its committed prefix, the prefixes read from a request-to-slot table on the device
+(models/slot_table.py) that the same graph extends by the new rows' slots, so the search after it (given the same
+table) reads its prefixes there instead of the host packing them.
+
+A drafter's commit of verified tokens that treats each token alone (MoA's LSA memory, CA and SA K/V: no attention
+across tokens) is one graph per row bucket (`RowRunner`): its int64 fields in one upload.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import torch
 
@@ -31,6 +40,7 @@ from .graph_runner import (
     fill_flat,
     static_plan,
 )
+from .slot_table import SlotTable
 
 StepFn = Callable[..., tuple[torch.Tensor, ...]]
 # a frontier plan's description, as attention.plan_frontier takes it: per request its committed slots
@@ -173,6 +183,215 @@ def _frontier_host(key, b: int, q: int, rows: dict, plans: dict) -> tuple[torch.
     return torch.cat(longs), torch.cat(masks)
 
 
+# an ExtendRunner's step(ids [R], feat [R, F], positions [R], slots [R], plan StaticPlan) -> outputs [R, ...]
+ExtendFn = Callable[..., tuple[torch.Tensor, ...]]
+
+
+class ExtendRunner:
+    """A drafter's draft-extend at bucketed static shapes: b requests with q_lens[i] newly verified rows each,
+    causal among themselves, after their committed prefixes, which a SlotTable on the device holds (keyed by
+    request: only what its rows lack goes up, models/slot_table.py); the graph appends every row's slot to its
+    request's table row, so the table holds each request's extended prefix after it (a SearchRunner reads it).
+
+        bucket (B, Q, P): request i's rows at i*Q + j (padding: token 0, position 0, slot 0); the rows' input
+        features [T, F] packed at the front of a [B*Q, F] buffer, gathered on the device (request i's row j
+        reads packed row sum(q_lens[:i]) + j, counted from the non-zero slots; padding reads row 0)
+
+    run returns each request's last row of each of step's outputs (copies: the next replay overwrites them), or,
+    given a function to run after the extend in the same graph (`then`: a drafter's whole search over the
+    extended prefixes, as `Extended` describes them), that function's outputs."""
+
+    def __init__(
+        self,
+        step: ExtendFn,
+        device: torch.device | str,
+        max_context: int,
+        graphs: bool = True,
+        batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
+        node_buckets: tuple[int, ...] = NODE_BUCKETS,
+        max_rows: int = MAX_ROWS,
+    ):
+        self.step = step
+        self.batch_buckets, self.node_buckets = tuple(batch_buckets), tuple(node_buckets)
+        self.context = context_buckets(max_context)
+        self.max_rows = max_rows
+        self.cache = GraphCache(torch.device(device), graphs)
+        self.table = self._new_table()
+        self._pools: tuple = ()
+        self._consts: dict = {}
+        self.runs = 0
+
+    def _new_table(self) -> SlotTable:
+        return SlotTable(2 * self.batch_buckets[-1] + 1, self.context[-1] + 1, self.cache.device)
+
+    def bucket_of(self, q_lens: list[int], prefix_lens: list[int]) -> tuple[int, int, int] | None:
+        """The (B, Q, P) bucket of the batch (P: the extended prefixes' columns), or None when it fits none (the
+        caller runs its eager pass)."""
+        if not q_lens or min(q_lens) < 1:
+            return None
+        b, q = bucket(len(q_lens), self.batch_buckets), bucket(max(q_lens), self.node_buckets)
+        p = bucket(max(n + k for n, k in zip(prefix_lens, q_lens)), self.context)
+        if b is None or q is None or p is None or b * q > self.max_rows:
+            return None
+        return b, q, p
+
+    def run(
+        self,
+        keys: list,  # per request its key (a request id: forget() it when the request ends)
+        ids: list[int],  # [T] the rows' tokens, request after request
+        positions: list[int],  # [T]
+        slots: torch.Tensor,  # [T] int64 host ids: where each row's K/V is written (kept: they join the prefix)
+        q_lens: list[int],  # rows per request
+        prefixes: list[torch.Tensor],  # per request [P_i] its committed slots before these rows (host)
+        feat: torch.Tensor,  # [T, F] the rows' input features (on the device)
+        pools: tuple,  # the KV pools the step writes and reads (graphs bake their addresses in)
+        then: tuple | None = None,  # (key, fn(last outputs, Extended) -> outputs [B, ...], the tensors fn reads)
+    ) -> tuple[torch.Tensor, ...] | None:
+        """step's outputs at each request's last row [b, ...] (or then's fn's outputs [b, ...]), or None when no
+        bucket fits."""
+        key = self.bucket_of(q_lens, [p.numel() for p in prefixes])
+        if key is None:
+            return None
+        if len(pools) != len(self._pools) or any(a is not c for a, c in zip(pools, self._pools)):
+            self.cache.clear()
+            self.table = self._new_table()  # (its rows hold another pool's slots)
+            self._pools = tuple(pools)
+        consts = then[2] if then else ()
+        if any(c is not self._consts.get(i) for i, c in enumerate(consts)):  # (then's graphs read older ones)
+            self.cache.clear()
+            self._consts = dict(enumerate(consts))
+        self.runs += 1
+        b, t = len(keys), feat.shape[0]
+        longs, overflow, done = self.table.inputs(key, keys, q_lens, prefixes, [*ids, *positions], [slots], True)
+        if overflow is not None:
+            self.table.write(overflow)
+        device = self.cache.device
+
+        def make() -> dict:
+            bb, q, _ = key
+            return {
+                "longs": torch.zeros(5 * bb * q + 2 * bb, dtype=torch.long, device=device),
+                "feat": torch.zeros(bb * q, feat.shape[1], dtype=feat.dtype, device=device),
+            }
+
+        def fill(bufs: dict) -> None:
+            fill_flat(bufs["longs"], longs)
+            bufs["feat"][:t].copy_(feat)
+
+        fn = then[1] if then else None
+        out = self.cache.run(
+            (key, feat.shape[1], feat.dtype, then and then[0]), make, fill, lambda bufs: self._extend(key, bufs, fn)
+        )
+        done()
+        return tuple(o[:b].clone() for o in out)
+
+    def forget(self, key) -> None:
+        self.table.forget(key)
+
+    def _extend(self, key: tuple[int, int, int], bufs: dict, then=None) -> tuple[torch.Tensor, ...]:
+        """The captured function: the table's rows made whole (and extended) and read, the rows' features
+        gathered, the causal static plan, the drafter's step; each request's last row (then: then(those,
+        Extended))."""
+        b, q, _ = key
+        ids, pos, slots, prefix, prefix_len = self.table.read(bufs["longs"], key, append=True)
+        real = (slots > 0).view(b, q)
+        n = real.sum(1)
+        ar = torch.arange(q, device=slots.device)
+        feat = bufs["feat"][torch.where(real, (n.cumsum(0) - n)[:, None] + ar, 0).view(-1)]
+        causal = (ar[None, :] <= ar[:, None]).expand(b, q, q)  # row j sees rows 0..j of its request
+        plan = static_plan(prefix, prefix_len, slots.view(b, q), causal)
+        last = (n - 1).clamp(min=0) + torch.arange(b, device=slots.device) * q
+        out = tuple(o[last] for o in self.step(ids, feat, pos, slots, plan))
+        return out if then is None else tuple(then(out, Extended(ids[last], prefix, prefix_len + n, n > 0)))
+
+
+@dataclass
+class Extended:
+    """What an extend leaves for a function run after it in its graph, per padded request [B]: its last row's
+    token (the root, for EAGLE-3), its extended prefix [B, P] (the table's row) and length, whether it is real."""
+
+    last_ids: torch.Tensor
+    prefix: torch.Tensor
+    prefix_len: torch.Tensor
+    real: torch.Tensor
+
+
+ROW_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+class HeldSlots:
+    """Slots of a drafter's own KV pool held for good for a search's temporary K/V (its tree nodes'), as a
+    [batch, width] table on the device that its graphs read: no alloc, free or upload per step (SGLang holds
+    its draft tokens' slots the same way). A larger batch bucket or a wider search takes a new table (the old
+    slots go back): pass `table` among the search's pools, so that graphs reading the old one are dropped."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.host: torch.Tensor | None = None
+        self.table: torch.Tensor | None = None  # [batch, width] int64 on the pool's device
+
+    def take(self, batch: int, width: int) -> torch.Tensor:
+        """The table, at least [batch, width]: request i's node j writes slot table[i, j]."""
+        t = self.table
+        if t is None or t.shape[0] < batch or t.shape[1] < width:
+            rows, cols = max(batch, 0 if t is None else t.shape[0]), max(width, 0 if t is None else t.shape[1])
+            if self.host is not None:
+                self.pool.free(self.host)
+                self.host = self.table = None
+            self.host = self.pool.alloc(rows * cols)
+            self.table = to_device(self.host, self.pool.device).view(rows, cols)
+        return self.table
+
+
+class RowRunner:
+    """fn(*fields) over R rows, each row alone, at a bucketed row count R: its int64 fields [F, R] (host values)
+    in one upload, padded with 0 (token 0, position 0, slot 0: a padded row reads and writes the scratch slot 0
+    only); captured per bucket on CUDA with graphs on, else run eagerly on the same buffer. fn's outputs are
+    its writes (into pools); it returns nothing the caller reads."""
+
+    def __init__(
+        self,
+        fn: Callable[..., None],
+        fields: int,
+        device: torch.device | str,
+        graphs: bool = True,
+        buckets: tuple[int, ...] = ROW_BUCKETS,
+    ):
+        self.fn, self.fields, self.buckets = fn, fields, tuple(buckets)
+        self.cache = GraphCache(torch.device(device), graphs)
+        self._pools: tuple = ()
+        self.runs = 0
+
+    def bucket_of(self, t: int) -> int | None:
+        return bucket(t, self.buckets) if t > 0 else None
+
+    def run(self, ints: list[list[int]], tensors: list[torch.Tensor], pools: tuple) -> bool:
+        """The fields: `ints` first (each [t] host ints), then `tensors` (each [t] int64 on the host); pools: what
+        fn writes and reads (graphs bake their addresses in). False (nothing run) when t fits no bucket."""
+        t = len(ints[0]) if ints else tensors[0].numel()
+        r = self.bucket_of(t)
+        if r is None:
+            return False
+        if len(pools) != len(self._pools) or any(a is not c for a, c in zip(pools, self._pools)):
+            self.cache.clear()
+            self._pools = tuple(pools)
+        self.runs += 1
+        pad = [0] * (r - t)
+        parts = [torch.tensor([x for f in ints for x in (*f, *pad)], dtype=torch.long)]
+        for x in tensors:
+            parts += [x, _zeros(r - t)] if r > t else [x]
+        host = torch.cat(parts)
+        f = self.fields
+
+        def make() -> dict:
+            return {"longs": torch.zeros(f * r, dtype=torch.long, device=self.cache.device)}
+
+        self.cache.run(
+            r, make, lambda bufs: fill_flat(bufs["longs"], host), lambda bufs: self.fn(*bufs["longs"].view(f, r))
+        )
+        return True
+
+
 @dataclass
 class SearchBuffers:
     """A search bucket's static inputs as its captured function sees them: B requests, the real ones
@@ -199,9 +418,14 @@ class SearchRunner:
         rows [B, n] (root tokens, lengths, every step's temporary slots: padding 0, so a padded
         request writes and reads the scratch slot 0 only); device inputs [B, ...]; real [B] bool
 
-    A step's host values go up in one copy (one int64 buffer), each device input in one device copy;
-    the outputs come back as copies of the real requests' rows (the next replay overwrites the graph's).
-    The caller's function decides what a padded request computes; it must stay finite and apart."""
+    With request keys the prefixes are read from a slot table per plan on the device (models/slot_table.py;
+    the runner's own, or a caller's that another graph keeps whole, as EAGLE-3's draft-extend does): the
+    upload carries each request's row and what the rows lack (a fixed region of ROOM pairs per request),
+    not the prefixes. A step's host values go up in one copy (one int64 buffer), each device input in one
+    device copy; the outputs come back as copies of the real requests' rows (the next replay overwrites the
+    graph's). The caller's function decides what a padded request computes; it must stay finite and apart."""
+
+    ROOM = 8  # table pairs per request in a keyed step's upload (a verify step's accepted nodes fit)
 
     def __init__(
         self,
@@ -213,6 +437,7 @@ class SearchRunner:
         self.batch_buckets = tuple(batch_buckets)
         self.context = context_buckets(max_context)
         self.cache = GraphCache(torch.device(device), graphs)
+        self.tables: dict[str, SlotTable] = {}  # the keyed plans' own tables (made on first use)
         self._pools: tuple = ()
         self.runs = 0
 
@@ -225,34 +450,47 @@ class SearchRunner:
             return None
         return bb, plans
 
+    def forget(self, key) -> None:
+        """The request under `key` ended: its rows of the runner's own tables are free."""
+        for t in self.tables.values():
+            t.forget(key)
+
     def run(
         self,
         key,  # what else shapes the function (a tree shape): one graph per (bucket, key)
         search: SearchFn,
-        rows: dict[str, torch.Tensor],  # name -> [b, n] int64 on the host
+        rows: dict[str, "torch.Tensor | list[list[int]]"],  # name -> [b, n] int64 on the host (or host ints)
         prefixes: dict[str, list[torch.Tensor]],  # name -> per request its committed slots [P_i] (host)
         inputs: dict[str, torch.Tensor],  # name -> [b, ...] on the device
         pools: tuple,  # the KV pools the search writes and reads (graphs bake their addresses in)
+        keys: list | None = None,  # per request its key (a request id; forget() it when the request ends)
+        tables: dict[str, SlotTable] | None = None,  # with keys: a caller's table for a plan (else the runner's)
     ) -> tuple[torch.Tensor, ...] | None:
         """search's outputs for the b real requests, or None when no bucket fits (the caller searches
         step by step)."""
-        b = next(iter(rows.values())).shape[0]
+        b = len(next(iter(rows.values())))
         bk = self.bucket_of(b, {n: max(p.numel() for p in pre) for n, pre in prefixes.items()})
         if bk is None:
             return None
         if len(pools) != len(self._pools) or any(a is not c for a, c in zip(pools, self._pools)):
             self.cache.clear()
+            self.tables = {}  # (their rows hold another pool's slots)
             self._pools = tuple(pools)
+        held = {n: (tables or {}).get(n) or self.table(n) for n in prefixes} if keys is not None else {}
         self.runs += 1
-        widths = tuple((n, r.shape[1]) for n, r in rows.items())
+        bb, plans = bk
+        room = bb * self.ROOM
+        widths = tuple((n, len(r[0]), isinstance(r, list)) for n, r in rows.items())  # (name, n, host ints)
         specs = tuple((n, tuple(x.shape[1:]), x.dtype) for n, x in inputs.items())
         device = self.cache.device
-        host = _search_host(bk, widths, b, rows, prefixes)
+        pairs = {n: t.pending(keys, prefixes[n], room) for n, t in held.items()}
+        host = _search_host(bk, widths, b, rows, prefixes, pairs, room)
 
         def make() -> dict:
-            bufs = {"longs": to_device(_search_host(bk, widths, 0, {}, {}), device)}
+            blank = {n: ([], [], None, None) for n in held}
+            bufs = {"longs": to_device(_search_host(bk, widths, 0, {}, {}, blank, room), device)}
             for n, shape, dtype in specs:
-                bufs[n] = torch.zeros(bk[0], *shape, dtype=dtype, device=device)
+                bufs[n] = torch.zeros(bb, *shape, dtype=dtype, device=device)
             return bufs
 
         def fill(bufs: dict) -> None:
@@ -260,41 +498,82 @@ class SearchRunner:
             for n, x in inputs.items():
                 bufs[n][:b].copy_(x)
 
-        def static(bufs: dict) -> tuple[torch.Tensor, ...]:
-            bb, plans = bk
-            sizes = [bb * w for _, w in widths] + [x for _, p in plans for x in (bb * p, bb)] + [bb]
-            longs = bufs["longs"].split(sizes)
-            view = SearchBuffers(
-                {n: t.view(bb, w) for (n, w), t in zip(widths, longs)},
-                {
-                    n: (longs[len(widths) + 2 * i].view(bb, p), longs[len(widths) + 2 * i + 1])
-                    for i, (n, p) in enumerate(plans)
-                },
-                {n: bufs[n] for n, _, _ in specs},
-                longs[-1] > 0,
-            )
-            return tuple(search(view))
-
-        out = self.cache.run((bk, widths, specs, key), make, fill, static)
+        out = self.cache.run(
+            (bk, widths, specs, tuple((n, id(t)) for n, t in held.items()), key),
+            make,
+            fill,
+            lambda bufs: self._static(bk, widths, specs, held, bufs, search),
+        )
+        for _, _, _, done in pairs.values():
+            done()
         return tuple(o[:b].clone() for o in out)
 
+    def table(self, name: str) -> SlotTable:
+        """The runner's own slot table for plan `name` (made on first use)."""
+        if name not in self.tables:
+            self.tables[name] = SlotTable(2 * self.batch_buckets[-1] + 1, self.context[-1] + 1, self.cache.device)
+        return self.tables[name]
 
-def _search_host(bk, widths, b: int, rows: dict, prefixes: dict) -> torch.Tensor:
-    """Host side of a search bucket, one int64 tensor: [each row [B*n] | per plan: prefix [B*P],
-    prefix_len [B] | real [B]], the first b requests' values filled in, the rest 0."""
+    def _static(self, bk, widths, specs, held: dict, bufs: dict, search: SearchFn) -> tuple[torch.Tensor, ...]:
+        """The captured function: the upload's views (see _search_host), the tables' pairs written and their rows
+        read, the caller's search."""
+        bb, plans = bk
+        room, names = bb * self.ROOM, list(held)
+        packed = [(n, p) for n, p in plans if n not in held]
+        int_grids = [(n, w) for n, w, ints in widths if ints]
+        tensor_grids = [(n, w) for n, w, ints in widths if not ints]
+        sizes = [*(x for _ in names for x in (bb, room)), *(bb for _ in plans), bb, *(bb * w for _, w in int_grids)]
+        sizes += [*(room for _ in names), *(bb * w for _, w in tensor_grids), *(bb * p for _, p in packed)]
+        parts = iter(bufs["longs"].split(sizes))
+        table_rows = {n: (next(parts), next(parts)) for n in names}  # n -> (rows [B], the pairs' cells [room])
+        lens = {n: next(parts) for n, _ in plans}
+        real = next(parts) > 0
+        grids = {n: next(parts).view(bb, w) for n, w in int_grids}
+        for n in names:  # the pairs the rows lack, then the rows read
+            held[n].table.view(-1).index_put_((table_rows[n][1],), next(parts))
+        grids.update({n: next(parts).view(bb, w) for n, w in tensor_grids})
+        prefixes = {n: (next(parts).view(bb, p), lens[n]) for n, p in packed}
+        for n, p in plans:
+            if n in held:
+                prefixes[n] = (held[n].table[:, :p].index_select(0, table_rows[n][0]), lens[n])
+        return tuple(search(SearchBuffers(grids, prefixes, {n: bufs[n] for n, _, _ in specs}, real)))
+
+
+def _search_host(bk, widths, b: int, rows: dict, prefixes: dict, pairs: dict, room: int) -> torch.Tensor:
+    """Host side of a search bucket, one int64 tensor: [ints: per table plan (pairs: its rows [B], the pairs'
+    table indices [room]) | per plan prefix_len [B] | real [B] | each row given as host ints [B*n] || tensors:
+    per table plan its pairs' slots [room] | each row given as a tensor [B*n] | per packed plan prefix [B*P]],
+    the first b requests' values filled in, the rest 0 (a table plan's padding requests read the scratch row
+    0). The ints go in as one tensor."""
     bb, plans = bk
-    parts = []
-    for name, w in widths:
-        grid = torch.zeros(bb, w, dtype=torch.long)
-        if b:
-            grid[:b] = rows[name]
-        parts.append(grid.view(-1))
+    pad = [0] * (bb - b)
+    ints = []
+    for n in pairs:
+        r, at = pairs[n][0], pairs[n][1]
+        ints += [*r, *pad, *at, *([0] * (room - len(at)))]
+    ints += [x for n, _ in plans for x in ([p.numel() for p in prefixes[n]] if b else []) + pad]
+    ints += [1] * b + pad
+    for name, w, listed in widths:
+        if listed:
+            ints += [v for r in rows[name] for v in r] if b else []
+            ints += pad * w
+    tens = [torch.tensor(ints, dtype=torch.long)]
+    tens += [pairs[n][2] if b else _zeros(room) for n in pairs]
+    for name, w, listed in widths:
+        if not listed:
+            tens.append(rows[name].reshape(-1) if b else _zeros(0))
+            if b < bb:
+                tens.append(_zeros((bb - b) * w))
     for name, p in plans:
-        prefix, prefix_len = padded_prefixes(prefixes.get(name, []) if b else [], bb, p)
-        parts += [prefix.view(-1), prefix_len]
-    real = torch.zeros(bb, dtype=torch.long)
-    real[:b] = 1
-    return torch.cat(parts + [real])
+        if name not in pairs:
+            tens.append(padded_prefixes(prefixes.get(name, []) if b else [], bb, p)[0].view(-1))
+    return torch.cat(tens)
+
+
+@lru_cache(maxsize=64)
+def _zeros(n: int) -> torch.Tensor:
+    """n int64 zeros on the host (a padding template, never written)."""
+    return torch.zeros(n, dtype=torch.long)
 
 
 def padded_prefixes(prefixes: list[torch.Tensor], bb: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:

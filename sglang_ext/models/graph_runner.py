@@ -296,15 +296,19 @@ class GraphRunner:
             key = (*key, "table" if trees is None else "verify")
             vals = [*ids, *positions, *out_slots] if host else list(out_slots)
             longs, done = self._keyed_inputs(key, keys, q_lens, prefixes, [], vals)
-            mask = _padding(q, 0)[0].expand(b, q, q).clone() if q > 1 else None
-            if host and q > 1:
+            # (device trees' masks go over the padding, reset on the device from the bucket's template)
+            mask = _padding(q, 0)[0].expand(b, q, q).clone() if q > 1 and host else None
+            if mask is not None:
                 _masks_into(mask, list(tree_masks))
             fn = lambda bufs: self._forward_keyed(key, bufs, kv)  # noqa: E731
 
         def fill(bufs: dict) -> None:
             fill_flat(bufs["longs"], longs)
-            if q > 1:  # (a one-node bucket's mask is its padding, made with the buffers: each row sees itself)
+            # (a one-node bucket's mask is its padding, made with the buffers: each row sees itself)
+            if q > 1 and mask is not None:
                 fill_flat(bufs["mask"], mask)
+            elif q > 1:
+                bufs["mask"].copy_(bufs["padding"])
             if not host:
                 _place(bufs, key, rows, ids, positions, tree_masks)
             if trees is not None:
@@ -379,6 +383,8 @@ class GraphRunner:
             b, q, _ = key[:3]
             longs = torch.zeros(5 * b * q + 2 * b, dtype=torch.long)
         bufs = {"longs": to_device(longs, dev), "mask": to_device(mask, dev)}
+        if len(key) > 3 and key[1] > 1:  # (the padding mask, for device trees' masks to go over)
+            bufs["padding"] = bufs["mask"].clone()
         if key[-1] == "verify":  # the trees' parents, next-token and next-sibling lists [3, B*Q] (padding: -1)
             bufs["tree"] = torch.full((3, key[0] * key[1]), -1, dtype=torch.long, device=dev)
         return bufs

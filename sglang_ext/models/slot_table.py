@@ -16,12 +16,21 @@ The pairs go in a fixed-size region of the step's upload (B*Q pairs: a drafted s
 drafts fit); a step with more to send (the first step after a prefill) writes the rest to the table
 outside the graph first. Row 0 is scratch: padding requests read it (their columns are masked) and padding
 pairs write slot 0 into its first column.
+
+A step whose rows are all kept (`append`: a drafter's pass over newly verified tokens, its draft-extend) has
+the graph write every real row's slot at column prefix_len + j (row j of the request; padding rows, whose
+slot is 0, never handed out by a pool, write the scratch cell), so the row is whole after the step and a
+later graph of the same step (the drafter's search) reads the extended prefix from it.
+
+A graph that only reads the rows (a drafter's search: `pending`) gets what they lack as a fixed region of
+pairs in its upload, written before it reads them; nothing, when an appending step made them whole.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable
+from functools import lru_cache
 
 import torch
 
@@ -71,6 +80,7 @@ class SlotTable:
         prefixes: list[torch.Tensor],  # per request [P_b] int64 host ids: its committed slots
         front: list[int],  # host ints filling the grids' real rows first (ids, then positions), or []
         vals: list[torch.Tensor],  # host int64 tensors filling the grids' real rows after `front` (slots last)
+        append: bool = False,  # every real row's slot joins its request's row (read(append=True) writes them)
     ):
         """A keyed bucket's host inputs: one int64 tensor [ids | positions | out_slots (B*Q each) | rows [B] |
         prefix_len [B] | table index [S] | slot [S]] (S = B*Q; padding: 0), the pairs that did not fit in it
@@ -122,8 +132,8 @@ class SlotTable:
         longs = src[torch.tensor(g, dtype=torch.long)]
 
         def done() -> None:
-            for e, m in zip(entries, lens):
-                e[1] = m + 1
+            for e, m, k in zip(entries, lens, q_lens):
+                e[1] = m + (k if append else 1)
 
         return longs, overflow, done
 
@@ -132,14 +142,74 @@ class SlotTable:
         at, slots = to_device(pairs, self.table.device).unbind(0)
         self.table.view(-1)[at] = slots
 
-    def read(self, longs: torch.Tensor, bucket: tuple[int, int, int]):
+    def read(self, longs: torch.Tensor, bucket: tuple[int, int, int], append: bool = False):
         """Inside the graph: a keyed bucket's flat buffer -> (ids, positions, out_slots [B*Q], prefix [B, P],
-        prefix_len [B]), the pairs written into the table first."""
+        prefix_len [B]), the pairs written into the table first; append: then every real row's slot (slot > 0)
+        at its request's column prefix_len + j (see the module docstring)."""
         b, q, p = bucket
         s = b * q
         ids, pos, slots, rows, prefix_len, at, new = longs.split([s, s, s, b, b, s, s])
-        self.table.view(-1).index_put_((at,), new)
+        flat = self.table.view(-1)
+        flat.index_put_((at,), new)
+        if append:
+            cells = (rows * self.width + prefix_len)[:, None] + torch.arange(q, device=rows.device)
+            flat.index_put_((torch.where(slots.view(b, q) > 0, cells, 0).view(-1),), slots)
         return ids, pos, slots, self.table[:, :p].index_select(0, rows), prefix_len
+
+    def pending(self, keys: list[Hashable], prefixes: list[torch.Tensor], room: int):
+        """For a graph that writes `room` (table index, slot) pairs into the table before it reads the keys' rows:
+        (each key's row, the pairs' table indices [room] ints, their slots [room] int64 host tensor (padding: 0
+        into the scratch cell 0), done() to call once the graph ran). Pairs beyond `room` are written to the
+        table now, outside the graph. A fixed number of host ops for the batch: the prefixes' one cat, one
+        gather."""
+        lens = [t.numel() for t in prefixes]
+        entries = self._rows(keys, lens)
+        at, src, base = [], [], 0
+        for (row, synced), m in zip(entries, lens):
+            at += range(row * self.width + synced, row * self.width + m)
+            src += range(base + synced, base + m)
+            base += m
+        if not at:  # (the rows hold every prefix: an appending graph ran since)
+            return [e[0] for e in entries], [0] * room, _padding(room), lambda: None
+        flat = torch.cat([*prefixes, _ZERO])  # (its last cell: the padding pairs' slot 0)
+        if len(at) > room:  # NOTE: outside the graph, before it: a search after a prefill or eager steps
+            over = torch.tensor([*at[room:], *src[room:]], dtype=torch.long).view(2, -1)
+            self.write(torch.stack([over[0], flat[over[1]]]))
+            at, src = at[:room], src[:room]
+        slots = flat[torch.tensor(src + [base] * (room - len(src)), dtype=torch.long)]
+
+        def done() -> None:
+            for e, m in zip(entries, lens):
+                e[1] = m
+
+        return [e[0] for e in entries], at + [0] * (room - len(at)), slots, done
+
+    def appended(self, keys: list[Hashable], lens: list[int], adds: list[int]):
+        """For a graph that appends adds[i] slots to key i's row (whose first lens[i] slots it may hold): (the
+        cells they go to [sum adds] ints, request after request; 0, the scratch cell, past the row's width; done()
+        to call once the graph wrote them). A row that held its first lens[i] slots then holds lens[i] + adds[i]."""
+        entries = self._rows(keys, lens)
+        cells = [
+            e[0] * self.width + j if j < self.width else 0
+            for e, n, k in zip(entries, lens, adds)
+            for j in range(n, n + k)
+        ]
+
+        def done() -> None:
+            for e, n, k in zip(entries, lens, adds):
+                if e[1] == n and n + k <= self.width:
+                    e[1] = n + k
+
+        return cells, done
+
+
+_ZERO = torch.zeros(1, dtype=torch.long)
+
+
+@lru_cache(maxsize=16)
+def _padding(n: int) -> torch.Tensor:
+    """n int64 zeros on the host (a padding template, never written)."""
+    return torch.zeros(n, dtype=torch.long)
 
 
 def real_rows(q_lens: list[int], q: int, base: int = 0) -> list[int]:

@@ -282,6 +282,105 @@ def test_eagle3_frontier_step_static_equals_eager(b, kk, depth, device, request)
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_eagle3_static_extend_equals_eager(device, request):
+    """The EAGLE-3 drafter's draft-extend through its ExtendRunner (one graph: prefixes from its slot table on the
+    device, extended there by the new pairs' slots) == its eager extend, round after round of verified tokens (1
+    to 5 per request): odd rounds compare each request's root output (the extend alone, as before a sampled
+    chain), even rounds the trees of a whole propose (the extend and the search in one graph). The first round's
+    extend is past the buckets (a 70-token prompt): it runs eagerly and its search alone (the SearchRunner, sending
+    the prefixes the table lacks); the next extend sends the table what it lacks. After each static extend the
+    table holds every request's pairs, so the search reads its prefixes there."""
+    target = _target_on(device, request)
+    eager, static = make_drafter("eagle3", target), make_drafter("eagle3", target)
+    static.step_graphs = True
+    g = torch.Generator().manual_seed(5)
+    ht = target.cfg.hidden_size
+    params, shape = SamplingParams(max_new_tokens=8), TreeShape(3, 2, 6)
+
+    def hidden(n):
+        return {l: torch.randn(n, ht, generator=g).to(device) for l in eager.capture_layers}
+
+    tokens = {rid: torch.randint(0, 1000, (n,), generator=g).tolist() for rid, n in ((7, 9), (8, 4), (9, 70))}
+    for rid, t in tokens.items():
+        cap = TargetCapture(t, torch.arange(len(t)), torch.arange(len(t)), hidden(len(t)))
+        for d in (eager, static):
+            d.add_request(rid, cap)
+    for step in range(4):
+        for t in tokens.values():
+            t.append(int(torch.randint(0, 1000, (1,), generator=g)))  # the root
+        batch = [DraftInput(rid, t, params, None, []) for rid, t in tokens.items()]
+        if step % 2:  # (on CUDA: captured on a bucket's first use)
+            torch.testing.assert_close(static._extend(batch), eager._extend(batch), atol=1e-4, rtol=1e-4)
+        else:
+            for x, y in zip(eager.propose(batch, shape), static.propose(batch, shape)):
+                assert torch.equal(x.draft_tokens, y.draft_tokens) and torch.equal(x.parents, y.parents)
+        table, slots = static._extender.table, [static.reqs[rid].slots for rid in tokens]
+        rows, cells, _, _ = table.pending(list(tokens), slots, 8)  # what a search would send: nothing lacking
+        assert not any(cells)  # (after the eager first extend, its search sent the table what it lacked)
+        assert all(torch.equal(table.table[r, : x.numel()].cpu(), x) for r, x in zip(rows, slots))
+        for rid, t in tokens.items():  # 1 to 5 verified tokens each (the root and accepted drafts)
+            k = 1 + (rid + step) % 5
+            t += torch.randint(0, 1000, (k - 1,), generator=g).tolist()
+            cap = TargetCapture(t[-k:], torch.arange(len(t) - k, len(t)), torch.arange(k), hidden(k))
+            for d in (eager, static):
+                d.commit(rid, cap)
+    assert static._extender.runs == 3 and static._search.runs == 1
+    assert static._extender.cache.graphs == (device == "cuda")
+    assert eager._extender is None and eager.kv.num_free == static.kv.num_free + static._held.host.numel()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_moa_static_commit_equals_eager(device, request):
+    """MoA's commit of queued verified tokens (their LSA memory, CA and SA K/V) through its RowRunner (one graph
+    per row bucket, each token alone) stores what its eager _flush stores: two drafters hear the same requests
+    and commits of an engine serving three prompts; at every propose the static one's pools hold, at its slots,
+    the eager one's K/V, and their slot lists are as long. Its static search, reading the slot tables that graph
+    appended to, proposes the eager trees."""
+    target = _target_on(device, request)
+    eager, static = make_drafter("moa", target), make_drafter("moa", target)
+    static.step_graphs = True
+    adding, add, commit = [], eager.add_request, eager.commit
+
+    def hear(rid, cap, first=True):  # the static drafter hears what the eager one hears (add_request commits too)
+        if not adding:
+            (static.add_request if first else static.commit)(rid, cap)
+        adding.append(first)
+        try:
+            (add if first else commit)(rid, cap)
+        finally:
+            adding.pop()
+
+    eager.add_request, eager.commit = hear, lambda rid, cap: hear(rid, cap, False)
+    propose, checked = eager.propose, []
+
+    def compare(batch, shape):
+        got = static.propose(batch, shape)  # (its static flush, then its static search, reading the slot tables)
+        trees = propose(batch, shape)  # (the eager flush, then the search)
+        for x, y in zip(trees, got):
+            assert torch.equal(x.draft_tokens, y.draft_tokens) and torch.equal(x.parents, y.parents)
+        for d in batch:
+            a, b = eager.reqs[d.rid], static.reqs[d.rid]
+            assert torch.equal(a.target_slots, b.target_slots) and not b.pending
+            for pa, pb, x, y in (
+                (eager.mem, static.mem, a.mem_slots, b.mem_slots),
+                (eager.sa, static.sa, a.sa_slots, b.sa_slots),
+            ):
+                assert x.numel() == y.numel() == a.target_slots.numel()
+                torch.testing.assert_close(pb.k[0][y], pa.k[0][x], atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(pb.v[0][y], pa.v[0][x], atol=1e-4, rtol=1e-4)
+        checked.append(len(batch))
+        return trees
+
+    eager.propose = compare
+    prompts = [target.encode_chat([{"role": "user", "content": t}]) for t in ("Name three rivers.", "Hi!", "7*8?")]
+    Engine(target, eager, EngineConfig(tree=TreeShape(2, 2, 3), adaptive=False, cuda_graphs=False)).generate(
+        prompts, SamplingParams(max_new_tokens=4)
+    )
+    assert len(checked) >= 2 and static._commits.runs == static._search.runs == len(checked)
+    assert static._commits.cache.graphs == (device == "cuda")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tree", ["3,2,6", "6,4,24"])
 @pytest.mark.parametrize("name", ["moa", "moa-tli0"])
 def test_moa_static_draft_passes_propose_the_eager_trees(name, tree, device, request):
@@ -307,7 +406,8 @@ def test_moa_static_draft_passes_propose_the_eager_trees(name, tree, device, req
         static = d.propose(batch, TreeShape.parse(tree))
     # the roots' pass and both search steps in one static search, twice
     assert d._search.runs == 2 and d._steps is None and d._search.cache.graphs == (device == "cuda")
-    assert (d.sa.num_free, eng.kv.num_free) == free  # temporary slots freed either way
+    # temporary slots freed either way (the static search's SA ones held for good: one table for every batch)
+    assert (d.sa.num_free + d._held.host.numel(), eng.kv.num_free) == free
     for a, b in zip(eager, static):
         for name in (
             "draft_tokens",
@@ -323,10 +423,10 @@ def test_moa_static_draft_passes_propose_the_eager_trees(name, tree, device, req
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tree", ["3,2,6", "6,4,24", "4,1,5"])
 def test_eagle3_static_search_proposes_the_eager_trees(tree, device, request):
-    """The EAGLE-3 drafter's whole search through its SearchRunner (3 requests padded to 4; one function
-    for every step, the paths and the trees, captured and replayed on CUDA) proposes the trees of its
-    step-by-step eager search: two engines serving the same requests, every TokenTree field of every
-    proposal compared."""
+    """The EAGLE-3 drafter's draft-extend and whole search in one graph (its ExtendRunner with the search after
+    the extend; 3 requests padded to 4; captured and replayed on CUDA) proposes the trees of its eager extend and
+    step-by-step eager search: two engines serving the same requests, every TokenTree field of every proposal
+    compared."""
     target = _target_on(device, request)
     shape = TreeShape.parse(tree)
     prompts = [target.encode_chat([{"role": "user", "content": t}]) for t in ("Name three rivers.", "Hi!", "7*8?")]
@@ -351,8 +451,10 @@ def test_eagle3_static_search_proposes_the_eager_trees(tree, device, request):
             torch.testing.assert_close(a.scores, b.scores)
             assert bool(a.finite) and bool(b.finite)
     d = drafters[1]
-    assert d._search.runs == len(proposals[1]) and d._steps is None and d._search.cache.graphs == (device == "cuda")
-    assert d.kv.num_free == drafters[0].kv.num_free  # temporary slots freed
+    # (the draft-extend and the whole search in one graph: the extend runner's)
+    assert d._extender.runs == len(proposals[1]) and d._search is None and d._steps is None
+    assert d._extender.cache.graphs == (device == "cuda")
+    assert d.kv.num_free + d._held.host.numel() == drafters[0].kv.num_free  # temporary slots freed (or held)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -16,17 +16,17 @@ from sglang_ext.models.graph_runner import GraphRunner
 from sglang_ext.models.slot_table import SlotTable, real_rows
 
 
-def _step(table: SlotTable, bucket, keys, q_lens, prefixes, rng):
+def _step(table: SlotTable, bucket, keys, q_lens, prefixes, rng, append=False):
     """One keyed step on the table (CPU): its inputs, the overflow written, then what the graph reads."""
     b, q, p = bucket
     t = sum(q_lens)
     ids = [rng.randrange(100) for _ in range(t)]
     out_slots = torch.tensor([rng.randrange(1, 10_000) for _ in range(t)])
     pos = [len(x) + j for x, n in zip(prefixes, q_lens) for j in range(n)]
-    longs, overflow, done = table.inputs(bucket, keys, q_lens, prefixes, [*ids, *pos], [out_slots])
+    longs, overflow, done = table.inputs(bucket, keys, q_lens, prefixes, [*ids, *pos], [out_slots], append)
     if overflow is not None:
         table.write(overflow)
-    got_ids, got_pos, got_slots, prefix, prefix_len = table.read(longs, bucket)
+    got_ids, got_pos, got_slots, prefix, prefix_len = table.read(longs, bucket, append)
     rows = real_rows(q_lens, q)
     assert got_ids[rows].tolist() == ids and got_pos[rows].tolist() == pos
     assert got_slots[rows].tolist() == out_slots.tolist()
@@ -58,6 +58,39 @@ def test_the_rows_a_graph_reads_hold_every_requests_slots():
             table.forget(gone)
             del slots[gone]
             slots[max(slots, default=0) + 100] = torch.randint(1, 10_000, (rng.randrange(1, 30),))
+
+
+def test_an_appending_step_leaves_each_row_holding_every_slot_of_its_request():
+    """Steps that keep all their rows (a drafter's draft-extend: read(append=True)) between steps that keep only
+    their roots, and reads that send what the rows lack (a drafter's search: `pending`, its pairs written as a graph
+    would, those beyond its room outside it): after an appending step or a read, each request's row holds its
+    prefix and all its new slots (a read after an appending step sends nothing), and so after slots appended at
+    the cells `appended` gives."""
+    rng = random.Random(2)
+    table = SlotTable(rows=4, width=65, device=torch.device("cpu"))
+    slots = {k: torch.randint(1, 10_000, (rng.randrange(1, 12),)) for k in range(3)}
+    for step in range(12):
+        keys = rng.sample(sorted(slots), rng.randrange(1, 4))
+        q_lens = [rng.randrange(1, 5) for _ in keys]
+        append = step % 3 != 2
+        news = _step(table, (4, 4, 64), keys, q_lens, [slots[k] for k in keys], rng, append)
+        for k, new in zip(keys, news):  # (every new slot kept: a root-only step's row lacks its accepted drafts)
+            slots[k] = torch.cat([slots[k], new])
+        rows, cells, pairs, done = table.pending(keys, [slots[k] for k in keys], room=4)
+        lacking = sum(n - 1 for n in q_lens) if not append else 0
+        assert sum(c > 0 for c in cells) == min(lacking, 4) and len(cells) == pairs.numel() == 4
+        table.table.view(-1)[torch.tensor(cells)] = pairs  # (as the graph writes them)
+        done()
+        assert all(torch.equal(table.table[r, : slots[k].numel()], slots[k]) for r, k in zip(rows, keys))
+        # a graph appending slots it made (MoA's commit) at the cells `appended` gives: nothing lacking after it
+        adds = [rng.randrange(1, 4) for _ in keys]
+        cells, done = table.appended(keys, [slots[k].numel() for k in keys], adds)
+        new = torch.randint(1, 10_000, (sum(adds),))
+        table.table.view(-1)[torch.tensor(cells)] = new
+        done()
+        for k, x in zip(keys, new.split(adds)):
+            slots[k] = torch.cat([slots[k], x])
+        assert not any(table.pending(keys, [slots[k] for k in keys], room=4)[1])
 
 
 def _three_prefilled(pool: int, seed: int):

@@ -1,0 +1,209 @@
+"""MoA's static paths: what a GPU replays as CUDA graphs, run eagerly on the same buffers off CUDA (models/
+draft_graphs.py). MoADrafter (drafters/moa.py) takes them in when the engine turns its graphs on (`step_graphs`):
+
+    _static_flush    the queued verified tokens' commit (their LSA memory, CA and SA K/V) as one graph per row
+                     bucket (RowRunner: each token alone), their slots appended to the search's slot tables
+    _static_search   the roots' pass and every search step in one graph per bucket (SearchRunner), its prefixes
+                     read from those slot tables on the device, its SA temporaries at slots held for good
+    _static_pass     one draft pass through the step runner (FrontierRunner), where the whole search fits no bucket
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..attention import advance_seen, plan_frontier
+from ..device import grow
+from ..models.draft_graphs import FrontierRunner, HeldSlots, RowRunner, SearchBuffers, SearchRunner
+from ..models.graph_runner import static_attention, static_plan, with_static_attention
+from ..tree import TokenTree, TreeShape, search_candidates, tree_batch, unpack_trees
+from .base import DraftInput
+from .moa_core import (
+    MoAParts,
+    PassSlots,
+    catch_up,
+    commit_ca,
+    commit_sa,
+    draft_logits,
+    draft_pass,
+    lsa_memory,
+    plan_fields,
+)
+from .search import Finite, top_k_search
+
+
+class MoAGraphs:
+    """MoADrafter's static paths (it holds the pools, parts and request states these read and write)."""
+
+    def _static_pass(self, tokens: torch.Tensor, at: PassSlots) -> torch.Tensor:
+        """A draft pass (draft-vocab logits [n, Vd]) from the step runner; the eager pass over planned
+        attention when no bucket fits."""
+        if self._steps is None:
+            static = self._static_parts()
+
+            def step(ids, feat, rows, plans):
+                slots = PassSlots(rows["positions"], rows["sa_slots"], rows["tli_slots"], **plan_fields(plans))
+                return (draft_logits(static, draft_pass(static, self.kv, ids, slots)),)
+
+            self._steps = FrontierRunner(step, self.target.device, self.target.cfg.max_position)
+        rows = {"positions": at.positions, "sa_slots": at.sa_slots, "tli_slots": at.tli_slots}
+        pools = (self.sa, self.mem, self.tli_kv)
+        out = self._steps.run(tokens, None, rows, at.specs, pools)
+        if out is not None:
+            return out[0]
+        at = replace(at, **plan_fields({n: plan_frontier(*spec) for n, spec in at.specs.items()}))
+        return self._to_logits(draft_pass(self.parts, self.kv, tokens, at), False)
+
+    def _static_parts(self) -> MoAParts:
+        """The draft's parts attending with static_attention (the target's TLI layers too)."""
+        if self._static is None:
+            self._static = replace(
+                self.parts,
+                attention=static_attention,
+                tli_layers=[self._tli_layer(li, with_static_attention(self.target)) for li in self.tli_layers],
+            )
+        return self._static
+
+    def _search_runner(self) -> SearchRunner:
+        if self._search is None:
+            self._search = SearchRunner(self.target.device, self.target.cfg.max_position)
+            self._held = HeldSlots(self.sa)  # its temporary SA slots, held for good
+        return self._search
+
+    def _forget_static(self, rid: int) -> None:
+        """The request ended: its rows of the search's slot tables are free."""
+        if self._search is not None:
+            self._search.forget(rid)
+
+    def _static_flush(self, batch: list[DraftInput]) -> bool:
+        """_flush's work as one graph replay (the row runner: each queued token alone, its LSA memory, CA and SA
+        K/V); False, nothing done, where that does not apply (memory from captured layers, an edge client's own
+        pools, a catch-up's holes, more rows than the buckets), and _flush runs."""
+        sts = [self.reqs[d.rid] for d in batch]
+        commits = [[c.slots.numel() for c in st.pending] for st in sts]
+        sizes = [sum(c) for c in commits]
+        if self.capture_layers or self.remote or catch_up(commits)[1] is not None:
+            return False
+        names = ("sa", "ca", "tli")[: 3 if self.tli_layers else 2]  # the search's slot tables the graph appends to
+        if self._commits is None:
+            self._commits = RowRunner(self._commit_rows, 5 + len(names), self.target.device)
+        t = sum(sizes)
+        if self._commits.bucket_of(t) is None:
+            return not t
+        caps = [c for st in sts for c in st.pending]
+        # token j of a request's queue is at position (its verified tokens so far) + j
+        pos = [st.target_slots.numel() + j for st, n in zip(sts, sizes) for j in range(n)]
+        ids = [x for c in caps for x in c.token_ids]
+        held = {
+            "sa": [st.sa_slots for st in sts],
+            "ca": [st.mem_slots for st in sts],
+            "tli": [st.target_slots for st in sts],
+        }
+        tables = [self._search_runner().table(n) for n in names]
+        rids = [d.rid for d in batch]
+        cells = [tb.appended(rids, [x.numel() for x in held[n]], sizes) for tb, n in zip(tables, names)]
+        target_slots, mem, sa = torch.cat([c.slots for c in caps]), self.mem.alloc(t), self.sa.alloc(t)
+        pools = (self.sa, self.mem, self.tli_kv, *(tb.table for tb in tables))
+        self._commits.run([ids, pos, *(c for c, _ in cells)], [target_slots, mem, sa], pools)
+        for _, done in cells:
+            done()
+        self.lsa_rows += t
+        new = [x for add in zip(mem.split(sizes), sa.split(sizes), target_slots.split(sizes)) for x in add]
+        parts = iter(grow([x for st in sts for x in (st.mem_slots, st.sa_slots, st.target_slots)], new))
+        for st in sts:
+            st.mem_slots, st.sa_slots, st.target_slots = next(parts), next(parts), next(parts)
+            st.pending = []
+        return True
+
+    def _commit_rows(self, ids, positions, *cells_and_slots) -> None:
+        """The row runner's function (each [R] int64 on the device; padding 0): the tokens' LSA memory over
+        their K/V at every target layer, its CA K/V stored at `mem`, their SA K/V at `sa`; their SA, memory
+        and target slots appended to the search's slot tables (at their cells)."""
+        *cells, target_slots, mem, sa = cells_and_slots
+        for name, slots, at in zip(("sa", "ca", "tli"), (sa, mem, target_slots), cells):
+            self._search.tables[name].table.view(-1).index_put_((at,), slots)
+        kv = self.tli_kv
+        k, v = commit_ca(self.draft, lsa_memory(self.draft, kv.k, kv.v, target_slots), positions)
+        self.mem.k[0][mem], self.mem.v[0][mem] = k, v
+        k, v = commit_sa(self.draft, self.target.embed, ids, positions)
+        self.sa.k[0][sa], self.sa.v[0][sa] = k, v
+
+    def _static_search(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree] | None:
+        """The deterministic search's trees from the search runner (the roots' pass and every search
+        step in one function), the same trees as the pass-by-pass search; None when no bucket fits.
+        Every pass's temporary SA slots are the search's held slots (HeldSlots: request i's row, the root's,
+        then step after step); its TLI slots (in the target's pool) are handed out at once ([b, 1 + (depth-1)*k],
+        in the same order) and freed once the search is queued."""
+        self._search_runner()
+        b, sts = len(batch), [self.reqs[d.rid] for d in batch]
+        prefixes = {"sa": [st.sa_slots for st in sts], "ca": [st.mem_slots for st in sts]}
+        if self.tli_layers:
+            prefixes["tli"] = [st.target_slots for st in sts]
+        bk = self._search.bucket_of(b, {n: max(p.numel() for p in pre) for n, pre in prefixes.items()})
+        if bk is None:
+            return None
+        width = 1 + (shape.depth - 1) * shape.topk
+        held = self._held.take(bk[0], width)
+        temps = [(self.tli_kv, self.tli_kv.alloc(b * width))] if self.tli_layers else []
+        try:
+            rows = {"root": [[d.token_ids[-1], d.seq_len] for d in batch]}  # [b, 2] (host ints)
+            rows.update(("tli", s.view(b, width)) for _, s in temps)
+            pools = (self.sa, self.mem, self.tli_kv, held)
+            search = lambda bufs: self._search_fn(bufs, shape, held)  # noqa: E731
+            # (the prefixes from the runner's slot tables on the device: only what their rows lack goes up)
+            out = self._search.run(shape, search, rows, prefixes, {}, pools, [d.rid for d in batch])
+        finally:
+            for pool, s in temps:
+                pool.free(s)
+        longs, mask, scores, finite = out
+        return unpack_trees(longs, mask, scores, finite.all())
+
+    def _search_fn(self, bufs: SearchBuffers, shape: TreeShape, held: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The captured search over a padded batch of B requests (held: the held SA slots' table): the roots'
+        pass, depth - 1 search steps (each node's path mask grown on the device; SA, CA and TLI plans in static
+        form), the trees packed (tree_batch) with target ids. Outputs as tree_batch's, then finite [B] bool."""
+        parts = self._static_parts()
+        roots, seq_lens = bufs.rows["root"].unbind(1)
+        bb, dev = roots.shape[0], roots.device
+        sa_temp = held[:bb, : 1 + (shape.depth - 1) * shape.topk]  # [B, 1 + (depth-1)*k]
+        tli_temp = bufs.rows.get("tli", torch.zeros_like(sa_temp))
+        state = {"seen": torch.zeros(bb, 1, 0, dtype=torch.bool, device=dev), "passes": 0}
+        # CA reads the verified memory only: one padding column (slot 0), read by a padded request alone
+        ca_extra = torch.zeros(bb, 1, dtype=torch.long, device=dev)
+        padded = ~bufs.real[:, None, None]
+
+        def run(tokens: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
+            """tokens [B, kk] target ids; parent [B, kk] index into the previous pass's nodes -> [B, kk, Vd]."""
+            kk = tokens.shape[1]
+            seen = advance_seen(state["seen"], parent, kk)  # [B, kk, E]: the pass's nodes are the last kk
+            e = seen.shape[2]
+            own = torch.cat(
+                [seen.new_zeros(bb, kk, e - kk), torch.eye(kk, dtype=torch.bool, device=dev).expand(bb, kk, kk)], 2
+            )
+            sa_seen = seen if self.cfg.sa_tree_attention == "ancestors" else own
+            plans = {
+                "sa_plan": static_plan(*bufs.prefixes["sa"], sa_temp[:, :e], sa_seen),
+                "ca_plan": static_plan(*bufs.prefixes["ca"], ca_extra, padded.expand(bb, kk, 1)),
+                "tli_plan": static_plan(*bufs.prefixes["tli"], tli_temp[:, :e], seen) if self.tli_layers else None,
+            }
+            # every node of this pass is at depth `passes` (the roots' pass: 0)
+            pos = (seq_lens + state["passes"])[:, None].expand(bb, kk).reshape(-1)
+            slots = [t[:, e - kk : e].reshape(-1) for t in (sa_temp, tli_temp)]
+            h = draft_pass(parts, self.kv, tokens.reshape(-1), PassSlots(pos, *slots, **plans))
+            state["seen"], state["passes"] = seen, state["passes"] + 1
+            return draft_logits(parts, h).view(bb, kk, -1)
+
+        def step_fn(tokens: torch.Tensor, parent_beam: torch.Tensor | None) -> torch.Tensor:
+            parent = torch.zeros_like(tokens) if parent_beam is None else parent_beam
+            return run(self.hot_ids[tokens], parent)
+
+        first = roots[:, None]
+        finite = Finite(per_request=True)
+        root_logits = run(first, torch.zeros_like(first))[:, 0]
+        search = top_k_search(root_logits, step_fn, shape.topk, shape.depth, 0.0, finite)
+        top, draft, scores, parent_flat = search_candidates(search, shape.num_draft_tokens)
+        keep = scores >= shape.min_prob if shape.min_prob > 0 else None
+        trees = tree_batch(roots, top, self.hot_ids[draft], scores, parent_flat, seq_lens, keep)
+        return (*trees, finite.flag)
