@@ -203,6 +203,7 @@ class AdaptiveSpeculation:
         tree_margin: float = 0.03,
         confident_from: int | None = None,
         members: tuple[str, ...] = (),
+        catch_up: bool = False,
     ):
         self.options = shape_menu(shape, confident=confident_from is not None)
         # the confident (cut) option only from `confident_from` requests: at bs 1 a verify row costs a
@@ -245,6 +246,14 @@ class AdaptiveSpeculation:
         # its rate at the time they ran (rel), not by their own windows, which span long stretches
         self.best: dict[str, int] = {}
         self.rel: dict[tuple[int, str], deque] = {}  # (option, bucket) -> its last steps' rate / best's rate then
+        # catch_up: the first drafted step after steps without drafting pays the drafter's catch-up on the tokens it
+        # did not see (EAGLE-3 extends over all of them, MoA's memory over its last commits'): that step is not rated
+        # (its cost is the switch's, not the option's), and a re-measurement that starts drafting runs one step
+        # more, the one rated. Off: every step rated as it comes (a drafter with nothing to catch up on).
+        self.catch_up = catch_up
+        self.drafted_last = False
+        self.switches: dict[int, deque] = {}  # option -> its last unrated first steps (seconds, tokens)
+        self.follow: int | None = None  # the option of a re-measurement's rated step, chosen next
 
     def _stat(self, i: int, bucket: str) -> _Stat:
         return self.stats.setdefault((i, bucket), _Stat())
@@ -254,6 +263,9 @@ class AdaptiveSpeculation:
         bucket = batch_bucket(batch_size)
         step = self.steps[bucket] = self.steps.get(bucket, 0) + 1
         ok = self._eligible(batch_size)
+        follow, self.follow = self.follow, None
+        if follow is not None and follow in ok:
+            return follow
         known = self._nearest_measured(bucket, batch_size)
         model = self._model_rates(batch_size)
         if known is None and model is not None:
@@ -302,6 +314,8 @@ class AdaptiveSpeculation:
             self.postponed += 1
             return best
         self.retries += 1
+        if self.catch_up and self.options[pick] is not None and not self.drafted_last:
+            self.follow = pick
         return pick
 
     def _rates(self, bucket: str, known: str, batch_size: int) -> list[float]:
@@ -357,6 +371,15 @@ class AdaptiveSpeculation:
         ratio = self._seconds(i, bucket, known, batch_size) / max(self._seconds(best, bucket, known, batch_size), 1e-9)
         rate_best = rates[best]
         lost = ratio * max(0.0, 1.0 - rates[i] / rate_best) if rate_best > 0 else ratio
+        if self.catch_up and self.options[i] is not None and self.options[best] is None:
+            # a re-measurement from off drafts two steps: the first (unrated: catch_up) loses what it measured
+            first = self.switches.get(i)
+            if first and rate_best > 0:
+                sec, tok = (statistics.fmean(x) for x in zip(*first))
+                best_sec = max(self._seconds(best, bucket, known, batch_size), 1e-9)
+                lost += sec / best_sec * max(0.0, 1.0 - tok / max(sec, 1e-9) / rate_best)
+            else:
+                lost *= 2
         return math.ceil(lost * (len(self._eligible(batch_size)) - 1) / self.explore_budget)
 
     def _measured(self, bucket: str, batch_size: int) -> bool:
@@ -437,6 +460,11 @@ class AdaptiveSpeculation:
         (with the step's seconds minus `draft_seconds`, the proposal's share); `accepted` / `drafted`
         (per request: accepted draft tokens, draft nodes) also rate the shorter chains nested in a chain
         that ran, without running them."""
+        switched = self.catch_up and self.options[option] is not None and not self.drafted_last
+        self.drafted_last = self.options[option] is not None
+        if switched:  # (the drafter's catch-up: see catch_up) its cost counts against the re-measurement budget
+            self.switches.setdefault(option, deque(maxlen=8)).append((seconds, tokens))
+            return
         bucket = batch_bucket(batch_size)
         ref = self.best.get(bucket)
         if ref is not None and option != ref and self._stat(ref, bucket).n >= self.warmup:
