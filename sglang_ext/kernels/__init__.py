@@ -231,6 +231,11 @@ def weight_blocks(w: torch.Tensor, kind: str) -> torch.Tensor:
     return q4_1_blocks(w) if kind == "Q4_1" else torch.ops.moa_cpu.q8_0_blocks(w.detach().float())
 
 
+def _fused_blocks(*linears: torch.nn.Linear, kind: str = "Q8_0") -> tuple[torch.Tensor, int]:
+    """The Linears' weights stacked by rows (a fused qkv or gate-up) as `kind` blocks, and the kind's id."""
+    return weight_blocks(torch.cat([m.weight.detach().float() for m in linears]), kind), PACKED_KIND_IDS[kind]
+
+
 def attach_q8(module: torch.nn.Module, kind: str = "Q8_0") -> int:
     """For each fp32 Linear weight of `module` (K % 32 == 0), let `linear` run it on the q8 kernels: the weight
     as `kind` blocks (Q8_0: 8 bits per weight, an fp16 scale per 32; Q4_1: 4 bits, a scale and an offset per 32)
@@ -257,7 +262,7 @@ def q8_eagle3_layer(draft, kind: str = "Q8_0"):
     a, mlp = lay.self_attn, lay.mlp
 
     def blocks(*ws: torch.nn.Linear) -> tuple[torch.Tensor, int]:
-        return weight_blocks(torch.cat([m.weight.detach().float() for m in ws]), kind), PACKED_KIND_IDS[kind]
+        return _fused_blocks(*ws, kind=kind)
 
     stack = torch.classes.moa_cpu.Q8Stack(
         c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size, c.rms_norm_eps
@@ -298,16 +303,13 @@ def q8_moa_stacks(draft, target, tli_layers: list[int], pass_kind: str = "Q4_1")
     if q8_unavailable() is not None or target.q8 is None or not same or c.memory_source != "lsa" or head is None:
         return None
 
-    def blocks(*ws: torch.nn.Linear, kind: str = "Q8_0") -> tuple[torch.Tensor, int]:
-        return weight_blocks(torch.cat([m.weight.detach().float() for m in ws]), kind), PACKED_KIND_IDS[kind]
-
     def norm(m) -> torch.Tensor:
         return m.weight.detach().float()
 
     def decoder(stack, lay, kind: str) -> None:
         a, mlp = lay.attn, lay.mlp
-        qkv, o = blocks(a.q_proj, a.k_proj, a.v_proj, kind=kind), blocks(a.o_proj, kind=kind)
-        gu, down = blocks(mlp.gate_proj, mlp.up_proj, kind=kind), blocks(mlp.down_proj, kind=kind)
+        qkv, o = _fused_blocks(a.q_proj, a.k_proj, a.v_proj, kind=kind), _fused_blocks(a.o_proj, kind=kind)
+        gu, down = _fused_blocks(mlp.gate_proj, mlp.up_proj, kind=kind), _fused_blocks(mlp.down_proj, kind=kind)
         stack.add_layer(norm(lay.input_layernorm), *qkv, None, *o, norm(lay.post_attention_layernorm), *gu, *down)
 
     step = torch.classes.moa_cpu.Q8Stack(
@@ -318,11 +320,11 @@ def q8_moa_stacks(draft, target, tli_layers: list[int], pass_kind: str = "Q4_1")
     a, mlp = ca.attn, ca.mlp
     step.add_cross_layer(
         norm(ca.input_layernorm),
-        *blocks(a.q_proj, kind=pass_kind),
-        *blocks(a.o_proj, kind=pass_kind),
+        *_fused_blocks(a.q_proj, kind=pass_kind),
+        *_fused_blocks(a.o_proj, kind=pass_kind),
         norm(ca.post_attention_layernorm),
-        *blocks(mlp.gate_proj, mlp.up_proj, kind=pass_kind),
-        *blocks(mlp.down_proj, kind=pass_kind),
+        *_fused_blocks(mlp.gate_proj, mlp.up_proj, kind=pass_kind),
+        *_fused_blocks(mlp.down_proj, kind=pass_kind),
     )
     for li in tli_layers:
         lw = target.layers[li]
@@ -338,8 +340,8 @@ def q8_moa_stacks(draft, target, tli_layers: list[int], pass_kind: str = "Q4_1")
         c.lsa_hidden, lay.heads, lay.kv_heads, lay.head_dim, c.lsa_intermediate_size, c.rms_norm_eps
     )
     decoder(lsa, lay, "Q8_0")
-    e, kv = draft.Ekv2E, blocks(a.k_proj, a.v_proj)
-    lsa.set_lsa_tail(*blocks(e), e.bias.detach().float(), norm(ca.kv_layernorm), *kv, ca.kv_heads, ca.head_dim)
+    e, kv = draft.Ekv2E, _fused_blocks(a.k_proj, a.v_proj)
+    lsa.set_lsa_tail(*_fused_blocks(e), e.bias.detach().float(), norm(ca.kv_layernorm), *kv, ca.kv_heads, ca.head_dim)
     return step, lsa
 
 

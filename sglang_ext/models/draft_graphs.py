@@ -49,18 +49,9 @@ StepFn = Callable[..., tuple[torch.Tensor, ...]]
 FrontierSpec = tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]
 
 
-class FrontierRunner:
-    """A drafter's frontier step at bucketed static shapes: b requests x q tree nodes, one row each
-    (request-major), each row reading, in one or more KV pools, its request's committed slots and the
-    temporary slots of its own path (attention.plan_frontier's batch, one per pool), in static form
-
-        bucket (B, Q, ((name, P, E), ...)): node j of request i at row i*Q + j; per plan: prefix [B, P] +
-        prefix_len [B] as for the target, extra [B, E] the request's temporary slots and extra_mask
-        [B, Q, E] which of them node j reads (copied on the device from the spec's `seen`); per-row
-        int64 inputs (positions, write slots) padded with 0 (padded rows write and read slot 0 only)
-
-    step(ids, feat, rows, plans) is the drafter's pass with `static_attention` and its logits; it is
-    captured per bucket on CUDA with graphs on, else run eagerly on the same buffers."""
+class _BucketedRunner:
+    """What FrontierRunner and ExtendRunner share: a step run at bucketed static shapes (batch, nodes or rows,
+    context), captured per bucket on CUDA with graphs on (GraphCache), else run eagerly on the same buffers."""
 
     def __init__(
         self,
@@ -79,6 +70,20 @@ class FrontierRunner:
         self.cache = GraphCache(torch.device(device), graphs)
         self._pools: tuple = ()
         self.runs = 0
+
+
+class FrontierRunner(_BucketedRunner):
+    """A drafter's frontier step at bucketed static shapes: b requests x q tree nodes, one row each
+    (request-major), each row reading, in one or more KV pools, its request's committed slots and the
+    temporary slots of its own path (attention.plan_frontier's batch, one per pool), in static form
+
+        bucket (B, Q, ((name, P, E), ...)): node j of request i at row i*Q + j; per plan: prefix [B, P] +
+        prefix_len [B] as for the target, extra [B, E] the request's temporary slots and extra_mask
+        [B, Q, E] which of them node j reads (copied on the device from the spec's `seen`); per-row
+        int64 inputs (positions, write slots) padded with 0 (padded rows write and read slot 0 only)
+
+    step(ids, feat, rows, plans) is the drafter's pass with `static_attention` and its logits; it is
+    captured per bucket on CUDA with graphs on, else run eagerly on the same buffers."""
 
     def bucket_of(self, b: int, q: int, lens: dict[str, tuple[int, int]]):
         """The bucket of b requests x q nodes with, per plan, (longest prefix, temporary slots per
@@ -187,7 +192,7 @@ def _frontier_host(key, b: int, q: int, rows: dict, plans: dict) -> tuple[torch.
 ExtendFn = Callable[..., tuple[torch.Tensor, ...]]
 
 
-class ExtendRunner:
+class ExtendRunner(_BucketedRunner):
     """A drafter's draft-extend at bucketed static shapes: b requests with q_lens[i] newly verified rows each,
     causal among themselves, after their committed prefixes, which a SlotTable on the device holds (keyed by
     request: only what its rows lack goes up, models/slot_table.py); the graph appends every row's slot to its
@@ -201,25 +206,10 @@ class ExtendRunner:
     given a function to run after the extend in the same graph (`then`: a drafter's whole search over the
     extended prefixes, as `Extended` describes them), that function's outputs."""
 
-    def __init__(
-        self,
-        step: ExtendFn,
-        device: torch.device | str,
-        max_context: int,
-        graphs: bool = True,
-        batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
-        node_buckets: tuple[int, ...] = NODE_BUCKETS,
-        max_rows: int = MAX_ROWS,
-    ):
-        self.step = step
-        self.batch_buckets, self.node_buckets = tuple(batch_buckets), tuple(node_buckets)
-        self.context = context_buckets(max_context)
-        self.max_rows = max_rows
-        self.cache = GraphCache(torch.device(device), graphs)
+    def __init__(self, step: ExtendFn, *args, **kwargs):
+        super().__init__(step, *args, **kwargs)
         self.table = self._new_table()
-        self._pools: tuple = ()
         self._consts: dict = {}
-        self.runs = 0
 
     def _new_table(self) -> SlotTable:
         return SlotTable(2 * self.batch_buckets[-1] + 1, self.context[-1] + 1, self.cache.device)
