@@ -58,6 +58,8 @@ from .moa_graphs import MoAGraphs
 from .search import scatter_to_vocab, search_tree
 from .shipped import shipped_path
 
+LSA_CHUNK = 16  # tokens per native LSA call (MoADrafter._commit_q8)
+
 
 def shipped_checkpoint(target, name: str) -> Path:
     """Checkpoint dir of a shipped MoA drafter ('moa': the better TLI, 'moa-tli0', 'moa-tli1');
@@ -253,12 +255,21 @@ class MoADrafter(MoAGraphs, Drafter):
     def _commit_q8(self, kv: KVPool, slots: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """lsa_memory then commit_ca in one native call on the LSA stack (Q8Stack.lsa_commit): each token's L rows
         (its K|V at every target layer, RoPE over the layer index) attend to each other; mean over L, Ekv2E, the CA
-        keys (RoPE at positions [n]) and values [n, kv_heads, D]."""
+        keys (RoPE at positions [n]) and values [n, kv_heads, D]. A prompt's tokens go LSA_CHUNK at a time: a
+        call's buffers are L rows a token, and past a few dozen tokens they outgrow the caches (2x the time a token)."""
         layers = len(kv.k)
         lsa_cos, lsa_sin = self.draft._lsa_rope(layers, torch.float32, kv.k[0].device)  # [L, 1, d]
         cos, sin = self.draft.rope(positions, torch.float32)  # [n, 1, D]
-        k, v = self.q8[1].lsa_commit(kv.k, kv.v, slots, lsa_cos[:, 0], lsa_sin[:, 0], cos[:, 0], sin[:, 0])
-        return k, v
+        lc, ls, cos, sin = lsa_cos[:, 0], lsa_sin[:, 0], cos[:, 0], sin[:, 0]
+        if slots.numel() <= LSA_CHUNK:
+            return tuple(self.q8[1].lsa_commit(kv.k, kv.v, slots, lc, ls, cos, sin))
+        parts = [
+            self.q8[1].lsa_commit(
+                kv.k, kv.v, slots[i : i + LSA_CHUNK], lc, ls, cos[i : i + LSA_CHUNK], sin[i : i + LSA_CHUNK]
+            )
+            for i in range(0, slots.numel(), LSA_CHUNK)
+        ]
+        return torch.cat([k for k, _ in parts]), torch.cat([v for _, v in parts])
 
     def _pass_q8(self, tokens: torch.Tensor, at: PassSlots, full: bool) -> torch.Tensor:
         """draft_pass + draft_logits on the draft-pass stack: SA, CA and the TLI layers in one call, each with its

@@ -255,7 +255,7 @@ def test_moa_on_q8_stacks_is_the_modules_math(smollm2_q8):
     same argmax; a token's CA keys/values are bit for bit the same alone or in a batch."""
     from sglang_ext.drafters import make_drafter
     from sglang_ext.drafters.base import DraftInput
-    from sglang_ext.drafters.moa import _RequestState, _TreePaths
+    from sglang_ext.drafters.moa import LSA_CHUNK, _RequestState, _TreePaths
     from sglang_ext.drafters.moa_core import commit_ca, commit_sa, draft_logits, draft_pass, lsa_memory
     from sglang_ext.kernels import q8_moa_stacks
     from sglang_ext.sampling import SamplingParams
@@ -275,6 +275,10 @@ def test_moa_on_q8_stacks_is_the_modules_math(smollm2_q8):
         assert _close(k, want_k, 3e-3) and _close(v, want_v, 3e-3)
         k2, v2 = d._commit_q8(kv, slots[1:3], positions[1:3])
         assert torch.equal(k2, k[1:3]) and torch.equal(v2, v[1:3])
+        many = torch.randperm(64, generator=g)[: LSA_CHUNK + 7]  # (a prompt: its tokens LSA_CHUNK at a time)
+        k3, v3 = d._commit_q8(kv, many, torch.arange(many.numel()))
+        k4, v4 = d._commit_q8(kv, many[-3:], torch.arange(many.numel())[-3:])
+        assert torch.equal(k3[-3:], k4) and torch.equal(v3[-3:], v4) and k3.shape == (many.numel(), *k.shape[1:])
         # the SA commit: K/V of verified tokens' embeddings into the SA pool
         ids, pos = torch.tensor([7, 300, 4100]), torch.tensor([0, 1, 2])
         sa = d.sa.alloc(3)
