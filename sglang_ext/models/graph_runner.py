@@ -27,7 +27,8 @@ outputs are gathered to the real rows (a copy, so the next replay cannot overwri
 With request keys (the engine's steps), the prefixes are not in that copy: the runner keeps every request's
 slots in a table on the device (SGLang's req_to_token; models/slot_table.py) and the copy carries only what
 the table's rows lack, written by the graph before it reads them. A plain greedy decode step (`decode`)
-also takes its logits and their argmax inside the graph: one upload in, the tokens out.
+also takes its logits and their argmax inside the graph: one upload in, the tokens out, and the tokens left on the
+device for the next decode step's rows to read (the overlapped loop's future tokens, serving/decode_step.py).
 
 A drafter's step and its whole search are the same idea (models/draft_graphs.py: FrontierRunner,
 SearchRunner).
