@@ -5,11 +5,13 @@ On the CPU the device is `helpers.QueuedStream`: the graph runner's work (fills,
 is queued and run in order by a worker thread only once the host waits for it, so a host read that does not go
 through the step's copy sees stale values and the outputs differ. The real SmolLM2 target
 (fp32) decodes short chat prompts with different lengths and stops: max_tokens, EOS, a stop id, an abort
-mid-batch and an arrival mid-batch (a prefill, which first reads the step in flight). The `gpu` cases run the
-same scenario on CUDA's stream with captured graphs.
+mid-batch and an arrival mid-batch (a prefill, which first reads the step in flight), through Engine.step and
+through the engine loop's thread. The `gpu` cases run the same scenario on CUDA's stream with captured graphs.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 import torch
@@ -171,3 +173,62 @@ def test_gpu_step_n_plus_1_is_issued_before_step_n_is_read(cuda_target, monkeypa
     reads = [i for kind, i in log if kind == "read"]
     ahead = [i for i in reads if at.get(("copy", i + 1), len(log)) < at[("read", i)]]
     assert len(ahead) >= 8 and len(reads) - len(ahead) == 2, log
+
+
+def _served(target, overlap: bool) -> list[tuple[list[int], str | None]]:
+    """The requests above through the engine loop (its thread, deliveries, a cancel): the first submitted, the
+    rest and the late one from the engine thread between steps (so each step's batch is the same in every run),
+    the cancel there too -> per request, its delivered tokens and finish reason."""
+    from serving.engine_loop import EngineLoop
+
+    eng = Engine(target, None, EngineConfig(overlap=overlap, prefill="separate", kv_slots=2048))
+    stream = QueuedStream()
+    eng.runner.graph_runner = GraphRunner(eng.model, eng.capture_layers, stream=stream)
+    encode = lambda text: target.encode_chat([{"role": "user", "content": text}])  # noqa: E731
+    engine_loop, handles, real_step, steps = EngineLoop(eng, max_running=8, max_queue=8), [], eng.step, [0]
+    submit = lambda text, params: handles.append(engine_loop.submit(encode(text), params, asyncio_loop))  # noqa: E731
+
+    def step():
+        events = real_step()
+        steps[0] += 1
+        if steps[0] == 1:
+            for text, params in REQUESTS[1:]:
+                submit(text, params)
+        if steps[0] == ARRIVE_AFTER + 1:
+            submit(*LATE)
+        if steps[0] == ABORT_AFTER + 1:
+            handles[3].cancel()
+        return events
+
+    async def run():
+        nonlocal asyncio_loop
+        asyncio_loop = asyncio.get_running_loop()
+        submit(*REQUESTS[0])
+        while not (len(handles) == len(REQUESTS) + 1 and all(h.done for h in handles)):
+            await asyncio.sleep(0.01)
+        return [await _collect(h) for h in handles]
+
+    eng.step, asyncio_loop = step, None
+    engine_loop.start()
+    try:
+        return asyncio.run(asyncio.wait_for(run(), 120))
+    finally:
+        engine_loop.stop()
+        stream.close()
+        assert slots_whole(eng)
+
+
+async def _collect(h) -> tuple[list[int], str | None]:
+    tokens = []
+    while True:
+        d = await h.next()
+        tokens += d.tokens
+        if d.finish_reason or d.error:
+            return tokens, d.finish_reason
+
+
+def test_the_engine_loop_delivers_what_the_plain_loop_does(smollm2_fp32):
+    """Through the engine thread: the same tokens delivered to each request, and the same finish reasons."""
+    plain, overlapped = _served(smollm2_fp32, False), _served(smollm2_fp32, True)
+    assert [f for _, f in plain] == ["length", "stop", "stop", "abort", "stop"]
+    assert overlapped == plain
