@@ -116,7 +116,8 @@ def _syncs_per_step(eng: Engine, steps: int) -> tuple[list[int], list[tuple[str,
 def test_gpu_a_greedy_step_synchronizes_once(cuda_target, prompts, drafter, graphs):
     """After the prefill, each decode step of a batch of 4 greedy requests makes one synchronizing call:
     the copy of the accepted paths (lookup trees are built on the host and go up in one queued copy; a
-    model drafter searches on the device without reading it), with CUDA graphs replayed or eager."""
+    model drafter searches on the device without reading it), with CUDA graphs replayed or eager; vanilla
+    with graphs: the overlapped loop's copy, queued through the runner's stream and waited for by an event."""
     if drafter is None:
         eng = Engine(cuda_target, None, EngineConfig(cuda_graphs=graphs))
     else:
