@@ -39,6 +39,10 @@ class EngineConfig:
     # decode / verify forwards at bucketed shapes replayed from CUDA graphs (sglang_ext/models/graph_runner.py);
     # effective on a CUDA device only, eager outside the buckets
     cuda_graphs: bool = True
+    # the overlapped loop: a plain greedy decode step is issued before the previous one's tokens are read, the
+    # host's work for a step done while the device runs the next (serving/decode_step.py); effective where
+    # steps replay graphs on an asynchronous device (CUDA), outputs identical either way
+    overlap: bool = True
     # reuse the KV of prompt prefixes earlier requests of the same tenant computed (serving/prefix_cache.py)
     prefix_cache: bool = True
     prefix_cache_tokens: int | None = None  # most tokens the prefix cache keeps (None: what the KV pool has room for)

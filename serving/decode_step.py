@@ -3,11 +3,32 @@ logprobs, no prompt chunk, a graph bucket. One new KV slot per request, one grap
 logits and their argmax; the prefixes from the graph runner's slot table on the device), the tokens in the
 step's one device-to-host copy, the slots appended (one cat for the batch, each request's a view of it). It
 gives the tree path's tokens (a root-only tree's path is its root, its token the target's argmax there) in
-a fixed number of host ops for the batch (moa_serve/benchmarks/step_ops.py counts them)."""
+a fixed number of host ops for the batch (moa_serve/benchmarks/step_ops.py counts them).
+
+The overlapped loop (SGLang's overlap scheduler, vLLM's async scheduling; `EngineConfig.overlap`, where the
+runner's stream is asynchronous: CUDA) issues step N+1 before it reads step N's tokens, so the host's work
+for a step (the wait for its copy, stops, events, then the next step's slots and upload) runs while the
+device computes the next one:
+
+    host:    launch 1, launch 2, read 1 | launch 3, read 2 | launch 4, read 3 | ...     (one Engine.step each)
+    device:  [ step 1 ][ step 2 ............ ][ step 3 ......... ][ step 4 ...
+
+Step N+1's rows read step N's tokens where the device left them (GraphRunner.decode's future tokens: -1 - i,
+row i of the previous step), its slots are allocated and appended to the requests at launch, and each
+step's tokens still come up in one copy (queued behind the step, read after the next is issued). A request
+that step N ends (EOS, a stop id, its length, a fault of its own) or that is aborted before step N+1 is read
+was launched in step N+1 too: that step's token for it is dropped unread and its slot freed, so its output,
+slots, stats and what the prefix cache takes are those of the loop without overlap. A step that is not a
+plain decode of the running requests (an arrival's prefill, a request that is not plain greedy, a batch
+outside the buckets) first reads the step in flight, alone in its Engine.step when it brings tokens."""
 
 from __future__ import annotations
 
-from sglang_ext.device import grow
+from dataclasses import dataclass
+
+import torch
+
+from sglang_ext.device import HostCopy, grow
 from sglang_ext.verify import tokens_to_host
 
 from .request import Request, RequestFault, StepEvent, fail
@@ -27,21 +48,108 @@ def plain_decode(engine, reqs: list[Request]) -> bool:
     )
 
 
+@dataclass
+class Launched:
+    """A plain decode step issued to the device, its tokens not read yet."""
+
+    reqs: list[Request]
+    slots: list[torch.Tensor]  # per request its new slot [1] int64 host id (appended to r.slots at launch)
+    tokens: HostCopy | list[int]  # [B] the step's tokens: queued to the host (an asynchronous stream), or read
+    live: dict[int, int]  # rid -> row: the requests whose token is read (a request that ended since: dropped)
+
+
 def decode_step(engine, reqs: list[Request]) -> list[StepEvent]:
-    """The step (see the module docstring) for the engine's decoding requests."""
+    """The step (see the module docstring) for the engine's decoding requests, read at once."""
+    return finish(engine, launch(engine, reqs))
+
+
+def launch(engine, reqs: list[Request], prev: Launched | None = None) -> Launched:
+    """Issue a plain decode step of `reqs` (slots allocated and appended, the graph replayed, its tokens' copy
+    queued); prev: the step in flight, whose tokens the requests it holds read on the device."""
     kv = engine.kv_manager
     slots = kv.alloc(len(reqs))
+    rows = prev.live if prev is not None else {}
+    tokens = [-1 - rows[r.rid] if r.rid in rows else r.output_ids[-1] for r in reqs]
     try:
-        tokens = tokens_to_host(engine.runner.decode(reqs, slots))  # the step's one device-to-host copy
+        out = engine.runner.decode(reqs, slots, tokens)
+        stream = engine.runner.stream
+        copy = stream.to_host(out) if stream.asynchronous else tokens_to_host(out)  # the step's one copy
     except BaseException:
         kv.free(slots)
         raise
-    events = []
-    for r, s, tok in zip(reqs, grow([r.slots for r in reqs], list(slots.split(1))), tokens):
+    new = list(slots.split(1))
+    for r, s in zip(reqs, grow([r.slots for r in reqs], new)):
         r.slots = s
+    return Launched(reqs, new, copy, {r.rid: i for i, r in enumerate(reqs)})
+
+
+def finish(engine, step: Launched, following: Launched | None = None) -> list[StepEvent]:
+    """Read a launched step's tokens and append them to its live requests; following: the step launched after
+    it, where a request this step ends has its token dropped and its slot freed (`drop`)."""
+    tokens = step.tokens if isinstance(step.tokens, list) else step.tokens.wait()
+    events = []
+    for r, tok in zip(step.reqs, tokens):
+        if r.rid not in step.live:  # (it ended before this step was read: a surplus token)
+            continue
         r.stats.verify_steps += 1
         try:
             events.append(StepEvent(r, engine.sampler.append(r, [tok]), 0, 0))
         except RequestFault as f:
             events.append(fail(r, f))
+        if r.finished and following is not None:
+            drop(engine, following, r)
     return events
+
+
+def drop(engine, step: Launched, r: Request) -> None:
+    """r ended before the launched `step` is read: its token there is never read and its slot there (the last of
+    r.slots) goes back to the pool. (On the device the step may still write that slot; whatever takes it next is
+    issued after, so it writes it later.)"""
+    i = step.live.pop(r.rid, None)
+    if i is not None:
+        r.slots = r.slots[:-1]
+        engine.kv_manager.free(step.slots[i])
+
+
+class OverlappedLoop:
+    """The engine's overlapped loop (the module docstring): the plain decode step in flight, if any."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.inflight: Launched | None = None
+
+    def applies(self) -> bool:
+        stream = self.engine.runner.stream
+        return self.engine.config.overlap and stream is not None and stream.asynchronous
+
+    def step(self) -> list[StepEvent] | None:
+        """This Engine.step's events when the loop takes it; None: the caller runs the step as usual (no step is
+        in flight then)."""
+        eng, prev = self.engine, self.inflight
+        running = eng.scheduler.running
+        chain = self.applies() and bool(running) and not eng.scheduler.waiting and plain_decode(eng, running)
+        if not chain:
+            if prev is None:
+                return None
+            self.inflight = None
+            return finish(eng, prev) or None  # (only surplus tokens: the step runs as usual)
+        # (nothing waits: the scheduler's batch is the running requests' decode, its state kept as every step's)
+        ((reqs, _),) = eng.scheduler.schedule(eng.kv_manager.match_prefix)
+        if prev is None:
+            prev = self.inflight = launch(eng, reqs)
+        self.inflight = launch(eng, reqs, prev)  # NOTE: step N+1 issued before step N's tokens are read
+        return finish(eng, prev, self.inflight)
+
+    def drop(self, r: Request) -> None:
+        """r ends now (an abort, a release): its token in the step in flight is dropped and its slot freed."""
+        if self.inflight is not None:
+            drop(self.engine, self.inflight, r)
+
+    def clear(self) -> None:
+        """After a step fault: nothing in flight (the device's work issued so far is waited for, faults ignored)."""
+        if self.inflight is not None:
+            self.inflight = None
+            try:
+                self.engine.runner.stream.synchronize()
+            except Exception:  # noqa: BLE001 - the engine is starting again from a clean state
+                pass

@@ -39,7 +39,7 @@ from sglang_ext.tree import TokenTree
 from sglang_ext.verify import AcceptedPath, to_host
 
 from .config import EngineConfig
-from .decode_step import decode_step, plain_decode
+from .decode_step import OverlappedLoop, decode_step, plain_decode
 from .kv_manager import KVManager
 from .model_runner import ForwardBatch, ModelRunner
 from .request import (  # (the request's data: callers import them from the engine too)
@@ -120,6 +120,7 @@ class Engine:
         )
         if self.runner.graph_runner is not None and drafter is not None and drafter.captures_steps:
             drafter.step_graphs = True  # a drafter with a captured step replays it too
+        self.overlap = OverlappedLoop(self)  # plain decode steps issued before the last one is read (config.overlap)
 
     # --- the parts' state, by the names callers read ---------------------------------------------
     @property
@@ -210,6 +211,7 @@ class Engine:
         """The request's hold on the pool ends: its computed tokens go into the prefix cache (the drafter keeping
         its state of those the cache took, if it keeps any), the rest of its slots are freed. (A request that
         failed part-way through a chunked prefill is still waiting.)"""
+        self.overlap.drop(req)  # (its token in a decode step in flight, if any, is never read)
         drafted = self.scheduler.remove(req) and self.drafter is not None and req.drafting
         self.runner.release(req)
         taken = self.kv_manager.cache_finished_req(req)
@@ -230,6 +232,7 @@ class Engine:
         """Drop every request and leave the KV pool whole: after a fault no single request can be
         blamed for, the engine starts again from a clean state (the caller fails the requests; the
         prefix cache starts empty too)."""
+        self.overlap.clear()
         for r in self.scheduler.held():
             if not r.finished:
                 r.finish_reason, r.error = "error", "step"
@@ -241,10 +244,13 @@ class Engine:
     # --- one step -----------------------------------------------------------------------------
     def step(self) -> list[StepEvent]:
         """Schedule, then per batch one target forward: draft -> KV slots -> forward -> verify -> one copy to the
-        host -> accept (decoding requests) and prefilled (prompt chunks)."""
-        events = []
-        for reqs, chunks in self.scheduler.schedule(self.kv_manager.match_prefix):
-            events += self._run(reqs, chunks)
+        host -> accept (decoding requests) and prefilled (prompt chunks). In the overlapped loop (decode_step.py)
+        a plain decode step's events come one Engine.step after its launch, the next step issued before them."""
+        events = self.overlap.step()
+        if events is None:
+            events = []
+            for reqs, chunks in self.scheduler.schedule(self.kv_manager.match_prefix):
+                events += self._run(reqs, chunks)
         for e in events:
             if e.request.finished:
                 self._release(e.request)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from sglang_ext.attention import causal_mask, plan_attention, prefix_and_tree_mask
-from sglang_ext.device import to_device, upload
+from sglang_ext.device import Stream, to_device, upload
 from sglang_ext.models.graph_runner import GraphRunner
 from sglang_ext.tree import TokenTree
 from sglang_ext.verify import GreedyRows
@@ -87,12 +87,19 @@ class ModelRunner:
         g = self.graph_runner
         return g is not None and g.can_run([1] * len(reqs), [len(r.slots) for r in reqs])
 
-    def decode(self, reqs: list[Request], slots: torch.Tensor) -> torch.Tensor:
+    def decode(self, reqs: list[Request], slots: torch.Tensor, tokens: list[int] | None = None) -> torch.Tensor:
         """A plain greedy decode step (slots [B] int64 host ids: each request's new slot): one row per request
-        reading its last output token, the logits and their argmax inside the graph -> [B] int64 greedy tokens
-        on the device (read them before the next forward)."""
-        tokens = [r.output_ids[-1] for r in reqs]
+        reading `tokens` (default: each request's last output token; -1 - i: row i's token of the previous
+        decode step, still on the device, GraphRunner.decode), the logits and their argmax inside the graph ->
+        [B] int64 greedy tokens on the device (queue their copy to the host before the next forward)."""
+        if tokens is None:
+            tokens = [r.output_ids[-1] for r in reqs]
         return self.graph_runner.decode([r.rid for r in reqs], tokens, slots, [r.slots for r in reqs], self.kv.pool)
+
+    @property
+    def stream(self) -> Stream | None:
+        """Where the replayed steps' device work goes (None without a graph runner: every step eager)."""
+        return self.graph_runner.stream if self.graph_runner is not None else None
 
     def release(self, r: Request) -> None:
         """The request ended: the graph runner's slot table forgets it."""

@@ -73,3 +73,93 @@ def module_on(module: torch.nn.Module, device: torch.device | str, dtype: torch.
         for name, value in plain.items():
             setattr(m, name, to_device(value, device))
     return module
+
+
+class HostCopy:
+    """A device tensor's values on their way to the host: a copy queued behind the work that produces them
+    (into `buf`, host memory; `event` marks the copy done on the device). wait() blocks until it is, then
+    gives the values as Python numbers."""
+
+    def __init__(self, buf: torch.Tensor, event=None):
+        self.buf, self.event = buf, event
+
+    def wait(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.buf.tolist()
+
+
+class Stream:
+    """How the host issues a step's device work and reads its results back (the host's view of a device's
+    queue). This one is a CPU's: work has run when the call that issued it returns.
+
+    `asynchronous`: issued work returns before it runs (CUDA; a test's stand-in on the CPU), so the host can
+    prepare the next step while the device runs this one, and reads a result through `to_host`;
+    `graphs`: `capture` records a function once and its graph replays it (models/graph_runner.GraphCache).
+    `copies` counts the device-to-host copies issued through `to_host`."""
+
+    asynchronous = False
+    graphs = False
+
+    def __init__(self):
+        self.copies = 0
+
+    def launch(self, fn, *args) -> None:
+        """Device work the host issues outside a graph (a buffer fill, a table write), in order with the rest."""
+        fn(*args)
+
+    def capture(self, fn, bufs: dict, pool):
+        """-> (graph, its outputs, the memory pool for the next capture): fn(bufs) recorded as a graph."""
+        raise NotImplementedError(f"{type(self).__name__} does not capture graphs")
+
+    def to_host(self, t: torch.Tensor) -> HostCopy:
+        """t's values copied to the host behind the work issued so far (read them with wait())."""
+        self.copies += 1
+        return HostCopy(t)
+
+    def synchronize(self) -> None:
+        """Wait until every issued work has run."""
+
+
+class CudaStream(Stream):
+    """The current CUDA stream: kernels, graph replays and copies from pinned memory are queued on it by
+    nature; `to_host` queues a copy into pinned memory and an event behind it, so the host waits for that
+    step alone, not for the steps issued after it."""
+
+    asynchronous = True
+    graphs = True
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = torch.device(device)
+
+    def to_host(self, t: torch.Tensor) -> HostCopy:
+        self.copies += 1
+        buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        buf.copy_(t, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return HostCopy(buf, event)
+
+    def capture(self, fn, bufs: dict, pool):
+        # warmup on a side stream (lazy inits, allocator caches, Triton/cuBLAS autotuning stay out of the graph)
+        device = self.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn(bufs)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = fn(bufs)
+        return graph, out, graph.pool()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+def default_stream(device: torch.device | str) -> Stream:
+    """The stream a device's work goes on: CUDA's current stream, else a synchronous one."""
+    device = torch.device(device)
+    return CudaStream(device) if device.type == "cuda" else Stream()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import httpx
@@ -15,6 +15,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
+from sglang_ext.device import HostCopy, Stream
 from sglang_ext.models import LlamaConfig, LlamaModel, Target
 from sglang_ext.models.synthetic import random_state
 
@@ -454,3 +455,123 @@ def random_blocks(kind: str, n: int, k: int, seed: int) -> torch.Tensor:
 def gguf_dequant(kind: str, blocks: torch.Tensor) -> torch.Tensor:
     """gguf's own numpy dequantizer: what the converter wrote as the fp32 weights."""
     return torch.from_numpy(dequantize(blocks.numpy(), GGML[kind]).reshape(blocks.shape[0], -1).astype(np.float32))
+
+
+class QueuedStream(Stream):
+    """A stand-in on the CPU for a GPU's stream (the overlapped loop's tests): the work the host issues (buffer
+    fills, table writes, graph replays, device-to-host copies) is queued and run in order by a worker thread,
+    and a copy's wait() blocks until the worker has run it. A "captured graph" is its function, run once at
+    capture for its outputs and, at each replay, run again on the worker with its results written into those
+    outputs (a graph's fixed buffers, overwritten by every replay).
+
+    The worker runs a job only once the host waits for it or for a later one, so the device is as late as a
+    stream allows: a host read of device state that does not go through to_host sees stale values, and so does
+    the device of host state changed after the launch that reads it (the identity tests then fail). `log`
+    records, in the host's order, ("replay", None), ("launch", name), ("copy", i) and ("read", i) (copy i
+    waited for)."""
+
+    asynchronous = graphs = True
+
+    def __init__(self):
+        super().__init__()
+        self.log = []
+        self._jobs: list = []
+        self._cv = threading.Condition()
+        self._issued = self._released = self._done = 0
+        self._error: BaseException | None = None
+        self._closed = False
+        self._worker = threading.Thread(target=self._work, name="queued-stream", daemon=True)
+        self._worker.start()
+
+    def close(self) -> None:
+        """Run what is queued and end the worker thread (a torch thread left waiting at exit aborts the process)."""
+        with self._cv:
+            self._released, self._closed = self._issued, True
+            self._cv.notify_all()
+        self._worker.join()
+
+    def launch(self, fn, *args) -> None:
+        self.log.append(("launch", getattr(fn, "__name__", "fn")))
+        self._put(lambda: fn(*args))
+
+    def capture(self, fn, bufs: dict, pool):
+        box = {}
+        self._wait(self._put(lambda: box.setdefault("out", fn(bufs))))
+        return _QueuedGraph(self, fn, bufs, box["out"]), box["out"], None
+
+    def to_host(self, t: torch.Tensor) -> HostCopy:
+        self.copies += 1
+        i, buf = self.copies, torch.empty(t.shape, dtype=t.dtype)
+        self.log.append(("copy", i))
+        return HostCopy(buf, _QueuedEvent(self, self._put(lambda: buf.copy_(t)), i))
+
+    def synchronize(self) -> None:
+        self._wait(self._issued)
+
+    def _put(self, job) -> int:
+        with self._cv:
+            self._jobs.append(job)
+            self._issued += 1
+            self._cv.notify_all()
+            return self._issued
+
+    def _wait(self, n: int) -> None:
+        """Until job n (1-based) has run."""
+        with self._cv:
+            self._released = max(self._released, n)
+            self._cv.notify_all()
+            while self._done < n and self._error is None:
+                self._cv.wait()
+            if self._error is not None:
+                raise RuntimeError("a job on the queued stream failed") from self._error
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._jobs and self._done < self._released):
+                    if self._closed and not self._jobs:
+                        return
+                    self._cv.wait()
+                job = self._jobs.pop(0)
+            try:
+                with torch.inference_mode():  # (as the model's forward runs)
+                    job()
+            except BaseException as e:  # noqa: BLE001 - the host hears of it at its next wait
+                with self._cv:
+                    self._error = e
+            with self._cv:
+                self._done += 1
+                self._cv.notify_all()
+
+
+class _QueuedEvent:
+    def __init__(self, stream: QueuedStream, job: int, copy: int):
+        self.stream, self.job, self.copy = stream, job, copy
+
+    def synchronize(self) -> None:
+        self.stream.log.append(("read", self.copy))
+        self.stream._wait(self.job)
+
+
+class _QueuedGraph:
+    def __init__(self, stream: QueuedStream, fn, bufs: dict, out):
+        self.stream, self.fn, self.bufs, self.out = stream, fn, bufs, out
+
+    def replay(self) -> None:
+        self.stream.log.append(("replay", None))
+        self.stream._put(lambda: _write_into(self.out, self.fn(self.bufs)))
+
+
+def _write_into(dst, src) -> None:
+    """A replay's results into the captured outputs (tensors, in tuples, dicts and dataclasses)."""
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(dst, (tuple, list)):
+        for a, b in zip(dst, src, strict=True):
+            _write_into(a, b)
+    elif isinstance(dst, dict):
+        for k in dst:
+            _write_into(dst[k], src[k])
+    else:
+        for f in fields(dst):
+            _write_into(getattr(dst, f.name), getattr(src, f.name))

@@ -113,17 +113,21 @@ def profile_steps(
     }
 
 
-def vanilla_throughput(target, prompts: list[list[int]], max_new_tokens: int, warmup_tokens: int = 4) -> dict:
+def vanilla_throughput(
+    target, prompts: list[list[int]], max_new_tokens: int, warmup_tokens: int = 4, overlap: bool = True
+) -> dict:
     """Every prompt at once in one engine without a drafter, each generating max_new_tokens (EOS
     ignored, so every request runs its full length): aggregate tok/s over the whole run (prefill
-    included: what a distillation run gets) and over its decode phase (steps after the last prefill)."""
+    included: what a distillation run gets) and over its decode phase (steps after the last prefill).
+    overlap: EngineConfig.overlap (`overlap` in the result: whether the overlapped loop ran, a GPU's case)."""
     from serving.config import EngineConfig
     from serving.engine import Engine
     from sglang_ext.sampling import SamplingParams
     from sglang_ext.tree import TreeShape
 
     kv = sum(map(len, prompts)) + len(prompts) * (max_new_tokens + 2) + 64
-    engine = Engine(target, None, EngineConfig(tree=TreeShape.chain(1), kv_slots=kv, prefix_cache=False))
+    config = EngineConfig(tree=TreeShape.chain(1), kv_slots=kv, prefix_cache=False, overlap=overlap)
+    engine = Engine(target, None, config)
     engine.generate(prompts, SamplingParams(max_new_tokens=warmup_tokens, ignore_eos=True))  # graphs captured
     device = engine.model.device
     _sync(device)
@@ -145,6 +149,7 @@ def vanilla_throughput(target, prompts: list[list[int]], max_new_tokens: int, wa
     decode_s = t1 - t_decode if t_decode is not None else 0.0
     return {
         "batch_size": len(prompts),
+        "overlap": engine.overlap.applies(),
         "prompt_tokens": sum(map(len, prompts)),
         "new_tokens": tokens,
         "seconds": t1 - t0,

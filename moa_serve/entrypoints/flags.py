@@ -45,7 +45,7 @@ def add_model_args(p: argparse.ArgumentParser, model_help: str | None = None) ->
 
 
 def add_spec_args(p: argparse.ArgumentParser, drafter: str = "auto", drafter_help: str = DRAFTER_HELP) -> None:
-    """--drafter, --tree and --no-cuda-graphs (the engine's step settings)."""
+    """--drafter, --tree, --no-cuda-graphs and --no-overlap (the engine's step settings)."""
     p.add_argument("--drafter", default=drafter, help=drafter_help)
     p.add_argument(
         "--tree",
@@ -57,6 +57,13 @@ def add_spec_args(p: argparse.ArgumentParser, drafter: str = "auto", drafter_hel
         dest="cuda_graphs",
         action="store_false",
         help="run every step eagerly on a GPU (default: decode / verify steps replay CUDA graphs)",
+    )
+    p.add_argument(
+        "--no-overlap",
+        dest="overlap",
+        action="store_false",
+        help="read each plain decode step's tokens before the next step is issued (default on a GPU: the next "
+        "step is issued first, the host's work overlapping the device's; same output)",
     )
 
 
@@ -122,7 +129,7 @@ def engine_config(args, **settings):
     before any model loads."""
     from serving.config import EngineConfig
 
-    spec = {k: getattr(args, k) for k in ("drafter", "tree", "cuda_graphs") if hasattr(args, k)}
+    spec = {k: getattr(args, k) for k in ("drafter", "tree", "cuda_graphs", "overlap") if hasattr(args, k)}
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, **spec, **settings)
 
 

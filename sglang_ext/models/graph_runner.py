@@ -27,7 +27,8 @@ outputs are gathered to the real rows (a copy, so the next replay cannot overwri
 With request keys (the engine's steps), the prefixes are not in that copy: the runner keeps every request's
 slots in a table on the device (SGLang's req_to_token; models/slot_table.py) and the copy carries only what
 the table's rows lack, written by the graph before it reads them. A plain greedy decode step (`decode`)
-also takes its logits and their argmax inside the graph: one upload in, the tokens out.
+also takes its logits and their argmax inside the graph: one upload in, the tokens out, and the tokens left on the
+device for the next decode step's rows to read (the overlapped loop's future tokens, serving/decode_step.py).
 
 A drafter's step and its whole search are the same idea (models/draft_graphs.py: FrontierRunner,
 SearchRunner).
@@ -51,7 +52,7 @@ from typing import Any
 import torch
 
 from .. import kernels
-from ..device import to_device
+from ..device import Stream, default_stream, to_device
 from ..sampling import greedy_tokens
 from ..tree import TokenTree
 from ..verify import GreedyRows, greedy_rows
@@ -155,11 +156,13 @@ def context_buckets(max_context: int, smallest: int = MIN_CONTEXT_BUCKET) -> tup
 
 class GraphCache:
     """Per bucket key: static input buffers and, with graphs on, the graph captured over them and its
-    outputs. Without graphs the same function runs eagerly on the same buffers."""
+    outputs. Without graphs the same function runs eagerly on the same buffers. Device work goes on `stream`
+    (sglang_ext.device: the device's own by default): the fills are issued on it, then the replay."""
 
-    def __init__(self, device: torch.device, graphs: bool):
+    def __init__(self, device: torch.device, graphs: bool, stream: Stream | None = None):
         self.device = torch.device(device)
-        self.graphs = graphs and self.device.type == "cuda"
+        self.stream = stream if stream is not None else default_stream(self.device)
+        self.graphs = graphs and self.stream.graphs
         self.entries: dict[Any, tuple[dict, Any, Any]] = {}  # key -> (buffers, graph or None, outputs)
         self.pool = None  # one CUDA memory pool shared by every graph (they never run at once)
 
@@ -171,28 +174,16 @@ class GraphCache:
         (captured once per key, then replayed)."""
         if key not in self.entries:
             bufs = make_buffers()  # padding everywhere: a valid input to capture over
-            graph, out = self._capture(fn, bufs) if self.graphs else (None, None)
+            graph, out = None, None
+            if self.graphs:
+                graph, out, self.pool = self.stream.capture(fn, bufs, self.pool)
             self.entries[key] = (bufs, graph, out)
         bufs, graph, out = self.entries[key]
-        fill(bufs)
+        self.stream.launch(fill, bufs)
         if graph is None:
             return fn(bufs)
         graph.replay()
         return out
-
-    def _capture(self, fn: Callable[[dict], Any], bufs: dict):
-        # warmup on a side stream (lazy inits, allocator caches, Triton/cuBLAS autotuning stay out of the graph)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn(bufs)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = fn(bufs)
-        self.pool = graph.pool()
-        return graph, out
 
 
 def fill_flat(buf: torch.Tensor, host: torch.Tensor) -> None:
@@ -215,8 +206,10 @@ class GraphRunner:
         node_buckets: tuple[int, ...] = NODE_BUCKETS,
         context: tuple[int, ...] | None = None,
         max_rows: int = MAX_ROWS,
+        stream: Stream | None = None,
     ):
-        """context: prefix-length buckets (default: powers of two up to the model's context)."""
+        """context: prefix-length buckets (default: powers of two up to the model's context); stream: where the
+        device work goes (default: the model's device's, sglang_ext.device.default_stream)."""
         for name, b in (("batch", batch_buckets), ("node", node_buckets)):
             if not b or list(b) != sorted(set(b)) or b[0] < 1:
                 raise ValueError(f"{name} buckets must be increasing positive ints, got {b!r}")
@@ -227,10 +220,15 @@ class GraphRunner:
         self.batch_buckets, self.node_buckets = tuple(batch_buckets), tuple(node_buckets)
         self.context = tuple(context) if context else context_buckets(model.cfg.max_position)
         self.max_rows = max_rows
-        self.cache = GraphCache(model.device, graphs)
+        self.cache = GraphCache(model.device, graphs, stream)
         self._kv: KVPool | None = None
         self._table: SlotTable | None = None  # the keyed requests' slots on the device (made on first use)
+        self._future: torch.Tensor | None = None  # [max batch] int64: the last decode step's tokens (see decode)
         self.runs = 0  # forwards this runner took (the rest of a caller's steps ran eagerly)
+
+    @property
+    def stream(self) -> Stream:
+        return self.cache.stream
 
     @property
     def graphs(self) -> bool:
@@ -327,14 +325,19 @@ class GraphRunner:
     def decode(
         self,
         keys: list[Hashable],  # per request its key (see run)
-        tokens: list[int],  # per request the token its one row reads (the root)
+        tokens: list[int],  # per request the token its one row reads (the root), or -1 - i: see below
         out_slots: torch.Tensor,  # [B] int64 host ids: where each row's K/V is written
         prefixes: list[torch.Tensor],  # per request [P_b] committed slots (the row's position is P_b)
         kv: KVPool,
     ) -> torch.Tensor:  # [B] int64 on the device: the greedy token after each row
         """A plain greedy decode step, one row per request, with the logits and their argmax inside the
         graph: the step's only inputs are one upload (tokens, positions, slots, and what the slot table's
-        rows lack). The result is a view of the graph's output: read it before the next run."""
+        rows lack). The result is a view of the graph's output: queue its copy to the host before the next run.
+
+        Future tokens (SGLang's future token map): the graph also leaves its tokens in a buffer of the runner,
+        row i's at [i], and a token given as -1 - i is read from there inside the graph: the token row i of
+        the runner's previous decode step produced, which the host has not read (the overlapped loop issues
+        step N+1 before it reads step N: serving/decode_step.py)."""
         n = len(keys)
         key = self.bucket_of([1] * n, [p.numel() for p in prefixes])
         if key is None:
@@ -366,13 +369,14 @@ class GraphRunner:
         if self._table is None:
             rows = 2 * self.batch_buckets[-1] + 1
             self._table = SlotTable(rows, self.context[-1] + 1, self.model.device)
+            self._future = torch.zeros(self.batch_buckets[-1], dtype=torch.long, device=self.model.device)
 
     def _keyed_inputs(self, key, keys, q_lens, prefixes, front, vals):
         """(the keyed bucket's flat host inputs, done()): the pairs that do not fit the upload go into the
         table now (outside the graph)."""
         longs, overflow, done = self._table.inputs(key[:3], keys, q_lens, prefixes, front, vals)
         if overflow is not None:
-            self._table.write(overflow)
+            self.stream.launch(self._table.write, overflow)
         return longs, done
 
     def _buffers(self, key: tuple) -> dict:
@@ -405,6 +409,8 @@ class GraphRunner:
         "verify" bucket's also each tree's greedy path -> (output, logits, argmax, nodes, tokens, bad)."""
         b, q, p = key[:3]
         ids, pos, slots, prefix, prefix_len = self._table.read(bufs["longs"], key[:3])
+        if key[3] == "greedy":  # future tokens (see decode): -1 - i reads the previous decode's row i
+            ids = torch.where(ids < 0, self._future[(-1 - ids).clamp_(min=0)], ids)
         plan = static_plan(prefix, prefix_len, slots.view(b, q), bufs["mask"])
         tokens = ids.view(b, q)  # (the drafts as drafted: one outside the vocabulary is never accepted)
         ids = ids.clamp(0, self.model.cfg.vocab_size - 1)  # (see _forward)
@@ -413,7 +419,8 @@ class GraphRunner:
             return out
         logits = self.model.logits(out.hidden, fp32=False)
         argmax = greedy_tokens(logits)
-        if key[3] == "greedy":
+        if key[3] == "greedy":  # (real rows only: a capture's padding batch, slot 0 everywhere, leaves them)
+            self._future[:b].copy_(torch.where(slots > 0, argmax, self._future[:b]))
             return out, argmax
         parents, nxt, sib = bufs["tree"].view(3, b, q).unbind(0)
         nodes, path_tokens = greedy_rows(tokens, parents, pos.view(b, q), nxt, sib, argmax.view(b, q))

@@ -123,6 +123,7 @@ def test_smoke_job_end_to_end(tmp_path):
     thr = res["throughput"]["rows"]
     assert [r["batch_size"] for r in thr] == [2, 4] and all(r["new_tokens"] == 8 * r["batch_size"] for r in thr)
     assert all(r["tokens_per_s"] > 0 for r in thr)
+    assert not any(r["overlap"] for r in thr)  # (no graph runner on a CPU: nothing to overlap, one row per size)
 
     assert "deselected" in res["gpu_tests"]["summary"]
     h = res["headline"]

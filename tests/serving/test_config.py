@@ -195,6 +195,16 @@ def test_no_cuda_graphs_flag_reaches_the_engine_config():
     assert EngineConfig().cuda_graphs and not EngineConfig(cuda_graphs=False).cuda_graphs
 
 
+def test_no_overlap_flag_reaches_the_engine_config():
+    """The overlapped loop is on by default (effective where steps replay on an asynchronous stream: CUDA);
+    --no-overlap turns it off."""
+    parser = build_parser()
+    for cmd in (["generate", "--prompt", "p"], ["serve"]):
+        assert engine_config(parser.parse_args(cmd + ["--device", "cpu"])).overlap
+        assert not engine_config(parser.parse_args(cmd + ["--device", "cpu", "--no-overlap"])).overlap
+    assert EngineConfig().overlap and not EngineConfig(overlap=False).overlap
+
+
 @pytest.mark.parametrize(
     "flags,named",
     [

@@ -12,8 +12,8 @@ Sections, each measured in this one run (machines are noisy, so every ratio is a
              `generate` peer (on the same device) interleaved prompt by prompt (moa_serve/benchmarks/bench.py)
   sweep      batch sizes 1 / 8 / 64: vanilla, the best drafter of bs1, and that drafter with adaptive
              speculation, interleaved step by step (moa_serve/benchmarks/batch.py); outputs checked against vanilla's
-  throughput vanilla decoding of a static batch at batch sizes 64 and 256 (EOS ignored): aggregate tok/s,
-             what a distillation run on the device gets (probes.py)
+  throughput vanilla decoding of a static batch at batch sizes 1, 64 and 256 (EOS ignored): aggregate tok/s,
+             what a distillation run on the device gets, with the overlapped loop and without it (probes.py)
   gpu_tests  `pytest -m gpu` in a subprocess, its summary line (probes.py)
   headline   the numbers a reader looks for first (report.py); values only: docs/BENCHMARKS.md compares them
              with the project's goals

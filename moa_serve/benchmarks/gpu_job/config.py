@@ -34,7 +34,7 @@ class GpuJobConfig:
     device: str = "auto"
     methods: tuple[str, ...] = DEFAULT_METHODS  # 'name' or 'name:d,k,n'; vanilla always runs
     batch_sizes: tuple[int, ...] = (1, 8, 64)
-    throughput_batch_sizes: tuple[int, ...] = (64, 256)
+    throughput_batch_sizes: tuple[int, ...] = (1, 64, 256)  # (1: the steady-state bs-1 step, overlapped or not)
     profile_methods: tuple[str, ...] = ("eagle3",)  # profiled beside vanilla (the first loaded one when none is)
     identity_batch_sizes: tuple[int, ...] = (1, 4)
     identity_prompts: int = 4

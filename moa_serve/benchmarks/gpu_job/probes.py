@@ -62,7 +62,8 @@ def profile_text(row: dict) -> str:
 
 
 def throughput_section(c: GpuJobConfig, target, prompts: list[list[int]], deadline) -> dict:
-    """Vanilla decoding of c.throughput_batch_sizes prompts at once (the mixed prompts, repeated)."""
+    """Vanilla decoding of c.throughput_batch_sizes prompts at once (the mixed prompts, repeated); where the
+    overlapped loop ran (a GPU), the same batch again without it (serving/decode_step.py)."""
     from moa_serve.benchmarks.step_profile import vanilla_throughput
 
     rows, last, last_bs = [], 0.0, 1
@@ -72,11 +73,14 @@ def throughput_section(c: GpuJobConfig, target, prompts: list[list[int]], deadli
             break
         t0 = time.perf_counter()
         batch = [prompts[i % len(prompts)] for i in range(b)]
-        try:
-            rows.append(vanilla_throughput(target, batch, c.max_new_tokens))
-        except Exception as e:  # noqa: BLE001 - reported in the row
-            rows.append({"batch_size": b, "error": f"{type(e).__name__}: {e}"})
-        log(f"throughput bs {b}: {rows[-1].get('tokens_per_s', rows[-1].get('error'))} tok/s")
+        for overlap in (True, False):
+            try:
+                rows.append(vanilla_throughput(target, batch, c.max_new_tokens, overlap=overlap))
+            except Exception as e:  # noqa: BLE001 - reported in the row
+                rows.append({"batch_size": b, "overlap": overlap, "error": f"{type(e).__name__}: {e}"})
+            log(f"throughput bs {b} overlap {overlap}: {rows[-1].get('tokens_per_s', rows[-1].get('error'))} tok/s")
+            if not rows[-1].get("overlap") or not deadline.allows(f"throughput bs {b} without overlap", need):
+                break
         last, last_bs = time.perf_counter() - t0, b
     return {"max_new_tokens": c.max_new_tokens, "ignore_eos": True, "rows": rows}
 

@@ -1,0 +1,234 @@
+"""The overlapped loop (serving/decode_step.py): step N+1's launches are issued before step N's tokens are read,
+each step's tokens come up in one device-to-host copy, and every request's output is the loop without overlap's.
+
+On the CPU the device is `helpers.QueuedStream`: the graph runner's work (fills, table writes, replays, copies)
+is queued and run in order by a worker thread only once the host waits for it, so a host read that does not go
+through the step's copy sees stale values and the outputs differ. The real SmolLM2 target
+(fp32) decodes short chat prompts with different lengths and stops: max_tokens, EOS, a stop id, an abort
+mid-batch and an arrival mid-batch (a prefill, which first reads the step in flight), through Engine.step and
+through the engine loop's thread. The `gpu` cases run the same scenario on CUDA's stream with captured graphs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from helpers import QueuedStream, slots_whole
+
+from serving.config import EngineConfig
+from serving.engine import Engine
+from sglang_ext.models.graph_runner import GraphRunner
+from sglang_ext.sampling import SamplingParams
+
+PERIOD = 30  # SmolLM2's "." (a stop id)
+# (prompt, params): ends by its length, by EOS, by a stop id, aborted (ABORT_AFTER steps) before its length
+REQUESTS = [
+    ("Name three rivers.", SamplingParams(max_new_tokens=5)),
+    ("Hi!", SamplingParams(max_new_tokens=16)),
+    ("Say OK.", SamplingParams(max_new_tokens=16, stop_token_ids=[PERIOD])),
+    ("What is 7*8?", SamplingParams(max_new_tokens=12)),
+]
+LATE = ("Reply with one word: yes or no?", SamplingParams(max_new_tokens=8))  # arrives after ARRIVE_AFTER steps
+ARRIVE_AFTER, ABORT_AFTER = 3, 6  # engine steps
+
+
+def _scenario(target, overlap: bool, stream=None):
+    """The requests above through Engine.step -> (the engine, its requests). prefill "separate": every decode
+    token of both loops comes from the graph (on the CPU an eager mixed forward rounds differently from it)."""
+    eng = Engine(target, None, EngineConfig(overlap=overlap, prefill="separate", kv_slots=2048))
+    if stream is not None:  # (the CPU: the graph runner on the stand-in stream; CUDA: its own)
+        eng.runner.graph_runner = GraphRunner(eng.model, eng.capture_layers, stream=stream)
+    assert eng.runner.graph_runner is not None and eng.runner.stream.asynchronous
+    encode = lambda text: target.encode_chat([{"role": "user", "content": text}])  # noqa: E731
+    reqs = [eng.add_request(encode(t), p) for t, p in REQUESTS]
+    steps = 0
+    while eng.has_work:
+        eng.step()
+        steps += 1
+        if steps == ARRIVE_AFTER:
+            reqs.append(eng.add_request(encode(LATE[0]), LATE[1]))
+        if steps == ABORT_AFTER:
+            eng.abort(reqs[3])
+        assert steps < 60
+    return eng, reqs
+
+
+def _summary(eng: Engine, reqs) -> list:
+    assert slots_whole(eng), "KV slots leaked"
+    return [(r.output_ids, r.finish_reason, r.stats.verify_steps) for r in reqs] + [eng.prefix_cache.tokens]
+
+
+@pytest.fixture(scope="module")
+def runs(smollm2_fp32):
+    """The scenario without overlap and with it, each on a stand-in stream of its own."""
+    out = {}
+    for name, overlap in (("plain", False), ("overlap", True)):
+        stream = QueuedStream()
+        try:
+            eng, reqs = _scenario(smollm2_fp32, overlap, stream)
+        finally:
+            stream.close()
+        out[name] = (eng, reqs, stream)
+    return out
+
+
+def test_the_scenario_ends_requests_every_way(runs):
+    _, reqs, _ = runs["plain"]
+    assert [r.finish_reason for r in reqs] == ["length", "stop", "stop", "abort", "stop"]
+    assert reqs[2].output_ids[-1] == PERIOD and 3 < len(reqs[2].output_ids) < 16  # stopped at its stop id
+    assert len(reqs[3].output_ids) == ABORT_AFTER  # (a token per step: the prefill's, then one per decode step)
+
+
+def test_overlapped_outputs_equal_the_plain_loop(runs):
+    """Token for token, finish reasons, verify steps, the prefix cache's tokens, no slot leaked."""
+    eng, reqs, _ = runs["overlap"]
+    assert _summary(eng, reqs) == _summary(*runs["plain"][:2])
+    assert eng.overlap.inflight is not None  # (the last step, all its tokens surplus, was issued and never read)
+
+
+def _order(stream: QueuedStream) -> tuple[list[int], list[int]]:
+    """(the steps read after the next step's copy was issued, those read before it), from the stream's log."""
+    at = {e: i for i, e in enumerate(stream.log)}
+    reads = [i for kind, i in stream.log if kind == "read"]
+    ahead = [i for i in reads if at.get(("copy", i + 1), len(stream.log)) < at[("read", i)]]
+    return ahead, [i for i in reads if i not in ahead]
+
+
+def test_step_n_plus_1_is_issued_before_step_n_is_read(runs):
+    """Overlapped: every decode step is read after the next one's replay and copy were issued, but the one read
+    when the arrival came (nothing issued after it) and the one decoded beside the arrival's prefill (read at
+    once). Without overlap every step is read before the next is issued."""
+    stream = runs["overlap"][2]
+    ahead, behind = _order(stream)
+    # (Engine.step k >= 2 issues copy k; the first also copy 1): the arrival after step ARRIVE_AFTER has the next
+    # step read copy ARRIVE_AFTER alone, and the step after that decodes beside its prefill, read at once
+    assert behind == [ARRIVE_AFTER, ARRIVE_AFTER + 1] and len(ahead) >= 6, (ahead, behind)
+    i = stream.log.index(("read", ahead[0]))
+    assert ("replay", None) in stream.log[stream.log.index(("copy", ahead[0])) + 1 : i]  # step N+1's replay
+    assert _order(runs["plain"][2])[0] == []
+
+
+@pytest.mark.parametrize("name", ["plain", "overlap"])
+def test_one_device_to_host_copy_per_step(runs, name):
+    """A copy per replayed decode step, each read once at most; overlapped, only the last (surplus) is never read."""
+    eng, _, stream = runs[name]
+    reads = [i for kind, i in stream.log if kind == "read"]
+    assert stream.copies == eng.runner.graph_runner.runs == stream.log.count(("replay", None)) > 0
+    assert reads == list(range(1, stream.copies + 1 - (name == "overlap")))
+
+
+def test_overlap_is_off_on_a_synchronous_device(smollm2_fp32):
+    """The CPU's engine (no graph runner; `make serve`'s q8 path) and a graph runner on a synchronous stream take
+    no overlapped step."""
+    eng = Engine(smollm2_fp32, None, EngineConfig())
+    assert eng.config.overlap and eng.runner.stream is None and not eng.overlap.applies()
+    eng.runner.graph_runner = GraphRunner(eng.model, eng.capture_layers)
+    assert not eng.runner.stream.asynchronous and not eng.overlap.applies()
+
+
+# --- on CUDA: the same scenario on the device's stream, graphs captured ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cuda_target():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from sglang_ext.models import load_target
+
+    return load_target("smollm2", dtype="bfloat16", device="cuda")
+
+
+@pytest.mark.gpu
+def test_gpu_overlapped_outputs_equal_the_plain_loop(cuda_target):
+    plain = _scenario(cuda_target, False)
+    eng, reqs = _scenario(cuda_target, True)
+    assert eng.runner.graph_runner.graphs and eng.runner.stream.copies == eng.runner.graph_runner.runs
+    assert _summary(eng, reqs) == _summary(*plain)
+
+
+@pytest.mark.gpu
+def test_gpu_step_n_plus_1_is_issued_before_step_n_is_read(cuda_target, monkeypatch):
+    """The order on CUDA's stream: the copies issued and the waits for them, logged."""
+    from sglang_ext.device import CudaStream, HostCopy
+
+    log = []
+    issue, wait = CudaStream.to_host, HostCopy.wait
+
+    def to_host(self, t):
+        copy = issue(self, t)
+        copy.step = self.copies
+        log.append(("copy", copy.step))
+        return copy
+
+    def read(self):
+        log.append(("read", self.step))
+        return wait(self)
+
+    monkeypatch.setattr(CudaStream, "to_host", to_host)
+    monkeypatch.setattr(HostCopy, "wait", read)
+    _scenario(cuda_target, True)
+    at = {e: i for i, e in enumerate(log)}
+    reads = [i for kind, i in log if kind == "read"]
+    ahead = [i for i in reads if at.get(("copy", i + 1), len(log)) < at[("read", i)]]
+    assert len(ahead) >= 8 and len(reads) - len(ahead) == 2, log
+
+
+def _served(target, overlap: bool) -> list[tuple[list[int], str | None]]:
+    """The requests above through the engine loop (its thread, deliveries, a cancel): the first submitted, the
+    rest and the late one from the engine thread between steps (so each step's batch is the same in every run),
+    the cancel there too -> per request, its delivered tokens and finish reason."""
+    from serving.engine_loop import EngineLoop
+
+    eng = Engine(target, None, EngineConfig(overlap=overlap, prefill="separate", kv_slots=2048))
+    stream = QueuedStream()
+    eng.runner.graph_runner = GraphRunner(eng.model, eng.capture_layers, stream=stream)
+    encode = lambda text: target.encode_chat([{"role": "user", "content": text}])  # noqa: E731
+    engine_loop, handles, real_step, steps = EngineLoop(eng, max_running=8, max_queue=8), [], eng.step, [0]
+    submit = lambda text, params: handles.append(engine_loop.submit(encode(text), params, asyncio_loop))  # noqa: E731
+
+    def step():
+        events = real_step()
+        steps[0] += 1
+        if steps[0] == 1:
+            for text, params in REQUESTS[1:]:
+                submit(text, params)
+        if steps[0] == ARRIVE_AFTER + 1:
+            submit(*LATE)
+        if steps[0] == ABORT_AFTER + 1:
+            handles[3].cancel()
+        return events
+
+    async def run():
+        nonlocal asyncio_loop
+        asyncio_loop = asyncio.get_running_loop()
+        submit(*REQUESTS[0])
+        while not (len(handles) == len(REQUESTS) + 1 and all(h.done for h in handles)):
+            await asyncio.sleep(0.01)
+        return [await _collect(h) for h in handles]
+
+    eng.step, asyncio_loop = step, None
+    engine_loop.start()
+    try:
+        return asyncio.run(asyncio.wait_for(run(), 120))
+    finally:
+        engine_loop.stop()
+        stream.close()
+        assert slots_whole(eng)
+
+
+async def _collect(h) -> tuple[list[int], str | None]:
+    tokens = []
+    while True:
+        d = await h.next()
+        tokens += d.tokens
+        if d.finish_reason or d.error:
+            return tokens, d.finish_reason
+
+
+def test_the_engine_loop_delivers_what_the_plain_loop_does(smollm2_fp32):
+    """Through the engine thread: the same tokens delivered to each request, and the same finish reasons."""
+    plain, overlapped = _served(smollm2_fp32, False), _served(smollm2_fp32, True)
+    assert [f for _, f in plain] == ["length", "stop", "stop", "abort", "stop"]
+    assert overlapped == plain
