@@ -104,10 +104,10 @@ def lsa_memory(
 # the TLI layers still do). Drafts after a long pause may be worse; what is accepted is the target's either way. A
 # request that drafts every step has one commit queued at each propose: no holes. Nor does a flush give memory to
 # more than a request's last MEMORY_TOKENS queued tokens: a long prompt's LSA (30 rows a token) cost a third of its
-# prefill, while CA's memory of its older tokens moved no draft (tau 1.387 with 128 tokens, 1.382 with 32, 1.385
-# with 16 on the six eval sets x 5 prompts, whose summarisation prompts are 700 tokens; 2026-11-29).
+# prefill, while CA's memory of its older tokens moved no draft (tau the same to 0.01 on the six eval sets, whose
+# summarisation prompts are 700 tokens; 2026-11-29, docs/BENCHMARKS.md).
 CATCH_UP_COMMITS = 8
-MEMORY_TOKENS = 32
+MEMORY_TOKENS = 128
 
 
 def catch_up(commits: list[list[int]]) -> tuple[list[tuple[int, int]], torch.Tensor | None]:
