@@ -22,7 +22,7 @@ from serving.engine import Engine
 from sglang_ext.drafters import make_drafter
 from sglang_ext.drafters.base import DraftInput
 from sglang_ext.drafters.moa import MoADrafter
-from sglang_ext.drafters.moa_core import CATCH_UP_COMMITS, MEMORY_TOKENS
+from sglang_ext.drafters.moa_core import CATCH_UP_COMMITS
 from sglang_ext.models import LlamaModel, Target
 from sglang_ext.models.checkpoint import CheckpointError
 from sglang_ext.models.moa import MoAConfig, MoADraft, load_moa
@@ -491,21 +491,6 @@ def test_a_catch_up_after_drafting_was_off_gives_memory_to_the_last_commits_only
     kept = len(drafter.kept)
     assert 0 < kept <= st.first_hole
     assert (drafter.mem.num_free + kept, drafter.sa.num_free + kept) == free
-
-
-def test_a_long_prompt_gets_memory_for_its_last_tokens_only():
-    """A prompt longer than MEMORY_TOKENS: LSA runs over its last MEMORY_TOKENS tokens (CA's memory), SA and the TLI
-    layer see all of it; then one token a step as ever; the output is vanilla's."""
-    target, draft = tiny_pair(tli=1, seed=9)
-    drafter = MoADrafter(target.model, draft)
-    rows = []
-    lsa = drafter.draft.lsa
-    drafter.draft.lsa = lambda x: rows.append(x.shape[0]) or lsa(x)
-    prompt = torch.randint(0, VOCAB, (MEMORY_TOKENS + 37,), generator=torch.Generator().manual_seed(9)).tolist()
-    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    req = Engine(target, drafter, EngineConfig(tree=TreeShape(2, 2, 4), adaptive=False)).generate([prompt], params)[0]
-    assert rows[0] == MEMORY_TOKENS and all(r <= 3 for r in rows[1:])  # (then each step's accepted tokens)
-    assert req.output_ids == Engine(target, None, EngineConfig()).generate([prompt], params)[0].output_ids
 
 
 def test_a_request_that_never_drafted_catches_up_on_its_last_commits_not_its_prompt():
