@@ -149,7 +149,7 @@ class MoAGraphs:
         temps = [(self.tli_kv, self.tli_kv.alloc(b * width))] if self.tli_layers else []
         try:
             rows = {"root": [[d.token_ids[-1], d.seq_len] for d in batch]}  # [b, 2] (host ints)
-            rows.update(("tli", s.view(b, width)) for _, s in temps)
+            rows.update(("tli", s) for _, s in temps)  # ([b * width]: request after request)
             pools = (self.sa, self.mem, self.tli_kv, held)
             search = lambda bufs: self._search_fn(bufs, shape, held)  # noqa: E731
             # (the prefixes from the runner's slot tables on the device: only what their rows lack goes up)
@@ -158,12 +158,13 @@ class MoAGraphs:
             for pool, s in temps:
                 pool.free(s)
         longs, mask, scores, finite = out
-        return unpack_trees(longs, mask, scores, finite.all())
+        return unpack_trees(longs, mask, scores, finite, len(batch))
 
     def _search_fn(self, bufs: SearchBuffers, shape: TreeShape, held: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The captured search over a padded batch of B requests (held: the held SA slots' table): the roots'
         pass, depth - 1 search steps (each node's path mask grown on the device; SA, CA and TLI plans in static
-        form), the trees packed (tree_batch) with target ids. Outputs as tree_batch's, then finite [B] bool."""
+        form), the trees packed (tree_batch) with target ids. Outputs as tree_batch's, then finite [] bool (every real
+        request's draft logits finite)."""
         parts = self._static_parts()
         roots, seq_lens = bufs.rows["root"].unbind(1)
         bb, dev = roots.shape[0], roots.device
@@ -206,4 +207,4 @@ class MoAGraphs:
         top, draft, scores, parent_flat = search_candidates(search, shape.num_draft_tokens)
         keep = scores >= shape.min_prob if shape.min_prob > 0 else None
         trees = tree_batch(roots, top, self.hot_ids[draft], scores, parent_flat, seq_lens, keep)
-        return (*trees, finite.flag)
+        return (*trees, (finite.flag | ~bufs.real).all())  # (padding requests aside)

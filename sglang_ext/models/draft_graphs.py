@@ -204,7 +204,8 @@ class ExtendRunner(_BucketedRunner):
 
     run returns each request's last row of each of step's outputs (copies: the next replay overwrites them), or,
     given a function to run after the extend in the same graph (`then`: a drafter's whole search over the
-    extended prefixes, as `Extended` describes them), that function's outputs."""
+    extended prefixes, as `Extended` describes them), that function's outputs for the padded batch [B, ...], as
+    the graph left them (SearchRunner.run's rule)."""
 
     def __init__(self, step: ExtendFn, *args, **kwargs):
         super().__init__(step, *args, **kwargs)
@@ -273,7 +274,9 @@ class ExtendRunner(_BucketedRunner):
             (key, feat.shape[1], feat.dtype, then and then[0]), make, fill, lambda bufs: self._extend(key, bufs, fn)
         )
         done()
-        return tuple(o[:b].clone() for o in out)
+        # NOTE: then's outputs (a search's trees, [B, ...]) as the graph left them, read before the next run (the
+        # step's verify copies the trees into its own buffers); the last rows copied (the next replay overwrites them)
+        return tuple(out) if then else tuple(o[:b].clone() for o in out)
 
     def forget(self, key) -> None:
         self.table.forget(key)
@@ -412,8 +415,11 @@ class SearchRunner:
     the runner's own, or a caller's that another graph keeps whole, as EAGLE-3's draft-extend does): the
     upload carries each request's row and what the rows lack (a fixed region of ROOM pairs per request),
     not the prefixes. A step's host values go up in one copy (one int64 buffer), each device input in one
-    device copy; the outputs come back as copies of the real requests' rows (the next replay overwrites the
-    graph's). The caller's function decides what a padded request computes; it must stay finite and apart."""
+    device copy; the outputs come back as the graph left them, for the padded batch [B, ...] (the real requests'
+    rows first): views that the next replay overwrites, so a caller reads them before its next search (a
+    drafted step's verify copies the trees into its own graph's buffers; SGLang's draft graph hands its outputs
+    over the same way). The caller's function decides what a padded request computes; it must stay finite and
+    apart."""
 
     ROOM = 8  # table pairs per request in a keyed step's upload (a verify step's accepted nodes fit)
 
@@ -449,16 +455,18 @@ class SearchRunner:
         self,
         key,  # what else shapes the function (a tree shape): one graph per (bucket, key)
         search: SearchFn,
-        rows: dict[str, "torch.Tensor | list[list[int]]"],  # name -> [b, n] int64 on the host (or host ints)
+        rows: dict[
+            str, "torch.Tensor | list[list[int]]"
+        ],  # name -> [b, n] int64 host ints, or a host tensor [b, n] or [b*n]
         prefixes: dict[str, list[torch.Tensor]],  # name -> per request its committed slots [P_i] (host)
         inputs: dict[str, torch.Tensor],  # name -> [b, ...] on the device
         pools: tuple,  # the KV pools the search writes and reads (graphs bake their addresses in)
         keys: list | None = None,  # per request its key (a request id; forget() it when the request ends)
         tables: dict[str, SlotTable] | None = None,  # with keys: a caller's table for a plan (else the runner's)
     ) -> tuple[torch.Tensor, ...] | None:
-        """search's outputs for the b real requests, or None when no bucket fits (the caller searches
-        step by step)."""
-        b = len(next(iter(rows.values())))
+        """search's outputs for the padded batch (the b real requests first; see the class docstring), or None
+        when no bucket fits (the caller searches step by step)."""
+        b = len(next(iter(rows.values())))  # (the first rows are [b, n]; a tensor's may be flat [b*n])
         bk = self.bucket_of(b, {n: max(p.numel() for p in pre) for n, pre in prefixes.items()})
         if bk is None:
             return None
@@ -470,7 +478,10 @@ class SearchRunner:
         self.runs += 1
         bb, plans = bk
         room = bb * self.ROOM
-        widths = tuple((n, len(r[0]), isinstance(r, list)) for n, r in rows.items())  # (name, n, host ints)
+        # (name, n, host ints)
+        widths = tuple(
+            (n, len(r[0]) if isinstance(r, list) else r.numel() // b, isinstance(r, list)) for n, r in rows.items()
+        )
         specs = tuple((n, tuple(x.shape[1:]), x.dtype) for n, x in inputs.items())
         device = self.cache.device
         pairs = {n: t.pending(keys, prefixes[n], room) for n, t in held.items()}
@@ -496,7 +507,7 @@ class SearchRunner:
         )
         for _, _, _, done in pairs.values():
             done()
-        return tuple(o[:b].clone() for o in out)
+        return tuple(out)
 
     def table(self, name: str) -> SlotTable:
         """The runner's own slot table for plan `name` (made on first use)."""
@@ -551,7 +562,7 @@ def _search_host(bk, widths, b: int, rows: dict, prefixes: dict, pairs: dict, ro
     tens += [pairs[n][2] if b else _zeros(room) for n in pairs]
     for name, w, listed in widths:
         if not listed:
-            tens.append(rows[name].reshape(-1) if b else _zeros(0))
+            tens.append((rows[name] if rows[name].dim() == 1 else rows[name].reshape(-1)) if b else _zeros(0))
             if b < bb:
                 tens.append(_zeros((bb - b) * w))
     for name, p in plans:

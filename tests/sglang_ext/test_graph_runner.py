@@ -512,6 +512,10 @@ def test_engine_tokens_with_the_static_path_equal_eager(smollm2_fp32, eval_promp
     assert eng.runner.graph_runner.runs > 0
     if drafter:
         assert static_runs(eng.drafter) > 0
+        # the drafted steps verified the searches' packed trees whole (GraphRunner's "packed" buckets)
+        assert any(k[-1] == "packed" for k in eng.runner.graph_runner.cache.entries), list(
+            eng.runner.graph_runner.cache.entries
+        )
     if bs == 4 and drafter is None:  # contexts over the buckets (every prompt is longer than 8 tokens): all eager
         small = engine({"context": (8,)})
         assert _outputs(small, prompts, bs, n) == ref and small.runner.graph_runner.runs == 0
