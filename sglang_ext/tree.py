@@ -210,11 +210,15 @@ def root_trees(tokens: list[int], seq_lens: list[int], device: torch.device | st
     return [TokenTree(t, none, p, mask, zero, none, none) for t, p in zip(toks.split(1), pos.split(1))]
 
 
+# TokenTree's tensor fields (all but `batch`), in order
+TREE_FIELDS = tuple(f.name for f in fields(TokenTree) if f.name != "batch")
+
+
 def trees_on(trees: list[TokenTree], device: torch.device | str) -> list[TokenTree]:
     """The trees with every tensor on `device`: a tree already there is returned as is; the others'
     tensors (host-built lookup trees, root-only trees) go up in one copy per dtype for all of them."""
     device = torch.device(device)
-    names = [f.name for f in fields(TokenTree) if f.name != "batch"]
+    names = TREE_FIELDS
     flat = [getattr(t, name) for t in trees for name in names]
     placed = upload(flat, device)
     k, out = len(names), []

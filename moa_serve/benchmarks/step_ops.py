@@ -239,6 +239,8 @@ def count_step_ops(
             with counting_graphs(last), counting_triton(last), last:
                 eng.step()
             _merge(mode, last)
+        if drafter is not None and not all(r.drafting for r in eng.running):  # (a drafter fault: vanilla steps)
+            raise RuntimeError(f"{kind}: a request fell back to vanilla decoding; the counts are not a drafted step's")
     finally:
         engine_mod.to_host, decode_mod.tokens_to_host = real_copy, real_tokens
     per_step = {k: mode.kinds[k] / steps for k in KINDS}

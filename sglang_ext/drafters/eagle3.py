@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ..attention import FrontierPaths, advance_seen, causal_masks, plan_flat, plan_frontier, tree_attention_cpu
-from ..device import grow, module_on, upload
+from ..device import grow, module_on, rejoin, upload
 from ..kernels import attach_bf16_halves, attach_q8, q8_eagle3_layer
 from ..models.checkpoint import check_fits
 from ..models.draft_graphs import ExtendRunner, FrontierRunner, HeldSlots, SearchBuffers, SearchRunner
@@ -269,7 +269,8 @@ class Eagle3Drafter(Drafter):
         bk = self._extender.bucket_of(m, [s.numel() for s in old])
         if bk is None:
             return None
-        raw = [torch.cat([h[l] for h in items]) if len(items) > 1 else items[0][l] for l in self.capture_layers]
+        # (each layer's rows of the step's commits: one gather's rows, split per request; rejoined without a copy)
+        raw = [rejoin([h[l] for h in items]) for l in self.capture_layers]
         feat = torch.cat(raw, dim=-1)  # [sum m, layers * Ht], as context() fuses them
         ids = [t for d, n, k in zip(batch, done, m) for t in d.token_ids[n + 1 : n + 1 + k]]
         pos = [j for n, k in zip(done, m) for j in range(n, n + k)]

@@ -336,11 +336,41 @@ class HeldSlots:
         return self.table
 
 
+@dataclass
+class Rows:
+    """A row function's call at R rows (RowRunner.prepare): fn(*fields), its fields host ints first, then host
+    int64 tensors, each [t] padded with 0 to R. Run alone (RowRunner.run_rows) or first in a search's graph
+    (SearchRunner.run's `first`: one upload and one replay for both)."""
+
+    fn: Callable[..., None]
+    r: int
+    ints: list[list[int]]  # each [t]
+    tensors: list[torch.Tensor]  # each [t] int64 on the host
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(R, host int fields, tensor fields): what shapes a graph that runs it."""
+        return self.r, len(self.ints), len(self.tensors)
+
+    def host_ints(self) -> list[int]:
+        pad = [0] * (self.r - self.t)
+        return [x for f in self.ints for x in (*f, *pad)]
+
+    def host_tensors(self) -> list[torch.Tensor]:
+        pad = self.r - self.t
+        return [y for x in self.tensors for y in ((x, _zeros(pad)) if pad else (x,))]
+
+    @property
+    def t(self) -> int:
+        return len(self.ints[0]) if self.ints else self.tensors[0].numel()
+
+
 class RowRunner:
     """fn(*fields) over R rows, each row alone, at a bucketed row count R: its int64 fields [F, R] (host values)
     in one upload, padded with 0 (token 0, position 0, slot 0: a padded row reads and writes the scratch slot 0
     only); captured per bucket on CUDA with graphs on, else run eagerly on the same buffer. fn's outputs are
-    its writes (into pools); it returns nothing the caller reads."""
+    its writes (into pools); it returns nothing the caller reads. `runs` counts its calls, alone or first in a
+    search's graph."""
 
     def __init__(
         self,
@@ -358,22 +388,28 @@ class RowRunner:
     def bucket_of(self, t: int) -> int | None:
         return bucket(t, self.buckets) if t > 0 else None
 
-    def run(self, ints: list[list[int]], tensors: list[torch.Tensor], pools: tuple) -> bool:
-        """The fields: `ints` first (each [t] host ints), then `tensors` (each [t] int64 on the host); pools: what
-        fn writes and reads (graphs bake their addresses in). False (nothing run) when t fits no bucket."""
+    def prepare(self, ints: list[list[int]], tensors: list[torch.Tensor]) -> Rows | None:
+        """The call over these fields (`ints` first, each [t] host ints, then `tensors`, each [t] int64 on the
+        host), or None when t fits no bucket."""
         t = len(ints[0]) if ints else tensors[0].numel()
         r = self.bucket_of(t)
-        if r is None:
-            return False
+        return None if r is None else Rows(self.fn, r, ints, tensors)
+
+    def run(self, ints: list[list[int]], tensors: list[torch.Tensor], pools: tuple) -> bool:
+        """prepare, then run_rows; False (nothing run) when t fits no bucket."""
+        rows = self.prepare(ints, tensors)
+        if rows is not None:
+            self.run_rows(rows, pools)
+        return rows is not None
+
+    def run_rows(self, rows: Rows, pools: tuple) -> None:
+        """The prepared call alone; pools: what fn writes and reads (graphs bake their addresses in)."""
         if len(pools) != len(self._pools) or any(a is not c for a, c in zip(pools, self._pools)):
             self.cache.clear()
             self._pools = tuple(pools)
         self.runs += 1
-        pad = [0] * (r - t)
-        parts = [torch.tensor([x for f in ints for x in (*f, *pad)], dtype=torch.long)]
-        for x in tensors:
-            parts += [x, _zeros(r - t)] if r > t else [x]
-        host = torch.cat(parts)
+        r = rows.r
+        host = torch.cat([torch.tensor(rows.host_ints(), dtype=torch.long), *rows.host_tensors()])
         f = self.fields
 
         def make() -> dict:
@@ -463,6 +499,7 @@ class SearchRunner:
         pools: tuple,  # the KV pools the search writes and reads (graphs bake their addresses in)
         keys: list | None = None,  # per request its key (a request id; forget() it when the request ends)
         tables: dict[str, SlotTable] | None = None,  # with keys: a caller's table for a plan (else the runner's)
+        first: Rows | None = None,  # a row function the graph runs before the search (its fields in the upload)
     ) -> tuple[torch.Tensor, ...] | None:
         """search's outputs for the padded batch (the b real requests first; see the class docstring), or None
         when no bucket fits (the caller searches step by step)."""
@@ -485,11 +522,15 @@ class SearchRunner:
         specs = tuple((n, tuple(x.shape[1:]), x.dtype) for n, x in inputs.items())
         device = self.cache.device
         pairs = {n: t.pending(keys, prefixes[n], room) for n, t in held.items()}
-        host = _search_host(bk, widths, b, rows, prefixes, pairs, room)
+        host = _search_host(bk, widths, b, rows, prefixes, pairs, room, first)
+        first_shape = first.shape if first is not None else None
 
         def make() -> dict:
             blank = {n: ([], [], None, None) for n in held}
-            bufs = {"longs": to_device(_search_host(bk, widths, 0, {}, {}, blank, room), device)}
+            blank_first = (
+                None if first is None else Rows(first.fn, first.r, [[]] * first_shape[1], [_zeros(0)] * first_shape[2])
+            )
+            bufs = {"longs": to_device(_search_host(bk, widths, 0, {}, {}, blank, room, blank_first), device)}
             for n, shape, dtype in specs:
                 bufs[n] = torch.zeros(bb, *shape, dtype=dtype, device=device)
             return bufs
@@ -500,10 +541,10 @@ class SearchRunner:
                 bufs[n][:b].copy_(x)
 
         out = self.cache.run(
-            (bk, widths, specs, tuple((n, id(t)) for n, t in held.items()), key),
+            (bk, widths, specs, tuple((n, id(t)) for n, t in held.items()), key, first_shape),
             make,
             fill,
-            lambda bufs: self._static(bk, widths, specs, held, bufs, search),
+            lambda bufs: self._static(bk, widths, specs, held, bufs, search, first),
         )
         for _, _, _, done in pairs.values():
             done()
@@ -515,21 +556,30 @@ class SearchRunner:
             self.tables[name] = SlotTable(2 * self.batch_buckets[-1] + 1, self.context[-1] + 1, self.cache.device)
         return self.tables[name]
 
-    def _static(self, bk, widths, specs, held: dict, bufs: dict, search: SearchFn) -> tuple[torch.Tensor, ...]:
-        """The captured function: the upload's views (see _search_host), the tables' pairs written and their rows
-        read, the caller's search."""
+    def _static(
+        self, bk, widths, specs, held: dict, bufs: dict, search: SearchFn, first: Rows | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """The captured function: the upload's views (see _search_host), `first`'s row function over its fields,
+        the tables' pairs written and their rows read, the caller's search."""
         bb, plans = bk
         room, names = bb * self.ROOM, list(held)
         packed = [(n, p) for n, p in plans if n not in held]
         int_grids = [(n, w) for n, w, ints in widths if ints]
         tensor_grids = [(n, w) for n, w, ints in widths if not ints]
+        r, fi, ft = first.shape if first is not None else (0, 0, 0)
         sizes = [*(x for _ in names for x in (bb, room)), *(bb for _ in plans), bb, *(bb * w for _, w in int_grids)]
-        sizes += [*(room for _ in names), *(bb * w for _, w in tensor_grids), *(bb * p for _, p in packed)]
+        sizes += [fi * r, *(room for _ in names), *(bb * w for _, w in tensor_grids), *(bb * p for _, p in packed)]
+        sizes.append(ft * r)
         parts = iter(bufs["longs"].split(sizes))
         table_rows = {n: (next(parts), next(parts)) for n in names}  # n -> (rows [B], the pairs' cells [room])
         lens = {n: next(parts) for n, _ in plans}
         real = next(parts) > 0
         grids = {n: next(parts).view(bb, w) for n, w in int_grids}
+        first_ints = next(parts)
+        *rest, first_tensors = parts
+        parts = iter(rest)
+        if first is not None:  # (before the tables' rows are read: it may append to them)
+            first.fn(*first_ints.view(fi, r), *first_tensors.view(ft, r))
         for n in names:  # the pairs the rows lack, then the rows read
             held[n].table.view(-1).index_put_((table_rows[n][1],), next(parts))
         grids.update({n: next(parts).view(bb, w) for n, w in tensor_grids})
@@ -540,12 +590,14 @@ class SearchRunner:
         return tuple(search(SearchBuffers(grids, prefixes, {n: bufs[n] for n, _, _ in specs}, real)))
 
 
-def _search_host(bk, widths, b: int, rows: dict, prefixes: dict, pairs: dict, room: int) -> torch.Tensor:
+def _search_host(
+    bk, widths, b: int, rows: dict, prefixes: dict, pairs: dict, room: int, first: Rows | None = None
+) -> torch.Tensor:
     """Host side of a search bucket, one int64 tensor: [ints: per table plan (pairs: its rows [B], the pairs'
-    table indices [room]) | per plan prefix_len [B] | real [B] | each row given as host ints [B*n] || tensors:
-    per table plan its pairs' slots [room] | each row given as a tensor [B*n] | per packed plan prefix [B*P]],
-    the first b requests' values filled in, the rest 0 (a table plan's padding requests read the scratch row
-    0). The ints go in as one tensor."""
+    table indices [room]) | per plan prefix_len [B] | real [B] | each row given as host ints [B*n] | first's
+    host int fields [F*R] || tensors: per table plan its pairs' slots [room] | each row given as a tensor [B*n] |
+    per packed plan prefix [B*P] | first's tensor fields [F*R]], the first b requests' values filled in, the
+    rest 0 (a table plan's padding requests read the scratch row 0). The ints go in as one tensor."""
     bb, plans = bk
     pad = [0] * (bb - b)
     ints = []
@@ -558,6 +610,8 @@ def _search_host(bk, widths, b: int, rows: dict, prefixes: dict, pairs: dict, ro
         if listed:
             ints += [v for r in rows[name] for v in r] if b else []
             ints += pad * w
+    if first is not None:
+        ints += first.host_ints()
     tens = [torch.tensor(ints, dtype=torch.long)]
     tens += [pairs[n][2] if b else _zeros(room) for n in pairs]
     for name, w, listed in widths:
@@ -568,6 +622,8 @@ def _search_host(bk, widths, b: int, rows: dict, prefixes: dict, pairs: dict, ro
     for name, p in plans:
         if name not in pairs:
             tens.append(padded_prefixes(prefixes.get(name, []) if b else [], bb, p)[0].view(-1))
+    if first is not None:
+        tens += first.host_tensors()
     return torch.cat(tens)
 
 
