@@ -234,7 +234,6 @@ class SpecWorker:
         requests' grown slot lists are one cat, each request's a view of it (never written in place)."""
         sizes = [t.num_nodes for t in trees]
         starts = list(itertools.accumulate(sizes, initial=0))
-        roots = [len(r.slots) for r in reqs]  # each tree's root position: its request's committed tokens
         paths: list[list[int] | RequestFault] = []  # per request: its accepted nodes, or its fault
         keep_at, drop_at = [], []  # flat indices into tree_slots
         for start, n, res in zip(starts, sizes, results):
@@ -261,7 +260,7 @@ class SpecWorker:
         keeps = dict(zip(ok, kept.split([len(paths[i]) for i in ok]))) if ok else {}
         for i, s in zip(ok, grow([reqs[i].slots for i in ok], [keeps[i] for i in ok])):
             reqs[i].slots = s
-        commits = self.commit_inputs(reqs, trees, results, paths, starts, captured, roots)
+        commits = self.commit_inputs(reqs, trees, results, paths, starts, captured)
         events = []
         for i, (r, t, res, path) in enumerate(zip(reqs, trees, results, paths)):
             if isinstance(path, RequestFault):
@@ -274,20 +273,13 @@ class SpecWorker:
         return events
 
     def commit_inputs(
-        self,
-        reqs: list[Request],
-        trees: list[TokenTree],
-        results: list,
-        paths: list,
-        starts: list[int],
-        captured: dict,
-        roots: list[int],
+        self, reqs: list[Request], trees: list[TokenTree], results: list, paths: list, starts: list[int], captured: dict
     ) -> dict[int, tuple[torch.Tensor, dict]]:
         """For each request (by index) whose drafter commits this step: its accepted nodes' positions [k] and
         captured rows {layer: [k, H]} on the device, gathered for all of them at once (the rows' indices and the
-        positions in one copy up, one index op per layer, then views per request; roots: per request its root's
-        position, a host int). A drafter commits for a request that drafts and whose tree was valid (an invalid
-        one's request falls back to vanilla decoding first)."""
+        positions in one copy up, one index op per layer, then views per request; the requests' slot lists hold
+        their accepted nodes already). A drafter commits for a request that drafts and whose tree was valid (an
+        invalid one's request falls back to vanilla decoding first)."""
         if not self.commits:
             return {}
         who = [
@@ -304,8 +296,9 @@ class SpecWorker:
             return {i: (trees[i].positions, {l: rows[j] for l, rows in hidden.items()}) for j, i in enumerate(who)}
         dev = self.model.device
         sizes = [len(paths[i]) for i in who]
-        # a path's node j is at depth j: at position root + j (a tree's positions are its root's + depth)
-        pos = [p for i in who for p in range(roots[i], roots[i] + len(paths[i]))]
+        # a path's node j is at depth j: at position root + j (a tree's positions are its root's + depth; the root's
+        # is the request's committed tokens before the step, its slots less the path's)
+        pos = [p for i in who for p in range(len(reqs[i].slots) - len(paths[i]), len(reqs[i].slots))]
         at = [starts[i] + x for i in who for x in paths[i]] if captured else []
         up = to_device(torch.tensor(at + pos, dtype=torch.long), dev).split([len(at), *sizes])  # (one copy up)
         hidden = {l: h[up[0]].split(sizes) for l, h in captured.items()}

@@ -2,7 +2,7 @@
 dispatches outside graph replays.
 
     python -m moa_serve.benchmarks.step_ops [--drafters eagle3,moa] [--batch 1,4] [--tree 6,4,24] [--layers 4]
-                                            [--per-layer] [--json]
+                                            [--per-layer] [--where] [--list] [--json]
 
 On a GPU a small step is host-bound: every op dispatched outside a CUDA graph costs the host a few
 microseconds (a launch when it computes on the device, a queued copy when it moves host data up, pure
@@ -22,7 +22,9 @@ Beside them, `kernels`: the launches the step's graphs make on a GPU. The target
 (kernels.gpu_stand_in); each Triton launch is counted instead of run, and each aten op inside a graph
 that computes (no view, no allocation: NO_LAUNCH) counts one launch (a cuBLAS GEMM, an elementwise
 kernel). Triton launches outside graphs count as `device` ops. `--per-layer` adds what one decoder
-layer costs: the kernels at 2 x --layers minus those at --layers, divided by --layers.
+layer costs: the kernels at 2 x --layers minus those at --layers, divided by --layers. `--where` counts the
+ops outside graphs by the project function that issued them; `--list` lists the last step's, op by op, with
+their kind and file:function:line.
 
 The step's one device-to-host copy (verify.to_host; a plain decode step's verify.tokens_to_host) is stood in
 for (meta tensors hold no values): it accepts each drafted tree's first draft and a bonus token, so the
