@@ -32,10 +32,11 @@ from ..attention import FrontierPaths, frontier_fields, plan_frontier, tree_atte
 from ..device import grow, module_on, to_device
 from ..kernels import attach_bf16_halves, attach_packed_rows, attach_q8, attach_q8_rows, q8_moa_stacks
 from ..models.checkpoint import check_fits
-from ..models.draft_graphs import FrontierRunner, HeldSlots, RowRunner, Rows, SearchRunner
+from ..models.draft_graphs import FrontierRunner, HeldSlots, SearchRunner
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel, rms_norm
 from ..models.moa import MoADraft, load_moa
+from ..models.row_graphs import RowRunner, Rows
 from ..sampling import greedy_tokens
 from ..settings import settings
 from ..tree import TokenTree, TreeShape

@@ -17,8 +17,9 @@ import torch
 
 from ..attention import advance_seen, plan_frontier
 from ..device import grow, rejoin
-from ..models.draft_graphs import FrontierRunner, HeldSlots, RowRunner, Rows, SearchBuffers, SearchRunner
+from ..models.draft_graphs import FrontierRunner, HeldSlots, SearchBuffers, SearchRunner
 from ..models.graph_runner import static_attention, static_plan, with_static_attention
+from ..models.row_graphs import RowRunner, Rows
 from ..tree import TokenTree, TreeShape, search_candidates, tree_batch, unpack_trees
 from .base import DraftInput
 from .moa_core import (

@@ -18,14 +18,14 @@ verified tokens after its committed prefix, the prefixes read from a request-to-
 table) reads its prefixes there instead of the host packing them.
 
 A drafter's commit of verified tokens that treats each token alone (MoA's LSA memory, CA and SA K/V: no attention
-across tokens) is one graph per row bucket (`RowRunner`): its int64 fields in one upload.
+across tokens) is a row function (models/row_graphs.py: `RowRunner`), run first in its search's graph
+(`SearchRunner.run`'s `first`) or alone, one graph per row bucket.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import torch
 
@@ -40,6 +40,7 @@ from .graph_runner import (
     fill_flat,
     static_plan,
 )
+from .row_graphs import Rows, host_zeros
 from .slot_table import SlotTable
 
 StepFn = Callable[..., tuple[torch.Tensor, ...]]
@@ -309,9 +310,6 @@ class Extended:
     real: torch.Tensor
 
 
-ROW_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
-
-
 class HeldSlots:
     """Slots of a drafter's own KV pool held for good for a search's temporary K/V (its tree nodes'), as a
     [batch, width] table on the device that its graphs read: no alloc, free or upload per step (SGLang holds
@@ -334,91 +332,6 @@ class HeldSlots:
             self.host = self.pool.alloc(rows * cols)
             self.table = to_device(self.host, self.pool.device).view(rows, cols)
         return self.table
-
-
-@dataclass
-class Rows:
-    """A row function's call at R rows (RowRunner.prepare): fn(*fields), its fields host ints first, then host
-    int64 tensors, each [t] padded with 0 to R. Run alone (RowRunner.run_rows) or first in a search's graph
-    (SearchRunner.run's `first`: one upload and one replay for both)."""
-
-    fn: Callable[..., None]
-    r: int
-    ints: list[list[int]]  # each [t]
-    tensors: list[torch.Tensor]  # each [t] int64 on the host
-
-    @property
-    def shape(self) -> tuple[int, int, int]:
-        """(R, host int fields, tensor fields): what shapes a graph that runs it."""
-        return self.r, len(self.ints), len(self.tensors)
-
-    def host_ints(self) -> list[int]:
-        pad = [0] * (self.r - self.t)
-        return [x for f in self.ints for x in (*f, *pad)]
-
-    def host_tensors(self) -> list[torch.Tensor]:
-        pad = self.r - self.t
-        return [y for x in self.tensors for y in ((x, _zeros(pad)) if pad else (x,))]
-
-    @property
-    def t(self) -> int:
-        return len(self.ints[0]) if self.ints else self.tensors[0].numel()
-
-
-class RowRunner:
-    """fn(*fields) over R rows, each row alone, at a bucketed row count R: its int64 fields [F, R] (host values)
-    in one upload, padded with 0 (token 0, position 0, slot 0: a padded row reads and writes the scratch slot 0
-    only); captured per bucket on CUDA with graphs on, else run eagerly on the same buffer. fn's outputs are
-    its writes (into pools); it returns nothing the caller reads. `runs` counts its calls, alone or first in a
-    search's graph."""
-
-    def __init__(
-        self,
-        fn: Callable[..., None],
-        fields: int,
-        device: torch.device | str,
-        graphs: bool = True,
-        buckets: tuple[int, ...] = ROW_BUCKETS,
-    ):
-        self.fn, self.fields, self.buckets = fn, fields, tuple(buckets)
-        self.cache = GraphCache(torch.device(device), graphs)
-        self._pools: tuple = ()
-        self.runs = 0
-
-    def bucket_of(self, t: int) -> int | None:
-        return bucket(t, self.buckets) if t > 0 else None
-
-    def prepare(self, ints: list[list[int]], tensors: list[torch.Tensor]) -> Rows | None:
-        """The call over these fields (`ints` first, each [t] host ints, then `tensors`, each [t] int64 on the
-        host), or None when t fits no bucket."""
-        t = len(ints[0]) if ints else tensors[0].numel()
-        r = self.bucket_of(t)
-        return None if r is None else Rows(self.fn, r, ints, tensors)
-
-    def run(self, ints: list[list[int]], tensors: list[torch.Tensor], pools: tuple) -> bool:
-        """prepare, then run_rows; False (nothing run) when t fits no bucket."""
-        rows = self.prepare(ints, tensors)
-        if rows is not None:
-            self.run_rows(rows, pools)
-        return rows is not None
-
-    def run_rows(self, rows: Rows, pools: tuple) -> None:
-        """The prepared call alone; pools: what fn writes and reads (graphs bake their addresses in)."""
-        if len(pools) != len(self._pools) or any(a is not c for a, c in zip(pools, self._pools)):
-            self.cache.clear()
-            self._pools = tuple(pools)
-        self.runs += 1
-        r = rows.r
-        host = torch.cat([torch.tensor(rows.host_ints(), dtype=torch.long), *rows.host_tensors()])
-        f = self.fields
-
-        def make() -> dict:
-            return {"longs": torch.zeros(f * r, dtype=torch.long, device=self.cache.device)}
-
-        self.cache.run(
-            r, make, lambda bufs: fill_flat(bufs["longs"], host), lambda bufs: self.fn(*bufs["longs"].view(f, r))
-        )
-        return True
 
 
 @dataclass
@@ -527,9 +440,7 @@ class SearchRunner:
 
         def make() -> dict:
             blank = {n: ([], [], None, None) for n in held}
-            blank_first = (
-                None if first is None else Rows(first.fn, first.r, [[]] * first_shape[1], [_zeros(0)] * first_shape[2])
-            )
+            blank_first = None if first is None else first.blank()
             bufs = {"longs": to_device(_search_host(bk, widths, 0, {}, {}, blank, room, blank_first), device)}
             for n, shape, dtype in specs:
                 bufs[n] = torch.zeros(bb, *shape, dtype=dtype, device=device)
@@ -613,24 +524,18 @@ def _search_host(
     if first is not None:
         ints += first.host_ints()
     tens = [torch.tensor(ints, dtype=torch.long)]
-    tens += [pairs[n][2] if b else _zeros(room) for n in pairs]
+    tens += [pairs[n][2] if b else host_zeros(room) for n in pairs]
     for name, w, listed in widths:
         if not listed:
-            tens.append((rows[name] if rows[name].dim() == 1 else rows[name].reshape(-1)) if b else _zeros(0))
+            tens.append((rows[name] if rows[name].dim() == 1 else rows[name].reshape(-1)) if b else host_zeros(0))
             if b < bb:
-                tens.append(_zeros((bb - b) * w))
+                tens.append(host_zeros((bb - b) * w))
     for name, p in plans:
         if name not in pairs:
             tens.append(padded_prefixes(prefixes.get(name, []) if b else [], bb, p)[0].view(-1))
     if first is not None:
         tens += first.host_tensors()
     return torch.cat(tens)
-
-
-@lru_cache(maxsize=64)
-def _zeros(n: int) -> torch.Tensor:
-    """n int64 zeros on the host (a padding template, never written)."""
-    return torch.zeros(n, dtype=torch.long)
 
 
 def padded_prefixes(prefixes: list[torch.Tensor], bb: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:

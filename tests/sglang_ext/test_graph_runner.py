@@ -253,7 +253,7 @@ def test_a_searchs_packed_trees_verify_as_the_same_trees_placed_one_by_one(devic
     flat_parent = torch.tensor([-1, -1, 0, 1, 2, -1, 4, 3, 6])
     selected = torch.stack([torch.randperm(9, generator=g)[:5].sort().values for _ in range(4)])
     tokens = torch.randint(0, 64, (4, 5), generator=g)
-    tokens[1, 2] = 70  # (a drafted token outside the vocabulary: never accepted, flagged)
+    tokens[1, 2] = model.cfg.vocab_size + 6  # (a drafted token outside the vocabulary: never accepted, flagged)
     keep = torch.rand(4, 5, generator=g) > 0.2
     roots, seq = torch.randint(0, 64, (4,), generator=g), torch.tensor([*lens, 0])
     dev = model.device
@@ -378,12 +378,13 @@ def test_eagle3_static_extend_equals_eager(device, request):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_moa_static_commit_equals_eager(device, request):
+@pytest.mark.parametrize("sampled", [False, True])
+def test_moa_static_commit_equals_eager(device, sampled, request):
     """MoA's commit of queued verified tokens (their LSA memory, CA and SA K/V) as its RowRunner's function (each
-    token alone; first in its search's graph) stores what its eager _flush stores: two drafters hear the same requests
-    and commits of an engine serving three prompts; at every propose the static one's pools hold, at its slots,
-    the eager one's K/V, and their slot lists are as long. Its static search, reading the slot tables that graph
-    appended to, proposes the eager trees."""
+    token alone) stores what its eager _flush stores: two drafters hear the same requests and commits of an engine
+    serving three prompts; at every propose the static one's pools hold, at its slots, the eager one's K/V, and their
+    slot lists are as long. Greedy, the commit runs first in its search's graph, and the search, reading the slot
+    tables it appended to, proposes the eager trees; sampled chains (no static search), it runs alone."""
     target = _target_on(device, request)
     eager, static = make_drafter("moa", target), make_drafter("moa", target)
     static.step_graphs = True
@@ -402,10 +403,10 @@ def test_moa_static_commit_equals_eager(device, request):
     propose, checked = eager.propose, []
 
     def compare(batch, shape):
-        got = static.propose(batch, shape)  # (its static flush, then its static search, reading the slot tables)
+        got = static.propose(batch, shape)  # (its static commit, then its static search, reading the slot tables)
         trees = propose(batch, shape)  # (the eager flush, then the search)
-        for x, y in zip(trees, got):
-            assert torch.equal(x.draft_tokens, y.draft_tokens) and torch.equal(x.parents, y.parents)
+        for x, y in zip(trees, got):  # (sampled chains: each drafter's own draws)
+            assert sampled or (torch.equal(x.draft_tokens, y.draft_tokens) and torch.equal(x.parents, y.parents))
         for d in batch:
             a, b = eager.reqs[d.rid], static.reqs[d.rid]
             assert torch.equal(a.target_slots, b.target_slots) and not b.pending
@@ -421,11 +422,12 @@ def test_moa_static_commit_equals_eager(device, request):
 
     eager.propose = compare
     prompts = [target.encode_chat([{"role": "user", "content": t}]) for t in ("Name three rivers.", "Hi!", "7*8?")]
-    Engine(target, eager, EngineConfig(tree=TreeShape(2, 2, 3), adaptive=False, cuda_graphs=False)).generate(
-        prompts, SamplingParams(max_new_tokens=4)
-    )
-    assert len(checked) >= 2 and static._commits.runs == static._search.runs == len(checked)
-    assert static._commits.cache.graphs == (device == "cuda")
+    tree = TreeShape(3, 1, 4) if sampled else TreeShape(2, 2, 3)
+    params = SamplingParams(max_new_tokens=4, temperature=0.8 if sampled else 0.0, seed=3)
+    Engine(target, eager, EngineConfig(tree=tree, adaptive=False, cuda_graphs=False)).generate(prompts, params)
+    assert len(checked) >= 2 and static._commits.runs == len(checked)
+    assert static._search.runs == (0 if sampled else len(checked))  # (sampled: each commit alone, in its graph)
+    assert static._commits.cache.graphs == (device == "cuda") and bool(static._commits.cache.entries) == sampled
 
 
 @pytest.mark.parametrize("device", DEVICES)
