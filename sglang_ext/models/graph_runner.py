@@ -430,6 +430,7 @@ class GraphRunner:
             bufs["tree"] = torch.full((3, key[0] * key[1]), -1, dtype=torch.long, device=dev)
         if key[-1] == "packed":  # a search's padded batch (tree_batch's longs [B, 6, N] and masks [B, N, N])
             bufs["tree"] = torch.zeros(key[0], 6, key[1], dtype=torch.long, device=dev)
+            bufs["tree"][:, [1, 4, 5]] = -1  # (until the first fill: root-only trees, as the padding of "verify")
         return bufs
 
     def _greedy_out(self, out, rows: torch.Tensor | None, n: int, t: int):
