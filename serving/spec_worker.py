@@ -276,9 +276,10 @@ class SpecWorker:
         self, reqs: list[Request], trees: list[TokenTree], results: list, paths: list, starts: list[int], captured: dict
     ) -> dict[int, tuple[torch.Tensor, dict]]:
         """For each request (by index) whose drafter commits this step: its accepted nodes' positions [k] and
-        captured rows {layer: [k, H]} on the device, gathered for all of them at once (one index copied up,
-        one index op per layer, then views per request). A drafter commits for a request that drafts and whose
-        tree was valid (an invalid one's request falls back to vanilla decoding first)."""
+        captured rows {layer: [k, H]} on the device, gathered for all of them at once (the rows' indices and the
+        positions in one copy up, one index op per layer, then views per request; the requests' slot lists hold
+        their accepted nodes already). A drafter commits for a request that drafts and whose tree was valid (an
+        invalid one's request falls back to vanilla decoding first)."""
         if not self.commits:
             return {}
         who = [
@@ -295,10 +296,13 @@ class SpecWorker:
             return {i: (trees[i].positions, {l: rows[j] for l, rows in hidden.items()}) for j, i in enumerate(who)}
         dev = self.model.device
         sizes = [len(paths[i]) for i in who]
-        at = to_device(torch.tensor([starts[i] + x for i in who for x in paths[i]], dtype=torch.long), dev)
-        positions = torch.cat([t.positions for t in trees])[at].split(sizes)  # the nodes' positions, as the forward's
-        hidden = {l: h[at].split(sizes) for l, h in captured.items()}
-        return {i: (positions[j], {l: rows[j] for l, rows in hidden.items()}) for j, i in enumerate(who)}
+        # a path's node j is at depth j: at position root + j (a tree's positions are its root's + depth; the root's
+        # is the request's committed tokens before the step, its slots less the path's)
+        pos = [p for i in who for p in range(len(reqs[i].slots) - len(paths[i]), len(reqs[i].slots))]
+        at = [starts[i] + x for i in who for x in paths[i]] if captured else []
+        up = to_device(torch.tensor(at + pos, dtype=torch.long), dev).split([len(at), *sizes])  # (one copy up)
+        hidden = {l: h[up[0]].split(sizes) for l, h in captured.items()}
+        return {i: (up[1 + j], {l: rows[j] for l, rows in hidden.items()}) for j, i in enumerate(who)}
 
     def _advance(
         self,

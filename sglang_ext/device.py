@@ -58,6 +58,20 @@ def grow(olds: list[torch.Tensor], adds: list[torch.Tensor]) -> list[torch.Tenso
     return list(grown.split([o.numel() + a.numel() for o, a in zip(olds, adds)]))
 
 
+def rejoin(pieces: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(pieces) (dim 0), without an op when the pieces are one tensor's consecutive row blocks in order,
+    covering it whole (what its split gave: e.g. a batch's rows gathered in one op, split per request)."""
+    base = pieces[0]._base if len(pieces) > 1 else None
+    if base is None or not base.is_contiguous() or base.dim() != pieces[0].dim():
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    at, row = base.storage_offset(), base.stride(0) if base.dim() else 1
+    for p in pieces:
+        if p._base is not base or p.storage_offset() != at or p.shape[1:] != base.shape[1:] or not p.is_contiguous():
+            return torch.cat(pieces)
+        at += p.shape[0] * row
+    return base if at == base.storage_offset() + base.shape[0] * row else torch.cat(pieces)
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """t as 1-D (itself when it is; a view otherwise, a copy when it is not contiguous)."""
     return t if t.dim() == 1 else t.reshape(-1)

@@ -27,7 +27,7 @@ Layout (per request, what SGLang's build_tree_kernel_efficient produces, QLEN_ON
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -109,6 +109,9 @@ class TokenTree:
     # faulty drafter's tree still holds valid ids and is verified losslessly; the engine reads the flag
     # in its one copy per step and drops the drafter for the request. None: nothing to check.
     finite: torch.Tensor | None = None
+    # the packed batch whose rows these fields are views of (unpack_trees), for a verify that takes the batch whole;
+    # None for a tree built alone (never uploaded or compared: not a tensor field)
+    batch: "TreeBatch | None" = field(default=None, repr=False, compare=False)
 
     @property
     def num_nodes(self) -> int:
@@ -207,11 +210,15 @@ def root_trees(tokens: list[int], seq_lens: list[int], device: torch.device | st
     return [TokenTree(t, none, p, mask, zero, none, none) for t, p in zip(toks.split(1), pos.split(1))]
 
 
+# TokenTree's tensor fields (all but `batch`), in order
+TREE_FIELDS = tuple(f.name for f in fields(TokenTree) if f.name != "batch")
+
+
 def trees_on(trees: list[TokenTree], device: torch.device | str) -> list[TokenTree]:
     """The trees with every tensor on `device`: a tree already there is returned as is; the others'
     tensors (host-built lookup trees, root-only trees) go up in one copy per dtype for all of them."""
     device = torch.device(device)
-    names = [f.name for f in fields(TokenTree)]
+    names = TREE_FIELDS
     flat = [getattr(t, name) for t in trees for name in names]
     placed = upload(flat, device)
     k, out = len(names), []
@@ -402,21 +409,50 @@ def tree_batch(
     return longs, mask, torch.cat([scores.new_ones(b, 1), scores], 1).float()
 
 
+@dataclass(eq=False)
+class TreeBatch:
+    """tree_batch's output for a padded batch of B requests, the real ones first, and the trees unpack_trees made of
+    its first b rows (each field of tree i a view of row i): a verify reads the batch whole (a few copies into its
+    graph's buffers) when its trees are these, in this order."""
+
+    longs: torch.Tensor  # [B, 6, N] int64: TREE_LONGS
+    mask: torch.Tensor  # [B, N, N] bool
+    trees: list["TokenTree"]  # [b]
+
+    def holds(self, trees: list["TokenTree"]) -> bool:
+        """Whether `trees` are this batch's, in order and unchanged (no field of theirs assigned since)."""
+        mine = self.trees
+        return len(trees) == len(mine) and all(
+            a is b and a.draft_tokens is c for a, b, c in zip(trees, mine, self._tokens)
+        )
+
+    def __post_init__(self):
+        self._tokens = [t.draft_tokens for t in self.trees]
+
+
 def unpack_trees(
-    longs: torch.Tensor, mask: torch.Tensor, scores: torch.Tensor, finite: torch.Tensor | None = None
+    longs: torch.Tensor,
+    mask: torch.Tensor,
+    scores: torch.Tensor,
+    finite: torch.Tensor | None = None,
+    b: int | None = None,
 ) -> list[TokenTree]:
-    """tree_batch's output (longs [b, 6, N], tree_mask [b, N, N], scores [b, N]) as one TokenTree per
-    request, each a view of its rows."""
-    b = longs.shape[0]
+    """tree_batch's output (longs [B, 6, N], tree_mask [B, N, N], scores [B, N]) as one TokenTree per
+    request of the first b (default: all B), each a view of its rows, linked to the batch (TokenTree.batch)."""
+    b = longs.shape[0] if b is None else b
     if not b:
         return []
     # one unbind per field over the batch (not one per request): field f of request i is cols[f][i]
     cols = [f.unbind(0) for f in longs.unbind(1)]
     masks, rows = mask.unbind(0), scores.unbind(0)
-    return [
+    trees = [
         TokenTree(tree_mask=masks[i], scores=rows[i], finite=finite, **{n: c[i] for n, c in zip(TREE_LONGS, cols)})
         for i in range(b)
     ]
+    packed = TreeBatch(longs, mask, trees)
+    for t in trees:
+        t.batch = packed
+    return trees
 
 
 def ancestor_masks(parents: torch.Tensor) -> torch.Tensor:

@@ -295,7 +295,7 @@ def paths_from_rows(
     if bad is not None:
         finite = [t.finite for t in trees]  # each [] bool or None
         if all(f is finite[0] for f in finite) and finite[0] is not None:  # one search's trees share theirs
-            bad = bad | ~finite[0]
+            bad = bad >= finite[0]  # (bools: bad | ~finite in one op)
         elif any(f is not None for f in finite):
             yes = torch.ones((), dtype=torch.bool, device=bad.device)
             bad = bad | ~torch.stack([yes if f is None else f for f in finite])

@@ -2,7 +2,7 @@
 dispatches outside graph replays.
 
     python -m moa_serve.benchmarks.step_ops [--drafters eagle3,moa] [--batch 1,4] [--tree 6,4,24] [--layers 4]
-                                            [--per-layer] [--json]
+                                            [--per-layer] [--where] [--list] [--json]
 
 On a GPU a small step is host-bound: every op dispatched outside a CUDA graph costs the host a few
 microseconds (a launch when it computes on the device, a queued copy when it moves host data up, pure
@@ -22,7 +22,9 @@ Beside them, `kernels`: the launches the step's graphs make on a GPU. The target
 (kernels.gpu_stand_in); each Triton launch is counted instead of run, and each aten op inside a graph
 that computes (no view, no allocation: NO_LAUNCH) counts one launch (a cuBLAS GEMM, an elementwise
 kernel). Triton launches outside graphs count as `device` ops. `--per-layer` adds what one decoder
-layer costs: the kernels at 2 x --layers minus those at --layers, divided by --layers.
+layer costs: the kernels at 2 x --layers minus those at --layers, divided by --layers. `--where` counts the
+ops outside graphs by the project function that issued them; `--list` lists the last step's, op by op, with
+their kind and file:function:line.
 
 The step's one device-to-host copy (verify.to_host; a plain decode step's verify.tokens_to_host) is stood in
 for (meta tensors hold no values): it accepts each drafted tree's first draft and a bonus token, so the
@@ -51,13 +53,15 @@ NO_LAUNCH = frozenset(
 class StepOps(TorchDispatchMode):
     """Counts dispatched ops by kind (see the module docstring) and, outside graphs, by op name."""
 
-    def __init__(self, where: bool = False):
-        """where: also count the ops outside graphs by the innermost project function that issued them."""
+    def __init__(self, where: bool = False, listing: bool = False):
+        """where: also count the ops outside graphs by the innermost project function that issued them;
+        listing: also list every op outside graphs in order, as (kind, op, file:function:line)."""
         super().__init__()
         self.kinds: Counter = Counter()
         self.names: Counter = Counter()
         self.sites: Counter = Counter()
         self.where = where
+        self.listing: list[tuple[str, str, str]] | None = [] if listing else None
         self.in_graph = 0
         self.kernels = 0  # launches inside graphs: aten ops that compute (no view, no allocation), Triton kernels
         self.kernel_names: Counter = Counter()
@@ -98,16 +102,18 @@ class StepOps(TorchDispatchMode):
             self.names[name] += 1
         if self.where:
             self.sites[_site()] += 1
+        if self.listing is not None:
+            self.listing.append((kind, name, _site(line=True)))
         return out
 
 
-def _site() -> str:
-    """file:function of the innermost frame in sglang_ext/ or serving/."""
+def _site(line: bool = False) -> str:
+    """file:function (line: file:function:line) of the innermost frame in sglang_ext/ or serving/."""
     import traceback
 
     for f in reversed(traceback.extract_stack()):
         if "/sglang_ext/" in f.filename or "/serving/" in f.filename:
-            return f"{f.filename.split('/')[-1]}:{f.name}"
+            return f"{f.filename.split('/')[-1]}:{f.name}" + (f":{f.lineno}" if line else "")
     return "?"
 
 
@@ -180,10 +186,17 @@ def _drafter(kind: str, model, cfg):
 
 
 def count_step_ops(
-    kind: str | None, batch: int, tree: str = "6,4,24", layers: int = 4, steps: int = 3, where: bool = False
+    kind: str | None,
+    batch: int,
+    tree: str = "6,4,24",
+    layers: int = 4,
+    steps: int = 3,
+    where: bool = False,
+    listing: bool = False,
 ) -> dict:
     """Ops per steady-state engine step (the mean over `steps` steps after the prefill and two warm steps) of `batch`
-    requests decoding with drafter `kind` (None: vanilla) at SmolLM2's widths with `layers` layers."""
+    requests decoding with drafter `kind` (None: vanilla) at SmolLM2's widths with `layers` layers; listing: also
+    every op outside graphs of the last step, in order (`listing`: [kind, op, file:function:line])."""
     import serving.decode_step as decode_mod
     import serving.engine as engine_mod
     from serving.config import EngineConfig
@@ -221,8 +234,15 @@ def count_step_ops(
             eng.step()
         mode = StepOps(where)
         with counting_graphs(mode), counting_triton(mode), mode:
-            for _ in range(steps):
+            for _ in range(steps - 1 if listing else steps):
                 eng.step()
+        if listing:  # the last step alone, listed op by op
+            last = StepOps(where, listing=True)
+            with counting_graphs(last), counting_triton(last), last:
+                eng.step()
+            _merge(mode, last)
+        if drafter is not None and not all(r.drafting for r in eng.running):  # (a drafter fault: vanilla steps)
+            raise RuntimeError(f"{kind}: a request fell back to vanilla decoding; the counts are not a drafted step's")
     finally:
         engine_mod.to_host, decode_mod.tokens_to_host = real_copy, real_tokens
     per_step = {k: mode.kinds[k] / steps for k in KINDS}
@@ -240,7 +260,16 @@ def count_step_ops(
         "kernel_ops": {n: c / steps for n, c in mode.kernel_names.most_common()},
         "ops": ops,
         "sites": sites,
+        **({"listing": last.listing} if listing else {}),
     }
+
+
+def _merge(into: StepOps, other: StepOps) -> None:
+    """Adds other's counts to into's."""
+    for a, b in ((into.kinds, other.kinds), (into.names, other.names), (into.sites, other.sites)):
+        a.update(b)
+    into.kernel_names.update(other.kernel_names)
+    into.kernels += other.kernels
 
 
 def kernels_per_layer(kind: str | None, batch: int, tree: str = "6,4,24", layers: int = 4) -> float:
@@ -256,12 +285,13 @@ def main(argv=None) -> None:
     p.add_argument("--tree", default="6,4,24")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--where", action="store_true", help="also list the functions issuing the ops outside graphs")
+    p.add_argument("--list", action="store_true", help="also list every op outside graphs of one step, in order")
     p.add_argument("--per-layer", action="store_true", help="also the kernels one decoder layer adds (2 more runs)")
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     a = p.parse_args(argv)
     for kind in a.drafters.split(","):
         for bs in (int(x) for x in a.batch.split(",")):
-            r = count_step_ops(None if kind == "vanilla" else kind, bs, a.tree, a.layers, where=a.where)
+            r = count_step_ops(None if kind == "vanilla" else kind, bs, a.tree, a.layers, where=a.where, listing=a.list)
             if a.per_layer:
                 r["kernels_per_layer"] = kernels_per_layer(None if kind == "vanilla" else kind, bs, a.tree, a.layers)
             if a.json:
@@ -274,6 +304,8 @@ def main(argv=None) -> None:
             print("    top outside:", ", ".join(f"{n} {c:g}" for n, c in r["top_ops"].items()))
             if a.where:
                 print("    where:", ", ".join(f"{n} {c:g}" for n, c in r["sites"].items()))
+            for kind_, op, site in r.get("listing", []):
+                print(f"    {kind_:6s} {op:24s} {site}")
 
 
 if __name__ == "__main__":

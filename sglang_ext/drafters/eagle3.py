@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from ..attention import FrontierPaths, advance_seen, causal_masks, plan_flat, plan_frontier, tree_attention_cpu
-from ..device import grow, module_on, upload
+from ..device import grow, module_on, rejoin, upload
 from ..kernels import attach_bf16_halves, attach_q8, q8_eagle3_layer
 from ..models.checkpoint import check_fits
 from ..models.draft_graphs import ExtendRunner, FrontierRunner, HeldSlots, SearchBuffers, SearchRunner
@@ -269,7 +269,8 @@ class Eagle3Drafter(Drafter):
         bk = self._extender.bucket_of(m, [s.numel() for s in old])
         if bk is None:
             return None
-        raw = [torch.cat([h[l] for h in items]) if len(items) > 1 else items[0][l] for l in self.capture_layers]
+        # (each layer's rows of the step's commits: one gather's rows, split per request; rejoined without a copy)
+        raw = [rejoin([h[l] for h in items]) for l in self.capture_layers]
         feat = torch.cat(raw, dim=-1)  # [sum m, layers * Ht], as context() fuses them
         ids = [t for d, n, k in zip(batch, done, m) for t in d.token_ids[n + 1 : n + 1 + k]]
         pos = [j for n, k in zip(done, m) for j in range(n, n + k)]
@@ -292,7 +293,7 @@ class Eagle3Drafter(Drafter):
         if then is None:
             return out[0]
         longs, mask, scores, finite = out
-        return unpack_trees(longs, mask, scores, finite.all())
+        return unpack_trees(longs, mask, scores, finite, len(batch))
 
     def _pending_features(self, items: list) -> torch.Tensor:
         """Fused features [sum m, H] of pending items in order: the captured ones fused in one call."""
@@ -368,7 +369,7 @@ class Eagle3Drafter(Drafter):
             {"draft": self._extender.table} if self._extender is not None else None,
         )
         longs, mask, scores, finite = out
-        return unpack_trees(longs, mask, scores, finite.all())
+        return unpack_trees(longs, mask, scores, finite, len(batch))
 
     def _held_slots(self) -> HeldSlots:
         if self._held is None:
@@ -379,7 +380,7 @@ class Eagle3Drafter(Drafter):
         """The captured search over a padded batch of B requests (held: the held slots' table): the root's top-k,
         depth - 1 frontier steps (each node's path mask grown on the device, its K/V written at its held slot), the
         trees packed (tree_batch) with target ids. Outputs: longs [B, 6, N], tree_mask [B, N, N],
-        scores [B, N], finite [B] bool (the request's draft logits all finite)."""
+        scores [B, N], finite [] bool (every real request's draft logits finite)."""
         root_out = bufs.inputs["out"]  # [B, H]
         bb, h = root_out.shape
         prefix, prefix_len = bufs.prefixes["draft"]
@@ -410,7 +411,7 @@ class Eagle3Drafter(Drafter):
         top, draft, scores, parent_flat = search_candidates(search, shape.num_draft_tokens)
         keep = scores >= shape.min_prob if shape.min_prob > 0 else None
         trees = tree_batch(roots, top, self.hot_ids[draft], scores, parent_flat, seq_lens, keep)
-        return (*trees, finite.flag)
+        return (*trees, (finite.flag | ~bufs.real).all())  # (padding requests aside)
 
     def _full_logits(self, out: torch.Tensor) -> torch.Tensor:
         return scatter_to_vocab(self.draft.logits(out).float(), self.hot_ids, self.draft.cfg.vocab_size)

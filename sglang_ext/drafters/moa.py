@@ -32,10 +32,11 @@ from ..attention import FrontierPaths, frontier_fields, plan_frontier, tree_atte
 from ..device import grow, module_on, to_device
 from ..kernels import attach_bf16_halves, attach_packed_rows, attach_q8, attach_q8_rows, q8_moa_stacks
 from ..models.checkpoint import check_fits
-from ..models.draft_graphs import FrontierRunner, HeldSlots, RowRunner, SearchRunner
+from ..models.draft_graphs import FrontierRunner, HeldSlots, SearchRunner
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel, rms_norm
 from ..models.moa import MoADraft, load_moa
+from ..models.row_graphs import RowRunner, Rows
 from ..sampling import greedy_tokens
 from ..settings import settings
 from ..tree import TokenTree, TreeShape
@@ -408,8 +409,10 @@ class MoADrafter(MoAGraphs, Drafter):
     # --- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree]:
-        if not (self.step_graphs and self._static_flush(batch)):
+        commit = self._static_commit(batch) if self.step_graphs else False
+        if commit is False:
             self._flush(batch)
+        commit = commit if isinstance(commit, Rows) else None
         for d in batch:
             st = self.reqs[d.rid]
             if st.target_slots.numel() != d.seq_len:
@@ -421,9 +424,11 @@ class MoADrafter(MoAGraphs, Drafter):
         # the whole search as one graph replay; on the CPU with min_prob the eager search stops early and
         # drops the nodes below it (trees of other sizes than a static search's), so it runs pass by pass
         if static and (not shape.min_prob or self.target.device.type != "cpu"):
-            trees = self._static_search(batch, shape)
+            trees = self._static_search(batch, shape, commit)  # (the commit and the search in one graph)
             if trees is not None:
                 return trees
+        if commit is not None:  # (no search ran it)
+            self._run_commit(commit)
         paths = _TreePaths(self, batch, plans=not static and self.q8 is None)
         try:
             trees = draft_tree(

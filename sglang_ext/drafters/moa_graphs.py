@@ -1,8 +1,9 @@
 """MoA's static paths: what a GPU replays as CUDA graphs, run eagerly on the same buffers off CUDA (models/
 draft_graphs.py). MoADrafter (drafters/moa.py) takes them in when the engine turns its graphs on (`step_graphs`):
 
-    _static_flush    the queued verified tokens' commit (their LSA memory, CA and SA K/V) as one graph per row
-                     bucket (RowRunner: each token alone), their slots appended to the search's slot tables
+    _static_commit   the queued verified tokens' commit (their LSA memory, CA and SA K/V) as one row function
+                     (RowRunner: each token alone), their slots appended to the search's slot tables: run first in
+                     the search's graph, or alone (one graph per row bucket) where the search runs otherwise
     _static_search   the roots' pass and every search step in one graph per bucket (SearchRunner), its prefixes
                      read from those slot tables on the device, its SA temporaries at slots held for good
     _static_pass     one draft pass through the step runner (FrontierRunner), where the whole search fits no bucket
@@ -15,9 +16,10 @@ from dataclasses import replace
 import torch
 
 from ..attention import advance_seen, plan_frontier
-from ..device import grow
-from ..models.draft_graphs import FrontierRunner, HeldSlots, RowRunner, SearchBuffers, SearchRunner
+from ..device import grow, rejoin
+from ..models.draft_graphs import FrontierRunner, HeldSlots, SearchBuffers, SearchRunner
 from ..models.graph_runner import static_attention, static_plan, with_static_attention
+from ..models.row_graphs import RowRunner, Rows
 from ..tree import TokenTree, TreeShape, search_candidates, tree_batch, unpack_trees
 from .base import DraftInput
 from .moa_core import (
@@ -77,16 +79,19 @@ class MoAGraphs:
         if self._search is not None:
             self._search.forget(rid)
 
-    def _static_flush(self, batch: list[DraftInput]) -> bool:
-        """_flush's work as one graph replay (the row runner: each queued token alone, its LSA memory, CA and SA
-        K/V); False, nothing done, where that does not apply (memory from captured layers, an edge client's own
-        pools, a catch-up's holes, more rows than the buckets), and _flush runs."""
+    def _static_commit(self, batch: list[DraftInput]) -> Rows | bool:
+        """_flush's work as one row function call (the row runner's: each queued token alone, its LSA memory, CA and
+        SA K/V, their slots appended to the search's slot tables), prepared: the host's bookkeeping done (the
+        requests' slot lists grown, their queues emptied, the tables' cells counted), the call to run next, alone
+        (_run_commit) or first in the search's graph; True when nothing is queued; False, nothing done, where that
+        does not apply (memory from captured layers, an edge client's own pools, a catch-up's holes, more rows
+        than the buckets), and _flush runs."""
         sts = [self.reqs[d.rid] for d in batch]
         commits = [[c.slots.numel() for c in st.pending] for st in sts]
         sizes = [sum(c) for c in commits]
         if self.capture_layers or self.remote or catch_up(commits)[1] is not None:
             return False
-        names = ("sa", "ca", "tli")[: 3 if self.tli_layers else 2]  # the search's slot tables the graph appends to
+        names = self._commit_tables()
         if self._commits is None:
             self._commits = RowRunner(self._commit_rows, 5 + len(names), self.target.device)
         t = sum(sizes)
@@ -104,10 +109,10 @@ class MoAGraphs:
         tables = [self._search_runner().table(n) for n in names]
         rids = [d.rid for d in batch]
         cells = [tb.appended(rids, [x.numel() for x in held[n]], sizes) for tb, n in zip(tables, names)]
-        target_slots, mem, sa = torch.cat([c.slots for c in caps]), self.mem.alloc(t), self.sa.alloc(t)
-        pools = (self.sa, self.mem, self.tli_kv, *(tb.table for tb in tables))
-        self._commits.run([ids, pos, *(c for c, _ in cells)], [target_slots, mem, sa], pools)
-        for _, done in cells:
+        # (the step's commits: one gather's rows split per request, rejoined without a copy)
+        target_slots, mem, sa = rejoin([c.slots for c in caps]), self.mem.alloc(t), self.sa.alloc(t)
+        rows = self._commits.prepare([ids, pos, *(c for c, _ in cells)], [target_slots, mem, sa])
+        for _, done in cells:  # (the call appends them before anything reads the tables)
             done()
         self.lsa_rows += t
         new = [x for add in zip(mem.split(sizes), sa.split(sizes), target_slots.split(sizes)) for x in add]
@@ -115,7 +120,20 @@ class MoAGraphs:
         for st in sts:
             st.mem_slots, st.sa_slots, st.target_slots = next(parts), next(parts), next(parts)
             st.pending = []
-        return True
+        return rows
+
+    def _commit_tables(self) -> tuple[str, ...]:
+        """The search's slot tables a commit appends to."""
+        return ("sa", "ca", "tli")[: 3 if self.tli_layers else 2]
+
+    def _commit_pools(self) -> tuple:
+        """What a commit writes and reads (graphs bake their addresses in)."""
+        tables = (self._search_runner().table(n).table for n in self._commit_tables())
+        return (self.sa, self.mem, self.tli_kv, *tables)
+
+    def _run_commit(self, rows: Rows) -> None:
+        """A prepared commit (_static_commit) alone."""
+        self._commits.run_rows(rows, self._commit_pools())
 
     def _commit_rows(self, ids, positions, *cells_and_slots) -> None:
         """The row runner's function (each [R] int64 on the device; padding 0): the tokens' LSA memory over
@@ -130,9 +148,12 @@ class MoAGraphs:
         k, v = commit_sa(self.draft, self.target.embed, ids, positions)
         self.sa.k[0][sa], self.sa.v[0][sa] = k, v
 
-    def _static_search(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree] | None:
+    def _static_search(
+        self, batch: list[DraftInput], shape: TreeShape, commit: Rows | None = None
+    ) -> list[TokenTree] | None:
         """The deterministic search's trees from the search runner (the roots' pass and every search
-        step in one function), the same trees as the pass-by-pass search; None when no bucket fits.
+        step in one function; a prepared commit first, in the same graph), the same trees as the pass-by-pass
+        search; None when no bucket fits (nothing run: the caller runs the commit).
         Every pass's temporary SA slots are the search's held slots (HeldSlots: request i's row, the root's,
         then step after step); its TLI slots (in the target's pool) are handed out at once ([b, 1 + (depth-1)*k],
         in the same order) and freed once the search is queued."""
@@ -149,21 +170,25 @@ class MoAGraphs:
         temps = [(self.tli_kv, self.tli_kv.alloc(b * width))] if self.tli_layers else []
         try:
             rows = {"root": [[d.token_ids[-1], d.seq_len] for d in batch]}  # [b, 2] (host ints)
-            rows.update(("tli", s.view(b, width)) for _, s in temps)
+            rows.update(("tli", s) for _, s in temps)  # ([b * width]: request after request)
             pools = (self.sa, self.mem, self.tli_kv, held)
             search = lambda bufs: self._search_fn(bufs, shape, held)  # noqa: E731
             # (the prefixes from the runner's slot tables on the device: only what their rows lack goes up)
-            out = self._search.run(shape, search, rows, prefixes, {}, pools, [d.rid for d in batch])
+            if commit is not None:
+                self._commits.runs += 1  # (in the search's graph)
+            keys = [d.rid for d in batch]
+            out = self._search.run(shape, search, rows, prefixes, {}, pools, keys, first=commit)
         finally:
             for pool, s in temps:
                 pool.free(s)
         longs, mask, scores, finite = out
-        return unpack_trees(longs, mask, scores, finite.all())
+        return unpack_trees(longs, mask, scores, finite, len(batch))
 
     def _search_fn(self, bufs: SearchBuffers, shape: TreeShape, held: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """The captured search over a padded batch of B requests (held: the held SA slots' table): the roots'
         pass, depth - 1 search steps (each node's path mask grown on the device; SA, CA and TLI plans in static
-        form), the trees packed (tree_batch) with target ids. Outputs as tree_batch's, then finite [B] bool."""
+        form), the trees packed (tree_batch) with target ids. Outputs as tree_batch's, then finite [] bool (every real
+        request's draft logits finite)."""
         parts = self._static_parts()
         roots, seq_lens = bufs.rows["root"].unbind(1)
         bb, dev = roots.shape[0], roots.device
@@ -206,4 +231,4 @@ class MoAGraphs:
         top, draft, scores, parent_flat = search_candidates(search, shape.num_draft_tokens)
         keep = scores >= shape.min_prob if shape.min_prob > 0 else None
         trees = tree_batch(roots, top, self.hot_ids[draft], scores, parent_flat, seq_lens, keep)
-        return (*trees, finite.flag)
+        return (*trees, (finite.flag | ~bufs.real).all())  # (padding requests aside)

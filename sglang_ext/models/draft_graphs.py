@@ -18,14 +18,14 @@ verified tokens after its committed prefix, the prefixes read from a request-to-
 table) reads its prefixes there instead of the host packing them.
 
 A drafter's commit of verified tokens that treats each token alone (MoA's LSA memory, CA and SA K/V: no attention
-across tokens) is one graph per row bucket (`RowRunner`): its int64 fields in one upload.
+across tokens) is a row function (models/row_graphs.py: `RowRunner`), run first in its search's graph
+(`SearchRunner.run`'s `first`) or alone, one graph per row bucket.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
 
 import torch
 
@@ -40,6 +40,7 @@ from .graph_runner import (
     fill_flat,
     static_plan,
 )
+from .row_graphs import Rows, host_zeros
 from .slot_table import SlotTable
 
 StepFn = Callable[..., tuple[torch.Tensor, ...]]
@@ -204,7 +205,8 @@ class ExtendRunner(_BucketedRunner):
 
     run returns each request's last row of each of step's outputs (copies: the next replay overwrites them), or,
     given a function to run after the extend in the same graph (`then`: a drafter's whole search over the
-    extended prefixes, as `Extended` describes them), that function's outputs."""
+    extended prefixes, as `Extended` describes them), that function's outputs for the padded batch [B, ...], as
+    the graph left them (SearchRunner.run's rule)."""
 
     def __init__(self, step: ExtendFn, *args, **kwargs):
         super().__init__(step, *args, **kwargs)
@@ -273,7 +275,9 @@ class ExtendRunner(_BucketedRunner):
             (key, feat.shape[1], feat.dtype, then and then[0]), make, fill, lambda bufs: self._extend(key, bufs, fn)
         )
         done()
-        return tuple(o[:b].clone() for o in out)
+        # NOTE: then's outputs (a search's trees, [B, ...]) as the graph left them, read before the next run (the
+        # step's verify copies the trees into its own buffers); the last rows copied (the next replay overwrites them)
+        return tuple(out) if then else tuple(o[:b].clone() for o in out)
 
     def forget(self, key) -> None:
         self.table.forget(key)
@@ -306,9 +310,6 @@ class Extended:
     real: torch.Tensor
 
 
-ROW_BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
-
-
 class HeldSlots:
     """Slots of a drafter's own KV pool held for good for a search's temporary K/V (its tree nodes'), as a
     [batch, width] table on the device that its graphs read: no alloc, free or upload per step (SGLang holds
@@ -331,55 +332,6 @@ class HeldSlots:
             self.host = self.pool.alloc(rows * cols)
             self.table = to_device(self.host, self.pool.device).view(rows, cols)
         return self.table
-
-
-class RowRunner:
-    """fn(*fields) over R rows, each row alone, at a bucketed row count R: its int64 fields [F, R] (host values)
-    in one upload, padded with 0 (token 0, position 0, slot 0: a padded row reads and writes the scratch slot 0
-    only); captured per bucket on CUDA with graphs on, else run eagerly on the same buffer. fn's outputs are
-    its writes (into pools); it returns nothing the caller reads."""
-
-    def __init__(
-        self,
-        fn: Callable[..., None],
-        fields: int,
-        device: torch.device | str,
-        graphs: bool = True,
-        buckets: tuple[int, ...] = ROW_BUCKETS,
-    ):
-        self.fn, self.fields, self.buckets = fn, fields, tuple(buckets)
-        self.cache = GraphCache(torch.device(device), graphs)
-        self._pools: tuple = ()
-        self.runs = 0
-
-    def bucket_of(self, t: int) -> int | None:
-        return bucket(t, self.buckets) if t > 0 else None
-
-    def run(self, ints: list[list[int]], tensors: list[torch.Tensor], pools: tuple) -> bool:
-        """The fields: `ints` first (each [t] host ints), then `tensors` (each [t] int64 on the host); pools: what
-        fn writes and reads (graphs bake their addresses in). False (nothing run) when t fits no bucket."""
-        t = len(ints[0]) if ints else tensors[0].numel()
-        r = self.bucket_of(t)
-        if r is None:
-            return False
-        if len(pools) != len(self._pools) or any(a is not c for a, c in zip(pools, self._pools)):
-            self.cache.clear()
-            self._pools = tuple(pools)
-        self.runs += 1
-        pad = [0] * (r - t)
-        parts = [torch.tensor([x for f in ints for x in (*f, *pad)], dtype=torch.long)]
-        for x in tensors:
-            parts += [x, _zeros(r - t)] if r > t else [x]
-        host = torch.cat(parts)
-        f = self.fields
-
-        def make() -> dict:
-            return {"longs": torch.zeros(f * r, dtype=torch.long, device=self.cache.device)}
-
-        self.cache.run(
-            r, make, lambda bufs: fill_flat(bufs["longs"], host), lambda bufs: self.fn(*bufs["longs"].view(f, r))
-        )
-        return True
 
 
 @dataclass
@@ -412,8 +364,11 @@ class SearchRunner:
     the runner's own, or a caller's that another graph keeps whole, as EAGLE-3's draft-extend does): the
     upload carries each request's row and what the rows lack (a fixed region of ROOM pairs per request),
     not the prefixes. A step's host values go up in one copy (one int64 buffer), each device input in one
-    device copy; the outputs come back as copies of the real requests' rows (the next replay overwrites the
-    graph's). The caller's function decides what a padded request computes; it must stay finite and apart."""
+    device copy; the outputs come back as the graph left them, for the padded batch [B, ...] (the real requests'
+    rows first): views that the next replay overwrites, so a caller reads them before its next search (a
+    drafted step's verify copies the trees into its own graph's buffers; SGLang's draft graph hands its outputs
+    over the same way). The caller's function decides what a padded request computes; it must stay finite and
+    apart."""
 
     ROOM = 8  # table pairs per request in a keyed step's upload (a verify step's accepted nodes fit)
 
@@ -449,16 +404,19 @@ class SearchRunner:
         self,
         key,  # what else shapes the function (a tree shape): one graph per (bucket, key)
         search: SearchFn,
-        rows: dict[str, "torch.Tensor | list[list[int]]"],  # name -> [b, n] int64 on the host (or host ints)
+        rows: dict[
+            str, "torch.Tensor | list[list[int]]"
+        ],  # name -> [b, n] int64 host ints, or a host tensor [b, n] or [b*n]
         prefixes: dict[str, list[torch.Tensor]],  # name -> per request its committed slots [P_i] (host)
         inputs: dict[str, torch.Tensor],  # name -> [b, ...] on the device
         pools: tuple,  # the KV pools the search writes and reads (graphs bake their addresses in)
         keys: list | None = None,  # per request its key (a request id; forget() it when the request ends)
         tables: dict[str, SlotTable] | None = None,  # with keys: a caller's table for a plan (else the runner's)
+        first: Rows | None = None,  # a row function the graph runs before the search (its fields in the upload)
     ) -> tuple[torch.Tensor, ...] | None:
-        """search's outputs for the b real requests, or None when no bucket fits (the caller searches
-        step by step)."""
-        b = len(next(iter(rows.values())))
+        """search's outputs for the padded batch (the b real requests first; see the class docstring), or None
+        when no bucket fits (the caller searches step by step)."""
+        b = len(next(iter(rows.values())))  # (the first rows are [b, n]; a tensor's may be flat [b*n])
         bk = self.bucket_of(b, {n: max(p.numel() for p in pre) for n, pre in prefixes.items()})
         if bk is None:
             return None
@@ -470,15 +428,20 @@ class SearchRunner:
         self.runs += 1
         bb, plans = bk
         room = bb * self.ROOM
-        widths = tuple((n, len(r[0]), isinstance(r, list)) for n, r in rows.items())  # (name, n, host ints)
+        # (name, n, host ints)
+        widths = tuple(
+            (n, len(r[0]) if isinstance(r, list) else r.numel() // b, isinstance(r, list)) for n, r in rows.items()
+        )
         specs = tuple((n, tuple(x.shape[1:]), x.dtype) for n, x in inputs.items())
         device = self.cache.device
         pairs = {n: t.pending(keys, prefixes[n], room) for n, t in held.items()}
-        host = _search_host(bk, widths, b, rows, prefixes, pairs, room)
+        host = _search_host(bk, widths, b, rows, prefixes, pairs, room, first)
+        first_shape = first.shape if first is not None else None
 
         def make() -> dict:
             blank = {n: ([], [], None, None) for n in held}
-            bufs = {"longs": to_device(_search_host(bk, widths, 0, {}, {}, blank, room), device)}
+            blank_first = None if first is None else first.blank()
+            bufs = {"longs": to_device(_search_host(bk, widths, 0, {}, {}, blank, room, blank_first), device)}
             for n, shape, dtype in specs:
                 bufs[n] = torch.zeros(bb, *shape, dtype=dtype, device=device)
             return bufs
@@ -489,14 +452,14 @@ class SearchRunner:
                 bufs[n][:b].copy_(x)
 
         out = self.cache.run(
-            (bk, widths, specs, tuple((n, id(t)) for n, t in held.items()), key),
+            (bk, widths, specs, tuple((n, id(t)) for n, t in held.items()), key, first_shape),
             make,
             fill,
-            lambda bufs: self._static(bk, widths, specs, held, bufs, search),
+            lambda bufs: self._static(bk, widths, specs, held, bufs, search, first),
         )
         for _, _, _, done in pairs.values():
             done()
-        return tuple(o[:b].clone() for o in out)
+        return tuple(out)
 
     def table(self, name: str) -> SlotTable:
         """The runner's own slot table for plan `name` (made on first use)."""
@@ -504,21 +467,30 @@ class SearchRunner:
             self.tables[name] = SlotTable(2 * self.batch_buckets[-1] + 1, self.context[-1] + 1, self.cache.device)
         return self.tables[name]
 
-    def _static(self, bk, widths, specs, held: dict, bufs: dict, search: SearchFn) -> tuple[torch.Tensor, ...]:
-        """The captured function: the upload's views (see _search_host), the tables' pairs written and their rows
-        read, the caller's search."""
+    def _static(
+        self, bk, widths, specs, held: dict, bufs: dict, search: SearchFn, first: Rows | None = None
+    ) -> tuple[torch.Tensor, ...]:
+        """The captured function: the upload's views (see _search_host), `first`'s row function over its fields,
+        the tables' pairs written and their rows read, the caller's search."""
         bb, plans = bk
         room, names = bb * self.ROOM, list(held)
         packed = [(n, p) for n, p in plans if n not in held]
         int_grids = [(n, w) for n, w, ints in widths if ints]
         tensor_grids = [(n, w) for n, w, ints in widths if not ints]
+        r, fi, ft = first.shape if first is not None else (0, 0, 0)
         sizes = [*(x for _ in names for x in (bb, room)), *(bb for _ in plans), bb, *(bb * w for _, w in int_grids)]
-        sizes += [*(room for _ in names), *(bb * w for _, w in tensor_grids), *(bb * p for _, p in packed)]
+        sizes += [fi * r, *(room for _ in names), *(bb * w for _, w in tensor_grids), *(bb * p for _, p in packed)]
+        sizes.append(ft * r)
         parts = iter(bufs["longs"].split(sizes))
         table_rows = {n: (next(parts), next(parts)) for n in names}  # n -> (rows [B], the pairs' cells [room])
         lens = {n: next(parts) for n, _ in plans}
         real = next(parts) > 0
         grids = {n: next(parts).view(bb, w) for n, w in int_grids}
+        first_ints = next(parts)
+        *rest, first_tensors = parts
+        parts = iter(rest)
+        if first is not None:  # (before the tables' rows are read: it may append to them)
+            first.fn(*first_ints.view(fi, r), *first_tensors.view(ft, r))
         for n in names:  # the pairs the rows lack, then the rows read
             held[n].table.view(-1).index_put_((table_rows[n][1],), next(parts))
         grids.update({n: next(parts).view(bb, w) for n, w in tensor_grids})
@@ -529,12 +501,14 @@ class SearchRunner:
         return tuple(search(SearchBuffers(grids, prefixes, {n: bufs[n] for n, _, _ in specs}, real)))
 
 
-def _search_host(bk, widths, b: int, rows: dict, prefixes: dict, pairs: dict, room: int) -> torch.Tensor:
+def _search_host(
+    bk, widths, b: int, rows: dict, prefixes: dict, pairs: dict, room: int, first: Rows | None = None
+) -> torch.Tensor:
     """Host side of a search bucket, one int64 tensor: [ints: per table plan (pairs: its rows [B], the pairs'
-    table indices [room]) | per plan prefix_len [B] | real [B] | each row given as host ints [B*n] || tensors:
-    per table plan its pairs' slots [room] | each row given as a tensor [B*n] | per packed plan prefix [B*P]],
-    the first b requests' values filled in, the rest 0 (a table plan's padding requests read the scratch row
-    0). The ints go in as one tensor."""
+    table indices [room]) | per plan prefix_len [B] | real [B] | each row given as host ints [B*n] | first's
+    host int fields [F*R] || tensors: per table plan its pairs' slots [room] | each row given as a tensor [B*n] |
+    per packed plan prefix [B*P] | first's tensor fields [F*R]], the first b requests' values filled in, the
+    rest 0 (a table plan's padding requests read the scratch row 0). The ints go in as one tensor."""
     bb, plans = bk
     pad = [0] * (bb - b)
     ints = []
@@ -547,23 +521,21 @@ def _search_host(bk, widths, b: int, rows: dict, prefixes: dict, pairs: dict, ro
         if listed:
             ints += [v for r in rows[name] for v in r] if b else []
             ints += pad * w
+    if first is not None:
+        ints += first.host_ints()
     tens = [torch.tensor(ints, dtype=torch.long)]
-    tens += [pairs[n][2] if b else _zeros(room) for n in pairs]
+    tens += [pairs[n][2] if b else host_zeros(room) for n in pairs]
     for name, w, listed in widths:
         if not listed:
-            tens.append(rows[name].reshape(-1) if b else _zeros(0))
+            tens.append((rows[name] if rows[name].dim() == 1 else rows[name].reshape(-1)) if b else host_zeros(0))
             if b < bb:
-                tens.append(_zeros((bb - b) * w))
+                tens.append(host_zeros((bb - b) * w))
     for name, p in plans:
         if name not in pairs:
             tens.append(padded_prefixes(prefixes.get(name, []) if b else [], bb, p)[0].view(-1))
+    if first is not None:
+        tens += first.host_tensors()
     return torch.cat(tens)
-
-
-@lru_cache(maxsize=64)
-def _zeros(n: int) -> torch.Tensor:
-    """n int64 zeros on the host (a padding template, never written)."""
-    return torch.zeros(n, dtype=torch.long)
 
 
 def padded_prefixes(prefixes: list[torch.Tensor], bb: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -54,7 +54,7 @@ import torch
 from .. import kernels
 from ..device import Stream, default_stream, to_device
 from ..sampling import greedy_tokens
-from ..tree import TokenTree
+from ..tree import TokenTree, TreeBatch
 from ..verify import GreedyRows, greedy_rows
 from .kv_pool import KVPool
 from .llama import ForwardOutput, LlamaModel
@@ -268,6 +268,10 @@ class GraphRunner:
         also takes the logits, their argmax and each tree's greedy path (verify.GreedyRows)."""
         if trees is not None and keys is None:
             raise ValueError("greedy paths inside the graph (trees) need request keys")
+        if trees and trees[0].batch is not None and trees[0].batch.holds(trees):
+            out = self._verify_packed(trees[0].batch, out_slots, prefixes, kv, keys)
+            if out is not None:
+                return out
         q_lens = [t.numel() for t in ids]
         key = self.bucket_of(q_lens, [p.numel() for p in prefixes])
         if key is None:
@@ -356,6 +360,43 @@ class GraphRunner:
         done()
         return out[1][:n]
 
+    def _verify_packed(
+        self,
+        packed: TreeBatch,  # the requests' trees, the first b of a search's padded batch of B
+        out_slots: list[torch.Tensor],  # per request [N] host ids
+        prefixes: list[torch.Tensor],
+        kv: KVPool,
+        keys: list[Hashable],
+    ):  # (ForwardOutput, GreedyRows), or None when the batch fits no bucket of its shape (run's other paths)
+        """A verify of one search's trees (run with trees that `packed` holds) in the bucket (B, N, P, "packed"):
+        B the search's padded batch, N its trees' nodes (no node padding: every row real, its padding requests'
+        trees those the search left them, their K/V written to the scratch slot). Its inputs: the upload of the
+        slots (and what the slot table lacks), and the batch's two tensors in one device copy each; the outputs
+        are views of the graph's (read before the next run: the step's verify, accept and commit do)."""
+        bb, _, n = packed.longs.shape
+        b = len(packed.trees)
+        p = bucket(max(t.numel() for t in prefixes), self.context)
+        if bucket(b, self.batch_buckets) != bb or p is None or bb * n > self.max_rows:
+            return None
+        self._use_pool(kv)
+        self.runs += 1
+        key = (bb, n, p, "packed")
+        longs, done = self._keyed_inputs(key, keys, [n] * b, prefixes, [], list(out_slots))
+
+        def fill(bufs: dict) -> None:
+            fill_flat(bufs["longs"], longs)
+            bufs["tree"].copy_(packed.longs)
+            bufs["mask"].copy_(packed.mask)
+
+        out = self.cache.run(key, lambda: self._buffers(key), fill, lambda bufs: self._forward_keyed(key, bufs, kv))
+        done()
+        fwd, logits, argmax, nodes, tokens, bad = out
+        t = b * n
+        hidden = ForwardOutput(_first(fwd.hidden, t), {l: _first(h, t) for l, h in fwd.captured.items()})
+        return hidden, GreedyRows(
+            _first(logits, t), _first(argmax, t), _first(nodes, b), _first(tokens, b), _first(bad, b)
+        )
+
     def forget(self, key: Hashable) -> None:
         """The request under `key` ended: its slot table row is free."""
         if self._table is not None:
@@ -387,10 +428,13 @@ class GraphRunner:
             b, q, _ = key[:3]
             longs = torch.zeros(5 * b * q + 2 * b, dtype=torch.long)
         bufs = {"longs": to_device(longs, dev), "mask": to_device(mask, dev)}
-        if len(key) > 3 and key[1] > 1:  # (the padding mask, for device trees' masks to go over)
+        if len(key) > 3 and key[1] > 1 and key[3] != "packed":  # (the padding mask, for device trees' masks to go over)
             bufs["padding"] = bufs["mask"].clone()
         if key[-1] == "verify":  # the trees' parents, next-token and next-sibling lists [3, B*Q] (padding: -1)
             bufs["tree"] = torch.full((3, key[0] * key[1]), -1, dtype=torch.long, device=dev)
+        if key[-1] == "packed":  # a search's padded batch (tree_batch's longs [B, 6, N] and masks [B, N, N])
+            bufs["tree"] = torch.zeros(key[0], 6, key[1], dtype=torch.long, device=dev)
+            bufs["tree"][:, [1, 4, 5]] = -1  # (until the first fill: root-only trees, as the padding of "verify")
         return bufs
 
     def _greedy_out(self, out, rows: torch.Tensor | None, n: int, t: int):
@@ -406,9 +450,13 @@ class GraphRunner:
     def _forward_keyed(self, key: tuple, bufs: dict, kv: KVPool):
         """The captured function of a keyed bucket: the table's rows made whole and read, the static plan, the
         model's forward; a "greedy" bucket's also the logits and their argmax -> (output, tokens [B*Q]); a
-        "verify" bucket's also each tree's greedy path -> (output, logits, argmax, nodes, tokens, bad)."""
+        "verify" or "packed" bucket's also each tree's greedy path -> (output, logits, argmax, nodes, tokens, bad)
+        (a "packed" bucket's tokens, positions and tree lists from its batch of trees, not from the upload)."""
         b, q, p = key[:3]
         ids, pos, slots, prefix, prefix_len = self._table.read(bufs["longs"], key[:3])
+        if key[3] == "packed":  # (tree_batch's rows: TREE_LONGS)
+            tree = bufs["tree"]
+            ids, pos = tree[:, 0].reshape(-1), tree[:, 2].reshape(-1)
         if key[3] == "greedy":  # future tokens (see decode): -1 - i reads the previous decode's row i
             ids = torch.where(ids < 0, self._future[(-1 - ids).clamp_(min=0)], ids)
         plan = static_plan(prefix, prefix_len, slots.view(b, q), bufs["mask"])
@@ -422,7 +470,10 @@ class GraphRunner:
         if key[3] == "greedy":  # (real rows only: a capture's padding batch, slot 0 everywhere, leaves them)
             self._future[:b].copy_(torch.where(slots > 0, argmax, self._future[:b]))
             return out, argmax
-        parents, nxt, sib = bufs["tree"].view(3, b, q).unbind(0)
+        if key[3] == "packed":
+            parents, nxt, sib = bufs["tree"][:, 1], bufs["tree"][:, 4], bufs["tree"][:, 5]
+        else:
+            parents, nxt, sib = bufs["tree"].view(3, b, q).unbind(0)
         nodes, path_tokens = greedy_rows(tokens, parents, pos.view(b, q), nxt, sib, argmax.view(b, q))
         bad = ((tokens < 0) | (tokens >= self.model.cfg.vocab_size)).any(1)
         return out, logits, argmax, nodes, path_tokens, bad
@@ -437,6 +488,11 @@ class GraphRunner:
         # never accepts such a token)
         ids = ids.clamp(0, self.model.cfg.vocab_size - 1)
         return self._static_model.forward(ids, pos, slots, plan, kv, self.capture_layers)
+
+
+def _first(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x's first n rows (x itself when it has n: no op)."""
+    return x if x.shape[0] == n else x[:n]
 
 
 def _place(bufs: dict, key, rows: torch.Tensor | None, ids, positions, tree_masks) -> None:

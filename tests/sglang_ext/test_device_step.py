@@ -186,6 +186,22 @@ def test_root_trees_at_once_equal_each_built_alone():
         assert all(_on("cuda", t.draft_tokens, t.positions, t.tree_mask, t.parents) for t in on)
 
 
+def test_rejoin_gives_a_splits_whole_without_a_copy_and_cats_anything_else():
+    """rejoin (a batch's rows split per request, joined again by a drafter): the split's pieces in order, covering
+    their tensor, are that tensor (no op); a subset, another order, other tensors' pieces or a single piece give
+    torch.cat's values."""
+    from sglang_ext.device import rejoin
+
+    base = torch.arange(24.0).reshape(12, 2) * 1  # (a tensor of its own, not a view)
+    parts = list(base.split([3, 4, 5]))
+    assert rejoin(parts) is base and rejoin(list(base.split(1))) is base
+    other = torch.ones(2, 2)
+    for pieces in ([parts[0], parts[2]], parts[::-1], [parts[0], other], [*parts, other], [parts[1]]):
+        assert torch.equal(rejoin(pieces), torch.cat(pieces))
+    cols = list(base[:, :1].split([6, 6]))  # (not contiguous: the column's rows)
+    assert torch.equal(rejoin(cols), base[:, :1])
+
+
 def test_upload_packs_each_dtype_once_and_keeps_shapes():
     from sglang_ext.device import upload
 

@@ -8,6 +8,8 @@ tests replay the captured graphs on CUDA against the eager engine.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from helpers import compare_to_reference, slots_whole, static_runs, tiny_target, tree_rows_against_decodes
@@ -19,7 +21,7 @@ from sglang_ext.drafters import DraftInput, TargetCapture, make_drafter
 from sglang_ext.models.checkpoint import CheckpointError
 from sglang_ext.models.graph_runner import GraphRunner, bucket, context_buckets, static_attention, static_plan
 from sglang_ext.sampling import SamplingParams
-from sglang_ext.tree import TreeShape
+from sglang_ext.tree import TREE_FIELDS, TreeShape
 
 gpu = pytest.mark.gpu
 
@@ -235,6 +237,52 @@ def _target_on(device: str, request):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_searchs_packed_trees_verify_as_the_same_trees_placed_one_by_one(device):
+    """A verify of one search's trees (unpack_trees of its padded batch: 3 requests of 4, 6 nodes each, orphans
+    and unlinked nodes among them) takes the batch whole (the "packed" bucket: two device copies, no node
+    padding; captured and replayed on CUDA) and gives what the same trees give placed tree by tree (the "verify"
+    bucket): logits, argmax, greedy paths, the invalid-token flags and the captured rows; an assigned field (the
+    trees no longer the batch's) takes the other path."""
+    from sglang_ext.tree import tree_batch, unpack_trees
+
+    model = tiny_target(vocab=64, hidden=64, heads=4, kv_heads=2).model if device == "cpu" else _cuda_target().model
+    kv = model.new_kv_pool(256)
+    prefixes = _prefill(model, kv, [9, 4, 13])
+    g = torch.Generator().manual_seed(4)
+    lens = [p.numel() for p in prefixes]
+    flat_parent = torch.tensor([-1, -1, 0, 1, 2, -1, 4, 3, 6])
+    selected = torch.stack([torch.randperm(9, generator=g)[:5].sort().values for _ in range(4)])
+    tokens = torch.randint(0, 64, (4, 5), generator=g)
+    tokens[1, 2] = model.cfg.vocab_size + 6  # (a drafted token outside the vocabulary: never accepted, flagged)
+    keep = torch.rand(4, 5, generator=g) > 0.2
+    roots, seq = torch.randint(0, 64, (4,), generator=g), torch.tensor([*lens, 0])
+    dev = model.device
+    longs, mask, scores = (
+        x.to(dev) for x in tree_batch(roots, selected, tokens, torch.rand(4, 5), flat_parent[selected], seq, keep)
+    )
+    packed = unpack_trees(longs, mask, scores, None, 3)
+    plain = [replace(t, batch=None) for t in packed]
+    runner = GraphRunner(model, (1,), graphs=device == "cuda")
+    outs = []
+    for trees in (packed, plain, packed):  # (on CUDA: the packed bucket's capture, then a replay)
+        slots = [kv.alloc(6) for _ in trees]
+        ids, pos, masks = ([getattr(t, n) for t in trees] for n in ("draft_tokens", "positions", "tree_mask"))
+        fwd, greedy = runner.run(ids, pos, slots, prefixes, masks, kv, [0, 1, 2], trees)
+        outs.append([greedy.logits, greedy.argmax, greedy.nodes[:, :6], greedy.tokens[:, :6], greedy.bad])
+        outs[-1] = [x.clone() for x in outs[-1]] + [fwd.captured[1].clone()]
+        for s in slots:
+            kv.free(s)
+        runner.forget(0), runner.forget(1), runner.forget(2)
+    assert [k[-1] for k in runner.cache.entries] == ["packed", "verify"]
+    for a, b in zip(outs[0], outs[1]):  # (up to the matmuls' rounding: their blocking changes with the shape)
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-3)
+    assert torch.equal(outs[0][1], outs[1][1]) and torch.equal(outs[0][3], outs[1][3])
+    assert outs[0][4].tolist() == [False, True, False] and all(torch.equal(a, b) for a, b in zip(outs[0], outs[2]))
+    packed[0].draft_tokens = packed[0].draft_tokens.clone()  # (a field assigned: no longer the batch's trees)
+    assert not packed[0].batch.holds(packed)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("b,kk,depth", [(1, 1, 1), (3, 2, 2), (2, 3, 3)])
 def test_eagle3_frontier_step_static_equals_eager(b, kk, depth, device, request):
     """The EAGLE-3 drafter's frontier step through its FrontierRunner (batch and nodes padded to the
@@ -330,12 +378,13 @@ def test_eagle3_static_extend_equals_eager(device, request):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_moa_static_commit_equals_eager(device, request):
-    """MoA's commit of queued verified tokens (their LSA memory, CA and SA K/V) through its RowRunner (one graph
-    per row bucket, each token alone) stores what its eager _flush stores: two drafters hear the same requests
-    and commits of an engine serving three prompts; at every propose the static one's pools hold, at its slots,
-    the eager one's K/V, and their slot lists are as long. Its static search, reading the slot tables that graph
-    appended to, proposes the eager trees."""
+@pytest.mark.parametrize("sampled", [False, True])
+def test_moa_static_commit_equals_eager(device, sampled, request):
+    """MoA's commit of queued verified tokens (their LSA memory, CA and SA K/V) as its RowRunner's function (each
+    token alone) stores what its eager _flush stores: two drafters hear the same requests and commits of an engine
+    serving three prompts; at every propose the static one's pools hold, at its slots, the eager one's K/V, and their
+    slot lists are as long. Greedy, the commit runs first in its search's graph, and the search, reading the slot
+    tables it appended to, proposes the eager trees; sampled chains (no static search), it runs alone."""
     target = _target_on(device, request)
     eager, static = make_drafter("moa", target), make_drafter("moa", target)
     static.step_graphs = True
@@ -354,10 +403,10 @@ def test_moa_static_commit_equals_eager(device, request):
     propose, checked = eager.propose, []
 
     def compare(batch, shape):
-        got = static.propose(batch, shape)  # (its static flush, then its static search, reading the slot tables)
+        got = static.propose(batch, shape)  # (its static commit, then its static search, reading the slot tables)
         trees = propose(batch, shape)  # (the eager flush, then the search)
-        for x, y in zip(trees, got):
-            assert torch.equal(x.draft_tokens, y.draft_tokens) and torch.equal(x.parents, y.parents)
+        for x, y in zip(trees, got):  # (sampled chains: each drafter's own draws)
+            assert sampled or (torch.equal(x.draft_tokens, y.draft_tokens) and torch.equal(x.parents, y.parents))
         for d in batch:
             a, b = eager.reqs[d.rid], static.reqs[d.rid]
             assert torch.equal(a.target_slots, b.target_slots) and not b.pending
@@ -373,11 +422,12 @@ def test_moa_static_commit_equals_eager(device, request):
 
     eager.propose = compare
     prompts = [target.encode_chat([{"role": "user", "content": t}]) for t in ("Name three rivers.", "Hi!", "7*8?")]
-    Engine(target, eager, EngineConfig(tree=TreeShape(2, 2, 3), adaptive=False, cuda_graphs=False)).generate(
-        prompts, SamplingParams(max_new_tokens=4)
-    )
-    assert len(checked) >= 2 and static._commits.runs == static._search.runs == len(checked)
-    assert static._commits.cache.graphs == (device == "cuda")
+    tree = TreeShape(3, 1, 4) if sampled else TreeShape(2, 2, 3)
+    params = SamplingParams(max_new_tokens=4, temperature=0.8 if sampled else 0.0, seed=3)
+    Engine(target, eager, EngineConfig(tree=tree, adaptive=False, cuda_graphs=False)).generate(prompts, params)
+    assert len(checked) >= 2 and static._commits.runs == len(checked)
+    assert static._search.runs == (0 if sampled else len(checked))  # (sampled: each commit alone, in its graph)
+    assert static._commits.cache.graphs == (device == "cuda") and bool(static._commits.cache.entries) == sampled
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -420,6 +470,13 @@ def test_moa_static_draft_passes_propose_the_eager_trees(name, tree, device, req
             assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
+def _kept(out: list, trees: list) -> list:
+    """trees, with copies of them appended to out."""
+    copy = lambda t: {f: getattr(t, f).clone() for f in TREE_FIELDS if getattr(t, f) is not None}  # noqa: E731
+    out.append([replace(t, batch=None, **copy(t)) for t in trees])
+    return trees
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tree", ["3,2,6", "6,4,24", "4,1,5"])
 def test_eagle3_static_search_proposes_the_eager_trees(tree, device, request):
@@ -436,9 +493,8 @@ def test_eagle3_static_search_proposes_the_eager_trees(tree, device, request):
         d = make_drafter("eagle3", target)
         d.step_graphs = static
         propose = d.propose
-        d.propose = lambda batch, shape, propose=propose, out=proposals[static]: (
-            out.append(propose(batch, shape)) or out[-1]
-        )
+        # (copies kept: a static search's trees are views of its graph's outputs, valid until its next run)
+        d.propose = lambda batch, shape, propose=propose, out=proposals[static]: _kept(out, propose(batch, shape))
         eng = Engine(target, d, EngineConfig(tree=shape, cuda_graphs=False))
         eng.generate(prompts, SamplingParams(max_new_tokens=8))
         drafters.append(d)
@@ -512,6 +568,10 @@ def test_engine_tokens_with_the_static_path_equal_eager(smollm2_fp32, eval_promp
     assert eng.runner.graph_runner.runs > 0
     if drafter:
         assert static_runs(eng.drafter) > 0
+        # the drafted steps verified the searches' packed trees whole (GraphRunner's "packed" buckets)
+        assert any(k[-1] == "packed" for k in eng.runner.graph_runner.cache.entries), list(
+            eng.runner.graph_runner.cache.entries
+        )
     if bs == 4 and drafter is None:  # contexts over the buckets (every prompt is longer than 8 tokens): all eager
         small = engine({"context": (8,)})
         assert _outputs(small, prompts, bs, n) == ref and small.runner.graph_runner.runs == 0
