@@ -336,7 +336,9 @@ def run(cfg: TrainConfig) -> dict:
         torch.set_num_threads(cfg.threads)
     parallel.start(world, device)
     try:
-        return _run(cfg, world, device, t0)
+        summary = _run(cfg, world, device, t0)
+        parallel.settle(world)  # every rank done before the group goes down (gloo's teardown races a straggler)
+        return summary
     finally:
         parallel.stop()
 

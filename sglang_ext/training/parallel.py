@@ -66,6 +66,15 @@ def start(world: World, device: torch.device, init_method: str | None = None) ->
     dist.init_process_group(backend, init_method=init_method or "env://", rank=world.rank, world_size=world.size)
 
 
+def settle(world: World) -> None:
+    """A barrier of every rank after a job's last step, before stop(): a rank that tears the group down while
+    another still uses it aborted the other at exit (gloo: "terminate called without an active exception")."""
+    import torch.distributed as dist
+
+    if world.parallel and dist.is_initialized():
+        dist.barrier()
+
+
 def stop() -> None:
     import torch.distributed as dist
 
