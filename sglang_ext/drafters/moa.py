@@ -36,7 +36,7 @@ from ..models.draft_graphs import FrontierRunner, HeldSlots, SearchRunner
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel, rms_norm
 from ..models.moa import MoADraft, load_moa
-from ..models.row_graphs import RowRunner, Rows
+from ..models.row_graphs import RowRunner
 from ..sampling import greedy_tokens
 from ..settings import settings
 from ..tree import TokenTree, TreeShape
@@ -409,10 +409,8 @@ class MoADrafter(MoAGraphs, Drafter):
     # --- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree]:
-        commit = self._static_commit(batch) if self.step_graphs else False
-        if commit is False:
-            self._flush(batch)
-        commit = commit if isinstance(commit, Rows) else None
+        # (a static commit is prepared here and runs in the search's graph, or alone below; else _flush runs now)
+        commit = self._static_commit(batch) if self.step_graphs else self._flush(batch)
         for d in batch:
             st = self.reqs[d.rid]
             if st.target_slots.numel() != d.seq_len:

@@ -79,24 +79,24 @@ class MoAGraphs:
         if self._search is not None:
             self._search.forget(rid)
 
-    def _static_commit(self, batch: list[DraftInput]) -> Rows | bool:
+    def _static_commit(self, batch: list[DraftInput]) -> Rows | None:
         """_flush's work as one row function call (the row runner's: each queued token alone, its LSA memory, CA and
         SA K/V, their slots appended to the search's slot tables), prepared: the host's bookkeeping done (the
         requests' slot lists grown, their queues emptied, the tables' cells counted), the call to run next, alone
-        (_run_commit) or first in the search's graph; True when nothing is queued; False, nothing done, where that
-        does not apply (memory from captured layers, an edge client's own pools, a catch-up's holes, more rows
-        than the buckets), and _flush runs."""
+        (_run_commit) or first in the search's graph. None: nothing left to run, where nothing is queued or a static
+        commit does not apply and _flush ran instead (memory from captured layers, an edge client's own pools, a
+        catch-up's holes, more rows than the buckets)."""
         sts = [self.reqs[d.rid] for d in batch]
         commits = [[c.slots.numel() for c in st.pending] for st in sts]
         sizes = [sum(c) for c in commits]
         if self.capture_layers or self.remote or catch_up(commits)[1] is not None:
-            return False
+            return self._flush(batch)
         names = self._commit_tables()
         if self._commits is None:
             self._commits = RowRunner(self._commit_rows, 5 + len(names), self.target.device)
         t = sum(sizes)
         if self._commits.bucket_of(t) is None:
-            return not t
+            return self._flush(batch)  # (nothing queued: nothing to do)
         caps = [c for st in sts for c in st.pending]
         # token j of a request's queue is at position (its verified tokens so far) + j
         pos = [st.target_slots.numel() + j for st, n in zip(sts, sizes) for j in range(n)]
