@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -402,8 +403,12 @@ def _check(results: dict, name: str, fn) -> None:
         results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
 
 
-def _init_single_process_group(port: int) -> None:
-    """world = 1 gloo group + SGLang's model-parallel groups (its layers need them even at tp 1)."""
+def _init_single_process_group() -> None:
+    """world = 1 gloo group + SGLang's model-parallel groups (its layers need them even at tp 1), on a free port (two
+    suites on one machine must not meet)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     for k, v in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0").items():
         os.environ.setdefault(k, v)
     from sglang.srt.distributed import parallel_state
@@ -679,7 +684,7 @@ def run_sglang_checks(out_path: str) -> None:
         }
 
     _check(results, "eagle3_server_args", eagle3_server_args)
-    _check(results, "process_group", lambda: _init_single_process_group(29711) or True)
+    _check(results, "process_group", lambda: _init_single_process_group() or True)
 
     def moa_model():
         from safetensors.torch import load_file
