@@ -233,7 +233,7 @@ def drafter_pools_whole(drafter) -> bool:
     def held_in(p) -> int:
         return held.host.numel() if held is not None and held.host is not None and held.pool is p else 0
 
-    return all(p.num_free + len(kept) + held_in(p) == p.num_slots - 1 for p in kept.pools)
+    return all(p.num_free + kept.held(i) + held_in(p) == p.num_slots - 1 for i, p in enumerate(kept.pools))
 
 
 def _chain_with_siblings(chain: int, vocab: int, g: torch.Generator):

@@ -14,6 +14,9 @@ before a slot it let go can be reused, so a key's state always belongs to the to
 drafter keys each piece of state by the slot of the last token it depends on (EAGLE-3's pair (token s+1, feature
 of token s) by token s+1's slot), so what a hit adopts depends only on tokens the hit matched.
 
+A token may have no piece in some pool (MoA's memory exists for a request's latest tokens only): its slot there
+is -1, kept, adopted and freed as "none".
+
 Kept state holds at most `limit` tokens (half the drafter's pools by default): running requests always find room;
 past it, the state of newly cached tokens is freed, and a hit on them rebuilds it.
 """
@@ -39,8 +42,8 @@ class KeptState:
         return len(self._own)
 
     def keep(self, keys: torch.Tensor, own: list[torch.Tensor]) -> None:
-        """keys [k]: target slots; own: per pool, the drafter slots [k] of the same tokens, now kept (owned here).
-        Past the limit (or for a key kept already) they are freed instead."""
+        """keys [k]: target slots; own: per pool, the drafter slots [k] of the same tokens (-1: none), now kept
+        (owned here). Past the limit (or for a key kept already) they are freed instead."""
         room = max(0, self.limit - len(self._own))
         rows = list(zip(keys.tolist(), *(o.tolist() for o in own)))
         drop = rows[room:]
@@ -52,8 +55,8 @@ class KeptState:
         self._free([r[1:] for r in drop])
 
     def adopt(self, keys: torch.Tensor) -> list[torch.Tensor]:
-        """Per pool, the kept slots of the longest leading run of keys that are all kept (still owned here: a
-        request that adopts them reads them and never frees them)."""
+        """Per pool, the kept slots (-1: none) of the longest leading run of keys that are all kept (still owned
+        here: a request that adopts them reads them and never frees them)."""
         run = []
         for key in keys.tolist():
             slots = self._own.get(key)
@@ -66,16 +69,21 @@ class KeptState:
         """The target let these slots go: free what is kept under them."""
         self._free([self._own.pop(k) for k in keys.tolist() if k in self._own])
 
+    def held(self, i: int) -> int:
+        """Slots of pool i kept here."""
+        return sum(slots[i] >= 0 for slots in self._own.values())
+
     def _free(self, rows: list[tuple[int, ...]]) -> None:
         for i, pool in enumerate(self.pools):
-            if rows:
-                pool.free(torch.tensor([r[i] for r in rows], dtype=torch.long))
+            free = [r[i] for r in rows if r[i] >= 0]
+            if free:
+                pool.free(torch.tensor(free, dtype=torch.long))
 
 
 def keep_or_free(kept: KeptState, own: list[torch.Tensor], borrowed: int, keys: torch.Tensor) -> None:
-    """A request's per-piece drafter slots at its end (own: per pool of `kept`, in order; the first `borrowed`
-    adopted, never its own): a piece whose key (keys[i], i < len(keys)) is a target slot the cache holds (>= 0)
-    is kept under it unless state is kept there already; the rest of its own are freed."""
+    """A request's per-token drafter slots at its end (own: per pool of `kept`, in token order, -1: none; the first
+    `borrowed` adopted, never its own): a token's pieces whose key (keys[i], i < len(keys)) is a target slot the
+    cache holds (>= 0) are kept under it unless state is kept there already; the rest of its own are freed."""
     n = own[0].numel()
     keep = torch.zeros(n, dtype=torch.bool)
     m = min(n, keys.numel())
@@ -87,4 +95,5 @@ def keep_or_free(kept: KeptState, own: list[torch.Tensor], borrowed: int, keys: 
     free[:borrowed] = False
     free[idx] = False
     for o, pool in zip(own, kept.pools):
-        pool.free(o[free])
+        o = o[free]
+        pool.free(o[o >= 0])

@@ -7,14 +7,16 @@ Per request the drafter keeps three caches, all for verified tokens only:
     target  the request's slots in the target KV pool            (read by the TLI layers, never written)
 
 commit() queues the tokens the target just verified (root + accepted nodes); the next propose() runs LSA once
-over the queued tokens of its batch (after drafting was off, the last few commits' only: moa_core.catch_up).
+over the queued tokens of its batch (a prompt's last MEMORY_TOKENS; after drafting was off, the last few commits'
+only: moa_core.catch_up).
 propose() runs the tree: every node (root included) is a query at its position; its SA sees the verified prefix
 plus itself (or its ancestors, per checkpoint), its CA sees all verified memory, and the TLI layers see the
 target's real KV for verified positions plus the node's ancestors' speculative KV, written to temporary
 target-pool slots that are freed before propose returns (the target's own cache is never written).
 
 Prefix cache: the memory and SA K/V of a token depend only on the tokens up to it, so both are kept beside the
-engine's prefix cache under its target slot (drafters/kept.py); a hit runs LSA over the new tokens only.
+engine's prefix cache under its target slot (drafters/kept.py; "none" for a token without memory); a hit runs LSA
+over the new tokens only (and over cached ones among the prompt's last MEMORY_TOKENS that have none).
 
 The math (commit, the draft pass, logits, the tree driver) is moa_core's, shared with the SGLang plugin; this class
 is the embedded storage: per-request slot lists and temporary tree slots.
@@ -43,6 +45,7 @@ from ..tree import TokenTree, TreeShape
 from .base import Drafter, DrafterError, DraftInput, TargetCapture
 from .kept import KeptState, keep_or_free
 from .moa_core import (
+    MEMORY_TOKENS,
     DraftKV,
     MoAParts,
     PassSlots,
@@ -75,8 +78,20 @@ class _RequestState:
         self.target_slots = torch.empty(0, dtype=torch.long)  # the target's slots of verified tokens (TLI reads them)
         self.pending: list[TargetCapture] = []  # verified but not yet ingested (LSA runs at the next propose)
         self.offline: list[tuple[int, int]] = []  # (sa slot, tli slot) of root + tokens drafted while disconnected
-        self.borrowed = 0  # leading tokens whose memory and SA K/V were adopted from the kept state
-        self.first_hole: int | None = None  # its first verified token without memory (moa_core.catch_up)
+        self.borrowed = 0  # leading tokens whose SA K/V (and memory, where they have it) were adopted, kept state's
+        self.borrowed_mem = 0  # of which memory slots (the first of mem_slots)
+        self.holes: list[tuple[int, int]] = []  # verified tokens [a, b) without memory (moa_core.catch_up)
+
+    def memory_of_tokens(self) -> torch.Tensor:
+        """[n] each verified token's memory slot, -1 where it has none."""
+        if not self.holes:
+            return self.mem_slots
+        has = torch.ones(self.sa_slots.numel(), dtype=torch.bool)
+        for a, b in self.holes:
+            has[a:b] = False
+        out = torch.full(has.shape, -1, dtype=torch.long)
+        out[has] = self.mem_slots
+        return out
 
 
 class MoADrafter(MoAGraphs, Drafter):
@@ -161,9 +176,12 @@ class MoADrafter(MoAGraphs, Drafter):
     def add_request(self, rid: int, capture: TargetCapture) -> None:
         st = self.reqs[rid] = _RequestState()
         if capture.cached and not self.remote:
-            st.mem_slots, st.sa_slots = self.kept.adopt(capture.slots[: capture.cached])
-            st.borrowed = n = st.mem_slots.numel()
-            st.target_slots = capture.slots[:n]
+            mem, sa = self.kept.adopt(capture.slots[: capture.cached])
+            n = _adoptable(mem, capture.slots.numel())
+            has = mem[:n] >= 0
+            st.mem_slots, st.sa_slots, st.target_slots = mem[:n][has], sa[:n], capture.slots[:n]
+            st.holes = _runs(~has)
+            st.borrowed, st.borrowed_mem = n, st.mem_slots.numel()
             hidden = capture.hidden
             if self.capture_layers and n < capture.cached:  # (the no-LSA ablation's memory: cached tokens' outputs)
                 if capture.cached_hidden is None:
@@ -244,9 +262,10 @@ class MoADrafter(MoAGraphs, Drafter):
             k, v = commit_sa(self.draft, self.target.embed, ids, positions)
             self.sa.write(0, sa, k, v)
         holes = holes or [(0, 0)] * len(sts)
-        for st, (a, b) in zip(sts, holes):  # (memory is one slot per token up to the first hole)
-            if b > a and st.first_hole is None:
-                st.first_hole = st.mem_slots.numel() + a
+        for st, (a, b) in zip(sts, holes):
+            if b > a:
+                at = st.sa_slots.numel()
+                st.holes.append((at + a, at + b))
         got = [k - (b - a) for k, (a, b) in zip(sizes, holes)]  # memory slots: none for a catch-up's hole
         new = [x for add in zip(mem.split(got), sa.split(sizes), target_slots.split(sizes)) for x in add]
         parts = iter(grow([x for st in sts for x in (st.mem_slots, st.sa_slots, st.target_slots)], new))
@@ -382,7 +401,7 @@ class MoADrafter(MoAGraphs, Drafter):
         self.drop_offline(rid)
         st = self.reqs.pop(rid, None)
         if st is not None:
-            self.mem.free(st.mem_slots[st.borrowed :])
+            self.mem.free(st.mem_slots[st.borrowed_mem :])
             self.sa.free(st.sa_slots[st.borrowed :])
             if self.remote and self.tli_layers:
                 self.tli_kv.free(st.target_slots)
@@ -397,11 +416,7 @@ class MoADrafter(MoAGraphs, Drafter):
         self._forget_static(rid)
         self.drop_offline(rid)
         del self.reqs[rid]
-        h = st.first_hole  # (from there on, memory is not one slot per token: not kept)
-        keep_or_free(self.kept, [st.mem_slots[:h], st.sa_slots[:h]], st.borrowed, taken)
-        if h is not None:
-            self.mem.free(st.mem_slots[h:])
-            self.sa.free(st.sa_slots[h:])
+        keep_or_free(self.kept, [st.memory_of_tokens(), st.sa_slots], st.borrowed, taken)
 
     def drop_prefix(self, slots: torch.Tensor) -> None:
         self.kept.drop(slots)
@@ -452,6 +467,23 @@ class MoADrafter(MoAGraphs, Drafter):
 
     def _to_logits(self, hidden: torch.Tensor, full: bool) -> torch.Tensor:
         return draft_logits(self.parts, hidden, full)
+
+
+def _adoptable(mem: torch.Tensor, prompt: int) -> int:
+    """mem [m]: the memory slots (-1: none) of a prompt's leading kept tokens -> how many to adopt. A cold run
+    gives memory to the prompt's last MEMORY_TOKENS tokens (moa_core.catch_up): a kept token among them without
+    memory ends the adoption (it and the rest are rebuilt with memory)."""
+    start = max(0, prompt - MEMORY_TOKENS)
+    missing = (mem[start:] < 0).nonzero()
+    return start + int(missing[0]) if missing.numel() else mem.numel()
+
+
+def _runs(mask: torch.Tensor) -> list[tuple[int, int]]:
+    """mask [n] bool -> its runs of True as [a, b) ranges."""
+    edges = torch.diff(
+        mask.to(torch.int8), prepend=torch.zeros(1, dtype=torch.int8), append=torch.zeros(1, dtype=torch.int8)
+    )
+    return list(zip(edges.eq(1).nonzero().flatten().tolist(), edges.eq(-1).nonzero().flatten().tolist()))
 
 
 class _TreePaths:

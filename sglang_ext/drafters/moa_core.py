@@ -102,15 +102,20 @@ def lsa_memory(
 # catch-up gives memory to the tokens of the last CATCH_UP_COMMITS commits only (a request's prompt is its first
 # commit: whole when it drafts within that many steps of its prefill): CA never sees the older queued tokens (SA and
 # the TLI layers still do). Drafts after a long pause may be worse; what is accepted is the target's either way. A
-# request that drafts every step has one commit queued at each propose: no holes.
+# request that drafts every step has one commit queued at each propose: no holes. Nor does a flush give memory to
+# more than a request's last MEMORY_TOKENS queued tokens (a step verifies fewer): a long prompt's LSA (30 rows a
+# token) cost a third of its prefill, while CA's memory of its older tokens moved no draft (tau 1.387 with memory for
+# every token, 1.387 / 1.382 / 1.385 for the last 128 / 32 / 16, on the six eval sets x 5 prompts, whose
+# summarisation prompts are 700 tokens; 2026-11-29).
 CATCH_UP_COMMITS = 8
+MEMORY_TOKENS = 32
 
 
 def catch_up(commits: list[list[int]]) -> tuple[list[tuple[int, int]], torch.Tensor | None]:
     """commits: per request, its queued commits' token counts, oldest first. -> (per request [0, b): its leading
     queued tokens that get no memory (b == 0: none); [m] the rows of every queued token, request after request,
     that do, or None: all)."""
-    holes = [(0, sum(c[: max(0, len(c) - CATCH_UP_COMMITS)])) for c in commits]
+    holes = [(0, max(sum(c[: max(0, len(c) - CATCH_UP_COMMITS)]), sum(c) - MEMORY_TOKENS)) for c in commits]
     if all(b == 0 for _, b in holes):
         return holes, None
     rows, at = [], 0

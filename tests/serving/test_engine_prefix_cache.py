@@ -21,6 +21,7 @@ from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.prefix_cache import PrefixCache
 from sglang_ext.drafters import DraftInput, DraftModelDrafter, make_drafter
+from sglang_ext.drafters.moa_core import MEMORY_TOKENS
 from sglang_ext.sampling import SamplingParams
 from sglang_ext.tree import TreeShape
 
@@ -224,10 +225,13 @@ def test_state_kept_beside_the_cache_is_what_a_cold_run_computes(smollm2_fp32, d
 
 
 def _drafter_kv(d, rid: int) -> list[torch.Tensor]:
-    """The drafter's own K and V over a request's processed tokens, in token order."""
+    """The drafter's own K and V over a request's processed tokens, in token order (MoA's memory: of the prompt's
+    last MEMORY_TOKENS tokens, which a cold run gives memory; a hit may hold older tokens' memory too)."""
     if hasattr(d, "mem"):
         st = d.reqs[rid]
-        return [d.mem.k[0][st.mem_slots], d.mem.v[0][st.mem_slots], d.sa.k[0][st.sa_slots], d.sa.v[0][st.sa_slots]]
+        mem = st.memory_of_tokens()[-MEMORY_TOKENS:]
+        assert (mem >= 0).all()
+        return [d.mem.k[0][mem], d.mem.v[0][mem], d.sa.k[0][st.sa_slots], d.sa.v[0][st.sa_slots]]
     slots = d.reqs[rid].slots if hasattr(d, "reqs") else d.slots[rid]
     return [x[slots] for x in d.kv.k + d.kv.v]
 

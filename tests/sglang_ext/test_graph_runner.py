@@ -18,6 +18,7 @@ from serving.config import EngineConfig
 from serving.engine import Engine
 from sglang_ext.attention import FrontierPaths, causal_mask, plan_attention, plan_frontier, prefix_and_tree_mask
 from sglang_ext.drafters import DraftInput, TargetCapture, make_drafter
+from sglang_ext.drafters.moa_core import MEMORY_TOKENS
 from sglang_ext.models.checkpoint import CheckpointError
 from sglang_ext.models.graph_runner import GraphRunner, bucket, context_buckets, static_attention, static_plan
 from sglang_ext.sampling import SamplingParams
@@ -384,7 +385,8 @@ def test_moa_static_commit_equals_eager(device, sampled, request):
     token alone) stores what its eager _flush stores: two drafters hear the same requests and commits of an engine
     serving three prompts; at every propose the static one's pools hold, at its slots, the eager one's K/V, and their
     slot lists are as long. Greedy, the commit runs first in its search's graph, and the search, reading the slot
-    tables it appended to, proposes the eager trees; sampled chains (no static search), it runs alone."""
+    tables it appended to, proposes the eager trees; sampled chains (no static search), it runs alone. A prompt
+    longer than MEMORY_TOKENS (the chat template's) is flushed eagerly by both (memory for its last tokens only)."""
     target = _target_on(device, request)
     eager, static = make_drafter("moa", target), make_drafter("moa", target)
     static.step_graphs = True
@@ -400,9 +402,11 @@ def test_moa_static_commit_equals_eager(device, sampled, request):
             adding.pop()
 
     eager.add_request, eager.commit = hear, lambda rid, cap: hear(rid, cap, False)
-    propose, checked = eager.propose, []
+    propose, checked, flushed = eager.propose, [], []
 
     def compare(batch, shape):
+        queued = [sum(c.slots.numel() for c in static.reqs[d.rid].pending) for d in batch]
+        flushed.append(max(queued) > MEMORY_TOKENS)
         got = static.propose(batch, shape)  # (its static commit, then its static search, reading the slot tables)
         trees = propose(batch, shape)  # (the eager flush, then the search)
         for x, y in zip(trees, got):  # (sampled chains: each drafter's own draws)
@@ -411,10 +415,11 @@ def test_moa_static_commit_equals_eager(device, sampled, request):
             a, b = eager.reqs[d.rid], static.reqs[d.rid]
             assert torch.equal(a.target_slots, b.target_slots) and not b.pending
             for pa, pb, x, y in (
-                (eager.mem, static.mem, a.mem_slots, b.mem_slots),
+                (eager.mem, static.mem, a.memory_of_tokens(), b.memory_of_tokens()),
                 (eager.sa, static.sa, a.sa_slots, b.sa_slots),
             ):
-                assert x.numel() == y.numel() == a.target_slots.numel()
+                assert x.numel() == y.numel() == a.target_slots.numel() and torch.equal(x < 0, y < 0)
+                x, y = x[x >= 0], y[y >= 0]
                 torch.testing.assert_close(pb.k[0][y], pa.k[0][x], atol=1e-4, rtol=1e-4)
                 torch.testing.assert_close(pb.v[0][y], pa.v[0][x], atol=1e-4, rtol=1e-4)
         checked.append(len(batch))
@@ -425,7 +430,7 @@ def test_moa_static_commit_equals_eager(device, sampled, request):
     tree = TreeShape(3, 1, 4) if sampled else TreeShape(2, 2, 3)
     params = SamplingParams(max_new_tokens=4, temperature=0.8 if sampled else 0.0, seed=3)
     Engine(target, eager, EngineConfig(tree=tree, adaptive=False, cuda_graphs=False)).generate(prompts, params)
-    assert len(checked) >= 2 and static._commits.runs == len(checked)
+    assert flushed[0] and not any(flushed[1:]) and static._commits.runs == len(checked) - 1 >= 2
     assert static._search.runs == (0 if sampled else len(checked))  # (sampled: each commit alone, in its graph)
     assert static._commits.cache.graphs == (device == "cuda") and bool(static._commits.cache.entries) == sampled
 

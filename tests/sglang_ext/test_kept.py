@@ -50,3 +50,18 @@ def test_a_request_keeps_what_the_cache_holds_and_frees_the_rest():
     keep_or_free(kept, [slots], 2, _t(7, 8, 9, 5))
     assert kept.adopt(_t(7, 8, 9, 5))[0].tolist() == slots[:4].tolist()
     assert len(kept) == 4 and pool.num_free == 63 - 4  # tokens 4-5's pieces were freed
+
+
+def test_a_token_without_a_piece_in_a_pool_is_kept_adopted_and_freed_as_none():
+    mem, sa = _pool(), _pool()
+    kept = KeptState((mem, sa))
+    own_sa, own_mem = sa.alloc(4), mem.alloc(2)
+    per_token_mem = torch.cat([_t(-1, -1), own_mem])  # tokens 0-1 have no memory
+    # the cache holds tokens 0-2 (target slots 7, 8, 9); token 3 is past it: its pieces freed
+    keep_or_free(kept, [per_token_mem, own_sa], 0, _t(7, 8, 9))
+    assert len(kept) == 3 and (kept.held(0), kept.held(1)) == (1, 3)
+    assert (mem.num_free, sa.num_free) == (62, 60)
+    got = kept.adopt(_t(7, 8, 9, 4))
+    assert got[0].tolist() == [-1, -1, own_mem[0].item()] and got[1].tolist() == own_sa[:3].tolist()
+    kept.drop(_t(7, 9))
+    assert (mem.num_free, sa.num_free, len(kept)) == (63, 62, 1)

@@ -22,7 +22,7 @@ from serving.engine import Engine
 from sglang_ext.drafters import make_drafter
 from sglang_ext.drafters.base import DraftInput
 from sglang_ext.drafters.moa import MoADrafter
-from sglang_ext.drafters.moa_core import CATCH_UP_COMMITS
+from sglang_ext.drafters.moa_core import CATCH_UP_COMMITS, MEMORY_TOKENS
 from sglang_ext.models import LlamaModel, Target
 from sglang_ext.models.checkpoint import CheckpointError
 from sglang_ext.models.moa import MoAConfig, MoADraft, load_moa
@@ -464,8 +464,8 @@ class _Scripted(AdaptiveSpeculation):
 def test_a_catch_up_after_drafting_was_off_gives_memory_to_the_last_commits_only():
     """Off for 20 steps (a commit of one token each), then drafting: LSA runs over the last CATCH_UP_COMMITS
     commits' tokens, not all 20; the rest get no memory (CA never reads them), SA and TLI still see every token;
-    the output is vanilla's; at the end the request's tokens up to its first hole are kept beside the prefix cache
-    and every other slot of the drafter's pools goes back."""
+    the output is vanilla's; at the end the request's tokens are kept beside the prefix cache (those in the hole
+    without memory) and every other slot of the drafter's pools goes back."""
     target, draft = tiny_pair(tli=1, seed=5)
     drafter = MoADrafter(target.model, draft)
     rows = []
@@ -482,15 +482,46 @@ def test_a_catch_up_after_drafting_was_off_gives_memory_to_the_last_commits_only
     st = drafter.reqs[req.rid]
     assert rows[:2] == [len(prompt), CATCH_UP_COMMITS]  # the prompt; then the last 8 of 21 commits (one token each)
     queued = st.target_slots.numel() - len(prompt)  # tokens committed after the prompt, caught up at step 22
-    assert st.first_hole == len(prompt)
+    assert st.holes == [(len(prompt), len(prompt) + queued - CATCH_UP_COMMITS)]
     assert st.sa_slots.numel() == st.target_slots.numel() == st.mem_slots.numel() + queued - CATCH_UP_COMMITS
+    assert (st.memory_of_tokens() < 0).sum() == queued - CATCH_UP_COMMITS
     while not req.finished:
         eng.step()
     vanilla = Engine(target, None, EngineConfig()).generate([prompt], params)[0]
     assert req.output_ids == vanilla.output_ids
-    kept = len(drafter.kept)
-    assert 0 < kept <= st.first_hole
-    assert (drafter.mem.num_free + kept, drafter.sa.num_free + kept) == free
+    kept = drafter.kept
+    assert len(kept) > st.holes[0][1] and kept.held(1) == len(kept) and kept.held(0) < len(kept)  # (past the hole)
+    assert (drafter.mem.num_free + kept.held(0), drafter.sa.num_free + kept.held(1)) == free
+
+
+def test_a_long_prompt_gets_memory_for_its_last_tokens_only():
+    """A prompt longer than MEMORY_TOKENS: LSA runs over its last MEMORY_TOKENS tokens (CA's memory), SA and the TLI
+    layer see all of it; then each step's verified tokens as ever; the output is vanilla's. A second request on the
+    same prompt adopts every kept token (SA all, memory where the first had it) and runs no LSA over the prompt."""
+    target, draft = tiny_pair(tli=1, seed=9)
+    drafter = MoADrafter(target.model, draft)
+    rows = []
+    lsa = drafter.draft.lsa
+    drafter.draft.lsa = lambda x: rows.append(x.shape[0]) or lsa(x)
+    g = torch.Generator().manual_seed(9)
+    prompt = torch.randint(0, VOCAB, (MEMORY_TOKENS + 37,), generator=g).tolist()
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    eng = Engine(target, drafter, EngineConfig(tree=TreeShape(2, 2, 4), adaptive=False))
+    req = eng.add_request(prompt, params)
+    eng.step()
+    eng.step()
+    assert rows == [MEMORY_TOKENS] and drafter.reqs[req.rid].holes == [(0, 37)]
+    while not req.finished:
+        eng.step()
+    assert all(r <= 3 for r in rows[1:])  # (each step's accepted tokens)
+    assert req.output_ids == Engine(target, None, EngineConfig()).generate([prompt], params)[0].output_ids
+    rows.clear()
+    again = eng.add_request(prompt, params)
+    eng.step()
+    st = drafter.reqs[again.rid]
+    assert st.borrowed == len(prompt) - 1 and st.holes == [(0, 37)] and rows == []  # (its last token: prefilled)
+    eng.step()
+    assert rows[0] == 1  # (that token, with the first step's verified ones after it)
 
 
 def test_a_request_that_never_drafted_catches_up_on_its_last_commits_not_its_prompt():
@@ -509,7 +540,7 @@ def test_a_request_that_never_drafted_catches_up_on_its_last_commits_not_its_pro
     while eng.policy.calls < 21:
         eng.step()
     st = drafter.reqs[req.rid]
-    assert rows == [CATCH_UP_COMMITS] and st.first_hole == 0 and st.mem_slots.numel() == CATCH_UP_COMMITS
+    assert rows == [CATCH_UP_COMMITS] and st.holes[0][0] == 0 and st.mem_slots.numel() == CATCH_UP_COMMITS
     while not req.finished:
         eng.step()
     assert req.output_ids == Engine(target, None, EngineConfig()).generate([prompt], params)[0].output_ids
