@@ -54,6 +54,7 @@ from .request import (  # (the request's data: callers import them from the engi
 )
 from .sampler import Sampler
 from .scheduler import Scheduler
+from .spec_step import spec_chains, spec_step
 from .spec_worker import SpecWorker
 
 __all__ = [
@@ -265,6 +266,8 @@ class Engine:
         work. Prompt logprobs and grammar masks (built by xgrammar on the host) add reads of their own."""
         if not chunks and plain_decode(self, reqs):
             return decode_step(self, reqs)
+        if not chunks and spec_chains(self, reqs) and (events := spec_step(self, reqs)) is not None:
+            return events
         t0 = time.perf_counter()
         option, shape = self.spec.choose_shape(len(reqs))
         t_propose = time.perf_counter()
