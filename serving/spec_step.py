@@ -142,7 +142,9 @@ def finish(engine, step: Chained, following: Chained | None = None) -> list[Step
             events.append(fail(r, f))
         if res.draft_invalid:
             engine.spec.fallback([r], "invalid_draft")
-        if r.finished or not r.drafting:
+        if r.finished:  # (its release drops it from the step after: Engine._release, OverlappedLoop.drop)
+            continue
+        if not r.drafting:  # (a faulty drafter's request: it decodes without it from here on, the step after dropped)
             if following is not None:
                 drop(engine, following, r)
             continue

@@ -292,13 +292,12 @@ class ExtendRunner(_BucketedRunner):
         n = real.sum(1)
         ar = torch.arange(q, device=slots.device)
         feat = bufs["feat"][torch.where(real, (n.cumsum(0) - n)[:, None] + ar, 0).view(-1)]
-        return self._pass(key, ids, pos, slots, prefix, prefix_len, n, feat, then)
+        return self._pass(key, ids, pos, slots, prefix, prefix_len, n, feat, ar, then)
 
-    def _pass(self, key, ids, pos, slots, prefix, prefix_len, n, feat, then=None) -> tuple[torch.Tensor, ...]:
-        """The pass over the rows read (n [B]: each request's real rows, the first of its Q) -> its outputs at each
-        request's last row (then: then(those, Extended))."""
+    def _pass(self, key, ids, pos, slots, prefix, prefix_len, n, feat, ar, then=None) -> tuple[torch.Tensor, ...]:
+        """The pass over the rows read (n [B]: each request's real rows, the first of its Q; ar: arange(Q) on the
+        device) -> its outputs at each request's last row (then: then(those, Extended))."""
         b, q, _ = key
-        ar = torch.arange(q, device=slots.device)
         causal = (ar[None, :] <= ar[:, None]).expand(b, q, q)  # row j sees rows 0..j of its request
         plan = static_plan(prefix, prefix_len, slots.view(b, q), causal)
         last = (n - 1).clamp(min=0) + torch.arange(b, device=slots.device) * q

@@ -234,9 +234,10 @@ class FutureExtendRunner(ExtendRunner):
         longs, prev = bufs["longs"], bufs["prev"]
         pr = prev.clamp(min=0)
         n = torch.where(prev >= 0, fut.lens[pr], 0)
-        real = torch.arange(q, device=prev.device)[None, :] < n[:, None]  # [B, Q]
+        ar = torch.arange(q, device=prev.device)
+        real = ar[None, :] < n[:, None]  # [B, Q]
         longs[:s].copy_(torch.where(real, fut.tokens[pr, :q], 0).view(-1))
         longs[2 * s : 3 * s].mul_(real.view(-1))
         ids, pos, slots, prefix, prefix_len = self.table.read(longs, key, append=True)
         feat = fut.feats[pr, :q].reshape(s, -1)
-        return self._pass(key, ids, pos, slots, prefix, prefix_len, n, feat, then)
+        return self._pass(key, ids, pos, slots, prefix, prefix_len, n, feat, ar, then)
