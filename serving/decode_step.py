@@ -18,7 +18,8 @@ row i of the previous step), its slots are allocated and appended to the request
 step's tokens still come up in one copy (queued behind the step, read after the next is issued). A request
 that step N ends (EOS, a stop id, its length, a fault of its own) or that is aborted before step N+1 is read
 was launched in step N+1 too: that step's token for it is dropped unread and its slot freed, so its output,
-slots, stats and what the prefix cache takes are those of the loop without overlap. A step that is not a
+slots, stats and what the prefix cache takes are those of the loop without overlap. Greedy drafted steps chain
+the same way (serving/spec_step.py); the loop keeps one step in flight, of either kind. A step that is not a
 plain decode of the running requests (an arrival's prefill, a request that is not plain greedy, a batch
 outside the buckets) first reads the step in flight, alone in its Engine.step when it brings tokens."""
 

@@ -121,7 +121,7 @@ class Engine:
         )
         if self.runner.graph_runner is not None and drafter is not None and drafter.captures_steps:
             drafter.step_graphs = True  # a drafter with a captured step replays it too
-        self.overlap = OverlappedLoop(self)  # plain decode steps issued before the last one is read (config.overlap)
+        self.overlap = OverlappedLoop(self)  # steps issued before the last is read (config.overlap)
 
     # --- the parts' state, by the names callers read ---------------------------------------------
     @property
@@ -212,7 +212,7 @@ class Engine:
         """The request's hold on the pool ends: its computed tokens go into the prefix cache (the drafter keeping
         its state of those the cache took, if it keeps any), the rest of its slots are freed. (A request that
         failed part-way through a chunked prefill is still waiting.)"""
-        self.overlap.drop(req)  # (its token in a decode step in flight, if any, is never read)
+        self.overlap.drop(req)  # (its work in a step in flight, if any, is never read)
         drafted = self.scheduler.remove(req) and self.drafter is not None and req.drafting
         self.runner.release(req)
         taken = self.kv_manager.cache_finished_req(req)
