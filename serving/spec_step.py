@@ -1,24 +1,26 @@
 """A greedy drafted step whose accept results stay on the device (SGLang's spec v2), for the overlapped loop
 (serving/decode_step.py; `EngineConfig.overlap`, where the runner's stream is asynchronous): a drafter that
-chains (EAGLE-3: `chains`, its greedy search static) drafts step N+1 from step N's accepted path where the
-device left it, so step N+1 (its draft-extend of step N's accepted tokens and the search in one graph, the
-verify in another) is issued before the host reads step N:
+chains (`chains`: EAGLE-3 and MoA, their greedy searches static) drafts step N+1 from step N's accepted path
+where the device left it, so step N+1 (the drafter's commit of step N's accepted tokens and its search in one
+graph: EAGLE-3's draft-extend, MoA's LSA, CA and SA commit; the verify in another) is issued before the host
+reads step N:
 
     host:    launch 1, launch 2, read 1 | launch 3, read 2 | ...          (one Engine.step each)
-    device:  [extend+search 1][verify 1][extend+search 2][verify 2] ...
+    device:  [commit+search 1][verify 1][commit+search 2][verify 2] ...
 
 Step N's verify leaves each request's path length, tokens, target slots and captured features on the device
 (models/spec_graphs.py: SpecFuture); step N+1's graphs read them there (the slot table's prefix from base + L,
-the draft-extend's L rows of W = depth + 1, the search's root the bonus token). Each step still has one
-device-to-host copy: its [b, 2W + 1] result (path nodes, tokens, the faulty-drafter flag), read one step behind.
+the commit's L rows of W = depth + 1, the search's root the bonus token and its prefixes L longer). Each step
+still has one device-to-host copy: its [b, 2W + 1] result (path nodes, tokens, the faulty-drafter flag), read one
+step behind.
 
 The host catches up when it reads step N (`finish`): the accepted nodes' target slots join their requests (the
-rest freed), the stats, the tokens and stops, the drafter's pairs of step N+1's draft-extend trimmed to the L that
+rest freed), the stats, the tokens and stops, the drafter's slots of step N+1's commit trimmed to the L rows that
 were real (`commit_chained`) and the slot tables' accounts. A request that step N ends (EOS, a stop id, its
 length, a fault of its own) or that is aborted meanwhile was launched in step N+1 too: that step's result for it
-is dropped unread, its tree's slots and its draft pairs there freed, so its output, slots, stats and what the
+is dropped unread, its tree's slots and its drafter state there freed, so its output, slots, stats and what the
 prefix cache and the drafter keep are those of the loop without overlap. A step that ends a chain (nothing
-issued after it) hands the drafter its accepted path's features as an ordinary commit.
+issued after it) hands the drafter its accepted path as an ordinary commit (EAGLE-3: with its features).
 
 Lookup drafters, non-greedy requests, an adaptive policy, predicted outputs, logprobs and steps outside the graph
 buckets take the engine's ordinary step; the step in flight is read first (decode_step.OverlappedLoop).
@@ -48,7 +50,7 @@ def spec_chains(engine, reqs: list[Request], prev: "Chained | None" = None) -> b
         return False
     if type(engine.sampler) is not Sampler or type(engine.spec) is not SpecWorker or engine.spec.policy is not None:
         return False
-    if shape.topk < 2 or prev is not None and any(r.rid not in prev.live for r in reqs):
+    if prev is not None and any(r.rid not in prev.live for r in reqs):
         return False
     sampler = engine.sampler
     if not all(sampler.plain_greedy(r) and r.params.logprobs is None and r.drafting and not r.reference for r in reqs):
@@ -68,7 +70,7 @@ class Chained:
     tree_slots: torch.Tensor  # [b * N] int64 host ids, tree after tree (none joined a request yet)
     result: HostCopy  # [b, 2W + 1]: per request its path nodes [W], tokens [W], faulty-drafter flag
     live: dict[int, int]  # rid -> row: the requests whose result is read (a request that ended since: dropped)
-    pairs: dict[int, int] = field(default_factory=dict)  # rid -> the draft pairs its read predecessor committed
+    pairs: dict[int, int] = field(default_factory=dict)  # rid -> the rows its read predecessor's path committed
 
 
 def spec_step(engine, reqs: list[Request]) -> list[StepEvent] | None:
@@ -141,6 +143,7 @@ def finish(engine, step: Chained, following: Chained | None = None) -> list[Step
         except RequestFault as f:
             events.append(fail(r, f))
         if res.draft_invalid:
+            d.drop_chained(r.rid)  # (its draft state of the step after, if any, goes first)
             engine.spec.fallback([r], "invalid_draft")
         if r.finished:  # (its release drops it from the step after: Engine._release, OverlappedLoop.drop)
             continue
@@ -149,7 +152,7 @@ def finish(engine, step: Chained, following: Chained | None = None) -> list[Step
                 drop(engine, following, r)
             continue
         if following is not None:  # its pairs of the step after: the first k were real
-            d.commit_chained(r.rid, k)
+            d.commit_chained(r.rid, k, s)
             following.pairs[r.rid] = k
             g._table.account(r.rid, len(r.slots) + 1)  # (that step's verify wrote this path and its own root)
         else:  # the chain ends here: the path's features as an ordinary commit
@@ -163,8 +166,9 @@ def finish(engine, step: Chained, following: Chained | None = None) -> list[Step
 
 def clear(engine, step: Chained) -> None:
     """After a step fault: the step's trees' slots go back (its requests are released by the engine)."""
-    for i in step.live.values():
+    for rid, i in step.live.items():
         engine.kv_manager.free(step.tree_slots[i * step.nodes : (i + 1) * step.nodes])
+        engine.drafter.drop_chained(rid)  # (its draft state of the step: the requests' own is released with them)
     step.live.clear()
 
 

@@ -357,8 +357,9 @@ class Eagle3Drafter(Drafter):
             raise
         return unpack_trees(*out, len(batch))
 
-    def commit_chained(self, rid: int, n: int) -> None:
-        """The previous step's path is read: the first n of its pairs' slots are the request's (the rest freed)."""
+    def commit_chained(self, rid: int, n: int, slots: torch.Tensor | None = None) -> None:
+        """The previous step's path is read: the first n of its pairs' slots are the request's (the rest freed).
+        (slots: the path's target slots, which EAGLE-3 does not keep.)"""
         st = self.reqs[rid]
         if st.future is not None:
             (st.slots,) = grow([st.slots], [st.future[:n]])

@@ -419,11 +419,14 @@ class SearchRunner:
         keys: list | None = None,  # per request its key (a request id; forget() it when the request ends)
         tables: dict[str, SlotTable] | None = None,  # with keys: a caller's table for a plan (else the runner's)
         first: Rows | None = None,  # a row function the graph runs before the search (its fields in the upload)
+        patch: tuple | None = None,  # (tag, fn(grids, lens, real)): in the graph after `first`, before the tables
+        # are read, fn may rewrite the int grids and prefix lengths in place (a chained step's, from the device)
+        extra: int = 0,  # columns a patch may add to a prefix (the bucket covers them)
     ) -> tuple[torch.Tensor, ...] | None:
         """search's outputs for the padded batch (the b real requests first; see the class docstring), or None
         when no bucket fits (the caller searches step by step)."""
         b = len(next(iter(rows.values())))  # (the first rows are [b, n]; a tensor's may be flat [b*n])
-        bk = self.bucket_of(b, {n: max(p.numel() for p in pre) for n, pre in prefixes.items()})
+        bk = self.bucket_of(b, {n: max(p.numel() for p in pre) + extra for n, pre in prefixes.items()})
         if bk is None:
             return None
         if len(pools) != len(self._pools) or any(a is not c for a, c in zip(pools, self._pools)):
@@ -458,10 +461,10 @@ class SearchRunner:
                 bufs[n][:b].copy_(x)
 
         out = self.cache.run(
-            (bk, widths, specs, tuple((n, id(t)) for n, t in held.items()), key, first_shape),
+            (bk, widths, specs, tuple((n, id(t)) for n, t in held.items()), key, first_shape, patch and patch[0]),
             make,
             fill,
-            lambda bufs: self._static(bk, widths, specs, held, bufs, search, first),
+            lambda bufs: self._static(bk, widths, specs, held, bufs, search, first, patch and patch[1]),
         )
         for _, _, _, done in pairs.values():
             done()
@@ -474,7 +477,7 @@ class SearchRunner:
         return self.tables[name]
 
     def _static(
-        self, bk, widths, specs, held: dict, bufs: dict, search: SearchFn, first: Rows | None = None
+        self, bk, widths, specs, held: dict, bufs: dict, search: SearchFn, first: Rows | None = None, patch=None
     ) -> tuple[torch.Tensor, ...]:
         """The captured function: the upload's views (see _search_host), `first`'s row function over its fields,
         the tables' pairs written and their rows read, the caller's search."""
@@ -497,6 +500,8 @@ class SearchRunner:
         parts = iter(rest)
         if first is not None:  # (before the tables' rows are read: it may append to them)
             first.fn(*first_ints.view(fi, r), *first_tensors.view(ft, r))
+        if patch is not None:
+            patch(grids, lens, real)
         for n in names:  # the pairs the rows lack, then the rows read
             held[n].table.view(-1).index_put_((table_rows[n][1],), next(parts))
         grids.update({n: next(parts).view(bb, w) for n, w in tensor_grids})

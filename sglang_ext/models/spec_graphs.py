@@ -5,6 +5,7 @@ Step N's verify graph (`SpecVerify`, on the target's GraphRunner) leaves in `Spe
 
     lens[i]          its accepted path's length L (root + accepted drafts: the KV slots kept; tokens: drafts + bonus)
     tokens[i, :L]    the accepted drafts, then the bonus token (the next root)
+    inputs[i, :L]    the path's nodes' tokens: the root, then the accepted drafts (the tokens whose K/V is kept)
     slots[i, :L]     the target KV slots of the path's nodes
     feats[i, :L]     the target's captured layers at the path's nodes, side by side [F] (a drafter's features)
 
@@ -41,15 +42,15 @@ class SpecFuture:
 
     lens: torch.Tensor  # [Bmax] int64
     tokens: torch.Tensor  # [Bmax, WIDTH] int64
+    inputs: torch.Tensor  # [Bmax, WIDTH] int64
     slots: torch.Tensor  # [Bmax, WIDTH] int64
     feats: torch.Tensor  # [Bmax, WIDTH, F]
 
     @classmethod
     def make(cls, rows: int, features: int, dtype: torch.dtype, device) -> "SpecFuture":
         z = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=device)  # noqa: E731
-        return cls(
-            z(rows), z(rows, WIDTH), z(rows, WIDTH), torch.zeros(rows, WIDTH, features, dtype=dtype, device=device)
-        )
+        feats = torch.zeros(rows, WIDTH, features, dtype=dtype, device=device)
+        return cls(z(rows), z(rows, WIDTH), z(rows, WIDTH), z(rows, WIDTH), feats)
 
 
 def spec_future(g: GraphRunner) -> SpecFuture:
@@ -161,13 +162,14 @@ def _verify_fn(g: GraphRunner, fut: SpecFuture, key: tuple, bufs: dict, kv):
     nodes, path = nodes[:, :w], path[:, :w]
     at = nodes.clamp(min=0)
     real = rows > 0
-    feats = torch.cat([out.captured[l] for l in g.capture_layers], -1).view(b, n, -1)
-    f = feats.shape[2]
     keep = lambda dst, new: dst.copy_(torch.where(real.view(-1, *[1] * (new.dim() - 1)), new, dst))  # noqa: E731
     keep(fut.lens[:b], (nodes >= 0).sum(1))
     keep(fut.tokens[:b, :w], path)
+    keep(fut.inputs[:b, :w], tokens.gather(1, at))
     keep(fut.slots[:b, :w], grid.gather(1, at))
-    keep(fut.feats[:b, :w], feats.gather(1, at[..., None].expand(b, w, f)))
+    if g.capture_layers:  # (a drafter's features: EAGLE-3's; MoA reads the target's K/V at the slots instead)
+        feats = torch.cat([out.captured[l] for l in g.capture_layers], -1).view(b, n, -1)
+        keep(fut.feats[:b, :w], feats.gather(1, at[..., None].expand(b, w, feats.shape[2])))
     return out, torch.cat([nodes, path, bad.long()[:, None]], 1)
 
 

@@ -1,11 +1,11 @@
-"""The overlapped loop's drafted steps (serving/spec_step.py): a greedy EAGLE-3 step N+1 (its draft-extend of step N's
-accepted tokens, its search, its verify) is issued before step N's accept results are read, each step's results come
-up in one device-to-host copy, and every request's output is the loop without overlap's.
+"""The overlapped loop's drafted steps (serving/spec_step.py): a greedy EAGLE-3 or MoA step N+1 (the drafter's commit
+of step N's accepted tokens with its search, then the verify) is issued before step N's accept results are read, each
+step's results come up in one device-to-host copy, and every request's output is the loop without overlap's.
 
 On the CPU the device is `helpers.QueuedStream` (the target's and the drafter's graphs, fills, table writes and copies
 queued and run in order by a worker thread only once the host waits): a host read of device state outside the step's
 copy sees stale values, and so does the device of host state changed after the launch that reads it, so the outputs
-would differ. The real SmolLM2 target (fp32) with the shipped EAGLE-3 head decodes short chat prompts that end every
+would differ. The real SmolLM2 target (fp32) with the shipped EAGLE-3 and MoA heads decodes chat prompts that end every
 way: max_tokens, EOS, a stop id, an abort mid-batch, and an arrival mid-batch (a prefill, which first reads the step
 in flight). The loop without overlap runs on the CPU's synchronous stream: the engine's ordinary drafted step. The
 `gpu` cases run the same scenario on CUDA's stream with captured graphs.
@@ -41,21 +41,21 @@ LATE = ("Reply with one word: yes or no?", SamplingParams(max_new_tokens=8))  # 
 ARRIVE_AFTER, ABORT_AFTER = 3, 8  # engine steps
 
 
-def _engine(target, overlap: bool, stream=None) -> Engine:
-    """EAGLE-3 on the graph runner's static path (the CPU: on `stream`, or its synchronous one), its search static.
+def _engine(target, overlap: bool, stream=None, drafter: str = "eagle3") -> Engine:
+    """The drafter on the graph runner's static path (the CPU: on `stream`, or its synchronous one), its search static.
     prefill "separate": every decode step of both loops replays the graphs (the CPU's eager mixed forward rounds
     differently from them)."""
     config = EngineConfig(overlap=overlap, prefill="separate", kv_slots=2048, tree=TREE, adaptive=False)
-    eng = Engine(target, make_drafter("eagle3", target), config)
+    eng = Engine(target, make_drafter(drafter, target), config)
     if eng.runner.graph_runner is None:  # (the CPU: the graph runner's static path run eagerly)
         eng.runner.graph_runner = GraphRunner(eng.model, eng.capture_layers, stream=stream)
         eng.drafter.step_graphs = True
     return eng
 
 
-def _scenario(target, overlap: bool, stream=None):
+def _scenario(target, overlap: bool, stream=None, drafter: str = "eagle3"):
     """The requests above through Engine.step -> (the engine, its requests)."""
-    eng = _engine(target, overlap, stream)
+    eng = _engine(target, overlap, stream, drafter)
     encode = lambda text: target.encode_chat([{"role": "user", "content": text}])  # noqa: E731
     reqs = [eng.add_request(encode(t), p) for t, p in REQUESTS]
     steps = 0
@@ -79,19 +79,20 @@ def _summary(eng: Engine, reqs) -> list:
     return [(r.output_ids, r.finish_reason) for r in reqs] + stats + [eng.prefix_cache.tokens, len(eng.drafter.kept)]
 
 
-@pytest.fixture(scope="module")
-def runs(smollm2_fp32):
-    """The scenario without overlap (the synchronous stream), with it, and with each chained step read at once (the
-    chain never continued: every drafted step launched and read in its own Engine.step), the last two on stand-in
-    streams of their own."""
-    out = {"plain": (*_scenario(smollm2_fp32, False), None)}
+@pytest.fixture(scope="module", params=["eagle3", "moa"])
+def runs(smollm2_fp32, request):
+    """Per drafter, the scenario without overlap (the synchronous stream), with it, and with each chained step read at
+    once (the chain never continued: every drafted step launched and read in its own Engine.step), the last two on
+    stand-in streams of their own."""
+    drafter = request.param
+    out = {"plain": (*_scenario(smollm2_fp32, False, None, drafter), None)}
     for name in ("overlap", "at_once"):
         stream = QueuedStream()
         step = OverlappedLoop.step
         try:
             if name == "at_once":
                 OverlappedLoop.step = lambda self: None  # (Engine._run's chained step, read at once)
-            eng, reqs = _scenario(smollm2_fp32, True, stream)
+            eng, reqs = _scenario(smollm2_fp32, True, stream, drafter)
         finally:
             OverlappedLoop.step = step
             stream.close()
@@ -109,8 +110,8 @@ def test_the_drafted_scenario_ends_requests_every_way(runs):
 
 @pytest.mark.parametrize("name", ["overlap", "at_once"])
 def test_overlapped_drafted_outputs_equal_the_plain_loop(runs, name):
-    """Token for token, finish reasons, verify steps, drafts and acceptance, the prefix cache's tokens, the drafter's
-    kept pairs; no slot of the target's or the drafter's pools leaked."""
+    """Token for token, finish reasons, verify steps, drafts and acceptance, the prefix cache's tokens, what the
+    drafter keeps beside it; no slot of the target's or the drafter's pools leaked."""
     eng, reqs, stream = runs[name]
     assert _summary(eng, reqs) == _summary(*runs["plain"][:2])
     assert stream.copies == eng.runner.graph_runner.runs > 0  # (every verify a chained spec step's)
@@ -127,7 +128,7 @@ def _order(stream: QueuedStream) -> tuple[list[int], list[int]]:
 
 
 def test_drafted_step_n_plus_1_is_issued_before_step_n_is_read(runs):
-    """Overlapped: every drafted step is read after the next one's graphs (the draft-extend with the search, the
+    """Overlapped: every drafted step is read after the next one's graphs (the drafter's commit with the search, the
     verify) and copy were issued, but the one read when the arrival came (nothing issued after it) and the one
     decoded beside the arrival's prefill (read at once). Read at once, none is."""
     stream = runs["overlap"][2]
@@ -142,7 +143,7 @@ def test_drafted_step_n_plus_1_is_issued_before_step_n_is_read(runs):
 @pytest.mark.parametrize("name", ["overlap", "at_once"])
 def test_one_device_to_host_copy_per_drafted_step(runs, name):
     """A copy per drafted step (its verify), each read once at most, two graph replays per step (the drafter's
-    extend and search, the target's verify); overlapped, only the last (surplus) copy is never read."""
+    commit and search, the target's verify); overlapped, only the last (surplus) copy is never read."""
     eng, reqs, stream = runs[name]
     reads = [i for kind, i in stream.log if kind == "read"]
     assert reads == list(range(1, stream.copies + 1 - (name == "overlap")))
@@ -162,7 +163,7 @@ def test_chaining_takes_greedy_drafted_steps_only(smollm2_fp32):
         eng.config = replace(eng.config, overlap=False)
         assert not eng.overlap.applies() and not spec_chains(eng, [greedy])
         lookup = Engine(smollm2_fp32, make_drafter("ngram", smollm2_fp32), EngineConfig(prefill="separate"))
-        assert not getattr(lookup.drafter, "chains", False)
+        assert not getattr(lookup.drafter, "chains", False) and make_drafter("moa", smollm2_fp32).chains
     finally:
         stream.close()
 
@@ -180,11 +181,12 @@ def cuda_target():
 
 
 @pytest.mark.gpu
-def test_gpu_overlapped_drafted_outputs_equal_the_plain_loop(cuda_target):
+@pytest.mark.parametrize("drafter", ["eagle3", "moa"])
+def test_gpu_overlapped_drafted_outputs_equal_the_plain_loop(cuda_target, drafter):
     """Tokens, finish reasons and the prefix cache as the loop without overlap (its ordinary drafted step, the same
     graphs' kinds captured); every verify a chained spec step with one copy."""
-    plain = _scenario(cuda_target, False)
-    eng, reqs = _scenario(cuda_target, True)
+    plain = _scenario(cuda_target, False, None, drafter)
+    eng, reqs = _scenario(cuda_target, True, None, drafter)
     g = eng.runner.graph_runner
     assert g.graphs and eng.runner.stream.copies == g.runs > 0
     assert slots_whole(eng) and drafter_pools_whole(eng.drafter)
