@@ -13,8 +13,9 @@ and a [B, 2W + 1] result for the step's one device-to-host copy (per request its
 and whether its tree was a faulty drafter's). Step N+1 reads them on the device, each request at its row of step
 N (`prev`): its verify writes step N's accepted drafts' slots into the slot table after step N's root and its own
 root after them (the prefix length base + L on the device; base: the committed tokens before step N, which the
-host knows); the drafter's draft-extend (`FutureExtendRunner`) takes W rows per request of which the first L are
-real (tokens and features from the future, the rest padding: slot 0), so the search after it starts at the bonus.
+host knows); the drafter's commit of the path takes W rows per request of which the first L are real (EAGLE-3's
+draft-extend, `FutureExtendRunner`: tokens and features from the futures; MoA's commit rows: the path's node tokens
+and target slots, drafters/moa_graphs.py), the rest padding (slot 0), and the search after it starts at the bonus.
 A request with prev -1 starts a chain: its prefix is the host's (the rows it lacks written before the graph).
 Padding requests (table row 0) write only the scratch cell and leave the futures as they are, so a capture's
 padding batch changes nothing.
