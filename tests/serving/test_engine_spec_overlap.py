@@ -168,6 +168,40 @@ def test_chaining_takes_greedy_drafted_steps_only(smollm2_fp32):
         stream.close()
 
 
+@pytest.mark.parametrize("drafter", ["eagle3", "moa"])
+def test_a_step_fault_mid_chain_leaves_every_pool_whole(smollm2_fp32, monkeypatch, drafter):
+    """A chained step that fails at its launch (its verify, after the drafter's graph was issued) while the step
+    before it is in flight: the engine's reset (as the engine loop runs it) frees that step's trees and the drafter's
+    state of both, every request fails, nothing leaks."""
+    import serving.spec_step as spec_mod
+
+    real, calls = spec_mod.verify_spec, []
+
+    def verify_spec(*args):
+        calls.append(args[6] is not None)  # (chained: it reads a step in flight)
+        if sum(calls) == 2:
+            raise RuntimeError("device fault")
+        return real(*args)
+
+    monkeypatch.setattr(spec_mod, "verify_spec", verify_spec)
+    stream = QueuedStream()
+    try:
+        eng = _engine(smollm2_fp32, True, stream, drafter)
+        encode = lambda text: smollm2_fp32.encode_chat([{"role": "user", "content": text}])  # noqa: E731
+        reqs = [eng.add_request(encode(t), SamplingParams(max_new_tokens=40)) for t, _ in REQUESTS]
+        with pytest.raises(RuntimeError, match="device fault"):
+            for _ in range(10):
+                eng.step()
+        assert isinstance(eng.overlap.inflight, Chained) and eng.overlap.inflight.live
+        pool = eng.kv
+        eng.reset()
+    finally:
+        stream.close()
+    assert all(r.finish_reason == "error" for r in reqs) and eng.overlap.inflight is None
+    assert eng.kv is pool, "KV slots leaked (the pool was rebuilt)"
+    assert slots_whole(eng) and drafter_pools_whole(eng.drafter)
+
+
 # --- on CUDA: the same scenario on the device's stream, graphs captured ---------------------------------------
 
 
