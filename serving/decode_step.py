@@ -38,6 +38,15 @@ from .sampler import Sampler
 from .spec_worker import SpecWorker
 
 
+def replayed_step(engine, reqs: list[Request]) -> list[StepEvent] | None:
+    """A step of these decoding requests (no prompt chunk) replayed whole and read at once: a plain greedy decode
+    step, or a chained spec step where the overlapped loop applies (spec_step.py); None: neither ran (the engine's
+    ordinary step runs)."""
+    if plain_decode(engine, reqs):
+        return decode_step(engine, reqs)
+    return spec_step.spec_step(engine, reqs) if spec_step.spec_chains(engine, reqs) else None
+
+
 def plain_decode(engine, reqs: list[Request]) -> bool:
     """Whether a step of these decoding requests (no prompt chunk) takes `decode_step`."""
     return (

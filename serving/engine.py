@@ -39,7 +39,7 @@ from sglang_ext.tree import TokenTree
 from sglang_ext.verify import AcceptedPath, to_host
 
 from .config import EngineConfig
-from .decode_step import OverlappedLoop, decode_step, plain_decode
+from .decode_step import OverlappedLoop, replayed_step
 from .kv_manager import KVManager
 from .model_runner import ForwardBatch, ModelRunner
 from .request import (  # (the request's data: callers import them from the engine too)
@@ -54,7 +54,6 @@ from .request import (  # (the request's data: callers import them from the engi
 )
 from .sampler import Sampler
 from .scheduler import Scheduler
-from .spec_step import spec_chains, spec_step
 from .spec_worker import SpecWorker
 
 __all__ = [
@@ -264,9 +263,7 @@ class Engine:
         reads nothing back; `to_host` then copies every request's result at once (the step's one
         device-to-host copy, output logprobs included when asked) and the bookkeeping after it is host
         work. Prompt logprobs and grammar masks (built by xgrammar on the host) add reads of their own."""
-        if not chunks and plain_decode(self, reqs):
-            return decode_step(self, reqs)
-        if not chunks and spec_chains(self, reqs) and (events := spec_step(self, reqs)) is not None:
+        if not chunks and (events := replayed_step(self, reqs)) is not None:
             return events
         t0 = time.perf_counter()
         option, shape = self.spec.choose_shape(len(reqs))

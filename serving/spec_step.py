@@ -46,7 +46,7 @@ def spec_chains(engine, reqs: list[Request], prev: "Chained | None" = None) -> b
     """Whether a step of these decoding requests (no prompt chunk) is a chained spec step (after `prev`, the
     chained step in flight, when given: then every request must be in it)."""
     d, g, shape = engine.drafter, engine.runner.graph_runner, engine.spec.tree
-    if g is None or d is None or not getattr(d, "chains", False) or not engine.overlap.applies() or not reqs:
+    if g is None or d is None or not d.chains or not engine.overlap.applies() or not reqs:
         return False
     if type(engine.sampler) is not Sampler or type(engine.spec) is not SpecWorker or engine.spec.policy is not None:
         return False

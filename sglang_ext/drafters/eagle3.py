@@ -96,7 +96,6 @@ class Eagle3Drafter(Drafter):
         self._held: HeldSlots | None = None  # its temporary slots, held for good
         # the draft-extend of verified pairs (one graph), its requests' slots in a table on the device
         self._extender: FutureExtendRunner | None = None
-        self.stream = None  # where its graphs go (None: the device's own stream; use_stream)
 
     @classmethod
     def from_target(cls, target, path: str | os.PathLike | None = None) -> "Eagle3Drafter":

@@ -45,7 +45,6 @@ class MoAGraphs:
     """MoADrafter's static paths (it holds the pools, parts and request states these read and write)."""
 
     chains = True  # a greedy static search's step chains in the overlapped loop (propose_chained)
-    stream = None  # where its graphs go (None: the device's own stream; use_stream)
 
     def _static_pass(self, tokens: torch.Tensor, at: PassSlots) -> torch.Tensor:
         """A draft pass (draft-vocab logits [n, Vd]) from the step runner; the eager pass over planned

@@ -163,7 +163,7 @@ def test_chaining_takes_greedy_drafted_steps_only(smollm2_fp32):
         eng.config = replace(eng.config, overlap=False)
         assert not eng.overlap.applies() and not spec_chains(eng, [greedy])
         lookup = Engine(smollm2_fp32, make_drafter("ngram", smollm2_fp32), EngineConfig(prefill="separate"))
-        assert not getattr(lookup.drafter, "chains", False) and make_drafter("moa", smollm2_fp32).chains
+        assert not lookup.drafter.chains and make_drafter("moa", smollm2_fp32).chains
     finally:
         stream.close()
 
