@@ -18,7 +18,8 @@ row i of the previous step), its slots are allocated and appended to the request
 step's tokens still come up in one copy (queued behind the step, read after the next is issued). A request
 that step N ends (EOS, a stop id, its length, a fault of its own) or that is aborted before step N+1 is read
 was launched in step N+1 too: that step's token for it is dropped unread and its slot freed, so its output,
-slots, stats and what the prefix cache takes are those of the loop without overlap. A step that is not a
+slots, stats and what the prefix cache takes are those of the loop without overlap. Greedy drafted steps chain
+the same way (serving/spec_step.py); the loop keeps one step in flight, of either kind. A step that is not a
 plain decode of the running requests (an arrival's prefill, a request that is not plain greedy, a batch
 outside the buckets) first reads the step in flight, alone in its Engine.step when it brings tokens."""
 
@@ -31,9 +32,19 @@ import torch
 from sglang_ext.device import HostCopy, grow
 from sglang_ext.verify import tokens_to_host
 
+from . import spec_step
 from .request import Request, RequestFault, StepEvent, fail
 from .sampler import Sampler
 from .spec_worker import SpecWorker
+
+
+def replayed_step(engine, reqs: list[Request]) -> list[StepEvent] | None:
+    """A step of these decoding requests (no prompt chunk) replayed whole and read at once: a plain greedy decode
+    step, or a chained spec step where the overlapped loop applies (spec_step.py); None: neither ran (the engine's
+    ordinary step runs)."""
+    if plain_decode(engine, reqs):
+        return decode_step(engine, reqs)
+    return spec_step.spec_step(engine, reqs) if spec_step.spec_chains(engine, reqs) else None
 
 
 def plain_decode(engine, reqs: list[Request]) -> bool:
@@ -112,11 +123,12 @@ def drop(engine, step: Launched, r: Request) -> None:
 
 
 class OverlappedLoop:
-    """The engine's overlapped loop (the module docstring): the plain decode step in flight, if any."""
+    """The engine's overlapped loop (the module docstring): the step in flight, if any: a plain decode step, or a
+    drafter's chained spec step (serving/spec_step.py: the same loop for greedy drafted steps)."""
 
     def __init__(self, engine):
         self.engine = engine
-        self.inflight: Launched | None = None
+        self.inflight: Launched | spec_step.Chained | None = None
 
     def applies(self) -> bool:
         stream = self.engine.runner.stream
@@ -127,29 +139,47 @@ class OverlappedLoop:
         in flight then)."""
         eng, prev = self.engine, self.inflight
         running = eng.scheduler.running
-        chain = self.applies() and bool(running) and not eng.scheduler.waiting and plain_decode(eng, running)
-        if not chain:
+        kind = None  # (the module whose steps chain now)
+        if self.applies() and running and not eng.scheduler.waiting:
+            if plain_decode(eng, running):
+                kind = PLAIN
+            elif spec_step.spec_chains(eng, running, prev if isinstance(prev, spec_step.Chained) else None):
+                kind = spec_step
+        if kind is None or (prev is not None and not isinstance(prev, kind.Launched)):
             if prev is None:
                 return None
             self.inflight = None
-            return finish(eng, prev) or None  # (only surplus tokens: the step runs as usual)
+            return self._finish(prev) or None  # (only surplus tokens: the step runs as usual)
         # (nothing waits: the scheduler's batch is the running requests' decode, its state kept as every step's)
         ((reqs, _),) = eng.scheduler.schedule(eng.kv_manager.match_prefix)
         if prev is None:
-            prev = self.inflight = launch(eng, reqs)
-        self.inflight = launch(eng, reqs, prev)  # NOTE: step N+1 issued before step N's tokens are read
-        return finish(eng, prev, self.inflight)
+            prev = self.inflight = kind.launch(eng, reqs)
+            if prev is None:  # (a drafter fault: its requests decode without it from now on)
+                return []
+        self.inflight = kind.launch(eng, reqs, prev)  # NOTE: step N+1 issued before step N's tokens are read
+        return kind.finish(eng, prev, self.inflight)
+
+    def _finish(self, step) -> list[StepEvent]:
+        return (spec_step if isinstance(step, spec_step.Chained) else PLAIN).finish(self.engine, step)
 
     def drop(self, r: Request) -> None:
         """r ends now (an abort, a release): its token in the step in flight is dropped and its slot freed."""
         if self.inflight is not None:
-            drop(self.engine, self.inflight, r)
+            (spec_step if isinstance(self.inflight, spec_step.Chained) else PLAIN).drop(self.engine, self.inflight, r)
 
     def clear(self) -> None:
         """After a step fault: nothing in flight (the device's work issued so far is waited for, faults ignored)."""
         if self.inflight is not None:
-            self.inflight = None
+            step, self.inflight = self.inflight, None
             try:
                 self.engine.runner.stream.synchronize()
             except Exception:  # noqa: BLE001 - the engine is starting again from a clean state
                 pass
+            if isinstance(step, spec_step.Chained):  # (its trees' slots are held by the step alone)
+                spec_step.clear(self.engine, step)
+
+
+class PLAIN:
+    """This module's plain decode steps, as the loop chains them (spec_step's functions have the same names)."""
+
+    Launched, launch, finish, drop = Launched, staticmethod(launch), staticmethod(finish), staticmethod(drop)

@@ -39,7 +39,7 @@ from sglang_ext.tree import TokenTree
 from sglang_ext.verify import AcceptedPath, to_host
 
 from .config import EngineConfig
-from .decode_step import OverlappedLoop, decode_step, plain_decode
+from .decode_step import OverlappedLoop, replayed_step
 from .kv_manager import KVManager
 from .model_runner import ForwardBatch, ModelRunner
 from .request import (  # (the request's data: callers import them from the engine too)
@@ -120,7 +120,7 @@ class Engine:
         )
         if self.runner.graph_runner is not None and drafter is not None and drafter.captures_steps:
             drafter.step_graphs = True  # a drafter with a captured step replays it too
-        self.overlap = OverlappedLoop(self)  # plain decode steps issued before the last one is read (config.overlap)
+        self.overlap = OverlappedLoop(self)  # steps issued before the last is read (config.overlap)
 
     # --- the parts' state, by the names callers read ---------------------------------------------
     @property
@@ -211,7 +211,7 @@ class Engine:
         """The request's hold on the pool ends: its computed tokens go into the prefix cache (the drafter keeping
         its state of those the cache took, if it keeps any), the rest of its slots are freed. (A request that
         failed part-way through a chunked prefill is still waiting.)"""
-        self.overlap.drop(req)  # (its token in a decode step in flight, if any, is never read)
+        self.overlap.drop(req)  # (its work in a step in flight, if any, is never read)
         drafted = self.scheduler.remove(req) and self.drafter is not None and req.drafting
         self.runner.release(req)
         taken = self.kv_manager.cache_finished_req(req)
@@ -263,8 +263,8 @@ class Engine:
         reads nothing back; `to_host` then copies every request's result at once (the step's one
         device-to-host copy, output logprobs included when asked) and the bookkeeping after it is host
         work. Prompt logprobs and grammar masks (built by xgrammar on the host) add reads of their own."""
-        if not chunks and plain_decode(self, reqs):
-            return decode_step(self, reqs)
+        if not chunks and (events := replayed_step(self, reqs)) is not None:
+            return events
         t0 = time.perf_counter()
         option, shape = self.spec.choose_shape(len(reqs))
         t_propose = time.perf_counter()

@@ -125,6 +125,10 @@ class Drafter:
     edge: bool = False  # serves edge decoding: edge_context on the server, ingest_context on the client
     edge_client_ready: bool = False  # this object can run on an edge client (for_edge_client() makes one)
     drafts_offline: bool = False  # an edge client's drafter drafts on while the server is out of reach
+    # its greedy static step chains in the overlapped loop: drafted from the previous step's accepted path on the
+    # device (serving/spec_step.py: use_stream, chain_fits, propose_chained, commit_chained, drop_chained)
+    chains: bool = False
+    stream = None  # where its graphs go (None: the device's own stream; use_stream)
 
     def add_request(self, rid: int, capture: TargetCapture) -> None:
         raise NotImplementedError
@@ -150,6 +154,28 @@ class Drafter:
     def stop_learning(self) -> None:
         """Stop learning from served outputs (a benchmark repeats its prompts: a drafter that learned their
         answers would be scored on what it has seen); nothing to stop by default."""
+
+    # --- the overlapped loop's chained steps (chains) -------------------------------------------------------
+    def use_stream(self, stream) -> None:
+        """Its graphs go on `stream` (the target's, so that they are ordered with the verify's)."""
+        raise DrafterError(f"{self.name or type(self).__name__}: does not chain")
+
+    def chain_fits(self, rids: list[int], shape: TreeShape, chained: bool) -> bool:
+        """Whether a chained step of these requests (chained: after another, from its futures) replays whole."""
+        return False
+
+    def propose_chained(self, batch: list[DraftInput], shape: TreeShape, fut, prev: list[int]) -> list[TokenTree]:
+        """The trees of a chained step: its commit of the previous step's accepted path, read on the device from
+        `fut` (models/spec_graphs.SpecFuture) at each request's row `prev`, then the search (packed trees)."""
+        raise DrafterError(f"{self.name or type(self).__name__}: does not chain")
+
+    def commit_chained(self, rid: int, n: int, slots: torch.Tensor | None = None) -> None:
+        """The previous step's path is read: n of the chained step's commit rows were real (slots: their target
+        slots); the rest of what it took goes back."""
+
+    def drop_chained(self, rid: int, committed: int = 0) -> None:
+        """The request ends before its chained step is read: what that step took goes back, and the last
+        `committed` rows committed when the step before it was read."""
 
     # --- a merged drafter's members -----------------------------------------------------------------
     def member_stats(self) -> dict:

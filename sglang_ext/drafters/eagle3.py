@@ -31,11 +31,12 @@ from ..attention import FrontierPaths, advance_seen, causal_masks, plan_flat, pl
 from ..device import grow, module_on, rejoin, upload
 from ..kernels import attach_bf16_halves, attach_q8, q8_eagle3_layer
 from ..models.checkpoint import check_fits
-from ..models.draft_graphs import ExtendRunner, FrontierRunner, HeldSlots, SearchBuffers, SearchRunner
+from ..models.draft_graphs import FrontierRunner, HeldSlots, SearchBuffers, SearchRunner
 from ..models.eagle3 import Eagle3Draft, load_eagle3
-from ..models.graph_runner import static_attention, static_plan
+from ..models.graph_runner import GraphCache, static_attention, static_plan
 from ..models.kv_pool import KVPool
 from ..models.llama import LlamaModel
+from ..models.spec_graphs import WIDTH, FutureExtendRunner, SpecFuture
 from ..settings import settings
 from ..tree import TokenTree, TreeShape, search_candidates, tree_batch, unpack_trees
 from .base import Drafter, DrafterError, DraftInput, TargetCapture
@@ -56,12 +57,14 @@ class _RequestState:
         # tokens (fused at the next propose, the whole batch's in one call), or fused [m, H] (an edge client's)
         self.pending: list[dict[int, torch.Tensor] | torch.Tensor] = []
         self.borrowed = 0  # leading pairs adopted from the kept state (never freed by the request)
+        self.future: torch.Tensor | None = None  # a chained step's pairs' slots [W], until its path is read
 
 
 class Eagle3Drafter(Drafter):
     name = "eagle3"
     keeps_prefix_state = True  # processed pairs of prefix-cached tokens, by target slot
     captures_steps = True
+    chains = True  # a greedy static search's step chains in the overlapped loop (propose_chained)
     edge = edge_client_ready = True  # an edge client gets the fused features of verified tokens
 
     def __init__(self, target: LlamaModel, draft: Eagle3Draft, num_slots: int = 32768):
@@ -92,7 +95,7 @@ class Eagle3Drafter(Drafter):
         self._search: SearchRunner | None = None  # the whole search in one static function (one graph)
         self._held: HeldSlots | None = None  # its temporary slots, held for good
         # the draft-extend of verified pairs (one graph), its requests' slots in a table on the device
-        self._extender: ExtendRunner | None = None
+        self._extender: FutureExtendRunner | None = None
 
     @classmethod
     def from_target(cls, target, path: str | os.PathLike | None = None) -> "Eagle3Drafter":
@@ -142,6 +145,7 @@ class Eagle3Drafter(Drafter):
         self._forget(rid)
         st = self.reqs.pop(rid, None)
         if st is not None:
+            self.drop_chained_state(st)
             self.kv.free(st.slots[st.borrowed :])
 
     def release_request(self, rid: int, taken: torch.Tensor) -> None:
@@ -150,6 +154,7 @@ class Eagle3Drafter(Drafter):
         self._forget(rid)
         st = self.reqs.pop(rid, None)
         if st is not None:
+            self.drop_chained_state(st)
             keep_or_free(self.kept, [st.slots], st.borrowed, taken[1:])
 
     def drop_prefix(self, slots: torch.Tensor) -> None:
@@ -260,13 +265,7 @@ class Eagle3Drafter(Drafter):
         """The pending pairs through the extend runner (one graph; prefixes from its table on the device): each
         request's root pair's output [b, H] (shape given: the search in the same graph, its trees), or None when
         no bucket fits. old: the requests' slots before them."""
-        if self._extender is None:
-
-            def step(ids, feat, pos, slots, plan):
-                return (self._layer(ids, self.draft.fuse(feat), pos, slots, plan, static_attention),)
-
-            self._extender = ExtendRunner(step, self.target.device, self.target.cfg.max_position)
-        bk = self._extender.bucket_of(m, [s.numel() for s in old])
+        bk = self._extend_runner().bucket_of(m, [s.numel() for s in old])
         if bk is None:
             return None
         # (each layer's rows of the step's commits: one gather's rows, split per request; rejoined without a copy)
@@ -277,23 +276,110 @@ class Eagle3Drafter(Drafter):
         feat = feat if feat.dtype == self.target.dtype else feat.to(self.target.dtype)
         then = None
         if shape is not None:  # the search after it, each root from its last pair (the request's last token)
-            held = self._held_slots().take(bk[0], (shape.depth - 1) * shape.topk)
-
-            def search(last, e):
-                bufs = SearchBuffers(
-                    {"root": torch.stack([e.last_ids, e.prefix_len], 1)},
-                    {"draft": (e.prefix, e.prefix_len)},
-                    {"out": last[0]},
-                    e.real,
-                )
-                return self._search_fn(bufs, shape, held)
-
-            then = (shape, search, (held,))
+            then = self._then_search(shape, bk[0])
         out = self._extender.run([d.rid for d in batch], ids, pos, new, m, old, feat, (self.kv,), then)
         if then is None:
             return out[0]
         longs, mask, scores, finite = out
         return unpack_trees(longs, mask, scores, finite, len(batch))
+
+    def _extend_runner(self) -> FutureExtendRunner:
+        if self._extender is None:
+
+            def step(ids, feat, pos, slots, plan):
+                return (self._layer(ids, self.draft.fuse(feat), pos, slots, plan, static_attention),)
+
+            self._extender = self._on_stream(FutureExtendRunner(step, self.target.device, self.target.cfg.max_position))
+        return self._extender
+
+    def _then_search(self, shape: TreeShape, bb: int) -> tuple:
+        """ExtendRunner's `then` for the search after a draft-extend of a padded batch of bb requests."""
+        held = self._held_slots().take(bb, (shape.depth - 1) * shape.topk)
+
+        def search(last, e):
+            bufs = SearchBuffers(
+                {"root": torch.stack([e.last_ids, e.prefix_len], 1)},
+                {"draft": (e.prefix, e.prefix_len)},
+                {"out": last[0]},
+                e.real,
+            )
+            return self._search_fn(bufs, shape, held)
+
+        return shape, search, (held,)
+
+    # --- chained steps: the overlapped loop's (serving/spec_step.py, models/spec_graphs.py) ----------------------
+    def use_stream(self, stream) -> None:
+        """The drafter's graphs go on `stream` (the target's: the overlapped loop orders them with its verify)."""
+        self.stream = stream
+        for runner in (self._steps, self._search, self._extender):
+            self._on_stream(runner)
+
+    def _on_stream(self, runner):
+        if runner is not None and self.stream is not None and runner.cache.stream is not self.stream:
+            runner.cache = GraphCache(runner.cache.device, True, self.stream)
+        return runner
+
+    def chain_fits(self, rids: list[int], shape: TreeShape, chained: bool) -> bool:
+        """Whether a chained step's draft (chained: W = depth + 1 rows per request from the futures; else each
+        request's pending pairs) and search replay from one graph (ExtendRunner's buckets)."""
+        cpu_min_prob = shape.min_prob and self.target.device.type == "cpu"  # (see propose: the eager search)
+        if not self.step_graphs or cpu_min_prob or shape.depth + 1 > WIDTH or any(r not in self.reqs for r in rids):
+            return False
+        sts = [self.reqs[r] for r in rids]
+        if chained:
+            m = [shape.depth + 1] * len(sts)
+        elif all(st.pending and all(isinstance(p, dict) for p in st.pending) for st in sts):
+            m = [sum(_rows(p) for p in st.pending) for st in sts]
+        else:
+            return False
+        return self._extend_runner().bucket_of(m, [st.slots.numel() for st in sts]) is not None
+
+    @torch.inference_mode()
+    def propose_chained(self, batch: list[DraftInput], shape: TreeShape, fut: SpecFuture, prev: list[int]):
+        """The trees of a chained step: each request's pairs of the previous step's accepted path (read from `fut`
+        at its row `prev`, their W = depth + 1 slots taken now, kept once the path is read: commit_chained), then
+        the search, in one graph."""
+        sts, w = [self.reqs[d.rid] for d in batch], shape.depth + 1
+        old = [st.slots for st in sts]
+        new = self.kv.alloc(len(batch) * w)
+        for st, s in zip(sts, new.split(w)):
+            st.future = s
+        ext = self._extend_runner()
+        try:
+            bk = ext.bucket_of([w] * len(batch), [o.numel() for o in old])
+            positions = [o.numel() + j for o in old for j in range(w)]
+            rids = [d.rid for d in batch]
+            out = ext.run_future(rids, positions, new, w, old, prev, fut, (self.kv,), self._then_search(shape, bk[0]))
+        except BaseException:
+            for st in sts:
+                self.drop_chained_state(st)
+            raise
+        return unpack_trees(*out, len(batch))
+
+    def commit_chained(self, rid: int, n: int, slots: torch.Tensor | None = None) -> None:
+        """The previous step's path is read: the first n of its pairs' slots are the request's (the rest freed).
+        (slots: the path's target slots, which EAGLE-3 does not keep.)"""
+        st = self.reqs[rid]
+        if st.future is not None:
+            (st.slots,) = grow([st.slots], [st.future[:n]])
+            self.kv.free(st.future[n:])
+            st.future = None
+            self._extender.table.account(rid, st.slots.numel())
+
+    def drop_chained(self, rid: int, committed: int = 0) -> None:
+        """The request ended before a chained step of its was read: that step's pairs' slots go back, the last
+        `committed` of its slots too (that step's real pairs, committed when the step before it was read)."""
+        st = self.reqs.get(rid)
+        if st is not None:
+            self.drop_chained_state(st)
+            if committed:
+                self.kv.free(st.slots[-committed:])
+                st.slots = st.slots[:-committed]
+
+    def drop_chained_state(self, st: "_RequestState") -> None:
+        if st.future is not None:
+            self.kv.free(st.future)
+            st.future = None
 
     def _pending_features(self, items: list) -> torch.Tensor:
         """Fused features [sum m, H] of pending items in order: the captured ones fused in one call."""
@@ -337,7 +423,7 @@ class Eagle3Drafter(Drafter):
                 out = self._layer(ids, feat, rows["positions"], rows["slots"], plans["draft"], static_attention)
                 return out, self.draft.logits(out).float()
 
-            self._steps = FrontierRunner(step, self.target.device, self.target.cfg.max_position)
+            self._steps = self._on_stream(FrontierRunner(step, self.target.device, self.target.cfg.max_position))
         rows = {"positions": pos, "slots": slots}
         return self._steps.run(ids, feat, rows, {"draft": (prefixes, paths.slots, paths.seen)}, (self.kv,))
 
@@ -353,7 +439,7 @@ class Eagle3Drafter(Drafter):
         whole), the same trees as the step-by-step search; None when no bucket fits. Every step's
         temporary slots are the search's held slots (HeldSlots: request i's row, step after step)."""
         if self._search is None:
-            self._search = SearchRunner(self.target.device, self.target.cfg.max_position)
+            self._search = self._on_stream(SearchRunner(self.target.device, self.target.cfg.max_position))
         bk = self._search.bucket_of(len(batch), {"draft": max(p.numel() for p in prefixes)})
         if bk is None:
             return None

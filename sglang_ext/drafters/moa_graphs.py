@@ -7,6 +7,10 @@ draft_graphs.py). MoADrafter (drafters/moa.py) takes them in when the engine tur
     _static_search   the roots' pass and every search step in one graph per bucket (SearchRunner), its prefixes
                      read from those slot tables on the device, its SA temporaries at slots held for good
     _static_pass     one draft pass through the step runner (FrontierRunner), where the whole search fits no bucket
+
+A chained step (the overlapped loop's: serving/spec_step.py, models/spec_graphs.py) commits the previous step's
+accepted path from the device: W = depth + 1 rows a request, the first L real (their tokens and target slots from
+the futures), the rest padding; the search after it starts at the bonus token, its prefixes L longer on the device.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ import torch
 from ..attention import advance_seen, plan_frontier
 from ..device import grow, rejoin
 from ..models.draft_graphs import FrontierRunner, HeldSlots, SearchBuffers, SearchRunner
-from ..models.graph_runner import static_attention, static_plan, with_static_attention
+from ..models.graph_runner import GraphCache, static_attention, static_plan, with_static_attention
 from ..models.row_graphs import RowRunner, Rows
+from ..models.spec_graphs import WIDTH, SpecFuture
 from ..tree import TokenTree, TreeShape, search_candidates, tree_batch, unpack_trees
 from .base import DraftInput
 from .moa_core import (
@@ -39,6 +44,8 @@ from .search import Finite, top_k_search
 class MoAGraphs:
     """MoADrafter's static paths (it holds the pools, parts and request states these read and write)."""
 
+    chains = True  # a greedy static search's step chains in the overlapped loop (propose_chained)
+
     def _static_pass(self, tokens: torch.Tensor, at: PassSlots) -> torch.Tensor:
         """A draft pass (draft-vocab logits [n, Vd]) from the step runner; the eager pass over planned
         attention when no bucket fits."""
@@ -49,7 +56,7 @@ class MoAGraphs:
                 slots = PassSlots(rows["positions"], rows["sa_slots"], rows["tli_slots"], **plan_fields(plans))
                 return (draft_logits(static, draft_pass(static, self.kv, ids, slots)),)
 
-            self._steps = FrontierRunner(step, self.target.device, self.target.cfg.max_position)
+            self._steps = self._on_stream(FrontierRunner(step, self.target.device, self.target.cfg.max_position))
         rows = {"positions": at.positions, "sa_slots": at.sa_slots, "tli_slots": at.tli_slots}
         pools = (self.sa, self.mem, self.tli_kv)
         out = self._steps.run(tokens, None, rows, at.specs, pools)
@@ -70,7 +77,7 @@ class MoAGraphs:
 
     def _search_runner(self) -> SearchRunner:
         if self._search is None:
-            self._search = SearchRunner(self.target.device, self.target.cfg.max_position)
+            self._search = self._on_stream(SearchRunner(self.target.device, self.target.cfg.max_position))
             self._held = HeldSlots(self.sa)  # its temporary SA slots, held for good
         return self._search
 
@@ -93,7 +100,7 @@ class MoAGraphs:
             return self._flush(batch)
         names = self._commit_tables()
         if self._commits is None:
-            self._commits = RowRunner(self._commit_rows, 5 + len(names), self.target.device)
+            self._commits = self._on_stream(RowRunner(self._commit_rows, 5 + len(names), self.target.device))
         t = sum(sizes)
         if self._commits.bucket_of(t) is None:
             return self._flush(batch)  # (nothing queued: nothing to do)
@@ -149,7 +156,7 @@ class MoAGraphs:
         self.sa.k[0][sa], self.sa.v[0][sa] = k, v
 
     def _static_search(
-        self, batch: list[DraftInput], shape: TreeShape, commit: Rows | None = None
+        self, batch: list[DraftInput], shape: TreeShape, commit: Rows | None = None, chained: tuple = ()
     ) -> list[TokenTree] | None:
         """The deterministic search's trees from the search runner (the roots' pass and every search
         step in one function; a prepared commit first, in the same graph), the same trees as the pass-by-pass
@@ -177,7 +184,15 @@ class MoAGraphs:
             if commit is not None:
                 self._commits.runs += 1  # (in the search's graph)
             keys = [d.rid for d in batch]
-            out = self._search.run(shape, search, rows, prefixes, {}, pools, keys, first=commit)
+            if chained:  # (fut, prev): each request's root, length and prefixes from the previous step's path
+                rows["prev"] = [[p] for p in chained[1]]
+                patch = (id(chained[0]), lambda grids, lens, real: _chained_roots(chained[0], grids, lens, real))
+                extra = shape.depth + 1
+            else:
+                patch, extra = None, 0
+            out = self._search.run(
+                shape, search, rows, prefixes, {}, pools, keys, first=commit, patch=patch, extra=extra
+            )
         finally:
             for pool, s in temps:
                 pool.free(s)
@@ -232,3 +247,127 @@ class MoAGraphs:
         keep = scores >= shape.min_prob if shape.min_prob > 0 else None
         trees = tree_batch(roots, top, self.hot_ids[draft], scores, parent_flat, seq_lens, keep)
         return (*trees, (finite.flag | ~bufs.real).all())  # (padding requests aside)
+
+    # --- chained steps: the overlapped loop's (serving/spec_step.py, models/spec_graphs.py) ----------------------
+    def use_stream(self, stream) -> None:
+        """The drafter's graphs go on `stream` (the target's: the overlapped loop orders them with its verify)."""
+        self.stream = stream
+        for runner in (self._steps, self._search, self._commits, getattr(self, "_chained_commits", None)):
+            if runner is not None and runner.cache.stream is not stream:
+                runner.cache = GraphCache(runner.cache.device, True, stream)
+
+    def _on_stream(self, runner):
+        if self.stream is not None:
+            runner.cache = GraphCache(runner.cache.device, True, self.stream)
+        return runner
+
+    def chain_fits(self, rids: list[int], shape: TreeShape, chained: bool) -> bool:
+        """Whether a chained step's commit and search replay from one graph (chained: W = depth + 1 rows a request
+        from the futures; else the queued tokens' ordinary commit)."""
+        cpu_min_prob = shape.min_prob and self.target.device.type == "cpu"  # (propose's eager search)
+        if not self.step_graphs or cpu_min_prob or shape.depth + 1 > WIDTH or any(r not in self.reqs for r in rids):
+            return False
+        if self.capture_layers or self.remote or self.q8 is not None:
+            return False
+        sts, w = [self.reqs[r] for r in rids], shape.depth + 1
+        adds = [w if chained else sum(c.slots.numel() for c in st.pending) for st in sts]
+        if chained and (self._chained_runner().bucket_of(w * len(sts)) is None):
+            return False
+        lens = {"sa": max(st.sa_slots.numel() + k for st, k in zip(sts, adds))}
+        lens["ca"] = max(st.mem_slots.numel() + k for st, k in zip(sts, adds))
+        if self.tli_layers:
+            lens["tli"] = max(st.target_slots.numel() + k for st, k in zip(sts, adds))
+        return self._search_runner().bucket_of(len(sts), lens) is not None
+
+    def _chained_runner(self) -> RowRunner:
+        runner = getattr(self, "_chained_commits", None)
+        if runner is None:
+            fields = 7 + len(self._commit_tables())
+            runner = self._chained_commits = self._on_stream(RowRunner(self._chained_rows, fields, self.target.device))
+        return runner
+
+    @torch.inference_mode()
+    def propose_chained(self, batch: list[DraftInput], shape: TreeShape, fut: SpecFuture, prev: list[int]):
+        """The trees of a chained step: each request's commit of the previous step's accepted path (read from `fut`
+        at its row `prev`: W = depth + 1 rows, their memory and SA slots taken now and kept once the path is read:
+        commit_chained), then the search, in one graph."""
+        sts, w, b = [self.reqs[d.rid] for d in batch], shape.depth + 1, len(batch)
+        self._search_runner()
+        self._fut = fut
+        names = self._commit_tables()
+        held = {"sa": [st.sa_slots for st in sts], "ca": [st.mem_slots for st in sts]}
+        held["tli"] = [st.target_slots for st in sts]
+        rids = [d.rid for d in batch]
+        cells = [self._search.table(n).appended(rids, [x.numel() for x in held[n]], [w] * b)[0] for n in names]
+        mem, sa = self.mem.alloc(b * w), self.sa.alloc(b * w)
+        futures = self.__dict__.setdefault("_futures", {})
+        for d, m, a in zip(batch, mem.split(w), sa.split(w)):
+            futures[d.rid] = (m, a)
+        try:
+            pos = [st.target_slots.numel() + j for st in sts for j in range(w)]
+            row_prev = [p + 1 for p in prev for _ in range(w)]  # (+1: a padding row's 0 is no request's)
+            ints = [[0] * (b * w), pos, *cells, row_prev, list(range(w)) * b]
+            rows = self._chained_runner().prepare(ints, [torch.zeros(b * w, dtype=torch.long), mem, sa])
+            self._chained_commits.runs += 1  # (in the search's graph)
+            trees = self._static_search(batch, shape, rows, (fut, prev))
+            if trees is None:
+                raise RuntimeError("a chained MoA step fits no search bucket")
+        except BaseException:
+            for d in batch:
+                self.drop_chained(d.rid)
+            raise
+        return trees
+
+    def _chained_rows(self, ids, positions, *rest) -> None:
+        """The chained commit's row function (each [R] int64; padding 0): row r of request i is its path's node j
+        (rest: the tables' cells, prev + 1, j, then target slots, memory and SA slots), real below the path's
+        length; its token and target slot from the futures; the rest (padding) write the scratch slot and cell."""
+        fut = self._fut
+        *cells, prev1, j, target_slots, mem, sa = rest
+        pr = (prev1 - 1).clamp(min=0)
+        ok = (prev1 > 0) & (j < fut.lens[pr])
+        keep = lambda x: torch.where(ok, x, 0)  # noqa: E731
+        ids, slots = keep(fut.inputs[pr, j]), keep(fut.slots[pr, j])
+        self._commit_rows(ids, keep(positions), *(keep(c) for c in cells), slots, keep(mem), keep(sa))
+
+    def commit_chained(self, rid: int, n: int, slots: torch.Tensor | None = None) -> None:
+        """The previous step's path is read: its first n rows were real (slots: their target slots): their memory
+        and SA slots join the request's (the rest freed), the tables counted whole."""
+        m, a = self.__dict__.get("_futures", {}).pop(rid, (None, None))
+        st = self.reqs.get(rid)
+        if m is None or st is None:
+            return
+        parts = iter(grow([st.mem_slots, st.sa_slots, st.target_slots], [m[:n], a[:n], slots]))
+        st.mem_slots, st.sa_slots, st.target_slots = next(parts), next(parts), next(parts)
+        self.mem.free(m[n:])
+        self.sa.free(a[n:])
+        self.lsa_rows += n
+        for name, x in zip(("sa", "ca", "tli"), (st.sa_slots, st.mem_slots, st.target_slots)):
+            if name in self._commit_tables():
+                self._search.table(name).account(rid, x.numel())
+
+    def drop_chained(self, rid: int, committed: int = 0) -> None:
+        """The request ended before a chained step of its was read: that step's memory and SA slots go back, and the
+        last `committed` of its tokens' too (that step's real rows, committed when the step before it was read)."""
+        m, a = self.__dict__.get("_futures", {}).pop(rid, (None, None))
+        if m is not None:
+            self.mem.free(m)
+            self.sa.free(a)
+        st = self.reqs.get(rid)
+        if committed and st is not None:
+            self.mem.free(st.mem_slots[-committed:])
+            self.sa.free(st.sa_slots[-committed:])
+            st.mem_slots, st.sa_slots = st.mem_slots[:-committed], st.sa_slots[:-committed]
+            st.target_slots = st.target_slots[:-committed]
+
+
+def _chained_roots(fut: SpecFuture, grids: dict, lens: dict, real: torch.Tensor) -> None:
+    """A chained search's patch (SearchRunner.run's): each real request's root the previous path's bonus token, its
+    length and its prefixes L longer (L: that path's length, from the futures at the request's row)."""
+    pr = grids["prev"][:, 0].clamp(min=0)
+    n = torch.where(real, fut.lens[pr], 0)
+    root = grids["root"]
+    root[:, 0].copy_(torch.where(real, fut.tokens[pr, (n - 1).clamp(min=0)], root[:, 0]))
+    root[:, 1].add_(n)
+    for x in lens.values():
+        x.add_(n)

@@ -256,7 +256,7 @@ class ExtendRunner(_BucketedRunner):
         b, t = len(keys), feat.shape[0]
         longs, overflow, done = self.table.inputs(key, keys, q_lens, prefixes, [*ids, *positions], [slots], True)
         if overflow is not None:
-            self.table.write(overflow)
+            self.cache.stream.launch(self.table.write, overflow)
         device = self.cache.device
 
         def make() -> dict:
@@ -292,6 +292,12 @@ class ExtendRunner(_BucketedRunner):
         n = real.sum(1)
         ar = torch.arange(q, device=slots.device)
         feat = bufs["feat"][torch.where(real, (n.cumsum(0) - n)[:, None] + ar, 0).view(-1)]
+        return self._pass(key, ids, pos, slots, prefix, prefix_len, n, feat, ar, then)
+
+    def _pass(self, key, ids, pos, slots, prefix, prefix_len, n, feat, ar, then=None) -> tuple[torch.Tensor, ...]:
+        """The pass over the rows read (n [B]: each request's real rows, the first of its Q; ar: arange(Q) on the
+        device) -> its outputs at each request's last row (then: then(those, Extended))."""
+        b, q, _ = key
         causal = (ar[None, :] <= ar[:, None]).expand(b, q, q)  # row j sees rows 0..j of its request
         plan = static_plan(prefix, prefix_len, slots.view(b, q), causal)
         last = (n - 1).clamp(min=0) + torch.arange(b, device=slots.device) * q
@@ -413,11 +419,14 @@ class SearchRunner:
         keys: list | None = None,  # per request its key (a request id; forget() it when the request ends)
         tables: dict[str, SlotTable] | None = None,  # with keys: a caller's table for a plan (else the runner's)
         first: Rows | None = None,  # a row function the graph runs before the search (its fields in the upload)
+        patch: tuple | None = None,  # (tag, fn(grids, lens, real)): in the graph after `first`, before the tables
+        # are read, fn may rewrite the int grids and prefix lengths in place (a chained step's, from the device)
+        extra: int = 0,  # columns a patch may add to a prefix (the bucket covers them)
     ) -> tuple[torch.Tensor, ...] | None:
         """search's outputs for the padded batch (the b real requests first; see the class docstring), or None
         when no bucket fits (the caller searches step by step)."""
         b = len(next(iter(rows.values())))  # (the first rows are [b, n]; a tensor's may be flat [b*n])
-        bk = self.bucket_of(b, {n: max(p.numel() for p in pre) for n, pre in prefixes.items()})
+        bk = self.bucket_of(b, {n: max(p.numel() for p in pre) + extra for n, pre in prefixes.items()})
         if bk is None:
             return None
         if len(pools) != len(self._pools) or any(a is not c for a, c in zip(pools, self._pools)):
@@ -452,10 +461,10 @@ class SearchRunner:
                 bufs[n][:b].copy_(x)
 
         out = self.cache.run(
-            (bk, widths, specs, tuple((n, id(t)) for n, t in held.items()), key, first_shape),
+            (bk, widths, specs, tuple((n, id(t)) for n, t in held.items()), key, first_shape, patch and patch[0]),
             make,
             fill,
-            lambda bufs: self._static(bk, widths, specs, held, bufs, search, first),
+            lambda bufs: self._static(bk, widths, specs, held, bufs, search, first, patch and patch[1]),
         )
         for _, _, _, done in pairs.values():
             done()
@@ -468,7 +477,7 @@ class SearchRunner:
         return self.tables[name]
 
     def _static(
-        self, bk, widths, specs, held: dict, bufs: dict, search: SearchFn, first: Rows | None = None
+        self, bk, widths, specs, held: dict, bufs: dict, search: SearchFn, first: Rows | None = None, patch=None
     ) -> tuple[torch.Tensor, ...]:
         """The captured function: the upload's views (see _search_host), `first`'s row function over its fields,
         the tables' pairs written and their rows read, the caller's search."""
@@ -491,6 +500,8 @@ class SearchRunner:
         parts = iter(rest)
         if first is not None:  # (before the tables' rows are read: it may append to them)
             first.fn(*first_ints.view(fi, r), *first_tensors.view(ft, r))
+        if patch is not None:
+            patch(grids, lens, real)
         for n in names:  # the pairs the rows lack, then the rows read
             held[n].table.view(-1).index_put_((table_rows[n][1],), next(parts))
         grids.update({n: next(parts).view(bb, w) for n, w in tensor_grids})

@@ -137,6 +137,36 @@ class SlotTable:
 
         return longs, overflow, done
 
+    def catch_up(self, keys: list[Hashable], prefixes: list[torch.Tensor]) -> tuple[list[int], torch.Tensor | None]:
+        """(each key's row, the pairs [2, M] host int64 its row lacks of its prefix, or None): for a graph that
+        writes a row's next cells itself (models/spec_graphs.py); the host then counts the rows whole (`account`)."""
+        lens = [t.numel() for t in prefixes]
+        entries = self._rows(keys, lens)
+        at, src, base = [], [], 0
+        for (row, synced), m in zip(entries, lens):
+            at += range(row * self.width + synced, row * self.width + m)
+            src += range(base + synced, base + m)
+            base += m
+        if not at:
+            return [e[0] for e in entries], None
+        slots = torch.cat(prefixes)[torch.tensor(src, dtype=torch.long)]
+        return [e[0] for e in entries], torch.stack([torch.tensor(at, dtype=torch.long), slots])
+
+    def rows_of(self, keys: list[Hashable]) -> list[int] | None:
+        """Each key's row, when every key has one (None otherwise); the accounts stay as they are."""
+        entries = [self._known.get(k) for k in keys]
+        if any(e is None for e in entries):
+            return None
+        for k in keys:
+            self._known.move_to_end(k)
+        return [e[0] for e in entries]
+
+    def account(self, key: Hashable, synced: int) -> None:
+        """The key's row holds its first `synced` slots (a graph wrote cells the host learnt of later)."""
+        entry = self._known.get(key)
+        if entry is not None:
+            entry[1] = min(synced, self.width)
+
     def write(self, pairs: torch.Tensor) -> None:
         """pairs [2, M] host int64 (table indices, slots) into the table (outside a graph)."""
         at, slots = to_device(pairs, self.table.device).unbind(0)

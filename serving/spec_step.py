@@ -1,0 +1,187 @@
+"""A greedy drafted step whose accept results stay on the device (SGLang's spec v2), for the overlapped loop
+(serving/decode_step.py; `EngineConfig.overlap`, where the runner's stream is asynchronous): a drafter that
+chains (`chains`: EAGLE-3 and MoA, their greedy searches static) drafts step N+1 from step N's accepted path
+where the device left it, so step N+1 (the drafter's commit of step N's accepted tokens and its search in one
+graph: EAGLE-3's draft-extend, MoA's LSA, CA and SA commit; the verify in another) is issued before the host
+reads step N:
+
+    host:    launch 1, launch 2, read 1 | launch 3, read 2 | ...          (one Engine.step each)
+    device:  [commit+search 1][verify 1][commit+search 2][verify 2] ...
+
+Step N's verify leaves each request's path length, tokens, target slots and captured features on the device
+(models/spec_graphs.py: SpecFuture); step N+1's graphs read them there (the slot table's prefix from base + L,
+the commit's L rows of W = depth + 1, the search's root the bonus token and its prefixes L longer). Each step
+still has one device-to-host copy: its [b, 2W + 1] result (path nodes, tokens, the faulty-drafter flag), read one
+step behind.
+
+The host catches up when it reads step N (`finish`): the accepted nodes' target slots join their requests (the
+rest freed), the stats, the tokens and stops, the drafter's slots of step N+1's commit trimmed to the L rows that
+were real (`commit_chained`) and the slot tables' accounts. A request that step N ends (EOS, a stop id, its
+length, a fault of its own) or that is aborted meanwhile was launched in step N+1 too: that step's result for it
+is dropped unread, its tree's slots and its drafter state there freed, so its output, slots, stats and what the
+prefix cache and the drafter keep are those of the loop without overlap. A step that ends a chain (nothing
+issued after it) hands the drafter its accepted path as an ordinary commit (EAGLE-3: with its features).
+
+Lookup drafters, non-greedy requests, an adaptive policy, predicted outputs, logprobs and steps outside the graph
+buckets take the engine's ordinary step; the step in flight is read first (decode_step.OverlappedLoop).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang_ext.device import HostCopy, grow, to_device
+from sglang_ext.drafters import DraftInput, TargetCapture
+from sglang_ext.models.spec_graphs import spec_future, verify_bucket, verify_spec
+from sglang_ext.verify import VerifyResult
+
+from .request import Request, RequestFault, StepEvent, fail
+from .sampler import Sampler
+from .spec_worker import SpecWorker
+
+
+def spec_chains(engine, reqs: list[Request], prev: "Chained | None" = None) -> bool:
+    """Whether a step of these decoding requests (no prompt chunk) is a chained spec step (after `prev`, the
+    chained step in flight, when given: then every request must be in it)."""
+    d, g, shape = engine.drafter, engine.runner.graph_runner, engine.spec.tree
+    if g is None or d is None or not d.chains or not engine.overlap.applies() or not reqs:
+        return False
+    if type(engine.sampler) is not Sampler or type(engine.spec) is not SpecWorker or engine.spec.policy is not None:
+        return False
+    if prev is not None and any(r.rid not in prev.live for r in reqs):
+        return False
+    sampler = engine.sampler
+    if not all(sampler.plain_greedy(r) and r.params.logprobs is None and r.drafting and not r.reference for r in reqs):
+        return False
+    bases = [len(r.slots) for r in reqs]
+    if verify_bucket(g, len(reqs), shape.num_draft_tokens, bases, shape.depth + 1) is None:
+        return False
+    return d.chain_fits([r.rid for r in reqs], shape, prev is not None)
+
+
+@dataclass
+class Chained:
+    """A chained spec step issued to the device, its result not read yet."""
+
+    reqs: list[Request]
+    nodes: int  # N: each tree's nodes
+    tree_slots: torch.Tensor  # [b * N] int64 host ids, tree after tree (none joined a request yet)
+    result: HostCopy  # [b, 2W + 1]: per request its path nodes [W], tokens [W], faulty-drafter flag
+    live: dict[int, int]  # rid -> row: the requests whose result is read (a request that ended since: dropped)
+    pairs: dict[int, int] = field(default_factory=dict)  # rid -> the rows its read predecessor's path committed
+
+
+def spec_step(engine, reqs: list[Request]) -> list[StepEvent] | None:
+    """A chained spec step read at once (a chain's only step: an arrival's, or the loop's last); None: the drafter
+    failed to propose (its requests fall back; the caller runs the ordinary step)."""
+    step = launch(engine, reqs)
+    return None if step is None else finish(engine, step)
+
+
+def launch(engine, reqs: list[Request], prev: Chained | None = None) -> Chained | None:
+    """Issue a chained step of `reqs` (prev: the chained step in flight, whose futures it reads; None: a chain's
+    first, from the host's state): the drafter's graph, the verify's, the result's copy queued."""
+    d, g, kv = engine.drafter, engine.runner.graph_runner, engine.kv_manager
+    stream, shape = g.stream, engine.spec.tree
+    if d.stream is not stream:
+        d.use_stream(stream)
+    inputs = [DraftInput(r.rid, r.token_ids, r.params, r.generator, r.reference, r.tenant) for r in reqs]
+    fut = spec_future(g)
+    rows = None if prev is None else [prev.live[r.rid] for r in reqs]
+    try:
+        trees = d.propose(inputs, shape) if prev is None else d.propose_chained(inputs, shape, fut, rows)
+    except Exception as e:  # noqa: BLE001 - a drafter fault sends its requests back to vanilla decoding
+        if prev is not None:
+            raise  # (the futures' step is in flight: the engine starts again from a clean state)
+        engine.spec.fallback(reqs, type(e).__name__)
+        return None
+    packed = trees[0].batch
+    if packed is None or not packed.holds(trees):
+        raise RuntimeError("a chained spec step's search gave no packed trees")
+    n = packed.longs.shape[2]
+    slots = kv.alloc(len(reqs) * n)
+    try:
+        keys, prefixes = [r.rid for r in reqs], [r.slots for r in reqs]
+        captured, result = verify_spec(
+            g, packed, trees[0].finite, slots, prefixes, keys, rows, shape.depth + 1, kv.pool
+        )
+        if kv.hidden is not None:  # (the captured layers beside the prefix cache, after the graph)
+            stream.launch(kv.store_hidden, [slots], captured)
+        copy = stream.to_host(result)  # the step's one device-to-host copy
+    except BaseException:
+        kv.free(slots)
+        raise
+    return Chained(reqs, n, slots, copy, {r.rid: i for i, r in enumerate(reqs)})
+
+
+def finish(engine, step: Chained, following: Chained | None = None) -> list[StepEvent]:
+    """Read a chained step's result and catch its live requests up (module docstring); following: the chained step
+    issued after it, whose surplus work for a request this step ends is dropped (`drop`)."""
+    rows = step.result.wait()
+    n, w = step.nodes, (len(rows[0]) - 1) // 2 if rows else 0
+    live = [(i, r) for i, r in enumerate(step.reqs) if r.rid in step.live]
+    paths = {i: [x for x in rows[i][:w] if x >= 0] for i, _ in live}
+    keep_at = [i * n + x for i, _ in live for x in paths[i]]
+    drop_at = [i * n + x for i, _ in live for x in range(n) if x not in paths[i]]
+    slots = step.tree_slots
+    kept = slots[torch.tensor(keep_at, dtype=torch.long)].split([len(paths[i]) for i, _ in live])
+    if drop_at:
+        engine.kv_manager.free(slots[torch.tensor(drop_at, dtype=torch.long)])
+    for (_, r), s in zip(live, grow([r.slots for _, r in live], list(kept))):
+        r.slots = s
+    d, g = engine.drafter, engine.runner.graph_runner
+    feats = None if following is not None else spec_future(g).feats[: len(step.reqs), :w].clone()
+    events = []
+    for (i, r), s in zip(live, kept):
+        k = len(paths[i])
+        res = VerifyResult(paths[i], rows[i][w : w + k], bool(rows[i][2 * w]))
+        SpecWorker._record(r, res, n - 1)
+        try:
+            events.append(StepEvent(r, engine.sampler.append(r, res.tokens), res.num_accepted, n - 1))
+        except RequestFault as f:
+            events.append(fail(r, f))
+        if res.draft_invalid:
+            d.drop_chained(r.rid)  # (its draft state of the step after, if any, goes first)
+            engine.spec.fallback([r], "invalid_draft")
+        if r.finished:  # (its release drops it from the step after: Engine._release, OverlappedLoop.drop)
+            continue
+        if not r.drafting:  # (a faulty drafter's request: it decodes without it from here on, the step after dropped)
+            if following is not None:
+                drop(engine, following, r)
+            continue
+        if following is not None:  # its pairs of the step after: the first k were real
+            d.commit_chained(r.rid, k, s)
+            following.pairs[r.rid] = k
+            g._table.account(r.rid, len(r.slots) + 1)  # (that step's verify wrote this path and its own root)
+        else:  # the chain ends here: the path's features as an ordinary commit
+            h = g.model.cfg.hidden_size
+            hidden = {l: feats[i, :k, j * h : (j + 1) * h] for j, l in enumerate(g.capture_layers)}
+            positions = to_device(torch.arange(len(r.slots) - k, len(r.slots)), g.model.device)
+            cap = TargetCapture(r.token_ids[-k - 1 : -1], positions, s, hidden, engine.kv)
+            engine.spec.call(lambda rid=r.rid, cap=cap: d.commit(rid, cap), [r])
+    return events
+
+
+def clear(engine, step: Chained) -> None:
+    """After a step fault: the step's trees' slots go back (its requests are released by the engine)."""
+    for rid, i in step.live.items():
+        engine.kv_manager.free(step.tree_slots[i * step.nodes : (i + 1) * step.nodes])
+        engine.drafter.drop_chained(rid)  # (its draft state of the step: the requests' own is released with them)
+    step.live.clear()
+
+
+def drop(engine, step: Chained, r: Request) -> None:
+    """r ended before the chained `step` is read: its result there is never read, its tree's slots go back, and
+    so do its draft pairs there (those its read predecessor committed included)."""
+    i = step.live.pop(r.rid, None)
+    if i is None:
+        return
+    engine.kv_manager.free(step.tree_slots[i * step.nodes : (i + 1) * step.nodes])
+    d = engine.drafter
+    if r.rid in d.reqs:
+        d.drop_chained(r.rid, step.pairs.pop(r.rid, 0))
+
+
+Launched = Chained  # (the overlapped loop's name for a step in flight)

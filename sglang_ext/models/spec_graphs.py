@@ -1,0 +1,246 @@
+"""A drafted greedy step whose accept results stay on the device (SGLang's spec v2), for the overlapped loop
+(serving/spec_step.py): step N+1's draft-extend, search and verify are issued before the host reads step N.
+
+Step N's verify graph (`SpecVerify`, on the target's GraphRunner) leaves in `SpecFuture`, per request row i:
+
+    lens[i]          its accepted path's length L (root + accepted drafts: the KV slots kept; tokens: drafts + bonus)
+    tokens[i, :L]    the accepted drafts, then the bonus token (the next root)
+    inputs[i, :L]    the path's nodes' tokens: the root, then the accepted drafts (the tokens whose K/V is kept)
+    slots[i, :L]     the target KV slots of the path's nodes
+    feats[i, :L]     the target's captured layers at the path's nodes, side by side [F] (a drafter's features)
+
+and a [B, 2W + 1] result for the step's one device-to-host copy (per request its path nodes [W], its tokens [W]
+and whether its tree was a faulty drafter's). Step N+1 reads them on the device, each request at its row of step
+N (`prev`): its verify writes step N's accepted drafts' slots into the slot table after step N's root and its own
+root after them (the prefix length base + L on the device; base: the committed tokens before step N, which the
+host knows); the drafter's commit of the path takes W rows per request of which the first L are real (EAGLE-3's
+draft-extend, `FutureExtendRunner`: tokens and features from the futures; MoA's commit rows: the path's node tokens
+and target slots, drafters/moa_graphs.py), the rest padding (slot 0), and the search after it starts at the bonus.
+A request with prev -1 starts a chain: its prefix is the host's (the rows it lacks written before the graph).
+Padding requests (table row 0) write only the scratch cell and leave the futures as they are, so a capture's
+padding batch changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..device import to_device
+from ..sampling import greedy_tokens
+from ..tree import TreeBatch
+from ..verify import greedy_rows
+from .draft_graphs import ExtendRunner
+from .graph_runner import GraphRunner, bucket, fill_flat, static_plan
+
+WIDTH = 16  # path columns kept per request: a tree's depth + 1 at most
+
+
+@dataclass
+class SpecFuture:
+    """A verify's accepted paths left on the device for the next step (see the module docstring)."""
+
+    lens: torch.Tensor  # [Bmax] int64
+    tokens: torch.Tensor  # [Bmax, WIDTH] int64
+    inputs: torch.Tensor  # [Bmax, WIDTH] int64
+    slots: torch.Tensor  # [Bmax, WIDTH] int64
+    feats: torch.Tensor  # [Bmax, WIDTH, F]
+
+    @classmethod
+    def make(cls, rows: int, features: int, dtype: torch.dtype, device) -> "SpecFuture":
+        z = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=device)  # noqa: E731
+        feats = torch.zeros(rows, WIDTH, features, dtype=dtype, device=device)
+        return cls(z(rows), z(rows, WIDTH), z(rows, WIDTH), z(rows, WIDTH), feats)
+
+
+def spec_future(g: GraphRunner) -> SpecFuture:
+    """The graph runner's futures (made once: graphs bake their addresses in)."""
+    fut = getattr(g, "_spec_future", None)
+    if fut is None:
+        h = g.model.cfg.hidden_size * len(g.capture_layers)
+        fut = g._spec_future = SpecFuture.make(g.batch_buckets[-1], h, g.model.dtype, g.model.device)
+    return fut
+
+
+def verify_bucket(g: GraphRunner, b: int, nodes: int, bases: list[int], width: int) -> tuple | None:
+    """The (B, N, P) bucket of a spec verify (P covers base + width: a chained step's previous path), or None."""
+    bb, p = bucket(b, g.batch_buckets), bucket(max(bases) + width, g.context)
+    if bb is None or p is None or bb * nodes > g.max_rows or nodes < 2:
+        return None
+    return bb, nodes, p
+
+
+def verify_spec(
+    g: GraphRunner,
+    packed: TreeBatch,  # the search's trees, the first b of its padded batch of B
+    finite: torch.Tensor,  # [] bool: the search's draft logits all finite
+    out_slots: torch.Tensor,  # [b * N] int64 host ids, tree after tree
+    prefixes: list[torch.Tensor],  # per request its committed slots before step N (host; `base` = their count)
+    keys: list,
+    prev: list[int] | None,  # per request its row in the previous spec verify (None: a chain's first step)
+    width: int,  # with prev: the previous paths' longest possible length (its trees' depth + 1)
+    kv,
+):  # -> (captured {layer: [b*N, H]} views, result [b, 2W + 1] view): read before the next replay (queue copies)
+    """The spec verify (module docstring) on g's stream: one fill and one replay."""
+    bb, n = packed.longs.shape[0], packed.longs.shape[2]
+    b = len(packed.trees)
+    bases = [t.numel() for t in prefixes]
+    key = verify_bucket(g, b, n, bases, width if prev is not None else 0)
+    if key is None or key[0] != bb:
+        raise ValueError(f"a spec verify of {b} trees of {n} nodes after {max(bases)} tokens fits no bucket")
+    g._use_pool(kv)
+    g.runs += 1
+    fut, table = spec_future(g), g._table
+    if prev is None:
+        rows, lacking = table.catch_up(keys, prefixes)
+        if lacking is not None:
+            g.stream.launch(table.write, lacking)
+        for k, m in zip(keys, bases):
+            table.account(k, m + 1)  # (the graph writes its root at column m)
+    else:
+        rows = table.rows_of(keys)
+        if rows is None:
+            raise ValueError("a chained spec verify of a request the slot table does not hold")
+    pad = [0] * (bb - b)
+    host = torch.cat(
+        [
+            out_slots,
+            torch.zeros((bb - b) * n, dtype=torch.long),
+            torch.tensor([*rows, *pad, *bases, *pad, *(prev or [-1] * b), *([-1] * (bb - b))], dtype=torch.long),
+        ]
+    )
+    key = (*key, "spec")
+
+    def make() -> dict:
+        dev = g.model.device
+        longs = torch.zeros(bb * n + 3 * bb, dtype=torch.long)
+        longs[bb * n + 2 * bb :] = -1
+        bufs = {"longs": to_device(longs, dev), "finite": torch.ones((), dtype=torch.bool, device=dev)}
+        bufs["tree"] = torch.zeros(bb, 6, n, dtype=torch.long, device=dev)
+        bufs["tree"][:, [1, 4, 5]] = -1
+        bufs["mask"] = torch.eye(n, dtype=torch.bool, device=dev).expand(bb, n, n).clone()
+        return bufs
+
+    def fill(bufs: dict) -> None:
+        fill_flat(bufs["longs"], host)
+        bufs["tree"].copy_(packed.longs)
+        bufs["mask"].copy_(packed.mask)
+        bufs["finite"].copy_(finite)
+
+    out, result = g.cache.run(key, make, fill, lambda bufs: _verify_fn(g, fut, key, bufs, kv))
+    t = b * n
+    return {l: h[:t] for l, h in out.captured.items()}, result[:b]
+
+
+def _verify_fn(g: GraphRunner, fut: SpecFuture, key: tuple, bufs: dict, kv):
+    """The captured spec verify: the slot table's rows made whole from the previous step's futures, the forward,
+    the greedy paths, the futures and the result (module docstring)."""
+    b, n, p = key[:3]
+    slots, rows, base, prev = bufs["longs"].split([b * n, b, b, b])
+    flat, width = g._table.table.view(-1), g._table.width
+    has = prev >= 0
+    pr = prev.clamp(min=0)
+    lens = torch.where(has, fut.lens[pr], 0)
+    j = torch.arange(WIDTH, device=slots.device)
+    drafts = has[:, None] & (j >= 1) & (j < lens[:, None])  # step N's accepted drafts (its root is in already)
+    cells = torch.where(drafts, (rows * width + base)[:, None] + j, 0)
+    flat.index_put_((cells.view(-1),), torch.where(drafts, fut.slots[pr], 0).view(-1))
+    prefix_len = base + lens
+    grid = slots.view(b, n)
+    flat.index_put_((rows * width + prefix_len,), torch.where(rows > 0, grid[:, 0], 0))  # this step's roots
+    prefix = g._table.table[:, :p].index_select(0, rows)
+    tree = bufs["tree"]
+    ids, pos = tree[:, 0].reshape(-1), tree[:, 2].reshape(-1)
+    plan = static_plan(prefix, prefix_len, grid, bufs["mask"])
+    vocab = g.model.cfg.vocab_size
+    tokens = ids.view(b, n)
+    out = g._static_model.forward(ids.clamp(0, vocab - 1), pos, slots, plan, kv, g.capture_layers)
+    argmax = greedy_tokens(g.model.logits(out.hidden, fp32=False))
+    nodes, path = greedy_rows(tokens, tree[:, 1], pos.view(b, n), tree[:, 4], tree[:, 5], argmax.view(b, n))
+    bad = ((tokens < 0) | (tokens >= vocab)).any(1) | ~bufs["finite"]
+    w = min(n, WIDTH)
+    nodes, path = nodes[:, :w], path[:, :w]
+    at = nodes.clamp(min=0)
+    real = rows > 0
+    keep = lambda dst, new: dst.copy_(torch.where(real.view(-1, *[1] * (new.dim() - 1)), new, dst))  # noqa: E731
+    keep(fut.lens[:b], (nodes >= 0).sum(1))
+    keep(fut.tokens[:b, :w], path)
+    keep(fut.inputs[:b, :w], tokens.gather(1, at))
+    keep(fut.slots[:b, :w], grid.gather(1, at))
+    if g.capture_layers:  # (a drafter's features: EAGLE-3's; MoA reads the target's K/V at the slots instead)
+        feats = torch.cat([out.captured[l] for l in g.capture_layers], -1).view(b, n, -1)
+        keep(fut.feats[:b, :w], feats.gather(1, at[..., None].expand(b, w, feats.shape[2])))
+    return out, torch.cat([nodes, path, bad.long()[:, None]], 1)
+
+
+class FutureExtendRunner(ExtendRunner):
+    """ExtendRunner with `run_future`: a chained step's draft-extend, its rows' tokens, count and features from the
+    previous spec verify's futures (module docstring)."""
+
+    def run_future(
+        self,
+        keys: list,
+        positions: list[int],  # [b * W] each request's rows' positions (its committed pairs + j)
+        slots: torch.Tensor,  # [b * W] int64 host ids: the rows' slots (those past L never written)
+        width: int,  # W: rows per request (the tree's depth + 1)
+        prefixes: list[torch.Tensor],  # per request its processed pairs' slots (host)
+        prev: list[int],  # per request its row in the previous spec verify
+        fut: SpecFuture,
+        pools: tuple,
+        then: tuple,  # as ExtendRunner.run's
+    ) -> tuple[torch.Tensor, ...] | None:
+        """then's outputs for the padded batch [B, ...] (as the graph left them), or None when no bucket fits. The
+        table's account of the rows is the caller's (SlotTable.account once L is read)."""
+        b = len(keys)
+        key = self.bucket_of([width] * b, [p.numel() for p in prefixes])
+        if key is None or key[1] > WIDTH:
+            return None
+        if len(pools) != len(self._pools) or any(a is not c for a, c in zip(pools, self._pools)):
+            self.cache.clear()
+            self.table = self._new_table()
+            self._pools = tuple(pools)
+        consts = then[2]
+        if any(c is not self._consts.get(i) for i, c in enumerate(consts)):
+            self.cache.clear()
+            self._consts = dict(enumerate(consts))
+        self.runs += 1
+        front = [0] * (b * width) + list(positions)
+        longs, overflow, _ = self.table.inputs(key, keys, [width] * b, prefixes, front, [slots], True)
+        if overflow is not None:
+            self.cache.stream.launch(self.table.write, overflow)
+        bb, device = key[0], self.cache.device
+        prev_host = torch.tensor([*prev, *([-1] * (bb - b))], dtype=torch.long)
+
+        def make() -> dict:
+            q = key[1]
+            return {
+                "longs": torch.zeros(5 * bb * q + 2 * bb, dtype=torch.long, device=device),
+                "prev": torch.full((bb,), -1, dtype=torch.long, device=device),
+            }
+
+        def fill(bufs: dict) -> None:
+            fill_flat(bufs["longs"], longs)
+            fill_flat(bufs["prev"], prev_host)
+
+        fn = then[1]
+        out = self.cache.run(
+            (key, "future", id(fut), then[0]), make, fill, lambda bufs: self._extend_future(key, bufs, fut, fn)
+        )
+        return tuple(out)
+
+    def _extend_future(self, key, bufs: dict, fut: SpecFuture, then) -> tuple[torch.Tensor, ...]:
+        """The captured function: each request's first L rows real (the rest's slots zeroed before the table's
+        append), their tokens and features from the futures, then ExtendRunner's pass."""
+        b, q, _ = key
+        s = b * q
+        longs, prev = bufs["longs"], bufs["prev"]
+        pr = prev.clamp(min=0)
+        n = torch.where(prev >= 0, fut.lens[pr], 0)
+        ar = torch.arange(q, device=prev.device)
+        real = ar[None, :] < n[:, None]  # [B, Q]
+        longs[:s].copy_(torch.where(real, fut.tokens[pr, :q], 0).view(-1))
+        longs[2 * s : 3 * s].mul_(real.view(-1))
+        ids, pos, slots, prefix, prefix_len = self.table.read(longs, key, append=True)
+        feat = fut.feats[pr, :q].reshape(s, -1)
+        return self._pass(key, ids, pos, slots, prefix, prefix_len, n, feat, ar, then)

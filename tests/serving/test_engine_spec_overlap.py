@@ -1,0 +1,256 @@
+"""The overlapped loop's drafted steps (serving/spec_step.py): a greedy EAGLE-3 or MoA step N+1 (the drafter's commit
+of step N's accepted tokens with its search, then the verify) is issued before step N's accept results are read, each
+step's results come up in one device-to-host copy, and every request's output is the loop without overlap's.
+
+On the CPU the device is `helpers.QueuedStream` (the target's and the drafter's graphs, fills, table writes and copies
+queued and run in order by a worker thread only once the host waits): a host read of device state outside the step's
+copy sees stale values, and so does the device of host state changed after the launch that reads it, so the outputs
+would differ. The real SmolLM2 target (fp32) with the shipped EAGLE-3 and MoA heads decodes chat prompts that end every
+way: max_tokens, EOS, a stop id, an abort mid-batch, and an arrival mid-batch (a prefill, which first reads the step
+in flight). The loop without overlap runs on the CPU's synchronous stream: the engine's ordinary drafted step. The
+`gpu` cases run the same scenario on CUDA's stream with captured graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from helpers import QueuedStream, drafter_pools_whole, slots_whole
+
+from serving.config import EngineConfig
+from serving.decode_step import OverlappedLoop
+from serving.engine import Engine
+from serving.spec_step import Chained, spec_chains
+from sglang_ext.drafters import make_drafter
+from sglang_ext.models.graph_runner import GraphRunner
+from sglang_ext.sampling import SamplingParams
+from sglang_ext.tree import TreeShape
+
+PERIOD, EOS = 30, 2  # SmolLM2's "." (a stop id) and <|im_end|>
+TREE = TreeShape(3, 2, 6)  # (no min_prob: on the CPU a search with one runs step by step, outside the graphs)
+# (prompt, params): ends by its length, by EOS, by a stop id, aborted (ABORT_AFTER steps) before its length
+REQUESTS = [
+    ("Name three rivers.", SamplingParams(max_new_tokens=9)),
+    ("Hi!", SamplingParams(max_new_tokens=16)),
+    ("Say OK.", SamplingParams(max_new_tokens=16, stop_token_ids=[PERIOD])),
+    ("Count from one to twenty in words.", SamplingParams(max_new_tokens=40)),
+]
+LATE = ("Reply with one word: yes or no?", SamplingParams(max_new_tokens=8))  # arrives after ARRIVE_AFTER steps
+ARRIVE_AFTER, ABORT_AFTER = 3, 8  # engine steps
+
+
+def _engine(target, overlap: bool, stream=None, drafter: str = "eagle3") -> Engine:
+    """The drafter on the graph runner's static path (the CPU: on `stream`, or its synchronous one), its search static.
+    prefill "separate": every decode step of both loops replays the graphs (the CPU's eager mixed forward rounds
+    differently from them)."""
+    config = EngineConfig(overlap=overlap, prefill="separate", kv_slots=2048, tree=TREE, adaptive=False)
+    eng = Engine(target, make_drafter(drafter, target), config)
+    if eng.runner.graph_runner is None:  # (the CPU: the graph runner's static path run eagerly)
+        eng.runner.graph_runner = GraphRunner(eng.model, eng.capture_layers, stream=stream)
+        eng.drafter.step_graphs = True
+    return eng
+
+
+def _scenario(target, overlap: bool, stream=None, drafter: str = "eagle3"):
+    """The requests above through Engine.step -> (the engine, its requests)."""
+    eng = _engine(target, overlap, stream, drafter)
+    encode = lambda text: target.encode_chat([{"role": "user", "content": text}])  # noqa: E731
+    reqs = [eng.add_request(encode(t), p) for t, p in REQUESTS]
+    steps = 0
+    while eng.has_work:
+        eng.step()
+        steps += 1
+        if steps == ARRIVE_AFTER:
+            reqs.append(eng.add_request(encode(LATE[0]), LATE[1]))
+        if steps == ABORT_AFTER:
+            eng.abort(reqs[3])
+        assert steps < 60
+    return eng, reqs
+
+
+def _summary(eng: Engine, reqs) -> list:
+    assert slots_whole(eng), "KV slots leaked"
+    assert drafter_pools_whole(eng.drafter), "drafter slots leaked"
+    stats = [
+        (r.stats.verify_steps, r.stats.draft_tokens, r.stats.accepted_tokens, r.stats.accepted_by_depth) for r in reqs
+    ]
+    return [(r.output_ids, r.finish_reason) for r in reqs] + stats + [eng.prefix_cache.tokens, len(eng.drafter.kept)]
+
+
+@pytest.fixture(scope="module", params=["eagle3", "moa"])
+def runs(smollm2_fp32, request):
+    """Per drafter, the scenario without overlap (the synchronous stream), with it, and with each chained step read at
+    once (the chain never continued: every drafted step launched and read in its own Engine.step), the last two on
+    stand-in streams of their own."""
+    drafter = request.param
+    out = {"plain": (*_scenario(smollm2_fp32, False, None, drafter), None)}
+    for name in ("overlap", "at_once"):
+        stream = QueuedStream()
+        step = OverlappedLoop.step
+        try:
+            if name == "at_once":
+                OverlappedLoop.step = lambda self: None  # (Engine._run's chained step, read at once)
+            eng, reqs = _scenario(smollm2_fp32, True, stream, drafter)
+        finally:
+            OverlappedLoop.step = step
+            stream.close()
+        out[name] = (eng, reqs, stream)
+    return out
+
+
+def test_the_drafted_scenario_ends_requests_every_way(runs):
+    _, reqs, _ = runs["plain"]
+    assert [r.finish_reason for r in reqs] == ["length", "stop", "stop", "abort", "stop"]
+    assert reqs[1].output_ids[-1] == EOS and reqs[2].output_ids[-1] == PERIOD  # by EOS, by its stop id
+    assert len(reqs[0].output_ids) == 9 and len(reqs[3].output_ids) < 40
+    assert all(r.stats.accepted_tokens > 0 for r in reqs[:4])  # (drafts were accepted: multi-token steps)
+
+
+@pytest.mark.parametrize("name", ["overlap", "at_once"])
+def test_overlapped_drafted_outputs_equal_the_plain_loop(runs, name):
+    """Token for token, finish reasons, verify steps, drafts and acceptance, the prefix cache's tokens, what the
+    drafter keeps beside it; no slot of the target's or the drafter's pools leaked."""
+    eng, reqs, stream = runs[name]
+    assert _summary(eng, reqs) == _summary(*runs["plain"][:2])
+    assert stream.copies == eng.runner.graph_runner.runs > 0  # (every verify a chained spec step's)
+    if name == "overlap":  # (the last step, all its results surplus, was issued and never read)
+        assert isinstance(eng.overlap.inflight, Chained) and not eng.overlap.inflight.live
+
+
+def _order(stream: QueuedStream) -> tuple[list[int], list[int]]:
+    """(the steps read after the next step's copy was issued, those read before it), from the stream's log."""
+    at = {e: i for i, e in enumerate(stream.log)}
+    reads = [i for kind, i in stream.log if kind == "read"]
+    ahead = [i for i in reads if at.get(("copy", i + 1), len(stream.log)) < at[("read", i)]]
+    return ahead, [i for i in reads if i not in ahead]
+
+
+def test_drafted_step_n_plus_1_is_issued_before_step_n_is_read(runs):
+    """Overlapped: every drafted step is read after the next one's graphs (the drafter's commit with the search, the
+    verify) and copy were issued, but the one read when the arrival came (nothing issued after it) and the one
+    decoded beside the arrival's prefill (read at once). Read at once, none is."""
+    stream = runs["overlap"][2]
+    ahead, behind = _order(stream)
+    assert behind == [ARRIVE_AFTER, ARRIVE_AFTER + 1] and len(ahead) >= 5, (ahead, behind)
+    for n in ahead:  # step N+1's two replays between step N's copy and its read
+        between = stream.log[stream.log.index(("copy", n)) + 1 : stream.log.index(("read", n))]
+        assert between.count(("replay", None)) == 2 and ("copy", n + 1) in between
+    assert _order(runs["at_once"][2])[0] == []
+
+
+@pytest.mark.parametrize("name", ["overlap", "at_once"])
+def test_one_device_to_host_copy_per_drafted_step(runs, name):
+    """A copy per drafted step (its verify), each read once at most, two graph replays per step (the drafter's
+    commit and search, the target's verify); overlapped, only the last (surplus) copy is never read."""
+    eng, reqs, stream = runs[name]
+    reads = [i for kind, i in stream.log if kind == "read"]
+    assert reads == list(range(1, stream.copies + 1 - (name == "overlap")))
+    assert stream.log.count(("replay", None)) == 2 * stream.copies
+    assert max(r.stats.verify_steps for r in reqs) <= stream.copies
+
+
+def test_chaining_takes_greedy_drafted_steps_only(smollm2_fp32):
+    """A chained spec step needs the overlapped loop, a drafter that chains, greedy requests, no adaptive policy."""
+    stream = QueuedStream()
+    try:
+        eng = _engine(smollm2_fp32, True, stream)
+        greedy = eng.add_request([1, 9690, 30], SamplingParams(max_new_tokens=4))
+        sampled = eng.add_request([1, 9690, 30], SamplingParams(max_new_tokens=4, temperature=0.8, seed=1))
+        eng.step()  # (their prefills)
+        assert spec_chains(eng, [greedy]) and not spec_chains(eng, [greedy, sampled])
+        eng.config = replace(eng.config, overlap=False)
+        assert not eng.overlap.applies() and not spec_chains(eng, [greedy])
+        lookup = Engine(smollm2_fp32, make_drafter("ngram", smollm2_fp32), EngineConfig(prefill="separate"))
+        assert not lookup.drafter.chains and make_drafter("moa", smollm2_fp32).chains
+    finally:
+        stream.close()
+
+
+@pytest.mark.parametrize("drafter", ["eagle3", "moa"])
+def test_a_step_fault_mid_chain_leaves_every_pool_whole(smollm2_fp32, monkeypatch, drafter):
+    """A chained step that fails at its launch (its verify, after the drafter's graph was issued) while the step
+    before it is in flight: the engine's reset (as the engine loop runs it) frees that step's trees and the drafter's
+    state of both, every request fails, nothing leaks."""
+    import serving.spec_step as spec_mod
+
+    real, calls = spec_mod.verify_spec, []
+
+    def verify_spec(*args):
+        calls.append(args[6] is not None)  # (chained: it reads a step in flight)
+        if sum(calls) == 2:
+            raise RuntimeError("device fault")
+        return real(*args)
+
+    monkeypatch.setattr(spec_mod, "verify_spec", verify_spec)
+    stream = QueuedStream()
+    try:
+        eng = _engine(smollm2_fp32, True, stream, drafter)
+        encode = lambda text: smollm2_fp32.encode_chat([{"role": "user", "content": text}])  # noqa: E731
+        reqs = [eng.add_request(encode(t), SamplingParams(max_new_tokens=40)) for t, _ in REQUESTS]
+        with pytest.raises(RuntimeError, match="device fault"):
+            for _ in range(10):
+                eng.step()
+        assert isinstance(eng.overlap.inflight, Chained) and eng.overlap.inflight.live
+        pool = eng.kv
+        eng.reset()
+    finally:
+        stream.close()
+    assert all(r.finish_reason == "error" for r in reqs) and eng.overlap.inflight is None
+    assert eng.kv is pool, "KV slots leaked (the pool was rebuilt)"
+    assert slots_whole(eng) and drafter_pools_whole(eng.drafter)
+
+
+# --- on CUDA: the same scenario on the device's stream, graphs captured ---------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cuda_target():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from sglang_ext.models import load_target
+
+    return load_target("smollm2", dtype="bfloat16", device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("drafter", ["eagle3", "moa"])
+def test_gpu_overlapped_drafted_outputs_equal_the_plain_loop(cuda_target, drafter):
+    """Tokens, finish reasons and the prefix cache as the loop without overlap (its ordinary drafted step, the same
+    graphs' kinds captured); every verify a chained spec step with one copy."""
+    plain = _scenario(cuda_target, False, None, drafter)
+    eng, reqs = _scenario(cuda_target, True, None, drafter)
+    g = eng.runner.graph_runner
+    assert g.graphs and eng.runner.stream.copies == g.runs > 0
+    assert slots_whole(eng) and drafter_pools_whole(eng.drafter)
+    assert [(r.output_ids, r.finish_reason) for r in reqs] == [(r.output_ids, r.finish_reason) for r in plain[1]]
+    assert eng.prefix_cache.tokens == plain[0].prefix_cache.tokens
+    assert sum(r.stats.accepted_tokens for r in reqs) > 0
+
+
+@pytest.mark.gpu
+def test_gpu_drafted_step_n_plus_1_is_issued_before_step_n_is_read(cuda_target, monkeypatch):
+    """The order on CUDA's stream: the copies issued and the waits for them, logged."""
+    from sglang_ext.device import CudaStream, HostCopy
+
+    log = []
+    issue, wait = CudaStream.to_host, HostCopy.wait
+
+    def to_host(self, t):
+        copy = issue(self, t)
+        copy.step = self.copies
+        log.append(("copy", copy.step))
+        return copy
+
+    def read(self):
+        log.append(("read", self.step))
+        return wait(self)
+
+    monkeypatch.setattr(CudaStream, "to_host", to_host)
+    monkeypatch.setattr(HostCopy, "wait", read)
+    _scenario(cuda_target, True)
+    at = {e: i for i, e in enumerate(log)}
+    reads = [i for kind, i in log if kind == "read"]
+    ahead = [i for i in reads if at.get(("copy", i + 1), len(log)) < at[("read", i)]]
+    assert len(ahead) >= 4 and len(reads) - len(ahead) == 2, log
