@@ -181,7 +181,7 @@ class MoAGraphs:
             pools = (self.sa, self.mem, self.tli_kv, held)
             search = lambda bufs: self._search_fn(bufs, shape, held)  # noqa: E731
             # (the prefixes from the runner's slot tables on the device: only what their rows lack goes up)
-            if commit is not None:
+            if commit is not None and not chained:  # (a chained commit counts on its own runner)
                 self._commits.runs += 1  # (in the search's graph)
             keys = [d.rid for d in batch]
             if chained:  # (fut, prev): each request's root, length and prefixes from the previous step's path
