@@ -142,15 +142,21 @@ class SlotTable:
         writes a row's next cells itself (models/spec_graphs.py); the host then counts the rows whole (`account`)."""
         lens = [t.numel() for t in prefixes]
         entries = self._rows(keys, lens)
+        at, src = self._lacking(entries, lens)
+        if not at:
+            return [e[0] for e in entries], None
+        slots = torch.cat(prefixes)[torch.tensor(src, dtype=torch.long)]
+        return [e[0] for e in entries], torch.stack([torch.tensor(at, dtype=torch.long), slots])
+
+    def _lacking(self, entries: list, lens: list[int]) -> tuple[list[int], list[int]]:
+        """The table cells the rows lack of their prefixes (each row holds its first `synced` slots) and, for each,
+        its slot's index into the prefixes laid one after another."""
         at, src, base = [], [], 0
         for (row, synced), m in zip(entries, lens):
             at += range(row * self.width + synced, row * self.width + m)
             src += range(base + synced, base + m)
             base += m
-        if not at:
-            return [e[0] for e in entries], None
-        slots = torch.cat(prefixes)[torch.tensor(src, dtype=torch.long)]
-        return [e[0] for e in entries], torch.stack([torch.tensor(at, dtype=torch.long), slots])
+        return at, src
 
     def rows_of(self, keys: list[Hashable]) -> list[int] | None:
         """Each key's row, when every key has one (None otherwise); the accounts stay as they are."""
@@ -194,11 +200,8 @@ class SlotTable:
         gather."""
         lens = [t.numel() for t in prefixes]
         entries = self._rows(keys, lens)
-        at, src, base = [], [], 0
-        for (row, synced), m in zip(entries, lens):
-            at += range(row * self.width + synced, row * self.width + m)
-            src += range(base + synced, base + m)
-            base += m
+        at, src = self._lacking(entries, lens)
+        base = sum(lens)
         if not at:  # (the rows hold every prefix: an appending graph ran since)
             return [e[0] for e in entries], [0] * room, _padding(room), lambda: None
         flat = torch.cat([*prefixes, _ZERO])  # (its last cell: the padding pairs' slot 0)
