@@ -143,8 +143,8 @@ class OverlappedLoop:
         if self.applies() and running and not eng.scheduler.waiting:
             if plain_decode(eng, running):
                 kind = PLAIN
-            elif spec_step.spec_chains(eng, running, prev if isinstance(prev, spec_step.Chained) else None):
-                kind = spec_step
+            elif spec_step.chain_next(eng, running, prev if isinstance(prev, spec_step.Chained) else None):
+                kind = spec_step  # (with the adaptive policy: its option chosen for the step, the tree in flight)
         if kind is None or (prev is not None and not isinstance(prev, kind.Launched)):
             if prev is None:
                 return None
@@ -156,6 +156,9 @@ class OverlappedLoop:
             prev = self.inflight = kind.launch(eng, reqs)
             if prev is None:  # (a drafter fault: its requests decode without it from now on)
                 return []
+            if eng.spec.policy is not None and not spec_step.chain_next(eng, reqs, prev):
+                self.inflight = None  # (the policy chose another option for the step after: read this one alone)
+                return spec_step.finish(eng, prev)
         self.inflight = kind.launch(eng, reqs, prev)  # NOTE: step N+1 issued before step N's tokens are read
         return kind.finish(eng, prev, self.inflight)
 
@@ -169,6 +172,7 @@ class OverlappedLoop:
 
     def clear(self) -> None:
         """After a step fault: nothing in flight (the device's work issued so far is waited for, faults ignored)."""
+        self.engine.spec.chosen = None
         if self.inflight is not None:
             step, self.inflight = self.inflight, None
             try:

@@ -22,12 +22,15 @@ is dropped unread, its tree's slots and its drafter state there freed, so its ou
 prefix cache and the drafter keep are those of the loop without overlap. A step that ends a chain (nothing
 issued after it) hands the drafter its accepted path as an ordinary commit (EAGLE-3: with its features).
 
-Lookup drafters, non-greedy requests, an adaptive policy, predicted outputs, logprobs and steps outside the graph
-buckets take the engine's ordinary step; the step in flight is read first (decode_step.OverlappedLoop).
+Under the adaptive policy the loop chooses step N+1's option before step N is read (`chain_next`): the same tree
+chains, another option (off, another tree) ends the chain; each chained step is observed when it is read (`_observe`).
+Lookup drafters, non-greedy requests, predicted outputs, logprobs and steps outside the graph buckets take the
+engine's ordinary step; the step in flight is read first (decode_step.OverlappedLoop).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +38,7 @@ import torch
 from sglang_ext.device import HostCopy, grow, to_device
 from sglang_ext.drafters import DraftInput, TargetCapture
 from sglang_ext.models.spec_graphs import spec_future, verify_bucket, verify_spec
+from sglang_ext.tree import TreeShape
 from sglang_ext.verify import VerifyResult
 
 from .request import Request, RequestFault, StepEvent, fail
@@ -43,22 +47,46 @@ from .spec_worker import SpecWorker
 
 
 def spec_chains(engine, reqs: list[Request], prev: "Chained | None" = None) -> bool:
-    """Whether a step of these decoding requests (no prompt chunk) is a chained spec step (after `prev`, the
-    chained step in flight, when given: then every request must be in it)."""
-    d, g, shape = engine.drafter, engine.runner.graph_runner, engine.spec.tree
+    """Whether a step of these decoding requests (no prompt chunk) is a chained spec step at the configured tree, no
+    adaptive policy (after `prev`, the chained step in flight, when given: then every request must be in it)."""
+    return engine.spec.policy is None and _eligible(engine, reqs, prev) and _fits(engine, reqs, engine.spec.tree, prev)
+
+
+def chain_next(engine, reqs: list[Request], prev: "Chained | None" = None) -> bool:
+    """Whether the overlapped loop's next step of these requests is a chained spec step (after `prev`, as in
+    spec_chains). With the adaptive policy its option is chosen here, before `prev` is read (the policy's stats one
+    step behind), and kept in SpecWorker.chosen for the step that runs next: a chained one when it is the tree of
+    the step in flight (a chain's first: any tree, after a drafted step, so that the policy's unrated step after
+    steps without drafting is never a chained one) and the chain fits; otherwise the step in flight is read first
+    and the ordinary step runs with it (the chain ends)."""
+    spec = engine.spec
+    if spec.policy is None:
+        return spec_chains(engine, reqs, prev)
+    if not _eligible(engine, reqs, prev):
+        return False
+    spec.chosen = spec.choose_shape(len(reqs))  # (a choice made before and not taken yet: that one)
+    shape = spec.chosen[1]
+    same = shape is not None and (shape == prev.shape if prev is not None else spec.policy.drafted_last)
+    return same and _fits(engine, reqs, shape, prev)
+
+
+def _eligible(engine, reqs: list[Request], prev: "Chained | None") -> bool:
+    d, g = engine.drafter, engine.runner.graph_runner
     if g is None or d is None or not d.chains or not engine.overlap.applies() or not reqs:
         return False
-    if type(engine.sampler) is not Sampler or type(engine.spec) is not SpecWorker or engine.spec.policy is not None:
+    if type(engine.sampler) is not Sampler or type(engine.spec) is not SpecWorker:
         return False
     if prev is not None and any(r.rid not in prev.live for r in reqs):
         return False
     sampler = engine.sampler
-    if not all(sampler.plain_greedy(r) and r.params.logprobs is None and r.drafting and not r.reference for r in reqs):
-        return False
-    bases = [len(r.slots) for r in reqs]
+    return all(sampler.plain_greedy(r) and r.params.logprobs is None and r.drafting and not r.reference for r in reqs)
+
+
+def _fits(engine, reqs: list[Request], shape: TreeShape, prev: "Chained | None") -> bool:
+    g, bases = engine.runner.graph_runner, [len(r.slots) for r in reqs]
     if verify_bucket(g, len(reqs), shape.num_draft_tokens, bases, shape.depth + 1) is None:
         return False
-    return d.chain_fits([r.rid for r in reqs], shape, prev is not None)
+    return engine.drafter.chain_fits([r.rid for r in reqs], shape, prev is not None)
 
 
 @dataclass
@@ -70,6 +98,9 @@ class Chained:
     tree_slots: torch.Tensor  # [b * N] int64 host ids, tree after tree (none joined a request yet)
     result: HostCopy  # [b, 2W + 1]: per request its path nodes [W], tokens [W], faulty-drafter flag
     live: dict[int, int]  # rid -> row: the requests whose result is read (a request that ended since: dropped)
+    shape: TreeShape  # the step's tree shape (a chain's steps share it)
+    option: int | None  # the adaptive policy's option for the step (None: no policy)
+    since: float  # when the step's seconds start: the read of the step before it in the chain, else its launch
     pairs: dict[int, int] = field(default_factory=dict)  # rid -> the rows its read predecessor's path committed
 
 
@@ -83,8 +114,10 @@ def spec_step(engine, reqs: list[Request]) -> list[StepEvent] | None:
 def launch(engine, reqs: list[Request], prev: Chained | None = None) -> Chained | None:
     """Issue a chained step of `reqs` (prev: the chained step in flight, whose futures it reads; None: a chain's
     first, from the host's state): the drafter's graph, the verify's, the result's copy queued."""
+    since = time.perf_counter()
     d, g, kv = engine.drafter, engine.runner.graph_runner, engine.kv_manager
-    stream, shape = g.stream, engine.spec.tree
+    option, shape = engine.spec.choose_shape(len(reqs))  # (with the policy: chain_next's choice)
+    stream = g.stream
     if d.stream is not stream:
         d.use_stream(stream)
     inputs = [DraftInput(r.rid, r.token_ids, r.params, r.generator, r.reference, r.tenant) for r in reqs]
@@ -113,7 +146,7 @@ def launch(engine, reqs: list[Request], prev: Chained | None = None) -> Chained 
     except BaseException:
         kv.free(slots)
         raise
-    return Chained(reqs, n, slots, copy, {r.rid: i for i, r in enumerate(reqs)})
+    return Chained(reqs, n, slots, copy, {r.rid: i for i, r in enumerate(reqs)}, shape, option, since)
 
 
 def finish(engine, step: Chained, following: Chained | None = None) -> list[StepEvent]:
@@ -161,7 +194,24 @@ def finish(engine, step: Chained, following: Chained | None = None) -> list[Step
             positions = to_device(torch.arange(len(r.slots) - k, len(r.slots)), g.model.device)
             cap = TargetCapture(r.token_ids[-k - 1 : -1], positions, s, hidden, engine.kv)
             engine.spec.call(lambda rid=r.rid, cap=cap: d.commit(rid, cap), [r])
+    _observe(engine, step, following, len(live), events)
     return events
+
+
+def _observe(engine, step: Chained, following: Chained | None, n: int, events: list[StepEvent]) -> None:
+    """The policy learns what the step gave: its live requests' tokens, its rows, and as its seconds the host's time
+    since the read of the step before it in the chain (its launch for a chain's first): a chained step's cost in
+    the steady state of a chain, the next step's launch included and the device's work overlapping the host's. Its
+    drafting seconds: the option's per request from its ordinary steps (the drafter does the same work in a chained
+    step, inside a graph; the host's share of it overlaps), at most half the step's."""
+    now = time.perf_counter()
+    if following is not None:
+        following.since = now
+    if step.option is None or not n:
+        return
+    seconds, h = now - step.since, engine.spec.policy.history[step.option]
+    draft = min(h.draft_seconds * n if h.steps else 0.0, seconds / 2)
+    engine.spec.observe(step.option, n, seconds, events, n * step.nodes, draft)
 
 
 def clear(engine, step: Chained) -> None:

@@ -60,6 +60,7 @@ class SpecWorker:
             else None
         )
         self.last_shape: TreeShape | None = tree if drafter is not None else None
+        self.chosen: tuple[int | None, TreeShape | None] | None = None  # the policy's choice made ahead (spec_step)
         self.commits = drafter is not None and drafter.needs_commit
         # predicted outputs for drafters that do not search them (model drafters)
         self.prediction = PredictionLookup() if drafter is not None and not drafter.reads_reference else None
@@ -112,7 +113,11 @@ class SpecWorker:
 
     # --- propose ----------------------------------------------------------------------------------
     def choose_shape(self, n: int) -> tuple[int | None, TreeShape]:
-        """(the policy's option for a step of n decoding requests, or None; the shape to draft with)."""
+        """(the policy's option for a step of n decoding requests, or None; the shape to draft with). A choice the
+        overlapped loop made ahead (`chosen`: spec_step.chain_next) is the next decoding step's."""
+        if n and self.chosen is not None:
+            (option, shape), self.chosen = self.chosen, None
+            return option, shape
         option = self.policy.choose(n) if self.policy and n else None
         shape = self.policy.options[option] if option is not None else self.tree
         if n:

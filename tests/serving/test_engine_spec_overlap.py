@@ -13,12 +13,14 @@ in flight). The loop without overlap runs on the CPU's synchronous stream: the e
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
 
 import pytest
 import torch
 from helpers import QueuedStream, drafter_pools_whole, slots_whole
 
+from serving.adaptive import CONFIDENT_FROM_BATCH, AdaptiveSpeculation
 from serving.config import EngineConfig
 from serving.decode_step import OverlappedLoop
 from serving.engine import Engine
@@ -53,20 +55,21 @@ def _engine(target, overlap: bool, stream=None, drafter: str = "eagle3") -> Engi
     return eng
 
 
-def _scenario(target, overlap: bool, stream=None, drafter: str = "eagle3"):
-    """The requests above through Engine.step -> (the engine, its requests)."""
+def _scenario(target, overlap: bool, stream=None, drafter: str = "eagle3", extra=(), late=True):
+    """The requests above (and `extra` ones after them; LATE when `late`) through Engine.step -> (the engine, its
+    requests)."""
     eng = _engine(target, overlap, stream, drafter)
     encode = lambda text: target.encode_chat([{"role": "user", "content": text}])  # noqa: E731
-    reqs = [eng.add_request(encode(t), p) for t, p in REQUESTS]
+    reqs = [eng.add_request(encode(t), p) for t, p in [*REQUESTS, *extra]]
     steps = 0
     while eng.has_work:
         eng.step()
         steps += 1
-        if steps == ARRIVE_AFTER:
+        if steps == ARRIVE_AFTER and late:
             reqs.append(eng.add_request(encode(LATE[0]), LATE[1]))
         if steps == ABORT_AFTER:
             eng.abort(reqs[3])
-        assert steps < 60
+        assert steps < 80
     return eng, reqs
 
 
@@ -254,3 +257,119 @@ def test_gpu_drafted_step_n_plus_1_is_issued_before_step_n_is_read(cuda_target, 
     reads = [i for kind, i in log if kind == "read"]
     ahead = [i for i in reads if at.get(("copy", i + 1), len(log)) < at[("read", i)]]
     assert len(ahead) >= 4 and len(reads) - len(ahead) == 2, log
+
+
+# --- under the adaptive policy: its option chosen one step ahead, the tree in flight chains ----------------------
+
+OFF, SMALL = (
+    {8, 9, 18},
+    {3, 5, 12, 13, 14},
+)  # the scripted policy's decode steps (its choose calls, from 1) off / small tree
+LONG = ("Write a short story about a lighthouse.", SamplingParams(max_new_tokens=56, ignore_eos=True))
+
+
+class _Scripted(AdaptiveSpeculation):
+    """The engine's adaptive policy with its choice scripted (off at OFF, the smaller tree at SMALL, the configured
+    tree otherwise): chains start, end and restart; every observation recorded."""
+
+    def __init__(self):
+        super().__init__(TREE, confident_from=CONFIDENT_FROM_BATCH, catch_up=True)
+        self.calls, self.seen, self.kinds = 0, [], []  # kinds: per observation (chained, unrated)
+
+    def choose(self, batch_size):
+        self.calls += 1
+        return 0 if self.calls in OFF else 2 if self.calls in SMALL else 1
+
+    def observe(self, option, batch_size, seconds, tokens, rows=None, draft_seconds=0.0, accepted=None, drafted=None):
+        assert seconds > 0 and 0 <= draft_seconds <= seconds
+        self.seen.append((option, batch_size, tokens, rows, accepted, drafted))
+        chained = sys._getframe(2).f_code.co_name == "_observe"  # (spec_step's, not Engine._run's)
+        self.kinds.append((chained, self.options[option] is not None and not self.drafted_last))  # (unrated)
+        super().observe(option, batch_size, seconds, tokens, rows, draft_seconds, accepted, drafted)
+
+
+def _in_order(stream: QueuedStream, run):
+    """Engine._run with the stand-in stream in order for the ordinary step (its work run as it is issued, what was
+    queued before first): on CUDA that step's host reads (its copy, the drafter's) wait for the stream's work before
+    them, which the stand-in models for the step's one copy only."""
+
+    def ordinary(self, reqs, chunks):
+        put = stream._put
+        stream.synchronize()
+        stream._put = lambda job: stream._wait(put(job)) or stream._issued
+        try:
+            return run(self, reqs, chunks)
+        finally:
+            stream._put = put
+
+    return ordinary
+
+
+def _policy_run(target, overlap: bool, drafter: str):
+    """The scenario (a long request more, no arrival) under the scripted policy -> (the engine, its requests, the
+    stand-in stream or None)."""
+    stream = QueuedStream() if overlap else None
+    engine, run = Engine.__init__, Engine._run
+
+    def adaptive(self, target, drafter, config):
+        engine(self, target, drafter, replace(config, adaptive=True))
+        self.policy = _Scripted()
+
+    Engine.__init__ = adaptive
+    if stream is not None:
+        Engine._run = _in_order(stream, run)
+    try:
+        return (*_scenario(target, overlap, stream, drafter, [LONG], late=False), stream)
+    finally:
+        Engine.__init__, Engine._run = engine, run
+        if stream is not None:
+            stream.close()
+
+
+@pytest.fixture(scope="module", params=["eagle3", "moa"])
+def policy_runs(smollm2_fp32, request):
+    """Per drafter, the policy's scenario without overlap and with it (a stand-in stream)."""
+    return {name: _policy_run(smollm2_fp32, name == "overlap", request.param) for name in ("plain", "overlap")}
+
+
+def test_under_the_policy_chained_outputs_equal_the_plain_loop(policy_runs):
+    """Under the same scripted decisions (off and on the smaller tree in between), as the plain loop: tokens, finish
+    reasons, verify steps, drafts and acceptance (a chain continued on another tree, its drafter's commit cut to
+    that tree's rows, accepts less), the prefix cache's tokens, what the drafter keeps; no slot of the target's or
+    the drafter's pools leaked. (No arrival: a request joining mid-run joins the overlapped loop's batch a step
+    later, its first chained Engine.step issuing two steps, so decisions by step would fall on other batches.)"""
+    eng, reqs, _ = policy_runs["overlap"]
+    assert _summary(eng, reqs) == _summary(*policy_runs["plain"][:2])
+    assert {o for o, *_ in eng.policy.seen} == {0, 1, 2}
+
+
+def test_under_the_policy_drafted_steps_chain(policy_runs):
+    """Step N+1 issued before step N is read, in several chains (each ended by the policy's other option)."""
+    stream = policy_runs["overlap"][2]
+    ahead, behind = _order(stream)
+    assert len(ahead) >= 4 and behind, (ahead, behind)
+    assert len([n for n in ahead if n - 1 not in ahead]) >= 2, ahead  # (chains started)
+    policy = policy_runs["overlap"][0].policy
+    chained = [o for o, (c, _) in zip(policy.seen, policy.kinds) if c]
+    assert {o for o, *_ in chained} == {1, 2}, chained  # (both trees chained, never 'off')
+    assert all(not unrated for c, unrated in policy.kinds if c)  # (a catch-up step is an ordinary one)
+    assert any(unrated for _, unrated in policy.kinds)
+    assert policy.calls - policy_runs["plain"][0].policy.calls in (0, 1)  # (one choice a step: the surplus one)
+    for n in ahead:
+        between = stream.log[stream.log.index(("copy", n)) + 1 : stream.log.index(("read", n))]
+        assert between.count(("replay", None)) == 2 and ("copy", n + 1) in between
+
+
+@pytest.mark.parametrize("name", ["plain", "overlap"])
+def test_under_the_policy_each_step_is_observed_once(policy_runs, name):
+    """Every request's every decode step observed once with its real tokens, acceptance and drafts: the sums equal
+    the requests' own counts (all tokens but each request's first, its prefill's); overlapped, every observation
+    but the seconds is the plain loop's."""
+    eng, reqs, _ = policy_runs[name]
+    seen = eng.policy.seen
+    assert sum(len(acc) for *_, acc, _ in seen) == sum(r.stats.verify_steps for r in reqs)
+    assert sum(t for _, _, t, *_ in seen) == sum(len(r.output_ids) - 1 for r in reqs)
+    assert sum(sum(acc) for *_, acc, _ in seen) == sum(r.stats.accepted_tokens for r in reqs) > 0
+    assert sum(sum(d) for *_, d in seen) == sum(r.stats.draft_tokens for r in reqs)
+    assert all(n == len(acc) and rows >= n for _, n, _, rows, acc, _ in seen)
+    assert seen == policy_runs["plain"][0].policy.seen  # (the same steps, batches, rows and outcomes, in order)
