@@ -84,6 +84,16 @@ def smollm2_fp32():
 
 
 @pytest.fixture(scope="session")
+def smollm2_cuda():
+    """The shipped target in bf16 on a CUDA device (tests that use it skip without one)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from sglang_ext.models import load_target
+
+    return load_target("smollm2", dtype="bfloat16", device="cuda")
+
+
+@pytest.fixture(scope="session")
 def smollm2_q8():
     """The shipped target at the q8 dtype (tests that use it skip where q8 cannot run)."""
     from sglang_ext.models import load_target

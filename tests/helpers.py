@@ -575,3 +575,33 @@ def _write_into(dst, src) -> None:
     else:
         for f in fields(dst):
             _write_into(getattr(dst, f.name), getattr(src, f.name))
+
+
+def log_cuda_copies(monkeypatch) -> list[tuple[str, int]]:
+    """From now on, ("copy", n) as CUDA's stream issues its n-th device-to-host copy and ("read", n) as the host
+    waits for it, in host order."""
+    from sglang_ext.device import CudaStream, HostCopy
+
+    log = []
+    issue, wait = CudaStream.to_host, HostCopy.wait
+
+    def to_host(self, t):
+        copy = issue(self, t)
+        copy.step = self.copies
+        log.append(("copy", copy.step))
+        return copy
+
+    def read(self):
+        log.append(("read", self.step))
+        return wait(self)
+
+    monkeypatch.setattr(CudaStream, "to_host", to_host)
+    monkeypatch.setattr(HostCopy, "wait", read)
+    return log
+
+
+def copies_read_after_the_next(log: list[tuple[str, int]]) -> tuple[list[int], list[int]]:
+    """(the copies read, those read after the next copy was issued: their step N+1 went ahead of step N's read)."""
+    at = {e: i for i, e in enumerate(log)}
+    reads = [i for kind, i in log if kind == "read"]
+    return reads, [i for i in reads if at.get(("copy", i + 1), len(log)) < at[("read", i)]]

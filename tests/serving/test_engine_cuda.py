@@ -35,23 +35,14 @@ DRAFTERS = [n for n in available_drafters() if n not in ("none", "auto") and n.r
 
 
 @pytest.fixture(scope="module")
-def cuda_target():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    from sglang_ext.models import load_target
-
-    return load_target("smollm2", dtype="bfloat16", device="cuda")
-
-
-@pytest.fixture(scope="module")
-def prompts(cuda_target):
+def prompts(smollm2_cuda):
     texts = load_eval_set("builtin")[1][:8]
-    return [cuda_target.encode_chat([{"role": "user", "content": t[:600]}]) for t in texts]
+    return [smollm2_cuda.encode_chat([{"role": "user", "content": t[:600]}]) for t in texts]
 
 
 @pytest.fixture(scope="module")
-def vanilla(cuda_target, prompts):
-    eng = Engine(cuda_target, None)
+def vanilla(smollm2_cuda, prompts):
+    eng = Engine(smollm2_cuda, None)
     return [eng.generate([p], SamplingParams(max_new_tokens=NEW_TOKENS))[0].output_ids for p in prompts]
 
 
@@ -65,14 +56,14 @@ def _engine(target, name: str, cuda_graphs: bool = True) -> Engine:
 
 @pytest.mark.parametrize("bs", [1, 4])
 @pytest.mark.parametrize("drafter", DRAFTERS)
-def test_gpu_greedy_identity(cuda_target, prompts, vanilla, drafter, bs):
-    eng = _engine(cuda_target, drafter)
+def test_gpu_greedy_identity(smollm2_cuda, prompts, vanilla, drafter, bs):
+    eng = _engine(smollm2_cuda, drafter)
     assert eng.drafter is not None and eng.kv.device.type == "cuda"
     outs = []
     for i in range(0, len(prompts), bs):
         reqs = eng.generate(prompts[i : i + bs], SamplingParams(max_new_tokens=NEW_TOKENS))
         outs += [r.output_ids for r in reqs]
-    model = cuda_target.model
+    model = smollm2_cuda.model
     verdicts = [compare_to_reference(model, p, r, o, BF16_TIE) for p, r, o in zip(prompts, vanilla, outs)]
     print(f"{drafter}/bs{bs}: {verdicts.count('same')} same, {verdicts.count('tie')} ties, {verdicts}")
     assert "bug" not in verdicts, f"{drafter}/bs{bs}: output differs from vanilla away from a numerical tie"
@@ -113,15 +104,15 @@ def _syncs_per_step(eng: Engine, steps: int) -> tuple[list[int], list[tuple[str,
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 @pytest.mark.parametrize("drafter", [None, "ngram", "lookahead", "eagle3", "moa", "medusa", "draft-model"])
-def test_gpu_a_greedy_step_synchronizes_once(cuda_target, prompts, drafter, graphs):
+def test_gpu_a_greedy_step_synchronizes_once(smollm2_cuda, prompts, drafter, graphs):
     """After the prefill, each decode step of a batch of 4 greedy requests makes one synchronizing call:
     the copy of the accepted paths (lookup trees are built on the host and go up in one queued copy; a
     model drafter searches on the device without reading it), with CUDA graphs replayed or eager; vanilla
     with graphs: the overlapped loop's copy, queued through the runner's stream and waited for by an event."""
     if drafter is None:
-        eng = Engine(cuda_target, None, EngineConfig(cuda_graphs=graphs))
+        eng = Engine(smollm2_cuda, None, EngineConfig(cuda_graphs=graphs))
     else:
-        eng = _engine(cuda_target, drafter, graphs)
+        eng = _engine(smollm2_cuda, drafter, graphs)
     for p in prompts[:4]:
         eng.add_request(p, SamplingParams(max_new_tokens=2 * NEW_TOKENS, ignore_eos=True))
     eng.step()  # the prefill
@@ -134,9 +125,9 @@ def test_gpu_a_greedy_step_synchronizes_once(cuda_target, prompts, drafter, grap
 
 
 @pytest.mark.parametrize("drafter", [None, "eagle3"])
-def test_gpu_output_logprobs_come_in_the_one_copy(cuda_target, prompts, drafter):
+def test_gpu_output_logprobs_come_in_the_one_copy(smollm2_cuda, prompts, drafter):
     """Requests asking for logprobs (top 2) add no synchronizing call: they come with the accepted paths."""
-    eng = Engine(cuda_target, None) if drafter is None else _engine(cuda_target, drafter)
+    eng = Engine(smollm2_cuda, None) if drafter is None else _engine(smollm2_cuda, drafter)
     for p in prompts[:4]:
         eng.add_request(p, SamplingParams(max_new_tokens=2 * NEW_TOKENS, ignore_eos=True, logprobs=2))
     eng.step()  # the prefill

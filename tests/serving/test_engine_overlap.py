@@ -14,8 +14,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
-from helpers import QueuedStream, slots_whole
+from helpers import QueuedStream, copies_read_after_the_next, log_cuda_copies, slots_whole
 
 from serving.config import EngineConfig
 from serving.engine import Engine
@@ -131,47 +130,20 @@ def test_overlap_is_off_on_a_synchronous_device(smollm2_fp32):
 # --- on CUDA: the same scenario on the device's stream, graphs captured ---------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cuda_target():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    from sglang_ext.models import load_target
-
-    return load_target("smollm2", dtype="bfloat16", device="cuda")
-
-
 @pytest.mark.gpu
-def test_gpu_overlapped_outputs_equal_the_plain_loop(cuda_target):
-    plain = _scenario(cuda_target, False)
-    eng, reqs = _scenario(cuda_target, True)
+def test_gpu_overlapped_outputs_equal_the_plain_loop(smollm2_cuda):
+    plain = _scenario(smollm2_cuda, False)
+    eng, reqs = _scenario(smollm2_cuda, True)
     assert eng.runner.graph_runner.graphs and eng.runner.stream.copies == eng.runner.graph_runner.runs
     assert _summary(eng, reqs) == _summary(*plain)
 
 
 @pytest.mark.gpu
-def test_gpu_step_n_plus_1_is_issued_before_step_n_is_read(cuda_target, monkeypatch):
+def test_gpu_step_n_plus_1_is_issued_before_step_n_is_read(smollm2_cuda, monkeypatch):
     """The order on CUDA's stream: the copies issued and the waits for them, logged."""
-    from sglang_ext.device import CudaStream, HostCopy
-
-    log = []
-    issue, wait = CudaStream.to_host, HostCopy.wait
-
-    def to_host(self, t):
-        copy = issue(self, t)
-        copy.step = self.copies
-        log.append(("copy", copy.step))
-        return copy
-
-    def read(self):
-        log.append(("read", self.step))
-        return wait(self)
-
-    monkeypatch.setattr(CudaStream, "to_host", to_host)
-    monkeypatch.setattr(HostCopy, "wait", read)
-    _scenario(cuda_target, True)
-    at = {e: i for i, e in enumerate(log)}
-    reads = [i for kind, i in log if kind == "read"]
-    ahead = [i for i in reads if at.get(("copy", i + 1), len(log)) < at[("read", i)]]
+    log = log_cuda_copies(monkeypatch)
+    _scenario(smollm2_cuda, True)
+    reads, ahead = copies_read_after_the_next(log)
     assert len(ahead) >= 8 and len(reads) - len(ahead) == 2, log
 
 

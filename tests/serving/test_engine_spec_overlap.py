@@ -17,8 +17,7 @@ import sys
 from dataclasses import replace
 
 import pytest
-import torch
-from helpers import QueuedStream, drafter_pools_whole, slots_whole
+from helpers import QueuedStream, copies_read_after_the_next, drafter_pools_whole, log_cuda_copies, slots_whole
 
 from serving.adaptive import CONFIDENT_FROM_BATCH, AdaptiveSpeculation
 from serving.config import EngineConfig
@@ -208,22 +207,13 @@ def test_a_step_fault_mid_chain_leaves_every_pool_whole(smollm2_fp32, monkeypatc
 # --- on CUDA: the same scenario on the device's stream, graphs captured ---------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cuda_target():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    from sglang_ext.models import load_target
-
-    return load_target("smollm2", dtype="bfloat16", device="cuda")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("drafter", ["eagle3", "moa"])
-def test_gpu_overlapped_drafted_outputs_equal_the_plain_loop(cuda_target, drafter):
+def test_gpu_overlapped_drafted_outputs_equal_the_plain_loop(smollm2_cuda, drafter):
     """Tokens, finish reasons and the prefix cache as the loop without overlap (its ordinary drafted step, the same
     graphs' kinds captured); every verify a chained spec step with one copy."""
-    plain = _scenario(cuda_target, False, None, drafter)
-    eng, reqs = _scenario(cuda_target, True, None, drafter)
+    plain = _scenario(smollm2_cuda, False, None, drafter)
+    eng, reqs = _scenario(smollm2_cuda, True, None, drafter)
     g = eng.runner.graph_runner
     assert g.graphs and eng.runner.stream.copies == g.runs > 0
     assert slots_whole(eng) and drafter_pools_whole(eng.drafter)
@@ -233,29 +223,11 @@ def test_gpu_overlapped_drafted_outputs_equal_the_plain_loop(cuda_target, drafte
 
 
 @pytest.mark.gpu
-def test_gpu_drafted_step_n_plus_1_is_issued_before_step_n_is_read(cuda_target, monkeypatch):
+def test_gpu_drafted_step_n_plus_1_is_issued_before_step_n_is_read(smollm2_cuda, monkeypatch):
     """The order on CUDA's stream: the copies issued and the waits for them, logged."""
-    from sglang_ext.device import CudaStream, HostCopy
-
-    log = []
-    issue, wait = CudaStream.to_host, HostCopy.wait
-
-    def to_host(self, t):
-        copy = issue(self, t)
-        copy.step = self.copies
-        log.append(("copy", copy.step))
-        return copy
-
-    def read(self):
-        log.append(("read", self.step))
-        return wait(self)
-
-    monkeypatch.setattr(CudaStream, "to_host", to_host)
-    monkeypatch.setattr(HostCopy, "wait", read)
-    _scenario(cuda_target, True)
-    at = {e: i for i, e in enumerate(log)}
-    reads = [i for kind, i in log if kind == "read"]
-    ahead = [i for i in reads if at.get(("copy", i + 1), len(log)) < at[("read", i)]]
+    log = log_cuda_copies(monkeypatch)
+    _scenario(smollm2_cuda, True)
+    reads, ahead = copies_read_after_the_next(log)
     assert len(ahead) >= 4 and len(reads) - len(ahead) == 2, log
 
 
