@@ -103,12 +103,13 @@ def lsa_memory(
 # commit: whole when it drafts within that many steps of its prefill): CA never sees the older queued tokens (SA and
 # the TLI layers still do). Drafts after a long pause may be worse; what is accepted is the target's either way. A
 # request that drafts every step has one commit queued at each propose: no holes. Nor does a flush give memory to
-# more than a request's last MEMORY_TOKENS queued tokens (a step verifies fewer): a long prompt's LSA (30 rows a
-# token) cost a third of its prefill, while CA's memory of its older tokens moved no draft (tau 1.387 with memory for
-# every token, 1.387 / 1.382 / 1.385 for the last 128 / 32 / 16, on the six eval sets x 5 prompts, whose
-# summarisation prompts are 700 tokens; 2026-11-29).
+# more than a request's last MEMORY_TOKENS queued tokens (a step of a tree up to 7 deep verifies fewer; a deeper
+# one's commit runs eagerly): a token's LSA is 30 rows of a layer (~0.4 ms on a CPU core), so a prompt's memory cost
+# ~13 ms at 32 tokens, while CA's memory of all but the latest tokens moves few drafts (tau on the six eval sets x 5
+# prompts, whose summarisation prompts are 700 tokens: 1.382 with memory for every token, 1.382 for the last 32,
+# 1.382 for the last 8, 1.379 for the last 4; 2026-11-29).
 CATCH_UP_COMMITS = 8
-MEMORY_TOKENS = 32
+MEMORY_TOKENS = 8
 
 
 def catch_up(commits: list[list[int]]) -> tuple[list[tuple[int, int]], torch.Tensor | None]:

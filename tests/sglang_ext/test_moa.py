@@ -111,9 +111,9 @@ def test_lsa_runs_once_per_verified_token():
     while not req.finished:
         eng.step()
         verified.append(len(req.slots))
-    # prefill: the prompt; each verify step: only root + accepted nodes (LSA'd at the next propose),
-    # never the prefix again
-    assert shapes[0] == (len(prompt), LAYERS, draft.cfg.lsa_hidden)
+    # prefill: the prompt's last MEMORY_TOKENS; each verify step: only root + accepted nodes (LSA'd at the next
+    # propose), never the prefix again
+    assert len(prompt) > MEMORY_TOKENS and shapes[0] == (MEMORY_TOKENS, LAYERS, draft.cfg.lsa_hidden)
     assert all(s[1:] == (LAYERS, draft.cfg.lsa_hidden) for s in shapes)
     added = [b - a for a, b in zip(verified, verified[1:]) if b > a]
     assert [s[0] for s in shapes[1 : 1 + len(added)]] == added
@@ -224,7 +224,7 @@ def test_training_forward_matches_the_drafter_chain(tli, memory):
     target, draft = tiny_pair(tli=tli, seed=7, draft_vocab=0, memory=memory)
     drafter = MoADrafter(target.model, draft)
     eng = Engine(target, drafter, EngineConfig(tree=TreeShape.chain(4)))
-    prompt = _prompts(1, 9)[0]
+    prompt = _prompts(1, 9)[0][:MEMORY_TOKENS]  # (memory for every prompt token, as training's CA sees)
     recorded = []
     head = drafter._to_logits
     drafter._to_logits = lambda h, full: recorded.append(head(h, full)) or recorded[-1]
@@ -474,7 +474,7 @@ def test_a_catch_up_after_drafting_was_off_gives_memory_to_the_last_commits_only
     free = (drafter.mem.num_free, drafter.sa.num_free)
     eng = Engine(target, drafter, EngineConfig(tree=TreeShape(2, 2, 4)))
     eng.policy = _Scripted(eng.tree, off=range(2, 22))
-    prompt = _prompts(1, 7)[0]
+    prompt = _prompts(1, 7)[0][:MEMORY_TOKENS]  # (memory for every prompt token: the catch-up's hole is the only one)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     req = eng.add_request(prompt, params)
     while eng.policy.calls < 22:
