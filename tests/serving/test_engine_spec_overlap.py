@@ -7,18 +7,22 @@ queued and run in order by a worker thread only once the host waits): a host rea
 copy sees stale values, and so does the device of host state changed after the launch that reads it, so the outputs
 would differ. The real SmolLM2 target (fp32) with the shipped EAGLE-3 and MoA heads decodes chat prompts that end every
 way: max_tokens, EOS, a stop id, an abort mid-batch, and an arrival mid-batch (a prefill, which first reads the step
-in flight). The loop without overlap runs on the CPU's synchronous stream: the engine's ordinary drafted step. The
+in flight; with and without the adaptive policy); a drafter's faulty tree mid-chain sends its request back to vanilla
+decoding. The loop without overlap runs on the CPU's synchronous stream: the engine's ordinary drafted step. The
 `gpu` cases run the same scenario on CUDA's stream with captured graphs.
 """
 
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
+import torch
 from helpers import QueuedStream, copies_read_after_the_next, drafter_pools_whole, log_cuda_copies, slots_whole
 
+import serving.spec_step as spec_mod
 from serving.adaptive import CONFIDENT_FROM_BATCH, AdaptiveSpeculation
 from serving.config import EngineConfig
 from serving.decode_step import OverlappedLoop
@@ -54,9 +58,10 @@ def _engine(target, overlap: bool, stream=None, drafter: str = "eagle3") -> Engi
     return eng
 
 
-def _scenario(target, overlap: bool, stream=None, drafter: str = "eagle3", extra=(), late=True):
+def _scenario(target, overlap: bool, stream=None, drafter: str = "eagle3", extra=(), late=True, seen=None):
     """The requests above (and `extra` ones after them; LATE when `late`) through Engine.step -> (the engine, its
-    requests)."""
+    requests). seen (a dict, for _recorded): at LATE's arrival, "issued": the chained steps issued so far,
+    "inflight": the ids of the requests live in the chained step in flight (None: no chained step in flight)."""
     eng = _engine(target, overlap, stream, drafter)
     encode = lambda text: target.encode_chat([{"role": "user", "content": text}])  # noqa: E731
     reqs = [eng.add_request(encode(t), p) for t, p in [*REQUESTS, *extra]]
@@ -65,6 +70,10 @@ def _scenario(target, overlap: bool, stream=None, drafter: str = "eagle3", extra
         eng.step()
         steps += 1
         if steps == ARRIVE_AFTER and late:
+            if seen is not None:
+                step = eng.overlap.inflight
+                seen["issued"] = len(seen["launches"])
+                seen["inflight"] = sorted(step.live) if isinstance(step, Chained) else None
             reqs.append(eng.add_request(encode(LATE[0]), LATE[1]))
         if steps == ABORT_AFTER:
             eng.abort(reqs[3])
@@ -87,19 +96,40 @@ def runs(smollm2_fp32, request):
     once (the chain never continued: every drafted step launched and read in its own Engine.step), the last two on
     stand-in streams of their own."""
     drafter = request.param
-    out = {"plain": (*_scenario(smollm2_fp32, False, None, drafter), None)}
+    out = {"plain": (*_scenario(smollm2_fp32, False, None, drafter), None), "seen": {}}
     for name in ("overlap", "at_once"):
         stream = QueuedStream()
         step = OverlappedLoop.step
         try:
             if name == "at_once":
                 OverlappedLoop.step = lambda self: None  # (Engine._run's chained step, read at once)
-            eng, reqs = _scenario(smollm2_fp32, True, stream, drafter)
+            seen = out["seen"] if name == "overlap" else {}
+            with _recorded(seen):
+                eng, reqs = _scenario(smollm2_fp32, True, stream, drafter, seen=seen)
         finally:
             OverlappedLoop.step = step
             stream.close()
         out[name] = (eng, reqs, stream)
     return out
+
+
+@contextmanager
+def _recorded(seen: dict):
+    """spec_step.launch recorded in seen["launches"]: per chained step issued, (whether it continues a chain: issued
+    while the step before it is in flight, its requests' ids)."""
+    real, seen["launches"] = spec_mod.launch, []
+
+    def launch(engine, reqs, prev=None):
+        step = real(engine, reqs, prev)
+        if step is not None:
+            seen["launches"].append((prev is not None, [r.rid for r in reqs]))
+        return step
+
+    spec_mod.launch = launch
+    try:
+        yield seen
+    finally:
+        spec_mod.launch = real
 
 
 def test_the_drafted_scenario_ends_requests_every_way(runs):
@@ -142,6 +172,24 @@ def test_drafted_step_n_plus_1_is_issued_before_step_n_is_read(runs):
     assert _order(runs["at_once"][2])[0] == []
 
 
+def _joins_the_chains(seen: dict, reqs) -> None:
+    """LATE (the last of reqs) arrived while a chained step, itself issued while the step before it was in flight,
+    was in flight with live requests; after its prefill LATE drafts beside them in the chains."""
+    launches, at, live = seen["launches"], seen["issued"], seen["inflight"]
+    assert live and launches[at - 1][0] and set(live) <= set(launches[at - 1][1]), (seen, at)
+    assert any(chained and reqs[-1].rid in rids for chained, rids in launches[at:]), launches[at:]
+
+
+def test_an_arrival_while_a_chain_is_in_flight_joins_the_chains(runs):
+    """Without the policy: LATE arrives while a chain of the four requests is in flight; its prefill runs once the
+    step in flight is read (test_drafted_step_n_plus_1_is_issued_before_step_n_is_read), then it joins the
+    chains; its output and every other request's are the plain loop's, no pool leaked
+    (test_overlapped_drafted_outputs_equal_the_plain_loop)."""
+    _, reqs, _ = runs["overlap"]
+    _joins_the_chains(runs["seen"], reqs)
+    assert reqs[-1].stats.verify_steps > 0 and reqs[-1].drafting
+
+
 @pytest.mark.parametrize("name", ["overlap", "at_once"])
 def test_one_device_to_host_copy_per_drafted_step(runs, name):
     """A copy per drafted step (its verify), each read once at most, two graph replays per step (the drafter's
@@ -175,8 +223,6 @@ def test_a_step_fault_mid_chain_leaves_every_pool_whole(smollm2_fp32, monkeypatc
     """A chained step that fails at its launch (its verify, after the drafter's graph was issued) while the step
     before it is in flight: the engine's reset (as the engine loop runs it) frees that step's trees and the drafter's
     state of both, every request fails, nothing leaks."""
-    import serving.spec_step as spec_mod
-
     real, calls = spec_mod.verify_spec, []
 
     def verify_spec(*args):
@@ -202,6 +248,83 @@ def test_a_step_fault_mid_chain_leaves_every_pool_whole(smollm2_fp32, monkeypatc
     assert all(r.finish_reason == "error" for r in reqs) and eng.overlap.inflight is None
     assert eng.kv is pool, "KV slots leaked (the pool was rebuilt)"
     assert slots_whole(eng) and drafter_pools_whole(eng.drafter)
+
+
+FAULTY, POISONED = 1, (2, 3)  # the request (its rid: the second) whose trees draft outside the vocabulary at the
+# drafter's calls POISONED
+
+
+def _poison(eng: Engine, seen: dict) -> None:
+    """The drafter's searches (propose, propose_chained) counted from 1; at the calls POISONED, FAULTY's tree (when
+    it drafts) drafts a token outside the vocabulary at its first child, on the device after the search (queued on
+    the stream: a faulty drafter's graph). seen["poisoned"]: the calls that drafted one."""
+    d, vocab, calls = eng.drafter, eng.model.cfg.vocab_size, []
+    seen["poisoned"] = []
+
+    def outside(tokens: torch.Tensor) -> None:  # tokens [N] a tree's draft tokens (a view of the packed trees)
+        with torch.inference_mode():
+            tokens[1] = vocab + 7
+
+    def poisoned(search):
+        def propose(batch, shape, *args):
+            trees, rids = search(batch, shape, *args), [x.rid for x in batch]
+            calls.append(rids)
+            if len(calls) in POISONED and FAULTY in rids:
+                seen["poisoned"].append(len(calls))
+                eng.runner.graph_runner.stream.launch(outside, trees[rids.index(FAULTY)].draft_tokens)
+            return trees
+
+        return propose
+
+    d.propose, d.propose_chained = poisoned(d.propose), poisoned(d.propose_chained)
+
+
+def _faulty_run(target, overlap: bool, drafter: str):
+    """The first three requests, FAULTY's trees poisoned -> (the engine, its requests, the fallbacks heard
+    (rid, reason), seen: as _recorded's, "poisoned" as _poison's, the stand-in stream or None)."""
+    stream, seen, why = QueuedStream() if overlap else None, {}, []
+    run = Engine._run
+    if stream is not None:  # (after the fallback its batch takes the ordinary step: as _policy_run's)
+        Engine._run = _in_order(stream, run)
+    try:
+        eng = _engine(target, overlap, stream, drafter)
+        eng.on_fallback = lambda r, reason: why.append((r.rid, reason))
+        _poison(eng, seen)
+        encode = lambda text: target.encode_chat([{"role": "user", "content": text}])  # noqa: E731
+        reqs = [eng.add_request(encode(t), p) for t, p in REQUESTS[:3]]
+        with _recorded(seen):
+            for _ in range(40):
+                if not eng.has_work:
+                    break
+                eng.step()
+        assert not eng.has_work
+    finally:
+        Engine._run = run
+        if stream is not None:
+            stream.close()
+    return eng, reqs, why, seen, stream
+
+
+def test_a_faulty_drafter_mid_chain_falls_back_once(smollm2_fp32, runs):
+    """FAULTY's tree in a chain's second step drafts outside the vocabulary, and so does its tree in the third,
+    issued before the second is read: the second's verify flags it in the step's copy; read, FAULTY falls back to
+    vanilla decoding, reported once, its work in the third step dropped unread (its tree's slots, its drafter
+    state), the chain ended. As the plain loop with the same fault (where the third step drafts no tree for it):
+    tokens, finish reasons, drafts and acceptance, the fallback heard at once; every output the plain loop's
+    without a fault (vanilla's greedy); no slot of the target's or the drafter's pools leaked."""
+    drafter = runs["plain"][0].drafter.name
+    eng, reqs, why, seen, stream = _faulty_run(smollm2_fp32, True, drafter)
+    plain = _faulty_run(smollm2_fp32, False, drafter)
+    assert why == plain[2] == [(FAULTY, "invalid_draft")]
+    assert seen["poisoned"] == list(POISONED) and plain[3]["poisoned"] == [POISONED[0]]
+    assert _summary(eng, reqs) == _summary(*plain[:2])
+    assert [(r.output_ids, r.finish_reason) for r in reqs] == [
+        (r.output_ids, r.finish_reason) for r in runs["plain"][1][:3]
+    ]
+    assert [r.drafting for r in reqs] == [r.rid != FAULTY for r in reqs]
+    launches = seen["launches"]  # (the second step read while the third, FAULTY's tree in it, was in flight)
+    assert launches[1][0] and launches[2][0] and 2 in _order(stream)[0], launches
+    assert [i for i, (_, rids) in enumerate(launches) if FAULTY in rids] == [0, 1, 2], launches
 
 
 # --- on CUDA: the same scenario on the device's stream, graphs captured ---------------------------------------
@@ -244,13 +367,14 @@ class _Scripted(AdaptiveSpeculation):
     """The engine's adaptive policy with its choice scripted (off at OFF, the smaller tree at SMALL, the configured
     tree otherwise): chains start, end and restart; every observation recorded."""
 
-    def __init__(self):
+    def __init__(self, off=OFF, small=SMALL):
         super().__init__(TREE, confident_from=CONFIDENT_FROM_BATCH, catch_up=True)
+        self.off, self.small = off, small
         self.calls, self.seen, self.kinds = 0, [], []  # kinds: per observation (chained, unrated)
 
     def choose(self, batch_size):
         self.calls += 1
-        return 0 if self.calls in OFF else 2 if self.calls in SMALL else 1
+        return 0 if self.calls in self.off else 2 if self.calls in self.small else 1
 
     def observe(self, option, batch_size, seconds, tokens, rows=None, draft_seconds=0.0, accepted=None, drafted=None):
         assert seconds > 0 and 0 <= draft_seconds <= seconds
@@ -277,21 +401,23 @@ def _in_order(stream: QueuedStream, run):
     return ordinary
 
 
-def _policy_run(target, overlap: bool, drafter: str):
+def _policy_run(target, overlap: bool, drafter: str, arrival: bool = False, seen=None):
     """The scenario (a long request more, no arrival) under the scripted policy -> (the engine, its requests, the
-    stand-in stream or None)."""
+    stand-in stream or None). arrival: the `runs` fixture's scenario instead (LATE arrives), every choice the
+    configured tree (each request drafts as without the policy); seen: as _scenario's."""
     stream = QueuedStream() if overlap else None
     engine, run = Engine.__init__, Engine._run
 
     def adaptive(self, target, drafter, config):
         engine(self, target, drafter, replace(config, adaptive=True))
-        self.policy = _Scripted()
+        self.policy = _Scripted(set(), set()) if arrival else _Scripted()
 
     Engine.__init__ = adaptive
     if stream is not None:
         Engine._run = _in_order(stream, run)
     try:
-        return (*_scenario(target, overlap, stream, drafter, [LONG], late=False), stream)
+        extra = () if arrival else [LONG]
+        return (*_scenario(target, overlap, stream, drafter, extra, late=arrival, seen=seen), stream)
     finally:
         Engine.__init__, Engine._run = engine, run
         if stream is not None:
@@ -309,7 +435,8 @@ def test_under_the_policy_chained_outputs_equal_the_plain_loop(policy_runs):
     reasons, verify steps, drafts and acceptance (a chain continued on another tree, its drafter's commit cut to
     that tree's rows, accepts less), the prefix cache's tokens, what the drafter keeps; no slot of the target's or
     the drafter's pools leaked. (No arrival: a request joining mid-run joins the overlapped loop's batch a step
-    later, its first chained Engine.step issuing two steps, so decisions by step would fall on other batches.)"""
+    later, its first chained Engine.step issuing two steps, so decisions by step would fall on other batches; see
+    test_under_the_policy_an_arrival_while_a_chain_is_in_flight_joins_the_chains.)"""
     eng, reqs, _ = policy_runs["overlap"]
     assert _summary(eng, reqs) == _summary(*policy_runs["plain"][:2])
     assert {o for o, *_ in eng.policy.seen} == {0, 1, 2}
@@ -345,3 +472,19 @@ def test_under_the_policy_each_step_is_observed_once(policy_runs, name):
     assert sum(sum(d) for *_, d in seen) == sum(r.stats.draft_tokens for r in reqs)
     assert all(n == len(acc) and rows >= n for _, n, _, rows, acc, _ in seen)
     assert seen == policy_runs["plain"][0].policy.seen  # (the same steps, batches, rows and outcomes, in order)
+
+
+def test_under_the_policy_an_arrival_while_a_chain_is_in_flight_joins_the_chains(smollm2_fp32, runs):
+    """Under the policy (its every choice the configured tree: each request drafts as without it), LATE arrives
+    while a chain is in flight, then joins the chains after its prefill. As the plain loop without the policy:
+    tokens, finish reasons, drafts and acceptance, the prefix cache's tokens, what the drafter keeps; no slot
+    leaked; every request's every decode step observed once."""
+    seen = {}
+    with _recorded(seen):
+        eng, reqs, _ = _policy_run(smollm2_fp32, True, runs["plain"][0].drafter.name, arrival=True, seen=seen)
+    _joins_the_chains(seen, reqs)
+    assert _summary(eng, reqs) == _summary(*runs["plain"][:2])
+    observed = eng.policy.seen
+    assert sum(len(acc) for *_, acc, _ in observed) == sum(r.stats.verify_steps for r in reqs)
+    assert sum(sum(acc) for *_, acc, _ in observed) == sum(r.stats.accepted_tokens for r in reqs) > 0
+    assert any(c for c, _ in eng.policy.kinds)  # (chained steps observed)
