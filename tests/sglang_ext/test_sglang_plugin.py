@@ -122,6 +122,7 @@ def draft_parity_case(draft, tm, tli: int, sa_mode: str, steps: int, topk: int, 
     from sglang_ext.attention import causal_mask
     from sglang_ext.drafters.base import DraftInput, TargetCapture
     from sglang_ext.drafters.moa import MoADrafter
+    from sglang_ext.drafters.moa_core import MEMORY_TOKENS
     from sglang_ext.models.llama import rms_norm
     from sglang_ext.sampling import SamplingParams
     from sglang_ext.sglang_plugin.draft_core import MoAPools, moa_commit, moa_draft
@@ -132,7 +133,9 @@ def draft_parity_case(draft, tm, tli: int, sa_mode: str, steps: int, topk: int, 
     reference = draft.reference if hasattr(draft, "reference") else draft
     emb = MoADrafter(tm, reference, num_slots=512)
     kv = tm.new_kv_pool(512)
-    prompts = [torch.randint(64, (7,), generator=g).tolist(), torch.randint(64, (12,), generator=g).tolist()]
+    # (prompts of at most MEMORY_TOKENS: the embedded drafter gives a prompt's last MEMORY_TOKENS tokens memory, the
+    # plugin's commit every token, its CA reading a request's slots whole)
+    prompts = [torch.randint(64, (n,), generator=g).tolist() for n in (7, MEMORY_TOKENS)]
     roots = [5, 9]
     slots = []
     for rid, p in enumerate(prompts):
