@@ -220,12 +220,9 @@ class MoADrafter(MoAGraphs, Drafter):
         holes, keep = catch_up([[c.slots.numel() for c in st.pending] for st in sts])
         if hidden:  # (memory from the captured layers, not LSA: every token's)
             holes, keep = [(0, 0)] * len(sts), None
-        # (the kept rows uploaded: a host index into a device tensor makes the host wait for the device)
-        at = (
-            (target_slots, positions)
-            if keep is None
-            else (target_slots[to_device(keep, target_slots.device)], positions[to_device(keep, positions.device)])
-        )
+        at = (target_slots, positions)
+        if keep is not None:  # (uploaded: a host index into a device tensor makes the host wait for the device)
+            at = tuple(t[to_device(keep, t.device)] for t in at)
         k, v = self.context(caps[0].kv, *at, hidden)
         tokens = [t for c in caps for t in c.token_ids]
         self._ingest(sts, sizes, tokens, positions, k, v, target_slots, holes)
