@@ -79,17 +79,28 @@ class _Stat:
 
 
 class _PerRequest:
-    """Running sums over an option's recent steps (any batch size): rows, tokens and drafting seconds per request."""
+    """Running sums over an option's recent steps (any batch size): rows, tokens and drafting seconds per request.
+    The last `window` steps, of which only those of the last `horizon` policy steps (at least `keep`): an option
+    that is not chosen runs only at re-measurements, far apart, and its acceptance then is the content's now;
+    a window of samples alone would mix it with what it saw thousands of steps before (a stretch of content it
+    drafted badly kept it off long after)."""
 
-    def __init__(self, window: int = 64):
+    def __init__(self, window: int = 64, horizon: int = 64, keep: int = 8):
         self.steps: deque = deque(maxlen=window)  # (batch, rows, tokens, draft seconds)
+        self.times: deque = deque(maxlen=window)  # the policy's step count when each was observed
+        self.horizon, self.keep = horizon, keep
         self._sums = [0.0, 0.0, 0.0, 0.0]
 
-    def add(self, batch: int, rows: float, tokens: float, draft_seconds: float = 0.0) -> None:
-        if len(self.steps) == self.steps.maxlen:
-            for j, v in enumerate(self.steps[0]):
+    def add(self, now: int, batch: int, rows: float, tokens: float, draft_seconds: float = 0.0) -> None:
+        while self.steps and (
+            len(self.steps) == self.steps.maxlen
+            or (len(self.steps) >= self.keep and now - self.times[0] >= self.horizon)
+        ):
+            for j, v in enumerate(self.steps.popleft()):
                 self._sums[j] -= v
+            self.times.popleft()
         self.steps.append((batch, rows, tokens, draft_seconds))
+        self.times.append(now)
         for j, v in enumerate((batch, rows, tokens, draft_seconds)):
             self._sums[j] += v
 
@@ -113,23 +124,34 @@ class StepCostModel:
     between measured row counts and extended past the largest along the slope from the point at half
     its rows (or fewer): a long baseline. NOTE: the slope between the last two bins (25 % apart, each
     a median of noisy steps) could be near flat and made trees look cheap at untried batch sizes,
-    paying for a slow trial step (at bs 64 several plain steps) each time."""
+    paying for a slow trial step (at bs 64 several plain steps) each time. A bin keeps the steps of the last
+    `horizon` (at least `keep`): a step's cost follows the context (a long prompt's steps cost 1.5x), and the
+    bins of an option kept off, filled at re-measurements far apart, held another content's cost against the
+    off bin's current one."""
 
-    def __init__(self, bin_ratio: float = 1.25, window: int = 16, min_samples: int = 3):
+    def __init__(
+        self, bin_ratio: float = 1.25, window: int = 16, min_samples: int = 3, horizon: int = 64, keep: int = 8
+    ):
         self.log_ratio, self.window, self.min_samples = math.log(bin_ratio), window, min_samples
+        self.horizon, self.keep = horizon, keep
         self.bins: dict[int, deque] = {}
+        self.n = 0  # steps added: the bins' time
         self._points: list[tuple[float, float]] | None = None
 
     def add(self, rows: int, seconds: float) -> None:
+        self.n += 1
         b = round(math.log(max(rows, 1)) / self.log_ratio)
-        self.bins.setdefault(b, deque(maxlen=self.window)).append((rows, seconds))
+        d = self.bins.setdefault(b, deque(maxlen=self.window))
+        while len(d) >= self.keep and self.n - d[0][2] >= self.horizon:
+            d.popleft()
+        d.append((rows, seconds, self.n))
         self._points = None
 
     def points(self) -> list[tuple[float, float]]:
         """(rows, seconds) medians of the bins with enough steps, by rows (cached until the next step)."""
         if self._points is None:
             pts = [
-                (statistics.median(r for r, _ in d), statistics.median(s for _, s in d))
+                (statistics.median(r for r, _, _ in d), statistics.median(s for _, s, _ in d))
                 for d in self.bins.values()
                 if len(d) >= self.min_samples
             ]
@@ -196,7 +218,7 @@ class AdaptiveSpeculation:
         shape: TreeShape,
         warmup: int = 3,
         retry_every: int = 32,
-        max_retry_every: int = 512,
+        max_retry_every: int = 128,
         far_behind: float = 0.8,
         explore_budget: float = 0.01,
         trust_after: int = 8,
@@ -204,6 +226,7 @@ class AdaptiveSpeculation:
         confident_from: int | None = None,
         members: tuple[str, ...] = (),
         catch_up: bool = False,
+        burst: int = 8,
     ):
         self.options = shape_menu(shape, confident=confident_from is not None)
         # the confident (cut) option only from `confident_from` requests: at bs 1 a verify row costs a
@@ -241,6 +264,7 @@ class AdaptiveSpeculation:
         self.cost = StepCostModel()
         # per option, its recent steps at any batch size -> acceptance and tree size per request
         self.history = [_PerRequest() for _ in self.options]
+        self.clock = 0  # steps observed, any bucket: the history's time
         self.postponed = 0  # re-measurements skipped because the prior put the option far behind
         # per bucket, the option chosen as best at the last step: the other options are rated against
         # its rate at the time they ran (rel), not by their own windows, which span long stretches
@@ -249,11 +273,14 @@ class AdaptiveSpeculation:
         # catch_up: the first drafted step after steps without drafting pays the drafter's catch-up on the tokens it
         # did not see (EAGLE-3 extends over all of them, MoA's memory over its last commits'): that step is not rated
         # (its cost is the switch's, not the option's), and a re-measurement that starts drafting runs one step
-        # more, the one rated. Off: every step rated as it comes (a drafter with nothing to catch up on).
-        self.catch_up = catch_up
+        # more, the ones rated: `burst` of them (the catch-up is the re-measurement's fixed cost; at bs 1 a rated step
+        # of a tree slightly behind off costs a few % of a step, and one step's acceptance is 1 or 2 tokens: a
+        # decision on one such sample flips with the luck of that step). Off: every step rated as it comes (a
+        # drafter with nothing to catch up on).
+        self.catch_up, self.burst = catch_up, burst
         self.drafted_last = False
         self.switches: dict[int, deque] = {}  # option -> its last unrated first steps (seconds, tokens)
-        self.follow: int | None = None  # the option of a re-measurement's rated step, chosen next
+        self.follow: tuple[int, int] | None = None  # (option, steps left) of a re-measurement's rated steps, next
 
     def _stat(self, i: int, bucket: str) -> _Stat:
         return self.stats.setdefault((i, bucket), _Stat())
@@ -263,9 +290,11 @@ class AdaptiveSpeculation:
         bucket = batch_bucket(batch_size)
         step = self.steps[bucket] = self.steps.get(bucket, 0) + 1
         ok = self._eligible(batch_size)
-        follow, self.follow = self.follow, None
-        if follow is not None and follow in ok:
-            return follow
+        if self.follow is not None:
+            follow, left = self.follow
+            self.follow = (follow, left - 1) if left > 1 and follow in ok else None
+            if follow in ok:
+                return follow
         known = self._nearest_measured(bucket, batch_size)
         model = self._model_rates(batch_size)
         if known is None and model is not None:
@@ -315,7 +344,7 @@ class AdaptiveSpeculation:
             return best
         self.retries += 1
         if self.catch_up and self.options[pick] is not None and not self.drafted_last:
-            self.follow = pick
+            self.follow = (pick, self.burst)
         return pick
 
     def _rates(self, bucket: str, known: str, batch_size: int) -> list[float]:
@@ -372,14 +401,14 @@ class AdaptiveSpeculation:
         rate_best = rates[best]
         lost = ratio * max(0.0, 1.0 - rates[i] / rate_best) if rate_best > 0 else ratio
         if self.catch_up and self.options[i] is not None and self.options[best] is None:
-            # a re-measurement from off drafts two steps: the first (unrated: catch_up) loses what it measured
+            # a re-measurement from off drafts 1 + burst steps: the first (unrated: catch_up) loses what it measured
             first = self.switches.get(i)
             if first and rate_best > 0:
                 sec, tok = (statistics.fmean(x) for x in zip(*first))
                 best_sec = max(self._seconds(best, bucket, known, batch_size), 1e-9)
-                lost += sec / best_sec * max(0.0, 1.0 - tok / max(sec, 1e-9) / rate_best)
+                lost = self.burst * lost + sec / best_sec * max(0.0, 1.0 - tok / max(sec, 1e-9) / rate_best)
             else:
-                lost *= 2
+                lost *= self.burst + 1
         return math.ceil(lost * (len(self._eligible(batch_size)) - 1) / self.explore_budget)
 
     def _measured(self, bucket: str, batch_size: int) -> bool:
@@ -400,8 +429,12 @@ class AdaptiveSpeculation:
         return None if seconds is None else batch_size * h.tokens / (seconds + batch_size * h.draft_seconds)
 
     def _ruled_out(self, i: int, bucket: str, batch_size: int) -> bool:
-        """A tree whose prior is far behind 'off' here (off as measured in this bucket, else its prior)."""
+        """A tree whose prior is far behind 'off' here (off as measured in this bucket, else its prior), the prior
+        resting on at least `warmup` of its steps (one step's acceptance is luck: a tree whose first step drafted
+        nothing was ruled out, then re-measured one step at a time, as rarely as the far behind are)."""
         if self.options[i] is None or self._stat(i, bucket).n >= self.warmup:
+            return False
+        if len(self.history[i].steps) < self.warmup:
             return False
         off = self.options.index(None)
         mine = self._prior(i, batch_size)
@@ -455,13 +488,19 @@ class AdaptiveSpeculation:
         draft_seconds: float = 0.0,
         accepted: list[int] | None = None,
         drafted: list[int] | None = None,
+        first: bool = False,
     ) -> None:
         """One step's outcome. `rows` = verify rows (requests + draft nodes) feeds the step-cost model
         (with the step's seconds minus `draft_seconds`, the proposal's share); `accepted` / `drafted`
         (per request: accepted draft tokens, draft nodes) also rate the shorter chains nested in a chain
-        that ran, without running them."""
+        that ran, without running them. `first`: a request drafted for the first time, over its prompt too (EAGLE-3
+        extends over it then: ~100 ms for a long one, counted as a slow tree or a dear switch for 64 steps): a
+        cost of the request, paid once whenever it drafts, so the step is not rated."""
+        self.clock += 1
         switched = self.catch_up and self.options[option] is not None and not self.drafted_last
         self.drafted_last = self.options[option] is not None
+        if first:  # a request's first drafted step: its prompt's catch-up, a cost of the request, unrated
+            return
         if switched:  # (the drafter's catch-up: see catch_up) its cost counts against the re-measurement budget
             self.switches.setdefault(option, deque(maxlen=8)).append((seconds, tokens))
             return
@@ -475,7 +514,7 @@ class AdaptiveSpeculation:
         self._stat(option, bucket).add(seconds, tokens)
         if rows is not None:
             self.cost.add(rows, max(seconds - draft_seconds, 1e-9))
-            self.history[option].add(batch_size, rows, tokens, draft_seconds)
+            self.history[option].add(self.clock, batch_size, rows, tokens, draft_seconds)
             if accepted is not None and drafted is not None:
                 self._counterfactual(option, accepted, drafted)
 
@@ -501,6 +540,7 @@ class AdaptiveSpeculation:
             h = self.history[j]
             per_draft = h.draft_seconds if h.steps else 0.0
             h.add(
+                self.clock,
                 len(accepted),
                 sum(1 + min(n, d) for n in drafted),
                 sum(min(a, d) + 1 for a in accepted),

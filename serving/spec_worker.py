@@ -127,9 +127,15 @@ class SpecWorker:
     def observe(
         self, option: int | None, n: int, seconds: float, events: list[StepEvent], rows: int, draft_seconds: float
     ) -> None:
-        """The policy learns what a step of n decoding requests under `option` gave (rows: its tree rows)."""
+        """The policy learns what a step of n decoding requests under `option` gave (rows: its tree rows). A request's
+        first drafted step also drafts over its prompt (EAGLE-3 extends over it: ~100 ms for a long one), a cost of
+        the request, not of a switch from off: the policy is told (`first`)."""
         if option is None:
             return
+        drafted = self.policy.options[option] is not None
+        first = drafted and any(e.request.drafting and not e.request.drafted for e in events)
+        for e in events:
+            e.request.drafted |= drafted
         self.policy.observe(
             option,
             n,
@@ -139,6 +145,7 @@ class SpecWorker:
             draft_seconds=draft_seconds,
             accepted=[e.accepted for e in events],
             drafted=[e.drafted for e in events],
+            first=first,
         )
 
     def propose(self, reqs: list[Request], shape: TreeShape | None) -> list[TokenTree]:
