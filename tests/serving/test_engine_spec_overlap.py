@@ -254,8 +254,8 @@ FAULTY, POISONED = 1, (2, 3)  # the request (its rid: the second) whose trees dr
 # drafter's calls POISONED
 
 
-def _poison(eng: Engine, seen: dict) -> None:
-    """The drafter's searches (propose, propose_chained) counted from 1; at the calls POISONED, FAULTY's tree (when
+def _poison(eng: Engine, seen: dict, at=POISONED) -> None:
+    """The drafter's searches (propose, propose_chained) counted from 1; at the calls `at`, FAULTY's tree (when
     it drafts) drafts a token outside the vocabulary at its first child, on the device after the search (queued on
     the stream: a faulty drafter's graph). seen["poisoned"]: the calls that drafted one."""
     d, vocab, calls = eng.drafter, eng.model.cfg.vocab_size, []
@@ -269,7 +269,7 @@ def _poison(eng: Engine, seen: dict) -> None:
         def propose(batch, shape, *args):
             trees, rids = search(batch, shape, *args), [x.rid for x in batch]
             calls.append(rids)
-            if len(calls) in POISONED and FAULTY in rids:
+            if len(calls) in at and FAULTY in rids:
                 seen["poisoned"].append(len(calls))
                 eng.runner.graph_runner.stream.launch(outside, trees[rids.index(FAULTY)].draft_tokens)
             return trees
@@ -279,9 +279,11 @@ def _poison(eng: Engine, seen: dict) -> None:
     d.propose, d.propose_chained = poisoned(d.propose), poisoned(d.propose_chained)
 
 
-def _faulty_run(target, overlap: bool, drafter: str):
+def _faulty_run(target, overlap: bool, drafter: str, policy: bool = False):
     """The first three requests, FAULTY's trees poisoned -> (the engine, its requests, the fallbacks heard
-    (rid, reason), seen: as _recorded's, "poisoned" as _poison's, the stand-in stream or None)."""
+    (rid, reason), seen: as _recorded's, "poisoned" as _poison's, the stand-in stream or None). policy: under the
+    adaptive policy, its every choice the configured tree (_Scripted), the calls POISONED one later (its first
+    drafted step is an ordinary one: the catch-up after steps without drafting, never chained)."""
     stream, seen, why = QueuedStream() if overlap else None, {}, []
     run = Engine._run
     if stream is not None:  # (after the fallback its batch takes the ordinary step: as _policy_run's)
@@ -289,7 +291,9 @@ def _faulty_run(target, overlap: bool, drafter: str):
     try:
         eng = _engine(target, overlap, stream, drafter)
         eng.on_fallback = lambda r, reason: why.append((r.rid, reason))
-        _poison(eng, seen)
+        if policy:
+            eng.policy = _Scripted(set(), set())
+        _poison(eng, seen, [c + policy for c in POISONED])
         encode = lambda text: target.encode_chat([{"role": "user", "content": text}])  # noqa: E731
         reqs = [eng.add_request(encode(t), p) for t, p in REQUESTS[:3]]
         with _recorded(seen):
@@ -488,3 +492,29 @@ def test_under_the_policy_an_arrival_while_a_chain_is_in_flight_joins_the_chains
     assert sum(len(acc) for *_, acc, _ in observed) == sum(r.stats.verify_steps for r in reqs)
     assert sum(sum(acc) for *_, acc, _ in observed) == sum(r.stats.accepted_tokens for r in reqs) > 0
     assert any(c for c, _ in eng.policy.kinds)  # (chained steps observed)
+
+
+def test_under_the_policy_a_faulty_drafter_mid_chain_falls_back_once(smollm2_fp32, runs):
+    """test_a_faulty_drafter_mid_chain_falls_back_once under the policy (its every choice the configured tree; its
+    first drafted step an ordinary one): a chain's second step's faulty tree read while the third, FAULTY's poisoned
+    tree in it, is in flight; FAULTY falls back once, its work in the third step dropped unread; as the plain loop
+    under the policy with the same fault, every output vanilla's greedy, every pool whole; every request's every
+    decode step observed once."""
+    drafter = runs["plain"][0].drafter.name
+    eng, reqs, why, seen, stream = _faulty_run(smollm2_fp32, True, drafter, policy=True)
+    plain = _faulty_run(smollm2_fp32, False, drafter, policy=True)
+    assert why == plain[2] == [(FAULTY, "invalid_draft")]
+    at = [c + 1 for c in POISONED]
+    assert seen["poisoned"] == at and plain[3]["poisoned"] == at[:1]
+    assert _summary(eng, reqs) == _summary(*plain[:2])
+    assert [(r.output_ids, r.finish_reason) for r in reqs] == [
+        (r.output_ids, r.finish_reason) for r in runs["plain"][1][:3]
+    ]
+    assert [r.drafting for r in reqs] == [r.rid != FAULTY for r in reqs]
+    launches = seen["launches"]
+    assert launches[1][0] and launches[2][0] and 2 in _order(stream)[0], launches
+    assert [i for i, (_, rids) in enumerate(launches) if FAULTY in rids] == [0, 1, 2], launches
+    observed = eng.policy.seen
+    assert sum(len(acc) for *_, acc, _ in observed) == sum(r.stats.verify_steps for r in reqs)
+    assert sum(sum(acc) for *_, acc, _ in observed) == sum(r.stats.accepted_tokens for r in reqs) > 0
+    assert any(c for c, _ in eng.policy.kinds)
