@@ -22,6 +22,12 @@ is dropped unread, its tree's slots and its drafter state there freed, so its ou
 prefix cache and the drafter keep are those of the loop without overlap. A step that ends a chain (nothing
 issued after it) hands the drafter its accepted path as an ordinary commit (EAGLE-3: with its features).
 
+A request that does not draft (its drafter failed: `Request.drafting` off) rides in a chained step as a root-only
+row, so that the others keep chaining: its tree is its root (the bonus token of its row in the step before, on the
+device, or its last token where it has none there: the request that fell back when step N was read, its drafted tree
+in step N+1 dropped unread) and N - 1 padding rows that no node sees, its path the root, its token the target's
+argmax there; no drafter state. A batch where no request drafts takes the ordinary step.
+
 Under the adaptive policy the loop chooses step N+1's option before step N is read (`chain_next`): the same tree
 chains, another option (off, another tree) ends the chain; each chained step is observed when it is read (`_observe`).
 Lookup drafters, non-greedy requests, predicted outputs, logprobs and steps outside the graph buckets take the
@@ -48,7 +54,8 @@ from .spec_worker import SpecWorker
 
 def spec_chains(engine, reqs: list[Request], prev: "Chained | None" = None) -> bool:
     """Whether a step of these decoding requests (no prompt chunk) is a chained spec step at the configured tree, no
-    adaptive policy (after `prev`, the chained step in flight, when given: then every request must be in it)."""
+    adaptive policy (after `prev`, the chained step in flight, when given: then every drafting request must be in
+    it)."""
     return engine.spec.policy is None and _eligible(engine, reqs, prev) and _fits(engine, reqs, engine.spec.tree, prev)
 
 
@@ -76,17 +83,19 @@ def _eligible(engine, reqs: list[Request], prev: "Chained | None") -> bool:
         return False
     if type(engine.sampler) is not Sampler or type(engine.spec) is not SpecWorker:
         return False
-    if prev is not None and any(r.rid not in prev.live for r in reqs):
+    if not any(r.drafting for r in reqs):  # (then the ordinary step: a plain decode's)
+        return False
+    if prev is not None and any(r.drafting and r.rid not in prev.live for r in reqs):
         return False
     sampler = engine.sampler
-    return all(sampler.plain_greedy(r) and r.params.logprobs is None and r.drafting and not r.reference for r in reqs)
+    return all(sampler.plain_greedy(r) and r.params.logprobs is None and not r.reference for r in reqs)
 
 
 def _fits(engine, reqs: list[Request], shape: TreeShape, prev: "Chained | None") -> bool:
     g, bases = engine.runner.graph_runner, [len(r.slots) for r in reqs]
     if verify_bucket(g, len(reqs), shape.num_draft_tokens, bases, shape.depth + 1) is None:
         return False
-    return engine.drafter.chain_fits([r.rid for r in reqs], shape, prev is not None)
+    return engine.drafter.chain_fits([r.rid for r in reqs if r.drafting], shape, prev is not None)
 
 
 @dataclass
@@ -99,6 +108,7 @@ class Chained:
     result: HostCopy  # [b, 2W + 1]: per request its path nodes [W], tokens [W], faulty-drafter flag
     live: dict[int, int]  # rid -> row: the requests whose result is read (a request that ended since: dropped)
     shape: TreeShape  # the step's tree shape (a chain's steps share it)
+    plain: set[int]  # the rids of its root-only rows (requests that do not draft)
     option: int | None  # the adaptive policy's option for the step (None: no policy)
     since: float  # when the step's seconds start: the read of the step before it in the chain, else its launch
     pairs: dict[int, int] = field(default_factory=dict)  # rid -> the rows its read predecessor's path committed
@@ -113,32 +123,44 @@ def spec_step(engine, reqs: list[Request]) -> list[StepEvent] | None:
 
 def launch(engine, reqs: list[Request], prev: Chained | None = None) -> Chained | None:
     """Issue a chained step of `reqs` (prev: the chained step in flight, whose futures it reads; None: a chain's
-    first, from the host's state): the drafter's graph, the verify's, the result's copy queued."""
+    first, from the host's state): the drafter's graph, the verify's, the result's copy queued. A request that does
+    not draft (its drafter failed) rides as a root-only row: its next token the target's argmax at the bonus token
+    of its row in `prev` (or at its last token, with none there), no drafter state."""
     since = time.perf_counter()
     d, g, kv = engine.drafter, engine.runner.graph_runner, engine.kv_manager
     option, shape = engine.spec.choose_shape(len(reqs))  # (with the policy: chain_next's choice)
     stream = g.stream
     if d.stream is not stream:
         d.use_stream(stream)
-    inputs = [DraftInput(r.rid, r.token_ids, r.params, r.generator, r.reference, r.tenant) for r in reqs]
+    drafting = [r for r in reqs if r.drafting]
+    inputs = [DraftInput(r.rid, r.token_ids, r.params, r.generator, r.reference, r.tenant) for r in drafting]
     fut = spec_future(g)
-    rows = None if prev is None else [prev.live[r.rid] for r in reqs]
+    rows = None if prev is None else [prev.live.get(r.rid, -1) for r in reqs]
     try:
-        trees = d.propose(inputs, shape) if prev is None else d.propose_chained(inputs, shape, fut, rows)
+        if prev is None:
+            trees = d.propose(inputs, shape)
+        else:
+            trees = d.propose_chained(inputs, shape, fut, [prev.live[r.rid] for r in drafting])
     except Exception as e:  # noqa: BLE001 - a drafter fault sends its requests back to vanilla decoding
         if prev is not None:
             raise  # (the futures' step is in flight: the engine starts again from a clean state)
-        engine.spec.fallback(reqs, type(e).__name__)
+        engine.spec.fallback(drafting, type(e).__name__)
         return None
     packed = trees[0].batch
     if packed is None or not packed.holds(trees):
         raise RuntimeError("a chained spec step's search gave no packed trees")
+    mixed = None
+    if len(drafting) < len(reqs):  # (src: each row's tree, -1 root-only; roots: a root-only row's from the host)
+        trees_at = iter(range(len(drafting)))
+        src = [next(trees_at) if r.drafting else -1 for r in reqs]
+        chained = rows or [-1] * len(reqs)
+        mixed = (src, [-1 if r.drafting or p >= 0 else r.output_ids[-1] for r, p in zip(reqs, chained)])
     n = packed.longs.shape[2]
     slots = kv.alloc(len(reqs) * n)
     try:
         keys, prefixes = [r.rid for r in reqs], [r.slots for r in reqs]
         captured, result = verify_spec(
-            g, packed, trees[0].finite, slots, prefixes, keys, rows, shape.depth + 1, kv.pool
+            g, packed, trees[0].finite, slots, prefixes, keys, rows, shape.depth + 1, kv.pool, mixed
         )
         if kv.hidden is not None:  # (the captured layers beside the prefix cache, after the graph)
             stream.launch(kv.store_hidden, [slots], captured)
@@ -146,7 +168,8 @@ def launch(engine, reqs: list[Request], prev: Chained | None = None) -> Chained 
     except BaseException:
         kv.free(slots)
         raise
-    return Chained(reqs, n, slots, copy, {r.rid: i for i, r in enumerate(reqs)}, shape, option, since)
+    live, plain = {r.rid: i for i, r in enumerate(reqs)}, {r.rid for r in reqs if not r.drafting}
+    return Chained(reqs, n, slots, copy, live, shape, plain, option, since)
 
 
 def finish(engine, step: Chained, following: Chained | None = None) -> list[StepEvent]:
@@ -168,11 +191,11 @@ def finish(engine, step: Chained, following: Chained | None = None) -> list[Step
     feats = None if following is not None else spec_future(g).feats[: len(step.reqs), :w].clone()
     events = []
     for (i, r), s in zip(live, kept):
-        k = len(paths[i])
+        k, drafted = len(paths[i]), 0 if r.rid in step.plain else n - 1
         res = VerifyResult(paths[i], rows[i][w : w + k], bool(rows[i][2 * w]))
-        SpecWorker._record(r, res, n - 1)
+        SpecWorker._record(r, res, drafted)
         try:
-            events.append(StepEvent(r, engine.sampler.append(r, res.tokens), res.num_accepted, n - 1))
+            events.append(StepEvent(r, engine.sampler.append(r, res.tokens), res.num_accepted, drafted))
         except RequestFault as f:
             events.append(fail(r, f))
         if res.draft_invalid:
@@ -180,38 +203,43 @@ def finish(engine, step: Chained, following: Chained | None = None) -> list[Step
             engine.spec.fallback([r], "invalid_draft")
         if r.finished:  # (its release drops it from the step after: Engine._release, OverlappedLoop.drop)
             continue
-        if not r.drafting:  # (a faulty drafter's request: it decodes without it from here on, the step after dropped)
-            if following is not None:
+        if not r.drafting and r.rid not in step.plain:  # (a faulty drafter's request: it decodes without it from
+            if following is not None:  # here on, its drafted tree in the step after dropped unread)
                 drop(engine, following, r)
             continue
-        if following is not None:  # its pairs of the step after: the first k were real
-            d.commit_chained(r.rid, k, s)
-            following.pairs[r.rid] = k
+        if following is not None:
             g._table.account(r.rid, len(r.slots) + 1)  # (that step's verify wrote this path and its own root)
-        else:  # the chain ends here: the path's features as an ordinary commit
+            if r.rid in step.plain:
+                continue
+            d.commit_chained(r.rid, k, s)  # its pairs of the step after: the first k were real
+            following.pairs[r.rid] = k
+        elif r.rid not in step.plain:  # the chain ends here: the path's features as an ordinary commit
             h = g.model.cfg.hidden_size
             hidden = {l: feats[i, :k, j * h : (j + 1) * h] for j, l in enumerate(g.capture_layers)}
             positions = to_device(torch.arange(len(r.slots) - k, len(r.slots)), g.model.device)
             cap = TargetCapture(r.token_ids[-k - 1 : -1], positions, s, hidden, engine.kv)
             engine.spec.call(lambda rid=r.rid, cap=cap: d.commit(rid, cap), [r])
-    _observe(engine, step, following, len(live), events)
+    _observe(engine, step, following, [r for _, r in live], events)
     return events
 
 
-def _observe(engine, step: Chained, following: Chained | None, n: int, events: list[StepEvent]) -> None:
+def _observe(engine, step: Chained, following: Chained | None, live: list[Request], events: list[StepEvent]) -> None:
     """The policy learns what the step gave: its live requests' tokens, its rows, and as its seconds the host's time
     since the read of the step before it in the chain (its launch for a chain's first): a chained step's cost in
     the steady state of a chain, the next step's launch included and the device's work overlapping the host's. Its
     drafting seconds: the option's per request from its ordinary steps (the drafter does the same work in a chained
-    step, inside a graph; the host's share of it overlaps), at most half the step's."""
+    step, inside a graph; the host's share of it overlaps), at most half the step's. Its rows: the trees' (a
+    root-only row's one), as the ordinary step counts them."""
     now = time.perf_counter()
     if following is not None:
         following.since = now
-    if step.option is None or not n:
+    if step.option is None or not live:
         return
     seconds, h = now - step.since, engine.spec.policy.history[step.option]
-    draft = min(h.draft_seconds * n if h.steps else 0.0, seconds / 2)
-    engine.spec.observe(step.option, n, seconds, events, n * step.nodes, draft)
+    drafting = sum(r.rid not in step.plain for r in live)
+    draft = min(h.draft_seconds * drafting if h.steps else 0.0, seconds / 2)
+    rows = drafting * step.nodes + len(live) - drafting
+    engine.spec.observe(step.option, len(live), seconds, events, rows, draft)
 
 
 def clear(engine, step: Chained) -> None:

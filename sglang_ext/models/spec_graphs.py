@@ -18,7 +18,10 @@ draft-extend, `FutureExtendRunner`: tokens and features from the futures; MoA's 
 and target slots, drafters/moa_graphs.py), the rest padding (slot 0), and the search after it starts at the bonus.
 A request with prev -1 starts a chain: its prefix is the host's (the rows it lacks written before the graph).
 Padding requests (table row 0) write only the scratch cell and leave the futures as they are, so a capture's
-padding batch changes nothing.
+padding batch changes nothing. A mixed batch (`mixed`: requests that draft beside requests that do not) has its own
+graphs: the search's trees moved to their requests' rows and each other request's tree its root alone (the bonus
+token at its row of the previous verify, or the host's token), then N - 1 padding nodes that no node sees; its path
+is the root, and its futures and result rows are as any request's.
 """
 
 from __future__ import annotations
@@ -73,49 +76,47 @@ def verify_bucket(g: GraphRunner, b: int, nodes: int, bases: list[int], width: i
 
 def verify_spec(
     g: GraphRunner,
-    packed: TreeBatch,  # the search's trees, the first b of its padded batch of B
+    packed: TreeBatch,  # the search's trees, the first of its padded batch
     finite: torch.Tensor,  # [] bool: the search's draft logits all finite
     out_slots: torch.Tensor,  # [b * N] int64 host ids, tree after tree
     prefixes: list[torch.Tensor],  # per request its committed slots before step N (host; `base` = their count)
     keys: list,
-    prev: list[int] | None,  # per request its row in the previous spec verify (None: a chain's first step)
+    prev: list[int] | None,  # per request its row in the previous spec verify, or -1 (None: a chain's first step)
     width: int,  # with prev: the previous paths' longest possible length (its trees' depth + 1)
     kv,
+    mixed: tuple[list[int], list[int]] | None = None,  # (src, roots): root-only rows beside the trees
 ):  # -> (captured {layer: [b*N, H]} views, result [b, 2W + 1] view): read before the next replay (queue copies)
-    """The spec verify (module docstring) on g's stream: one fill and one replay."""
-    bb, n = packed.longs.shape[0], packed.longs.shape[2]
-    b = len(packed.trees)
+    """The spec verify (module docstring) on g's stream: one fill and one replay. Without `mixed`, request i's tree
+    is packed's i-th; with it, src[i] is its tree's index in packed, or -1 for a root-only row (a request that does
+    not draft: its N rows the root, at the prefix's end, then padding) whose root is the bonus token at its row of
+    the previous verify, or roots[i] (host) where it has none."""
+    n = packed.longs.shape[2]
+    b = len(keys)
     bases = [t.numel() for t in prefixes]
     key = verify_bucket(g, b, n, bases, width if prev is not None else 0)
-    if key is None or key[0] != bb:
+    if key is None or (mixed is None and key[0] != packed.longs.shape[0]):
         raise ValueError(f"a spec verify of {b} trees of {n} nodes after {max(bases)} tokens fits no bucket")
+    bb = key[0]
     g._use_pool(kv)
     g.runs += 1
-    fut, table = spec_future(g), g._table
-    if prev is None:
-        rows, lacking = table.catch_up(keys, prefixes)
-        if lacking is not None:
-            g.stream.launch(table.write, lacking)
-        for k, m in zip(keys, bases):
-            table.account(k, m + 1)  # (the graph writes its root at column m)
-    else:
-        rows = table.rows_of(keys)
-        if rows is None:
-            raise ValueError("a chained spec verify of a request the slot table does not hold")
+    fut, prev = spec_future(g), [-1] * b if prev is None else prev
+    rows = _table_rows(g, keys, prefixes, prev)
     pad = [0] * (bb - b)
+    flags = [] if mixed is None else [*mixed[0], *([-1] * (bb - b)), *mixed[1], *pad]
     host = torch.cat(
         [
             out_slots,
             torch.zeros((bb - b) * n, dtype=torch.long),
-            torch.tensor([*rows, *pad, *bases, *pad, *(prev or [-1] * b), *([-1] * (bb - b))], dtype=torch.long),
+            torch.tensor([*rows, *pad, *bases, *pad, *prev, *([-1] * (bb - b)), *flags], dtype=torch.long),
         ]
     )
-    key = (*key, "spec")
+    key = (*key, "spec" if mixed is None else "spec-mixed")
+    d = len(packed.trees)
 
     def make() -> dict:
         dev = g.model.device
-        longs = torch.zeros(bb * n + 3 * bb, dtype=torch.long)
-        longs[bb * n + 2 * bb :] = -1
+        longs = torch.zeros(bb * n + (3 if mixed is None else 5) * bb, dtype=torch.long)
+        longs[bb * n + 2 * bb : bb * n + 3 * bb] = -1
         bufs = {"longs": to_device(longs, dev), "finite": torch.ones((), dtype=torch.bool, device=dev)}
         bufs["tree"] = torch.zeros(bb, 6, n, dtype=torch.long, device=dev)
         bufs["tree"][:, [1, 4, 5]] = -1
@@ -124,8 +125,12 @@ def verify_spec(
 
     def fill(bufs: dict) -> None:
         fill_flat(bufs["longs"], host)
-        bufs["tree"].copy_(packed.longs)
-        bufs["mask"].copy_(packed.mask)
+        if mixed is None:
+            bufs["tree"].copy_(packed.longs)
+            bufs["mask"].copy_(packed.mask)
+        else:  # (the trees first; the graph puts each in its request's row)
+            bufs["tree"][:d].copy_(packed.longs[:d])
+            bufs["mask"][:d].copy_(packed.mask[:d])
         bufs["finite"].copy_(finite)
 
     out, result = g.cache.run(key, make, fill, lambda bufs: _verify_fn(g, fut, key, bufs, kv))
@@ -133,11 +138,35 @@ def verify_spec(
     return {l: h[:t] for l, h in out.captured.items()}, result[:b]
 
 
+def _table_rows(g: GraphRunner, keys: list, prefixes: list[torch.Tensor], prev: list[int]) -> list[int]:
+    """Each request's row of the slot table: a request with a row in the previous verify (prev >= 0) has its row
+    there (the graph writes the cells that path adds); the others' rows catch up with their host prefixes first,
+    the graph writing their roots."""
+    table, rows = g._table, [0] * len(keys)
+    chained = [i for i, p in enumerate(prev) if p >= 0]
+    if chained:
+        got = table.rows_of([keys[i] for i in chained])
+        if got is None:
+            raise ValueError("a chained spec verify of a request the slot table does not hold")
+        for i, row in zip(chained, got):
+            rows[i] = row
+    fresh = [i for i, p in enumerate(prev) if p < 0]
+    if fresh:
+        got, lacking = table.catch_up([keys[i] for i in fresh], [prefixes[i] for i in fresh])
+        if lacking is not None:
+            g.stream.launch(table.write, lacking)
+        for i, row in zip(fresh, got):
+            rows[i] = row
+            table.account(keys[i], prefixes[i].numel() + 1)  # (the graph writes its root at column base)
+    return rows
+
+
 def _verify_fn(g: GraphRunner, fut: SpecFuture, key: tuple, bufs: dict, kv):
     """The captured spec verify: the slot table's rows made whole from the previous step's futures, the forward,
     the greedy paths, the futures and the result (module docstring)."""
     b, n, p = key[:3]
-    slots, rows, base, prev = bufs["longs"].split([b * n, b, b, b])
+    mixed = key[3] == "spec-mixed"
+    slots, rows, base, prev, *flags = bufs["longs"].split([b * n, b, b, b] + [b, b] * mixed)
     flat, width = g._table.table.view(-1), g._table.width
     has = prev >= 0
     pr = prev.clamp(min=0)
@@ -150,15 +179,21 @@ def _verify_fn(g: GraphRunner, fut: SpecFuture, key: tuple, bufs: dict, kv):
     grid = slots.view(b, n)
     flat.index_put_((rows * width + prefix_len,), torch.where(rows > 0, grid[:, 0], 0))  # this step's roots
     prefix = g._table.table[:, :p].index_select(0, rows)
-    tree = bufs["tree"]
+    tree, mask, plain = bufs["tree"], bufs["mask"], None
+    if mixed:
+        plain = flags[0] < 0
+        root = torch.where(has, fut.tokens[pr, (lens - 1).clamp(min=0)], flags[1])
+        tree, mask = _with_roots(tree, mask, flags[0], plain, root, prefix_len)
     ids, pos = tree[:, 0].reshape(-1), tree[:, 2].reshape(-1)
-    plan = static_plan(prefix, prefix_len, grid, bufs["mask"])
+    plan = static_plan(prefix, prefix_len, grid, mask)
     vocab = g.model.cfg.vocab_size
     tokens = ids.view(b, n)
     out = g._static_model.forward(ids.clamp(0, vocab - 1), pos, slots, plan, kv, g.capture_layers)
     argmax = greedy_tokens(g.model.logits(out.hidden, fp32=False))
     nodes, path = greedy_rows(tokens, tree[:, 1], pos.view(b, n), tree[:, 4], tree[:, 5], argmax.view(b, n))
     bad = ((tokens < 0) | (tokens >= vocab)).any(1) | ~bufs["finite"]
+    if plain is not None:  # (a root-only row drafted nothing: never a faulty drafter's)
+        bad = bad & ~plain
     w = min(n, WIDTH)
     nodes, path = nodes[:, :w], path[:, :w]
     at = nodes.clamp(min=0)
@@ -172,6 +207,27 @@ def _verify_fn(g: GraphRunner, fut: SpecFuture, key: tuple, bufs: dict, kv):
         feats = torch.cat([out.captured[l] for l in g.capture_layers], -1).view(b, n, -1)
         keep(fut.feats[:b, :w], feats.gather(1, at[..., None].expand(b, w, feats.shape[2])))
     return out, torch.cat([nodes, path, bad.long()[:, None]], 1)
+
+
+def _with_roots(
+    tree: torch.Tensor,  # [B, 6, N] the search's trees first (TREE_LONGS)
+    mask: torch.Tensor,  # [B, N, N]
+    src: torch.Tensor,  # [B] each request's tree in them, or -1: a root-only row
+    plain: torch.Tensor,  # [B] bool: src < 0
+    root: torch.Tensor,  # [B] a root-only row's root token
+    at: torch.Tensor,  # [B] its position (the prefix's length)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tree, mask) of a mixed batch: each request's tree moved to its row; a root-only row's N nodes its root then
+    padding (token 0, no parent or children, each seeing itself only), at the root's position: its path the root,
+    its token the target's argmax there."""
+    b, _, n = tree.shape
+    first = torch.arange(n, device=tree.device) == 0
+    none = torch.full((b, n), -1, dtype=torch.long, device=tree.device)
+    alone = torch.stack([torch.where(first, root[:, None], 0), none, at[:, None].expand(b, n), none + 1, none, none], 1)
+    idx = src.clamp(min=0)
+    tree = torch.where(plain[:, None, None], alone, tree.index_select(0, idx))
+    eye = torch.eye(n, dtype=torch.bool, device=tree.device)
+    return tree, torch.where(plain[:, None, None], eye, mask.index_select(0, idx))
 
 
 class FutureExtendRunner(ExtendRunner):

@@ -8,8 +8,9 @@ copy sees stale values, and so does the device of host state changed after the l
 would differ. The real SmolLM2 target (fp32) with the shipped EAGLE-3 and MoA heads decodes chat prompts that end every
 way: max_tokens, EOS, a stop id, an abort mid-batch, and an arrival mid-batch (a prefill, which first reads the step
 in flight; with and without the adaptive policy); a drafter's faulty tree mid-chain sends its request back to vanilla
-decoding. The loop without overlap runs on the CPU's synchronous stream: the engine's ordinary drafted step. The
-`gpu` cases run the same scenario on CUDA's stream with captured graphs.
+decoding, and the others keep chaining with it beside them as a root-only row. The loop without overlap runs on the
+CPU's synchronous stream: the engine's ordinary drafted step. The `gpu` cases run the same scenarios on CUDA's stream
+with captured graphs.
 """
 
 from __future__ import annotations
@@ -116,13 +117,15 @@ def runs(smollm2_fp32, request):
 @contextmanager
 def _recorded(seen: dict):
     """spec_step.launch recorded in seen["launches"]: per chained step issued, (whether it continues a chain: issued
-    while the step before it is in flight, its requests' ids)."""
-    real, seen["launches"] = spec_mod.launch, []
+    while the step before it is in flight, the ids of its requests with a drafted tree); in seen["rides"]: per step,
+    {id: whether its root is the bonus token of its row in the step before} of its root-only rows."""
+    real, seen["launches"], seen["rides"] = spec_mod.launch, [], []
 
     def launch(engine, reqs, prev=None):
         step = real(engine, reqs, prev)
         if step is not None:
-            seen["launches"].append((prev is not None, [r.rid for r in reqs]))
+            seen["launches"].append((prev is not None, [r.rid for r in reqs if r.rid not in step.plain]))
+            seen["rides"].append({rid: prev is not None and rid in prev.live for rid in step.plain})
         return step
 
     spec_mod.launch = launch
@@ -250,12 +253,14 @@ def test_a_step_fault_mid_chain_leaves_every_pool_whole(smollm2_fp32, monkeypatc
     assert slots_whole(eng) and drafter_pools_whole(eng.drafter)
 
 
+# (RIDER: the fourth request, shorter, so that chains go on after FAULTY's fallback)
+RIDER = (REQUESTS[3][0], replace(REQUESTS[3][1], max_new_tokens=12))
 FAULTY, POISONED = 1, (2, 3)  # the request (its rid: the second) whose trees draft outside the vocabulary at the
 # drafter's calls POISONED
 
 
-def _poison(eng: Engine, seen: dict) -> None:
-    """The drafter's searches (propose, propose_chained) counted from 1; at the calls POISONED, FAULTY's tree (when
+def _poison(eng: Engine, seen: dict, at=POISONED) -> None:
+    """The drafter's searches (propose, propose_chained) counted from 1; at the calls `at`, FAULTY's tree (when
     it drafts) drafts a token outside the vocabulary at its first child, on the device after the search (queued on
     the stream: a faulty drafter's graph). seen["poisoned"]: the calls that drafted one."""
     d, vocab, calls = eng.drafter, eng.model.cfg.vocab_size, []
@@ -269,7 +274,7 @@ def _poison(eng: Engine, seen: dict) -> None:
         def propose(batch, shape, *args):
             trees, rids = search(batch, shape, *args), [x.rid for x in batch]
             calls.append(rids)
-            if len(calls) in POISONED and FAULTY in rids:
+            if len(calls) in at and FAULTY in rids:
                 seen["poisoned"].append(len(calls))
                 eng.runner.graph_runner.stream.launch(outside, trees[rids.index(FAULTY)].draft_tokens)
             return trees
@@ -279,19 +284,27 @@ def _poison(eng: Engine, seen: dict) -> None:
     d.propose, d.propose_chained = poisoned(d.propose), poisoned(d.propose_chained)
 
 
-def _faulty_run(target, overlap: bool, drafter: str):
-    """The first three requests, FAULTY's trees poisoned -> (the engine, its requests, the fallbacks heard
-    (rid, reason), seen: as _recorded's, "poisoned" as _poison's, the stand-in stream or None)."""
-    stream, seen, why = QueuedStream() if overlap else None, {}, []
-    run = Engine._run
-    if stream is not None:  # (after the fallback its batch takes the ordinary step: as _policy_run's)
+def _faulty_run(target, overlap: bool, drafter: str, policy: bool = False, at_once: bool = False):
+    """The first three requests and RIDER, FAULTY's trees poisoned -> (the engine, its requests, the fallbacks heard
+    (rid, reason), seen: as _recorded's, "poisoned" as _poison's, the stand-in stream or None). policy: under the
+    adaptive policy, its every choice the configured tree (_Scripted: each request drafts as without it; its first
+    drafted step is an ordinary one, the catch-up after steps without drafting, never chained). at_once: each
+    chained step read at once (as the `runs` fixture's)."""
+    cpu = target.model.device.type == "cpu"  # (on CUDA: the device's stream, graphs captured)
+    stream, seen, why = QueuedStream() if overlap and cpu else None, {}, []
+    run, step = Engine._run, OverlappedLoop.step
+    if stream is not None:  # (FAULTY's last steps, alone and drafting nothing, take the ordinary step)
         Engine._run = _in_order(stream, run)
+    if at_once:
+        OverlappedLoop.step = lambda self: None
     try:
         eng = _engine(target, overlap, stream, drafter)
         eng.on_fallback = lambda r, reason: why.append((r.rid, reason))
+        if policy:
+            eng.policy = _Scripted(set(), set())
         _poison(eng, seen)
         encode = lambda text: target.encode_chat([{"role": "user", "content": text}])  # noqa: E731
-        reqs = [eng.add_request(encode(t), p) for t, p in REQUESTS[:3]]
+        reqs = [eng.add_request(encode(t), p) for t, p in REQUESTS[:3] + [RIDER]]
         with _recorded(seen):
             for _ in range(40):
                 if not eng.has_work:
@@ -299,32 +312,71 @@ def _faulty_run(target, overlap: bool, drafter: str):
                 eng.step()
         assert not eng.has_work
     finally:
-        Engine._run = run
+        Engine._run, OverlappedLoop.step = run, step
         if stream is not None:
             stream.close()
     return eng, reqs, why, seen, stream
 
 
-def test_a_faulty_drafter_mid_chain_falls_back_once(smollm2_fp32, runs):
+@pytest.fixture(scope="module")
+def faulty_plain(smollm2_fp32, runs):
+    """Per drafter, the faulty scenario without overlap (the synchronous stream)."""
+    return _faulty_run(smollm2_fp32, False, runs["plain"][0].drafter.name)
+
+
+def _falls_back_once(run, plain, fault_free, at: list[int]) -> None:
+    """FAULTY fell back once, for its invalid draft, its trees poisoned at the drafter's calls `at` (the plain
+    loop's at the first only: its next step drafts no tree for it); the run's outputs, stats, prefix cache and
+    drafter's keep as the plain loop's with the same fault, every pool whole; every output fault_free's (the
+    requests without a fault: vanilla's greedy; RIDER's as long as the request aborted there)."""
+    eng, reqs, why, seen, _ = run
+    assert why == plain[2] == [(FAULTY, "invalid_draft")]
+    assert seen["poisoned"] == at and plain[3]["poisoned"] == at[:1]
+    assert _summary(eng, reqs) == _summary(*plain[:2])
+    ends = [(r.output_ids, r.finish_reason) for r in fault_free[:3]]
+    assert [(r.output_ids, r.finish_reason) for r in reqs[:3]] == ends
+    rider, aborted = reqs[3].output_ids, fault_free[3].output_ids
+    assert rider[: len(aborted)] == aborted[: len(rider)] and min(len(rider), len(aborted)) > 8
+    assert [r.drafting for r in reqs] == [r.rid != FAULTY for r in reqs]
+
+
+def _rides_the_chains(seen: dict, first: int) -> None:
+    """After FAULTY's last drafted tree (at launch `first` - 1), the chains go on: chained steps with the others'
+    trees and FAULTY as a root-only row, its root first the host's (its tree in the step in flight was dropped
+    unread), then the bonus token of its row in the step before."""
+    launches, rides = seen["launches"], seen["rides"]
+    assert [i for i, (_, rids) in enumerate(launches) if FAULTY in rids] == list(range(first)), launches
+    after = [(chained, rids, rides[i].get(FAULTY)) for i, (chained, rids) in enumerate(launches) if i >= first]
+    assert len(after) >= 2 and all(chained and rids for chained, rids, _ in after), after
+    assert [on_device for *_, on_device in after[:2]] == [False, True], after
+
+
+def test_a_faulty_drafter_mid_chain_falls_back_once(smollm2_fp32, runs, faulty_plain):
     """FAULTY's tree in a chain's second step drafts outside the vocabulary, and so does its tree in the third,
     issued before the second is read: the second's verify flags it in the step's copy; read, FAULTY falls back to
     vanilla decoding, reported once, its work in the third step dropped unread (its tree's slots, its drafter
-    state), the chain ended. As the plain loop with the same fault (where the third step drafts no tree for it):
-    tokens, finish reasons, drafts and acceptance, the fallback heard at once; every output the plain loop's
-    without a fault (vanilla's greedy); no slot of the target's or the drafter's pools leaked."""
-    drafter = runs["plain"][0].drafter.name
-    eng, reqs, why, seen, stream = _faulty_run(smollm2_fp32, True, drafter)
-    plain = _faulty_run(smollm2_fp32, False, drafter)
-    assert why == plain[2] == [(FAULTY, "invalid_draft")]
-    assert seen["poisoned"] == list(POISONED) and plain[3]["poisoned"] == [POISONED[0]]
-    assert _summary(eng, reqs) == _summary(*plain[:2])
-    assert [(r.output_ids, r.finish_reason) for r in reqs] == [
-        (r.output_ids, r.finish_reason) for r in runs["plain"][1][:3]
-    ]
-    assert [r.drafting for r in reqs] == [r.rid != FAULTY for r in reqs]
-    launches = seen["launches"]  # (the second step read while the third, FAULTY's tree in it, was in flight)
-    assert launches[1][0] and launches[2][0] and 2 in _order(stream)[0], launches
-    assert [i for i, (_, rids) in enumerate(launches) if FAULTY in rids] == [0, 1, 2], launches
+    state); the others' chains go on, FAULTY in them as a root-only row. As the plain loop with the same fault
+    (where the third step drafts no tree for it): tokens, finish reasons, drafts and acceptance, the fallback heard
+    at once; every output the plain loop's without a fault (vanilla's greedy); no slot of the target's or the
+    drafter's pools leaked."""
+    run = _faulty_run(smollm2_fp32, True, runs["plain"][0].drafter.name)
+    _falls_back_once(run, faulty_plain, runs["plain"][1][:4], list(POISONED))
+    launches, stream = run[3]["launches"], run[4]
+    ahead = _order(stream)[0]  # (the second read while the third, FAULTY's tree in it, was in flight; the fourth
+    assert launches[1][0] and launches[2][0] and {2, 4, 5} <= set(ahead), (launches, ahead)  # and fifth, FAULTY
+    _rides_the_chains(run[3], 3)  # riding them, while the step after each was)
+
+
+def test_a_fallen_back_request_rides_chained_steps_read_at_once(smollm2_fp32, runs, faulty_plain):
+    """With each chained step read at once (every one a chain's first, from the host's state), FAULTY falls back
+    at its first poisoned tree and then rides every chained step as a root-only row, its root the host's: as the
+    plain loop with the same fault, every output vanilla's greedy, every pool whole."""
+    run = _faulty_run(smollm2_fp32, True, runs["plain"][0].drafter.name, at_once=True)
+    _falls_back_once(run, faulty_plain, runs["plain"][1][:4], [POISONED[0]])
+    launches, rides = run[3]["launches"], run[3]["rides"]
+    assert [i for i, (_, rids) in enumerate(launches) if FAULTY in rids] == [0, 1], launches
+    assert len(launches) >= 4 and not any(chained for chained, _ in launches), launches
+    assert all(ride in ({FAULTY: False}, {}) for ride in rides[2:]) and rides[2] and rides[3], rides
 
 
 # --- on CUDA: the same scenario on the device's stream, graphs captured ---------------------------------------
@@ -343,6 +395,23 @@ def test_gpu_overlapped_drafted_outputs_equal_the_plain_loop(smollm2_cuda, draft
     assert [(r.output_ids, r.finish_reason) for r in reqs] == [(r.output_ids, r.finish_reason) for r in plain[1]]
     assert eng.prefix_cache.tokens == plain[0].prefix_cache.tokens
     assert sum(r.stats.accepted_tokens for r in reqs) > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("drafter", ["eagle3", "moa"])
+def test_gpu_a_fallen_back_request_rides_the_chains(smollm2_cuda, drafter):
+    """The faulty scenario on CUDA: FAULTY falls back once, the others' chains go on with it as a root-only row
+    (its root first the host's, then the bonus token on the device); tokens and finish reasons as the loop without
+    overlap with the same fault and, for the first three, as the fault-free loop's; every pool whole."""
+    eng, reqs, why, seen, _ = _faulty_run(smollm2_cuda, True, drafter)
+    plain = _faulty_run(smollm2_cuda, False, drafter)
+    fault_free = _scenario(smollm2_cuda, False, None, drafter)[1]
+    assert why == plain[2] == [(FAULTY, "invalid_draft")]
+    assert slots_whole(eng) and drafter_pools_whole(eng.drafter)
+    ends = [(r.output_ids, r.finish_reason) for r in reqs]
+    assert ends == [(r.output_ids, r.finish_reason) for r in plain[1]]
+    assert ends[:3] == [(r.output_ids, r.finish_reason) for r in fault_free[:3]]
+    _rides_the_chains(seen, 3)
 
 
 @pytest.mark.gpu
@@ -488,3 +557,22 @@ def test_under_the_policy_an_arrival_while_a_chain_is_in_flight_joins_the_chains
     assert sum(len(acc) for *_, acc, _ in observed) == sum(r.stats.verify_steps for r in reqs)
     assert sum(sum(acc) for *_, acc, _ in observed) == sum(r.stats.accepted_tokens for r in reqs) > 0
     assert any(c for c, _ in eng.policy.kinds)  # (chained steps observed)
+
+
+def test_under_the_policy_a_faulty_drafter_mid_chain_falls_back_once(smollm2_fp32, runs, faulty_plain):
+    """test_a_faulty_drafter_mid_chain_falls_back_once under the policy (its every choice the configured tree; its
+    first drafted step an ordinary one): FAULTY's poisoned tree in a chain's first step is read while the second,
+    its poisoned tree in it too, is in flight; FAULTY falls back once, its work in the second step dropped unread,
+    the others' chains go on with FAULTY as a root-only row; as the plain loop with the same fault (under such a
+    policy the same steps as without it), every output vanilla's greedy, every pool whole; every request's every
+    decode step observed once."""
+    run = _faulty_run(smollm2_fp32, True, runs["plain"][0].drafter.name, policy=True)
+    _falls_back_once(run, faulty_plain, runs["plain"][1][:4], list(POISONED))
+    eng, reqs, _, seen, _ = run
+    launches = seen["launches"]
+    assert not launches[0][0] and launches[1][0], launches
+    _rides_the_chains(seen, 2)
+    observed = eng.policy.seen
+    assert sum(len(acc) for *_, acc, _ in observed) == sum(r.stats.verify_steps for r in reqs)
+    assert sum(sum(acc) for *_, acc, _ in observed) == sum(r.stats.accepted_tokens for r in reqs) > 0
+    assert any(c for c, _ in eng.policy.kinds)
