@@ -129,11 +129,14 @@ class SpecWorker:
     ) -> None:
         """The policy learns what a step of n decoding requests under `option` gave (rows: its tree rows). A request's
         first drafted step also drafts over its prompt (EAGLE-3 extends over it: ~100 ms for a long one), a cost of
-        the request, not of a switch from off: the policy is told (`first`)."""
+        the request, not of a switch from off: the policy is told (`first`) where such requests are half the step's
+        drafting ones or more (at bs 1 the step; with requests arriving at a large batch, a few in each step are its
+        steady cost, and a policy that rated no such step would rate none)."""
         if option is None:
             return
         drafted = self.policy.options[option] is not None
-        first = drafted and any(e.request.drafting and not e.request.drafted for e in events)
+        drafting = [e.request for e in events if e.request.drafting]
+        first = drafted and 2 * sum(not r.drafted for r in drafting) >= max(len(drafting), 1)
         for e in events:
             e.request.drafted |= drafted
         self.policy.observe(

@@ -544,9 +544,9 @@ def test_a_requests_first_drafted_step_does_not_weigh_on_its_tree():
 
 
 def test_the_engine_marks_each_requests_first_drafted_step():
-    """SpecWorker.observe tells the policy which steps draft for a request the first time (over its prompt too):
-    one per request that drafts, the first decode step of each (two requests arriving together: one step), and
-    none while the policy keeps drafting off."""
+    """SpecWorker.observe tells the policy which steps draft for requests the first time (over their prompts too)
+    where those are half the step's drafting requests or more: the first decode step of a request alone or of two
+    arriving together; not one joining three that drafted; none while the policy keeps drafting off."""
     t = tiny_target(seed=2, vocab=16)
     eng = Engine(t, NgramDrafter(), EngineConfig(tree=TreeShape(4, 1, 5), adaptive=True))
     pol, seen, pick = eng.policy, [], {"o": 1}
@@ -562,6 +562,15 @@ def test_the_engine_marks_each_requests_first_drafted_step():
     eng.generate([[1, 2, 3, 1, 2, 3, 1, 2]], sp)
     eng.generate([[4, 5, 6, 4, 5, 6, 4], [1, 2, 3, 1, 2, 3]], sp)
     assert [f for _, f in seen].count(True) == 2 and seen[0] == (1, True)
+    # one request joining three that drafted: its prompt's share of the step is the batch's steady cost, rated
+    old = [eng.add_request(p, sp) for p in ([1, 2, 3, 1, 2], [4, 5, 6, 4, 5], [2, 3, 1, 2, 3])]
+    eng.step()  # (their prompts)
+    eng.step()  # their first drafted step: all three fresh
+    seen[:] = []
+    late = eng.add_request([6, 5, 4, 6, 5], sp)
+    while not all(r.finished for r in [*old, late]):
+        eng.step()
+    assert seen and not any(f for _, f in seen)
     pick["o"], seen[:] = 0, []  # off: nothing drafts, nothing is a first draft
     eng.generate([[4, 5, 6, 4, 5, 6, 4]], sp)
     assert seen and not any(f for _, f in seen)
