@@ -445,12 +445,23 @@ class _Scripted(AdaptiveSpeculation):
         self.calls += 1
         return 0 if self.calls in self.off else 2 if self.calls in self.small else 1
 
-    def observe(self, option, batch_size, seconds, tokens, rows=None, draft_seconds=0.0, accepted=None, drafted=None):
+    def observe(
+        self,
+        option,
+        batch_size,
+        seconds,
+        tokens,
+        rows=None,
+        draft_seconds=0.0,
+        accepted=None,
+        drafted=None,
+        first=False,
+    ):
         assert seconds > 0 and 0 <= draft_seconds <= seconds
         self.seen.append((option, batch_size, tokens, rows, accepted, drafted))
         chained = sys._getframe(2).f_code.co_name == "_observe"  # (spec_step's, not Engine._run's)
-        self.kinds.append((chained, self.options[option] is not None and not self.drafted_last))  # (unrated)
-        super().observe(option, batch_size, seconds, tokens, rows, draft_seconds, accepted, drafted)
+        self.kinds.append((chained, self.options[option] is not None and not self.drafted_last))  # (a switch: unrated)
+        super().observe(option, batch_size, seconds, tokens, rows, draft_seconds, accepted, drafted, first)
 
 
 def _in_order(stream: QueuedStream, run):
