@@ -137,24 +137,34 @@ class StepCostModel:
         self.bins: dict[int, deque] = {}
         self.n = 0  # steps added: the bins' time
         self._points: list[tuple[float, float]] | None = None
+        self._medians: dict[int, tuple[float, float]] = {}  # bin -> its (rows, seconds) medians, until it changes
 
     def add(self, rows: int, seconds: float) -> None:
         self.n += 1
         b = round(math.log(max(rows, 1)) / self.log_ratio)
-        d = self.bins.setdefault(b, deque(maxlen=self.window))
+        d = self.bins.get(b)
+        if d is None:
+            d = self.bins[b] = deque(maxlen=self.window)
         while len(d) >= self.keep and self.n - d[0][2] >= self.horizon:
             d.popleft()
         d.append((rows, seconds, self.n))
+        self._medians.pop(b, None)
         self._points = None
 
     def points(self) -> list[tuple[float, float]]:
-        """(rows, seconds) medians of the bins with enough steps, by rows (cached until the next step)."""
+        """(rows, seconds) medians of the bins with enough steps, by rows (cached until the next step; a bin's
+        medians until it changes: the policy asks every step, and a step changes one bin)."""
         if self._points is None:
-            pts = [
-                (statistics.median(r for r, _, _ in d), statistics.median(s for _, s, _ in d))
-                for d in self.bins.values()
-                if len(d) >= self.min_samples
-            ]
+            pts = []
+            for b, d in self.bins.items():
+                if len(d) >= self.min_samples:
+                    m = self._medians.get(b)
+                    if m is None:
+                        m = self._medians[b] = (
+                            statistics.median(r for r, _, _ in d),
+                            statistics.median(s for _, s, _ in d),
+                        )
+                    pts.append(m)
             self._points = sorted(pts)
         return self._points
 
@@ -283,7 +293,10 @@ class AdaptiveSpeculation:
         self.follow: tuple[int, int] | None = None  # (option, steps left) of a re-measurement's rated steps, next
 
     def _stat(self, i: int, bucket: str) -> _Stat:
-        return self.stats.setdefault((i, bucket), _Stat())
+        st = self.stats.get((i, bucket))
+        if st is None:
+            st = self.stats[(i, bucket)] = _Stat()
+        return st
 
     def choose(self, batch_size: int) -> int:
         """Index into self.options for this step."""
