@@ -605,3 +605,40 @@ def copies_read_after_the_next(log: list[tuple[str, int]]) -> tuple[list[int], l
     at = {e: i for i, e in enumerate(log)}
     reads = [i for kind, i in log if kind == "read"]
     return reads, [i for i in reads if at.get(("copy", i + 1), len(log)) < at[("read", i)]]
+
+
+def extend_whole_and_pair_by_pair(whole, stepwise, lengths: list[int], vocab: int, seed: int = 0) -> None:
+    """EAGLE-3's draft-extend of whole prompts (`whole`, one batch) against the same prompts extended one verified pair
+    at a time (`stepwise`: every pair through the whole layer): each request's root output and the draft K/V of every
+    pair agree. Two drafters with the same target and draft."""
+    from sglang_ext.drafters.base import DraftInput, TargetCapture
+    from sglang_ext.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    h = whole.target.cfg.hidden_size
+    prompts = [torch.randint(3, vocab, (n + 1,), generator=g).tolist() for n in lengths]  # n tokens and a root
+    feats = [{l: torch.randn(n, h, generator=g) for l in whole.capture_layers} for n in lengths]
+
+    def capture(rid: int, a: int, b: int) -> TargetCapture:
+        at = torch.arange(a, b)
+        return TargetCapture(prompts[rid][a:b], at, at, {l: f[a:b] for l, f in feats[rid].items()})
+
+    def draft_input(rid: int, n: int) -> DraftInput:
+        return DraftInput(rid, prompts[rid][: n + 1], SamplingParams(), None)
+
+    with torch.inference_mode():
+        for rid, n in enumerate(lengths):
+            whole.add_request(rid, capture(rid, 0, n))
+            stepwise.add_request(rid, capture(rid, 0, 1))
+        out = whole._extend([draft_input(rid, n) for rid, n in enumerate(lengths)])
+        for rid, n in enumerate(lengths):
+            for j in range(1, n + 1):
+                if j > 1:
+                    stepwise.commit(rid, capture(rid, j - 1, j))
+                alone = stepwise._extend([draft_input(rid, j)])
+            tol = 1e-5 * alone.abs().max().item()
+            torch.testing.assert_close(out[rid], alone[0], rtol=0, atol=tol)
+            a, b = whole.reqs[rid].slots, stepwise.reqs[rid].slots
+            assert a.numel() == b.numel() == n
+            for pool_a, pool_b in ((whole.kv.k[0], stepwise.kv.k[0]), (whole.kv.v[0], stepwise.kv.v[0])):
+                torch.testing.assert_close(pool_a[a], pool_b[b], rtol=0, atol=1e-5 * pool_b[b].abs().max().item())

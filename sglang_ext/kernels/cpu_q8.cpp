@@ -614,6 +614,26 @@ class Q8Stack : public torch::CustomClassHolder {
     return buf.x;
   }
 
+  // An EAGLE-3 draft layer's K/V only (its norms, k|v projection, RoPE and store; no q, attention or MLP): the
+  // rows of a draft-extend before each request's last pair, whose outputs nothing reads (only the last pair's feeds
+  // the search). Writes what draft_layer writes for the same rows.
+  void draft_kv(const at::Tensor& embeds, const at::Tensor& feat, int64_t layer, const at::Tensor& cos, const at::Tensor& sin,
+                const at::Tensor& slots, const at::Tensor& k_pool, const at::Tensor& v_pool) {
+    const int64_t T = check_rows(feat, cos, sin, slots);
+    TORCH_CHECK(layer >= 0 && layer < num_layers() && layers[layer].in_norm2.defined(), "q8 draft_kv: layer ", layer, " is no EAGLE-3 layer");
+    TORCH_CHECK(embeds.scalar_type() == at::kFloat && embeds.dim() == 2 && embeds.size(0) == T && embeds.size(1) == H, "q8 draft_kv: embeds must be fp32 [T, ", H, "]");
+    check_pool(k_pool, v_pool, slots);
+    Buffers buf = buffers(T, 2 * H);
+    buf.x.copy_(feat);
+    const at::Tensor e = embeds.contiguous();
+    const Layer& l = layers[layer];
+#pragma omp parallel num_threads(threads(T))
+    {
+      norm_quantize_in(buf, l, e.data_ptr<float>());
+      qkv_rope_store(buf, l, cos, sin, slots, k_pool, v_pool, true);
+    }
+  }
+
   void set_head(const at::Tensor& final_norm, const at::Tensor& head, int64_t kind) {
     norm = norm_weight(final_norm, H);
     lm_head = repack(head, kind, H);
@@ -996,7 +1016,7 @@ class Q8Stack : public torch::CustomClassHolder {
 
   // by head: the head's qkv groups for every row, then its RoPE (q into b.q, k into the pool) or v's store
   void qkv_rope_store(Buffers& b, const Layer& l, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& k_pool,
-                      const at::Tensor& v_pool) const {
+                      const at::Tensor& v_pool, bool kv_only = false) const {
     const int64_t T = b.T, per_head = D / GROUP, kv_row = Hkv * D;
     float* qkv = b.qkv.data_ptr<float>();
     const float* bias = l.qkv_bias.defined() ? l.qkv_bias.data_ptr<float>() : nullptr;
@@ -1006,7 +1026,7 @@ class Q8Stack : public torch::CustomClassHolder {
     float *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>(), *q = b.q.data_ptr<float>();
     const int64_t units = l.cross ? Hq : Hq + 2 * Hkv;  // a cross layer: q only
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < units; ++u) {
+    for (int64_t u = kv_only ? Hq : 0; u < units; ++u) {
       for (int64_t g = u * per_head; g < (u + 1) * per_head; ++g) gemm_group(l.qkv, g, b.xq, T, qkv, Nqkv);
       for (int64_t t = 0; t < T; ++t) {
         float* row = qkv + t * Nqkv + u * D;
@@ -1138,6 +1158,7 @@ TORCH_LIBRARY_FRAGMENT(moa_cpu, m) {
       .def("add_cross_layer", &Q8Stack::add_cross_layer)
       .def("forward_layers", &Q8Stack::forward_layers)
       .def("draft_layer", &Q8Stack::draft_layer)
+      .def("draft_kv", &Q8Stack::draft_kv)
       .def("set_head", &Q8Stack::set_head)
       .def("num_layers", &Q8Stack::num_layers)
       .def("set_lsa_tail", &Q8Stack::set_lsa_tail)

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import compare_to_reference, drafter_pools_whole, tiny_config, tiny_state, together_and_alone
+from helpers import (
+    compare_to_reference,
+    drafter_pools_whole,
+    extend_whole_and_pair_by_pair,
+    tiny_config,
+    tiny_state,
+    together_and_alone,
+)
 from safetensors.torch import load_file, save_file
 
 from serving.config import EngineConfig
@@ -381,3 +388,12 @@ def test_a_batch_extend_leaves_each_request_the_state_it_gets_alone():
 
     tokens = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 9, 3)]
     together_and_alone(together, alone, tokens, capture, check)
+
+
+def test_an_extend_runs_the_layer_for_each_requests_last_pair_only():
+    """Only a request's last pending pair's output is read (its search's root): the pairs before it get their K/V
+    alone (a prompt's first extend). Its root output and every pair's K/V equal what extending pair by pair gives
+    (each pair through the whole layer); prompts of 1 (the whole layer only), 6 and 11 pairs in one batch."""
+    target, draft = tiny_pair(seed=3)
+    whole, stepwise = Eagle3Drafter(target.model, draft), Eagle3Drafter(target.model, draft)
+    extend_whole_and_pair_by_pair(whole, stepwise, [6, 1, 11], VOCAB)

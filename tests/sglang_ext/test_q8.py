@@ -244,6 +244,18 @@ def test_eagle3_draft_layer_in_one_call_is_the_modules_layer(smollm2_q8):
     assert torch.allclose(outs[0], outs[1], rtol=1e-4, atol=1e-4 * outs[1].abs().max().item())
 
 
+def test_eagle3_extend_on_q8_runs_the_layer_for_each_requests_last_pair_only(smollm2_q8):
+    """Beside a q8 target, a prompt's pairs before its last get the layer's K/V alone (Q8Stack.draft_kv): the root
+    output and every pair's K/V equal what extending pair by pair through draft_layer gives."""
+    from helpers import extend_whole_and_pair_by_pair
+
+    from sglang_ext.drafters import make_drafter
+
+    whole, stepwise = make_drafter("eagle3", smollm2_q8), make_drafter("eagle3", smollm2_q8)
+    assert whole.q8_layer is not None
+    extend_whole_and_pair_by_pair(whole, stepwise, [9, 1, 4], 49152, seed=1)
+
+
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
     return bool((a - b).abs().max() <= tol * b.abs().max())
 
