@@ -589,19 +589,28 @@ class Q8Stack : public torch::CustomClassHolder {
     return push_layer(std::move(l), o, o_kind, gate_up, gate_up_kind, down, down_kind);
   }
 
+  // An EAGLE-3 layer's T rows checked (embeddings and features [T, H], RoPE cos/sin [T, D], slots [T] in the pools)
+  // and their buffers, x = the features (the layer's residual).
+  Buffers eagle3_rows(const at::Tensor& embeds, const at::Tensor& feat, int64_t layer, const at::Tensor& cos, const at::Tensor& sin,
+                      const at::Tensor& slots, const at::Tensor& k_pool, const at::Tensor& v_pool, const char* who) const {
+    const int64_t T = check_rows(feat, cos, sin, slots);
+    TORCH_CHECK(layer >= 0 && layer < num_layers() && layers[layer].in_norm2.defined(), who, ": layer ", layer, " is no EAGLE-3 layer");
+    TORCH_CHECK(embeds.scalar_type() == at::kFloat && embeds.dim() == 2 && embeds.size(0) == T && embeds.size(1) == H, who, ": embeds must be fp32 [T, ", H, "]");
+    check_pool(k_pool, v_pool, slots);
+    Buffers buf = buffers(T, 2 * H);
+    buf.x.copy_(feat);
+    return buf;
+  }
+
   // An EAGLE-3 draft layer over T rows: embeddings and features [T, H], RoPE cos/sin [T, D]; writes the rows'
   // K/V to the pools at slots, attends per the plan; returns the pre-norm outputs [T, H] (Eagle3Draft.finish's).
   at::Tensor draft_layer(const at::Tensor& embeds, const at::Tensor& feat, int64_t layer, const at::Tensor& cos, const at::Tensor& sin,
                          const at::Tensor& slots, const at::Tensor& k_pool, const at::Tensor& v_pool, const at::Tensor& qo_indptr,
                          const at::Tensor& kv_indptr, const at::Tensor& kv_indices, const at::Tensor& custom_mask, double scale) {
-    const int64_t T = check_rows(feat, cos, sin, slots);
-    TORCH_CHECK(layer >= 0 && layer < num_layers() && layers[layer].in_norm2.defined(), "q8 draft_layer: layer ", layer, " is no EAGLE-3 layer");
-    TORCH_CHECK(embeds.scalar_type() == at::kFloat && embeds.dim() == 2 && embeds.size(0) == T && embeds.size(1) == H, "q8 draft_layer: embeds must be fp32 [T, ", H, "]");
-    check_pool(k_pool, v_pool, slots);
+    Buffers buf = eagle3_rows(embeds, feat, layer, cos, sin, slots, k_pool, v_pool, "q8 draft_layer");
+    const int64_t T = buf.T;
     const moa_attention::RowPlan rp = moa_attention::plan_rows(qo_indptr, kv_indptr, kv_indices, custom_mask, T, k_pool.size(0), "q8 draft_layer");
     AttnWork work = attention_work(rp, T, threads(T));
-    Buffers buf = buffers(T, 2 * H);
-    buf.x.copy_(feat);
     const at::Tensor e = embeds.contiguous();
     const Layer& l = layers[layer];
 #pragma omp parallel num_threads(threads(T))
@@ -619,15 +628,10 @@ class Q8Stack : public torch::CustomClassHolder {
   // the search). Writes what draft_layer writes for the same rows.
   void draft_kv(const at::Tensor& embeds, const at::Tensor& feat, int64_t layer, const at::Tensor& cos, const at::Tensor& sin,
                 const at::Tensor& slots, const at::Tensor& k_pool, const at::Tensor& v_pool) {
-    const int64_t T = check_rows(feat, cos, sin, slots);
-    TORCH_CHECK(layer >= 0 && layer < num_layers() && layers[layer].in_norm2.defined(), "q8 draft_kv: layer ", layer, " is no EAGLE-3 layer");
-    TORCH_CHECK(embeds.scalar_type() == at::kFloat && embeds.dim() == 2 && embeds.size(0) == T && embeds.size(1) == H, "q8 draft_kv: embeds must be fp32 [T, ", H, "]");
-    check_pool(k_pool, v_pool, slots);
-    Buffers buf = buffers(T, 2 * H);
-    buf.x.copy_(feat);
+    Buffers buf = eagle3_rows(embeds, feat, layer, cos, sin, slots, k_pool, v_pool, "q8 draft_kv");
     const at::Tensor e = embeds.contiguous();
     const Layer& l = layers[layer];
-#pragma omp parallel num_threads(threads(T))
+#pragma omp parallel num_threads(threads(buf.T))
     {
       norm_quantize_in(buf, l, e.data_ptr<float>());
       qkv_rope_store(buf, l, cos, sin, slots, k_pool, v_pool, true);
