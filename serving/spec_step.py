@@ -107,8 +107,8 @@ class Chained:
     reqs: list[Request]
     nodes: int  # N: each tree's nodes
     tree_slots: torch.Tensor  # [b * N] int64 host ids, tree after tree (none joined a request yet)
-    result: HostCopy  # [b, 2W + 1 (+ W(1 + 2K))]: per request its path nodes [W], tokens [W], faulty-drafter flag
-    # (, its path's logprobs: spec_graphs.path_logprobs_of)
+    result: HostCopy  # [b, 2W + 1]: per request its path nodes [W], tokens [W], faulty-drafter flag; with `top`,
+    # W * (1 + 2K) more: its path's logprobs (spec_graphs.path_logprobs_of)
     live: dict[int, int]  # rid -> row: the requests whose result is read (a request that ended since: dropped)
     shape: TreeShape  # the step's tree shape (a chain's steps share it)
     plain: set[int]  # the rids of its root-only rows (requests that do not draft)
@@ -182,8 +182,7 @@ def finish(engine, step: Chained, following: Chained | None = None) -> list[Step
     """Read a chained step's result and catch its live requests up (module docstring); following: the chained step
     issued after it, whose surplus work for a request this step ends is dropped (`drop`)."""
     rows = step.result.wait()
-    n = step.nodes
-    w = min(n, WIDTH)
+    n, w = step.nodes, min(step.nodes, WIDTH)  # (the verify's path columns)
     live = [(i, r) for i, r in enumerate(step.reqs) if r.rid in step.live]
     paths = {i: [x for x in rows[i][:w] if x >= 0] for i, _ in live}
     keep_at = [i * n + x for i, _ in live for x in paths[i]]

@@ -5,7 +5,8 @@ logprob is the loop without overlap's (its ordinary drafted step: verify.path_lo
 
 On the CPU the device is `helpers.QueuedStream`, as in test_engine_spec_overlap.py. The batch mixes requests with
 logprobs (top_logprobs 3, and 0: the chosen token's alone, narrower than the batch's widest) and one without; the
-longest, with logprobs, ends alone in the chains. The `gpu` case runs the same scenario on CUDA's stream.
+one with top_logprobs 0 decodes without its drafter (a fallback after its prefill), riding the chains as a root-only
+row; the longest, with logprobs, ends alone in them. The `gpu` case runs the same scenario on CUDA's stream.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from test_engine_spec_overlap import _engine, _order, _recorded
 from serving.spec_step import Chained, spec_chains
 from sglang_ext.sampling import SamplingParams
 
-# (prompt, params): the first and the third ask for logprobs; the first outlives the others
+# (prompt, params): the first and the third ask for logprobs; the first outlives the others; RIDER falls back
 REQUESTS = [
     ("Count from one to twenty in words.", SamplingParams(max_new_tokens=28, logprobs=3)),
     ("Name three rivers.", SamplingParams(max_new_tokens=8)),
     ("Hi!", SamplingParams(max_new_tokens=8, logprobs=0)),
 ]
+RIDER = 2
 TOL = 1e-5  # fp32 on the CPU: both loops' logits come from the same static forward
 
 
@@ -32,6 +34,9 @@ def _run(target, overlap: bool, drafter: str, stream=None):
     eng = _engine(target, overlap, stream, drafter)
     encode = lambda text: target.encode_chat([{"role": "user", "content": text}])  # noqa: E731
     reqs = [eng.add_request(encode(t), p) for t, p in REQUESTS]
+    eng.step()  # (the prefills)
+    assert all(r.output_ids and r.drafting for r in reqs)
+    eng.spec.fallback([reqs[RIDER]], "test")
     for _ in range(60):
         if not eng.has_work:
             break
@@ -68,16 +73,18 @@ def _same_logprobs(got, want, tol: float) -> None:
 
 
 def test_logprobs_requests_ride_the_chains(runs):
-    """Every drafted step a chained one with one copy; step N+1 issued before step N is read both while the batch
-    mixes requests with and without logprobs and once the logprobs request is alone in it."""
+    """Every drafted step a chained one with one copy, each read once (but the last, surplus); step N+1 issued
+    before step N is read both while the batch mixes requests with and without logprobs (RIDER in it as a root-only
+    row, its root on the device) and once the longest logprobs request is alone in it."""
     eng, reqs, stream, seen = runs["overlap"]
     assert stream.copies == eng.runner.graph_runner.runs > 0
+    assert [i for kind, i in stream.log if kind == "read"] == list(range(1, stream.copies))
     ahead, _ = _order(stream)
-    rids = [set(r) for _, r in seen["launches"]]  # (copy i is launch i - 1's)
-    first, other = reqs[0].rid, reqs[1].rid
-    mixed = [i for i in ahead if {first, other} <= rids[i - 1]]
-    alone = [i for i in ahead if rids[i - 1] == {first}]
-    assert len(mixed) >= 2 and len(alone) >= 2, (ahead, rids)
+    rids = [set(r) for _, r in seen["launches"]]  # (copy i is launch i - 1's: its drafting requests)
+    first, other, rider = reqs[0].rid, reqs[1].rid, reqs[RIDER].rid
+    mixed = [i for i in ahead if {first, other} <= rids[i - 1] and seen["rides"][i - 1].get(rider)]
+    alone = [i for i in ahead if rids[i - 1] == {first} and not seen["rides"][i - 1]]
+    assert len(mixed) >= 2 and len(alone) >= 2, (ahead, rids, seen["rides"])
     for n in ahead:  # (step N+1's two replays and its copy between step N's copy and its read)
         between = stream.log[stream.log.index(("copy", n)) + 1 : stream.log.index(("read", n))]
         assert between.count(("replay", None)) == 2 and ("copy", n + 1) in between
