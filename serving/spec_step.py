@@ -12,7 +12,9 @@ Step N's verify leaves each request's path length, tokens, target slots and capt
 (models/spec_graphs.py: SpecFuture); step N+1's graphs read them there (the slot table's prefix from base + L,
 the commit's L rows of W = depth + 1, the search's root the bonus token and its prefixes L longer). Each step
 still has one device-to-host copy: its [b, 2W + 1] result (path nodes, tokens, the faulty-drafter flag), read one
-step behind.
+step behind. Where requests ask for logprobs (greedy ones), the verify takes their paths' logprobs and top
+alternatives from its logits inside its graph, as the ordinary step does (verify.path_logprobs), and they come up in
+the same copy (each result row longer: spec_graphs.path_logprobs_of); the others in the batch ignore theirs.
 
 The host catches up when it reads step N (`finish`): the accepted nodes' target slots join their requests (the
 rest freed), the stats, the tokens and stops, the drafter's slots of step N+1's commit trimmed to the L rows that
@@ -30,8 +32,8 @@ argmax there; no drafter state. A batch where no request drafts takes the ordina
 
 Under the adaptive policy the loop chooses step N+1's option before step N is read (`chain_next`): the same tree
 chains, another option (off, another tree) ends the chain; each chained step is observed when it is read (`_observe`).
-Lookup drafters, non-greedy requests, predicted outputs, logprobs and steps outside the graph buckets take the
-engine's ordinary step; the step in flight is read first (decode_step.OverlappedLoop).
+Lookup drafters, non-greedy requests, predicted outputs and steps outside the graph buckets take the engine's
+ordinary step; the step in flight is read first (decode_step.OverlappedLoop).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import torch
 
 from sglang_ext.device import HostCopy, grow, to_device
 from sglang_ext.drafters import DraftInput, TargetCapture
-from sglang_ext.models.spec_graphs import spec_future, verify_bucket, verify_spec
+from sglang_ext.models.spec_graphs import WIDTH, path_logprobs_of, spec_future, verify_bucket, verify_spec
 from sglang_ext.tree import TreeShape
 from sglang_ext.verify import VerifyResult
 
@@ -88,7 +90,7 @@ def _eligible(engine, reqs: list[Request], prev: "Chained | None") -> bool:
     if prev is not None and any(r.drafting and r.rid not in prev.live for r in reqs):
         return False
     sampler = engine.sampler
-    return all(sampler.plain_greedy(r) and r.params.logprobs is None and not r.reference for r in reqs)
+    return all(sampler.plain_greedy(r) and not r.reference for r in reqs)  # (logprobs or not)
 
 
 def _fits(engine, reqs: list[Request], shape: TreeShape, prev: "Chained | None") -> bool:
@@ -105,12 +107,14 @@ class Chained:
     reqs: list[Request]
     nodes: int  # N: each tree's nodes
     tree_slots: torch.Tensor  # [b * N] int64 host ids, tree after tree (none joined a request yet)
-    result: HostCopy  # [b, 2W + 1]: per request its path nodes [W], tokens [W], faulty-drafter flag
+    result: HostCopy  # [b, 2W + 1]: per request its path nodes [W], tokens [W], faulty-drafter flag; with `top`,
+    # W * (1 + 2K) more: its path's logprobs (spec_graphs.path_logprobs_of)
     live: dict[int, int]  # rid -> row: the requests whose result is read (a request that ended since: dropped)
     shape: TreeShape  # the step's tree shape (a chain's steps share it)
     plain: set[int]  # the rids of its root-only rows (requests that do not draft)
     option: int | None  # the adaptive policy's option for the step (None: no policy)
     since: float  # when the step's seconds start: the read of the step before it in the chain, else its launch
+    top: int | None = None  # K: the widest top_logprobs its requests ask for (None: none asks for logprobs)
     pairs: dict[int, int] = field(default_factory=dict)  # rid -> the rows its read predecessor's path committed
 
 
@@ -156,11 +160,13 @@ def launch(engine, reqs: list[Request], prev: Chained | None = None) -> Chained 
         chained = rows or [-1] * len(reqs)
         mixed = (src, [-1 if r.drafting or p >= 0 else r.output_ids[-1] for r, p in zip(reqs, chained)])
     n = packed.longs.shape[2]
+    asked = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
+    top = max(asked) if asked else None
     slots = kv.alloc(len(reqs) * n)
     try:
         keys, prefixes = [r.rid for r in reqs], [r.slots for r in reqs]
         captured, result = verify_spec(
-            g, packed, trees[0].finite, slots, prefixes, keys, rows, shape.depth + 1, kv.pool, mixed
+            g, packed, trees[0].finite, slots, prefixes, keys, rows, shape.depth + 1, kv.pool, mixed, top
         )
         if kv.hidden is not None:  # (the captured layers beside the prefix cache, after the graph)
             stream.launch(kv.store_hidden, [slots], captured)
@@ -169,14 +175,14 @@ def launch(engine, reqs: list[Request], prev: Chained | None = None) -> Chained 
         kv.free(slots)
         raise
     live, plain = {r.rid: i for i, r in enumerate(reqs)}, {r.rid for r in reqs if not r.drafting}
-    return Chained(reqs, n, slots, copy, live, shape, plain, option, since)
+    return Chained(reqs, n, slots, copy, live, shape, plain, option, since, top)
 
 
 def finish(engine, step: Chained, following: Chained | None = None) -> list[StepEvent]:
     """Read a chained step's result and catch its live requests up (module docstring); following: the chained step
     issued after it, whose surplus work for a request this step ends is dropped (`drop`)."""
     rows = step.result.wait()
-    n, w = step.nodes, (len(rows[0]) - 1) // 2 if rows else 0
+    n, w = step.nodes, min(step.nodes, WIDTH)  # (the verify's path columns)
     live = [(i, r) for i, r in enumerate(step.reqs) if r.rid in step.live]
     paths = {i: [x for x in rows[i][:w] if x >= 0] for i, _ in live}
     keep_at = [i * n + x for i, _ in live for x in paths[i]]
@@ -193,9 +199,13 @@ def finish(engine, step: Chained, following: Chained | None = None) -> list[Step
     for (i, r), s in zip(live, kept):
         k, drafted = len(paths[i]), 0 if r.rid in step.plain else n - 1
         res = VerifyResult(paths[i], rows[i][w : w + k], bool(rows[i][2 * w]))
+        if r.params.logprobs is not None:
+            res.logprobs = path_logprobs_of(rows[i], w, step.top, res.tokens, r.params.logprobs)
         SpecWorker._record(r, res, drafted)
         try:
-            events.append(StepEvent(r, engine.sampler.append(r, res.tokens), res.num_accepted, drafted))
+            new = engine.sampler.append(r, res.tokens)
+            lps = engine.sampler.logprobs(r, None, [], new, res.logprobs)
+            events.append(StepEvent(r, new, res.num_accepted, drafted, lps))
         except RequestFault as f:
             events.append(fail(r, f))
         if res.draft_invalid:

@@ -10,7 +10,7 @@ Step N's verify graph (`SpecVerify`, on the target's GraphRunner) leaves in `Spe
     feats[i, :L]     the target's captured layers at the path's nodes, side by side [F] (a drafter's features)
 
 and a [B, 2W + 1] result for the step's one device-to-host copy (per request its path nodes [W], its tokens [W]
-and whether its tree was a faulty drafter's). Step N+1 reads them on the device, each request at its row of step
+and whether its tree was a faulty drafter's). Step N+1 reads the futures on the device, each request at its row of step
 N (`prev`): its verify writes step N's accepted drafts' slots into the slot table after step N's root and its own
 root after them (the prefix length base + L on the device; base: the committed tokens before step N, which the
 host knows); the drafter's commit of the path takes W rows per request of which the first L are real (EAGLE-3's
@@ -22,16 +22,22 @@ padding batch changes nothing. A mixed batch (`mixed`: requests that draft besid
 graphs: the search's trees moved to their requests' rows and each other request's tree its root alone (the bonus
 token at its row of the previous verify, or the host's token), then N - 1 padding nodes that no node sees; its path
 is the root, and its futures and result rows are as any request's.
+
+A verify for requests that ask for logprobs (`top`: the batch's widest top_logprobs K; a graph per K) adds to each
+result row its path's logprobs, as verify.path_logprobs takes them in the ordinary step (the log-softmax of each path
+row of the verify's logits, upcast to fp32): the path tokens' [W], the K likeliest's [W * K] and their ids [W * K],
+the floats as their fp32 bits in the int64 row (`path_logprobs_of` reads them): still one copy.
 """
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import torch
 
 from ..device import to_device
-from ..sampling import greedy_tokens
+from ..sampling import TokenLogprob, greedy_tokens
 from ..tree import TreeBatch
 from ..verify import greedy_rows
 from .draft_graphs import ExtendRunner
@@ -85,11 +91,13 @@ def verify_spec(
     width: int,  # with prev: the previous paths' longest possible length (its trees' depth + 1)
     kv,
     mixed: tuple[list[int], list[int]] | None = None,  # (src, roots): root-only rows beside the trees
-):  # -> (captured {layer: [b*N, H]} views, result [b, 2W + 1] view): read before the next replay (queue copies)
+    top: int | None = None,  # K: the result rows carry their paths' logprobs and K likeliest (None: no logprobs)
+):  # -> (captured {layer: [b*N, H]} views, result [b, R] view): read before the next replay (queue copies)
     """The spec verify (module docstring) on g's stream: one fill and one replay. Without `mixed`, request i's tree
     is packed's i-th; with it, src[i] is its tree's index in packed, or -1 for a root-only row (a request that does
     not draft: its N rows the root, at the prefix's end, then padding) whose root is the bonus token at its row of
-    the previous verify, or roots[i] (host) where it has none."""
+    the previous verify, or roots[i] (host) where it has none. R: 2W + 1, and W * (1 + 2K) more with `top` (each K
+    a graph of its own)."""
     n = packed.longs.shape[2]
     b = len(keys)
     bases = [t.numel() for t in prefixes]
@@ -110,7 +118,7 @@ def verify_spec(
             torch.tensor([*rows, *pad, *bases, *pad, *prev, *([-1] * (bb - b)), *flags], dtype=torch.long),
         ]
     )
-    key = (*key, "spec" if mixed is None else "spec-mixed")
+    key = (*key, "spec" if mixed is None else "spec-mixed", top)
     d = len(packed.trees)
 
     def make() -> dict:
@@ -164,8 +172,8 @@ def _table_rows(g: GraphRunner, keys: list, prefixes: list[torch.Tensor], prev: 
 def _verify_fn(g: GraphRunner, fut: SpecFuture, key: tuple, bufs: dict, kv):
     """The captured spec verify: the slot table's rows made whole from the previous step's futures, the forward,
     the greedy paths, the futures and the result (module docstring)."""
-    b, n, p = key[:3]
-    mixed = key[3] == "spec-mixed"
+    b, n, p, kind, top = key
+    mixed = kind == "spec-mixed"
     slots, rows, base, prev, *flags = bufs["longs"].split([b * n, b, b, b] + [b, b] * mixed)
     flat, width = g._table.table.view(-1), g._table.width
     has = prev >= 0
@@ -189,7 +197,8 @@ def _verify_fn(g: GraphRunner, fut: SpecFuture, key: tuple, bufs: dict, kv):
     vocab = g.model.cfg.vocab_size
     tokens = ids.view(b, n)
     out = g._static_model.forward(ids.clamp(0, vocab - 1), pos, slots, plan, kv, g.capture_layers)
-    argmax = greedy_tokens(g.model.logits(out.hidden, fp32=False))
+    logits = g.model.logits(out.hidden, fp32=False)
+    argmax = greedy_tokens(logits)
     nodes, path = greedy_rows(tokens, tree[:, 1], pos.view(b, n), tree[:, 4], tree[:, 5], argmax.view(b, n))
     bad = ((tokens < 0) | (tokens >= vocab)).any(1) | ~bufs["finite"]
     if plain is not None:  # (a root-only row drafted nothing: never a faulty drafter's)
@@ -206,7 +215,37 @@ def _verify_fn(g: GraphRunner, fut: SpecFuture, key: tuple, bufs: dict, kv):
     if g.capture_layers:  # (a drafter's features: EAGLE-3's; MoA reads the target's K/V at the slots instead)
         feats = torch.cat([out.captured[l] for l in g.capture_layers], -1).view(b, n, -1)
         keep(fut.feats[:b, :w], feats.gather(1, at[..., None].expand(b, w, feats.shape[2])))
-    return out, torch.cat([nodes, path, bad.long()[:, None]], 1)
+    result = [nodes, path, bad.long()[:, None]]
+    if top is not None:
+        result += _path_logprobs(logits.view(b, n, -1), at, path, top)
+    return out, torch.cat(result, 1)
+
+
+def _path_logprobs(
+    logits: torch.Tensor,  # [B, N, V] the verify's (the model's dtype)
+    at: torch.Tensor,  # [B, W] each path's nodes (past its end: node 0)
+    path: torch.Tensor,  # [B, W] its tokens (past its end: -1)
+    k: int,
+) -> list[torch.Tensor]:
+    """[B, W] the path tokens' logprobs, [B, W * k] the k likeliest's, [B, W * k] their ids, all int64 (the
+    floats' fp32 bits): verify.path_logprobs's values, for every row at once."""
+    b, w = at.shape
+    rows = torch.log_softmax(logits.gather(1, at[..., None].expand(b, w, logits.shape[2])).float(), dim=-1)
+    chosen = rows.gather(2, path.clamp(min=0)[..., None])
+    vals, ids = rows.topk(k, dim=-1)
+    bits = lambda x: x.contiguous().view(torch.int32).long().view(b, -1)  # noqa: E731
+    return [bits(chosen), bits(vals), ids.reshape(b, -1)]
+
+
+def path_logprobs_of(row: list[int], width: int, top: int, tokens: list[int], k: int) -> list[TokenLogprob]:
+    """A spec verify's result row (read on the host; W = width, K = top) -> its path tokens' logprobs, each with
+    its k likeliest (k <= K: the request's top_logprobs), as verify.to_host gives them for an ordinary step."""
+    n, at = len(tokens), 2 * width + 1
+    floats = lambda ints: struct.unpack(f"{len(ints)}f", struct.pack(f"{len(ints)}i", *ints))  # noqa: E731
+    chosen, vals = floats(row[at : at + n]), floats(row[at + width : at + width + width * top])
+    ids = row[at + width + width * top :]
+    top_of = lambda i: tuple(zip(ids[i * top : i * top + k], vals[i * top : i * top + k]))  # noqa: E731
+    return [TokenLogprob(t, chosen[i], top_of(i)) for i, t in enumerate(tokens)]
 
 
 def _with_roots(
