@@ -46,6 +46,7 @@ import torch
 from sglang_ext.device import HostCopy, grow, to_device
 from sglang_ext.drafters import DraftInput, TargetCapture
 from sglang_ext.models.spec_graphs import WIDTH, path_logprobs_of, spec_future, verify_bucket, verify_spec
+from sglang_ext.sampling import MAX_TOP_LOGPROBS
 from sglang_ext.tree import TreeShape
 from sglang_ext.verify import VerifyResult
 
@@ -160,8 +161,7 @@ def launch(engine, reqs: list[Request], prev: Chained | None = None) -> Chained 
         chained = rows or [-1] * len(reqs)
         mixed = (src, [-1 if r.drafting or p >= 0 else r.output_ids[-1] for r, p in zip(reqs, chained)])
     n = packed.longs.shape[2]
-    asked = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
-    top = max(asked) if asked else None
+    top = _top_k([r.params.logprobs for r in reqs if r.params.logprobs is not None])
     slots = kv.alloc(len(reqs) * n)
     try:
         keys, prefixes = [r.rid for r in reqs], [r.slots for r in reqs]
@@ -176,6 +176,15 @@ def launch(engine, reqs: list[Request], prev: Chained | None = None) -> Chained 
         raise
     live, plain = {r.rid: i for i, r in enumerate(reqs)}, {r.rid for r in reqs if not r.drafting}
     return Chained(reqs, n, slots, copy, live, shape, plain, option, since, top)
+
+
+def _top_k(asked: list[int]) -> int | None:
+    """K for a chained verify: the widest top_logprobs its requests ask, rounded up to 0, 1, 2, 4, ... (at most
+    MAX_TOP_LOGPROBS; a graph per K, each request takes its own k of the K likeliest); None where none asks."""
+    if not asked:
+        return None
+    k = max(asked)
+    return min(1 << (k - 1).bit_length(), MAX_TOP_LOGPROBS) if k else 0
 
 
 def finish(engine, step: Chained, following: Chained | None = None) -> list[StepEvent]:

@@ -23,10 +23,11 @@ graphs: the search's trees moved to their requests' rows and each other request'
 token at its row of the previous verify, or the host's token), then N - 1 padding nodes that no node sees; its path
 is the root, and its futures and result rows are as any request's.
 
-A verify for requests that ask for logprobs (`top`: the batch's widest top_logprobs K; a graph per K) adds to each
-result row its path's logprobs, as verify.path_logprobs takes them in the ordinary step (the log-softmax of each path
-row of the verify's logits, upcast to fp32): the path tokens' [W], the K likeliest's [W * K] and their ids [W * K],
-the floats as their fp32 bits in the int64 row (`path_logprobs_of` reads them): still one copy.
+A verify for requests that ask for logprobs (`top`: K, the batch's widest top_logprobs rounded up to a power of two;
+a graph per K) adds to each result row its path's logprobs, as verify.path_logprobs takes them in the ordinary step
+(the log-softmax of each path row of the verify's logits, upcast to fp32): the path tokens' [W], the K likeliest's
+[W * K] and their ids [W * K], the floats as their fp32 bits in the int64 row (`path_logprobs_of` reads them): still
+one copy.
 """
 
 from __future__ import annotations
