@@ -166,6 +166,8 @@ def tree_from_parents(
             draft_probs,
             scores,
         )
+    if dev.type == "cpu" and n <= HOST_TREE_NODES:
+        return _host_tree(tokens.long(), parents, par, seq_len, batch_index, draft_probs, unlinked, scores)
     if isinstance(unlinked, torch.Tensor):
         linked = ~to_device(unlinked.bool(), dev)
     else:
@@ -182,6 +184,46 @@ def tree_from_parents(
         retrieve_index=torch.arange(n, dtype=torch.long, device=dev) + batch_index * n,
         retrieve_next_token=next_token,
         retrieve_next_sibling=next_sibling,
+        draft_probs=draft_probs,
+        scores=scores,
+    )
+
+
+# a host tree of up to this many nodes (a lookup drafter's, every step) is laid out in Python from its parents list:
+# ~20 small tensor ops cost ~10x the loops at these sizes
+HOST_TREE_NODES = 64
+
+
+def _host_tree(tokens, parents, par: list[int], seq_len: int, batch_index: int, draft_probs, unlinked, scores):
+    """tree_from_parents's layout for a host tree (par: its parents as a list), with the same values: each node's
+    ancestors as a bit set, its first linked child and next linked sibling in index order."""
+    n = len(par)
+    if isinstance(unlinked, torch.Tensor):
+        linked = [not u for u in unlinked.bool().tolist()]
+    else:
+        linked = [True] * n
+        for u in unlinked:
+            linked[u] = False
+    bits, depth = [1] + [0] * (n - 1), [0] * n
+    first, sibling, last = [-1] * n, [-1] * n, [-1] * n
+    for i in range(1, n):
+        p = par[i]
+        bits[i], depth[i] = bits[p] | (1 << i), depth[p] + 1
+        if linked[i]:
+            if first[p] < 0:
+                first[p] = i
+            if last[p] >= 0:
+                sibling[last[p]] = i
+            last[p] = i
+    mask = torch.tensor([[(b >> j) & 1 for j in range(n)] for b in bits], dtype=torch.bool)
+    return TokenTree(
+        draft_tokens=tokens,
+        parents=parents,
+        positions=torch.tensor(depth) + seq_len,
+        tree_mask=mask,
+        retrieve_index=torch.arange(n, dtype=torch.long) + batch_index * n,
+        retrieve_next_token=torch.tensor(first),
+        retrieve_next_sibling=torch.tensor(sibling),
         draft_probs=draft_probs,
         scores=scores,
     )

@@ -46,6 +46,34 @@ def test_layout_hand_checked():
     assert t.path_to(4) == [0, 1, 4]
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_host_trees_python_layout_is_the_tensor_ops_one(seed, monkeypatch):
+    """tree_from_parents lays out a small host tree in Python (a lookup drafter's, every step): every field equals
+    the tensor ops' layout (ancestor_masks, child_lists), on random trees of 2-40 nodes with unlinked nodes given as
+    indices or as a bool mask, and a batch index."""
+    import sglang_ext.tree as tree_mod
+
+    g = random.Random(seed)
+    for _ in range(20):
+        n = g.randint(2, 40)
+        parents = torch.tensor([-1] + [g.randrange(i) for i in range(1, n)])
+        tokens = torch.randint(0, 1000, (n,))
+        unlinked = {i for i in range(1, n) if g.random() < 0.2}
+        as_mask = torch.tensor([i in unlinked for i in range(n)])
+        for how in (sorted(unlinked), as_mask):
+            args = (tokens, parents, g.randint(0, 500), g.randint(0, 3))
+            fast = tree_from_parents(*args, unlinked=how)
+            monkeypatch.setattr(tree_mod, "HOST_TREE_NODES", 0)
+            ref = tree_from_parents(*args, unlinked=how)
+            monkeypatch.undo()
+            for name in ("draft_tokens", "parents", "positions", "tree_mask", "retrieve_index"):
+                a, b = getattr(fast, name), getattr(ref, name)
+                assert a.dtype == b.dtype and torch.equal(a, b), name
+            for name in ("retrieve_next_token", "retrieve_next_sibling"):
+                a, b = getattr(fast, name), getattr(ref, name)
+                assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
 def test_parents_must_precede_children():
     with pytest.raises(ValueError):
         tree_from_parents(TOKENS, torch.tensor([-1, 0, 3, 1, 1, 2]), 0)
