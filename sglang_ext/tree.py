@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+import numpy as np
 import torch
 
 from .device import to_device, upload
@@ -189,8 +190,8 @@ def tree_from_parents(
     )
 
 
-# a host tree of up to this many nodes (a lookup drafter's, every step) is laid out in Python from its parents list:
-# ~20 small tensor ops cost ~10x the loops at these sizes
+# a host tree of up to this many nodes (a lookup drafter's, every step) is laid out in Python from its parents list
+# (each node's ancestors a 64-bit set): ~20 small tensor ops cost 2-5x that at these sizes
 HOST_TREE_NODES = 64
 
 
@@ -215,7 +216,8 @@ def _host_tree(tokens, parents, par: list[int], seq_len: int, batch_index: int, 
             if last[p] >= 0:
                 sibling[last[p]] = i
             last[p] = i
-    mask = torch.tensor([[(b >> j) & 1 for j in range(n)] for b in bits], dtype=torch.bool)
+    rows = np.array(bits, dtype="<u8").view(np.uint8).reshape(n, 8)  # (each row's bit set, 64 columns)
+    mask = torch.from_numpy(np.unpackbits(rows, axis=1, bitorder="little")[:, :n].astype(bool))
     return TokenTree(
         draft_tokens=tokens,
         parents=parents,

@@ -49,13 +49,13 @@ def test_layout_hand_checked():
 @pytest.mark.parametrize("seed", range(6))
 def test_a_host_trees_python_layout_is_the_tensor_ops_one(seed, monkeypatch):
     """tree_from_parents lays out a small host tree in Python (a lookup drafter's, every step): every field equals
-    the tensor ops' layout (ancestor_masks, child_lists), on random trees of 2-40 nodes with unlinked nodes given as
+    the tensor ops' layout (ancestor_masks, child_lists), on random trees of 2-64 nodes with unlinked nodes given as
     indices or as a bool mask, and a batch index."""
     import sglang_ext.tree as tree_mod
 
     g = random.Random(seed)
     for _ in range(20):
-        n = g.randint(2, 40)
+        n = g.randint(2, 64)
         parents = torch.tensor([-1] + [g.randrange(i) for i in range(1, n)])
         tokens = torch.randint(0, 1000, (n,))
         unlinked = {i for i in range(1, n) if g.random() < 0.2}
