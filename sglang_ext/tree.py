@@ -144,7 +144,8 @@ def tree_from_parents(
 
     Everything is built where `parents` lives, with fixed-shape tensor ops: no value is read back
     to the host. Parents on the host are checked; a device's are trusted (checking them would read
-    them back).
+    them back). A host tree of up to HOST_TREE_NODES nodes is laid out in Python instead (_host_tree: the same
+    values, a few times faster at these sizes).
     """
     n = tokens.numel()
     parents = parents.long()
