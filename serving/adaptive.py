@@ -86,21 +86,19 @@ class _PerRequest:
     drafted badly kept it off long after)."""
 
     def __init__(self, window: int = 64, horizon: int = 64, keep: int = 8):
-        self.steps: deque = deque(maxlen=window)  # (batch, rows, tokens, draft seconds)
-        self.times: deque = deque(maxlen=window)  # the policy's step count when each was observed
+        # (batch, rows, tokens, draft seconds, the policy's step count when it was observed)
+        self.steps: deque = deque(maxlen=window)
         self.horizon, self.keep = horizon, keep
         self._sums = [0.0, 0.0, 0.0, 0.0]
 
     def add(self, now: int, batch: int, rows: float, tokens: float, draft_seconds: float = 0.0) -> None:
         while self.steps and (
             len(self.steps) == self.steps.maxlen
-            or (len(self.steps) >= self.keep and now - self.times[0] >= self.horizon)
+            or (len(self.steps) >= self.keep and now - self.steps[0][4] >= self.horizon)
         ):
-            for j, v in enumerate(self.steps.popleft()):
+            for j, v in enumerate(self.steps.popleft()[:4]):
                 self._sums[j] -= v
-            self.times.popleft()
-        self.steps.append((batch, rows, tokens, draft_seconds))
-        self.times.append(now)
+        self.steps.append((batch, rows, tokens, draft_seconds, now))
         for j, v in enumerate((batch, rows, tokens, draft_seconds)):
             self._sums[j] += v
 
@@ -507,8 +505,8 @@ class AdaptiveSpeculation:
         (with the step's seconds minus `draft_seconds`, the proposal's share); `accepted` / `drafted`
         (per request: accepted draft tokens, draft nodes) also rate the shorter chains nested in a chain
         that ran, without running them. `first`: a request drafted for the first time, over its prompt too (EAGLE-3
-        extends over it then: ~100 ms for a long one, counted as a slow tree or a dear switch for 64 steps): a
-        cost of the request, paid once whenever it drafts, so the step is not rated."""
+        puts the layer's K/V of every prompt pair in its cache then, counted as a slow tree or a dear switch for 64
+        steps): a cost of the request, paid once whenever it drafts, so the step is not rated."""
         self.clock += 1
         switched = self.catch_up and self.options[option] is not None and not self.drafted_last
         self.drafted_last = self.options[option] is not None

@@ -128,7 +128,7 @@ class SpecWorker:
         self, option: int | None, n: int, seconds: float, events: list[StepEvent], rows: int, draft_seconds: float
     ) -> None:
         """The policy learns what a step of n decoding requests under `option` gave (rows: its tree rows). A request's
-        first drafted step also drafts over its prompt (EAGLE-3 extends over it: ~100 ms for a long one), a cost of
+        first drafted step also drafts over its prompt (EAGLE-3 caches its layer's K/V of every prompt pair), a cost of
         the request, not of a switch from off: the policy is told (`first`) where such requests are half the step's
         drafting ones or more (at bs 1 the step; with requests arriving at a large batch, a few in each step are its
         steady cost, and a policy that rated no such step would rate none)."""

@@ -515,12 +515,12 @@ def test_a_tree_is_ruled_out_on_warmup_steps_not_on_one():
 
 
 def test_a_requests_first_drafted_step_does_not_weigh_on_its_tree():
-    """A request's first drafted step also drafts over its prompt (EAGLE-3 extends over it then: ~100 ms for a long
-    one): a cost of the request, paid once whenever it drafts, not of the tree's steps nor of a switch from off. The
-    engine says which step it is (`first`), and it is not rated: requests of 100 steps whose tree (1.6 tokens in 14
-    ms, 2 ms of it drafting) beats off (1 token in 10 ms) by 14 % keep drafting (on for 89-97 % of the last 2,000
-    steps in 4 runs; rated, each prompt's 100 ms put the tree behind for 64 steps or made its re-measurement look
-    dear: 4-26 %)."""
+    """A request's first drafted step also drafts over its prompt (EAGLE-3 caches its layer's K/V of every prompt pair;
+    here 100 ms): a cost of the request, paid once whenever it drafts, not of the tree's steps nor of a switch from
+    off. The engine says which step it is (`first`), and it is not rated: requests of 100 steps whose tree (1.6
+    tokens in 14 ms, 2 ms of it drafting) beats off (1 token in 10 ms) by 14 % keep drafting (on for 89-97 % of the
+    last 2,000 steps in 4 runs; rated, each prompt's 100 ms put the tree behind for 64 steps or made its
+    re-measurement look dear: 4-26 %)."""
     on = 0
     for seed in range(4):
         p = AdaptiveSpeculation(TreeShape(1, 2, 3), warmup=3, retry_every=32, catch_up=True)
