@@ -46,7 +46,7 @@ from .checkpoint import (
     read_weights,
     save_weights,
 )
-from .llama import RMSNorm, apply_rope, rope_inv_freq
+from .llama import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
 from .loader import LlamaConfig
 
 
@@ -236,9 +236,9 @@ class Eagle3Draft(nn.Module):
         return self.fc(aux)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)
-        emb = torch.cat([freqs, freqs], dim=-1)[..., None, :]  # [.., 1, D]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        """cos, sin [.., 1, D] of positions [..] (rope_cos_sin)."""
+        tables = self.__dict__.setdefault("_rope_tables", {})
+        return rope_cos_sin(self.inv_freq, positions, dtype, tables, self.cfg.max_position)
 
     def qkv(self, embeds: torch.Tensor, feat: torch.Tensor, positions: torch.Tensor):
         """-> q [.., Hq, D], k/v [.., Hkv, D] (RoPE applied)."""

@@ -100,6 +100,42 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     return inv.float()
 
 
+# RoPE on the CPU: the cos/sin of every position up to a model's max_position are made once (while both tables fit
+# ROPE_TABLE_BYTES) and a call's rows are then one index each: the ~8 small ops of computing them cost more than
+# their arithmetic once a step's weight stream has evicted the caches, and a position's values no longer depend on
+# what else is in the call. (On a GPU they are computed per call: a graph replays them.)
+ROPE_TABLE_BYTES = 32 * 2**20
+
+
+def rope_of(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = positions.float()[..., None] * inv_freq.to(positions.device)
+    emb = torch.cat([freqs, freqs], dim=-1)[..., None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rope_cos_sin(
+    inv_freq: torch.Tensor,  # [D / 2]
+    positions: torch.Tensor,  # [...] int
+    dtype: torch.dtype,
+    tables: dict,  # the caller's tables by dtype (filled here)
+    max_position: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [..., 1, D] of the positions (halves duplicated, HF rotate_half convention)."""
+    if positions.device.type != "cpu" or inv_freq.device.type != "cpu":
+        return rope_of(inv_freq, positions, dtype)
+    table = tables.get(dtype)
+    if table is None:
+        n = max_position + ROPE_SLACK
+        if 2 * n * 2 * inv_freq.numel() * dtype.itemsize > ROPE_TABLE_BYTES:
+            return rope_of(inv_freq, positions, dtype)
+        with torch.inference_mode(False), torch.no_grad():  # (usable outside inference mode too: training)
+            table = tables[dtype] = rope_of(inv_freq, torch.arange(n), dtype)
+    return table[0][positions], table[1][positions]
+
+
+ROPE_SLACK = 64  # table rows past max_position: a draft tree's nodes may sit a few positions past a sequence's end
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D]; cos/sin [T, 1, D] (halves duplicated, HF rotate_half convention)."""
     half = x.shape[-1] // 2
@@ -165,6 +201,7 @@ class LlamaModel:
                 )
             )
         self.inv_freq = rope_inv_freq(cfg).to(device)
+        self._rope_tables: dict = {}  # (rope_cos_sin; shared by subsets)
         # every layer matmul fits the small-rows kernel (fp32, K % 8 == 0):
         # _layer_forward_ops may skip linear()'s checks
         self._rows_kernel = (
@@ -203,9 +240,9 @@ class LlamaModel:
         return KVPool(num_layers or len(self.layers), num_slots, c.num_kv_heads, c.head_dim, self.dtype, self.device)
 
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = to_device(positions, self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        """cos, sin [T, 1, D] of positions [T], in the model's dtype (rope_cos_sin)."""
+        positions = to_device(positions, self.inv_freq.device)
+        return rope_cos_sin(self.inv_freq, positions, self.dtype, self._rope_tables, self.cfg.max_position)
 
     def layer_forward(
         self,

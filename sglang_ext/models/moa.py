@@ -51,7 +51,7 @@ from .checkpoint import (
     save_weights,
 )
 from .kv_pool import KVPool
-from .llama import RMSNorm, apply_rope, rope_inv_freq
+from .llama import RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq, rope_of
 from .loader import LlamaConfig
 
 SA_MODES = ("self", "ancestors")
@@ -231,12 +231,6 @@ class _Layer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-def _rope(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-    freqs = positions.float()[..., None] * inv_freq.to(positions.device)
-    emb = torch.cat([freqs, freqs], dim=-1)[..., None, :]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
 class MoAPieces:
     """The per-token pieces around attention, shared by MoADraft (plain torch layers) and the SGLang
     plugin's model (SGLang's fused layers). A host supplies blocks `layer_self_attention`,
@@ -265,12 +259,13 @@ class MoAPieces:
         key = (num_layers, dtype, device)
         cache = self.__dict__.setdefault("_lsa_rope_cache", {})
         if key not in cache:
-            cache[key] = _rope(self.lsa_inv_freq, torch.arange(num_layers, device=device), dtype)
+            cache[key] = rope_of(self.lsa_inv_freq, torch.arange(num_layers, device=device), dtype)
         return cache[key]
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos/sin of token positions, for sa_qkv / ca_q (a draft pass makes them once for both)."""
-        return _rope(self.inv_freq, positions, dtype)
+        tables = self.__dict__.setdefault("_rope_tables", {})
+        return rope_cos_sin(self.inv_freq, positions, dtype, tables, self.cfg.max_position)
 
     # --- SA -------------------------------------------------------------------------------------
     def sa_qkv(self, embeds: torch.Tensor, positions: torch.Tensor, rope=None):

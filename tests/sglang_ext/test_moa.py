@@ -390,12 +390,12 @@ def test_greedy_identity_smollm2(smollm2_fp32, eval_prompts, name, bs):
 
 
 def test_lsa_layer_rope_is_made_once_and_matches_a_fresh_one():
-    from sglang_ext.models.moa import _rope
+    from sglang_ext.models.llama import rope_of
 
     _, d = tiny_pair()
     a = d._lsa_rope(5, torch.float32, torch.device("cpu"))
     assert d._lsa_rope(5, torch.float32, torch.device("cpu")) is a  # cached, not recomputed per token
-    fresh = _rope(d.lsa_inv_freq, torch.arange(5), torch.float32)
+    fresh = rope_of(d.lsa_inv_freq, torch.arange(5), torch.float32)
     assert torch.equal(a[0], fresh[0]) and torch.equal(a[1], fresh[1])
     b = d._lsa_rope(7, torch.float32, torch.device("cpu"))
     assert b[0].shape[0] == 7  # another layer count: its own entry
