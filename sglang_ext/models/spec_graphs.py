@@ -143,7 +143,8 @@ def verify_spec(
         bufs["tree"][:, [1, 4, 5]] = -1
         bufs["mask"] = torch.eye(n, dtype=torch.bool, device=dev).expand(bb, n, n).clone()
         if samp is not None:
-            bufs["sampling"] = tuple(torch.zeros_like(x, device=dev) for x in params)
+            pad = lambda x: (torch.zeros_like if x.dtype == torch.long else torch.ones_like)(x, device=dev)  # noqa: E731
+            bufs["sampling"] = tuple(pad(x) for x in params)  # (every row greedy, temperature and top_p 1)
         return bufs
 
     def fill(bufs: dict) -> None:
