@@ -8,16 +8,19 @@ On the CPU the device is `helpers.QueuedStream`, as in test_engine_spec_overlap.
 shipped heads, on the tree of those tests; EAGLE-3 on a chain too, where the chained search drafts the argmax chain
 that coupled verification takes, the ordinary step sampled chains), three seeded sampled requests (top_p, top_k, a
 plain temperature with logprobs) and a greedy one, shorter, run: without a drafter (plain decoding), in the loop
-without overlap (the ordinary drafted step) and in the overlapped loop. The law of unseeded chained sampling is
-tests/sglang_ext/test_distribution.py's (test_chained_unseeded_sampling_matches_target). The `gpu` case runs the
-scenario on CUDA's stream with captured graphs.
+without overlap (the ordinary drafted step) and in the overlapped loop (with EAGLE-3 under the adaptive policy too).
+The law of unseeded chained sampling is tests/sglang_ext/test_distribution.py's
+(test_chained_unseeded_sampling_matches_target). The `gpu` case runs the scenario on CUDA's stream with captured
+graphs.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from helpers import QueuedStream, drafter_pools_whole, slots_whole
-from test_engine_spec_overlap import _order, _recorded
+from test_engine_spec_overlap import _in_order, _order, _recorded, _Scripted
 from test_engine_spec_overlap_logprobs import TOL, _same_logprobs
 
 from serving.config import EngineConfig
@@ -139,3 +142,22 @@ def test_gpu_seeded_chained_outputs_equal_the_plain_loop(smollm2_cuda, drafter):
     g = eng.runner.graph_runner
     assert g.graphs and eng.runner.stream.copies == g.runs > 0
     assert [(r.output_ids, r.finish_reason) for r in reqs] == [(r.output_ids, r.finish_reason) for r in plain]
+
+
+def test_under_the_policy_seeded_chained_outputs_are_plain_decodings(smollm2_fp32, vanilla):
+    """Under the adaptive policy (scripted: off and the smaller tree between the configured tree's steps, so chains
+    start, end and restart; EAGLE-3), the overlapped loop's outputs are plain decoding's and chained steps ran."""
+    stream, engine, run = QueuedStream(), Engine.__init__, Engine._run
+
+    def adaptive(self, target, drafter, config):
+        engine(self, target, drafter, replace(config, adaptive=True))
+        self.policy = _Scripted()
+
+    Engine.__init__, Engine._run = adaptive, _in_order(stream, run)
+    try:
+        eng, reqs = _run(smollm2_fp32, True, "eagle3", TREE, stream)
+    finally:
+        Engine.__init__, Engine._run = engine, run
+        stream.close()
+    assert [(r.output_ids, r.finish_reason) for r in reqs] == [(r.output_ids, r.finish_reason) for r in vanilla]
+    assert sum(c for c, _ in eng.policy.kinds) >= 2 and {o for o, *_ in eng.policy.seen} == {0, 1, 2}
