@@ -18,10 +18,10 @@ row i of the previous step), its slots are allocated and appended to the request
 step's tokens still come up in one copy (queued behind the step, read after the next is issued). A request
 that step N ends (EOS, a stop id, its length, a fault of its own) or that is aborted before step N+1 is read
 was launched in step N+1 too: that step's token for it is dropped unread and its slot freed, so its output,
-slots, stats and what the prefix cache takes are those of the loop without overlap. Greedy drafted steps chain
-the same way (serving/spec_step.py); the loop keeps one step in flight, of either kind. A step that is not a
-plain decode of the running requests (an arrival's prefill, a request that is not plain greedy, a batch
-outside the buckets) first reads the step in flight, alone in its Engine.step when it brings tokens."""
+slots, stats and what the prefix cache takes are those of the loop without overlap. Drafted steps chain the
+same way (serving/spec_step.py: greedy and sampled requests); the loop keeps one step in flight, of either kind.
+A step that is neither (an arrival's prefill, a plain decode step with a request that is not plain greedy, a
+batch outside the buckets) first reads the step in flight, alone in its Engine.step when it brings tokens."""
 
 from __future__ import annotations
 
@@ -124,7 +124,7 @@ def drop(engine, step: Launched, r: Request) -> None:
 
 class OverlappedLoop:
     """The engine's overlapped loop (the module docstring): the step in flight, if any: a plain decode step, or a
-    drafter's chained spec step (serving/spec_step.py: the same loop for greedy drafted steps)."""
+    drafter's chained spec step (serving/spec_step.py: the same loop for drafted steps)."""
 
     def __init__(self, engine):
         self.engine = engine

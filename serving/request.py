@@ -78,6 +78,7 @@ class Request:
     error: str | None = None  # with finish_reason "error": the stage whose fault ended this request alone
     drafting: bool = True  # False after a drafter failure: vanilla decoding from then on
     drafted: bool = False  # a measured step drafted for it (its first also drafted over its prompt: spec_worker)
+    coupling_seed: int | None = None  # an unseeded sampled request's seed for coupled verification (Sampler's)
     matcher: object | None = None  # the grammar's state after the output so far (structured output)
     reference: list[int] = field(
         default_factory=list

@@ -25,6 +25,7 @@ from sglang_ext.sampling import (
     greedy_tokens,
     logits_to_probs,
     seeded_token,
+    splitmix64,
     token_logprobs,
 )
 from sglang_ext.tree import TokenTree, TreeShape, root_tree
@@ -33,6 +34,8 @@ from sglang_ext.verify import AcceptedPath, VerifyResult, coupled_path, greedy_p
 from .request import Request, RequestFault, stage
 
 log = logging.getLogger(__name__)
+
+_UNSEEDED = 0x5EED_C0DE  # (mixed into an unseeded request's generator seed: its coupling seed is not that seed)
 
 
 class Sampler:
@@ -50,6 +53,19 @@ class Sampler:
     def context_dependent(self, r: Request) -> bool:
         """Whether the request's logits depend on each row's path (penalties, grammar, min_tokens)."""
         return r.params.penalized or r.matcher is not None or len(r.output_ids) < r.params.min_tokens
+
+    @staticmethod
+    def coupling_seed(r: Request) -> int:
+        """The seed of a sampled request's coupled verification (verify.coupled_path; a chained step's, in its graph):
+        its own, else one made once from its generator's seed (hashed: no draw, so no read of a device generator
+        and the stream its ordinary steps draw from as it was), so that it is reproducible where the generator is
+        and requests differ. An unseeded request's ordinary steps keep speculative sampling (sampling_path): each
+        position's token is an exact sample of the target's law given the past either way."""
+        if r.params.seed is not None:
+            return r.params.seed
+        if r.coupling_seed is None:
+            r.coupling_seed = splitmix64(r.generator.initial_seed() ^ _UNSEEDED)
+        return r.coupling_seed
 
     def plain_greedy(self, r: Request) -> bool:
         """Whether the request verifies greedily on the raw logits (verify.greedy_paths may take it)."""

@@ -1,4 +1,4 @@
-"""A greedy drafted step whose accept results stay on the device (SGLang's spec v2), for the overlapped loop
+"""A drafted step whose accept results stay on the device (SGLang's spec v2), for the overlapped loop
 (serving/decode_step.py; `EngineConfig.overlap`, where the runner's stream is asynchronous): a drafter that
 chains (`chains`: EAGLE-3 and MoA, their greedy searches static) drafts step N+1 from step N's accepted path
 where the device left it, so step N+1 (the drafter's commit of step N's accepted tokens and its search in one
@@ -12,9 +12,18 @@ Step N's verify leaves each request's path length, tokens, target slots and capt
 (models/spec_graphs.py: SpecFuture); step N+1's graphs read them there (the slot table's prefix from base + L,
 the commit's L rows of W = depth + 1, the search's root the bonus token and its prefixes L longer). Each step
 still has one device-to-host copy: its [b, 2W + 1] result (path nodes, tokens, the faulty-drafter flag), read one
-step behind. Where requests ask for logprobs (greedy ones), the verify takes their paths' logprobs and top
+step behind. Where requests ask for logprobs, the verify takes their paths' logprobs and top
 alternatives from its logits inside its graph, as the ordinary step does (verify.path_logprobs), and they come up in
 the same copy (each result row longer: spec_graphs.path_logprobs_of); the others in the batch ignore theirs.
+
+Sampled requests (a temperature, top_k / top_p or not, seeded or not) ride beside greedy ones: the verify is coupled
+(verify.py), each sampled row's token at a node its Gumbel-max sample with the (seed, position) noise, inside the
+graph (spec_graphs: the rows' parameters are its inputs), so a seeded request's output is plain seeded decoding's
+as in the ordinary step (Sampler.verify: coupled_path, the same noise); an unseeded one is verified with a seed made
+from its generator's (Sampler.coupling_seed): an exact sample of the target's law at each position, as its ordinary
+steps' speculative sampling. The drafter's search sees them as greedy (`_searched`): deterministic trees, the argmax
+chain for a chain, the proposal coupled verification takes (no draft probabilities). A greedy row's token is the
+argmax, as without sampled rows.
 
 The host catches up when it reads step N (`finish`): the accepted nodes' target slots join their requests (the
 rest freed), the stats, the tokens and stops, the drafter's slots of step N+1's commit trimmed to the L rows that
@@ -28,25 +37,27 @@ A request that does not draft (its drafter failed: `Request.drafting` off) rides
 row, so that the others keep chaining: its tree is its root (the bonus token of its row in the step before, on the
 device, or its last token where it has none there: the request that fell back when step N was read, its drafted tree
 in step N+1 dropped unread) and N - 1 padding rows that no node sees, its path the root, its token the target's
-argmax there; no drafter state. A batch where no request drafts takes the ordinary step.
+there (the argmax, or a sampled request's coupled sample); no drafter state. A batch where no request drafts takes
+the ordinary step.
 
 Under the adaptive policy the loop chooses step N+1's option before step N is read (`chain_next`): the same tree
 chains, another option (off, another tree) ends the chain; each chained step is observed when it is read (`_observe`).
-Lookup drafters, non-greedy requests, predicted outputs and steps outside the graph buckets take the engine's
-ordinary step; the step in flight is read first (decode_step.OverlappedLoop).
+Lookup drafters, requests whose logits depend on their paths (penalties, a grammar, min_tokens:
+Sampler.context_dependent), predicted outputs and steps outside the graph buckets take the engine's ordinary step;
+the step in flight is read first (decode_step.OverlappedLoop).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from sglang_ext.device import HostCopy, grow, to_device
 from sglang_ext.drafters import DraftInput, TargetCapture
 from sglang_ext.models.spec_graphs import WIDTH, path_logprobs_of, spec_future, verify_bucket, verify_spec
-from sglang_ext.sampling import MAX_TOP_LOGPROBS
+from sglang_ext.sampling import MAX_TOP_LOGPROBS, SamplingParams, int64
 from sglang_ext.tree import TreeShape
 from sglang_ext.verify import VerifyResult
 
@@ -90,8 +101,8 @@ def _eligible(engine, reqs: list[Request], prev: "Chained | None") -> bool:
         return False
     if prev is not None and any(r.drafting and r.rid not in prev.live for r in reqs):
         return False
-    sampler = engine.sampler
-    return all(sampler.plain_greedy(r) and not r.reference for r in reqs)  # (logprobs or not)
+    sampler = engine.sampler  # (greedy or sampled, seeded or not, logprobs or not)
+    return all(not sampler.context_dependent(r) and not r.reference for r in reqs)
 
 
 def _fits(engine, reqs: list[Request], shape: TreeShape, prev: "Chained | None") -> bool:
@@ -130,7 +141,8 @@ def launch(engine, reqs: list[Request], prev: Chained | None = None) -> Chained 
     """Issue a chained step of `reqs` (prev: the chained step in flight, whose futures it reads; None: a chain's
     first, from the host's state): the drafter's graph, the verify's, the result's copy queued. A request that does
     not draft (its drafter failed) rides as a root-only row: its next token the target's argmax at the bonus token
-    of its row in `prev` (or at its last token, with none there), no drafter state."""
+    of its row in `prev` (or at its last token, with none there; a sampled request's coupled sample), no drafter
+    state."""
     since = time.perf_counter()
     d, g, kv = engine.drafter, engine.runner.graph_runner, engine.kv_manager
     option, shape = engine.spec.choose_shape(len(reqs))  # (with the policy: chain_next's choice)
@@ -138,7 +150,7 @@ def launch(engine, reqs: list[Request], prev: Chained | None = None) -> Chained 
     if d.stream is not stream:
         d.use_stream(stream)
     drafting = [r for r in reqs if r.drafting]
-    inputs = [DraftInput(r.rid, r.token_ids, r.params, r.generator, r.reference, r.tenant) for r in drafting]
+    inputs = [DraftInput(r.rid, r.token_ids, _searched(r.params), r.generator, r.reference, r.tenant) for r in drafting]
     fut = spec_future(g)
     rows = None if prev is None else [prev.live.get(r.rid, -1) for r in reqs]
     try:
@@ -165,8 +177,9 @@ def launch(engine, reqs: list[Request], prev: Chained | None = None) -> Chained 
     slots = kv.alloc(len(reqs) * n)
     try:
         keys, prefixes = [r.rid for r in reqs], [r.slots for r in reqs]
+        sampling = _sampling(engine.sampler, reqs)
         captured, result = verify_spec(
-            g, packed, trees[0].finite, slots, prefixes, keys, rows, shape.depth + 1, kv.pool, mixed, top
+            g, packed, trees[0].finite, slots, prefixes, keys, rows, shape.depth + 1, kv.pool, mixed, top, sampling
         )
         if kv.hidden is not None:  # (the captured layers beside the prefix cache, after the graph)
             stream.launch(kv.store_hidden, [slots], captured)
@@ -176,6 +189,27 @@ def launch(engine, reqs: list[Request], prev: Chained | None = None) -> Chained 
         raise
     live, plain = {r.rid: i for i, r in enumerate(reqs)}, {r.rid for r in reqs if not r.drafting}
     return Chained(reqs, n, slots, copy, live, shape, plain, option, since, top)
+
+
+def _searched(params: SamplingParams) -> SamplingParams:
+    """What the drafter's search of a chained step sees of a request's parameters: a sampled request's as greedy's, so
+    that a chain (topk 1) is the draft's argmax chain as for a greedy request, not a chain drawn from the draft's q
+    (whose q only speculative sampling reads): the chained verify is coupled, for which a deterministic tree is the
+    proposal (verify.py: the chance some child passes is the sum of p over the children)."""
+    return params if params.greedy else replace(params, temperature=0.0)
+
+
+def _sampling(sampler: Sampler, reqs: list[Request]) -> list[tuple[float, int, float, int]] | None:
+    """The chained verify's per-request parameters (temperature, top_k, top_p, seed as int64; a greedy request's
+    temperature 0), or None where every request is greedy."""
+    if all(r.params.greedy for r in reqs):
+        return None
+    return [
+        (0.0, 0, 1.0, 0)
+        if r.params.greedy
+        else (r.params.temperature, r.params.top_k, r.params.top_p, int64(sampler.coupling_seed(r)))
+        for r in reqs
+    ]
 
 
 def _top_k(asked: list[int]) -> int | None:

@@ -23,7 +23,7 @@ the emitted token is distributed as the target's p; by induction over depth, the
 For a chain drafted by sampling from q this is Leviathan et al.'s speculative sampling.
 
 Seeded sampling (coupled_path): when a request has a seed, the target's token at each node is its
-seeded sample (sampling.seeded_sample: Gumbel-max with noise keyed by (seed, position)), and the
+seeded sample (sampling.seeded_sample: Gumbel-max with noise hashed from (seed, position)), and the
 walk accepts the child holding that token, as greedy verification does with the argmax. The output
 is then plain seeded decoding's, token for token, whatever was drafted. For point-mass proposals
 (lookup drafters, top-k trees) the chance that some child is accepted is the same as above (the sum
@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from .device import to_device
-from .sampling import TokenLogprob, draw, position_gumbel
+from .sampling import TokenLogprob, draw, gumbel_noise, int64
 from .tree import TokenTree
 
 
@@ -427,9 +427,9 @@ def coupled_path(
     n, vocab = target_probs.shape
     depth = tree.positions - tree.positions[0]
     d = n - 1 if max_depth is None else min(max_depth, n - 1)
-    noise = torch.stack(
-        [position_gumbel(seed, seq_len + 1 + k, vocab, target_probs.device) for k in range(d + 1)]
-    )  # [D+1, V]: the noise of the token after a node at each depth
+    at = torch.tensor([[int64(seed), seq_len + 1 + k] for k in range(d + 1)], dtype=torch.long)
+    at = to_device(at, target_probs.device)
+    noise = gumbel_noise(at[:, 0], at[:, 1], vocab)  # [D+1, V]: the noise of the token after a node at each depth
     return _target_path(tree, (target_probs.log() + noise[depth.clamp(max=d)]).argmax(-1))
 
 

@@ -1,4 +1,4 @@
-"""A drafted greedy step whose accept results stay on the device (SGLang's spec v2), for the overlapped loop
+"""A drafted step whose accept results stay on the device (SGLang's spec v2), for the overlapped loop
 (serving/spec_step.py): step N+1's draft-extend, search and verify are issued before the host reads step N.
 
 Step N's verify graph (`SpecVerify`, on the target's GraphRunner) leaves in `SpecFuture`, per request row i:
@@ -28,6 +28,14 @@ a graph per K) adds to each result row its path's logprobs, as verify.path_logpr
 (the log-softmax of each path row of the verify's logits, upcast to fp32): the path tokens' [W], the K likeliest's
 [W * K] and their ids [W * K], the floats as their fp32 bits in the int64 row (`path_logprobs_of` reads them): still
 one copy.
+
+A verify with sampled requests in its batch (`sampling`) takes each request's parameters as inputs (a sampled flag,
+temperature, top_k, top_p, its seed): the target's token at each node of a sampled request is its coupled sample
+(sampling.coupled_tokens: argmax of log p + the noise of (seed, the node's position + 1), p under its parameters,
+as verify.coupled_path takes it in the ordinary step), at a greedy request's the argmax, and the paths follow from
+those tokens as greedy paths do from the argmax (greedy_rows). The graphs' key holds whether any row samples and
+whether any filters (top_k / top_p: a sort of each row), never the parameters' values: a batch without sampled rows
+replays the graph it replayed before.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from ..device import to_device
-from ..sampling import TokenLogprob, greedy_tokens
+from ..sampling import TokenLogprob, coupled_tokens, greedy_tokens
 from ..tree import TreeBatch
 from ..verify import greedy_rows
 from .draft_graphs import ExtendRunner
@@ -93,12 +101,15 @@ def verify_spec(
     kv,
     mixed: tuple[list[int], list[int]] | None = None,  # (src, roots): root-only rows beside the trees
     top: int | None = None,  # K: the result rows carry their paths' logprobs and K likeliest (None: no logprobs)
+    sampling: list[tuple[float, int, float, int]] | None = None,  # per request (temperature, top_k, top_p, seed)
 ):  # -> (captured {layer: [b*N, H]} views, result [b, R] view): read before the next replay (queue copies)
     """The spec verify (module docstring) on g's stream: one fill and one replay. Without `mixed`, request i's tree
     is packed's i-th; with it, src[i] is its tree's index in packed, or -1 for a root-only row (a request that does
     not draft: its N rows the root, at the prefix's end, then padding) whose root is the bonus token at its row of
     the previous verify, or roots[i] (host) where it has none. R: 2W + 1, and W * (1 + 2K) more with `top` (each K
-    a graph of its own)."""
+    a graph of its own). sampling (None: every request greedy): each request's parameters, temperature 0 for a greedy
+    one, seed an int64 (sampling.int64): its rows' tokens their coupled samples (sampling.coupled_tokens), in graphs
+    of their own (two: with top_k / top_p in the batch or not)."""
     n = packed.longs.shape[2]
     b = len(keys)
     bases = [t.numel() for t in prefixes]
@@ -119,7 +130,8 @@ def verify_spec(
             torch.tensor([*rows, *pad, *bases, *pad, *prev, *([-1] * (bb - b)), *flags], dtype=torch.long),
         ]
     )
-    key = (*key, "spec" if mixed is None else "spec-mixed", top)
+    samp, params = _sampling_rows(sampling, bb, g.model.cfg.vocab_size)
+    key = (*key, "spec" if mixed is None else "spec-mixed", top, samp)
     d = len(packed.trees)
 
     def make() -> dict:
@@ -130,6 +142,9 @@ def verify_spec(
         bufs["tree"] = torch.zeros(bb, 6, n, dtype=torch.long, device=dev)
         bufs["tree"][:, [1, 4, 5]] = -1
         bufs["mask"] = torch.eye(n, dtype=torch.bool, device=dev).expand(bb, n, n).clone()
+        if samp is not None:
+            pad = lambda x: (torch.zeros_like if x.dtype == torch.long else torch.ones_like)(x, device=dev)  # noqa: E731
+            bufs["sampling"] = tuple(pad(x) for x in params)  # (every row greedy, temperature and top_p 1)
         return bufs
 
     def fill(bufs: dict) -> None:
@@ -141,10 +156,27 @@ def verify_spec(
             bufs["tree"][:d].copy_(packed.longs[:d])
             bufs["mask"][:d].copy_(packed.mask[:d])
         bufs["finite"].copy_(finite)
+        if samp is not None:
+            for buf, x in zip(bufs["sampling"], params):
+                fill_flat(buf, x)
 
     out, result = g.cache.run(key, make, fill, lambda bufs: _verify_fn(g, fut, key, bufs, kv))
     t = b * n
     return {l: h[:t] for l, h in out.captured.items()}, result[:b]
+
+
+def _sampling_rows(sampling: list | None, bb: int, vocab: int) -> tuple[bool | None, tuple]:
+    """(the graph's kind: None where every request is greedy, else whether one filters (top_k, top_p: a sort per
+    row); its per-request inputs, padded to bb: flags (1: sampled), top_k, seeds [bb] int64, temperatures, top_p
+    [bb] float32 (a greedy or padding row: 0, 0, 0, 1, 1))."""
+    if sampling is None or all(t <= 0 for t, *_ in sampling):
+        return None, ()
+    rows = [x if x[0] > 0 else (1.0, 0, 1.0, 0) for x in sampling] + [(1.0, 0, 1.0, 0)] * (bb - len(sampling))
+    flags = [int(x[0] > 0) for x in sampling] + [0] * (bb - len(sampling))
+    ints = torch.tensor([flags, [k for _, k, _, _ in rows], [s for *_, s in rows]], dtype=torch.long)
+    floats = torch.tensor([[t for t, *_ in rows], [q for _, _, q, _ in rows]], dtype=torch.float32)
+    filtered = any(0 < k < vocab or q < 1 for (t, k, q, _) in sampling if t > 0)
+    return filtered, (*ints.unbind(0), *floats.unbind(0))
 
 
 def _table_rows(g: GraphRunner, keys: list, prefixes: list[torch.Tensor], prev: list[int]) -> list[int]:
@@ -173,7 +205,7 @@ def _table_rows(g: GraphRunner, keys: list, prefixes: list[torch.Tensor], prev: 
 def _verify_fn(g: GraphRunner, fut: SpecFuture, key: tuple, bufs: dict, kv):
     """The captured spec verify: the slot table's rows made whole from the previous step's futures, the forward,
     the greedy paths, the futures and the result (module docstring)."""
-    b, n, p, kind, top = key
+    b, n, p, kind, top, samp = key
     mixed = kind == "spec-mixed"
     slots, rows, base, prev, *flags = bufs["longs"].split([b * n, b, b, b] + [b, b] * mixed)
     flat, width = g._table.table.view(-1), g._table.width
@@ -199,7 +231,12 @@ def _verify_fn(g: GraphRunner, fut: SpecFuture, key: tuple, bufs: dict, kv):
     tokens = ids.view(b, n)
     out = g._static_model.forward(ids.clamp(0, vocab - 1), pos, slots, plan, kv, g.capture_layers)
     logits = g.model.logits(out.hidden, fp32=False)
-    argmax = greedy_tokens(logits)
+    if samp is None:
+        argmax = greedy_tokens(logits)
+    else:  # (each sampled row's coupled sample of the token after its node, at the node's position + 1)
+        per_node = [x.repeat_interleave(n) for x in bufs["sampling"]]
+        flag, top_k, seed, temp, top_p = per_node
+        argmax = coupled_tokens(logits, flag > 0, temp, top_k, top_p, seed, pos + 1, samp)
     nodes, path = greedy_rows(tokens, tree[:, 1], pos.view(b, n), tree[:, 4], tree[:, 5], argmax.view(b, n))
     bad = ((tokens < 0) | (tokens >= vocab)).any(1) | ~bufs["finite"]
     if plain is not None:  # (a root-only row drafted nothing: never a faulty drafter's)
@@ -259,7 +296,7 @@ def _with_roots(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tree, mask) of a mixed batch: each request's tree moved to its row; a root-only row's N nodes its root then
     padding (token 0, no parent or children, each seeing itself only), at the root's position: its path the root,
-    its token the target's argmax there."""
+    its token the target's there (the argmax or its coupled sample)."""
     b, _, n = tree.shape
     first = torch.arange(n, device=tree.device) == 0
     none = torch.full((b, n), -1, dtype=torch.long, device=tree.device)

@@ -109,16 +109,18 @@ def test_chained_tokens_and_logprobs_equal_the_plain_loop(runs):
 
 
 def test_a_greedy_logprobs_request_chains(smollm2_fp32):
-    """spec_chains: a greedy request with logprobs chains, alone or beside one without; a sampled one does not."""
+    """spec_chains: a greedy request with logprobs chains, alone or beside one without, and a sampled one with logprobs
+    too (test_engine_spec_overlap_sampled.py); a penalized one does not."""
     stream = QueuedStream()
     try:
         eng = _engine(smollm2_fp32, True, stream)
         lp = eng.add_request([1, 9690, 30], SamplingParams(max_new_tokens=4, logprobs=5))
         greedy = eng.add_request([1, 9690, 30], SamplingParams(max_new_tokens=4))
         sampled = eng.add_request([1, 9690, 30], SamplingParams(max_new_tokens=4, temperature=0.8, seed=1, logprobs=2))
+        penalized = eng.add_request([1, 9690, 30], SamplingParams(max_new_tokens=4, frequency_penalty=1.0, logprobs=1))
         eng.step()  # (their prefills)
-        assert spec_chains(eng, [lp]) and spec_chains(eng, [lp, greedy])
-        assert not spec_chains(eng, [lp, sampled])
+        assert spec_chains(eng, [lp]) and spec_chains(eng, [lp, greedy]) and spec_chains(eng, [lp, sampled])
+        assert not spec_chains(eng, [lp, penalized])
     finally:
         stream.close()
 

@@ -238,6 +238,99 @@ def test_broken_verifiers_fail_the_same_test(target, shape, broken):
     assert chi2_pvalue(counts, expected) < 1e-6
 
 
+# --- chained steps (the overlapped loop, serving/spec_step.py): coupled verification in the verify's graph -------
+
+
+def sample_chained_t2_t3(target, shape, params, broken: bool = False):
+    """sample_t2_t3 for unseeded requests in the overlapped loop's chained steps (a random EAGLE-3 head, the graph
+    runner's static path on the stand-in stream, groups of 64 requests, each request's generator seeded with its
+    index: its coupling seed made from that). broken: a drafted child passes when it holds the target's argmax (the
+    noise ignored), the bonus still the coupled sample. -> (counts, accepted, per chained step launched: whether it
+    continued a chain)."""
+    from helpers import QueuedStream
+
+    import sglang_ext.models.spec_graphs as spec_graphs
+    from serving import spec_step
+    from sglang_ext.drafters.eagle3 import Eagle3Drafter
+    from sglang_ext.models.eagle3 import Eagle3Config, Eagle3Draft
+    from sglang_ext.models.graph_runner import GraphRunner
+    from sglang_ext.sampling import coupled_tokens, greedy_tokens
+
+    stream, v = QueuedStream(), target.cfg.vocab_size
+    real_tokens, real_rows, real_launch, argmax, launches = (
+        spec_graphs.coupled_tokens,
+        spec_graphs.greedy_rows,
+        spec_step.launch,
+        [],
+        [],
+    )
+
+    def noted(logits, *args):  # (the argmax of the rows that broken_rows reads)
+        argmax[:] = [greedy_tokens(logits)]
+        return coupled_tokens(logits, *args)
+
+    def broken_rows(tokens, parents, positions, nxt, sib, target_tokens):
+        nodes, _ = real_rows(tokens, parents, positions, nxt, sib, argmax[0].view_as(target_tokens))
+        after = torch.cat([nodes[:, 1:], nodes.new_full((nodes.shape[0], 1), -1)], 1)
+        bonus = target_tokens.gather(1, nodes.clamp(min=0))
+        return nodes, torch.where(nodes >= 0, torch.where(after >= 0, tokens.gather(1, after.clamp(min=0)), bonus), -1)
+
+    def launch(engine, reqs, prev=None):
+        launches.append(prev is not None)
+        return real_launch(engine, reqs, prev)
+
+    if broken:
+        spec_graphs.coupled_tokens, spec_graphs.greedy_rows = noted, broken_rows
+    spec_step.launch = launch
+    try:
+        with torch.random.fork_rng():  # (a random head, the same every run: its drafts are often accepted)
+            torch.manual_seed(0)
+            head = Eagle3Draft(Eagle3Config.for_target(target.cfg, v, aux_layers=(0, 1, 2)))
+        drafter = Eagle3Drafter(target.model, head, num_slots=4096)
+        config = EngineConfig(tree=shape, kv_slots=4096, prefill="separate", adaptive=False)
+        eng = Engine(target, drafter, config)
+        if eng.runner.graph_runner is None:  # (the CPU: the static path run eagerly on the stand-in stream)
+            eng.runner.graph_runner = GraphRunner(eng.model, eng.capture_layers, stream=stream)
+            drafter.step_graphs = True
+        reqs = []
+        for start in range(0, SAMPLES, 64):
+            group = [eng.add_request(PROMPT, replace(params, max_new_tokens=3)) for _ in range(64)]
+            for i, r in enumerate(group):
+                r.generator = torch.Generator(target.model.device).manual_seed(start + i)
+            while eng.has_work:
+                eng.step()
+            reqs += group
+    finally:
+        spec_graphs.coupled_tokens, spec_graphs.greedy_rows, spec_step.launch = real_tokens, real_rows, real_launch
+        stream.close()
+    counts = torch.zeros(v, v, dtype=torch.float64)
+    for r in reqs:
+        counts[r.output_ids[1], r.output_ids[2]] += 1
+    assert all(r.drafting for r in reqs) and stream.copies == eng.runner.graph_runner.runs  # (every verify chained)
+    return counts, sum(r.stats.accepted_tokens for r in reqs), launches
+
+
+CHAINED = {  # wide trees: a drafted child often holds the argmax where the sample is another token
+    "T2.0": (SamplingParams(temperature=2.0), TreeShape(2, 4, 9)),
+    "T1.5-top_p0.95": (SamplingParams(temperature=1.5, top_p=0.95), TreeShape(2, 3, 7)),  # (the sorting graph)
+}
+
+
+@pytest.mark.parametrize("pname", CHAINED, ids=list(CHAINED))
+def test_chained_unseeded_sampling_matches_target(target, pname):
+    """Unseeded requests decoded by chained steps alone, each verified coupled with a seed made from its generator's:
+    the target's law; accepting a drafted child that holds the argmax instead (the noise ignored) fails the same
+    test."""
+    params, shape = CHAINED[pname]
+    expected = exact_joint_t2_t3(target.model, params)
+    counts, accepted, launches = sample_chained_t2_t3(target, shape, params)
+    assert accepted > SAMPLES * 0.3, "the drafter must get drafts accepted or the test proves nothing"
+    assert sum(launches) >= SAMPLES // 64  # (chains: a step launched while the one before it was in flight)
+    assert chi2_pvalue(counts, expected) > 1e-3
+    broken, *_ = sample_chained_t2_t3(target, shape, params, broken=True)
+    assert chi2_pvalue(broken, expected) < 1e-6
+
+
 # --- the same on a real GPU (skipped without CUDA) --------------------------------------------------
 
 
