@@ -62,8 +62,9 @@ def add_spec_args(p: argparse.ArgumentParser, drafter: str = "auto", drafter_hel
         "--no-overlap",
         dest="overlap",
         action="store_false",
-        help="read each plain decode step's tokens before the next step is issued (default on a GPU: the next "
-        "step is issued first, the host's work overlapping the device's; same output)",
+        help="read each step's tokens before the next step is issued (default on a GPU: a decode step or an "
+        "EAGLE-3 / MoA step is issued before the previous one is read, the host's work overlapping the device's; "
+        "same output)",
     )
 
 
