@@ -3,8 +3,8 @@ server on 127.0.0.1, a plain API-keys file (one key per line: two tenants of equ
 `--max-running 4 --max-queue 4`, the real HTTP clients.
 
 Order is read from the admission queue's own log (serving/tenancy.py: each event under the queue's lock), never
-from timing: the drafter waits at a gate the test opens, so the first requests stay in flight until then however
-fast or slow the machine is.
+from timing: while the test holds a gate shut the drafter waits at it once the engine runs its 4 requests, so those
+stay in flight (and the queue behind them full) until the test opens it, however fast or slow the machine is.
 """
 
 import threading
@@ -28,16 +28,19 @@ A, B = "key1", "key2"  # their tenants (the keys' places in the file)
 
 
 class GatedNgram(NgramDrafter):
-    """The n-gram drafter, whose propose waits while the test holds its gate shut: the requests it drafts for
-    stay in flight until then."""
+    """The n-gram drafter, whose propose for a batch of `hold` requests waits while the test holds its gate shut: they
+    stay in flight until then. A smaller batch drafts on (a first request that started decoding before the others
+    arrived, on a loaded machine, would otherwise hold the engine with fewer running than the queue admits)."""
 
-    def __init__(self):
+    def __init__(self, hold: int):
         super().__init__()
+        self.hold = hold
         self.gate = threading.Event()
         self.gate.set()
 
     def propose(self, batch, shape):
-        assert self.gate.wait(timeout=120), "the test never opened the gate"
+        if len(batch) >= self.hold:
+            assert self.gate.wait(timeout=120), "the test never opened the gate"
         return super().propose(batch, shape)
 
 
@@ -45,7 +48,7 @@ class GatedNgram(NgramDrafter):
 def served(smollm2_fp32, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
     keys.write_text("\n".join(KEYS) + "\n")
-    drafter = GatedNgram()
+    drafter = GatedNgram(hold=4)  # (Admission's max running)
     engine = Engine(smollm2_fp32, drafter, EngineConfig(tree=default_tree("ngram"), kv_slots=4096))
     backend, telemetry = embedded_backend(engine, MODEL, "ngram", admission=Admission(4, 4))
     app = create_app(backend, telemetry, GatewayConfig(api_keys=APIKeys(file=keys)))
