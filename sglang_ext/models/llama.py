@@ -105,9 +105,11 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
 # their arithmetic once a step's weight stream has evicted the caches, and a position's values no longer depend on
 # what else is in the call. (On a GPU they are computed per call: a graph replays them.)
 ROPE_TABLE_BYTES = 32 * 2**20
+ROPE_SLACK = 64  # table rows past max_position: a draft tree's nodes may sit a few positions past a sequence's end
 
 
 def rope_of(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [..., 1, D] of positions [...], computed."""
     freqs = positions.float()[..., None] * inv_freq.to(positions.device)
     emb = torch.cat([freqs, freqs], dim=-1)[..., None, :]
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -120,7 +122,8 @@ def rope_cos_sin(
     tables: dict,  # the caller's tables by dtype (filled here)
     max_position: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [..., 1, D] of the positions (halves duplicated, HF rotate_half convention)."""
+    """cos, sin [..., 1, D] of the positions (halves duplicated, HF rotate_half convention): a table's rows on the CPU,
+    computed elsewhere or where the table would not fit."""
     if positions.device.type != "cpu" or inv_freq.device.type != "cpu":
         return rope_of(inv_freq, positions, dtype)
     table = tables.get(dtype)
@@ -131,9 +134,6 @@ def rope_cos_sin(
         with torch.inference_mode(False), torch.no_grad():  # (usable outside inference mode too: training)
             table = tables[dtype] = rope_of(inv_freq, torch.arange(n), dtype)
     return table[0][positions], table[1][positions]
-
-
-ROPE_SLACK = 64  # table rows past max_position: a draft tree's nodes may sit a few positions past a sequence's end
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
