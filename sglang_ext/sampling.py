@@ -381,13 +381,17 @@ def coupled_tokens(
     temperature: torch.Tensor,  # [R] float32 (a greedy row's: any)
     top_k: torch.Tensor,  # [R] int64
     top_p: torch.Tensor,  # [R] float32
-    seeds: torch.Tensor,  # [R] int64 (int64(seed))
-    positions: torch.Tensor,  # [R] int64: the position of the token each row picks
+    seeds: torch.Tensor,  # [S] int64 (int64(seed))
+    positions: torch.Tensor,  # [S] int64: the position of the token picked
     filtered: bool,
+    at: torch.Tensor | None = None,  # [R] int64: row r picks with the noise of (seeds[at[r]], positions[at[r]])
 ) -> torch.Tensor:
     """[R] int64: each sampled row's seeded token (seeded_token: argmax of log p + the (seed, position) noise, p the
-    row's probabilities under its parameters), each other row's greedy_tokens; device ops of fixed shapes."""
+    row's probabilities under its parameters), each other row's greedy_tokens; device ops of fixed shapes. Without
+    `at`, row r's noise is (seeds[r], positions[r]) (S = R); with it, rows that share a (seed, position) (a tree's
+    nodes of one depth) share one noise row, made once."""
     temp = torch.where(sampled, temperature, torch.ones_like(temperature))
     probs = probs_rows(logits, temp, top_k, top_p, filtered)
-    drawn = (probs.log() + gumbel_noise(seeds, positions, logits.shape[-1])).argmax(-1)
+    noise = gumbel_noise(seeds, positions, logits.shape[-1])
+    drawn = (probs.log() + (noise if at is None else noise[at])).argmax(-1)
     return torch.where(sampled, drawn, greedy_tokens(logits).to(drawn.device))

@@ -234,9 +234,16 @@ def _verify_fn(g: GraphRunner, fut: SpecFuture, key: tuple, bufs: dict, kv):
     if samp is None:
         argmax = greedy_tokens(logits)
     else:  # (each sampled row's coupled sample of the token after its node, at the node's position + 1)
-        per_node = [x.repeat_interleave(n) for x in bufs["sampling"]]
-        flag, top_k, seed, temp, top_p = per_node
-        argmax = coupled_tokens(logits, flag > 0, temp, top_k, top_p, seed, pos + 1, samp)
+        flag, top_k, seed, temp, top_p = bufs["sampling"]  # [b] each
+        node = lambda x: x.repeat_interleave(n)  # noqa: E731
+        # the noise once per request and depth d < w (at the position root + 1 + d), as verify.coupled_path makes it
+        w = min(n, WIDTH)
+        grid_pos = pos.view(b, n)
+        depth = (grid_pos - grid_pos[:, :1]).clamp(0, w - 1)
+        at = (torch.arange(b, device=pos.device)[:, None] * w + depth).view(-1)
+        positions = (grid_pos[:, :1] + 1 + torch.arange(w, device=pos.device)).view(-1)
+        args = (node(flag) > 0, node(temp), node(top_k), node(top_p), seed.repeat_interleave(w), positions, samp, at)
+        argmax = coupled_tokens(logits, *args)
     nodes, path = greedy_rows(tokens, tree[:, 1], pos.view(b, n), tree[:, 4], tree[:, 5], argmax.view(b, n))
     bad = ((tokens < 0) | (tokens >= vocab)).any(1) | ~bufs["finite"]
     if plain is not None:  # (a root-only row drafted nothing: never a faulty drafter's)
