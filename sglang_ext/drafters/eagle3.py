@@ -29,7 +29,7 @@ import torch
 
 from ..attention import FrontierPaths, advance_seen, causal_masks, plan_flat, plan_frontier, tree_attention_cpu
 from ..device import grow, module_on, rejoin, upload
-from ..kernels import attach_bf16_halves, attach_q8, q8_eagle3_layer
+from ..kernels import attach_bf16_halves, attach_q8, q8_eagle3_layer, q8_of
 from ..models.checkpoint import check_fits
 from ..models.draft_graphs import FrontierRunner, HeldSlots, SearchBuffers, SearchRunner
 from ..models.eagle3 import Eagle3Draft, load_eagle3
@@ -41,7 +41,7 @@ from ..settings import settings
 from ..tree import TokenTree, TreeShape, search_candidates, tree_batch, unpack_trees
 from .base import Drafter, DrafterError, DraftInput, TargetCapture
 from .kept import KeptState, keep_or_free
-from .search import Finite, scatter_to_vocab, search_tree, top_k_search
+from .search import Finite, one_level, root_children, scatter_to_vocab, search_tree, top_k_search
 from .shipped import shipped_path
 
 
@@ -177,6 +177,14 @@ class Eagle3Drafter(Drafter):
         if isinstance(extended, list):  # (the draft-extend and the whole search in one graph: the trees)
             return extended
         root_out = extended  # [b, H]
+        head = q8_of(self.draft.lm_head) if not full and not searchable and one_level(shape, root_out.device) else None
+        if head is not None:  # the head's norm, matmul, softmax and top-k in one call (the step's caches are cold)
+            norm = self.draft.norm
+            top_p, top_ids, finite = head.norm_topk(root_out, norm.weight.detach(), norm.eps, shape.topk)
+            trees, flag = root_children(top_p, self.hot_ids[top_ids], shape, batch), finite.all()
+            for t in trees:
+                t.finite = flag
+            return trees
         b = len(batch)
         to_logits = self._full_logits if full else (lambda out: self.draft.logits(out).float())
         to_target = (lambda ids: ids) if full else (lambda ids: self.hot_ids[ids])

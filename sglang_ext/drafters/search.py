@@ -68,9 +68,10 @@ def search_tree(
     finite = Finite()
     if shape.topk == 1 and any(not d.params.greedy for d in batch):
         trees = _sample_chains(root_logits, step_fn, shape, batch, finite)
-    elif shape.depth == 1 and shape.num_draft_tokens > shape.topk and root_logits.device.type == "cpu":
+    elif one_level(shape, root_logits.device):
         finite.check(root_logits)
-        trees = _root_children(root_logits, shape, batch)
+        top_p, top_ids = torch.softmax(root_logits.float(), dim=-1).topk(shape.topk, dim=-1)  # (as top_k_search)
+        trees = root_children(top_p, top_ids, shape, batch)
     else:
         search = top_k_search(root_logits, step_fn, shape.topk, shape.depth, shape.min_prob, finite)
         roots = to_device(torch.tensor([d.token_ids[-1] for d in batch]), root_logits.device)
@@ -80,12 +81,20 @@ def search_tree(
     return trees
 
 
-def _root_children(root_logits: torch.Tensor, shape: TreeShape, batch: list[DraftInput]) -> list[TokenTree]:
-    """A one-level search on the CPU (the neural drafters' CPU default): each root's top-k children whose
-    probability reaches min_prob, in order of probability, written out from host lists. The same trees as
-    top_k_search + build_trees give when every candidate is selected (num_draft_tokens > topk), in a few
-    ops instead of the search's ~100 (a CPU step's ~0.6 ms)."""
-    top_p, top_ids = torch.softmax(root_logits.float(), dim=-1).topk(shape.topk, dim=-1)  # (as top_k_search)
+def one_level(shape: TreeShape, device: torch.device) -> bool:
+    """Whether a search of `shape` is the root's top-k alone, written out on the host (root_children): one level,
+    every candidate selected, on the CPU."""
+    return shape.depth == 1 and shape.num_draft_tokens > shape.topk and device.type == "cpu"
+
+
+def root_children(
+    top_p: torch.Tensor, top_ids: torch.Tensor, shape: TreeShape, batch: list[DraftInput]
+) -> list[TokenTree]:
+    """A one-level search on the CPU (the neural drafters' CPU default) from each root's top-k, top_p / top_ids
+    [b, k] (probabilities descending, the children's token ids): the children whose probability reaches
+    min_prob, in order of probability, written out from host lists. The same trees as top_k_search +
+    build_trees give when every candidate is selected (one_level), in a few ops instead of the search's ~100
+    (a CPU step's ~0.6 ms)."""
     probs, ids = top_p.tolist(), top_ids.tolist()
     trees = []
     for b, d in enumerate(batch):

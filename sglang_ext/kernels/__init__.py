@@ -253,6 +253,12 @@ def attach_q8(module: torch.nn.Module, kind: str = "Q8_0") -> int:
     return n
 
 
+def q8_of(linear: torch.nn.Linear):
+    """The q8 matrix attach_q8 gave linear's weight, or None (none attached, or the weight changed since)."""
+    q8 = getattr(linear.weight, "moa_q8", None)
+    return q8[0] if q8 is not None and q8[1] == _version(linear.weight) else None
+
+
 def q8_eagle3_layer(draft, kind: str = "Q8_0"):
     """An EAGLE-3 draft's midlayer (models/eagle3.py Eagle3Draft) on the q8 stack: its weights as `kind` blocks
     (q/k/v fused, gate/up fused), the layer in one call (Q8Stack.draft_layer, layer 0); None where q8 cannot run."""

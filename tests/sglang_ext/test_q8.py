@@ -256,6 +256,93 @@ def test_eagle3_extend_on_q8_runs_the_layer_for_each_requests_last_pair_only(smo
     extend_whole_and_pair_by_pair(whole, stepwise, [9, 1, 4], 49152, seed=1)
 
 
+def test_a_heads_norm_topk_is_its_softmaxs_top_k():
+    """Q8Matrix.norm_topk (a draft head's one-level search in one call): the logits are the matrix's own (forward of
+    RMSNorm(x) * w), the probabilities the softmax's k largest in descending order (ties: the lower index), their
+    ids, and a per-row flag that every logit was finite; a NaN / +inf row gets NaN probabilities (no child passes
+    min_prob); bad input is refused clearly."""
+    g = torch.Generator().manual_seed(11)
+    lin = torch.nn.Linear(96, 300, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(300, 96, generator=g))
+    assert kernels.attach_q8(lin, "Q4_1") == 1
+    head, norm = kernels.q8_of(lin), torch.rand(96, generator=g) + 0.5
+    x = torch.randn(6, 96, generator=g) * torch.tensor([0.1, 1, 3, 10, 30, 100])[:, None]
+    with torch.no_grad():
+        logits = head.forward(torch.ops.moa_cpu.rms_norm(x, norm, 1e-5))
+    for k in (1, 2, 5):
+        p, ids, finite = head.norm_topk(x, norm, 1e-5, k)
+        ref_p, ref_ids = torch.softmax(logits, -1).topk(k, -1)
+        assert torch.equal(ids, ref_ids) and ids.dtype == torch.int64 and bool(finite.all())
+        assert torch.allclose(p, ref_p, rtol=1e-5, atol=1e-7) and bool((p[:, :-1] >= p[:, 1:]).all())
+    tie = torch.zeros(1, 96)  # every logit 0: the lowest indices, each 1 / 300
+    p, ids, _ = head.norm_topk(tie, norm, 1e-5, 3)
+    assert ids.tolist() == [[0, 1, 2]] and torch.allclose(p, torch.full((1, 3), 1 / 300))
+    bad = x.clone()
+    bad[1, 0], bad[4, 3] = float("nan"), float("inf")  # (RMSNorm spreads them over the row)
+    p, ids, finite = head.norm_topk(bad, norm, 1e-5, 2)
+    assert finite.tolist() == [True, False, True, True, False, True]
+    assert bool(p[[1, 4]].isnan().all()) and torch.equal(
+        p[[0, 2, 3, 5]], head.norm_topk(x, norm, 1e-5, 2)[0][[0, 2, 3, 5]]
+    )
+    for args, msg in (
+        ((x[:, :64], norm, 1e-5, 2), "x must be"),
+        ((x, norm[:64], 1e-5, 2), "norm must be"),
+        ((x, norm, 1e-5, 0), "k must be"),
+    ):
+        with pytest.raises(RuntimeError, match=msg):
+            head.norm_topk(*args)
+    with torch.no_grad():
+        lin.weight.add_(1.0)
+    assert kernels.q8_of(lin) is None  # a changed weight: its blocks are stale
+
+
+def test_eagle3_one_level_search_on_q8_is_search_trees(smollm2_q8, monkeypatch):
+    """Beside a q8 target, EAGLE-3's one-level search (its CPU default) takes the head's norm, matmul, softmax and
+    top-k in one call (Q8Matrix.norm_topk): every tree equals the one search_tree builds from the head's logits
+    (tokens in target ids, parents, positions, mask, retrieve fields; scores to float rounding)."""
+    import sglang_ext.drafters.eagle3 as eagle3
+    from sglang_ext.drafters import make_drafter
+    from sglang_ext.drafters.base import DraftInput
+    from sglang_ext.drafters.search import search_tree
+    from sglang_ext.sampling import SamplingParams
+    from sglang_ext.tree import TreeShape
+
+    def searched(*a, **k):
+        raise AssertionError("the one-level path runs no search_tree")
+
+    monkeypatch.setattr(eagle3, "search_tree", searched)
+    d = make_drafter("eagle3", smollm2_q8)
+    g = torch.Generator().manual_seed(3)
+    batch = [
+        DraftInput(i, torch.randint(3, 49152, (5 + i,), generator=g).tolist(), SamplingParams(), None) for i in range(4)
+    ]
+    for label in ("1,2,3,0.1", "1,3,4,0.05", "1,2,3"):
+        shape = TreeShape.parse(label)
+        root_out = torch.randn(4, 576, generator=g) * 2
+
+        def no_step(tokens, parent_beam):
+            raise AssertionError("one level")
+
+        with torch.inference_mode():
+            ref = search_tree(d.draft.logits(root_out).float(), no_step, shape, batch)
+            d._extend = lambda batch, shape=None, out=root_out: out  # (the root outputs above)
+            fast = d.propose(batch, shape)
+            del d._extend
+        for a, b in zip(fast, ref):
+            assert torch.equal(a.draft_tokens, torch.cat([b.draft_tokens[:1], d.hot_ids[b.draft_tokens[1:]]]))
+            for name in (
+                "parents",
+                "positions",
+                "tree_mask",
+                "retrieve_index",
+                "retrieve_next_token",
+                "retrieve_next_sibling",
+            ):
+                assert torch.equal(getattr(a, name), getattr(b, name)), name
+            assert torch.allclose(a.scores, b.scores, rtol=1e-5) and bool(a.finite)
+
+
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
     return bool((a - b).abs().max() <= tol * b.abs().max())
 
