@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from .. import kernels
 from ..device import to_device
 from ..sampling import draw, greedy_tokens, logits_to_probs
 from ..tree import TokenTree, TreeSearch, TreeShape, build_trees, chain_tree
@@ -57,7 +58,11 @@ class Finite:
         self.per_request = per_request
 
     def check(self, logits: torch.Tensor) -> None:
-        ok = torch.isfinite(logits).flatten(1).all(1) if self.per_request else torch.isfinite(logits).all()
+        self.rows(torch.isfinite(logits).flatten(1).all(1))
+
+    def rows(self, ok: torch.Tensor) -> None:
+        """ok [b] bool: whether each request's logits were all finite."""
+        ok = ok if self.per_request else ok.all()
         self.flag = ok if self.flag is None else self.flag & ok
 
 
@@ -69,9 +74,7 @@ def search_tree(
     if shape.topk == 1 and any(not d.params.greedy for d in batch):
         trees = _sample_chains(root_logits, step_fn, shape, batch, finite)
     elif one_level(shape, root_logits.device):
-        finite.check(root_logits)
-        top_p, top_ids = torch.softmax(root_logits.float(), dim=-1).topk(shape.topk, dim=-1)  # (as top_k_search)
-        trees = root_children(top_p, top_ids, shape, batch)
+        trees = root_children(*softmax_top_k(root_logits, shape.topk, finite), shape, batch)
     else:
         search = top_k_search(root_logits, step_fn, shape.topk, shape.depth, shape.min_prob, finite)
         roots = to_device(torch.tensor([d.token_ids[-1] for d in batch]), root_logits.device)
@@ -85,6 +88,20 @@ def one_level(shape: TreeShape, device: torch.device) -> bool:
     """Whether a search of `shape` is the root's top-k alone, written out on the host (root_children): one level,
     every candidate selected, on the CPU."""
     return shape.depth == 1 and shape.num_draft_tokens > shape.topk and device.type == "cpu"
+
+
+def softmax_top_k(logits: torch.Tensor, k: int, finite: Finite) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest softmax probabilities of logits [b, V] on the CPU and their ids ([b, k] each, descending, as
+    top_k_search takes them), checked into `finite`: one call of the layer ops where they run (a drafted step's
+    caches are cold after the target's weights streamed through, and each small op pays for it), else softmax +
+    topk (the same ids; the probabilities to the last bit)."""
+    op = kernels.softmax_topk
+    if op is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1:
+        top_p, top_ids, ok = op(logits, k)
+        finite.rows(ok)
+        return top_p, top_ids
+    finite.check(logits)
+    return torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
 
 
 def root_children(

@@ -60,7 +60,7 @@ def _load(enabled: bool) -> str | None:
 _ready = False
 _LAZY = frozenset(
     "UNAVAILABLE AVAILABLE linear_small tree_attention linear_packed PACKED AVX512 SMALL_ROWS "
-    "rms_norm add_rms_norm rope_store silu_mul".split()
+    "rms_norm add_rms_norm rope_store silu_mul softmax_topk".split()
 )
 
 
@@ -68,7 +68,7 @@ def _init() -> None:
     """Loads the kernels and picks them per settings() (MOA_SERVE_CPU_KERNELS, _PACKED_WEIGHTS, _AVX512,
     _KERNEL_ROWS, _LAYER_OPS), once per process."""
     global _ready, UNAVAILABLE, AVAILABLE, linear_small, tree_attention, linear_packed, PACKED, AVX512, SMALL_ROWS
-    global rms_norm, add_rms_norm, rope_store, silu_mul
+    global rms_norm, add_rms_norm, rope_store, silu_mul, softmax_topk
     s = settings()
     UNAVAILABLE = _load(s.cpu_kernels)  # None when the kernel is in use
     AVAILABLE = UNAVAILABLE is None
@@ -92,6 +92,8 @@ def _init() -> None:
     add_rms_norm = ops.add_rms_norm if layer_ops else None
     rope_store = ops.rope_store if layer_ops else None
     silu_mul = ops.silu_mul if layer_ops else None
+    # a one-level search's softmax + top-k in one call (search.softmax_top_k)
+    softmax_topk = getattr(ops, "softmax_topk", None) if layer_ops else None
     _ready = True
 
 

@@ -1,5 +1,5 @@
 // The non-matmul glue of a Llama decoder layer, fp32, one op each: RMSNorm, residual add + RMSNorm,
-// RoPE on q/k with the K/V store into the pool, SiLU(gate) * up.
+// RoPE on q/k with the K/V store into the pool, SiLU(gate) * up; and a one-level search's softmax top-k.
 //
 // Why: at batch 1 the four matmuls of a SmolLM2 layer read their GGUF blocks in ~0.35 ms, while the
 // ~30 small torch ops around them (float casts, pow, mean, rsqrt, cat for rotate_half, index_put
@@ -117,6 +117,22 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return y;
 }
 
+// A one-level search over logits [T, n]: per row the k largest softmax probabilities, descending, their ids,
+// whether every logit was finite (softmax_top_row): (fp32 [T, k], int64 [T, k], bool [T])
+std::tuple<at::Tensor, at::Tensor, at::Tensor> softmax_topk(const at::Tensor& logits, int64_t k) {
+  check_rows(logits, "softmax_topk");
+  const int64_t T = logits.size(0), n = logits.size(1);
+  TORCH_CHECK(k >= 1 && k <= n, "softmax_topk: k must be in [1, ", n, "]");
+  auto p = at::empty({T, k}, logits.options());
+  auto ids = at::empty({T, k}, logits.options().dtype(at::kLong));
+  auto finite = at::empty({T}, logits.options().dtype(at::kBool));
+  const float* lp = logits.data_ptr<float>();
+  const int64_t ls = logits.stride(0);
+  for (int64_t t = 0; t < T; ++t)
+    softmax_top_row(lp + t * ls, n, k, p.data_ptr<float>() + t * k, ids.data_ptr<int64_t>() + t * k, finite.data_ptr<bool>() + t);
+  return {p, ids, finite};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(moa_cpu, m) {
@@ -124,10 +140,12 @@ TORCH_LIBRARY_FRAGMENT(moa_cpu, m) {
   m.def("add_rms_norm(Tensor x, Tensor r, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor slots, int num_heads, int num_kv_heads) -> Tensor");
   m.def("silu_mul(Tensor gu) -> Tensor");
+  m.def("softmax_topk(Tensor logits, int k) -> (Tensor, Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(moa_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_store", &rope_store);
   m.impl("silu_mul", &silu_mul);
+  m.impl("softmax_topk", &softmax_topk);
 }

@@ -460,45 +460,6 @@ at::Tensor q8_0_blocks(const at::Tensor& w) {
   return out;
 }
 
-// One row's k best of n logits l (see Q8Matrix.norm_topk): p [k], ids [k], finite
-inline void top_of(const float* l, int64_t n, int64_t k, float* p, int64_t* ids, bool* finite) {
-  bool nan_or_inf = false, all_finite = true;
-  float top = -INFINITY;
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = l[i];
-    if (!std::isfinite(v)) {
-      all_finite = false;
-      nan_or_inf |= !(v == -INFINITY);
-    }
-    top = std::max(top, v);
-  }
-  *finite = all_finite;
-  if (nan_or_inf || top == -INFINITY) {
-    for (int64_t j = 0; j < k; ++j) p[j] = NAN, ids[j] = j;
-    return;
-  }
-  // the k largest, one pass: a value enters when strictly larger than the k-th kept (earlier indices win ties)
-  std::vector<float> val(k, -INFINITY);
-  std::fill(ids, ids + k, int64_t(-1));
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = l[i];
-    if (!(v > val[k - 1]) && ids[k - 1] >= 0) continue;
-    int64_t j = k - 1;
-    while (j > 0 && (v > val[j - 1] || ids[j - 1] < 0)) {
-      val[j] = val[j - 1], ids[j] = ids[j - 1];
-      --j;
-    }
-    val[j] = v, ids[j] = i;
-  }
-  const __m256 mv = _mm256_set1_ps(top);
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(l + i), mv)));
-  float sum = hsum(acc);
-  for (; i < n; ++i) sum += std::exp(l[i] - top);
-  for (int64_t j = 0; j < k; ++j) p[j] = std::exp(val[j] - top) / sum;
-}
-
 // One weight matrix on the q8 kernels (a drafter's Linear, the draft-vocab rows of the target's head)
 class Q8Matrix : public torch::CustomClassHolder {
  public:
@@ -510,10 +471,7 @@ class Q8Matrix : public torch::CustomClassHolder {
   int64_t rows() const { return w.N; }
 
   // A draft head's one-level search in one call: logits = forward(RMSNorm(x) * norm) for x [T, K], then per row
-  // the k largest softmax probabilities, descending (ties: the lower index first), their indices, and whether
-  // every logit was finite: (probs fp32 [T, k], ids int64 [T, k], finite bool [T]). The logits are forward's bits;
-  // p = exp(l - max) / sum(exp(l - max)) (8-lane sums: torch's softmax may differ in the last bit). A row with a
-  // NaN or +inf logit gets NaN probabilities and ids 0 .. k - 1 (its flag false drops the drafter).
+  // softmax_topk of them (layer_rows.h softmax_top_row): (probs fp32 [T, k], ids int64 [T, k], finite bool [T]).
   std::vector<at::Tensor> norm_topk(const at::Tensor& x, const at::Tensor& norm, double eps, int64_t k) const {
     TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == w.K, "q8 norm_topk: x must be fp32 [T, ", w.K, "]");
     TORCH_CHECK(norm.device().is_cpu() && norm.scalar_type() == at::kFloat && norm.numel() == w.K, "q8 norm_topk: norm must be fp32 [", w.K, "]");
@@ -526,7 +484,7 @@ class Q8Matrix : public torch::CustomClassHolder {
     const at::Tensor logits = matmul_of(h, w, "q8 norm_topk");
     at::Tensor probs = at::empty({T, k}, at::kFloat), ids = at::empty({T, k}, at::kLong), finite = at::empty({T}, at::kBool);
     for (int64_t t = 0; t < T; ++t)
-      top_of(logits.data_ptr<float>() + t * N, N, k, probs.data_ptr<float>() + t * k, ids.data_ptr<int64_t>() + t * k, finite.data_ptr<bool>() + t);
+      moa_layer::softmax_top_row(logits.data_ptr<float>() + t * N, N, k, probs.data_ptr<float>() + t * k, ids.data_ptr<int64_t>() + t * k, finite.data_ptr<bool>() + t);
     return {probs, ids, finite};
   }
 

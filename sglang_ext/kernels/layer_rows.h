@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 namespace moa_layer {
 
@@ -48,6 +49,48 @@ inline void silu_mul_row(const float* g, const float* u, float* out, int64_t n) 
     const __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, e));
     _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
   }
+}
+
+// A one-level search's row: the k largest of the n logits l as softmax probabilities, descending (ties: the
+// lower index first), p [k] and ids [k]; finite = every logit finite. p = exp(l - max) / sum(exp(l - max)), the
+// sum over 8 lanes (torch's softmax may differ in the last bit). A row with a NaN or +inf logit (a faulty
+// drafter) gets NaN probabilities and ids 0 .. k - 1.
+inline void softmax_top_row(const float* l, int64_t n, int64_t k, float* p, int64_t* ids, bool* finite) {
+  bool nan_or_inf = false, all_finite = true;
+  float top = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = l[i];
+    if (!std::isfinite(v)) {
+      all_finite = false;
+      nan_or_inf |= !(v == -INFINITY);
+    }
+    top = std::max(top, v);
+  }
+  *finite = all_finite;
+  if (nan_or_inf || top == -INFINITY) {
+    for (int64_t j = 0; j < k; ++j) p[j] = NAN, ids[j] = j;
+    return;
+  }
+  // the k largest in one pass: a value enters when larger than the k-th kept (earlier indices win ties)
+  std::vector<float> val(k, -INFINITY);
+  for (int64_t j = 0; j < k; ++j) ids[j] = -1;
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = l[i];
+    if (!(v > val[k - 1]) && ids[k - 1] >= 0) continue;
+    int64_t j = k - 1;
+    while (j > 0 && (v > val[j - 1] || ids[j - 1] < 0)) {
+      val[j] = val[j - 1], ids[j] = ids[j - 1];
+      --j;
+    }
+    val[j] = v, ids[j] = i;
+  }
+  const __m256 mv = _mm256_set1_ps(top);
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_add_ps(acc, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(l + i), mv)));
+  float sum = hsum(acc);
+  for (; i < n; ++i) sum += std::exp(l[i] - top);
+  for (int64_t j = 0; j < k; ++j) p[j] = std::exp(val[j] - top) / sum;
 }
 
 }  // namespace moa_layer

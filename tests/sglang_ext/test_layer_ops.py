@@ -157,3 +157,31 @@ def test_unchecked_rows_kernel_is_the_same_computation(smollm2_fp32):
         finally:
             model._rows_kernel = True
     assert torch.equal(*outs)
+
+
+def test_softmax_topk_is_softmax_then_topk():
+    """softmax_topk (a one-level search's one call): per row the k largest softmax probabilities, descending, the
+    ids of the k largest logits (ties: the lower index), whether every logit was finite; a NaN / +inf row gets NaN
+    probabilities (no child passes min_prob), a row with -inf logits its finite probabilities; bad k refused."""
+    from sglang_ext import kernels
+
+    if kernels.softmax_topk is None:
+        pytest.skip("the CPU layer ops are not built here")
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(5, 1003, generator=g) * torch.tensor([0.01, 1, 4, 20, 80])[:, None]
+    for k in (1, 2, 4, 1003):
+        p, ids, finite = kernels.softmax_topk(logits, k)
+        ref_ids = logits.topk(k, -1).indices  # (by logit: probabilities far below the top underflow to equal zeros)
+        assert torch.equal(ids, ref_ids) and bool(finite.all()) and p.dtype == torch.float32
+        assert torch.allclose(p, torch.softmax(logits, -1).gather(1, ref_ids), rtol=1e-5, atol=1e-30)
+    p, ids, _ = kernels.softmax_topk(torch.zeros(1, 10), 3)
+    assert ids.tolist() == [[0, 1, 2]] and torch.allclose(p, torch.full((1, 3), 0.1))
+    bad = logits.clone()
+    bad[1, 7], bad[2, 0], bad[3, 500] = float("nan"), float("inf"), float("-inf")
+    p, ids, finite = kernels.softmax_topk(bad, 2)
+    assert finite.tolist() == [True, False, False, False, True]
+    assert bool(p[1:3].isnan().all()) and torch.allclose(p[3], torch.softmax(bad[3], -1).topk(2).values)
+    with pytest.raises(RuntimeError, match="k must be"):
+        kernels.softmax_topk(logits, 0)
+    with pytest.raises(RuntimeError, match="k must be"):
+        kernels.softmax_topk(logits, 1004)
