@@ -93,8 +93,8 @@ def one_level(shape: TreeShape, device: torch.device) -> bool:
 def softmax_top_k(logits: torch.Tensor, k: int, finite: Finite) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest softmax probabilities of logits [b, V] on the CPU and their ids ([b, k] each, descending, as
     top_k_search takes them), checked into `finite`: one call of the layer ops where they run (a drafted step's
-    caches are cold after the target's weights streamed through, and each small op pays for it), else softmax +
-    topk (the same ids; the probabilities to the last bit)."""
+    caches are cold after the target's weights streamed through, and each small op pays for it: the ids of
+    softmax + topk, the probabilities within their last bit), else those ops."""
     op = kernels.softmax_topk
     if op is not None and logits.dtype == torch.float32 and logits.dim() == 2 and logits.stride(1) == 1:
         top_p, top_ids, ok = op(logits, k)
