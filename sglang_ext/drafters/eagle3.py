@@ -60,6 +60,10 @@ class _RequestState:
         self.future: torch.Tensor | None = None  # a chained step's pairs' slots [W], until its path is read
 
 
+# the pairs before each request's last that an extend takes through the layer's K/V alone (a prompt), not the layer
+KV_ONLY_ROWS = 8
+
+
 class Eagle3Drafter(Drafter):
     name = "eagle3"
     keeps_prefix_state = True  # processed pairs of prefix-cached tokens, by target slot
@@ -257,19 +261,21 @@ class Eagle3Drafter(Drafter):
         last_h = torch.tensor([x - 1 for x in accumulate(m)])  # each request's last pair: its root
         ids, last = upload([torch.tensor(ids), last_h], fused.device)  # (host values: one copy)
         slots = [st.slots for st in sts]
-        if len(ids) > len(batch):
+        if len(ids) - len(batch) >= KV_ONLY_ROWS:
             # only each request's last pair's output is read (the root of its search; the layer is the draft's only
             # one): the pairs before it need their K/V alone (a prompt's first extend: 4x less time at 800 tokens,
-            # no attention over the prompt; ~75 us less a pair on one core), and the last pairs run the whole layer
-            # over their full prefixes
+            # no attention over the prompt), and the last pairs run the whole layer over their full prefixes. A
+            # step's few accepted pairs run the whole layer: the second call and its ops cost more than the rows
             self._kv_only(ids, fused, pos, new)
             ids, fused, pos, new = ids[last], fused[last], pos[last_h], new[last_h]
             done, m = [n + k - 1 for n, k in zip(done, m)], [1] * len(batch)
         masks = causal_masks(m, done)
         if self.q8_layer is not None:  # the ragged fields the one-call layer reads, without plan_flat's buckets
             qo, kv = torch.tensor([0, *accumulate(m)]), torch.tensor([0, *accumulate(s.numel() for s in slots)])
-            return self._layer(ids, fused, pos, new, (qo, kv, torch.cat(slots), masks))
-        return self._layer(ids, fused, pos, new, plan_flat(slots, masks, m))
+            out = self._layer(ids, fused, pos, new, (qo, kv, torch.cat(slots), masks))
+        else:
+            out = self._layer(ids, fused, pos, new, plan_flat(slots, masks, m))
+        return out if len(ids) == len(batch) else out[last]
 
     def _kv_only(self, ids: torch.Tensor, feat: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> None:
         """The draft layer's K/V of rows (token ids [n], fused features [n, H], positions [n]) into `slots` [n]:

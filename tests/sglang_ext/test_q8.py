@@ -251,9 +251,10 @@ def test_eagle3_extend_on_q8_runs_the_layer_for_each_requests_last_pair_only(smo
 
     from sglang_ext.drafters import make_drafter
 
-    whole, stepwise = make_drafter("eagle3", smollm2_q8), make_drafter("eagle3", smollm2_q8)
-    assert whole.q8_layer is not None
-    extend_whole_and_pair_by_pair(whole, stepwise, [9, 1, 4], 49152, seed=1)
+    for lengths in ([9, 1, 4], [2, 1, 3]):  # (11 pairs before the last ones: K/V alone; 3: the whole layer)
+        whole, stepwise = make_drafter("eagle3", smollm2_q8), make_drafter("eagle3", smollm2_q8)
+        assert whole.q8_layer is not None
+        extend_whole_and_pair_by_pair(whole, stepwise, lengths, 49152, seed=1)
 
 
 def test_a_heads_norm_topk_is_its_softmaxs_top_k():
