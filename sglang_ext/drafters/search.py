@@ -118,8 +118,7 @@ def root_children(
         kept = [j for j, p in enumerate(probs[b]) if p >= shape.min_prob] if shape.min_prob > 0 else range(shape.topk)
         m = len(kept)
         n = m + 1
-        mask = torch.eye(n, dtype=torch.bool)
-        mask[:, 0] = True
+        mask = torch.tensor([[True] + [i == j for j in range(1, n)] for i in range(n)])  # the root and itself
         longs = torch.tensor(
             [
                 [d.token_ids[-1], *(ids[b][j] for j in kept)],  # draft tokens (draft ids below the root)
@@ -131,8 +130,9 @@ def root_children(
             ],
             dtype=torch.long,
         )
-        scores = top_p[b, list(kept)] if m else top_p.new_zeros(0)
-        trees.append(TokenTree(*longs[:3], mask, *longs[3:], scores=torch.cat([scores.new_ones(1), scores])))
+        tokens, parents, positions, index, next_token, next_sibling = longs.unbind()
+        scores = torch.tensor([1.0, *(probs[b][j] for j in kept)], dtype=top_p.dtype)  # (top_p's values, exactly)
+        trees.append(TokenTree(tokens, parents, positions, mask, index, next_token, next_sibling, scores=scores))
     return trees
 
 
