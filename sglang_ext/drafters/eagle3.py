@@ -256,11 +256,16 @@ class Eagle3Drafter(Drafter):
             if out is not None:
                 return out
             fused = self._pending_features(items)
-        ids = [t for d, n, k in zip(batch, done, m) for t in d.token_ids[n + 1 : n + 1 + k]]
-        pos = torch.tensor([j for n, k in zip(done, m) for j in range(n, n + k)])
-        last_h = torch.tensor([x - 1 for x in accumulate(m)])  # each request's last pair: its root
-        ids, last = upload([torch.tensor(ids), last_h], fused.device)  # (host values: one copy)
         slots = [st.slots for st in sts]
+        # host values in one tensor's pieces: the pairs' token ids and positions, each request's last pair (its
+        # root), the one-call layer's qo / kv indptr
+        ids = [t for d, n, k in zip(batch, done, m) for t in d.token_ids[n + 1 : n + 1 + k]]
+        pos = [j for n, k in zip(done, m) for j in range(n, n + k)]
+        roots = [x - 1 for x in accumulate(m)]
+        qo, kv = [0, *accumulate(m)], [0, *accumulate(s.numel() for s in slots)]
+        pieces = [ids, pos, roots, qo, kv]
+        ids, pos, last_h, qo, kv = torch.tensor([x for p in pieces for x in p]).split([len(p) for p in pieces])
+        ids, last = upload([ids, last_h], fused.device)  # (one copy where the draft runs elsewhere)
         if len(ids) - len(batch) >= KV_ONLY_ROWS:
             # only each request's last pair's output is read (the root of its search; the layer is the draft's only
             # one): the pairs before it need their K/V alone (a prompt's first extend: 4x less time at 800 tokens,
@@ -268,10 +273,9 @@ class Eagle3Drafter(Drafter):
             # step's few accepted pairs run the whole layer: the second call and its ops cost more than the rows
             self._kv_only(ids, fused, pos, new)
             ids, fused, pos, new = ids[last], fused[last], pos[last_h], new[last_h]
-            done, m = [n + k - 1 for n, k in zip(done, m)], [1] * len(batch)
+            done, m, qo = [n + k - 1 for n, k in zip(done, m)], [1] * len(batch), torch.arange(len(batch) + 1)
         masks = causal_masks(m, done)
         if self.q8_layer is not None:  # the ragged fields the one-call layer reads, without plan_flat's buckets
-            qo, kv = torch.tensor([0, *accumulate(m)]), torch.tensor([0, *accumulate(s.numel() for s in slots)])
             out = self._layer(ids, fused, pos, new, (qo, kv, torch.cat(slots), masks))
         else:
             out = self._layer(ids, fused, pos, new, plan_flat(slots, masks, m))

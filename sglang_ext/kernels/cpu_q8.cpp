@@ -46,9 +46,12 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -548,7 +551,7 @@ struct AttnWork {
 class Q8Stack : public torch::CustomClassHolder {
  public:
   Q8Stack(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inter, double eps)
-      : H(hidden), Hq(heads), Hkv(kv_heads), D(head_dim), I(inter), eps(static_cast<float>(eps)) {
+      : H(hidden), Hq(heads), Hkv(kv_heads), D(head_dim), I(inter), eps(static_cast<float>(eps)), uid(next_uid++) {
     TORCH_CHECK(vnni_supported(), "q8: this CPU lacks AVX-512 VNNI (F/DQ/BW/VL/VNNI)");
     TORCH_CHECK(H % QK == 0 && I % QK == 0 && (D == 64 || D == 128) && Hq % Hkv == 0 && Hq * D % QK == 0,
                 "q8: needs hidden and intermediate sizes multiples of 32, head_dim 64 or 128, heads a multiple of kv heads");
@@ -638,7 +641,7 @@ class Q8Stack : public torch::CustomClassHolder {
       attention(buf, work, rp, k_pool, v_pool, static_cast<float>(scale));
       out_ffn(buf, l);
     }
-    return buf.x;
+    return buf.x.clone();
   }
 
   // An EAGLE-3 draft layer's K/V only (its norms, k|v projection, RoPE and store; no q, attention or MLP): the
@@ -822,7 +825,7 @@ class Q8Stack : public torch::CustomClassHolder {
       norm_quantize_in(buf, layers[layer]);
       qkv_rope_store(buf, layers[layer], cos, sin, slots, k_pool, v_pool);
     }
-    return buf.q.view({T, Hq, D});
+    return buf.q.view({T, Hq, D}).clone();
   }
 
   // The stack's attention for the layer-by-layer path: q [T, Hq, D] (layer_qkv's) over the pools per the plan
@@ -862,7 +865,7 @@ class Q8Stack : public torch::CustomClassHolder {
       for (int64_t t = 0; t < T; ++t) quantize_row(ac.data_ptr<float>() + t * Hq * D, buf.aq, t);
       out_ffn(buf, layers[layer]);
     }
-    return buf.x;
+    return buf.x.clone();
   }
 
   // logits [T, V] of final-normed hidden states h [T, H]
@@ -882,6 +885,9 @@ class Q8Stack : public torch::CustomClassHolder {
  private:
   int64_t H, Hq, Hkv, D, I, Nqkv;
   float eps;
+  uint64_t uid;  // this stack's key in buffers' cache
+  static inline std::atomic<uint64_t> next_uid{0};
+  static constexpr int64_t CACHED_ROWS = 8;
   bool profiling = false;
   PhaseClock clock;
   std::vector<Layer> layers;
@@ -921,10 +927,24 @@ class Q8Stack : public torch::CustomClassHolder {
     for (int64_t t = 0; t < slots.numel(); ++t) TORCH_CHECK(sl[t] >= 0 && sl[t] < k.size(0), "q8: slot ", sl[t], " outside the pool [0, ", k.size(0), ")");
   }
 
+  // A call's scratch. Rows of a decode, a verify or a draft step (T <= CACHED_ROWS) reuse this thread's buffers of
+  // the same shape from an earlier call of this stack: their ~20 allocations cost more than a few rows' glue, in a
+  // step whose caches the weights' stream has made cold. Prompt blocks get fresh ones. Nothing a call returns is
+  // one of them (copied out), and no call holds two.
   Buffers buffers(int64_t T, int64_t in_width = 0) const {
+    in_width = in_width ? in_width : H;
+    if (T > CACHED_ROWS) return make_buffers(T, in_width);
+    thread_local std::map<std::tuple<uint64_t, int64_t, int64_t>, Buffers> cache;
+    if (cache.size() > 512) cache.clear();  // (stacks come and go in tests: bounded)
+    const auto key = std::make_tuple(uid, T, in_width);
+    auto it = cache.find(key);
+    if (it == cache.end()) it = cache.emplace(key, make_buffers(T, in_width)).first;
+    return it->second;
+  }
+
+  Buffers make_buffers(int64_t T, int64_t in_width) const {
     Buffers b;
     b.T = T;
-    in_width = in_width ? in_width : H;
     const auto f = at::TensorOptions().dtype(at::kFloat);
     b.x = at::empty({T, H}, f);
     b.hin = at::empty({T, in_width}, f);

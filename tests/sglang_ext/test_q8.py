@@ -257,6 +257,32 @@ def test_eagle3_extend_on_q8_runs_the_layer_for_each_requests_last_pair_only(smo
         extend_whole_and_pair_by_pair(whole, stepwise, lengths, 49152, seed=1)
 
 
+def test_a_stacks_reused_scratch_never_reaches_a_result():
+    """The stack reuses its scratch buffers for few rows (a decode, a verify, a draft): what one call returned stays
+    as it was after the next calls of the same shape (results are copied out), a call's result does not depend on
+    the calls before it, and another stack of other sizes gets its own scratch."""
+    g = torch.Generator().manual_seed(9)
+    for layers, hidden_seed in ((2, 0), (1, 1)):  # (two stacks of different sizes, one after the other)
+        model = tiny_q8(seed=hidden_seed, layers=layers)
+        kv = model.new_kv_pool(32)
+        pos = torch.arange(3)
+        cos, sin = model.rope(pos)
+        x1, x2 = torch.randn(3, 128, generator=g), torch.randn(3, 128, generator=g)
+        q1 = model.q8.layer_qkv(x1, 0, cos[:, 0], sin[:, 0], kv.k[0], kv.v[0], torch.tensor([1, 2, 3]))
+        kept = q1.clone()
+        q2 = model.q8.layer_qkv(x2, 0, cos[:, 0], sin[:, 0], kv.k[0], kv.v[0], torch.tensor([4, 5, 6]))
+        assert torch.equal(q1, kept) and not torch.equal(q1, q2)
+        a = torch.randn(3, 128, generator=g)
+        o1 = model.q8.layer_out(x1, a, 0)
+        kept = o1.clone()
+        o2 = model.q8.layer_out(x2, a, 0)
+        assert torch.equal(o1, kept) and not torch.equal(o1, o2)
+        assert torch.equal(model.q8.layer_out(x1, a, 0), kept)  # (after another call: the same bits)
+        assert torch.equal(
+            model.q8.layer_qkv(x1, 0, cos[:, 0], sin[:, 0], kv.k[0], kv.v[0], torch.tensor([1, 2, 3])), q1
+        )
+
+
 def test_a_heads_norm_topk_is_its_softmaxs_top_k():
     """Q8Matrix.norm_topk (a draft head's one-level search in one call): the logits are the matrix's own (forward of
     RMSNorm(x) * w), the probabilities the softmax's k largest in descending order (ties: the lower index), their
