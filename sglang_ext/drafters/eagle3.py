@@ -60,16 +60,13 @@ class _RequestState:
         self.future: torch.Tensor | None = None  # a chained step's pairs' slots [W], until its path is read
 
 
-# the pairs before each request's last that an extend takes through the layer's K/V alone (a prompt), not the layer
-KV_ONLY_ROWS = 8
-
-
 class Eagle3Drafter(Drafter):
     name = "eagle3"
     keeps_prefix_state = True  # processed pairs of prefix-cached tokens, by target slot
     captures_steps = True
     chains = True  # a greedy static search's step chains in the overlapped loop (propose_chained)
     edge = edge_client_ready = True  # an edge client gets the fused features of verified tokens
+    kv_only_rows = 8  # pairs before each request's last from which an extend (a prompt's) takes them K/V alone
 
     def __init__(self, target: LlamaModel, draft: Eagle3Draft, num_slots: int = 32768):
         c = draft.cfg
@@ -183,12 +180,10 @@ class Eagle3Drafter(Drafter):
         root_out = extended  # [b, H]
         head = q8_of(self.draft.lm_head) if not full and not searchable and one_level(shape, root_out.device) else None
         if head is not None:  # the head's norm, matmul, softmax and top-k in one call (the step's caches are cold)
-            norm = self.draft.norm
-            top_p, top_ids, finite = head.norm_topk(root_out, norm.weight.detach(), norm.eps, shape.topk)
-            trees, flag = root_children(top_p, self.hot_ids[top_ids], shape, batch), finite.all()
-            for t in trees:
-                t.finite = flag
-            return trees
+            top_p, top_ids, ok = head.norm_topk(
+                root_out, self.draft.norm.weight.detach(), self.draft.norm.eps, shape.topk
+            )
+            return root_children(top_p, self.hot_ids[top_ids], shape, batch, ok.all())
         b = len(batch)
         to_logits = self._full_logits if full else (lambda out: self.draft.logits(out).float())
         to_target = (lambda ids: ids) if full else (lambda ids: self.hot_ids[ids])
@@ -266,7 +261,7 @@ class Eagle3Drafter(Drafter):
         pieces = [ids, pos, roots, qo, kv]
         ids, pos, last_h, qo, kv = torch.tensor([x for p in pieces for x in p]).split([len(p) for p in pieces])
         ids, last = upload([ids, last_h], fused.device)  # (one copy where the draft runs elsewhere)
-        if len(ids) - len(batch) >= KV_ONLY_ROWS:
+        if len(ids) - len(batch) >= self.kv_only_rows:
             # only each request's last pair's output is read (the root of its search; the layer is the draft's only
             # one): the pairs before it need their K/V alone (a prompt's first extend: 4x less time at 800 tokens,
             # no attention over the prompt), and the last pairs run the whole layer over their full prefixes. A

@@ -105,13 +105,13 @@ def softmax_top_k(logits: torch.Tensor, k: int, finite: Finite) -> tuple[torch.T
 
 
 def root_children(
-    top_p: torch.Tensor, top_ids: torch.Tensor, shape: TreeShape, batch: list[DraftInput]
+    top_p: torch.Tensor, top_ids: torch.Tensor, shape: TreeShape, batch: list[DraftInput], finite=None
 ) -> list[TokenTree]:
     """A one-level search on the CPU (the neural drafters' CPU default) from each root's top-k, top_p / top_ids
     [b, k] (probabilities descending, the children's token ids): the children whose probability reaches
     min_prob, in order of probability, written out from host lists. The same trees as top_k_search +
     build_trees give when every candidate is selected (one_level), in a few ops instead of the search's ~100
-    (a CPU step's ~0.6 ms)."""
+    (a CPU step's ~0.6 ms). finite: the trees' flag (Finite's)."""
     probs, ids = top_p.tolist(), top_ids.tolist()
     trees = []
     for b, d in enumerate(batch):
@@ -132,7 +132,9 @@ def root_children(
         )
         tokens, parents, positions, index, next_token, next_sibling = longs.unbind()
         scores = torch.tensor([1.0, *(probs[b][j] for j in kept)], dtype=top_p.dtype)  # (top_p's values, exactly)
-        trees.append(TokenTree(tokens, parents, positions, mask, index, next_token, next_sibling, scores=scores))
+        trees.append(
+            TokenTree(tokens, parents, positions, mask, index, next_token, next_sibling, scores=scores, finite=finite)
+        )
     return trees
 
 

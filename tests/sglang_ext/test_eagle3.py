@@ -394,7 +394,7 @@ def test_an_extend_runs_the_layer_for_each_requests_last_pair_only():
     """Only a request's last pending pair's output is read (its search's root): the pairs before it get their K/V
     alone (a prompt's first extend). Its root output and every pair's K/V equal what extending pair by pair gives
     (each pair through the whole layer); prompts of 1 (the whole layer only), 6 and 11 pairs in one batch; and a
-    step's few pairs (2, 1, 3: fewer than KV_ONLY_ROWS before the last ones), all through the whole layer."""
+    step's few pairs (2, 1, 3: fewer than kv_only_rows before the last ones), all through the whole layer."""
     target, draft = tiny_pair(seed=3)
     for lengths in ([6, 1, 11], [2, 1, 3]):
         whole, stepwise = Eagle3Drafter(target.model, draft), Eagle3Drafter(target.model, draft)
