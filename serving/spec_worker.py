@@ -316,7 +316,10 @@ class SpecWorker:
         pos = [p for i in who for p in range(len(reqs[i].slots) - len(paths[i]), len(reqs[i].slots))]
         at = [starts[i] + x for i in who for x in paths[i]] if captured else []
         up = to_device(torch.tensor(at + pos, dtype=torch.long), dev).split([len(at), *sizes])  # (one copy up)
-        hidden = {l: h[up[0]].split(sizes) for l, h in captured.items()}
+        # consecutive rows (a chain's accepted prefix; one request's root and first child) are a view, not a gather
+        run = bool(at) and at == list(range(at[0], at[0] + len(at)))
+        rows_of = (lambda h: h[at[0] : at[-1] + 1]) if run else (lambda h: h[up[0]])
+        hidden = {l: rows_of(h).split(sizes) if len(sizes) > 1 else (rows_of(h),) for l, h in captured.items()}
         return {i: (up[1 + j], {l: rows[j] for l, rows in hidden.items()}) for j, i in enumerate(who)}
 
     def _advance(

@@ -154,11 +154,13 @@ struct RowPlan {
 
 inline RowPlan plan_rows(const at::Tensor& qo_indptr, const at::Tensor& kv_indptr, const at::Tensor& kv_indices, const at::Tensor& custom_mask,
                          int64_t T, int64_t S, const char* op) {
+  // (a tensor of the right dtype is taken as it is: no dispatch, which a step of few rows pays for)
+  const auto as = [](const at::Tensor& t, at::ScalarType type) { return (t.scalar_type() == type ? t : t.to(type)).contiguous(); };
   RowPlan rp;
-  rp.qo = qo_indptr.to(at::kLong).contiguous();
-  auto kvp = kv_indptr.to(at::kLong).contiguous();
-  auto idx = kv_indices.to(at::kLong).contiguous();
-  auto mask = custom_mask.to(at::kBool).contiguous();
+  rp.qo = as(qo_indptr, at::kLong);
+  auto kvp = as(kv_indptr, at::kLong);
+  auto idx = as(kv_indices, at::kLong);
+  auto mask = as(custom_mask, at::kBool);
   const int64_t B = rp.qo.numel() - 1;
   rp.requests = B;
   TORCH_CHECK(B >= 1 && kvp.numel() == B + 1, op, ": qo_indptr and kv_indptr must have batch + 1 entries");
