@@ -443,7 +443,7 @@ class SearchRunner:
         )
         specs = tuple((n, tuple(x.shape[1:]), x.dtype) for n, x in inputs.items())
         device = self.cache.device
-        pairs = {n: t.pending(keys, prefixes[n], room) for n, t in held.items()}
+        pairs = {n: t.pending(keys, prefixes[n], room, self.cache.stream.launch) for n, t in held.items()}
         host = _search_host(bk, widths, b, rows, prefixes, pairs, room, first)
         first_shape = first.shape if first is not None else None
 
