@@ -360,6 +360,35 @@ class MoAGraphs:
             st.mem_slots, st.sa_slots = st.mem_slots[:-committed], st.sa_slots[:-committed]
             st.target_slots = st.target_slots[:-committed]
 
+    @torch.inference_mode()
+    def settle(self, batch: list[DraftInput]) -> None:
+        """The requests' queued tokens (their prompts) committed now, issued in order on the stream (the static commit
+        alone, or _flush's eager work where it does not apply): a chained step's search reads them from the slot
+        tables, an ordinary one's too."""
+        if not self.step_graphs:
+            return
+        rows = self._static_commit(batch)
+        if rows is not None:
+            self._run_commit(rows)
+
+    def joins(self, rid: int) -> bool:
+        st = self.reqs.get(rid)
+        return st is not None and not st.pending and rid not in self.__dict__.get("_futures", {})
+
+    def join_chained(self, batch: list[DraftInput], fut: SpecFuture, rows: list[int]) -> int:
+        """Each request, its tokens all committed (`joins`), at its row of the futures as a path of no node whose
+        bonus token is its root: the chained commit commits nothing of it and the search starts at its root. -> 0."""
+        at = torch.tensor(rows, dtype=torch.long)
+        roots = torch.tensor([d.token_ids[-1] for d in batch], dtype=torch.long)
+
+        def write(at, roots) -> None:
+            at, roots = at.to(fut.lens.device), roots.to(fut.lens.device)
+            fut.lens[at] = 0
+            fut.tokens[at, 0] = roots
+
+        self.stream.launch(write, at, roots)
+        return 0
+
 
 def _chained_roots(fut: SpecFuture, grids: dict, lens: dict, real: torch.Tensor) -> None:
     """A chained search's patch (SearchRunner.run's): each real request's root the previous path's bonus token, its
