@@ -113,8 +113,7 @@ def _scenario(target, overlap: bool, drafter: str | None, stream=None):
 
 class InOrderStream(QueuedStream):
     """The stand-in stream with each job run as it is issued: the device's order is the host's issue order, as on
-    CUDA's one stream, for the host's eager device work too (which the queued stand-in runs ahead of the jobs issued
-    before it)."""
+    CUDA's one stream (test_outputs_equal_the_loop_without_overlap: what the queued stand-in cannot model)."""
 
     def _put(self, job) -> int:
         n = super()._put(job)
@@ -175,9 +174,11 @@ def test_the_scenario_covers_every_arrival_pattern(runs):
 def test_outputs_equal_the_loop_without_overlap(runs):
     """Token for token (the seeded sampled arrival's too), finish reasons, verify steps, drafts and acceptance, the
     prefix cache's tokens, what the drafter keeps beside it; no slot of the target's or the drafter's pools leaked.
-    MoA on the queued stand-in: tokens, finish reasons and pools (some of the host's eager device work on its path runs
-    there ahead of the steps queued before it, which CUDA's one stream never does: a joined request's drafts may then
-    differ, never its tokens); in the device's order (InOrderStream), everything."""
+    MoA on the queued stand-in: tokens, finish reasons and pools; in the device's order (InOrderStream), everything
+    (when a batch's bucket grows mid-chain, MoA's search runner starts its slot tables over while the step before is
+    queued; that step's commit, a function the stand-in runs again at its turn, looks its tables up then and writes
+    the new ones, where a captured graph writes those it was captured with: the requests' drafts differ on the queued
+    stand-in, never their tokens)."""
     plain, overlap = _summary(*runs["plain"][:2]), _summary(*runs["overlap"][:2])
     if "in_order" in runs:
         assert _summary(*runs["in_order"][:2]) == plain
