@@ -111,7 +111,7 @@ def _eligible(engine, reqs: list[Request], prev: "Chained | None") -> bool:
     if joining and (
         len(prev.reqs) + len(joining) > len(spec_future(g).lens) or not all(d.joins(r.rid) for r in joining)
     ):
-        return False  # (a request that drafted outside the chain: the chain ends)
+        return False  # (one the drafter cannot join to the chain, or no spare row of the futures: the chain ends)
     sampler = engine.sampler  # (greedy or sampled, seeded or not, logprobs or not)
     return all(not sampler.context_dependent(r) and not r.reference for r in reqs)
 
@@ -153,7 +153,8 @@ def launch(engine, reqs: list[Request], prev: Chained | None = None) -> Chained 
     first, from the host's state): the drafter's graph, the verify's, the result's copy queued. A request that does
     not draft (its drafter failed) rides as a root-only row: its next token the target's argmax at the bonus token
     of its row in `prev` (or at its last token, with none there; a sampled request's coupled sample), no drafter
-    state."""
+    state. A drafting request with no row in `prev` (an arrival's first decode step) joins the chain from a spare row
+    of the futures (Drafter.join_chained, module docstring)."""
     since = time.perf_counter()
     d, g, kv = engine.drafter, engine.runner.graph_runner, engine.kv_manager
     option, shape = engine.spec.choose_shape(len(reqs))  # (with the policy: chain_next's choice)
