@@ -20,17 +20,34 @@ that step N ends (EOS, a stop id, its length, a fault of its own) or that is abo
 was launched in step N+1 too: that step's token for it is dropped unread and its slot freed, so its output,
 slots, stats and what the prefix cache takes are those of the loop without overlap. Drafted steps chain the
 same way (serving/spec_step.py: greedy and sampled requests); the loop keeps one step in flight, of either kind.
-A step that is neither (an arrival's prefill, a plain decode step with a request that is not plain greedy, a
-batch outside the buckets) first reads the step in flight, alone in its Engine.step when it brings tokens."""
+
+Arrivals end no chain: their prompt chunks (chunked prefill, prefix cache hits) run in a forward of their own,
+issued with their first tokens' copy before the step in flight is read (`launch_prefill`: the host takes the chunks
+at launch), then step N+1 of the running requests; the prefill's copy is read first (behind step N on the device),
+the drafter settles the new prompts' state (Drafter.settle: EAGLE-3's draft-extend of the prompt's pairs, MoA's
+commit), then step N. A new request joins the chain from the next step: a plain decode row reading its first token
+from the host, or a drafting row whose drafter state joins from the futures (spec_step: Drafter.join_chained):
+
+    host:    launch P, launch N+1, read P, read N | launch N+2 (+ the new rows), read N+1 | ...
+    device:  [ step N ][ P ][ step N+1 ............ ][ step N+2 ...
+
+A request step N ends while P and step N+1 are issued is dropped from step N+1 as above; P only prefills arrivals.
+Arrivals that need host reads of their own (prompt logprobs, logprobs, a grammar, penalties, min_tokens, a
+predicted output) and steps that are neither kind (a plain decode step with a request that is not plain greedy, a
+batch outside the buckets, a drafting request the drafter cannot join) first read the step in flight, alone in its
+Engine.step when it brings tokens; the ordinary step runs after it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import torch
 
+from sglang_ext.attention import causal_mask
 from sglang_ext.device import HostCopy, grow
-from sglang_ext.verify import tokens_to_host
+from sglang_ext.drafters import DraftInput
+from sglang_ext.verify import AcceptedPath, tokens_to_host
 
 from . import spec_step
 from .request import Request, RequestFault, StepEvent, fail
@@ -122,6 +139,103 @@ def drop(engine, step: Launched, r: Request) -> None:
         engine.kv_manager.free(step.slots[i])
 
 
+@dataclass
+class Prefill:
+    """Arrivals' prompt chunks issued to the device while a step is in flight, their first tokens not read yet."""
+
+    chunks: list[tuple[Request, int]]  # (request, end): its prompt tokens [prefilled, end) (prefilled at launch)
+    firsts: HostCopy | None  # [D] the first token of each prompt done by its chunk, -1 where it faulted (None: D 0)
+    out: dict = field(default_factory=dict)  # filled on the device: "captured" {layer: [R, H]}, "faults" {i: fault}
+
+
+def prefill_rides(engine, waiting) -> bool:
+    """Whether the arrivals' prompts can be prefilled while a step is in flight (`launch_prefill`): first tokens
+    drawn on the device from the raw logits (no grammar, penalties or min_tokens), no logprobs of the prompt or of
+    the first token (host reads), no predicted output."""
+    sampler = engine.sampler
+    return type(sampler) is Sampler and all(
+        not sampler.context_dependent(r)
+        and r.params.logprobs is None
+        and r.params.prompt_logprobs is None
+        and not r.reference
+        for r in waiting
+    )
+
+
+def launch_prefill(engine, chunks: list[tuple[Request, int]]) -> Prefill:
+    """Issue one forward of the arrivals' prompt chunks (as the ordinary step's chunks: their K/V written, the captured
+    layers kept beside the prefix cache) and each done prompt's first token, and queue those tokens' copy; the host
+    takes the chunks now (the requests' slots, prefilled counts and prefix cache entries), nothing is read."""
+    kv, runner, stream = engine.kv_manager, engine.runner, engine.runner.stream
+    slots = []
+    try:
+        for r, end in chunks:
+            slots.append(kv.alloc(end - r.prefilled))
+    except BaseException:
+        for s in slots:
+            kv.free(s)
+        raise
+    sizes = [end - r.prefilled for r, end in chunks]
+    ids = [torch.tensor(r.prompt_ids[r.prefilled : end]) for r, end in chunks]
+    pos = [torch.arange(r.prefilled, end) for r, end in chunks]
+    masks = [causal_mask(n, r.prefilled) for (r, _), n in zip(chunks, sizes)]
+    prefixes = [r.slots for r, _ in chunks]
+    ends = torch.tensor(sizes).cumsum(0) - 1
+    last = ends[[i for i, (r, end) in enumerate(chunks) if end == len(r.prompt_ids)]]  # [D] the done prompts' rows
+    step = Prefill(list(chunks), None)
+    firsts = torch.full((len(last),), -1, dtype=torch.long, device=engine.model.device)
+    captures = [(r, start - n + 1, n) for (r, _), n, start in zip(chunks, sizes, ends.tolist())]
+
+    def arrivals_prefill() -> None:  # (device work: on an asynchronous stream it runs after what was issued before)
+        out = runner.forward_rows(ids, pos, slots, prefixes, masks)
+        kv.store_hidden(slots, out.captured)
+        step.out["captured"], step.out["faults"] = out.captured, {}
+        for r, start, n in captures:
+            engine.spec.keep_prompt_capture(r, out.captured, start, n)
+        if len(last):
+            firsts_of = engine.sampler.first_tokens(step.chunks, runner.logits(out.hidden[last.to(out.hidden.device)]))
+            done = [x for x in firsts_of if x is not None]
+            for i, x in enumerate(done):
+                if isinstance(x, AcceptedPath):
+                    firsts[i : i + 1].copy_(x.tokens[:1])
+                else:
+                    step.out["faults"][i] = x
+
+    stream.launch(arrivals_prefill)
+    if len(last):
+        step.firsts = stream.to_host(firsts)  # the prefill's one device-to-host copy
+    for (r, end), s in zip(chunks, slots):
+        r.slots = torch.cat([r.slots, s])  # the chunk's slots are the request's from here on (freed with it)
+        r.prefilled = end
+        kv.cache_unfinished_req(r, end)  # (an arrival that hits them is prefilled after this one, on the device too)
+    return step
+
+
+def finish_prefill(engine, step: Prefill) -> list[StepEvent]:
+    """Read a launched prefill's first tokens: each prompt done starts decoding (the drafter starts on it and, where
+    it chains, settles its prompt so that the request joins the chain in flight: Drafter.settle)."""
+    tokens = iter(step.firsts.wait() if step.firsts is not None else [])
+    faults, events, started = step.out.get("faults", {}), [], []
+    for i, r in enumerate(r for r, end in step.chunks if end == len(r.prompt_ids)):
+        tok = next(tokens)
+        try:
+            if tok < 0:
+                raise faults[i]
+            engine.scheduler.start_decoding(r)
+            engine.spec.start(r, step.out["captured"])
+            r.t_first_token = time.perf_counter()
+            events.append(StepEvent(r, engine.sampler.append(r, [tok]), 0, 0))
+        except RequestFault as f:
+            events.append(fail(r, f))
+        if not r.finished and r.drafting and engine.drafter is not None:
+            started.append(r)
+    d = engine.drafter
+    if started and d.chains:
+        inputs = [DraftInput(r.rid, r.token_ids, r.params, r.generator, r.reference, r.tenant) for r in started]
+        engine.spec.call(lambda: d.settle(inputs), started)
+    return events
+
+
 class OverlappedLoop:
     """The engine's overlapped loop (the module docstring): the step in flight, if any: a plain decode step, or a
     drafter's chained spec step (serving/spec_step.py: the same loop for drafted steps)."""
@@ -138,9 +252,9 @@ class OverlappedLoop:
         """This Engine.step's events when the loop takes it; None: the caller runs the step as usual (no step is
         in flight then)."""
         eng, prev = self.engine, self.inflight
-        running = eng.scheduler.running
+        running, waiting = eng.scheduler.running, eng.scheduler.waiting
         kind = None  # (the module whose steps chain now)
-        if self.applies() and running and not eng.scheduler.waiting:
+        if self.applies() and running and (not waiting or prefill_rides(eng, waiting)):
             if plain_decode(eng, running):
                 kind = PLAIN
             elif spec_step.chain_next(eng, running, prev if isinstance(prev, spec_step.Chained) else None):
@@ -150,17 +264,24 @@ class OverlappedLoop:
                 return None
             self.inflight = None
             return self._finish(prev) or None  # (only surplus tokens: the step runs as usual)
-        # (nothing waits: the scheduler's batch is the running requests' decode, its state kept as every step's)
-        ((reqs, _),) = eng.scheduler.schedule(eng.kv_manager.match_prefix)
+        # (the running requests' decode, and the arrivals' chunks: the scheduler's state kept as every step's)
+        reqs, batches = list(running), eng.scheduler.schedule(eng.kv_manager.match_prefix)
+        chunks = [c for _, cs in batches for c in cs]
+        # NOTE: the arrivals' prefill is issued before the step in flight is read, and its first tokens are read
+        # before that step is: the drafter settles their prompts before the step's read frees slots whose writes
+        # the step after it may still have queued (so what it takes is written after those)
+        arrived = launch_prefill(eng, chunks) if chunks else None
+        firsts = lambda: finish_prefill(eng, arrived) if arrived is not None else []  # noqa: E731
         if prev is None:
             prev = self.inflight = kind.launch(eng, reqs)
             if prev is None:  # (a drafter fault: its requests decode without it from now on)
-                return []
+                return firsts()
             if eng.spec.policy is not None and not spec_step.chain_next(eng, reqs, prev):
                 self.inflight = None  # (the policy chose another option for the step after: read this one alone)
-                return spec_step.finish(eng, prev)
+                return firsts() + spec_step.finish(eng, prev)
         self.inflight = kind.launch(eng, reqs, prev)  # NOTE: step N+1 issued before step N's tokens are read
-        return kind.finish(eng, prev, self.inflight)
+        events = firsts()
+        return kind.finish(eng, prev, self.inflight) + events
 
     def _finish(self, step) -> list[StepEvent]:
         return (spec_step if isinstance(step, spec_step.Chained) else PLAIN).finish(self.engine, step)

@@ -33,6 +33,13 @@ is dropped unread, its tree's slots and its drafter state there freed, so its ou
 prefix cache and the drafter keep are those of the loop without overlap. A step that ends a chain (nothing
 issued after it) hands the drafter its accepted path as an ordinary commit (EAGLE-3: with its features).
 
+A request that arrived while a chain ran (decode_step.py: its prefill issued beside the step in flight) joins the
+chain at its first decode step as a drafting row: with no row in the step before, the drafter writes what its commit
+takes of it into a row of the futures that no verify wrote (Drafter.join_chained, after Drafter.settle processed its
+prompt: EAGLE-3 the root pair, one real commit row; MoA nothing to commit, the root token) and commits those rows at
+launch; the verify takes its prefix from the host. Where the drafter cannot (a prompt its buckets do not fit, no
+spare row), the chain ends.
+
 A request that does not draft (its drafter failed: `Request.drafting` off) rides in a chained step as a root-only
 row, so that the others keep chaining: its tree is its root (the bonus token of its row in the step before, on the
 device, or its last token where it has none there: the request that fell back when step N was read, its drafted tree
@@ -42,9 +49,10 @@ the ordinary step.
 
 Under the adaptive policy the loop chooses step N+1's option before step N is read (`chain_next`): the same tree
 chains, another option (off, another tree) ends the chain; each chained step is observed when it is read (`_observe`).
-Lookup drafters, requests whose logits depend on their paths (penalties, a grammar, min_tokens:
-Sampler.context_dependent), predicted outputs and steps outside the graph buckets take the engine's ordinary step;
-the step in flight is read first (decode_step.OverlappedLoop).
+Arrivals end no chain (decode_step.py). Lookup drafters, requests whose logits depend on their paths (penalties, a
+grammar, min_tokens: Sampler.context_dependent), predicted outputs, arrivals that need host reads (decode_step:
+prefill_rides) and steps outside the graph buckets take the engine's ordinary step; the step in flight is read first
+(decode_step.OverlappedLoop).
 """
 
 from __future__ import annotations
@@ -99,8 +107,11 @@ def _eligible(engine, reqs: list[Request], prev: "Chained | None") -> bool:
         return False
     if not any(r.drafting for r in reqs):  # (then the ordinary step: a plain decode's)
         return False
-    if prev is not None and any(r.drafting and r.rid not in prev.live for r in reqs):
-        return False
+    joining = [r for r in reqs if prev is not None and r.drafting and r.rid not in prev.live]
+    if joining and (
+        len(prev.reqs) + len(joining) > len(spec_future(g).lens) or not all(d.joins(r.rid) for r in joining)
+    ):
+        return False  # (one the drafter cannot join to the chain, or no spare row of the futures: the chain ends)
     sampler = engine.sampler  # (greedy or sampled, seeded or not, logprobs or not)
     return all(not sampler.context_dependent(r) and not r.reference for r in reqs)
 
@@ -142,7 +153,8 @@ def launch(engine, reqs: list[Request], prev: Chained | None = None) -> Chained 
     first, from the host's state): the drafter's graph, the verify's, the result's copy queued. A request that does
     not draft (its drafter failed) rides as a root-only row: its next token the target's argmax at the bonus token
     of its row in `prev` (or at its last token, with none there; a sampled request's coupled sample), no drafter
-    state."""
+    state. A drafting request with no row in `prev` (an arrival's first decode step) joins the chain from a spare row
+    of the futures (Drafter.join_chained, module docstring)."""
     since = time.perf_counter()
     d, g, kv = engine.drafter, engine.runner.graph_runner, engine.kv_manager
     option, shape = engine.spec.choose_shape(len(reqs))  # (with the policy: chain_next's choice)
@@ -153,11 +165,15 @@ def launch(engine, reqs: list[Request], prev: Chained | None = None) -> Chained 
     inputs = [DraftInput(r.rid, r.token_ids, _searched(r.params), r.generator, r.reference, r.tenant) for r in drafting]
     fut = spec_future(g)
     rows = None if prev is None else [prev.live.get(r.rid, -1) for r in reqs]
+    joined = {}  # rid -> its row of the futures, for a request that joins the chain (rows past prev's: spare)
     try:
         if prev is None:
             trees = d.propose(inputs, shape)
         else:
-            trees = d.propose_chained(inputs, shape, fut, [prev.live[r.rid] for r in drafting])
+            joining = [(x, r) for x, r in zip(inputs, drafting) if r.rid not in prev.live]
+            joined = {r.rid: len(prev.reqs) + i for i, (_, r) in enumerate(joining)}
+            real = d.join_chained([x for x, _ in joining], fut, list(joined.values())) if joining else 0
+            trees = d.propose_chained(inputs, shape, fut, [prev.live.get(r.rid, joined.get(r.rid)) for r in drafting])
     except Exception as e:  # noqa: BLE001 - a drafter fault sends its requests back to vanilla decoding
         if prev is not None:
             raise  # (the futures' step is in flight: the engine starts again from a clean state)
@@ -188,7 +204,12 @@ def launch(engine, reqs: list[Request], prev: Chained | None = None) -> Chained 
         kv.free(slots)
         raise
     live, plain = {r.rid: i for i, r in enumerate(reqs)}, {r.rid for r in reqs if not r.drafting}
-    return Chained(reqs, n, slots, copy, live, shape, plain, option, since, top)
+    step = Chained(reqs, n, slots, copy, live, shape, plain, option, since, top)
+    for r in drafting:  # (a joining request's commit rows are known now: the host wrote them)
+        if r.rid in joined:
+            d.commit_chained(r.rid, real, r.slots[len(r.slots) :])
+            step.pairs[r.rid] = real
+    return step
 
 
 def _searched(params: SamplingParams) -> SamplingParams:

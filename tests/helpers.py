@@ -607,6 +607,34 @@ def copies_read_after_the_next(log: list[tuple[str, int]]) -> tuple[list[int], l
     return reads, [i for i in reads if at.get(("copy", i + 1), len(log)) < at[("read", i)]]
 
 
+def prefill_copies(log: list) -> list[int]:
+    """The copies of the overlapped loop's arrivals' prefills in a QueuedStream's log (decode_step.launch_prefill:
+    its launch, then at once its first tokens' copy)."""
+    return [e[1] for e, before in zip(log[1:], log) if e[0] == "copy" and before == ("launch", "arrivals_prefill")]
+
+
+def step_order(log: list) -> tuple[list[int], list[int]]:
+    """(the steps' copies read after the next step's copy was issued, the steps' copies read before it), from a
+    QueuedStream's log, the arrivals' prefills' copies aside (prefill_copies)."""
+    at, skip = {e: i for i, e in enumerate(log)}, set(prefill_copies(log))
+    steps = [i for kind, i in log if kind == "copy" and i not in skip]
+    reads, after = [i for kind, i in log if kind == "read" and i not in skip], dict(zip(steps, steps[1:]))
+    ahead = [i for i in reads if i in after and at[("copy", after[i])] < at[("read", i)]]
+    return ahead, [i for i in reads if i not in ahead]
+
+
+def prefills_in_flight(log: list) -> list[tuple[int | None, bool | None]]:
+    """Per arrivals' prefill launched (decode_step.launch_prefill), in order, from a QueuedStream's log: (the copy of
+    the step issued last before its launch, whether that copy was read before the launch), (None, None) where no step
+    was issued before it."""
+    out, skip = [], set(prefill_copies(log))
+    for j, e in enumerate(log):
+        if e == ("launch", "arrivals_prefill"):
+            issued = [i for kind, i in log[:j] if kind == "copy" and i not in skip]
+            out.append((issued[-1], ("read", issued[-1]) in log[:j]) if issued else (None, None))
+    return out
+
+
 def extend_whole_and_pair_by_pair(whole, stepwise, lengths: list[int], vocab: int, seed: int = 0) -> None:
     """EAGLE-3's draft-extend of whole prompts (`whole`, one batch) against the same prompts extended one verified pair
     at a time (`stepwise`: every pair through the whole layer): each request's root output and the draft K/V of every

@@ -177,6 +177,21 @@ class Drafter:
         """The request ends before its chained step is read: what that step took goes back, and the last
         `committed` rows committed when the step before it was read."""
 
+    def settle(self, batch: list[DraftInput]) -> None:
+        """Requests just started (add_request) while a chain is in flight: their prompt's state processed now, its
+        device work issued in order on the stream, so that they can join the chain (`join_chained`); a request it
+        cannot settle stays as it was (its next step then ends the chain). Nothing by default."""
+
+    def joins(self, rid: int) -> bool:
+        """Whether the request, not in the chained step in flight, can join the next one (`join_chained`)."""
+        return False
+
+    def join_chained(self, batch: list[DraftInput], fut, rows: list[int]) -> int:
+        """Requests that were in no step of the chain join its next one: what its commit takes of each from the
+        futures written at rows `rows` of `fut` (rows no verify wrote), in order on the stream -> L, the commit
+        rows that are real for each (commit_chained(rid, L) once the step is issued)."""
+        raise DrafterError(f"{self.name or type(self).__name__}: does not chain")
+
     # --- a merged drafter's members -----------------------------------------------------------------
     def member_stats(self) -> dict:
         """{member: {proposed, accepted, accept_rate}} for a merged drafter; empty for the others."""

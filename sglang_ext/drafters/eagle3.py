@@ -414,6 +414,63 @@ class Eagle3Drafter(Drafter):
             self.kv.free(st.future)
             st.future = None
 
+    @torch.inference_mode()
+    def settle(self, batch: list[DraftInput]) -> None:
+        """Each request's pending pairs but its last (the root pair: the first output token with the prompt's last
+        feature) through the draft-extend's graph, the search left out, as many rows a replay as its buckets take;
+        its next step's commit takes the pair left, chained (join_chained: from the futures) or not (_extend).
+        Requests whose pending pairs are not all captured layers, or whose pairs fit no bucket, stay as they were."""
+        todo = []
+        for d in batch:
+            st = self.reqs[d.rid]
+            if st.future is None and st.pending and all(isinstance(p, dict) for p in st.pending):
+                h = {l: torch.cat([p[l] for p in st.pending]) for l in self.capture_layers}  # [m, Ht] each
+                if _rows(h) > 1:
+                    todo.append((d, st, h, st.slots.numel()))  # (its pairs' first: `base`)
+        ext = self._extend_runner() if todo and self.step_graphs else None
+        if ext is None:
+            return
+        q = ext.node_buckets[-1]
+        while todo:  # (a round: each request's next q pairs at most, from its pairs processed so far)
+            got = [(d, st, h, base, st.slots.numel() - base) for d, st, h, base in todo]
+            m = [min(q, _rows(h) - 1 - k) for *_, h, _, k in got]
+            if ext.bucket_of(m, [st.slots.numel() for _, st, *_ in got]) is None:
+                break
+            for (_, st, h, _, k), n in zip(got, m):
+                st.pending = [{l: x[k : k + n] for l, x in h.items()}]
+            self._extend(
+                [replace(d, token_ids=d.token_ids[: base + k + n + 1]) for (d, _, _, base, k), n in zip(got, m)]
+            )
+            todo = [(d, st, h, base) for (d, st, h, base, k), n in zip(got, m) if k + n < _rows(h) - 1]
+            for _, st, h, base, _ in got:
+                st.pending = [{l: x[st.slots.numel() - base :] for l, x in h.items()}]  # (what is left)
+
+    def joins(self, rid: int) -> bool:
+        st = self.reqs.get(rid)
+        one = st is not None and st.future is None and len(st.pending) == 1 and isinstance(st.pending[0], dict)
+        return one and _rows(st.pending[0]) == 1
+
+    @torch.inference_mode()
+    def join_chained(self, batch: list[DraftInput], fut: SpecFuture, rows: list[int]) -> int:
+        """Each request's one pending pair (`joins`: its root pair) written at its row of the futures as a path of
+        one node (its token the root, its features the pair's): the chained draft-extend commits it as it commits a
+        path, and the search starts there. -> 1 (one real row each)."""
+        sts = [self.reqs[d.rid] for d in batch]
+        feats = [torch.cat([st.pending[0][l] for l in self.capture_layers], -1) for st in sts]  # each [1, F]
+        for st in sts:
+            st.pending = []
+        at = torch.tensor(rows, dtype=torch.long)
+        roots = torch.tensor([d.token_ids[-1] for d in batch], dtype=torch.long)
+
+        def write(at, roots, feats) -> None:
+            at, roots = at.to(fut.lens.device), roots.to(fut.lens.device)
+            fut.lens[at] = 1
+            fut.tokens[at, 0] = roots
+            fut.feats[at, 0] = torch.cat(feats).to(fut.feats.dtype)
+
+        self.stream.launch(write, at, roots, feats)
+        return 1
+
     def _pending_features(self, items: list) -> torch.Tensor:
         """Fused features [sum m, H] of pending items in order: the captured ones fused in one call."""
         raw = [p for p in items if isinstance(p, dict)]

@@ -22,7 +22,7 @@ import torch
 from ..attention import advance_seen, plan_frontier
 from ..device import grow, rejoin
 from ..models.draft_graphs import FrontierRunner, HeldSlots, SearchBuffers, SearchRunner
-from ..models.graph_runner import GraphCache, static_attention, static_plan, with_static_attention
+from ..models.graph_runner import GraphCache, bucket, static_attention, static_plan, with_static_attention
 from ..models.row_graphs import RowRunner, Rows
 from ..models.spec_graphs import WIDTH, SpecFuture
 from ..tree import TokenTree, TreeShape, search_candidates, tree_batch, unpack_trees
@@ -80,6 +80,15 @@ class MoAGraphs:
             self._search = self._on_stream(SearchRunner(self.target.device, self.target.cfg.max_position))
             self._held = HeldSlots(self.sa)  # its temporary SA slots, held for good
         return self._search
+
+    def _bind_search(self, b: int, shape: TreeShape) -> None:
+        """The search runner bound to the pools a search of b requests at `shape` reads (its held slots taken for the
+        batch's bucket), before a commit appends to its tables: held slots that grow with the bucket start the
+        tables over (SearchRunner.bind), and a commit must append to the tables the search reads."""
+        bb = bucket(b, self._search_runner().batch_buckets)
+        if bb is not None:
+            held = self._held.take(bb, 1 + (shape.depth - 1) * shape.topk)
+            self._search.bind((self.sa, self.mem, self.tli_kv, held))
 
     def _forget_static(self, rid: int) -> None:
         """The request ended: its rows of the search's slot tables are free."""
@@ -292,7 +301,7 @@ class MoAGraphs:
         at its row `prev`: W = depth + 1 rows, their memory and SA slots taken now and kept once the path is read:
         commit_chained), then the search, in one graph."""
         sts, w, b = [self.reqs[d.rid] for d in batch], shape.depth + 1, len(batch)
-        self._search_runner()
+        self._bind_search(b, shape)  # (before the commit counts the cells it appends)
         self._fut = fut
         names = self._commit_tables()
         held = {"sa": [st.sa_slots for st in sts], "ca": [st.mem_slots for st in sts]}
@@ -359,6 +368,35 @@ class MoAGraphs:
             self.sa.free(st.sa_slots[-committed:])
             st.mem_slots, st.sa_slots = st.mem_slots[:-committed], st.sa_slots[:-committed]
             st.target_slots = st.target_slots[:-committed]
+
+    @torch.inference_mode()
+    def settle(self, batch: list[DraftInput]) -> None:
+        """The requests' queued tokens (their prompts) committed now, issued in order on the stream (the static commit
+        alone, or _flush's eager work where it does not apply): a chained step's search reads them from the slot
+        tables, an ordinary one's too."""
+        if not self.step_graphs:
+            return
+        rows = self._static_commit(batch)
+        if rows is not None:
+            self._run_commit(rows)
+
+    def joins(self, rid: int) -> bool:
+        st = self.reqs.get(rid)
+        return st is not None and not st.pending and rid not in self.__dict__.get("_futures", {})
+
+    def join_chained(self, batch: list[DraftInput], fut: SpecFuture, rows: list[int]) -> int:
+        """Each request, its tokens all committed (`joins`), at its row of the futures as a path of no node whose
+        bonus token is its root: the chained commit commits nothing of it and the search starts at its root. -> 0."""
+        at = torch.tensor(rows, dtype=torch.long)
+        roots = torch.tensor([d.token_ids[-1] for d in batch], dtype=torch.long)
+
+        def write(at, roots) -> None:
+            at, roots = at.to(fut.lens.device), roots.to(fut.lens.device)
+            fut.lens[at] = 0
+            fut.tokens[at, 0] = roots
+
+        self.stream.launch(write, at, roots)
+        return 0
 
 
 def _chained_roots(fut: SpecFuture, grids: dict, lens: dict, real: torch.Tensor) -> None:

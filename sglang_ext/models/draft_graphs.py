@@ -429,10 +429,7 @@ class SearchRunner:
         bk = self.bucket_of(b, {n: max(p.numel() for p in pre) + extra for n, pre in prefixes.items()})
         if bk is None:
             return None
-        if len(pools) != len(self._pools) or any(a is not c for a, c in zip(pools, self._pools)):
-            self.cache.clear()
-            self.tables = {}  # (their rows hold another pool's slots)
-            self._pools = tuple(pools)
+        self.bind(pools)
         held = {n: (tables or {}).get(n) or self.table(n) for n in prefixes} if keys is not None else {}
         self.runs += 1
         bb, plans = bk
@@ -443,7 +440,7 @@ class SearchRunner:
         )
         specs = tuple((n, tuple(x.shape[1:]), x.dtype) for n, x in inputs.items())
         device = self.cache.device
-        pairs = {n: t.pending(keys, prefixes[n], room) for n, t in held.items()}
+        pairs = {n: t.pending(keys, prefixes[n], room, self.cache.stream.launch) for n, t in held.items()}
         host = _search_host(bk, widths, b, rows, prefixes, pairs, room, first)
         first_shape = first.shape if first is not None else None
 
@@ -469,6 +466,15 @@ class SearchRunner:
         for _, _, _, done in pairs.values():
             done()
         return tuple(out)
+
+    def bind(self, pools: tuple) -> None:
+        """The pools the next search writes and reads: other pools than the last search's drop its graphs and start
+        its own tables over (their rows hold another pool's slots). A caller that appends to the tables before the
+        search (a commit's cells) binds first, so that it appends to the tables the search reads."""
+        if len(pools) != len(self._pools) or any(a is not c for a, c in zip(pools, self._pools)):
+            self.cache.clear()
+            self.tables = {}
+            self._pools = tuple(pools)
 
     def table(self, name: str) -> SlotTable:
         """The runner's own slot table for plan `name` (made on first use)."""

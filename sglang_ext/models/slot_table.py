@@ -192,12 +192,13 @@ class SlotTable:
             flat.index_put_((torch.where(slots.view(b, q) > 0, cells, 0).view(-1),), slots)
         return ids, pos, slots, self.table[:, :p].index_select(0, rows), prefix_len
 
-    def pending(self, keys: list[Hashable], prefixes: list[torch.Tensor], room: int):
+    def pending(self, keys: list[Hashable], prefixes: list[torch.Tensor], room: int, launch=None):
         """For a graph that writes `room` (table index, slot) pairs into the table before it reads the keys' rows:
         (each key's row, the pairs' table indices [room] ints, their slots [room] int64 host tensor (padding: 0
         into the scratch cell 0), done() to call once the graph ran). Pairs beyond `room` are written to the
-        table now, outside the graph. A fixed number of host ops for the batch: the prefixes' one cat, one
-        gather."""
+        table now, outside the graph, through launch(fn, *args) (the graphs' Stream.launch: in order with the
+        graphs issued before, which may still write a row a new key takes over; None: at once). A fixed number
+        of host ops for the batch: the prefixes' one cat, one gather."""
         lens = [t.numel() for t in prefixes]
         entries = self._rows(keys, lens)
         at, src = self._lacking(entries, lens)
@@ -207,7 +208,7 @@ class SlotTable:
         flat = torch.cat([*prefixes, _ZERO])  # (its last cell: the padding pairs' slot 0)
         if len(at) > room:  # NOTE: outside the graph, before it: a search after a prefill or eager steps
             over = torch.tensor([*at[room:], *src[room:]], dtype=torch.long).view(2, -1)
-            self.write(torch.stack([over[0], flat[over[1]]]))
+            (launch or (lambda fn, *args: fn(*args)))(self.write, torch.stack([over[0], flat[over[1]]]))
             at, src = at[:room], src[:room]
         slots = flat[torch.tensor(src + [base] * (room - len(src)), dtype=torch.long)]
 

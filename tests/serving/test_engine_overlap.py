@@ -5,8 +5,9 @@ On the CPU the device is `helpers.QueuedStream`: the graph runner's work (fills,
 is queued and run in order by a worker thread only once the host waits for it, so a host read that does not go
 through the step's copy sees stale values and the outputs differ. The real SmolLM2 target
 (fp32) decodes short chat prompts with different lengths and stops: max_tokens, EOS, a stop id, an abort
-mid-batch and an arrival mid-batch (a prefill, which first reads the step in flight), through Engine.step and
-through the engine loop's thread. The `gpu` cases run the same scenario on CUDA's stream with captured graphs.
+mid-batch and an arrival mid-batch (its prefill issued beside the step in flight, before that step is read: more
+arrival patterns in test_engine_overlap_arrivals.py), through Engine.step and through the engine loop's thread.
+The `gpu` cases run the same scenario on CUDA's stream with captured graphs.
 """
 
 from __future__ import annotations
@@ -14,7 +15,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from helpers import QueuedStream, copies_read_after_the_next, log_cuda_copies, slots_whole
+from helpers import (
+    QueuedStream,
+    copies_read_after_the_next,
+    log_cuda_copies,
+    prefill_copies,
+    prefills_in_flight,
+    slots_whole,
+    step_order,
+)
 
 from serving.config import EngineConfig
 from serving.engine import Engine
@@ -87,35 +96,28 @@ def test_overlapped_outputs_equal_the_plain_loop(runs):
     assert eng.overlap.inflight is not None  # (the last step, all its tokens surplus, was issued and never read)
 
 
-def _order(stream: QueuedStream) -> tuple[list[int], list[int]]:
-    """(the steps read after the next step's copy was issued, those read before it), from the stream's log."""
-    at = {e: i for i, e in enumerate(stream.log)}
-    reads = [i for kind, i in stream.log if kind == "read"]
-    ahead = [i for i in reads if at.get(("copy", i + 1), len(stream.log)) < at[("read", i)]]
-    return ahead, [i for i in reads if i not in ahead]
-
-
 def test_step_n_plus_1_is_issued_before_step_n_is_read(runs):
-    """Overlapped: every decode step is read after the next one's replay and copy were issued, but the one read
-    when the arrival came (nothing issued after it) and the one decoded beside the arrival's prefill (read at
-    once). Without overlap every step is read before the next is issued."""
+    """Overlapped: every decode step is read after the next one's replay and copy were issued, the arrival's too
+    (arrivals end no chain: its prefill was issued while the step in flight was not read yet, and it decodes in the
+    chain from the step after). Without overlap every step is read before the next is issued."""
     stream = runs["overlap"][2]
-    ahead, behind = _order(stream)
-    # (Engine.step k >= 2 issues copy k; the first also copy 1): the arrival after step ARRIVE_AFTER has the next
-    # step read copy ARRIVE_AFTER alone, and the step after that decodes beside its prefill, read at once
-    assert behind == [ARRIVE_AFTER, ARRIVE_AFTER + 1] and len(ahead) >= 6, (ahead, behind)
+    ahead, behind = step_order(stream.log)
+    assert behind == [] and len(ahead) >= 8, (ahead, behind)
+    assert [read for _, read in prefills_in_flight(stream.log)] == [False]  # (the arrival's prefill, step in flight)
     i = stream.log.index(("read", ahead[0]))
     assert ("replay", None) in stream.log[stream.log.index(("copy", ahead[0])) + 1 : i]  # step N+1's replay
-    assert _order(runs["plain"][2])[0] == []
+    assert step_order(runs["plain"][2].log)[0] == []
 
 
 @pytest.mark.parametrize("name", ["plain", "overlap"])
 def test_one_device_to_host_copy_per_step(runs, name):
-    """A copy per replayed decode step, each read once at most; overlapped, only the last (surplus) is never read."""
+    """A copy per replayed decode step (and per arrivals' prefill issued beside one), each read once at most;
+    overlapped, only the last (surplus) is never read."""
     eng, _, stream = runs[name]
-    reads = [i for kind, i in stream.log if kind == "read"]
-    assert stream.copies == eng.runner.graph_runner.runs == stream.log.count(("replay", None)) > 0
-    assert reads == list(range(1, stream.copies + 1 - (name == "overlap")))
+    reads, prefills = [i for kind, i in stream.log if kind == "read"], prefill_copies(stream.log)
+    assert stream.copies - len(prefills) == eng.runner.graph_runner.runs == stream.log.count(("replay", None)) > 0
+    assert sorted(reads) == list(range(1, stream.copies + 1 - (name == "overlap")))
+    assert len(prefills) == (name == "overlap")  # (without overlap the arrival's prefill is the ordinary step's)
 
 
 def test_overlap_is_off_on_a_synchronous_device(smollm2_fp32):
@@ -143,14 +145,15 @@ def test_gpu_step_n_plus_1_is_issued_before_step_n_is_read(smollm2_cuda, monkeyp
     """The order on CUDA's stream: the copies issued and the waits for them, logged."""
     log = log_cuda_copies(monkeypatch)
     _scenario(smollm2_cuda, True)
-    reads, ahead = copies_read_after_the_next(log)
-    assert len(ahead) >= 8 and len(reads) - len(ahead) == 2, log
+    reads, ahead = copies_read_after_the_next(log)  # (the arrival's prefill's copy read after step N+1's was issued)
+    assert len(ahead) >= 8 and len(reads) == len(ahead), log
 
 
 def _served(target, overlap: bool) -> list[tuple[list[int], str | None]]:
     """The requests above through the engine loop (its thread, deliveries, a cancel): the first submitted, the
     rest and the late one from the engine thread between steps (so each step's batch is the same in every run),
-    the cancel there too -> per request, its delivered tokens and finish reason."""
+    the cancel there too, once the fourth has ABORT_AFTER tokens -> per request, its delivered tokens and finish
+    reason."""
     from serving.engine_loop import EngineLoop
 
     eng = Engine(target, None, EngineConfig(overlap=overlap, prefill="separate", kv_slots=2048))
@@ -168,8 +171,9 @@ def _served(target, overlap: bool) -> list[tuple[list[int], str | None]]:
                 submit(text, params)
         if steps[0] == ARRIVE_AFTER + 1:
             submit(*LATE)
-        if steps[0] == ABORT_AFTER + 1:
-            handles[3].cancel()
+        aborted = [r for r in eng.running if r.prompt_ids == encode(REQUESTS[3][0])]
+        if aborted and len(aborted[0].output_ids) >= ABORT_AFTER and not handles[3].done:
+            handles[3].cancel()  # (by its tokens: a request that arrived while a chain ran joins it a step later)
         return events
 
     async def run():
