@@ -167,14 +167,7 @@ def launch_prefill(engine, chunks: list[tuple[Request, int]]) -> Prefill:
     layers kept beside the prefix cache) and each done prompt's first token, and queue those tokens' copy; the host
     takes the chunks now (the requests' slots, prefilled counts and prefix cache entries), nothing is read."""
     kv, runner, stream = engine.kv_manager, engine.runner, engine.runner.stream
-    slots = []
-    try:
-        for r, end in chunks:
-            slots.append(kv.alloc(end - r.prefilled))
-    except BaseException:
-        for s in slots:
-            kv.free(s)
-        raise
+    slots = engine._allocate([], [], chunks).chunk_slots  # (a failed alloc frees what the others took)
     sizes = [end - r.prefilled for r, end in chunks]
     ids = [torch.tensor(r.prompt_ids[r.prefilled : end]) for r, end in chunks]
     pos = [torch.arange(r.prefilled, end) for r, end in chunks]

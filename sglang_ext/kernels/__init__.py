@@ -257,8 +257,12 @@ def attach_q8(module: torch.nn.Module, kind: str = "Q8_0") -> int:
 
 def q8_of(linear: torch.nn.Linear):
     """The q8 matrix attach_q8 gave linear's weight, or None (none attached, or the weight changed since)."""
-    q8 = getattr(linear.weight, "moa_q8", None)
-    return q8[0] if q8 is not None and q8[1] == _version(linear.weight) else None
+    return _attached_q8(linear.weight)
+
+
+def _attached_q8(w: torch.Tensor):
+    q8 = getattr(w, "moa_q8", None)
+    return q8[0] if q8 is not None and q8[1] == _version(w) else None
 
 
 def q8_eagle3_layer(draft, kind: str = "Q8_0"):
@@ -457,9 +461,9 @@ def uses_gpu_layer_ops(x: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, w, bias): x [.., K], w [N, K] -> [.., N]."""
-    q8 = getattr(w, "moa_q8", None)
-    if q8 is not None and q8[1] == _version(w) and _q8_fits(x, w):
-        y = q8[0].forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], w.shape[0])
+    q8 = _attached_q8(w)
+    if q8 is not None and _q8_fits(x, w):
+        y = q8.forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], w.shape[0])
         return y if bias is None else y + bias
     if not uses_kernel(x, w):
         return F.linear(x, w, bias)
