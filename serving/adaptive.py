@@ -235,6 +235,7 @@ class AdaptiveSpeculation:
         members: tuple[str, ...] = (),
         catch_up: bool = False,
         burst: int = 8,
+        recheck: int = 8,
     ):
         self.options = shape_menu(shape, confident=confident_from is not None)
         # the confident (cut) option only from `confident_from` requests: at bs 1 a verify row costs a
@@ -289,6 +290,12 @@ class AdaptiveSpeculation:
         self.drafted_last = False
         self.switches: dict[int, deque] = {}  # option -> its last unrated first steps (seconds, tokens)
         self.follow: tuple[int, int] | None = None  # (option, steps left) of a re-measurement's rated steps, next
+        # a bucket's best is re-decided every `recheck` steps, not every step: a decision reads every option's rates
+        # and priors (~60 us of host time a step in the engine, where the target's weights have left the caches cold:
+        # 1-3 % of a bs-1 CPU step, more of a GPU's), and the windows it reads move little in a few steps. The kept
+        # choice ends early where a re-measurement falls due or the batch size changes.
+        self.recheck = recheck
+        self.kept: dict[str, tuple[int, int, int]] = {}  # bucket -> (best, batch size, step it is kept before)
 
     def _stat(self, i: int, bucket: str) -> _Stat:
         st = self.stats.get((i, bucket))
@@ -300,6 +307,10 @@ class AdaptiveSpeculation:
         """Index into self.options for this step."""
         bucket = batch_bucket(batch_size)
         step = self.steps[bucket] = self.steps.get(bucket, 0) + 1
+        kept = self.kept.pop(bucket, None)
+        if kept is not None and self.follow is None and kept[1] == batch_size and step < kept[2]:
+            self.kept[bucket] = kept
+            return kept[0]
         ok = self._eligible(batch_size)
         if self.follow is not None:
             follow, left = self.follow
@@ -331,6 +342,8 @@ class AdaptiveSpeculation:
                 )
         due = [i for i in ok if i != best and step >= self.next_retry[(bucket, i)]]
         if not due:
+            until = min([self.next_retry[(bucket, i)] for i in ok if i != best], default=step + self.recheck)
+            self.kept[bucket] = (best, batch_size, min(step + self.recheck, until))
             return best
         pick = min(due, key=lambda i: self.next_retry[(bucket, i)])
         gap = self.retry_gap.get((bucket, pick), self.retry_every)

@@ -588,3 +588,54 @@ def test_step_cost_model_bins_follow_the_context():
     for _ in range(8):
         m.add(3, 0.0085)
     assert m.predict(3) == 0.0085 and m.predict(1) == 0.007
+
+
+def _steady_feed(p: AdaptiveSpeculation, steps: int, bs: int, cost, decisions: list | None = None) -> list[int]:
+    """Choices over `steps` steps of batch size bs, each option's step (seconds, tokens) from cost(step, option)."""
+    picks = []
+    for s in range(steps):
+        o = p.choose(bs)
+        picks.append(o)
+        p.observe(o, bs, *cost(s, o))
+    return picks
+
+
+def test_a_kept_choice_never_delays_a_re_measurement():
+    """The best is re-decided every `recheck` steps, not every step (a decision reads every option's rates: ~60 us of
+    host time a step in the engine); a losing option's re-measurements still fall on the steps they were due, as
+    when every step decides."""
+    cost = lambda s, o: (0.010, 1) if o == 0 else (0.014, 1.2)  # noqa: E731 - the trees lose to off
+    runs = {}
+    for recheck in (1, 8):
+        p = AdaptiveSpeculation(TreeShape(1, 2, 3), warmup=2, retry_every=16, recheck=recheck)
+        picks = _steady_feed(p, 600, 1, cost)
+        runs[recheck] = [s for s, o in enumerate(picks) if o != 0]
+    assert runs[8] == runs[1] and len(runs[1]) > 10
+
+
+def test_a_kept_choice_follows_a_better_option_within_recheck_steps():
+    """At step 300 the tree starts to beat off by far: the kept choice moves to it at most `recheck` steps after
+    every-step decisions do."""
+    first = {}
+    for recheck in (1, 8):
+        p = AdaptiveSpeculation(TreeShape(1, 2, 3), warmup=2, retry_every=16, recheck=recheck)
+        picks = _steady_feed(p, 600, 1, lambda s, o: (0.010, 1) if o == 0 or s < 300 else (0.011, 2))
+        first[recheck] = next(s for s in range(300, 600) if all(o != 0 for o in picks[s : s + 20]))
+    assert first[1] <= first[8] <= first[1] + 8, first
+
+
+def test_a_kept_choice_is_decided_again_when_the_batch_size_changes():
+    """A choice kept at bs 4 (the confident cut, offered from 4 requests) is not reused at bs 3, the same bucket,
+    where the cut is not offered; and a steady bucket decides about once every `recheck` steps."""
+    p = AdaptiveSpeculation(TreeShape(3, 1, 4), warmup=2, retry_every=1000, confident_from=4, recheck=8)
+    cut = 3
+    cost = {0: (0.020, 4.0), 1: (0.040, 6.0), 2: (0.030, 4.8), cut: (0.022, 4.7)}
+    picks = _steady_feed(p, 60, 4, lambda s, o: cost[o])
+    assert picks[-1] == cut
+    assert p.choose(3) != cut
+    decided = []
+    rates = p._rates
+    p._rates = lambda *a: decided.append(1) or rates(*a)
+    p._model_rates = lambda bs: None  # (every decision reads the rates)
+    _steady_feed(p, 80, 4, lambda s, o: cost[o])
+    assert 8 <= len(decided) <= 12, len(decided)
