@@ -69,8 +69,10 @@ class AttentionPlan:
     kv_indices: torch.Tensor  # [sum K_b] int64, slots in the KV pool
     custom_mask: torch.Tensor  # [sum Q_b*K_b] bool, row-major per request
     # padded (torch) view: requests bucketed by kv length; one group covering the batch in order
-    # means the output needs no scatter
-    groups: list[PaddedGroup]
+    # means the output needs no scatter. Given as its builder where the plan is on the CPU (`groups` builds it
+    # at the first read): the native CPU kernels read the ragged view only, and the padded view's host indices
+    # cost ~90 us of a step there (cold caches: the weights have just streamed through them)
+    _groups: list[PaddedGroup] | Callable[[], list[PaddedGroup]]
     mask_indptr: torch.Tensor | None = None  # [B+1] int64, cumsum Q_b*K_b: where each request's mask starts
     # the requests' query and kv counts on the host (None: read from the indptrs when asked)
     q_lens: tuple[int, ...] | None = None
@@ -78,6 +80,12 @@ class AttentionPlan:
     _splits: dict = field(default_factory=dict, repr=False, compare=False)  # split_by_queries, per max_q
     _moved: dict = field(default_factory=dict, repr=False, compare=False)  # on(), per device
     _derived: dict = field(default_factory=dict, repr=False, compare=False)  # derived(), per key
+
+    @property
+    def groups(self) -> list[PaddedGroup]:
+        if callable(self._groups):
+            self._groups = self._groups()
+        return self._groups
 
     @property
     def batch_size(self) -> int:
@@ -346,23 +354,29 @@ def _plan(
     n_kv = sum(k_lens)
     q0, k0, m0 = _cumsum(q_lens), _cumsum(k_lens), _cumsum([q * k for q, k in zip(q_lens, k_lens)])
     buckets = _buckets(q_lens, k_lens, waste)
-    host = [torch.tensor(q0), torch.tensor(k0), torch.tensor(m0)]
-    at = []  # per group: where its host tensors start in `host`, and how it is built
-    for g in buckets:
-        kind = "one" if len(g) == 1 else "batch" if max(q_lens[i] for i in g) <= LONG_Q else "loop"
-        at.append((len(host), kind))
-        host += _group_index([q0[i] for i in g], [q_lens[i] for i in g])
-        if kind == "batch":
-            ks, ms = [k0[i] for i in g], [m0[i] for i in g]
-            host += _gather_index(ks, [k_lens[i] for i in g], ms, [q_lens[i] for i in g], n_kv)
+    kinds = ["one" if len(g) == 1 else "batch" if max(q_lens[i] for i in g) <= LONG_Q else "loop" for g in buckets]
+
+    def group_host() -> tuple[list[torch.Tensor], list[int]]:
+        host, at = [], []  # per group: where its host tensors start in `host`
+        for g, kind in zip(buckets, kinds):
+            at.append(len(host))
+            host += _group_index([q0[i] for i in g], [q_lens[i] for i in g])
+            if kind == "batch":
+                ks, ms = [k0[i] for i in g], [m0[i] for i in g]
+                host += _gather_index(ks, [k_lens[i] for i in g], ms, [q_lens[i] for i in g], n_kv)
+        return host, at
+
     # a batch-wide group's padding gathers a trailing pad slot (0) and a trailing False
-    pad = any(kind == "batch" for _, kind in at)
+    pad = "batch" in kinds
     if pad:
         kv_slots = [*kv_slots, kv_slots[0].new_zeros(1)]
         mask_parts = [*mask_parts, torch.zeros(1, dtype=torch.bool, device=mask_parts[0].device)]
     kv_ext = (torch.cat(kv_slots) if len(kv_slots) > 1 else kv_slots[0]).long()
     mask_ext = (torch.cat(mask_parts) if len(mask_parts) > 1 else mask_parts[0]).bool()
-    placed = upload(host + [kv_ext, mask_ext], device)
+    host = [torch.tensor(q0), torch.tensor(k0), torch.tensor(m0)]
+    lazy = device.type == "cpu"  # (on a device the groups' indices go up in the one upload, with the rest)
+    grouped, at = ([], []) if lazy else group_host()
+    placed = upload(host + grouped + [kv_ext, mask_ext], device)
     kv_ext, mask_ext = placed[-2:]
     kv_indices, custom_mask = (kv_ext[:-1], mask_ext[:-1]) if pad else (kv_ext, mask_ext)
 
@@ -372,20 +386,24 @@ def _plan(
     def mask_of(b: int) -> torch.Tensor:
         return custom_mask[m0[b] : m0[b + 1]].view(q_lens[b], k_lens[b])
 
-    groups = []
-    for g, (j, kind) in zip(buckets, at):
-        index = placed[j : j + 3]
-        if kind == "one":
-            b = g[0]
-            mask = None if all_visible(b) else mask_of(b)[None, None]
-            groups.append(PaddedGroup(index[0], index[1], slots_of(b)[None], mask, index[2]))
-        elif kind == "batch":
-            groups.append(_padded_batch(*index, *placed[j + 3 : j + 6], kv_ext, mask_ext))
-        else:
-            groups.append(_padded(*index, [slots_of(b) for b in g], [mask_of(b) for b in g]))
+    def groups(index: list[torch.Tensor], at: list[int]) -> list[PaddedGroup]:
+        out = []
+        for g, kind, j in zip(buckets, kinds, at):
+            idx = index[j : j + 3]
+            if kind == "one":
+                b = g[0]
+                mask = None if all_visible(b) else mask_of(b)[None, None]
+                out.append(PaddedGroup(idx[0], idx[1], slots_of(b)[None], mask, idx[2]))
+            elif kind == "batch":
+                out.append(_padded_batch(*idx, *index[j + 3 : j + 6], kv_ext, mask_ext))
+            else:
+                out.append(_padded(*idx, [slots_of(b) for b in g], [mask_of(b) for b in g]))
+        return out
+
     qo_indptr, kv_indptr, mask_indptr = placed[:3]
+    padded = (lambda: groups(*group_host())) if lazy else groups(placed[3:-2], at)
     return AttentionPlan(
-        qo_indptr, kv_indptr, kv_indices, custom_mask, groups, mask_indptr, tuple(q_lens), tuple(k_lens)
+        qo_indptr, kv_indptr, kv_indices, custom_mask, padded, mask_indptr, tuple(q_lens), tuple(k_lens)
     )
 
 

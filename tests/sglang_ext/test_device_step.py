@@ -531,6 +531,7 @@ def test_a_plan_built_on_the_host_moves_to_the_device_once():
         [torch.arange(40 * i + 1, 40 * i + 11 + t.num_nodes) for i, t in enumerate(trees)],
         [prefix_and_tree_mask(t.tree_mask, 10) for t in trees],
     )
+    assert plan.groups  # (a host plan's padded view is built at its first read, on the host: before the fake device)
     with FakeTensorMode(allow_non_fake_inputs=True):
         q = torch.randn(sum(t.num_nodes for t in trees), 9, 64, device="cuda")
         k, v = torch.randn(200, 3, 64, device="cuda"), torch.randn(200, 3, 64, device="cuda")
