@@ -61,9 +61,10 @@ class PenaltyState:
     def write(self, at: torch.Tensor, counts, lens, prompt, bias, stops) -> None:
         """Rows `at` [k] (host int64) <- host tensors [k, V] / [k] (outside a graph, on its stream)."""
         at = to_device(at, self.counts.device)
-        for dst, src in ((self.counts, counts), (self.lens, lens), (self.prompt, prompt), (self.bias, bias)):
+        for dst, src in zip(
+            (self.counts, self.lens, self.prompt, self.bias, self.stops), (counts, lens, prompt, bias, stops)
+        ):
             dst.index_copy_(0, at, to_device(src, dst.device))
-        self.stops.index_copy_(0, at, to_device(stops, self.stops.device))
 
 
 def penalty_state(g) -> PenaltyState:
@@ -95,16 +96,15 @@ def penalty_inputs(
             fresh.append((t, row))
         st.owner[t] = key
     if fresh:  # (host tensors made now: the stream may run the write after the host's lists grew)
-        ps = [r.params for _, r in fresh]
-        st_args = (
+        g.stream.launch(
+            st.write,
             torch.tensor([t for t, _ in fresh], dtype=torch.long),
             torch.stack([output_counts(r.output_ids, vocab) for _, r in fresh]),
             torch.tensor([len(r.output_ids) for _, r in fresh], dtype=torch.long),
             torch.stack([prompt_mask(r.prompt_ids, vocab) for _, r in fresh]),
-            torch.stack([bias_row(p.logit_bias, vocab) for p in ps]),
+            torch.stack([bias_row(r.params.logit_bias, vocab) for _, r in fresh]),
             torch.stack([stop_mask(r.stop_ids, vocab) for _, r in fresh]),
         )
-        g.stream.launch(st.write, *st_args)
     pad = [None] * (bb - len(rows))
     ints = [[int(r is not None) for r in rows] + [0] * len(pad), [r.params.min_tokens if r else 0 for r in rows + pad]]
     floats = [penalty_values(r.params) if r else (1.0, 0.0, 0.0) for r in rows + pad]

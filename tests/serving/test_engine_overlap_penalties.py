@@ -7,11 +7,13 @@ and drafted ones), its logits penalized inside the step's graph from state kept 
 On the CPU the device is `helpers.QueuedStream` (as in test_engine_overlap.py): the device runs late, so a state the
 graph did not bring up to date itself (a penalty counted from a stale output, a min_tokens length one step behind)
 changes the tokens. The requests: greedy ones with each penalty kind and a logit bias, greedy ones whose EOS or stop
-id comes early held off by min_tokens, seeded sampled ones with a penalty or min_tokens, plain ones beside them, and an
-arrival with a penalty and min_tokens while a chain runs (its prefill beside the step in flight, its first token under
-its rules); without a drafter (chained plain decode steps: the greedy requests) and with EAGLE-3 and MoA (chained
-drafted steps: all of them). Each check fails with the rules left out of the chained graphs, or with their state not
-brought up to the step (the counts or the output length of the step before left out). The `gpu` case runs the
+id comes early held off by min_tokens, seeded sampled ones with a penalty or min_tokens (one with logprobs: the raw
+logits', as the ordinary step's), plain ones beside them, and an arrival with a penalty and min_tokens while a chain
+runs (its prefill beside the step in flight, its first token under its rules); without a drafter (chained plain
+decode steps: the greedy requests) and with EAGLE-3 and MoA (chained drafted steps: all of them). Each check fails
+with the rules left out of the chained graphs, or with their state not brought up to the step (the counts or the
+output length of the step before left out); tests/sglang_ext/test_penalty_graphs.py checks the graphs' rows against
+the host path's bit for bit, each tree node after its own path. The `gpu` case runs the
 scenario on CUDA's stream with captured graphs.
 """
 
@@ -26,6 +28,7 @@ from helpers import (
     slots_whole,
     step_order,
 )
+from test_engine_spec_overlap_logprobs import TOL, _same_logprobs
 
 from serving.config import EngineConfig
 from serving.engine import Engine
@@ -48,7 +51,10 @@ GREEDY = [  # (prompt, params): greedy, each penalty kind, min_tokens past an ea
 SAMPLED = [  # seeded sampled: a penalty, min_tokens past an early EOS, another penalty
     ("Write a haiku about rivers.", SamplingParams(max_new_tokens=14, temperature=0.8, seed=5, frequency_penalty=1.5)),
     ("Hi!", SamplingParams(max_new_tokens=18, temperature=0.7, seed=3, min_tokens=14)),
-    ("Tell me a story.", SamplingParams(max_new_tokens=10, temperature=0.9, seed=7, repetition_penalty=1.3)),
+    (
+        "Tell me a story.",
+        SamplingParams(max_new_tokens=10, temperature=0.9, seed=7, repetition_penalty=1.3, logprobs=2),
+    ),
 ]
 
 LATE = ("Reply with one word: yes or no?", SamplingParams(max_new_tokens=8, repetition_penalty=1.3, min_tokens=4))
@@ -133,6 +139,8 @@ def test_chained_drafted_steps_apply_them(smollm2_fp32, vanilla, drafter):
     plain = _run(smollm2_fp32, False, drafter, GREEDY + SAMPLED)[1]
     eng, reqs, stream = _overlapped(smollm2_fp32, drafter, GREEDY + SAMPLED)
     assert _ends(reqs) == _ends(plain) == _ends(vanilla)
+    lp = len(GREEDY) + 2  # (the raw logits' logprobs, as the ordinary step's)
+    _same_logprobs(reqs[lp].output_logprobs, plain[lp].output_logprobs, TOL)
     ahead, behind = step_order(stream.log)
     assert behind == [] and len(ahead) >= 6, (ahead, behind)
     assert [read for _, read in prefills_in_flight(stream.log)] == [False]
