@@ -51,8 +51,7 @@ def tree_output_counts(counts: torch.Tensor, tree: TokenTree) -> torch.Tensor:
 def penalize(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor, prompt_ids: list[int]) -> torch.Tensor:
     """[n, V] logits and [n, V] (or [V]) output counts of each row's context -> [n, V] float32 logits."""
     vocab, dev = logits.shape[-1], logits.device
-    prompt = to_device(prompt_mask(prompt_ids, vocab), dev)
-    bias = to_device(bias_row(params.logit_bias, vocab), dev)
+    prompt, bias = prompt_mask(prompt_ids, vocab, dev), bias_row(params.logit_bias, vocab, dev)
     rep, freq, pres = to_device(torch.tensor([penalty_values(params)], dtype=torch.float32), dev).unbind(1)
     return penalize_rows(logits, counts.expand(logits.shape), prompt, bias, rep, freq, pres)
 
@@ -62,19 +61,20 @@ def penalty_values(params: SamplingParams) -> tuple[float, float, float]:
     return params.repetition_penalty, params.frequency_penalty or 0.0, params.presence_penalty or 0.0
 
 
-def prompt_mask(prompt_ids: list[int], vocab: int) -> torch.Tensor:
-    """[V] bool on the host: the prompt's tokens (those the repetition penalty applies to beside the output's)."""
-    mask = torch.zeros(vocab, dtype=torch.bool)
-    mask[torch.tensor(prompt_ids, dtype=torch.long)] = True
-    return mask
+def prompt_mask(prompt_ids: list[int], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[V] bool on `device`: the prompt's tokens (those the repetition penalty applies to beside the output's), made
+    there from the ids (index_fill_, not `mask[ids] = True`: that copies the Python scalar up and waits on a GPU)."""
+    ids = to_device(torch.tensor(prompt_ids, dtype=torch.long), device)
+    return torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(0, ids, True)
 
 
-def bias_row(logit_bias, vocab: int) -> torch.Tensor:
-    """[V] float32 on the host: each biased token's bias, 0 elsewhere."""
-    row = torch.zeros(vocab)
+def bias_row(logit_bias, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[V] float32 on `device`: each biased token's bias, 0 elsewhere (made there from the pairs)."""
+    row = torch.zeros(vocab, device=device)
     if logit_bias:
         ids, bias = zip(*logit_bias)
-        row[torch.tensor(ids, dtype=torch.long)] = torch.tensor(bias, dtype=torch.float32)
+        at = to_device(torch.tensor(ids, dtype=torch.long), device)
+        row.index_put_((at,), to_device(torch.tensor(bias, dtype=torch.float32), device))
     return row
 
 
