@@ -41,10 +41,12 @@ def output_counts(output_ids: list[int], vocab: int, device: torch.device | str 
 
 def tree_output_counts(counts: torch.Tensor, tree: TokenTree) -> torch.Tensor:
     """[V] output counts -> [N, V]: the output's counts plus, in row i, the draft tokens on the path
-    root -> node i (each ancestor-or-self below the root adds one at its token)."""
-    n = tree.num_nodes
+    root -> node i (each ancestor-or-self below the root adds one at its token). A faulty drafter's token outside
+    the vocabulary counts as the nearest id in it: its node is never accepted, nor are the rows below it (their
+    request falls back to vanilla decoding as without penalties, not failed by an index out of range)."""
+    n, vocab = tree.num_nodes, counts.shape[-1]
     rows = counts.expand(n, -1).clone()
-    tokens = to_device(tree.draft_tokens[1:].long(), rows.device).expand(n, -1)  # [N, N-1]
+    tokens = to_device(tree.draft_tokens[1:].long(), rows.device).clamp(0, vocab - 1).expand(n, -1)  # [N, N-1]
     return rows.scatter_add_(1, tokens, to_device(tree.tree_mask[:, 1:], rows.device).to(rows.dtype))
 
 
