@@ -28,6 +28,7 @@ from helpers import (
     slots_whole,
     step_order,
 )
+from test_engine_spec_overlap import FAULTY, _in_order, _poison, _recorded
 from test_engine_spec_overlap_logprobs import TOL, _same_logprobs
 
 from serving.config import EngineConfig
@@ -146,6 +147,43 @@ def test_chained_drafted_steps_apply_them(smollm2_fp32, vanilla, drafter):
     assert [read for _, read in prefills_in_flight(stream.log)] == [False]
     assert stream.copies - len(prefill_copies(stream.log)) == eng.runner.graph_runner.runs  # (a copy per step)
     assert sum(r.stats.accepted_tokens for r in reqs) > 0
+
+
+def _faulty(target, overlap: bool):
+    """EAGLE-3 with test_engine_spec_overlap's faulty drafter (FAULTY's trees drafted outside the vocabulary at its
+    second and third searches): FAULTY (penalized, min_tokens ahead) falls back mid-chain -> (the requests, seen: as
+    _recorded's)."""
+    stream, seen, run = QueuedStream() if overlap else None, {}, Engine._run
+    if stream is not None:  # (FAULTY's last steps, alone and drafting nothing, take the ordinary step)
+        Engine._run = _in_order(stream, run)
+    try:
+        eng = _engine(target, overlap, "eagle3", stream)
+        _poison(eng, seen)
+        encode = lambda text: target.encode_chat([{"role": "user", "content": text}])  # noqa: E731
+        faulty = ("Hi!", SamplingParams(max_new_tokens=20, min_tokens=14, presence_penalty=1.0))
+        reqs = [eng.add_request(encode(t), p) for t, p in [GREEDY[1], faulty, SAMPLED[0], GREEDY[5]]]
+        with _recorded(seen):
+            for _ in range(60):
+                if not eng.has_work:
+                    break
+                eng.step()
+        assert not eng.has_work and slots_whole(eng) and drafter_pools_whole(eng.drafter)
+    finally:
+        Engine._run = run
+        if stream is not None:
+            stream.close()
+    return reqs, seen
+
+
+def test_a_penalized_request_rides_the_chains_as_a_root_only_row(smollm2_fp32):
+    """A penalized request whose drafter failed mid-chain rides the chained steps as a root-only row (its root the
+    bonus token of its row in the step before, on the device), its rules applied there: every output the loop
+    without overlap's with the same fault."""
+    plain, _ = _faulty(smollm2_fp32, False)
+    reqs, seen = _faulty(smollm2_fp32, True)
+    assert [r.drafting for r in reqs] == [r.rid != FAULTY for r in reqs] == [r.drafting for r in plain]
+    assert any(ride.get(FAULTY) for ride in seen["rides"]), seen["rides"]  # (a chained root-only row, root on device)
+    assert _ends(reqs) == _ends(plain)
 
 
 @pytest.mark.gpu
