@@ -167,10 +167,7 @@ def prefill_rides(engine, waiting) -> bool:
     drawn on the device (penalties and min_tokens there too: device ops on the empty output; no grammar, whose mask
     the host builds), no logprobs of the prompt or of the first token (host reads), no predicted output."""
     return type(engine.sampler) is Sampler and all(
-        r.matcher is None
-        and r.params.logprobs is None
-        and r.params.prompt_logprobs is None
-        and not r.reference
+        r.matcher is None and r.params.logprobs is None and r.params.prompt_logprobs is None and not r.reference
         for r in waiting
     )
 

@@ -10,11 +10,11 @@ changes the tokens. The requests: greedy ones with each penalty kind and a logit
 id comes early held off by min_tokens, seeded sampled ones with a penalty or min_tokens (one with logprobs: the raw
 logits', as the ordinary step's), plain ones beside them, and an arrival with a penalty and min_tokens while a chain
 runs (its prefill beside the step in flight, its first token under its rules); without a drafter (chained plain
-decode steps: the greedy requests) and with EAGLE-3 and MoA (chained drafted steps: all of them). Each check fails
-with the rules left out of the chained graphs, or with their state not brought up to the step (the counts or the
-output length of the step before left out); tests/sglang_ext/test_penalty_graphs.py checks the graphs' rows against
-the host path's bit for bit, each tree node after its own path. The `gpu` case runs the
-scenario on CUDA's stream with captured graphs.
+decode steps: the greedy requests) and with EAGLE-3 and MoA (chained drafted steps: all of them); and a penalized
+request whose drafter fails mid-chain, riding the chains as a root-only row. Each check fails with the rules left
+out of the chained graphs, or with their state not brought up to the step (the counts or the output length of the step
+before left out); tests/sglang_ext/test_penalty_graphs.py checks the graphs' rows against the host path's bit for
+bit, each tree node after its own path. The `gpu` case runs the scenario on CUDA's stream with captured graphs.
 """
 
 from __future__ import annotations
