@@ -11,13 +11,16 @@ id comes early held off by min_tokens, seeded sampled ones with a penalty or min
 logits', as the ordinary step's), plain ones beside them, and an arrival with a penalty and min_tokens while a chain
 runs (its prefill beside the step in flight, its first token under its rules); without a drafter (chained plain
 decode steps: the greedy requests) and with EAGLE-3 and MoA (chained drafted steps: all of them); and a penalized
-request whose drafter fails mid-chain, riding the chains as a root-only row. Each check fails with the rules left
-out of the chained graphs, or with their state not brought up to the step (the counts or the output length of the step
-before left out); tests/sglang_ext/test_penalty_graphs.py checks the graphs' rows against the host path's bit for
-bit, each tree node after its own path. The `gpu` case runs the scenario on CUDA's stream with captured graphs.
+request whose drafter fails mid-chain, riding the chains as a root-only row; EAGLE-3 under the adaptive policy, its
+chains ending and starting again. Each check fails with the rules left out of the chained graphs, or with their state
+not brought up to the step (the counts or the output length of the step before left out);
+tests/sglang_ext/test_penalty_graphs.py checks the graphs' rows against the host path's bit for bit, each tree node
+after its own path. The `gpu` case runs the scenario on CUDA's stream with captured graphs.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 from helpers import (
@@ -28,7 +31,7 @@ from helpers import (
     slots_whole,
     step_order,
 )
-from test_engine_spec_overlap import FAULTY, _in_order, _poison, _recorded
+from test_engine_spec_overlap import FAULTY, _in_order, _poison, _recorded, _Scripted
 from test_engine_spec_overlap_logprobs import TOL, _same_logprobs
 
 from serving.config import EngineConfig
@@ -184,6 +187,27 @@ def test_a_penalized_request_rides_the_chains_as_a_root_only_row(smollm2_fp32):
     assert [r.drafting for r in reqs] == [r.rid != FAULTY for r in reqs] == [r.drafting for r in plain]
     assert any(ride.get(FAULTY) for ride in seen["rides"]), seen["rides"]  # (a chained root-only row, root on device)
     assert _ends(reqs) == _ends(plain)
+
+
+def test_under_the_policy_penalized_outputs_are_the_ordinary_loops(smollm2_fp32, vanilla):
+    """Under the adaptive policy (scripted: off and the smaller tree between the configured tree's steps, so chains
+    start, end and restart; EAGLE-3), every output is the ordinary loop's, and chained steps ran: each chain's first
+    step writes its requests' state from the host, whatever ran before it (with a state kept from an earlier chain
+    instead, outputs differ: checked)."""
+    stream, engine, run = QueuedStream(), Engine.__init__, Engine._run
+
+    def adaptive(self, target, drafter, config):
+        engine(self, target, drafter, replace(config, adaptive=True))
+        self.policy = _Scripted()
+
+    Engine.__init__, Engine._run = adaptive, _in_order(stream, run)
+    try:
+        eng, reqs = _run(smollm2_fp32, True, "eagle3", GREEDY + SAMPLED, stream)
+    finally:
+        Engine.__init__, Engine._run = engine, run
+        stream.close()
+    assert _ends(reqs) == _ends(vanilla)
+    assert sum(c for c, _ in eng.policy.kinds) >= 2 and {o for o, *_ in eng.policy.seen} == {0, 1, 2}
 
 
 @pytest.mark.gpu
