@@ -84,9 +84,10 @@ def plain_decode(engine, reqs: list[Request]) -> bool:
 
 
 def _greedy(engine, r: Request) -> bool:
-    """Whether the request's decode step is the argmax of its logits the graph takes: the raw ones, or in the
-    overlapped loop under its penalties and min_tokens (the graph's state of them lasts a chain; a step read at once
-    would write it from the host each step, where the ordinary step's host path computes it anyway)."""
+    """Whether the graph's argmax is the request's token: greedy on the raw logits, or, in the overlapped loop, greedy
+    under its penalties and min_tokens, which the graph applies (models/penalty_graphs.py: their state on the device
+    lasts a chain; a step read at once would write it from the host every step, so without overlap the ordinary
+    step's host path takes them)."""
     return engine.sampler.plain_greedy(r) or (engine.overlap.applies() and r.params.greedy and r.matcher is None)
 
 
