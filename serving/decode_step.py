@@ -1,9 +1,10 @@
-"""A plain greedy decode step replayed whole: no drafter, every request greedy on the raw logits without
-logprobs, no prompt chunk, a graph bucket. One new KV slot per request, one graph replay (the forward, the
-logits and their argmax; the prefixes from the graph runner's slot table on the device), the tokens in the
-step's one device-to-host copy, the slots appended (one cat for the batch, each request's a view of it). It
-gives the tree path's tokens (a root-only tree's path is its root, its token the target's argmax there) in
-a fixed number of host ops for the batch (moa_serve/benchmarks/step_ops.py counts them).
+"""A plain greedy decode step replayed whole: no drafter, every request greedy (on the raw logits, or in the
+overlapped loop under its penalties and min_tokens: see below) without logprobs, no prompt chunk, a graph bucket. One
+new KV slot per request, one graph replay (the forward, the logits and their argmax; the prefixes from the graph
+runner's slot table on the device), the tokens in the step's one device-to-host copy, the slots appended (one cat
+for the batch, each request's a view of it). It gives the tree path's tokens (a root-only tree's path is its root,
+its token the target's argmax there) in a fixed number of host ops for the batch (moa_serve/benchmarks/step_ops.py
+counts them).
 
 The overlapped loop (SGLang's overlap scheduler, vLLM's async scheduling; `EngineConfig.overlap`, where the
 runner's stream is asynchronous: CUDA) issues step N+1 before it reads step N's tokens, so the host's work
@@ -32,10 +33,16 @@ from the host, or a drafting row whose drafter state joins from the futures (spe
     device:  [ step N ][ P ][ step N+1 ............ ][ step N+2 ...
 
 A request step N ends while P and step N+1 are issued is dropped from step N+1 as above; P only prefills arrivals.
-Arrivals that need host reads of their own (prompt logprobs, logprobs, a grammar, penalties, min_tokens, a
-predicted output) and steps that are neither kind (a plain decode step with a request that is not plain greedy, a
-batch outside the buckets, a drafting request the drafter cannot join) first read the step in flight, alone in its
-Engine.step when it brings tokens; the ordinary step runs after it."""
+
+Requests with penalties (frequency, presence, repetition, a logit bias) or min_tokens still ahead chain too: the
+graphs apply them to each row's logits as the ordinary step's host path does (Sampler.constrained), from state on the
+device that each chained step brings up to its root from the step before's tokens, unread (models/penalty_graphs.py);
+an arrival's first token takes them on the device in its prefill (Sampler.sample).
+
+Arrivals that need host reads of their own (prompt logprobs, logprobs, a grammar, a predicted output) and steps that
+are neither kind (a plain decode step with a request that is not greedy, a grammar's, a batch outside the buckets, a
+drafting request the drafter cannot join) first read the step in flight, alone in its Engine.step when it brings
+tokens; the ordinary step runs after it."""
 
 from __future__ import annotations
 
@@ -71,9 +78,17 @@ def plain_decode(engine, reqs: list[Request]) -> bool:
         and engine.drafter is None
         and type(engine.sampler) is Sampler
         and type(engine.spec) is SpecWorker
-        and all(engine.sampler.plain_greedy(r) and r.params.logprobs is None for r in reqs)
+        and all(_greedy(engine, r) and r.params.logprobs is None for r in reqs)
         and engine.runner.can_decode(reqs)
     )
+
+
+def _greedy(engine, r: Request) -> bool:
+    """Whether the graph's argmax is the request's token: greedy on the raw logits, or, in the overlapped loop, greedy
+    under its penalties and min_tokens, which the graph applies (models/penalty_graphs.py: their state on the device
+    lasts a chain; a step read at once would write it from the host every step, so without overlap the ordinary
+    step's host path takes them)."""
+    return engine.sampler.plain_greedy(r) or (engine.overlap.applies() and r.params.greedy and r.matcher is None)
 
 
 @dataclass
@@ -99,7 +114,7 @@ def launch(engine, reqs: list[Request], prev: Launched | None = None) -> Launche
     rows = prev.live if prev is not None else {}
     tokens = [-1 - rows[r.rid] if r.rid in rows else r.output_ids[-1] for r in reqs]
     try:
-        out = engine.runner.decode(reqs, slots, tokens)
+        out = engine.runner.decode(reqs, slots, tokens, [engine.sampler.penalty_row(r) for r in reqs])
         stream = engine.runner.stream
         copy = stream.to_host(out) if stream.asynchronous else tokens_to_host(out)  # the step's one copy
     except BaseException:
@@ -150,14 +165,10 @@ class Prefill:
 
 def prefill_rides(engine, waiting) -> bool:
     """Whether the arrivals' prompts can be prefilled while a step is in flight (`launch_prefill`): first tokens
-    drawn on the device from the raw logits (no grammar, penalties or min_tokens), no logprobs of the prompt or of
-    the first token (host reads), no predicted output."""
-    sampler = engine.sampler
-    return type(sampler) is Sampler and all(
-        not sampler.context_dependent(r)
-        and r.params.logprobs is None
-        and r.params.prompt_logprobs is None
-        and not r.reference
+    drawn on the device (penalties and min_tokens there too: device ops on the empty output; no grammar, whose mask
+    the host builds), no logprobs of the prompt or of the first token (host reads), no predicted output."""
+    return type(engine.sampler) is Sampler and all(
+        r.matcher is None and r.params.logprobs is None and r.params.prompt_logprobs is None and not r.reference
         for r in waiting
     )
 

@@ -87,14 +87,16 @@ class ModelRunner:
         g = self.graph_runner
         return g is not None and g.can_run([1] * len(reqs), [len(r.slots) for r in reqs])
 
-    def decode(self, reqs: list[Request], slots: torch.Tensor, tokens: list[int] | None = None) -> torch.Tensor:
+    def decode(self, reqs: list[Request], slots: torch.Tensor, tokens: list[int] | None = None, penalties=None):
         """A plain greedy decode step (slots [B] int64 host ids: each request's new slot): one row per request
         reading `tokens` (default: each request's last output token; -1 - i: row i's token of the previous
         decode step, still on the device, GraphRunner.decode), the logits and their argmax inside the graph ->
-        [B] int64 greedy tokens on the device (queue their copy to the host before the next forward)."""
+        [B] int64 greedy tokens on the device (queue their copy to the host before the next forward). penalties: per
+        request its logits rules (Sampler.penalty_row), or None: every row's logits the raw ones."""
         if tokens is None:
             tokens = [r.output_ids[-1] for r in reqs]
-        return self.graph_runner.decode([r.rid for r in reqs], tokens, slots, [r.slots for r in reqs], self.kv.pool)
+        keys, prefixes = [r.rid for r in reqs], [r.slots for r in reqs]
+        return self.graph_runner.decode(keys, tokens, slots, prefixes, self.kv.pool, penalties)
 
     @property
     def stream(self) -> Stream | None:

@@ -18,6 +18,7 @@ import logging
 import torch
 
 from sglang_ext.grammar import apply_bitmask, tree_bitmask
+from sglang_ext.models.penalty_graphs import PenaltyRow
 from sglang_ext.penalties import ban_early_stops, penalize_tree
 from sglang_ext.sampling import (
     TokenLogprob,
@@ -53,6 +54,14 @@ class Sampler:
     def context_dependent(self, r: Request) -> bool:
         """Whether the request's logits depend on each row's path (penalties, grammar, min_tokens)."""
         return r.params.penalized or r.matcher is not None or len(r.output_ids) < r.params.min_tokens
+
+    def penalty_row(self, r: Request) -> PenaltyRow | None:
+        """What a chained step's graph takes of the request's penalties and min_tokens (models/penalty_graphs.py:
+        the host path's values, each node after its own path), or None where its logits are the raw ones. (A grammar
+        is the host's: a request with one takes the ordinary step.)"""
+        if not (r.params.penalized or len(r.output_ids) < r.params.min_tokens):
+            return None
+        return PenaltyRow(r.params, r.prompt_ids, r.output_ids, self.stop_ids(r))
 
     @staticmethod
     def coupling_seed(r: Request) -> int:

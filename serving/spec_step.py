@@ -49,10 +49,16 @@ the ordinary step.
 
 Under the adaptive policy the loop chooses step N+1's option before step N is read (`chain_next`): the same tree
 chains, another option (off, another tree) ends the chain; each chained step is observed when it is read (`_observe`).
-Arrivals end no chain (decode_step.py). Lookup drafters, requests whose logits depend on their paths (penalties, a
-grammar, min_tokens: Sampler.context_dependent), predicted outputs, arrivals that need host reads (decode_step:
-prefill_rides) and steps outside the graph buckets take the engine's ordinary step; the step in flight is read first
-(decode_step.OverlappedLoop).
+Requests with penalties or min_tokens still ahead ride beside the others, greedy or sampled, drafting or root-only:
+the verify's graph takes each tree row's logits under its request's penalties (the output's counts and the row's own
+path below the root: penalties.py) and bans its stop tokens at the rows that choose an output token before number
+min_tokens, as Sampler.constrained does in the ordinary step, with the same ops (penalties.penalize_rows, ban_rows);
+the tokens then follow as above. Their state (output counts, length, prompt tokens, bias, stop tokens) lives on the
+device per slot table row, each step adding the path of the step before from the futures (models/penalty_graphs.py).
+
+Arrivals end no chain (decode_step.py). Lookup drafters, requests with a grammar (its mask is built on the host),
+predicted outputs, arrivals that need host reads (decode_step: prefill_rides) and steps outside the graph buckets take
+the engine's ordinary step; the step in flight is read first (decode_step.OverlappedLoop).
 """
 
 from __future__ import annotations
@@ -112,8 +118,8 @@ def _eligible(engine, reqs: list[Request], prev: "Chained | None") -> bool:
         len(prev.reqs) + len(joining) > len(spec_future(g).lens) or not all(d.joins(r.rid) for r in joining)
     ):
         return False  # (one the drafter cannot join to the chain, or no spare row of the futures: the chain ends)
-    sampler = engine.sampler  # (greedy or sampled, seeded or not, logprobs or not)
-    return all(not sampler.context_dependent(r) and not r.reference for r in reqs)
+    # (greedy or sampled, seeded or not, logprobs or not, penalties and min_tokens or not: the graph applies them)
+    return all(r.matcher is None and not r.reference for r in reqs)
 
 
 def _fits(engine, reqs: list[Request], shape: TreeShape, prev: "Chained | None") -> bool:
@@ -193,9 +199,9 @@ def launch(engine, reqs: list[Request], prev: Chained | None = None) -> Chained 
     slots = kv.alloc(len(reqs) * n)
     try:
         keys, prefixes = [r.rid for r in reqs], [r.slots for r in reqs]
-        sampling = _sampling(engine.sampler, reqs)
+        rules = _sampling(engine.sampler, reqs), [engine.sampler.penalty_row(r) for r in reqs]
         captured, result = verify_spec(
-            g, packed, trees[0].finite, slots, prefixes, keys, rows, shape.depth + 1, kv.pool, mixed, top, sampling
+            g, packed, trees[0].finite, slots, prefixes, keys, rows, shape.depth + 1, kv.pool, mixed, top, *rules
         )
         if kv.hidden is not None:  # (the captured layers beside the prefix cache, after the graph)
             stream.launch(kv.store_hidden, [slots], captured)

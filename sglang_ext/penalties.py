@@ -41,31 +41,69 @@ def output_counts(output_ids: list[int], vocab: int, device: torch.device | str 
 
 def tree_output_counts(counts: torch.Tensor, tree: TokenTree) -> torch.Tensor:
     """[V] output counts -> [N, V]: the output's counts plus, in row i, the draft tokens on the path
-    root -> node i (each ancestor-or-self below the root adds one at its token)."""
-    n = tree.num_nodes
+    root -> node i (each ancestor-or-self below the root adds one at its token). A faulty drafter's token outside
+    the vocabulary counts as the nearest id in it: its node is never accepted, nor are the rows below it (their
+    request falls back to vanilla decoding as without penalties, not failed by an index out of range)."""
+    n, vocab = tree.num_nodes, counts.shape[-1]
     rows = counts.expand(n, -1).clone()
-    tokens = to_device(tree.draft_tokens[1:].long(), rows.device).expand(n, -1)  # [N, N-1]
+    tokens = to_device(tree.draft_tokens[1:].long(), rows.device).clamp(0, vocab - 1).expand(n, -1)  # [N, N-1]
     return rows.scatter_add_(1, tokens, to_device(tree.tree_mask[:, 1:], rows.device).to(rows.dtype))
 
 
 def penalize(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor, prompt_ids: list[int]) -> torch.Tensor:
     """[n, V] logits and [n, V] (or [V]) output counts of each row's context -> [n, V] float32 logits."""
-    x = logits.float().clone()
-    if params.logit_bias:
-        ids, bias = zip(*params.logit_bias)
-        x[:, to_device(torch.tensor(ids), x.device)] += to_device(torch.tensor(bias, dtype=x.dtype), x.device)
-    counts = counts.expand_as(x)
-    if params.repetition_penalty != 1.0:
-        seen = counts > 0
-        # (index_fill_, not `seen[:, ids] = True`: that copies the Python scalar up and waits on a GPU)
-        seen.index_fill_(1, to_device(torch.tensor(prompt_ids, dtype=torch.long), x.device), True)
-        penalized = torch.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty)
-        x = torch.where(seen, penalized, x)
-    if params.frequency_penalty:
-        x -= params.frequency_penalty * counts
-    if params.presence_penalty:
-        x -= params.presence_penalty * (counts > 0).float()
-    return x
+    vocab, dev = logits.shape[-1], logits.device
+    prompt, bias = prompt_mask(prompt_ids, vocab, dev), bias_row(params.logit_bias, vocab, dev)
+    rep, freq, pres = to_device(torch.tensor([penalty_values(params)], dtype=torch.float32), dev).unbind(1)
+    return penalize_rows(logits, counts.expand(logits.shape), prompt, bias, rep, freq, pres)
+
+
+def penalty_values(params: SamplingParams) -> tuple[float, float, float]:
+    """(repetition, frequency, presence): 1, 0, 0 where off (penalize_rows then leaves the logits as they are)."""
+    return params.repetition_penalty, params.frequency_penalty or 0.0, params.presence_penalty or 0.0
+
+
+def prompt_mask(prompt_ids: list[int], vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[V] bool on `device`: the prompt's tokens (those the repetition penalty applies to beside the output's), made
+    there from the ids (index_fill_, not `mask[ids] = True`: that copies the Python scalar up and waits on a GPU)."""
+    ids = to_device(torch.tensor(prompt_ids, dtype=torch.long), device)
+    return torch.zeros(vocab, dtype=torch.bool, device=device).index_fill_(0, ids, True)
+
+
+def bias_row(logit_bias, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[V] float32 on `device`: each biased token's bias, 0 elsewhere (made there from the pairs)."""
+    row = torch.zeros(vocab, device=device)
+    if logit_bias:
+        ids, bias = zip(*logit_bias)
+        at = to_device(torch.tensor(ids, dtype=torch.long), device)
+        row.index_put_((at,), to_device(torch.tensor(bias, dtype=torch.float32), device))
+    return row
+
+
+def penalize_rows(
+    logits: torch.Tensor,  # [..., V] any float dtype
+    counts: torch.Tensor,  # [..., V] float32: the output counts of each row's context
+    prompt: torch.Tensor,  # [..., V] bool (broadcast): the row's prompt tokens
+    bias: torch.Tensor,  # [..., V] float32 (broadcast): the logit bias (0: none)
+    rep: torch.Tensor,  # [...] float32: the repetition penalty (1: off)
+    freq: torch.Tensor,  # [...] float32: the frequency penalty (0: off)
+    pres: torch.Tensor,  # [...] float32: the presence penalty (0: off)
+) -> torch.Tensor:  # [..., V] float32
+    """Every row under its own parameters, in elementwise ops of fixed shapes (a graph runs them for a batch; the
+    host path for one request: the same ops, so the same bits on a device). A parameter that is off leaves the
+    values as they are (x + 0, x / 1, x * 1, x - 0 * c are exact). Order: logit bias, repetition, frequency,
+    presence. NOTE: the parameters are tensors, not Python scalars: CUDA divides by a host scalar as a multiply by
+    its reciprocal, whose bits differ from a division."""
+    rep, freq, pres = rep[..., None], freq[..., None], pres[..., None]
+    x = logits.float() + bias
+    present = counts > 0
+    x = torch.where(present | prompt, torch.where(x > 0, x / rep, x * rep), x)
+    return x - freq * counts - pres * present.float()
+
+
+def ban_rows(logits: torch.Tensor, early: torch.Tensor, stops: torch.Tensor) -> torch.Tensor:
+    """[..., V] logits with the stop tokens (stops [..., V] bool, broadcast) at -inf in the early rows ([...] bool)."""
+    return logits.masked_fill(early[..., None] & stops, float("-inf"))
 
 
 def penalize_tree(
@@ -86,6 +124,11 @@ def ban_early_stops(
         return logits
     depth = to_device(tree.positions - tree.positions[0], logits.device)
     early = (output_len + depth) < min_tokens  # [N]
-    stops = torch.zeros(logits.shape[-1], dtype=torch.bool)
+    return ban_rows(logits, early, to_device(stop_mask(stop_ids, logits.shape[-1]), logits.device))
+
+
+def stop_mask(stop_ids, vocab: int) -> torch.Tensor:
+    """[V] bool on the host: the tokens min_tokens bans while the output is short."""
+    stops = torch.zeros(vocab, dtype=torch.bool)
     stops[sorted(stop_ids)] = True
-    return logits.masked_fill(early[:, None] & to_device(stops, logits.device)[None, :], float("-inf"))
+    return stops

@@ -58,6 +58,7 @@ from ..tree import TokenTree, TreeBatch
 from ..verify import GreedyRows, greedy_rows
 from .kv_pool import KVPool
 from .llama import ForwardOutput, LlamaModel
+from .penalty_graphs import decode_inputs, decode_penalized, penalty_buffers
 from .slot_table import SlotTable
 from .slot_table import real_rows as _real_rows
 
@@ -333,6 +334,7 @@ class GraphRunner:
         out_slots: torch.Tensor,  # [B] int64 host ids: where each row's K/V is written
         prefixes: list[torch.Tensor],  # per request [P_b] committed slots (the row's position is P_b)
         kv: KVPool,
+        penalties: list | None = None,  # per request its logits rules (penalty_graphs.PenaltyRow) or None: raw
     ) -> torch.Tensor:  # [B] int64 on the device: the greedy token after each row
         """A plain greedy decode step, one row per request, with the logits and their argmax inside the
         graph: the step's only inputs are one upload (tokens, positions, slots, and what the slot table's
@@ -341,7 +343,9 @@ class GraphRunner:
         Future tokens (SGLang's future token map): the graph also leaves its tokens in a buffer of the runner,
         row i's at [i], and a token given as -1 - i is read from there inside the graph: the token row i of
         the runner's previous decode step produced, which the host has not read (the overlapped loop issues
-        step N+1 before it reads step N: serving/decode_step.py)."""
+        step N+1 before it reads step N: serving/decode_step.py). With `penalties`, the argmax of each row's logits
+        under its request's penalties and min_tokens (models/penalty_graphs.py: a row reading a future token adds it
+        to its request's state first), in graphs of their own."""
         n = len(keys)
         key = self.bucket_of([1] * n, [p.numel() for p in prefixes])
         if key is None:
@@ -351,12 +355,13 @@ class GraphRunner:
         key = (*key, "greedy")
         front = [*tokens, *(p.numel() for p in prefixes)]
         longs, done = self._keyed_inputs(key, keys, [1] * n, prefixes, front, [out_slots])
-        out = self.cache.run(
-            key,
-            lambda: self._buffers(key),
-            lambda bufs: fill_flat(bufs["longs"], longs),
-            lambda bufs: self._forward_keyed(key, bufs, kv),
-        )
+        key, pen = decode_inputs(self, key, keys, tokens, penalties)
+
+        def fill(bufs: dict) -> None:
+            for buf, x in zip((bufs["longs"], *bufs.get("penalty", ())), (longs, *pen)):
+                fill_flat(buf, x)
+
+        out = self.cache.run(key, lambda: self._buffers(key), fill, lambda bufs: self._forward_keyed(key, bufs, kv))
         done()
         return out[1][:n]
 
@@ -430,6 +435,8 @@ class GraphRunner:
         bufs = {"longs": to_device(longs, dev), "mask": to_device(mask, dev)}
         if len(key) > 3 and key[1] > 1 and key[3] != "packed":  # (the padding mask, for device trees' masks to go over)
             bufs["padding"] = bufs["mask"].clone()
+        if key[-1] == "penalties":  # (penalty_graphs.penalty_inputs')
+            bufs["penalty"] = penalty_buffers(key[0], dev)
         if key[-1] == "verify":  # the trees' parents, next-token and next-sibling lists [3, B*Q] (padding: -1)
             bufs["tree"] = torch.full((3, key[0] * key[1]), -1, dtype=torch.long, device=dev)
         if key[-1] == "packed":  # a search's padded batch (tree_batch's longs [B, 6, N] and masks [B, N, N])
@@ -458,7 +465,8 @@ class GraphRunner:
             tree = bufs["tree"]
             ids, pos = tree[:, 0].reshape(-1), tree[:, 2].reshape(-1)
         if key[3] == "greedy":  # future tokens (see decode): -1 - i reads the previous decode's row i
-            ids = torch.where(ids < 0, self._future[(-1 - ids).clamp_(min=0)], ids)
+            chained = ids < 0
+            ids = torch.where(chained, self._future[(-1 - ids).clamp_(min=0)], ids)
         plan = static_plan(prefix, prefix_len, slots.view(b, q), bufs["mask"])
         tokens = ids.view(b, q)  # (the drafts as drafted: one outside the vocabulary is never accepted)
         ids = ids.clamp(0, self.model.cfg.vocab_size - 1)  # (see _forward)
@@ -466,6 +474,8 @@ class GraphRunner:
         if key[3] == "table":
             return out
         logits = self.model.logits(out.hidden, fp32=False)
+        if key[-1] == "penalties":  # (each row's root, the previous decode's token where chained, joins its state)
+            logits = decode_penalized(self, bufs, bufs["longs"][3 * b : 4 * b], chained, ids, logits)
         argmax = greedy_tokens(logits)
         if key[3] == "greedy":  # (real rows only: a capture's padding batch, slot 0 everywhere, leaves them)
             self._future[:b].copy_(torch.where(slots > 0, argmax, self._future[:b]))

@@ -51,6 +51,7 @@ from ..tree import TreeBatch
 from ..verify import greedy_rows
 from .draft_graphs import ExtendRunner
 from .graph_runner import GraphRunner, bucket, fill_flat, static_plan
+from .penalty_graphs import PenaltyRow, penalized_logits, penalty_buffers, penalty_inputs, penalty_state
 
 WIDTH = 16  # path columns kept per request: a tree's depth + 1 at most
 
@@ -102,6 +103,7 @@ def verify_spec(
     mixed: tuple[list[int], list[int]] | None = None,  # (src, roots): root-only rows beside the trees
     top: int | None = None,  # K: the result rows carry their paths' logprobs and K likeliest (None: no logprobs)
     sampling: list[tuple[float, int, float, int]] | None = None,  # per request (temperature, top_k, top_p, seed)
+    penalties: list[PenaltyRow | None] | None = None,  # per request its logits rules (None: raw logits)
 ):  # -> (captured {layer: [b*N, H]} views, result [b, R] view): read before the next replay (queue copies)
     """The spec verify (module docstring) on g's stream: one fill and one replay. Without `mixed`, request i's tree
     is packed's i-th; with it, src[i] is its tree's index in packed, or -1 for a root-only row (a request that does
@@ -109,7 +111,9 @@ def verify_spec(
     the previous verify, or roots[i] (host) where it has none. R: 2W + 1, and W * (1 + 2K) more with `top` (each K
     a graph of its own). sampling (None: every request greedy): each request's parameters, temperature 0 for a greedy
     one, seed an int64 (sampling.int64): its rows' tokens their coupled samples (sampling.coupled_tokens), in graphs
-    of their own (two: with top_k / top_p in the batch or not)."""
+    of their own (two: with top_k / top_p in the batch or not). penalties (None, or None for every request: raw
+    logits): each tree row's logits under its request's penalties and min_tokens (models/penalty_graphs.py), in
+    graphs of their own."""
     n = packed.longs.shape[2]
     b = len(keys)
     bases = [t.numel() for t in prefixes]
@@ -131,7 +135,10 @@ def verify_spec(
         ]
     )
     samp, params = _sampling_rows(sampling, bb, g.model.cfg.vocab_size)
-    key = (*key, "spec" if mixed is None else "spec-mixed", top, samp)
+    pen = None
+    if penalties is not None and any(x is not None for x in penalties):
+        pen = penalty_inputs(g, keys, rows, [x >= 0 for x in prev], penalties, bb)
+    key = (*key, "spec" if mixed is None else "spec-mixed", top, samp, pen is not None)
     d = len(packed.trees)
 
     def make() -> dict:
@@ -145,6 +152,8 @@ def verify_spec(
         if samp is not None:
             pad = lambda x: (torch.zeros_like if x.dtype == torch.long else torch.ones_like)(x, device=dev)  # noqa: E731
             bufs["sampling"] = tuple(pad(x) for x in params)  # (every row greedy, temperature and top_p 1)
+        if pen is not None:
+            bufs["penalty"] = penalty_buffers(bb, dev)
         return bufs
 
     def fill(bufs: dict) -> None:
@@ -158,6 +167,9 @@ def verify_spec(
         bufs["finite"].copy_(finite)
         if samp is not None:
             for buf, x in zip(bufs["sampling"], params):
+                fill_flat(buf, x)
+        if pen is not None:
+            for buf, x in zip(bufs["penalty"], pen):
                 fill_flat(buf, x)
 
     out, result = g.cache.run(key, make, fill, lambda bufs: _verify_fn(g, fut, key, bufs, kv))
@@ -205,7 +217,7 @@ def _table_rows(g: GraphRunner, keys: list, prefixes: list[torch.Tensor], prev: 
 def _verify_fn(g: GraphRunner, fut: SpecFuture, key: tuple, bufs: dict, kv):
     """The captured spec verify: the slot table's rows made whole from the previous step's futures, the forward,
     the greedy paths, the futures and the result (module docstring)."""
-    b, n, p, kind, top, samp = key
+    b, n, p, kind, top, samp, pen = key
     mixed = kind == "spec-mixed"
     slots, rows, base, prev, *flags = bufs["longs"].split([b * n, b, b, b] + [b, b] * mixed)
     flat, width = g._table.table.view(-1), g._table.width
@@ -230,7 +242,12 @@ def _verify_fn(g: GraphRunner, fut: SpecFuture, key: tuple, bufs: dict, kv):
     vocab = g.model.cfg.vocab_size
     tokens = ids.view(b, n)
     out = g._static_model.forward(ids.clamp(0, vocab - 1), pos, slots, plan, kv, g.capture_layers)
-    logits = g.model.logits(out.hidden, fp32=False)
+    raw = logits = g.model.logits(out.hidden, fp32=False)
+    grid_pos = pos.view(b, n)
+    if pen:  # (each chained row's path of the step before: the futures as that step's verify left them)
+        depth = grid_pos - grid_pos[:, :1]
+        st = penalty_state(g)
+        logits = penalized_logits(st, bufs["penalty"], rows, has, lens, fut.tokens[pr], tokens, mask, depth, raw)
     if samp is None:
         argmax = greedy_tokens(logits)
     else:  # (each sampled row's coupled sample of the token after its node, at the node's position + 1)
@@ -238,7 +255,6 @@ def _verify_fn(g: GraphRunner, fut: SpecFuture, key: tuple, bufs: dict, kv):
         node = lambda x: x.repeat_interleave(n)  # noqa: E731
         # the noise once per request and depth d < w (at the position root + 1 + d), as verify.coupled_path makes it
         w = min(n, WIDTH)
-        grid_pos = pos.view(b, n)
         depth = (grid_pos - grid_pos[:, :1]).clamp(0, w - 1)
         at = (torch.arange(b, device=pos.device)[:, None] * w + depth).view(-1)
         positions = (grid_pos[:, :1] + 1 + torch.arange(w, device=pos.device)).view(-1)
@@ -262,7 +278,7 @@ def _verify_fn(g: GraphRunner, fut: SpecFuture, key: tuple, bufs: dict, kv):
         keep(fut.feats[:b, :w], feats.gather(1, at[..., None].expand(b, w, feats.shape[2])))
     result = [nodes, path, bad.long()[:, None]]
     if top is not None:
-        result += _path_logprobs(logits.view(b, n, -1), at, path, top)
+        result += _path_logprobs(raw.view(b, n, -1), at, path, top)  # (the raw logits' logprobs, as Sampler's)
     return out, torch.cat(result, 1)
 
 

@@ -219,3 +219,55 @@ def test_one_device_to_host_copy_per_step(runs):
     prefills, reads = prefill_copies(stream.log), [i for kind, i in stream.log if kind == "read"]
     assert stream.copies == eng.runner.graph_runner.runs + len(prefills) and prefills
     assert sorted(reads) == list(range(1, stream.copies))
+
+
+def _grown(target, overlap: bool, stream=None) -> list:
+    """MoA, two requests in a chain (search bucket 2; rows 1 and 2 of the search's slot tables), the first ends (row 1
+    free), then three arrive at once, LONG's prompt first, and join the chain (bucket 4): the search's held slots grow
+    with the bucket, so its runner starts its slot tables over (SearchRunner.bind), where the rows go to the requests
+    in another order (the running request's row 2 is LONG's there) -> per request its tokens, finish reason, verify
+    steps, drafts and accepted drafts."""
+    config = EngineConfig(overlap=overlap, prefill="separate", kv_slots=2048, tree=TREE, adaptive=False)
+    eng = Engine(target, make_drafter("moa", target), config)
+    eng.runner.graph_runner = GraphRunner(eng.model, eng.capture_layers, stream=stream)
+    eng.drafter.step_graphs = True
+    encode = lambda text: target.encode_chat([{"role": "user", "content": text}])  # noqa: E731
+    first = [RUNNING[2], (RUNNING[0][0], SamplingParams(max_new_tokens=30))]  # (a stop id after a few tokens; longer)
+    reqs = [eng.add_request(encode(t), p) for t, p in first]
+    for _ in range(80):
+        if not eng.has_work:
+            break
+        eng.step()
+        if reqs[0].finished and len(reqs) == 2:  # (by the first's end: the same point in both loops)
+            later = [LONG, "Tell me about the moon.", "Name a color."]
+            reqs += [eng.add_request(encode(t), SamplingParams(max_new_tokens=10)) for t in later]
+    assert len(reqs) == 5 and not eng.has_work and slots_whole(eng) and drafter_pools_whole(eng.drafter)
+    return [
+        (r.output_ids, r.finish_reason, r.stats.verify_steps, r.stats.draft_tokens, r.stats.accepted_tokens)
+        for r in reqs
+    ]
+
+
+def test_moa_chain_whose_bucket_grows_drafts_as_the_loop_without_overlap(smollm2_fp32):
+    """MoA's chained step binds its search runner to the grown bucket's pools before its commit counts the cells it
+    appends (MoAGraphs._bind_search), so the commit appends to the tables the search then reads. In the device's order
+    (InOrderStream), the requests' drafts and acceptance are the loop without overlap's. (With the commit's cells
+    counted on the tables the search then drops, the running request's drafts differ: 14 verify steps and 15 accepted
+    drafts where the loop without overlap takes 15 and 14.)"""
+    plain = _grown(smollm2_fp32, False)
+    stream, sizes, real = InOrderStream(), [], spec_mod.launch
+
+    def launch(engine, reqs, prev=None):
+        step = real(engine, reqs, prev)
+        if step is not None:
+            sizes.append((len(prev.reqs) if prev is not None else 0, len(reqs)))
+        return step
+
+    spec_mod.launch = launch
+    try:
+        overlap = _grown(smollm2_fp32, True, stream)
+    finally:
+        spec_mod.launch = real
+        stream.close()
+    assert (1, 4) in sizes and sizes.index((1, 4)) > sizes.index((2, 1)), sizes  # (2 -> 1 -> 4 in one chain)
+    assert overlap == plain

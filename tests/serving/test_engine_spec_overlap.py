@@ -40,6 +40,7 @@ from serving.decode_step import OverlappedLoop
 from serving.engine import Engine
 from serving.spec_step import Chained, spec_chains
 from sglang_ext.drafters import make_drafter
+from sglang_ext.grammar import GrammarSpec
 from sglang_ext.models.graph_runner import GraphRunner
 from sglang_ext.sampling import SamplingParams
 from sglang_ext.tree import TreeShape
@@ -220,18 +221,22 @@ def test_one_device_to_host_copy_per_drafted_step(runs, name):
     assert max(r.stats.verify_steps for r in reqs) <= stream.copies - len(prefills)
 
 
-def test_chaining_takes_drafted_steps_of_path_independent_logits_only(smollm2_fp32):
-    """A chained spec step needs the overlapped loop, a drafter that chains, requests whose logits do not depend on
-    their paths (greedy or sampled: test_engine_spec_overlap_sampled.py; no penalties), no adaptive policy."""
+def test_chaining_takes_drafted_steps_of_requests_without_a_grammar(smollm2_fp32):
+    """A chained spec step needs the overlapped loop, a drafter that chains, requests without a grammar (greedy or
+    sampled: test_engine_spec_overlap_sampled.py; penalties or not: test_engine_overlap_penalties.py), no adaptive
+    policy."""
     stream = QueuedStream()
     try:
         eng = _engine(smollm2_fp32, True, stream)
         greedy = eng.add_request([1, 9690, 30], SamplingParams(max_new_tokens=4))
         sampled = eng.add_request([1, 9690, 30], SamplingParams(max_new_tokens=4, temperature=0.8, seed=1))
         penalized = eng.add_request([1, 9690, 30], SamplingParams(max_new_tokens=4, presence_penalty=0.5))
+        grammar = eng.add_request(
+            [1, 9690, 30], SamplingParams(max_new_tokens=4, grammar=GrammarSpec("regex", "[ab]+"))
+        )
         eng.step()  # (their prefills)
         assert spec_chains(eng, [greedy]) and spec_chains(eng, [greedy, sampled])
-        assert not spec_chains(eng, [greedy, penalized])
+        assert spec_chains(eng, [greedy, penalized]) and not spec_chains(eng, [greedy, grammar])
         eng.config = replace(eng.config, overlap=False)
         assert not eng.overlap.applies() and not spec_chains(eng, [greedy])
         lookup = Engine(smollm2_fp32, make_drafter("ngram", smollm2_fp32), EngineConfig(prefill="separate"))

@@ -110,7 +110,8 @@ def test_chained_tokens_and_logprobs_equal_the_plain_loop(runs):
 
 def test_a_greedy_logprobs_request_chains(smollm2_fp32):
     """spec_chains: a greedy request with logprobs chains, alone or beside one without, and a sampled one with logprobs
-    too (test_engine_spec_overlap_sampled.py); a penalized one does not."""
+    too (test_engine_spec_overlap_sampled.py), and a penalized one (its logprobs the raw ones, as the ordinary step's:
+    test_engine_overlap_penalties.py)."""
     stream = QueuedStream()
     try:
         eng = _engine(smollm2_fp32, True, stream)
@@ -120,7 +121,7 @@ def test_a_greedy_logprobs_request_chains(smollm2_fp32):
         penalized = eng.add_request([1, 9690, 30], SamplingParams(max_new_tokens=4, frequency_penalty=1.0, logprobs=1))
         eng.step()  # (their prefills)
         assert spec_chains(eng, [lp]) and spec_chains(eng, [lp, greedy]) and spec_chains(eng, [lp, sampled])
-        assert not spec_chains(eng, [lp, penalized])
+        assert spec_chains(eng, [lp, penalized])
     finally:
         stream.close()
 

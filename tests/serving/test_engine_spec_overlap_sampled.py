@@ -27,6 +27,7 @@ from serving.config import EngineConfig
 from serving.engine import Engine
 from serving.spec_step import spec_chains
 from sglang_ext.drafters import make_drafter
+from sglang_ext.grammar import GrammarSpec
 from sglang_ext.models.graph_runner import GraphRunner
 from sglang_ext.sampling import SamplingParams
 from sglang_ext.tree import TreeShape
@@ -116,8 +117,9 @@ def test_seeded_chained_outputs_equal_the_ordinary_step_and_plain_decoding(runs,
 
 
 def test_what_rides_the_chains(smollm2_fp32):
-    """spec_chains: sampled requests, seeded or not, with logprobs or not, alone or beside greedy ones; not one whose
-    logits depend on its path (penalties, min_tokens)."""
+    """spec_chains: sampled requests, seeded or not, with logprobs or not, alone or beside greedy ones, with penalties
+    or min_tokens (the graph applies them: test_engine_overlap_penalties.py); not one with a grammar (its mask is
+    the host's)."""
     stream = QueuedStream()
     try:
         eng = _engine(smollm2_fp32, True, "eagle3", TREE, stream)
@@ -125,9 +127,11 @@ def test_what_rides_the_chains(smollm2_fp32):
         greedy, seeded = add(), add(temperature=0.8, seed=1, logprobs=2)
         unseeded, filtered = add(temperature=1.2), add(temperature=0.5, top_k=3, top_p=0.5)
         penalized, early = add(temperature=0.8, repetition_penalty=1.2), add(temperature=0.8, min_tokens=3)
+        grammar = add(grammar=GrammarSpec("regex", "[ab]+"))
         eng.step()  # (their prefills)
         assert spec_chains(eng, [seeded]) and spec_chains(eng, [greedy, seeded, unseeded, filtered])
-        assert not spec_chains(eng, [greedy, penalized]) and not spec_chains(eng, [seeded, early])
+        assert spec_chains(eng, [greedy, penalized]) and spec_chains(eng, [seeded, early])
+        assert grammar.matcher is not None and not spec_chains(eng, [greedy, grammar])
     finally:
         stream.close()
 

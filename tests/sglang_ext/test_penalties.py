@@ -97,3 +97,11 @@ def test_bad_penalties_name_their_parameter(kw, param):
     with pytest.raises(InvalidRequest) as e:
         SamplingParams(**kw)
     assert e.value.param == param
+
+
+def test_a_draft_token_outside_the_vocabulary_counts_as_the_nearest_id():
+    """A faulty drafter's token (never accepted) fails nothing: its row and those below it count the nearest id, the
+    others their own paths (the request then falls back to vanilla decoding, as without penalties)."""
+    tree = tree_from_parents(torch.tensor([9, 20, 3, 4]), torch.tensor([-1, 0, 0, 1]), seq_len=6)  # node 1: 20
+    rows = tree_output_counts(output_counts([9], 16), tree)
+    assert rows[1, 15] == rows[3, 15] == rows[3, 4] == rows[2, 3] == 1 and rows[0].sum() == 1 and rows[2, 15] == 0
