@@ -20,8 +20,6 @@ after its own path. The `gpu` case runs the scenario on CUDA's stream with captu
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 from helpers import (
     QueuedStream,
@@ -31,13 +29,11 @@ from helpers import (
     slots_whole,
     step_order,
 )
-from test_engine_spec_overlap import FAULTY, _in_order, _poison, _recorded, _Scripted
+from test_engine_spec_overlap import FAULTY, _in_order, _poison, _recorded, scripted_policy
 from test_engine_spec_overlap_logprobs import TOL, _same_logprobs
+from test_engine_spec_overlap_sampled import _engine
 
-from serving.config import EngineConfig
 from serving.engine import Engine
-from sglang_ext.drafters import make_drafter
-from sglang_ext.models.graph_runner import GraphRunner
 from sglang_ext.sampling import SamplingParams
 from sglang_ext.tree import TreeShape
 
@@ -65,18 +61,8 @@ LATE = ("Reply with one word: yes or no?", SamplingParams(max_new_tokens=8, repe
 ARRIVE_AFTER = 3  # engine steps (LATE arrives while a chain runs: its prefill rides beside the step in flight)
 
 
-def _engine(target, overlap: bool, drafter: str | None, stream=None) -> Engine:
-    config = EngineConfig(overlap=overlap, prefill="separate", kv_slots=2048, tree=TREE, adaptive=False)
-    eng = Engine(target, make_drafter(drafter, target) if drafter else None, config)
-    if eng.runner.graph_runner is None:
-        eng.runner.graph_runner = GraphRunner(eng.model, eng.capture_layers, stream=stream)
-        if eng.drafter is not None:
-            eng.drafter.step_graphs = True
-    return eng
-
-
 def _run(target, overlap: bool, drafter: str | None, requests, stream=None):
-    eng = _engine(target, overlap, drafter, stream)
+    eng = _engine(target, overlap, drafter, TREE, stream)
     encode = lambda text: target.encode_chat([{"role": "user", "content": text}])  # noqa: E731
     reqs = [eng.add_request(encode(t), p) for t, p in requests]
     for step in range(80):
@@ -160,7 +146,7 @@ def _faulty(target, overlap: bool):
     if stream is not None:  # (FAULTY's last steps, alone and drafting nothing, take the ordinary step)
         Engine._run = _in_order(stream, run)
     try:
-        eng = _engine(target, overlap, "eagle3", stream)
+        eng = _engine(target, overlap, "eagle3", TREE, stream)
         _poison(eng, seen)
         encode = lambda text: target.encode_chat([{"role": "user", "content": text}])  # noqa: E731
         faulty = ("Hi!", SamplingParams(max_new_tokens=20, min_tokens=14, presence_penalty=1.0))
@@ -194,18 +180,9 @@ def test_under_the_policy_penalized_outputs_are_the_ordinary_loops(smollm2_fp32,
     start, end and restart; EAGLE-3), every output is the ordinary loop's, and chained steps ran: each chain's first
     step writes its requests' state from the host, whatever ran before it (with a state kept from an earlier chain
     instead, outputs differ: checked)."""
-    stream, engine, run = QueuedStream(), Engine.__init__, Engine._run
-
-    def adaptive(self, target, drafter, config):
-        engine(self, target, drafter, replace(config, adaptive=True))
-        self.policy = _Scripted()
-
-    Engine.__init__, Engine._run = adaptive, _in_order(stream, run)
-    try:
+    stream = QueuedStream()
+    with scripted_policy(stream):
         eng, reqs = _run(smollm2_fp32, True, "eagle3", GREEDY + SAMPLED, stream)
-    finally:
-        Engine.__init__, Engine._run = engine, run
-        stream.close()
     assert _ends(reqs) == _ends(vanilla)
     assert sum(c for c, _ in eng.policy.kinds) >= 2 and {o for o, *_ in eng.policy.seen} == {0, 1, 2}
 

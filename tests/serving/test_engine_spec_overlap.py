@@ -505,27 +505,35 @@ def _in_order(stream: QueuedStream, run):
     return ordinary
 
 
-def _policy_run(target, overlap: bool, drafter: str, arrival: bool = False, seen=None):
-    """The scenario (a long request more, no arrival) under the scripted policy -> (the engine, its requests, the
-    stand-in stream or None). arrival: the `runs` fixture's scenario instead (LATE arrives), every choice the
-    configured tree (each request drafts as without the policy); seen: as _scenario's."""
-    stream = QueuedStream() if overlap else None
+@contextmanager
+def scripted_policy(stream: QueuedStream | None, policy=_Scripted):
+    """Engines made inside run under a scripted adaptive policy (policy(): a fresh one per engine), their ordinary
+    step in order on the stand-in `stream` (None: as it is); the stream is closed after."""
     engine, run = Engine.__init__, Engine._run
 
     def adaptive(self, target, drafter, config):
         engine(self, target, drafter, replace(config, adaptive=True))
-        self.policy = _Scripted(set(), set()) if arrival else _Scripted()
+        self.policy = policy()
 
     Engine.__init__ = adaptive
     if stream is not None:
         Engine._run = _in_order(stream, run)
     try:
-        extra = () if arrival else [LONG]
-        return (*_scenario(target, overlap, stream, drafter, extra, late=arrival, seen=seen), stream)
+        yield
     finally:
         Engine.__init__, Engine._run = engine, run
         if stream is not None:
             stream.close()
+
+
+def _policy_run(target, overlap: bool, drafter: str, arrival: bool = False, seen=None):
+    """The scenario (a long request more, no arrival) under the scripted policy -> (the engine, its requests, the
+    stand-in stream or None). arrival: the `runs` fixture's scenario instead (LATE arrives), every choice the
+    configured tree (each request drafts as without the policy); seen: as _scenario's."""
+    stream = QueuedStream() if overlap else None
+    with scripted_policy(stream, (lambda: _Scripted(set(), set())) if arrival else _Scripted):
+        extra = () if arrival else [LONG]
+        return (*_scenario(target, overlap, stream, drafter, extra, late=arrival, seen=seen), stream)
 
 
 @pytest.fixture(scope="module", params=["eagle3", "moa"])

@@ -16,11 +16,9 @@ graphs.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 from helpers import QueuedStream, drafter_pools_whole, slots_whole
-from test_engine_spec_overlap import _in_order, _order, _recorded, _Scripted
+from test_engine_spec_overlap import _order, _recorded, scripted_policy
 from test_engine_spec_overlap_logprobs import TOL, _same_logprobs
 
 from serving.config import EngineConfig
@@ -151,17 +149,8 @@ def test_gpu_seeded_chained_outputs_equal_the_plain_loop(smollm2_cuda, drafter):
 def test_under_the_policy_seeded_chained_outputs_are_plain_decodings(smollm2_fp32, vanilla):
     """Under the adaptive policy (scripted: off and the smaller tree between the configured tree's steps, so chains
     start, end and restart; EAGLE-3), the overlapped loop's outputs are plain decoding's and chained steps ran."""
-    stream, engine, run = QueuedStream(), Engine.__init__, Engine._run
-
-    def adaptive(self, target, drafter, config):
-        engine(self, target, drafter, replace(config, adaptive=True))
-        self.policy = _Scripted()
-
-    Engine.__init__, Engine._run = adaptive, _in_order(stream, run)
-    try:
+    stream = QueuedStream()
+    with scripted_policy(stream):
         eng, reqs = _run(smollm2_fp32, True, "eagle3", TREE, stream)
-    finally:
-        Engine.__init__, Engine._run = engine, run
-        stream.close()
     assert [(r.output_ids, r.finish_reason) for r in reqs] == [(r.output_ids, r.finish_reason) for r in vanilla]
     assert sum(c for c, _ in eng.policy.kinds) >= 2 and {o for o, *_ in eng.policy.seen} == {0, 1, 2}
