@@ -4,7 +4,17 @@ import pytest
 import torch
 
 from sglang_ext.grammar import JSON_OBJECT
-from sglang_ext.penalties import ban_early_stops, output_counts, penalize, penalize_tree, tree_output_counts
+from sglang_ext.penalties import (
+    ban_early_stops,
+    bias_row,
+    output_counts,
+    penalize,
+    penalize_rows,
+    penalize_tree,
+    penalty_values,
+    prompt_mask,
+    tree_output_counts,
+)
 from sglang_ext.sampling import InvalidRequest, SamplingParams
 from sglang_ext.tree import chain_tree, tree_from_parents
 
@@ -21,6 +31,29 @@ def test_penalize_by_hand():
     # output count; 3: seen, positive -> /2, then -0.25*2 - 0.5; 4: bias only
     assert got.tolist() == [[-8.0, -2.75, 0.25, 0.5, -0.5]]
     assert logits.tolist() == [[2.0, -1.0, 0.5, 3.0, -2.0]]  # the caller's rows are not modified
+
+
+@pytest.mark.parametrize("rules", range(1, 16))
+def test_a_requests_penalize_is_every_rules_ops_bit_for_bit(rules):
+    """The host path runs only the rules a request sets; the graphs run all of them for a batch (penalize_rows), the
+    ones off as identities: the same values either way (a -0.0 logit the graph's + 0 makes +0.0: equal), for every
+    combination of bias, repetition, frequency and presence (logits with zeros of both signs, -inf; counts 0-2)."""
+    gen = torch.Generator().manual_seed(rules)
+    logits = torch.randn(4, 64, generator=gen) * 3
+    logits[:, :4] = torch.tensor([0.0, -0.0, float("-inf"), 1.0])
+    counts = torch.randint(0, 3, (4, 64), generator=gen).float()
+    p = SamplingParams(
+        logit_bias=((5, -1.5), (9, 2.25)) if rules & 1 else (),
+        repetition_penalty=1.3 if rules & 2 else 1.0,
+        frequency_penalty=0.4 if rules & 4 else 0.0,
+        presence_penalty=0.7 if rules & 8 else 0.0,
+    )
+    prompt = [1, 7, 9, 30]
+    rep, freq, pres = torch.tensor([penalty_values(p)]).unbind(1)
+    every = penalize_rows(logits, counts, prompt_mask(prompt, 64), bias_row(p.logit_bias, 64), rep, freq, pres)
+    got = penalize(logits, p, counts, prompt)
+    assert torch.equal(got, every)
+    assert got.data_ptr() != logits.data_ptr()
 
 
 def test_tree_rows_count_their_own_path():
