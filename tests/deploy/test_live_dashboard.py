@@ -67,6 +67,7 @@ def traffic(prometheus, live_gateway):
     prom.wait_until("first scrape of the gateway", lambda: prom.scalar(f'up{{job="{prom.JOB}"}}') == 1, 20)
 
     # More concurrent requests than --max-running (4): batches of several requests, and a queue.
+    drafted = g.sample("moa_draft_tokens_total")  # (the gateway is shared: other tests' traffic may come first)
     with ThreadPoolExecutor(len(BURST)) as pool:
         futures = [pool.submit(g.chat, p, 24, stream=i % 2 == 0) for i, p in enumerate(BURST)]
         results = [f.result(timeout=120) for f in futures]
@@ -83,8 +84,8 @@ def traffic(prometheus, live_gateway):
 
     counts = {s: g.sample("moa_requests_total", status=s) for s in ("ok", "invalid", "error")}
     assert counts["ok"] >= len(BURST) and counts["invalid"] >= 1 and counts["error"] == 0, counts
-    assert g.sample("moa_draft_tokens_total") > 0, (
-        "the ngram drafter proposed nothing: the acceptance panels would be empty"
+    assert g.sample("moa_draft_tokens_total") > drafted, (
+        "the ngram drafter proposed nothing in the burst: the acceptance panels would be empty"
     )
     batch_steps, single_steps = g.sample("moa_batch_size_count"), g.sample("moa_batch_size_bucket", le="1.0")
     assert single_steps < batch_steps, "no engine step ran more than one request: the burst was not concurrent"
