@@ -62,7 +62,7 @@ def penalize(logits: torch.Tensor, params: SamplingParams, counts: torch.Tensor,
     if params.logit_bias:
         x = x + bias_row(params.logit_bias, vocab, dev)
     counts = counts.expand(x.shape)
-    present = counts > 0
+    present = counts > 0 if values[0] != 1.0 or values[2] else None
     if values[0] != 1.0:
         seen = present | prompt_mask(prompt_ids, vocab, dev)
         x = torch.where(seen, torch.where(x > 0, x / rep[:, None], x * rep[:, None]), x)
