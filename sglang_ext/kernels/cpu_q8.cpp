@@ -758,8 +758,21 @@ class Q8Stack : public torch::CustomClassHolder {
     std::vector<moa_attention::RowPlan> rps{
         moa_attention::plan_rows(indptr, indptr, rows, at::ones({n * L * L}, at::kBool), T, T + 1, "q8 lsa_commit")};
     std::vector<AttnWork> works{attention_work(rps[0], T, threads(T))};
-    const at::Tensor out = run_layers(x, rc, rs, {rows}, {pk}, {pv}, {0}, rps, works, {0}, 1.0 / std::sqrt(static_cast<double>(D)), {})[0];
-    at::Tensor mean = out.view({n, L, H}).mean(1);
+    // the layer, its output averaged over each token's L rows in the down projection's place (out_ffn's `group`)
+    const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+    at::Tensor mean = L == 1 ? run_layers(x, rc, rs, {rows}, {pk}, {pv}, {0}, rps, works, {0}, scale, {})[0] : at::empty({n, H}, at::kFloat);
+    if (L > 1) {
+      Buffers buf = buffers(T);
+      buf.x.copy_(x);
+      const Layer& l = layers[0];
+#pragma omp parallel num_threads(threads(T))
+      {
+        norm_quantize_in(buf, l);
+        qkv_rope_store(buf, l, rc, rs, rows, pk, pv);
+        attention(buf, works[0], rps[0], pk, pv, static_cast<float>(scale));
+        out_ffn(buf, l, L, mean.data_ptr<float>());
+      }
+    }
     const at::Tensor memory = matmul_of(mean, ekv2e, "q8 lsa_commit").add_(memory_bias);
     const int64_t M = ekv2e.N, kvw = ca_heads * ca_dim;
     at::Tensor normed = at::empty({n, M}, at::kFloat);
@@ -1131,8 +1144,11 @@ class Q8Stack : public torch::CustomClassHolder {
     }
   }
 
-  // x += o(aq); then RMSNorm + quantise; gate/up + SiLU * up + quantise by 32 features; x += down(mq)
-  void out_ffn(Buffers& b, const Layer& l) const {
+  // x += o(aq); then RMSNorm + quantise; gate/up + SiLU * up + quantise by 32 features; x += down(mq).
+  // With `mean` [T / group, H] (MoA's LSA commit: a token's `group` >= 2 rows, one per target layer, are averaged):
+  // each group's mean of x + down(m) written there as mean(x) + down(mean(m)), since down is linear: two down rows
+  // a token instead of `group` (about a sixth of the LSA's multiply-adds at 30 layers).
+  void out_ffn(Buffers& b, const Layer& l, int64_t group = 0, float* mean = nullptr) const {
     const int64_t T = b.T;
     float* x = b.x.data_ptr<float>();
 #pragma omp for schedule(dynamic, 1)
@@ -1148,10 +1164,40 @@ class Q8Stack : public torch::CustomClassHolder {
       for (int64_t t = 0; t < T; ++t) {
         float* mt = m + t * I + u * QK;
         moa_layer::silu_mul_row(gu + t * 2 * I + u * QK, gu + t * 2 * I + I + u * QK, mt, QK);
-        quantize_block(mt, b.mq.q + t * I + u * QK, b.mq.d + t * nb + u, b.mq.s + t * nb + u);
+        if (!mean) quantize_block(mt, b.mq.q + t * I + u * QK, b.mq.d + t * nb + u, b.mq.s + t * nb + u);
       }
     }
     b.mark(GATE_UP);
+    if (mean) {
+      const int64_t n = T / group;
+      const float inv = 1.0f / static_cast<float>(group);
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < n; ++i) {
+        float *mx = mean + i * H, *mm = gu + i * I;  // (gu's first n * I floats: free after gate/up)
+        std::memcpy(mx, x + i * group * H, H * sizeof(float));
+        std::memcpy(mm, m + i * group * I, I * sizeof(float));
+        for (int64_t r = 1; r < group; ++r) {
+          const float *xr = x + (i * group + r) * H, *mr = m + (i * group + r) * I;
+          for (int64_t j = 0; j < H; ++j) mx[j] += xr[j];
+          for (int64_t j = 0; j < I; ++j) mm[j] += mr[j];
+        }
+        for (int64_t j = 0; j < H; ++j) mx[j] *= inv;
+        for (int64_t j = 0; j < I; ++j) mm[j] *= inv;
+        // the mean as two 8-bit rows, the second its first's rounding error: one 8-bit row would round it
+        // ~30x coarser than the rows' own roundings, which their mean averages out
+        quantize_row(mm, b.mq, 2 * i);
+        for (int64_t k = 0; k < I; ++k) mm[k] -= static_cast<float>(b.mq.q[2 * i * I + k]) * b.mq.d[2 * i * nb + k / QK];
+        quantize_row(mm, b.mq, 2 * i + 1);
+      }
+      float* y = b.h.data_ptr<float>();  // [2n, H] (free after gate/up)
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t g = 0; g < l.down.groups; ++g) gemm_group(l.down, g, b.mq, 2 * n, y, H);
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t j = 0; j < H; ++j) mean[i * H + j] += y[2 * i * H + j] + y[(2 * i + 1) * H + j];
+      b.mark(DOWN);
+      return;
+    }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t g = 0; g < l.down.groups; ++g) gemm_group(l.down, g, b.mq, T, x, H, x, H);
     b.mark(DOWN);

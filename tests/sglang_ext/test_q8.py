@@ -370,15 +370,21 @@ def test_eagle3_one_level_search_on_q8_is_search_trees(smollm2_q8, monkeypatch):
             assert torch.allclose(a.scores, b.scores, rtol=1e-5) and bool(a.finite)
 
 
+def _error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
 def _close(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
-    return bool((a - b).abs().max() <= tol * b.abs().max())
+    return _error(a, b) <= tol
 
 
-def test_moa_on_q8_stacks_is_the_modules_math(smollm2_q8):
+def test_moa_on_q8_stacks_is_the_modules_math(smollm2_q8, smollm2_fp32):
     """Beside a q8 target, MoA's commit (LSA, Ekv2E, the CA keys/values), SA commit and draft pass (SA, CA, the TLI
     layer, norm, head rows) run as native calls on q8 stacks (kernels.q8_moa_stacks): the module's math on the same
     Q8_0 weights and 8-bit inputs, up to the norms' and attentions' summation order (8-bit inputs amplify it), the
-    same argmax; a token's CA keys/values are bit for bit the same alone or in a batch."""
+    same argmax; a token's CA keys/values are bit for bit the same alone or in a batch. The commit's LSA runs its
+    down projection once on each token's mean over the layers (down is linear): other roundings than the module's
+    per-row ones, and as close to the module's fp32 math."""
     from sglang_ext.drafters import make_drafter
     from sglang_ext.drafters.base import DraftInput
     from sglang_ext.drafters.moa import LSA_CHUNK, _RequestState, _TreePaths
@@ -398,7 +404,11 @@ def test_moa_on_q8_stacks_is_the_modules_math(smollm2_q8):
         slots, positions = torch.tensor([5, 9, 2, 33, 17]), torch.tensor([0, 1, 2, 3, 40])
         k, v = d._commit_q8(kv, slots, positions)  # LSA, Ekv2E and the CA keys/values in one call
         want_k, want_v = commit_ca(d.draft, lsa_memory(d.draft, kv.k, kv.v, slots), positions)
-        assert _close(k, want_k, 3e-3) and _close(v, want_v, 3e-3)
+        assert _close(k, want_k, 1e-2) and _close(v, want_v, 1e-2)
+        d32 = make_drafter("moa", smollm2_fp32).draft
+        exact = commit_ca(d32, lsa_memory(d32, kv.k, kv.v, slots), positions)
+        for got, module, fp32 in zip((k, v), (want_k, want_v), exact):
+            assert _error(got, fp32) <= 1.1 * _error(module, fp32)
         k2, v2 = d._commit_q8(kv, slots[1:3], positions[1:3])
         assert torch.equal(k2, k[1:3]) and torch.equal(v2, v[1:3])
         many = torch.randperm(64, generator=g)[: LSA_CHUNK + 7]  # (a prompt: its tokens LSA_CHUNK at a time)
