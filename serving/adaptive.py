@@ -90,6 +90,7 @@ class AdaptiveSpeculation:
         catch_up: bool = False,
         burst: int = 8,
         recheck: int = 8,
+        defer: bool = False,
     ):
         self.options = shape_menu(shape, confident=confident_from is not None)
         # the confident (cut) option only from `confident_from` requests: at bs 1 a verify row costs a
@@ -119,14 +120,14 @@ class AdaptiveSpeculation:
         # a tree must beat 'off' by this fraction to be chosen: where they are within noise (large
         # batches), speculating risks a loss for no gain
         self.tree_margin = tree_margin
-        self.stats: dict[tuple[int, str], RateWindow] = {}
+        self._stats: dict[tuple[int, str], RateWindow] = {}
         self.steps: dict[str, int] = {}
         self.next_retry: dict[tuple[str, int], int] = {}  # (bucket, option) -> step of its next re-measurement
         self.retry_gap: dict[tuple[str, int], int] = {}
         self.retries = 0  # steps spent re-measuring a losing option
         self.cost = StepCostModel()
         # per option, its recent steps at any batch size -> acceptance and tree size per request
-        self.history = [PerRequestWindow() for _ in self.options]
+        self._history = [PerRequestWindow() for _ in self.options]
         self.clock = 0  # steps observed, any bucket: the history's time
         self.postponed = 0  # re-measurements skipped because the prior put the option far behind
         # per bucket, the option chosen as best at the last step: the other options are rated against
@@ -150,12 +151,37 @@ class AdaptiveSpeculation:
         # choice ends early where a re-measurement falls due or the batch size changes.
         self.recheck = recheck
         self.kept: dict[str, tuple[int, int, int]] = {}  # bucket -> (best, batch size, step it is kept before)
+        # defer: observations are queued and learnt at the next decision (choose past a kept choice) or read of the
+        # stats: a kept choice reads none of them, so the choices are the same as learning each at once. In the engine
+        # a step's observation cost ~30 us of host time learnt alone (the target's weights have left the caches
+        # cold), a few us each when the queue's are learnt together.
+        self.defer = defer
+        self._queue: list[tuple] = []
 
     def _stat(self, i: int, bucket: str) -> RateWindow:
-        st = self.stats.get((i, bucket))
+        st = self._stats.get((i, bucket))
         if st is None:
-            st = self.stats[(i, bucket)] = RateWindow()
+            st = self._stats[(i, bucket)] = RateWindow()
         return st
+
+    @property
+    def stats(self) -> dict[tuple[int, str], RateWindow]:
+        """(option, bucket) -> its recent steps, every observation learnt."""
+        self.settle()
+        return self._stats
+
+    @property
+    def history(self) -> list[PerRequestWindow]:
+        """Per option, its recent steps at any batch size, every observation learnt."""
+        self.settle()
+        return self._history
+
+    def settle(self) -> None:
+        """Learn the queued observations, in order."""
+        while self._queue:
+            queue, self._queue = self._queue, []
+            for args in queue:
+                self._learn(*args)
 
     def choose(self, batch_size: int) -> int:
         """Index into self.options for this step."""
@@ -165,6 +191,7 @@ class AdaptiveSpeculation:
         if kept is not None and self.follow is None and kept[1] == batch_size and step < kept[2]:
             self.kept[bucket] = kept
             return kept[0]
+        self.settle()
         ok = self._eligible(batch_size)
         if self.follow is not None:
             follow, left = self.follow
@@ -246,7 +273,7 @@ class AdaptiveSpeculation:
         (acceptance, tree size and drafting seconds per request from at least `warmup` steps of each
         tree, and the verify cost of that many rows)."""
         ok = self._eligible(batch_size)
-        if any(self.options[i] is not None and len(self.history[i].steps) < self.warmup for i in ok):
+        if any(self.options[i] is not None and len(self._history[i].steps) < self.warmup for i in ok):
             return None
         rates = [self._prior(i, batch_size) if i in ok else 0.0 for i in range(len(self.options))]
         return None if None in rates else rates
@@ -302,7 +329,7 @@ class AdaptiveSpeculation:
         if self.options[i] is None:  # off: one row and one token per request, no drafting
             seconds = self.cost.predict(batch_size)
             return None if seconds is None else batch_size / seconds
-        h = self.history[i]
+        h = self._history[i]
         seconds = self.cost.predict(batch_size * h.rows) if h.steps else None
         return None if seconds is None else batch_size * h.tokens / (seconds + batch_size * h.draft_seconds)
 
@@ -312,7 +339,7 @@ class AdaptiveSpeculation:
         nothing was ruled out, then re-measured one step at a time, as rarely as the far behind are)."""
         if self.options[i] is None or self._stat(i, bucket).n >= self.warmup:
             return False
-        if len(self.history[i].steps) < self.warmup:
+        if len(self._history[i].steps) < self.warmup:
             return False
         off = self.options.index(None)
         mine = self._prior(i, batch_size)
@@ -332,7 +359,7 @@ class AdaptiveSpeculation:
         def distance(b: str) -> float:
             return abs(math.log2(int(b)) - math.log2(int(bucket)))
 
-        near = [b for b in {b for _, b in self.stats} if distance(b) <= 1 and self._measured(b, int(b))]
+        near = [b for b in {b for _, b in self._stats} if distance(b) <= 1 and self._measured(b, int(b))]
         return min(near, key=distance, default=None)
 
     def _source(self, i: int, bucket: str, known: str) -> tuple[RateWindow, float]:
@@ -347,7 +374,7 @@ class AdaptiveSpeculation:
         st = self._source(i, bucket, known)[0]
         if st.steps:
             return st.median_seconds
-        h = self.history[i]  # never run near here: the seconds the cost model predicts for its rows
+        h = self._history[i]  # never run near here: the seconds the cost model predicts for its rows
         return (self.cost.predict(batch_size * h.rows) if h.steps else None) or 0.0
 
     def _rate(self, i: int, bucket: str, known: str, batch_size: int) -> float:
@@ -374,9 +401,28 @@ class AdaptiveSpeculation:
         that ran, without running them. `first`: a request drafted for the first time, over its prompt too (EAGLE-3
         puts the layer's K/V of every prompt pair in its cache then, counted as a slow tree or a dear switch for 64
         steps): a cost of the request, paid once whenever it drafts, so the step is not rated."""
-        self.clock += 1
         switched = self.catch_up and self.options[option] is not None and not self.drafted_last
         self.drafted_last = self.options[option] is not None
+        args = (option, batch_size, seconds, tokens, rows, draft_seconds, accepted, drafted, first, switched)
+        self._queue.append(args)
+        if not self.defer:
+            self.settle()
+
+    def _learn(
+        self,
+        option: int,
+        batch_size: int,
+        seconds: float,
+        tokens: int,
+        rows: int | None,
+        draft_seconds: float,
+        accepted: list[int] | None,
+        drafted: list[int] | None,
+        first: bool,
+        switched: bool,
+    ) -> None:
+        """observe's learning (its arguments; switched: a first drafted step after steps without drafting)."""
+        self.clock += 1
         if first:  # a request's first drafted step: its prompt's catch-up, a cost of the request, unrated
             return
         if switched:  # (the drafter's catch-up: see catch_up) its cost counts against the re-measurement budget
@@ -392,7 +438,7 @@ class AdaptiveSpeculation:
         self._stat(option, bucket).add(seconds, tokens)
         if rows is not None:
             self.cost.add(rows, max(seconds - draft_seconds, 1e-9))
-            self.history[option].add(self.clock, batch_size, rows, tokens, draft_seconds)
+            self._history[option].add(self.clock, batch_size, rows, tokens, draft_seconds)
             if accepted is not None and drafted is not None:
                 self._counterfactual(option, accepted, drafted)
 
@@ -415,7 +461,7 @@ class AdaptiveSpeculation:
             ):
                 continue  # (a chain cut at another min_prob or drafted by other members: not the first nodes)
             d = shape.depth
-            h = self.history[j]
+            h = self._history[j]
             per_draft = h.draft_seconds if h.steps else 0.0
             h.add(
                 self.clock,

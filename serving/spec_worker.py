@@ -55,7 +55,7 @@ class SpecWorker:
         self.on_fallback = on_fallback
         members = drafter.member_names if drafter is not None else ()
         self.policy = (
-            AdaptiveSpeculation(tree, confident_from=CONFIDENT_FROM_BATCH, members=members, catch_up=True)
+            AdaptiveSpeculation(tree, confident_from=CONFIDENT_FROM_BATCH, members=members, catch_up=True, defer=True)
             if adaptive and drafter is not None
             else None
         )
