@@ -14,7 +14,7 @@ device computes the next one:
     host:    launch 1, launch 2, read 1 | launch 3, read 2 | launch 4, read 3 | ...     (one Engine.step each)
     device:  [ step 1 ][ step 2 ............ ][ step 3 ......... ][ step 4 ...
 
-Step N+1's rows read step N's tokens where the device left them (GraphRunner.decode's future tokens: -1 - i,
+Step N+1's rows read step N's tokens where the device left them (models/decode_graphs.py's future tokens: -1 - i,
 row i of the previous step), its slots are allocated and appended to the requests at launch, and each
 step's tokens still come up in one copy (queued behind the step, read after the next is issued). A request
 that step N ends (EOS, a stop id, its length, a fault of its own) or that is aborted before step N+1 is read
