@@ -1,10 +1,10 @@
-"""A plain greedy decode step replayed whole: no drafter, every request greedy (on the raw logits, or in the
-overlapped loop under its penalties and min_tokens: see below) without logprobs, no prompt chunk, a graph bucket. One
-new KV slot per request, one graph replay (the forward, the logits and their argmax; the prefixes from the graph
-runner's slot table on the device), the tokens in the step's one device-to-host copy, the slots appended (one cat
-for the batch, each request's a view of it). It gives the tree path's tokens (a root-only tree's path is its root,
-its token the target's argmax there) in a fixed number of host ops for the batch (moa_serve/benchmarks/step_ops.py
-counts them).
+"""A plain decode step replayed whole: no drafter, no prompt chunk, no logprobs, a graph bucket, every request greedy
+on the raw logits, or, in the overlapped loop, greedy or sampled under its penalties and min_tokens (see below). One
+new KV slot per request, one graph replay (the forward, the logits and each row's token; the prefixes from the graph
+runner's slot table on the device: models/decode_graphs.py), the tokens in the step's one device-to-host copy, the
+slots appended (one cat for the batch, each request's a view of it). It gives the tree path's tokens (a root-only
+tree's path is its root, its token the target's there: the argmax, or a sampled request's coupled sample) in a fixed
+number of host ops for the batch (moa_serve/benchmarks/step_ops.py counts them).
 
 The overlapped loop (SGLang's overlap scheduler, vLLM's async scheduling; `EngineConfig.overlap`, where the
 runner's stream is asynchronous: CUDA) issues step N+1 before it reads step N's tokens, so the host's work
@@ -34,15 +34,23 @@ from the host, or a drafting row whose drafter state joins from the futures (spe
 
 A request step N ends while P and step N+1 are issued is dropped from step N+1 as above; P only prefills arrivals.
 
-Requests with penalties (frequency, presence, repetition, a logit bias) or min_tokens still ahead chain too: the
-graphs apply them to each row's logits as the ordinary step's host path does (Sampler.constrained), from state on the
-device that each chained step brings up to its root from the step before's tokens, unread (models/penalty_graphs.py);
-an arrival's first token takes them on the device in its prefill (Sampler.sample).
+Sampled requests (a temperature, top_k / top_p or not, seeded or not) chain beside greedy ones: the graph takes each
+row's sampling parameters as inputs and gives a sampled row its coupled sample (sampling.coupled_tokens: Gumbel-max
+with the (seed, position) noise, the chained spec verify's ops), which is the token the ordinary step's verify gives a
+seeded request's root-only tree (verify.coupled_path), so a seeded request's output is the loop without overlap's; an
+unseeded one's seed is made from its generator's (Sampler.coupling_seed), as in chained spec steps: each token an
+exact sample of the target given the text before it, where its ordinary steps draw from its generator.
+
+Requests with penalties (frequency, presence, repetition, a logit bias) or min_tokens still ahead chain too, greedy or
+sampled: the graphs apply them to each row's logits as the ordinary step's host path does (Sampler.constrained), from
+state on the device that each chained step brings up to its root from the step before's tokens, unread
+(models/penalty_graphs.py); an arrival's first token takes them on the device in its prefill (Sampler.sample).
 
 Arrivals that need host reads of their own (prompt logprobs, logprobs, a grammar, a predicted output) and steps that
-are neither kind (a plain decode step with a request that is not greedy, a grammar's, a batch outside the buckets, a
-drafting request the drafter cannot join) first read the step in flight, alone in its Engine.step when it brings
-tokens; the ordinary step runs after it."""
+are neither kind (a plain decode step with a request that asks for logprobs or has a grammar, a batch outside the
+buckets, a drafting request the drafter cannot join) first read the step in flight, alone in its Engine.step when it
+brings tokens; the ordinary step runs after it. Without overlap a plain decode step takes plain greedy requests only
+(the ordinary step draws a sampled request's tokens and applies penalties on the host)."""
 
 from __future__ import annotations
 
@@ -78,17 +86,18 @@ def plain_decode(engine, reqs: list[Request]) -> bool:
         and engine.drafter is None
         and type(engine.sampler) is Sampler
         and type(engine.spec) is SpecWorker
-        and all(_greedy(engine, r) and r.params.logprobs is None for r in reqs)
+        and all(_in_graph(engine, r) and r.params.logprobs is None for r in reqs)
         and engine.runner.can_decode(reqs)
     )
 
 
-def _greedy(engine, r: Request) -> bool:
-    """Whether the graph's argmax is the request's token: greedy on the raw logits, or, in the overlapped loop, greedy
-    under its penalties and min_tokens, which the graph applies (models/penalty_graphs.py: their state on the device
-    lasts a chain; a step read at once would write it from the host every step, so without overlap the ordinary
-    step's host path takes them)."""
-    return engine.sampler.plain_greedy(r) or (engine.overlap.applies() and r.params.greedy and r.matcher is None)
+def _in_graph(engine, r: Request) -> bool:
+    """Whether the graph's token is the request's: greedy on the raw logits, or, in the overlapped loop, greedy or
+    sampled (seeded or not, top_k / top_p or not) under its penalties and min_tokens, which the graph applies (its
+    coupled sample: models/decode_graphs.py; the penalties' state on the device lasts a chain, models/penalty_graphs.py;
+    a step read at once would write it from the host every step, so without overlap the ordinary step takes them).
+    Not a grammar's (its mask is the host's)."""
+    return engine.sampler.plain_greedy(r) or (engine.overlap.applies() and r.matcher is None)
 
 
 @dataclass
@@ -114,7 +123,8 @@ def launch(engine, reqs: list[Request], prev: Launched | None = None) -> Launche
     rows = prev.live if prev is not None else {}
     tokens = [-1 - rows[r.rid] if r.rid in rows else r.output_ids[-1] for r in reqs]
     try:
-        out = engine.runner.decode(reqs, slots, tokens, [engine.sampler.penalty_row(r) for r in reqs])
+        rules = [engine.sampler.penalty_row(r) for r in reqs], engine.sampler.graph_sampling(reqs)
+        out = engine.runner.decode(reqs, slots, tokens, *rules)
         stream = engine.runner.stream
         copy = stream.to_host(out) if stream.asynchronous else tokens_to_host(out)  # the step's one copy
     except BaseException:

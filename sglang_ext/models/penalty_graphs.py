@@ -160,13 +160,12 @@ def penalized_logits(
     return torch.where(tracked[:, None, None], x, logits.view(b, n, v).float()).view(b * n, v)
 
 
-def decode_inputs(g, key: tuple, keys: list[Hashable], tokens: list[int], rows: list[PenaltyRow | None] | None):
-    """(a plain decode's graph key, its penalty_inputs: none where every row's logits are the raw ones); tokens: the
-    rows' tokens (-1 - i: a future token, decode_graphs.decode)."""
+def decode_inputs(g, bb: int, keys: list[Hashable], tokens: list[int], rows: list[PenaltyRow | None] | None) -> tuple:
+    """A plain decode graph's penalty_inputs, padded to bb (none where every row's logits are the raw ones); tokens:
+    the rows' tokens (-1 - i: a future token, decode_graphs.decode)."""
     if rows is None or all(x is None for x in rows):
-        return key, ()
-    table_rows = g._table.rows_of(keys)
-    return (*key, "penalties"), penalty_inputs(g, keys, table_rows, [t < 0 for t in tokens], rows, key[0])
+        return ()
+    return penalty_inputs(g, keys, g._table.rows_of(keys), [t < 0 for t in tokens], rows, bb)
 
 
 def decode_penalized(
