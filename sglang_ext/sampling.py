@@ -8,6 +8,7 @@ each row's context and apply to the target's logits only, before it (penalties.p
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -416,3 +417,13 @@ def sampling_buffers(inputs: tuple, device) -> tuple[torch.Tensor, ...]:
     """A graph's buffers for sampling_rows' inputs, every row greedy (flag, top_k, seed 0; temperature, top_p 1)."""
     pad = lambda x: (torch.zeros_like if x.dtype == torch.long else torch.ones_like)(x, device=device)  # noqa: E731
     return tuple(pad(x) for x in inputs)
+
+
+def float_bits(x: torch.Tensor) -> torch.Tensor:
+    """x (float32) as int64s holding its fp32 bits, on its device: floats beside ints in one int64 copy to the host."""
+    return x.float().contiguous().view(torch.int32).long()
+
+
+def bits_floats(ints: list[int]) -> tuple[float, ...]:
+    """float_bits' values read on the host back to the floats (exact)."""
+    return struct.unpack(f"{len(ints)}f", struct.pack(f"{len(ints)}i", *ints))

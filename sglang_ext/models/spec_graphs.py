@@ -40,13 +40,20 @@ replays the graph it replayed before.
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 
 import torch
 
 from ..device import to_device
-from ..sampling import TokenLogprob, coupled_tokens, greedy_tokens, sampling_buffers, sampling_rows
+from ..sampling import (
+    TokenLogprob,
+    bits_floats,
+    coupled_tokens,
+    float_bits,
+    greedy_tokens,
+    sampling_buffers,
+    sampling_rows,
+)
 from ..tree import TreeBatch
 from ..verify import greedy_rows
 from .draft_graphs import ExtendRunner
@@ -279,7 +286,7 @@ def _path_logprobs(
     rows = torch.log_softmax(logits.gather(1, at[..., None].expand(b, w, logits.shape[2])).float(), dim=-1)
     chosen = rows.gather(2, path.clamp(min=0)[..., None])
     vals, ids = rows.topk(k, dim=-1)
-    bits = lambda x: x.contiguous().view(torch.int32).long().view(b, -1)  # noqa: E731
+    bits = lambda x: float_bits(x).view(b, -1)  # noqa: E731
     return [bits(chosen), bits(vals), ids.reshape(b, -1)]
 
 
@@ -287,8 +294,7 @@ def path_logprobs_of(row: list[int], width: int, top: int, tokens: list[int], k:
     """A spec verify's result row (read on the host; W = width, K = top) -> its path tokens' logprobs, each with
     its k likeliest (k <= K: the request's top_logprobs), as verify.to_host gives them for an ordinary step."""
     n, at = len(tokens), 2 * width + 1
-    floats = lambda ints: struct.unpack(f"{len(ints)}f", struct.pack(f"{len(ints)}i", *ints))  # noqa: E731
-    chosen, vals = floats(row[at : at + n]), floats(row[at + width : at + width + width * top])
+    chosen, vals = bits_floats(row[at : at + n]), bits_floats(row[at + width : at + width + width * top])
     ids = row[at + width + width * top :]
     top_of = lambda i: tuple(zip(ids[i * top : i * top + k], vals[i * top : i * top + k]))  # noqa: E731
     return [TokenLogprob(t, chosen[i], top_of(i)) for i, t in enumerate(tokens)]
