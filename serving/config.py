@@ -39,7 +39,7 @@ class EngineConfig:
     # decode / verify forwards at bucketed shapes replayed from CUDA graphs (sglang_ext/models/graph_runner.py);
     # effective on a CUDA device only, eager outside the buckets
     cuda_graphs: bool = True
-    # the overlapped loop: a plain greedy decode step or an EAGLE-3 / MoA step is issued before the previous one's
+    # the overlapped loop: a plain decode step or an EAGLE-3 / MoA step is issued before the previous one's
     # results are read, the host's work for a step done while the device runs the next (serving/decode_step.py,
     # serving/spec_step.py); effective where
     # steps replay graphs on an asynchronous device (CUDA), outputs identical either way

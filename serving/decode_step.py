@@ -1,10 +1,10 @@
-"""A plain greedy decode step replayed whole: no drafter, every request greedy (on the raw logits, or in the
-overlapped loop under its penalties and min_tokens: see below) without logprobs, no prompt chunk, a graph bucket. One
-new KV slot per request, one graph replay (the forward, the logits and their argmax; the prefixes from the graph
-runner's slot table on the device), the tokens in the step's one device-to-host copy, the slots appended (one cat
-for the batch, each request's a view of it). It gives the tree path's tokens (a root-only tree's path is its root,
-its token the target's argmax there) in a fixed number of host ops for the batch (moa_serve/benchmarks/step_ops.py
-counts them).
+"""A plain decode step replayed whole: no drafter, no prompt chunk, no logprobs, a graph bucket, every request greedy
+on the raw logits, or, in the overlapped loop, greedy or sampled under its penalties and min_tokens (see below). One
+new KV slot per request, one graph replay (the forward, the logits and each row's token; the prefixes from the graph
+runner's slot table on the device: models/decode_graphs.py), the tokens in the step's one device-to-host copy, the
+slots appended (one cat for the batch, each request's a view of it). It gives the tree path's tokens (a root-only
+tree's path is its root, its token the target's there: the argmax, or a sampled request's coupled sample) in a fixed
+number of host ops for the batch (moa_serve/benchmarks/step_ops.py counts them).
 
 The overlapped loop (SGLang's overlap scheduler, vLLM's async scheduling; `EngineConfig.overlap`, where the
 runner's stream is asynchronous: CUDA) issues step N+1 before it reads step N's tokens, so the host's work
@@ -14,7 +14,7 @@ device computes the next one:
     host:    launch 1, launch 2, read 1 | launch 3, read 2 | launch 4, read 3 | ...     (one Engine.step each)
     device:  [ step 1 ][ step 2 ............ ][ step 3 ......... ][ step 4 ...
 
-Step N+1's rows read step N's tokens where the device left them (GraphRunner.decode's future tokens: -1 - i,
+Step N+1's rows read step N's tokens where the device left them (models/decode_graphs.py's future tokens: -1 - i,
 row i of the previous step), its slots are allocated and appended to the requests at launch, and each
 step's tokens still come up in one copy (queued behind the step, read after the next is issued). A request
 that step N ends (EOS, a stop id, its length, a fault of its own) or that is aborted before step N+1 is read
@@ -23,7 +23,8 @@ slots, stats and what the prefix cache takes are those of the loop without overl
 same way (serving/spec_step.py: greedy and sampled requests); the loop keeps one step in flight, of either kind.
 
 Arrivals end no chain: their prompt chunks (chunked prefill, prefix cache hits) run in a forward of their own,
-issued with their first tokens' copy before the step in flight is read (`launch_prefill`: the host takes the chunks
+issued with their first tokens' copy (with the logprobs of those that ask: the raw logits', as the ordinary step's)
+before the step in flight is read (`launch_prefill`: the host takes the chunks
 at launch), then step N+1 of the running requests; the prefill's copy is read first (behind step N on the device),
 the drafter settles the new prompts' state (Drafter.settle: EAGLE-3's draft-extend of the prompt's pairs, MoA's
 commit), then step N. A new request joins the chain from the next step: a plain decode row reading its first token
@@ -34,15 +35,23 @@ from the host, or a drafting row whose drafter state joins from the futures (spe
 
 A request step N ends while P and step N+1 are issued is dropped from step N+1 as above; P only prefills arrivals.
 
-Requests with penalties (frequency, presence, repetition, a logit bias) or min_tokens still ahead chain too: the
-graphs apply them to each row's logits as the ordinary step's host path does (Sampler.constrained), from state on the
-device that each chained step brings up to its root from the step before's tokens, unread (models/penalty_graphs.py);
-an arrival's first token takes them on the device in its prefill (Sampler.sample).
+Sampled requests (a temperature, top_k / top_p or not, seeded or not) chain beside greedy ones: the graph takes each
+row's sampling parameters as inputs and gives a sampled row its coupled sample (sampling.coupled_tokens: Gumbel-max
+with the (seed, position) noise, the chained spec verify's ops), which is the token the ordinary step's verify gives a
+seeded request's root-only tree (verify.coupled_path), so a seeded request's output is the loop without overlap's; an
+unseeded one's seed is made from its generator's (Sampler.coupling_seed), as in chained spec steps: each token an
+exact sample of the target given the text before it, where its ordinary steps draw from its generator.
 
-Arrivals that need host reads of their own (prompt logprobs, logprobs, a grammar, a predicted output) and steps that
-are neither kind (a plain decode step with a request that is not greedy, a grammar's, a batch outside the buckets, a
-drafting request the drafter cannot join) first read the step in flight, alone in its Engine.step when it brings
-tokens; the ordinary step runs after it."""
+Requests with penalties (frequency, presence, repetition, a logit bias) or min_tokens still ahead chain too, greedy or
+sampled: the graphs apply them to each row's logits as the ordinary step's host path does (Sampler.constrained), from
+state on the device that each chained step brings up to its root from the step before's tokens, unread
+(models/penalty_graphs.py); an arrival's first token takes them on the device in its prefill (Sampler.sample).
+
+Arrivals that need host reads of their own (prompt logprobs, a grammar, a predicted output) and steps that
+are neither kind (a plain decode step with a request that asks for logprobs or has a grammar, a batch outside the
+buckets, a drafting request the drafter cannot join) first read the step in flight, alone in its Engine.step when it
+brings tokens; the ordinary step runs after it. Without overlap a plain decode step takes plain greedy requests only
+(the ordinary step draws a sampled request's tokens and applies penalties on the host)."""
 
 from __future__ import annotations
 
@@ -54,6 +63,7 @@ import torch
 from sglang_ext.attention import causal_mask
 from sglang_ext.device import HostCopy, grow
 from sglang_ext.drafters import DraftInput
+from sglang_ext.sampling import TokenLogprob, bits_floats, float_bits
 from sglang_ext.verify import AcceptedPath, tokens_to_host
 
 from . import spec_step
@@ -78,17 +88,18 @@ def plain_decode(engine, reqs: list[Request]) -> bool:
         and engine.drafter is None
         and type(engine.sampler) is Sampler
         and type(engine.spec) is SpecWorker
-        and all(_greedy(engine, r) and r.params.logprobs is None for r in reqs)
+        and all(_in_graph(engine, r) and r.params.logprobs is None for r in reqs)
         and engine.runner.can_decode(reqs)
     )
 
 
-def _greedy(engine, r: Request) -> bool:
-    """Whether the graph's argmax is the request's token: greedy on the raw logits, or, in the overlapped loop, greedy
-    under its penalties and min_tokens, which the graph applies (models/penalty_graphs.py: their state on the device
-    lasts a chain; a step read at once would write it from the host every step, so without overlap the ordinary
-    step's host path takes them)."""
-    return engine.sampler.plain_greedy(r) or (engine.overlap.applies() and r.params.greedy and r.matcher is None)
+def _in_graph(engine, r: Request) -> bool:
+    """Whether the graph's token is the request's: greedy on the raw logits, or, in the overlapped loop, greedy or
+    sampled (seeded or not, top_k / top_p or not) under its penalties and min_tokens, which the graph applies (its
+    coupled sample: models/decode_graphs.py; the penalties' state on the device lasts a chain, models/penalty_graphs.py;
+    a step read at once would write it from the host every step, so without overlap the ordinary step takes them).
+    Not a grammar's (its mask is the host's)."""
+    return engine.sampler.plain_greedy(r) or (engine.overlap.applies() and r.matcher is None)
 
 
 @dataclass
@@ -114,7 +125,8 @@ def launch(engine, reqs: list[Request], prev: Launched | None = None) -> Launche
     rows = prev.live if prev is not None else {}
     tokens = [-1 - rows[r.rid] if r.rid in rows else r.output_ids[-1] for r in reqs]
     try:
-        out = engine.runner.decode(reqs, slots, tokens, [engine.sampler.penalty_row(r) for r in reqs])
+        rules = [engine.sampler.penalty_row(r) for r in reqs], engine.sampler.graph_sampling(reqs)
+        out = engine.runner.decode(reqs, slots, tokens, *rules)
         stream = engine.runner.stream
         copy = stream.to_host(out) if stream.asynchronous else tokens_to_host(out)  # the step's one copy
     except BaseException:
@@ -159,18 +171,37 @@ class Prefill:
     """Arrivals' prompt chunks issued to the device while a step is in flight, their first tokens not read yet."""
 
     chunks: list[tuple[Request, int]]  # (request, end): its prompt tokens [prefilled, end) (prefilled at launch)
-    firsts: HostCopy | None  # [D] the first token of each prompt done by its chunk, -1 where it faulted (None: D 0)
+    firsts: HostCopy | None  # [D + L] the first token of each prompt done by its chunk, -1 where it faulted, then
+    # the logprobs of those asked (L: _logprob_columns'); None: D 0
     out: dict = field(default_factory=dict)  # filled on the device: "captured" {layer: [R, H]}, "faults" {i: fault}
+    at: list[int] = field(default_factory=list)  # per done prompt: where its first token's logprobs start (-1: none)
 
 
 def prefill_rides(engine, waiting) -> bool:
     """Whether the arrivals' prompts can be prefilled while a step is in flight (`launch_prefill`): first tokens
     drawn on the device (penalties and min_tokens there too: device ops on the empty output; no grammar, whose mask
-    the host builds), no logprobs of the prompt or of the first token (host reads), no predicted output."""
+    the host builds) and their logprobs with them, no logprobs of the prompt (host reads), no predicted output."""
     return type(engine.sampler) is Sampler and all(
-        r.matcher is None and r.params.logprobs is None and r.params.prompt_logprobs is None and not r.reference
-        for r in waiting
+        r.matcher is None and r.params.prompt_logprobs is None and not r.reference for r in waiting
     )
+
+
+def _logprob_columns(done: list[Request]) -> tuple[list[int], int]:
+    """(per done prompt, where its first token's logprobs start in the prefill's copy, -1 where it asks none; the
+    columns they take): after the D first tokens, per prompt that asks top_logprobs k, 1 + 2k columns: its
+    token's logprob, the k likeliest's (their fp32 bits: sampling.float_bits) and their ids."""
+    at, n = [], len(done)
+    for r in done:
+        k = r.params.logprobs
+        at.append(-1 if k is None else n)
+        n += 0 if k is None else 1 + 2 * k
+    return at, n - len(done)
+
+
+def _first_logprobs(row: list[int], at: int, token: int, k: int) -> list[TokenLogprob]:
+    """A first token's logprobs from the prefill's copy (_logprob_columns' layout), as verify.to_host reads them."""
+    chosen, vals = bits_floats(row[at : at + 1])[0], bits_floats(row[at + 1 : at + 1 + k])
+    return [TokenLogprob(token, chosen, tuple(zip(row[at + 1 + k : at + 1 + 2 * k], vals)))]
 
 
 def launch_prefill(engine, chunks: list[tuple[Request, int]]) -> Prefill:
@@ -187,7 +218,8 @@ def launch_prefill(engine, chunks: list[tuple[Request, int]]) -> Prefill:
     ends = torch.tensor(sizes).cumsum(0) - 1
     last = ends[[i for i, (r, end) in enumerate(chunks) if end == len(r.prompt_ids)]]  # [D] the done prompts' rows
     step = Prefill(list(chunks), None)
-    firsts = torch.full((len(last),), -1, dtype=torch.long, device=engine.model.device)
+    step.at, extra = _logprob_columns([r for r, end in chunks if end == len(r.prompt_ids)])
+    firsts = torch.full((len(last) + extra,), -1, dtype=torch.long, device=engine.model.device)
     captures = [(r, start - n + 1, n) for (r, _), n, start in zip(chunks, sizes, ends.tolist())]
 
     def arrivals_prefill() -> None:  # (device work: on an asynchronous stream it runs after what was issued before)
@@ -202,6 +234,10 @@ def launch_prefill(engine, chunks: list[tuple[Request, int]]) -> Prefill:
             for i, x in enumerate(done):
                 if isinstance(x, AcceptedPath):
                     firsts[i : i + 1].copy_(x.tokens[:1])
+                    if x.logprobs is not None:  # (chosen [1], the k likeliest [1, k], their ids [1, k])
+                        chosen, vals, top = x.logprobs
+                        flat = torch.cat([float_bits(chosen), float_bits(vals[0]), top[0]])
+                        firsts[step.at[i] : step.at[i] + flat.numel()].copy_(flat)
                 else:
                     step.out["faults"][i] = x
 
@@ -218,17 +254,19 @@ def launch_prefill(engine, chunks: list[tuple[Request, int]]) -> Prefill:
 def finish_prefill(engine, step: Prefill) -> list[StepEvent]:
     """Read a launched prefill's first tokens: each prompt done starts decoding (the drafter starts on it and, where
     it chains, settles its prompt so that the request joins the chain in flight: Drafter.settle)."""
-    tokens = iter(step.firsts.wait() if step.firsts is not None else [])
+    row = step.firsts.wait() if step.firsts is not None else []
     faults, events, started = step.out.get("faults", {}), [], []
     for i, r in enumerate(r for r, end in step.chunks if end == len(r.prompt_ids)):
-        tok = next(tokens)
+        tok = row[i]
         try:
             if tok < 0:
                 raise faults[i]
             engine.scheduler.start_decoding(r)
             engine.spec.start(r, step.out["captured"])
             r.t_first_token = time.perf_counter()
-            events.append(StepEvent(r, engine.sampler.append(r, [tok]), 0, 0))
+            new = engine.sampler.append(r, [tok])
+            lps = None if step.at[i] < 0 else _first_logprobs(row, step.at[i], tok, r.params.logprobs)
+            events.append(StepEvent(r, new, 0, 0, engine.sampler.logprobs(r, None, [], new, lps)))
         except RequestFault as f:
             events.append(fail(r, f))
         if not r.finished and r.drafting and engine.drafter is not None:

@@ -22,6 +22,7 @@ import torch
 
 from sglang_ext.attention import causal_mask, plan_attention, prefix_and_tree_mask
 from sglang_ext.device import Stream, to_device, upload
+from sglang_ext.models.decode_graphs import decode
 from sglang_ext.models.graph_runner import GraphRunner
 from sglang_ext.tree import TokenTree
 from sglang_ext.verify import GreedyRows
@@ -87,16 +88,19 @@ class ModelRunner:
         g = self.graph_runner
         return g is not None and g.can_run([1] * len(reqs), [len(r.slots) for r in reqs])
 
-    def decode(self, reqs: list[Request], slots: torch.Tensor, tokens: list[int] | None = None, penalties=None):
-        """A plain greedy decode step (slots [B] int64 host ids: each request's new slot): one row per request
-        reading `tokens` (default: each request's last output token; -1 - i: row i's token of the previous
-        decode step, still on the device, GraphRunner.decode), the logits and their argmax inside the graph ->
-        [B] int64 greedy tokens on the device (queue their copy to the host before the next forward). penalties: per
-        request its logits rules (Sampler.penalty_row), or None: every row's logits the raw ones."""
+    def decode(
+        self, reqs: list[Request], slots: torch.Tensor, tokens: list[int] | None = None, penalties=None, sampling=None
+    ):
+        """A plain decode step (slots [B] int64 host ids: each request's new slot): one row per request reading
+        `tokens` (default: each request's last output token; -1 - i: row i's token of the previous decode step, still
+        on the device: models/decode_graphs.py), the logits and each row's token inside the graph -> [B] int64
+        tokens on the device (queue their copy to the host before the next forward). penalties: per request its
+        logits rules (Sampler.penalty_row), or None: every row's logits the raw ones; sampling: per request its
+        parameters (Sampler.graph_sampling), or None: every row's token the argmax."""
         if tokens is None:
             tokens = [r.output_ids[-1] for r in reqs]
         keys, prefixes = [r.rid for r in reqs], [r.slots for r in reqs]
-        return self.graph_runner.decode(keys, tokens, slots, prefixes, self.kv.pool, penalties)
+        return decode(self.graph_runner, keys, tokens, slots, prefixes, self.kv.pool, penalties, sampling)
 
     @property
     def stream(self) -> Stream | None:

@@ -24,6 +24,7 @@ from sglang_ext.sampling import (
     TokenLogprob,
     draw,
     greedy_tokens,
+    int64,
     logits_to_probs,
     seeded_token,
     splitmix64,
@@ -75,6 +76,19 @@ class Sampler:
         if r.coupling_seed is None:
             r.coupling_seed = splitmix64(r.generator.initial_seed() ^ _UNSEEDED)
         return r.coupling_seed
+
+    def graph_sampling(self, reqs: list[Request]) -> list[tuple[float, int, float, int]] | None:
+        """A chained graph's per-request sampling parameters (models/spec_graphs.py, decode_graphs.py:
+        sampling.coupled_tokens): (temperature, top_k, top_p, the coupling seed as int64) per request, a greedy one's
+        temperature 0; None where every request is greedy."""
+        if all(r.params.greedy for r in reqs):
+            return None
+        return [
+            (0.0, 0, 1.0, 0)
+            if r.params.greedy
+            else (r.params.temperature, r.params.top_k, r.params.top_p, int64(self.coupling_seed(r)))
+            for r in reqs
+        ]
 
     def plain_greedy(self, r: Request) -> bool:
         """Whether the request verifies greedily on the raw logits (verify.greedy_paths may take it)."""

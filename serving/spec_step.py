@@ -71,7 +71,7 @@ import torch
 from sglang_ext.device import HostCopy, grow, to_device
 from sglang_ext.drafters import DraftInput, TargetCapture
 from sglang_ext.models.spec_graphs import WIDTH, path_logprobs_of, spec_future, verify_bucket, verify_spec
-from sglang_ext.sampling import MAX_TOP_LOGPROBS, SamplingParams, int64
+from sglang_ext.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from sglang_ext.tree import TreeShape
 from sglang_ext.verify import VerifyResult
 
@@ -199,7 +199,7 @@ def launch(engine, reqs: list[Request], prev: Chained | None = None) -> Chained 
     slots = kv.alloc(len(reqs) * n)
     try:
         keys, prefixes = [r.rid for r in reqs], [r.slots for r in reqs]
-        rules = _sampling(engine.sampler, reqs), [engine.sampler.penalty_row(r) for r in reqs]
+        rules = engine.sampler.graph_sampling(reqs), [engine.sampler.penalty_row(r) for r in reqs]
         captured, result = verify_spec(
             g, packed, trees[0].finite, slots, prefixes, keys, rows, shape.depth + 1, kv.pool, mixed, top, *rules
         )
@@ -224,19 +224,6 @@ def _searched(params: SamplingParams) -> SamplingParams:
     (whose q only speculative sampling reads): the chained verify is coupled, for which a deterministic tree is the
     proposal (verify.py: the chance some child passes is the sum of p over the children)."""
     return params if params.greedy else replace(params, temperature=0.0)
-
-
-def _sampling(sampler: Sampler, reqs: list[Request]) -> list[tuple[float, int, float, int]] | None:
-    """The chained verify's per-request parameters (temperature, top_k, top_p, seed as int64; a greedy request's
-    temperature 0), or None where every request is greedy."""
-    if all(r.params.greedy for r in reqs):
-        return None
-    return [
-        (0.0, 0, 1.0, 0)
-        if r.params.greedy
-        else (r.params.temperature, r.params.top_k, r.params.top_p, int64(sampler.coupling_seed(r)))
-        for r in reqs
-    ]
 
 
 def _top_k(asked: list[int]) -> int | None:

@@ -8,6 +8,7 @@ each row's context and apply to the target's logits only, before it (penalties.p
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -395,3 +396,34 @@ def coupled_tokens(
     noise = gumbel_noise(seeds, positions, logits.shape[-1])
     drawn = (probs.log() + (noise if at is None else noise[at])).argmax(-1)
     return torch.where(sampled, drawn, greedy_tokens(logits).to(drawn.device))
+
+
+def sampling_rows(sampling: list | None, bb: int, vocab: int) -> tuple[bool | None, tuple]:
+    """A chained graph's sampling inputs (coupled_tokens' per-row ones), from per request (temperature, top_k, top_p,
+    seed as int64; a greedy request's temperature 0) or None: (the graph's kind: None where every request is greedy,
+    else whether one filters (top_k, top_p: a sort per row); its per-request inputs, padded to bb: flags (1: sampled),
+    top_k, seeds [bb] int64, temperatures, top_p [bb] float32 (a greedy or padding row: 0, 0, 0, 1, 1))."""
+    if sampling is None or all(t <= 0 for t, *_ in sampling):
+        return None, ()
+    rows = [x if x[0] > 0 else (1.0, 0, 1.0, 0) for x in sampling] + [(1.0, 0, 1.0, 0)] * (bb - len(sampling))
+    flags = [int(x[0] > 0) for x in sampling] + [0] * (bb - len(sampling))
+    ints = torch.tensor([flags, [k for _, k, _, _ in rows], [s for *_, s in rows]], dtype=torch.long)
+    floats = torch.tensor([[t for t, *_ in rows], [q for _, _, q, _ in rows]], dtype=torch.float32)
+    filtered = any(0 < k < vocab or q < 1 for (t, k, q, _) in sampling if t > 0)
+    return filtered, (*ints.unbind(0), *floats.unbind(0))
+
+
+def sampling_buffers(inputs: tuple, device) -> tuple[torch.Tensor, ...]:
+    """A graph's buffers for sampling_rows' inputs, every row greedy (flag, top_k, seed 0; temperature, top_p 1)."""
+    pad = lambda x: (torch.zeros_like if x.dtype == torch.long else torch.ones_like)(x, device=device)  # noqa: E731
+    return tuple(pad(x) for x in inputs)
+
+
+def float_bits(x: torch.Tensor) -> torch.Tensor:
+    """x (float32) as int64s holding its fp32 bits, on its device: floats beside ints in one int64 copy to the host."""
+    return x.float().contiguous().view(torch.int32).long()
+
+
+def bits_floats(ints: list[int]) -> tuple[float, ...]:
+    """float_bits' values read on the host back to the floats (exact)."""
+    return struct.unpack(f"{len(ints)}f", struct.pack(f"{len(ints)}i", *ints))

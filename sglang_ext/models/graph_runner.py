@@ -26,9 +26,9 @@ Host data goes into the bucket's static buffers in one copy per dtype before the
 outputs are gathered to the real rows (a copy, so the next replay cannot overwrite what the caller kept).
 With request keys (the engine's steps), the prefixes are not in that copy: the runner keeps every request's
 slots in a table on the device (SGLang's req_to_token; models/slot_table.py) and the copy carries only what
-the table's rows lack, written by the graph before it reads them. A plain greedy decode step (`decode`)
-also takes its logits and their argmax inside the graph: one upload in, the tokens out, and the tokens left on the
-device for the next decode step's rows to read (the overlapped loop's future tokens, serving/decode_step.py).
+the table's rows lack, written by the graph before it reads them. A plain decode step's graph also takes its
+logits and its tokens (models/decode_graphs.py: one upload in, the tokens out, and the tokens left on the device in
+the runner's `_future` for the next decode step's rows to read, the overlapped loop's future tokens).
 
 A drafter's step and its whole search are the same idea (models/draft_graphs.py: FrontierRunner,
 SearchRunner).
@@ -58,7 +58,6 @@ from ..tree import TokenTree, TreeBatch
 from ..verify import GreedyRows, greedy_rows
 from .kv_pool import KVPool
 from .llama import ForwardOutput, LlamaModel
-from .penalty_graphs import decode_inputs, decode_penalized, penalty_buffers
 from .slot_table import SlotTable
 from .slot_table import real_rows as _real_rows
 
@@ -224,7 +223,7 @@ class GraphRunner:
         self.cache = GraphCache(model.device, graphs, stream)
         self._kv: KVPool | None = None
         self._table: SlotTable | None = None  # the keyed requests' slots on the device (made on first use)
-        self._future: torch.Tensor | None = None  # [max batch] int64: the last decode step's tokens (see decode)
+        self._future: torch.Tensor | None = None  # [max batch] int64: the last decode step's tokens (decode_graphs)
         self.runs = 0  # forwards this runner took (the rest of a caller's steps ran eagerly)
 
     @property
@@ -327,44 +326,6 @@ class GraphRunner:
             return ForwardOutput(out.hidden[:t].clone(), {l: h[:t].clone() for l, h in out.captured.items()})
         return ForwardOutput(out.hidden[rows], {l: h[rows] for l, h in out.captured.items()})
 
-    def decode(
-        self,
-        keys: list[Hashable],  # per request its key (see run)
-        tokens: list[int],  # per request the token its one row reads (the root), or -1 - i: see below
-        out_slots: torch.Tensor,  # [B] int64 host ids: where each row's K/V is written
-        prefixes: list[torch.Tensor],  # per request [P_b] committed slots (the row's position is P_b)
-        kv: KVPool,
-        penalties: list | None = None,  # per request its logits rules (penalty_graphs.PenaltyRow) or None: raw
-    ) -> torch.Tensor:  # [B] int64 on the device: the greedy token after each row
-        """A plain greedy decode step, one row per request, with the logits and their argmax inside the
-        graph: the step's only inputs are one upload (tokens, positions, slots, and what the slot table's
-        rows lack). The result is a view of the graph's output: queue its copy to the host before the next run.
-
-        Future tokens (SGLang's future token map): the graph also leaves its tokens in a buffer of the runner,
-        row i's at [i], and a token given as -1 - i is read from there inside the graph: the token row i of
-        the runner's previous decode step produced, which the host has not read (the overlapped loop issues
-        step N+1 before it reads step N: serving/decode_step.py). With `penalties`, the argmax of each row's logits
-        under its request's penalties and min_tokens (models/penalty_graphs.py: a row reading a future token adds it
-        to its request's state first), in graphs of their own."""
-        n = len(keys)
-        key = self.bucket_of([1] * n, [p.numel() for p in prefixes])
-        if key is None:
-            raise ValueError(f"{n} decode rows after prefixes {[p.numel() for p in prefixes]} fit no graph bucket")
-        self._use_pool(kv)
-        self.runs += 1
-        key = (*key, "greedy")
-        front = [*tokens, *(p.numel() for p in prefixes)]
-        longs, done = self._keyed_inputs(key, keys, [1] * n, prefixes, front, [out_slots])
-        key, pen = decode_inputs(self, key, keys, tokens, penalties)
-
-        def fill(bufs: dict) -> None:
-            for buf, x in zip((bufs["longs"], *bufs.get("penalty", ())), (longs, *pen)):
-                fill_flat(buf, x)
-
-        out = self.cache.run(key, lambda: self._buffers(key), fill, lambda bufs: self._forward_keyed(key, bufs, kv))
-        done()
-        return out[1][:n]
-
     def _verify_packed(
         self,
         packed: TreeBatch,  # the requests' trees, the first b of a search's padded batch of B
@@ -435,8 +396,6 @@ class GraphRunner:
         bufs = {"longs": to_device(longs, dev), "mask": to_device(mask, dev)}
         if len(key) > 3 and key[1] > 1 and key[3] != "packed":  # (the padding mask, for device trees' masks to go over)
             bufs["padding"] = bufs["mask"].clone()
-        if key[-1] == "penalties":  # (penalty_graphs.penalty_inputs')
-            bufs["penalty"] = penalty_buffers(key[0], dev)
         if key[-1] == "verify":  # the trees' parents, next-token and next-sibling lists [3, B*Q] (padding: -1)
             bufs["tree"] = torch.full((3, key[0] * key[1]), -1, dtype=torch.long, device=dev)
         if key[-1] == "packed":  # a search's padded batch (tree_batch's longs [B, 6, N] and masks [B, N, N])
@@ -456,17 +415,14 @@ class GraphRunner:
 
     def _forward_keyed(self, key: tuple, bufs: dict, kv: KVPool):
         """The captured function of a keyed bucket: the table's rows made whole and read, the static plan, the
-        model's forward; a "greedy" bucket's also the logits and their argmax -> (output, tokens [B*Q]); a
-        "verify" or "packed" bucket's also each tree's greedy path -> (output, logits, argmax, nodes, tokens, bad)
-        (a "packed" bucket's tokens, positions and tree lists from its batch of trees, not from the upload)."""
+        model's forward; a "verify" or "packed" bucket's also each tree's greedy path -> (output, logits, argmax,
+        nodes, tokens, bad) (a "packed" bucket's tokens, positions and tree lists from its batch of trees, not from
+        the upload). (A "greedy" bucket's: models/decode_graphs.py.)"""
         b, q, p = key[:3]
         ids, pos, slots, prefix, prefix_len = self._table.read(bufs["longs"], key[:3])
         if key[3] == "packed":  # (tree_batch's rows: TREE_LONGS)
             tree = bufs["tree"]
             ids, pos = tree[:, 0].reshape(-1), tree[:, 2].reshape(-1)
-        if key[3] == "greedy":  # future tokens (see decode): -1 - i reads the previous decode's row i
-            chained = ids < 0
-            ids = torch.where(chained, self._future[(-1 - ids).clamp_(min=0)], ids)
         plan = static_plan(prefix, prefix_len, slots.view(b, q), bufs["mask"])
         tokens = ids.view(b, q)  # (the drafts as drafted: one outside the vocabulary is never accepted)
         ids = ids.clamp(0, self.model.cfg.vocab_size - 1)  # (see _forward)
@@ -474,12 +430,7 @@ class GraphRunner:
         if key[3] == "table":
             return out
         logits = self.model.logits(out.hidden, fp32=False)
-        if key[-1] == "penalties":  # (each row's root, the previous decode's token where chained, joins its state)
-            logits = decode_penalized(self, bufs, bufs["longs"][3 * b : 4 * b], chained, ids, logits)
         argmax = greedy_tokens(logits)
-        if key[3] == "greedy":  # (real rows only: a capture's padding batch, slot 0 everywhere, leaves them)
-            self._future[:b].copy_(torch.where(slots > 0, argmax, self._future[:b]))
-            return out, argmax
         if key[3] == "packed":
             parents, nxt, sib = bufs["tree"][:, 1], bufs["tree"][:, 4], bufs["tree"][:, 5]
         else:

@@ -1,5 +1,5 @@
 """Penalties and min_tokens inside a chained step's graph (the overlapped loop: spec_graphs.verify_spec, the plain
-decode of GraphRunner.decode), with the values the ordinary step's host path gives (serving/sampler.py:
+decode of models/decode_graphs.py), with the values the ordinary step's host path gives (serving/sampler.py:
 Sampler.constrained; sglang_ext/penalties.py: the same penalize_rows and ban_rows, so the same bits on a device):
 each node of a request's tree under the counts of its own context (the output, then its path below the root), and
 the stop tokens banned at the nodes that choose an output token before number min_tokens.
@@ -160,13 +160,12 @@ def penalized_logits(
     return torch.where(tracked[:, None, None], x, logits.view(b, n, v).float()).view(b * n, v)
 
 
-def decode_inputs(g, key: tuple, keys: list[Hashable], tokens: list[int], rows: list[PenaltyRow | None] | None):
-    """(a plain decode's graph key, its penalty_inputs: none where every row's logits are the raw ones); tokens: the
-    rows' tokens (-1 - i: a future token, GraphRunner.decode)."""
+def decode_inputs(g, bb: int, keys: list[Hashable], tokens: list[int], rows: list[PenaltyRow | None] | None) -> tuple:
+    """A plain decode graph's penalty_inputs, padded to bb (none where every row's logits are the raw ones); tokens:
+    the rows' tokens (-1 - i: a future token, decode_graphs.decode)."""
     if rows is None or all(x is None for x in rows):
-        return key, ()
-    table_rows = g._table.rows_of(keys)
-    return (*key, "penalties"), penalty_inputs(g, keys, table_rows, [t < 0 for t in tokens], rows, key[0])
+        return ()
+    return penalty_inputs(g, keys, g._table.rows_of(keys), [t < 0 for t in tokens], rows, bb)
 
 
 def decode_penalized(
@@ -177,7 +176,7 @@ def decode_penalized(
     ids: torch.Tensor,  # [B] int64 each row's token (its root)
     logits: torch.Tensor,  # [B, V]
 ) -> torch.Tensor:  # [B, V] float32
-    """Inside a plain decode graph (GraphRunner.decode): penalized_logits of one-node trees, each chained row's
+    """Inside a plain decode graph (decode_graphs.decode): penalized_logits of one-node trees, each chained row's
     previous token its root."""
     one, root = torch.ones_like(ids), ids[:, None]
     return penalized_logits(penalty_state(g), bufs["penalty"], rows, chained, one, root, root, None, 0 * root, logits)

@@ -40,13 +40,20 @@ replays the graph it replayed before.
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 
 import torch
 
 from ..device import to_device
-from ..sampling import TokenLogprob, coupled_tokens, greedy_tokens
+from ..sampling import (
+    TokenLogprob,
+    bits_floats,
+    coupled_tokens,
+    float_bits,
+    greedy_tokens,
+    sampling_buffers,
+    sampling_rows,
+)
 from ..tree import TreeBatch
 from ..verify import greedy_rows
 from .draft_graphs import ExtendRunner
@@ -134,7 +141,7 @@ def verify_spec(
             torch.tensor([*rows, *pad, *bases, *pad, *prev, *([-1] * (bb - b)), *flags], dtype=torch.long),
         ]
     )
-    samp, params = _sampling_rows(sampling, bb, g.model.cfg.vocab_size)
+    samp, params = sampling_rows(sampling, bb, g.model.cfg.vocab_size)
     pen = None
     if penalties is not None and any(x is not None for x in penalties):
         pen = penalty_inputs(g, keys, rows, [x >= 0 for x in prev], penalties, bb)
@@ -150,8 +157,7 @@ def verify_spec(
         bufs["tree"][:, [1, 4, 5]] = -1
         bufs["mask"] = torch.eye(n, dtype=torch.bool, device=dev).expand(bb, n, n).clone()
         if samp is not None:
-            pad = lambda x: (torch.zeros_like if x.dtype == torch.long else torch.ones_like)(x, device=dev)  # noqa: E731
-            bufs["sampling"] = tuple(pad(x) for x in params)  # (every row greedy, temperature and top_p 1)
+            bufs["sampling"] = sampling_buffers(params, dev)
         if pen is not None:
             bufs["penalty"] = penalty_buffers(bb, dev)
         return bufs
@@ -175,20 +181,6 @@ def verify_spec(
     out, result = g.cache.run(key, make, fill, lambda bufs: _verify_fn(g, fut, key, bufs, kv))
     t = b * n
     return {l: h[:t] for l, h in out.captured.items()}, result[:b]
-
-
-def _sampling_rows(sampling: list | None, bb: int, vocab: int) -> tuple[bool | None, tuple]:
-    """(the graph's kind: None where every request is greedy, else whether one filters (top_k, top_p: a sort per
-    row); its per-request inputs, padded to bb: flags (1: sampled), top_k, seeds [bb] int64, temperatures, top_p
-    [bb] float32 (a greedy or padding row: 0, 0, 0, 1, 1))."""
-    if sampling is None or all(t <= 0 for t, *_ in sampling):
-        return None, ()
-    rows = [x if x[0] > 0 else (1.0, 0, 1.0, 0) for x in sampling] + [(1.0, 0, 1.0, 0)] * (bb - len(sampling))
-    flags = [int(x[0] > 0) for x in sampling] + [0] * (bb - len(sampling))
-    ints = torch.tensor([flags, [k for _, k, _, _ in rows], [s for *_, s in rows]], dtype=torch.long)
-    floats = torch.tensor([[t for t, *_ in rows], [q for _, _, q, _ in rows]], dtype=torch.float32)
-    filtered = any(0 < k < vocab or q < 1 for (t, k, q, _) in sampling if t > 0)
-    return filtered, (*ints.unbind(0), *floats.unbind(0))
 
 
 def _table_rows(g: GraphRunner, keys: list, prefixes: list[torch.Tensor], prev: list[int]) -> list[int]:
@@ -294,7 +286,7 @@ def _path_logprobs(
     rows = torch.log_softmax(logits.gather(1, at[..., None].expand(b, w, logits.shape[2])).float(), dim=-1)
     chosen = rows.gather(2, path.clamp(min=0)[..., None])
     vals, ids = rows.topk(k, dim=-1)
-    bits = lambda x: x.contiguous().view(torch.int32).long().view(b, -1)  # noqa: E731
+    bits = lambda x: float_bits(x).view(b, -1)  # noqa: E731
     return [bits(chosen), bits(vals), ids.reshape(b, -1)]
 
 
@@ -302,8 +294,7 @@ def path_logprobs_of(row: list[int], width: int, top: int, tokens: list[int], k:
     """A spec verify's result row (read on the host; W = width, K = top) -> its path tokens' logprobs, each with
     its k likeliest (k <= K: the request's top_logprobs), as verify.to_host gives them for an ordinary step."""
     n, at = len(tokens), 2 * width + 1
-    floats = lambda ints: struct.unpack(f"{len(ints)}f", struct.pack(f"{len(ints)}i", *ints))  # noqa: E731
-    chosen, vals = floats(row[at : at + n]), floats(row[at + width : at + width + width * top])
+    chosen, vals = bits_floats(row[at : at + n]), bits_floats(row[at + width : at + width + width * top])
     ids = row[at + width + width * top :]
     top_of = lambda i: tuple(zip(ids[i * top : i * top + k], vals[i * top : i * top + k]))  # noqa: E731
     return [TokenLogprob(t, chosen[i], top_of(i)) for i, t in enumerate(tokens)]

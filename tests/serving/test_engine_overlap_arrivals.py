@@ -4,12 +4,12 @@ chain after its prefill (a plain decode row; a drafting row once its drafter set
 join_chained). Every request's output is the loop without overlap's, and no slot of any pool leaks.
 
 On the CPU the device is `helpers.QueuedStream` (work queued and run in order only once the host waits), as in
-test_engine_overlap.py and test_engine_spec_overlap.py. The real SmolLM2 target (fp32), with no drafter (plain greedy
+test_engine_overlap.py and test_engine_spec_overlap.py. The real SmolLM2 target (fp32), with no drafter (plain
 decode steps), the shipped EAGLE-3 head and the shipped MoA head (trees), runs running requests that end every way
 (max_tokens, EOS, a stop id, an abort) while requests arrive mid-chain: one alone, three at once (a seeded sampled one
-among them where a drafter verifies it), a long prompt prefilled in chunks over several steps, a prompt that hits the
-prefix cache (a running request's prompt), a running request aborted as requests arrive, and an arrival aborted while
-its first chained steps are in flight.
+among them: in plain decode steps its tokens drawn in the decode graph), a long prompt prefilled in chunks over
+several steps, a prompt that hits the prefix cache (a running request's prompt), a running request aborted as requests
+arrive, and an arrival aborted while its first chained steps are in flight.
 """
 
 from __future__ import annotations
@@ -47,8 +47,7 @@ LONG = (
     "Mediterranean. The Amazon carries more water than any other river. The Danube passes four capital cities. "
     "The Mississippi drains much of North America. Which of these rivers passes four capitals?"
 )
-ARRIVALS = {  # engine step after which they arrive (5: see ABORT_RUNNING) -> (prompt, params); "seeded": SEEDED where
-    # a drafter verifies it (plain decode steps: a greedy request)
+ARRIVALS = {  # engine step after which they arrive (5: see ABORT_RUNNING) -> (prompt, params); "seeded": SEEDED
     3: [("Tell me about the moon.", SamplingParams(max_new_tokens=30))],
     5: [
         ("What is 2+2?", SamplingParams(max_new_tokens=6)),
@@ -100,8 +99,7 @@ def _scenario(target, overlap: bool, drafter: str | None, stream=None):
         for s in due:
             done.add(s)
             for text, params in ARRIVALS[s]:
-                seeded = params == "seeded"
-                params = SEEDED if seeded and drafter else SamplingParams(max_new_tokens=12) if seeded else params
+                params = SEEDED if params == "seeded" else params
                 arrived.append(eng.add_request(encode(text), params))
             if s == 5:
                 eng.abort(reqs[3])
@@ -123,13 +121,13 @@ class InOrderStream(QueuedStream):
 
 @pytest.fixture(scope="module", params=[None, "eagle3", "moa"], ids=["plain", "eagle3", "moa"])
 def runs(smollm2_fp32, request):
-    """Per drafter (None: plain decode steps), the scenario without overlap (plain decoding on a stand-in stream of its
-    own; a drafter on the synchronous stream: its ordinary step) and with it (a stand-in stream, spec_step.launch
+    """Per drafter (None: plain decode steps), the scenario without overlap (on the synchronous stream: the ordinary
+    step's eager ops would run ahead of the stand-in's queued work) and with it (a stand-in stream, spec_step.launch
     recorded: per chained step issued, whether it continued a chain, its drafting ids, the ids that joined it); for
     MoA with it on InOrderStream too ("in_order")."""
     drafter, out = request.param, {}
     for name in ("plain", "overlap", "in_order")[: 2 + (drafter == "moa")]:
-        stream = InOrderStream() if name == "in_order" else QueuedStream() if name == "overlap" or not drafter else None
+        stream = InOrderStream() if name == "in_order" else QueuedStream() if name == "overlap" else None
         launches, real = [], spec_mod.launch
 
         def launch(engine, reqs, prev=None, real=real, launches=launches):

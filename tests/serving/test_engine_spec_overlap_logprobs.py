@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from helpers import QueuedStream, drafter_pools_whole, slots_whole
+from helpers import QueuedStream, drafter_pools_whole, prefills_in_flight, slots_whole, step_order
 from test_engine_spec_overlap import _engine, _order, _recorded
 
 from serving.spec_step import Chained, spec_chains
@@ -124,6 +124,48 @@ def test_a_greedy_logprobs_request_chains(smollm2_fp32):
         assert spec_chains(eng, [lp, penalized])
     finally:
         stream.close()
+
+
+ARRIVING = [  # (prompt, params): arrive while a chain runs, asking for logprobs (the first token's included)
+    ("Name a color.", SamplingParams(max_new_tokens=8, logprobs=3)),
+    ("Write a haiku about rain.", SamplingParams(max_new_tokens=8, temperature=0.8, seed=7, logprobs=0)),
+]
+
+
+def _arrivals(target, overlap: bool, stream=None):
+    """EAGLE-3: REQUESTS[0] (without its logprobs) decodes in a chain; after two steps ARRIVING arrive -> the
+    requests."""
+    eng = _engine(target, overlap, stream, "eagle3")
+    encode = lambda text: target.encode_chat([{"role": "user", "content": text}])  # noqa: E731
+    reqs = [eng.add_request(encode(REQUESTS[0][0]), SamplingParams(max_new_tokens=28))]
+    for step in range(60):
+        if not eng.has_work:
+            break
+        eng.step()
+        if step == 1:
+            reqs += [eng.add_request(encode(t), p) for t, p in ARRIVING]
+    assert not eng.has_work and slots_whole(eng) and drafter_pools_whole(eng.drafter)
+    return reqs
+
+
+def test_arrivals_asking_for_logprobs_prefill_beside_the_step_in_flight(smollm2_fp32):
+    """Arrivals that ask for logprobs (greedy, and seeded sampled with top_logprobs 0) are prefilled beside the step in
+    flight, their first tokens' logprobs in the prefill's one copy, and join the chain: no step read before the next
+    was issued; tokens and logprobs (one per output token, the first's included) are the loop without overlap's."""
+    plain = _arrivals(smollm2_fp32, False)
+    stream = QueuedStream()
+    try:
+        reqs = _arrivals(smollm2_fp32, True, stream)
+    finally:
+        stream.close()
+    assert [read for _, read in prefills_in_flight(stream.log)] == [False]
+    ahead, behind = step_order(stream.log)
+    assert behind == [] and len(ahead) >= 8, (ahead, behind)
+    assert [(r.output_ids, r.finish_reason) for r in reqs] == [(r.output_ids, r.finish_reason) for r in plain]
+    for r, p in zip(reqs[1:], plain[1:]):
+        assert [lp.token for lp in r.output_logprobs] == r.output_ids
+        assert all(len(lp.top) == r.params.logprobs for lp in r.output_logprobs)
+        _same_logprobs(r.output_logprobs, p.output_logprobs, TOL)
 
 
 @pytest.mark.gpu

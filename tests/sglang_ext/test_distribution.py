@@ -331,6 +331,61 @@ def test_chained_unseeded_sampling_matches_target(target, pname):
     assert chi2_pvalue(broken, expected) < 1e-6
 
 
+def sample_chained_plain_t2_t3(target, params, broken: bool = False):
+    """sample_t2_t3 for unseeded requests in the overlapped loop's chained plain decode steps (no drafter: each
+    row's token drawn in the decode graph, models/decode_graphs.py; the graph runner's static path on the stand-in
+    stream, groups of 64 requests, each request's generator seeded with its index: its coupling seed made from that).
+    broken: every request's coupling seed the same (the noise not made from its generator's). -> (counts, per plain
+    decode step launched: whether it continued a chain)."""
+    from helpers import QueuedStream
+
+    from serving import decode_step
+    from sglang_ext.models.graph_runner import GraphRunner
+
+    stream, launches, real_launch = QueuedStream(), [], decode_step.PLAIN.launch
+    real_seed = vars(Sampler)["coupling_seed"]  # (the staticmethod itself, to put back)
+
+    def launch(engine, reqs, prev=None):
+        launches.append(prev is not None)
+        return real_launch(engine, reqs, prev)
+
+    decode_step.PLAIN.launch = staticmethod(launch)
+    if broken:
+        Sampler.coupling_seed = staticmethod(lambda r: 1)
+    try:
+        eng = Engine(target, None, EngineConfig(kv_slots=4096, prefill="separate"))
+        eng.runner.graph_runner = GraphRunner(eng.model, eng.capture_layers, stream=stream)
+        reqs = []
+        for start in range(0, SAMPLES, 64):
+            group = [eng.add_request(PROMPT, replace(params, max_new_tokens=3)) for _ in range(64)]
+            for i, r in enumerate(group):
+                r.generator = torch.Generator(target.model.device).manual_seed(start + i)
+            while eng.has_work:
+                eng.step()
+            reqs += group
+    finally:
+        decode_step.PLAIN.launch, Sampler.coupling_seed = staticmethod(real_launch), real_seed
+        stream.close()
+    counts = torch.zeros(target.cfg.vocab_size, target.cfg.vocab_size, dtype=torch.float64)
+    for r in reqs:
+        counts[r.output_ids[1], r.output_ids[2]] += 1
+    assert stream.copies == eng.runner.graph_runner.runs  # (every decode step the graph's)
+    return counts, launches
+
+
+@pytest.mark.parametrize("pname", ["T0.7", "T1.0-top_p0.9"])
+def test_chained_unseeded_plain_decode_matches_target(target, pname):
+    """Unseeded requests decoded by chained plain decode steps (no drafter), each row's token its coupled sample with
+    a seed made from its generator's: the target's law; every request with the same seed fails the same test."""
+    params = PARAMS[pname]
+    expected = exact_joint_t2_t3(target.model, params)
+    counts, launches = sample_chained_plain_t2_t3(target, params)
+    assert sum(launches) >= 2 * (SAMPLES // 64)  # (t3's step and a surplus one, each issued with one in flight)
+    assert chi2_pvalue(counts, expected) > 1e-3
+    broken, _ = sample_chained_plain_t2_t3(target, params, broken=True)
+    assert chi2_pvalue(broken, expected) < 1e-6
+
+
 # --- the same on a real GPU (skipped without CUDA) --------------------------------------------------
 
 

@@ -12,6 +12,7 @@ import torch
 from helpers import tiny_target
 
 from sglang_ext.attention import causal_mask, plan_attention
+from sglang_ext.models.decode_graphs import decode
 from sglang_ext.models.graph_runner import GraphRunner
 from sglang_ext.models.slot_table import SlotTable, real_rows
 
@@ -114,7 +115,7 @@ def test_a_plain_decode_steps_argmax_in_the_graph_is_the_eager_logits_argmax():
     for step in range(3):
         tokens = torch.randint(0, 64, (3,), generator=g).tolist()
         out_slots = kv.alloc(3)
-        got = runner.decode([7, 8, 9], tokens, out_slots, prefixes, kv).tolist()
+        got = decode(runner, [7, 8, 9], tokens, out_slots, prefixes, kv).tolist()
         one = [torch.tensor([t]) for t in tokens]
         pos = [torch.tensor([len(p)]) for p in prefixes]
         eye = [torch.ones(1, 1, dtype=torch.bool)] * 3
