@@ -145,10 +145,10 @@ class AdaptiveSpeculation:
         self.drafted_last = False
         self.switches: dict[int, deque] = {}  # option -> its last unrated first steps (seconds, tokens)
         self.follow: tuple[int, int] | None = None  # (option, steps left) of a re-measurement's rated steps, next
-        # a bucket's best is re-decided every `recheck` steps, not every step: a decision reads every option's rates
-        # and priors (~60 us of host time a step in the engine, where the target's weights have left the caches cold:
-        # 1-3 % of a bs-1 CPU step, more of a GPU's), and the windows it reads move little in a few steps. The kept
-        # choice ends early where a re-measurement falls due or the batch size changes.
+        # a bucket's best is re-decided every `recheck` steps, not every step (off: at the next re-measurement): a
+        # decision reads every option's rates and priors (~60 us of host time a step in the engine, where the target's
+        # weights have left the caches cold: 1-3 % of a bs-1 CPU step, more of a GPU's), and the windows it reads move
+        # little in a few steps. The kept choice ends early where a re-measurement falls due or the batch size changes.
         self.recheck = recheck
         self.kept: dict[str, tuple[int, int, int]] = {}  # bucket -> (best, batch size, step it is kept before)
         # defer: observations are queued and learnt at the next decision (choose past a kept choice) or read of the
@@ -224,7 +224,14 @@ class AdaptiveSpeculation:
         due = [i for i in ok if i != best and step >= self.next_retry[(bucket, i)]]
         if not due:
             until = min([self.next_retry[(bucket, i)] for i in ok if i != best], default=step + self.recheck)
-            self.kept[bucket] = (best, batch_size, min(step + self.recheck, until))
+            # off is kept until a tree's re-measurement: no tree runs before it, so what it would decide on is
+            # off's own recent steps against each tree's from its last run (a switch then would follow only the
+            # drift of off's steps since: the context's growth, the machine's)
+            self.kept[bucket] = (
+                best,
+                batch_size,
+                until if self.options[best] is None else min(step + self.recheck, until),
+            )
             return best
         pick = min(due, key=lambda i: self.next_retry[(bucket, i)])
         gap = self.retry_gap.get((bucket, pick), self.retry_every)

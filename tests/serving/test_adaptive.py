@@ -675,3 +675,18 @@ def test_deferred_observations_make_the_same_choices_as_learning_each_at_once():
     assert deferred == eager and len(set(eager)) >= 3  # (off and drafting options both chosen)
     assert deferred_state == eager_state
     assert eager_queued == 0 and deferred_queued >= 4  # (the deferred policy did queue between its decisions)
+
+
+def test_off_is_kept_until_the_next_re_measurement():
+    """Where off is best no tree runs until a tree's re-measurement, so off is kept until then (a decision between
+    them would read only off's drifting steps against the trees' last ones): about one decision per re-measurement,
+    not one per `recheck` steps, and the re-measurements fall on the same steps."""
+    cost = lambda s, o: (0.010, 1) if o == 0 else (0.014, 1.2)  # noqa: E731 - the trees lose to off
+    p = AdaptiveSpeculation(TreeShape(1, 2, 3), warmup=2, retry_every=16)
+    _steady_feed(p, 100, 1, cost)
+    decided, model = [], p._model_rates
+    p._model_rates = lambda bs: decided.append(1) or model(bs)  # (every decision reads the model's rates)
+    retries = p.retries
+    picks = _steady_feed(p, 600, 1, cost)
+    assert picks.count(0) > 550 and p.retries - retries >= 20
+    assert len(decided) <= 1.5 * (p.retries - retries), (len(decided), p.retries - retries)  # (every 8 steps: ~100)
