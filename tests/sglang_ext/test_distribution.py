@@ -241,6 +241,19 @@ def test_broken_verifiers_fail_the_same_test(target, shape, broken):
 # --- chained steps (the overlapped loop, serving/spec_step.py): coupled verification in the verify's graph -------
 
 
+def _unseeded_groups(eng, target, params) -> list:
+    """SAMPLES unseeded requests of 3 tokens through eng, 64 at a time, request i's generator seeded with i."""
+    reqs = []
+    for start in range(0, SAMPLES, 64):
+        group = [eng.add_request(PROMPT, replace(params, max_new_tokens=3)) for _ in range(64)]
+        for i, r in enumerate(group):
+            r.generator = torch.Generator(target.model.device).manual_seed(start + i)
+        while eng.has_work:
+            eng.step()
+        reqs += group
+    return reqs
+
+
 def sample_chained_t2_t3(target, shape, params, broken: bool = False):
     """sample_t2_t3 for unseeded requests in the overlapped loop's chained steps (a random EAGLE-3 head, the graph
     runner's static path on the stand-in stream, groups of 64 requests, each request's generator seeded with its
@@ -292,14 +305,7 @@ def sample_chained_t2_t3(target, shape, params, broken: bool = False):
         if eng.runner.graph_runner is None:  # (the CPU: the static path run eagerly on the stand-in stream)
             eng.runner.graph_runner = GraphRunner(eng.model, eng.capture_layers, stream=stream)
             drafter.step_graphs = True
-        reqs = []
-        for start in range(0, SAMPLES, 64):
-            group = [eng.add_request(PROMPT, replace(params, max_new_tokens=3)) for _ in range(64)]
-            for i, r in enumerate(group):
-                r.generator = torch.Generator(target.model.device).manual_seed(start + i)
-            while eng.has_work:
-                eng.step()
-            reqs += group
+        reqs = _unseeded_groups(eng, target, params)
     finally:
         spec_graphs.coupled_tokens, spec_graphs.greedy_rows, spec_step.launch = real_tokens, real_rows, real_launch
         stream.close()
@@ -355,14 +361,7 @@ def sample_chained_plain_t2_t3(target, params, broken: bool = False):
     try:
         eng = Engine(target, None, EngineConfig(kv_slots=4096, prefill="separate"))
         eng.runner.graph_runner = GraphRunner(eng.model, eng.capture_layers, stream=stream)
-        reqs = []
-        for start in range(0, SAMPLES, 64):
-            group = [eng.add_request(PROMPT, replace(params, max_new_tokens=3)) for _ in range(64)]
-            for i, r in enumerate(group):
-                r.generator = torch.Generator(target.model.device).manual_seed(start + i)
-            while eng.has_work:
-                eng.step()
-            reqs += group
+        reqs = _unseeded_groups(eng, target, params)
     finally:
         decode_step.PLAIN.launch, Sampler.coupling_seed = staticmethod(real_launch), real_seed
         stream.close()
