@@ -11,7 +11,7 @@ repetition penalty) beside a greedy one (ending at a stop id, its surplus row dr
 without logprobs, of different lengths, so that the chain's batches ask for different widest top_logprobs (K 8, 4,
 1: a graph each), then none (the longest, sampled without logprobs, alone). The outputs' check fails with the
 logprobs left out, taken from the penalized logits or read at another column; the chains' check fails where
-logprobs requests take the ordinary step.
+logprobs requests take the ordinary step. The `gpu` case runs the scenario on CUDA's stream with captured graphs.
 """
 
 from __future__ import annotations
@@ -98,3 +98,18 @@ def test_every_decode_step_chains(runs):
     assert sum(kinds <= set(rids) for _, rids in seen) >= 6 and len(kinds) == 5
     tops = [top_bucket([asked[i] for i in rids if i in asked]) for _, rids in seen]
     assert [k for i, k in enumerate(tops) if i == 0 or tops[i - 1] != k] == [8, 4, 1, None], tops
+
+
+@pytest.mark.gpu
+def test_gpu_tokens_and_logprobs_equal_the_plain_loop(smollm2_cuda):
+    """On CUDA (bf16, graphs captured): tokens as the loop without overlap, logprobs within a bf16 logit's rounding
+    at SmolLM2's logit scale (test_engine_spec_overlap_logprobs.py's); every decode step a graph replay with one
+    copy."""
+    _, plain = _run(smollm2_cuda, False)
+    eng, reqs = _run(smollm2_cuda, True)
+    g = eng.runner.graph_runner
+    assert g.graphs and eng.runner.stream.copies == g.runs > 0
+    assert [(r.output_ids, r.finish_reason) for r in reqs] == [(r.output_ids, r.finish_reason) for r in plain]
+    for r, p in zip(reqs, plain):
+        if r.params.logprobs is not None:
+            _same_logprobs(r.output_logprobs, p.output_logprobs, 0.25)
