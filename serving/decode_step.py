@@ -1,10 +1,11 @@
-"""A plain decode step replayed whole: no drafter, no prompt chunk, no logprobs, a graph bucket, every request greedy
-on the raw logits, or, in the overlapped loop, greedy or sampled under its penalties and min_tokens (see below). One
-new KV slot per request, one graph replay (the forward, the logits and each row's token; the prefixes from the graph
-runner's slot table on the device: models/decode_graphs.py), the tokens in the step's one device-to-host copy, the
-slots appended (one cat for the batch, each request's a view of it). It gives the tree path's tokens (a root-only
-tree's path is its root, its token the target's there: the argmax, or a sampled request's coupled sample) in a fixed
-number of host ops for the batch (moa_serve/benchmarks/step_ops.py counts them).
+"""A plain decode step replayed whole: no drafter, no prompt chunk, a graph bucket, every request greedy on the raw
+logits without logprobs, or, in the overlapped loop, greedy or sampled under its penalties and min_tokens, with
+logprobs or not (see below). One new KV slot per request, one graph replay (the forward, the logits and each row's
+token; the prefixes from the graph runner's slot table on the device: models/decode_graphs.py), the tokens (and
+the logprobs asked for) in the step's one device-to-host copy, the slots appended (one cat for the batch, each
+request's a view of it). It gives the tree path's tokens (a root-only tree's path is its root, its token the
+target's there: the argmax, or a sampled request's coupled sample) in a fixed number of host ops for the batch
+(moa_serve/benchmarks/step_ops.py counts them).
 
 The overlapped loop (SGLang's overlap scheduler, vLLM's async scheduling; `EngineConfig.overlap`, where the
 runner's stream is asynchronous: CUDA) issues step N+1 before it reads step N's tokens, so the host's work
@@ -47,11 +48,18 @@ sampled: the graphs apply them to each row's logits as the ordinary step's host 
 state on the device that each chained step brings up to its root from the step before's tokens, unread
 (models/penalty_graphs.py); an arrival's first token takes them on the device in its prefill (Sampler.sample).
 
+Requests that ask for logprobs (top_logprobs or not) chain too, greedy or sampled, penalized or not, beside requests
+that ask for none: the graph takes each row's logprob and its K likeliest (K: the batch's widest top_logprobs
+bucketed as the chained spec verify's, spec_step.top_bucket; a graph per K) from the raw logits, as the ordinary
+step's verify.path_logprobs, with the chained spec verify's ops for a root-only row (models/decode_graphs.py), and
+they come up with the tokens in the step's one copy (`finish`: spec_graphs.path_logprobs_of), so they are the loop
+without overlap's (its ordinary step's).
+
 Arrivals that need host reads of their own (prompt logprobs, a grammar, a predicted output) and steps that
-are neither kind (a plain decode step with a request that asks for logprobs or has a grammar, a batch outside the
-buckets, a drafting request the drafter cannot join) first read the step in flight, alone in its Engine.step when it
-brings tokens; the ordinary step runs after it. Without overlap a plain decode step takes plain greedy requests only
-(the ordinary step draws a sampled request's tokens and applies penalties on the host)."""
+are neither kind (a plain decode step with a request that has a grammar, a batch outside the buckets, a drafting
+request the drafter cannot join) first read the step in flight, alone in its Engine.step when it brings tokens; the
+ordinary step runs after it. Without overlap a plain decode step takes plain greedy requests without logprobs only
+(the ordinary step draws a sampled request's tokens, applies penalties on the host and takes logprobs)."""
 
 from __future__ import annotations
 
@@ -63,6 +71,7 @@ import torch
 from sglang_ext.attention import causal_mask
 from sglang_ext.device import HostCopy, grow
 from sglang_ext.drafters import DraftInput
+from sglang_ext.models.spec_graphs import path_logprobs_of
 from sglang_ext.sampling import TokenLogprob, bits_floats, float_bits
 from sglang_ext.verify import AcceptedPath, tokens_to_host
 
@@ -88,7 +97,7 @@ def plain_decode(engine, reqs: list[Request]) -> bool:
         and engine.drafter is None
         and type(engine.sampler) is Sampler
         and type(engine.spec) is SpecWorker
-        and all(_in_graph(engine, r) and r.params.logprobs is None for r in reqs)
+        and all(_in_graph(engine, r) and (r.params.logprobs is None or engine.overlap.applies()) for r in reqs)
         and engine.runner.can_decode(reqs)
     )
 
@@ -108,8 +117,10 @@ class Launched:
 
     reqs: list[Request]
     slots: list[torch.Tensor]  # per request its new slot [1] int64 host id (appended to r.slots at launch)
-    tokens: HostCopy | list[int]  # [B] the step's tokens: queued to the host (an asynchronous stream), or read
+    tokens: HostCopy | list  # [B] the step's tokens (with top: [B, 2 + 2K] rows, each its token then its
+    # logprobs: models/decode_graphs.py): queued to the host (an asynchronous stream), or read
     live: dict[int, int]  # rid -> row: the requests whose token is read (a request that ended since: dropped)
+    top: int | None = None  # K: the widest top_logprobs its requests ask for (None: none asks for logprobs)
 
 
 def decode_step(engine, reqs: list[Request]) -> list[StepEvent]:
@@ -124,9 +135,10 @@ def launch(engine, reqs: list[Request], prev: Launched | None = None) -> Launche
     slots = kv.alloc(len(reqs))
     rows = prev.live if prev is not None else {}
     tokens = [-1 - rows[r.rid] if r.rid in rows else r.output_ids[-1] for r in reqs]
+    top = spec_step.top_bucket([r.params.logprobs for r in reqs if r.params.logprobs is not None])
     try:
         rules = [engine.sampler.penalty_row(r) for r in reqs], engine.sampler.graph_sampling(reqs)
-        out = engine.runner.decode(reqs, slots, tokens, *rules)
+        out = engine.runner.decode(reqs, slots, tokens, *rules, top)
         stream = engine.runner.stream
         copy = stream.to_host(out) if stream.asynchronous else tokens_to_host(out)  # the step's one copy
     except BaseException:
@@ -135,7 +147,7 @@ def launch(engine, reqs: list[Request], prev: Launched | None = None) -> Launche
     new = list(slots.split(1))
     for r, s in zip(reqs, grow([r.slots for r in reqs], new)):
         r.slots = s
-    return Launched(reqs, new, copy, {r.rid: i for i, r in enumerate(reqs)})
+    return Launched(reqs, new, copy, {r.rid: i for i, r in enumerate(reqs)}, top)
 
 
 def finish(engine, step: Launched, following: Launched | None = None) -> list[StepEvent]:
@@ -143,12 +155,17 @@ def finish(engine, step: Launched, following: Launched | None = None) -> list[St
     it, where a request this step ends has its token dropped and its slot freed (`drop`)."""
     tokens = step.tokens if isinstance(step.tokens, list) else step.tokens.wait()
     events = []
-    for r, tok in zip(step.reqs, tokens):
+    for r, row in zip(step.reqs, tokens):
         if r.rid not in step.live:  # (it ended before this step was read: a surplus token)
             continue
         r.stats.verify_steps += 1
+        tok = row if step.top is None else row[0]
         try:
-            events.append(StepEvent(r, engine.sampler.append(r, [tok]), 0, 0))
+            new = engine.sampler.append(r, [tok])
+            lps = None
+            if r.params.logprobs is not None:  # (its k of the K likeliest, after the token: column 1 on)
+                lps = path_logprobs_of(row, 1, step.top, [tok], r.params.logprobs, at=1)
+            events.append(StepEvent(r, new, 0, 0, engine.sampler.logprobs(r, None, [], new, lps)))
         except RequestFault as f:
             events.append(fail(r, f))
         if r.finished and following is not None:

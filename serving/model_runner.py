@@ -89,18 +89,25 @@ class ModelRunner:
         return g is not None and g.can_run([1] * len(reqs), [len(r.slots) for r in reqs])
 
     def decode(
-        self, reqs: list[Request], slots: torch.Tensor, tokens: list[int] | None = None, penalties=None, sampling=None
+        self,
+        reqs: list[Request],
+        slots: torch.Tensor,
+        tokens: list[int] | None = None,
+        penalties=None,
+        sampling=None,
+        top: int | None = None,
     ):
         """A plain decode step (slots [B] int64 host ids: each request's new slot): one row per request reading
         `tokens` (default: each request's last output token; -1 - i: row i's token of the previous decode step, still
         on the device: models/decode_graphs.py), the logits and each row's token inside the graph -> [B] int64
         tokens on the device (queue their copy to the host before the next forward). penalties: per request its
         logits rules (Sampler.penalty_row), or None: every row's logits the raw ones; sampling: per request its
-        parameters (Sampler.graph_sampling), or None: every row's token the argmax."""
+        parameters (Sampler.graph_sampling), or None: every row's token the argmax; top: K, each row's logprobs and
+        its K likeliest with its token ([B, 2 + 2K]: models/decode_graphs.py), or None: none."""
         if tokens is None:
             tokens = [r.output_ids[-1] for r in reqs]
         keys, prefixes = [r.rid for r in reqs], [r.slots for r in reqs]
-        return decode(self.graph_runner, keys, tokens, slots, prefixes, self.kv.pool, penalties, sampling)
+        return decode(self.graph_runner, keys, tokens, slots, prefixes, self.kv.pool, penalties, sampling, top)
 
     @property
     def stream(self) -> Stream | None:

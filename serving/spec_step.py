@@ -195,7 +195,7 @@ def launch(engine, reqs: list[Request], prev: Chained | None = None) -> Chained 
         chained = rows or [-1] * len(reqs)
         mixed = (src, [-1 if r.drafting or p >= 0 else r.output_ids[-1] for r, p in zip(reqs, chained)])
     n = packed.longs.shape[2]
-    top = _top_k([r.params.logprobs for r in reqs if r.params.logprobs is not None])
+    top = top_bucket([r.params.logprobs for r in reqs if r.params.logprobs is not None])
     slots = kv.alloc(len(reqs) * n)
     try:
         keys, prefixes = [r.rid for r in reqs], [r.slots for r in reqs]
@@ -226,7 +226,7 @@ def _searched(params: SamplingParams) -> SamplingParams:
     return params if params.greedy else replace(params, temperature=0.0)
 
 
-def _top_k(asked: list[int]) -> int | None:
+def top_bucket(asked: list[int]) -> int | None:
     """K for a chained verify: the widest top_logprobs its requests ask, rounded up to 0, 1, 2, 4, ... (at most
     MAX_TOP_LOGPROBS; a graph per K, each request takes its own k of the K likeliest); None where none asks."""
     if not asked:

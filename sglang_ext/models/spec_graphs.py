@@ -270,12 +270,12 @@ def _verify_fn(g: GraphRunner, fut: SpecFuture, key: tuple, bufs: dict, kv):
         keep(fut.feats[:b, :w], feats.gather(1, at[..., None].expand(b, w, feats.shape[2])))
     result = [nodes, path, bad.long()[:, None]]
     if top is not None:
-        result += _path_logprobs(raw.view(b, n, -1), at, path, top)  # (the raw logits' logprobs, as Sampler's)
+        result += graph_path_logprobs(raw.view(b, n, -1), at, path, top)  # (the raw logits' logprobs, as Sampler's)
     return out, torch.cat(result, 1)
 
 
-def _path_logprobs(
-    logits: torch.Tensor,  # [B, N, V] the verify's (the model's dtype)
+def graph_path_logprobs(
+    logits: torch.Tensor,  # [B, N, V] the verify's, or a plain decode graph's (N 1) (the model's dtype)
     at: torch.Tensor,  # [B, W] each path's nodes (past its end: node 0)
     path: torch.Tensor,  # [B, W] its tokens (past its end: -1)
     k: int,
@@ -290,10 +290,14 @@ def _path_logprobs(
     return [bits(chosen), bits(vals), ids.reshape(b, -1)]
 
 
-def path_logprobs_of(row: list[int], width: int, top: int, tokens: list[int], k: int) -> list[TokenLogprob]:
+def path_logprobs_of(
+    row: list[int], width: int, top: int, tokens: list[int], k: int, at: int | None = None
+) -> list[TokenLogprob]:
     """A spec verify's result row (read on the host; W = width, K = top) -> its path tokens' logprobs, each with
-    its k likeliest (k <= K: the request's top_logprobs), as verify.to_host gives them for an ordinary step."""
-    n, at = len(tokens), 2 * width + 1
+    its k likeliest (k <= K: the request's top_logprobs), as verify.to_host gives them for an ordinary step. at:
+    where graph_path_logprobs' columns start in the row (None: the spec verify's, after its 2W + 1; a plain decode
+    graph's row: 1, models/decode_graphs.py)."""
+    n, at = len(tokens), 2 * width + 1 if at is None else at
     chosen, vals = bits_floats(row[at : at + n]), bits_floats(row[at + width : at + width + width * top])
     ids = row[at + width + width * top :]
     top_of = lambda i: tuple(zip(ids[i * top : i * top + k], vals[i * top : i * top + k]))  # noqa: E731

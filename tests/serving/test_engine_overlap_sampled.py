@@ -1,9 +1,9 @@
 """Sampled requests without a drafter in the overlapped loop (serving/decode_step.py): a request with a temperature
-(top_k / top_p or not, seeded or not, penalties and min_tokens or not; no grammar, no logprobs) rides the chained
-plain decode steps beside greedy ones. The decode graph takes each sampled row's token as its coupled sample
-(models/decode_graphs.py: sampling.coupled_tokens, the chained spec verify's ops, Gumbel-max with the (seed, position)
-noise, which is the ordinary step's verify.coupled_path for a root-only tree), so a seeded request's output is the
-loop without overlap's, token for token.
+(top_k / top_p or not, seeded or not, penalties and min_tokens or not; no grammar; with logprobs:
+test_engine_overlap_logprobs.py) rides the chained plain decode steps beside greedy ones. The decode graph takes each
+sampled row's token as its coupled sample (models/decode_graphs.py: sampling.coupled_tokens, the chained spec
+verify's ops, Gumbel-max with the (seed, position) noise, which is the ordinary step's verify.coupled_path for a
+root-only tree), so a seeded request's output is the loop without overlap's, token for token.
 
 On the CPU the device is `helpers.QueuedStream` (as in test_engine_overlap.py): the device runs late, so a token the
 graph did not draw itself (a host read one step behind, the future token of another row) changes the outputs. The
@@ -144,8 +144,8 @@ def test_mixed_batches_ride_one_chain(runs):
 
 def test_what_rides_the_chained_plain_decode_steps(smollm2_fp32):
     """plain_decode in the overlapped loop: sampled requests, seeded or not, filtering or not, with penalties or
-    min_tokens, beside greedy ones; not one with a grammar (its mask is the host's) or logprobs (host reads). Without
-    overlap, only plain greedy ones (the ordinary step takes the others)."""
+    min_tokens or logprobs (test_engine_overlap_logprobs.py), beside greedy ones; not one with a grammar (its mask is
+    the host's). Without overlap, only plain greedy ones without logprobs (the ordinary step takes the others)."""
     stream = QueuedStream()
     try:
         eng = _engine(smollm2_fp32, True, None, TREE, stream)
@@ -156,11 +156,13 @@ def test_what_rides_the_chained_plain_decode_steps(smollm2_fp32):
         lps, grammar = add(eng, temperature=0.8, seed=2, logprobs=1), add(eng, grammar=GrammarSpec("regex", "[ab]+"))
         eng.step()  # (their prefills)
         assert plain_decode(eng, [seeded]) and plain_decode(eng, [greedy, seeded, unseeded, filtered, penalized])
-        assert not plain_decode(eng, [greedy, lps]) and grammar.matcher is not None
+        assert plain_decode(eng, [greedy, seeded, lps]) and grammar.matcher is not None
         assert not plain_decode(eng, [greedy, grammar])
         p_greedy, p_seeded = add(plain_eng), add(plain_eng, temperature=0.8, seed=1)
+        p_lps = add(plain_eng, logprobs=1)
         plain_eng.step()
         assert plain_decode(plain_eng, [p_greedy]) and not plain_decode(plain_eng, [p_greedy, p_seeded])
+        assert not plain_decode(plain_eng, [p_greedy, p_lps])
     finally:
         stream.close()
 
