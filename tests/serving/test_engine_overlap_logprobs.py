@@ -17,10 +17,10 @@ logprobs requests take the ordinary step. The `gpu` case runs the scenario on CU
 from __future__ import annotations
 
 import pytest
-from helpers import QueuedStream, slots_whole, step_order
-from test_engine_overlap_sampled import PERIOD, TREE, _recorded
-from test_engine_spec_overlap_logprobs import TOL, _same_logprobs
-from test_engine_spec_overlap_sampled import _engine
+from helpers import step_order
+from test_engine_overlap_sampled import PERIOD, TREE, plain_and_overlapped
+from test_engine_spec_overlap_logprobs import TOL, _same_logprobs, gpu_equal_to_the_plain_loop
+from test_engine_spec_overlap_sampled import _engine, drive
 
 from serving.spec_step import top_bucket
 from sglang_ext.sampling import SamplingParams
@@ -43,29 +43,13 @@ REQUESTS = [  # (prompt, params): with logprobs (greedy, sampled, penalized) and
 
 def _run(target, overlap: bool, stream=None):
     """The scenario through Engine.step -> (the engine, its requests)."""
-    eng = _engine(target, overlap, None, TREE, stream)
-    encode = lambda text: target.encode_chat([{"role": "user", "content": text}])  # noqa: E731
-    reqs = [eng.add_request(encode(t), p) for t, p in REQUESTS]
-    for _ in range(80):
-        if not eng.has_work:
-            break
-        eng.step()
-    assert not eng.has_work and slots_whole(eng)
-    return eng, reqs
+    return drive(_engine(target, overlap, None, TREE, stream), target, REQUESTS)
 
 
 @pytest.fixture(scope="module")
 def runs(smollm2_fp32):
-    """The scenario in the loop without overlap and in the overlapped loop on a stand-in stream (its plain decode
-    launches recorded)."""
-    plain = _run(smollm2_fp32, False)
-    stream, seen = QueuedStream(), []
-    try:
-        with _recorded(seen):
-            eng, reqs = _run(smollm2_fp32, True, stream)
-    finally:
-        stream.close()
-    return {"plain": plain, "overlap": (eng, reqs, stream, seen)}
+    """The scenario in the loop without overlap and in the overlapped loop on a stand-in stream."""
+    return plain_and_overlapped(smollm2_fp32, _run)
 
 
 def test_tokens_and_logprobs_equal_the_plain_loop(runs):
@@ -106,10 +90,4 @@ def test_gpu_tokens_and_logprobs_equal_the_plain_loop(smollm2_cuda):
     at SmolLM2's logit scale (test_engine_spec_overlap_logprobs.py's); every decode step a graph replay with one
     copy."""
     _, plain = _run(smollm2_cuda, False)
-    eng, reqs = _run(smollm2_cuda, True)
-    g = eng.runner.graph_runner
-    assert g.graphs and eng.runner.stream.copies == g.runs > 0
-    assert [(r.output_ids, r.finish_reason) for r in reqs] == [(r.output_ids, r.finish_reason) for r in plain]
-    for r, p in zip(reqs, plain):
-        if r.params.logprobs is not None:
-            _same_logprobs(r.output_logprobs, p.output_logprobs, 0.25)
+    gpu_equal_to_the_plain_loop(*_run(smollm2_cuda, True), plain)

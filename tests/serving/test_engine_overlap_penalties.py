@@ -31,7 +31,7 @@ from helpers import (
 )
 from test_engine_spec_overlap import FAULTY, _in_order, _poison, _recorded, scripted_policy
 from test_engine_spec_overlap_logprobs import TOL, _same_logprobs
-from test_engine_spec_overlap_sampled import _engine
+from test_engine_spec_overlap_sampled import _engine, drive
 
 from serving.engine import Engine
 from sglang_ext.sampling import SamplingParams
@@ -63,17 +63,12 @@ ARRIVE_AFTER = 3  # engine steps (LATE arrives while a chain runs: its prefill r
 
 def _run(target, overlap: bool, drafter: str | None, requests, stream=None):
     eng = _engine(target, overlap, drafter, TREE, stream)
-    encode = lambda text: target.encode_chat([{"role": "user", "content": text}])  # noqa: E731
-    reqs = [eng.add_request(encode(t), p) for t, p in requests]
-    for step in range(80):
-        if not eng.has_work:
-            break
-        eng.step()
-        if step + 1 == ARRIVE_AFTER:
-            reqs.append(eng.add_request(encode(LATE[0]), LATE[1]))
-    assert not eng.has_work
-    assert slots_whole(eng) and (eng.drafter is None or drafter_pools_whole(eng.drafter))
-    return eng, reqs
+
+    def after_step(step: int, reqs: list) -> None:
+        if step == ARRIVE_AFTER:
+            reqs.append(eng.add_request(target.encode_chat([{"role": "user", "content": LATE[0]}]), LATE[1]))
+
+    return drive(eng, target, requests, after_step)
 
 
 def _ends(reqs) -> list:

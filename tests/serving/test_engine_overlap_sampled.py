@@ -22,8 +22,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import pytest
-from helpers import QueuedStream, prefill_copies, prefills_in_flight, slots_whole, step_order
-from test_engine_spec_overlap_sampled import _engine
+from helpers import QueuedStream, prefill_copies, prefills_in_flight, step_order
+from test_engine_spec_overlap_sampled import _engine, drive
 
 from serving import decode_step
 from serving.decode_step import plain_decode
@@ -72,36 +72,37 @@ def _recorded(seen: list):
 def _run(target, overlap: bool, stream=None):
     """The scenario through Engine.step -> (the engine, its requests)."""
     eng = _engine(target, overlap, None, TREE, stream)
-    encode = lambda text: target.encode_chat([{"role": "user", "content": text}])  # noqa: E731
-    reqs = [eng.add_request(encode(t), p) for t, p in REQUESTS]
-    for step in range(80):
-        if not eng.has_work:
-            break
-        eng.step()
-        if step + 1 == ARRIVE_AFTER:
-            reqs.append(eng.add_request(encode(LATE[0]), LATE[1]))
+
+    def after_step(step: int, reqs: list) -> None:
+        if step == ARRIVE_AFTER:
+            reqs.append(eng.add_request(target.encode_chat([{"role": "user", "content": LATE[0]}]), LATE[1]))
         if len(reqs[ABORTED].output_ids) >= ABORT_AT and not reqs[ABORTED].finished:
             eng.abort(reqs[ABORTED])
-    assert not eng.has_work and slots_whole(eng)
-    return eng, reqs
+
+    return drive(eng, target, REQUESTS, after_step)
 
 
 def _ends(reqs) -> list:
     return [(r.output_ids, r.finish_reason, r.stats.verify_steps) for r in reqs]
 
 
-@pytest.fixture(scope="module")
-def runs(smollm2_fp32):
-    """The scenario in the loop without overlap and in the overlapped loop on a stand-in stream (its plain decode
-    launches recorded)."""
-    plain = _run(smollm2_fp32, False)
+def plain_and_overlapped(target, run) -> dict:
+    """run(target, overlap, stream=None) -> (engine, requests): a scenario in the loop without overlap ("plain") and in
+    the overlapped loop on a stand-in stream ("overlap": the engine, requests, stream and its plain decode launches)."""
+    plain = run(target, False)
     stream, seen = QueuedStream(), []
     try:
         with _recorded(seen):
-            eng, reqs = _run(smollm2_fp32, True, stream)
+            eng, reqs = run(target, True, stream)
     finally:
         stream.close()
     return {"plain": plain, "overlap": (eng, reqs, stream, seen)}
+
+
+@pytest.fixture(scope="module")
+def runs(smollm2_fp32):
+    """The scenario in the loop without overlap and in the overlapped loop on a stand-in stream."""
+    return plain_and_overlapped(smollm2_fp32, _run)
 
 
 def test_the_scenario_ends_requests_every_way(runs):

@@ -175,7 +175,12 @@ def test_gpu_chained_logprobs_equal_the_plain_loop(smollm2_cuda, drafter):
     at SmolLM2's logit scale (the two loops' verify graphs differ in shape); every verify a chained spec step with
     one copy."""
     plain = _run(smollm2_cuda, False, drafter)[1]
-    eng, reqs = _run(smollm2_cuda, True, drafter)
+    gpu_equal_to_the_plain_loop(*_run(smollm2_cuda, True, drafter), plain)
+
+
+def gpu_equal_to_the_plain_loop(eng, reqs, plain) -> None:
+    """On CUDA: every step a graph replay with one copy; tokens and ends as the loop without overlap's (`plain`), each
+    logprobs request's logprobs within a bf16 logit's rounding at SmolLM2's logit scale."""
     g = eng.runner.graph_runner
     assert g.graphs and eng.runner.stream.copies == g.runs > 0
     assert [(r.output_ids, r.finish_reason) for r in reqs] == [(r.output_ids, r.finish_reason) for r in plain]

@@ -52,13 +52,20 @@ def _engine(target, overlap: bool, drafter: str | None, tree: TreeShape, stream=
 
 
 def _run(target, overlap: bool, drafter: str | None, tree: TreeShape, stream=None):
-    eng = _engine(target, overlap, drafter, tree, stream)
+    return drive(_engine(target, overlap, drafter, tree, stream), target, REQUESTS)
+
+
+def drive(eng, target, requests, after_step=None):
+    """requests [(text, params)] through eng.step until it has no work (at most 80 steps); after_step(step, reqs) after
+    each step (an arrival, an abort). -> (eng, its requests): every slot back, the drafter's pools whole."""
     encode = lambda text: target.encode_chat([{"role": "user", "content": text}])  # noqa: E731
-    reqs = [eng.add_request(encode(t), p) for t, p in REQUESTS]
-    for _ in range(80):
+    reqs = [eng.add_request(encode(t), p) for t, p in requests]
+    for step in range(80):
         if not eng.has_work:
             break
         eng.step()
+        if after_step is not None:
+            after_step(step + 1, reqs)
     assert not eng.has_work
     assert slots_whole(eng) and (eng.drafter is None or drafter_pools_whole(eng.drafter))
     return eng, reqs
