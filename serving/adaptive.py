@@ -178,10 +178,9 @@ class AdaptiveSpeculation:
 
     def settle(self) -> None:
         """Learn the queued observations, in order."""
-        while self._queue:
-            queue, self._queue = self._queue, []
-            for args in queue:
-                self._learn(*args)
+        queue, self._queue = self._queue, []
+        for args in queue:
+            self._learn(*args)
 
     def choose(self, batch_size: int) -> int:
         """Index into self.options for this step."""

@@ -72,7 +72,7 @@ from sglang_ext.attention import causal_mask
 from sglang_ext.device import HostCopy, grow
 from sglang_ext.drafters import DraftInput
 from sglang_ext.models.spec_graphs import path_logprobs_of
-from sglang_ext.sampling import TokenLogprob, bits_floats, float_bits
+from sglang_ext.sampling import float_bits
 from sglang_ext.verify import AcceptedPath, tokens_to_host
 
 from . import spec_step
@@ -215,12 +215,6 @@ def _logprob_columns(done: list[Request]) -> tuple[list[int], int]:
     return at, n - len(done)
 
 
-def _first_logprobs(row: list[int], at: int, token: int, k: int) -> list[TokenLogprob]:
-    """A first token's logprobs from the prefill's copy (_logprob_columns' layout), as verify.to_host reads them."""
-    chosen, vals = bits_floats(row[at : at + 1])[0], bits_floats(row[at + 1 : at + 1 + k])
-    return [TokenLogprob(token, chosen, tuple(zip(row[at + 1 + k : at + 1 + 2 * k], vals)))]
-
-
 def launch_prefill(engine, chunks: list[tuple[Request, int]]) -> Prefill:
     """Issue one forward of the arrivals' prompt chunks (as the ordinary step's chunks: their K/V written, the captured
     layers kept beside the prefix cache) and each done prompt's first token, and queue those tokens' copy; the host
@@ -282,7 +276,8 @@ def finish_prefill(engine, step: Prefill) -> list[StepEvent]:
             engine.spec.start(r, step.out["captured"])
             r.t_first_token = time.perf_counter()
             new = engine.sampler.append(r, [tok])
-            lps = None if step.at[i] < 0 else _first_logprobs(row, step.at[i], tok, r.params.logprobs)
+            k = r.params.logprobs  # (its columns: graph_path_logprobs' of a one-node path of width 1 and K = k)
+            lps = None if step.at[i] < 0 else path_logprobs_of(row, 1, k, [tok], k, at=step.at[i])
             events.append(StepEvent(r, new, 0, 0, engine.sampler.logprobs(r, None, [], new, lps)))
         except RequestFault as f:
             events.append(fail(r, f))

@@ -31,7 +31,7 @@ from collections.abc import Hashable
 import torch
 
 from ..sampling import coupled_tokens, greedy_tokens, sampling_buffers, sampling_rows
-from .graph_runner import GraphRunner, fill_flat, static_plan
+from .graph_runner import GraphRunner, fill_flat
 from .kv_pool import KVPool
 from .penalty_graphs import decode_inputs, decode_penalized, penalty_buffers
 from .spec_graphs import graph_path_logprobs
@@ -91,9 +91,7 @@ def _decode_fn(g: GraphRunner, key: tuple, bufs: dict, kv: KVPool):
     ids, pos, slots, prefix, prefix_len = g._table.read(bufs["longs"], key[:3])
     chained = ids < 0  # future tokens: -1 - i reads the previous decode's row i
     ids = torch.where(chained, g._future[(-1 - ids).clamp_(min=0)], ids)
-    plan = static_plan(prefix, prefix_len, slots.view(b, 1), bufs["mask"])
-    ids = ids.clamp(0, g.model.cfg.vocab_size - 1)  # (see GraphRunner._forward)
-    out = g._static_model.forward(ids, pos, slots, plan, kv, g.capture_layers)
+    out = g.static_forward(ids, pos, slots, prefix, prefix_len, bufs["mask"], kv)
     raw = logits = g.model.logits(out.hidden, fp32=False)
     if pen:  # (each row's root, the previous decode's token where chained, joins its state)
         logits = decode_penalized(g, bufs, bufs["longs"][3 * b : 4 * b], chained, ids, logits)

@@ -423,10 +423,8 @@ class GraphRunner:
         if key[3] == "packed":  # (tree_batch's rows: TREE_LONGS)
             tree = bufs["tree"]
             ids, pos = tree[:, 0].reshape(-1), tree[:, 2].reshape(-1)
-        plan = static_plan(prefix, prefix_len, slots.view(b, q), bufs["mask"])
         tokens = ids.view(b, q)  # (the drafts as drafted: one outside the vocabulary is never accepted)
-        ids = ids.clamp(0, self.model.cfg.vocab_size - 1)  # (see _forward)
-        out = self._static_model.forward(ids, pos, slots, plan, kv, self.capture_layers)
+        out = self.static_forward(ids, pos, slots, prefix, prefix_len, bufs["mask"], kv)
         if key[3] == "table":
             return out
         logits = self.model.logits(out.hidden, fp32=False)
@@ -443,7 +441,20 @@ class GraphRunner:
         """The captured function: views of the flat buffers, the static plan, the model's forward."""
         b, q, p = key
         ids, pos, slots, prefix, prefix_len = bufs["longs"].split([b * q, b * q, b * q, b * p, b])
-        plan = static_plan(prefix.view(b, p), prefix_len, slots.view(b, q), bufs["mask"])
+        return self.static_forward(ids, pos, slots, prefix.view(b, p), prefix_len, bufs["mask"], kv)
+
+    def static_forward(
+        self,
+        ids: torch.Tensor,  # [B*Q] int64 the rows' tokens
+        pos: torch.Tensor,  # [B*Q] int64
+        slots: torch.Tensor,  # [B*Q] int64 where each row's K/V goes
+        prefix: torch.Tensor,  # [B, P] int64 each request's committed slots
+        prefix_len: torch.Tensor,  # [B] int64
+        mask: torch.Tensor,  # [B, Q, Q] bool the rows' own mask
+        kv: KVPool,
+    ) -> ForwardOutput:
+        """Inside a captured function: the static plan and the model's forward of the rows."""
+        plan = static_plan(prefix, prefix_len, slots.view(prefix.shape[0], -1), mask)
         # NOTE: a faulty drafter's token outside the vocabulary must not index past the embedding (on a GPU,
         # a device-side assert); clamped here, inside the replay, it costs no launch of its own (verification
         # never accepts such a token)

@@ -57,7 +57,7 @@ from ..sampling import (
 from ..tree import TreeBatch
 from ..verify import greedy_rows
 from .draft_graphs import ExtendRunner
-from .graph_runner import GraphRunner, bucket, fill_flat, static_plan
+from .graph_runner import GraphRunner, bucket, fill_flat
 from .penalty_graphs import PenaltyRow, penalized_logits, penalty_buffers, penalty_inputs, penalty_state
 
 WIDTH = 16  # path columns kept per request: a tree's depth + 1 at most
@@ -230,10 +230,9 @@ def _verify_fn(g: GraphRunner, fut: SpecFuture, key: tuple, bufs: dict, kv):
         root = torch.where(has, fut.tokens[pr, (lens - 1).clamp(min=0)], flags[1])
         tree, mask = _with_roots(tree, mask, flags[0], plain, root, prefix_len)
     ids, pos = tree[:, 0].reshape(-1), tree[:, 2].reshape(-1)
-    plan = static_plan(prefix, prefix_len, grid, mask)
     vocab = g.model.cfg.vocab_size
     tokens = ids.view(b, n)
-    out = g._static_model.forward(ids.clamp(0, vocab - 1), pos, slots, plan, kv, g.capture_layers)
+    out = g.static_forward(ids, pos, slots, prefix, prefix_len, mask, kv)
     raw = logits = g.model.logits(out.hidden, fp32=False)
     grid_pos = pos.view(b, n)
     if pen:  # (each chained row's path of the step before: the futures as that step's verify left them)
