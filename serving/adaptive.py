@@ -38,6 +38,7 @@ from sglang_ext.tree import TreeShape
 from .metrics import batch_bucket
 from .step_costs import PerRequestWindow, RateWindow, StepCostModel
 
+_BUCKETS = {n: batch_bucket(n) for n in range(1, 257)}  # (choose runs every step: a lookup, not a loop)
 CONFIDENT_MIN_PROB = 0.3  # the confident option's cut: a lookup node needs a 1-token own match and all the evidence
 CONFIDENT_FROM_BATCH = 4  # the engine offers the confident option from this many requests on
 
@@ -91,6 +92,7 @@ class AdaptiveSpeculation:
         burst: int = 8,
         recheck: int = 8,
         defer: bool = False,
+        max_backoff: int = 2,
     ):
         self.options = shape_menu(shape, confident=confident_from is not None)
         # the confident (cut) option only from `confident_from` requests: at bs 1 a verify row costs a
@@ -130,6 +132,12 @@ class AdaptiveSpeculation:
         self._history = [PerRequestWindow() for _ in self.options]
         self.clock = 0  # steps observed, any bucket: the history's time
         self.postponed = 0  # re-measurements skipped because the prior put the option far behind
+        # (bucket, option) -> its re-measurements since it was last the best there: each one it lost halves its share
+        # of the exploration budget, to 1 / 2**max_backoff of it (acceptance drifts, but a tree that lost its last
+        # re-measurements is unlikely to win the next; at bs 1 on a CPU where a drafter never pays, re-measuring it at
+        # the full budget cost ~1 % of the throughput for good); one that wins starts over
+        self.lost: dict[tuple[str, int], int] = {}
+        self.max_backoff = max_backoff
         # per bucket, the option chosen as best at the last step: the other options are rated against
         # its rate at the time they ran (rel), not by their own windows, which span long stretches
         self.best: dict[str, int] = {}
@@ -184,12 +192,12 @@ class AdaptiveSpeculation:
 
     def choose(self, batch_size: int) -> int:
         """Index into self.options for this step."""
-        bucket = batch_bucket(batch_size)
+        bucket = _BUCKETS.get(batch_size) or batch_bucket(batch_size)
         step = self.steps[bucket] = self.steps.get(bucket, 0) + 1
-        kept = self.kept.pop(bucket, None)
+        kept = self.kept.get(bucket)
         if kept is not None and self.follow is None and kept[1] == batch_size and step < kept[2]:
-            self.kept[bucket] = kept
             return kept[0]
+        self.kept.pop(bucket, None)
         self.settle()
         ok = self._eligible(batch_size)
         if self.follow is not None:
@@ -245,8 +253,9 @@ class AdaptiveSpeculation:
         # and never so often that re-measuring costs more than explore_budget of the time (shared by
         # the losing options): at a large batch one tree step (draft catch-up + a big verify) can cost
         # several plain steps (a budget per option let two losing trees cost twice the budget)
+        lost = self.lost.get((bucket, pick), 0)
         self.next_retry[(bucket, pick)] = step + max(
-            gap, self._budget_gap(pick, best, bucket, known, batch_size, rates)
+            gap, self._budget_gap(pick, best, bucket, known, batch_size, rates) << min(lost, self.max_backoff)
         )
         if far and from_prior and gap < self.max_retry_every:
             # ruled out by the prior and never measured here: postpone rather than pay a slow step
@@ -254,6 +263,7 @@ class AdaptiveSpeculation:
             self.postponed += 1
             return best
         self.retries += 1
+        self.lost[(bucket, pick)] = lost + 1
         if self.catch_up and self.options[pick] is not None and not self.drafted_last:
             self.follow = (pick, self.burst)
         return pick
@@ -294,6 +304,7 @@ class AdaptiveSpeculation:
         previous best starts with that ratio (its window was fresh: it ran until now)."""
         prev = self.best.get(bucket)
         self.best[bucket] = best
+        self.lost.pop((bucket, best), None)
         self.rel.pop((best, bucket), None)
         if prev is None or rates[prev] <= 0 or rates[best] <= 0:
             return

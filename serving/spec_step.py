@@ -168,7 +168,10 @@ def launch(engine, reqs: list[Request], prev: Chained | None = None) -> Chained 
     if d.stream is not stream:
         d.use_stream(stream)
     drafting = [r for r in reqs if r.drafting]
-    inputs = [DraftInput(r.rid, r.token_ids, _searched(r.params), r.generator, r.reference, r.tenant) for r in drafting]
+    inputs = [
+        DraftInput(r.rid, r.token_ids, _searched(r.params), r.generator, r.reference, r.tenant, r.slots)
+        for r in drafting
+    ]
     fut = spec_future(g)
     rows = None if prev is None else [prev.live.get(r.rid, -1) for r in reqs]
     joined = {}  # rid -> its row of the futures, for a request that joins the chain (rows past prev's: spare)

@@ -134,11 +134,12 @@ class SpecWorker:
         steady cost, and a policy that rated no such step would rate none)."""
         if option is None:
             return
-        drafted = self.policy.options[option] is not None
-        drafting = [e.request for e in events if e.request.drafting]
-        first = drafted and 2 * sum(not r.drafted for r in drafting) >= max(len(drafting), 1)
-        for e in events:
-            e.request.drafted |= drafted
+        first = False
+        if self.policy.options[option] is not None:  # (off drafts nothing: no request's first drafted step)
+            drafting = [e.request for e in events if e.request.drafting]
+            first = 2 * sum(not r.drafted for r in drafting) >= max(len(drafting), 1)
+            for e in events:
+                e.request.drafted = True
         self.policy.observe(
             option,
             n,
@@ -158,7 +159,9 @@ class SpecWorker:
             return []
         trees: dict[int, TokenTree] = {}
         drafting = [r for r in reqs if r.drafting and self.drafter is not None and shape is not None]
-        inputs = [DraftInput(r.rid, r.token_ids, r.params, r.generator, r.reference, r.tenant) for r in drafting]
+        inputs = [
+            DraftInput(r.rid, r.token_ids, r.params, r.generator, r.reference, r.tenant, r.slots) for r in drafting
+        ]
         if self.prediction is not None and any(r.reference for r in drafting):
             trees.update(self.prediction.trees(inputs, shape))
             # the model drafts the rest (and catches up later on the tokens it did not draft)
@@ -304,6 +307,8 @@ class SpecWorker:
         ]
         if not who:
             return {}
+        if self.drafter.catches_up and all(trees[i].num_nodes == 1 for i in who):
+            return {}  # (speculation off: the drafter takes these tokens at its next propose; off costs it nothing)
         if all(trees[i].num_nodes == 1 for i in who) and [starts[i] for i in who] == list(range(len(who))):
             # every tree root-only (the policy kept drafting off), every request committing: each commit is its
             # tree's root, at the tree's position, and its captured rows are the forward's first rows in order

@@ -13,6 +13,9 @@ KV pool. A drafter whose commit() does nothing (it reads token ids only: n-gram,
 with `needs_commit = False`, and the engine skips building the TargetCapture of every verify step. A drafter
 that learns from the target's prediction at every node of the verified tree, accepted or not (lookahead's
 Jacobi window), says `wants_tree_argmax = True` and gets TargetCapture.tree_argmax; the others pay nothing.
+A drafter that reads a verified token's state from the target's KV pool alone (MoA's LSA) says
+`catches_up = True`: the engine commits no step whose trees are all roots (speculation off), and the drafter
+takes those tokens from DraftInput.token_ids and DraftInput.slots at its next propose.
 Trees may differ in size across requests (a drafter with nothing to say returns a
 root-only tree, which the engine verifies as a plain decode step). A drafter that searches a request's
 predicted output (DraftInput.reference) itself says `reads_reference = True`; for the others the engine
@@ -93,6 +96,9 @@ class DraftInput:
     # the request's tenant (its API key and cache_salt; "" by default): state learned from one tenant's requests
     # (the suffix drafter's corpus of answers) drafts only that tenant's
     tenant: str = ""
+    # [seq_len] int64: the target KV pool's slots of token_ids[:-1] (None where the engine gives none); a drafter that
+    # `catches_up` takes the tokens it was not committed from here and from token_ids
+    slots: torch.Tensor | None = None
 
     @property
     def seq_len(self) -> int:
@@ -115,6 +121,9 @@ class Drafter:
     name: str = ""
     capture_layers: tuple[int, ...] = ()  # target layers whose outputs the drafter needs in TargetCapture
     needs_commit: bool = True  # False: commit() is a no-op (the engine builds no verify-step TargetCapture)
+    # True: a step that drafts nothing (every tree its root: speculation off) is not committed; the drafter takes the
+    # tokens it missed from DraftInput (token_ids, slots) at its next propose (MoA: their K/V are in the target's pool)
+    catches_up: bool = False
     wants_tree_argmax: bool = False  # commit's TargetCapture carries the target's argmax at every tree node
     reads_reference: bool = False  # searches DraftInput.reference itself (else the engine drafts from it)
     reads_prefix_hidden: bool = True  # reads the captured layers of prefix-cached tokens (cached_hidden)

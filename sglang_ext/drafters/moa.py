@@ -324,6 +324,23 @@ class MoADrafter(MoAGraphs, Drafter):
         return scatter_to_vocab(logits, self.hot_ids, self.cfg.vocab_size) if full else logits
 
     @property
+    def catches_up(self) -> bool:
+        # a verified token's memory and SA K/V come from the target's pool and its id alone (the no-LSA ablation's
+        # memory reads captured layer outputs; an edge client's context arrives from its server)
+        return not self.remote and not self.capture_layers
+
+    def _take_missed(self, batch: list[DraftInput]) -> None:
+        """Queue each request's tokens that no commit brought (the engine's off steps: `catches_up`), from its
+        DraftInput: one capture of them, as their commits would have queued (moa_core.catch_up counts tokens)."""
+        for d in batch:
+            st = self.reqs[d.rid]
+            seen = st.target_slots.numel() + sum(c.slots.numel() for c in st.pending)
+            if d.slots is None or seen >= d.seq_len:
+                continue
+            positions = torch.arange(seen, d.seq_len, device=d.slots.device)
+            st.pending.append(TargetCapture(d.token_ids[seen : d.seq_len], positions, d.slots[seen:], kv=self.tli_kv))
+
+    @property
     def edge_client_ready(self) -> bool:
         return self.remote  # the TLI layers keep their own copy of the target's K/V
 
@@ -426,6 +443,7 @@ class MoADrafter(MoAGraphs, Drafter):
     # --- drafting -----------------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree]:
+        self._take_missed(batch)
         # (a static commit is prepared here and runs in the search's graph, or alone below; else _flush runs now)
         commit = self._static_commit(batch) if self.step_graphs else self._flush(batch)
         for d in batch:

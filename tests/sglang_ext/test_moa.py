@@ -544,3 +544,67 @@ def test_a_request_that_never_drafted_catches_up_on_its_last_commits_not_its_pro
     while not req.finished:
         eng.step()
     assert req.output_ids == Engine(target, None, EngineConfig()).generate([prompt], params)[0].output_ids
+
+
+class _Committing(MoADrafter):
+    """MoA committed on every step, off steps included (what the engine did before drafters caught up)."""
+
+    catches_up = False
+
+
+def test_off_steps_commit_nothing_and_the_catch_up_leaves_the_state_of_committing_every_step():
+    """A MoA drafter `catches_up`: the engine builds no commit on a step that drafts nothing (speculation off), and
+    the drafter takes those tokens from the request at its next propose. Two requests, off in stretches (one
+    reaching past the catch-up's memory window): no commit on an off step; the same trees, tokens and, after each
+    catch-up, the same state (target slots, holes without memory, memory and SA K/V) as a drafter committed on
+    every step; the output is vanilla's."""
+    target, draft = tiny_pair(tli=1, seed=11)
+    prompts, params = _prompts(2, 12), SamplingParams(max_new_tokens=48, ignore_eos=True)
+    off = {*range(3, 6), *range(9, 25), *range(30, 32)}
+    runs = {}
+    for cls in (MoADrafter, _Committing):
+        drafter = cls(target.model, draft)
+        commits, trees = [], []
+        commit, propose = drafter.commit, drafter.propose
+        drafter.commit = lambda rid, cap, commit=commit, commits=commits: commits.append(rid) or commit(rid, cap)
+        drafter.propose = lambda b, s, propose=propose, trees=trees: trees.append(propose(b, s)) or trees[-1]
+        eng = Engine(target, drafter, EngineConfig(tree=TreeShape(2, 2, 4)))
+        eng.policy = _Scripted(eng.tree, off=off)
+        reqs = [eng.add_request(p, params) for p in prompts]
+        per_step, states = [], []
+        while not all(r.finished for r in reqs):
+            n, step = len(commits), eng.policy.calls
+            eng.step()
+            per_step.append((eng.policy.calls, len(commits) - n))
+            if eng.policy.calls > step and eng.policy.calls not in off:  # a drafted step: the state after its propose
+                states.append({r.rid: _state_of(drafter, r.rid) for r in reqs if r.rid in drafter.reqs})
+        drafted = [[t.draft_tokens.tolist() for t in step] for step in trees]
+        runs[cls] = (per_step, drafted, states, [r.output_ids for r in reqs])
+    (steps, drafted, states, out), (ref_steps, ref_drafted, ref_states, ref_out) = runs[MoADrafter], runs[_Committing]
+    assert all(k == 0 for call, k in steps if call in off) and all(k == 2 for call, k in ref_steps if call in off)
+    assert drafted == ref_drafted and len(drafted) > 20 and out == ref_out
+    assert len(states) == len(ref_states)
+    for got, want in zip(states, ref_states):
+        assert got.keys() == want.keys()
+        for rid in got:
+            for x, y in zip(got[rid], want[rid]):
+                if torch.is_tensor(x):
+                    torch.testing.assert_close(x, y, rtol=0, atol=0)
+                else:
+                    assert x == y
+    assert any(st[4] for s in states for st in s.values())  # (a catch-up left tokens without memory)
+    assert out == [r.output_ids for r in Engine(target, None).generate(prompts, params)]
+
+
+def _state_of(drafter: MoADrafter, rid: int) -> tuple:
+    """A request's MoA state: its verified tokens' target slots, the memory and SA K/V they have, its holes."""
+    st = drafter.reqs[rid]
+    has = st.memory_of_tokens()
+    mem = has[has >= 0]
+    return (
+        st.target_slots,
+        torch.cat([drafter.mem.k[0][mem], drafter.mem.v[0][mem]]),
+        torch.cat([drafter.sa.k[0][st.sa_slots], drafter.sa.v[0][st.sa_slots]]),
+        len(st.pending),
+        list(st.holes),
+    )
