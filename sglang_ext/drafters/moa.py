@@ -257,9 +257,9 @@ class MoADrafter(MoAGraphs, Drafter):
         self.mem.write(0, mem, ca_k, ca_v)
         ids = to_device(torch.as_tensor(token_ids), ca_k.device)
         sa = self.sa.alloc(n)
-        if self.q8 is not None:  # the SA layer's norm, qkv, RoPE and K/V store in one call
+        if self.q8 is not None:  # the SA layer's norm, k|v, RoPE and K/V store in one call (no q: nothing reads it)
             cos, sin = self.target.rope(positions)
-            self.q8[0].layer_qkv(self.target.embed[ids], 0, cos[:, 0], sin[:, 0], self.sa.k[0], self.sa.v[0], sa)
+            self.q8[0].layer_kv(self.target.embed[ids], 0, cos[:, 0], sin[:, 0], self.sa.k[0], self.sa.v[0], sa)
         else:
             k, v = commit_sa(self.draft, self.target.embed, ids, positions)
             self.sa.write(0, sa, k, v)

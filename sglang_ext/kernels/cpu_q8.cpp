@@ -828,17 +828,14 @@ class Q8Stack : public torch::CustomClassHolder {
   // RoPE, K/V store into the pools at slots. Returns q [T, Hq, D] for the attention.
   at::Tensor layer_qkv(const at::Tensor& x, int64_t layer, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
                        const at::Tensor& v_pool, const at::Tensor& slots) {
-    const int64_t T = check_rows(x, cos, sin, slots);
-    TORCH_CHECK(layer >= 0 && layer < num_layers() && !layers[layer].in_norm2.defined(), "q8 layer_qkv: no decoder layer ", layer);
-    check_pool(k_pool, v_pool, slots);
-    Buffers buf = buffers(T);
-    buf.x.copy_(x);
-#pragma omp parallel num_threads(threads(T))
-    {
-      norm_quantize_in(buf, layers[layer]);
-      qkv_rope_store(buf, layers[layer], cos, sin, slots, k_pool, v_pool);
-    }
-    return buf.q.view({T, Hq, D}).clone();
+    Buffers buf = qkv_rows(x, layer, cos, sin, k_pool, v_pool, slots, false);
+    return buf.q.view({buf.T, Hq, D}).clone();
+  }
+
+  // layer_qkv's K/V alone (no q): what a commit of verified tokens needs (MoA's SA layer), the same K/V rows.
+  void layer_kv(const at::Tensor& x, int64_t layer, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
+                const at::Tensor& v_pool, const at::Tensor& slots) {
+    qkv_rows(x, layer, cos, sin, k_pool, v_pool, slots, true);
   }
 
   // The stack's attention for the layer-by-layer path: q [T, Hq, D] (layer_qkv's) over the pools per the plan
@@ -1070,6 +1067,23 @@ class Q8Stack : public torch::CustomClassHolder {
   }
 
   // by head: the head's qkv groups for every row, then its RoPE (q into b.q, k into the pool) or v's store
+  // layer_qkv / layer_kv: the layer's norm, q|k|v (k|v when kv_only), RoPE and K/V store over x [T, H]
+  Buffers qkv_rows(const at::Tensor& x, int64_t layer, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
+                   const at::Tensor& v_pool, const at::Tensor& slots, bool kv_only) {
+    const int64_t T = check_rows(x, cos, sin, slots);
+    TORCH_CHECK(layer >= 0 && layer < num_layers() && !layers[layer].in_norm2.defined(), "q8 layer_qkv: no decoder layer ", layer);
+    TORCH_CHECK(!kv_only || !layers[layer].cross, "q8 layer_kv: layer ", layer, " is a cross layer (it stores no K/V)");
+    check_pool(k_pool, v_pool, slots);
+    Buffers buf = buffers(T);
+    buf.x.copy_(x);
+#pragma omp parallel num_threads(threads(T))
+    {
+      norm_quantize_in(buf, layers[layer]);
+      qkv_rope_store(buf, layers[layer], cos, sin, slots, k_pool, v_pool, kv_only);
+    }
+    return buf;
+  }
+
   void qkv_rope_store(Buffers& b, const Layer& l, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& k_pool,
                       const at::Tensor& v_pool, bool kv_only = false) const {
     const int64_t T = b.T, per_head = D / GROUP, kv_row = Hkv * D;
@@ -1256,6 +1270,7 @@ TORCH_LIBRARY_FRAGMENT(moa_cpu, m) {
       .def("profile", &Q8Stack::profile)
       .def("forward", &Q8Stack::forward)
       .def("layer_qkv", &Q8Stack::layer_qkv)
+      .def("layer_kv", &Q8Stack::layer_kv)
       .def("attention", &Q8Stack::attention_of)
       .def("layer_out", &Q8Stack::layer_out)
       .def("logits", &Q8Stack::logits)
