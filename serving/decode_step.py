@@ -58,7 +58,8 @@ without overlap's (its ordinary step's).
 Arrivals that need host reads of their own (prompt logprobs, a grammar, a predicted output) and steps that
 are neither kind (a plain decode step with a request that has a grammar, a batch outside the buckets, a drafting
 request the drafter cannot join) first read the step in flight, alone in its Engine.step when it brings tokens; the
-ordinary step runs after it. Without overlap a plain decode step takes plain greedy requests without logprobs only
+ordinary step runs after it, once every piece of work the loop issued has run (OverlappedLoop.drain: work issued
+after the step's copy, such as a drafter's settle of arrivals, included). Without overlap a plain decode step takes plain greedy requests without logprobs only
 (the ordinary step draws a sampled request's tokens, applies penalties on the host and takes logprobs)."""
 
 from __future__ import annotations
@@ -314,10 +315,11 @@ class OverlappedLoop:
             elif spec_step.chain_next(eng, running, prev if isinstance(prev, spec_step.Chained) else None):
                 kind = spec_step  # (with the adaptive policy: its option chosen for the step, the tree in flight)
         if kind is None or (prev is not None and not isinstance(prev, kind.Launched)):
-            if prev is None:
-                return None
             self.inflight = None
-            return self._finish(prev) or None  # (only surplus tokens: the step runs as usual)
+            if prev is not None and (events := self._finish(prev)):
+                return events  # (read alone: the ordinary step runs at the next Engine.step, drained there)
+            self.drain()  # (only surplus tokens, or nothing in flight: the ordinary step runs now)
+            return None
         # (the running requests' decode, and the arrivals' chunks: the scheduler's state kept as every step's)
         reqs, batches = list(running), eng.scheduler.schedule(eng.kv_manager.match_prefix)
         chunks = [c for _, cs in batches for c in cs]
@@ -337,6 +339,14 @@ class OverlappedLoop:
         events = firsts()
         return kind.finish(eng, prev, self.inflight) + events
 
+    def drain(self) -> None:
+        """Before an ordinary step: every piece of device work the loop issued has run. NOTE: reading the step in
+        flight waits for its copy only; work issued after that copy (a drafter's settle of arrivals, a chain's last
+        commit) may still be queued, and the ordinary step's host reads (its copy, prompt logprobs, a drafter's) must
+        not count on a read of their own to wait for it (a pinned copy, an event, waits for less)."""
+        if self.applies():
+            self.engine.runner.stream.synchronize()
+
     def _finish(self, step) -> list[StepEvent]:
         return (spec_step if isinstance(step, spec_step.Chained) else PLAIN).finish(self.engine, step)
 
@@ -348,14 +358,13 @@ class OverlappedLoop:
     def clear(self) -> None:
         """After a step fault: nothing in flight (the device's work issued so far is waited for, faults ignored)."""
         self.engine.spec.chosen = None
-        if self.inflight is not None:
-            step, self.inflight = self.inflight, None
-            try:
-                self.engine.runner.stream.synchronize()
-            except Exception:  # noqa: BLE001 - the engine is starting again from a clean state
-                pass
-            if isinstance(step, spec_step.Chained):  # (its trees' slots are held by the step alone)
-                spec_step.clear(self.engine, step)
+        step, self.inflight = self.inflight, None
+        try:
+            self.drain()  # (work issued after the step in flight's copy too)
+        except Exception:  # noqa: BLE001 - the engine is starting again from a clean state
+            pass
+        if isinstance(step, spec_step.Chained):  # (its trees' slots are held by the step alone)
+            spec_step.clear(self.engine, step)
 
 
 class PLAIN:

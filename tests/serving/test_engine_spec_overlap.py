@@ -489,13 +489,14 @@ class _Scripted(AdaptiveSpeculation):
 
 
 def _in_order(stream: QueuedStream, run):
-    """Engine._run with the stand-in stream in order for the ordinary step (its work run as it is issued, what was
-    queued before first): on CUDA that step's host reads (its copy, the drafter's) wait for the stream's work before
-    them, which the stand-in models for the step's one copy only."""
+    """Engine._run with the stand-in stream in order for the ordinary step (its work run as it is issued): on CUDA
+    that step's eager ops queue behind the work it issues and its host reads (its copy, the drafter's) wait for it,
+    which the stand-in models for the step's one copy only. What the overlapped loop issued before the step is not
+    run here: the loop drains it (OverlappedLoop.drain)."""
 
     def ordinary(self, reqs, chunks):
+        assert not stream.queued, "an ordinary step began with device work the overlapped loop issued still queued"
         put = stream._put
-        stream.synchronize()
         stream._put = lambda job: stream._wait(put(job)) or stream._issued
         try:
             return run(self, reqs, chunks)
