@@ -60,8 +60,6 @@ def _why_ordinary(eng: Engine) -> set[str]:
         why.add("grammar")
     if any(r.reference for r in waiting) or (drafted and any(r.reference for r in running)):
         why.add("prediction")
-    if any(r.params.prompt_logprobs is not None for r in waiting):
-        why.add("prompt logprobs")
     if len(running) > BUCKETS[-1]:
         why.add("outside the buckets")
     return why

@@ -58,15 +58,16 @@ LATE = ("Reply with one word: yes or no?", SamplingParams(max_new_tokens=8))  # 
 ARRIVE_AFTER, ABORT_AFTER = 3, 8  # engine steps
 
 
-def _engine(target, overlap: bool, stream=None, drafter: str = "eagle3") -> Engine:
-    """The drafter on the graph runner's static path (the CPU: on `stream`, or its synchronous one), its search static.
-    prefill "separate": every decode step of both loops replays the graphs (the CPU's eager mixed forward rounds
-    differently from them)."""
+def _engine(target, overlap: bool, stream=None, drafter: str | None = "eagle3") -> Engine:
+    """The drafter (None: plain decode steps) on the graph runner's static path (the CPU: on `stream`, or its
+    synchronous one), its search static. prefill "separate": every decode step of both loops replays the graphs (the
+    CPU's eager mixed forward rounds differently from them)."""
     config = EngineConfig(overlap=overlap, prefill="separate", kv_slots=2048, tree=TREE, adaptive=False)
-    eng = Engine(target, make_drafter(drafter, target), config)
+    eng = Engine(target, make_drafter(drafter, target) if drafter else None, config)
     if eng.runner.graph_runner is None:  # (the CPU: the graph runner's static path run eagerly)
         eng.runner.graph_runner = GraphRunner(eng.model, eng.capture_layers, stream=stream)
-        eng.drafter.step_graphs = True
+        if eng.drafter is not None:
+            eng.drafter.step_graphs = True
     return eng
 
 
