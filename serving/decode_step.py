@@ -55,11 +55,15 @@ step's verify.path_logprobs, with the chained spec verify's ops for a root-only 
 they come up with the tokens in the step's one copy (`finish`: spec_graphs.path_logprobs_of), so they are the loop
 without overlap's (its ordinary step's).
 
-Arrivals that need host reads of their own (prompt logprobs, a grammar, a predicted output) and steps that
-are neither kind (a plain decode step with a request that has a grammar, a batch outside the buckets, a drafting
-request the drafter cannot join) first read the step in flight, alone in its Engine.step when it brings tokens; the
-ordinary step runs after it. Without overlap a plain decode step takes plain greedy requests without logprobs only
-(the ordinary step draws a sampled request's tokens, applies penalties on the host and takes logprobs)."""
+Arrivals that ask for the logprobs of their prompt ride too: the prefill takes them from the chunks' rows with the
+ordinary step's ops (sampling.logprob_columns: token_logprobs' values) into its one copy.
+
+Arrivals that need host reads of their own (a grammar, a predicted output) and steps that are neither kind (a plain
+decode step with a request that has a grammar, a batch outside the buckets, a drafting request the drafter cannot
+join) first read the step in flight, alone in its Engine.step when it brings tokens; the ordinary step runs after it,
+once every piece of work the loop issued has run (OverlappedLoop.drain: work issued after the step's copy, such as a
+drafter's settle of arrivals, included). Without overlap a plain decode step takes plain greedy requests without
+logprobs only (the ordinary step draws a sampled request's tokens, applies penalties on the host and takes logprobs)."""
 
 from __future__ import annotations
 
@@ -69,10 +73,10 @@ from dataclasses import dataclass, field
 import torch
 
 from sglang_ext.attention import causal_mask
-from sglang_ext.device import HostCopy, grow
+from sglang_ext.device import HostCopy, grow, to_device
 from sglang_ext.drafters import DraftInput
 from sglang_ext.models.spec_graphs import path_logprobs_of
-from sglang_ext.sampling import float_bits
+from sglang_ext.sampling import float_bits, logprob_columns
 from sglang_ext.verify import AcceptedPath, tokens_to_host
 
 from . import spec_step
@@ -188,19 +192,30 @@ class Prefill:
     """Arrivals' prompt chunks issued to the device while a step is in flight, their first tokens not read yet."""
 
     chunks: list[tuple[Request, int]]  # (request, end): its prompt tokens [prefilled, end) (prefilled at launch)
-    firsts: HostCopy | None  # [D + L] the first token of each prompt done by its chunk, -1 where it faulted, then
-    # the logprobs of those asked (L: _logprob_columns'); None: D 0
+    firsts: HostCopy | None  # [D + L + P] the first token of each prompt done by its chunk, -1 where it faulted,
+    # the logprobs of those asked (L: _logprob_columns'), then the prompt logprobs asked (P: _prompt_columns');
+    # None: nothing to read
     out: dict = field(default_factory=dict)  # filled on the device: "captured" {layer: [R, H]}, "faults" {i: fault}
     at: list[int] = field(default_factory=list)  # per done prompt: where its first token's logprobs start (-1: none)
+    prompt: list[PromptLogprobs] = field(default_factory=list)  # the chunks whose prompt logprobs are asked
+
+
+@dataclass
+class PromptLogprobs:
+    """A prompt chunk's logprobs of its prompt tokens, taken in an arrivals' prefill (as the ordinary step's
+    Engine._prefill_chunk: chunk row j predicts prompt token first + j + 1, the prompt's last row none)."""
+
+    r: Request
+    row: int  # its first row in the prefill's forward
+    tokens: list[int]  # the prompt tokens its rows predict
+    at: int  # where their columns start in the prefill's copy (sampling.logprob_columns')
 
 
 def prefill_rides(engine, waiting) -> bool:
     """Whether the arrivals' prompts can be prefilled while a step is in flight (`launch_prefill`): first tokens
     drawn on the device (penalties and min_tokens there too: device ops on the empty output; no grammar, whose mask
-    the host builds) and their logprobs with them, no logprobs of the prompt (host reads), no predicted output."""
-    return type(engine.sampler) is Sampler and all(
-        r.matcher is None and r.params.prompt_logprobs is None and not r.reference for r in waiting
-    )
+    the host builds), their logprobs and the prompt's with them, no predicted output."""
+    return type(engine.sampler) is Sampler and all(r.matcher is None and not r.reference for r in waiting)
 
 
 def _logprob_columns(done: list[Request]) -> tuple[list[int], int]:
@@ -213,6 +228,19 @@ def _logprob_columns(done: list[Request]) -> tuple[list[int], int]:
         at.append(-1 if k is None else n)
         n += 0 if k is None else 1 + 2 * k
     return at, n - len(done)
+
+
+def _prompt_columns(chunks: list[tuple[Request, int]], rows: list[int], at: int) -> tuple[list[PromptLogprobs], int]:
+    """(the chunks that take prompt logprobs, the copy's width): rows: each chunk's first row in the forward; at: the
+    copy's first free column; each such chunk takes m * (1 + 2k) columns (m: its rows that predict a prompt token, k:
+    its top alternatives)."""
+    out = []
+    for (r, end), row in zip(chunks, rows):
+        k, first = r.params.prompt_logprobs, r.prefilled
+        if k is not None and (m := min(end, len(r.prompt_ids) - 1) - first) > 0:
+            out.append(PromptLogprobs(r, row, r.prompt_ids[first + 1 : first + 1 + m], at))
+            at += m * (1 + 2 * k)
+    return out, at
 
 
 def launch_prefill(engine, chunks: list[tuple[Request, int]]) -> Prefill:
@@ -230,8 +258,10 @@ def launch_prefill(engine, chunks: list[tuple[Request, int]]) -> Prefill:
     last = ends[[i for i, (r, end) in enumerate(chunks) if end == len(r.prompt_ids)]]  # [D] the done prompts' rows
     step = Prefill(list(chunks), None)
     step.at, extra = _logprob_columns([r for r, end in chunks if end == len(r.prompt_ids)])
-    firsts = torch.full((len(last) + extra,), -1, dtype=torch.long, device=engine.model.device)
     captures = [(r, start - n + 1, n) for (r, _), n, start in zip(chunks, sizes, ends.tolist())]
+    step.prompt, width = _prompt_columns(chunks, [start for _, start, _ in captures], len(last) + extra)
+    firsts = torch.full((width,), -1, dtype=torch.long, device=engine.model.device)
+    asked = [(p, torch.tensor(p.tokens)) for p in step.prompt]
 
     def arrivals_prefill() -> None:  # (device work: on an asynchronous stream it runs after what was issued before)
         out = runner.forward_rows(ids, pos, slots, prefixes, masks)
@@ -239,6 +269,10 @@ def launch_prefill(engine, chunks: list[tuple[Request, int]]) -> Prefill:
         step.out["captured"], step.out["faults"] = out.captured, {}
         for r, start, n in captures:
             engine.spec.keep_prompt_capture(r, out.captured, start, n)
+        for p, tokens in asked:  # (the ordinary step's rows and ops: Engine._prefill_chunk, sampling.token_logprobs)
+            rows = runner.logits(out.hidden[p.row : p.row + len(p.tokens)])
+            flat = logprob_columns(rows, to_device(tokens, rows.device), p.r.params.prompt_logprobs)
+            firsts[p.at : p.at + flat.numel()].copy_(flat)
         if len(last):
             firsts_of = engine.sampler.first_tokens(step.chunks, runner.logits(out.hidden[last.to(out.hidden.device)]))
             done = [x for x in firsts_of if x is not None]
@@ -253,7 +287,7 @@ def launch_prefill(engine, chunks: list[tuple[Request, int]]) -> Prefill:
                     step.out["faults"][i] = x
 
     stream.launch(arrivals_prefill)
-    if len(last):
+    if width:
         step.firsts = stream.to_host(firsts)  # the prefill's one device-to-host copy
     for (r, end), s in zip(chunks, slots):
         r.slots = torch.cat([r.slots, s])  # the chunk's slots are the request's from here on (freed with it)
@@ -267,6 +301,9 @@ def finish_prefill(engine, step: Prefill) -> list[StepEvent]:
     it chains, settles its prompt so that the request joins the chain in flight: Drafter.settle)."""
     row = step.firsts.wait() if step.firsts is not None else []
     faults, events, started = step.out.get("faults", {}), [], []
+    for p in step.prompt:  # (their columns: a path of width m, K = k: spec_graphs.path_logprobs_of)
+        k = p.r.params.prompt_logprobs
+        p.r.prompt_logprobs += path_logprobs_of(row, len(p.tokens), k, p.tokens, k, at=p.at)
     for i, r in enumerate(r for r, end in step.chunks if end == len(r.prompt_ids)):
         tok = row[i]
         try:
@@ -278,7 +315,8 @@ def finish_prefill(engine, step: Prefill) -> list[StepEvent]:
             new = engine.sampler.append(r, [tok])
             k = r.params.logprobs  # (its columns: graph_path_logprobs' of a one-node path of width 1 and K = k)
             lps = None if step.at[i] < 0 else path_logprobs_of(row, 1, k, [tok], k, at=step.at[i])
-            events.append(StepEvent(r, new, 0, 0, engine.sampler.logprobs(r, None, [], new, lps)))
+            prompt_lps = r.prompt_logprobs if r.params.prompt_logprobs is not None else None
+            events.append(StepEvent(r, new, 0, 0, engine.sampler.logprobs(r, None, [], new, lps), prompt_lps))
         except RequestFault as f:
             events.append(fail(r, f))
         if not r.finished and r.drafting and engine.drafter is not None:
@@ -314,10 +352,11 @@ class OverlappedLoop:
             elif spec_step.chain_next(eng, running, prev if isinstance(prev, spec_step.Chained) else None):
                 kind = spec_step  # (with the adaptive policy: its option chosen for the step, the tree in flight)
         if kind is None or (prev is not None and not isinstance(prev, kind.Launched)):
-            if prev is None:
-                return None
             self.inflight = None
-            return self._finish(prev) or None  # (only surplus tokens: the step runs as usual)
+            if prev is not None and (events := self._finish(prev)):
+                return events  # (read alone: the ordinary step runs at the next Engine.step, drained there)
+            self.drain()  # (only surplus tokens, or nothing in flight: the ordinary step runs now)
+            return None
         # (the running requests' decode, and the arrivals' chunks: the scheduler's state kept as every step's)
         reqs, batches = list(running), eng.scheduler.schedule(eng.kv_manager.match_prefix)
         chunks = [c for _, cs in batches for c in cs]
@@ -337,6 +376,14 @@ class OverlappedLoop:
         events = firsts()
         return kind.finish(eng, prev, self.inflight) + events
 
+    def drain(self) -> None:
+        """Before an ordinary step: every piece of device work the loop issued has run. NOTE: reading the step in
+        flight waits for its copy only; work issued after that copy (a drafter's settle of arrivals, a chain's last
+        commit) may still be queued, and the ordinary step's host reads (its copy, prompt logprobs, a drafter's) must
+        not count on a read of their own to wait for it (a pinned copy, an event, waits for less)."""
+        if self.applies():
+            self.engine.runner.stream.synchronize()
+
     def _finish(self, step) -> list[StepEvent]:
         return (spec_step if isinstance(step, spec_step.Chained) else PLAIN).finish(self.engine, step)
 
@@ -348,14 +395,13 @@ class OverlappedLoop:
     def clear(self) -> None:
         """After a step fault: nothing in flight (the device's work issued so far is waited for, faults ignored)."""
         self.engine.spec.chosen = None
-        if self.inflight is not None:
-            step, self.inflight = self.inflight, None
-            try:
-                self.engine.runner.stream.synchronize()
-            except Exception:  # noqa: BLE001 - the engine is starting again from a clean state
-                pass
-            if isinstance(step, spec_step.Chained):  # (its trees' slots are held by the step alone)
-                spec_step.clear(self.engine, step)
+        step, self.inflight = self.inflight, None
+        try:
+            self.drain()  # (work issued after the step in flight's copy too)
+        except Exception:  # noqa: BLE001 - the engine is starting again from a clean state
+            pass
+        if isinstance(step, spec_step.Chained):  # (its trees' slots are held by the step alone)
+            spec_step.clear(self.engine, step)
 
 
 class PLAIN:

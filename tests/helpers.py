@@ -508,6 +508,12 @@ class QueuedStream(Stream):
     def synchronize(self) -> None:
         self._wait(self._issued)
 
+    @property
+    def queued(self) -> int:
+        """How many issued jobs have not run yet."""
+        with self._cv:
+            return self._issued - self._done
+
     def _put(self, job) -> int:
         with self._cv:
             self._jobs.append(job)

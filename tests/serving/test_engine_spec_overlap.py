@@ -58,15 +58,16 @@ LATE = ("Reply with one word: yes or no?", SamplingParams(max_new_tokens=8))  # 
 ARRIVE_AFTER, ABORT_AFTER = 3, 8  # engine steps
 
 
-def _engine(target, overlap: bool, stream=None, drafter: str = "eagle3") -> Engine:
-    """The drafter on the graph runner's static path (the CPU: on `stream`, or its synchronous one), its search static.
-    prefill "separate": every decode step of both loops replays the graphs (the CPU's eager mixed forward rounds
-    differently from them)."""
+def _engine(target, overlap: bool, stream=None, drafter: str | None = "eagle3") -> Engine:
+    """The drafter (None: plain decode steps) on the graph runner's static path (the CPU: on `stream`, or its
+    synchronous one), its search static. prefill "separate": every decode step of both loops replays the graphs (the
+    CPU's eager mixed forward rounds differently from them)."""
     config = EngineConfig(overlap=overlap, prefill="separate", kv_slots=2048, tree=TREE, adaptive=False)
-    eng = Engine(target, make_drafter(drafter, target), config)
+    eng = Engine(target, make_drafter(drafter, target) if drafter else None, config)
     if eng.runner.graph_runner is None:  # (the CPU: the graph runner's static path run eagerly)
         eng.runner.graph_runner = GraphRunner(eng.model, eng.capture_layers, stream=stream)
-        eng.drafter.step_graphs = True
+        if eng.drafter is not None:
+            eng.drafter.step_graphs = True
     return eng
 
 
@@ -489,13 +490,14 @@ class _Scripted(AdaptiveSpeculation):
 
 
 def _in_order(stream: QueuedStream, run):
-    """Engine._run with the stand-in stream in order for the ordinary step (its work run as it is issued, what was
-    queued before first): on CUDA that step's host reads (its copy, the drafter's) wait for the stream's work before
-    them, which the stand-in models for the step's one copy only."""
+    """Engine._run with the stand-in stream in order for the ordinary step (its work run as it is issued): on CUDA
+    that step's eager ops queue behind the work it issues and its host reads (its copy, the drafter's) wait for it,
+    which the stand-in models for the step's one copy only. What the overlapped loop issued before the step is not
+    run here: the loop drains it (OverlappedLoop.drain)."""
 
     def ordinary(self, reqs, chunks):
+        assert not stream.queued, "an ordinary step began with device work the overlapped loop issued still queued"
         put = stream._put
-        stream.synchronize()
         stream._put = lambda job: stream._wait(put(job)) or stream._issued
         try:
             return run(self, reqs, chunks)

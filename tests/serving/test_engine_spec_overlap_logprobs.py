@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from helpers import QueuedStream, drafter_pools_whole, prefills_in_flight, slots_whole, step_order
+from helpers import QueuedStream, drafter_pools_whole, prefill_copies, prefills_in_flight, slots_whole, step_order
 from test_engine_spec_overlap import _engine, _order, _recorded
 
 from serving.spec_step import Chained, spec_chains
@@ -132,10 +132,12 @@ ARRIVING = [  # (prompt, params): arrive while a chain runs, asking for logprobs
 ]
 
 
-def _arrivals(target, overlap: bool, stream=None):
-    """EAGLE-3: REQUESTS[0] (without its logprobs) decodes in a chain; after two steps ARRIVING arrive -> the
-    requests."""
-    eng = _engine(target, overlap, stream, "eagle3")
+def _arrivals(target, overlap: bool, stream=None, arriving=ARRIVING, drafter="eagle3", prefill_tokens=None):
+    """`drafter` (None: plain decode steps): REQUESTS[0] (without its logprobs) decodes in a chain; after two steps
+    `arriving` arrive (prompts prefilled prefill_tokens at a time; None: the engine's default) -> (the engine, the
+    requests)."""
+    eng = _engine(target, overlap, stream, drafter)
+    eng.scheduler.prefill_tokens = prefill_tokens or eng.scheduler.prefill_tokens
     encode = lambda text: target.encode_chat([{"role": "user", "content": text}])  # noqa: E731
     reqs = [eng.add_request(encode(REQUESTS[0][0]), SamplingParams(max_new_tokens=28))]
     for step in range(60):
@@ -143,19 +145,19 @@ def _arrivals(target, overlap: bool, stream=None):
             break
         eng.step()
         if step == 1:
-            reqs += [eng.add_request(encode(t), p) for t, p in ARRIVING]
-    assert not eng.has_work and slots_whole(eng) and drafter_pools_whole(eng.drafter)
-    return reqs
+            reqs += [eng.add_request(encode(t), p) for t, p in arriving]
+    assert not eng.has_work and slots_whole(eng) and (drafter is None or drafter_pools_whole(eng.drafter))
+    return eng, reqs
 
 
 def test_arrivals_asking_for_logprobs_prefill_beside_the_step_in_flight(smollm2_fp32):
     """Arrivals that ask for logprobs (greedy, and seeded sampled with top_logprobs 0) are prefilled beside the step in
     flight, their first tokens' logprobs in the prefill's one copy, and join the chain: no step read before the next
     was issued; tokens and logprobs (one per output token, the first's included) are the loop without overlap's."""
-    plain = _arrivals(smollm2_fp32, False)
+    _, plain = _arrivals(smollm2_fp32, False)
     stream = QueuedStream()
     try:
-        reqs = _arrivals(smollm2_fp32, True, stream)
+        _, reqs = _arrivals(smollm2_fp32, True, stream)
     finally:
         stream.close()
     assert [read for _, read in prefills_in_flight(stream.log)] == [False]
@@ -166,6 +168,47 @@ def test_arrivals_asking_for_logprobs_prefill_beside_the_step_in_flight(smollm2_
         assert [lp.token for lp in r.output_logprobs] == r.output_ids
         assert all(len(lp.top) == r.params.logprobs for lp in r.output_logprobs)
         _same_logprobs(r.output_logprobs, p.output_logprobs, TOL)
+
+
+PROMPT_ASKING = [  # (prompt, params): arrive while a chain runs, asking for their prompt's logprobs
+    ("Name a color.", SamplingParams(max_new_tokens=6, prompt_logprobs=2)),
+    (
+        "Write a haiku about rain.",
+        SamplingParams(max_new_tokens=6, temperature=0.8, seed=7, logprobs=1, prompt_logprobs=0),
+    ),
+    ("Tell me about the moon.", SamplingParams(max_new_tokens=6)),
+]
+CHUNK = 16  # prompt tokens a step prefills at most: the first two prompts take two steps each
+
+
+@pytest.mark.parametrize("drafter", [None, "eagle3"])
+def test_arrivals_asking_for_prompt_logprobs_prefill_beside_the_step_in_flight(smollm2_fp32, drafter):
+    """Arrivals that ask for their prompt's logprobs (top 2, and 0 beside output logprobs), beside one that does not,
+    their prompts in chunks, are prefilled beside the step in flight (every chunk: no step read before the next was
+    issued), each prefill with one copy and each step with one; prompt logprobs (one per prompt token after the
+    first, within TOL), tokens and output logprobs are the loop without overlap's."""
+    _, plain = _arrivals(smollm2_fp32, False, None, PROMPT_ASKING, drafter, CHUNK)
+    stream = QueuedStream()
+    try:
+        eng, reqs = _arrivals(smollm2_fp32, True, stream, PROMPT_ASKING, drafter, CHUNK)
+    finally:
+        stream.close()
+    assert all(len(r.prompt_ids) > CHUNK for r in reqs[1:3])  # (chunks)
+    beside = [read for _, read in prefills_in_flight(stream.log)]
+    assert len(beside) >= 3 and not any(beside), beside
+    ahead, behind = step_order(stream.log)
+    assert behind == [] and len(ahead) >= 8, (ahead, behind)
+    prefills = prefill_copies(stream.log)
+    assert len(prefills) == len(beside) and stream.copies - len(prefills) == eng.runner.graph_runner.runs
+    assert [(r.output_ids, r.finish_reason) for r in reqs] == [(r.output_ids, r.finish_reason) for r in plain]
+    for r, p in zip(reqs[1:], plain[1:]):
+        if r.params.prompt_logprobs is None:
+            assert r.prompt_logprobs == [] == p.prompt_logprobs
+            continue
+        assert [lp.token for lp in r.prompt_logprobs] == r.prompt_ids[1:]
+        assert all(len(lp.top) == r.params.prompt_logprobs for lp in r.prompt_logprobs)
+        _same_logprobs(r.prompt_logprobs, p.prompt_logprobs, TOL)
+    _same_logprobs(reqs[2].output_logprobs, plain[2].output_logprobs, TOL)
 
 
 @pytest.mark.gpu
