@@ -307,11 +307,16 @@ class SpecWorker:
         ]
         if not who:
             return {}
-        if self.drafter.catches_up and all(trees[i].num_nodes == 1 for i in who):
+        roots = all(trees[i].num_nodes == 1 for i in who)
+        if roots and self.drafter.catches_up:
             return {}  # (speculation off: the drafter takes these tokens at its next propose; off costs it nothing)
-        if all(trees[i].num_nodes == 1 for i in who) and [starts[i] for i in who] == list(range(len(who))):
+        if roots and [starts[i] for i in who] == list(range(len(who))):
             # every tree root-only (the policy kept drafting off), every request committing: each commit is its
             # tree's root, at the tree's position, and its captured rows are the forward's first rows in order
+            if self.drafter.commits_roots:  # (one call for all: no capture built per request)
+                rids = [reqs[i].rid for i in who]
+                self.call(lambda: self.drafter.commit_roots(rids, captured), [reqs[i] for i in who])
+                return {}
             hidden = {l: h[: len(who)].split(1) for l, h in captured.items()}
             return {i: (trees[i].positions, {l: rows[j] for l, rows in hidden.items()}) for j, i in enumerate(who)}
         dev = self.model.device

@@ -676,3 +676,44 @@ def extend_whole_and_pair_by_pair(whole, stepwise, lengths: list[int], vocab: in
             assert a.numel() == b.numel() == n
             for pool_a, pool_b in ((whole.kv.k[0], stepwise.kv.k[0]), (whole.kv.v[0], stepwise.kv.v[0])):
                 torch.testing.assert_close(pool_a[a], pool_b[b], rtol=0, atol=1e-5 * pool_b[b].abs().max().item())
+
+
+def scripted_policy(shape, off):
+    """The engine's adaptive policy with its choice scripted: off (option 0) at the decode steps in `off` (counted from
+    1), the configured tree (option 1) at the others; `calls`: the steps chosen so far."""
+    from serving.adaptive import AdaptiveSpeculation
+
+    class Scripted(AdaptiveSpeculation):
+        def choose(self, batch_size):
+            self.calls += 1
+            return 0 if self.calls in off else 1
+
+    p = Scripted(shape)
+    p.calls = 0
+    return p
+
+
+def off_stretches_run(target, drafter, prompts, params, off, shape, after_drafted=None) -> tuple[list, list, list]:
+    """Requests served by an engine with `drafter`, speculation off at the steps in `off` (scripted_policy). -> (per
+    step (its number, the drafter's commit calls in it), the token ids of every tree it proposed, step after step, the
+    outputs); after_drafted(reqs) runs after each drafted step."""
+    from serving.config import EngineConfig
+    from serving.engine import Engine
+
+    commits, trees = [], []
+    commit, propose = drafter.commit, drafter.propose
+    drafter.commit = lambda rid, cap: commits.append(rid) or commit(rid, cap)
+    drafter.propose = lambda b, s: (lambda out: trees.append([t.draft_tokens.tolist() for t in out]) or out)(
+        propose(b, s)
+    )
+    eng = Engine(target, drafter, EngineConfig(tree=shape))
+    eng.policy = scripted_policy(eng.tree, off)
+    reqs = [eng.add_request(p, params) for p in prompts]
+    per_step = []
+    while not all(r.finished for r in reqs):
+        n, step = len(commits), eng.policy.calls
+        eng.step()
+        per_step.append((eng.policy.calls, len(commits) - n))
+        if after_drafted is not None and eng.policy.calls > step and eng.policy.calls not in off:
+            after_drafted(reqs)
+    return per_step, trees, [r.output_ids for r in reqs]

@@ -15,7 +15,8 @@ that learns from the target's prediction at every node of the verified tree, acc
 Jacobi window), says `wants_tree_argmax = True` and gets TargetCapture.tree_argmax; the others pay nothing.
 A drafter that reads a verified token's state from the target's KV pool alone (MoA's LSA) says
 `catches_up = True`: the engine commits no step whose trees are all roots (speculation off), and the drafter
-takes those tokens from DraftInput.token_ids and DraftInput.slots at its next propose.
+takes those tokens from DraftInput.token_ids and DraftInput.slots at its next propose; one that needs them says
+`commits_roots = True` and gets such a step's commits in one call (commit_roots: a row of the captured layers each).
 Trees may differ in size across requests (a drafter with nothing to say returns a
 root-only tree, which the engine verifies as a plain decode step). A drafter that searches a request's
 predicted output (DraftInput.reference) itself says `reads_reference = True`; for the others the engine
@@ -124,6 +125,8 @@ class Drafter:
     # True: a step that drafts nothing (every tree its root: speculation off) is not committed; the drafter takes the
     # tokens it missed from DraftInput (token_ids, slots) at its next propose (MoA: their K/V are in the target's pool)
     catches_up: bool = False
+    # True: such a step's commits come in one commit_roots call (each request's root: a row of the captured layers)
+    commits_roots: bool = False
     wants_tree_argmax: bool = False  # commit's TargetCapture carries the target's argmax at every tree node
     reads_reference: bool = False  # searches DraftInput.reference itself (else the engine drafts from it)
     reads_prefix_hidden: bool = True  # reads the captured layers of prefix-cached tokens (cached_hidden)
@@ -140,6 +143,11 @@ class Drafter:
     stream = None  # where its graphs go (None: the device's own stream; use_stream)
 
     def add_request(self, rid: int, capture: TargetCapture) -> None:
+        raise NotImplementedError
+
+    def commit_roots(self, rids: list[int], captured: dict[int, torch.Tensor]) -> None:
+        """With `commits_roots`: a step whose trees were all roots commits every request's root at once: request
+        rids[i]'s is row i of every captured layer ({layer: [>= len(rids), H]}), at its next position and slot."""
         raise NotImplementedError
 
     def propose(self, batch: list[DraftInput], shape: TreeShape) -> list[TokenTree]:

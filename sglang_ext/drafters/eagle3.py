@@ -67,6 +67,7 @@ class Eagle3Drafter(Drafter):
     chains = True  # a greedy static search's step chains in the overlapped loop (propose_chained)
     edge = edge_client_ready = True  # an edge client gets the fused features of verified tokens
     kv_only_rows = 8  # pairs before each request's last from which an extend (a prompt's) takes them K/V alone
+    commits_roots = True  # a step without drafting: its roots' captured rows in one call
 
     def __init__(self, target: LlamaModel, draft: Eagle3Draft, num_slots: int = 32768):
         c = draft.cfg
@@ -123,6 +124,14 @@ class Eagle3Drafter(Drafter):
         if missing:
             raise DrafterError(f"target capture lacks layers {missing}")
         self.reqs[rid].pending.append({l: capture.hidden[l] for l in self.capture_layers})
+
+    def commit_roots(self, rids: list[int], captured: dict[int, torch.Tensor]) -> None:
+        missing = [l for l in self.capture_layers if l not in captured]
+        if missing:
+            raise DrafterError(f"target capture lacks layers {missing}")
+        rows = [(l, captured[l]) for l in self.capture_layers]
+        for i, rid in enumerate(rids):  # (commit's pending item: each layer's row of the root, a view)
+            self.reqs[rid].pending.append({l: h[i : i + 1] for l, h in rows})
 
     def context(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
         """Fused features [n, H] of newly verified tokens (also what an edge server sends a client)."""

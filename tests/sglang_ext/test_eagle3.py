@@ -13,6 +13,7 @@ from helpers import (
     compare_to_reference,
     drafter_pools_whole,
     extend_whole_and_pair_by_pair,
+    off_stretches_run,
     tiny_config,
     tiny_state,
     together_and_alone,
@@ -399,3 +400,30 @@ def test_an_extend_runs_the_layer_for_each_requests_last_pair_only():
     for lengths in ([6, 1, 11], [2, 1, 3]):
         whole, stepwise = Eagle3Drafter(target.model, draft), Eagle3Drafter(target.model, draft)
         extend_whole_and_pair_by_pair(whole, stepwise, lengths, VOCAB)
+
+
+class _PerRequestCommits(Eagle3Drafter):
+    """EAGLE-3 committed request by request on every step (what the engine did before commit_roots)."""
+
+    commits_roots = False
+
+
+def test_a_step_without_drafting_commits_every_root_in_one_call():
+    """`commits_roots`: on a step whose trees are all roots (speculation off) the engine hands the drafter every
+    request's captured rows in one commit_roots call, not a capture and a commit per request. Two requests, off in
+    stretches: no commit() on an off step, one commit_roots; the same trees and tokens as committed request by
+    request; the output is vanilla's."""
+    target, draft = tiny_pair(seed=5)
+    prompts = [[3, 9, 4, 1, 7, 2, 8], [5, 1, 6, 6, 2]]
+    params, off = SamplingParams(max_new_tokens=40, ignore_eos=True), {*range(3, 7), *range(12, 30)}
+    runs, calls = {}, []
+    for cls in (Eagle3Drafter, _PerRequestCommits):
+        drafter = cls(target.model, draft)
+        roots = drafter.commit_roots
+        drafter.commit_roots = lambda rids, captured, roots=roots: calls.append(rids) or roots(rids, captured)
+        runs[cls] = off_stretches_run(target, drafter, prompts, params, off, TreeShape(2, 2, 4))
+    (steps, drafted, out), (ref_steps, ref_drafted, ref_out) = runs[Eagle3Drafter], runs[_PerRequestCommits]
+    assert all(k == 0 for call, k in steps if call in off) and all(k == 2 for call, k in ref_steps if call in off)
+    assert len(calls) == sum(call in off for call, _ in steps) and all(len(rids) == 2 for rids in calls)
+    assert drafted == ref_drafted and len(drafted) > 10 and out == ref_out
+    assert out == [r.output_ids for r in Engine(target, None).generate(prompts, params)]

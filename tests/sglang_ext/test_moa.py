@@ -10,13 +10,14 @@ import torch
 from helpers import (
     compare_to_reference,
     drafter_pools_whole,
+    off_stretches_run,
+    scripted_policy,
     slots_whole,
     tiny_config,
     tiny_state,
     together_and_alone,
 )
 
-from serving.adaptive import AdaptiveSpeculation
 from serving.config import EngineConfig
 from serving.engine import Engine
 from sglang_ext.drafters import make_drafter
@@ -448,19 +449,6 @@ def test_a_batch_flush_leaves_each_request_the_state_it_gets_alone(tli):
     together_and_alone(together, alone, tokens, capture, check)
 
 
-class _Scripted(AdaptiveSpeculation):
-    """The adaptive policy with its choice scripted: off (option 0) at the decode steps in `off` (counted from 1),
-    the configured tree (option 1) at the others."""
-
-    def __init__(self, shape, off):
-        super().__init__(shape)
-        self.off, self.calls = off, 0
-
-    def choose(self, batch_size):
-        self.calls += 1
-        return 0 if self.calls in self.off else 1
-
-
 def test_a_catch_up_after_drafting_was_off_gives_memory_to_the_last_commits_only():
     """Off for 20 steps (a commit of one token each), then drafting: LSA runs over the last CATCH_UP_COMMITS
     commits' tokens, not all 20; the rest get no memory (CA never reads them), SA and TLI still see every token;
@@ -473,7 +461,7 @@ def test_a_catch_up_after_drafting_was_off_gives_memory_to_the_last_commits_only
     drafter.draft.lsa = lambda x: rows.append(x.shape[0]) or lsa(x)
     free = (drafter.mem.num_free, drafter.sa.num_free)
     eng = Engine(target, drafter, EngineConfig(tree=TreeShape(2, 2, 4)))
-    eng.policy = _Scripted(eng.tree, off=range(2, 22))
+    eng.policy = scripted_policy(eng.tree, range(2, 22))
     prompt = _prompts(1, 7)[0][:MEMORY_TOKENS]  # (memory for every prompt token: the catch-up's hole is the only one)
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     req = eng.add_request(prompt, params)
@@ -533,7 +521,7 @@ def test_a_request_that_never_drafted_catches_up_on_its_last_commits_not_its_pro
     lsa = drafter.draft.lsa
     drafter.draft.lsa = lambda x: rows.append(x.shape[0]) or lsa(x)
     eng = Engine(target, drafter, EngineConfig(tree=TreeShape(2, 2, 4)))
-    eng.policy = _Scripted(eng.tree, off=range(1, 21))
+    eng.policy = scripted_policy(eng.tree, range(1, 21))
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     prompt = _prompts(1, 8)[0]
     req = eng.add_request(prompt, params)
@@ -563,24 +551,13 @@ def test_off_steps_commit_nothing_and_the_catch_up_leaves_the_state_of_committin
     off = {*range(3, 6), *range(9, 25), *range(30, 32)}
     runs = {}
     for cls in (MoADrafter, _Committing):
-        drafter = cls(target.model, draft)
-        commits, trees = [], []
-        commit, propose = drafter.commit, drafter.propose
-        drafter.commit = lambda rid, cap, commit=commit, commits=commits: commits.append(rid) or commit(rid, cap)
-        drafter.propose = lambda b, s, propose=propose, trees=trees: trees.append(propose(b, s)) or trees[-1]
-        eng = Engine(target, drafter, EngineConfig(tree=TreeShape(2, 2, 4)))
-        eng.policy = _Scripted(eng.tree, off=off)
-        reqs = [eng.add_request(p, params) for p in prompts]
-        per_step, states = [], []
-        while not all(r.finished for r in reqs):
-            n, step = len(commits), eng.policy.calls
-            eng.step()
-            per_step.append((eng.policy.calls, len(commits) - n))
-            if eng.policy.calls > step and eng.policy.calls not in off:  # a drafted step: the state after its propose
-                states.append({r.rid: _state_of(drafter, r.rid) for r in reqs if r.rid in drafter.reqs})
-        drafted = [[t.draft_tokens.tolist() for t in step] for step in trees]
-        runs[cls] = (per_step, drafted, states, [r.output_ids for r in reqs])
-    (steps, drafted, states, out), (ref_steps, ref_drafted, ref_states, ref_out) = runs[MoADrafter], runs[_Committing]
+        drafter, states = cls(target.model, draft), []
+
+        def after(reqs, drafter=drafter, states=states):  # (the state after a drafted step's propose)
+            states.append({r.rid: _state_of(drafter, r.rid) for r in reqs if r.rid in drafter.reqs})
+
+        runs[cls] = (*off_stretches_run(target, drafter, prompts, params, off, TreeShape(2, 2, 4), after), states)
+    (steps, drafted, out, states), (ref_steps, ref_drafted, ref_out, ref_states) = runs[MoADrafter], runs[_Committing]
     assert all(k == 0 for call, k in steps if call in off) and all(k == 2 for call, k in ref_steps if call in off)
     assert drafted == ref_drafted and len(drafted) > 20 and out == ref_out
     assert len(states) == len(ref_states)
