@@ -132,10 +132,11 @@ class AdaptiveSpeculation:
         self._history = [PerRequestWindow() for _ in self.options]
         self.clock = 0  # steps observed, any bucket: the history's time
         self.postponed = 0  # re-measurements skipped because the prior put the option far behind
-        # (bucket, option) -> its re-measurements since it was last the best there: each one it lost halves its share
+        # (bucket, option) -> its re-measurements in a row that lost by more than tree_margin: each halves its share
         # of the exploration budget, to 1 / 2**max_backoff of it (acceptance drifts, but a tree that lost its last
-        # re-measurements is unlikely to win the next; at bs 1 on a CPU where a drafter never pays, re-measuring it at
-        # the full budget cost ~1 % of the throughput for good); one that wins starts over
+        # re-measurements clearly is unlikely to win the next; at bs 1 on a CPU where a drafter never pays,
+        # re-measuring it at the full budget cost ~1 % of the throughput for good); one that wins or comes close
+        # starts over (_came_close)
         self.lost: dict[tuple[str, int], int] = {}
         self.max_backoff = max_backoff
         # per bucket, the option chosen as best at the last step: the other options are rated against
@@ -253,7 +254,7 @@ class AdaptiveSpeculation:
         # and never so often that re-measuring costs more than explore_budget of the time (shared by
         # the losing options): at a large batch one tree step (draft catch-up + a big verify) can cost
         # several plain steps (a budget per option let two losing trees cost twice the budget)
-        lost = self.lost.get((bucket, pick), 0)
+        lost = self.lost.get((bucket, pick), 0) if not self._came_close(pick, bucket) else 0
         self.next_retry[(bucket, pick)] = step + max(
             gap, self._budget_gap(pick, best, bucket, known, batch_size, rates) << min(lost, self.max_backoff)
         )
@@ -263,10 +264,20 @@ class AdaptiveSpeculation:
             self.postponed += 1
             return best
         self.retries += 1
-        self.lost[(bucket, pick)] = lost + 1
+        self.lost[(bucket, pick)] = lost + 1  # (this one: counted as lost until its steps say otherwise)
         if self.catch_up and self.options[pick] is not None and not self.drafted_last:
             self.follow = (pick, self.burst)
         return pick
+
+    def _came_close(self, i: int, bucket: str) -> bool:
+        """Whether option i's last re-measurement (its rated steps: `burst` of them with catch_up) came within
+        tree_margin of the best's rate: no clear loss, so its re-measurements go back to the full budget. (Its windowed
+        rate would lag: a tree whose content turned good needs many re-measurements to move it.)"""
+        r = self.rel.get((i, bucket))
+        if not r:
+            return False
+        last = list(r)[-(self.burst if self.catch_up else 1) :]
+        return statistics.fmean(last) >= 1 - self.tree_margin
 
     def _rates(self, bucket: str, known: str, batch_size: int) -> list[float]:
         """Each option's rate for this step's choice. The best option's own recent window is the
