@@ -116,39 +116,32 @@ class Eagle3Drafter(Drafter):
             capture = replace(capture, hidden={l: torch.cat([older[l], h]) for l, h in capture.hidden.items()})
         self.commit(rid, capture)
 
-    @torch.inference_mode()
-    def commit(self, rid: int, capture: TargetCapture) -> None:
-        # NOTE: the features are fused at the next propose, every request's in one call (one fc per
-        # step, not one per request); a capture without the draft's layers fails here, on its request
-        missing = [l for l in self.capture_layers if l not in capture.hidden]
-        if missing:
+    def _layers_of(self, hidden: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """The draft's captured layers of a capture (one without them fails here, on its requests)."""
+        if missing := [l for l in self.capture_layers if l not in hidden]:
             raise DrafterError(f"target capture lacks layers {missing}")
-        self.reqs[rid].pending.append({l: capture.hidden[l] for l in self.capture_layers})
+        return {l: hidden[l] for l in self.capture_layers}
+
+    @torch.inference_mode()
+    def commit(self, rid: int, capture: TargetCapture) -> None:  # (fused at the next propose: _RequestState.pending)
+        self.reqs[rid].pending.append(self._layers_of(capture.hidden))
 
     def commit_roots(self, rids: list[int], captured: dict[int, torch.Tensor]) -> None:
-        missing = [l for l in self.capture_layers if l not in captured]
-        if missing:
-            raise DrafterError(f"target capture lacks layers {missing}")
-        rows = [(l, captured[l]) for l in self.capture_layers]
+        rows = self._layers_of(captured).items()
         for i, rid in enumerate(rids):  # (commit's pending item: each layer's row of the root, a view)
             self.reqs[rid].pending.append({l: h[i : i + 1] for l, h in rows})
 
     def context(self, hidden: dict[int, torch.Tensor]) -> torch.Tensor:
         """Fused features [n, H] of newly verified tokens (also what an edge server sends a client)."""
-        missing = [l for l in self.capture_layers if l not in hidden]
-        if missing:
-            raise DrafterError(f"target capture lacks layers {missing}")
-        return self.draft.fuse(torch.cat([hidden[l] for l in self.capture_layers], dim=-1).to(self.target.dtype))
+        h = self._layers_of(hidden)  # (a layer may be two of the three: each in its place)
+        return self.draft.fuse(torch.cat([h[l] for l in self.capture_layers], dim=-1).to(self.target.dtype))
 
     def edge_context(self, kv, slots, positions, hidden: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {"features": self.context(hidden)}
 
     def ingest_context(self, rid: int, tokens: list[int], positions: torch.Tensor, ctx: dict) -> None:
-        self.ingest_remote(rid, ctx["features"])
-
-    def ingest_remote(self, rid: int, fused: torch.Tensor) -> None:
         """Edge client: fused features of verified tokens, computed by the server."""
-        self.reqs.setdefault(rid, _RequestState()).pending.append(fused.to(self.target.dtype))
+        self.reqs.setdefault(rid, _RequestState()).pending.append(ctx["features"].to(self.target.dtype))
 
     def remove_request(self, rid: int) -> None:
         self._forget(rid)
