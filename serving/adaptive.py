@@ -132,11 +132,10 @@ class AdaptiveSpeculation:
         self._history = [PerRequestWindow() for _ in self.options]
         self.clock = 0  # steps observed, any bucket: the history's time
         self.postponed = 0  # re-measurements skipped because the prior put the option far behind
-        # (bucket, option) -> its re-measurements in a row that lost by more than tree_margin: each halves its share
-        # of the exploration budget, to 1 / 2**max_backoff of it (acceptance drifts, but a tree that lost its last
-        # re-measurements clearly is unlikely to win the next; at bs 1 on a CPU where a drafter never pays,
-        # re-measuring it at the full budget cost ~1 % of the throughput for good); one that wins or comes close
-        # starts over (_came_close)
+        # (bucket, option) -> its re-measurements in a row slower than the best: each halves its share of the
+        # exploration budget, to 1 / 2**max_backoff of it (acceptance drifts, but a tree that lost its last
+        # re-measurements is unlikely to win the next; at bs 1 on a CPU where a drafter never pays, re-measuring it at
+        # the full budget cost ~1 % of the throughput for good); one as fast as the best starts over (_came_close)
         self.lost: dict[tuple[str, int], int] = {}
         self.max_backoff = max_backoff
         # per bucket, the option chosen as best at the last step: the other options are rated against
@@ -270,14 +269,14 @@ class AdaptiveSpeculation:
         return pick
 
     def _came_close(self, i: int, bucket: str) -> bool:
-        """Whether option i's last re-measurement (its rated steps: `burst` of them with catch_up) came within
-        tree_margin of the best's rate: no clear loss, so its re-measurements go back to the full budget. (Its windowed
-        rate would lag: a tree whose content turned good needs many re-measurements to move it.)"""
+        """Whether option i's last re-measurement (its rated steps: `burst` of them with catch_up) was as fast as the
+        best: no loss (a tree within the tree margin is not chosen), so its re-measurements go back to the full budget.
+        (Its windowed rate would lag: a tree whose content turned good needs many re-measurements to move it.)"""
         r = self.rel.get((i, bucket))
         if not r:
             return False
         last = list(r)[-(self.burst if self.catch_up else 1) :]
-        return statistics.fmean(last) >= 1 - self.tree_margin
+        return statistics.fmean(last) >= 1.0
 
     def _rates(self, bucket: str, known: str, batch_size: int) -> list[float]:
         """Each option's rate for this step's choice. The best option's own recent window is the

@@ -700,7 +700,7 @@ def test_a_tree_that_keeps_losing_is_re_measured_ever_less_often_and_found_when_
     tree 1.23x off (content it drafts well). Each re-measurement a tree loses halves its share of the exploration
     budget, to a quarter: the gaps between re-measurements grow (the base interval binds first), the throughput
     lost to them falls from 0.6 % to under half that, and the winning tree is still found within ~2x the steps
-    (then its count starts over). A tree within the tree margin of off is re-measured as often as ever."""
+    (then its count starts over). A tree as fast as off (but within the tree margin) is re-measured as often as ever."""
 
     def run(max_backoff: int):
         p = AdaptiveSpeculation(TreeShape(1, 2, 3), warmup=3, retry_every=32, max_backoff=max_backoff)
@@ -724,8 +724,9 @@ def test_a_tree_that_keeps_losing_is_re_measured_ever_less_often_and_found_when_
     assert 0.004 < lost0 < 0.01 and lost < lost0 / 2
     assert found0 < 400 and found < 2 * found0 and p.best["1"] == 1
     assert ("1", 1) not in p.lost and p.lost[("1", 0)] > 0  # (the winner starts over; off now loses)
-    # a tree within the tree margin of off (its rated steps 0.98x; its first after off, the drafter's catch-up, 0.66x:
-    # each re-measurement costs what the budget allows) is no loser: re-measured as often as without the back-off
+    # a tree as fast as off but within the tree margin (not chosen: its rated steps 1.02x; its first after off, the
+    # drafter's catch-up, 0.66x: each re-measurement costs what the budget allows) is no loser: re-measured as often
+    # as without the back-off
     close = {}
     for backoff in (0, 2):
         p = AdaptiveSpeculation(TreeShape(1, 2, 3), warmup=3, retry_every=32, catch_up=True, max_backoff=backoff)
@@ -733,7 +734,7 @@ def test_a_tree_that_keeps_losing_is_re_measured_ever_less_often_and_found_when_
         drafted = False
         for _ in range(20000):
             o = p.choose(1)
-            sec, tok = (0.010, 1.0) if o == 0 else (0.0129 if drafted else 0.019, 1.26)
+            sec, tok = (0.010, 1.0) if o == 0 else (0.0124 if drafted else 0.019, 1.26)
             p.observe(o, 1, sec, tok)
             drafted = o != 0
         close[backoff] = p.retries
