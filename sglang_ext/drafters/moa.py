@@ -338,7 +338,8 @@ class MoADrafter(MoAGraphs, Drafter):
             if d.slots is None or seen >= d.seq_len:
                 continue
             positions = torch.arange(seen, d.seq_len, device=d.slots.device)
-            st.pending.append(TargetCapture(d.token_ids[seen : d.seq_len], positions, d.slots[seen:], kv=self.tli_kv))
+            missed = TargetCapture(d.token_ids[seen : d.seq_len], positions, d.slots[seen : d.seq_len], kv=self.tli_kv)
+            st.pending.append(missed)
 
     @property
     def edge_client_ready(self) -> bool:
