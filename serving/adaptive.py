@@ -38,7 +38,6 @@ from sglang_ext.tree import TreeShape
 from .metrics import batch_bucket
 from .step_costs import PerRequestWindow, RateWindow, StepCostModel
 
-_BUCKETS = {n: batch_bucket(n) for n in range(1, 257)}  # (choose runs every step: a lookup, not a loop)
 CONFIDENT_MIN_PROB = 0.3  # the confident option's cut: a lookup node needs a 1-token own match and all the evidence
 CONFIDENT_FROM_BATCH = 4  # the engine offers the confident option from this many requests on
 
@@ -192,7 +191,7 @@ class AdaptiveSpeculation:
 
     def choose(self, batch_size: int) -> int:
         """Index into self.options for this step."""
-        bucket = _BUCKETS.get(batch_size) or batch_bucket(batch_size)
+        bucket = batch_bucket(batch_size)
         step = self.steps[bucket] = self.steps.get(bucket, 0) + 1
         kept = self.kept.get(bucket)
         if kept is not None and self.follow is None and kept[1] == batch_size and step < kept[2]:

@@ -56,7 +56,7 @@ they come up with the tokens in the step's one copy (`finish`: spec_graphs.path_
 without overlap's (its ordinary step's).
 
 Arrivals that ask for the logprobs of their prompt ride too: the prefill takes them from the chunks' rows with the
-ordinary step's ops (sampling.logprob_columns: token_logprobs' values) into its one copy.
+ordinary step's values (spec_graphs.graph_path_logprobs over each chunk's rows: token_logprobs') into its one copy.
 
 Arrivals that need host reads of their own (a grammar, a predicted output) and steps that are neither kind (a plain
 decode step with a request that has a grammar, a batch outside the buckets, a drafting request the drafter cannot
@@ -75,8 +75,8 @@ import torch
 from sglang_ext.attention import causal_mask
 from sglang_ext.device import HostCopy, grow, to_device
 from sglang_ext.drafters import DraftInput
-from sglang_ext.models.spec_graphs import path_logprobs_of
-from sglang_ext.sampling import float_bits, logprob_columns
+from sglang_ext.models.spec_graphs import graph_path_logprobs, path_logprobs_of
+from sglang_ext.sampling import float_bits
 from sglang_ext.verify import AcceptedPath, tokens_to_host
 
 from . import spec_step
@@ -208,7 +208,7 @@ class PromptLogprobs:
     r: Request
     row: int  # its first row in the prefill's forward
     tokens: list[int]  # the prompt tokens its rows predict
-    at: int  # where their columns start in the prefill's copy (sampling.logprob_columns')
+    at: int  # where their columns start in the prefill's copy (graph_path_logprobs' of a path of its rows)
 
 
 def prefill_rides(engine, waiting) -> bool:
@@ -270,8 +270,9 @@ def launch_prefill(engine, chunks: list[tuple[Request, int]]) -> Prefill:
         for r, start, n in captures:
             engine.spec.keep_prompt_capture(r, out.captured, start, n)
         for p, tokens in asked:  # (the ordinary step's rows and ops: Engine._prefill_chunk, sampling.token_logprobs)
-            rows = runner.logits(out.hidden[p.row : p.row + len(p.tokens)])
-            flat = logprob_columns(rows, to_device(tokens, rows.device), p.r.params.prompt_logprobs)
+            rows = runner.logits(out.hidden[p.row : p.row + len(p.tokens)])[None]  # [1, m, V]: a path of its rows
+            at, path = torch.arange(len(p.tokens), device=rows.device)[None], to_device(tokens, rows.device)[None]
+            flat = torch.cat(graph_path_logprobs(rows, at, path, p.r.params.prompt_logprobs), 1)[0]
             firsts[p.at : p.at + flat.numel()].copy_(flat)
         if len(last):
             firsts_of = engine.sampler.first_tokens(step.chunks, runner.logits(out.hidden[last.to(out.hidden.device)]))

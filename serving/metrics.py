@@ -10,6 +10,8 @@ Prefix cache hit rate = rate(moa_prefix_cache_hit_tokens_total) / rate(moa_prefi
 
 from __future__ import annotations
 
+import functools
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
@@ -18,6 +20,7 @@ _ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _LABELS = ("drafter", "backend")
 
 
+@functools.cache  # (the adaptive policy asks every step)
 def batch_bucket(bs: int) -> str:
     """Smallest bucket >= bs (as a label value)."""
     for b in BATCH_BUCKETS:

@@ -239,17 +239,6 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[Toke
     return [TokenLogprob(t, c, tuple(zip(i, v))) for t, c, i, v in zip(tokens, chosen, ids.tolist(), vals.tolist())]
 
 
-def logprob_columns(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
-    """token_logprobs' values on the device, for a copy of their own (nothing read): [n, V] logits, [n] int64 tokens
-    -> [n * (1 + 2k)] int64: the tokens' logprobs, then each row's k likeliest's, then their ids (the floats as their
-    fp32 bits: float_bits), the layout of spec_graphs.graph_path_logprobs' columns for a path of n tokens, K = k."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    vals, ids = lp.topk(k, dim=-1)
-    return torch.cat(
-        [float_bits(lp.gather(1, tokens[:, None]).squeeze(1)), float_bits(vals).reshape(-1), ids.reshape(-1)]
-    )
-
-
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
