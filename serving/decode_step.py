@@ -80,7 +80,7 @@ from sglang_ext.sampling import float_bits
 from sglang_ext.verify import AcceptedPath, tokens_to_host
 
 from . import spec_step
-from .request import Request, RequestFault, StepEvent, fail
+from .request import Request, RequestFault, StepEvent, fail, stage
 from .sampler import Sampler
 from .spec_worker import SpecWorker
 
@@ -266,14 +266,19 @@ def launch_prefill(engine, chunks: list[tuple[Request, int]]) -> Prefill:
     def arrivals_prefill() -> None:  # (device work: on an asynchronous stream it runs after what was issued before)
         out = runner.forward_rows(ids, pos, slots, prefixes, masks)
         kv.store_hidden(slots, out.captured)
-        step.out["captured"], step.out["faults"] = out.captured, {}
+        step.out["captured"], step.out["faults"], step.out["prompt_faults"] = out.captured, {}, {}
         for r, start, n in captures:
             engine.spec.keep_prompt_capture(r, out.captured, start, n)
         for p, tokens in asked:  # (the ordinary step's rows and ops: Engine._prefill_chunk, sampling.token_logprobs)
-            rows = runner.logits(out.hidden[p.row : p.row + len(p.tokens)])[None]  # [1, m, V]: a path of its rows
-            at, path = torch.arange(len(p.tokens), device=rows.device)[None], to_device(tokens, rows.device)[None]
-            flat = torch.cat(graph_path_logprobs(rows, at, path, p.r.params.prompt_logprobs), 1)[0]
-            firsts[p.at : p.at + flat.numel()].copy_(flat)
+            try:  # (a fault here fails that request alone, as in the ordinary step)
+                with stage("logprobs"):
+                    rows = runner.logits(out.hidden[p.row : p.row + len(p.tokens)])[None]  # [1, m, V]: a path of them
+                    path = to_device(tokens, rows.device)[None]
+                    at = torch.arange(len(p.tokens), device=rows.device)[None]
+                    flat = torch.cat(graph_path_logprobs(rows, at, path, p.r.params.prompt_logprobs), 1)[0]
+                    firsts[p.at : p.at + flat.numel()].copy_(flat)
+            except RequestFault as f:
+                step.out["prompt_faults"][p.r.rid] = f
         if len(last):
             firsts_of = engine.sampler.first_tokens(step.chunks, runner.logits(out.hidden[last.to(out.hidden.device)]))
             done = [x for x in firsts_of if x is not None]
@@ -302,12 +307,17 @@ def finish_prefill(engine, step: Prefill) -> list[StepEvent]:
     it chains, settles its prompt so that the request joins the chain in flight: Drafter.settle)."""
     row = step.firsts.wait() if step.firsts is not None else []
     faults, events, started = step.out.get("faults", {}), [], []
+    bad = step.out.get("prompt_faults", {})  # {rid: RequestFault}: its prompt logprobs faulted (the request fails)
     for p in step.prompt:  # (their columns: a path of width m, K = k: spec_graphs.path_logprobs_of)
         k = p.r.params.prompt_logprobs
-        p.r.prompt_logprobs += path_logprobs_of(row, len(p.tokens), k, p.tokens, k, at=p.at)
+        if p.r.rid not in bad:
+            p.r.prompt_logprobs += path_logprobs_of(row, len(p.tokens), k, p.tokens, k, at=p.at)
+    events += [fail(r, bad[r.rid]) for r, end in step.chunks if end < len(r.prompt_ids) and r.rid in bad]
     for i, r in enumerate(r for r, end in step.chunks if end == len(r.prompt_ids)):
         tok = row[i]
         try:
+            if r.rid in bad:
+                raise bad[r.rid]
             if tok < 0:
                 raise faults[i]
             engine.scheduler.start_decoding(r)

@@ -17,6 +17,7 @@ import pytest
 from helpers import QueuedStream, drafter_pools_whole, prefill_copies, prefills_in_flight, slots_whole, step_order
 from test_engine_spec_overlap import _engine, _order, _recorded
 
+from serving import decode_step
 from serving.spec_step import Chained, spec_chains
 from sglang_ext.sampling import SamplingParams
 
@@ -209,6 +210,46 @@ def test_arrivals_asking_for_prompt_logprobs_prefill_beside_the_step_in_flight(s
         assert all(len(lp.top) == r.params.prompt_logprobs for lp in r.prompt_logprobs)
         _same_logprobs(r.prompt_logprobs, p.prompt_logprobs, TOL)
     _same_logprobs(reqs[2].output_logprobs, plain[2].output_logprobs, TOL)
+
+
+@pytest.mark.parametrize("after", [0, 1], ids=["a-middle-chunk", "the-last-chunk"])
+def test_a_prompt_logprobs_fault_beside_the_step_in_flight_fails_that_request_alone(smollm2_fp32, monkeypatch, after):
+    """A fault while taking an arrival's prompt logprobs in a prefill beside the step in flight (a chunk in the middle
+    of its prompt, or the one that ends it) fails that request alone, as the ordinary step does (finish_reason
+    "error", stage "logprobs"): the chain runs on, the other requests' tokens and logprobs are those of a run without
+    the fault, and every slot comes back."""
+    _, plain = _arrivals(smollm2_fp32, False, None, PROMPT_ASKING, "eagle3", CHUNK)
+    real, calls = decode_step.graph_path_logprobs, []
+
+    def faulty(rows, at, path, top):  # (top 2: only PROMPT_ASKING[0]'s prompt logprobs ask for it)
+        if top == 2:
+            calls.append(path[0].tolist())
+            if len(calls) > after:
+                raise RuntimeError("injected fault in the prompt's logprobs")
+        return real(rows, at, path, top)
+
+    monkeypatch.setattr(decode_step, "graph_path_logprobs", faulty)
+    stream = QueuedStream()
+    try:
+        eng, reqs = _arrivals(smollm2_fp32, True, stream, PROMPT_ASKING, "eagle3", CHUNK)
+    finally:
+        stream.close()
+    assert len(calls) == after + 1  # (the faulty request's chunks stop at its fault)
+    beside = [read for _, read in prefills_in_flight(stream.log)]
+    assert beside and not any(beside), beside
+    bad = reqs[1]
+    assert (bad.finish_reason, bad.error, bad.output_ids) == ("error", "logprobs", [])
+    # its prompt logprobs: those of the chunks before the faulty one (rows predicting prompt tokens 1..), none of it
+    predicted, faulty = bad.prompt_ids[1:], calls[after]
+    start = next(j for j in range(len(predicted)) if predicted[j : j + len(faulty)] == faulty)
+    assert start > 0 and len(bad.prompt_logprobs) == start
+    _same_logprobs(bad.prompt_logprobs, plain[1].prompt_logprobs[:start], TOL)
+    for i in (0, 2, 3):
+        assert (reqs[i].output_ids, reqs[i].finish_reason) == (plain[i].output_ids, plain[i].finish_reason)
+        assert reqs[i].error is None
+    _same_logprobs(reqs[2].prompt_logprobs, plain[2].prompt_logprobs, TOL)
+    _same_logprobs(reqs[2].output_logprobs, plain[2].output_logprobs, TOL)
+    assert eng.runner.graph_runner.runs > 0
 
 
 @pytest.mark.gpu
