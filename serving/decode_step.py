@@ -195,7 +195,8 @@ class Prefill:
     firsts: HostCopy | None  # [D + L + P] the first token of each prompt done by its chunk, -1 where it faulted,
     # the logprobs of those asked (L: _logprob_columns'), then the prompt logprobs asked (P: _prompt_columns');
     # None: nothing to read
-    out: dict = field(default_factory=dict)  # filled on the device: "captured" {layer: [R, H]}, "faults" {i: fault}
+    out: dict = field(default_factory=dict)  # filled on the device: "captured" {layer: [R, H]}, "faults" {i: fault},
+    # "prompt_faults" {rid: fault} (its prompt logprobs faulted: that request fails)
     at: list[int] = field(default_factory=list)  # per done prompt: where its first token's logprobs start (-1: none)
     prompt: list[PromptLogprobs] = field(default_factory=list)  # the chunks whose prompt logprobs are asked
 
