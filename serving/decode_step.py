@@ -74,7 +74,6 @@ import torch
 
 from sglang_ext.attention import causal_mask
 from sglang_ext.device import HostCopy, grow, to_device
-from sglang_ext.drafters import DraftInput
 from sglang_ext.models.spec_graphs import graph_path_logprobs, path_logprobs_of
 from sglang_ext.sampling import float_bits
 from sglang_ext.verify import AcceptedPath, tokens_to_host
@@ -335,7 +334,7 @@ def finish_prefill(engine, step: Prefill) -> list[StepEvent]:
             started.append(r)
     d = engine.drafter
     if started and d.chains:
-        inputs = [DraftInput(r.rid, r.token_ids, r.params, r.generator, r.reference, r.tenant) for r in started]
+        inputs = [r.draft_input() for r in started]
         engine.spec.call(lambda: d.settle(inputs), started)
     return events
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sglang_ext.drafters import DraftInput
 from sglang_ext.sampling import SamplingParams, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,11 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    def draft_input(self, params: SamplingParams | None = None) -> DraftInput:
+        """What the drafter reads of this request (`params`: those it drafts for, the request's own by default)."""
+        params = self.params if params is None else params
+        return DraftInput(self.rid, self.token_ids, params, self.generator, self.reference, self.tenant, self.slots)
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from sglang_ext.device import HostCopy, grow, to_device
-from sglang_ext.drafters import DraftInput, TargetCapture
+from sglang_ext.drafters import TargetCapture
 from sglang_ext.models.spec_graphs import WIDTH, path_logprobs_of, spec_future, verify_bucket, verify_spec
 from sglang_ext.sampling import MAX_TOP_LOGPROBS, SamplingParams
 from sglang_ext.tree import TreeShape
@@ -168,10 +168,7 @@ def launch(engine, reqs: list[Request], prev: Chained | None = None) -> Chained 
     if d.stream is not stream:
         d.use_stream(stream)
     drafting = [r for r in reqs if r.drafting]
-    inputs = [
-        DraftInput(r.rid, r.token_ids, _searched(r.params), r.generator, r.reference, r.tenant, r.slots)
-        for r in drafting
-    ]
+    inputs = [r.draft_input(_searched(r.params)) for r in drafting]
     fut = spec_future(g)
     rows = None if prev is None else [prev.live.get(r.rid, -1) for r in reqs]
     joined = {}  # rid -> its row of the futures, for a request that joins the chain (rows past prev's: spare)

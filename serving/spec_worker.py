@@ -22,7 +22,7 @@ import logging
 import torch
 
 from sglang_ext.device import grow, to_device
-from sglang_ext.drafters import Drafter, DraftInput, TargetCapture
+from sglang_ext.drafters import Drafter, TargetCapture
 from sglang_ext.drafters.prediction import PredictionLookup
 from sglang_ext.sampling import greedy_tokens
 from sglang_ext.tree import TokenTree, TreeShape, root_trees, trees_on
@@ -159,9 +159,7 @@ class SpecWorker:
             return []
         trees: dict[int, TokenTree] = {}
         drafting = [r for r in reqs if r.drafting and self.drafter is not None and shape is not None]
-        inputs = [
-            DraftInput(r.rid, r.token_ids, r.params, r.generator, r.reference, r.tenant, r.slots) for r in drafting
-        ]
+        inputs = [r.draft_input() for r in drafting]
         if self.prediction is not None and any(r.reference for r in drafting):
             trees.update(self.prediction.trees(inputs, shape))
             # the model drafts the rest (and catches up later on the tokens it did not draft)

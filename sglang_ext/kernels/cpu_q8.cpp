@@ -1066,7 +1066,6 @@ class Q8Stack : public torch::CustomClassHolder {
     }
   }
 
-  // by head: the head's qkv groups for every row, then its RoPE (q into b.q, k into the pool) or v's store
   // layer_qkv / layer_kv: the layer's norm, q|k|v (k|v when kv_only), RoPE and K/V store over x [T, H]
   Buffers qkv_rows(const at::Tensor& x, int64_t layer, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
                    const at::Tensor& v_pool, const at::Tensor& slots, bool kv_only) {
@@ -1084,6 +1083,7 @@ class Q8Stack : public torch::CustomClassHolder {
     return buf;
   }
 
+  // by head: the head's qkv groups for every row, then its RoPE (q into b.q, k into the pool) or v's store
   void qkv_rope_store(Buffers& b, const Layer& l, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& k_pool,
                       const at::Tensor& v_pool, bool kv_only = false) const {
     const int64_t T = b.T, per_head = D / GROUP, kv_row = Hkv * D;
